@@ -1,0 +1,5 @@
+import sys
+
+from jaxsched.cli import main
+
+sys.exit(main())

@@ -1,0 +1,91 @@
+"""Data that needs no download: scikit-learn's bundled digits, and seeded synthetic batches.
+
+Example:
+    >>> from jaxsched.data import load_digits
+    >>> split = load_digits()
+    >>> split.train_x.shape, split.test_x.shape
+    ((1438, 8, 8, 1), (359, 8, 8, 1))
+"""
+from __future__ import annotations
+
+from typing import Iterator, NamedTuple
+
+import numpy as np
+
+
+class Split(NamedTuple):
+    """A fixed train/test split.
+
+    Attributes:
+      train_x, train_y: training inputs and integer labels.
+      test_x, test_y: held-out inputs and labels (never shuffled into training).
+      num_classes: number of label values (the vocabulary for token data).
+    """
+
+    train_x: np.ndarray
+    train_y: np.ndarray
+    test_x: np.ndarray
+    test_y: np.ndarray
+    num_classes: int
+
+
+def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Split:
+    """The 1797 8x8 digit images as NHWC float32 in [0, 1], split by a fixed permutation."""
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    digits = sk_load_digits()
+    x = (digits.images.astype(np.float32) / 16.0)[..., None]
+    y = digits.target.astype(np.int32)
+    order = np.random.default_rng(seed).permutation(len(x))
+    n_test = int(round(len(x) * test_fraction))
+    test, train = order[:n_test], order[n_test:]
+    return Split(x[train], y[train], x[test], y[test], 10)
+
+
+def synthetic_images(n: int = 4096, shape: tuple[int, ...] = (8, 8, 1), num_classes: int = 10,
+                     seed: int = 0) -> Split:
+    """Gaussian images labelled by a random linear teacher, so they are learnable."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, *shape), dtype=np.float32)
+    teacher = rng.standard_normal((int(np.prod(shape)), num_classes)).astype(np.float32)
+    y = np.argmax(x.reshape(n, -1) @ teacher, axis=1).astype(np.int32)
+    cut = n - n // 5
+    return Split(x[:cut], y[:cut], x[cut:], y[cut:], num_classes)
+
+
+def synthetic_tokens(n: int = 2048, seq_len: int = 32, vocab_size: int = 64, seed: int = 0) -> Split:
+    """Token sequences from a random sparse Markov chain; x is a sequence, y it shifted by one."""
+    rng = np.random.default_rng(seed)
+    successors = rng.integers(0, vocab_size, size=(vocab_size, 2))
+    tokens = np.empty((n, seq_len + 1), dtype=np.int32)
+    tokens[:, 0] = rng.integers(0, vocab_size, size=n)
+    for t in range(seq_len):
+        choice = rng.integers(0, 2, size=n)
+        tokens[:, t + 1] = successors[tokens[:, t], choice]
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    cut = n - n // 5
+    return Split(x[:cut], y[:cut], x[cut:], y[cut:], vocab_size)
+
+
+DATASETS = ("digits", "synthetic_images", "synthetic_tokens")
+
+
+def load(name: str, seed: int = 0, **options) -> Split:
+    """Load a data set by name."""
+    loaders = {"digits": load_digits, "synthetic_images": synthetic_images,
+               "synthetic_tokens": synthetic_tokens}
+    if name not in loaders:
+        raise ValueError(f"unknown data set {name!r}; choose one of {', '.join(DATASETS)}")
+    return loaders[name](seed=seed, **options)
+
+
+def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Endless shuffled minibatches of exactly ``batch_size`` (epochs reshuffled, tail dropped)."""
+    if batch_size > len(x):
+        raise ValueError(f"batch_size={batch_size} exceeds the {len(x)} training examples")
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(x))
+        for start in range(0, len(x) - batch_size + 1, batch_size):
+            idx = order[start:start + batch_size]
+            yield x[idx], y[idx]
