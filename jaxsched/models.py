@@ -75,7 +75,9 @@ class TransformerBlock(nnx.Module):
             raise ValueError(f"model.dim={dim} is not divisible by model.heads={heads}")
         self.heads = heads
         self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
-        self.qkv = nnx.Linear(dim, 3 * dim, rngs=rngs)
+        # No qkv bias: the key bias gets an exactly-zero gradient (softmax is shift-invariant),
+        # which adaptive optimizers would turn into amplified rounding noise.
+        self.qkv = nnx.Linear(dim, 3 * dim, use_bias=False, rngs=rngs)
         self.proj = nnx.Linear(dim, dim, rngs=rngs)
         self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
         self.up = nnx.Linear(dim, 4 * dim, rngs=rngs)

@@ -1,0 +1,168 @@
+"""Analyze: where gradients are reduced, what the update region is, and when params are used.
+
+The body of a data-parallel step splits at its gradient reductions (``psum`` over the
+data axis of device-varying values that flow into the new params or optimizer state):
+
+* the *backward region*: every equation that does not depend on a reduced gradient
+  (forward, backward, metrics on the local batch);
+* the *update region*: every equation that does (the optimizer and anything after it).
+
+Per body input the analysis records its first use in the backward region (where an
+all-gather must land by), and per reduction the equation that completes its operand
+(where a reduce-scatter can start).
+
+Example:
+    >>> import jax, optax
+    >>> from jaxsched import models, steps
+    >>> from jaxsched.capture import capture
+    >>> from jaxsched.analyze import analyze
+    >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+    >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+    >>> tx = optax.sgd(0.1)
+    >>> a = analyze(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+    >>> len(a.reductions)
+    4
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.extend import core as jex_core
+
+from jaxsched.capture import CapturedStep, UnsupportedStepError, reduction_axes
+
+GRADIENT_REDUCTIONS = ("psum", "psum_invariant")
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """One reduced gradient: operand ``operand_pos`` of body equation ``eqn_index``.
+
+    Attributes:
+      eqn_index: the reducing equation in the body.
+      operand_pos: which of its operands (a psum may reduce several at once).
+      operand, result: the body variables before and after the reduction.
+      ready_at: index of the backward equation that computes the operand (-1: a body input).
+      nbytes: bytes of the full gradient.
+    """
+
+    eqn_index: int
+    operand_pos: int
+    operand: Any
+    result: Any
+    ready_at: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """Attributes:
+      captured: what capture found.
+      reductions: gradient reductions, in body order.
+      backward: indices of backward-region equations, in order.
+      update: indices of update-region equations, in order.
+      varying: body variables whose value differs across devices.
+      first_use: per body invar index, the first backward equation reading it (or None).
+    """
+
+    captured: CapturedStep
+    reductions: tuple[Reduction, ...]
+    backward: tuple[int, ...]
+    update: tuple[int, ...]
+    varying: frozenset
+    first_use: tuple[int | None, ...]
+
+
+def _is_var(x) -> bool:
+    return not isinstance(x, jex_core.Literal)
+
+
+def analyze(captured: CapturedStep) -> Analysis:
+    body = captured.body
+    axis = captured.axis_name
+    outvars = list(body.outvars)
+    n_state = captured.num_params + captured.num_opt
+    state_out_idx = set(captured.outputs[:n_state])
+    state_outvars = {outvars[i] for i in state_out_idx if _is_var(outvars[i])}
+
+    # Device-varying values: the batch (and anything sharded), axis_index, and what they touch.
+    varying = set()
+    for v, src, spec in zip(body.invars, captured.sources, captured.in_specs):
+        if src.role == "batch" or (src.role == "const" and spec != type(spec)()):
+            varying.add(v)
+    for eqn in body.eqns:
+        name = eqn.primitive.name
+        if name in ("psum", "psum_invariant", "pmax", "pmin") and axis in reduction_axes(eqn):
+            continue
+        if name == "axis_index" or any(_is_var(x) and x in varying for x in eqn.invars):
+            varying.update(eqn.outvars)
+
+    # Which equations feed the new params / opt_state (backward slice from the state outputs).
+    feeds_state = set(state_outvars)
+    for eqn in reversed(body.eqns):
+        if any(o in feeds_state for o in eqn.outvars):
+            feeds_state.update(x for x in eqn.invars if _is_var(x))
+
+    producer = {}
+    for i, eqn in enumerate(body.eqns):
+        for o in eqn.outvars:
+            producer[o] = i
+
+    reductions, reducing_eqns = [], set()
+    for i, eqn in enumerate(body.eqns):
+        if eqn.primitive.name not in GRADIENT_REDUCTIONS or axis not in reduction_axes(eqn):
+            continue
+        if not any(o in feeds_state for o in eqn.outvars):
+            continue
+        if not any(_is_var(x) and x in varying for x in eqn.invars):
+            continue  # reduces an invariant value (e.g. a second pmean); part of the update
+        if reduction_axes(eqn) != (axis,):
+            raise UnsupportedStepError(
+                f"gradients are reduced over axes {reduction_axes(eqn)} at "
+                f"{_where(eqn)}; jaxsched schedules reductions over the single axis {axis!r}")
+        reducing_eqns.add(i)
+        for pos, (x, o) in enumerate(zip(eqn.invars, eqn.outvars)):
+            nbytes = x.aval.size * x.aval.dtype.itemsize
+            reductions.append(Reduction(i, pos, x, o, producer.get(x, -1), nbytes))
+    if not reductions:
+        raise UnsupportedStepError(
+            f"the step has no gradient reduction over mesh axis {axis!r}: nothing psums or pmeans "
+            "device-varying values into the new params or optimizer state. Reduce the gradients "
+            f"with lax.pmean(grads, {axis!r}) (or use check_vma=True so JAX does it in backward)")
+
+    # Update region: everything downstream of a reduced gradient.
+    downstream = {r.result for r in reductions}
+    backward, update = [], []
+    for i, eqn in enumerate(body.eqns):
+        if i in reducing_eqns:
+            continue
+        if any(_is_var(x) and x in downstream for x in eqn.invars):
+            downstream.update(eqn.outvars)
+            update.append(i)
+        else:
+            backward.append(i)
+
+    first_use: list[int | None] = [None] * len(body.invars)
+    position = {v: k for k, v in enumerate(body.invars)}
+    for i in backward:
+        for x in body.eqns[i].invars:
+            k = position.get(x) if _is_var(x) else None
+            if k is not None and first_use[k] is None:
+                first_use[k] = i
+    return Analysis(captured, tuple(reductions), tuple(backward), tuple(update),
+                    frozenset(varying), tuple(first_use))
+
+
+def _where(eqn) -> str:
+    """The user's source line that produced ``eqn``, for messages."""
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # private API; messages degrade to the primitive name
+        return eqn.primitive.name
+
+
+where = _where

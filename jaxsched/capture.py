@@ -1,0 +1,213 @@
+"""Capture: trace the user's step and find its data-parallel body.
+
+A step is ``(params, opt_state, batch) -> (params, opt_state, aux)`` whose work happens
+inside one ``shard_map`` (a jitted ``jax.shard_map`` or a ``jax.pmap``, which JAX 0.10
+traces to the same thing). Capture records the body jaxpr, the mesh, the specs, and
+which body input is which leaf of params / opt_state / batch. Nothing here rewrites.
+
+Example:
+    >>> import jax, optax
+    >>> from jaxsched import models, steps
+    >>> from jaxsched.capture import capture
+    >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+    >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    >>> tx = optax.sgd(0.1)
+    >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+    >>> captured = capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+    >>> captured.kind, captured.axis_name, captured.num_params
+    ('shard_map', 'data', 4)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+from jax.extend import core as jex_core
+from jax.sharding import Mesh, PartitionSpec as P
+
+
+class UnsupportedStepError(ValueError):
+    """The step is not a data-parallel step jaxsched can schedule; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a body input comes from: ``role`` is params, opt_state, batch or const."""
+
+    role: str
+    index: int  # leaf index within its tree (or position among consts)
+
+
+@dataclasses.dataclass(frozen=True)
+class CapturedStep:
+    """The user's step, opened up.
+
+    Attributes:
+      kind: ``"shard_map"`` or ``"pmap"`` (how the user wrote it).
+      body: the per-device jaxpr; its invars line up with ``sources``.
+      sources: for every body invar, which input leaf feeds it.
+      consts: values for body invars whose source role is ``const``.
+      outputs: for every flat output of the step, the body outvar index that produces it.
+      mesh, axis_name, axis_size: where the data-parallel axis lives.
+      in_specs, out_specs: the shard_map specs of the body inputs and outputs.
+      params_tree, opt_tree, batch_tree, aux_tree: tree structures of the step's pytrees.
+      num_params, num_opt, num_batch: leaf counts of those trees.
+      check_vma: whether the user's shard_map checked varying-manual-axes types.
+    """
+
+    kind: str
+    body: Any
+    sources: tuple[Source, ...]
+    consts: tuple[Any, ...]
+    outputs: tuple[int, ...]
+    mesh: Mesh
+    axis_name: str
+    axis_size: int
+    in_specs: tuple[P, ...]
+    out_specs: tuple[P, ...]
+    params_tree: Any
+    opt_tree: Any
+    batch_tree: Any
+    aux_tree: Any
+    num_params: int
+    num_opt: int
+    num_batch: int
+    check_vma: bool
+
+    def body_input(self, role: str, index: int) -> int:
+        """Position of the body invar fed by leaf ``index`` of ``role``, or -1."""
+        for i, src in enumerate(self.sources):
+            if src.role == role and src.index == index:
+                return i
+        return -1
+
+
+_CALL_PRIMITIVES = ("pjit", "jit", "closed_call", "core_call")
+
+
+def _sub_jaxpr(eqn) -> tuple[Any, tuple]:
+    inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+    if hasattr(inner, "jaxpr"):
+        return inner.jaxpr, tuple(inner.consts)
+    return inner, ()
+
+
+def capture(step: Callable, params: Any, opt_state: Any, batch: Any) -> CapturedStep:
+    """Trace ``step`` on example inputs and locate its shard_map body and mesh axis."""
+    try:
+        closed, out_shape = jax.make_jaxpr(step, return_shape=True)(params, opt_state, batch)
+    except NameError as err:  # lax.psum over an axis no mesh binds
+        raise UnsupportedStepError(
+            f"the step reduces over an axis that is not in its mesh ({err}); reduce gradients "
+            "over the shard_map/pmap axis name") from None
+
+    if not isinstance(out_shape, (tuple, list)) or len(out_shape) != 3:
+        raise UnsupportedStepError(
+            "the step must return (params, opt_state, aux); it returned "
+            f"{type(out_shape).__name__} with structure {jax.tree.structure(out_shape)}")
+    params_tree = jax.tree.structure(params)
+    opt_tree = jax.tree.structure(opt_state)
+    for name, tree, out in (("params", params_tree, out_shape[0]), ("opt_state", opt_tree, out_shape[1])):
+        if jax.tree.structure(out) != tree:
+            raise UnsupportedStepError(
+                f"the step's output {name} has structure {jax.tree.structure(out)} but its input "
+                f"{name} has {tree}; the step must return {name} in the same structure it takes")
+    num_params, num_opt = params_tree.num_leaves, opt_tree.num_leaves
+    batch_tree = jax.tree.structure(batch)
+    aux_tree = jax.tree.structure(out_shape[2])
+
+    roles = ([Source("params", i) for i in range(num_params)]
+             + [Source("opt_state", i) for i in range(num_opt)]
+             + [Source("batch", i) for i in range(batch_tree.num_leaves)])
+
+    # Walk through jit wrappers to the shard_map, tracking what feeds every variable.
+    jaxpr = closed.jaxpr
+    env: dict[Any, Source | tuple[str, Any]] = {v: src for v, src in zip(jaxpr.invars, roles)}
+    env.update({v: ("const", c) for v, c in zip(jaxpr.constvars, closed.consts)})
+    outs = list(jaxpr.outvars)
+    while len(jaxpr.eqns) == 1 and jaxpr.eqns[0].primitive.name in _CALL_PRIMITIVES:
+        eqn = jaxpr.eqns[0]
+        if list(eqn.outvars) != [o for o in outs]:
+            break
+        inner, inner_consts = _sub_jaxpr(eqn)
+        new_env = {}
+        for v, operand in zip(inner.invars, eqn.invars):
+            new_env[v] = ("const", operand.val) if isinstance(operand, jex_core.Literal) else env[operand]
+        new_env.update({v: ("const", c) for v, c in zip(inner.constvars, inner_consts)})
+        env, jaxpr, outs = new_env, inner, list(inner.outvars)
+
+    shard_maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
+    if not shard_maps:
+        found = sorted({e.primitive.name for e in jaxpr.eqns}) or ["nothing"]
+        raise UnsupportedStepError(
+            "found no jax.shard_map or jax.pmap in the step (its top level computes "
+            f"{', '.join(found)}); write the per-device work inside shard_map over a mesh axis")
+    if len(jaxpr.eqns) != 1:
+        others = sorted({e.primitive.name for e in jaxpr.eqns if e.primitive.name != "shard_map"})
+        raise UnsupportedStepError(
+            "the step computes outside its shard_map/pmap "
+            f"({', '.join(others) or 'several shard_maps'}); move that work inside the per-device body")
+    eqn = shard_maps[0]
+
+    sources, consts = [], []
+    for operand in eqn.invars:
+        src = ("const", operand.val) if isinstance(operand, jex_core.Literal) else env[operand]
+        if isinstance(src, tuple):
+            sources.append(Source("const", len(consts)))
+            consts.append(src[1])
+        else:
+            sources.append(src)
+    out_index = {v: i for i, v in enumerate(eqn.outvars)}
+    try:
+        outputs = tuple(out_index[v] for v in outs)
+    except (KeyError, TypeError):
+        raise UnsupportedStepError(
+            "every output of the step must come out of its shard_map/pmap body") from None
+
+    mesh = eqn.params["mesh"]
+    body = eqn.params["jaxpr"]
+    body = body.jaxpr if hasattr(body, "jaxpr") else body
+    manual = tuple(eqn.params.get("manual_axes", eqn.params.get("newly_manual_axes", mesh.axis_names)))
+    reduced_axes = _reduction_axes(body)
+    candidates = [a for a in mesh.axis_names if a in reduced_axes] or list(mesh.axis_names)
+    if len(candidates) != 1:
+        raise UnsupportedStepError(
+            f"the mesh has axes {mesh.axis_names} and gradients are reduced over several "
+            f"({sorted(reduced_axes)}); jaxsched schedules one data-parallel axis")
+    axis_name = candidates[0]
+    if axis_name not in manual and manual:
+        raise UnsupportedStepError(f"mesh axis {axis_name!r} is not manual in the shard_map")
+    kind = "pmap" if _looks_like_pmap(eqn, body) else "shard_map"
+    return CapturedStep(
+        kind=kind, body=body, sources=tuple(sources), consts=tuple(consts), outputs=outputs,
+        mesh=mesh, axis_name=axis_name, axis_size=mesh.shape[axis_name],
+        in_specs=tuple(eqn.params["in_specs"]), out_specs=tuple(eqn.params["out_specs"]),
+        params_tree=params_tree, opt_tree=opt_tree, batch_tree=batch_tree, aux_tree=aux_tree,
+        num_params=num_params, num_opt=num_opt, num_batch=batch_tree.num_leaves,
+        check_vma=bool(eqn.params.get("check_vma", False)))
+
+
+REDUCTION_PRIMITIVES = ("psum", "psum_invariant", "pmax", "pmin", "pmax_invariant", "pmin_invariant")
+
+
+def reduction_axes(eqn) -> tuple:
+    axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+def _reduction_axes(jaxpr) -> set:
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in REDUCTION_PRIMITIVES:
+            found.update(a for a in reduction_axes(eqn) if isinstance(a, str))
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            found |= _reduction_axes(sub)
+    return found
+
+
+def _looks_like_pmap(eqn, body) -> bool:
+    """pmap bodies take (1, ...) blocks of every input and squeeze them first."""
+    specs = eqn.params["in_specs"]
+    return bool(specs) and all(s == P(*s) and len(s) >= 1 and s[0] is not None for s in specs) and \
+        all(getattr(v.aval, "shape", (None,))[:1] == (1,) for v in body.invars)

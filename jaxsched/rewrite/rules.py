@@ -1,0 +1,227 @@
+"""Rules that run the update region on shards: one rule per primitive.
+
+A value in the update region is either *full* (an ordinary array, the same on every
+device) or a :class:`Shard`: this device's flat chunk of a full tensor (see
+:mod:`jaxsched.layout`). Rules keep values sharded where that is exact:
+
+* elementwise primitives run on chunks (full operands are sliced locally, no traffic);
+* reshapes keep the chunk (row-major order is preserved);
+* reductions over every axis become a local masked reduction plus one ``psum``/``pmax``;
+* a user ``psum`` of a device-invariant value becomes a multiply by the axis size.
+
+Anything else gathers its sharded operands (one all-gather each) and runs unchanged on
+full tensors: DeAR's lazy update, applied only where it is needed. That fallback is
+reported once per primitive and source line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import source_info_util  # private: keeps user source lines on re-emitted equations
+from jax.extend import core as jex_core
+
+from jaxsched import layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """This device's flat chunk of a device-invariant tensor of ``shape``."""
+
+    chunk: jax.Array
+    shape: tuple[int, ...]
+
+    @property
+    def dtype(self):
+        return self.chunk.dtype
+
+
+class FallbackWarning(UserWarning):
+    """An update-region primitive could not run on shards and was run on gathered tensors."""
+
+
+@dataclasses.dataclass
+class ShardContext:
+    """What rules need: the axis, which variables are device-varying, and a warn-once log."""
+
+    axis_name: str
+    axis_size: int
+    varying: frozenset = frozenset()
+    reported: set = dataclasses.field(default_factory=set)
+    fallbacks: list = dataclasses.field(default_factory=list)
+
+    def to_full(self, value: Any) -> Any:
+        if isinstance(value, Shard):
+            return layout.gather_chunk(value.chunk, value.shape, self.axis_name)
+        return value
+
+    def to_chunk(self, value: Any, shape: Sequence[int]) -> jax.Array:
+        if isinstance(value, Shard):
+            return value.chunk
+        value = jnp.asarray(value)
+        if value.ndim == 0:
+            return value
+        return layout.local_chunk(jnp.broadcast_to(value, shape), self.axis_name, self.axis_size)
+
+    def report(self, eqn, reason: str) -> None:
+        from jaxsched.analyze import where
+
+        key = (eqn.primitive.name, where(eqn))
+        if key not in self.reported:
+            self.reported.add(key)
+            self.fallbacks.append(key)
+            warnings.warn(f"jaxsched: {eqn.primitive.name} at {key[1]} cannot run on shards "
+                          f"({reason}); its sharded operands are all-gathered and it runs on full "
+                          "tensors (DeAR's lazy update)", FallbackWarning, stacklevel=2)
+
+
+Rule = Callable[[ShardContext, Any, list], list]
+
+ELEMENTWISE = frozenset("""
+abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite
+le lgamma digamma log log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision
+rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh xor
+""".split())
+RESHAPES = frozenset({"reshape", "squeeze", "expand_dims"})
+
+
+def _bind(eqn, values: Sequence[Any]) -> list:
+    """Re-emit ``eqn`` on new operands, keeping its source location and context."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with source_info_util.user_context(eqn.source_info.traceback,
+                                       name_stack=source_info_util.current_name_stack()
+                                       + eqn.source_info.name_stack), eqn.ctx.manager:
+        out = eqn.primitive.bind(*values, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def full_rule(ctx: ShardContext, eqn, values: list) -> list:
+    """Gather what is sharded, run the primitive unchanged."""
+    if any(isinstance(v, Shard) for v in values):
+        ctx.report(eqn, "no shard rule for this primitive or these shapes")
+    return _bind(eqn, [ctx.to_full(v) for v in values])
+
+
+def elementwise_rule(ctx: ShardContext, eqn, values: list) -> list:
+    shape = tuple(eqn.outvars[0].aval.shape)
+    if any(isinstance(v, Shard) and v.shape != shape for v in values):
+        return full_rule(ctx, eqn, values)
+    chunks = [ctx.to_chunk(v, shape) for v in values]
+    return [Shard(out, tuple(o.aval.shape)) for out, o in zip(_bind(eqn, chunks), eqn.outvars)]
+
+
+def reshape_rule(ctx: ShardContext, eqn, values: list) -> list:
+    (value,) = [v for v in values if isinstance(v, Shard)][:1] or [None]
+    if value is None or len(values) != 1 or eqn.params.get("dimensions") not in (None, ()):
+        return full_rule(ctx, eqn, values)
+    return [Shard(value.chunk, tuple(eqn.outvars[0].aval.shape))]
+
+
+def broadcast_in_dim_rule(ctx: ShardContext, eqn, values: list) -> list:
+    operand = values[0]
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    if len(values) == 1 and math.prod(operand.shape) == math.prod(out_shape):
+        return [Shard(operand.chunk, out_shape)]  # only inserts unit dimensions
+    return full_rule(ctx, eqn, values)
+
+
+def _reduce_rule(local: Callable, collective: Callable, identity: Callable) -> Rule:
+    def rule(ctx: ShardContext, eqn, values: list) -> list:
+        (value,) = values
+        if tuple(eqn.params["axes"]) != tuple(range(len(value.shape))):
+            return full_rule(ctx, eqn, values)
+        mask = layout.valid_mask(value.shape, ctx.axis_name, ctx.axis_size)
+        chunk = jnp.where(mask, value.chunk, identity(value.chunk.dtype))
+        partial = local(chunk).astype(eqn.outvars[0].aval.dtype)
+        return [collective(partial, ctx.axis_name)]
+    return rule
+
+
+def _lowest(dtype):
+    return jnp.finfo(dtype).min if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+
+
+def _highest(dtype):
+    return jnp.finfo(dtype).max if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
+
+
+def psum_rule(ctx: ShardContext, eqn, values: list) -> list:
+    """A user's psum in the update region: of an invariant value it is a multiply by P."""
+    if ctx.axis_name not in _axes(eqn) or any(x in ctx.varying for x in eqn.invars if _is_var(x)):
+        return full_rule(ctx, eqn, values)
+    factor = math.prod(ctx.axis_size if a == ctx.axis_name else _axis_size(a) for a in _axes(eqn))
+    out = []
+    for v in values:
+        scale = lambda a: a * jnp.asarray(factor, a.dtype)
+        out.append(Shard(scale(v.chunk), v.shape) if isinstance(v, Shard) else scale(v))
+    return out
+
+
+def identity_rule(ctx: ShardContext, eqn, values: list) -> list:
+    return list(values)
+
+
+def call_rule(ctx: ShardContext, eqn, values: list) -> list:
+    """jit / custom_jvp / custom_vjp calls: interpret their body with the same rules."""
+    inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+    if inner is None or not hasattr(inner, "jaxpr"):
+        return full_rule(ctx, eqn, values)
+    return eval_sharded(ctx, inner.jaxpr, values, constvals=inner.consts)
+
+
+def _axes(eqn) -> tuple:
+    axes = eqn.params.get("axes", ())
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+def _axis_size(name) -> int:
+    return lax.axis_size(name)
+
+
+def _is_var(x) -> bool:
+    return not isinstance(x, jex_core.Literal)
+
+
+RULES: dict[str, Rule] = {name: elementwise_rule for name in ELEMENTWISE}
+RULES.update({name: reshape_rule for name in RESHAPES})
+RULES.update({
+    "broadcast_in_dim": broadcast_in_dim_rule,
+    "reduce_sum": _reduce_rule(jnp.sum, lax.psum, lambda d: jnp.zeros((), d)),
+    "reduce_max": _reduce_rule(jnp.max, lax.pmax, lambda d: jnp.asarray(_lowest(d), d)),
+    "reduce_min": _reduce_rule(jnp.min, lax.pmin, lambda d: jnp.asarray(_highest(d), d)),
+    "psum": psum_rule,
+    "psum_invariant": psum_rule,
+    "pvary": identity_rule,
+    "pjit": call_rule,
+    "jit": call_rule,
+    "closed_call": call_rule,
+    "custom_jvp_call": call_rule,
+    "custom_vjp_call": call_rule,
+})
+
+
+def apply_rule(ctx: ShardContext, eqn, values: list) -> list:
+    """Run one equation: unchanged if nothing is sharded, else by its rule."""
+    if not any(isinstance(v, Shard) for v in values):
+        return _bind(eqn, values)
+    if any(x in ctx.varying for x in eqn.invars if _is_var(x)):
+        # Chunks of device-varying tensors are not chunks of one tensor: stay exact.
+        return full_rule(ctx, eqn, values)
+    return RULES.get(eqn.primitive.name, full_rule)(ctx, eqn, values)
+
+
+def eval_sharded(ctx: ShardContext, jaxpr, args: Sequence[Any], constvals: Sequence[Any] = ()) -> list:
+    """Evaluate ``jaxpr`` with some inputs sharded; returns full arrays or :class:`Shard`."""
+    env: dict = dict(zip(jaxpr.constvars, constvals))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda x: x.val if isinstance(x, jex_core.Literal) else env[x]
+    for eqn in jaxpr.eqns:
+        for o, val in zip(eqn.outvars, apply_rule(ctx, eqn, [read(x) for x in eqn.invars])):
+            env[o] = val
+    return [read(x) for x in jaxpr.outvars]

@@ -1,0 +1,283 @@
+"""``jaxsched.schedule``: capture -> analyze -> plan -> rewrite -> engine.
+
+Example:
+    >>> import jax, optax
+    >>> import jaxsched
+    >>> from jaxsched import models, steps
+    >>> params, apply_fn = models.pure(models.build("mlp", (8, 8, 1), 10, hidden=(16,)))
+    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> tx = optax.adam(1e-3)
+    >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="dear")
+    >>> state = sched.init(params, tx.init(params))
+    >>> batch = steps.shard_batch((jax.numpy.ones((4, 8, 8, 1)), jax.numpy.zeros(4, "int32")), mesh)
+    >>> state, aux = sched(state, batch)
+    >>> new_params, new_opt_state = sched.finalize(state)
+    >>> jax.tree.structure(new_params) == jax.tree.structure(params)
+    True
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxsched import layout
+from jaxsched.analyze import Analysis, analyze
+from jaxsched.bucketing import Bucket, param_paths, plan_buckets
+from jaxsched.capture import CapturedStep, UnsupportedStepError, capture
+from jaxsched.engine import compile_body
+from jaxsched.rewrite import rewrite_dear, rewrite_wfbp
+
+STRATEGIES = ("allreduce", "wfbp", "dear")
+
+
+class SchedState(NamedTuple):
+    """The state a scheduled step carries between calls.
+
+    Attributes:
+      params: the user's params tree. Under ``dear`` each leaf becomes, after the first
+        step, a flat ``(P * chunk,)`` array sharded over the data axis: this device's
+        chunk of the updated parameter, whose all-gather is deferred into the next step.
+      opt_state: the user's optimizer state tree; under ``dear`` every non-scalar leaf is
+        stored flat and sharded like the params (ZeRO-1), scalars (step counts) stay whole.
+    """
+
+    params: Any
+    opt_state: Any
+
+
+class Scheduled:
+    """A scheduled training step: ``init``, ``__call__``, ``finalize`` (see :func:`schedule`)."""
+
+    def __init__(self, step: Callable, strategy: str = "dear", buckets: Any = None,
+                 compiler_options: dict[str, Any] | None = None):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy={strategy!r} is unknown; choose one of {', '.join(STRATEGIES)}")
+        if not callable(step):
+            raise TypeError(f"schedule() needs the user's train step, got {type(step).__name__}")
+        self.step = step
+        self.strategy = strategy
+        self.buckets_option = buckets
+        self.compiler_options = compiler_options
+        self._template: tuple[Any, Any] | None = None
+        self._program: _Program | None = None
+        functools.update_wrapper(self, step, updated=())
+
+    # -- public API -----------------------------------------------------------------------
+    def init(self, params: Any, opt_state: Any) -> SchedState:
+        """Ordinary trees in, scheduled state out (converted to its sharded form lazily)."""
+        self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), _dtype(a)),
+                                      (params, opt_state))
+        return SchedState(params, opt_state)
+
+    def __call__(self, state: SchedState, batch: Any) -> tuple[SchedState, Any]:
+        """One training step; returns the new state and the step's aux, as the plain step would."""
+        if self.strategy == "allreduce":
+            params, opt_state, aux = self.step(state.params, state.opt_state, batch)
+            return SchedState(params, opt_state), aux
+        program = self._program_for(state, batch)
+        return program.run(state, batch)
+
+    def finalize(self, state: SchedState) -> tuple[Any, Any]:
+        """Back to ordinary ``(params, opt_state)``: performs the pending all-gathers."""
+        if self.strategy == "allreduce" or self._program is None:
+            return state.params, state.opt_state
+        return self._program.finalize(state)
+
+    def lower(self, state: SchedState, batch: Any):
+        """The lowered scheduled program (StableHLO), e.g. to inspect where collectives sit."""
+        if self.strategy == "allreduce":
+            return self.step.lower(state.params, state.opt_state, batch)
+        program = self._program_for(state, batch)
+        return program.core.lower(*program.inputs(state, batch))
+
+    @property
+    def program(self) -> "_Program":
+        if self._program is None:
+            raise RuntimeError("the step has not been traced yet: call it once (or lower()) first")
+        return self._program
+
+    # -- internals -------------------------------------------------------------------------
+    def _program_for(self, state: SchedState, batch: Any) -> "_Program":
+        if self._program is None:
+            template = self._template or (state.params, state.opt_state)
+            captured = capture(self.step, template[0], template[1], batch)
+            self._program = _Program(captured, self.strategy, self.buckets_option, self.compiler_options)
+        return self._program
+
+
+def _dtype(a):
+    return a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
+
+
+class _Program:
+    """What one capture produces: the analysis, buckets, compiled core and layout conversions."""
+
+    def __init__(self, captured: CapturedStep, strategy: str, buckets_option: Any,
+                 compiler_options: dict[str, Any] | None):
+        self.captured = cap = captured
+        self.analysis: Analysis = analyze(captured)
+        self.paths = _param_paths(cap)
+        self.buckets: list[Bucket] = plan_buckets(self.analysis, self.paths, buckets_option)
+        self.strategy = strategy
+        body_aval = lambda role, i: cap.body.invars[cap.body_input(role, i)].aval
+        for role, n in (("params", cap.num_params), ("opt_state", cap.num_opt)):
+            for i in range(n):
+                if cap.body_input(role, i) < 0:
+                    raise UnsupportedStepError(f"{role} leaf {i} never reaches the shard_map body")
+        self.param_blocks = [body_aval("params", i) for i in range(cap.num_params)]
+        self.opt_blocks = [body_aval("opt_state", j) for j in range(cap.num_opt)]
+        if strategy == "dear":
+            self.opt_sharded = [math.prod(a.shape) > 1 for a in self.opt_blocks]
+            rewritten = rewrite_dear(self.analysis, self.buckets, self.opt_sharded)
+        else:
+            self.opt_sharded = [False] * cap.num_opt
+            rewritten = rewrite_wfbp(self.analysis, self.buckets)
+        self.rewritten = rewritten
+        self.core = compile_body(rewritten.body, cap.mesh, rewritten.in_specs, rewritten.out_specs,
+                                 compiler_options)
+        self.shard_sharding = NamedSharding(cap.mesh, P(cap.axis_name))
+
+    @property
+    def fallbacks(self) -> list:
+        return self.rewritten.fallbacks
+
+    # layout conversions ------------------------------------------------------------------
+    def _user_to_block(self, leaf: Any, block) -> np.ndarray:
+        leaf = np.asarray(leaf)
+        if self.captured.kind == "pmap":
+            leaf = leaf[:1]
+        return leaf.reshape(block.shape)
+
+    def _sharded(self, leaf: Any, block, name: str) -> jax.Array:
+        size = self.captured.axis_size
+        flat_len = layout.chunk_size(block.shape, size) * size
+        if isinstance(leaf, jax.Array) and leaf.shape == (flat_len,) and leaf.sharding == self.shard_sharding:
+            return leaf
+        expected = (len(self.captured.mesh.devices.flat),) + tuple(block.shape[1:]) \
+            if self.captured.kind == "pmap" else tuple(block.shape)
+        if tuple(np.shape(leaf)) != expected and tuple(np.shape(leaf)) != (flat_len,):
+            raise ValueError(f"state leaf {name} has shape {np.shape(leaf)}; expected the user's "
+                             f"{expected} or the scheduled ({flat_len},)")
+        flat = layout.host_chunks(self._user_to_block(leaf, block), size) \
+            if tuple(np.shape(leaf)) == expected else np.asarray(leaf)
+        return jax.device_put(flat, self.shard_sharding)
+
+    def _unsharded(self, leaf: Any, block) -> Any:
+        cap = self.captured
+        flat_len = layout.chunk_size(block.shape, cap.axis_size) * cap.axis_size
+        if np.shape(leaf) != (flat_len,) or (len(block.shape) == 1 and block.shape[0] == flat_len
+                                             and cap.kind != "pmap"):
+            return leaf
+        full = np.asarray(leaf)[: math.prod(block.shape)].reshape(block.shape)
+        if cap.kind == "pmap":
+            full = np.repeat(full, len(cap.mesh.devices.flat), axis=0)
+        return full
+
+    def _placed(self, value: Any, spec: P) -> Any:
+        sharding = NamedSharding(self.captured.mesh, spec)
+        if isinstance(value, jax.Array) and value.sharding == sharding:
+            return value
+        return jax.device_put(value, sharding)
+
+    def inputs(self, state: SchedState, batch: Any) -> list:
+        cap = self.captured
+        params = jax.tree.leaves(state.params)
+        opts = jax.tree.leaves(state.opt_state)
+        batch_leaves = jax.tree.leaves(batch)
+        if len(params) != cap.num_params or len(opts) != cap.num_opt:
+            raise ValueError("the state does not match the step it was traced with: "
+                             f"{len(params)} params / {len(opts)} opt_state leaves, expected "
+                             f"{cap.num_params} / {cap.num_opt}")
+        if len(batch_leaves) != cap.num_batch:
+            raise ValueError(f"the batch has {len(batch_leaves)} leaves; the step was traced with "
+                             f"{cap.num_batch}")
+        consts = [self._placed(c, cap.in_specs[k]) for k, (src, c) in
+                  enumerate(zip(cap.sources, _const_values(cap))) if src.role == "const"]
+        batch_in = [self._placed(b, cap.in_specs[cap.body_input("batch", i)])
+                    for i, b in enumerate(batch_leaves)]
+        if self.strategy == "wfbp":
+            by_role = {"params": params, "opt_state": opts, "batch": batch_in}
+            const_iter = iter(consts)
+            values = []
+            for k, src in enumerate(cap.sources):
+                if src.role == "const":
+                    values.append(next(const_iter))
+                elif src.role == "batch":
+                    values.append(by_role["batch"][src.index])
+                else:
+                    values.append(self._placed(by_role[src.role][src.index], cap.in_specs[k]))
+            return values
+        paths = self.paths
+        p_in = [self._sharded(leaf, block, f"params/{paths[i]}")
+                for i, (leaf, block) in enumerate(zip(params, self.param_blocks))]
+        o_in = [self._sharded(leaf, block, f"opt_state[{j}]") if self.opt_sharded[j]
+                else self._placed(leaf, cap.in_specs[cap.body_input("opt_state", j)])
+                for j, (leaf, block) in enumerate(zip(opts, self.opt_blocks))]
+        others = []
+        const_iter = iter(consts)
+        for src in cap.sources:
+            if src.role == "batch":
+                others.append(batch_in[src.index])
+            elif src.role == "const":
+                others.append(next(const_iter))
+        return p_in + o_in + others
+
+    def run(self, state: SchedState, batch: Any) -> tuple[SchedState, Any]:
+        cap = self.captured
+        outs = self.core(*self.inputs(state, batch))
+        n_p, n_o = cap.num_params, cap.num_opt
+        if self.strategy == "wfbp":
+            outs = [outs[k] for k in cap.outputs]
+        params = jax.tree.unflatten(cap.params_tree, outs[:n_p])
+        opt_state = jax.tree.unflatten(cap.opt_tree, outs[n_p:n_p + n_o])
+        aux = jax.tree.unflatten(cap.aux_tree, outs[n_p + n_o:])
+        return SchedState(params, opt_state), aux
+
+    def finalize(self, state: SchedState) -> tuple[Any, Any]:
+        cap = self.captured
+        if self.strategy == "wfbp":
+            return state.params, state.opt_state
+        params = [self._unsharded(leaf, block) for leaf, block in
+                  zip(jax.tree.leaves(state.params), self.param_blocks)]
+        opts = [self._unsharded(leaf, block) if sharded else leaf for leaf, block, sharded in
+                zip(jax.tree.leaves(state.opt_state), self.opt_blocks, self.opt_sharded)]
+        return jax.tree.unflatten(cap.params_tree, params), jax.tree.unflatten(cap.opt_tree, opts)
+
+
+def _const_values(cap: CapturedStep) -> list:
+    values, it = [], iter(cap.consts)
+    for src in cap.sources:
+        values.append(next(it) if src.role == "const" else None)
+    return values
+
+
+def _param_paths(cap: CapturedStep) -> list[str]:
+    dummy = jax.tree.unflatten(cap.params_tree, [0] * cap.num_params)
+    return param_paths(dummy)
+
+
+def schedule(train_step: Callable | None = None, strategy: str = "dear", buckets: Any = None,
+             compiler_options: dict[str, Any] | None = None) -> Any:
+    """Schedule the gradient communication of a data-parallel ``train_step``.
+
+    Args:
+      train_step: ``(params, opt_state, batch) -> (params, opt_state, aux)`` whose body is a
+        ``jax.shard_map`` over a mesh axis (jitted or not) or a ``jax.pmap``, reducing the
+        gradients with ``lax.pmean``/``lax.psum`` (or implicitly via ``check_vma``).
+        Omit it to use ``schedule`` as a decorator: ``@jaxsched.schedule(strategy="wfbp")``.
+      strategy: ``allreduce`` (the step unchanged), ``wfbp`` (one all-reduce per bucket in
+        backward) or ``dear`` (reduce-scatter in backward, sharded update, all-gather
+        deferred to the next forward).
+      buckets: ``None`` (25 MB threshold in gradient-completion order), a byte threshold,
+        or an explicit plan: a list of lists of parameter paths such as ``"head/kernel"``.
+      compiler_options: per-function XLA options; by default the platform's set from
+        :mod:`jaxsched.engine.xla` (latency-hiding scheduler on, combiners off, on GPU).
+    """
+    if train_step is None:
+        return lambda step: Scheduled(step, strategy, buckets, compiler_options)
+    return Scheduled(train_step, strategy, buckets, compiler_options)
