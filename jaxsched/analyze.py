@@ -3,9 +3,8 @@
 The body of a data-parallel step splits at its gradient reductions (``psum`` over the
 data axis of device-varying values that flow into the new params or optimizer state):
 
-* the *backward region*: every equation that does not depend on a reduced gradient
-  (forward, backward, metrics on the local batch);
-* the *update region*: every equation that does (the optimizer and anything after it).
+* the *backward region*: every equation the gradients need (forward and backward);
+* the *update region*: everything else (the optimizer, metrics, anything after).
 
 Per body input the analysis records its first use in the backward region (where an
 all-gather must land by), and per reduction the equation that completes its operand
@@ -132,17 +131,18 @@ def analyze(captured: CapturedStep) -> Analysis:
             "device-varying values into the new params or optimizer state. Reduce the gradients "
             f"with lax.pmean(grads, {axis!r}) (or use check_vma=True so JAX does it in backward)")
 
-    # Update region: everything downstream of a reduced gradient.
-    downstream = {r.result for r in reductions}
-    backward, update = [], []
-    for i, eqn in enumerate(body.eqns):
-        if i in reducing_eqns:
-            continue
-        if any(_is_var(x) and x in downstream for x in eqn.invars):
-            downstream.update(eqn.outvars)
-            update.append(i)
-        else:
-            backward.append(i)
+    # Backward region: what the reduced gradients need. Everything else (the optimizer,
+    # including its gradient-free parts such as b1 * mu, and metrics) is the update region,
+    # so optimizer state is never gathered just to be decayed.
+    needed = {r.operand for r in reductions if _is_var(r.operand)}
+    in_backward = set()
+    for i in range(len(body.eqns) - 1, -1, -1):
+        eqn = body.eqns[i]
+        if i not in reducing_eqns and any(o in needed for o in eqn.outvars):
+            in_backward.add(i)
+            needed.update(x for x in eqn.invars if _is_var(x))
+    backward = [i for i in range(len(body.eqns)) if i in in_backward]
+    update = [i for i in range(len(body.eqns)) if i not in in_backward and i not in reducing_eqns]
 
     first_use: list[int | None] = [None] * len(body.invars)
     position = {v: k for k, v in enumerate(body.invars)}

@@ -92,13 +92,48 @@ RESHAPES = frozenset({"reshape", "squeeze", "expand_dims"})
 
 
 def _bind(eqn, values: Sequence[Any]) -> list:
-    """Re-emit ``eqn`` on new operands, keeping its source location and context."""
+    """Re-emit ``eqn`` on new operands, keeping its source location and context.
+
+    The rewritten body runs with ``check_vma=False`` (its collectives are placed by
+    hand), so ``check_vma``'s typing primitives are translated: ``pvary`` only re-types a
+    value and is dropped, ``psum_invariant`` is the plain ``psum``.
+    """
+    if eqn.primitive.name == "pvary":
+        return list(values)
+    if eqn.primitive.name == "psum_invariant":
+        return list(lax.psum(tuple(values), eqn.params["axes"]))
+    if eqn.primitive.name in CALL_PRIMITIVES:
+        inner = _inner_jaxpr(eqn)
+        if inner is not None:
+            return eval_inline(inner.jaxpr, inner.consts, values)
     params = eqn.primitive.get_bind_params(eqn.params)
     with source_info_util.user_context(eqn.source_info.traceback,
                                        name_stack=source_info_util.current_name_stack()
                                        + eqn.source_info.name_stack), eqn.ctx.manager:
         out = eqn.primitive.bind(*values, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call"})
+
+
+def _inner_jaxpr(eqn):
+    inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+    return inner if hasattr(inner, "jaxpr") else None
+
+
+def eval_inline(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
+    """Evaluate a nested call's body equation by equation.
+
+    Re-binding the call itself would reuse avals typed for the user's ``check_vma``
+    setting; inlining lets every primitive re-derive its types in the rewritten body.
+    """
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda x: x.val if isinstance(x, jex_core.Literal) else env[x]
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, _bind(eqn, [read(x) for x in eqn.invars])))
+    return [read(x) for x in jaxpr.outvars]
 
 
 def full_rule(ctx: ShardContext, eqn, values: list) -> list:
@@ -169,8 +204,8 @@ def identity_rule(ctx: ShardContext, eqn, values: list) -> list:
 
 def call_rule(ctx: ShardContext, eqn, values: list) -> list:
     """jit / custom_jvp / custom_vjp calls: interpret their body with the same rules."""
-    inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
-    if inner is None or not hasattr(inner, "jaxpr"):
+    inner = _inner_jaxpr(eqn)
+    if inner is None:
         return full_rule(ctx, eqn, values)
     return eval_sharded(ctx, inner.jaxpr, values, constvals=inner.consts)
 

@@ -1,0 +1,335 @@
+"""jaxsched.schedule: equivalence with the plain step, structure, memory, round trips, errors."""
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxsched
+from jaxsched import steps
+from equivalence import assert_trees_close, build, random_batches, run_both
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "momentum": lambda: optax.sgd(0.05, momentum=0.9),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+    "clip+adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)),
+}
+
+
+def _check(model, opt, strategy, devices, api="shard_map", n_steps=20, **kw):
+    plain, scheduled, plain_aux, sched_aux, sched = run_both(
+        model, OPTIMIZERS[opt](), strategy, devices, n_steps=n_steps, api=api, **kw)
+    assert_trees_close(plain, scheduled)
+    assert_trees_close(plain_aux, sched_aux)
+    return sched
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_every_optimizer_matches_the_plain_step_on_8_devices(strategy, opt):
+    sched = _check("mlp", opt, strategy, 8)
+    assert sched.program.fallbacks == []  # all of these run on shards without gathering
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+@pytest.mark.parametrize("model", ["cnn", "transformer"])
+def test_zoo_models_match_the_plain_step(model, strategy):
+    _check(model, "clip+adamw", strategy, 8)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+def test_dear_matches_on_every_device_count(devices):
+    _check("mlp", "adam", "dear", devices)
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_pmap_steps_match(model, strategy):
+    _check(model, "adamw", strategy, 4, api="pmap", n_steps=10)
+
+
+def test_allreduce_is_bit_identical_to_the_users_step():
+    plain, scheduled, plain_aux, sched_aux, _ = run_both("mlp", optax.adam(1e-2), "allreduce", 8, n_steps=5)
+    for a, b in zip(jax.tree.leaves((plain, plain_aux)), jax.tree.leaves((scheduled, sched_aux))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_non_elementwise_optimizer_falls_back_and_says_so_once():
+    tx = optax.adafactor(1e-2, min_dim_size_to_factor=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain, scheduled, plain_aux, sched_aux, sched = run_both("mlp", tx, "dear", 8, n_steps=10)
+    assert_trees_close(plain, scheduled)
+    assert_trees_close(plain_aux, sched_aux)
+    messages = [str(w.message) for w in caught if issubclass(w.category, jaxsched.FallbackWarning)]
+    # Each message names the primitive and the optimizer's source line that needs full tensors.
+    assert messages and all(re.search(r"factorized\.py:\d+", m) for m in messages)
+    assert any(m.startswith("jaxsched: reduce_sum at ") for m in messages)
+    assert len(messages) == len(set(messages)) == len(sched.program.fallbacks)
+
+
+def test_explicit_bucket_plan_and_byte_threshold():
+    params, _ = build("mlp", 0)
+    paths = jaxsched.bucketing.param_paths(params)
+    plan = [paths[:2], paths[2:4], paths[4:]]
+    sched = _check("mlp", "adam", "dear", 8, n_steps=5, buckets=plan)
+    assert len(sched.program.buckets) == 3
+    sched = _check("mlp", "adam", "wfbp", 8, n_steps=5, buckets=1)
+    assert len(sched.program.buckets) == len(paths)
+
+
+# -- property test over random parameter trees ----------------------------------------------
+shapes = st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=6, deadline=None)
+@given(tree_shapes=st.dictionaries(st.sampled_from(list("abcdef")), shapes, min_size=1, max_size=4),
+       devices=st.sampled_from([2, 8]), seed=st.integers(0, 2**16))
+def test_dear_matches_on_random_parameter_trees(tree_shapes, devices, seed):
+    rng = np.random.default_rng(seed)
+    params = {k: rng.standard_normal(s).astype(np.float32) for k, s in tree_shapes.items()}
+    mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+
+    def body(p, s, x):
+        loss = sum(jnp.mean(jnp.sin(leaf * x.mean()) ** 2) for leaf in jax.tree.leaves(p))
+        grads = lax.pmean(jax.grad(lambda q: sum(jnp.mean(jnp.sin(l * x.mean()) ** 2)
+                                                 for l in jax.tree.leaves(q)))(p), "data")
+        u, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                 out_specs=(P(), P(), P()), check_vma=False))
+    sched = jaxsched.schedule(step, strategy="dear")
+    plain = (params, tx.init(params))
+    state = sched.init(*plain)
+    for _ in range(3):
+        x = steps.shard_batch(rng.standard_normal((devices * 2, 3)).astype(np.float32), mesh)
+        *plain, aux = step(*plain, x)
+        state, sched_aux = sched(state, x)
+        np.testing.assert_allclose(aux, sched_aux, rtol=1e-5)
+    assert_trees_close(tuple(plain), sched.finalize(state))
+
+
+def test_check_vma_step_with_implicit_reduction():
+    params, apply_fn = build("mlp", 1)
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    tx = optax.adam(1e-2)
+
+    def body(p, s, batch):  # check_vma=True: JAX psums the gradients in backward itself
+        x, y = batch
+        loss, g = jax.value_and_grad(lambda q: steps.cross_entropy(apply_fn(q, x), y))(p)
+        u, s = tx.update(jax.tree.map(lambda a: a / 4, g), s, p)
+        return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P())))
+    sched = jaxsched.schedule(step, strategy="dear")
+    plain, state = (params, tx.init(params)), sched.init(params, tx.init(params))
+    for x, y in random_batches("mlp", 5, 8, 3):
+        batch = steps.shard_batch((x, y), mesh)
+        *plain, _ = step(*plain, batch)
+        state, _ = sched(state, batch)
+    assert_trees_close(tuple(plain), sched.finalize(state))
+
+
+# -- structure of the lowered program --------------------------------------------------------
+def _lowered_text(strategy, buckets=1, devices=8):
+    params, apply_fn = build("mlp", 0)
+    tx = optax.adam(1e-2)
+    mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+    sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy=strategy, buckets=buckets)
+    x, y = next(random_batches("mlp", 1, 2 * devices, 0))
+    text = sched.lower(sched.init(params, tx.init(params)), steps.shard_batch((x, y), mesh)).as_text()
+    return text, sched
+
+
+def _ops(text):
+    """(line number, op name, operand type) of every collective and dot, in program order."""
+    lines = text.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        m = re.search(r'"?stablehlo\.(all_reduce|reduce_scatter|all_gather|dot_general)"?', line)
+        if m:
+            # The operand type follows the op's region (all_reduce) or sits on its line.
+            sig = re.search(r"\) : \((tensor<[^>]*>)", "\n".join(lines[i:i + 12]))
+            found.append((i, m.group(1), sig.group(1) if sig else ""))
+    return found
+
+
+def test_dear_program_has_a_reduce_scatter_and_all_gather_per_bucket_and_no_gradient_all_reduce():
+    text, sched = _lowered_text("dear", buckets=1)
+    n_buckets = len(sched.program.buckets)
+    ops = _ops(text)
+    names = [name for _, name, _ in ops]
+    assert n_buckets == 6
+    assert names.count("reduce_scatter") == n_buckets
+    assert names.count("all_gather") == n_buckets
+    gradient_all_reduces = [line for _, name, line in ops if name == "all_reduce" and line != "tensor<f32>"]
+    assert gradient_all_reduces == []
+    # Each bucket's all-gather comes before the first forward use of its parameters: the
+    # gathers are interleaved with the forward matmuls rather than all issued up front.
+    first_dot = names.index("dot_general")
+    gathers = [k for k, n in enumerate(names) if n == "all_gather"]
+    assert gathers[0] < first_dot < gathers[-1]
+    # ...and the first reduce-scatter starts while backward matmuls remain.
+    last_dot = len(names) - 1 - names[::-1].index("dot_general")
+    assert names.index("reduce_scatter") < last_dot
+
+
+def test_wfbp_program_interleaves_one_all_reduce_per_bucket_with_backward():
+    text, sched = _lowered_text("wfbp", buckets=1)
+    ops = _ops(text)
+    names = [name for _, name, _ in ops]
+    grad_ars = [k for k, (_, n, line) in enumerate(ops) if n == "all_reduce" and line != "tensor<f32>"]
+    assert len(grad_ars) == len(sched.program.buckets) == 6
+    last_dot = len(names) - 1 - names[::-1].index("dot_general")
+    assert grad_ars[0] < last_dot  # the first bucket is reduced while backward continues
+    assert "reduce_scatter" not in names and "all_gather" not in names
+
+
+def test_default_buckets_fuse_small_models_into_one_bucket():
+    _, sched = _lowered_text("dear", buckets=None)
+    assert len(sched.program.buckets) == 1
+
+
+# -- memory ----------------------------------------------------------------------------------
+def test_dear_keeps_one_over_p_of_the_optimizer_state_per_device():
+    params, apply_fn = build("mlp", 0)
+    tx = optax.adam(1e-2)
+    mesh = jax.make_mesh((8,), ("data",))
+    sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="dear")
+    state = sched.init(params, tx.init(params))
+    x, y = next(random_batches("mlp", 1, 16, 0))
+    state, _ = sched(state, steps.shard_batch((x, y), mesh))
+    per_device = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state.opt_state))
+    plain_bytes = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(tx.init(params)))
+    ratio = per_device / plain_bytes
+    assert ratio <= 1 / 8 * 1.1, ratio  # 1/P plus padding of at most P-1 elements per leaf
+    param_bytes = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(state.params))
+    assert param_bytes <= sum(np.asarray(p).nbytes for p in jax.tree.leaves(params)) / 8 * 1.1
+
+
+# -- round trips -----------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "dear"])
+def test_finalize_of_init_is_the_identity(strategy):
+    params, apply_fn = build("cnn", 0)
+    tx = optax.adam(1e-2)
+    mesh = jax.make_mesh((8,), ("data",))
+    sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy=strategy)
+    opt_state = tx.init(params)
+    back = sched.finalize(sched.init(params, opt_state))
+    for a, b in zip(jax.tree.leaves((params, opt_state)), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_orbax_checkpoint_resumes_with_an_identical_trajectory(tmp_path):
+    import orbax.checkpoint as ocp
+
+    params, apply_fn = build("mlp", 0)
+    tx = optax.adam(1e-2)
+    mesh = jax.make_mesh((8,), ("data",))
+    step = steps.make_step(apply_fn, tx, mesh)
+    batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", 6, 16, 9)]
+    sched = jaxsched.schedule(step, strategy="dear")
+    state = sched.init(params, tx.init(params))
+    for b in batches[:3]:
+        state, _ = sched(state, b)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", state)
+    checkpointer.wait_until_finished()
+    uninterrupted = state
+    for b in batches[3:]:
+        uninterrupted, _ = sched(uninterrupted, b)
+
+    resumed_sched = jaxsched.schedule(step, strategy="dear")
+    template = resumed_sched.init(params, tx.init(params))
+    resumed_sched(template, batches[0])  # trace once so the scheduled layout is known
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    restored = checkpointer.restore(tmp_path / "ckpt", abstract)
+    for b in batches[3:]:
+        restored, _ = resumed_sched(restored, b)
+    for a, b in zip(jax.tree.leaves(sched.finalize(uninterrupted)), jax.tree.leaves(resumed_sched.finalize(restored))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# -- bad input -------------------------------------------------------------------------------
+def _mesh(n=2):
+    return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
+def _simple_call(body, n=2, **shard_kw):
+    mesh = _mesh(n)
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                 out_specs=(P(), P(), P()), check_vma=False, **shard_kw))
+    params = {"w": np.ones((3,), np.float32)}
+    sched = jaxsched.schedule(step, strategy="dear")
+    state = sched.init(params, optax.sgd(0.1).init(params))
+    return sched, state, steps.shard_batch(np.ones((4, 3), np.float32), mesh)
+
+
+def test_step_without_gradient_reduction_is_rejected():
+    def body(p, s, x):
+        g = jax.grad(lambda q: jnp.sum(q["w"] * x))(p)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
+    sched, state, batch = _simple_call(body)
+    with pytest.raises(jaxsched.UnsupportedStepError, match="no gradient reduction over mesh axis 'data'"):
+        sched(state, batch)
+
+
+def test_reduction_over_an_axis_not_in_the_mesh_is_rejected():
+    def body(p, s, x):
+        g = lax.pmean(jax.grad(lambda q: jnp.sum(q["w"] * x))(p), "model")
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
+    with pytest.raises(jaxsched.UnsupportedStepError, match="not in its mesh.*model"):
+        sched, state, batch = _simple_call(body)
+        sched(state, batch)
+
+
+def test_outputs_that_do_not_match_the_inputs_are_rejected():
+    def body(p, s, x):
+        g = lax.pmean(jax.grad(lambda q: jnp.sum(q["w"] * x))(p), "data")
+        return {"w": p["w"] - g["w"], "extra": p["w"]}, s, jnp.zeros(())
+    mesh = _mesh()
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                 out_specs=(P(), P(), P()), check_vma=False))
+    params = {"w": np.ones((3,), np.float32)}
+    sched = jaxsched.schedule(step, strategy="wfbp")
+    with pytest.raises(jaxsched.UnsupportedStepError, match="output params has structure"):
+        sched(sched.init(params, ()), steps.shard_batch(np.ones((4, 3), np.float32), mesh))
+
+
+def test_batch_that_does_not_divide_is_rejected():
+    with pytest.raises(ValueError, match="not divisible by the 8 devices"):
+        steps.shard_batch(np.ones((12, 3), np.float32), _mesh(8))
+
+
+def test_unknown_strategy_and_bad_buckets_are_named():
+    with pytest.raises(ValueError, match="strategy='deer'"):
+        jaxsched.schedule(lambda *a: a, strategy="deer")
+    with pytest.raises(ValueError, match="unknown parameter 'nope'"):
+        _check("mlp", "sgd", "dear", 2, n_steps=1, buckets=[["nope"]])
+
+
+def test_decorator_form():
+    params, apply_fn = build("mlp", 0)
+    tx = optax.sgd(0.1)
+    mesh = _mesh(2)
+
+    @jaxsched.schedule(strategy="wfbp")
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    def step(p, s, batch):
+        return steps.local_step_fn(apply_fn, tx, "data")(p, s, batch)
+
+    assert isinstance(step, jaxsched.Scheduled)
+    state, aux = step(step.init(params, tx.init(params)),
+                      steps.shard_batch(next(random_batches("mlp", 1, 4, 0)), mesh))
+    assert np.isfinite(aux["loss"])
