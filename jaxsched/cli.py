@@ -39,6 +39,12 @@ def _run_training(config_path: str, strategies: list[str] | None, log: str | Non
     print(f"\n{cfg.model.name} on {cfg.data.name}, {cfg.train.devices} devices, "
           f"{cfg.train.steps} steps, api={cfg.train.api} (steps/s measured in this run)")
     print(trainer.summary_table(results))
+    if len(results) > 1:
+        worst = max(max(abs(a - b) for a, b in zip(r.losses, results[0].losses)) for r in results[1:])
+        verdict = "agree" if worst <= 1e-4 * max(1.0, max(map(abs, results[0].losses))) else "DIFFER"
+        print(f"losses of every strategy {verdict} with {results[0].strategy} at every step "
+              f"(largest gap {worst:.1e}); on CPU, collectives run synchronously, so steps/s here "
+              "shows overhead, not overlap")
     return 0
 
 

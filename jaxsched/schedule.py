@@ -170,10 +170,11 @@ class _Program:
     def _unsharded(self, leaf: Any, block) -> Any:
         cap = self.captured
         flat_len = layout.chunk_size(block.shape, cap.axis_size) * cap.axis_size
-        if np.shape(leaf) != (flat_len,) or (len(block.shape) == 1 and block.shape[0] == flat_len
-                                             and cap.kind != "pmap"):
-            return leaf
-        full = np.asarray(leaf)[: math.prod(block.shape)].reshape(block.shape)
+        is_sharded = (isinstance(leaf, jax.Array) and leaf.shape == (flat_len,)
+                      and leaf.sharding == self.shard_sharding)
+        if not is_sharded:
+            return leaf  # still in the user's layout (no step has run yet)
+        full = _host_value(leaf)[: math.prod(block.shape)].reshape(block.shape)
         if cap.kind == "pmap":
             full = np.repeat(full, len(cap.mesh.devices.flat), axis=0)
         return full
@@ -247,6 +248,15 @@ class _Program:
         opts = [self._unsharded(leaf, block) if sharded else leaf for leaf, block, sharded in
                 zip(jax.tree.leaves(state.opt_state), self.opt_blocks, self.opt_sharded)]
         return jax.tree.unflatten(cap.params_tree, params), jax.tree.unflatten(cap.opt_tree, opts)
+
+
+def _host_value(leaf: Any) -> np.ndarray:
+    """The whole array on this host, also when other processes hold some of its shards."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(leaf)
 
 
 def _const_values(cap: CapturedStep) -> list:

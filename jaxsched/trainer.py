@@ -59,15 +59,12 @@ class Unscheduled:
 
 
 def default_wrap(step: steps_lib.Step, strategy: str) -> StepRunner:
-    """Schedule ``step`` with ``strategy`` using jaxsched's transform when it is available."""
-    if strategy == "allreduce":
-        return Unscheduled(step)
-    try:
-        from jaxsched.schedule import schedule
-    except ImportError:
-        raise ConfigError(f"train.strategies: {strategy!r} is not available in this build; "
-                          "use 'allreduce'") from None
-    return schedule(step, strategy=strategy)
+    """Schedule ``step`` with ``strategy`` through :func:`jaxsched.schedule`."""
+    from jaxsched.schedule import STRATEGIES, Scheduled
+
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"train.strategies: {strategy!r} is unknown; choose from {', '.join(STRATEGIES)}")
+    return Scheduled(step, strategy=strategy)
 
 
 @dataclasses.dataclass
