@@ -180,6 +180,8 @@ class _Program:
         return full
 
     def _placed(self, value: Any, spec: P) -> Any:
+        if all(dim is None for dim in spec):
+            return value  # replicated: jit places it, exactly as for the user's own step
         sharding = NamedSharding(self.captured.mesh, spec)
         if isinstance(value, jax.Array) and value.sharding == sharding:
             return value

@@ -63,8 +63,8 @@ def rewrite_dear(analysis: Analysis, buckets: Sequence[Bucket], opt_sharded: Seq
     def scheduled_body(*inputs):
         n_b, n_o = cap.num_params, cap.num_opt
         param_chunks = inputs[:n_b]
-        shards = {k: p_layouts[k].join_chunks([param_chunks[i] for i in buckets[k].params])
-                  for k in param_buckets}
+        shards = {} if size == 1 else {
+            k: p_layouts[k].join_chunks([param_chunks[i] for i in buckets[k].params]) for k in param_buckets}
         opt_values = inputs[n_b:n_b + n_o]
         env: dict[Any, Any] = {body.invars[k]: v for k, v in zip(other_inputs, inputs[n_b + n_o:])}
         post: dict[Any, Any] = {}
@@ -76,6 +76,10 @@ def rewrite_dear(analysis: Analysis, buckets: Sequence[Bucket], opt_sharded: Seq
         for k in param_buckets:
 
             def gather(k=k):
+                if size == 1:  # one device: the chunk is the whole flattened leaf
+                    for i in buckets[k].params:
+                        env[param_invar[i]] = param_chunks[i].reshape(param_invar[i].aval.shape)
+                    return
                 full = lax.all_gather(shards[k], axis, tiled=True)
                 for i, leaf in zip(buckets[k].params, p_layouts[k].unpack(full)):
                     env[param_invar[i]] = leaf
@@ -93,6 +97,10 @@ def rewrite_dear(analysis: Analysis, buckets: Sequence[Bucket], opt_sharded: Seq
         def emit(bucket: Bucket) -> None:
             k = buckets.index(bucket)
             grads = [read(env, reds[j].operand) for j in bucket.reductions]
+            if size == 1:  # nothing to communicate: a sum over one device is the identity
+                for j, g in zip(bucket.reductions, grads):
+                    post[reds[j].result] = Shard(jnp.ravel(g), tuple(reds[j].operand.aval.shape))
+                return
             scattered = lax.psum_scatter(g_layouts[k].pack(grads), axis, scatter_dimension=0, tiled=True)
             for j, chunk in zip(bucket.reductions, g_layouts[k].split_shard(scattered)):
                 post[reds[j].result] = Shard(chunk, tuple(reds[j].operand.aval.shape))

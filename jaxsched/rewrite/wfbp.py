@@ -25,6 +25,10 @@ def rewrite_wfbp(analysis: Analysis, buckets: Sequence[Bucket]) -> RewrittenBody
 
     def emit(env: dict, bucket: Bucket) -> None:
         grads = [read(env, reds[j].operand) for j in bucket.reductions]
+        if cap.axis_size == 1:  # nothing to communicate: a sum over one device is the identity
+            for j, g in zip(bucket.reductions, grads):
+                env[reds[j].result] = g
+            return
         by_dtype: dict = {}
         for j, g in zip(bucket.reductions, grads):
             by_dtype.setdefault(jnp.result_type(g), []).append((j, g))
