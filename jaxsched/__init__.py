@@ -6,7 +6,7 @@ from jaxsched.rewrite.rules import FallbackWarning
 from jaxsched.schedule import STRATEGIES, SchedState, Scheduled
 from jaxsched.schedule import schedule  # noqa: E402  (the function shadows the module name)
 from jaxsched.steps import make_pmap_step, make_step
-from jaxsched.trainer import RunResult, Unscheduled, train
+from jaxsched.trainer import RunResult, train
 
 __all__ = [
     "STRATEGIES",
@@ -17,7 +17,6 @@ __all__ = [
     "SchedState",
     "Scheduled",
     "UnsupportedStepError",
-    "Unscheduled",
     "make_pmap_step",
     "make_step",
     "pure",

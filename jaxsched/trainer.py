@@ -2,7 +2,7 @@
 
 The step is pluggable: the trainer builds the user's plain step and hands it to a
 ``wrap(step, strategy)`` callable that returns an object with ``init``, ``__call__``
-and ``finalize`` (what :func:`jaxsched.schedule` returns). Only one multi-device step
+and ``finalize`` (by default :func:`jaxsched.schedule`; ``allreduce`` is the plain step). Only one multi-device step
 is kept in flight: FACTS.md records rendezvous deadlocks on virtual CPU devices when
 steps are queued unblocked.
 
@@ -39,23 +39,6 @@ class StepRunner(Protocol):
     def init(self, params: Any, opt_state: Any) -> Any: ...
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]: ...
     def finalize(self, state: Any) -> tuple[Any, Any]: ...
-
-
-class Unscheduled:
-    """The user's step as a :class:`StepRunner`: the state is just ``(params, opt_state)``."""
-
-    def __init__(self, step: steps_lib.Step):
-        self.step = step
-
-    def init(self, params: Any, opt_state: Any) -> Any:
-        return params, opt_state
-
-    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
-        params, opt_state, aux = self.step(*state, batch)
-        return (params, opt_state), aux
-
-    def finalize(self, state: Any) -> tuple[Any, Any]:
-        return state
 
 
 def default_wrap(step: steps_lib.Step, strategy: str) -> StepRunner:

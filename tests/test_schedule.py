@@ -333,3 +333,24 @@ def test_decorator_form():
     state, aux = step(step.init(params, tx.init(params)),
                       steps.shard_batch(next(random_batches("mlp", 1, 4, 0)), mesh))
     assert np.isfinite(aux["loss"])
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_bf16_params_with_f32_optimizer_state_keep_their_dtypes(strategy):
+    params, apply_fn = build("mlp", 4)
+    params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), params)
+    tx = optax.adam(1e-2, mu_dtype=jnp.float32)
+    mesh = jax.make_mesh((8,), ("data",))
+    step = steps.make_step(apply_fn, tx, mesh)
+    sched = jaxsched.schedule(step, strategy=strategy)
+    plain, state = (params, tx.init(params)), sched.init(params, tx.init(params))
+    dtypes = {str(a.dtype) for a in jax.tree.leaves(plain)}
+    assert dtypes == {"bfloat16", "float32", "int32"}, dtypes
+    for x, y in random_batches("mlp", 5, 16, 2):
+        batch = steps.shard_batch((x, y), mesh)
+        *plain, _ = step(*plain, batch)
+        state, _ = sched(state, batch)
+    for a, b in zip(jax.tree.leaves(tuple(plain)), jax.tree.leaves(sched.finalize(state))):
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+        # bf16 sums in a different order round differently: compare at bf16 precision.
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
