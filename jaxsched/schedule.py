@@ -68,11 +68,20 @@ class Scheduled:
         functools.update_wrapper(self, step, updated=())
 
     # -- public API -----------------------------------------------------------------------
-    def init(self, params: Any, opt_state: Any) -> SchedState:
-        """Ordinary trees in, scheduled state out (converted to its sharded form lazily)."""
+    def init(self, params: Any, opt_state: Any, batch: Any = None) -> SchedState:
+        """Ordinary trees in, scheduled state out.
+
+        Without ``batch`` the leaves keep the user's layout until the first step converts
+        them (the step can only be traced once a batch is known). With an example
+        ``batch`` the state comes back in its scheduled layout at once, which is what a
+        checkpoint restore needs as its target.
+        """
         self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), _dtype(a)),
                                       (params, opt_state))
-        return SchedState(params, opt_state)
+        state = SchedState(params, opt_state)
+        if batch is None or self.strategy == "allreduce":
+            return state
+        return self._program_for(state, batch).convert(state)
 
     def __call__(self, state: SchedState, batch: Any) -> tuple[SchedState, Any]:
         """One training step; returns the new state and the step's aux, as the plain step would."""
@@ -141,6 +150,7 @@ class _Program:
         self.core = compile_body(rewritten.body, cap.mesh, rewritten.in_specs, rewritten.out_specs,
                                  compiler_options)
         self.shard_sharding = NamedSharding(cap.mesh, P(cap.axis_name))
+        self.mesh_devices = set(cap.mesh.devices.flat)
 
     @property
     def fallbacks(self) -> list:
@@ -180,8 +190,9 @@ class _Program:
         return full
 
     def _placed(self, value: Any, spec: P) -> Any:
-        if all(dim is None for dim in spec):
-            return value  # replicated: jit places it, exactly as for the user's own step
+        if all(dim is None for dim in spec) and not (
+                isinstance(value, jax.Array) and value.sharding.device_set != self.mesh_devices):
+            return value  # replicated and on the mesh (or on the host): jit places it
         sharding = NamedSharding(self.captured.mesh, spec)
         if isinstance(value, jax.Array) and value.sharding == sharding:
             return value
@@ -229,6 +240,19 @@ class _Program:
             elif src.role == "const":
                 others.append(next(const_iter))
         return p_in + o_in + others
+
+    def convert(self, state: SchedState) -> SchedState:
+        """The state in this program's layout (sharded leaves for dear); idempotent."""
+        if self.strategy == "wfbp":
+            return state
+        params = [self._sharded(leaf, block, f"params/{self.paths[i]}") for i, (leaf, block) in
+                  enumerate(zip(jax.tree.leaves(state.params), self.param_blocks))]
+        cap = self.captured
+        opts = [self._sharded(leaf, block, f"opt_state[{j}]") if self.opt_sharded[j]
+                else self._placed(leaf, cap.in_specs[cap.body_input("opt_state", j)])
+                for j, (leaf, block) in enumerate(zip(jax.tree.leaves(state.opt_state), self.opt_blocks))]
+        return SchedState(jax.tree.unflatten(self.captured.params_tree, params),
+                          jax.tree.unflatten(self.captured.opt_tree, opts))
 
     def run(self, state: SchedState, batch: Any) -> tuple[SchedState, Any]:
         cap = self.captured
