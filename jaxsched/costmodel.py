@@ -126,7 +126,7 @@ class CollectiveCost:
 
     def time(self, nbytes: float) -> float:
         # An empty bucket issues no collective at all, so it costs nothing.
-        return 0.0 if nbytes <= 0 else self.alpha_s + self.beta_s_per_byte * nbytes
+        return 0 if nbytes <= 0 else self.alpha_s + self.beta_s_per_byte * nbytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -145,7 +145,7 @@ def lower_bound(layers: LayerProfile, network: NetworkProfile,
     """
     total = layers.total_bytes
     compute_min = sum(l.forward_s + l.backward_s for l in layers.layers) + \
-        sum(l.update_s for l in layers.layers) / network.workers
+        _share(sum(l.update_s for l in layers.layers), network.workers)
     if compression is not None:
         compute_min += compression.selection_s_per_byte * total
         comm_min = gradient_comm_time(network, total, compression)
@@ -153,6 +153,11 @@ def lower_bound(layers: LayerProfile, network: NetworkProfile,
         comm_min = min(network.time("all_reduce", total),
                        network.time("reduce_scatter", total) + network.time("all_gather", total))
     return max(compute_min, comm_min), compute_min, comm_min
+
+
+def _share(seconds: Any, workers: int) -> Any:
+    """``seconds / workers``, keeping exact zero (and Fractions) exact."""
+    return seconds / workers if seconds else seconds
 
 
 @dataclasses.dataclass
@@ -240,7 +245,7 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str,
         elif strategy == "dear":
             for k in range(len(buckets)):
                 upd = graph.add(_Task("compute", f"update b{k} shard", "update", n,
-                                      bucket_update[k] / workers, [reduce_of_bucket[k]]))
+                                      _share(bucket_update[k], workers), [reduce_of_bucket[k]]))
                 prev_gather[k] = graph.add(_Task("comm", f"all_gather b{k}", "all_gather", n,
                                                  network.time("all_gather", bucket_bytes[k]), [upd]))
         prev_comm, prev_chunks = comm, chunks
