@@ -55,7 +55,7 @@ def save_gantt_png(results: Sequence[SimResult], path: str | Path, steady_iterat
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(12, 1.0 + 0.9 * len(results)))
+    fig = Figure(figsize=(12, 1.6 + 0.9 * len(results)), layout="constrained")
     ax = fig.subplots()
     labels = []
     for row, result in enumerate(results):
@@ -76,7 +76,7 @@ def save_gantt_png(results: Sequence[SimResult], path: str | Path, steady_iterat
     ax.set_xlabel("ms since the start of a steady-state iteration (simulated)")
     handles, names = ax.get_legend_handles_labels()
     unique = dict(zip(names, handles))
-    ax.legend(unique.values(), unique.keys(), loc="upper right", fontsize="small", ncols=4)
+    fig.legend(unique.values(), unique.keys(), loc="outside lower center", fontsize="small",
+               ncols=len(unique))
     ax.set_title("jaxsched simulated timeline")
-    fig.tight_layout()
     fig.savefig(path, dpi=100)
