@@ -18,6 +18,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -83,9 +84,25 @@ def zoo_stages(name: str, model: Any) -> list[Stage]:
     raise ValueError(f"no stage split for model {name!r}; use one of mlp, cnn, transformer")
 
 
+def _stage_with_loss(fn: Callable, labels: jax.Array) -> Callable:
+    def loss_stage(p, h, y=None):
+        logits = fn(p, h)
+        y = labels if y is None else y
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], axis=-1))
+    return loss_stage
+
+
 def profile_stages(stages: Sequence[Stage], x: jax.Array, labels: jax.Array, repeats: int = 5,
-                   device: Any = None) -> LayerProfile:
-    """Time each stage's forward and backward on ``device``; the last stage ends in the loss."""
+                   device: Any = None, mesh: Mesh | None = None, axis: str = "data") -> LayerProfile:
+    """Time each stage's forward and backward; the last stage ends in the loss.
+
+    Without ``mesh``: on one ``device``, backward timed alone (VJP residuals precomputed).
+    With ``mesh``: every device runs the stage at once on its shard of ``x`` (as in a real
+    data-parallel step, where devices share the host's cores), and backward is the time of
+    forward+backward minus forward. ``x`` and ``labels`` are then the global batch.
+    """
+    if mesh is not None:
+        return _profile_stages_on_mesh(stages, x, labels, repeats, mesh, axis)
     device = device or jax.devices()[0]
     x, labels = jax.device_put((x, labels), device)
     layers = []
@@ -93,10 +110,7 @@ def profile_stages(stages: Sequence[Stage], x: jax.Array, labels: jax.Array, rep
         params = jax.device_put(params, device)
         last = index == len(stages) - 1
         if last:
-            def fn(p, h, _fn=fn):
-                logits = _fn(p, h)
-                return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
-                                                     labels[..., None], axis=-1))
+            fn = _stage_with_loss(fn, labels)
         forward = jax.jit(fn)
         first = index == 0
         out, vjp_fn = (jax.vjp(lambda p, _x=x, _f=fn: _f(p, _x), params) if first
@@ -105,27 +119,111 @@ def profile_stages(stages: Sequence[Stage], x: jax.Array, labels: jax.Array, rep
         backward = jax.jit(lambda vjp, ct: vjp(ct))
         forward_s = _median_seconds(lambda: forward(params, x), repeats)
         backward_s = _median_seconds(lambda: backward(vjp_fn, cotangent), repeats)
-        count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params))
-        nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
-        layers.append(Layer(name, count, int(nbytes), forward_s, backward_s))
+        layers.append(_layer(name, params, forward_s, backward_s))
         x = jax.block_until_ready(forward(params, x)) if not last else x
-    return LayerProfile(layers, {"source": "jaxsched.profile (measured medians)",
+    return LayerProfile(layers, {"source": "jaxsched.profile (measured medians, one device)",
                                  "backend": jax.default_backend(), "repeats": repeats})
 
 
-def profile_zoo_model(name: str, batch: int = 64, repeats: int = 5, seed: int = 0) -> LayerProfile:
-    """Measured layer profile of a ``jaxsched.models`` zoo model at per-device ``batch``."""
+def _layer(name: str, params: Any, forward_s: float, backward_s: float) -> Layer:
+    count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params))
+    nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+    return Layer(name, count, int(nbytes), forward_s, backward_s)
+
+
+def _profile_stages_on_mesh(stages: Sequence[Stage], x: jax.Array, labels: jax.Array,
+                            repeats: int, mesh: Mesh, axis: str) -> LayerProfile:
+    sharded = NamedSharding(mesh, P(axis))
+    x, labels = jax.device_put((x, labels), sharded)
+    layers = []
+    for index, (name, params, fn) in enumerate(stages):
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        last = index == len(stages) - 1
+        if last:
+            loss = _stage_with_loss(fn, labels)
+            fn = lambda p, h, y, _loss=loss: _loss(p, h, y)[None]
+        else:
+            fn = (lambda p, h, y, _f=fn: _f(p, h))
+        first = index == 0
+
+        def both(p, h, y, _fn=fn, _first=first):
+            out, vjp = jax.vjp(lambda q: _fn(q, h, y), p) if _first else \
+                jax.vjp(lambda q, a: _fn(q, a, y), p, h)
+            return out, vjp(jnp.ones_like(out))
+
+        specs = dict(mesh=mesh, in_specs=(P(), P(axis), P(axis)), check_vma=False)
+        forward = jax.jit(jax.shard_map(fn, out_specs=P(axis), **specs))
+        forward_backward = jax.jit(jax.shard_map(both, out_specs=(P(axis), P(axis)), **specs))
+        forward_s = _median_seconds(lambda: forward(params, x, labels), repeats)
+        total_s = _median_seconds(lambda: forward_backward(params, x, labels), repeats)
+        layers.append(_layer(name, params, forward_s, max(total_s - forward_s, 0.0)))
+        x = jax.block_until_ready(forward(params, x, labels)) if not last else x
+    return LayerProfile(layers, {"source": "jaxsched.profile (measured medians, all devices at once)",
+                                 "backend": jax.default_backend(), "repeats": repeats,
+                                 "workers": mesh.shape[axis]})
+
+
+def profile_zoo_model(name: str, batch: int = 64, repeats: int = 5, seed: int = 0,
+                      mesh: Mesh | None = None, axis: str = "data", scale_to_whole_step: bool = True,
+                      **options: Any) -> LayerProfile:
+    """Measured layer profile of a ``jaxsched.models`` zoo model at per-device ``batch``.
+
+    With ``mesh``, every device runs at once and the stage times are rescaled to the whole
+    model's measured totals (:func:`scale_to_whole_model`); ``options`` go to the model.
+    """
+    workers = mesh.shape[axis] if mesh is not None else 1
     rng = np.random.default_rng(seed)
     if name == "transformer":
-        model = models.build(name, (32,), 64, seed)
-        x = rng.integers(0, 64, (batch, 32)).astype(np.int32)
-        labels = rng.integers(0, 64, (batch, 32)).astype(np.int32)
+        model = models.build(name, (32,), 64, seed, **options)
+        x = rng.integers(0, 64, (batch * workers, 32)).astype(np.int32)
+        labels = rng.integers(0, 64, (batch * workers, 32)).astype(np.int32)
     else:
-        model = models.build(name, (8, 8, 1), 10, seed)
-        x = rng.standard_normal((batch, 8, 8, 1)).astype(np.float32)
-        labels = rng.integers(0, 10, batch).astype(np.int32)
-    prof = profile_stages(zoo_stages(name, model), jnp.asarray(x), jnp.asarray(labels), repeats)
-    return LayerProfile(prof.layers, {**prof.meta, "model": name, "batch": batch})
+        model = models.build(name, (8, 8, 1), 10, seed, **options)
+        x = rng.standard_normal((batch * workers, 8, 8, 1)).astype(np.float32)
+        labels = rng.integers(0, 10, batch * workers).astype(np.int32)
+    stages = zoo_stages(name, model)
+    prof = profile_stages(stages, jnp.asarray(x), jnp.asarray(labels), repeats, mesh=mesh, axis=axis)
+    meta = {**prof.meta, "model": name, "batch": batch}
+    if mesh is not None and scale_to_whole_step:
+        prof = scale_to_whole_model(prof, stages, jnp.asarray(x), jnp.asarray(labels), mesh, axis, repeats)
+        meta.update(prof.meta)
+    return LayerProfile(prof.layers, meta)
+
+
+def scale_to_whole_model(prof: LayerProfile, stages: Sequence[Stage], x: jax.Array,
+                         labels: jax.Array, mesh: Mesh, axis: str = "data", repeats: int = 5
+                         ) -> LayerProfile:
+    """Rescale stage times so forward and backward totals match the whole model run as one
+    program (XLA fuses across stage boundaries, and per-stage dispatch adds overhead); the
+    per-layer shares stay as measured."""
+    names = [name for name, _, _ in stages]
+    params = {name: p for name, p, _ in stages}
+    loss_stage = _stage_with_loss(stages[-1][2], labels)
+
+    def loss(p, h, y):
+        for name, _, fn in stages[:-1]:
+            h = fn(p[name], h)
+        return loss_stage(p[names[-1]], h, y)[None]
+
+    def loss_and_grad(p, h, y):
+        value, grads = jax.value_and_grad(lambda q: loss(q, h, y)[0])(p)
+        return value[None], grads
+
+    specs = dict(mesh=mesh, in_specs=(P(), P(axis), P(axis)), check_vma=False)
+    forward = jax.jit(jax.shard_map(loss, out_specs=P(axis), **specs))
+    both = jax.jit(jax.shard_map(loss_and_grad, out_specs=(P(axis), P(axis)), **specs))
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    x, labels = jax.device_put((x, labels), NamedSharding(mesh, P(axis)))
+    forward_s = _median_seconds(lambda: forward(params, x, labels), repeats)
+    backward_s = max(_median_seconds(lambda: both(params, x, labels), repeats) - forward_s, 0.0)
+    f_scale = forward_s / prof.forward_s if prof.forward_s else 1.0
+    b_scale = backward_s / prof.backward_s if prof.backward_s else 1.0
+    layers = [dataclasses.replace(l, forward_s=l.forward_s * f_scale, backward_s=l.backward_s * b_scale)
+              for l in prof.layers]
+    return LayerProfile(layers, {**prof.meta, "whole_model_forward_s": forward_s,
+                                 "whole_model_backward_s": backward_s,
+                                 "stage_sum_forward_s": prof.forward_s,
+                                 "stage_sum_backward_s": prof.backward_s})
 
 
 def _collective_programs(mesh: Mesh, axis: str) -> dict[str, Callable[[jax.Array], jax.Array]]:

@@ -55,3 +55,12 @@ def test_profile_cli_output_feeds_simulate(tmp_path, capsys):
     data = json.loads(out.read_text())
     # One bucket is among the partitions the optimal planner considers, so WFBP cannot lose.
     assert data["strategies"]["wfbp"]["iteration_s"] <= data["strategies"]["allreduce"]["iteration_s"]
+
+
+def test_layer_profile_on_the_mesh_is_rescaled_to_the_whole_model():
+    mesh = jax.make_mesh((8,), ("data",))
+    prof = profile_zoo_model("mlp", batch=4, repeats=2, mesh=mesh)
+    assert prof.meta["workers"] == 8
+    assert prof.forward_s == pytest.approx(prof.meta["whole_model_forward_s"])
+    assert prof.backward_s == pytest.approx(prof.meta["whole_model_backward_s"])
+    assert [l.name for l in prof.layers] == ["hidden.0", "hidden.1", "head"]
