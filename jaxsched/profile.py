@@ -278,7 +278,8 @@ def profile_network(mesh: Mesh | None = None, axis: str = "data",
     for name, size in todo:
         elements = max(workers, size // 4 // workers * workers)
         shape = (workers, elements // workers) if name == "all_gather" else (workers, elements)
-        x = jax.device_put(np.ones(shape, np.float32), sharding)
+        host = np.ones(shape, np.float32)  # every process builds the same global array
+        x = jax.make_array_from_callback(shape, sharding, lambda index, _h=host: _h[index])
         seconds = _median_seconds(lambda: programs[name](x), repeats)
         measured[name].append((elements * 4, seconds))
     collectives, errors = {}, {}

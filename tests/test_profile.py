@@ -64,3 +64,40 @@ def test_layer_profile_on_the_mesh_is_rescaled_to_the_whole_model():
     assert prof.forward_s == pytest.approx(prof.meta["whole_model_forward_s"])
     assert prof.backward_s == pytest.approx(prof.meta["whole_model_backward_s"])
     assert [l.name for l in prof.layers] == ["hidden.0", "hidden.1", "head"]
+
+
+MULTI_PROCESS_SCRIPT = """
+import json, sys
+import jax
+process_id, port = int(sys.argv[1]), sys.argv[2]
+jax.config.update("jax_num_cpu_devices", 1)
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=process_id)
+from jaxsched.profile import profile_network
+net, errors = profile_network(sizes=(1 << 12, 1 << 16, 1 << 20), repeats=2)
+print(json.dumps({"processes": jax.process_count(), "errors": errors, "net": net.to_dict()}))
+"""
+
+
+def test_network_profile_across_two_processes(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    script = tmp_path / "worker.py"
+    script.write_text(MULTI_PROCESS_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-2000:]
+    result = json.loads(outputs[0][0].strip().splitlines()[-1])
+    assert result["processes"] == 2
+    net = NetworkProfile.from_dict(result["net"])
+    assert net.workers == 2 and net.meta["processes"] == 2
+    assert all(math.isfinite(e) for e in result["errors"].values())
