@@ -64,8 +64,8 @@ def plan_buckets(layers: LayerProfile, network: NetworkProfile, planner: str = "
         return simulate(layers, network, strategy, buckets, iterations=iterations,
                         compression=compression, keep_spans=False).iteration_s
 
-    candidates = [plan_buckets(layers, network, p, strategy, threshold_bytes=t)
-                  for p in PLANNERS[:-1] for t in (threshold_bytes,)]
+    candidates = [plan_buckets(layers, network, p, strategy, threshold_bytes=threshold_bytes)
+                  for p in PLANNERS[:-1]]
     candidates += [plan_threshold(layers, 2 ** e) for e in range(16, 32, 2)]
     candidates += [optimal_wfbp(layers, network)[0], [list(range(len(layers)))]]
     return search(layers, candidates, evaluate, progress=progress)

@@ -19,6 +19,7 @@ from jaxsched.costmodel import (DEVICE_PRESETS, LINK_PRESETS, LayerProfile, Netw
 from jaxsched.sim.core import (COMPRESSIONS, MB, STRATEGIES, Compression, SimResult,
                                SimulationError, lower_bound, simulate)
 
+DEFAULT_WORKERS = 8
 DEFAULT_STRATEGIES = "allreduce,wfbp,mgwfbp,bytescheduler,dear,approx"
 # Planner each strategy uses unless --planner overrides it (allreduce is the fixed reference:
 # one bucket; bytescheduler partitions tensors itself).
@@ -36,7 +37,7 @@ def add_parser(subparsers: Any) -> None:
     src = sim.add_mutually_exclusive_group()
     src.add_argument("--model", choices=ZOO_MODELS, default="resnet50")
     src.add_argument("--profile", help="layer profile JSON (from `jaxsched profile` or your own)")
-    sim.add_argument("--workers", type=int, default=8)
+    sim.add_argument("--workers", type=int, default=DEFAULT_WORKERS)
     sim.add_argument("--network", choices=sorted(LINK_PRESETS), default="10gbe")
     sim.add_argument("--network-profile", help="network profile JSON; overrides --network/--workers")
     sim.add_argument("--device", choices=sorted(DEVICE_PRESETS), default="v100")
@@ -92,8 +93,13 @@ def _inputs(args: argparse.Namespace) -> tuple[LayerProfile, NetworkProfile, str
 
         layers = zoo_profile(args.model, args.device, args.batch, args.seq_len, args.efficiency)
         label = f"{args.model} (batch {layers.meta['batch']}, {args.device} roofline)"
-    network = (NetworkProfile.load(args.network_profile) if args.network_profile
-               else network_preset(args.network, args.workers))
+    if args.network_profile:
+        network = NetworkProfile.load(args.network_profile)
+        if args.workers != network.workers and args.workers != DEFAULT_WORKERS:
+            print(f"note: {args.network_profile} was measured on {network.workers} workers; "
+                  f"--workers {args.workers} is ignored", file=sys.stderr)
+    else:
+        network = network_preset(args.network, args.workers)
     return layers, network, label
 
 

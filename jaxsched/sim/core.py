@@ -187,7 +187,8 @@ class _Graph:
 
 def _build(layers: LayerProfile, network: NetworkProfile, strategy: str,
            buckets: list[list[int]], iterations: int, compression: Compression | None,
-           partition_bytes: int, credit_bytes: int) -> _Graph:
+           partition_bytes: int) -> _Graph:
+    """The task graph of ``iterations`` iterations (see the table in docs/simulator.md)."""
     graph = _Graph()
     lay = layers.layers
     num = len(lay)
@@ -348,8 +349,7 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str,
     if partition_bytes <= 0:
         raise SimulationError(f"partition_bytes={partition_bytes} must be > 0")
     credit = partition_bytes if credit_bytes is None else credit_bytes
-    graph = _build(layers, network, strategy, buckets, iterations, compression,
-                   partition_bytes, credit)
+    graph = _build(layers, network, strategy, buckets, iterations, compression, partition_bytes)
     merge = (lambda b: network.time("all_reduce", b)) if strategy == "bytescheduler" else None
     start, end, comm_ops = _execute(graph, priority=strategy == "bytescheduler",
                                     merge_cost=merge, credit_bytes=credit)
