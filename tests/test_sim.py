@@ -152,3 +152,27 @@ def test_chrome_trace_is_valid_and_png_is_written(tmp_path):
     png = tmp_path / "gantt.png"
     save_gantt_png(results, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_times = st.fractions(min_value=0, max_value=10, max_denominator=1000)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(_times, _times, _times, st.integers(0, 10**8)), min_size=1, max_size=8),
+       st.fractions(min_value=0, max_value=1, max_denominator=1000),
+       st.fractions(min_value=0, max_value=Fraction(1, 10**6), max_denominator=10**9),
+       st.integers(1, 64), st.sampled_from(STRATEGIES))
+def test_bound_and_closed_forms_hold_for_any_profile(rows, alpha, beta, workers, strategy):
+    from jaxsched.costmodel import CollectiveCost, NetworkProfile
+
+    layers = LayerProfile([Layer(f"l{i}", b // 4, b, f, bw, u) for i, (f, bw, u, b) in enumerate(rows)])
+    net = NetworkProfile(workers, {k: CollectiveCost(alpha, beta) for k in
+                                   ("all_reduce", "reduce_scatter", "all_gather", "ppermute")})
+    result = simulate(layers, net, strategy, partition_bytes=1 << 22)
+    assert result.iteration_s >= result.bound_s
+    if strategy == "wfbp":
+        assert result.iteration_s == wfbp_time(layers, net)
+    if strategy == "allreduce":
+        assert result.iteration_s == allreduce_time(layers, net)
