@@ -4,8 +4,9 @@ Why: a planner must use the costs of the backend it runs on, not assumed ring co
 gloo a reduce-scatter + all-gather took 2.3x one all-reduce; FACTS.md). Layer profile:
 each top-level parameter group of a zoo model is run as its own jitted stage on one
 device; forward and backward (the VJP, residuals precomputed) are timed separately,
-after warm-up, as medians. Network profile: ``psum``, ``psum_scatter`` and
-``all_gather`` of several sizes on a mesh, timed the same way, fitted by least squares to
+after warm-up, as medians. Network profile: ``psum``, ``psum_scatter``,
+``all_gather`` and ``ppermute`` of several sizes on a mesh, timed the same way, fitted by
+least squares to
 ``alpha + beta * bytes`` with ``alpha >= 0``; the fit's largest relative error is returned.
 Every multi-device call is blocked on before the next one starts (the rendezvous hazard
 in FACTS.md).
@@ -227,6 +228,8 @@ def scale_to_whole_model(prof: LayerProfile, stages: Sequence[Stage], x: jax.Arr
 
 
 def _collective_programs(mesh: Mesh, axis: str) -> dict[str, Callable[[jax.Array], jax.Array]]:
+    size = mesh.shape[axis]
+    ring = [(i, (i + 1) % size) for i in range(size)]
     def wrap(body):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis),
                                      check_vma=False))
@@ -235,6 +238,7 @@ def _collective_programs(mesh: Mesh, axis: str) -> dict[str, Callable[[jax.Array
         "all_reduce": wrap(lambda x: jax.lax.psum(x, axis)),
         "reduce_scatter": wrap(lambda x: jax.lax.psum_scatter(x[0], axis, tiled=True)[None]),
         "all_gather": wrap(lambda x: jax.lax.all_gather(x[0], axis, tiled=True)[None]),
+        "ppermute": wrap(lambda x: jax.lax.ppermute(x, axis, ring)),  # one B-byte message each
     }
 
 
@@ -261,7 +265,8 @@ def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[Co
 def profile_network(mesh: Mesh | None = None, axis: str = "data",
                     sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
                     progress: bool = False) -> tuple[NetworkProfile, dict[str, float]]:
-    """Measure and fit all-reduce, reduce-scatter and all-gather on ``mesh`` (default: all devices).
+    """Measure and fit all-reduce, reduce-scatter, all-gather and ppermute on ``mesh``
+    (default: all devices).
 
     ``sizes`` are full-tensor bytes (float32); each is rounded to a multiple of 4 * workers.
     Works single-process on virtual CPU devices and multi-process (every process calls it).

@@ -37,7 +37,7 @@ def test_layer_profile_of_zoo_model(name):
 def test_network_profile_on_virtual_mesh():
     net, errors = profile_network(sizes=(1 << 12, 1 << 16, 1 << 21), repeats=3)
     assert net.workers == jax.device_count() == 8
-    assert set(net.collectives) == set(errors) == {"all_reduce", "reduce_scatter", "all_gather"}
+    assert set(net.collectives) == set(errors) == {"all_reduce", "reduce_scatter", "all_gather", "ppermute"}
     for name, cost in net.collectives.items():
         assert cost.alpha_s >= 0 and cost.beta_s_per_byte >= 0
         assert math.isfinite(errors[name])
