@@ -6,8 +6,8 @@ each top-level parameter group of a zoo model is run as its own jitted stage on 
 device; forward and backward (the VJP, residuals precomputed) are timed separately,
 after warm-up, as medians. Network profile: ``psum``, ``psum_scatter``,
 ``all_gather`` and ``ppermute`` of several sizes on a mesh, timed the same way, fitted by
-least squares to
-``alpha + beta * bytes`` with ``alpha >= 0``; the fit's largest relative error is returned.
+least squares to ``alpha + beta * bytes`` with ``alpha >= 0``; the fit's largest relative
+error is returned.
 Every multi-device call is blocked on before the next one starts (the rendezvous hazard
 in FACTS.md).
 
