@@ -176,3 +176,19 @@ def test_bound_and_closed_forms_hold_for_any_profile(rows, alpha, beta, workers,
         assert result.iteration_s == wfbp_time(layers, net)
     if strategy == "allreduce":
         assert result.iteration_s == allreduce_time(layers, net)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_shared_stream_serialises_everything(seed):
+    # XLA:CPU runs collectives inline: a step costs all its compute plus all its collectives.
+    rng = random.Random(300 + seed)
+    layers, net = random_layers(rng, rng.randint(1, 12), exact=True), random_network(rng, exact=True)
+    buckets = _random_buckets(rng, len(layers))
+    shared = simulate(layers, net, "wfbp", buckets, shared_stream=True)
+    assert shared.iteration_s == allreduce_time(layers, net, buckets)
+    for strategy in STRATEGIES:
+        both = simulate(layers, net, strategy, buckets if strategy != "bytescheduler" else None)
+        one = simulate(layers, net, strategy, buckets if strategy != "bytescheduler" else None,
+                       shared_stream=True)
+        assert one.iteration_s >= both.iteration_s
+        assert one.iteration_s == one.compute_busy_s and one.comm_busy_s == 0

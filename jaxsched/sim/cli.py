@@ -53,6 +53,8 @@ def add_parser(subparsers: Any) -> None:
     sim.add_argument("--credit-mb", type=float, help="ByteScheduler credit (default: tuned)")
     sim.add_argument("--density", type=float, default=0.001, help="top-k density for +topk/+gtopk")
     sim.add_argument("--iterations", type=int, default=8)
+    sim.add_argument("--shared-stream", action="store_true",
+                     help="collectives run inline on the compute stream (XLA:CPU): no overlap")
     sim.add_argument("--json", help="write the results here")
     sim.add_argument("--trace", help="write a Chrome-trace JSON timeline here (open in Perfetto)")
     sim.add_argument("--png", help="write a Gantt chart PNG here")
@@ -118,11 +120,12 @@ def _bytescheduler(layers: LayerProfile, network: NetworkProfile, args: argparse
     best = None
     for partition, credit in grid:
         result = simulate(layers, network, "bytescheduler", iterations=args.iterations,
-                          partition_bytes=partition, credit_bytes=credit, keep_spans=False)
+                          partition_bytes=partition, credit_bytes=credit,
+                          shared_stream=args.shared_stream, keep_spans=False)
         if best is None or result.iteration_s < best[0]:
             best = (result.iteration_s, partition, credit)
     return simulate(layers, network, "bytescheduler", iterations=args.iterations,
-                    partition_bytes=best[1], credit_bytes=best[2])
+                    partition_bytes=best[1], credit_bytes=best[2], shared_stream=args.shared_stream)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -149,7 +152,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                                    compression=compression, progress=progress)
         planners[name] = planner
         results[name] = simulate(layers, network, base, buckets, iterations=args.iterations,
-                                 compression=compression)
+                                 compression=compression, shared_stream=args.shared_stream)
     bound, compute_min, comm_min = lower_bound(layers, network)
     reference = results.get("allreduce")
     print(f"{label}: {len(layers)} layers, {layers.total_params / 1e6:.2f}M params, "

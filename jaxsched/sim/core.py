@@ -173,11 +173,14 @@ class _Task:
 
 
 class _Graph:
-    def __init__(self) -> None:
+    def __init__(self, shared_stream: bool = False) -> None:
         self.tasks: list[_Task] = []
         self.compute_order: list[int] = []
+        self.shared_stream = shared_stream
 
     def add(self, task: _Task) -> int:
+        if self.shared_stream:  # collectives run inline, in program order, on the one stream
+            task.stream = "compute"
         self.tasks.append(task)
         idx = len(self.tasks) - 1
         if task.stream == "compute":
@@ -187,9 +190,9 @@ class _Graph:
 
 def _build(layers: LayerProfile, network: NetworkProfile, strategy: str,
            buckets: list[list[int]], iterations: int, compression: Compression | None,
-           partition_bytes: int) -> _Graph:
+           partition_bytes: int, shared_stream: bool = False) -> _Graph:
     """The task graph of ``iterations`` iterations (see the table in docs/simulator.md)."""
-    graph = _Graph()
+    graph = _Graph(shared_stream)
     lay = layers.layers
     num = len(lay)
     workers = network.workers
@@ -327,13 +330,16 @@ def _execute(graph: _Graph, priority: bool, merge_cost: Any = None, credit_bytes
 def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str,
              buckets: Sequence[Sequence[int]] | None = None, *, iterations: int = 8,
              compression: Compression | None = None, partition_bytes: int = 4 * MB,
-             credit_bytes: int | None = None, keep_spans: bool = True) -> SimResult:
+             credit_bytes: int | None = None, shared_stream: bool = False,
+             keep_spans: bool = True) -> SimResult:
     """Simulate ``iterations`` iterations of ``strategy`` and report the steady state.
 
     ``buckets`` (forward order) defaults to :func:`default_buckets`; ``bytescheduler``
     ignores them and instead splits every layer's gradient into ``partition_bytes``
     chunks, sent by priority (earlier layers first, preempting at chunk boundaries),
     merging ready chunks up to ``credit_bytes`` (default: one partition) per collective.
+    ``shared_stream=True`` runs every collective inline on the compute stream, in program
+    order: how XLA:CPU executes them (no overlap at all; FACTS.md).
     """
     if strategy not in STRATEGIES:
         raise SimulationError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -349,7 +355,8 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str,
     if partition_bytes <= 0:
         raise SimulationError(f"partition_bytes={partition_bytes} must be > 0")
     credit = partition_bytes if credit_bytes is None else credit_bytes
-    graph = _build(layers, network, strategy, buckets, iterations, compression, partition_bytes)
+    graph = _build(layers, network, strategy, buckets, iterations, compression, partition_bytes,
+                   shared_stream)
     merge = (lambda b: network.time("all_reduce", b)) if strategy == "bytescheduler" else None
     start, end, comm_ops = _execute(graph, priority=strategy == "bytescheduler",
                                     merge_cost=merge, credit_bytes=credit)
@@ -383,7 +390,7 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str,
             head = tasks[group[0]]
             name = head.name if len(group) == 1 else f"{head.name} +{len(group) - 1} chunks"
             spans.append(Span("comm", name, head.kind, head.iteration, op_start, op_end))
-    options: dict[str, Any] = {"iterations": iterations}
+    options: dict[str, Any] = {"iterations": iterations, "shared_stream": shared_stream}
     if strategy == "bytescheduler":
         options.update(partition_bytes=partition_bytes, credit_bytes=credit)
     if compression is not None:
