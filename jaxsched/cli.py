@@ -62,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo_p.add_argument("--log", default="runs/demo.jsonl")
     demo_p.add_argument("--no-progress", action="store_true")
 
+    from jaxsched.sim import cli as sim_cli  # simulate, profile
+    sim_cli.add_parser(sub)
     args = parser.parse_args(argv)
     from jaxsched.config import ConfigError
 
@@ -75,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = _run_training(str(DEMO_CONFIG), None, args.log, not args.no_progress)
             print(f"per-step metrics: {args.log}")
             return code
+        if args.command in ("simulate", "profile"):
+            return sim_cli.run(args)
     except ConfigError as err:
         print(f"jaxsched: error: {err}", file=sys.stderr)
         return 2

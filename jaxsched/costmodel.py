@@ -1,0 +1,321 @@
+"""Cost model inputs: per-layer compute profiles and alpha-beta collective costs.
+
+Scheduling decisions need numbers. A :class:`LayerProfile` says how long each layer's
+forward and backward take and how many gradient bytes it produces; a
+:class:`NetworkProfile` says how long one collective of ``B`` bytes takes on a given
+number of workers, as ``alpha_s + beta_s_per_byte * B`` (``B`` is the full, unsharded
+tensor size). Both load from and save to JSON so users can simulate their own
+measurements. This module imports nothing else from jaxsched (lowest layer).
+
+Example:
+    >>> from jaxsched.costmodel import Layer, LayerProfile, network_preset
+    >>> layers = LayerProfile([Layer("fc", params=1000, bytes=4000, forward_s=1e-3,
+    ...                              backward_s=2e-3)])
+    >>> net = network_preset("10gbe", workers=8)
+    >>> round(net.time("all_reduce", 4000) * 1e6, 1)  # microseconds
+    355.6
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "ppermute", "all_to_all")
+REQUIRED_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+class ProfileError(ValueError):
+    """A profile (file or dict) is malformed; the message names the file and field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One parameter group, in forward order. ``update_s`` is its optimizer-update time."""
+
+    name: str
+    params: int
+    bytes: int
+    forward_s: float
+    backward_s: float
+    update_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerProfile:
+    """Layers in forward order; the gradient of layer ``i`` is ready when its backward ends."""
+
+    layers: Sequence[Layer]
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.layers:
+            raise ProfileError("layer profile has no layers; give at least one")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def forward_s(self) -> float:
+        return sum(layer.forward_s for layer in self.layers)
+
+    @property
+    def backward_s(self) -> float:
+        return sum(layer.backward_s for layer in self.layers)
+
+    @property
+    def update_s(self) -> float:
+        return sum(layer.update_s for layer in self.layers)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(layer.bytes for layer in self.layers)
+
+    @property
+    def total_params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": [dataclasses.asdict(layer) for layer in self.layers],
+                "meta": dict(self.meta)}
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<dict>") -> "LayerProfile":
+        """Validate and build; errors name ``source`` and the offending field."""
+        if not isinstance(data, Mapping) or "layers" not in data:
+            raise ProfileError(f"{source}: layer profile needs a top-level 'layers' list")
+        raw_layers = data["layers"]
+        if not isinstance(raw_layers, list) or not raw_layers:
+            raise ProfileError(f"{source}: 'layers' must be a non-empty list")
+        layers = []
+        for i, raw in enumerate(raw_layers):
+            where = f"{source}: layers[{i}]"
+            if not isinstance(raw, Mapping):
+                raise ProfileError(f"{where} must be an object with name, params, bytes, "
+                                   f"forward_s, backward_s")
+            layers.append(Layer(
+                name=_field(raw, "name", str, where),
+                params=_field(raw, "params", int, where),
+                bytes=_field(raw, "bytes", int, where),
+                forward_s=_field(raw, "forward_s", float, where),
+                backward_s=_field(raw, "backward_s", float, where),
+                update_s=_field(raw, "update_s", float, where, default=0.0),
+            ))
+        meta = data.get("meta", {})
+        if not isinstance(meta, Mapping):
+            raise ProfileError(f"{source}: 'meta' must be an object")
+        return cls(layers, dict(meta))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LayerProfile":
+        return cls.from_dict(_read_json(path), str(path))
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCost:
+    """``time(B) = alpha_s + beta_s_per_byte * B`` for a collective of ``B`` full-tensor bytes."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def time(self, nbytes: float) -> float:
+        # An empty bucket issues no collective at all, so it costs nothing.
+        return 0 if nbytes <= 0 else self.alpha_s + self.beta_s_per_byte * nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkProfile:
+    """Alpha-beta cost per collective type, for a fixed number of workers."""
+
+    workers: int
+    collectives: Mapping[str, CollectiveCost]
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ProfileError(f"network profile 'workers'={self.workers!r} must be an int >= 1")
+
+    def cost(self, collective: str) -> CollectiveCost:
+        try:
+            return self.collectives[collective]
+        except KeyError:
+            raise ProfileError(f"network profile has no {collective!r} cost (it has "
+                               f"{', '.join(sorted(self.collectives))}); add it to the JSON "
+                               f"'collectives' object or use a preset") from None
+
+    def time(self, collective: str, nbytes: float) -> float:
+        return self.cost(collective).time(nbytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"workers": self.workers,
+                "collectives": {k: dataclasses.asdict(v) for k, v in self.collectives.items()},
+                "meta": dict(self.meta)}
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<dict>") -> "NetworkProfile":
+        if not isinstance(data, Mapping):
+            raise ProfileError(f"{source}: network profile must be a JSON object")
+        workers = _field(data, "workers", int, source)
+        raw = data.get("collectives")
+        if not isinstance(raw, Mapping):
+            raise ProfileError(f"{source}: network profile needs a 'collectives' object")
+        collectives = {}
+        for name, cost in raw.items():
+            where = f"{source}: collectives.{name}"
+            if name not in COLLECTIVES:
+                raise ProfileError(f"{where}: unknown collective; use one of {', '.join(COLLECTIVES)}")
+            if not isinstance(cost, Mapping):
+                raise ProfileError(f"{where} must be an object with alpha_s and beta_s_per_byte")
+            collectives[name] = CollectiveCost(_field(cost, "alpha_s", float, where),
+                                               _field(cost, "beta_s_per_byte", float, where))
+        for name in REQUIRED_COLLECTIVES:
+            if name not in collectives:
+                raise ProfileError(f"{source}: collectives.{name} is missing; the simulator "
+                                   f"needs {', '.join(REQUIRED_COLLECTIVES)}")
+        meta = data.get("meta", {})
+        return cls(workers, collectives, dict(meta) if isinstance(meta, Mapping) else {})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "NetworkProfile":
+        return cls.from_dict(_read_json(path), str(path))
+
+
+def _read_json(path: str | Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"{path}: no such file") from None
+    except json.JSONDecodeError as err:
+        raise ProfileError(f"{path}: not valid JSON ({err})") from None
+
+
+def _field(raw: Mapping, key: str, kind: type, where: str, default: Any = None) -> Any:
+    """Read ``raw[key]`` as ``kind``; times and sizes must be finite and non-negative."""
+    if key not in raw:
+        if default is not None:
+            return default
+        raise ProfileError(f"{where}: field {key!r} is missing")
+    value = raw[key]
+    ok = (isinstance(value, str) if kind is str else
+          isinstance(value, int) and not isinstance(value, bool) if kind is int else
+          isinstance(value, (int, float)) and not isinstance(value, bool))
+    if not ok:
+        raise ProfileError(f"{where}: field {key!r}={value!r} must be {kind.__name__}")
+    if kind is not str and (not math.isfinite(value) or value < 0):
+        raise ProfileError(f"{where}: field {key!r}={value!r} must be finite and >= 0")
+    return float(value) if kind is float else value
+
+
+# --------------------------------------------------------------------------- presets
+@dataclasses.dataclass(frozen=True)
+class LinkPreset:
+    """A point-to-point link: per-message latency and per-direction bandwidth."""
+
+    name: str
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    source: str
+
+
+# Bandwidths are the line rates of the standards; latencies are typical per-message
+# software+wire latencies (order of magnitude, our assumption; measure yours with
+# `jaxsched.profile.profile_network`).
+LINK_PRESETS: dict[str, LinkPreset] = {
+    # IEEE 802.3ab 1000BASE-T: 1 Gbit/s. TCP latency ~50 us (assumed).
+    "1gbe": LinkPreset("1gbe", 50e-6, 1e9 / 8, "IEEE 802.3ab (1 Gbit/s)"),
+    # IEEE 802.3ae 10GBASE: 10 Gbit/s. TCP latency ~25 us (assumed).
+    "10gbe": LinkPreset("10gbe", 25e-6, 10e9 / 8, "IEEE 802.3ae (10 Gbit/s)"),
+    # IEEE 802.3by 25GBASE: 25 Gbit/s. ~10 us (assumed, RoCE/TCP).
+    "25gbe": LinkPreset("25gbe", 10e-6, 25e9 / 8, "IEEE 802.3by (25 Gbit/s)"),
+    # InfiniBand EDR 4x: 100 Gbit/s (IBTA spec); ~1.5 us MPI-level latency (assumed).
+    "100gbib": LinkPreset("100gbib", 1.5e-6, 100e9 / 8, "InfiniBand EDR 4x (IBTA, 100 Gbit/s)"),
+    # NVLink 2.0 on V100 SXM2: 6 links x 25 GB/s per direction = 150 GB/s per direction
+    # (NVIDIA Tesla V100 datasheet, "300 GB/s" bidirectional); ~5 us per NCCL step (assumed).
+    # Only meaningful within one NVLink domain (8-16 GPUs).
+    "nvlink": LinkPreset("nvlink", 5e-6, 150e9, "NVIDIA Tesla V100 datasheet (NVLink 300 GB/s bidir)"),
+}
+
+
+def ring_costs(link: LinkPreset, workers: int) -> dict[str, CollectiveCost]:
+    """Ring-algorithm alpha-beta costs (Thakur et al., 2005; Patarasuk & Yuan, 2009).
+
+    With ``P`` workers, latency ``a`` and bandwidth ``bw``: all-reduce moves
+    ``2(P-1)/P`` of the tensor in ``2(P-1)`` steps; reduce-scatter and all-gather each
+    ``(P-1)/P`` in ``P-1`` steps; ppermute is one point-to-point message. One worker
+    needs no communication (all costs zero).
+    """
+    p, a, inv_bw = workers, link.latency_s, 1.0 / link.bandwidth_bytes_per_s
+    if p == 1:
+        zero = CollectiveCost(0.0, 0.0)
+        return {name: zero for name in COLLECTIVES}
+    half = CollectiveCost((p - 1) * a, (p - 1) / p * inv_bw)
+    return {
+        "all_reduce": CollectiveCost(2 * (p - 1) * a, 2 * (p - 1) / p * inv_bw),
+        "reduce_scatter": half,
+        "all_gather": half,
+        "all_to_all": half,
+        "ppermute": CollectiveCost(a, inv_bw),
+    }
+
+
+def network_preset(name: str, workers: int) -> NetworkProfile:
+    """A ring-algorithm network profile for a named link preset and worker count."""
+    try:
+        link = LINK_PRESETS[name]
+    except KeyError:
+        raise ProfileError(f"unknown network preset {name!r}; choose one of "
+                           f"{', '.join(LINK_PRESETS)} or pass a measured --network-profile") from None
+    if workers < 1:
+        raise ProfileError(f"workers={workers} must be >= 1")
+    return NetworkProfile(workers, ring_costs(link, workers),
+                          {"preset": name, "source": link.source, "algorithm": "ring"})
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePreset:
+    """A device roofline: peak dense FLOP/s in the stated precision and memory bandwidth."""
+
+    name: str
+    peak_flops: float
+    memory_bytes_per_s: float
+    precision: str
+    source: str
+
+
+DEVICE_PRESETS: dict[str, DevicePreset] = {
+    # NVIDIA Tesla V100 SXM2 datasheet: 15.7 TFLOPS FP32, 900 GB/s HBM2. FP32, as in the
+    # MG-WFBP / DeAR experiments.
+    "v100": DevicePreset("v100", 15.7e12, 900e9, "fp32", "NVIDIA Tesla V100 SXM2 datasheet"),
+    # NVIDIA A100 SXM4 40GB datasheet: 156 TFLOPS TF32 (dense), 1555 GB/s HBM2.
+    "a100": DevicePreset("a100", 156e12, 1555e9, "tf32", "NVIDIA A100 datasheet (SXM4 40GB)"),
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOPS BF16 dense (1979 with sparsity), 3.35 TB/s HBM3.
+    "h100": DevicePreset("h100", 989e12, 3.35e12, "bf16", "NVIDIA H100 SXM datasheet"),
+    # Google Cloud TPU v5e docs: 197 TFLOPS BF16 per chip, 819 GB/s HBM2.
+    "tpu-v5e": DevicePreset("tpu-v5e", 197e12, 819e9, "bf16", "cloud.google.com/tpu/docs/v5e"),
+}
+
+
+def device_preset(name: str) -> DevicePreset:
+    try:
+        return DEVICE_PRESETS[name]
+    except KeyError:
+        raise ProfileError(f"unknown device preset {name!r}; choose one of "
+                           f"{', '.join(DEVICE_PRESETS)}") from None
+
+
+def roofline_seconds(flops: float, memory_bytes: float, device: DevicePreset,
+                     efficiency: float = 0.5) -> float:
+    """Time of a kernel under a roofline, with a sustained fraction ``efficiency`` of peak."""
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
+    return max(flops / device.peak_flops, memory_bytes / device.memory_bytes_per_s) / efficiency
+

@@ -1,0 +1,75 @@
+"""Bucket planners: which gradients travel together in one collective.
+
+``plan_buckets`` returns contiguous groups of layer indices in **forward order**
+(``[[0, 1], [2, 3]]``: layers 2 and 3 finish backward first, so their bucket is sent
+first). That is the layout ``jaxsched.sim.simulate`` and ``jaxsched.schedule`` take.
+
+Example:
+    >>> from jaxsched.costmodel import Layer, LayerProfile, network_preset
+    >>> from jaxsched.plan import plan_buckets
+    >>> prof = LayerProfile([Layer(str(i), 1, 10**6, 1e-3, 2e-3) for i in range(8)])
+    >>> net = network_preset("10gbe", 16)
+    >>> len(plan_buckets(prof, net, "per_layer"))
+    8
+    >>> from jaxsched.sim import simulate
+    >>> best = plan_buckets(prof, net, "optimal", strategy="wfbp")
+    >>> all(simulate(prof, net, "wfbp", best).iteration_s <=
+    ...     simulate(prof, net, "wfbp", plan_buckets(prof, net, p)).iteration_s + 1e-12
+    ...     for p in PLANNERS)
+    True
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from jaxsched.costmodel import LayerProfile, NetworkProfile
+from jaxsched.plan.mgwfbp import plan_mgwfbp
+from jaxsched.plan.optimal import optimal_wfbp, search
+from jaxsched.plan.per_layer import plan_per_layer
+from jaxsched.plan.prophet import plan_prophet
+from jaxsched.plan.threshold import DEFAULT_THRESHOLD_BYTES, plan_threshold
+
+PLANNERS = ("per_layer", "threshold", "mgwfbp", "prophet", "optimal")
+
+
+def plan_buckets(layers: LayerProfile, network: NetworkProfile, planner: str = "threshold",
+                 strategy: str = "wfbp", *, threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
+                 compression: Any = None, progress: bool = False,
+                 iterations: int = 6) -> list[list[int]]:
+    """Plan buckets for ``strategy`` with ``planner``; see the module docstring for layout.
+
+    ``optimal`` minimises ``jaxsched.sim.simulate(..., strategy, buckets)`` (exactly by DP for
+    wfbp/mgwfbp, by search for dear and compressed strategies); ``compression`` and
+    ``iterations`` are passed to the simulator when it is searched.
+    """
+    if planner == "per_layer":
+        return plan_per_layer(layers)
+    if planner == "threshold":
+        return plan_threshold(layers, threshold_bytes)
+    if planner == "mgwfbp":
+        return plan_mgwfbp(layers, network, strategy)
+    if planner == "prophet":
+        return plan_prophet(layers, network, strategy)
+    if planner != "optimal":
+        raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
+    if strategy in ("allreduce", "approx") and compression is None:
+        return [list(range(len(layers)))]
+    if strategy in ("wfbp", "mgwfbp") and compression is None:
+        return optimal_wfbp(layers, network)[0]
+    if strategy == "bytescheduler":
+        raise ValueError("bytescheduler partitions tensors itself; plan buckets for another strategy")
+    from jaxsched.sim import simulate  # the planner searches the simulator
+
+    def evaluate(buckets: list[list[int]]) -> float:
+        return simulate(layers, network, strategy, buckets, iterations=iterations,
+                        compression=compression, keep_spans=False).iteration_s
+
+    candidates = [plan_buckets(layers, network, p, strategy, threshold_bytes=threshold_bytes)
+                  for p in PLANNERS[:-1]]
+    candidates += [plan_threshold(layers, 2 ** e) for e in range(16, 32, 2)]
+    candidates += [optimal_wfbp(layers, network)[0], [list(range(len(layers)))]]
+    return search(layers, candidates, evaluate, progress=progress)
+
+
+__all__ = ["DEFAULT_THRESHOLD_BYTES", "PLANNERS", "plan_buckets", "plan_mgwfbp", "plan_per_layer",
+           "plan_prophet", "plan_threshold"]

@@ -1,0 +1,299 @@
+"""Measure the inputs of the cost model on the real backend: layer times and collective costs.
+
+Why: a planner must use the costs of the backend it runs on, not assumed ring costs (on
+gloo a reduce-scatter + all-gather took 2.3x one all-reduce; FACTS.md). Layer profile:
+each top-level parameter group of a zoo model is run as its own jitted stage on one
+device; forward and backward (the VJP, residuals precomputed) are timed separately,
+after warm-up, as medians. Network profile: ``psum``, ``psum_scatter``,
+``all_gather`` and ``ppermute`` of several sizes on a mesh, timed the same way, fitted by
+least squares to ``alpha + beta * bytes`` with ``alpha >= 0``; the fit's largest relative
+error is returned.
+Every multi-device call is blocked on before the next one starts (the rendezvous hazard
+in FACTS.md).
+
+Example:
+    >>> from jaxsched.profile import profile_zoo_model
+    >>> prof = profile_zoo_model("mlp", batch=8, repeats=2)
+    >>> [layer.name for layer in prof.layers]
+    ['hidden.0', 'hidden.1', 'head']
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxsched import models
+from jaxsched.costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
+
+Stage = tuple[str, Any, Callable[[Any, jax.Array], jax.Array]]
+DEFAULT_SIZES = tuple(1 << e for e in range(12, 23, 2))  # 4 KiB .. 4 MiB per collective
+
+
+def _median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _with_activation(module: Any, activation: Callable | None = None,
+                     before: Callable | None = None) -> tuple[Any, Callable]:
+    params, apply = models.pure(module)
+
+    def stage(p, x):
+        y = apply(p, before(x) if before else x)
+        return activation(y) if activation else y
+
+    return params, stage
+
+
+def zoo_stages(name: str, model: Any) -> list[Stage]:
+    """Split a ``jaxsched.models`` model into one stage per top-level parameter group."""
+    relu = jax.nn.relu
+    if name == "mlp":
+        flatten = lambda x: x.reshape(x.shape[0], -1)
+        stages = [(f"hidden.{i}", *_with_activation(layer, relu, flatten if i == 0 else None))
+                  for i, layer in enumerate(model.hidden)]
+        return stages + [("head", *_with_activation(model.head))]
+    if name == "cnn":
+        stages = [("stem", *_with_activation(model.stem, relu))]
+        stages += [(f"blocks.{i}", *_with_activation(b)) for i, b in enumerate(model.blocks)]
+        return stages + [("head", *_with_activation(model.head, before=lambda x: x.mean(axis=(1, 2))))]
+    if name == "transformer":
+        embed_params, embed = models.pure(model.embed)
+        norm_params, norm = models.pure(model.norm)
+        head_params, head = models.pure(model.head)
+
+        def embedding(p, tokens):
+            return embed(p["embed"], tokens) + p["pos"][: tokens.shape[1]]
+
+        stages = [("embed", {"embed": embed_params, "pos": model.pos[...]}, embedding)]
+        stages += [(f"blocks.{i}", *_with_activation(b)) for i, b in enumerate(model.blocks)]
+        return stages + [("norm+head", {"norm": norm_params, "head": head_params},
+                          lambda p, x: head(p["head"], norm(p["norm"], x)))]
+    raise ValueError(f"no stage split for model {name!r}; use one of mlp, cnn, transformer")
+
+
+def _stage_with_loss(fn: Callable, labels: jax.Array) -> Callable:
+    def loss_stage(p, h, y=None):
+        logits = fn(p, h)
+        y = labels if y is None else y
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], axis=-1))
+    return loss_stage
+
+
+def profile_stages(stages: Sequence[Stage], x: jax.Array, labels: jax.Array, repeats: int = 5,
+                   device: Any = None, mesh: Mesh | None = None, axis: str = "data") -> LayerProfile:
+    """Time each stage's forward and backward; the last stage ends in the loss.
+
+    Without ``mesh``: on one ``device``, backward timed alone (VJP residuals precomputed).
+    With ``mesh``: every device runs the stage at once on its shard of ``x`` (as in a real
+    data-parallel step, where devices share the host's cores), and backward is the time of
+    forward+backward minus forward. ``x`` and ``labels`` are then the global batch.
+    """
+    if mesh is not None:
+        return _profile_stages_on_mesh(stages, x, labels, repeats, mesh, axis)
+    device = device or jax.devices()[0]
+    x, labels = jax.device_put((x, labels), device)
+    layers = []
+    for index, (name, params, fn) in enumerate(stages):
+        params = jax.device_put(params, device)
+        last = index == len(stages) - 1
+        if last:
+            fn = _stage_with_loss(fn, labels)
+        forward = jax.jit(fn)
+        first = index == 0
+        out, vjp_fn = (jax.vjp(lambda p, _x=x, _f=fn: _f(p, _x), params) if first
+                       else jax.vjp(fn, params, x))
+        cotangent = jnp.ones_like(out)
+        backward = jax.jit(lambda vjp, ct: vjp(ct))
+        forward_s = _median_seconds(lambda: forward(params, x), repeats)
+        backward_s = _median_seconds(lambda: backward(vjp_fn, cotangent), repeats)
+        layers.append(_layer(name, params, forward_s, backward_s))
+        x = jax.block_until_ready(forward(params, x)) if not last else x
+    return LayerProfile(layers, {"source": "jaxsched.profile (measured medians, one device)",
+                                 "backend": jax.default_backend(), "repeats": repeats})
+
+
+def _layer(name: str, params: Any, forward_s: float, backward_s: float) -> Layer:
+    count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params))
+    nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+    return Layer(name, count, int(nbytes), forward_s, backward_s)
+
+
+def _profile_stages_on_mesh(stages: Sequence[Stage], x: jax.Array, labels: jax.Array,
+                            repeats: int, mesh: Mesh, axis: str) -> LayerProfile:
+    sharded = NamedSharding(mesh, P(axis))
+    x, labels = jax.device_put((x, labels), sharded)
+    layers = []
+    for index, (name, params, fn) in enumerate(stages):
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        last = index == len(stages) - 1
+        if last:
+            loss = _stage_with_loss(fn, labels)
+            fn = lambda p, h, y, _loss=loss: _loss(p, h, y)[None]
+        else:
+            fn = (lambda p, h, y, _f=fn: _f(p, h))
+        first = index == 0
+
+        def both(p, h, y, _fn=fn, _first=first):
+            out, vjp = jax.vjp(lambda q: _fn(q, h, y), p) if _first else \
+                jax.vjp(lambda q, a: _fn(q, a, y), p, h)
+            return out, vjp(jnp.ones_like(out))
+
+        specs = dict(mesh=mesh, in_specs=(P(), P(axis), P(axis)), check_vma=False)
+        forward = jax.jit(jax.shard_map(fn, out_specs=P(axis), **specs))
+        forward_backward = jax.jit(jax.shard_map(both, out_specs=(P(axis), P(axis)), **specs))
+        forward_s = _median_seconds(lambda: forward(params, x, labels), repeats)
+        total_s = _median_seconds(lambda: forward_backward(params, x, labels), repeats)
+        layers.append(_layer(name, params, forward_s, max(total_s - forward_s, 0.0)))
+        x = jax.block_until_ready(forward(params, x, labels)) if not last else x
+    return LayerProfile(layers, {"source": "jaxsched.profile (measured medians, all devices at once)",
+                                 "backend": jax.default_backend(), "repeats": repeats,
+                                 "workers": mesh.shape[axis]})
+
+
+def profile_zoo_model(name: str, batch: int = 64, repeats: int = 5, seed: int = 0,
+                      mesh: Mesh | None = None, axis: str = "data", scale_to_whole_step: bool = True,
+                      **options: Any) -> LayerProfile:
+    """Measured layer profile of a ``jaxsched.models`` zoo model at per-device ``batch``.
+
+    With ``mesh``, every device runs at once and the stage times are rescaled to the whole
+    model's measured totals (:func:`scale_to_whole_model`); ``options`` go to the model.
+    """
+    workers = mesh.shape[axis] if mesh is not None else 1
+    rng = np.random.default_rng(seed)
+    if name == "transformer":
+        model = models.build(name, (32,), 64, seed, **options)
+        x = rng.integers(0, 64, (batch * workers, 32)).astype(np.int32)
+        labels = rng.integers(0, 64, (batch * workers, 32)).astype(np.int32)
+    else:
+        model = models.build(name, (8, 8, 1), 10, seed, **options)
+        x = rng.standard_normal((batch * workers, 8, 8, 1)).astype(np.float32)
+        labels = rng.integers(0, 10, batch * workers).astype(np.int32)
+    stages = zoo_stages(name, model)
+    prof = profile_stages(stages, jnp.asarray(x), jnp.asarray(labels), repeats, mesh=mesh, axis=axis)
+    meta = {**prof.meta, "model": name, "batch": batch}
+    if mesh is not None and scale_to_whole_step:
+        prof = scale_to_whole_model(prof, stages, jnp.asarray(x), jnp.asarray(labels), mesh, axis, repeats)
+        meta.update(prof.meta)
+    return LayerProfile(prof.layers, meta)
+
+
+def scale_to_whole_model(prof: LayerProfile, stages: Sequence[Stage], x: jax.Array,
+                         labels: jax.Array, mesh: Mesh, axis: str = "data", repeats: int = 5
+                         ) -> LayerProfile:
+    """Rescale stage times so forward and backward totals match the whole model run as one
+    program (XLA fuses across stage boundaries, and per-stage dispatch adds overhead); the
+    per-layer shares stay as measured."""
+    names = [name for name, _, _ in stages]
+    params = {name: p for name, p, _ in stages}
+    loss_stage = _stage_with_loss(stages[-1][2], labels)
+
+    def loss(p, h, y):
+        for name, _, fn in stages[:-1]:
+            h = fn(p[name], h)
+        return loss_stage(p[names[-1]], h, y)[None]
+
+    def loss_and_grad(p, h, y):
+        value, grads = jax.value_and_grad(lambda q: loss(q, h, y)[0])(p)
+        return value[None], grads
+
+    specs = dict(mesh=mesh, in_specs=(P(), P(axis), P(axis)), check_vma=False)
+    forward = jax.jit(jax.shard_map(loss, out_specs=P(axis), **specs))
+    both = jax.jit(jax.shard_map(loss_and_grad, out_specs=(P(axis), P(axis)), **specs))
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    x, labels = jax.device_put((x, labels), NamedSharding(mesh, P(axis)))
+    forward_s = _median_seconds(lambda: forward(params, x, labels), repeats)
+    backward_s = max(_median_seconds(lambda: both(params, x, labels), repeats) - forward_s, 0.0)
+    f_scale = forward_s / prof.forward_s if prof.forward_s else 1.0
+    b_scale = backward_s / prof.backward_s if prof.backward_s else 1.0
+    layers = [dataclasses.replace(l, forward_s=l.forward_s * f_scale, backward_s=l.backward_s * b_scale)
+              for l in prof.layers]
+    return LayerProfile(layers, {**prof.meta, "whole_model_forward_s": forward_s,
+                                 "whole_model_backward_s": backward_s,
+                                 "stage_sum_forward_s": prof.forward_s,
+                                 "stage_sum_backward_s": prof.backward_s})
+
+
+def _collective_programs(mesh: Mesh, axis: str) -> dict[str, Callable[[jax.Array], jax.Array]]:
+    size = mesh.shape[axis]
+    ring = [(i, (i + 1) % size) for i in range(size)]
+    def wrap(body):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis),
+                                     check_vma=False))
+
+    return {
+        "all_reduce": wrap(lambda x: jax.lax.psum(x, axis)),
+        "reduce_scatter": wrap(lambda x: jax.lax.psum_scatter(x[0], axis, tiled=True)[None]),
+        "all_gather": wrap(lambda x: jax.lax.all_gather(x[0], axis, tiled=True)[None]),
+        "ppermute": wrap(lambda x: jax.lax.ppermute(x, axis, ring)),  # one B-byte message each
+    }
+
+
+def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[CollectiveCost, float]:
+    """Least-squares ``alpha + beta * B`` with ``alpha, beta >= 0``; returns the max relative error.
+
+    Example:
+        >>> cost, err = fit_alpha_beta([1e3, 1e4, 1e5], [1.1e-3, 2e-3, 11e-3])
+        >>> round(cost.alpha_s, 4), round(cost.beta_s_per_byte * 1e9), err < 1e-9
+        (0.001, 100, True)
+    """
+    b, t = np.asarray(sizes, float), np.asarray(seconds, float)
+    design = np.stack([np.ones_like(b), b], axis=1)
+    alpha, beta = np.linalg.lstsq(design, t, rcond=None)[0]
+    if alpha < 0:
+        alpha, beta = 0.0, float(b @ t / (b @ b))
+    if beta < 0:
+        alpha, beta = float(t.mean()), 0.0
+    cost = CollectiveCost(float(alpha), float(beta))
+    error = float(np.max(np.abs([cost.time(x) - y for x, y in zip(b, t)]) / t))
+    return cost, error
+
+
+def profile_network(mesh: Mesh | None = None, axis: str = "data",
+                    sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
+                    progress: bool = False) -> tuple[NetworkProfile, dict[str, float]]:
+    """Measure and fit all-reduce, reduce-scatter, all-gather and ppermute on ``mesh``
+    (default: all devices).
+
+    ``sizes`` are full-tensor bytes (float32); each is rounded to a multiple of 4 * workers.
+    Works single-process on virtual CPU devices and multi-process (every process calls it).
+    """
+    mesh = mesh or jax.make_mesh((jax.device_count(),), (axis,))
+    workers = mesh.shape[axis]
+    programs = _collective_programs(mesh, axis)
+    sharding = NamedSharding(mesh, P(axis))
+    todo = [(name, size) for name in programs for size in sizes]
+    if progress:
+        from tqdm import tqdm
+        todo = tqdm(todo, desc="profiling collectives", leave=False)
+    measured: dict[str, list[tuple[int, float]]] = {name: [] for name in programs}
+    for name, size in todo:
+        elements = max(workers, size // 4 // workers * workers)
+        shape = (workers, elements // workers) if name == "all_gather" else (workers, elements)
+        host = np.ones(shape, np.float32)  # every process builds the same global array
+        x = jax.make_array_from_callback(shape, sharding, lambda index, _h=host: _h[index])
+        seconds = _median_seconds(lambda: programs[name](x), repeats)
+        measured[name].append((elements * 4, seconds))
+    collectives, errors = {}, {}
+    for name, points in measured.items():
+        collectives[name], errors[name] = fit_alpha_beta(*zip(*points))
+    meta = {"source": "jaxsched.profile (measured medians, least-squares fit)",
+            "backend": jax.default_backend(), "processes": jax.process_count(),
+            "fit_max_relative_error": errors}
+    return NetworkProfile(workers, collectives, meta), errors
+
+
+__all__ = ["fit_alpha_beta", "profile_network", "profile_stages", "profile_zoo_model", "zoo_stages"]

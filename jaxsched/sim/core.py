@@ -1,0 +1,400 @@
+"""Event-driven simulation of steady-state data-parallel iterations (Shi's DAG model).
+
+Why: before buying GPUs or choosing a strategy, a user wants to know where a step's time
+goes. The base model has one compute stream and one communication stream. Compute runs
+tasks in program order (forward layers ``0..L-1``, backward ``L-1..0``, optimizer
+update); a layer's gradient is ready when its backward ends; collectives run one at a
+time, in the order they are issued (or by priority for ByteScheduler). Several
+iterations are simulated so overlap across iterations (DeAR, ByteScheduler, approximated
+parameters) is counted; the reported iteration time is the mean period over the second
+half of them.
+
+Buckets are contiguous groups of layer indices in **forward order** (``[[0, 1], [2]]``);
+a bucket's collective is issued when its lowest-index layer's backward ends.
+
+Durations may be ``float`` or :class:`fractions.Fraction` (exact arithmetic, used by the
+tests that compare against closed forms).
+
+Example:
+    >>> from jaxsched.costmodel import Layer, LayerProfile, network_preset
+    >>> layers = LayerProfile([Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(4)])
+    >>> net = network_preset("10gbe", 8)
+    >>> r = simulate(layers, net, "wfbp")
+    >>> r.bound_s <= r.iteration_s <= simulate(layers, net, "allreduce").iteration_s
+    True
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from typing import Any, Sequence
+
+from jaxsched.costmodel import LayerProfile, NetworkProfile
+
+STRATEGIES = ("allreduce", "wfbp", "mgwfbp", "bytescheduler", "dear", "approx")
+COMPRESSIONS = ("topk", "gtopk")
+MB = 1 << 20
+
+
+class SimulationError(ValueError):
+    """Bad simulator input (strategy, buckets, options); the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Compression:
+    """Sparsify each bucket to a ``density`` fraction of its elements before sending.
+
+    ``topk``: every worker all-gathers its k values and k int32 indices (Aji & Heafield,
+    2017; Lin et al., 2018). ``gtopk``: a tree of ``ceil(log2 P)`` pairwise top-k merges,
+    then the result is broadcast back down the tree (Shi et al., ICDCS 2019), modelled as
+    ``2 * ceil(log2 P)`` point-to-point messages of 8k bytes. Selection costs
+    ``selection_s_per_byte`` seconds of compute per gradient byte.
+    """
+
+    kind: str
+    density: float
+    selection_s_per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in COMPRESSIONS:
+            raise SimulationError(f"compression kind {self.kind!r} is unknown; use one of "
+                                  f"{', '.join(COMPRESSIONS)}")
+        if not 0 < self.density <= 1:
+            raise SimulationError(f"compression density={self.density} must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """One task as executed: which stream, what, which iteration, when."""
+
+    stream: str  # "compute" or "comm"
+    name: str
+    kind: str  # forward, backward, update, compress, all_reduce, reduce_scatter, ...
+    iteration: int
+    start: Any
+    end: Any
+
+
+@dataclasses.dataclass
+class SimResult:
+    """What one strategy costs per steady-state iteration, and why."""
+
+    strategy: str
+    buckets: list[list[int]]
+    iteration_s: Any
+    compute_busy_s: Any
+    comm_busy_s: Any
+    compute_idle_s: Any
+    comm_idle_s: Any
+    bound_s: Any
+    compute_min_s: Any
+    comm_min_s: Any
+    gaps: list[tuple[Any, Any]]  # compute-stream idle intervals in one steady iteration
+    spans: list[Span]
+    options: dict[str, Any]
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-friendly numbers (no spans)."""
+        return {"iteration_s": float(self.iteration_s), "buckets": self.buckets,
+                "compute_busy_s": float(self.compute_busy_s), "comm_busy_s": float(self.comm_busy_s),
+                "compute_idle_s": float(self.compute_idle_s), "comm_idle_s": float(self.comm_idle_s),
+                "bound_s": float(self.bound_s), "options": self.options,
+                "gaps": [[float(a), float(b)] for a, b in self.gaps]}
+
+
+def check_buckets(buckets: Sequence[Sequence[int]], num_layers: int) -> list[list[int]]:
+    """Validate that ``buckets`` is a partition of ``range(num_layers)`` into contiguous,
+    ascending groups listed in forward order; returns it as lists."""
+    flat = [i for bucket in buckets for i in bucket]
+    if flat != list(range(num_layers)) or any(len(b) == 0 for b in buckets):
+        raise SimulationError(
+            f"buckets {list(map(list, buckets))[:6]}... must split layers 0..{num_layers - 1} "
+            f"into non-empty contiguous groups in forward order, e.g. [[0, 1], [2, 3]]")
+    return [list(b) for b in buckets]
+
+
+def default_buckets(strategy: str, num_layers: int) -> list[list[int]]:
+    """One bucket for ``allreduce``; one per layer otherwise (plan others with jaxsched.plan)."""
+    if strategy == "allreduce":
+        return [list(range(num_layers))]
+    return [[i] for i in range(num_layers)]
+
+
+def gradient_comm_time(network: NetworkProfile, nbytes: Any,
+                       compression: Compression | None = None) -> Any:
+    """Seconds to all-reduce (or sparsely aggregate) ``nbytes`` of gradient."""
+    if compression is None:
+        return network.time("all_reduce", nbytes)
+    if nbytes <= 0 or network.workers == 1:
+        return 0
+    k = math.ceil(compression.density * nbytes / 4)
+    if compression.kind == "topk":
+        return network.time("all_gather", network.workers * 8 * k)
+    rounds = math.ceil(math.log2(network.workers))
+    return 2 * rounds * network.time("ppermute", 8 * k)
+
+
+def lower_bound(layers: LayerProfile, network: NetworkProfile,
+                compression: Compression | None = None) -> tuple[Any, Any, Any]:
+    """``(bound, compute_min, comm_min)``: no strategy's steady iteration beats ``bound``.
+
+    compute_min: all forward and backward, plus the cheapest update (sharded over the
+    workers, as DeAR does). comm_min: all gradient bytes in one collective, the cheaper of
+    one all-reduce or reduce-scatter + all-gather (alpha >= 0 makes merging never worse).
+    """
+    total = layers.total_bytes
+    compute_min = sum(l.forward_s + l.backward_s for l in layers.layers) + \
+        _share(sum(l.update_s for l in layers.layers), network.workers)
+    if compression is not None:
+        compute_min += compression.selection_s_per_byte * total
+        comm_min = gradient_comm_time(network, total, compression)
+    else:
+        comm_min = min(network.time("all_reduce", total),
+                       network.time("reduce_scatter", total) + network.time("all_gather", total))
+    return max(compute_min, comm_min), compute_min, comm_min
+
+
+def _share(seconds: Any, workers: int) -> Any:
+    """``seconds / workers``, keeping exact zero (and Fractions) exact."""
+    return seconds / workers if seconds else seconds
+
+
+@dataclasses.dataclass
+class _Task:
+    stream: str
+    name: str
+    kind: str
+    iteration: int
+    duration: Any
+    deps: list[int]
+    nbytes: Any = 0
+    priority: tuple = ()
+
+
+class _Graph:
+    def __init__(self, shared_stream: bool = False) -> None:
+        self.tasks: list[_Task] = []
+        self.compute_order: list[int] = []
+        self.shared_stream = shared_stream
+
+    def add(self, task: _Task) -> int:
+        if self.shared_stream:  # collectives run inline, in program order, on the one stream
+            task.stream = "compute"
+        self.tasks.append(task)
+        idx = len(self.tasks) - 1
+        if task.stream == "compute":
+            self.compute_order.append(idx)
+        return idx
+
+
+def _build(layers: LayerProfile, network: NetworkProfile, strategy: str,
+           buckets: list[list[int]], iterations: int, compression: Compression | None,
+           partition_bytes: int, shared_stream: bool = False) -> _Graph:
+    """The task graph of ``iterations`` iterations (see the table in docs/simulator.md)."""
+    graph = _Graph(shared_stream)
+    lay = layers.layers
+    num = len(lay)
+    workers = network.workers
+    bucket_lo = {b[0]: k for k, b in enumerate(buckets)}  # lowest layer -> bucket index
+    bucket_bytes = [sum(lay[i].bytes for i in b) for b in buckets]
+    bucket_update = [sum(lay[i].update_s for i in b) for b in buckets]
+    total_update = sum(l.update_s for l in lay)
+    prev_comm: list[int] = []  # gradient collectives of the previous iteration
+    prev_gather: dict[int, int] = {}  # dear: bucket -> all-gather task of previous iteration
+    prev_chunks: dict[int, list[int]] = {}  # bytescheduler: layer -> chunk tasks
+    overlap = strategy in ("wfbp", "mgwfbp", "approx", "dear")
+
+    def grad_collective(k: int, n: int, deps: list[int]) -> int:
+        after = deps
+        if compression is not None and compression.selection_s_per_byte:
+            after = [graph.add(_Task("compute", f"compress b{k}", "compress", n,
+                                     compression.selection_s_per_byte * bucket_bytes[k], deps))]
+        if strategy == "dear":
+            return graph.add(_Task("comm", f"reduce_scatter b{k}", "reduce_scatter", n,
+                                   network.time("reduce_scatter", bucket_bytes[k]), after))
+        kind = "all_reduce" if compression is None else compression.kind
+        return graph.add(_Task("comm", f"{kind} b{k}", kind, n,
+                               gradient_comm_time(network, bucket_bytes[k], compression), after))
+
+    for n in range(iterations):
+        comm: list[int] = []
+        reduce_of_bucket: dict[int, int] = {}
+        chunks: dict[int, list[int]] = {}
+        for i in range(num):
+            if strategy == "bytescheduler" and n > 0:
+                graph.add(_Task("compute", f"update l{i}", "update", n, lay[i].update_s,
+                                prev_chunks[i]))
+            deps = [prev_gather[bucket_lo[i]]] if strategy == "dear" and n > 0 and i in bucket_lo else []
+            graph.add(_Task("compute", f"fwd {lay[i].name}", "forward", n, lay[i].forward_s, deps))
+        for i in reversed(range(num)):
+            bwd = graph.add(_Task("compute", f"bwd {lay[i].name}", "backward", n, lay[i].backward_s, []))
+            if overlap and i in bucket_lo:
+                k = bucket_lo[i]
+                reduce_of_bucket[k] = grad_collective(k, n, [bwd])
+                comm.append(reduce_of_bucket[k])
+            if strategy == "bytescheduler":
+                pieces = max(1, math.ceil(lay[i].bytes / partition_bytes))
+                sizes = [partition_bytes] * (pieces - 1) + [lay[i].bytes - partition_bytes * (pieces - 1)]
+                chunks[i] = [graph.add(_Task("comm", f"all_reduce l{i}.{c}", "all_reduce", n,
+                                             network.time("all_reduce", size), [bwd], size, (n, i, c)))
+                             for c, size in enumerate(sizes)]
+        if strategy == "allreduce":
+            bwd_end = graph.compute_order[-1]
+            comm = [grad_collective(k, n, [bwd_end]) for k in reversed(range(len(buckets)))]
+        if strategy in ("allreduce", "wfbp", "mgwfbp"):
+            graph.add(_Task("compute", "update", "update", n, total_update, comm))
+        elif strategy == "approx":
+            graph.add(_Task("compute", "update (previous step)", "update", n, total_update, prev_comm))
+        elif strategy == "dear":
+            for k in range(len(buckets)):
+                upd = graph.add(_Task("compute", f"update b{k} shard", "update", n,
+                                      _share(bucket_update[k], workers), [reduce_of_bucket[k]]))
+                prev_gather[k] = graph.add(_Task("comm", f"all_gather b{k}", "all_gather", n,
+                                                 network.time("all_gather", bucket_bytes[k]), [upd]))
+        prev_comm, prev_chunks = comm, chunks
+    return graph
+
+
+def _execute(graph: _Graph, priority: bool, merge_cost: Any = None, credit_bytes: Any = 0
+             ) -> tuple[list[Any], list[Any], list[tuple[list[int], Any, Any]]]:
+    """Run the task graph; returns per-task start/end and the comm ops as executed."""
+    tasks = graph.tasks
+    count = len(tasks)
+    start: list[Any] = [None] * count
+    end: list[Any] = [None] * count
+    waiting = [len(t.deps) for t in tasks]
+    dependents: list[list[int]] = [[] for _ in range(count)]
+    for idx, task in enumerate(tasks):
+        for dep in task.deps:
+            dependents[dep].append(idx)
+    ready: list[tuple] = []  # comm tasks whose deps are done
+    events: list[tuple] = []  # (time, seq, [task ids])
+    comm_ops: list[tuple[list[int], Any, Any]] = []
+    now: Any = 0
+    seq = 0
+    pointer = 0
+    order = graph.compute_order
+    compute_free = comm_free = True
+    finished = 0
+
+    def make_ready(idx: int) -> None:
+        key = tasks[idx].priority if priority else (now,)
+        heapq.heappush(ready, (key, idx))
+
+    for idx, task in enumerate(tasks):
+        if task.stream == "comm" and not task.deps:
+            make_ready(idx)
+    while finished < count:
+        if compute_free and pointer < len(order) and waiting[order[pointer]] == 0:
+            idx = order[pointer]
+            pointer += 1
+            start[idx], end[idx] = now, now + tasks[idx].duration
+            heapq.heappush(events, (end[idx], seq, [idx]))
+            seq += 1
+            compute_free = False
+        if comm_free and ready:
+            _, idx = heapq.heappop(ready)
+            group, duration = [idx], tasks[idx].duration
+            if merge_cost is not None:  # ByteScheduler credit: send ready chunks together
+                nbytes = tasks[idx].nbytes
+                while ready and nbytes + tasks[ready[0][1]].nbytes <= credit_bytes:
+                    _, other = heapq.heappop(ready)
+                    group.append(other)
+                    nbytes += tasks[other].nbytes
+                duration = merge_cost(nbytes)
+            for member in group:
+                start[member], end[member] = now, now + duration
+            comm_ops.append((group, now, now + duration))
+            heapq.heappush(events, (now + duration, seq, group))
+            seq += 1
+            comm_free = False
+        if not events:
+            raise RuntimeError("simulator deadlock: a task waits on something never scheduled")
+        now = events[0][0]
+        while events and events[0][0] == now:
+            _, _, group = heapq.heappop(events)
+            if tasks[group[0]].stream == "compute":
+                compute_free = True
+            else:
+                comm_free = True
+            for idx in group:
+                finished += 1
+                for child in dependents[idx]:
+                    waiting[child] -= 1
+                    if waiting[child] == 0 and tasks[child].stream == "comm":
+                        make_ready(child)
+    return start, end, comm_ops
+
+
+def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str,
+             buckets: Sequence[Sequence[int]] | None = None, *, iterations: int = 8,
+             compression: Compression | None = None, partition_bytes: int = 4 * MB,
+             credit_bytes: int | None = None, shared_stream: bool = False,
+             keep_spans: bool = True) -> SimResult:
+    """Simulate ``iterations`` iterations of ``strategy`` and report the steady state.
+
+    ``buckets`` (forward order) defaults to :func:`default_buckets`; ``bytescheduler``
+    ignores them and instead splits every layer's gradient into ``partition_bytes``
+    chunks, sent by priority (earlier layers first, preempting at chunk boundaries),
+    merging ready chunks up to ``credit_bytes`` (default: one partition) per collective.
+    ``shared_stream=True`` runs every collective inline on the compute stream, in program
+    order: how XLA:CPU executes them (no overlap at all; FACTS.md).
+    """
+    if strategy not in STRATEGIES:
+        raise SimulationError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if iterations < 3:
+        raise SimulationError(f"iterations={iterations} must be >= 3 (one warm-up, two to measure)")
+    if compression is not None and strategy in ("dear", "bytescheduler"):
+        raise SimulationError(f"compression is modelled for allreduce, wfbp, mgwfbp and approx, "
+                              f"not {strategy!r}")
+    num = len(layers)
+    if strategy == "bytescheduler":
+        buckets = [[i] for i in range(num)]
+    buckets = check_buckets(buckets if buckets is not None else default_buckets(strategy, num), num)
+    if partition_bytes <= 0:
+        raise SimulationError(f"partition_bytes={partition_bytes} must be > 0")
+    credit = partition_bytes if credit_bytes is None else credit_bytes
+    graph = _build(layers, network, strategy, buckets, iterations, compression, partition_bytes,
+                   shared_stream)
+    merge = (lambda b: network.time("all_reduce", b)) if strategy == "bytescheduler" else None
+    start, end, comm_ops = _execute(graph, priority=strategy == "bytescheduler",
+                                    merge_cost=merge, credit_bytes=credit)
+    tasks = graph.tasks
+    first_of_iter: dict[int, Any] = {}
+    for idx in graph.compute_order:
+        first_of_iter.setdefault(tasks[idx].iteration, start[idx])
+    warm, last = iterations // 2, iterations - 1
+    window = last - warm
+    period = (first_of_iter[last] - first_of_iter[warm]) / window
+    compute_busy = sum(tasks[i].duration for i in graph.compute_order
+                       if tasks[i].iteration == warm)
+    comm_busy = sum(op_end - op_start for group, op_start, op_end in comm_ops
+                    if warm <= tasks[group[0]].iteration < last) / window
+    # A stream's busy time per iteration is a hard floor of the steady period; it guards a
+    # finite window against a backlog that is still growing (approx, when comm-bound).
+    iteration = max(period, compute_busy, comm_busy)
+    bound, compute_min, comm_min = lower_bound(layers, network, compression)
+    t0, t1 = first_of_iter[warm], first_of_iter[warm + 1]
+    gaps, cursor = [], t0
+    for idx in graph.compute_order:
+        if t0 <= start[idx] < t1:
+            if start[idx] > cursor:
+                gaps.append((cursor - t0, start[idx] - t0))
+            cursor = max(cursor, end[idx])
+    spans = []
+    if keep_spans:
+        spans = [Span("compute", tasks[i].name, tasks[i].kind, tasks[i].iteration, start[i], end[i])
+                 for i in graph.compute_order]
+        for group, op_start, op_end in comm_ops:
+            head = tasks[group[0]]
+            name = head.name if len(group) == 1 else f"{head.name} +{len(group) - 1} chunks"
+            spans.append(Span("comm", name, head.kind, head.iteration, op_start, op_end))
+    options: dict[str, Any] = {"iterations": iterations, "shared_stream": shared_stream}
+    if strategy == "bytescheduler":
+        options.update(partition_bytes=partition_bytes, credit_bytes=credit)
+    if compression is not None:
+        options.update(compression=compression.kind, density=compression.density)
+    return SimResult(strategy, buckets, iteration, compute_busy, comm_busy,
+                     iteration - compute_busy, iteration - comm_busy, bound, compute_min,
+                     comm_min, gaps, spans, options)

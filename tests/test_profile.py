@@ -1,0 +1,103 @@
+"""Profilers: fits, measured layer and network profiles, and the profile -> simulate path."""
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from jaxsched import models
+from jaxsched.cli import main
+from jaxsched.costmodel import LayerProfile, NetworkProfile
+from jaxsched.profile import fit_alpha_beta, profile_network, profile_zoo_model
+
+
+def test_fit_recovers_alpha_beta_and_keeps_alpha_nonnegative():
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    cost, error = fit_alpha_beta(sizes, [2e-4 + 3e-9 * b for b in sizes])
+    assert cost.alpha_s == pytest.approx(2e-4) and cost.beta_s_per_byte == pytest.approx(3e-9)
+    assert error < 1e-9
+    cost, error = fit_alpha_beta(sizes, [1e-9 * b - 1e-6 * (b > 5e5) for b in sizes])
+    assert cost.alpha_s >= 0 and cost.beta_s_per_byte > 0 and error > 0
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_layer_profile_of_zoo_model(name):
+    prof = profile_zoo_model(name, batch=8, repeats=2)
+    shape, outputs = ((32,), 64) if name == "transformer" else ((8, 8, 1), 10)
+    params, _ = models.pure(models.build(name, shape, outputs))
+    assert prof.total_params == sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    assert prof.total_bytes == 4 * prof.total_params
+    assert all(l.forward_s > 0 and l.backward_s > 0 for l in prof.layers)
+    assert LayerProfile.from_dict(json.loads(json.dumps(prof.to_dict()))) == prof
+
+
+def test_network_profile_on_virtual_mesh():
+    net, errors = profile_network(sizes=(1 << 12, 1 << 16, 1 << 21), repeats=3)
+    assert net.workers == jax.device_count() == 8
+    assert set(net.collectives) == set(errors) == {"all_reduce", "reduce_scatter", "all_gather", "ppermute"}
+    for name, cost in net.collectives.items():
+        assert cost.alpha_s >= 0 and cost.beta_s_per_byte >= 0
+        assert math.isfinite(errors[name])
+    assert net.time("all_reduce", 1 << 21) > net.time("all_reduce", 1 << 12)
+
+
+def test_profile_cli_output_feeds_simulate(tmp_path, capsys):
+    layers, network, out = tmp_path / "l.json", tmp_path / "n.json", tmp_path / "o.json"
+    assert main(["profile", "--model", "mlp", "--batch", "8", "--repeats", "2", "--out", str(layers),
+                 "--network-out", str(network), "--no-progress"]) == 0
+    assert "fit error" in capsys.readouterr().out
+    assert NetworkProfile.load(network).workers == 8
+    assert main(["simulate", "--profile", str(layers), "--network-profile", str(network),
+                 "--strategies", "allreduce,wfbp,dear", "--planner", "optimal", "--json", str(out), "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    # One bucket is among the partitions the optimal planner considers, so WFBP cannot lose.
+    assert data["strategies"]["wfbp"]["iteration_s"] <= data["strategies"]["allreduce"]["iteration_s"]
+
+
+def test_layer_profile_on_the_mesh_is_rescaled_to_the_whole_model():
+    mesh = jax.make_mesh((8,), ("data",))
+    prof = profile_zoo_model("mlp", batch=4, repeats=2, mesh=mesh)
+    assert prof.meta["workers"] == 8
+    assert prof.forward_s == pytest.approx(prof.meta["whole_model_forward_s"])
+    assert prof.backward_s == pytest.approx(prof.meta["whole_model_backward_s"])
+    assert [l.name for l in prof.layers] == ["hidden.0", "hidden.1", "head"]
+
+
+MULTI_PROCESS_SCRIPT = """
+import json, sys
+import jax
+process_id, port = int(sys.argv[1]), sys.argv[2]
+jax.config.update("jax_num_cpu_devices", 1)
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=process_id)
+from jaxsched.profile import profile_network
+net, errors = profile_network(sizes=(1 << 12, 1 << 16, 1 << 20), repeats=2)
+print(json.dumps({"processes": jax.process_count(), "errors": errors, "net": net.to_dict()}))
+"""
+
+
+def test_network_profile_across_two_processes(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    script = tmp_path / "worker.py"
+    script.write_text(MULTI_PROCESS_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-2000:]
+    result = json.loads(outputs[0][0].strip().splitlines()[-1])
+    assert result["processes"] == 2
+    net = NetworkProfile.from_dict(result["net"])
+    assert net.workers == 2 and net.meta["processes"] == 2
+    assert all(math.isfinite(e) for e in result["errors"].values())
