@@ -1,5 +1,9 @@
 """jaxsched: scheduled gradient communication for data-parallel JAX training."""
 from jaxsched.capture import UnsupportedStepError
+from jaxsched.costmodel import Layer, LayerProfile, NetworkProfile, network_preset
+from jaxsched.plan import plan_buckets
+from jaxsched.profile import profile_network, profile_zoo_model
+from jaxsched.sim import simulate
 from jaxsched.config import Config, ConfigError
 from jaxsched.models import pure
 from jaxsched.rewrite.rules import FallbackWarning
@@ -10,6 +14,9 @@ from jaxsched.trainer import RunResult, train
 
 __all__ = [
     "STRATEGIES",
+    "Layer",
+    "LayerProfile",
+    "NetworkProfile",
     "Config",
     "ConfigError",
     "FallbackWarning",
@@ -18,9 +25,14 @@ __all__ = [
     "Scheduled",
     "UnsupportedStepError",
     "make_pmap_step",
+    "network_preset",
+    "plan_buckets",
+    "profile_network",
+    "profile_zoo_model",
     "make_step",
     "pure",
     "schedule",
+    "simulate",
     "train",
 ]
 __version__ = "0.1.0"

@@ -116,7 +116,9 @@ def plan_buckets(analysis: Analysis, paths: Sequence[str], buckets: Any = None) 
     for j in range(len(reds)):
         if j not in matched:
             result.append(Bucket((), (j,)))
-    return result
+    # Gradient-completion order: a bucket is complete when its last gradient is.
+    complete = lambda b: max((reds[j].ready_at for j in b.reductions), default=10**9)
+    return sorted(result, key=complete)
 
 
 def _explicit_groups(plan: Sequence[Sequence[Any]], paths: Sequence[str]) -> list[list[int]]:

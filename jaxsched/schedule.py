@@ -54,7 +54,7 @@ class Scheduled:
     """A scheduled training step: ``init``, ``__call__``, ``finalize`` (see :func:`schedule`)."""
 
     def __init__(self, step: Callable, strategy: str = "dear", buckets: Any = None,
-                 compiler_options: dict[str, Any] | None = None):
+                 compiler_options: dict[str, Any] | None = None, **plan_options: Any):
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r} is unknown; choose one of {', '.join(STRATEGIES)}")
         if not callable(step):
@@ -63,6 +63,12 @@ class Scheduled:
         self.strategy = strategy
         self.buckets_option = buckets
         self.compiler_options = compiler_options
+        unknown = set(plan_options) - {"layer_profile", "network_profile", "planner"}
+        if unknown:
+            raise TypeError(f"schedule() got unknown options {sorted(unknown)}; known: buckets, "
+                            "compiler_options, and with buckets='auto': layer_profile, "
+                            "network_profile, planner")
+        self.plan_options = plan_options
         self._template: tuple[Any, Any] | None = None
         self._program: _Program | None = None
         functools.update_wrapper(self, step, updated=())
@@ -115,7 +121,8 @@ class Scheduled:
         if self._program is None:
             template = self._template or (state.params, state.opt_state)
             captured = capture(self.step, template[0], template[1], batch)
-            self._program = _Program(captured, self.strategy, self.buckets_option, self.compiler_options)
+            self._program = _Program(captured, self.strategy, self.buckets_option, self.compiler_options,
+                                     self.plan_options)
         return self._program
 
 
@@ -127,10 +134,19 @@ class _Program:
     """What one capture produces: the analysis, buckets, compiled core and layout conversions."""
 
     def __init__(self, captured: CapturedStep, strategy: str, buckets_option: Any,
-                 compiler_options: dict[str, Any] | None):
+                 compiler_options: dict[str, Any] | None, plan_options: dict[str, Any] | None = None):
         self.captured = cap = captured
         self.analysis: Analysis = analyze(captured)
         self.paths = _param_paths(cap)
+        self.layer_profile = self.network_profile = None
+        if isinstance(buckets_option, str):
+            if buckets_option != "auto":
+                raise ValueError(f"buckets={buckets_option!r} is not understood; the only named plan "
+                                 "is 'auto' (cost-model planning)")
+            from jaxsched.plan.from_step import auto_bucket_paths
+
+            buckets_option, self.layer_profile, self.network_profile = auto_bucket_paths(
+                self.analysis, self.paths, strategy, **(plan_options or {}))
         self.buckets: list[Bucket] = plan_buckets(self.analysis, self.paths, buckets_option)
         self.strategy = strategy
         body_aval = lambda role, i: cap.body.invars[cap.body_input(role, i)].aval
@@ -298,7 +314,7 @@ def _param_paths(cap: CapturedStep) -> list[str]:
 
 
 def schedule(train_step: Callable | None = None, strategy: str = "dear", buckets: Any = None,
-             compiler_options: dict[str, Any] | None = None) -> Any:
+             compiler_options: dict[str, Any] | None = None, **options: Any) -> Any:
     """Schedule the gradient communication of a data-parallel ``train_step``.
 
     Args:
@@ -310,10 +326,14 @@ def schedule(train_step: Callable | None = None, strategy: str = "dear", buckets
         backward) or ``dear`` (reduce-scatter in backward, sharded update, all-gather
         deferred to the next forward).
       buckets: ``None`` (25 MB threshold in gradient-completion order), a byte threshold,
-        or an explicit plan: a list of lists of parameter paths such as ``"head/kernel"``.
+        an explicit plan (a list of lists of parameter paths such as ``"head/kernel"``), or
+        ``"auto"``: planned against the simulator (:mod:`jaxsched.plan.from_step`), with
+        options ``layer_profile`` (a measured :class:`~jaxsched.costmodel.LayerProfile`),
+        ``network_profile`` (a profile or preset name; default: measured on the mesh) and
+        ``planner`` (default ``"optimal"``).
       compiler_options: per-function XLA options; by default the platform's set from
         :mod:`jaxsched.engine.xla` (latency-hiding scheduler on, combiners off, on GPU).
     """
     if train_step is None:
-        return lambda step: Scheduled(step, strategy, buckets, compiler_options)
-    return Scheduled(train_step, strategy, buckets, compiler_options)
+        return lambda step: Scheduled(step, strategy, buckets, compiler_options, **options)
+    return Scheduled(train_step, strategy, buckets, compiler_options, **options)

@@ -33,7 +33,7 @@ def build(model: str, seed: int):
 
 def run_both(model: str, tx: optax.GradientTransformation, strategy: str, devices: int,
              n_steps: int = 20, api: str = "shard_map", seed: int = 0, buckets=None,
-             batch_per_device: int = 2):
+             batch_per_device: int = 2, **options):
     """Returns ((plain params, plain opt), (scheduled params, opt), plain auxes, scheduled auxes)."""
     params, apply_fn = build(model, seed)
     opt_state = tx.init(params)
@@ -56,7 +56,7 @@ def run_both(model: str, tx: optax.GradientTransformation, strategy: str, device
         plain = (p, o)
         plain_aux.append(jax.device_get(jax.block_until_ready(aux)))
 
-    sched = jaxsched.schedule(step, strategy=strategy, buckets=buckets)
+    sched = jaxsched.schedule(step, strategy=strategy, buckets=buckets, **options)
     state = sched.init(*start)
     sched_aux = []
     for b in batches:

@@ -359,3 +359,42 @@ def test_bf16_params_with_f32_optimizer_state_keep_their_dtypes(strategy):
         assert np.asarray(a).dtype == np.asarray(b).dtype
         # bf16 sums in a different order round differently: compare at bf16 precision.
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+
+
+# -- buckets="auto": cost-model planning -----------------------------------------------------
+def test_auto_buckets_with_measured_network_stay_exact():
+    sched = _check("mlp", "adam", "dear", 8, n_steps=5, buckets="auto")
+    program = sched.program
+    assert [layer.name for layer in program.layer_profile.layers] == ["hidden/0", "hidden/1", "head"]
+    assert program.network_profile.workers == 8
+    assert program.layer_profile.layers[0].forward_s > 0
+
+
+def test_auto_buckets_split_when_compute_is_long_enough_to_hide_communication():
+    from jaxsched.costmodel import Layer, LayerProfile
+
+    # Seconds of compute per layer against a 1 GbE model: overlapping pays, so the
+    # optimal wfbp plan sends more than one bucket.
+    measured = LayerProfile([Layer(name, 1, 10**8, 1.0, 2.0) for name in ("hidden.0", "hidden.1", "head")])
+    sched = _check("mlp", "sgd", "wfbp", 4, n_steps=3, buckets="auto", layer_profile=measured,
+                   network_profile="1gbe")
+    assert len(sched.program.buckets) > 1
+    # Buckets follow gradient completion: the head's gradient is ready first.
+    params, _ = build("mlp", 0)
+    paths = jaxsched.bucketing.param_paths(params)
+    first = {paths[i].rsplit("/", 1)[0] for i in sched.program.buckets[0].params}
+    assert "head" in first
+
+
+def test_auto_buckets_reject_a_profile_with_other_layer_names():
+    from jaxsched.costmodel import Layer, LayerProfile
+
+    wrong = LayerProfile([Layer("conv1", 1, 4, 1e-3, 2e-3)])
+    with pytest.raises(ValueError, match="no layers named hidden/0"):
+        _check("mlp", "sgd", "wfbp", 2, n_steps=1, buckets="auto", layer_profile=wrong,
+               network_profile="10gbe")
+
+
+def test_unknown_schedule_option_is_named():
+    with pytest.raises(TypeError, match="layer_profil"):
+        jaxsched.schedule(lambda *a: a, strategy="wfbp", layer_profil=None)

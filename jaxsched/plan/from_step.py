@@ -1,0 +1,136 @@
+"""``buckets="auto"``: cost-model planning for a captured step.
+
+The planners work on layers (parameter groups in forward order) and an alpha-beta
+network profile. For a user's step, layers are the parameter paths without their last
+component (``hidden/0/kernel`` and ``hidden/0/bias`` form layer ``hidden/0``), ordered
+by first use in forward. Their compute times come from a measured :class:`LayerProfile`
+when one is given (its layer names may use ``.`` or ``/``), else from a static estimate:
+the FLOPs of the forward matmuls and convolutions that read each layer's parameters,
+over a matmul rate measured on the mesh's first device, with backward at twice forward.
+The network profile is measured on the step's own mesh unless one is given.
+
+Example:
+    >>> layer_names(["hidden/0/bias", "hidden/0/kernel", "head/kernel"])
+    ['hidden/0', 'hidden/0', 'head']
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+
+from jaxsched.analyze import Analysis
+from jaxsched.costmodel import Layer, LayerProfile, NetworkProfile, network_preset
+from jaxsched.plan import plan_buckets
+
+MATMULS = ("dot_general", "conv_general_dilated")
+PASS_THROUGH = ("convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
+                "expand_dims", "copy", "copy_p", "pvary")
+
+
+def layer_names(paths: Sequence[str]) -> list[str]:
+    return [p.rsplit("/", 1)[0] if "/" in p else p for p in paths]
+
+
+def _flops(eqn) -> float:
+    out = math.prod(eqn.outvars[0].aval.shape)
+    if eqn.primitive.name == "dot_general":
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        return 2.0 * out * math.prod(lhs[d] for d in lhs_contract)
+    rhs = eqn.invars[1].aval.shape  # conv: kernel spatial * input features per output
+    return 2.0 * out * math.prod(rhs) / max(1, rhs[eqn.params["dimension_numbers"].rhs_spec[0]])
+
+
+def forward_flops(analysis: Analysis) -> list[float]:
+    """FLOPs of the matmuls/convolutions that read each parameter leaf (first reads only)."""
+    cap = analysis.captured
+    origin = {cap.body.invars[cap.body_input("params", i)]: i for i in range(cap.num_params)}
+    flops = [0.0] * cap.num_params
+    for k in analysis.backward:
+        eqn = cap.body.eqns[k]
+        sources = {origin[x] for x in eqn.invars if not isinstance(x, jex_core.Literal) and x in origin}
+        if eqn.primitive.name in PASS_THROUGH and len(sources) == 1:
+            origin.update({o: next(iter(sources)) for o in eqn.outvars})
+        elif eqn.primitive.name in MATMULS:
+            for i in sources:
+                flops[i] += _flops(eqn) / len(sources)
+    return flops
+
+
+def measure_flops_per_s(device: Any, size: int = 256, repeats: int = 5) -> float:
+    """A matmul rate achievable on ``device`` (median of ``repeats``)."""
+    a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 2.0 * size ** 3 / statistics.median(times)
+
+
+def step_layer_profile(analysis: Analysis, paths: Sequence[str],
+                       measured: LayerProfile | None = None,
+                       flops_per_s: float | None = None) -> tuple[LayerProfile, list[list[int]]]:
+    """The step's layers in forward order and, per layer, its parameter leaf indices."""
+    cap = analysis.captured
+    names = layer_names(paths)
+    first_use = {}
+    for i in range(cap.num_params):
+        use = analysis.first_use[cap.body_input("params", i)]
+        first_use[names[i]] = min(first_use.get(names[i], 10**9), 10**9 if use is None else use)
+    order = sorted(first_use, key=lambda n: (first_use[n], n))
+    members = [[i for i in range(cap.num_params) if names[i] == n] for n in order]
+    avals = [cap.body.invars[cap.body_input("params", i)].aval for i in range(cap.num_params)]
+    if measured is not None:
+        by_name = {layer.name.replace(".", "/"): layer for layer in measured.layers}
+        missing = [n for n in order if n not in by_name]
+        if missing:
+            raise ValueError(f"layer_profile has no layers named {', '.join(missing)}; its layers "
+                             f"are {', '.join(by_name)} (use '/' or '.' between path parts)")
+        layers = [dataclasses_replace(by_name[n], n) for n in order]
+        return LayerProfile(layers, {"source": "measured layer profile"}), members
+    if flops_per_s is None:
+        flops_per_s = measure_flops_per_s(cap.mesh.devices.flat[0])
+    flops = forward_flops(analysis)
+    layers = []
+    for name, group in zip(order, members):
+        f = sum(flops[i] for i in group)
+        nbytes = sum(math.prod(avals[i].shape) * avals[i].dtype.itemsize for i in group)
+        params = sum(math.prod(avals[i].shape) for i in group)
+        layers.append(Layer(name, params, nbytes, f / flops_per_s, 2 * f / flops_per_s))
+    meta = {"source": "static estimate: forward matmul FLOPs over a measured matmul rate",
+            "flops_per_s": flops_per_s}
+    return LayerProfile(layers, meta), members
+
+
+def dataclasses_replace(layer: Layer, name: str) -> Layer:
+    import dataclasses
+
+    return dataclasses.replace(layer, name=name)
+
+
+def auto_bucket_paths(analysis: Analysis, paths: Sequence[str], strategy: str,
+                      layer_profile: LayerProfile | None = None,
+                      network_profile: NetworkProfile | str | None = None,
+                      planner: str = "optimal") -> tuple[list[list[str]], LayerProfile, NetworkProfile]:
+    """Plan buckets for ``strategy`` and return them as lists of parameter paths."""
+    cap = analysis.captured
+    profile, members = step_layer_profile(analysis, paths, layer_profile)
+    if isinstance(network_profile, str):
+        network = network_preset(network_profile, cap.axis_size)
+    elif network_profile is None:
+        from jaxsched.profile import profile_network
+
+        network, _ = profile_network(cap.mesh, cap.axis_name, repeats=3)
+    else:
+        network = network_profile
+    groups = plan_buckets(profile, network, planner, strategy="dear" if strategy == "dear" else "wfbp")
+    return [[paths[i] for layer in group for i in members[layer]] for group in groups], profile, network
