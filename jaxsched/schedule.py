@@ -214,59 +214,47 @@ class _Program:
             return value
         return jax.device_put(value, sharding)
 
-    def inputs(self, state: SchedState, batch: Any) -> list:
+    def _state_leaves(self, state: SchedState) -> tuple[list, list]:
+        """Params and opt_state leaves as the compiled core takes them."""
         cap = self.captured
-        params = jax.tree.leaves(state.params)
-        opts = jax.tree.leaves(state.opt_state)
-        batch_leaves = jax.tree.leaves(batch)
+        params, opts = jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state)
         if len(params) != cap.num_params or len(opts) != cap.num_opt:
             raise ValueError("the state does not match the step it was traced with: "
                              f"{len(params)} params / {len(opts)} opt_state leaves, expected "
                              f"{cap.num_params} / {cap.num_opt}")
+        spec = lambda role, i: cap.in_specs[cap.body_input(role, i)]
+        if self.strategy == "wfbp":
+            return ([self._placed(leaf, spec("params", i)) for i, leaf in enumerate(params)],
+                    [self._placed(leaf, spec("opt_state", j)) for j, leaf in enumerate(opts)])
+        return ([self._sharded(leaf, block, f"params/{self.paths[i]}")
+                 for i, (leaf, block) in enumerate(zip(params, self.param_blocks))],
+                [self._sharded(leaf, block, f"opt_state[{j}]") if self.opt_sharded[j]
+                 else self._placed(leaf, spec("opt_state", j))
+                 for j, (leaf, block) in enumerate(zip(opts, self.opt_blocks))])
+
+    def inputs(self, state: SchedState, batch: Any) -> list:
+        """The compiled core's arguments for one step."""
+        cap = self.captured
+        batch_leaves = jax.tree.leaves(batch)
         if len(batch_leaves) != cap.num_batch:
             raise ValueError(f"the batch has {len(batch_leaves)} leaves; the step was traced with "
                              f"{cap.num_batch}")
-        consts = [self._placed(c, cap.in_specs[k]) for k, (src, c) in
-                  enumerate(zip(cap.sources, _const_values(cap))) if src.role == "const"]
-        batch_in = [self._placed(b, cap.in_specs[cap.body_input("batch", i)])
-                    for i, b in enumerate(batch_leaves)]
-        if self.strategy == "wfbp":
-            by_role = {"params": params, "opt_state": opts, "batch": batch_in}
-            const_iter = iter(consts)
-            values = []
-            for k, src in enumerate(cap.sources):
-                if src.role == "const":
-                    values.append(next(const_iter))
-                elif src.role == "batch":
-                    values.append(by_role["batch"][src.index])
-                else:
-                    values.append(self._placed(by_role[src.role][src.index], cap.in_specs[k]))
-            return values
-        paths = self.paths
-        p_in = [self._sharded(leaf, block, f"params/{paths[i]}")
-                for i, (leaf, block) in enumerate(zip(params, self.param_blocks))]
-        o_in = [self._sharded(leaf, block, f"opt_state[{j}]") if self.opt_sharded[j]
-                else self._placed(leaf, cap.in_specs[cap.body_input("opt_state", j)])
-                for j, (leaf, block) in enumerate(zip(opts, self.opt_blocks))]
-        others = []
-        const_iter = iter(consts)
-        for src in cap.sources:
+        params, opts = self._state_leaves(state)
+        value = {("params", i): leaf for i, leaf in enumerate(params)}
+        value.update({("opt_state", j): leaf for j, leaf in enumerate(opts)})
+        for k, src in enumerate(cap.sources):
             if src.role == "batch":
-                others.append(batch_in[src.index])
+                value[("batch", src.index)] = self._placed(batch_leaves[src.index], cap.in_specs[k])
             elif src.role == "const":
-                others.append(next(const_iter))
-        return p_in + o_in + others
+                value[("const", src.index)] = self._placed(cap.consts[src.index], cap.in_specs[k])
+        if self.strategy == "wfbp":  # the user's body signature
+            return [value[(src.role, src.index)] for src in cap.sources]
+        return params + opts + [value[(src.role, src.index)] for src in cap.sources
+                                if src.role in ("batch", "const")]
 
     def convert(self, state: SchedState) -> SchedState:
         """The state in this program's layout (sharded leaves for dear); idempotent."""
-        if self.strategy == "wfbp":
-            return state
-        params = [self._sharded(leaf, block, f"params/{self.paths[i]}") for i, (leaf, block) in
-                  enumerate(zip(jax.tree.leaves(state.params), self.param_blocks))]
-        cap = self.captured
-        opts = [self._sharded(leaf, block, f"opt_state[{j}]") if self.opt_sharded[j]
-                else self._placed(leaf, cap.in_specs[cap.body_input("opt_state", j)])
-                for j, (leaf, block) in enumerate(zip(jax.tree.leaves(state.opt_state), self.opt_blocks))]
+        params, opts = self._state_leaves(state)
         return SchedState(jax.tree.unflatten(self.captured.params_tree, params),
                           jax.tree.unflatten(self.captured.opt_tree, opts))
 
@@ -299,13 +287,6 @@ def _host_value(leaf: Any) -> np.ndarray:
 
         return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
     return np.asarray(leaf)
-
-
-def _const_values(cap: CapturedStep) -> list:
-    values, it = [], iter(cap.consts)
-    for src in cap.sources:
-        values.append(next(it) if src.role == "const" else None)
-    return values
 
 
 def _param_paths(cap: CapturedStep) -> list[str]:

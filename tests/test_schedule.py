@@ -398,3 +398,29 @@ def test_auto_buckets_reject_a_profile_with_other_layer_names():
 def test_unknown_schedule_option_is_named():
     with pytest.raises(TypeError, match="layer_profil"):
         jaxsched.schedule(lambda *a: a, strategy="wfbp", layer_profil=None)
+
+
+def test_step_that_closes_over_arrays():
+    params, apply_fn = build("mlp", 2)
+    class_weights = jnp.linspace(0.5, 1.5, 10)  # a closed-over array becomes a constant input
+    tx = optax.adam(1e-2)
+    mesh = _mesh(4)
+
+    def body(p, s, batch):
+        x, y = batch
+        loss_fn = lambda q: jnp.mean(class_weights[y] * optax.softmax_cross_entropy_with_integer_labels(apply_fn(q, x), y))
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        u, s = tx.update(lax.pmean(g, "data"), s, p)
+        return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                 out_specs=(P(), P(), P()), check_vma=False))
+    for strategy in ("wfbp", "dear"):
+        sched = jaxsched.schedule(step, strategy=strategy)
+        plain, state = (params, tx.init(params)), sched.init(params, tx.init(params))
+        for x, y in random_batches("mlp", 4, 8, 5):
+            batch = steps.shard_batch((x, y), mesh)
+            *plain, loss = step(*plain, batch)
+            state, sched_loss = sched(state, batch)
+            np.testing.assert_allclose(loss, sched_loss, rtol=1e-5)
+        assert_trees_close(tuple(plain), sched.finalize(state))

@@ -15,6 +15,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -95,7 +96,7 @@ def step_layer_profile(analysis: Analysis, paths: Sequence[str],
         if missing:
             raise ValueError(f"layer_profile has no layers named {', '.join(missing)}; its layers "
                              f"are {', '.join(by_name)} (use '/' or '.' between path parts)")
-        layers = [dataclasses_replace(by_name[n], n) for n in order]
+        layers = [dataclasses.replace(by_name[n], name=n) for n in order]
         return LayerProfile(layers, {"source": "measured layer profile"}), members
     if flops_per_s is None:
         flops_per_s = measure_flops_per_s(cap.mesh.devices.flat[0])
@@ -109,12 +110,6 @@ def step_layer_profile(analysis: Analysis, paths: Sequence[str],
     meta = {"source": "static estimate: forward matmul FLOPs over a measured matmul rate",
             "flops_per_s": flops_per_s}
     return LayerProfile(layers, meta), members
-
-
-def dataclasses_replace(layer: Layer, name: str) -> Layer:
-    import dataclasses
-
-    return dataclasses.replace(layer, name=name)
 
 
 def auto_bucket_paths(analysis: Analysis, paths: Sequence[str], strategy: str,
