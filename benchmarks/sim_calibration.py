@@ -7,12 +7,18 @@ blocked steps) in the same run: ``allreduce`` is ``jaxsched.steps.make_step`` (S
 ``wfbp`` and ``dear`` are ``jaxsched.schedule`` (xla engine), when it is importable.
 XLA:CPU runs collectives inline (FACTS.md), so the prediction uses
 ``simulate(..., shared_stream=True)``; one bucket (every model here is under 25 MB, the
-engine's default threshold). Writes ``benchmarks/results/sim_calibration.json``.
+engine's default threshold). The profiles carry the measured SGD update per layer
+(``update_s``), the step's dispatch cost (``dispatch_s``, taken off the whole-model
+forward and added once per iteration) and the bucket pack/unpack cost
+(``copy_s_per_byte``, wfbp and dear). ``simulated_before_s`` is the same run's prediction
+without the update and copy costs (what the simulator predicted before they were
+measured). Writes ``benchmarks/results/sim_calibration.json``.
 
     PYTHONPATH=. python benchmarks/sim_calibration.py
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -85,25 +91,39 @@ def main(rounds: int = 3) -> None:
             per_round = []
             for _ in range(rounds):  # profile and measure back to back, several times: noise
                 network, fit_errors = profile.profile_network(mesh, repeats=7)
-                layers = profile.profile_zoo_model(name, batch=batch, repeats=7, mesh=mesh, **options)
-                predicted = simulate(layers, network, strategy, [list(range(len(layers)))],
-                                     shared_stream=True).iteration_s
+                layers = profile.profile_zoo_model(name, batch=batch, repeats=7, mesh=mesh,
+                                                   optimizer=optax.sgd(0.01), **options)
+                one_bucket = [list(range(len(layers)))]
+                predicted = simulate(layers, network, strategy, one_bucket, shared_stream=True).iteration_s
+                before = simulate(
+                    type(layers)([dataclasses.replace(l, update_s=0.0) for l in layers.layers]),
+                    dataclasses.replace(network, copy_s_per_byte=0.0), strategy, one_bucket,
+                    shared_stream=True).iteration_s
                 measured = measure_step(name, options, batch, mesh, strategy)
                 per_round.append({"simulated_s": predicted, "measured_s": measured,
                                   "relative_error": (predicted - measured) / measured,
+                                  "simulated_before_s": before,
+                                  "relative_error_before": (before - measured) / measured,
+                                  "update_s": layers.update_s, "dispatch_s": network.dispatch_s,
+                                  "copy_s_per_byte": network.copy_s_per_byte,
                                   "fit_max_relative_error": fit_errors})
             errors = sorted(r["relative_error"] for r in per_round)
             rows.append({"model": name, "strategy": strategy, "options": options,
                          "per_device_batch": batch, "params": layers.total_params,
                          "layers": len(layers), "rounds": per_round,
-                         "median_relative_error": statistics.median(errors)})
+                         "median_relative_error": statistics.median(errors),
+                         "median_relative_error_before": statistics.median(
+                             r["relative_error_before"] for r in per_round)})
             print(f"{name:<12} {strategy:<10} " + "  ".join(
                 f"{r['simulated_s'] * 1e3:6.1f}/{r['measured_s'] * 1e3:6.1f} ms" for r in per_round)
-                + f"  median error {100 * rows[-1]['median_relative_error']:+.1f}%", flush=True)
+                + f"  median error {100 * rows[-1]['median_relative_error']:+.1f}%"
+                f" (before {100 * rows[-1]['median_relative_error_before']:+.1f}%)", flush=True)
     out = Path(__file__).parent / "results" / "sim_calibration.json"
     out.write_text(json.dumps({"rows": rows, "load_average": os.getloadavg()}, indent=1))
     print(f"load average {os.getloadavg()} -> {out}")
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)

@@ -131,11 +131,26 @@ class CollectiveCost:
 
 @dataclasses.dataclass(frozen=True)
 class NetworkProfile:
-    """Alpha-beta cost per collective type, for a fixed number of workers."""
+    """Alpha-beta cost per collective type, for a fixed number of workers.
+
+    Two optional fixed costs of running a step on these workers (both default 0, and
+    JSON files without them load unchanged):
+
+    * ``dispatch_s``: launching one step program on every worker and waiting for it
+      (Python/jit dispatch, start-up of the program on each device). The simulator adds it
+      once per iteration. A measured layer profile takes it out of the whole-model forward
+      (timed as its own program), so it is counted once.
+    * ``copy_s_per_byte``: packing one byte of gradient into a bucket buffer (flatten,
+      pad, concatenate), and the same again to unpack it. The simulator charges it on the
+      compute stream before and after every bucketed collective of ``wfbp``, ``mgwfbp`` and
+      ``dear`` (the strategies whose rewrite builds bucket buffers).
+    """
 
     workers: int
     collectives: Mapping[str, CollectiveCost]
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    dispatch_s: float = 0.0
+    copy_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -153,9 +168,14 @@ class NetworkProfile:
         return self.cost(collective).time(nbytes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"workers": self.workers,
+        data = {"workers": self.workers,
                 "collectives": {k: dataclasses.asdict(v) for k, v in self.collectives.items()},
                 "meta": dict(self.meta)}
+        if self.dispatch_s:
+            data["dispatch_s"] = self.dispatch_s
+        if self.copy_s_per_byte:
+            data["copy_s_per_byte"] = self.copy_s_per_byte
+        return data
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> "NetworkProfile":
@@ -179,7 +199,9 @@ class NetworkProfile:
                 raise ProfileError(f"{source}: collectives.{name} is missing; the simulator "
                                    f"needs {', '.join(REQUIRED_COLLECTIVES)}")
         meta = data.get("meta", {})
-        return cls(workers, collectives, dict(meta) if isinstance(meta, Mapping) else {})
+        return cls(workers, collectives, dict(meta) if isinstance(meta, Mapping) else {},
+                   dispatch_s=_field(data, "dispatch_s", float, source, default=0.0),
+                   copy_s_per_byte=_field(data, "copy_s_per_byte", float, source, default=0.0))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))

@@ -7,7 +7,10 @@ device; forward and backward (the VJP, residuals precomputed) are timed separate
 after warm-up, as medians. Network profile: ``psum``, ``psum_scatter``,
 ``all_gather`` and ``ppermute`` of several sizes on a mesh, timed the same way, fitted by
 least squares to ``alpha + beta * bytes`` with ``alpha >= 0``; the fit's largest relative
-error is returned.
+error is returned. Optimizer update (optional, :func:`profile_update`): the optax transform
+the step uses, run on each layer's parameters as its own jitted program, with the cost of
+dispatching an empty program (:func:`measure_dispatch`) taken off, since inside a training
+step the update is not dispatched on its own.
 Every multi-device call is blocked on before the next one starts (the rendezvous hazard
 in FACTS.md).
 
@@ -126,6 +129,58 @@ def profile_stages(stages: Sequence[Stage], x: jax.Array, labels: jax.Array, rep
                                  "backend": jax.default_backend(), "repeats": repeats})
 
 
+def measure_dispatch(mesh: Mesh | None = None, axis: str = "data", repeats: int = 20) -> float:
+    """Seconds to dispatch and block on a trivial jitted program (one element per device).
+
+    With ``mesh``: a ``shard_map`` program on every device of it, as a data-parallel step
+    is; without: a jitted program on the default device. This is the fixed cost every
+    separately timed program pays and a fused step pays only once.
+    """
+    if mesh is None:
+        program, x = jax.jit(lambda v: v + 1), jnp.zeros((1,), jnp.float32)
+    else:
+        program = jax.jit(jax.shard_map(lambda v: v + 1, mesh=mesh, in_specs=P(axis),
+                                        out_specs=P(axis)))
+        x = jax.device_put(jnp.zeros((mesh.shape[axis],), jnp.float32), NamedSharding(mesh, P(axis)))
+    return _median_seconds(lambda: program(x), repeats, warmup=3)
+
+
+def profile_update(layer_params: Sequence[Any], tx: Any, mesh: Mesh | None = None,
+                   axis: str = "data", repeats: int = 5, dispatch_s: float | None = None
+                   ) -> list[float]:
+    """Seconds of the optimizer update of each layer's parameters (one entry per layer).
+
+    ``tx`` is the optax ``GradientTransformation`` the step uses; its update and
+    ``optax.apply_updates`` run as one jitted program per layer, on every device of ``mesh``
+    at once with replicated parameters (as in the data-parallel step; one device without
+    ``mesh``). Gradients are the parameters themselves (values do not change the cost of
+    the update's arithmetic). The fixed dispatch cost (``dispatch_s``, measured by
+    :func:`measure_dispatch` when not given) is subtracted, floored at zero.
+    """
+    import optax
+
+    def update(p, g, state):
+        updates, _ = tx.update(g, state, p)
+        return optax.apply_updates(p, updates)
+
+    if mesh is None:
+        program, put = jax.jit(update), (lambda tree: jax.device_put(tree, jax.devices()[0]))
+    else:
+        program = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), P(), P()),
+                                        out_specs=P(), check_vma=False))
+        put = lambda tree: jax.device_put(tree, NamedSharding(mesh, P()))
+    if dispatch_s is None:
+        dispatch_s = measure_dispatch(mesh, axis)
+    seconds = []
+    for params in layer_params:
+        if not jax.tree.leaves(params):
+            seconds.append(0.0)
+            continue
+        p, g, state = put(params), put(jax.tree.map(jnp.copy, params)), put(tx.init(params))
+        seconds.append(max(_median_seconds(lambda: program(p, g, state), repeats) - dispatch_s, 0.0))
+    return seconds
+
+
 def _layer(name: str, params: Any, forward_s: float, backward_s: float) -> Layer:
     count = sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params))
     nbytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
@@ -166,11 +221,15 @@ def _profile_stages_on_mesh(stages: Sequence[Stage], x: jax.Array, labels: jax.A
 
 def profile_zoo_model(name: str, batch: int = 64, repeats: int = 5, seed: int = 0,
                       mesh: Mesh | None = None, axis: str = "data", scale_to_whole_step: bool = True,
-                      **options: Any) -> LayerProfile:
+                      optimizer: Any = None, **options: Any) -> LayerProfile:
     """Measured layer profile of a ``jaxsched.models`` zoo model at per-device ``batch``.
 
     With ``mesh``, every device runs at once and the stage times are rescaled to the whole
     model's measured totals (:func:`scale_to_whole_model`); ``options`` go to the model.
+    The whole-model forward is timed less one program dispatch (:func:`measure_dispatch`),
+    which a measured network profile carries as ``dispatch_s`` and the simulator adds once.
+    With ``optimizer`` (an optax transform), each layer's ``update_s`` is measured by
+    :func:`profile_update`; without it, ``update_s`` stays 0.
     """
     workers = mesh.shape[axis] if mesh is not None else 1
     rng = np.random.default_rng(seed)
@@ -185,18 +244,28 @@ def profile_zoo_model(name: str, batch: int = 64, repeats: int = 5, seed: int = 
     stages = zoo_stages(name, model)
     prof = profile_stages(stages, jnp.asarray(x), jnp.asarray(labels), repeats, mesh=mesh, axis=axis)
     meta = {**prof.meta, "model": name, "batch": batch}
+    dispatch_s = measure_dispatch(mesh, axis) if (optimizer is not None or mesh is not None) else 0.0
     if mesh is not None and scale_to_whole_step:
-        prof = scale_to_whole_model(prof, stages, jnp.asarray(x), jnp.asarray(labels), mesh, axis, repeats)
+        prof = scale_to_whole_model(prof, stages, jnp.asarray(x), jnp.asarray(labels), mesh, axis,
+                                    repeats, dispatch_s)
         meta.update(prof.meta)
-    return LayerProfile(prof.layers, meta)
+    layers = prof.layers
+    if optimizer is not None:
+        updates = profile_update([params for _, params, _ in stages], optimizer, mesh, axis,
+                                 repeats, dispatch_s)
+        layers = [dataclasses.replace(layer, update_s=u) for layer, u in zip(layers, updates)]
+        meta.update(update="measured (optax transform, dispatch subtracted)", dispatch_s=dispatch_s)
+    return LayerProfile(layers, meta)
 
 
 def scale_to_whole_model(prof: LayerProfile, stages: Sequence[Stage], x: jax.Array,
-                         labels: jax.Array, mesh: Mesh, axis: str = "data", repeats: int = 5
-                         ) -> LayerProfile:
+                         labels: jax.Array, mesh: Mesh, axis: str = "data", repeats: int = 5,
+                         dispatch_s: float = 0.0) -> LayerProfile:
     """Rescale stage times so forward and backward totals match the whole model run as one
     program (XLA fuses across stage boundaries, and per-stage dispatch adds overhead); the
-    per-layer shares stay as measured."""
+    per-layer shares stay as measured. ``dispatch_s`` (the cost of launching any program,
+    :func:`measure_dispatch`) is taken off the whole-model forward, which is timed as its
+    own program; backward (forward+backward less forward) pays it in neither term."""
     names = [name for name, _, _ in stages]
     params = {name: p for name, p, _ in stages}
     loss_stage = _stage_with_loss(stages[-1][2], labels)
@@ -215,14 +284,16 @@ def scale_to_whole_model(prof: LayerProfile, stages: Sequence[Stage], x: jax.Arr
     both = jax.jit(jax.shard_map(loss_and_grad, out_specs=(P(axis), P(axis)), **specs))
     params = jax.device_put(params, NamedSharding(mesh, P()))
     x, labels = jax.device_put((x, labels), NamedSharding(mesh, P(axis)))
-    forward_s = _median_seconds(lambda: forward(params, x, labels), repeats)
-    backward_s = max(_median_seconds(lambda: both(params, x, labels), repeats) - forward_s, 0.0)
+    forward_total_s = _median_seconds(lambda: forward(params, x, labels), repeats)
+    backward_s = max(_median_seconds(lambda: both(params, x, labels), repeats) - forward_total_s, 0.0)
+    forward_s = max(forward_total_s - dispatch_s, 0.0)
     f_scale = forward_s / prof.forward_s if prof.forward_s else 1.0
     b_scale = backward_s / prof.backward_s if prof.backward_s else 1.0
     layers = [dataclasses.replace(l, forward_s=l.forward_s * f_scale, backward_s=l.backward_s * b_scale)
               for l in prof.layers]
     return LayerProfile(layers, {**prof.meta, "whole_model_forward_s": forward_s,
                                  "whole_model_backward_s": backward_s,
+                                 "whole_model_dispatch_s": dispatch_s,
                                  "stage_sum_forward_s": prof.forward_s,
                                  "stage_sum_backward_s": prof.backward_s})
 
@@ -262,14 +333,54 @@ def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[Co
     return cost, error
 
 
+def measure_copy(mesh: Mesh | None = None, axis: str = "data",
+                 sizes: Sequence[int] = (1 << 20, 1 << 22), repeats: int = 5,
+                 dispatch_s: float = 0.0) -> float:
+    """Seconds per byte to pack gradients into a bucket buffer and unpack them again, halved
+    (the cost of one direction), on every device of ``mesh`` at once.
+
+    The program packs four leaves of a ``B``-byte bucket with :class:`jaxsched.layout.BucketLayout`
+    (flatten, pad, concatenate: the dear layout; wfbp's flat concatenate moves the same
+    bytes) and unpacks the buffer into leaves again; the time, less ``dispatch_s``, is
+    fitted over ``sizes`` and the slope halved.
+    """
+    from jaxsched import layout
+
+    mesh = mesh or jax.make_mesh((jax.device_count(),), (axis,))
+    workers = mesh.shape[axis]
+    points = []
+    for size in sizes:
+        per_leaf = max(1, size // 16)
+        shapes = [(per_leaf - 1,), (per_leaf,), (per_leaf + 1,), (per_leaf,)]  # some padding
+        bucket = layout.BucketLayout.of(shapes, [jnp.float32] * 4, workers)
+
+        def roundtrip(leaves, _b=bucket):
+            return _b.unpack(_b.pack([leaf * 1.0 for leaf in leaves]))
+
+        program = jax.jit(jax.shard_map(roundtrip, mesh=mesh, in_specs=P(), out_specs=P(),
+                                        check_vma=False))
+        leaves = jax.device_put([jnp.ones(shape, jnp.float32) for shape in shapes],
+                                NamedSharding(mesh, P()))
+        seconds = _median_seconds(lambda: program(leaves), repeats)
+        points.append((4 * sum(int(np.prod(shape)) for shape in shapes), max(seconds - dispatch_s, 0.0)))
+    cost, _ = fit_alpha_beta(*zip(*points))
+    return cost.beta_s_per_byte / 2
+
+
 def profile_network(mesh: Mesh | None = None, axis: str = "data",
                     sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
-                    progress: bool = False) -> tuple[NetworkProfile, dict[str, float]]:
+                    progress: bool = False, fixed_costs: bool = True
+                    ) -> tuple[NetworkProfile, dict[str, float]]:
     """Measure and fit all-reduce, reduce-scatter, all-gather and ppermute on ``mesh``
     (default: all devices).
 
     ``sizes`` are full-tensor bytes (float32); each is rounded to a multiple of 4 * workers.
     Works single-process on virtual CPU devices and multi-process (every process calls it).
+    With ``fixed_costs``, also measures ``dispatch_s`` (:func:`measure_dispatch`) and
+    ``copy_s_per_byte`` (:func:`measure_copy`). ``alpha_s`` stays as fitted, dispatch
+    included: a chain of small psums inside one program measured about the same fixed cost
+    per collective (rendezvous of every device) as a standalone collective program
+    (docs/simulator.md), so taking the dispatch off would undercount it.
     """
     mesh = mesh or jax.make_mesh((jax.device_count(),), (axis,))
     workers = mesh.shape[axis]
@@ -287,13 +398,17 @@ def profile_network(mesh: Mesh | None = None, axis: str = "data",
         x = jax.make_array_from_callback(shape, sharding, lambda index, _h=host: _h[index])
         seconds = _median_seconds(lambda: programs[name](x), repeats)
         measured[name].append((elements * 4, seconds))
+    dispatch_s = measure_dispatch(mesh, axis) if fixed_costs else 0.0
     collectives, errors = {}, {}
     for name, points in measured.items():
         collectives[name], errors[name] = fit_alpha_beta(*zip(*points))
+    copy_s = measure_copy(mesh, axis, repeats=repeats, dispatch_s=dispatch_s) if fixed_costs else 0.0
     meta = {"source": "jaxsched.profile (measured medians, least-squares fit)",
             "backend": jax.default_backend(), "processes": jax.process_count(),
             "fit_max_relative_error": errors}
-    return NetworkProfile(workers, collectives, meta), errors
+    return NetworkProfile(workers, collectives, meta, dispatch_s=dispatch_s,
+                          copy_s_per_byte=copy_s), errors
 
 
-__all__ = ["fit_alpha_beta", "profile_network", "profile_stages", "profile_zoo_model", "zoo_stages"]
+__all__ = ["fit_alpha_beta", "measure_copy", "measure_dispatch", "profile_network", "profile_stages", "profile_update",
+           "profile_zoo_model", "zoo_stages"]

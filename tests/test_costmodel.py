@@ -127,3 +127,17 @@ def test_roofline_picks_the_binding_limit():
 
 def test_collective_cost_of_empty_bucket_is_zero():
     assert CollectiveCost(1e-3, 1e-9).time(0) == 0
+
+
+def test_network_fixed_costs_round_trip_and_old_files_load(tmp_path):
+    import dataclasses
+
+    net = dataclasses.replace(network_preset("10gbe", 4), dispatch_s=3e-4, copy_s_per_byte=1e-10)
+    net.save(tmp_path / "n.json")
+    assert NetworkProfile.load(tmp_path / "n.json") == net
+    old = network_preset("10gbe", 4).to_dict()
+    assert "dispatch_s" not in old and "copy_s_per_byte" not in old  # schema unchanged when unused
+    loaded = NetworkProfile.from_dict(old)
+    assert loaded.dispatch_s == 0 and loaded.copy_s_per_byte == 0
+    with pytest.raises(ProfileError, match="dispatch_s"):
+        NetworkProfile.from_dict({**old, "dispatch_s": -1})

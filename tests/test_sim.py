@@ -192,3 +192,46 @@ def test_shared_stream_serialises_everything(seed):
                        shared_stream=True)
         assert one.iteration_s >= both.iteration_s
         assert one.iteration_s == one.compute_busy_s and one.comm_busy_s == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dispatch_cost_is_added_exactly_once_per_iteration(seed):
+    import dataclasses
+
+    rng = random.Random(500 + seed)
+    layers, net = random_layers(rng, rng.randint(1, 10), exact=True), random_network(rng, exact=True)
+    buckets = _random_buckets(rng, len(layers))
+    dispatch = Fraction(rng.randint(1, 50), 10_000)
+    with_dispatch = dataclasses.replace(net, dispatch_s=dispatch)
+    for strategy in ("allreduce", "wfbp", "mgwfbp", "dear", "approx"):
+        plain = simulate(layers, net, strategy, buckets, shared_stream=True)
+        more = simulate(layers, with_dispatch, strategy, buckets, shared_stream=True)
+        assert more.iteration_s - plain.iteration_s == dispatch
+        launches = [s for s in more.spans if s.kind == "dispatch"]
+        assert sorted(s.iteration for s in launches) == list(range(more.options["iterations"]))
+        assert lower_bound(layers, with_dispatch)[1] == lower_bound(layers, net)[1] + dispatch
+    # two streams: launching the step still delays the compute stream by exactly that much
+    # when compute dominates (no collective waits)
+    compute_bound = dataclasses.replace(net, collectives={k: type(c)(0, 0) for k, c in net.collectives.items()})
+    assert (simulate(layers, dataclasses.replace(compute_bound, dispatch_s=dispatch), "wfbp").iteration_s
+            - simulate(layers, compute_bound, "wfbp").iteration_s) == dispatch
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bucket_copies_cost_pack_and_unpack_of_every_bucketed_byte(seed):
+    import dataclasses
+
+    rng = random.Random(600 + seed)
+    layers, net = random_layers(rng, rng.randint(1, 10), exact=True), random_network(rng, exact=True)
+    buckets = _random_buckets(rng, len(layers))
+    copy = Fraction(1, rng.randint(10**9, 10**10))
+    with_copy = dataclasses.replace(net, copy_s_per_byte=copy)
+    for strategy in ("wfbp", "mgwfbp", "dear"):
+        plain = simulate(layers, net, strategy, buckets, shared_stream=True)
+        more = simulate(layers, with_copy, strategy, buckets, shared_stream=True)
+        assert more.iteration_s - plain.iteration_s == 2 * copy * layers.total_bytes
+        kinds = [s.kind for s in more.spans if s.iteration == 4]
+        assert kinds.count("pack") == kinds.count("unpack") == len(buckets)
+    for strategy in ("allreduce", "approx"):  # no bucket buffers in these programs
+        assert (simulate(layers, with_copy, strategy, buckets, shared_stream=True).iteration_s
+                == simulate(layers, net, strategy, buckets, shared_stream=True).iteration_s)

@@ -146,6 +146,8 @@ def lower_bound(layers: LayerProfile, network: NetworkProfile,
     total = layers.total_bytes
     compute_min = sum(l.forward_s + l.backward_s for l in layers.layers) + \
         _share(sum(l.update_s for l in layers.layers), network.workers)
+    if network.dispatch_s:  # every strategy launches the step once (kept exact when zero)
+        compute_min += network.dispatch_s
     if compression is not None:
         compute_min += compression.selection_s_per_byte * total
         comm_min = gradient_comm_time(network, total, compression)
@@ -204,12 +206,19 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str,
     prev_gather: dict[int, int] = {}  # dear: bucket -> all-gather task of previous iteration
     prev_chunks: dict[int, list[int]] = {}  # bytescheduler: layer -> chunk tasks
     overlap = strategy in ("wfbp", "mgwfbp", "approx", "dear")
+    # The rewrites of these strategies pack each bucket into one buffer and unpack it again.
+    copy = network.copy_s_per_byte if strategy in ("wfbp", "mgwfbp", "dear") else 0
+
+    def copy_task(label: str, k: int, n: int, deps: list[int]) -> list[int]:
+        if not copy:
+            return deps
+        return [graph.add(_Task("compute", f"{label} b{k}", label, n, copy * bucket_bytes[k], deps))]
 
     def grad_collective(k: int, n: int, deps: list[int]) -> int:
-        after = deps
+        after = copy_task("pack", k, n, deps)
         if compression is not None and compression.selection_s_per_byte:
             after = [graph.add(_Task("compute", f"compress b{k}", "compress", n,
-                                     compression.selection_s_per_byte * bucket_bytes[k], deps))]
+                                     compression.selection_s_per_byte * bucket_bytes[k], after))]
         if strategy == "dear":
             return graph.add(_Task("comm", f"reduce_scatter b{k}", "reduce_scatter", n,
                                    network.time("reduce_scatter", bucket_bytes[k]), after))
@@ -221,11 +230,15 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str,
         comm: list[int] = []
         reduce_of_bucket: dict[int, int] = {}
         chunks: dict[int, list[int]] = {}
+        if network.dispatch_s:  # the step program is launched once per iteration
+            graph.add(_Task("compute", "dispatch", "dispatch", n, network.dispatch_s, []))
         for i in range(num):
             if strategy == "bytescheduler" and n > 0:
                 graph.add(_Task("compute", f"update l{i}", "update", n, lay[i].update_s,
                                 prev_chunks[i]))
-            deps = [prev_gather[bucket_lo[i]]] if strategy == "dear" and n > 0 and i in bucket_lo else []
+            deps = []
+            if strategy == "dear" and n > 0 and i in bucket_lo:
+                deps = copy_task("unpack", bucket_lo[i], n, [prev_gather[bucket_lo[i]]])
             graph.add(_Task("compute", f"fwd {lay[i].name}", "forward", n, lay[i].forward_s, deps))
         for i in reversed(range(num)):
             bwd = graph.add(_Task("compute", f"bwd {lay[i].name}", "backward", n, lay[i].backward_s, []))
@@ -243,6 +256,9 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str,
             bwd_end = graph.compute_order[-1]
             comm = [grad_collective(k, n, [bwd_end]) for k in reversed(range(len(buckets)))]
         if strategy in ("allreduce", "wfbp", "mgwfbp"):
+            if copy:  # the update reads the unpacked gradients
+                comm = [copy_task("unpack", k, n, [c])[0]
+                        for k, c in sorted(reduce_of_bucket.items(), reverse=True)]
             graph.add(_Task("compute", "update", "update", n, total_update, comm))
         elif strategy == "approx":
             graph.add(_Task("compute", "update (previous step)", "update", n, total_update, prev_comm))
