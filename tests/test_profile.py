@@ -75,7 +75,8 @@ def test_profile_cli_output_feeds_simulate(tmp_path, capsys):
     # by more than packing and unpacking its bucket buffers (which the allreduce step skips).
     net = NetworkProfile.load(network)
     copies = 2 * net.copy_s_per_byte * LayerProfile.load(layers).total_bytes
-    assert data["strategies"]["wfbp"]["iteration_s"] <= data["strategies"]["allreduce"]["iteration_s"] + copies
+    limit = data["strategies"]["allreduce"]["iteration_s"] + copies
+    assert data["strategies"]["wfbp"]["iteration_s"] <= limit * (1 + 1e-9)  # equal up to rounding
 
 
 def test_layer_profile_on_the_mesh_is_rescaled_to_the_whole_model():

@@ -39,7 +39,8 @@ def plan_buckets(layers: LayerProfile, network: NetworkProfile, planner: str = "
     """Plan buckets for ``strategy`` with ``planner``; see the module docstring for layout.
 
     ``optimal`` minimises ``jaxsched.sim.simulate(..., strategy, buckets)`` (exactly by DP for
-    wfbp/mgwfbp, by search for dear and compressed strategies); ``compression`` and
+    wfbp/mgwfbp when bucket copies are free, otherwise by a search of the simulator that is
+    exhaustive up to 10 layers); ``compression`` and
     ``iterations`` are passed to the simulator when it is searched.
     """
     if planner == "per_layer":
@@ -54,8 +55,10 @@ def plan_buckets(layers: LayerProfile, network: NetworkProfile, planner: str = "
         raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
     if strategy in ("allreduce", "approx") and compression is None:
         return [list(range(len(layers)))]
-    if strategy in ("wfbp", "mgwfbp") and compression is None:
-        return optimal_wfbp(layers, network)[0]
+    if strategy in ("wfbp", "mgwfbp") and compression is None and not network.copy_s_per_byte:
+        return optimal_wfbp(layers, network)[0]  # exact: the DP's model is the simulator's
+    # With bucket copies on the compute stream (measured profiles) the DP's model is
+    # incomplete: search the simulator, with the DP's plan among the candidates.
     if strategy == "bytescheduler":
         raise ValueError("bytescheduler partitions tensors itself; plan buckets for another strategy")
     from jaxsched.sim import simulate  # the planner searches the simulator
