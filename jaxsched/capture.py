@@ -209,5 +209,5 @@ def _reduction_axes(jaxpr) -> set:
 def _looks_like_pmap(eqn, body) -> bool:
     """pmap bodies take (1, ...) blocks of every input and squeeze them first."""
     specs = eqn.params["in_specs"]
-    return bool(specs) and all(s == P(*s) and len(s) >= 1 and s[0] is not None for s in specs) and \
-        all(getattr(v.aval, "shape", (None,))[:1] == (1,) for v in body.invars)
+    return bool(specs) and all(len(s) >= 1 and s[0] is not None for s in specs) and \
+        all(tuple(v.aval.shape[:1]) == (1,) for v in body.invars)
