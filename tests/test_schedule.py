@@ -90,7 +90,7 @@ def test_explicit_bucket_plan_and_byte_threshold():
 shapes = st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=6, deadline=None, derandomize=True)  # same examples in every CI run
 @given(tree_shapes=st.dictionaries(st.sampled_from(list("abcdef")), shapes, min_size=1, max_size=4),
        devices=st.sampled_from([2, 8]), seed=st.integers(0, 2**16))
 def test_dear_matches_on_random_parameter_trees(tree_shapes, devices, seed):

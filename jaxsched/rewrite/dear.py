@@ -111,7 +111,10 @@ def rewrite_dear(analysis: Analysis, buckets: Sequence[Bucket], opt_sharded: Seq
             if isinstance(x, jex_core.Literal):
                 return x.val
             if x in post:
-                return post[x]
+                value = post[x]
+                if isinstance(value, Shard) and value.full is None and x in env:
+                    return Shard(value.chunk, value.shape, env[x])  # gathered for forward
+                return value
             if x not in env and x in lazy:
                 lazy.pop(x)()
             return read(env, x)

@@ -31,10 +31,15 @@ from jaxsched import layout
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """This device's flat chunk of a device-invariant tensor of ``shape``."""
+    """This device's flat chunk of a device-invariant tensor of ``shape``.
+
+    ``full`` is the whole tensor when the program already holds it (a parameter gathered
+    for forward), so a rule that needs it costs no second all-gather.
+    """
 
     chunk: jax.Array
     shape: tuple[int, ...]
+    full: Any = None
 
     @property
     def dtype(self):
@@ -57,6 +62,8 @@ class ShardContext:
 
     def to_full(self, value: Any) -> Any:
         if isinstance(value, Shard):
+            if value.full is not None:
+                return value.full
             return layout.gather_chunk(value.chunk, value.shape, self.axis_name)
         return value
 
@@ -138,7 +145,7 @@ def eval_inline(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
 
 def full_rule(ctx: ShardContext, eqn, values: list) -> list:
     """Gather what is sharded, run the primitive unchanged."""
-    if any(isinstance(v, Shard) for v in values):
+    if any(isinstance(v, Shard) and v.full is None for v in values):
         ctx.report(eqn, "no shard rule for this primitive or these shapes")
     return _bind(eqn, [ctx.to_full(v) for v in values])
 
