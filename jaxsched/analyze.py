@@ -126,6 +126,13 @@ def analyze(captured: CapturedStep) -> Analysis:
             nbytes = x.aval.size * x.aval.dtype.itemsize
             reductions.append(Reduction(i, pos, x, o, producer.get(x, -1), nbytes))
     if not reductions:
+        nested = _nested_reduction(body, axis)
+        if nested is not None:
+            raise UnsupportedStepError(
+                f"the gradients are reduced over {axis!r} inside a nested {nested.primitive.name} "
+                f"at {_where(nested)}; jaxsched rewrites reductions at the top level of the "
+                "shard_map body, so call lax.pmean/psum there rather than inside a separately "
+                "jitted function, scan, cond or loop")
         raise UnsupportedStepError(
             f"the step has no gradient reduction over mesh axis {axis!r}: nothing psums or pmeans "
             "device-varying values into the new params or optimizer state. Reduce the gradients "
@@ -153,6 +160,22 @@ def analyze(captured: CapturedStep) -> Analysis:
                 first_use[k] = i
     return Analysis(captured, tuple(reductions), tuple(backward), tuple(update),
                     frozenset(varying), tuple(first_use))
+
+
+def _nested_reduction(jaxpr, axis: str):
+    """The top-level equation whose sub-jaxpr psums over ``axis``, if any."""
+    def contains(sub) -> bool:
+        for eqn in sub.eqns:
+            if eqn.primitive.name in GRADIENT_REDUCTIONS and axis in reduction_axes(eqn):
+                return True
+            if any(contains(j) for j in jex_core.jaxprs_in_params(eqn.params)):
+                return True
+        return False
+
+    for eqn in jaxpr.eqns:
+        if any(contains(j) for j in jex_core.jaxprs_in_params(eqn.params)):
+            return eqn
+    return None
 
 
 def _where(eqn) -> str:

@@ -424,3 +424,16 @@ def test_step_that_closes_over_arrays():
             state, sched_loss = sched(state, batch)
             np.testing.assert_allclose(loss, sched_loss, rtol=1e-5)
         assert_trees_close(tuple(plain), sched.finalize(state))
+
+
+def test_reduction_inside_a_nested_jit_is_named():
+    @jax.jit
+    def sync(g):
+        return lax.pmean(g, "data")
+
+    def body(p, s, x):
+        g = sync(jax.grad(lambda q: jnp.sum(q["w"] * x))(p))
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
+    sched, state, batch = _simple_call(body)
+    with pytest.raises(jaxsched.UnsupportedStepError, match=r"inside a nested (pjit|jit) at .*test_schedule\.py"):
+        sched(state, batch)
