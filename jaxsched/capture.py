@@ -24,7 +24,9 @@ from typing import Any, Callable
 
 import jax
 from jax.extend import core as jex_core
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxsched import replay
 
 
 class UnsupportedStepError(ValueError):
@@ -168,6 +170,8 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any) -> Captured
     mesh = eqn.params["mesh"]
     body = eqn.params["jaxpr"]
     body = body.jaxpr if hasattr(body, "jaxpr") else body
+    body = flatten_calls(body, mesh, eqn.params["in_specs"], eqn.params["out_specs"],
+                         [x.aval for x in eqn.invars])
     manual = tuple(eqn.params.get("manual_axes", eqn.params.get("newly_manual_axes", mesh.axis_names)))
     reduced_axes = _reduction_axes(body)
     candidates = [a for a in mesh.axis_names if a in reduced_axes] or list(mesh.axis_names)
@@ -186,6 +190,32 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any) -> Captured
         params_tree=params_tree, opt_tree=opt_tree, batch_tree=batch_tree, aux_tree=aux_tree,
         num_params=num_params, num_opt=num_opt, num_batch=batch_tree.num_leaves,
         check_vma=bool(eqn.params.get("check_vma", False)))
+
+
+def flatten_calls(body, mesh: Mesh, in_specs, out_specs, operand_avals) -> Any:
+    """The body with nested jit and custom_jvp/vjp calls inlined, re-traced as one jaxpr.
+
+    A user who jits the loss (or Flax/optax code that jits internally) hides forward and
+    backward inside one call equation, whose gradients all appear at once when it
+    returns; inlined, each gradient appears where backward computes it, so buckets can
+    be reduced while backward continues. ``check_vma`` typing (``pvary``,
+    ``psum_invariant``) is translated on the way (:mod:`jaxsched.replay`).
+    """
+    if body.constvars or not any(e.primitive.name in replay.CALL_PRIMITIVES | {"pvary", "psum_invariant"}
+                                 for e in body.eqns):
+        return body
+
+    def replayed(*args):
+        return tuple(replay.eval_inline(body, [], args))
+
+    mapped = jax.shard_map(replayed, mesh=mesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs),
+                           check_vma=False)
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+            for a, spec in zip(operand_avals, in_specs)]
+    traced = jax.make_jaxpr(mapped)(*args).jaxpr
+    (inner,) = [e for e in traced.eqns if e.primitive.name == "shard_map"]
+    flat = inner.params["jaxpr"]
+    return flat.jaxpr if hasattr(flat, "jaxpr") else flat
 
 
 REDUCTION_PRIMITIVES = ("psum", "psum_invariant", "pmax", "pmin", "pmax_invariant", "pmin_invariant")

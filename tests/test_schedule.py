@@ -426,14 +426,49 @@ def test_step_that_closes_over_arrays():
         assert_trees_close(tuple(plain), sched.finalize(state))
 
 
-def test_reduction_inside_a_nested_jit_is_named():
+def test_jitted_loss_and_jitted_reduction_are_inlined_and_scheduled():
+    params, apply_fn = build("mlp", 3)
+    tx = optax.adam(1e-2)
+    mesh = _mesh(4)
+
     @jax.jit
-    def sync(g):
+    def loss_fn(p, x, y):  # forward and backward hidden in one call equation
+        return steps.cross_entropy(apply_fn(p, x), y)
+
+    @jax.jit
+    def sync(g):  # the reduction hidden in another
         return lax.pmean(g, "data")
 
+    def body(p, s, batch):
+        loss, g = jax.value_and_grad(loss_fn)(p, *batch)
+        u, s = tx.update(sync(g), s, p)
+        return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                 out_specs=(P(), P(), P()), check_vma=False))
+    sched = jaxsched.schedule(step, strategy="dear", buckets=1)
+    plain, state = (params, tx.init(params)), sched.init(params, tx.init(params))
+    batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", 5, 8, 4)]
+    for batch in batches:
+        *plain, loss = step(*plain, batch)
+        state, sched_loss = sched(state, batch)
+        np.testing.assert_allclose(loss, sched_loss, rtol=1e-5)
+    assert_trees_close(tuple(plain), sched.finalize(state))
+    # Inlined, the gradients appear one by one: the first reduce-scatter precedes the last
+    # backward matmul, as for an unjitted loss.
+    names = [n for _, n, _ in _ops(sched.lower(state, batches[0]).as_text())]
+    last_dot = len(names) - 1 - names[::-1].index("dot_general")
+    assert names.count("reduce_scatter") == len(sched.program.buckets) == 6
+    assert names.index("reduce_scatter") < last_dot
+
+
+def test_reduction_inside_a_scan_is_named():
     def body(p, s, x):
-        g = sync(jax.grad(lambda q: jnp.sum(q["w"] * x))(p))
+        def micro(carry, xi):
+            g = jax.grad(lambda q: jnp.sum(q["w"] * xi))(p)
+            return jax.tree.map(lambda a, b: a + lax.pmean(b, "data"), carry, g), None
+        g, _ = lax.scan(micro, jax.tree.map(jnp.zeros_like, p), x)
         return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
     sched, state, batch = _simple_call(body)
-    with pytest.raises(jaxsched.UnsupportedStepError, match=r"inside a nested (pjit|jit) at .*test_schedule\.py"):
+    with pytest.raises(jaxsched.UnsupportedStepError, match=r"inside a nested scan at .*test_schedule\.py"):
         sched(state, batch)

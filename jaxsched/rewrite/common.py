@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxsched.analyze import Analysis
 from jaxsched.bucketing import Bucket
-from jaxsched.rewrite.rules import _bind
+from jaxsched.replay import bind as _bind
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,10 +23,11 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import source_info_util  # private: keeps user source lines on re-emitted equations
 from jax.extend import core as jex_core
 
 from jaxsched import layout
+from jaxsched.replay import bind as _bind
+from jaxsched.replay import inner_jaxpr as _inner_jaxpr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,51 +97,6 @@ le lgamma digamma log log1p logistic lt max min mul ne neg nextafter not or pow 
 rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh xor
 """.split())
 RESHAPES = frozenset({"reshape", "squeeze", "expand_dims"})
-
-
-def _bind(eqn, values: Sequence[Any]) -> list:
-    """Re-emit ``eqn`` on new operands, keeping its source location and context.
-
-    The rewritten body runs with ``check_vma=False`` (its collectives are placed by
-    hand), so ``check_vma``'s typing primitives are translated: ``pvary`` only re-types a
-    value and is dropped, ``psum_invariant`` is the plain ``psum``.
-    """
-    if eqn.primitive.name == "pvary":
-        return list(values)
-    if eqn.primitive.name == "psum_invariant":
-        return list(lax.psum(tuple(values), eqn.params["axes"]))
-    if eqn.primitive.name in CALL_PRIMITIVES:
-        inner = _inner_jaxpr(eqn)
-        if inner is not None:
-            return eval_inline(inner.jaxpr, inner.consts, values)
-    params = eqn.primitive.get_bind_params(eqn.params)
-    with source_info_util.user_context(eqn.source_info.traceback,
-                                       name_stack=source_info_util.current_name_stack()
-                                       + eqn.source_info.name_stack), eqn.ctx.manager:
-        out = eqn.primitive.bind(*values, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call"})
-
-
-def _inner_jaxpr(eqn):
-    inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
-    return inner if hasattr(inner, "jaxpr") else None
-
-
-def eval_inline(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
-    """Evaluate a nested call's body equation by equation.
-
-    Re-binding the call itself would reuse avals typed for the user's ``check_vma``
-    setting; inlining lets every primitive re-derive its types in the rewritten body.
-    """
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    read = lambda x: x.val if isinstance(x, jex_core.Literal) else env[x]
-    for eqn in jaxpr.eqns:
-        env.update(zip(eqn.outvars, _bind(eqn, [read(x) for x in eqn.invars])))
-    return [read(x) for x in jaxpr.outvars]
 
 
 def full_rule(ctx: ShardContext, eqn, values: list) -> list:

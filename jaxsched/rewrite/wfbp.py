@@ -15,7 +15,7 @@ from jax import lax
 from jaxsched.analyze import Analysis
 from jaxsched.bucketing import Bucket
 from jaxsched.rewrite.common import RewrittenBody, read, walk_backward
-from jaxsched.rewrite.rules import _bind
+from jaxsched.replay import bind as _bind
 
 
 def rewrite_wfbp(analysis: Analysis, buckets: Sequence[Bucket]) -> RewrittenBody:
