@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 -q tests
 
 bench: $(STAMP)
-	$(PY) benchmarks/transform_overhead.py --steps 40 --repeats 3
+	$(PY) benchmarks/transform_overhead.py --steps 60 --repeats 3
 
 clean:
 	rm -rf $(VENV) .pytest_cache
