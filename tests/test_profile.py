@@ -65,8 +65,10 @@ def test_update_is_measured_and_scales_with_parameter_count():
 def test_profile_cli_output_feeds_simulate(tmp_path, capsys):
     layers, network, out = tmp_path / "l.json", tmp_path / "n.json", tmp_path / "o.json"
     assert main(["profile", "--model", "mlp", "--batch", "8", "--repeats", "2", "--out", str(layers),
-                 "--network-out", str(network), "--no-progress"]) == 0
-    assert "fit error" in capsys.readouterr().out
+                 "--network-out", str(network), "--optimizer", "adam", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "fit error" in printed and "update" in printed
+    assert all(layer.update_s >= 0 for layer in LayerProfile.load(layers).layers)
     assert NetworkProfile.load(network).workers == 8
     assert main(["simulate", "--profile", str(layers), "--network-profile", str(network),
                  "--strategies", "allreduce,wfbp,dear", "--planner", "optimal", "--json", str(out), "--no-progress"]) == 0

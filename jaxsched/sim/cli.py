@@ -68,6 +68,9 @@ def add_parser(subparsers: Any) -> None:
     prof.add_argument("--out", default="layers.json")
     prof.add_argument("--network-out", default="network.json")
     prof.add_argument("--repeats", type=int, default=5)
+    prof.add_argument("--optimizer", choices=("none", "sgd", "momentum", "adam", "adamw"),
+                      default="none", help="also measure each layer's optimizer update (update_s)")
+    prof.add_argument("--learning-rate", type=float, default=1e-3)
     prof.add_argument("--no-progress", action="store_true")
 
 
@@ -189,12 +192,20 @@ def run_profile(args: argparse.Namespace) -> int:
     request_cpu_devices(args.devices)
     from jaxsched import profile
 
-    layers = profile.profile_zoo_model(args.model, batch=args.batch, repeats=args.repeats)
+    optimizer = None
+    if args.optimizer != "none":
+        from jaxsched.config import OptimizerConfig
+        from jaxsched.steps import make_optimizer
+
+        optimizer = make_optimizer(OptimizerConfig(args.optimizer, args.learning_rate))
+    layers = profile.profile_zoo_model(args.model, batch=args.batch, repeats=args.repeats,
+                                       optimizer=optimizer)
     layers.save(args.out)
     network, fit = profile.profile_network(repeats=args.repeats, progress=not args.no_progress)
     network.save(args.network_out)
     print(f"{args.model}: {len(layers)} layers, forward {layers.forward_s * 1e3:.2f} ms, "
-          f"backward {layers.backward_s * 1e3:.2f} ms (measured medians) -> {args.out}")
+          f"backward {layers.backward_s * 1e3:.2f} ms, update {layers.update_s * 1e3:.2f} ms "
+          f"(measured medians) -> {args.out}")
     for name, cost in network.collectives.items():
         print(f"{name:<15} alpha {cost.alpha_s * 1e6:9.1f} us  beta {cost.beta_s_per_byte * 1e9:8.3f} "
               f"ns/B  fit error {100 * fit[name]:.1f}% (max relative)")
