@@ -4,7 +4,7 @@ For each zoo model: measure its layer profile on all 8 virtual CPU devices at on
 (``jaxsched.profile.profile_zoo_model(mesh=...)``) and the mesh's collective costs
 (``profile_network``); simulate each strategy; then time the real step (median of
 blocked steps) in the same run: ``allreduce`` is ``jaxsched.steps.make_step`` (SGD);
-``wfbp`` and ``dear`` are ``jaxsched.schedule`` (xla engine), when it is importable.
+``wfbp`` and ``dear`` are ``jaxsched.schedule`` (xla engine).
 XLA:CPU runs collectives inline (FACTS.md), so the prediction uses
 ``simulate(..., shared_stream=True)``; one bucket (every model here is under 25 MB, the
 engine's default threshold). The profiles carry the measured SGD update per layer
@@ -74,17 +74,9 @@ def measure_step(name: str, options: dict, batch: int, mesh, strategy: str = "al
     return statistics.median(samples)
 
 
-def available_strategies() -> list[str]:
-    try:
-        from jaxsched import schedule  # noqa: F401  (lands with the jaxpr transform)
-    except ImportError:
-        return ["allreduce"]
-    return ["allreduce", "wfbp", "dear"]
-
-
 def main(rounds: int = 3) -> None:
     mesh = jax.make_mesh((8,), ("data",))
-    strategies = available_strategies()
+    strategies = ["allreduce", "wfbp", "dear"]
     rows = []
     for name, options, batch in CASES:
         for strategy in strategies:

@@ -1,13 +1,14 @@
-"""``jaxsched`` command line: ``train``, ``demo`` (and more subcommands as they land).
+"""``jaxsched`` command line: ``train``, ``demo``, ``simulate`` and ``profile``.
 
 Examples:
-    jaxsched train --config configs/mlp_digits.toml
+    jaxsched train --config configs/mlp_digits.toml --strategies allreduce,dear
     jaxsched demo
+    jaxsched simulate --model resnet50 --workers 64 --network 10gbe --device v100
+    jaxsched profile --model mlp --optimizer adam --out layers.json --network-out net.json
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -49,7 +50,8 @@ def _run_training(config_path: str, strategies: list[str] | None, log: str | Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxsched", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="jaxsched", description="Scheduled gradient communication for data-parallel JAX training.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     train_p = sub.add_parser("train", help="train a config with the baseline or scheduled step")
