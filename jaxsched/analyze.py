@@ -31,6 +31,7 @@ from typing import Any
 from jax.extend import core as jex_core
 
 from jaxsched.capture import CapturedStep, UnsupportedStepError, reduction_axes
+from jaxsched.replay import is_var, nested_eqns, source_line
 
 GRADIENT_REDUCTIONS = ("psum", "psum_invariant")
 
@@ -74,17 +75,13 @@ class Analysis:
     first_use: tuple[int | None, ...]
 
 
-def _is_var(x) -> bool:
-    return not isinstance(x, jex_core.Literal)
-
-
 def analyze(captured: CapturedStep) -> Analysis:
     body = captured.body
     axis = captured.axis_name
     outvars = list(body.outvars)
     n_state = captured.num_params + captured.num_opt
     state_out_idx = set(captured.outputs[:n_state])
-    state_outvars = {outvars[i] for i in state_out_idx if _is_var(outvars[i])}
+    state_outvars = {outvars[i] for i in state_out_idx if is_var(outvars[i])}
 
     # Device-varying values: the batch (and anything sharded), axis_index, and what they touch.
     varying = set()
@@ -95,14 +92,14 @@ def analyze(captured: CapturedStep) -> Analysis:
         name = eqn.primitive.name
         if name in ("psum", "psum_invariant", "pmax", "pmin") and axis in reduction_axes(eqn):
             continue
-        if name == "axis_index" or any(_is_var(x) and x in varying for x in eqn.invars):
+        if name == "axis_index" or any(is_var(x) and x in varying for x in eqn.invars):
             varying.update(eqn.outvars)
 
     # Which equations feed the new params / opt_state (backward slice from the state outputs).
     feeds_state = set(state_outvars)
     for eqn in reversed(body.eqns):
         if any(o in feeds_state for o in eqn.outvars):
-            feeds_state.update(x for x in eqn.invars if _is_var(x))
+            feeds_state.update(x for x in eqn.invars if is_var(x))
 
     producer = {}
     for i, eqn in enumerate(body.eqns):
@@ -115,12 +112,12 @@ def analyze(captured: CapturedStep) -> Analysis:
             continue
         if not any(o in feeds_state for o in eqn.outvars):
             continue
-        if not any(_is_var(x) and x in varying for x in eqn.invars):
+        if not any(is_var(x) and x in varying for x in eqn.invars):
             continue  # reduces an invariant value (e.g. a second pmean); part of the update
         if reduction_axes(eqn) != (axis,):
             raise UnsupportedStepError(
                 f"gradients are reduced over axes {reduction_axes(eqn)} at "
-                f"{_where(eqn)}; jaxsched schedules reductions over the single axis {axis!r}")
+                f"{source_line(eqn)}; jaxsched schedules reductions over the single axis {axis!r}")
         reducing_eqns.add(i)
         for pos, (x, o) in enumerate(zip(eqn.invars, eqn.outvars)):
             nbytes = x.aval.size * x.aval.dtype.itemsize
@@ -130,7 +127,7 @@ def analyze(captured: CapturedStep) -> Analysis:
         if nested is not None:
             raise UnsupportedStepError(
                 f"the gradients are reduced over {axis!r} inside a nested {nested.primitive.name} "
-                f"at {_where(nested)}; jaxsched rewrites reductions at the top level of the "
+                f"at {source_line(nested)}; jaxsched rewrites reductions at the top level of the "
                 "shard_map body, so call lax.pmean/psum there rather than inside a separately "
                 "jitted function, scan, cond or loop")
         raise UnsupportedStepError(
@@ -141,13 +138,13 @@ def analyze(captured: CapturedStep) -> Analysis:
     # Backward region: what the reduced gradients need. Everything else (the optimizer,
     # including its gradient-free parts such as b1 * mu, and metrics) is the update region,
     # so optimizer state is never gathered just to be decayed.
-    needed = {r.operand for r in reductions if _is_var(r.operand)}
+    needed = {r.operand for r in reductions if is_var(r.operand)}
     in_backward = set()
     for i in range(len(body.eqns) - 1, -1, -1):
         eqn = body.eqns[i]
         if i not in reducing_eqns and any(o in needed for o in eqn.outvars):
             in_backward.add(i)
-            needed.update(x for x in eqn.invars if _is_var(x))
+            needed.update(x for x in eqn.invars if is_var(x))
     backward = [i for i in range(len(body.eqns)) if i in in_backward]
     update = [i for i in range(len(body.eqns)) if i not in in_backward and i not in reducing_eqns]
 
@@ -155,7 +152,7 @@ def analyze(captured: CapturedStep) -> Analysis:
     position = {v: k for k, v in enumerate(body.invars)}
     for i in backward:
         for x in body.eqns[i].invars:
-            k = position.get(x) if _is_var(x) else None
+            k = position.get(x) if is_var(x) else None
             if k is not None and first_use[k] is None:
                 first_use[k] = i
     return Analysis(captured, tuple(reductions), tuple(backward), tuple(update),
@@ -164,28 +161,9 @@ def analyze(captured: CapturedStep) -> Analysis:
 
 def _nested_reduction(jaxpr, axis: str):
     """The top-level equation whose sub-jaxpr psums over ``axis``, if any."""
-    def contains(sub) -> bool:
-        for eqn in sub.eqns:
-            if eqn.primitive.name in GRADIENT_REDUCTIONS and axis in reduction_axes(eqn):
-                return True
-            if any(contains(j) for j in jex_core.jaxprs_in_params(eqn.params)):
-                return True
-        return False
-
     for eqn in jaxpr.eqns:
-        if any(contains(j) for j in jex_core.jaxprs_in_params(eqn.params)):
-            return eqn
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            if any(e.primitive.name in GRADIENT_REDUCTIONS and axis in reduction_axes(e)
+                   for e in nested_eqns(sub)):
+                return eqn
     return None
-
-
-def _where(eqn) -> str:
-    """The user's source line that produced ``eqn``, for messages."""
-    try:
-        from jax._src import source_info_util
-
-        return source_info_util.summarize(eqn.source_info)
-    except Exception:  # private API; messages degrade to the primitive name
-        return eqn.primitive.name
-
-
-where = _where

@@ -227,13 +227,8 @@ def reduction_axes(eqn) -> tuple:
 
 
 def _reduction_axes(jaxpr) -> set:
-    found = set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in REDUCTION_PRIMITIVES:
-            found.update(a for a in reduction_axes(eqn) if isinstance(a, str))
-        for sub in jex_core.jaxprs_in_params(eqn.params):
-            found |= _reduction_axes(sub)
-    return found
+    return {a for eqn in replay.nested_eqns(jaxpr) if eqn.primitive.name in REDUCTION_PRIMITIVES
+            for a in reduction_axes(eqn) if isinstance(a, str)}
 
 
 def _looks_like_pmap(eqn, body) -> bool:

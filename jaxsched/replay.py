@@ -57,3 +57,24 @@ def eval_inline(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
     for eqn in jaxpr.eqns:
         env.update(zip(eqn.outvars, bind(eqn, [read(x) for x in eqn.invars])))
     return [read(x) for x in jaxpr.outvars]
+
+
+def is_var(x) -> bool:
+    """A jaxpr operand that is a variable rather than a literal."""
+    return not isinstance(x, jex_core.Literal)
+
+
+def source_line(eqn) -> str:
+    """The user's source line that produced ``eqn``, for messages."""
+    try:
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # private API; messages degrade to the primitive name
+        return eqn.primitive.name
+
+
+def nested_eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            yield from nested_eqns(sub)

@@ -27,6 +27,7 @@ from jax.extend import core as jex_core
 
 from jaxsched import layout
 from jaxsched.replay import bind as _bind
+from jaxsched.replay import is_var, source_line
 from jaxsched.replay import inner_jaxpr as _inner_jaxpr
 
 
@@ -77,9 +78,7 @@ class ShardContext:
         return layout.local_chunk(jnp.broadcast_to(value, shape), self.axis_name, self.axis_size)
 
     def report(self, eqn, reason: str) -> None:
-        from jaxsched.analyze import where
-
-        key = (eqn.primitive.name, where(eqn))
+        key = (eqn.primitive.name, source_line(eqn))
         if key not in self.reported:
             self.reported.add(key)
             self.fallbacks.append(key)
@@ -151,7 +150,7 @@ def _highest(dtype):
 
 def psum_rule(ctx: ShardContext, eqn, values: list) -> list:
     """A user's psum in the update region: of an invariant value it is a multiply by P."""
-    if ctx.axis_name not in _axes(eqn) or any(x in ctx.varying for x in eqn.invars if _is_var(x)):
+    if ctx.axis_name not in _axes(eqn) or any(x in ctx.varying for x in eqn.invars if is_var(x)):
         return full_rule(ctx, eqn, values)
     factor = math.prod(ctx.axis_size if a == ctx.axis_name else _axis_size(a) for a in _axes(eqn))
     out = []
@@ -182,10 +181,6 @@ def _axis_size(name) -> int:
     return lax.axis_size(name)
 
 
-def _is_var(x) -> bool:
-    return not isinstance(x, jex_core.Literal)
-
-
 RULES: dict[str, Rule] = {name: elementwise_rule for name in ELEMENTWISE}
 RULES.update({name: reshape_rule for name in RESHAPES})
 RULES.update({
@@ -208,7 +203,7 @@ def apply_rule(ctx: ShardContext, eqn, values: list) -> list:
     """Run one equation: unchanged if nothing is sharded, else by its rule."""
     if not any(isinstance(v, Shard) for v in values):
         return _bind(eqn, values)
-    if any(x in ctx.varying for x in eqn.invars if _is_var(x)):
+    if any(x in ctx.varying for x in eqn.invars if is_var(x)):
         # Chunks of device-varying tensors are not chunks of one tensor: stay exact.
         return full_rule(ctx, eqn, values)
     return RULES.get(eqn.primitive.name, full_rule)(ctx, eqn, values)
