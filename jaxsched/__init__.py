@@ -5,16 +5,22 @@ from jaxsched.costmodel import Layer, LayerProfile, NetworkProfile, network_pres
 from jaxsched.models import pure
 from jaxsched.plan import plan_buckets
 from jaxsched.profile import profile_network, profile_zoo_model
+from jaxsched.collectives import Collective, CollectiveWrapper
+from jaxsched.engine import Engine, register_engine
 from jaxsched.rewrite.rules import FallbackWarning
 from jaxsched.schedule import STRATEGIES, SchedState, Scheduled
 from jaxsched.schedule import schedule  # noqa: E402  (the function shadows the module name)
+from jaxsched.strategies import Strategy, register_strategy
 from jaxsched.sim import simulate
 from jaxsched.steps import make_pmap_step, make_step
 from jaxsched.trainer import RunResult, train
 
 __all__ = [
+    "Collective",
+    "CollectiveWrapper",
     "Config",
     "ConfigError",
+    "Engine",
     "FallbackWarning",
     "Layer",
     "LayerProfile",
@@ -23,6 +29,7 @@ __all__ = [
     "STRATEGIES",
     "SchedState",
     "Scheduled",
+    "Strategy",
     "UnsupportedStepError",
     "make_pmap_step",
     "make_step",
@@ -30,6 +37,8 @@ __all__ = [
     "plan_buckets",
     "profile_network",
     "profile_zoo_model",
+    "register_engine",
+    "register_strategy",
     "pure",
     "schedule",
     "simulate",

@@ -30,10 +30,9 @@ from typing import Any
 
 from jax.extend import core as jex_core
 
-from jaxsched.capture import CapturedStep, UnsupportedStepError, reduction_axes
+from jaxsched.capture import CapturedStep, UnsupportedStepError
+from jaxsched.primitives import REDUCTIONS, SUM_REDUCTIONS, reduces_over, reduction_axes
 from jaxsched.replay import is_var, nested_eqns, source_line
-
-GRADIENT_REDUCTIONS = ("psum", "psum_invariant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +89,7 @@ def analyze(captured: CapturedStep) -> Analysis:
             varying.add(v)
     for eqn in body.eqns:
         name = eqn.primitive.name
-        if name in ("psum", "psum_invariant", "pmax", "pmin") and axis in reduction_axes(eqn):
+        if reduces_over(eqn, axis, REDUCTIONS):
             continue
         if name == "axis_index" or any(is_var(x) and x in varying for x in eqn.invars):
             varying.update(eqn.outvars)
@@ -108,7 +107,7 @@ def analyze(captured: CapturedStep) -> Analysis:
 
     reductions, reducing_eqns = [], set()
     for i, eqn in enumerate(body.eqns):
-        if eqn.primitive.name not in GRADIENT_REDUCTIONS or axis not in reduction_axes(eqn):
+        if not reduces_over(eqn, axis, SUM_REDUCTIONS):
             continue
         if not any(o in feeds_state for o in eqn.outvars):
             continue
@@ -163,7 +162,6 @@ def _nested_reduction(jaxpr, axis: str):
     """The top-level equation whose sub-jaxpr psums over ``axis``, if any."""
     for eqn in jaxpr.eqns:
         for sub in jex_core.jaxprs_in_params(eqn.params):
-            if any(e.primitive.name in GRADIENT_REDUCTIONS and axis in reduction_axes(e)
-                   for e in nested_eqns(sub)):
+            if any(reduces_over(e, axis, SUM_REDUCTIONS) for e in nested_eqns(sub)):
                 return eqn
     return None

@@ -105,11 +105,12 @@ def plan_buckets(analysis: Analysis, paths: Sequence[str], buckets: Any = None) 
             groups.append(current)
 
     result = []
+    grad_dtype = lambda i: np.dtype(reds[match[i]].operand.aval.dtype) if match[i] is not None else None
     for group in groups:
-        # Split by dtype: one collective moves one dtype.
+        # Split by dtype (of the parameter and of its gradient): one collective moves one dtype.
         by_dtype: dict = {}
         for i in group:
-            by_dtype.setdefault(np.dtype(dtype_of(i)), []).append(i)
+            by_dtype.setdefault((np.dtype(dtype_of(i)), grad_dtype(i)), []).append(i)
         for members in by_dtype.values():
             result.append(Bucket(tuple(members), tuple(match[i] for i in members if match[i] is not None)))
     matched = {m for m in match if m is not None}

@@ -27,6 +27,7 @@ from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched import replay
+from jaxsched.primitives import CALL_PRIMITIVES, REDUCTIONS, VMA_TYPING, reduction_axes
 
 
 class UnsupportedStepError(ValueError):
@@ -47,7 +48,10 @@ class CapturedStep:
 
     Attributes:
       kind: ``"shard_map"`` or ``"pmap"`` (how the user wrote it).
-      body: the per-device jaxpr; its invars line up with ``sources``.
+      body: the per-device jaxpr with nested calls inlined; its invars line up with
+        ``sources``.
+      user_body: the per-device jaxpr exactly as the user's step traced it (the identity
+        strategy replays it, so it stays bit-identical).
       sources: for every body invar, which input leaf feeds it.
       consts: values for body invars whose source role is ``const``.
       outputs: for every flat output of the step, the body outvar index that produces it.
@@ -60,6 +64,7 @@ class CapturedStep:
 
     kind: str
     body: Any
+    user_body: Any
     sources: tuple[Source, ...]
     consts: tuple[Any, ...]
     outputs: tuple[int, ...]
@@ -83,9 +88,6 @@ class CapturedStep:
             if src.role == role and src.index == index:
                 return i
         return -1
-
-
-_CALL_PRIMITIVES = ("pjit", "jit", "closed_call", "core_call")
 
 
 def _sub_jaxpr(eqn) -> tuple[Any, tuple]:
@@ -128,7 +130,7 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any) -> Captured
     env: dict[Any, Source | tuple[str, Any]] = {v: src for v, src in zip(jaxpr.invars, roles)}
     env.update({v: ("const", c) for v, c in zip(jaxpr.constvars, closed.consts)})
     outs = list(jaxpr.outvars)
-    while len(jaxpr.eqns) == 1 and jaxpr.eqns[0].primitive.name in _CALL_PRIMITIVES:
+    while len(jaxpr.eqns) == 1 and jaxpr.eqns[0].primitive.name in CALL_PRIMITIVES:
         eqn = jaxpr.eqns[0]
         if list(eqn.outvars) != [o for o in outs]:
             break
@@ -168,9 +170,9 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any) -> Captured
             "every output of the step must come out of its shard_map/pmap body") from None
 
     mesh = eqn.params["mesh"]
-    body = eqn.params["jaxpr"]
-    body = body.jaxpr if hasattr(body, "jaxpr") else body
-    body = flatten_calls(body, mesh, eqn.params["in_specs"], eqn.params["out_specs"],
+    user_body = eqn.params["jaxpr"]
+    user_body = user_body.jaxpr if hasattr(user_body, "jaxpr") else user_body
+    body = flatten_calls(user_body, mesh, eqn.params["in_specs"], eqn.params["out_specs"],
                          [x.aval for x in eqn.invars])
     manual = tuple(eqn.params.get("manual_axes", eqn.params.get("newly_manual_axes", mesh.axis_names)))
     reduced_axes = _reduction_axes(body)
@@ -184,7 +186,7 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any) -> Captured
         raise UnsupportedStepError(f"mesh axis {axis_name!r} is not manual in the shard_map")
     kind = "pmap" if _looks_like_pmap(eqn, body) else "shard_map"
     return CapturedStep(
-        kind=kind, body=body, sources=tuple(sources), consts=tuple(consts), outputs=outputs,
+        kind=kind, body=body, user_body=user_body, sources=tuple(sources), consts=tuple(consts), outputs=outputs,
         mesh=mesh, axis_name=axis_name, axis_size=mesh.shape[axis_name],
         in_specs=tuple(eqn.params["in_specs"]), out_specs=tuple(eqn.params["out_specs"]),
         params_tree=params_tree, opt_tree=opt_tree, batch_tree=batch_tree, aux_tree=aux_tree,
@@ -201,7 +203,7 @@ def flatten_calls(body, mesh: Mesh, in_specs, out_specs, operand_avals) -> Any:
     be reduced while backward continues. ``check_vma`` typing (``pvary``,
     ``psum_invariant``) is translated on the way (:mod:`jaxsched.replay`).
     """
-    if body.constvars or not any(e.primitive.name in replay.CALL_PRIMITIVES | {"pvary", "psum_invariant"}
+    if body.constvars or not any(e.primitive.name in CALL_PRIMITIVES | VMA_TYPING | {"psum_invariant"}
                                  for e in body.eqns):
         return body
 
@@ -218,16 +220,8 @@ def flatten_calls(body, mesh: Mesh, in_specs, out_specs, operand_avals) -> Any:
     return flat.jaxpr if hasattr(flat, "jaxpr") else flat
 
 
-REDUCTION_PRIMITIVES = ("psum", "psum_invariant", "pmax", "pmin", "pmax_invariant", "pmin_invariant")
-
-
-def reduction_axes(eqn) -> tuple:
-    axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
-    return axes if isinstance(axes, tuple) else (axes,)
-
-
 def _reduction_axes(jaxpr) -> set:
-    return {a for eqn in replay.nested_eqns(jaxpr) if eqn.primitive.name in REDUCTION_PRIMITIVES
+    return {a for eqn in replay.nested_eqns(jaxpr) if eqn.primitive.name in REDUCTIONS
             for a in reduction_axes(eqn) if isinstance(a, str)}
 
 

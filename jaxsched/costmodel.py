@@ -237,6 +237,103 @@ def _field(raw: Mapping, key: str, kind: type, where: str, default: Any = None) 
     return float(value) if kind is float else value
 
 
+
+# --------------------------------------------------------------------------- patterns
+@dataclasses.dataclass(frozen=True)
+class CommPattern:
+    """What a strategy sends per bucket, and when: the one description that the
+    planners and the simulator read (each strategy owns its own instance).
+
+    Attributes:
+      gradient: the collective of a bucket's gradients (``all_reduce`` or
+        ``reduce_scatter``).
+      parameters: the collective of a bucket's updated parameters, which the next
+        forward waits for (``all_gather`` for DeAR), or None. With it, the update runs
+        on each worker's 1/P shard of the bucket.
+      in_backward: the gradient collective is issued as soon as the bucket's gradients
+        exist; False: after the whole backward (the plain step).
+      delayed_update: the update applies the previous step's reduced gradients, so the
+        next step never waits for communication (approximated parameters).
+      packs_buckets: the rewrite copies each bucket into one buffer and back.
+      compressible: whether the simulator models compression of the gradient collective.
+    """
+
+    gradient: str = "all_reduce"
+    parameters: str | None = None
+    in_backward: bool = True
+    delayed_update: bool = False
+    packs_buckets: bool = True
+    compressible: bool = True
+
+    def __post_init__(self) -> None:
+        for name in (self.gradient, self.parameters):
+            if name is not None and name not in COLLECTIVES:
+                raise ValueError(f"CommPattern collective {name!r} is unknown; use one of "
+                                 f"{', '.join(COLLECTIVES)}")
+
+    @property
+    def sharded_update(self) -> bool:
+        return self.parameters is not None
+
+    def collectives(self) -> tuple[str, ...]:
+        """Every collective one bucket costs, in issue order."""
+        return (self.gradient,) + ((self.parameters,) if self.parameters else ())
+
+    def bucket_seconds(self, network: "NetworkProfile", nbytes: float) -> float:
+        """Communication time of one bucket of ``nbytes`` gradient bytes."""
+        return sum(network.time(c, nbytes) for c in self.collectives())
+
+    def startup_seconds(self, network: "NetworkProfile") -> float:
+        """Per-bucket start-up cost (alpha) that merging two buckets saves."""
+        return sum(network.cost(c).alpha_s for c in self.collectives())
+
+
+_COMM_PATTERNS: dict[str, CommPattern] = {}
+
+
+def register_comm_pattern(name: str, pattern: CommPattern) -> None:
+    """Make ``name`` known to the planners and the simulator.
+
+    Registering the same pattern again is a no-op; a different pattern under a taken
+    name is refused, so two strategies cannot silently share a name.
+    """
+    if not isinstance(pattern, CommPattern):
+        raise TypeError(f"register_comm_pattern({name!r}) needs a CommPattern, got "
+                        f"{type(pattern).__name__}")
+    if _COMM_PATTERNS.get(name, pattern) != pattern:
+        raise ValueError(f"a different communication pattern is already registered as {name!r}")
+    _COMM_PATTERNS[name] = pattern
+
+
+def unregister_comm_pattern(name: str) -> None:
+    _COMM_PATTERNS.pop(name, None)
+
+
+def comm_pattern(name: "str | CommPattern") -> CommPattern:
+    """The registered pattern of strategy ``name`` (a pattern passes through)."""
+    if isinstance(name, CommPattern):
+        return name
+    try:
+        return _COMM_PATTERNS[name]
+    except KeyError:
+        raise ValueError(f"no communication pattern is registered for strategy {name!r}; known: "
+                         f"{', '.join(_COMM_PATTERNS)}") from None
+
+
+def comm_pattern_names() -> tuple[str, ...]:
+    return tuple(_COMM_PATTERNS)
+
+
+# Patterns the planners and the simulator know even where no transform strategy
+# implements them (each transform strategy registers its own, identical, pattern).
+ALLREDUCE_PATTERN = CommPattern(in_backward=False, packs_buckets=False)
+WFBP_PATTERN = CommPattern()
+DEAR_PATTERN = CommPattern(gradient="reduce_scatter", parameters="all_gather", compressible=False)
+APPROX_PATTERN = CommPattern(delayed_update=True, packs_buckets=False)
+for _name, _pattern in (("allreduce", ALLREDUCE_PATTERN), ("wfbp", WFBP_PATTERN),
+                        ("mgwfbp", WFBP_PATTERN), ("dear", DEAR_PATTERN), ("approx", APPROX_PATTERN)):
+    register_comm_pattern(_name, _pattern)
+
 # --------------------------------------------------------------------------- presets
 @dataclasses.dataclass(frozen=True)
 class LinkPreset:

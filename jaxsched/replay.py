@@ -3,15 +3,28 @@
 ``bind`` re-emits one equation where the rewritten program is being traced, keeping the
 user's source line. Nested calls (jit, custom_jvp/vjp) are inlined rather than re-bound,
 and ``check_vma``'s typing primitives are translated, because the rewritten body runs
-with ``check_vma=False`` (its collectives are placed by hand).
+with ``check_vma=False`` (its collectives are placed by hand). ``interpret`` is the one
+loop every rewrite runs equations with.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> closed = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(1.0)
+    >>> env = dict(zip(closed.jaxpr.invars, [0.5]))
+    >>> interpret(closed.jaxpr.eqns, lambda x: read(env, x), env.__setitem__)
+    >>> bool(jnp.isclose(read(env, closed.jaxpr.outvars[0]), 2 * jnp.sin(0.5)))
+    True
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from jax import lax
-from jax._src import source_info_util  # private: keeps user source lines on re-emitted equations
 from jax.extend import core as jex_core
+from jax.extend import source_info_util
+
+from jaxsched.primitives import CALL_PRIMITIVES, VMA_TYPING
+
+Run = Callable[[Any, list], Sequence[Any]]
 
 
 def bind(eqn, values: Sequence[Any]) -> list:
@@ -21,7 +34,7 @@ def bind(eqn, values: Sequence[Any]) -> list:
     hand), so ``check_vma``'s typing primitives are translated: ``pvary`` only re-types a
     value and is dropped, ``psum_invariant`` is the plain ``psum``.
     """
-    if eqn.primitive.name == "pvary":
+    if eqn.primitive.name in VMA_TYPING:
         return list(values)
     if eqn.primitive.name == "psum_invariant":
         return list(lax.psum(tuple(values), eqn.params["axes"]))
@@ -37,26 +50,43 @@ def bind(eqn, values: Sequence[Any]) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "custom_jvp_call", "custom_vjp_call"})
-
-
 def inner_jaxpr(eqn):
+    """The closed jaxpr a call equation runs, or None."""
     inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
     return inner if hasattr(inner, "jaxpr") else None
 
 
-def eval_inline(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list:
-    """Evaluate a nested call's body equation by equation.
+def read(env: dict, x) -> Any:
+    """The value of operand ``x``: a literal's own value, else what ``env`` holds."""
+    return x.val if isinstance(x, jex_core.Literal) else env[x]
 
-    Re-binding the call itself would reuse avals typed for the user's ``check_vma``
-    setting; inlining lets every primitive re-derive its types in the rewritten body.
+
+def interpret(eqns: Iterable, read_operand: Callable[[Any], Any], write: Callable[[Any, Any], None],
+              run: Run = bind, after: Callable[[Any], None] | None = None) -> None:
+    """The one interpreter loop: ``run`` each equation on its operands, ``write`` its results.
+
+    ``read_operand`` may compute a value on first use (a deferred all-gather), ``run`` may
+    be a rule table (shard rules), and ``after`` sees each equation once it has run (where
+    a rewrite issues the collectives that just became possible).
     """
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    read = lambda x: x.val if isinstance(x, jex_core.Literal) else env[x]
-    for eqn in jaxpr.eqns:
-        env.update(zip(eqn.outvars, bind(eqn, [read(x) for x in eqn.invars])))
-    return [read(x) for x in jaxpr.outvars]
+    for eqn in eqns:
+        results = run(eqn, [read_operand(x) for x in eqn.invars])
+        for var, value in zip(eqn.outvars, results, strict=True):
+            write(var, value)
+        if after is not None:
+            after(eqn)
+
+
+def eval_inline(jaxpr, consts: Sequence[Any], args: Sequence[Any], run: Run = bind) -> list:
+    """Evaluate a jaxpr equation by equation where the caller is tracing.
+
+    Re-binding a call would reuse avals typed for the user's ``check_vma`` setting;
+    inlining lets every primitive re-derive its types in the rewritten body.
+    """
+    env = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    interpret(jaxpr.eqns, lambda x: read(env, x), env.__setitem__, run)
+    return [read(env, x) for x in jaxpr.outvars]
 
 
 def is_var(x) -> bool:
@@ -68,7 +98,7 @@ def source_line(eqn) -> str:
     """The user's source line that produced ``eqn``, for messages."""
     try:
         return source_info_util.summarize(eqn.source_info)
-    except Exception:  # private API; messages degrade to the primitive name
+    except Exception:  # messages degrade to the primitive name
         return eqn.primitive.name
 
 

@@ -1,4 +1,4 @@
-"""The ``xla`` engine: the rewritten body as one jitted shard_map program.
+"""The ``xla`` engine: the scheduled program as one jitted shard_map.
 
 Overlap on GPU comes from XLA's latency-hiding scheduler, which moves the async
 collective starts early and the dones late around independent compute. Two things
@@ -11,14 +11,21 @@ would undo the schedule, so the options below are passed to this one function on
   backward, which is exactly the serialization the buckets exist to avoid.
 
 On TPU the latency-hiding scheduler is on by default; XLA:CPU runs collectives
-synchronously and ignores scheduling (see FACTS.md), so CPU gets no options.
+synchronously inside a program (docs/architecture.md), so CPU gets no options.
+
+Example:
+    >>> XlaEngine(compiler_options={"xla_gpu_enable_latency_hiding_scheduler": True}).name
+    'xla'
+    >>> compiler_options_for("cuda") == GPU_OPTIONS
+    True
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
-from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxsched.engine.base import Engine, PerDeviceProgram, register_engine
 
 GPU_OPTIONS: dict[str, Any] = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
@@ -33,15 +40,27 @@ def compiler_options_for(platform: str) -> dict[str, Any]:
     return dict(GPU_OPTIONS) if platform in ("gpu", "cuda", "rocm") else {}
 
 
-def compile_body(body: Callable, mesh: Mesh, in_specs: Sequence[P], out_specs: Sequence[P],
-                 compiler_options: dict[str, Any] | None = None) -> Callable:
-    """jit(shard_map(body)) taking and returning flat lists of arrays."""
-    platform = mesh.devices.flat[0].platform
-    options = compiler_options_for(platform) if compiler_options is None else compiler_options
+class XlaEngine(Engine):
+    """One ``jax.jit(shard_map(body))`` per program, compiled with per-function options.
 
-    def flat_body(*args):
-        return tuple(body(*args))
+    Args:
+      compiler_options: XLA options for this program only; ``None`` picks the platform's
+        set (:func:`compiler_options_for`), ``{}`` passes none.
+    """
 
-    mapped = jax.shard_map(flat_body, mesh=mesh, in_specs=tuple(in_specs),
-                           out_specs=tuple(out_specs), check_vma=False)
-    return jax.jit(mapped, compiler_options=options or None)
+    name = "xla"
+
+    def __init__(self, compiler_options: dict[str, Any] | None = None):
+        if compiler_options is not None and not isinstance(compiler_options, dict):
+            raise TypeError(f"compiler_options must be a dict of XLA option names to values, got "
+                            f"{type(compiler_options).__name__}")
+        self.compiler_options = compiler_options
+
+    def compile(self, program: PerDeviceProgram) -> Callable[..., tuple]:
+        platform = program.mesh.devices.flat[0].platform
+        options = (compiler_options_for(platform) if self.compiler_options is None
+                   else self.compiler_options)
+        return jax.jit(program.mapped(), compiler_options=options or None)
+
+
+register_engine("xla", XlaEngine)

@@ -20,47 +20,62 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-from jaxsched.costmodel import LayerProfile, NetworkProfile
+from jaxsched.costmodel import CommPattern, LayerProfile, NetworkProfile, comm_pattern
 from jaxsched.plan.mgwfbp import plan_mgwfbp
 from jaxsched.plan.optimal import optimal_wfbp, search
 from jaxsched.plan.per_layer import plan_per_layer
 from jaxsched.plan.prophet import plan_prophet
 from jaxsched.plan.threshold import DEFAULT_THRESHOLD_BYTES, plan_threshold
 
-PLANNERS = ("per_layer", "threshold", "mgwfbp", "prophet", "optimal")
+Planner = Callable[..., list[list[int]]]
+
+#: Planners by name: ``(layers, network, strategy, threshold_bytes=...) -> buckets``.
+PLANNER_REGISTRY: dict[str, Planner] = {
+    "per_layer": lambda layers, network, strategy, **_: plan_per_layer(layers),
+    "threshold": lambda layers, network, strategy, threshold_bytes, **_: plan_threshold(
+        layers, threshold_bytes),
+    "mgwfbp": lambda layers, network, strategy, **_: plan_mgwfbp(layers, network, strategy),
+    "prophet": lambda layers, network, strategy, **_: plan_prophet(layers, network, strategy),
+}
+PLANNERS = tuple(PLANNER_REGISTRY) + ("optimal",)
 
 
 def plan_buckets(layers: LayerProfile, network: NetworkProfile, planner: str = "threshold",
-                 strategy: str = "wfbp", *, threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
-                 compression: Any = None, progress: bool = False,
-                 iterations: int = 6) -> list[list[int]]:
-    """Plan buckets for ``strategy`` with ``planner``; see the module docstring for layout.
+                 strategy: str | CommPattern = "wfbp", *,
+                 threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, compression: Any = None,
+                 progress: bool = False, iterations: int = 6) -> list[list[int]]:
+    """Plan buckets for ``strategy`` (a name or its :class:`CommPattern`) with ``planner``.
 
     ``optimal`` minimises ``jaxsched.sim.simulate(..., strategy, buckets)`` (exactly by DP for
-    wfbp/mgwfbp when bucket copies are free, otherwise by a search of the simulator that is
-    exhaustive up to 10 layers); ``compression`` and
-    ``iterations`` are passed to the simulator when it is searched.
+    all-reduce patterns when bucket copies are free, otherwise by a search of the simulator
+    that is exhaustive up to 10 layers); ``compression`` and ``iterations`` are passed to
+    the simulator when it is searched.
     """
-    if planner == "per_layer":
-        return plan_per_layer(layers)
-    if planner == "threshold":
-        return plan_threshold(layers, threshold_bytes)
-    if planner == "mgwfbp":
-        return plan_mgwfbp(layers, network, strategy)
-    if planner == "prophet":
-        return plan_prophet(layers, network, strategy)
+    if planner in PLANNER_REGISTRY:
+        return PLANNER_REGISTRY[planner](layers, network, strategy, threshold_bytes=threshold_bytes)
     if planner != "optimal":
         raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
-    if strategy in ("allreduce", "approx") and compression is None:
+    return _plan_optimal(layers, network, strategy, threshold_bytes, compression, progress,
+                         iterations)
+
+
+def _plan_optimal(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPattern,
+                  threshold_bytes: int, compression: Any, progress: bool,
+                  iterations: int) -> list[list[int]]:
+    if strategy == "bytescheduler":
+        raise ValueError("bytescheduler partitions tensors itself; plan buckets for another strategy")
+    pattern = comm_pattern(strategy)
+    if compression is None and (not pattern.in_backward or pattern.delayed_update):
+        # Nothing overlaps backward (or communication overlaps the whole next step):
+        # every extra bucket only adds a start-up cost.
         return [list(range(len(layers)))]
-    if strategy in ("wfbp", "mgwfbp") and compression is None and not network.copy_s_per_byte:
+    if (compression is None and not network.copy_s_per_byte and pattern.in_backward
+            and pattern.collectives() == ("all_reduce",)):
         return optimal_wfbp(layers, network)[0]  # exact: the DP's model is the simulator's
     # With bucket copies on the compute stream (measured profiles) the DP's model is
     # incomplete: search the simulator, with the DP's plan among the candidates.
-    if strategy == "bytescheduler":
-        raise ValueError("bytescheduler partitions tensors itself; plan buckets for another strategy")
     from jaxsched.sim import simulate  # the planner searches the simulator
 
     def evaluate(buckets: list[list[int]]) -> float:
@@ -68,11 +83,11 @@ def plan_buckets(layers: LayerProfile, network: NetworkProfile, planner: str = "
                         compression=compression, keep_spans=False).iteration_s
 
     candidates = [plan_buckets(layers, network, p, strategy, threshold_bytes=threshold_bytes)
-                  for p in PLANNERS[:-1]]
+                  for p in PLANNER_REGISTRY]
     candidates += [plan_threshold(layers, 2 ** e) for e in range(16, 32, 2)]
     candidates += [optimal_wfbp(layers, network)[0], [list(range(len(layers)))]]
     return search(layers, candidates, evaluate, progress=progress)
 
 
-__all__ = ["DEFAULT_THRESHOLD_BYTES", "PLANNERS", "plan_buckets", "plan_mgwfbp", "plan_per_layer",
+__all__ = ["DEFAULT_THRESHOLD_BYTES", "PLANNERS", "PLANNER_REGISTRY", "plan_buckets", "plan_mgwfbp", "plan_per_layer",
            "plan_prophet", "plan_threshold"]

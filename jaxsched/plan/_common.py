@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxsched.costmodel import LayerProfile, NetworkProfile
+from jaxsched.costmodel import CommPattern, LayerProfile, NetworkProfile, comm_pattern
 
 
 def backward_view(layers: LayerProfile) -> tuple[list[Any], list[int]]:
@@ -22,14 +22,11 @@ def to_forward_buckets(backward_groups: list[list[int]], num_layers: int) -> lis
     return sorted(buckets, key=lambda b: b[0])
 
 
-def grad_alpha(network: NetworkProfile, strategy: str) -> float:
+def grad_alpha(network: NetworkProfile, strategy: str | CommPattern) -> float:
     """Per-bucket start-up cost that merging saves, for the collectives ``strategy`` uses."""
-    if strategy == "dear":
-        return network.cost("reduce_scatter").alpha_s + network.cost("all_gather").alpha_s
-    return network.cost("all_reduce").alpha_s
+    return comm_pattern(strategy).startup_seconds(network)
 
 
-def bucket_time(network: NetworkProfile, strategy: str, nbytes: float) -> float:
-    if strategy == "dear":
-        return network.time("reduce_scatter", nbytes) + network.time("all_gather", nbytes)
-    return network.time("all_reduce", nbytes)
+def bucket_time(network: NetworkProfile, strategy: str | CommPattern, nbytes: float) -> float:
+    """Communication time of one bucket of ``nbytes`` under ``strategy``'s pattern."""
+    return comm_pattern(strategy).bucket_seconds(network, nbytes)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from jaxsched.analyze import Analysis
-from jaxsched.costmodel import Layer, LayerProfile, NetworkProfile, network_preset
+from jaxsched.costmodel import CommPattern, Layer, LayerProfile, NetworkProfile, network_preset
 from jaxsched.plan import plan_buckets
 
 MATMULS = ("dot_general", "conv_general_dilated")
@@ -112,11 +112,12 @@ def step_layer_profile(analysis: Analysis, paths: Sequence[str],
     return LayerProfile(layers, meta), members
 
 
-def auto_bucket_paths(analysis: Analysis, paths: Sequence[str], strategy: str,
+def auto_bucket_paths(analysis: Analysis, paths: Sequence[str], strategy: str | CommPattern,
                       layer_profile: LayerProfile | None = None,
                       network_profile: NetworkProfile | str | None = None,
                       planner: str = "optimal") -> tuple[list[list[str]], LayerProfile, NetworkProfile]:
-    """Plan buckets for ``strategy`` and return them as lists of parameter paths."""
+    """Plan buckets for ``strategy`` (a name or its pattern) and return them as lists of
+    parameter paths."""
     cap = analysis.captured
     profile, members = step_layer_profile(analysis, paths, layer_profile)
     if isinstance(network_profile, str):
@@ -127,5 +128,5 @@ def auto_bucket_paths(analysis: Analysis, paths: Sequence[str], strategy: str,
         network, _ = profile_network(cap.mesh, cap.axis_name, repeats=3)
     else:
         network = network_profile
-    groups = plan_buckets(profile, network, planner, strategy="dear" if strategy == "dear" else "wfbp")
+    groups = plan_buckets(profile, network, planner, strategy=strategy)
     return [[paths[i] for layer in group for i in members[layer]] for group in groups], profile, network

@@ -1,6 +1,5 @@
-"""Rewrite: emit the scheduled body. One module per strategy; shared rules in ``rules``."""
-from jaxsched.rewrite.common import RewrittenBody
-from jaxsched.rewrite.dear import rewrite_dear
-from jaxsched.rewrite.wfbp import rewrite_wfbp
+"""Rewrite building blocks shared by strategies: the backward walk and the shard rules."""
+from jaxsched.rewrite.backward import walk_backward
+from jaxsched.rewrite.rules import FallbackWarning, Shard, ShardContext, apply_rule, eval_sharded
 
-__all__ = ["RewrittenBody", "rewrite_dear", "rewrite_wfbp"]
+__all__ = ["FallbackWarning", "Shard", "ShardContext", "apply_rule", "eval_sharded", "walk_backward"]

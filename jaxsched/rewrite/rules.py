@@ -23,11 +23,11 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jex_core
 
 from jaxsched import layout
+from jaxsched.primitives import CALL_PRIMITIVES, VMA_TYPING
 from jaxsched.replay import bind as _bind
-from jaxsched.replay import is_var, source_line
+from jaxsched.replay import eval_inline, is_var, source_line
 from jaxsched.replay import inner_jaxpr as _inner_jaxpr
 
 
@@ -190,13 +190,9 @@ RULES.update({
     "reduce_min": _reduce_rule(jnp.min, lax.pmin, lambda d: jnp.asarray(_highest(d), d)),
     "psum": psum_rule,
     "psum_invariant": psum_rule,
-    "pvary": identity_rule,
-    "pjit": call_rule,
-    "jit": call_rule,
-    "closed_call": call_rule,
-    "custom_jvp_call": call_rule,
-    "custom_vjp_call": call_rule,
 })
+RULES.update({name: identity_rule for name in VMA_TYPING})
+RULES.update({name: call_rule for name in CALL_PRIMITIVES})
 
 
 def apply_rule(ctx: ShardContext, eqn, values: list) -> list:
@@ -211,10 +207,4 @@ def apply_rule(ctx: ShardContext, eqn, values: list) -> list:
 
 def eval_sharded(ctx: ShardContext, jaxpr, args: Sequence[Any], constvals: Sequence[Any] = ()) -> list:
     """Evaluate ``jaxpr`` with some inputs sharded; returns full arrays or :class:`Shard`."""
-    env: dict = dict(zip(jaxpr.constvars, constvals))
-    env.update(zip(jaxpr.invars, args))
-    read = lambda x: x.val if isinstance(x, jex_core.Literal) else env[x]
-    for eqn in jaxpr.eqns:
-        for o, val in zip(eqn.outvars, apply_rule(ctx, eqn, [read(x) for x in eqn.invars])):
-            env[o] = val
-    return [read(x) for x in jaxpr.outvars]
+    return eval_inline(jaxpr, constvals, args, run=lambda eqn, values: apply_rule(ctx, eqn, values))

@@ -30,9 +30,30 @@ import heapq
 import math
 from typing import Any, Sequence
 
-from jaxsched.costmodel import LayerProfile, NetworkProfile
+from jaxsched.costmodel import (CommPattern, LayerProfile, NetworkProfile, comm_pattern,
+                                comm_pattern_names)
 
-STRATEGIES = ("allreduce", "wfbp", "mgwfbp", "bytescheduler", "dear", "approx")
+#: The priority scheduler the simulator models itself (it is not a bucket pattern).
+BYTESCHEDULER = "bytescheduler"
+
+
+class _StrategyNames(Sequence):
+    """Every strategy the simulator knows: registered patterns plus ByteScheduler (live)."""
+
+    def _names(self) -> tuple[str, ...]:
+        return comm_pattern_names() + (BYTESCHEDULER,)
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+STRATEGIES = _StrategyNames()
 COMPRESSIONS = ("topk", "gtopk")
 MB = 1 << 20
 
@@ -114,9 +135,10 @@ def check_buckets(buckets: Sequence[Sequence[int]], num_layers: int) -> list[lis
     return [list(b) for b in buckets]
 
 
-def default_buckets(strategy: str, num_layers: int) -> list[list[int]]:
-    """One bucket for ``allreduce``; one per layer otherwise (plan others with jaxsched.plan)."""
-    if strategy == "allreduce":
+def default_buckets(strategy: str | CommPattern, num_layers: int) -> list[list[int]]:
+    """One bucket where communication waits for all of backward (``allreduce``); one per
+    layer otherwise (plan others with jaxsched.plan)."""
+    if strategy != BYTESCHEDULER and not comm_pattern(strategy).in_backward:
         return [list(range(num_layers))]
     return [[i] for i in range(num_layers)]
 
@@ -190,10 +212,12 @@ class _Graph:
         return idx
 
 
-def _build(layers: LayerProfile, network: NetworkProfile, strategy: str,
+def _build(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPattern,
            buckets: list[list[int]], iterations: int, compression: Compression | None,
            partition_bytes: int, shared_stream: bool = False) -> _Graph:
-    """The task graph of ``iterations`` iterations (see the table in docs/simulator.md)."""
+    """The task graph of ``iterations`` iterations (see the table in docs/simulator.md).
+
+    Everything but ByteScheduler is read off the strategy's :class:`CommPattern`."""
     graph = _Graph(shared_stream)
     lay = layers.layers
     num = len(lay)
@@ -205,9 +229,10 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str,
     prev_comm: list[int] = []  # gradient collectives of the previous iteration
     prev_gather: dict[int, int] = {}  # dear: bucket -> all-gather task of previous iteration
     prev_chunks: dict[int, list[int]] = {}  # bytescheduler: layer -> chunk tasks
-    overlap = strategy in ("wfbp", "mgwfbp", "approx", "dear")
-    # The rewrites of these strategies pack each bucket into one buffer and unpack it again.
-    copy = network.copy_s_per_byte if strategy in ("wfbp", "mgwfbp", "dear") else 0
+    priority = strategy == BYTESCHEDULER
+    pattern = CommPattern(in_backward=False, packs_buckets=False) if priority else comm_pattern(strategy)
+    # Rewrites that pack each bucket into one buffer pay a copy before and after it.
+    copy = network.copy_s_per_byte if pattern.packs_buckets else 0
 
     def copy_task(label: str, k: int, n: int, deps: list[int]) -> list[int]:
         if not copy:
@@ -219,10 +244,11 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str,
         if compression is not None and compression.selection_s_per_byte:
             after = [graph.add(_Task("compute", f"compress b{k}", "compress", n,
                                      compression.selection_s_per_byte * bucket_bytes[k], after))]
-        if strategy == "dear":
-            return graph.add(_Task("comm", f"reduce_scatter b{k}", "reduce_scatter", n,
-                                   network.time("reduce_scatter", bucket_bytes[k]), after))
-        kind = "all_reduce" if compression is None else compression.kind
+        if compression is None or pattern.gradient != "all_reduce":
+            kind = pattern.gradient
+            return graph.add(_Task("comm", f"{kind} b{k}", kind, n,
+                                   network.time(kind, bucket_bytes[k]), after))
+        kind = compression.kind
         return graph.add(_Task("comm", f"{kind} b{k}", kind, n,
                                gradient_comm_time(network, bucket_bytes[k], compression), after))
 
@@ -233,41 +259,44 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str,
         if network.dispatch_s:  # the step program is launched once per iteration
             graph.add(_Task("compute", "dispatch", "dispatch", n, network.dispatch_s, []))
         for i in range(num):
-            if strategy == "bytescheduler" and n > 0:
+            if priority and n > 0:
                 graph.add(_Task("compute", f"update l{i}", "update", n, lay[i].update_s,
                                 prev_chunks[i]))
             deps = []
-            if strategy == "dear" and n > 0 and i in bucket_lo:
+            if pattern.parameters and n > 0 and i in bucket_lo:
                 deps = copy_task("unpack", bucket_lo[i], n, [prev_gather[bucket_lo[i]]])
             graph.add(_Task("compute", f"fwd {lay[i].name}", "forward", n, lay[i].forward_s, deps))
         for i in reversed(range(num)):
             bwd = graph.add(_Task("compute", f"bwd {lay[i].name}", "backward", n, lay[i].backward_s, []))
-            if overlap and i in bucket_lo:
+            if pattern.in_backward and i in bucket_lo:
                 k = bucket_lo[i]
                 reduce_of_bucket[k] = grad_collective(k, n, [bwd])
                 comm.append(reduce_of_bucket[k])
-            if strategy == "bytescheduler":
+            if priority:
                 pieces = max(1, math.ceil(lay[i].bytes / partition_bytes))
                 sizes = [partition_bytes] * (pieces - 1) + [lay[i].bytes - partition_bytes * (pieces - 1)]
                 chunks[i] = [graph.add(_Task("comm", f"all_reduce l{i}.{c}", "all_reduce", n,
                                              network.time("all_reduce", size), [bwd], size, (n, i, c)))
                              for c, size in enumerate(sizes)]
-        if strategy == "allreduce":
+        if not pattern.in_backward and not priority:
             bwd_end = graph.compute_order[-1]
             comm = [grad_collective(k, n, [bwd_end]) for k in reversed(range(len(buckets)))]
-        if strategy in ("allreduce", "wfbp", "mgwfbp"):
+        if priority:
+            pass  # each layer's update waits for its own chunks (next iteration, above)
+        elif pattern.delayed_update:
+            graph.add(_Task("compute", "update (previous step)", "update", n, total_update, prev_comm))
+        elif pattern.parameters:
+            for k in range(len(buckets)):
+                upd = graph.add(_Task("compute", f"update b{k} shard", "update", n,
+                                      _share(bucket_update[k], workers), [reduce_of_bucket[k]]))
+                kind = pattern.parameters
+                prev_gather[k] = graph.add(_Task("comm", f"{kind} b{k}", kind, n,
+                                                 network.time(kind, bucket_bytes[k]), [upd]))
+        else:
             if copy:  # the update reads the unpacked gradients
                 comm = [copy_task("unpack", k, n, [c])[0]
                         for k, c in sorted(reduce_of_bucket.items(), reverse=True)]
             graph.add(_Task("compute", "update", "update", n, total_update, comm))
-        elif strategy == "approx":
-            graph.add(_Task("compute", "update (previous step)", "update", n, total_update, prev_comm))
-        elif strategy == "dear":
-            for k in range(len(buckets)):
-                upd = graph.add(_Task("compute", f"update b{k} shard", "update", n,
-                                      _share(bucket_update[k], workers), [reduce_of_bucket[k]]))
-                prev_gather[k] = graph.add(_Task("comm", f"all_gather b{k}", "all_gather", n,
-                                                 network.time("all_gather", bucket_bytes[k]), [upd]))
         prev_comm, prev_chunks = comm, chunks
     return graph
 
@@ -343,7 +372,7 @@ def _execute(graph: _Graph, priority: bool, merge_cost: Any = None, credit_bytes
     return start, end, comm_ops
 
 
-def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str,
+def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPattern,
              buckets: Sequence[Sequence[int]] | None = None, *, iterations: int = 8,
              compression: Compression | None = None, partition_bytes: int = 4 * MB,
              credit_bytes: int | None = None, shared_stream: bool = False,
@@ -357,15 +386,16 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str,
     ``shared_stream=True`` runs every collective inline on the compute stream, in program
     order: how XLA:CPU executes them (no overlap at all; FACTS.md).
     """
-    if strategy not in STRATEGIES:
+    if not isinstance(strategy, CommPattern) and strategy not in STRATEGIES:
         raise SimulationError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if iterations < 3:
         raise SimulationError(f"iterations={iterations} must be >= 3 (one warm-up, two to measure)")
-    if compression is not None and strategy in ("dear", "bytescheduler"):
-        raise SimulationError(f"compression is modelled for allreduce, wfbp, mgwfbp and approx, "
-                              f"not {strategy!r}")
+    priority = strategy == BYTESCHEDULER
+    if compression is not None and (priority or not comm_pattern(strategy).compressible):
+        modelled = [n for n in comm_pattern_names() if comm_pattern(n).compressible]
+        raise SimulationError(f"compression is modelled for {', '.join(modelled)}, not {strategy!r}")
     num = len(layers)
-    if strategy == "bytescheduler":
+    if priority:
         buckets = [[i] for i in range(num)]
     buckets = check_buckets(buckets if buckets is not None else default_buckets(strategy, num), num)
     if partition_bytes <= 0:
@@ -373,8 +403,8 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str,
     credit = partition_bytes if credit_bytes is None else credit_bytes
     graph = _build(layers, network, strategy, buckets, iterations, compression, partition_bytes,
                    shared_stream)
-    merge = (lambda b: network.time("all_reduce", b)) if strategy == "bytescheduler" else None
-    start, end, comm_ops = _execute(graph, priority=strategy == "bytescheduler",
+    merge = (lambda b: network.time("all_reduce", b)) if priority else None
+    start, end, comm_ops = _execute(graph, priority=priority,
                                     merge_cost=merge, credit_bytes=credit)
     tasks = graph.tasks
     first_of_iter: dict[int, Any] = {}
@@ -407,7 +437,7 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str,
             name = head.name if len(group) == 1 else f"{head.name} +{len(group) - 1} chunks"
             spans.append(Span("comm", name, head.kind, head.iteration, op_start, op_end))
     options: dict[str, Any] = {"iterations": iterations, "shared_stream": shared_stream}
-    if strategy == "bytescheduler":
+    if priority:
         options.update(partition_bytes=partition_bytes, credit_bytes=credit)
     if compression is not None:
         options.update(compression=compression.kind, density=compression.density)

@@ -1,4 +1,4 @@
-"""The backward walk that every strategy shares.
+"""The backward walk that every bucketing strategy shares.
 
 The backward region is replayed equation by equation. Inputs can be *lazy* (an
 all-gather emitted just before their first use), and after each equation every bucket
@@ -7,33 +7,13 @@ places communication inside backward, in the order gradients complete.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Sequence
 
 from jax.extend import core as jex_core
-from jax.sharding import PartitionSpec as P
 
 from jaxsched.analyze import Analysis
 from jaxsched.bucketing import Bucket
-from jaxsched.replay import bind as _bind
-
-
-@dataclasses.dataclass(frozen=True)
-class RewrittenBody:
-    """A per-device function and the specs of the shard_map that runs it.
-
-    ``body(*inputs)`` takes and returns flat lists laid out as the strategy's state
-    describes; ``fallbacks`` lists (primitive, source line) pairs run on gathered tensors.
-    """
-
-    body: Callable
-    in_specs: tuple[P, ...]
-    out_specs: tuple[P, ...]
-    fallbacks: list
-
-
-def read(env: dict, x) -> Any:
-    return x.val if isinstance(x, jex_core.Literal) else env[x]
+from jaxsched.replay import interpret, read
 
 
 def walk_backward(analysis: Analysis, env: dict, lazy: dict[Any, Callable[[], None]],
@@ -47,7 +27,7 @@ def walk_backward(analysis: Analysis, env: dict, lazy: dict[Any, Callable[[], No
         x = reds[j].operand
         return isinstance(x, jex_core.Literal) or x in env
 
-    def flush() -> None:
+    def flush(_eqn: Any = None) -> None:
         for b in list(pending):
             if all(operand_ready(j) for j in b.reductions):
                 pending.remove(b)
@@ -59,10 +39,6 @@ def walk_backward(analysis: Analysis, env: dict, lazy: dict[Any, Callable[[], No
         return read(env, x)
 
     flush()  # gradients that are body inputs are ready from the start
-    for i in analysis.backward:
-        eqn = body.eqns[i]
-        for o, val in zip(eqn.outvars, _bind(eqn, [get(x) for x in eqn.invars])):
-            env[o] = val
-        flush()
+    interpret((body.eqns[i] for i in analysis.backward), get, env.__setitem__, after=flush)
     if pending:  # operands computed in the update region cannot happen by construction
         raise AssertionError(f"buckets never became ready: {pending}")

@@ -1,0 +1,133 @@
+"""The collective seam: how one bucket's flat buffer crosses the data axis.
+
+Strategies never call ``lax.psum`` on gradients themselves: they call a
+:class:`Collective`. Compression, casts and hierarchical collectives wrap one
+(:class:`CollectiveWrapper`, the way optax wraps an inner transformation) and so apply
+to every strategy without editing it.
+
+A collective may carry state between steps (error-feedback residuals). That state is
+*per device* and per bucket: ``init`` returns one device's template for each bucket,
+and the strategy keeps every device's copy, stacked on a leading device axis, in its
+state's ``collective_state`` field.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> spec = BucketSpec(index=0, size=4, dtype=jnp.dtype("float32"), axis_size=2)
+    >>> def body(x):
+    ...     out, _ = PlainCollective().all_reduce(x, "data", spec, ())
+    ...     return out
+    >>> f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P(), check_vma=False)
+    >>> [float(v) for v in f(jnp.arange(8.0))]
+    [4.0, 6.0, 8.0, 10.0]
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSpec:
+    """What a collective knows of the bucket it moves.
+
+    Attributes:
+      index: the bucket's position in the plan (issue order).
+      size: elements of the full flat buffer (``P * shard`` for sharded buffers).
+      dtype: the buffer's dtype (buckets never mix dtypes).
+      axis_size: devices ``P`` on the data axis.
+    """
+
+    index: int
+    size: int
+    dtype: np.dtype
+    axis_size: int
+
+
+class Collective:
+    """Plain collectives: ``psum``, tiled ``psum_scatter`` and tiled ``all_gather``.
+
+    Every method runs inside the per-device body and returns ``(result, new_state)``
+    where ``state`` is this bucket's entry of :meth:`init`.
+    """
+
+    #: Whether the collective changes the numbers (lossy compression). Exact wrappers
+    #: (a wider accumulator, a hierarchy) keep strategies' equivalence guarantees.
+    exact: bool = True
+
+    def init(self, buckets: Sequence[BucketSpec]) -> tuple:
+        """One device's carried state for each bucket (arrays without a device axis)."""
+        return tuple(() for _ in buckets)
+
+    def all_reduce(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, state: Any
+                   ) -> tuple[jax.Array, Any]:
+        return lax.psum(buffer, axis_name), state
+
+    def reduce_scatter(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, state: Any
+                       ) -> tuple[jax.Array, Any]:
+        """The full buffer in, this device's ``1/P`` slice of the sum out."""
+        return lax.psum_scatter(buffer, axis_name, scatter_dimension=0, tiled=True), state
+
+    def all_gather(self, shard: jax.Array, axis_name: str, bucket: BucketSpec, state: Any
+                   ) -> tuple[jax.Array, Any]:
+        """Every device's shard in, the concatenated full buffer out."""
+        return lax.all_gather(shard, axis_name, tiled=True), state
+
+
+PlainCollective = Collective
+
+
+class CollectiveWrapper(Collective):
+    """A collective that changes some operations and delegates the rest to ``inner``.
+
+    Its own state for a bucket is ``(own, inner_state)``, so wrappers nest like optax's.
+    Subclasses override ``init_own`` and the operations they change.
+    """
+
+    def __init__(self, inner: Collective | None = None):
+        self.inner = inner if inner is not None else Collective()
+        self.exact = self.exact and self.inner.exact
+
+    def init_own(self, bucket: BucketSpec) -> Any:
+        return ()
+
+    def init(self, buckets: Sequence[BucketSpec]) -> tuple:
+        return tuple((self.init_own(b), s) for b, s in zip(buckets, self.inner.init(buckets),
+                                                            strict=True))
+
+    def all_reduce(self, buffer, axis_name, bucket, state):
+        own, inner = state
+        out, inner = self.inner.all_reduce(buffer, axis_name, bucket, inner)
+        return out, (own, inner)
+
+    def reduce_scatter(self, buffer, axis_name, bucket, state):
+        own, inner = state
+        out, inner = self.inner.reduce_scatter(buffer, axis_name, bucket, inner)
+        return out, (own, inner)
+
+    def all_gather(self, shard, axis_name, bucket, state):
+        own, inner = state
+        out, inner = self.inner.all_gather(shard, axis_name, bucket, inner)
+        return out, (own, inner)
+
+
+def stacked_zeros(template: Any, axis_size: int) -> Any:
+    """Every device's copy of a per-device state template, on a leading device axis."""
+    return jax.tree.map(lambda a: jnp.zeros((axis_size,) + tuple(np.shape(a)), jnp.asarray(a).dtype)
+                        if not isinstance(a, jax.ShapeDtypeStruct)
+                        else jnp.zeros((axis_size,) + tuple(a.shape), a.dtype), template)
+
+
+def unstack_local(leaves: Sequence[jax.Array]) -> list[jax.Array]:
+    """Inside the body: this device's ``(1, ...)`` blocks of per-device state, without the axis."""
+    return [leaf[0] for leaf in leaves]
+
+
+def stack_local(leaves: Sequence[jax.Array]) -> list[jax.Array]:
+    return [leaf[None] for leaf in leaves]

@@ -1,0 +1,106 @@
+"""The engine seam: what an engine receives, and the registry of engines.
+
+An engine turns a :class:`PerDeviceProgram` into something callable on global arrays.
+The program is explicit: a per-device function whose collective equations (see
+:data:`jaxsched.primitives.COLLECTIVES`) mark where an engine may cut it into stages,
+and the shard_map specs of its inputs and outputs. Engines know nothing of strategies.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax import lax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> program = PerDeviceProgram(lambda x: (lax.psum(x, "data"),), mesh, "data", (P("data"),), (P(),))
+    >>> [e.primitive.name for e in program.jaxpr(jax.ShapeDtypeStruct((2,), jnp.float32)).eqns]
+    ['psum']
+    >>> run = make_engine("xla").compile(program)
+    >>> [float(v) for v in run(jnp.array([1.0, 2.0]))[0]]
+    [3.0]
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class PerDeviceProgram:
+    """A scheduled step as one per-device function plus the specs that run it.
+
+    Attributes:
+      body: ``(*state leaves, *batch leaves, *consts) -> (*state leaves, *aux leaves)``,
+        traced per device (inside ``shard_map``).
+      mesh, axis_name: where it runs; ``axis_name`` is the data-parallel axis.
+      in_specs, out_specs: one ``PartitionSpec`` per flat input and output.
+      check_vma: the ``shard_map`` typing mode the body was written for.
+    """
+
+    body: Callable[..., Sequence[Any]]
+    mesh: Mesh
+    axis_name: str
+    in_specs: tuple[P, ...]
+    out_specs: tuple[P, ...]
+    check_vma: bool = False
+
+    def mapped(self) -> Callable[..., tuple]:
+        """The body as a ``shard_map`` over the mesh (not jitted)."""
+        def flat_body(*args):
+            return tuple(self.body(*args))
+
+        return jax.shard_map(flat_body, mesh=self.mesh, in_specs=self.in_specs,
+                             out_specs=self.out_specs, check_vma=self.check_vma)
+
+    def jaxpr(self, *global_args: Any):
+        """The per-device jaxpr for these global (abstract or concrete) inputs: its collective
+        equations are where a staged engine may cut."""
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, spec))
+                 for a, spec in zip(global_args, self.in_specs, strict=True)]
+        traced = jax.make_jaxpr(self.mapped())(*avals).jaxpr
+        (eqn,) = [e for e in traced.eqns if e.primitive.name == "shard_map"]
+        inner = eqn.params["jaxpr"]
+        return inner.jaxpr if hasattr(inner, "jaxpr") else inner
+
+
+class Engine(abc.ABC):
+    """Runs per-device programs. Subclasses take their own options at construction."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def compile(self, program: PerDeviceProgram) -> Callable[..., tuple]:
+        """A callable on the program's global inputs returning its flat global outputs.
+
+        ``callable.trace(*args)`` (as ``jax.jit`` has) lets callers lower the program."""
+
+
+_ENGINES: dict[str, Callable[..., Engine]] = {}
+
+
+def register_engine(name: str, factory: Callable[..., Engine]) -> None:
+    """Make ``engine=name`` available; a taken name is refused."""
+    if name in _ENGINES:
+        raise ValueError(f"an engine named {name!r} is already registered")
+    _ENGINES[name] = factory
+
+
+def engine_names() -> tuple[str, ...]:
+    return tuple(_ENGINES)
+
+
+def make_engine(engine: str | Engine, **options: Any) -> Engine:
+    """An engine from its registered name and options, or an instance as given."""
+    if isinstance(engine, Engine):
+        if options:
+            raise TypeError(f"engine options {sorted(options)} go to the engine's constructor "
+                            f"when an Engine instance ({type(engine).__name__}) is passed")
+        return engine
+    if engine not in _ENGINES:
+        raise ValueError(f"engine={engine!r} is unknown; choose one of {', '.join(_ENGINES)}")
+    try:
+        return _ENGINES[engine](**options)
+    except TypeError as err:
+        raise TypeError(f"engine {engine!r} does not take options {sorted(options)}: {err}") from None

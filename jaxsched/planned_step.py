@@ -1,0 +1,142 @@
+"""A captured step together with what every strategy asks of it: analysis, buckets,
+parameter paths, and where each input and output of the user's body lives.
+
+The analysis and the bucket plan are computed on first use, so a strategy that never
+asks for them (the identity, ``allreduce``) schedules any step that captures.
+
+Example:
+    >>> import jax, optax
+    >>> from jaxsched import models, steps
+    >>> from jaxsched.capture import capture
+    >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> tx = optax.sgd(0.1)
+    >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+    >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+    >>> planned.paths, len(planned.buckets)
+    (['head/bias', 'head/kernel', 'hidden/0/bias', 'hidden/0/kernel'], 1)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxsched.analyze import Analysis, analyze
+from jaxsched.bucketing import Bucket, param_paths, plan_buckets
+from jaxsched.capture import CapturedStep, UnsupportedStepError
+from jaxsched.costmodel import CommPattern, LayerProfile, NetworkProfile, WFBP_PATTERN
+
+REPLICATED = P()
+
+
+@dataclasses.dataclass
+class PlannedStep:
+    """Attributes:
+      captured: what capture found.
+      buckets_option: the user's ``buckets=`` (None, bytes, explicit paths or ``"auto"``).
+      plan_options: options of ``buckets="auto"`` (layer_profile, network_profile, planner).
+      pattern: the strategy's communication pattern, which ``"auto"`` plans against.
+      layer_profile, network_profile: what ``"auto"`` planned with (None otherwise).
+      derived: memo of what the strategy derives from the plan (see :meth:`memo`).
+    """
+
+    captured: CapturedStep
+    buckets_option: Any = None
+    plan_options: dict = dataclasses.field(default_factory=dict)
+    pattern: CommPattern = WFBP_PATTERN
+    layer_profile: LayerProfile | None = None
+    network_profile: NetworkProfile | None = None
+    derived: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """What a strategy derives from this plan (layouts, templates), computed once."""
+        if key not in self.derived:
+            self.derived[key] = build()
+        return self.derived[key]
+
+    # -- what planning knows ------------------------------------------------------------
+    @functools.cached_property
+    def analysis(self) -> Analysis:
+        return analyze(self.captured)
+
+    @functools.cached_property
+    def paths(self) -> list[str]:
+        dummy = jax.tree.unflatten(self.captured.params_tree, [0] * self.captured.num_params)
+        return param_paths(dummy)
+
+    @functools.cached_property
+    def buckets(self) -> list[Bucket]:
+        option = self.buckets_option
+        if isinstance(option, str):
+            if option != "auto":
+                raise ValueError(f"buckets={option!r} is not understood; the only named plan is "
+                                 "'auto' (cost-model planning)")
+            from jaxsched.plan.from_step import auto_bucket_paths
+
+            option, self.layer_profile, self.network_profile = auto_bucket_paths(
+                self.analysis, self.paths, self.pattern, **self.plan_options)
+        return plan_buckets(self.analysis, self.paths, option)
+
+    # -- where things live --------------------------------------------------------------
+    @property
+    def mesh(self):
+        return self.captured.mesh
+
+    @property
+    def axis_name(self) -> str:
+        return self.captured.axis_name
+
+    @property
+    def axis_size(self) -> int:
+        return self.captured.axis_size
+
+    def body_invar(self, role: str, index: int):
+        """The body variable fed by leaf ``index`` of ``role``; refuses leaves that never reach it."""
+        k = self.captured.body_input(role, index)
+        if k < 0:
+            name = f"params/{self.paths[index]}" if role == "params" else f"{role}[{index}]"
+            raise UnsupportedStepError(f"{name} never reaches the shard_map body; pass only what "
+                                       "the per-device step reads")
+        return self.captured.body.invars[k]
+
+    def input_spec(self, role: str, index: int) -> P:
+        k = self.captured.body_input(role, index)
+        return self.captured.in_specs[k] if k >= 0 else REPLICATED
+
+    def output_spec(self, position: int) -> P:
+        """Spec of the step's flat output ``position`` (params, opt_state, then aux leaves)."""
+        return self.captured.out_specs[self.captured.outputs[position]]
+
+    @property
+    def batch_specs(self) -> tuple[P, ...]:
+        return tuple(self.input_spec("batch", b) for b in range(self.captured.num_batch))
+
+    @property
+    def const_specs(self) -> tuple[P, ...]:
+        return tuple(self.input_spec("const", c) for c in range(len(self.captured.consts)))
+
+    @property
+    def aux_specs(self) -> tuple[P, ...]:
+        n_state = self.captured.num_params + self.captured.num_opt
+        return tuple(self.output_spec(k) for k in range(n_state, len(self.captured.outputs)))
+
+    def body_arguments(self, params: Sequence[Any], opts: Sequence[Any], batch: Sequence[Any],
+                       consts: Sequence[Any]) -> list:
+        """Values for the user's body invars, in order, from leaves of each role."""
+        by_role = {"params": params, "opt_state": opts, "batch": batch, "const": consts}
+        return [by_role[src.role][src.index] for src in self.captured.sources]
+
+    def placed(self, value: Any, spec: P) -> Any:
+        """``value`` on the mesh with ``spec``; replicated values already there are left alone."""
+        mesh_devices = set(self.mesh.devices.flat)
+        if all(dim is None for dim in spec) and not (
+                isinstance(value, jax.Array) and value.sharding.device_set != mesh_devices):
+            return value  # replicated and on the mesh (or on the host): jit places it
+        sharding = NamedSharding(self.mesh, spec)
+        if isinstance(value, jax.Array) and value.sharding == sharding:
+            return value
+        return jax.device_put(value, sharding)

@@ -1,0 +1,134 @@
+"""The program: what one (captured step, strategy, buckets, engine) builds.
+
+:func:`build_program` is a pure function of those four; :class:`ProgramCache` keeps one
+program per abstract input signature (tree structure, shapes, dtypes, shardings), as
+``jax.jit`` caches, so a batch of a new shape gets its own program.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> a = abstract_signature((jnp.zeros((4, 2)), 1))
+    >>> a == abstract_signature((jnp.ones((4, 2)), 2)), a == abstract_signature((jnp.zeros((3, 2)), 1))
+    (True, False)
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxsched.capture import CapturedStep
+from jaxsched.engine.base import Engine, PerDeviceProgram
+from jaxsched.planned_step import PlannedStep
+from jaxsched.strategies.base import Strategy
+
+
+def abstract_signature(tree: Any) -> Hashable:
+    """What a program depends on in ``tree``: structure, and per leaf shape, dtype, sharding."""
+    leaves, treedef = jax.tree.flatten(tree)
+
+    def leaf_key(x: Any) -> tuple:
+        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+        sharding = x.sharding if isinstance(x, jax.Array) else None
+        return tuple(np.shape(x)), str(dtype), sharding
+
+    return treedef, tuple(leaf_key(x) for x in leaves)
+
+
+class Program:
+    """A compiled scheduled step and the conversions of its state.
+
+    Attributes:
+      planned: the captured step with its analysis and buckets.
+      strategy, engine: what built it.
+      rewritten: the strategy's per-device body and state specs.
+      per_device: the explicit program handed to the engine.
+      core: the engine's callable on flat global arrays.
+    """
+
+    def __init__(self, planned: PlannedStep, strategy: Strategy, engine: Engine):
+        self.planned, self.strategy, self.engine = planned, strategy, engine
+        self.rewritten = rewritten = strategy.rewrite(planned)
+        self.per_device = PerDeviceProgram(
+            rewritten.body, planned.mesh, planned.axis_name,
+            tuple(rewritten.state_in_specs) + planned.batch_specs + planned.const_specs,
+            tuple(rewritten.state_out_specs) + planned.aux_specs, rewritten.check_vma)
+        self.core = engine.compile(self.per_device)
+
+    # what users and tests inspect ----------------------------------------------------------
+    @property
+    def captured(self) -> CapturedStep:
+        return self.planned.captured
+
+    @property
+    def buckets(self):
+        return self.planned.buckets
+
+    @property
+    def fallbacks(self) -> list:
+        return self.rewritten.fallbacks
+
+    @property
+    def layer_profile(self):
+        return self.planned.layer_profile
+
+    @property
+    def network_profile(self):
+        return self.planned.network_profile
+
+    # running -------------------------------------------------------------------------------
+    def convert(self, state: NamedTuple) -> NamedTuple:
+        """The state in this program's layout; idempotent."""
+        return self.strategy.convert(self.planned, state)
+
+    def inputs(self, state: NamedTuple, batch: Any) -> list:
+        """The compiled core's flat arguments for one step."""
+        planned = self.planned
+        batch_leaves = jax.tree.leaves(batch)
+        if len(batch_leaves) != planned.captured.num_batch:
+            raise ValueError(f"the batch has {len(batch_leaves)} leaves; the step was traced with "
+                             f"{planned.captured.num_batch}")
+        return (jax.tree.leaves(self.convert(state))
+                + [planned.placed(b, s) for b, s in zip(batch_leaves, planned.batch_specs, strict=True)]
+                + [planned.placed(c, s) for c, s in zip(planned.captured.consts, planned.const_specs,
+                                                         strict=True)])
+
+    def run(self, state: NamedTuple, batch: Any) -> tuple[NamedTuple, Any]:
+        state = self.convert(state)
+        leaves, treedef = jax.tree.flatten(state)
+        outs = self.core(*self.inputs(state, batch))
+        new_state = jax.tree.unflatten(treedef, outs[:len(leaves)])
+        return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[len(leaves):])
+
+    def finalize(self, state: NamedTuple) -> tuple[Any, Any]:
+        return self.strategy.finalize(self.planned, state)
+
+    def lower(self, state: NamedTuple, batch: Any):
+        return self.core.lower(*self.inputs(state, batch))
+
+
+def build_program(captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Engine,
+                  plan_options: dict | None = None) -> Program:
+    """The program of ``strategy`` for ``captured`` with bucket option ``buckets`` on ``engine``."""
+    planned = PlannedStep(captured, buckets, dict(plan_options or {}), strategy.cost)
+    return Program(planned, strategy, engine)
+
+
+class ProgramCache:
+    """One program per abstract signature of the batch (the state's is fixed per schedule)."""
+
+    def __init__(self, build: Callable[[Any], Program]):
+        self._build = build
+        self._programs: dict[Hashable, Program] = {}
+        self.last: Program | None = None
+
+    def get(self, batch: Any) -> Program:
+        key = abstract_signature(batch)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = self._build(batch)
+        self.last = program
+        return program
+
+    def __len__(self) -> int:
+        return len(self._programs)

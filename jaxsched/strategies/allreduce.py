@@ -1,0 +1,37 @@
+"""``allreduce``: the identity strategy, the user's step as it is (the reference).
+
+The body replays the per-device jaxpr exactly as the user's step traced it, nested calls
+and ``check_vma`` typing included, so the compiled program is the user's own and the
+results are bit-identical.
+
+Example:
+    >>> AllReduce.name, AllReduce.cost.in_backward
+    ('allreduce', False)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from jax.extend import core as jex_core
+
+from jaxsched.costmodel import ALLREDUCE_PATTERN
+from jaxsched.planned_step import PlannedStep
+from jaxsched.strategies.base import UserLayoutStrategy
+from jaxsched.strategies.registry import register_strategy
+
+
+@register_strategy
+class AllReduce(UserLayoutStrategy):
+    """One reduction after backward, as the user wrote it."""
+
+    name = "allreduce"
+    cost = ALLREDUCE_PATTERN
+    accepts_collective = False
+
+    def per_device(self, planned: PlannedStep, values: list, collective_state: Any):
+        user_body = planned.captured.user_body
+        outs = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(user_body, []))(*values)
+        return list(outs), collective_state
+
+    def check_vma(self, planned: PlannedStep) -> bool:
+        return planned.captured.check_vma

@@ -1,0 +1,214 @@
+"""The strategy seam: what a strategy owns, and the state of the built-in ones.
+
+A strategy owns four things (one module each, see :mod:`jaxsched.strategies`):
+
+* its **state**, a ``NamedTuple`` with documented fields, with room for carried state
+  (a collective wrapper's residuals live in ``collective_state``);
+* the conversions from the user's trees and back (:meth:`Strategy.convert`,
+  :meth:`Strategy.finalize`);
+* its **rewrite**: a per-device body with one signature for every strategy,
+  ``(*state leaves, *batch leaves, *consts) -> (*state leaves, *aux leaves)``;
+* its **cost description**, a :class:`~jaxsched.costmodel.CommPattern` that the planners
+  and the simulator read.
+
+Example:
+    >>> state = SchedState(params={"w": 1.0}, opt_state=())
+    >>> state.collective_state
+    ()
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxsched.collectives.base import (BucketSpec, Collective, stack_local, stacked_zeros,
+                                       unstack_local)
+from jaxsched.costmodel import CommPattern
+from jaxsched.planned_step import PlannedStep
+
+
+class SchedState(NamedTuple):
+    """The state a built-in strategy carries between calls.
+
+    Attributes:
+      params: the user's params tree. A strategy may keep its leaves in its own layout
+        between steps (``dear``: each leaf a flat, sharded ``(P * chunk,)`` array).
+      opt_state: the user's optimizer state tree, in the strategy's layout.
+      collective_state: what the collective (a compression wrapper) carries between
+        steps, per bucket, every leaf stacked on a leading device axis; ``()`` when the
+        collective carries nothing.
+    """
+
+    params: Any
+    opt_state: Any
+    collective_state: Any = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RewrittenBody:
+    """A strategy's per-device body and the specs of its state leaves.
+
+    Attributes:
+      body: ``(*state leaves, *batch leaves, *consts) -> (*state leaves, *aux leaves)``.
+      state_in_specs, state_out_specs: one ``PartitionSpec`` per state leaf.
+      fallbacks: ``(primitive, source line)`` pairs the rewrite could not run as planned
+        (see :class:`~jaxsched.rewrite.rules.FallbackWarning`).
+      check_vma: the ``shard_map`` typing mode the body is written for.
+    """
+
+    body: Callable[..., Sequence[Any]]
+    state_in_specs: tuple[P, ...]
+    state_out_specs: tuple[P, ...]
+    fallbacks: list = dataclasses.field(default_factory=list)
+    check_vma: bool = False
+
+
+class Strategy(abc.ABC):
+    """One way of scheduling gradient communication. Subclass, then register with
+    :func:`jaxsched.strategies.register_strategy`.
+
+    Class attributes:
+      name: the registry name (``schedule(step, strategy=name)``).
+      cost: what it sends per bucket, for the planners and the simulator.
+      accepts_collective: False for strategies that issue no bucket collectives (the
+        identity), which therefore cannot carry compression.
+    """
+
+    name: ClassVar[str] = ""
+    cost: ClassVar[CommPattern] = CommPattern()
+    accepts_collective: ClassVar[bool] = True
+
+    def __init__(self, collective: Collective | None = None):
+        if collective is not None and not self.accepts_collective:
+            raise ValueError(f"strategy {self.name!r} issues no bucket collectives, so it cannot "
+                             f"carry {type(collective).__name__}; use wfbp or dear")
+        if collective is not None and not isinstance(collective, Collective):
+            raise TypeError(f"collective must be a jaxsched.collectives.Collective, got "
+                            f"{type(collective).__name__}")
+        self.collective = collective if collective is not None else Collective()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(collective={type(self.collective).__name__})"
+
+    def initial_state(self, params: Any, opt_state: Any) -> NamedTuple:
+        """The user's trees as this strategy's state, before any step was traced."""
+        return SchedState(params, opt_state)
+
+    @abc.abstractmethod
+    def convert(self, planned: PlannedStep, state: NamedTuple) -> NamedTuple:
+        """The state in this strategy's layout for ``planned``, from the user's layout or its
+        own (idempotent), placed on the mesh."""
+
+    @abc.abstractmethod
+    def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
+        """Back to the user's ``(params, opt_state)``."""
+
+    @abc.abstractmethod
+    def rewrite(self, planned: PlannedStep) -> RewrittenBody:
+        """The scheduled per-device body."""
+
+    # -- helpers for subclasses ---------------------------------------------------------
+    def bucket_specs(self, planned: PlannedStep, sizes: Sequence[int], dtypes: Sequence) -> list[BucketSpec]:
+        return [BucketSpec(k, int(n), np.dtype(d), planned.axis_size)
+                for k, (n, d) in enumerate(zip(sizes, dtypes, strict=True))]
+
+    def collective_template(self, planned: PlannedStep) -> tuple:
+        """One device's carried collective state for each bucket of ``planned``."""
+        return planned.memo("collective.template",
+                            lambda: self.collective.init(self.collective_buckets(planned)))
+
+    def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
+        """What the collective is told of each bucket; strategies that bucket override it."""
+        return []
+
+    def collective_state(self, planned: PlannedStep, current: Any) -> Any:
+        """The carried collective state on the mesh: fresh zeros, or ``current`` placed."""
+        template = self.collective_template(planned)
+        if not jax.tree.leaves(template):
+            return template
+        if current is None or not jax.tree.leaves(current):
+            current = stacked_zeros(template, planned.axis_size)
+        spec = P(planned.axis_name)
+        return jax.tree.map(lambda leaf: planned.placed(leaf, spec), current)
+
+    def split_inputs(self, planned: PlannedStep, inputs: Sequence[Any], num_state: int
+                     ) -> tuple[list, list, list]:
+        """A body's flat inputs as (state leaves, batch leaves, consts)."""
+        n_batch = planned.captured.num_batch
+        return (list(inputs[:num_state]), list(inputs[num_state:num_state + n_batch]),
+                list(inputs[num_state + n_batch:]))
+
+    def local_collective_state(self, planned: PlannedStep, leaves: Sequence[Any]) -> Any:
+        """Inside the body: this device's collective state, as the collective's tree."""
+        treedef = jax.tree.structure(self.collective_template(planned))
+        return jax.tree.unflatten(treedef, unstack_local(leaves))
+
+    @staticmethod
+    def stacked_collective_leaves(state: Any) -> list:
+        return stack_local(jax.tree.leaves(state))
+
+    def collective_state_specs(self, planned: PlannedStep) -> tuple[P, ...]:
+        n = len(jax.tree.leaves(self.collective_template(planned)))
+        return (P(planned.axis_name),) * n
+
+
+class UserLayoutStrategy(Strategy):
+    """Base of strategies whose params and optimizer state keep the user's layout.
+
+    Subclasses implement :meth:`per_device`: the user's body inputs in, the user's body
+    outputs out (plus the collective's new state).
+    """
+
+    def convert(self, planned: PlannedStep, state: NamedTuple) -> SchedState:
+        cap = planned.captured
+        params, opts = jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state)
+        check_leaf_counts(planned, params, opts)
+        params = [planned.placed(v, planned.input_spec("params", i)) for i, v in enumerate(params)]
+        opts = [planned.placed(v, planned.input_spec("opt_state", j)) for j, v in enumerate(opts)]
+        return SchedState(jax.tree.unflatten(cap.params_tree, params),
+                          jax.tree.unflatten(cap.opt_tree, opts),
+                          self.collective_state(planned, getattr(state, "collective_state", None)))
+
+    def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
+        return state.params, state.opt_state
+
+    @abc.abstractmethod
+    def per_device(self, planned: PlannedStep, values: list, collective_state: Any
+                   ) -> tuple[list, Any]:
+        """Values of the user's body invars -> values of its outvars, new collective state."""
+
+    def rewrite(self, planned: PlannedStep) -> RewrittenBody:
+        cap = planned.captured
+        n_p, n_o = cap.num_params, cap.num_opt
+        coll_specs = self.collective_state_specs(planned)
+        n_state = n_p + n_o + len(coll_specs)
+
+        def body(*inputs):
+            state, batch, consts = self.split_inputs(planned, inputs, n_state)
+            values = planned.body_arguments(state[:n_p], state[n_p:n_p + n_o], batch, consts)
+            carried = self.local_collective_state(planned, state[n_p + n_o:])
+            outs, carried = self.per_device(planned, values, carried)
+            results = [outs[k] for k in cap.outputs]
+            return (results[:n_p + n_o] + self.stacked_collective_leaves(carried)
+                    + results[n_p + n_o:])
+
+        in_specs = (tuple(planned.input_spec("params", i) for i in range(n_p))
+                    + tuple(planned.input_spec("opt_state", j) for j in range(n_o)) + coll_specs)
+        out_specs = tuple(planned.output_spec(k) for k in range(n_p + n_o)) + coll_specs
+        return RewrittenBody(body, in_specs, out_specs, [], self.check_vma(planned))
+
+    def check_vma(self, planned: PlannedStep) -> bool:
+        return False
+
+
+def check_leaf_counts(planned: PlannedStep, params: Sequence, opts: Sequence) -> None:
+    cap = planned.captured
+    if len(params) != cap.num_params or len(opts) != cap.num_opt:
+        raise ValueError("the state does not match the step it was traced with: "
+                         f"{len(params)} params / {len(opts)} opt_state leaves, expected "
+                         f"{cap.num_params} / {cap.num_opt}")

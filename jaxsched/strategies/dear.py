@@ -1,0 +1,257 @@
+"""``dear``: reduce-scatter in backward, update on the local shard, all-gather in the next
+forward (DeAR, Zhang et al., 2023; Jin's decoupled push and eager pull).
+
+Per bucket the scheduled body
+
+1. all-gathers the bucket's parameter shard just before the first forward equation that
+   reads one of its parameters (the all-gather deferred from the previous step);
+2. reduce-scatters the bucket's gradients right after the last of them is computed;
+3. runs the update region on shards (:mod:`jaxsched.rewrite.rules`), so optimizer state
+   that mirrors the parameters lives sharded (ZeRO-1 memory);
+4. returns the updated parameter shard, which the next step gathers again.
+
+State: each parameter leaf as its flat ``(P * chunk,)`` array sharded over the axis;
+optimizer leaves likewise where they are not scalars; the collective's carried state. A
+bucket's chunks are concatenated before its one all-gather, which yields exactly the
+interleaved layout of :mod:`jaxsched.layout`, so the state stays per leaf and its
+structure does not depend on the bucket plan (checkpoints restore across plans).
+
+Example:
+    >>> Dear.cost.collectives()
+    ('reduce_scatter', 'all_gather')
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxsched import layout
+from jaxsched.collectives.base import BucketSpec
+from jaxsched.costmodel import DEAR_PATTERN
+from jaxsched.planned_step import PlannedStep
+from jaxsched.replay import interpret, read
+from jaxsched.rewrite.backward import walk_backward
+from jaxsched.rewrite.rules import Shard, ShardContext, apply_rule
+from jaxsched.strategies.base import RewrittenBody, SchedState, Strategy, check_leaf_counts
+from jaxsched.strategies.registry import register_strategy
+
+
+class DearLayout(NamedTuple):
+    """Per program: bucket layouts of parameters and gradients, and which optimizer leaves
+    are stored sharded (every one that is not a scalar)."""
+
+    params: list
+    grads: list
+    opt_sharded: list
+
+
+@register_strategy
+class Dear(Strategy):
+    """Reduce-scatter + sharded update + deferred all-gather, per bucket."""
+
+    name = "dear"
+    cost = DEAR_PATTERN
+
+    # -- layout ---------------------------------------------------------------------------
+    def layout(self, planned: PlannedStep) -> DearLayout:
+        return planned.memo("dear.layout", lambda: self._layout(planned))
+
+    def _layout(self, planned: PlannedStep) -> DearLayout:
+        cap, reds = planned.captured, planned.analysis.reductions
+        size = planned.axis_size
+        p_layouts, g_layouts = [], []
+        for b in planned.buckets:
+            avals = [planned.body_invar("params", i).aval for i in b.params]
+            p_layouts.append(layout.BucketLayout.of([a.shape for a in avals], [a.dtype for a in avals],
+                                                    size) if avals else None)
+            ops = [reds[j].operand.aval for j in b.reductions]
+            g_layouts.append(layout.BucketLayout.of([a.shape for a in ops], [a.dtype for a in ops], size)
+                             if ops else None)
+        opt_sharded = [math.prod(planned.body_invar("opt_state", j).aval.shape) > 1
+                       for j in range(cap.num_opt)]
+        return DearLayout(p_layouts, g_layouts, opt_sharded)
+
+    def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
+        lay = self.layout(planned)
+        return self.bucket_specs(
+            planned, [g.shard_size * planned.axis_size if g else 0 for g in lay.grads],
+            [g.dtype if g else np.float32 for g in lay.grads])
+
+    def _gather_spec(self, planned: PlannedStep, k: int, p_layout) -> BucketSpec:
+        return BucketSpec(k, p_layout.shard_size * planned.axis_size, p_layout.dtype, planned.axis_size)
+
+    # -- conversions ----------------------------------------------------------------------
+    def convert(self, planned: PlannedStep, state: NamedTuple) -> SchedState:
+        cap = planned.captured
+        params, opts = jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state)
+        check_leaf_counts(planned, params, opts)
+        opt_sharded = self.layout(planned).opt_sharded
+        params = [self._sharded(planned, leaf, planned.body_invar("params", i).aval,
+                                f"params/{planned.paths[i]}") for i, leaf in enumerate(params)]
+        opts = [self._sharded(planned, leaf, planned.body_invar("opt_state", j).aval, f"opt_state[{j}]")
+                if opt_sharded[j] else planned.placed(leaf, planned.input_spec("opt_state", j))
+                for j, leaf in enumerate(opts)]
+        return SchedState(jax.tree.unflatten(cap.params_tree, params),
+                          jax.tree.unflatten(cap.opt_tree, opts),
+                          self.collective_state(planned, getattr(state, "collective_state", None)))
+
+    def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
+        cap = planned.captured
+        opt_sharded = self.layout(planned).opt_sharded
+        params = [self._unsharded(planned, leaf, planned.body_invar("params", i).aval)
+                  for i, leaf in enumerate(jax.tree.leaves(state.params))]
+        opts = [self._unsharded(planned, leaf, planned.body_invar("opt_state", j).aval)
+                if opt_sharded[j] else leaf for j, leaf in enumerate(jax.tree.leaves(state.opt_state))]
+        return jax.tree.unflatten(cap.params_tree, params), jax.tree.unflatten(cap.opt_tree, opts)
+
+    @staticmethod
+    def _flat_len(planned: PlannedStep, block) -> int:
+        return layout.chunk_size(block.shape, planned.axis_size) * planned.axis_size
+
+    def _sharded(self, planned: PlannedStep, leaf: Any, block, name: str) -> jax.Array:
+        cap = planned.captured
+        flat_len = self._flat_len(planned, block)
+        sharding = NamedSharding(planned.mesh, P(planned.axis_name))
+        if isinstance(leaf, jax.Array) and leaf.shape == (flat_len,) and leaf.sharding == sharding:
+            return leaf
+        expected = ((len(planned.mesh.devices.flat),) + tuple(block.shape[1:])
+                    if cap.kind == "pmap" else tuple(block.shape))
+        shape = tuple(np.shape(leaf))
+        if shape != expected and shape != (flat_len,):
+            raise ValueError(f"state leaf {name} has shape {shape}; expected the user's "
+                             f"{expected} or the scheduled ({flat_len},)")
+        if shape == expected:
+            user = np.asarray(leaf)
+            flat = layout.host_chunks((user[:1] if cap.kind == "pmap" else user).reshape(block.shape),
+                                      planned.axis_size)
+        else:
+            flat = np.asarray(leaf)
+        return jax.device_put(flat, sharding)
+
+    def _unsharded(self, planned: PlannedStep, leaf: Any, block) -> Any:
+        cap = planned.captured
+        sharding = NamedSharding(planned.mesh, P(planned.axis_name))
+        if not (isinstance(leaf, jax.Array) and leaf.shape == (self._flat_len(planned, block),)
+                and leaf.sharding == sharding):
+            return leaf  # still in the user's layout (no step has run yet)
+        full = _host_value(leaf)[: math.prod(block.shape)].reshape(block.shape)
+        if cap.kind == "pmap":
+            full = np.repeat(full, len(planned.mesh.devices.flat), axis=0)
+        return full
+
+    # -- rewrite --------------------------------------------------------------------------
+    def rewrite(self, planned: PlannedStep) -> RewrittenBody:
+        cap, analysis, buckets = planned.captured, planned.analysis, planned.buckets
+        body, axis, size = cap.body, planned.axis_name, planned.axis_size
+        reds = analysis.reductions
+        lay = self.layout(planned)
+        specs = self.collective_buckets(planned)
+        coll_specs = self.collective_state_specs(planned)
+        n_p, n_o = cap.num_params, cap.num_opt
+        n_state = n_p + n_o + len(coll_specs)
+        param_buckets = [k for k, b in enumerate(buckets) if b.params]
+        param_invar = {i: planned.body_invar("params", i) for i in range(n_p)}
+        opt_invar = {j: planned.body_invar("opt_state", j) for j in range(n_o)}
+        ctx = ShardContext(axis, size, analysis.varying)
+
+        def scheduled_body(*inputs):
+            state, batch, consts = self.split_inputs(planned, inputs, n_state)
+            param_chunks, opt_values = state[:n_p], state[n_p:n_p + n_o]
+            carried = list(self.local_collective_state(planned, state[n_p + n_o:]))
+            values = planned.body_arguments([None] * n_p, [None] * n_o, batch, consts)
+            env: dict[Any, Any] = {v: x for v, src, x in zip(body.invars, cap.sources, values, strict=True)
+                                   if src.role in ("batch", "const")}
+            post: dict[Any, Any] = {}
+
+            # Parameters: shards for the update, lazily all-gathered for forward.
+            lazy = {}
+            for i in range(n_p):
+                post[param_invar[i]] = Shard(param_chunks[i], tuple(param_invar[i].aval.shape))
+            for k in param_buckets:
+
+                def gather(k=k):
+                    if size == 1:  # one device: the chunk is the whole flattened leaf
+                        for i in buckets[k].params:
+                            env[param_invar[i]] = param_chunks[i].reshape(param_invar[i].aval.shape)
+                        return
+                    shard = lay.params[k].join_chunks([param_chunks[i] for i in buckets[k].params])
+                    full, carried[k] = self.collective.all_gather(
+                        shard, axis, self._gather_spec(planned, k, lay.params[k]), carried[k])
+                    for i, leaf in zip(buckets[k].params, lay.params[k].unpack(full)):
+                        env[param_invar[i]] = leaf
+                for i in buckets[k].params:
+                    lazy[param_invar[i]] = gather
+            for j, value in enumerate(opt_values):
+                var = opt_invar[j]
+                if lay.opt_sharded[j]:
+                    shard = Shard(value, tuple(var.aval.shape))
+                    post[var] = shard
+                    lazy[var] = lambda var=var, shard=shard: env.__setitem__(var, ctx.to_full(shard))
+                else:
+                    env[var] = value
+
+            def emit(bucket) -> None:
+                k = buckets.index(bucket)
+                grads = [read(env, reds[j].operand) for j in bucket.reductions]
+                if size == 1:  # nothing to communicate: a sum over one device is the identity
+                    for j, g in zip(bucket.reductions, grads):
+                        post[reds[j].result] = Shard(jnp.ravel(g), tuple(reds[j].operand.aval.shape))
+                    return
+                scattered, carried[k] = self.collective.reduce_scatter(
+                    lay.grads[k].pack(grads), axis, specs[k], carried[k])
+                for j, chunk in zip(bucket.reductions, lay.grads[k].split_shard(scattered)):
+                    post[reds[j].result] = Shard(chunk, tuple(reds[j].operand.aval.shape))
+
+            walk_backward(analysis, env, lazy, buckets, emit)
+
+            def read_post(x):
+                if isinstance(x, jex_core.Literal):
+                    return x.val
+                if x in post:
+                    value = post[x]
+                    if isinstance(value, Shard) and value.full is None and x in env:
+                        return Shard(value.chunk, value.shape, env[x])  # gathered for forward
+                    return value
+                if x not in env and x in lazy:
+                    lazy.pop(x)()
+                return read(env, x)
+
+            interpret((body.eqns[i] for i in analysis.update), read_post, post.__setitem__,
+                      run=lambda eqn, vals: apply_rule(ctx, eqn, vals))
+
+            outs = [read_post(body.outvars[k]) for k in cap.outputs]
+            new_params, new_opt, aux = outs[:n_p], outs[n_p:n_p + n_o], outs[n_p + n_o:]
+            results = []
+            for i in range(n_p):
+                chunk = ctx.to_chunk(new_params[i], param_invar[i].aval.shape)
+                results.append(jnp.broadcast_to(chunk, param_chunks[i].shape).astype(param_chunks[i].dtype))
+            for j, value in enumerate(new_opt):
+                if lay.opt_sharded[j]:
+                    chunk = ctx.to_chunk(value, opt_invar[j].aval.shape)
+                    results.append(jnp.broadcast_to(chunk, opt_values[j].shape).astype(opt_invar[j].aval.dtype))
+                else:
+                    results.append(jnp.asarray(ctx.to_full(value)).astype(opt_invar[j].aval.dtype))
+            results += self.stacked_collective_leaves(tuple(carried))
+            results += [ctx.to_full(a) for a in aux]
+            return results
+
+        sharded = P(axis)
+        opt_specs = tuple(sharded if lay.opt_sharded[j] else planned.input_spec("opt_state", j)
+                          for j in range(n_o))
+        specs_ = (sharded,) * n_p + opt_specs + coll_specs
+        return RewrittenBody(scheduled_body, specs_, specs_, ctx.fallbacks)
+
+
+def _host_value(leaf: Any) -> np.ndarray:
+    """The whole array on this host, also when other processes hold some of its shards."""
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
+    return np.asarray(leaf)

@@ -1,0 +1,80 @@
+"""The strategy registry: names to strategy classes, duplicates refused.
+
+Example:
+    >>> "dear" in strategy_names()
+    True
+    >>> make_strategy("wfbp").name
+    'wfbp'
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jaxsched.costmodel import register_comm_pattern, unregister_comm_pattern
+
+_STRATEGIES: dict[str, type] = {}
+
+
+def register_strategy(cls: type) -> type:
+    """Register a :class:`~jaxsched.strategies.base.Strategy` subclass under ``cls.name``
+    (usable as a class decorator). Its ``cost`` becomes known to the planners and the
+    simulator under the same name. A taken name is refused."""
+    from jaxsched.strategies.base import Strategy
+
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise TypeError(f"register_strategy needs a Strategy subclass, got {cls!r}")
+    name = getattr(cls, "name", "")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{cls.__name__} needs a non-empty class attribute 'name'")
+    if name in _STRATEGIES:
+        raise ValueError(f"a strategy named {name!r} is already registered "
+                         f"({_STRATEGIES[name].__qualname__}); choose another name")
+    register_comm_pattern(name, cls.cost)
+    _STRATEGIES[name] = cls
+    return cls
+
+
+def unregister_strategy(name: str) -> None:
+    """Remove a registered strategy (and its cost pattern); for tests and plugins."""
+    if _STRATEGIES.pop(name, None) is not None:
+        unregister_comm_pattern(name)
+
+
+def strategy_names() -> tuple[str, ...]:
+    return tuple(_STRATEGIES)
+
+
+def make_strategy(strategy: Any, **options: Any):
+    """A strategy instance from a registered name (with constructor options) or an instance."""
+    from jaxsched.strategies.base import Strategy
+
+    if isinstance(strategy, Strategy):
+        if any(v is not None for v in options.values()):
+            raise TypeError(f"options {sorted(options)} go to the strategy's constructor when a "
+                            f"Strategy instance ({strategy!r}) is passed")
+        return strategy
+    if isinstance(strategy, type) and issubclass(strategy, Strategy):
+        raise TypeError(f"pass an instance ({strategy.__name__}()) or a registered name, not the class")
+    if strategy not in _STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is unknown; choose one of {', '.join(_STRATEGIES)}")
+    return _STRATEGIES[strategy](**{k: v for k, v in options.items() if v is not None})
+
+
+class StrategyNames(Sequence):
+    """A live, read-only view of the registered names (``"dear" in STRATEGIES``)."""
+
+    def __getitem__(self, i):
+        return strategy_names()[i]
+
+    def __len__(self) -> int:
+        return len(_STRATEGIES)
+
+    def __contains__(self, name: object) -> bool:
+        return name in _STRATEGIES
+
+    def __repr__(self) -> str:
+        return repr(strategy_names())
+
+
+STRATEGIES = StrategyNames()

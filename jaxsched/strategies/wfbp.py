@@ -1,0 +1,69 @@
+"""``wfbp``: one all-reduce per bucket, issued in backward as soon as its gradients exist.
+
+Wait-free backpropagation (Zhang et al., 2017) with tensor fusion (MG-WFBP, Horovod and
+DDP buckets). The bucket's gradients are flattened and concatenated, reduced with the
+collective's ``all_reduce`` and split back; the update region then runs unchanged.
+Params and optimizer state keep the user's layout.
+
+Example:
+    >>> Wfbp.cost.collectives()
+    ('all_reduce',)
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxsched.collectives.base import BucketSpec
+from jaxsched.costmodel import WFBP_PATTERN
+from jaxsched.planned_step import PlannedStep
+from jaxsched.replay import interpret, read
+from jaxsched.rewrite.backward import walk_backward
+from jaxsched.strategies.base import UserLayoutStrategy
+from jaxsched.strategies.registry import register_strategy
+
+
+@register_strategy
+class Wfbp(UserLayoutStrategy):
+    """Per bucket, one all-reduce of the flattened gradients, placed in backward."""
+
+    name = "wfbp"
+    cost = WFBP_PATTERN
+
+    def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
+        reds = planned.analysis.reductions
+        sizes, dtypes = [], []
+        for bucket in planned.buckets:
+            ops = [reds[j].operand.aval for j in bucket.reductions]
+            dtypes.append(jnp.result_type(*[a.dtype for a in ops]) if ops else jnp.float32)
+            sizes.append(sum(math.prod(a.shape) for a in ops))
+        return self.bucket_specs(planned, sizes, dtypes)
+
+    def per_device(self, planned: PlannedStep, values: list, collective_state: Any):
+        analysis, buckets = planned.analysis, planned.buckets
+        body, axis = planned.captured.body, planned.axis_name
+        reds = analysis.reductions
+        specs = self.collective_buckets(planned)
+        carried = list(collective_state)
+        env = dict(zip(body.invars, values, strict=True))
+
+        def emit(bucket) -> None:
+            k = buckets.index(bucket)
+            grads = [read(env, reds[j].operand) for j in bucket.reductions]
+            if planned.axis_size == 1:  # a sum over one device is the identity
+                for j, g in zip(bucket.reductions, grads):
+                    env[reds[j].result] = g
+                return
+            flat = jnp.concatenate([jnp.ravel(g).astype(specs[k].dtype) for g in grads])
+            total, carried[k] = self.collective.all_reduce(flat, axis, specs[k], carried[k])
+            offset = 0
+            for j, g in zip(bucket.reductions, grads):
+                size = math.prod(g.shape)
+                env[reds[j].result] = total[offset:offset + size].reshape(g.shape).astype(g.dtype)
+                offset += size
+
+        walk_backward(analysis, env, {}, buckets, emit)
+        interpret((body.eqns[i] for i in analysis.update), lambda x: read(env, x), env.__setitem__)
+        return [read(env, x) for x in body.outvars], tuple(carried)
