@@ -19,7 +19,8 @@ Example:
     ...     out, _ = PlainCollective().all_reduce(x, "data", spec, ())
     ...     return out
     >>> f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P(), check_vma=False)
-    >>> [float(v) for v in f(jnp.arange(8.0))]
+    >>> x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, P("data")))
+    >>> [float(v) for v in f(x)]
     [4.0, 6.0, 8.0, 10.0]
 """
 from __future__ import annotations

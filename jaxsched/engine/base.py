@@ -14,7 +14,8 @@ Example:
     >>> [e.primitive.name for e in program.jaxpr(jax.ShapeDtypeStruct((2,), jnp.float32)).eqns]
     ['psum']
     >>> run = make_engine("xla").compile(program)
-    >>> [float(v) for v in run(jnp.array([1.0, 2.0]))[0]]
+    >>> x = jax.device_put(jnp.array([1.0, 2.0]), jax.NamedSharding(mesh, P("data")))
+    >>> [float(v) for v in run(x)[0]]
     [3.0]
 """
 from __future__ import annotations
