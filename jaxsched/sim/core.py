@@ -384,7 +384,7 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str | Comm
     chunks, sent by priority (earlier layers first, preempting at chunk boundaries),
     merging ready chunks up to ``credit_bytes`` (default: one partition) per collective.
     ``shared_stream=True`` runs every collective inline on the compute stream, in program
-    order: how XLA:CPU executes them (no overlap at all; FACTS.md).
+    order: how XLA:CPU executes them (no overlap at all; docs/architecture.md).
     """
     if not isinstance(strategy, CommPattern) and strategy not in STRATEGIES:
         raise SimulationError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
