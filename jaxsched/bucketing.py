@@ -2,8 +2,9 @@
 
 A bucket pairs parameter leaves with their gradient reductions, in order of gradient
 completion (the order backward produces them). ``buckets=None`` fills buckets up to
-25 MB; an int is a byte threshold; a list of lists of parameter paths is an explicit
-plan. Buckets never mix dtypes. (Cost-model planners live in :mod:`jaxsched.plan`.)
+25 MB; an int is a byte threshold; a list of lists of parameter paths, or subtree
+prefixes of them (``"hidden"`` for every ``hidden/...`` leaf), is an explicit plan.
+Buckets never mix dtypes. (Cost-model planners live in :mod:`jaxsched.plan`.)
 
 Example:
     >>> param_paths({"dense": {"kernel": 0, "bias": 0}})
@@ -131,15 +132,18 @@ def _explicit_groups(plan: Sequence[Sequence[Any]], paths: Sequence[str]) -> lis
             raise ValueError(f"buckets[{b}] is the string {group!r}; each bucket is a list of paths")
         members = []
         for name in group:
-            key = name if isinstance(name, str) else "/".join(map(str, name))
-            if key not in index:
-                raise ValueError(f"buckets[{b}] names unknown parameter {key!r}; known paths: "
-                                 f"{', '.join(paths)}")
-            i = index[key]
-            if i in seen:
-                raise ValueError(f"parameter {key!r} is in buckets[{seen[i]}] and buckets[{b}]")
-            seen[i] = b
-            members.append(i)
+            key = (name if isinstance(name, str) else "/".join(map(str, name))).rstrip("/")
+            matched = [index[key]] if key in index else \
+                [i for i, p in enumerate(paths) if p.startswith(key + "/")]
+            if not matched:
+                raise ValueError(f"buckets[{b}] names unknown parameter {key!r}; give a path or a "
+                                 f"subtree prefix of one (known paths: {', '.join(paths)})")
+            for i in matched:
+                if i in seen:
+                    raise ValueError(f"parameter {paths[i]!r} is in buckets[{seen[i]}] and "
+                                     f"buckets[{b}]")
+                seen[i] = b
+                members.append(i)
         if members:
             groups.append(members)
     missing = [paths[i] for i in range(len(paths)) if i not in seen]

@@ -86,6 +86,18 @@ def test_explicit_bucket_plan_and_byte_threshold():
     assert len(sched.program.buckets) == len(paths)
 
 
+def test_bucket_plans_accept_subtree_prefixes():
+    params, _ = build("mlp", 0)
+    paths = jaxsched.bucketing.param_paths(params)
+    sched = _check("mlp", "adam", "dear", 8, n_steps=3, buckets=[["hidden"], ["head"]])
+    hidden = {paths.index(p) for p in paths if p.startswith("hidden/")}
+    assert [set(b.params) for b in sched.program.buckets] == [set(range(len(paths))) - hidden, hidden]
+    for bad, message in (([["hidden"], ["hidden/0"], ["head"]], "in buckets\\[0\\] and buckets\\[1\\]"),
+                         ([["hid"], ["head"]], "unknown parameter 'hid'.*subtree prefix")):
+        with pytest.raises(ValueError, match=message):
+            _check("mlp", "adam", "wfbp", 8, n_steps=1, buckets=bad)
+
+
 # -- property test over random parameter trees ----------------------------------------------
 shapes = st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple)
 
