@@ -10,7 +10,7 @@ Bandwidth is shaped with ``tc qdisc ... tbf`` at both ends of every link: on the
 link of that rate into a non-blocking switch. Latency cannot be emulated here (``netem`` is
 not available in this kernel, see FACTS.md); bandwidth can.
 
-Needs root (CAP_NET_ADMIN) and the ``ip``/``tc`` tools. Python::
+Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and the ``ip``/``tc`` tools. Python::
 
     from jaxsched.cluster import Cluster
     with Cluster.up(2, bandwidth="1gbit") as cluster:
@@ -58,7 +58,7 @@ class ClusterError(RuntimeError):
 
 
 class NotPrivilegedError(ClusterError):
-    """Creating namespaces needs root (CAP_NET_ADMIN)."""
+    """Creating namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN)."""
 
 
 @dataclass(frozen=True)
@@ -131,26 +131,26 @@ def _validate_subnet(subnet: str) -> ipaddress.IPv4Network:
 
 
 def _have_net_admin() -> bool:
-    """Whether this process may create namespaces and links (root, or CAP_NET_ADMIN)."""
-    if os.geteuid() == 0:
-        return True
+    """Whether this process may create namespaces and links: CAP_NET_ADMIN and CAP_SYS_ADMIN
+    in its effective set (root has both, unless a container took them away)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
                 if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) & (1 << 12))  # CAP_NET_ADMIN = 12
-    except OSError:
+                    caps = int(line.split()[1], 16)
+                    return all(caps & (1 << bit) for bit in (12, 21))  # NET_ADMIN, SYS_ADMIN
+    except (OSError, ValueError):
         pass
-    return False
+    return os.geteuid() == 0
 
 
 def require_privileges() -> None:
     """Raise a clear error unless namespaces can be created here."""
     if not _have_net_admin():
         raise NotPrivilegedError(
-            "an emulated cluster needs root (CAP_NET_ADMIN) to create network namespaces and "
-            "shape links with tc; run as root (e.g. sudo), or run without --cluster to use "
-            "loopback")
+            "an emulated cluster needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network "
+            "namespaces and shape links with tc; run as root (e.g. sudo), or run without "
+            "--cluster to use loopback")
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         raise ClusterError(f"{' and '.join(missing)} not found: install iproute2")
@@ -348,8 +348,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--bandwidth", default="1gbit",
                     help="rate of every link, each way: e.g. 1gbit, 500mbit; 'none' for unshaped "
                          "(default 1gbit)")
-    up.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"private /24 (default {DEFAULT_SUBNET})")
-    down = sub.add_parser("down", help="remove the emulated cluster and anything a crashed run left")
+    up.add_argument("--subnet", default=DEFAULT_SUBNET,
+                    help=f"private /24 (default {DEFAULT_SUBNET})")
+    down = sub.add_parser("down",
+                          help="remove the emulated cluster and anything a crashed run left")
     status = sub.add_parser("status", help="show the emulated cluster, if one is up")
     for p in (up, down, status):
         p.add_argument("--prefix", default=DEFAULT_PREFIX,

@@ -354,7 +354,8 @@ def launch(hosts: int, command: Sequence[str], *, cluster=None, port: int | None
     coordinator = f"{cluster.hosts[0].address if cluster is not None else '127.0.0.1'}:{port}"
     base = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
             ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(hosts),
-            ENV_HEARTBEAT: str(heartbeat_timeout_s), ENV_INIT_TIMEOUT: str(initialization_timeout_s),
+            ENV_HEARTBEAT: str(heartbeat_timeout_s),
+            ENV_INIT_TIMEOUT: str(initialization_timeout_s),
             ENV_SHUTDOWN_TIMEOUT: str(shutdown_timeout_s)}
     if cpu_devices is not None:
         base[ENV_CPU_DEVICES] = str(cpu_devices)

@@ -2,7 +2,8 @@
 
 Modes:
   echo            print one line on stdout and one on stderr (no JAX)
-  fail-sleep      rank 1 exits 3 at once, the others sleep (no JAX)
+  fail-sleep [PIDFILE]  rank 1 exits 3 after 0.2 s, the others sleep (no JAX); rank 0
+                  writes its pid to PIDFILE
   fail-collective rank 1 crashes (exit 3) after jax.distributed starts; the others block in a psum
   raise           rank 1 raises after jax.distributed starts; the others block in a psum
   psum [MB REPS]  psum of (rank + 1) over every process; prints the sum (and timings with MB)
@@ -19,6 +20,9 @@ if mode == "echo":
     print(f"stderr line of {rank}", file=sys.stderr)
     sys.exit(0)
 if mode == "fail-sleep":
+    if rank == 0 and len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as f:
+            f.write(str(os.getpid()))
     if rank == 1:
         time.sleep(0.2)
         sys.exit(3)
@@ -69,8 +73,9 @@ if mode == "psum":
             t = time.perf_counter()
             jax.block_until_ready(psum(x))
             times.append(time.perf_counter() - t)
-        print(f"psum of {mb:g} MB float32 over {n} processes: median {np.median(times) * 1e3:.0f} ms "
-              f"(min {min(times) * 1e3:.0f}, max {max(times) * 1e3:.0f}, {reps} reps)", flush=True)
+        print(f"psum of {mb:g} MB float32 over {n} processes: "
+              f"median {np.median(times) * 1e3:.0f} ms (min {min(times) * 1e3:.0f}, "
+              f"max {max(times) * 1e3:.0f}, {reps} reps)", flush=True)
     jax.distributed.shutdown()
     sys.exit(0)
 sys.exit(f"unknown mode {mode}")
