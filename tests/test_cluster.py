@@ -118,6 +118,24 @@ def test_cli_input_errors(capsys):
         launch_lib.launch(0, ["true"])
 
 
+def test_subcommands_plug_into_a_parent_parser(capsys, monkeypatch):
+    """The contract for `jaxsched cluster ...` / `jaxsched launch ...`: add_arguments + main."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="jaxsched")
+    sub = parser.add_subparsers(dest="command", required=True)
+    launch_lib.add_arguments(sub.add_parser("launch"))
+    cluster_lib.add_arguments(sub.add_parser("cluster"))
+    args = parser.parse_args(["cluster", "up", "--hosts", "3", "--bandwidth", "500mbit"])
+    assert (args.cluster_command, args.hosts, args.bandwidth) == ("up", 3, "500mbit")
+    for var, value in CHILD_ENV.items():
+        monkeypatch.setenv(var, value)
+    args = parser.parse_args(["launch", "--hosts", "2", "--", sys.executable, WORKER, "echo"])
+    assert launch_lib.main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert sorted(out) == ["[0] hello from 0 of 2", "[1] hello from 1 of 2"]
+
+
 # --- initialize(): launcher variables, else jax's own cluster detection ----------------------
 
 @pytest.fixture
