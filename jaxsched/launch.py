@@ -159,7 +159,7 @@ def bind_gloo(interface: str) -> None:
 class ProcessInfo(NamedTuple):
     process_id: int
     num_processes: int
-    coordinator_address: str | None   # None when detected by jax or single-process
+    coordinator_address: str | None   # None when single-process
     interface: str | None             # gloo's interface, None when jax chose
 
 

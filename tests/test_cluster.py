@@ -180,6 +180,23 @@ def test_initialize_without_launcher_or_cluster(monkeypatch, fake_distributed):
         launch_lib.ProcessInfo(0, 1, None, None)
 
 
+def test_real_jax_without_any_cluster_runs_single_process_only_when_allowed():
+    # In a fresh process (this one's backend exists already): pins the error jax raises when
+    # it detects no cluster, which initialize() recognises.
+    code = ("import jaxsched.launch as l\n"
+            "try:\n    l.initialize(fail_fast=False)\n"
+            "except RuntimeError as e:\n    print('refused:', e)\n"
+            "print(l.initialize(fail_fast=False, allow_single_process=True))\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAXSCHED_", "SLURM_", "OMPI_", "KUBERNETES_"))}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, **CHILD_ENV}, timeout=120,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "refused: jaxsched.launch.initialize: no JAXSCHED_* variables and no cluster" \
+        in out.stdout
+    assert "ProcessInfo(process_id=0, num_processes=1, coordinator_address=None" in out.stdout
+
+
 def test_initialize_refuses_partial_launcher_variables(fake_distributed, monkeypatch):
     monkeypatch.setenv(launch_lib.ENV_COORDINATOR, "127.0.0.1:1")
     with pytest.raises(RuntimeError, match="JAXSCHED_NUM_PROCESSES, JAXSCHED_PROCESS_ID missing"):
