@@ -90,10 +90,24 @@ def test_kernel_keeps_shape_and_block_rows(impl, rng):
 
 
 def test_automatic_choice_is_jnp_on_cpu(rng):
-    g, r = _inputs(rng, 5000, jnp.float32)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        g, r = (jax.device_put(x, cpu) for x in _inputs(rng, 5000, jnp.float32))
+        f = jax.jit(lambda g, r, t: kernels.fused_error_feedback(g, r, t))
+        text = f.lower(g, r, 1.0).as_text()
+        assert "mosaic" not in text and "custom_call" not in text
+        out, ref = f(g, r, 1.0), kernels.error_feedback_reference(g, r, 1.0)
+    assert out.sent.devices() == {cpu}
+    np.testing.assert_array_equal(np.asarray(out.sent), np.asarray(ref.sent))
+    assert int(out.count) == int(ref.count)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper-class CUDA GPU")
+def test_automatic_choice_is_the_kernel_on_hopper(rng):
+    gpu = jax.devices("cuda")[0]
+    g, r = (jax.device_put(x, gpu) for x in _inputs(rng, 5000, jnp.float32))
     f = jax.jit(lambda g, r, t: kernels.fused_error_feedback(g, r, t))
-    text = f.lower(g, r, 1.0).as_text()
-    assert "mosaic" not in text and "custom_call" not in text
+    assert "mosaic_gpu" in f.lower(g, r, 1.0).as_text()
     out, ref = f(g, r, 1.0), kernels.error_feedback_reference(g, r, 1.0)
     np.testing.assert_array_equal(np.asarray(out.sent), np.asarray(ref.sent))
     assert int(out.count) == int(ref.count)
