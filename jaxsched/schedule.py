@@ -39,16 +39,26 @@ class Scheduled:
 
     def __init__(self, step: Callable, strategy: str | Strategy = "dear", buckets: Any = None,
                  compiler_options: dict[str, Any] | None = None, *, engine: str | Engine = "xla",
-                 collective: Collective | None = None, **plan_options: Any):
+                 collective: Collective | None = None, compression: Collective | None = None,
+                 **options: Any):
         if not callable(step):
             raise TypeError(f"schedule() needs the user's train step, got {type(step).__name__}")
-        unknown = set(plan_options) - set(PLAN_OPTIONS)
-        if unknown:
-            raise TypeError(f"schedule() got unknown options {sorted(unknown)}; known: buckets, "
-                            "engine, compiler_options, collective, and with buckets='auto': "
-                            f"{', '.join(PLAN_OPTIONS)}")
+        if collective is not None and compression is not None:
+            raise TypeError("pass compression= or collective= (a compressor is a collective "
+                            "wrapper), not both")
+        plan_options = {k: v for k, v in options.items() if k in PLAN_OPTIONS}
+        strategy_options = {k: v for k, v in options.items() if k not in PLAN_OPTIONS}
         self.step = step
-        self.strategy: Strategy = make_strategy(strategy, collective=collective)
+        try:
+            self.strategy: Strategy = make_strategy(
+                strategy, collective=compression if collective is None else collective,
+                **strategy_options)
+        except TypeError as err:
+            if not strategy_options:
+                raise
+            raise TypeError(f"schedule() got unknown options {sorted(strategy_options)}: neither "
+                            f"strategy {strategy!r} takes them ({err}) nor buckets='auto', whose "
+                            f"options are {', '.join(PLAN_OPTIONS)}") from None
         engine_options = {} if compiler_options is None else {"compiler_options": compiler_options}
         self.engine: Engine = make_engine(engine, **engine_options)
         self.buckets_option = buckets
@@ -119,7 +129,7 @@ def _dtype(a):
 def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dear",
              buckets: Any = None, compiler_options: dict[str, Any] | None = None, *,
              engine: str | Engine = "xla", collective: Collective | None = None,
-             **options: Any) -> Any:
+             compression: Collective | None = None, **options: Any) -> Any:
     """Schedule the gradient communication of a data-parallel ``train_step``.
 
     Args:
@@ -142,14 +152,16 @@ def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dea
         scheduler on, combiners off, on GPU).
       engine: a registered engine name (``jaxsched.engine.engine_names()``) or an
         :class:`~jaxsched.engine.Engine` instance.
-      collective: a :class:`~jaxsched.collectives.Collective` (e.g. a compression
-        wrapper) that the strategy sends its buckets through.
+      collective: a :class:`~jaxsched.collectives.Collective` that the strategy sends its
+        buckets through; ``compression=`` is the same for compressors.
+      options: the strategy's own options (passed to its constructor) and, with
+        ``buckets="auto"``, the planning options above.
 
     The step is traced once per abstract batch signature (structure, shapes, dtypes,
     shardings): a smaller last batch gets its own program.
     """
     def wrap(step: Callable) -> Scheduled:
         return Scheduled(step, strategy, buckets, compiler_options, engine=engine,
-                         collective=collective, **options)
+                         collective=collective, compression=compression, **options)
 
     return wrap if train_step is None else wrap(train_step)

@@ -43,12 +43,23 @@ class BucketSpec:
       size: elements of the full flat buffer (``P * shard`` for sharded buffers).
       dtype: the buffer's dtype (buckets never mix dtypes).
       axis_size: devices ``P`` on the data axis.
+      shapes: the full shape of every tensor in the buffer, in order (a compressor that
+        needs matrices, such as PowerSGD, recovers them from here).
+      interleaved: False: the buffer is the tensors flattened and concatenated.
+        True: the interleaved shard layout of :class:`jaxsched.layout.BucketLayout`
+        (each device's chunk of every tensor, device after device), as reduce-scatter
+        and all-gather buffers are laid out.
+      kind: ``"gradients"`` or ``"parameters"`` (what the buffer holds; lossy
+        compression must leave parameters exact).
     """
 
     index: int
     size: int
     dtype: np.dtype
     axis_size: int
+    shapes: tuple[tuple[int, ...], ...] = ()
+    interleaved: bool = False
+    kind: str = "gradients"
 
 
 class Collective:

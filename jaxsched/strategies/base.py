@@ -113,9 +113,12 @@ class Strategy(abc.ABC):
         """The scheduled per-device body."""
 
     # -- helpers for subclasses ---------------------------------------------------------
-    def bucket_specs(self, planned: PlannedStep, sizes: Sequence[int], dtypes: Sequence) -> list[BucketSpec]:
-        return [BucketSpec(k, int(n), np.dtype(d), planned.axis_size)
-                for k, (n, d) in enumerate(zip(sizes, dtypes, strict=True))]
+    def bucket_specs(self, planned: PlannedStep, sizes: Sequence[int], dtypes: Sequence,
+                     shapes: Sequence[tuple] | None = None, interleaved: bool = False
+                     ) -> list[BucketSpec]:
+        shapes = shapes if shapes is not None else [()] * len(sizes)
+        return [BucketSpec(k, int(n), np.dtype(d), planned.axis_size, tuple(map(tuple, s)), interleaved)
+                for k, (n, d, s) in enumerate(zip(sizes, dtypes, shapes, strict=True))]
 
     def collective_template(self, planned: PlannedStep) -> tuple:
         """One device's carried collective state for each bucket of ``planned``."""

@@ -81,10 +81,12 @@ class Dear(Strategy):
         lay = self.layout(planned)
         return self.bucket_specs(
             planned, [g.shard_size * planned.axis_size if g else 0 for g in lay.grads],
-            [g.dtype if g else np.float32 for g in lay.grads])
+            [g.dtype if g else np.float32 for g in lay.grads],
+            [g.shapes if g else () for g in lay.grads], interleaved=True)
 
     def _gather_spec(self, planned: PlannedStep, k: int, p_layout) -> BucketSpec:
-        return BucketSpec(k, p_layout.shard_size * planned.axis_size, p_layout.dtype, planned.axis_size)
+        return BucketSpec(k, p_layout.shard_size * planned.axis_size, p_layout.dtype, planned.axis_size,
+                          p_layout.shapes, interleaved=True, kind="parameters")
 
     # -- conversions ----------------------------------------------------------------------
     def convert(self, planned: PlannedStep, state: NamedTuple) -> SchedState:

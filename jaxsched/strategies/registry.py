@@ -45,20 +45,24 @@ def strategy_names() -> tuple[str, ...]:
     return tuple(_STRATEGIES)
 
 
-def make_strategy(strategy: Any, **options: Any):
-    """A strategy instance from a registered name (with constructor options) or an instance."""
+def make_strategy(strategy: Any, collective: Any = None, **options: Any):
+    """A strategy instance from a registered name (with its constructor's options and a
+    collective) or an instance as given."""
     from jaxsched.strategies.base import Strategy
 
     if isinstance(strategy, Strategy):
-        if any(v is not None for v in options.values()):
-            raise TypeError(f"options {sorted(options)} go to the strategy's constructor when a "
+        if options or collective is not None:
+            given = sorted(options) + (["collective"] if collective is not None else [])
+            raise TypeError(f"options {given} go to the strategy's constructor when a "
                             f"Strategy instance ({strategy!r}) is passed")
         return strategy
     if isinstance(strategy, type) and issubclass(strategy, Strategy):
         raise TypeError(f"pass an instance ({strategy.__name__}()) or a registered name, not the class")
     if strategy not in _STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is unknown; choose one of {', '.join(_STRATEGIES)}")
-    return _STRATEGIES[strategy](**{k: v for k, v in options.items() if v is not None})
+    if collective is not None:
+        options["collective"] = collective
+    return _STRATEGIES[strategy](**options)
 
 
 class StrategyNames(Sequence):

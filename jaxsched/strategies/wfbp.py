@@ -34,12 +34,13 @@ class Wfbp(UserLayoutStrategy):
 
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
         reds = planned.analysis.reductions
-        sizes, dtypes = [], []
+        sizes, dtypes, shapes = [], [], []
         for bucket in planned.buckets:
             ops = [reds[j].operand.aval for j in bucket.reductions]
             dtypes.append(jnp.result_type(*[a.dtype for a in ops]) if ops else jnp.float32)
             sizes.append(sum(math.prod(a.shape) for a in ops))
-        return self.bucket_specs(planned, sizes, dtypes)
+            shapes.append([a.shape for a in ops])
+        return self.bucket_specs(planned, sizes, dtypes, shapes)
 
     def per_device(self, planned: PlannedStep, values: list, collective_state: Any):
         analysis, buckets = planned.analysis, planned.buckets
