@@ -38,7 +38,7 @@ class Scheduled:
     """A scheduled training step: ``init``, ``__call__``, ``finalize`` (see :func:`schedule`)."""
 
     def __init__(self, step: Callable, strategy: str | Strategy = "dear", buckets: Any = None,
-                 compiler_options: dict[str, Any] | None = None, *, engine: str | Engine = "xla",
+                 compiler_options: dict[str, Any] | None = None, *, engine: str | Engine = "auto",
                  collective: Collective | None = None, compression: Collective | None = None,
                  **options: Any):
         if not callable(step):
@@ -128,7 +128,7 @@ def _dtype(a):
 
 def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dear",
              buckets: Any = None, compiler_options: dict[str, Any] | None = None, *,
-             engine: str | Engine = "xla", collective: Collective | None = None,
+             engine: str | Engine = "auto", collective: Collective | None = None,
              compression: Collective | None = None, **options: Any) -> Any:
     """Schedule the gradient communication of a data-parallel ``train_step``.
 
@@ -150,8 +150,9 @@ def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dea
       compiler_options: options of the ``xla`` engine: per-function XLA options; by
         default the platform's set from :mod:`jaxsched.engine.xla` (latency-hiding
         scheduler on, combiners off, on GPU).
-      engine: a registered engine name (``jaxsched.engine.engine_names()``) or an
-        :class:`~jaxsched.engine.Engine` instance.
+      engine: ``"auto"`` (the host engine on multi-process CPU meshes with a spare local
+        device per process, else ``"xla"``), ``"xla"``, ``"host"``, another registered
+        name (``jaxsched.engine.engine_names()``) or an :class:`~jaxsched.engine.Engine`.
       collective: a :class:`~jaxsched.collectives.Collective` that the strategy sends its
         buckets through; ``compression=`` is the same for compressors.
       options: the strategy's own options (passed to its constructor) and, with

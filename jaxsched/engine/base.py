@@ -25,6 +25,7 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
+from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
@@ -58,18 +59,32 @@ class PerDeviceProgram:
     def jaxpr(self, *global_args: Any):
         """The per-device jaxpr for these global (abstract or concrete) inputs: its collective
         equations are where a staged engine may cut."""
+        return self.jaxpr_and_operands(*global_args)[0]
+
+    def jaxpr_and_operands(self, *global_args: Any) -> tuple[Any, list]:
+        """The per-device jaxpr and, per invar, where its value comes from: ``("arg", i)``
+        (the program's input ``i``) or ``("const", value)`` (an array the body closed over)."""
         avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, spec))
                  for a, spec in zip(global_args, self.in_specs, strict=True)]
-        traced = jax.make_jaxpr(self.mapped())(*avals).jaxpr
-        (eqn,) = [e for e in traced.eqns if e.primitive.name == "shard_map"]
+        closed = jax.make_jaxpr(self.mapped())(*avals)
+        outer = closed.jaxpr
+        (eqn,) = [e for e in outer.eqns if e.primitive.name == "shard_map"]
+        origin = {v: ("arg", i) for i, v in enumerate(outer.invars)}
+        origin.update({v: ("const", c) for v, c in zip(outer.constvars, closed.consts)})
+        operands = [("const", x.val) if isinstance(x, jex_core.Literal) else origin[x]
+                    for x in eqn.invars]
         inner = eqn.params["jaxpr"]
-        return inner.jaxpr if hasattr(inner, "jaxpr") else inner
+        return (inner.jaxpr if hasattr(inner, "jaxpr") else inner), operands
 
 
 class Engine(abc.ABC):
     """Runs per-device programs. Subclasses take their own options at construction."""
 
     name: str = ""
+
+    def resolve(self, program: PerDeviceProgram) -> "Engine":
+        """The engine that will run ``program`` (an engine that chooses per mesh says which)."""
+        return self
 
     @abc.abstractmethod
     def compile(self, program: PerDeviceProgram) -> Callable[..., tuple]:

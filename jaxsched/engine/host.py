@@ -1,0 +1,389 @@
+"""The ``host`` engine: real overlap where XLA cannot give it (CPU clusters).
+
+XLA:CPU runs collectives synchronously, one op at a time inside a program: a psum next to
+an independent matmul in one jitted program takes the sum of both times. Two programs on
+*different* local devices do run at once. So this engine cuts the per-device program at
+its collectives and dispatches the pieces itself:
+
+* every maximal run of compute equations becomes a **compute stage**, jitted once for
+  this process's device of the user's mesh;
+* every collective becomes a **communication stage**, jitted once as a ``shard_map`` over
+  a second mesh made of one spare local CPU device per process (``jax_num_cpu_devices=2``);
+* stages are dispatched asynchronously, in program order; values cross between the two
+  local devices with ``device_put``; nothing blocks until a result is needed. Compute of
+  stage ``k + 1`` then runs on one device while collective ``k`` runs on the other.
+
+Hazards this handles:
+
+* XLA:CPU runs a program it estimates below about 1000 flops inline, in the calling
+  thread, once its inputs are ready: dispatching it would block Python until the
+  collective it waits on finished. Every stage therefore also sums a small *ballast*
+  input, which keeps its estimate above that limit and its dispatch asynchronous.
+* Every process dispatches the same stages in the same order (they come from one
+  program), so collectives never wait on each other crosswise.
+
+The engine knows nothing of strategies: it runs any per-device program whose collectives
+sit at its top level (a collective inside a loop or cond is refused, naming it).
+
+Example (one process: the collective stages run on the spare device, trivially):
+    >>> import jax, jax.numpy as jnp
+    >>> from jax import lax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from jaxsched.engine import PerDeviceProgram
+    >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    >>> body = lambda x: (lax.psum(jnp.sin(x), "data") * 2,)
+    >>> program = PerDeviceProgram(body, mesh, "data", (P("data"),), (P("data"),))
+    >>> run = HostEngine().compile(program)
+    >>> x = jax.device_put(jnp.ones(3), jax.NamedSharding(mesh, P("data")))
+    >>> bool(jnp.allclose(run(x)[0], 2 * jnp.sin(1.0)))
+    True
+    >>> [stage.kind for stage in run.stages]
+    ['compute', 'comm', 'compute']
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxsched import replay
+from jaxsched.engine.base import Engine, PerDeviceProgram, register_engine
+from jaxsched.primitives import CALL_PRIMITIVES, COLLECTIVES
+
+#: Elements of the ballast each stage sums: above XLA:CPU's inline-execution estimate.
+BALLAST_ELEMENTS = 4096
+
+
+class HostEngineError(RuntimeError):
+    """The program or the devices do not fit the host engine; the message says why."""
+
+
+@dataclasses.dataclass
+class Stage:
+    """One dispatched piece of the program.
+
+    Attributes:
+      kind: ``"compute"`` (on this process's mesh device) or ``"comm"`` (on the spare one).
+      name: for timelines (the collective's primitive, or ``compute k``).
+      eqns: the per-device equations it runs (one, for a collective).
+      inputs, outputs: the per-device jaxpr variables it reads and defines for later.
+      fn: the jitted callable.
+    """
+
+    kind: str
+    name: str
+    eqns: list
+    inputs: list
+    outputs: list
+    fn: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTiming:
+    """When one stage ran in one call, in seconds since the call began: ``dispatched`` when
+    Python issued it, ``done`` when its outputs were ready, ``started`` the later of its
+    dispatch and the end of the previous stage on its device (a stage waits for its inputs,
+    so a stage whose inputs came late shows its wait as part of its bar)."""
+
+    kind: str
+    name: str
+    dispatched: float
+    started: float
+    done: float
+
+
+def spare_devices(mesh: Mesh) -> list:
+    """For each device of ``mesh`` (flat order), a CPU device of the same process that the
+    mesh does not use; raises :class:`HostEngineError` where a process has none."""
+    used = set(mesh.devices.flat)
+    spares = []
+    for device in mesh.devices.flat:
+        candidates = [d for d in jax.devices() if d.process_index == device.process_index
+                      and d not in used and d.platform == device.platform]
+        if not candidates:
+            raise HostEngineError(
+                f"process {device.process_index} has no local {device.platform} device outside "
+                "the mesh for collectives; give every process two CPU devices "
+                "(jax.config.update('jax_num_cpu_devices', 2), or jaxsched launch --cpu-devices 2) "
+                "and build the mesh from one device per process")
+        spares.append(min(candidates, key=lambda d: d.id))
+    return spares
+
+
+def host_engine_applies(mesh: Mesh) -> bool:
+    """Whether ``engine="auto"`` picks the host engine: a multi-process CPU mesh with one
+    device per process and a spare local device in each."""
+    devices = list(mesh.devices.flat)
+    if jax.process_count() == 1 or devices[0].platform != "cpu":
+        return False
+    if len({d.process_index for d in devices}) != len(devices):
+        return False
+    try:
+        spare_devices(mesh)
+    except HostEngineError:
+        return False
+    return True
+
+
+def _is_collective(eqn) -> bool:
+    return eqn.primitive.name in COLLECTIVES
+
+
+def _inline_calls(program: PerDeviceProgram, args: Sequence[Any]) -> tuple[Any, list]:
+    """The per-device jaxpr with nested calls inlined, so collectives sit at the top level."""
+    jaxpr, operands = program.jaxpr_and_operands(*args)
+    if not any(e.primitive.name in CALL_PRIMITIVES for e in jaxpr.eqns):
+        return jaxpr, operands
+    consts = [value for kind, value in operands if kind == "const"]
+    n_const = len(consts)
+    if [kind for kind, _ in operands[:n_const]] != ["const"] * n_const:
+        raise HostEngineError("closed-over constants must lead the program's operands")
+
+    def inlined(*a):
+        return replay.eval_inline(jaxpr, [], list(consts) + list(a))
+
+    flat = dataclasses.replace(program, body=inlined)
+    return flat.jaxpr_and_operands(*args)
+
+
+def cut_stages(jaxpr) -> list[Stage]:
+    """Split a per-device jaxpr at its collectives: compute runs and single collectives."""
+    for eqn in jaxpr.eqns:
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            inner = [e for e in replay.nested_eqns(sub) if _is_collective(e)]
+            if inner:
+                raise HostEngineError(
+                    f"{inner[0].primitive.name} inside {eqn.primitive.name} at "
+                    f"{replay.source_line(eqn)}: the host engine stages collectives at the top "
+                    "level of the program only; use engine='xla' for this step")
+    groups: list[tuple[str, list]] = []
+    for eqn in jaxpr.eqns:
+        if _is_collective(eqn):
+            groups.append(("comm", [eqn]))
+        elif groups and groups[-1][0] == "compute":
+            groups[-1][1].append(eqn)
+        else:
+            groups.append(("compute", [eqn]))
+    needed = {v for v in jaxpr.outvars if replay.is_var(v)}
+    read_later: list[set] = [set() for _ in groups]
+    for k in range(len(groups) - 1, -1, -1):
+        read_later[k] = set(needed)
+        for eqn in groups[k][1]:
+            needed.update(v for v in eqn.invars if replay.is_var(v))
+    stages = []
+    for k, (kind, eqns) in enumerate(groups):
+        defined, inputs = set(), []
+        for eqn in eqns:
+            for v in eqn.invars:
+                if replay.is_var(v) and v not in defined and v not in inputs:
+                    inputs.append(v)
+            defined.update(eqn.outvars)
+        outputs = [v for eqn in eqns for v in eqn.outvars if v in read_later[k]]
+        name = eqns[0].primitive.name if kind == "comm" else f"compute {k}"
+        stages.append(Stage(kind, name, eqns, inputs, outputs))
+    return stages
+
+
+class HostEngine(Engine):
+    """Stages dispatched asynchronously over two local devices per process.
+
+    Args:
+      record_timings: keep a :class:`StageTiming` per stage of every call in
+        ``compiled.timings`` (one list per call), for timelines. A background thread waits
+        on each stage's outputs, which costs a little CPU: leave it off to measure speed.
+    """
+
+    name = "host"
+
+    def __init__(self, record_timings: bool = False):
+        self.record_timings = record_timings
+
+    def compile(self, program: PerDeviceProgram) -> "StagedProgram":
+        return StagedProgram(program, self.record_timings)
+
+
+class StagedProgram:
+    """A per-device program cut into stages; callable on the program's global inputs.
+
+    Attributes:
+      stages: the stages of the last traced signature, in dispatch order.
+      timings: with ``record_timings``, one list of :class:`StageTiming` per call.
+    """
+
+    def __init__(self, program: PerDeviceProgram, record_timings: bool = False):
+        self.program = program
+        self.record_timings = record_timings
+        self.timings: list[list[StageTiming]] = []
+        mesh, axis = program.mesh, program.axis_name
+        if mesh.devices.size != mesh.shape[axis]:
+            raise HostEngineError(f"the host engine runs meshes with the single axis {axis!r}; "
+                                  f"this mesh has axes {dict(mesh.shape)}")
+        local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        if len(local) != 1:
+            raise HostEngineError(
+                f"the host engine needs exactly one mesh device per process; process "
+                f"{jax.process_index()} has {len(local)}. On one machine, start one process per "
+                "mesh device (jaxsched launch)")
+        self.device = local[0]
+        self.rank = list(mesh.devices.flat).index(self.device)
+        spares = spare_devices(mesh)
+        self.comm_device = spares[self.rank]
+        self.comm_mesh = Mesh(np.array(spares), (axis,))
+        self.stages: list[Stage] = []
+        self._signature: Any = None
+
+    # -- building ---------------------------------------------------------------------------
+    def _trace(self, args: Sequence[Any]) -> None:
+        jaxpr, operands = _inline_calls(self.program, args)
+        self.jaxpr, self.operands = jaxpr, operands
+        self.stages = cut_stages(jaxpr)
+        for stage in self.stages:
+            stage.fn = self._comm_fn(stage) if stage.kind == "comm" else self._compute_fn(stage)
+        self._ballast = jax.device_put(jnp.zeros(BALLAST_ELEMENTS, jnp.float32), self.device)
+        self._comm_ballast = self._global_comm(
+            jax.device_put(jnp.zeros((1, BALLAST_ELEMENTS), jnp.float32), self.comm_device))
+
+    def _compute_fn(self, stage: Stage) -> Callable:
+        rank = self.rank
+
+        def run_eqn(eqn, values):
+            if eqn.primitive.name == "axis_index":  # outside shard_map: this process's position
+                return [jnp.asarray(rank, eqn.outvars[0].aval.dtype)]
+            return replay.bind(eqn, values)
+
+        def fn(ballast, *inputs):
+            env = dict(zip(stage.inputs, inputs, strict=True))
+            replay.interpret(stage.eqns, lambda x: replay.read(env, x), env.__setitem__, run_eqn)
+            return [env[v] for v in stage.outputs], jnp.sum(ballast)
+
+        return jax.jit(fn, device=self.device)
+
+    def _comm_fn(self, stage: Stage) -> Callable:
+        (eqn,) = stage.eqns
+        axis = self.program.axis_name
+
+        def per_device(ballast, *blocks):
+            outs = replay.bind(eqn, [b[0] for b in blocks])
+            return [o[None] for o in outs], jnp.sum(ballast)
+
+        mapped = jax.shard_map(per_device, mesh=self.comm_mesh,
+                               in_specs=(P(axis),) * (len(stage.inputs) + 1),
+                               out_specs=([P(axis)] * len(eqn.outvars), P()), check_vma=False)
+        return jax.jit(mapped)
+
+    # -- running ----------------------------------------------------------------------------
+    def __call__(self, *args: Any) -> tuple:
+        signature = tuple((tuple(np.shape(a)), str(a.dtype)) for a in args)
+        if signature != self._signature:
+            self._trace(args)
+            self._signature = signature
+        return self._run(args)
+
+    def _global_comm(self, local_block: jax.Array) -> jax.Array:
+        """This process's ``(1, ...)`` block on its spare device as a global comm-mesh array."""
+        return jax.make_array_from_single_device_arrays(
+            (self.comm_mesh.devices.size,) + tuple(local_block.shape[1:]),
+            NamedSharding(self.comm_mesh, P(self.program.axis_name)), [local_block])
+
+    def _run(self, args: Sequence[Any]) -> tuple:
+        env: dict[Any, Any] = {}
+        for var, (kind, value) in zip(self.jaxpr.invars, self.operands, strict=True):
+            if kind == "arg":
+                arg = args[value]
+                env[var] = arg.addressable_data(0) if isinstance(arg, jax.Array) else jnp.asarray(arg)
+            else:
+                env[var] = jax.device_put(value, self.device)
+        comm_blocks: dict[Any, Any] = {}  # var -> its (1, ...) block on the spare device
+        timeline = _Timeline(self.record_timings)
+        for stage in self.stages:
+            if stage.kind == "compute":
+                values = [self._on_compute(v, env, comm_blocks) for v in stage.inputs]
+                outs, _ = stage.fn(self._ballast, *values)
+                env.update(zip(stage.outputs, outs, strict=True))
+            else:
+                blocks = [self._global_comm(self._on_comm(v, env, comm_blocks)) for v in stage.inputs]
+                outs, _ = stage.fn(self._comm_ballast, *blocks)
+                outs = [o.addressable_data(0) for o in outs]
+                comm_blocks.update(zip(stage.outputs, outs, strict=True))
+            timeline.add(stage, outs)
+        results = tuple(self._global_output(self._on_compute(var, env, comm_blocks), spec)
+                        for var, spec in zip(self.jaxpr.outvars, self.program.out_specs, strict=True))
+        if self.record_timings:
+            self.timings.append(timeline.finish())
+        return results
+
+    def _on_compute(self, var, env: dict, comm_blocks: dict) -> Any:
+        if not replay.is_var(var):
+            return jnp.asarray(var.val)
+        if var not in env:  # produced by a collective: bring it over, drop the device axis
+            env[var] = jax.device_put(comm_blocks[var], self.device)[0]
+        return env[var]
+
+    def _on_comm(self, var, env: dict, comm_blocks: dict) -> jax.Array:
+        if not replay.is_var(var):
+            return jax.device_put(jnp.asarray(var.val)[None], self.comm_device)
+        if var not in comm_blocks:
+            comm_blocks[var] = jax.device_put(jnp.asarray(env[var])[None], self.comm_device)
+        return comm_blocks[var]
+
+    def _global_output(self, local: Any, spec: P) -> jax.Array:
+        mesh, axis = self.program.mesh, self.program.axis_name
+        local = jax.device_put(jnp.asarray(local), self.device)
+        shape = list(local.shape)
+        for dim, name in enumerate(spec):
+            names = name if isinstance(name, tuple) else (name,)
+            if axis in names:
+                shape[dim] *= mesh.shape[axis]
+        return jax.make_array_from_single_device_arrays(tuple(shape), NamedSharding(mesh, spec), [local])
+
+    def lower(self, *args: Any):
+        raise HostEngineError("the host engine runs a sequence of stage programs, not one lowered "
+                              "program; inspect `.stages` after a call, or lower with engine='xla'")
+
+    trace = lower
+
+
+class _Timeline:
+    """Per call: when each stage was dispatched and when its outputs were ready."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+        self.entries: list[tuple[Stage, float]] = []
+        self.done: list[float] = []
+        self.threads: list[threading.Thread] = []
+
+    def add(self, stage: Stage, outputs: list) -> None:
+        if not self.enabled:
+            return
+        k = len(self.entries)
+        self.entries.append((stage, time.perf_counter() - self.t0))
+        self.done.append(0.0)
+
+        def wait() -> None:
+            jax.block_until_ready(outputs)
+            self.done[k] = time.perf_counter() - self.t0
+
+        thread = threading.Thread(target=wait, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+    def finish(self) -> list[StageTiming]:
+        for thread in self.threads:
+            thread.join()
+        timings, stream_free = [], {"compute": 0.0, "comm": 0.0}
+        for (stage, dispatched), done in zip(self.entries, self.done, strict=True):
+            started = min(done, max(dispatched, stream_free[stage.kind]))
+            stream_free[stage.kind] = max(stream_free[stage.kind], done)
+            timings.append(StageTiming(stage.kind, stage.name, dispatched, started, done))
+        return timings
+
+
+register_engine("host", HostEngine)
