@@ -88,9 +88,9 @@ class Stage:
 @dataclasses.dataclass(frozen=True)
 class StageTiming:
     """When one stage ran in one call, in seconds since the call began: ``dispatched`` when
-    Python issued it, ``done`` when its outputs were ready, ``started`` the later of its
-    dispatch and the end of the previous stage on its device (a stage waits for its inputs,
-    so a stage whose inputs came late shows its wait as part of its bar)."""
+    Python issued it, ``done`` when its outputs were ready (seen by a waiting thread),
+    ``started`` the latest of its dispatch, the end of the previous stage on its device and
+    the readiness of its inputs (for a collective that includes waiting for its peers)."""
 
     kind: str
     name: str
@@ -378,10 +378,12 @@ class _Timeline:
     def finish(self) -> list[StageTiming]:
         for thread in self.threads:
             thread.join()
-        timings, stream_free = [], {"compute": 0.0, "comm": 0.0}
+        timings, stream_free, ready = [], {"compute": 0.0, "comm": 0.0}, {}
         for (stage, dispatched), done in zip(self.entries, self.done, strict=True):
-            started = min(done, max(dispatched, stream_free[stage.kind]))
+            inputs_ready = max((ready.get(v, 0.0) for v in stage.inputs), default=0.0)
+            started = min(done, max(dispatched, stream_free[stage.kind], inputs_ready))
             stream_free[stage.kind] = max(stream_free[stage.kind], done)
+            ready.update((v, done) for v in stage.outputs)
             timings.append(StageTiming(stage.kind, stage.name, dispatched, started, done))
         return timings
 

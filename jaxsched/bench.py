@@ -1,0 +1,387 @@
+"""``jaxsched bench``: measured overlap on an emulated multi-host cluster.
+
+Brings up ``hosts`` network namespaces joined by links shaped to ``bandwidth``
+(:mod:`jaxsched.cluster`), starts one process per host (:mod:`jaxsched.launch`), each with
+two CPU devices and pinned to one core, and measures in the same session, interleaved
+step by step:
+
+* ``plain``: the user's step (pmean after backward, one jitted program);
+* ``compute``: the same step without the gradient reduction;
+* ``comm``: the gradient reduction alone (a psum of a gradient-sized tree);
+* every strategy through ``jaxsched.schedule(..., engine="host")``.
+
+It first calibrates the per-process batch so that compute-only time is close to
+comm-only time (otherwise one side dominates and overlap cannot show; these machines'
+speed moves by 2x from day to day). For each strategy it reports the median step, the
+speedup over the plain step, the ratio to the bound ``max(compute, comm)`` and the
+overlap efficiency ``(T_plain - T_s) / (T_plain - bound)``; then one step per strategy
+with stage timestamps (a Gantt PNG) beside the simulator's prediction for the same
+measured costs.
+
+Example (needs root for the namespaces; a few minutes)::
+
+    jaxsched bench --hosts 2 --bandwidth 1gbit --strategies allreduce,wfbp,dear --steps 20 --json out.json
+    python benchmarks/overlap.py --hosts 2 --bandwidth 1gbit
+
+Example (the arithmetic of the report):
+    >>> overlap_efficiency(plain=1.0, step=0.7, bound=0.5)
+    0.6
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+WIDTH = 2048
+RESULTS_DIR = Path("benchmarks/results")
+
+
+def overlap_efficiency(plain: float, step: float, bound: float) -> float:
+    """How much of the time that overlap could save a strategy saves: 1 at the bound."""
+    return (plain - step) / (plain - bound) if plain > bound else 0.0
+
+
+# -- the worker: one process of the benchmark --------------------------------------------------
+def _worker(args: argparse.Namespace) -> int:
+    import jaxsched.launch
+
+    jaxsched.launch.initialize(cpu_devices=2)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax import lax
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jaxsched
+    from jaxsched.engine import HostEngine
+
+    rank, nproc = jax.process_index(), jax.process_count()
+    if args.pin:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    mesh_devices = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+                    for p in range(nproc)]
+    mesh = jax.sharding.Mesh(np.array(mesh_devices), ("data",))
+    batch_sharding = NamedSharding(mesh, P("data"))
+    key = jax.random.PRNGKey(0)
+    k1, k2 = jax.random.split(key)
+    params = {"layer0": {"kernel": jax.random.normal(k1, (WIDTH, WIDTH)) / WIDTH ** 0.5,
+                         "bias": jnp.zeros(WIDTH)},
+              "layer1": {"kernel": jax.random.normal(k2, (WIDTH, WIDTH)) / WIDTH ** 0.5,
+                         "bias": jnp.zeros(WIDTH)}}
+    tx = optax.sgd(1e-3, momentum=0.9)
+
+    def loss_fn(p, x, y):
+        h = jnp.tanh(x @ p["layer0"]["kernel"] + p["layer0"]["bias"])
+        out = jnp.tanh(h @ p["layer1"]["kernel"] + p["layer1"]["bias"])
+        return jnp.mean((out - y) ** 2)
+
+    def make(reduce: bool):
+        def body(p, s, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(p, *batch)
+            if reduce:
+                grads = lax.pmean(grads, "data")
+            updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, {"loss": lax.pmean(loss, "data")}
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                     out_specs=(P(), P(), P()), check_vma=False))
+
+    plain, compute_only = make(True), make(False)
+    comm_only = jax.jit(jax.shard_map(lambda g: lax.psum(g, "data"), mesh=mesh, in_specs=P("data"),
+                                      out_specs=P("data"), check_vma=False))
+    grads_like = jax.make_array_from_process_local_data(
+        batch_sharding, np.ones((1, sum(np.size(l) for l in jax.tree.leaves(params))), np.float32))
+
+    def batch_of(rows: int, seed: int):
+        rng = np.random.default_rng(seed * nproc + rank)
+        local = (rng.standard_normal((rows, WIDTH)).astype(np.float32),
+                 rng.standard_normal((rows, WIDTH)).astype(np.float32))
+        return tuple(jax.make_array_from_process_local_data(batch_sharding, a) for a in local)
+
+    def timed(fn, *a) -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*a))
+        return time.perf_counter() - start
+
+    def median_time(fn, *a, repeats: int = 5) -> float:
+        timed(fn, *a)
+        return statistics.median(timed(fn, *a) for _ in range(repeats))
+
+    state0 = (params, tx.init(params))
+    comm_s = median_time(comm_only, grads_like)
+    rows = args.batch
+    if rows is None:  # calibrate: compute-only close to comm-only
+        probe = 128
+        compute_probe = median_time(compute_only, *state0, batch_of(probe, 0), repeats=3)
+        rows = int(max(16, min(4096, probe * comm_s / compute_probe)) // 8 * 8)
+        rows = int(multihost_utils.broadcast_one_to_all(np.int32(rows)))
+    batches = [batch_of(rows, s) for s in range(4)]
+
+    variants: dict[str, Any] = {"plain": lambda st, b: plain(*st, b),
+                                "compute": lambda st, b: compute_only(*st, b)}
+    states = {"plain": state0, "compute": state0}
+    scheds = {}
+    missing = []
+    for name in args.strategies:
+        if name not in jaxsched.STRATEGIES:
+            missing.append(name)
+            continue
+        sched = jaxsched.schedule(plain, strategy=name, engine="host", buckets=args.buckets)
+        scheds[name] = sched
+        states[name] = sched.init(*state0)
+    times: dict[str, list[float]] = {name: [] for name in ["plain", "compute", "comm", *scheds]}
+    losses: dict[str, list[float]] = {name: [] for name in ["plain", *scheds]}
+
+    def run_one(name: str, b) -> float:
+        start = time.perf_counter()
+        if name == "comm":
+            jax.block_until_ready(comm_only(grads_like))
+            return time.perf_counter() - start
+        if name in scheds:
+            new_state, aux = scheds[name](states[name], b)
+        else:
+            *new_state, aux = variants[name](states[name], b)
+            new_state = tuple(new_state)
+        jax.block_until_ready((new_state, aux))
+        elapsed = time.perf_counter() - start
+        states[name] = new_state
+        if name in losses:
+            losses[name].append(float(np.asarray(aux["loss"].addressable_data(0))))
+        return elapsed
+
+    for warm in range(2):
+        for name in times:
+            run_one(name, batches[warm % len(batches)])
+    for step in range(args.steps):
+        for name in times:
+            times[name].append(run_one(name, batches[step % len(batches)]))
+
+    # One traced step per strategy: stage timestamps for the Gantt chart.
+    timelines = {}
+    for name, sched in scheds.items():
+        traced = jaxsched.schedule(plain, strategy=name, engine=HostEngine(record_timings=True),
+                                   buckets=args.buckets)
+        st = traced.init(*state0)
+        for b in batches[:3]:
+            st, aux = traced(st, b)
+            jax.block_until_ready(aux)
+        timelines[name] = [dict(kind=t.kind, name=t.name, dispatched=t.dispatched, started=t.started,
+                                done=t.done) for t in traced.program.core.timings[-1]]
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        report = {"processes": nproc, "batch_per_process": rows, "steps": args.steps,
+                  "step_s_all": times, "median_s": med, "losses": losses, "timelines": timelines,
+                  "missing": missing,
+                  "layers": {"width": WIDTH, "params": int(sum(np.size(l) for l in jax.tree.leaves(params)))}}
+        Path(args.out).write_text(json.dumps(report))
+    return 0
+
+
+# -- the driver --------------------------------------------------------------------------------
+def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) -> dict[str, Any]:
+    """The report: compute, comm, bound, and per strategy step, speedup, efficiency."""
+    med = raw["median_s"]
+    compute_s, comm_s, plain_s = med["compute"], med["comm"], med["plain"]
+    bound = max(compute_s, comm_s)
+    result: dict[str, Any] = {"compute_s": compute_s, "comm_s": comm_s, "bound_s": bound,
+                              "plain_s": plain_s, "bandwidth": bandwidth,
+                              "processes": raw["processes"], "batch_per_process": raw["batch_per_process"],
+                              "steps": raw["steps"], "strategies": {}}
+    for name in strategies:
+        if name in raw.get("missing", []):
+            result["strategies"][name] = {"missing": True}
+            continue
+        step = med[name]
+        result["strategies"][name] = {
+            "step_s": step, "speedup": plain_s / step, "ratio_to_bound": step / bound,
+            "overlap_efficiency": overlap_efficiency(plain_s, step, bound),
+            "max_loss_gap_to_plain": max(abs(a - b) for a, b in zip(raw["losses"][name], raw["losses"]["plain"])),
+        }
+    return result
+
+
+def simulated(result: dict[str, Any], strategies: Sequence[str]):
+    """The simulator's prediction for the measured costs (labelled SIMULATED)."""
+    from jaxsched.costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
+    from jaxsched.sim import simulate
+
+    per_layer = result["compute_s"] / 2
+    nbytes = (WIDTH * WIDTH + WIDTH) * 4
+    layers = LayerProfile([Layer(f"layer{i}", WIDTH * WIDTH + WIDTH, nbytes, per_layer / 3,
+                                 2 * per_layer / 3) for i in range(2)],
+                          {"source": "measured compute-only step split 1:2 forward:backward"})
+    beta = result["comm_s"] / (2 * nbytes)
+    costs = {c: CollectiveCost(0.0, beta * f) for c, f in
+             (("all_reduce", 1.0), ("reduce_scatter", 0.5), ("all_gather", 0.5))}
+    network = NetworkProfile(result["processes"], costs, {"source": "measured comm-only psum"})
+    sims = {}
+    for name in strategies:
+        if result["strategies"].get(name, {}).get("missing"):
+            continue
+        try:
+            buckets = [[0], [1]] if name != "allreduce" else None
+            sims[name] = simulate(layers, network, name, buckets)
+        except Exception:  # a strategy the simulator does not model
+            continue
+    return sims
+
+
+def plot(raw: dict[str, Any], result: dict[str, Any], sims: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    names = [n for n in raw["timelines"]]
+    fig = Figure(figsize=(12, 1.6 + 1.3 * len(names) * 2))
+    axes = fig.subplots(len(names) * 2 or 1, 1, squeeze=False)[:, 0]
+    colors = {"compute": "#4C72B0", "comm": "#DD8452"}
+    for k, name in enumerate(names):
+        ax = axes[2 * k]
+        spans = raw["timelines"][name]
+        for row, kind in enumerate(("compute", "comm")):
+            for s in (x for x in spans if x["kind"] == kind):
+                width = s["done"] - s["started"]
+                ax.barh(row, width, left=s["started"], height=0.6, color=colors[kind],
+                        edgecolor="black", linewidth=0.8)
+                if width > 0.04 * spans[-1]["done"]:
+                    ax.text(s["started"] + width / 2, row, s["name"], ha="center", va="center",
+                            fontsize=7, color="white")
+            ax.plot([s["dispatched"] for s in spans if s["kind"] == kind], [row - 0.4] * sum(
+                x["kind"] == kind for x in spans), "k|", markersize=6)
+        ax.set_yticks([0, 1], ["compute", "comm"])
+        measured = result["strategies"][name]["step_s"]
+        ax.set_title(f"{name}: MEASURED stages of one step (ticks: dispatch; median step "
+                     f"{measured * 1e3:.0f} ms)", fontsize=9)
+        ax = axes[2 * k + 1]
+        if name in sims:
+            sim = sims[name]
+            it = sim.spans[0].iteration
+            steady = [s for s in sim.spans if s.iteration == sim.spans[-1].iteration - 1]
+            t0 = min(s.start for s in steady) if steady else 0
+            for s in steady:
+                row = 0 if s.stream == "compute" else 1
+                ax.barh(row, float(s.end - s.start), left=float(s.start - t0), height=0.6,
+                        color=colors["compute" if row == 0 else "comm"], edgecolor="black", linewidth=0.5)
+            del it
+            ax.set_title(f"{name}: SIMULATED for the measured costs (iteration "
+                         f"{float(sim.iteration_s) * 1e3:.0f} ms)", fontsize=9)
+        ax.set_yticks([0, 1], ["compute", "comm"])
+    axes[-1].set_xlabel("seconds")
+    fig.suptitle(f"{result['processes']} hosts, {result['bandwidth']} links, batch {result['batch_per_process']}"
+                 f"/process; compute {result['compute_s'] * 1e3:.0f} ms, comm {result['comm_s'] * 1e3:.0f} ms")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxsched import cluster as cluster_lib
+    from jaxsched import launch as launch_lib
+
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        raw_path = Path(tmp) / "raw.json"
+        worker = [sys.executable, "-m", "jaxsched.bench", "--worker", "--out", str(raw_path),
+                  "--steps", str(args.steps), "--strategies", ",".join(strategies)]
+        if args.batch:
+            worker += ["--batch", str(args.batch)]
+        if args.buckets:
+            worker += ["--buckets", str(args.buckets)]
+        if not args.no_pin:
+            worker += ["--pin"]
+        env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent),
+                                              os.environ.get("PYTHONPATH", "")])}
+        if args.no_cluster:
+            code = launch_lib.launch(args.hosts, worker, env=env, timeout_s=args.timeout)
+        else:
+            with cluster_lib.Cluster.up(args.hosts, args.bandwidth, prefix=args.prefix) as cluster:
+                code = launch_lib.launch(args.hosts, worker, cluster=cluster, env=env,
+                                         timeout_s=args.timeout)
+        if code != 0:
+            print(f"jaxsched bench: the benchmark processes failed (exit status {code})", file=sys.stderr)
+            return code
+        raw = json.loads(raw_path.read_text())
+    bandwidth = "unshaped loopback" if args.no_cluster else args.bandwidth
+    result = summarize(raw, strategies, bandwidth)
+    sims = simulated(result, strategies)
+    result["simulated"] = {n: {"iteration_s": float(s.iteration_s),
+                               "error_vs_measured": float(s.iteration_s) / result["strategies"][n]["step_s"] - 1}
+                           for n, s in sims.items()}
+    result["date"] = time.strftime("%Y-%m-%d %H:%M")
+    print(format_report(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    results_dir = Path(args.results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    with open(results_dir / "overlap.jsonl", "a") as f:
+        f.write(json.dumps(result) + "\n")
+    png = Path(args.png) if args.png else results_dir / "overlap_gantt.png"
+    plot(raw, result, sims, png)
+    print(f"Gantt chart (measured stages beside the simulator): {png}")
+    return 0
+
+
+def format_report(result: dict[str, Any]) -> str:
+    lines = [f"{result['processes']} hosts, {result['bandwidth']}, batch {result['batch_per_process']} per "
+             f"process, medians of {result['steps']} interleaved steps (MEASURED)",
+             f"  compute only {result['compute_s'] * 1e3:7.1f} ms   comm only {result['comm_s'] * 1e3:7.1f} ms"
+             f"   bound {result['bound_s'] * 1e3:7.1f} ms   plain step {result['plain_s'] * 1e3:7.1f} ms",
+             f"  {'strategy':<10} {'step ms':>8} {'speedup':>8} {'x bound':>8} {'overlap eff':>12} "
+             f"{'sim ms':>8}"]
+    for name, r in result["strategies"].items():
+        if r.get("missing"):
+            lines.append(f"  {name:<10} missing (not a registered strategy yet)")
+            continue
+        sim = result.get("simulated", {}).get(name, {}).get("iteration_s")
+        sim_txt = f"{sim * 1e3:8.1f}" if sim is not None else f"{'-':>8}"
+        lines.append(f"  {name:<10} {r['step_s'] * 1e3:8.1f} {r['speedup']:8.2f} {r['ratio_to_bound']:8.2f} "
+                     f"{r['overlap_efficiency']:12.2f} {sim_txt}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hosts", type=int, default=2, help="processes, one per emulated host")
+    parser.add_argument("--bandwidth", default="1gbit", help="per-link limit, e.g. 1gbit, 500mbit")
+    parser.add_argument("--strategies", default="allreduce,wfbp,dear,approx",
+                        help="comma-separated; unknown ones are reported as missing")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per variant")
+    parser.add_argument("--batch", type=int, help="per-process batch (default: calibrated)")
+    parser.add_argument("--buckets", type=int, help="bucket byte threshold (default: one per layer)")
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--png", help="Gantt chart path (default benchmarks/results/overlap_gantt.png)")
+    parser.add_argument("--results-dir", default=str(RESULTS_DIR), help="where the result row is appended")
+    parser.add_argument("--prefix", default="jxsb", help="namespace prefix of the emulated cluster")
+    parser.add_argument("--no-cluster", action="store_true", help="loopback only (no root needed)")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin each process to one core")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxsched bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--pin", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        args.strategies = [s for s in args.strategies.split(",") if s]
+        # one bucket per layer: layer1's reduction overlaps layer0's backward
+        args.buckets = args.buckets or [["layer1"], ["layer0"]]
+        return _worker(args)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
