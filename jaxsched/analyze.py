@@ -64,6 +64,10 @@ class Analysis:
       update: indices of update-region equations, in order.
       varying: body variables whose value differs across devices.
       first_use: per body invar index, the first backward equation reading it (or None).
+      forward_collectives: reductions over the axis that forward or backward reads (they
+        run where the user wrote them).
+      per_device_outputs: positions among the step's params and opt_state outputs whose new
+        value differs across devices (kept per device, never sharded).
     """
 
     captured: CapturedStep
@@ -72,6 +76,8 @@ class Analysis:
     update: tuple[int, ...]
     varying: frozenset
     first_use: tuple[int | None, ...]
+    forward_collectives: tuple[int, ...] = ()
+    per_device_outputs: frozenset = frozenset()
 
 
 def analyze(captured: CapturedStep) -> Analysis:
@@ -85,8 +91,9 @@ def analyze(captured: CapturedStep) -> Analysis:
     # Device-varying values: the batch (and anything sharded), axis_index, and what they touch.
     varying = set()
     for v, src, spec in zip(body.invars, captured.sources, captured.in_specs):
-        if src.role == "batch" or (src.role == "const" and spec != type(spec)()):
-            varying.add(v)
+        sharded = any(dim is not None for dim in spec)
+        if src.role == "batch" or (sharded and captured.kind != "pmap"):
+            varying.add(v)  # pmap gives every input a device axis; its state is replicated by convention
     for eqn in body.eqns:
         name = eqn.primitive.name
         if reduces_over(eqn, axis, REDUCTIONS):
@@ -105,14 +112,27 @@ def analyze(captured: CapturedStep) -> Analysis:
         for o in eqn.outvars:
             producer[o] = i
 
+    candidates = [i for i, eqn in enumerate(body.eqns)
+                  if reduces_over(eqn, axis, SUM_REDUCTIONS)
+                  and any(o in feeds_state for o in eqn.outvars)
+                  # a reduction of an invariant value (e.g. a second pmean) is part of the update
+                  and any(is_var(x) and x in varying for x in eqn.invars)]
+    # A reduction whose result another reduction's operand needs belongs to forward or
+    # backward (synchronized batch norm, a global token count, SAM's first gradient): it
+    # stays where it is. Only the last reductions on each path, whose results only the
+    # update reads, are gradient reductions to reschedule.
+    upstream, needed = set(), {x for i in candidates for x in body.eqns[i].invars if is_var(x)}
+    for i in range(len(body.eqns) - 1, -1, -1):
+        if any(o in needed for o in body.eqns[i].outvars):
+            upstream.add(i)
+            needed.update(x for x in body.eqns[i].invars if is_var(x))
+    forward_collectives = tuple(i for i in candidates if i in upstream)
+
     reductions, reducing_eqns = [], set()
-    for i, eqn in enumerate(body.eqns):
-        if not reduces_over(eqn, axis, SUM_REDUCTIONS):
+    for i in candidates:
+        eqn = body.eqns[i]
+        if i in upstream:
             continue
-        if not any(o in feeds_state for o in eqn.outvars):
-            continue
-        if not any(is_var(x) and x in varying for x in eqn.invars):
-            continue  # reduces an invariant value (e.g. a second pmean); part of the update
         if reduction_axes(eqn) != (axis,):
             raise UnsupportedStepError(
                 f"gradients are reduced over axes {reduction_axes(eqn)} at "
@@ -154,8 +174,10 @@ def analyze(captured: CapturedStep) -> Analysis:
             k = position.get(x) if is_var(x) else None
             if k is not None and first_use[k] is None:
                 first_use[k] = i
+    per_device = frozenset(k for k in range(n_state)
+                           if is_var(outvars[captured.outputs[k]]) and outvars[captured.outputs[k]] in varying)
     return Analysis(captured, tuple(reductions), tuple(backward), tuple(update),
-                    frozenset(varying), tuple(first_use))
+                    frozenset(varying), tuple(first_use), forward_collectives, per_device)
 
 
 def _nested_reduction(jaxpr, axis: str):

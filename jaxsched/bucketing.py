@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxsched.analyze import Analysis
@@ -58,7 +59,8 @@ def match_reductions(analysis: Analysis) -> list[int | None]:
     for i in range(cap.num_params):
         k = cap.body_input("params", i)
         aval = cap.body.invars[k].aval if k >= 0 else None
-        shapes.append(None if aval is None else (tuple(aval.shape), aval.dtype))
+        trainable = aval is not None and is_float(aval.dtype)  # keys, counters: never matched
+        shapes.append((tuple(aval.shape), aval.dtype) if trainable else None)
     reds = analysis.reductions
     match: list[int | None] = [None] * cap.num_params
     if len(reds) == cap.num_params and all(
@@ -74,19 +76,32 @@ def match_reductions(analysis: Analysis) -> list[int | None]:
     return match
 
 
+def is_float(dtype) -> bool:
+    """Whether leaves of ``dtype`` can be bucketed (typed PRNG keys, integers and booleans
+    pass through unbucketed and unsharded)."""
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
 def plan_buckets(analysis: Analysis, paths: Sequence[str], buckets: Any = None) -> list[Bucket]:
-    """Group parameters (and their reductions) into buckets."""
+    """Group parameters (and their reductions) into buckets.
+
+    Only parameters whose gradient is reduced are bucketed; every other leaf (a typed key,
+    a step counter, a frozen or per-device tensor) passes through as it is.
+    """
     cap = analysis.captured
     match = match_reductions(analysis)
     reds = analysis.reductions
     ready = [reds[m].ready_at if m is not None else 10**9 for m in match]
-    order = sorted(range(cap.num_params), key=lambda i: (ready[i], -i))
+    order = sorted((i for i in range(cap.num_params) if match[i] is not None),
+                   key=lambda i: (ready[i], -i))
     dtype_of = lambda i: cap.body.invars[cap.body_input("params", i)].aval.dtype
     nbytes = lambda i: int(np.prod(cap.body.invars[cap.body_input("params", i)].aval.shape)) * \
         np.dtype(dtype_of(i)).itemsize
 
     if isinstance(buckets, (list, tuple)):
-        groups = _explicit_groups(buckets, paths)
+        groups = [[i for i in group if match[i] is not None]
+                  for group in _explicit_groups(buckets, paths)]
+        groups = [g for g in groups if g]
     else:
         if buckets is None:
             threshold = DEFAULT_BUCKET_BYTES

@@ -97,9 +97,13 @@ def is_var(x) -> bool:
 def source_line(eqn) -> str:
     """The user's source line that produced ``eqn``, for messages."""
     try:
-        return source_info_util.summarize(eqn.source_info)
+        line = source_info_util.summarize(eqn.source_info)
     except Exception:  # messages degrade to the primitive name
-        return eqn.primitive.name
+        line = ""
+    if line:
+        return line
+    stack = str(eqn.source_info.name_stack) or "the step's top level"
+    return f"<no user source line: {eqn.primitive.name} inserted by JAX in {stack}>"
 
 
 def nested_eqns(jaxpr):

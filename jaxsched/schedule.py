@@ -77,8 +77,7 @@ class Scheduled:
         ``batch`` the state comes back in its scheduled layout at once, which is what a
         checkpoint restore needs as its target.
         """
-        self._template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), _dtype(a)),
-                                      (params, opt_state))
+        self._template = jax.tree.map(_abstract, (params, opt_state))
         state = self.strategy.initial_state(params, opt_state)
         if batch is None:
             return state
@@ -122,8 +121,11 @@ class Scheduled:
                              self.plan_options)
 
 
-def _dtype(a):
-    return a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
+def _abstract(a: Any) -> jax.ShapeDtypeStruct:
+    """Shape, dtype and (for arrays placed by the user) sharding: what tracing needs."""
+    sharding = a.sharding if isinstance(a, jax.Array) else None
+    dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
+    return jax.ShapeDtypeStruct(np.shape(a), dtype, sharding=sharding)
 
 
 def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dear",

@@ -114,8 +114,11 @@ def elementwise_rule(ctx: ShardContext, eqn, values: list) -> list:
 
 
 def reshape_rule(ctx: ShardContext, eqn, values: list) -> list:
+    """Row-major reshapes, and squeezing or inserting unit axes (pmap's block axis), keep
+    the flat chunk; a reshape that transposes first (``dimensions``) does not."""
     (value,) = [v for v in values if isinstance(v, Shard)][:1] or [None]
-    if value is None or len(values) != 1 or eqn.params.get("dimensions") not in (None, ()):
+    transposes = eqn.primitive.name == "reshape" and eqn.params.get("dimensions") not in (None, ())
+    if value is None or len(values) != 1 or transposes:
         return full_rule(ctx, eqn, values)
     return [Shard(value.chunk, tuple(eqn.outvars[0].aval.shape))]
 

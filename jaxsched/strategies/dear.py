@@ -32,6 +32,7 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsched import layout
+from jaxsched.bucketing import is_float
 from jaxsched.collectives.base import BucketSpec
 from jaxsched.costmodel import DEAR_PATTERN
 from jaxsched.planned_step import PlannedStep
@@ -43,11 +44,22 @@ from jaxsched.strategies.registry import register_strategy
 
 
 class DearLayout(NamedTuple):
-    """Per program: bucket layouts of parameters and gradients, and which optimizer leaves
-    are stored sharded (every one that is not a scalar)."""
+    """Per program: what is stored sharded, and the bucket layouts.
+
+    Attributes:
+      params: per bucket, the layout of its sharded parameters (None if it has none).
+      gathered: per bucket, the parameter leaves its all-gather returns.
+      grads: per bucket, the layout of its gradients.
+      param_sharded, opt_sharded: per leaf, whether it is stored as flat shards. Leaves
+        that are not (typed keys, integers, scalars, per-device state, leaves with a
+        non-replicated spec, parameters without a reduced gradient) keep the user's layout
+        and spec, whole.
+    """
 
     params: list
+    gathered: list
     grads: list
+    param_sharded: list
     opt_sharded: list
 
 
@@ -63,19 +75,29 @@ class Dear(Strategy):
         return planned.memo("dear.layout", lambda: self._layout(planned))
 
     def _layout(self, planned: PlannedStep) -> DearLayout:
-        cap, reds = planned.captured, planned.analysis.reductions
-        size = planned.axis_size
-        p_layouts, g_layouts = [], []
+        cap, analysis = planned.captured, planned.analysis
+        reds, size = analysis.reductions, planned.axis_size
+
+        def shardable(role: str, index: int, position: int) -> bool:
+            aval = planned.body_invar(role, index).aval
+            replicated = cap.kind == "pmap" or all(d is None for d in planned.input_spec(role, index))
+            return (replicated and is_float(aval.dtype) and math.prod(aval.shape) > 1
+                    and position not in analysis.per_device_outputs)
+
+        bucketed = {i for b in planned.buckets for i in b.params}
+        param_sharded = [i in bucketed and shardable("params", i, i) for i in range(cap.num_params)]
+        opt_sharded = [shardable("opt_state", j, cap.num_params + j) for j in range(cap.num_opt)]
+        p_layouts, gathered, g_layouts = [], [], []
         for b in planned.buckets:
-            avals = [planned.body_invar("params", i).aval for i in b.params]
+            members = [i for i in b.params if param_sharded[i]]
+            avals = [planned.body_invar("params", i).aval for i in members]
+            gathered.append(members)
             p_layouts.append(layout.BucketLayout.of([a.shape for a in avals], [a.dtype for a in avals],
                                                     size) if avals else None)
             ops = [reds[j].operand.aval for j in b.reductions]
             g_layouts.append(layout.BucketLayout.of([a.shape for a in ops], [a.dtype for a in ops], size)
                              if ops else None)
-        opt_sharded = [math.prod(planned.body_invar("opt_state", j).aval.shape) > 1
-                       for j in range(cap.num_opt)]
-        return DearLayout(p_layouts, g_layouts, opt_sharded)
+        return DearLayout(p_layouts, gathered, g_layouts, param_sharded, opt_sharded)
 
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
         lay = self.layout(planned)
@@ -93,9 +115,12 @@ class Dear(Strategy):
         cap = planned.captured
         params, opts = jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state)
         check_leaf_counts(planned, params, opts)
-        opt_sharded = self.layout(planned).opt_sharded
+        lay = self.layout(planned)
+        opt_sharded = lay.opt_sharded
         params = [self._sharded(planned, leaf, planned.body_invar("params", i).aval,
-                                f"params/{planned.paths[i]}") for i, leaf in enumerate(params)]
+                                f"params/{planned.paths[i]}") if lay.param_sharded[i]
+                  else planned.placed(leaf, planned.input_spec("params", i))
+                  for i, leaf in enumerate(params)]
         opts = [self._sharded(planned, leaf, planned.body_invar("opt_state", j).aval, f"opt_state[{j}]")
                 if opt_sharded[j] else planned.placed(leaf, planned.input_spec("opt_state", j))
                 for j, leaf in enumerate(opts)]
@@ -105,8 +130,10 @@ class Dear(Strategy):
 
     def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
         cap = planned.captured
-        opt_sharded = self.layout(planned).opt_sharded
+        lay = self.layout(planned)
+        opt_sharded = lay.opt_sharded
         params = [self._unsharded(planned, leaf, planned.body_invar("params", i).aval)
+                  if lay.param_sharded[i] else leaf
                   for i, leaf in enumerate(jax.tree.leaves(state.params))]
         opts = [self._unsharded(planned, leaf, planned.body_invar("opt_state", j).aval)
                 if opt_sharded[j] else leaf for j, leaf in enumerate(jax.tree.leaves(state.opt_state))]
@@ -157,7 +184,7 @@ class Dear(Strategy):
         coll_specs = self.collective_state_specs(planned)
         n_p, n_o = cap.num_params, cap.num_opt
         n_state = n_p + n_o + len(coll_specs)
-        param_buckets = [k for k, b in enumerate(buckets) if b.params]
+        param_buckets = [k for k in range(len(buckets)) if lay.gathered[k]]
         param_invar = {i: planned.body_invar("params", i) for i in range(n_p)}
         opt_invar = {j: planned.body_invar("opt_state", j) for j in range(n_o)}
         ctx = ShardContext(axis, size, analysis.varying)
@@ -174,20 +201,23 @@ class Dear(Strategy):
             # Parameters: shards for the update, lazily all-gathered for forward.
             lazy = {}
             for i in range(n_p):
-                post[param_invar[i]] = Shard(param_chunks[i], tuple(param_invar[i].aval.shape))
+                if lay.param_sharded[i]:
+                    post[param_invar[i]] = Shard(param_chunks[i], tuple(param_invar[i].aval.shape))
+                else:
+                    env[param_invar[i]] = param_chunks[i]  # whole, in the user's layout
             for k in param_buckets:
 
                 def gather(k=k):
                     if size == 1:  # one device: the chunk is the whole flattened leaf
-                        for i in buckets[k].params:
+                        for i in lay.gathered[k]:
                             env[param_invar[i]] = param_chunks[i].reshape(param_invar[i].aval.shape)
                         return
-                    shard = lay.params[k].join_chunks([param_chunks[i] for i in buckets[k].params])
+                    shard = lay.params[k].join_chunks([param_chunks[i] for i in lay.gathered[k]])
                     full, carried[k] = self.collective.all_gather(
                         shard, axis, self._gather_spec(planned, k, lay.params[k]), carried[k])
-                    for i, leaf in zip(buckets[k].params, lay.params[k].unpack(full)):
+                    for i, leaf in zip(lay.gathered[k], lay.params[k].unpack(full)):
                         env[param_invar[i]] = leaf
-                for i in buckets[k].params:
+                for i in lay.gathered[k]:
                     lazy[param_invar[i]] = gather
             for j, value in enumerate(opt_values):
                 var = opt_invar[j]
@@ -231,6 +261,9 @@ class Dear(Strategy):
             new_params, new_opt, aux = outs[:n_p], outs[n_p:n_p + n_o], outs[n_p + n_o:]
             results = []
             for i in range(n_p):
+                if not lay.param_sharded[i]:
+                    results.append(ctx.to_full(new_params[i]))
+                    continue
                 chunk = ctx.to_chunk(new_params[i], param_invar[i].aval.shape)
                 results.append(jnp.broadcast_to(chunk, param_chunks[i].shape).astype(param_chunks[i].dtype))
             for j, value in enumerate(new_opt):
@@ -238,16 +271,25 @@ class Dear(Strategy):
                     chunk = ctx.to_chunk(value, opt_invar[j].aval.shape)
                     results.append(jnp.broadcast_to(chunk, opt_values[j].shape).astype(opt_invar[j].aval.dtype))
                 else:
-                    results.append(jnp.asarray(ctx.to_full(value)).astype(opt_invar[j].aval.dtype))
+                    results.append(_as_dtype(ctx.to_full(value), opt_invar[j].aval.dtype))
             results += self.stacked_collective_leaves(tuple(carried))
             results += [ctx.to_full(a) for a in aux]
             return results
 
         sharded = P(axis)
-        opt_specs = tuple(sharded if lay.opt_sharded[j] else planned.input_spec("opt_state", j)
-                          for j in range(n_o))
-        specs_ = (sharded,) * n_p + opt_specs + coll_specs
-        return RewrittenBody(scheduled_body, specs_, specs_, ctx.fallbacks)
+        in_specs = (tuple(sharded if lay.param_sharded[i] else planned.input_spec("params", i)
+                          for i in range(n_p))
+                    + tuple(sharded if lay.opt_sharded[j] else planned.input_spec("opt_state", j)
+                            for j in range(n_o)) + coll_specs)
+        out_specs = (tuple(sharded if lay.param_sharded[i] else planned.output_spec(i) for i in range(n_p))
+                     + tuple(sharded if lay.opt_sharded[j] else planned.output_spec(n_p + j)
+                             for j in range(n_o)) + coll_specs)
+        return RewrittenBody(scheduled_body, in_specs, out_specs, ctx.fallbacks)
+
+
+def _as_dtype(value: Any, dtype) -> Any:
+    value = jnp.asarray(value) if not isinstance(value, jax.Array) else value
+    return value if value.dtype == dtype else value.astype(dtype)
 
 
 def _host_value(leaf: Any) -> np.ndarray:
