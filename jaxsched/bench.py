@@ -24,7 +24,7 @@ Example (needs root for the namespaces; a few minutes)::
     python benchmarks/overlap.py --hosts 2 --bandwidth 1gbit
 
 Example (the arithmetic of the report):
-    >>> overlap_efficiency(plain=1.0, step=0.7, bound=0.5)
+    >>> round(overlap_efficiency(plain=1.0, step=0.7, bound=0.5), 6)
     0.6
 """
 from __future__ import annotations
