@@ -97,6 +97,18 @@ class Scheduled:
         """The lowered scheduled program (StableHLO), e.g. to inspect where collectives sit."""
         return self._program_for(state, batch).lower(state, batch)
 
+    def verify(self, state: NamedTuple, batches: Any, steps: int = 10, rtol: float = 1e-5,
+               baseline_factor: float = 100.0):
+        """Run the plain step and this scheduled step side by side on ``batches``.
+
+        Returns a :class:`jaxsched.verify.VerifyReport`: per leaf the largest relative
+        difference, the rounding baseline it is judged against, and the first step at
+        which a leaf left the tolerance (``print(report)`` shows a table).
+        """
+        from jaxsched.verify import verify
+
+        return verify(self, state, batches, steps, rtol, baseline_factor)
+
     @property
     def program(self) -> Program:
         """The program of the most recent call."""
