@@ -140,7 +140,7 @@ def test_cli_train_writes_jsonl_and_summary(tmp_path, capsys):
     cfg_path.write_text('[model]\nname = "cnn"\nchannels = 4\nblocks = 1\n'
                         '[data]\nname = "digits"\nbatch_size = 32\n'
                         '[train]\nsteps = 4\ndevices = 8\n')
-    log = tmp_path / "log.jsonl"
+    log = tmp_path / "runs" / "log.jsonl"  # the README's `--log runs/...`: the folder is created
     assert cli.main(["train", "--config", str(cfg_path), "--log", str(log), "--no-progress"]) == 0
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -167,3 +167,6 @@ def test_every_shipped_config_is_valid():
     for path in sorted(Path(__file__).parent.parent.glob("configs/*.toml")):
         cfg = config.load(path)
         assert cfg.data.batch_size % cfg.train.devices == 0
+        # Every config shows what the library does: the plain step next to scheduled ones.
+        assert "allreduce" in cfg.train.strategies, path
+        assert {"wfbp", "dear"} & set(cfg.train.strategies), path
