@@ -220,7 +220,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         save_chrome_trace(list(results.values()), args.trace)
     if args.png:
         from jaxsched.sim.timeline import save_gantt_png
-        save_gantt_png(list(results.values()), args.png)
+        network_name = network.meta.get("preset", args.network_profile)
+        save_gantt_png(list(results.values()), args.png,
+                       title=f"{label}, {network.workers} workers, {network_name}")
     return 0
 
 
