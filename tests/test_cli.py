@@ -100,7 +100,7 @@ def _tiny(api: str = "shard_map", **train):
 
 
 def test_progress_in_a_log_is_a_few_lines_not_redraws(capsys):
-    trainer.train(_tiny(), "allreduce", progress=True)
+    trainer.train(_tiny(devices=1), "allreduce", progress=True)
     err = capsys.readouterr().err  # captured: not a TTY
     assert "\r" not in err
     lines = [line for line in err.splitlines() if line.startswith("mlp/allreduce")]
@@ -136,7 +136,7 @@ def test_the_plain_step_compiles_only_on_its_first_call(api):
 
 
 def test_side_by_side_training_gives_each_strategy_its_own_run():
-    results = trainer.train_side_by_side(_tiny(steps=4), ["allreduce", "wfbp"], progress=False)
+    results = trainer.train_side_by_side(_tiny(steps=3), ["allreduce", "wfbp"], progress=False)
     assert [r.strategy for r in results] == ["allreduce", "wfbp"]
-    assert all(len(r.losses) == 4 and r.median_step_s > 0 for r in results)
+    assert all(len(r.losses) == 3 and r.median_step_s > 0 for r in results)
     assert max(abs(a - b) for a, b in zip(results[0].losses, results[1].losses)) < 1e-4
