@@ -9,6 +9,8 @@ Run: ``.venv/bin/python benchmarks/allreduce_operands.py``. On 8 virtual CPU dev
    as a tuple, against the same arrays concatenated into one flat buffer, N = 1..32;
 2. ``jax.profiler`` counts of the ``Rendezvous`` events per call for N = 8 (the demo's
    6 gradient leaves + 2 metrics), summed over the 8 device threads;
+   and the same comparison for the gradients of ``make bench``'s MLP 4x512 (10 leaves,
+   5.3 MB), where the concatenation copies cost more than the rendezvous they save;
 3. the demo's own step (MLP 64-128-128-10, adam, global batch 128): plain, the plain
    step with its gradients concatenated by hand before one ``pmean``, and
    ``jaxsched.schedule(strategy="wfbp")``, interleaved step by step.
@@ -146,13 +148,17 @@ def main() -> None:
         psum_rows.append({"operands": n, **profile_psum_operands(arrays, mesh, repeats=args.repeats)})
     arrays = [np.ones(s, np.float32) for s in shapes]
     events = rendezvous_events(arrays, mesh)
+    big, _ = models.pure(models.build("mlp", (32, 32, 1), 10, hidden=(512,) * 4))
+    big_leaves = [np.ones(leaf.shape, np.float32) for leaf in jax.tree.leaves(big)]
+    bench_mlp = {"operands": len(big_leaves), "megabytes": sum(a.nbytes for a in big_leaves) / 1e6,
+                 **profile_psum_operands(big_leaves, mesh, repeats=max(10, args.repeats // 10))}
     demo = demo_steps(args.steps)
     result = {"backend": jax.default_backend(), "machine": platform.machine(), "jax": jax.__version__,
               "devices": 8, "cpus": os.cpu_count(), "load_average_1_5_15": os.getloadavg(),
               "repeats": args.repeats, "steps": args.steps,
               "note": "medians of interleaved calls; tuple = one psum of N operands, flat = one "
                       "psum of their concatenation",
-              "first_calls_s": first, "psum_ms": psum_rows, "profile_n8": events, "demo_step_ms": demo}
+              "first_calls_s": first, "psum_ms": psum_rows, "profile_n8": events, "bench_mlp_4x512_psum_ms": bench_mlp, "demo_step_ms": demo}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     for start, seconds in first.items():
@@ -162,6 +168,9 @@ def main() -> None:
     for row in psum_rows:
         print(f"{row['operands']:>8} {row['tuple_ms']:9.3f} {row['flat_ms']:8.3f} "
               f"{row['tuple_ms'] / row['flat_ms']:6.2f}")
+    print(f"make bench's MLP 4x512 gradients ({bench_mlp['operands']} arrays, "
+          f"{bench_mlp['megabytes']:.1f} MB): tuple {bench_mlp['tuple_ms']:.2f} ms, "
+          f"flat {bench_mlp['flat_ms']:.2f} ms")
     for layout, counts in events.items():
         print(f"profile, {layout}: {counts['rendezvous_per_call']:.0f} Rendezvous events per call "
               f"over 8 device threads, {counts['rendezvous_thread_ms']:.2f} thread-ms in them")
