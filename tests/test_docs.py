@@ -33,7 +33,7 @@ def test_readme_examples_run_as_written_in_a_fresh_interpreter(tmp_path):
         script = tmp_path / f"readme_{i}.py"
         script.write_text(block)
         done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=240)
+                              capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"README python block {i} failed:\n{done.stderr[-3000:]}"
         if "loss after 50 steps" in block:
             loss = float(re.search(r"loss after 50 steps: ([\d.]+)", done.stdout).group(1))
