@@ -11,11 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxsched.costmodel import network_preset
+from jaxsched.costmodel import device_preset, network_preset, topk_selection_s_per_byte
 from jaxsched.plan import plan_buckets
 from jaxsched.sim import Compression, simulate
-from jaxsched.sim.cli import SELECTION_PASSES
-from jaxsched.costmodel import device_preset
 from jaxsched.zoo_profiles import zoo_profile
 
 
@@ -31,7 +29,7 @@ def run(model: str, network: str, workers: int, device: str = "v100") -> dict[st
                            credit_bytes=((1 << 20) << e) * c, keep_spans=False).iteration_s
                   for e in range(7) for c in (1, 2, 4))
     t["bytescheduler"] = best_bs
-    sel = SELECTION_PASSES / device_preset(device).memory_bytes_per_s
+    sel = topk_selection_s_per_byte(device_preset(device))
     for kind in ("topk", "gtopk"):
         comp = Compression(kind, 0.001, sel)
         t[f"wfbp+{kind}"] = simulate(layers, net, "wfbp", plan_buckets(layers, net, "optimal", compression=comp),

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import tomllib
 from pathlib import Path
 from typing import Any, Mapping
@@ -31,6 +32,25 @@ class ConfigError(ValueError):
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 APIS = ("shard_map", "pmap")
+
+
+def known_strategies() -> tuple[str, ...]:
+    """Strategy names a training run accepts: the scheduler's registry (one place to rewire)."""
+    from jaxsched.schedule import STRATEGIES
+
+    return tuple(STRATEGIES)
+
+
+def check_strategies(names: list[str] | tuple[str, ...], field: str) -> tuple[str, ...]:
+    """``names`` unchanged if every one is a known strategy; else an error naming ``field``,
+    the bad value and the choices."""
+    choices = known_strategies()
+    if not names:
+        raise ConfigError(f"{field} is empty; choose from {', '.join(choices)}")
+    for name in names:
+        if name not in choices:
+            raise ConfigError(f"{field}: {name!r} is unknown; choose from {', '.join(choices)}")
+    return tuple(names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +118,29 @@ def _take(table: dict[str, Any], field: str, kind: type | tuple[type, ...], wher
     return value
 
 
-def _no_leftovers(table: dict[str, Any], where: str) -> None:
+def _no_leftovers(table: dict[str, Any], where: str, known: tuple[str, ...]) -> None:
     if table:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(table))}")
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(table))}; "
+                          f"known fields: {', '.join(known)}")
+
+
+def _keyword_options(fn: Any, exclude: tuple[str, ...]) -> tuple[str, ...]:
+    """The optional keyword parameters of ``fn``: what a config table may set for it."""
+    return tuple(name for name, p in inspect.signature(fn).parameters.items()
+                 if p.default is not inspect.Parameter.empty and name not in exclude)
+
+
+def model_options(name: str) -> tuple[str, ...]:
+    """Fields ``[model]`` accepts besides ``name`` for zoo model ``name``."""
+    classes = {"mlp": models_lib.MLP, "cnn": models_lib.CNN, "transformer": models_lib.TransformerLM}
+    return _keyword_options(classes[name].__init__, ("rngs",))
+
+
+def data_options(name: str) -> tuple[str, ...]:
+    """Fields ``[data]`` accepts besides ``name`` and ``batch_size`` for data set ``name``."""
+    loaders = {"digits": data_lib.load_digits, "synthetic_images": data_lib.synthetic_images,
+               "synthetic_tokens": data_lib.synthetic_tokens}
+    return _keyword_options(loaders[name], ("seed",))
 
 
 def parse(raw: Mapping[str, Any], source: str = "<dict>") -> Config:
@@ -115,6 +155,9 @@ def parse(raw: Mapping[str, Any], source: str = "<dict>") -> Config:
     if model_name not in models_lib.MODELS:
         raise ConfigError(f"{source}: model.name={model_name!r} is unknown; "
                           f"choose one of {', '.join(models_lib.MODELS)}")
+    known = model_options(model_name)
+    _no_leftovers({k: v for k, v in model_t.items() if k not in known}, f"{source}: model",
+                  ("name", *known))
     model = ModelConfig(model_name, model_t)
 
     data_t = _table(raw, "data", source)
@@ -125,6 +168,9 @@ def parse(raw: Mapping[str, Any], source: str = "<dict>") -> Config:
     batch_size = _take(data_t, "batch_size", int, f"{source}: data", 128)
     if batch_size <= 0:
         raise ConfigError(f"{source}: data.batch_size must be positive, got {batch_size}")
+    known = data_options(data_name)
+    _no_leftovers({k: v for k, v in data_t.items() if k not in known}, f"{source}: data",
+                  ("name", "batch_size", *known))
     data = DataConfig(data_name, batch_size, data_t)
 
     opt_t = _table(raw, "optimizer", source)
@@ -136,7 +182,7 @@ def parse(raw: Mapping[str, Any], source: str = "<dict>") -> Config:
         weight_decay=float(_take(opt_t, "weight_decay", (int, float), where, 1e-4)),
         clip_norm=_take(opt_t, "clip_norm", (int, float), where, None),
     )
-    _no_leftovers(opt_t, where)
+    _no_leftovers(opt_t, where, tuple(f.name for f in dataclasses.fields(OptimizerConfig)))
     if optimizer.name not in OPTIMIZERS:
         raise ConfigError(f"{source}: optimizer.name={optimizer.name!r} is unknown; "
                           f"choose one of {', '.join(OPTIMIZERS)}")
@@ -146,6 +192,7 @@ def parse(raw: Mapping[str, Any], source: str = "<dict>") -> Config:
     strategies = _take(train_t, "strategies", list, where, ["allreduce"])
     if not strategies or not all(isinstance(s, str) for s in strategies):
         raise ConfigError(f"{source}: train.strategies must be a non-empty list of names")
+    check_strategies(strategies, f"{source}: train.strategies")
     train = TrainConfig(
         steps=_take(train_t, "steps", int, where, 300),
         devices=_take(train_t, "devices", int, where, 8),
@@ -154,7 +201,7 @@ def parse(raw: Mapping[str, Any], source: str = "<dict>") -> Config:
         seed=_take(train_t, "seed", int, where, 0),
         log_every=_take(train_t, "log_every", int, where, 1),
     )
-    _no_leftovers(train_t, where)
+    _no_leftovers(train_t, where, tuple(f.name for f in dataclasses.fields(TrainConfig)))
     if train.steps <= 0:
         raise ConfigError(f"{source}: train.steps must be positive, got {train.steps}")
     if train.devices <= 0:

@@ -1,7 +1,7 @@
 """Measure the inputs of the cost model on the real backend: layer times and collective costs.
 
 Why: a planner must use the costs of the backend it runs on, not assumed ring costs (on
-gloo a reduce-scatter + all-gather took 2.3x one all-reduce; FACTS.md). Layer profile:
+gloo a reduce-scatter + all-gather took 2.3x one all-reduce; docs/cpu_facts.md). Layer profile:
 each top-level parameter group of a zoo model is run as its own jitted stage on one
 device; forward and backward (the VJP, residuals precomputed) are timed separately,
 after warm-up, as medians. Network profile: ``psum``, ``psum_scatter``,
@@ -12,7 +12,7 @@ the step uses, run on each layer's parameters as its own jitted program, with th
 dispatching an empty program (:func:`measure_dispatch`) taken off, since inside a training
 step the update is not dispatched on its own.
 Every multi-device call is blocked on before the next one starts (the rendezvous hazard
-in FACTS.md).
+in docs/cpu_facts.md).
 
 Example:
     >>> from jaxsched.profile import profile_zoo_model
@@ -388,8 +388,8 @@ def profile_network(mesh: Mesh | None = None, axis: str = "data",
     sharding = NamedSharding(mesh, P(axis))
     todo = [(name, size) for name in programs for size in sizes]
     if progress:
-        from tqdm import tqdm
-        todo = tqdm(todo, desc="profiling collectives", leave=False)
+        from jaxsched.progress import progress as progress_bar
+        todo = progress_bar(todo, "profiling collectives", leave=False)
     measured: dict[str, list[tuple[int, float]]] = {name: [] for name in programs}
     for name, size in todo:
         elements = max(workers, size // 4 // workers * workers)
@@ -412,3 +412,49 @@ def profile_network(mesh: Mesh | None = None, axis: str = "data",
 
 __all__ = ["fit_alpha_beta", "measure_copy", "measure_dispatch", "profile_network", "profile_stages", "profile_update",
            "profile_zoo_model", "zoo_stages"]
+
+
+def psum_programs(count: int, mesh: Mesh, axis: str = "data") -> dict[str, Callable[..., Any]]:
+    """Two ways to all-reduce ``count`` arrays: one ``psum`` of the tuple (what ``lax.pmean``
+    of a gradient tree compiles to) and one ``psum`` of their flat concatenation (what a
+    bucket of ``wfbp``/``dear`` sends)."""
+
+    def tuple_psum(*arrays):
+        return tuple(jax.lax.psum(arrays, axis))
+
+    def flat_psum(*arrays):
+        return jax.lax.psum(jnp.concatenate([a.reshape(-1) for a in arrays]), axis)
+
+    def wrap(body):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) * count, out_specs=P(),
+                                     check_vma=False))
+
+    return {"tuple": wrap(tuple_psum), "flat": wrap(flat_psum)}
+
+
+def profile_psum_operands(arrays: Sequence[Any], mesh: Mesh, axis: str = "data",
+                          repeats: int = 50) -> dict[str, float]:
+    """Median ms of a tuple ``psum`` of ``arrays`` vs a ``psum`` of their concatenation.
+
+    Why: XLA:CPU runs an all-reduce of a tuple as one rendezvous of all device threads
+    per operand (docs/cpu_collectives.md), so on virtual CPU devices the cost grows with
+    the number of leaves, not the bytes. Calls are interleaved so that machine load hits
+    both alike, and each is blocked on before the next (one multi-device call in flight).
+
+    Example:
+        >>> import jax, numpy as np
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> sorted(profile_psum_operands([np.ones(4, np.float32)] * 2, mesh, repeats=2))
+        ['flat_ms', 'tuple_ms']
+    """
+    placed = [jax.device_put(np.asarray(a), NamedSharding(mesh, P())) for a in arrays]
+    programs = psum_programs(len(placed), mesh, axis)
+    samples: dict[str, list[float]] = {name: [] for name in programs}
+    for name, program in programs.items():
+        jax.block_until_ready(program(*placed))  # compile outside the timing
+    for _ in range(repeats):
+        for name, program in programs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(program(*placed))
+            samples[name].append(time.perf_counter() - start)
+    return {f"{name}_ms": 1e3 * statistics.median(values) for name, values in samples.items()}

@@ -2,9 +2,12 @@
 
 The step is pluggable: the trainer builds the user's plain step and hands it to a
 ``wrap(step, strategy)`` callable that returns an object with ``init``, ``__call__``
-and ``finalize`` (by default :func:`jaxsched.schedule`; ``allreduce`` is the plain step). Only one multi-device step
-is kept in flight: FACTS.md records rendezvous deadlocks on virtual CPU devices when
-steps are queued unblocked.
+and ``finalize`` (by default :func:`jaxsched.schedule`; ``allreduce`` is the plain step).
+Only one multi-device step is kept in flight: with 8 virtual CPU devices on 2 cores,
+steps queued unblocked deadlocked in a collective rendezvous (docs/cpu_facts.md).
+The initial state is placed on the mesh exactly as the step returns it, so the step
+compiles once: a second compilation on step 2 used to land inside the timed steps and
+halved the plain step's steps/s in ``jaxsched demo`` (docs/cpu_collectives.md).
 
 Example:
     >>> from jaxsched import config, trainer
@@ -20,17 +23,17 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
 from jaxsched import data as data_lib
 from jaxsched import models as models_lib
 from jaxsched import steps as steps_lib
 from jaxsched.config import Config, ConfigError
+from jaxsched.progress import progress as progress_bar
 
 
 class StepRunner(Protocol):
@@ -52,10 +55,16 @@ def default_wrap(step: steps_lib.Step, strategy: str) -> StepRunner:
 
 @dataclasses.dataclass
 class RunResult:
-    """What one training run produced; ``losses`` holds every step's loss."""
+    """What one training run produced; ``losses`` holds every step's loss.
+
+    ``median_step_s`` is the median time of steps 2..N (the first compiles), from the call
+    until its metrics are ready; ``steps_per_s`` is its inverse. A median, because on a
+    shared machine a few slow steps would otherwise decide a comparison of strategies.
+    """
 
     strategy: str
     steps: int
+    median_step_s: float
     steps_per_s: float
     final_loss: float
     train_accuracy: float
@@ -85,7 +94,22 @@ def train(cfg: Config, strategy: str | None = None, *, progress: bool = True,
           log_path: str | Path | None = None,
           wrap: Callable[[steps_lib.Step, str], StepRunner] = default_wrap) -> RunResult:
     """Train ``cfg`` with one strategy (default: the first in ``train.strategies``)."""
-    strategy = strategy or cfg.train.strategies[0]
+    return train_side_by_side(cfg, [strategy or cfg.train.strategies[0]], progress=progress,
+                              log_path=log_path, wrap=wrap)[0]
+
+
+def train_side_by_side(cfg: Config, strategies: Sequence[str] | None = None, *,
+                       progress: bool = True, log_path: str | Path | None = None,
+                       wrap: Callable[[steps_lib.Step, str], StepRunner] = default_wrap
+                       ) -> list[RunResult]:
+    """Train ``cfg`` once per strategy, in lockstep: every step runs each strategy once on the
+    same batch, from the same initial parameters.
+
+    Why lockstep: on a shared machine the load changes from second to second; runs one
+    after the other then differ by more than the strategies do. Interleaved, every
+    strategy's step times see the same load, so their medians compare.
+    """
+    strategies = list(strategies or cfg.train.strategies)
     devices = devices_for(cfg)
     n = len(devices)
     split = data_lib.load(cfg.data.name, seed=cfg.train.seed, **cfg.data.options)
@@ -100,48 +124,58 @@ def train(cfg: Config, strategy: str | None = None, *, progress: bool = True,
 
     if cfg.train.api == "shard_map":
         mesh = jax.make_mesh((n,), ("data",), devices=devices)
-        step = steps_lib.make_step(apply_fn, tx, mesh)
+        make_step = lambda: steps_lib.make_step(apply_fn, tx, mesh)
+        params, opt_state = steps_lib.place_replicated((params, opt_state), mesh)
         place = lambda batch: steps_lib.shard_batch(batch, mesh)
     else:
-        step = steps_lib.make_pmap_step(apply_fn, tx, devices=devices)
-        params, opt_state = steps_lib.replicate((params, opt_state), n)
+        make_step = lambda: steps_lib.make_pmap_step(apply_fn, tx, devices=devices)
+        params, opt_state = steps_lib.place_stacked(steps_lib.replicate((params, opt_state), n), devices)
         place = lambda batch: steps_lib.split_batch(batch, n)
 
-    runner = wrap(step, strategy)
-    state = runner.init(params, opt_state)
+    runners = [wrap(make_step(), strategy) for strategy in strategies]
+    states = [runner.init(params, opt_state) for runner in runners]
     batches = data_lib.batches(split.train_x, split.train_y, cfg.data.batch_size, seed=cfg.train.seed)
     log = open(log_path, "a") if log_path else None
-    losses, accuracies = [], []
-    started = None
+    losses: list[list[float]] = [[] for _ in strategies]
+    accuracies: list[list[float]] = [[] for _ in strategies]
+    step_seconds: list[list[float]] = [[] for _ in strategies]
     try:
-        bar = tqdm(range(cfg.train.steps), desc=f"{cfg.model.name}/{strategy}", disable=not progress,
-                   unit="step")
+        bar = progress_bar(range(cfg.train.steps), f"{cfg.model.name}/{','.join(strategies)}",
+                           enabled=progress, unit="step")
         for i in bar:
-            state, aux = runner(state, place(next(batches)))
-            aux = jax.block_until_ready(aux)  # one multi-device step in flight (FACTS.md)
-            if i == 0:
-                started = time.perf_counter()  # exclude compilation from steps/s
-            row = _metric_row(aux)
-            losses.append(row["loss"])
-            accuracies.append(row.get("accuracy", float("nan")))
-            if log and i % cfg.train.log_every == 0:
-                log.write(json.dumps({"strategy": strategy, "step": i, **row}) + "\n")
-            bar.set_postfix(loss=f"{row['loss']:.4f}")
-        elapsed = time.perf_counter() - started
+            batch = place(next(batches))
+            for k, (strategy, runner) in enumerate(zip(strategies, runners)):
+                started = time.perf_counter()
+                states[k], aux = runner(states[k], batch)
+                aux = jax.block_until_ready(aux)  # one multi-device step in flight (docs/cpu_facts.md)
+                if i > 0:  # the first step compiles
+                    step_seconds[k].append(time.perf_counter() - started)
+                row = _metric_row(aux)
+                losses[k].append(row["loss"])
+                accuracies[k].append(row.get("accuracy", float("nan")))
+                if log and i % cfg.train.log_every == 0:
+                    log.write(json.dumps({"strategy": strategy, "step": i, **row}) + "\n")
+            bar.set_postfix(loss=f"{losses[0][-1]:.4f}")
     finally:
         if log:
             log.close()
-    params, opt_state = runner.finalize(state)
-    if cfg.train.api == "pmap":
-        params, opt_state = jax.tree.map(lambda a: a[0], (params, opt_state))
-    logits = jax.jit(apply_fn)(params, jnp.asarray(split.test_x))
-    test_acc = float(steps_lib.accuracy(logits, jnp.asarray(split.test_y)))
-    tail = max(1, min(10, len(losses)))
-    return RunResult(
-        strategy=strategy, steps=cfg.train.steps,
-        steps_per_s=(cfg.train.steps - 1) / elapsed if cfg.train.steps > 1 and elapsed > 0 else float("nan"),
-        final_loss=float(np.mean(losses[-tail:])), train_accuracy=float(np.mean(accuracies[-tail:])),
-        test_accuracy=test_acc, losses=losses, params=params, opt_state=opt_state)
+    evaluate = jax.jit(apply_fn)
+    results = []
+    for k, (strategy, runner) in enumerate(zip(strategies, runners)):
+        final_params, final_opt_state = runner.finalize(states[k])
+        if cfg.train.api == "pmap":
+            final_params, final_opt_state = jax.tree.map(lambda a: a[0], (final_params, final_opt_state))
+        logits = evaluate(final_params, jnp.asarray(split.test_x))
+        tail = max(1, min(10, len(losses[k])))
+        median_step_s = float(np.median(step_seconds[k])) if step_seconds[k] else float("nan")
+        results.append(RunResult(
+            strategy=strategy, steps=cfg.train.steps, median_step_s=median_step_s,
+            steps_per_s=1.0 / median_step_s if median_step_s > 0 else float("nan"),
+            final_loss=float(np.mean(losses[k][-tail:])),
+            train_accuracy=float(np.mean(accuracies[k][-tail:])),
+            test_accuracy=float(steps_lib.accuracy(logits, jnp.asarray(split.test_y))),
+            losses=losses[k], params=final_params, opt_state=final_opt_state))
+    return results
 
 
 def summary_table(results: list[RunResult]) -> str:

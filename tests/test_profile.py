@@ -63,7 +63,9 @@ def test_update_is_measured_and_scales_with_parameter_count():
 
 
 def test_profile_cli_output_feeds_simulate(tmp_path, capsys):
-    layers, network, out = tmp_path / "l.json", tmp_path / "n.json", tmp_path / "o.json"
+    # Output folders that do not exist yet are created.
+    layers, network = tmp_path / "profiles" / "l.json", tmp_path / "net" / "deeper" / "n.json"
+    out = tmp_path / "results" / "o.json"
     assert main(["profile", "--model", "mlp", "--batch", "8", "--repeats", "2", "--out", str(layers),
                  "--network-out", str(network), "--optimizer", "adam", "--no-progress"]) == 0
     printed = capsys.readouterr().out

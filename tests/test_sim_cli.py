@@ -9,7 +9,8 @@ from jaxsched.sim import simulate
 
 
 def test_simulate_writes_json_trace_and_png(tmp_path, capsys):
-    out, trace, png = tmp_path / "out.json", tmp_path / "t.trace.json", tmp_path / "g.png"
+    # Output folders that do not exist yet are created.
+    out, trace, png = tmp_path / "a" / "out.json", tmp_path / "b" / "t.trace.json", tmp_path / "c" / "d" / "g.png"
     code = main(["simulate", "--model", "resnet50", "--workers", "64", "--network", "10gbe",
                  "--device", "v100", "--strategies", "allreduce,wfbp,mgwfbp,bytescheduler,dear,approx",
                  "--planner", "optimal", "--json", str(out), "--trace", str(trace), "--png", str(png),
@@ -50,5 +51,8 @@ def test_simulate_reports_bad_input_clearly(tmp_path, capsys):
     bad.write_text(json.dumps({"layers": [{"name": "a", "params": 1, "bytes": 4, "forward_s": 1}]}))
     assert main(["simulate", "--profile", str(bad), "--no-progress"]) == 2
     assert "field 'backward_s' is missing" in capsys.readouterr().err
-    assert main(["simulate", "--strategies", "wfbp,fastest", "--no-progress"]) == 2
-    assert "'fastest' is unknown" in capsys.readouterr().err
+    assert main(["simulate", "--model", "vgg16", "--strategies", "wfbp,fastest", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "--strategies: 'fastest' is unknown; choose from allreduce, wfbp" in err
+    assert main(["simulate", "--model", "vgg16", "--strategies", "wfbp+zip", "--no-progress"]) == 2
+    assert "compression 'zip' in 'wfbp+zip' is unknown; use +topk or +gtopk" in capsys.readouterr().err

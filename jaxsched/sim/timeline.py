@@ -13,15 +13,21 @@ Example:
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
 from jaxsched.sim.core import SimResult
 
 STREAM_TIDS = {"compute": 0, "comm": 1}
+# One colour per kind of task; related kinds share a hue family (collectives warm, compute cool).
 COLORS = {"forward": "#4c72b0", "backward": "#55a868", "update": "#8172b2", "compress": "#937860",
+          "dispatch": "#222222", "pack": "#8c8c8c", "unpack": "#c7c7c7",
           "all_reduce": "#c44e52", "reduce_scatter": "#dd8452", "all_gather": "#da8bc3",
           "topk": "#ccb974", "gtopk": "#64b5cd"}
+LEGEND_ORDER = ("forward", "backward", "update", "dispatch", "pack", "unpack", "compress",
+                "all_reduce", "reduce_scatter", "all_gather", "topk", "gtopk")
+_BUCKET = re.compile(r"\bb(\d+)\b")
 
 
 def chrome_trace(results: Sequence[SimResult]) -> dict[str, Any]:
@@ -48,35 +54,107 @@ def save_chrome_trace(results: Sequence[SimResult], path: str | Path) -> None:
     Path(path).write_text(json.dumps(chrome_trace(results)))
 
 
-def save_gantt_png(results: Sequence[SimResult], path: str | Path, steady_iterations: int = 2) -> None:
-    """Two rows per strategy (compute, comm) over ``steady_iterations`` steady iterations."""
+def _bucket_of(name: str) -> int | None:
+    match = _BUCKET.search(name)
+    return int(match.group(1)) if match else None
+
+
+def _shade(color: str, bucket: int | None) -> Any:
+    """Odd buckets a little darker than even ones, so neighbouring buckets stay apart."""
+    from matplotlib.colors import to_rgb
+
+    rgb = to_rgb(color)
+    return tuple(c * 0.72 for c in rgb) if bucket is not None and bucket % 2 else rgb
+
+
+def _merged(spans: list) -> list[tuple[float, float, str, int | None]]:
+    """(start, end, kind, bucket) with back-to-back spans of the same kind and bucket joined:
+    a model's 54 forward layers read as one forward bar, each bucket stays its own."""
+    bars: list[tuple[float, float, str, int | None]] = []
+    for span in sorted(spans, key=lambda s: float(s.start)):
+        start, end, bucket = float(span.start), float(span.end), _bucket_of(span.name)
+        if bars and bars[-1][2] == span.kind and bars[-1][3] == bucket and start - bars[-1][1] < 1e-12:
+            bars[-1] = (bars[-1][0], end, span.kind, bucket)
+        else:
+            bars.append((start, end, span.kind, bucket))
+    return bars
+
+
+def save_gantt_png(results: Sequence[SimResult], path: str | Path, steady_iterations: int = 2,
+                   title: str | None = None) -> None:
+    """Write :func:`gantt_figure` as a PNG."""
+    gantt_figure(results, steady_iterations, title).savefig(path, dpi=110)
+
+
+def gantt_figure(results: Sequence[SimResult], steady_iterations: int = 2,
+                 title: str | None = None) -> Any:
+    """A matplotlib Figure: two rows per strategy (compute, comm) over ``steady_iterations`` steady iterations.
+
+    Each bucket's collective is its own bar, outlined, alternately shaded and labelled
+    (``b0`` is the bucket nearest the input), so a plan's buckets can be counted off the
+    chart; dashed lines mark where each iteration's compute starts. Tasks shorter than
+    0.6% of the time axis (updates, dispatch, copies) are drawn that wide so they stay
+    visible. ``title`` names what was simulated (model, workers, network).
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
-    fig = Figure(figsize=(12, 1.6 + 0.9 * len(results)), layout="constrained")
-    ax = fig.subplots()
-    labels = []
-    for row, result in enumerate(results):
+    rows = []  # (result, shown spans, t0, iteration starts)
+    for result in results:
         warm = int(result.options.get("iterations", 8)) // 2
         shown = [s for s in result.spans if warm <= s.iteration < warm + steady_iterations]
         if not shown:
             continue
-        t0 = min(float(s.start) for s in shown if s.stream == "compute")
+        compute = [s for s in shown if s.stream == "compute"] or shown
+        t0 = min(float(s.start) for s in compute)
+        starts = [min(float(s.start) for s in compute if s.iteration == it) - t0
+                  for it in range(warm, warm + steady_iterations)
+                  if any(s.iteration == it for s in compute)]
+        rows.append((result, shown, t0, starts))
+    span_ms = max((float(s.end) - t0) * 1e3 for _, shown, t0, _ in rows for s in shown) if rows else 1.0
+    min_width = 0.006 * span_ms
+
+    fig = Figure(figsize=(13, 1.9 + 1.15 * len(rows)), layout="constrained")
+    ax = fig.subplots()
+    labels, kinds_seen = [], set()
+    for row, (result, shown, t0, starts) in enumerate(rows):
+        if row % 2:
+            ax.axhspan(2 * row - 0.55, 2 * row + 1.55, color="#f2f2f2", zorder=0)
         for stream, offset in (("compute", 0), ("comm", 1)):
             y = 2 * row + offset
-            for kind in {s.kind for s in shown if s.stream == stream}:
-                bars = [((float(s.start) - t0) * 1e3, float(s.end - s.start) * 1e3)
-                        for s in shown if s.stream == stream and s.kind == kind]
-                ax.broken_barh(bars, (y - 0.4, 0.8), color=COLORS.get(kind, "gray"), label=kind)
+            for start, end, kind, bucket in _merged([s for s in shown if s.stream == stream]):
+                kinds_seen.add(kind)
+                left, width = (start - t0) * 1e3, max((end - start) * 1e3, min_width)
+                is_comm = stream == "comm"
+                ax.barh(y, width, left=left, height=0.7, color=_shade(COLORS.get(kind, "gray"), bucket),
+                        edgecolor="white" if is_comm else "none", linewidth=1.5 if is_comm else 0,
+                        zorder=2)
+                if bucket is not None and is_comm and width > 0.025 * span_ms:
+                    ax.text(left + width / 2, y, f"b{bucket}", ha="center", va="center",
+                            fontsize=7, color="white", zorder=3)
             labels.append(f"{result.strategy} {stream}")
+        for k, start in enumerate(starts):
+            ax.plot([start * 1e3] * 2, [2 * row - 0.6, 2 * row + 1.4], color="black",
+                    linestyle="--", linewidth=0.8, zorder=4)
+            ax.text(start * 1e3 + 0.003 * span_ms, 2 * row - 0.37, f"iteration {k + 1}",
+                    fontsize=7, va="bottom", zorder=4)
+        buckets = len(result.buckets)
+        ax.text(1.0, 2 * row + 0.5, f" {result.iteration_s * 1e3:.1f} ms/iter\n "
+                f"{buckets} bucket{'s' if buckets != 1 else ''}", transform=ax.get_yaxis_transform(),
+                fontsize=8, va="center", ha="left")
     ax.set_yticks(range(len(labels)), labels)
-    ax.invert_yaxis()
-    ax.set_xlabel("ms since the start of a steady-state iteration (simulated)")
-    handles, names = ax.get_legend_handles_labels()
-    unique = dict(zip(names, handles))
-    fig.legend(unique.values(), unique.keys(), loc="outside lower center", fontsize="small",
-               ncols=len(unique))
-    ax.set_title("jaxsched simulated timeline")
-    fig.savefig(path, dpi=100)
+    ax.set_ylim(2 * len(rows) - 0.5, -0.7)
+    ax.set_xlim(0, span_ms * 1.01)
+    ax.set_xlabel("ms since the start of a steady-state iteration (simulated); "
+                  "short tasks are drawn at least 0.6% of the axis wide")
+    ax.grid(axis="x", color="#dddddd", linewidth=0.6, zorder=1)
+    handles = [Patch(color=COLORS[k], label=k.replace("_", "-")) for k in LEGEND_ORDER if k in kinds_seen]
+    handles += [Patch(color=COLORS.get(k, "gray"), label=k) for k in sorted(kinds_seen - set(LEGEND_ORDER))]
+    fig.legend(handles=handles, loc="outside lower center", fontsize="small", ncols=min(len(handles), 10),
+               title="bars: task kind; collectives one bar per bucket (b0 = nearest the input), "
+                     "odd buckets darker", title_fontsize="small")
+    ax.set_title("Simulated timeline" + (f": {title}" if title else "") + " -- SIMULATED, not measured")
+    return fig

@@ -9,84 +9,119 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Callable
 
+from jaxsched.cli.options import (CommandError, add_command, existing_file, fraction, name_list,
+                                  output_path, positive_float, positive_int, prepare_output,
+                                  request_cpu_devices)
 from jaxsched.costmodel import (DEVICE_PRESETS, LINK_PRESETS, LayerProfile, NetworkProfile,
-                                ProfileError, device_preset, network_preset)
-from jaxsched.sim.core import (COMPRESSIONS, MB, STRATEGIES, Compression, SimResult,
-                               SimulationError, lower_bound, simulate)
+                                device_preset, network_preset, topk_selection_s_per_byte)
+from jaxsched.sim import COMPRESSIONS, STRATEGIES, Compression, SimResult, lower_bound, simulate
+from jaxsched.sim.core import MB
 
 DEFAULT_WORKERS = 8
 DEFAULT_STRATEGIES = "allreduce,wfbp,mgwfbp,bytescheduler,dear,approx"
 # Planner each strategy uses unless --planner overrides it (allreduce is the fixed reference:
 # one bucket; bytescheduler partitions tensors itself).
 DEFAULT_PLANNER = {"wfbp": "per_layer", "mgwfbp": "mgwfbp", "dear": "threshold", "approx": "threshold"}
-# Selection for top-k is a few elementwise passes over the gradient (see FACTS.md, top-k on CPU).
-SELECTION_PASSES = 3
+PLANNERS = ("per_layer", "threshold", "mgwfbp", "prophet", "optimal")
+PROFILE_MODELS = ("mlp", "cnn", "transformer")
+OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register the ``simulate`` and ``profile`` subcommands."""
+def check_strategy(name: str) -> None:
+    """``name`` is a simulated strategy, optionally with ``+topk`` or ``+gtopk``."""
+    base, _, comp = name.partition("+")
+    if base not in STRATEGIES:
+        raise ValueError(f"{base!r} is unknown; choose from {', '.join(STRATEGIES)}")
+    if comp and comp not in COMPRESSIONS:
+        raise ValueError(f"compression {comp!r} in {name!r} is unknown; use "
+                         f"+{' or +'.join(COMPRESSIONS)}")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``simulate`` and ``profile``."""
     from jaxsched.zoo_profiles import ZOO_MODELS
 
-    sim = subparsers.add_parser("simulate", help="simulate strategies on a model and cluster "
-                                "(figures are simulated, not measured)")
-    src = sim.add_mutually_exclusive_group()
-    src.add_argument("--model", choices=ZOO_MODELS, default="resnet50")
-    src.add_argument("--profile", help="layer profile JSON (from `jaxsched profile` or your own)")
-    sim.add_argument("--workers", type=int, default=DEFAULT_WORKERS)
-    sim.add_argument("--network", choices=sorted(LINK_PRESETS), default="10gbe")
-    sim.add_argument("--network-profile", help="network profile JSON; overrides --network/--workers")
-    sim.add_argument("--device", choices=sorted(DEVICE_PRESETS), default="v100")
-    sim.add_argument("--batch", type=int, help="per-device batch for --model (default per model)")
-    sim.add_argument("--seq-len", type=int, help="sequence length for transformer --model")
-    sim.add_argument("--efficiency", type=float, default=0.5, help="fraction of device peak sustained")
-    sim.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+    sim = add_command(subparsers, "simulate", "simulate strategies on a model and cluster "
+                      "(figures are simulated, not measured)", __doc__.split("\n\n", 1)[1])
+    src = sim.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", choices=ZOO_MODELS, help="a published model's roofline profile")
+    src.add_argument("--profile", type=existing_file,
+                     help="layer profile JSON (from `jaxsched profile` or your own)")
+    sim.add_argument("--workers", type=positive_int, default=DEFAULT_WORKERS, help="data-parallel workers")
+    sim.add_argument("--network", choices=sorted(LINK_PRESETS), default="10gbe", help="link preset")
+    sim.add_argument("--network-profile", type=existing_file,
+                     help="network profile JSON; overrides --network/--workers")
+    sim.add_argument("--device", choices=sorted(DEVICE_PRESETS), default="v100",
+                     help="device roofline for --model")
+    sim.add_argument("--batch", type=positive_int, help="per-device batch for --model (default: per model)")
+    sim.add_argument("--seq-len", type=positive_int, help="sequence length for a transformer --model "
+                     "(default: per model)")
+    sim.add_argument("--efficiency", type=fraction, default=0.5, help="fraction of device peak sustained")
+    sim.add_argument("--strategies", type=name_list(lambda: STRATEGIES, check_strategy),
+                     default=DEFAULT_STRATEGIES,
                      help=f"comma-separated from {', '.join(STRATEGIES)}; add +topk or +gtopk "
-                          f"for compression, e.g. wfbp+gtopk")
-    sim.add_argument("--planner", choices=("per_layer", "threshold", "mgwfbp", "prophet", "optimal"))
-    sim.add_argument("--threshold-mb", type=float, default=25.0)
-    sim.add_argument("--partition-mb", type=float, help="ByteScheduler partition (default: tuned)")
-    sim.add_argument("--credit-mb", type=float, help="ByteScheduler credit (default: tuned)")
-    sim.add_argument("--density", type=float, default=0.001, help="top-k density for +topk/+gtopk")
-    sim.add_argument("--iterations", type=int, default=8)
+                          "for compression, e.g. wfbp+gtopk")
+    sim.add_argument("--planner", choices=PLANNERS,
+                     help="bucket planner for every strategy (default: " +
+                          ", ".join(f"{k}: {v}" for k, v in DEFAULT_PLANNER.items()) + ")")
+    sim.add_argument("--threshold-mb", type=positive_float, default=25.0,
+                     help="bucket size for the threshold planner")
+    sim.add_argument("--partition-mb", type=positive_float, help="ByteScheduler partition (default: tuned)")
+    sim.add_argument("--credit-mb", type=positive_float, help="ByteScheduler credit (default: tuned)")
+    sim.add_argument("--density", type=fraction, default=0.001, help="top-k density for +topk/+gtopk")
+    sim.add_argument("--iterations", type=positive_int, default=8, help="iterations simulated")
     sim.add_argument("--shared-stream", action="store_true",
                      help="collectives run inline on the compute stream (XLA:CPU): no overlap")
-    sim.add_argument("--json", help="write the results here")
-    sim.add_argument("--trace", help="write a Chrome-trace JSON timeline here (open in Perfetto)")
-    sim.add_argument("--png", help="write a Gantt chart PNG here")
-    sim.add_argument("--no-progress", action="store_true")
+    sim.add_argument("--json", type=output_path, help="write the results here")
+    sim.add_argument("--trace", type=output_path,
+                     help="write a Chrome-trace JSON timeline here (open in Perfetto)")
+    sim.add_argument("--png", type=output_path, help="write a Gantt chart PNG here")
+    sim.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
+    sim.set_defaults(run=run_simulate)
 
-    prof = subparsers.add_parser("profile", help="measure a zoo model's layers and this mesh's "
-                                 "collectives, and write profile JSON files")
-    prof.add_argument("--model", choices=("mlp", "cnn", "transformer"), default="mlp")
-    prof.add_argument("--batch", type=int, default=64)
-    prof.add_argument("--devices", type=int, default=8, help="virtual CPU devices for the mesh")
-    prof.add_argument("--out", default="layers.json")
-    prof.add_argument("--network-out", default="network.json")
-    prof.add_argument("--repeats", type=int, default=5)
-    prof.add_argument("--optimizer", choices=("none", "sgd", "momentum", "adam", "adamw"),
-                      default="none", help="also measure each layer's optimizer update (update_s)")
-    prof.add_argument("--learning-rate", type=float, default=1e-3)
-    prof.add_argument("--no-progress", action="store_true")
+    prof = add_command(subparsers, "profile", "measure a zoo model's layers and this mesh's "
+                       "collectives, and write profile JSON files")
+    prof.add_argument("--model", choices=PROFILE_MODELS, required=True, help="zoo model to measure")
+    prof.add_argument("--batch", type=positive_int, default=64, help="batch per device")
+    prof.add_argument("--devices", type=positive_int, default=8, help="virtual CPU devices for the mesh")
+    prof.add_argument("--out", type=output_path, default="layers.json", help="layer profile JSON")
+    prof.add_argument("--network-out", type=output_path, default="network.json",
+                      help="network profile JSON")
+    prof.add_argument("--repeats", type=positive_int, default=5, help="timed runs per median")
+    prof.add_argument("--optimizer", choices=OPTIMIZERS, default="none",
+                      help="also measure each layer's optimizer update (update_s)")
+    prof.add_argument("--learning-rate", type=positive_float, default=1e-3, help="for --optimizer")
+    prof.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
+    prof.set_defaults(run=run_profile)
 
 
-def _parse_strategies(text: str) -> list[tuple[str, str, str | None]]:
-    parsed = []
-    for name in filter(None, (s.strip() for s in text.split(","))):
-        base, _, comp = name.partition("+")
-        if base not in STRATEGIES:
-            raise SimulationError(f"--strategies: {base!r} is unknown; choose from {', '.join(STRATEGIES)}")
-        if comp and comp not in COMPRESSIONS:
-            raise SimulationError(f"--strategies: compression {comp!r} in {name!r} is unknown; "
-                                  f"use +{' or +'.join(COMPRESSIONS)}")
-        parsed.append((name, base, comp or None))
-    if not parsed:
-        raise SimulationError("--strategies is empty")
-    return parsed
+def _split_strategies(names: list[str]) -> list[tuple[str, str, str | None]]:
+    """``wfbp+gtopk`` -> (``wfbp+gtopk``, ``wfbp``, ``gtopk``); names were checked when parsing."""
+    split = []
+    for name in names:
+        base, _, compression = name.partition("+")
+        split.append((name, base, compression or None))
+    return split
+
+
+def _input_errors_as_command_errors(run: Callable[[argparse.Namespace], int]
+                                    ) -> Callable[[argparse.Namespace], int]:
+    """Profiles and presets report bad values with ValueError; show them as one line, exit 2."""
+
+    @functools.wraps(run)
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except ValueError as err:
+            raise CommandError(str(err)) from err
+
+    return wrapped
 
 
 def _inputs(args: argparse.Namespace) -> tuple[LayerProfile, NetworkProfile, str]:
@@ -118,8 +153,8 @@ def _bytescheduler(layers: LayerProfile, network: NetworkProfile, args: argparse
     credits = [1, 2, 4] if args.credit_mb is None else [None]
     grid = [(p, int(args.credit_mb * MB) if c is None else p * c) for p in partitions for c in credits]
     if progress:
-        from tqdm import tqdm
-        grid = tqdm(grid, desc="bytescheduler tuning", leave=False)
+        from jaxsched.progress import progress as progress_bar
+        grid = progress_bar(grid, "bytescheduler tuning", leave=False)
     best = None
     for partition, credit in grid:
         result = simulate(layers, network, "bytescheduler", iterations=args.iterations,
@@ -131,13 +166,16 @@ def _bytescheduler(layers: LayerProfile, network: NetworkProfile, args: argparse
                     partition_bytes=best[1], credit_bytes=best[2], shared_stream=args.shared_stream)
 
 
+@_input_errors_as_command_errors
 def run_simulate(args: argparse.Namespace) -> int:
     from jaxsched.plan import plan_buckets
 
+    for path in (args.json, args.trace, args.png):
+        prepare_output(path)
     layers, network, label = _inputs(args)
     progress = not args.no_progress
-    strategies = _parse_strategies(args.strategies)
-    selection = SELECTION_PASSES / device_preset(args.device).memory_bytes_per_s
+    strategies = _split_strategies(args.strategies)
+    selection = topk_selection_s_per_byte(device_preset(args.device))
     results: dict[str, SimResult] = {}
     planners: dict[str, str] = {}
     for name, base, comp in strategies:
@@ -182,13 +220,16 @@ def run_simulate(args: argparse.Namespace) -> int:
         save_chrome_trace(list(results.values()), args.trace)
     if args.png:
         from jaxsched.sim.timeline import save_gantt_png
-        save_gantt_png(list(results.values()), args.png)
+        network_name = network.meta.get("preset", args.network_profile)
+        save_gantt_png(list(results.values()), args.png,
+                       title=f"{label}, {network.workers} workers, {network_name}")
     return 0
 
 
+@_input_errors_as_command_errors
 def run_profile(args: argparse.Namespace) -> int:
-    from jaxsched.cli import request_cpu_devices
-
+    prepare_output(args.out)
+    prepare_output(args.network_out)
     request_cpu_devices(args.devices)
     from jaxsched import profile
 
@@ -211,14 +252,3 @@ def run_profile(args: argparse.Namespace) -> int:
               f"ns/B  fit error {100 * fit[name]:.1f}% (max relative)")
     print(f"{network.workers} workers -> {args.network_out}")
     return 0
-
-
-def run(args: argparse.Namespace) -> int:
-    """Dispatch ``simulate``/``profile``; input errors print one clear line and return 2."""
-    try:
-        if args.command == "profile":
-            return run_profile(args)
-        return run_simulate(args)
-    except (ProfileError, SimulationError, ValueError) as err:
-        print(f"jaxsched {args.command}: error: {err}", file=sys.stderr)
-        return 2

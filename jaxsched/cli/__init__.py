@@ -1,0 +1,56 @@
+"""``jaxsched`` command line: ``train``, ``demo``, ``simulate`` and ``profile``.
+
+Examples:
+    jaxsched train --config configs/mlp_digits.toml --strategies allreduce,dear
+    jaxsched demo
+    jaxsched simulate --model resnet50 --workers 64 --network 10gbe --device v100
+    jaxsched profile --model mlp --optimizer adam --out layers.json --network-out net.json
+
+Each module in :data:`COMMAND_MODULES` has ``register(subparsers)``, which adds its
+subcommands and sets ``run=`` on each; a new subcommand is one more module in that list.
+Every option is checked while the command line is parsed, before any work starts.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from jaxsched.cli.options import CommandError, request_cpu_devices
+
+COMMAND_MODULES = ("jaxsched.cli.train", "jaxsched.cli.simulate")
+
+__all__ = ["COMMAND_MODULES", "CommandError", "build_parser", "main", "request_cpu_devices"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line, every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="jaxsched", description="Scheduled gradient communication for data-parallel JAX training.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; returns the exit status (2 for bad input, with one clear line)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse has printed the usage and the error (or --help)
+        return int(exit_.code or 0)
+    from jaxsched.config import ConfigError
+    from jaxsched.costmodel import ProfileError
+    from jaxsched.sim import SimulationError
+
+    try:
+        return args.run(args)
+    except (CommandError, ConfigError, ProfileError, SimulationError) as err:
+        print(f"jaxsched {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
