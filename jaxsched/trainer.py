@@ -23,7 +23,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +90,61 @@ def _metric_row(aux: dict) -> dict[str, float]:
     return {k: float(np.asarray(v).reshape(-1)[0]) for k, v in aux.items()}
 
 
+class Experiment(NamedTuple):
+    """A config made concrete: data, model, optimizer, the user's step and its inputs."""
+
+    split: Any
+    apply_fn: Callable
+    tx: Any
+    params: Any
+    opt_state: Any
+    make_step: Callable[[], steps_lib.Step]
+    place: Callable[[Any], Any]
+    batches: Callable[[], Any]
+
+
+def experiment(cfg: Config) -> Experiment:
+    """Build what a training run of ``cfg`` needs (parameters placed as the step returns them)."""
+    devices = devices_for(cfg)
+    n = len(devices)
+    split = data_lib.load(cfg.data.name, seed=cfg.train.seed, **cfg.data.options)
+    if cfg.data.batch_size > len(split.train_x):
+        raise ConfigError(f"{cfg.source}: data.batch_size={cfg.data.batch_size} exceeds the "
+                          f"{len(split.train_x)} training examples of {cfg.data.name!r}")
+    model = models_lib.build(cfg.model.name, split.train_x.shape[1:], split.num_classes,
+                             seed=cfg.train.seed, **cfg.model.options)
+    params, apply_fn = models_lib.pure(model)
+    tx = steps_lib.make_optimizer(cfg.optimizer)
+    opt_state = tx.init(params)
+    if cfg.train.api == "shard_map":
+        mesh = jax.make_mesh((n,), ("data",), devices=devices)
+        make_step = lambda: steps_lib.make_step(apply_fn, tx, mesh)
+        params, opt_state = steps_lib.place_replicated((params, opt_state), mesh)
+        place = lambda batch: steps_lib.shard_batch(batch, mesh)
+    else:
+        make_step = lambda: steps_lib.make_pmap_step(apply_fn, tx, devices=devices)
+        params, opt_state = steps_lib.place_stacked(steps_lib.replicate((params, opt_state), n), devices)
+        place = lambda batch: steps_lib.split_batch(batch, n)
+    batches = lambda: data_lib.batches(split.train_x, split.train_y, cfg.data.batch_size,
+                                       seed=cfg.train.seed)
+    return Experiment(split, apply_fn, tx, params, opt_state, make_step, place, batches)
+
+
+def verify_config(cfg: Config, strategies: Sequence[str] | None = None, steps: int | None = None,
+                  rtol: float = 1e-5) -> list:
+    """``Scheduled.verify`` of every strategy (but the identity) on ``cfg``'s own step and data."""
+    from jaxsched.schedule import Scheduled
+
+    exp = experiment(cfg)
+    steps = steps or cfg.train.steps
+    reports = []
+    for strategy in strategies or [s for s in cfg.train.strategies if s != "allreduce"]:
+        sched = Scheduled(exp.make_step(), strategy=strategy)
+        batches = (exp.place(b) for b in exp.batches())
+        reports.append(sched.verify(sched.init(exp.params, exp.opt_state), batches, steps=steps, rtol=rtol))
+    return reports
+
+
 def train(cfg: Config, strategy: str | None = None, *, progress: bool = True,
           log_path: str | Path | None = None,
           wrap: Callable[[steps_lib.Step, str], StepRunner] = default_wrap) -> RunResult:
@@ -110,31 +165,12 @@ def train_side_by_side(cfg: Config, strategies: Sequence[str] | None = None, *,
     strategy's step times see the same load, so their medians compare.
     """
     strategies = list(strategies or cfg.train.strategies)
-    devices = devices_for(cfg)
-    n = len(devices)
-    split = data_lib.load(cfg.data.name, seed=cfg.train.seed, **cfg.data.options)
-    if cfg.data.batch_size > len(split.train_x):
-        raise ConfigError(f"{cfg.source}: data.batch_size={cfg.data.batch_size} exceeds the "
-                          f"{len(split.train_x)} training examples of {cfg.data.name!r}")
-    model = models_lib.build(cfg.model.name, split.train_x.shape[1:], split.num_classes,
-                             seed=cfg.train.seed, **cfg.model.options)
-    params, apply_fn = models_lib.pure(model)
-    tx = steps_lib.make_optimizer(cfg.optimizer)
-    opt_state = tx.init(params)
-
-    if cfg.train.api == "shard_map":
-        mesh = jax.make_mesh((n,), ("data",), devices=devices)
-        make_step = lambda: steps_lib.make_step(apply_fn, tx, mesh)
-        params, opt_state = steps_lib.place_replicated((params, opt_state), mesh)
-        place = lambda batch: steps_lib.shard_batch(batch, mesh)
-    else:
-        make_step = lambda: steps_lib.make_pmap_step(apply_fn, tx, devices=devices)
-        params, opt_state = steps_lib.place_stacked(steps_lib.replicate((params, opt_state), n), devices)
-        place = lambda batch: steps_lib.split_batch(batch, n)
-
-    runners = [wrap(make_step(), strategy) for strategy in strategies]
+    exp = experiment(cfg)
+    split, apply_fn, place = exp.split, exp.apply_fn, exp.place
+    params, opt_state = exp.params, exp.opt_state
+    runners = [wrap(exp.make_step(), strategy) for strategy in strategies]
     states = [runner.init(params, opt_state) for runner in runners]
-    batches = data_lib.batches(split.train_x, split.train_y, cfg.data.batch_size, seed=cfg.train.seed)
+    batches = exp.batches()
     log = open(log_path, "a") if log_path else None
     losses: list[list[float]] = [[] for _ in strategies]
     accuracies: list[list[float]] = [[] for _ in strategies]

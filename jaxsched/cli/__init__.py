@@ -1,8 +1,11 @@
-"""``jaxsched`` command line: ``train``, ``demo``, ``simulate`` and ``profile``.
+"""``jaxsched`` command line: ``train``, ``demo``, ``verify``, ``simulate``, ``profile``,
+``cluster``, ``launch`` and ``bench``.
 
 Examples:
     jaxsched train --config configs/mlp_digits.toml --strategies allreduce,dear
     jaxsched demo
+    jaxsched verify --config configs/cnn_digits.toml
+    sudo jaxsched bench --hosts 2 --bandwidth 1gbit --strategies allreduce,wfbp,dear
     jaxsched simulate --model resnet50 --workers 64 --network 10gbe --device v100
     jaxsched profile --model mlp --optimizer adam --out layers.json --network-out net.json
 
@@ -19,7 +22,8 @@ from typing import Sequence
 
 from jaxsched.cli.options import CommandError, request_cpu_devices
 
-COMMAND_MODULES = ("jaxsched.cli.train", "jaxsched.cli.simulate")
+COMMAND_MODULES = ("jaxsched.cli.train", "jaxsched.cli.verify", "jaxsched.cli.simulate",
+                   "jaxsched.cli.cluster")
 
 __all__ = ["COMMAND_MODULES", "CommandError", "build_parser", "main", "request_cpu_devices"]
 

@@ -1,0 +1,41 @@
+"""``jaxsched verify``: the plain and the scheduled step side by side on a config's own step and
+data, judged against a rounding baseline (see :mod:`jaxsched.verify`).
+
+Examples:
+    jaxsched verify --config configs/cnn_digits.toml --steps 200
+    jaxsched verify --config configs/mlp_digits.toml --strategies dear --rtol 1e-6
+
+Exit status 1 when a strategy leaves the tolerance, so it can gate CI.
+"""
+from __future__ import annotations
+
+import argparse
+
+from jaxsched.cli.options import add_command, request_cpu_devices
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from jaxsched.cli.train import _strategy_names
+    from jaxsched.cli.options import name_list
+
+    parser = add_command(subparsers, "verify", "compare scheduled and plain steps on a config's own "
+                         "data against a rounding baseline", __doc__.split("\n\n", 1)[1])
+    parser.add_argument("--config", required=True, help="TOML file, e.g. configs/cnn_digits.toml")
+    parser.add_argument("--strategies", type=name_list(_strategy_names),
+                        help="comma-separated (default: the config's, without allreduce)")
+    parser.add_argument("--steps", type=int, help="steps to compare (default: the config's)")
+    parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance floor")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxsched import config as config_lib
+
+    cfg = config_lib.load(args.config)
+    request_cpu_devices(cfg.train.devices)
+    from jaxsched import trainer
+
+    reports = trainer.verify_config(cfg, args.strategies, args.steps, args.rtol)
+    for report in reports:
+        print(report)
+    return 0 if all(r.ok for r in reports) else 1

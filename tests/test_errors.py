@@ -1,0 +1,126 @@
+"""Bad input gets a clear error naming the leaf, primitive or source line and what to do.
+Every class here is a row of the README's table of bad inputs, message as quoted there."""
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxsched
+from jaxsched import steps
+from jaxsched.engine.host import HostEngineError, spare_devices
+from equivalence import build, random_batches
+
+README = (Path(__file__).parent.parent / "README.md").read_text()
+
+
+def _mesh(n=2):
+    return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
+def _mlp_step(strategy="dear", **options):
+    params, apply_fn = build("mlp", 0)
+    tx = optax.sgd(0.1)
+    mesh = _mesh()
+    sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy=strategy, **options)
+    batch = steps.shard_batch(next(random_batches("mlp", 1, 4, 0)), mesh)
+    return sched, sched.init(params, tx.init(params)), batch, params
+
+
+def _custom(body, out_specs=(P(), P(), P())):
+    mesh = _mesh()
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                 out_specs=out_specs, check_vma=False))
+    sched = jaxsched.schedule(step, strategy="wfbp")
+    params = {"w": np.ones(3, np.float32)}
+    return sched(sched.init(params, ()), jax.device_put(np.ones((4, 3), np.float32),
+                                                         jax.NamedSharding(mesh, P("data"))))
+
+
+def _no_reduction(p, s, x):
+    g = jax.grad(lambda q: jnp.sum(q["w"] * x))(p)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
+
+
+def _foreign_axis(p, s, x):
+    g = lax.pmean(jax.grad(lambda q: jnp.sum(q["w"] * x))(p), "model")
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
+
+
+def _nested(p, s, x):
+    def body(c, _):
+        return lax.pmean(jax.grad(lambda q: jnp.sum(q["w"] * x))(c), "data"), None
+    g, _ = lax.scan(body, p, None, length=1)
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
+
+
+def _renamed_output(p, s, x):
+    g = lax.pmean(jax.grad(lambda q: jnp.sum(q["w"] * x))(p), "data")
+    return {"v": p["w"] - g["w"]}, s, jnp.zeros(())
+
+
+def _two_outputs(p, s, x):
+    return p, s
+
+
+def _wrong_shape(_):
+    sched, state, batch, params = _mlp_step("dear")
+    bad = jax.tree.map(lambda a: a, params)
+    bad["head"]["bias"] = np.zeros(3, np.float32)
+    sched(state._replace(params=bad), batch)
+
+
+CASES = {
+    "unknown strategy": (lambda _: jaxsched.schedule(lambda *a: a, strategy="deer"),
+                         ValueError, "strategy='deer' is unknown; choose one of"),
+    "not a step": (lambda _: jaxsched.schedule(42), TypeError,
+                   "schedule() needs the user's train step, got int"),
+    "unknown option": (lambda _: jaxsched.schedule(lambda *a: a, strategy="wfbp", layer_profil=None),
+                       TypeError, "schedule() got unknown options ['layer_profil']"),
+    "no gradient reduction": (lambda _: _custom(_no_reduction), jaxsched.UnsupportedStepError,
+                              "the step has no gradient reduction over mesh axis 'data'"),
+    "axis not in the mesh": (lambda _: _custom(_foreign_axis), jaxsched.UnsupportedStepError,
+                             "the step reduces over an axis that is not in its mesh"),
+    "reduction inside a loop": (lambda _: _custom(_nested), jaxsched.UnsupportedStepError,
+                                "the gradients are reduced over 'data' inside a nested scan at"),
+    "outputs in another structure": (lambda _: _custom(_renamed_output), jaxsched.UnsupportedStepError,
+                                     "the step's output params has structure"),
+    "not (params, opt_state, aux)": (lambda _: _custom(_two_outputs, (P(), P())),
+                                     jaxsched.UnsupportedStepError,
+                                     "the step must return (params, opt_state, aux)"),
+    "unknown bucket path": (lambda _: _mlp_step(buckets=[["hid"]])[0](*_mlp_step(buckets=[["hid"]])[1:3]),
+                            ValueError, "buckets[0] names unknown parameter 'hid'"),
+    "parameter in two buckets": (lambda _: (lambda s, st, b, _p: s(st, b))(
+        *_mlp_step(buckets=[["hidden"], ["hidden/0/bias"], ["head"]])),
+        ValueError, "parameter 'hidden/0/bias' is in buckets[0] and buckets[1]"),
+    "unknown bucket plan": (lambda _: (lambda s, st, b, _p: s(st, b))(*_mlp_step(buckets="fast")),
+                            ValueError, "buckets='fast' is not understood"),
+    "compression on the identity": (lambda _: jaxsched.schedule(lambda *a: a, strategy="allreduce",
+                                                                collective=jaxsched.Collective()),
+                                    ValueError, "strategy 'allreduce' issues no bucket collectives"),
+    "unknown engine": (lambda _: jaxsched.schedule(lambda *a: a, engine="gpu"), ValueError,
+                       "engine='gpu' is unknown; choose one of"),
+    "host engine without a spare device": (lambda _: spare_devices(jax.make_mesh((8,), ("data",))),
+                                           HostEngineError, "process 0 has no local cpu device outside the mesh"),
+    "state leaf of another shape": (_wrong_shape, ValueError,
+                                    "state leaf params/head/bias has shape (3,); expected the user's"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_gets_the_message_the_readme_quotes(case):
+    trigger, error, message = CASES[case]
+    with pytest.raises(error, match=re.escape(message)):
+        trigger(None)
+    row = [line for line in README.splitlines() if line.startswith(f"| {case} |")]
+    assert row, f"README's table of bad inputs has no row for {case!r}"
+    assert message.replace("|", "\\|") in row[0], f"README quotes another message for {case!r}"
+
+
+def test_the_readme_table_has_at_least_ten_classes():
+    assert len(CASES) >= 10
