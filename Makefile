@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean bench
+.PHONY: demo test test-slow venv clean bench
 
 $(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,8 +18,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m jaxsched demo
 
+# `make test`: everything but multi-process and fresh-interpreter tests (marked slow), a few
+# minutes on 2 cores. CI also runs `make test-slow`.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q tests
+	$(PY) -m pytest -n 2 -q -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -n 2 -q -m slow tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/transform_overhead.py --steps 60 --repeats 3

@@ -79,6 +79,10 @@ def parse_bandwidth(bandwidth: str | None) -> int | None:
 
     Rates use ``tc``'s bit units: ``bit``, ``kbit``, ``mbit``, ``gbit``, ``tbit`` (powers of
     1000). Raises ``ValueError`` naming the bad value.
+
+    Example:
+        >>> parse_bandwidth("1gbit"), parse_bandwidth("500mbit"), parse_bandwidth("none")
+        (1000000000, 500000000, None)
     """
     if bandwidth is None:
         return None

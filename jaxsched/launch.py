@@ -279,6 +279,12 @@ class LaunchError(RuntimeError):
 
 
 def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now.
+
+    Example:
+        >>> 1024 <= free_port() < 65536
+        True
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -180,6 +180,7 @@ def test_initialize_without_launcher_or_cluster(monkeypatch, fake_distributed):
         launch_lib.ProcessInfo(0, 1, None, None)
 
 
+@pytest.mark.slow
 def test_real_jax_without_any_cluster_runs_single_process_only_when_allowed():
     # In a fresh process (this one's backend exists already): pins the error jax raises when
     # it detects no cluster, which initialize() recognises.
@@ -224,6 +225,7 @@ def test_a_failing_process_stops_the_others(tmp_path):
         os.kill(pid, 0)
 
 
+@pytest.mark.slow
 def test_a_crash_stops_a_peer_blocked_in_a_collective():
     # jax installs a SIGTERM handler (preemption notifier), so the blocked rank 0 survives
     # SIGTERM and is killed after grace_s.
@@ -233,6 +235,7 @@ def test_a_crash_stops_a_peer_blocked_in_a_collective():
     assert "process 1 exited with code 3; stopping process 0" in err
 
 
+@pytest.mark.slow
 def test_an_exception_does_not_wait_in_the_shutdown_barrier():
     # Without initialize()'s fail-fast hook, rank 1 would wait in jax.distributed's shutdown
     # barrier for rank 0, which waits in a psum for rank 1 (30 s and more).
@@ -243,6 +246,7 @@ def test_an_exception_does_not_wait_in_the_shutdown_barrier():
     assert took < 25
 
 
+@pytest.mark.slow
 def test_psum_over_loopback_with_gloo_bound_to_lo():
     code, out, err, _ = _launch("psum", env={launch_lib.ENV_INTERFACE: "lo"})
     assert code == 0, err
@@ -250,6 +254,7 @@ def test_psum_over_loopback_with_gloo_bound_to_lo():
     assert "[1] psum 3 expected 3 interface lo" in out.splitlines()
 
 
+@pytest.mark.slow
 def test_the_interface_reaches_gloo():
     code, out, err, _ = _launch("psum", env={launch_lib.ENV_INTERFACE: "jxsnosuch0"})
     assert code == 1
@@ -306,6 +311,7 @@ def test_a_failed_set_up_leaves_nothing(monkeypatch, no_leftovers):
 
 
 @needs_root
+@pytest.mark.slow
 def test_psum_between_two_namespaces(no_leftovers):
     with cluster_lib.Cluster.up(2, "1gbit", prefix=PREFIX) as c:
         code, out, err, _ = _launch("psum", cluster=c)

@@ -26,13 +26,15 @@ MODULES = _all_modules()
 WITHOUT_EXAMPLES = {"jaxsched.cli", "jaxsched.collectives", "jaxsched.engine", "jaxsched.rewrite",
                     "jaxsched.rewrite.backward", "jaxsched.rewrite.rules", "jaxsched.sim",
                     "jaxsched.strategies", "jaxsched.plan._common", "jaxsched.cli.simulate",
-                    "jaxsched.cli.train"}
+                    "jaxsched.cli.train", "jaxsched.cli.cluster", "jaxsched.cli.options",
+                    "jaxsched.cli.verify"}
 
 
 def _readme_python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 
 
+@pytest.mark.slow
 def test_readme_examples_run_as_written_in_a_fresh_interpreter(tmp_path):
     """Each python block runs in its own new process, without the test suite's device
     setting and without XLA_FLAGS: what a user who copies it gets."""

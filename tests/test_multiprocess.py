@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 import optax
 
 import jaxsched
@@ -22,6 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_with_two_devices(tmp_path):
     port, out = _free_port(), tmp_path / "params.npz"
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",

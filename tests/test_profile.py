@@ -108,6 +108,7 @@ print(json.dumps({"processes": jax.process_count(), "errors": errors, "net": net
 """
 
 
+@pytest.mark.slow
 def test_network_profile_across_two_processes(tmp_path):
     import os
     import socket

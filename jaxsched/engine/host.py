@@ -263,7 +263,7 @@ class StagedProgram:
             replay.interpret(stage.eqns, lambda x: replay.read(env, x), env.__setitem__, run_eqn)
             return [env[v] for v in stage.outputs], jnp.sum(ballast)
 
-        return jax.jit(fn, device=self.device)
+        return jax.jit(fn)  # runs where its inputs live: the ballast pins it to the mesh device
 
     def _comm_fn(self, stage: Stage) -> Callable:
         (eqn,) = stage.eqns
