@@ -154,7 +154,8 @@ def _inline_calls(program: PerDeviceProgram, args: Sequence[Any]) -> tuple[Any, 
 
 
 def cut_stages(jaxpr) -> list[Stage]:
-    """Split a per-device jaxpr at its collectives: compute runs and single collectives."""
+    """Split a per-device jaxpr into stages: before each collective, the compute it needs
+    that no earlier stage ran; the collective alone; at the end, everything else."""
     for eqn in jaxpr.eqns:
         for sub in jex_core.jaxprs_in_params(eqn.params):
             inner = [e for e in replay.nested_eqns(sub) if _is_collective(e)]
@@ -163,14 +164,30 @@ def cut_stages(jaxpr) -> list[Stage]:
                     f"{inner[0].primitive.name} inside {eqn.primitive.name} at "
                     f"{replay.source_line(eqn)}: the host engine stages collectives at the top "
                     "level of the program only; use engine='xla' for this step")
+    eqns = jaxpr.eqns
+    producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
+    placed: set[int] = set()
     groups: list[tuple[str, list]] = []
-    for eqn in jaxpr.eqns:
-        if _is_collective(eqn):
-            groups.append(("comm", [eqn]))
-        elif groups and groups[-1][0] == "compute":
-            groups[-1][1].append(eqn)
-        else:
-            groups.append(("compute", [eqn]))
+    for c, eqn in enumerate(eqns):
+        if not _is_collective(eqn):
+            continue
+        # Before collective c runs only what it needs (and is not placed yet): compute that
+        # does not feed it waits for a later stage, so it never waits for a collective it
+        # does not read, and the collective never waits for compute it does not read.
+        needed, stack = set(), [producer[v] for v in eqn.invars if replay.is_var(v) and v in producer]
+        while stack:
+            i = stack.pop()
+            if i in needed or i in placed or _is_collective(eqns[i]):
+                continue
+            needed.add(i)
+            stack.extend(producer[v] for v in eqns[i].invars if replay.is_var(v) and v in producer)
+        placed |= needed
+        if needed:
+            groups.append(("compute", [eqns[i] for i in sorted(needed)]))
+        groups.append(("comm", [eqn]))
+    rest = [e for i, e in enumerate(eqns) if i not in placed and not _is_collective(e)]
+    if rest:
+        groups.append(("compute", rest))
     needed = {v for v in jaxpr.outvars if replay.is_var(v)}
     read_later: list[set] = [set() for _ in groups]
     for k in range(len(groups) - 1, -1, -1):
