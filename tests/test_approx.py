@@ -347,3 +347,12 @@ def test_a_collective_wrapper_carries_through_and_changes_no_number():
     assert_trees_close(results[0][0], results[1][0])
     counts = jax.tree.leaves(results[1][1].collective_state)
     assert counts and all(np.all(np.asarray(c) == 3) for c in counts)  # one reduction per step
+
+
+def test_a_pmap_step_runs_the_same_recurrence_as_its_shard_map_twin():
+    tx = optax.sgd(0.05, momentum=0.9)
+    options = dict(n_steps=4, approx_method="local", staleness=2, buckets=1000)
+    _, mapped, _, mapped_aux, _ = run_both("mlp", tx, "approx", 8, api="pmap", **options)
+    _, sharded, _, sharded_aux, _ = run_both("mlp", tx, "approx", 8, api="shard_map", **options)
+    assert_trees_close(jax.tree.map(lambda a: np.asarray(a)[0], mapped), sharded)
+    assert_trees_close([a["loss"][0] for a in mapped_aux], [a["loss"] for a in sharded_aux])
