@@ -155,7 +155,9 @@ def _inline_calls(program: PerDeviceProgram, args: Sequence[Any]) -> tuple[Any, 
 
 def cut_stages(jaxpr) -> list[Stage]:
     """Split a per-device jaxpr into stages: before each collective, the compute it needs
-    that no earlier stage ran; the collective alone; at the end, everything else."""
+    that no earlier stage ran; the collective alone; at the end, everything else. Each
+    compute group is split by the last collective it waits for, so that work independent
+    of a collective is dispatched (and runs) before work that needs its result."""
     for eqn in jaxpr.eqns:
         for sub in jex_core.jaxprs_in_params(eqn.params):
             inner = [e for e in replay.nested_eqns(sub) if _is_collective(e)]
@@ -166,8 +168,25 @@ def cut_stages(jaxpr) -> list[Stage]:
                     "level of the program only; use engine='xla' for this step")
     eqns = jaxpr.eqns
     producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
+    # The last collective (in dispatch order) each equation waits for, through any chain.
+    waits_for: list[int] = []
+    position = 0
+    for eqn in eqns:
+        if _is_collective(eqn):
+            waits_for.append(position)
+            position += 1
+        else:
+            waits_for.append(max((waits_for[producer[v]] for v in eqn.invars
+                                  if replay.is_var(v) and v in producer), default=-1))
     placed: set[int] = set()
     groups: list[tuple[str, list]] = []
+
+    def add_compute(indices: list[int]) -> None:
+        # Work that waits for no collective (or for earlier ones) is dispatched, and so runs,
+        # before work that waits for a later one: one stage per collective waited for.
+        for wait in sorted({waits_for[i] for i in indices}):
+            groups.append(("compute", [eqns[i] for i in indices if waits_for[i] == wait]))
+
     for c, eqn in enumerate(eqns):
         if not _is_collective(eqn):
             continue
@@ -182,12 +201,9 @@ def cut_stages(jaxpr) -> list[Stage]:
             needed.add(i)
             stack.extend(producer[v] for v in eqns[i].invars if replay.is_var(v) and v in producer)
         placed |= needed
-        if needed:
-            groups.append(("compute", [eqns[i] for i in sorted(needed)]))
+        add_compute(sorted(needed))
         groups.append(("comm", [eqn]))
-    rest = [e for i, e in enumerate(eqns) if i not in placed and not _is_collective(e)]
-    if rest:
-        groups.append(("compute", rest))
+    add_compute([i for i, e in enumerate(eqns) if i not in placed and not _is_collective(e)])
     needed = {v for v in jaxpr.outvars if replay.is_var(v)}
     read_later: list[set] = [set() for _ in groups]
     for k in range(len(groups) - 1, -1, -1):
