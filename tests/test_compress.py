@@ -382,3 +382,65 @@ def test_compression_with_a_strategy_that_cannot_carry_it_is_refused():
 def test_powersgd_refuses_the_interleaved_layout_of_dear_and_names_wfbp():
     with pytest.raises(ValueError, match=r"interleaved shard layout.*use strategy='wfbp'"):
         _one_step(PowerSGD(rank=2), strategy="dear")
+
+
+# -- layer-wise density (LAGS) and planning with compression (OMGS) ------------------------------
+def _selected_per_bucket(compressor, sizes, devices=2):
+    """Entries each bucket sent on device 0, for buckets of ``sizes``."""
+    mesh = _mesh(devices)
+    specs = [BucketSpec(k, n, jnp.dtype("float32"), devices, shapes=((n,),)) for k, n in enumerate(sizes)]
+    states = compressor.init(specs)
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal((devices, n)).astype(np.float32) for n in sizes]
+
+    def body(*gs):
+        return tuple(compressor.all_reduce(g[0], "data", spec, state)[1][0].bytes_sent[None]
+                     for g, spec, state in zip(gs, specs, states))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
+    return [int(np.asarray(b)[0]) // 8 for b in f(*[_put(g, mesh) for g in grads])]
+
+
+def test_density_per_bucket_as_a_sequence_or_a_function_of_the_bucket():
+    sizes = [50, 400, 4000]
+    assert _selected_per_bucket(TopK((1.0, 0.1, 0.01), selection="exact"), sizes) == [50, 40, 40]
+    lags = TopK(lambda bucket: 1.0 if bucket.size < 100 else 40 / bucket.size, selection="exact")
+    assert _selected_per_bucket(lags, sizes) == [50, 40, 40]
+    # gTop-k: bytes are rounds * 8k + 4k on 2 devices (one round): 12 bytes per entry
+    sent = _selected_per_bucket(GlobalTopK((1.0, 0.1, 0.01)), sizes)
+    assert [s * 8 // 12 for s in sent] == [50, 40, 40]
+
+
+def test_bad_per_bucket_densities_name_the_bucket():
+    with pytest.raises(ValueError, match=r"density must be in \(0, 1\]"):
+        TopK((0.1, 0.0))
+    with pytest.raises(ValueError, match="give one density per bucket"):
+        TopK([])
+    with pytest.raises(ValueError, match="2 densities given, but the plan has bucket 2"):
+        _selected_per_bucket(TopK((0.1, 0.1), selection="exact"), [50, 400, 4000])
+    with pytest.raises(ValueError, match="density function gave 2.0 for bucket 0"):
+        _selected_per_bucket(TopK(lambda b: 2.0), [50])
+
+
+def test_the_planner_merges_buckets_against_the_compressed_collective():
+    from jaxsched.plan import plan_buckets
+
+    layers = jaxsched.LayerProfile([jaxsched.Layer(f"l{i}", 250_000, 1_000_000, 2e-3, 4e-3)
+                                    for i in range(6)])
+    network = jaxsched.network_preset("1gbe", 32)
+    topk = TopK(0.01)
+    assert topk.sim_compression() == jaxsched.sim.Compression("topk", 0.01)
+    assert GlobalTopK(0.001).sim_compression(1e-12).kind == "gtopk"
+    # OMGS: with selection time and the all-gather's start-up cost, the planner merges
+    # differently from the dense plan, and beats one bucket per layer (LAGS alone)
+    compression = TopK(0.01).sim_compression(selection_s_per_byte=5e-10)
+    dense_plan = plan_buckets(layers, network, "optimal", "wfbp")
+    compressed_plan = plan_buckets(layers, network, "optimal", "wfbp", compression=compression)
+    assert compressed_plan != dense_plan
+
+    def time(plan):
+        return jaxsched.simulate(layers, network, "wfbp", plan, compression=compression).iteration_s
+    assert time(compressed_plan) <= time(dense_plan)
+    assert time(compressed_plan) < 0.97 * time([[i] for i in range(6)])
+    with pytest.raises(ValueError, match="one density for every bucket"):
+        TopK((0.1, 0.2)).sim_compression()

@@ -26,7 +26,7 @@ Example:
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,13 @@ from jax import lax
 
 from jaxsched.collectives.base import BucketSpec, Collective, CollectiveWrapper
 
-__all__ = ["Compressor", "bytes_sent", "check_density", "check_gradient_bucket", "shard_of"]
+__all__ = ["Compressor", "Density", "bytes_sent", "bucket_density", "check_density",
+           "check_density_spec", "check_gradient_bucket", "shard_of"]
+
+#: A compressor's density: one float for every bucket, a sequence with one float per
+#: bucket (in plan order), or a function of the :class:`BucketSpec` (layer-wise adaptive
+#: sparsification, LAGS: e.g. denser small buckets, sparser large ones).
+Density = Union[float, Sequence[float], Callable[[BucketSpec], float]]
 
 
 def check_density(density: Any, owner: str) -> float:
@@ -48,6 +54,43 @@ def check_density(density: Any, owner: str) -> float:
         raise ValueError(f"{owner}(density={density!r}): density must be in (0, 1] (the fraction "
                          f"of each bucket's entries sent per step, e.g. 0.01)")
     return value
+
+
+def check_density_spec(density: Any, owner: str) -> Any:
+    """Validate a :data:`Density` at construction (a function is checked per bucket)."""
+    if callable(density):
+        return density
+    if isinstance(density, (list, tuple)):
+        if not density:
+            raise ValueError(f"{owner}(density=[]): give one density per bucket, or one float")
+        return tuple(check_density(d, owner) for d in density)
+    return check_density(density, owner)
+
+
+def bucket_density(density: Any, bucket: BucketSpec, owner: str) -> float:
+    """The density of ``bucket`` under a validated :data:`Density`.
+
+    >>> from jaxsched.collectives import BucketSpec
+    >>> spec = BucketSpec(index=1, size=1000, dtype=np.dtype("float32"), axis_size=2)
+    >>> bucket_density(0.01, spec, "TopK"), bucket_density((0.5, 0.1), spec, "TopK")
+    (0.01, 0.1)
+    >>> bucket_density(lambda b: 10 / b.size, spec, "TopK")
+    0.01
+    """
+    if callable(density):
+        value = density(bucket)
+        try:
+            return check_density(value, owner)
+        except (TypeError, ValueError):
+            raise ValueError(f"{owner}: the density function gave {value!r} for bucket "
+                             f"{bucket.index} (shapes {bucket.shapes}); it must return a "
+                             f"number in (0, 1]") from None
+    if isinstance(density, tuple):
+        if bucket.index >= len(density):
+            raise ValueError(f"{owner}: {len(density)} densities given, but the plan has bucket "
+                             f"{bucket.index}; give one per bucket (see sched.program.buckets)")
+        return density[bucket.index]
+    return density
 
 
 def check_gradient_bucket(bucket: BucketSpec, owner: str) -> None:

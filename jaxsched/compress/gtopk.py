@@ -64,7 +64,7 @@ from jax import lax
 
 from jaxsched import kernels
 from jaxsched.collectives.base import BucketSpec, Collective
-from jaxsched.compress.base import Compressor, check_density
+from jaxsched.compress.base import Compressor, Density, bucket_density, check_density_spec
 
 __all__ = ["GlobalTopK", "GlobalTopKState", "merge_top_k", "exchange_rounds"]
 
@@ -140,19 +140,37 @@ class GlobalTopK(Compressor):
     """Global top-k sparsification (gTop-k) with error feedback, by recursive doubling.
 
     Args:
-      density: fraction of each bucket's entries selected per step, in (0, 1].
+      density: fraction of each bucket's entries selected per step, in (0, 1]; or one
+        per bucket, or a function of the :class:`BucketSpec` (layer-wise, LAGS).
       error_feedback: keep what was not selected globally for the next step.
       inner: the collective uncompressed operations (parameter all-gathers) go through.
     """
 
-    def __init__(self, density: float = 0.01, error_feedback: bool = True,
+    def __init__(self, density: Density = 0.01, error_feedback: bool = True,
                  inner: Collective | None = None):
         super().__init__(inner)
-        self.density = check_density(density, type(self).__name__)
+        self.density = check_density_spec(density, type(self).__name__)
         self.error_feedback = bool(error_feedback)
 
     def __repr__(self) -> str:
         return f"GlobalTopK(density={self.density}, error_feedback={self.error_feedback})"
+
+    def sim_compression(self, selection_s_per_byte: float = 0.0):
+        """This compressor as the simulator and the bucket planner model it, for
+        ``jaxsched.sim.simulate(..., compression=)`` and
+        ``jaxsched.plan.plan_buckets(..., planner="optimal", compression=)`` (OMGS: the
+        planner then merges buckets against the compressed collective's cost and the
+        selection time). Needs one density for every bucket."""
+        from jaxsched.sim import Compression
+
+        if not isinstance(self.density, float):
+            raise ValueError(f"{type(self).__name__}: the simulator models one density for every "
+                             f"bucket; got {self.density!r}")
+        return Compression("gtopk", self.density, selection_s_per_byte)
+
+    def density_of(self, bucket: BucketSpec) -> float:
+        """This bucket's density (the same for all, per bucket, or a function: LAGS)."""
+        return bucket_density(self.density, bucket, type(self).__name__)
 
     def init_own(self, bucket: BucketSpec) -> GlobalTopKState:
         size = bucket.size if self.error_feedback and self.compresses(bucket) else 0
@@ -164,7 +182,7 @@ class GlobalTopK(Compressor):
         """The ``k`` indices every device agrees on (``n`` marks an empty slot), and how
         many messages this device sent to find them."""
         n, size = bucket.size, bucket.axis_size
-        k = kernels.selection_size(n, self.density)
+        k = kernels.selection_size(n, self.density_of(bucket))
         _, indices = lax.top_k(jnp.abs(acc), k)
         indices = indices.astype(jnp.int32)
         values = acc[indices]

@@ -53,7 +53,7 @@ from jax import lax
 
 from jaxsched import kernels
 from jaxsched.collectives.base import BucketSpec, Collective
-from jaxsched.compress.base import Compressor, check_density
+from jaxsched.compress.base import Compressor, Density, bucket_density, check_density_spec
 
 __all__ = ["TopK", "TopKState", "SELECTIONS"]
 
@@ -82,7 +82,8 @@ class TopK(Compressor):
     """Top-k sparsification with error feedback, exchanged by all-gather.
 
     Args:
-      density: fraction of each bucket's entries a device sends per step, in (0, 1].
+      density: fraction of each bucket's entries a device sends per step, in (0, 1]; or
+        one per bucket, or a function of the :class:`BucketSpec` (layer-wise, LAGS).
       error_feedback: keep the unsent part and add it to the next step's gradient.
       selection: ``"threshold"`` (sampled threshold, about ``k`` entries, no sort) or
         ``"exact"`` (exactly ``k`` with ``lax.top_k``).
@@ -90,11 +91,11 @@ class TopK(Compressor):
       inner: the collective that uncompressed operations (parameter all-gathers) go through.
     """
 
-    def __init__(self, density: float = 0.01, error_feedback: bool = True,
+    def __init__(self, density: Density = 0.01, error_feedback: bool = True,
                  selection: Selection = "threshold", seed: int = 0,
                  inner: Collective | None = None):
         super().__init__(inner)
-        self.density = check_density(density, type(self).__name__)
+        self.density = check_density_spec(density, type(self).__name__)
         if selection not in SELECTIONS:
             raise ValueError(f"TopK(selection={selection!r}) is unknown; use one of "
                              f"{', '.join(map(repr, SELECTIONS))}")
@@ -106,6 +107,23 @@ class TopK(Compressor):
         return (f"TopK(density={self.density}, error_feedback={self.error_feedback}, "
                 f"selection={self.selection!r})")
 
+    def sim_compression(self, selection_s_per_byte: float = 0.0):
+        """This compressor as the simulator and the bucket planner model it, for
+        ``jaxsched.sim.simulate(..., compression=)`` and
+        ``jaxsched.plan.plan_buckets(..., planner="optimal", compression=)`` (OMGS: the
+        planner then merges buckets against the compressed collective's cost and the
+        selection time). Needs one density for every bucket."""
+        from jaxsched.sim import Compression
+
+        if not isinstance(self.density, float):
+            raise ValueError(f"{type(self).__name__}: the simulator models one density for every "
+                             f"bucket; got {self.density!r}")
+        return Compression("topk", self.density, selection_s_per_byte)
+
+    def density_of(self, bucket: BucketSpec) -> float:
+        """This bucket's density (the same for all, per bucket, or a function: LAGS)."""
+        return bucket_density(self.density, bucket, type(self).__name__)
+
     def init_own(self, bucket: BucketSpec) -> TopKState:
         size = bucket.size if self.error_feedback and self.compresses(bucket) else 0
         zero = jnp.zeros((), jnp.int32)
@@ -114,8 +132,8 @@ class TopK(Compressor):
     def capacity(self, bucket: BucketSpec) -> int:
         """Slots per device in the all-gather."""
         if self.selection == "exact":
-            return kernels.selection_size(bucket.size, self.density)
-        return kernels.default_capacity(bucket.size, self.density)
+            return kernels.selection_size(bucket.size, self.density_of(bucket))
+        return kernels.default_capacity(bucket.size, self.density_of(bucket))
 
     def select(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, own: TopKState
                ) -> kernels.SparseGradient:
@@ -123,10 +141,10 @@ class TopK(Compressor):
         residual = own.residual if self.error_feedback else jnp.zeros_like(buffer)
         if self.selection == "exact":
             return kernels.exact_topk_error_feedback(
-                buffer, residual, kernels.selection_size(bucket.size, self.density))
+                buffer, residual, kernels.selection_size(bucket.size, self.density_of(bucket)))
         key = jax.random.fold_in(jax.random.key(self.seed), own.step)
         key = jax.random.fold_in(jax.random.fold_in(key, bucket.index), lax.axis_index(axis_name))
-        return kernels.threshold_error_feedback(buffer, residual, self.density, key,
+        return kernels.threshold_error_feedback(buffer, residual, self.density_of(bucket), key,
                                                 capacity=self.capacity(bucket))
 
     def compress_sum(self, buffer, axis_name, bucket, own):
