@@ -46,6 +46,8 @@ Density = Union[float, Sequence[float], Callable[[BucketSpec], float]]
 
 def check_density(density: Any, owner: str) -> float:
     """``density`` as a float in (0, 1], or a ValueError naming ``owner``."""
+    if isinstance(density, bool):
+        raise TypeError(f"{owner}(density={density!r}): density must be a number in (0, 1]")
     try:
         value = float(density)
     except (TypeError, ValueError):

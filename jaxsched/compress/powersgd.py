@@ -89,6 +89,12 @@ def matrix_view(shape: tuple[int, ...], rank: int) -> tuple[int, int, int] | Non
     return n, m, min(rank, n, m)
 
 
+def _orthonormal(p: jax.Array) -> jax.Array:
+    """Orthonormal columns spanning ``p`` (QR; in float32 at least, as LAPACK has no bfloat16)."""
+    wide = jnp.promote_types(p.dtype, jnp.float32)
+    return jnp.linalg.qr(p.astype(wide))[0].astype(p.dtype)
+
+
 class PowerSGD(Compressor):
     """Rank-``rank`` PowerSGD with error feedback on a bucket's matrices.
 
@@ -165,7 +171,7 @@ class PowerSGD(Compressor):
         first = lax.psum(first, axis_name)
         ps, cursor = [], 0
         for p in p_local:
-            ps.append(jnp.linalg.qr(first[cursor:cursor + p.size].reshape(p.shape))[0])
+            ps.append(_orthonormal(first[cursor:cursor + p.size].reshape(p.shape)))
             cursor += p.size
         vector_sums = first[cursor:]
 
