@@ -151,6 +151,15 @@ def write_doc(section: str, marker: str) -> None:
     doc.write_text(text)
 
 
+def to_json(result: dict) -> str:
+    """Readable JSON with each run's loss curve on one line (rounded to 6 significant digits)."""
+    runs = result["runs"]
+    body = {k: v for k, v in result.items() if k != "runs"}
+    text = json.dumps(body, indent=1)[:-2]
+    lines = [json.dumps({**r, "losses": [float(f"{x:.6g}") for x in r["losses"]]}) for r in runs]
+    return text + ',\n "runs": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n"
+
+
 def main() -> None:
     global VARIANTS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -179,9 +188,9 @@ def main() -> None:
             "dense_bytes": runs[0]["dense_bytes_per_step_per_device"]}
     print(table(rows, meta))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs,
-                                    "machine": platform.processor() or platform.machine(),
-                                    "jax": jax.__version__}, indent=1))
+    args.out.write_text(to_json({"meta": meta, "rows": rows, "runs": runs,
+                                 "machine": platform.processor() or platform.machine(),
+                                 "jax": jax.__version__}))
     if not args.no_doc:
         plot(runs, ROOT / "docs" / "compression_convergence.png")
         write_doc(table(rows, meta) + "\n\n![training loss](compression_convergence.png)", "convergence")
