@@ -6,6 +6,7 @@ from jaxsched.models import pure
 from jaxsched.plan import plan_buckets
 from jaxsched.profile import profile_network, profile_zoo_model
 from jaxsched.collectives import Collective, CollectiveWrapper
+from jaxsched import compress
 from jaxsched.engine import Engine, register_engine
 from jaxsched.rewrite.rules import FallbackWarning
 from jaxsched.schedule import STRATEGIES, SchedState, Scheduled
@@ -20,6 +21,7 @@ __all__ = [
     "CollectiveWrapper",
     "Config",
     "ConfigError",
+    "compress",
     "Engine",
     "FallbackWarning",
     "Layer",
