@@ -43,6 +43,37 @@ WIDTH = 2048
 RESULTS_DIR = Path("benchmarks/results")
 
 
+COMPRESSORS = ("topk", "gtopk", "powersgd", "bf16")
+
+
+def parse_compression(text: str | None):
+    """``"topk:0.01"``, ``"gtopk:0.01"``, ``"powersgd:4"`` or ``"bf16"`` -> a compressor.
+
+    Example:
+        >>> type(parse_compression("topk:0.01")).__name__, parse_compression(None)
+        ('TopK', None)
+    """
+    if not text:
+        return None
+    from jaxsched import compress
+
+    kind, _, arg = text.partition(":")
+    try:
+        if kind == "topk":
+            return compress.TopK(density=float(arg or 0.01))
+        if kind == "gtopk":
+            return compress.GlobalTopK(density=float(arg or 0.01))
+        if kind == "powersgd":
+            return compress.PowerSGD(rank=int(arg or 4))
+        if kind == "bf16":
+            import jax.numpy as jnp
+            return compress.Cast(jnp.bfloat16)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--compression {text!r}: {err}") from None
+    raise argparse.ArgumentTypeError(f"--compression {text!r}: use one of {', '.join(COMPRESSORS)}, "
+                                     "e.g. topk:0.01")
+
+
 def overlap_efficiency(plain: float, step: float, bound: float) -> float:
     """How much of the time that overlap could save a strategy saves: 1 at the bound."""
     return (plain - step) / (plain - bound) if plain > bound else 0.0
@@ -132,10 +163,12 @@ def _worker(args: argparse.Namespace) -> int:
     scheds = {}
     missing = []
     for name in args.strategies:
-        if name not in jaxsched.STRATEGIES:
+        base, _, compression = name.partition("+")
+        if base not in jaxsched.STRATEGIES:
             missing.append(name)
             continue
-        sched = jaxsched.schedule(plain, strategy=name, engine="host", buckets=args.buckets)
+        sched = jaxsched.schedule(plain, strategy=base, engine="host", buckets=args.buckets,
+                                  compression=parse_compression(compression))
         scheds[name] = sched
         states[name] = sched.init(*state0)
     times: dict[str, list[float]] = {name: [] for name in ["plain", "compute", "comm", *scheds]}
@@ -168,8 +201,9 @@ def _worker(args: argparse.Namespace) -> int:
     # One traced step per strategy: stage timestamps for the Gantt chart.
     timelines = {}
     for name, sched in scheds.items():
-        traced = jaxsched.schedule(plain, strategy=name, engine=HostEngine(record_timings=True),
-                                   buckets=args.buckets)
+        base, _, compression = name.partition("+")
+        traced = jaxsched.schedule(plain, strategy=base, engine=HostEngine(record_timings=True),
+                                   buckets=args.buckets, compression=parse_compression(compression))
         st = traced.init(*state0)
         for b in batches[:3]:
             st, aux = traced(st, b)
@@ -228,6 +262,8 @@ def simulated(result: dict[str, Any], strategies: Sequence[str]):
         if result["strategies"].get(name, {}).get("missing"):
             continue
         try:
+            if "+" in name:
+                continue  # compressed variants are measured, not simulated here
             buckets = [[0], [1]] if name != "allreduce" else None
             sims[name] = simulate(layers, network, name, buckets)
         except Exception:  # a strategy the simulator does not model
@@ -289,6 +325,9 @@ def run(args: argparse.Namespace) -> int:
     from jaxsched import launch as launch_lib
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if args.compression:  # every strategy that can carry it, compressed, beside the dense ones
+        parse_compression(args.compression)
+        strategies += [f"{s}+{args.compression}" for s in strategies if s in ("wfbp", "dear")]
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = Path(tmp) / "raw.json"
         worker = [sys.executable, "-m", "jaxsched.bench", "--worker", "--out", str(raw_path),
@@ -356,6 +395,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategies", default="allreduce,wfbp,dear,approx",
                         help="comma-separated; unknown ones are reported as missing")
     parser.add_argument("--steps", type=int, default=20, help="measured steps per variant")
+    parser.add_argument("--compression", help="also run wfbp/dear with this compressor "
+                        "(topk:DENSITY, gtopk:DENSITY, powersgd:RANK, bf16), same session")
     parser.add_argument("--batch", type=int, help="per-process batch (default: calibrated)")
     parser.add_argument("--buckets", type=int, help="bucket byte threshold (default: one per layer)")
     parser.add_argument("--json", help="write the report here")
