@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
-jax.devices()  # before numpy/sklearn BLAS runs (FACTS.md hazard)
+jax.devices()  # before numpy/sklearn BLAS runs (docs/cpu_facts.md hazard)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -248,7 +248,7 @@ def render(results: dict) -> str:
               "(the first bucket's start-up and the update).", "",
               "Not measured here: the real speed on the emulated 2-host cluster, which needs the host "
               "engine (on XLA:CPU a collective and compute in one program run one after the other, "
-              "FACTS.md), so on CPU the xla engine shows no overlap for any strategy.", ""]
+              "docs/cpu_facts.md), so on CPU the xla engine shows no overlap for any strategy.", ""]
     return "\n".join(lines)
 
 

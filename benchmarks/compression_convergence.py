@@ -29,7 +29,7 @@ from pathlib import Path
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
-jax.devices()  # create the CPU client before numpy's BLAS runs (FACTS.md hazard)
+jax.devices()  # create the CPU client before numpy's BLAS runs (docs/cpu_facts.md hazard)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -69,7 +69,7 @@ def run(variant: str, seed: int, split: data.Split, epochs: int, batch: int, lr:
         for i in range(0, n, batch):
             idx = order[i:i + batch]
             state, aux = sched(state, steps.shard_batch((split.train_x[idx], split.train_y[idx]), mesh))
-            jax.block_until_ready(state)  # one multi-device step in flight (FACTS.md)
+            jax.block_until_ready(state)  # one multi-device step in flight (docs/cpu_facts.md)
             losses.append(float(aux["loss"]))
             if compression is not None:
                 sent.append(int(bytes_sent(state).mean()))

@@ -89,8 +89,8 @@ class Scheduled:
 
     def finalize(self, state: NamedTuple) -> tuple[Any, Any]:
         """Back to ordinary ``(params, opt_state)`` (performs pending all-gathers)."""
-        if self._programs.last is None:
-            return state.params, state.opt_state  # never traced: still the user's layout
+        if self._programs.last is None:  # never traced here: only a state in the user's layout
+            return self.strategy.finalize_untraced(state)
         return self._programs.last.finalize(state)
 
     def lower(self, state: NamedTuple, batch: Any):

@@ -124,3 +124,12 @@ def test_bad_input_gets_the_message_the_readme_quotes(case):
 
 def test_the_readme_table_has_at_least_ten_classes():
     assert len(CASES) >= 10
+
+
+def test_finalize_refuses_to_drop_carried_state_before_any_trace():
+    sched = jaxsched.schedule(lambda *a: a, strategy="approx")
+    state = sched.init({"w": np.ones(3, np.float32)}, ())
+    assert np.array_equal(sched.finalize(state)[0]["w"], np.ones(3))  # nothing carried yet
+    carrying = state._replace(pending=((np.ones((2, 3), np.float32),),), num_pending=1)
+    with pytest.raises(ValueError, match="'approx' state carries pending.*sched.init"):
+        sched.finalize(carrying)

@@ -78,8 +78,8 @@ def search(layers: LayerProfile, candidates: list[list[list[int]]],
     pool = {tuple(map(tuple, c)): c for c in candidates}
     iterator = pool.values()
     if progress:
-        from tqdm import tqdm
-        iterator = tqdm(list(iterator), desc="optimal planner", unit="partition", leave=False)
+        from jaxsched.progress import progress as progress_bar
+        iterator = progress_bar(list(iterator), "optimal planner", unit="partition", leave=False)
     best, best_time = None, None
     for buckets in iterator:
         t = evaluate(buckets)

@@ -99,6 +99,22 @@ class Strategy(abc.ABC):
         """The user's trees as this strategy's state, before any step was traced."""
         return SchedState(params, opt_state)
 
+    def finalize_untraced(self, state: NamedTuple) -> tuple[Any, Any]:
+        """``finalize`` before any step was traced in this process: only a state still in
+        the user's layout can be returned; anything carried would be lost, so refuse."""
+        def holds_something(tree: Any) -> bool:
+            return any(np.size(x) > 1 or bool(np.any(np.asarray(x) != 0))
+                       for x in jax.tree.leaves(tree))
+
+        carried = [f for f in state._fields if f not in ("params", "opt_state")
+                   and holds_something(getattr(state, f))]
+        if carried:
+            raise ValueError(f"this {self.name!r} state carries {', '.join(carried)} but no step "
+                             "has been traced in this process, so it cannot be drained; call "
+                             "sched.init(params, opt_state, example_batch) (the checkpoint restore "
+                             "target) or one step first")
+        return state.params, state.opt_state
+
     @abc.abstractmethod
     def convert(self, planned: PlannedStep, state: NamedTuple) -> NamedTuple:
         """The state in this strategy's layout for ``planned``, from the user's layout or its
