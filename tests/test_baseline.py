@@ -49,7 +49,8 @@ def _problem(model="mlp", seed=0, **model_options):
     return params, apply_fn, batches
 
 
-@pytest.mark.parametrize("model,options", [("mlp", {"hidden": (32,)}), ("cnn", {"channels": 8, "blocks": 1})])
+@pytest.mark.parametrize("model,options", [("mlp", {"hidden": (32,)}), pytest.param(
+    "cnn", {"channels": 8, "blocks": 1}, marks=pytest.mark.slow)])  # the heaviest compiles run in `make test-slow` (CI runs both)
 def test_one_device_and_eight_devices_give_the_same_parameters(model, options):
     params, apply_fn, batches = _problem(model, seed=3, **options)
     tx = optax.adam(1e-2)
@@ -149,6 +150,7 @@ def test_cli_train_writes_jsonl_and_summary(tmp_path, capsys):
     assert "allreduce" in out and "test acc" in out
 
 
+@pytest.mark.slow  # the heaviest compiles run in `make test-slow` (CI runs both)
 def test_transformer_lm_trains_on_synthetic_tokens():
     cfg = config.parse({
         "model": {"name": "transformer", "dim": 32, "heads": 2, "layers": 1},

@@ -24,7 +24,7 @@ def test_fit_recovers_alpha_beta_and_keeps_alpha_nonnegative():
     assert cost.alpha_s >= 0 and cost.beta_s_per_byte > 0 and error > 0
 
 
-@pytest.mark.parametrize("name", ["mlp", "transformer"])
+@pytest.mark.parametrize("name", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)])  # the heaviest compiles run in `make test-slow` (CI runs both)
 def test_layer_profile_of_zoo_model(name):
     prof = profile_zoo_model(name, batch=8, repeats=2)
     shape, outputs = ((32,), 64) if name == "transformer" else ((8, 8, 1), 10)

@@ -40,7 +40,7 @@ def test_every_optimizer_matches_the_plain_step_on_8_devices(strategy, opt):
 
 
 @pytest.mark.parametrize("strategy", ["wfbp", "dear"])
-@pytest.mark.parametrize("model", ["cnn", "transformer"])
+@pytest.mark.parametrize("model", ["cnn", pytest.param("transformer", marks=pytest.mark.slow)])  # the heaviest compiles run in `make test-slow` (CI runs both)
 def test_zoo_models_match_the_plain_step(model, strategy):
     _check(model, "clip+adamw", strategy, 8)
 

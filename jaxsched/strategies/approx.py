@@ -196,6 +196,27 @@ class Approx(Strategy):
         state_eqns.reverse()
         aux_eqns = tuple(i for i in analysis.update if i not in set(state_eqns))
 
+        # Forward values that are functions of params/opt_state/consts alone (pmap's squeeze
+        # of each parameter block, a cast of the params) ran at the approximated point in
+        # backward: the delayed update recomputes those it reads from the true params.
+        pure = {v for v, src in zip(body.invars, cap.sources) if src.role != "batch"}
+        recomputable = {}
+        for i in analysis.backward:
+            eqn = body.eqns[i]
+            if eqn.primitive.name not in COLLECTIVES and all(not is_var(x) or x in pure
+                                                             for x in eqn.invars):
+                pure.update(eqn.outvars)
+                recomputable.update({o: i for o in eqn.outvars})
+        wanted = {x for i in state_eqns for x in body.eqns[i].invars if is_var(x) and x in recomputable}
+        recompute = set()
+        while wanted:
+            i = recomputable[wanted.pop()]
+            if i not in recompute:
+                recompute.add(i)
+                wanted.update(x for x in body.eqns[i].invars if is_var(x) and x in recomputable)
+        state_eqns = sorted(recompute) + state_eqns if recompute else state_eqns
+        state_eqns = sorted(state_eqns)
+
         # What the delayed update may read: params, opt_state, consts, reduced gradients,
         # and its own results. Anything else is this step's forward/backward or batch.
         producer = {o: i for i, e in enumerate(body.eqns) for o in e.outvars}
