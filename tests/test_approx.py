@@ -349,6 +349,7 @@ def test_a_collective_wrapper_carries_through_and_changes_no_number():
     assert counts and all(np.all(np.asarray(c) == 3) for c in counts)  # one reduction per step
 
 
+@pytest.mark.slow  # a heavy compile: runs in `make test-slow` (CI runs both)
 def test_a_pmap_step_runs_the_same_recurrence_as_its_shard_map_twin():
     tx = optax.sgd(0.05, momentum=0.9)
     options = dict(n_steps=4, approx_method="local", staleness=2, buckets=1000)

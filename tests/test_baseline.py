@@ -19,6 +19,7 @@ def _tiny_config(**train):
     })
 
 
+@pytest.mark.slow  # a heavy compile: runs in `make test-slow` (CI runs both)
 def test_mlp_on_digits_reaches_90_percent_test_accuracy():
     cfg = config.parse({
         "model": {"name": "mlp", "hidden": [128, 128]},

@@ -186,7 +186,7 @@ def test_reduce_scatter_returns_this_devices_shard_of_the_compressed_sum():
 # -- density 1.0 / full rank give the dense step --------------------------------------------------
 @pytest.mark.parametrize("strategy", ["wfbp", "dear"])
 @pytest.mark.parametrize("compression", [pytest.param(TopK(1.0, selection="exact"), marks=pytest.mark.slow),
-                                         TopK(1.0), GlobalTopK(1.0)],
+                                         TopK(1.0), pytest.param(GlobalTopK(1.0), marks=pytest.mark.slow)],
                          ids=["topk_exact", "topk_threshold", "gtopk"])  # the heaviest compiles run in `make test-slow` (CI runs both)
 def test_full_density_gives_the_dense_trajectory(strategy, compression):
     plain, sched, plain_aux, sched_aux, _ = run_both(
@@ -195,6 +195,7 @@ def test_full_density_gives_the_dense_trajectory(strategy, compression):
     assert_trees_close(sched_aux, plain_aux, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # a heavy compile: runs in `make test-slow` (CI runs both)
 @pytest.mark.parametrize("devices", [4])
 def test_powersgd_at_full_rank_gives_the_dense_step(devices):
     plain, sched, plain_aux, sched_aux, s = run_both(
@@ -204,6 +205,7 @@ def test_powersgd_at_full_rank_gives_the_dense_step(devices):
     assert_trees_close(sched_aux, plain_aux, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # a heavy compile: runs in `make test-slow` (CI runs both)
 def test_powersgd_at_low_rank_is_lossy_but_trains():
     plain, sched, plain_aux, sched_aux, s = run_both(
         "mlp", optax.sgd(0.1, momentum=0.9), "wfbp", 4, n_steps=8, buckets=2000,

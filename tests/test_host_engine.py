@@ -49,6 +49,7 @@ def test_stages_alternate_at_collectives_and_keep_only_what_later_stages_read():
     assert all(len(s.eqns) == 1 for s in stages if s.kind == "comm")
 
 
+@pytest.mark.slow  # a heavy compile: runs in `make test-slow` (CI runs both)
 def test_one_process_host_engine_equals_xla_for_every_strategy():
     """One process, mesh of device 0, collectives on device 1: the staging path end to end."""
     params, apply_fn = build("mlp", 0)

@@ -102,6 +102,7 @@ def test_bucket_plans_accept_subtree_prefixes():
 shapes = st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple)
 
 
+@pytest.mark.slow  # a heavy compile: runs in `make test-slow` (CI runs both)
 @settings(max_examples=6, deadline=None, derandomize=True)  # same examples in every CI run
 @given(tree_shapes=st.dictionaries(st.sampled_from(list("abcdef")), shapes, min_size=1, max_size=4),
        devices=st.sampled_from([2, 8]), seed=st.integers(0, 2**16))
