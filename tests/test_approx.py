@@ -15,6 +15,10 @@ from jaxsched import steps
 from jaxsched.optax import ApproxParams, approximate, staleness_aware
 from equivalence import assert_trees_close, build, random_batches, run_both
 
+# Every test here compiles scheduled steps: they run in `make test-slow` (CI runs both),
+# which keeps `make test` under 5 minutes on 2 cores.
+pytestmark = pytest.mark.slow
+
 METHODS = ("stale", "local", "extrapolate")
 
 # ----------------------------------------------------------------------------- wrappers

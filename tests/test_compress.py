@@ -16,6 +16,10 @@ from jaxsched.compress import Cast, GlobalTopK, PowerSGD, TopK, bytes_sent
 from jaxsched.compress.gtopk import exchange_rounds
 from equivalence import assert_trees_close, build, random_batches, run_both
 
+# Every test here compiles scheduled steps: they run in `make test-slow` (CI runs both),
+# which keeps `make test` under 5 minutes on 2 cores.
+pytestmark = pytest.mark.slow
+
 
 def _mesh(n):
     return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
