@@ -139,14 +139,7 @@ class Approx(Strategy):
 
     # -- buckets --------------------------------------------------------------------------
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
-        reds = planned.analysis.reductions
-        sizes, dtypes, shapes = [], [], []
-        for bucket in planned.buckets:
-            ops = [reds[j].operand.aval for j in bucket.reductions]
-            dtypes.append(jnp.result_type(*[a.dtype for a in ops]) if ops else jnp.float32)
-            sizes.append(sum(math.prod(a.shape) for a in ops))
-            shapes.append([a.shape for a in ops])
-        return self.bucket_specs(planned, sizes, dtypes, shapes)
+        return self.concatenated_gradient_buckets(planned)
 
     def _reduce_bucket(self, planned: PlannedStep, k: int, grads: Sequence[Any], carried: list
                        ) -> list:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import jax
@@ -135,6 +136,17 @@ class Strategy(abc.ABC):
         shapes = shapes if shapes is not None else [()] * len(sizes)
         return [BucketSpec(k, int(n), np.dtype(d), planned.axis_size, tuple(map(tuple, s)), interleaved)
                 for k, (n, d, s) in enumerate(zip(sizes, dtypes, shapes, strict=True))]
+
+    def concatenated_gradient_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
+        """Each bucket as its gradients flattened and concatenated (one dtype per bucket)."""
+        reds = planned.analysis.reductions
+        sizes, dtypes, shapes = [], [], []
+        for bucket in planned.buckets:
+            ops = [reds[j].operand.aval for j in bucket.reductions]
+            dtypes.append(ops[0].dtype if ops else np.float32)
+            sizes.append(sum(math.prod(a.shape) for a in ops))
+            shapes.append([a.shape for a in ops])
+        return self.bucket_specs(planned, sizes, dtypes, shapes)
 
     def collective_template(self, planned: PlannedStep) -> tuple:
         """One device's carried collective state for each bucket of ``planned``."""

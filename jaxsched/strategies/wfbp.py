@@ -33,14 +33,7 @@ class Wfbp(UserLayoutStrategy):
     cost = WFBP_PATTERN
 
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
-        reds = planned.analysis.reductions
-        sizes, dtypes, shapes = [], [], []
-        for bucket in planned.buckets:
-            ops = [reds[j].operand.aval for j in bucket.reductions]
-            dtypes.append(jnp.result_type(*[a.dtype for a in ops]) if ops else jnp.float32)
-            sizes.append(sum(math.prod(a.shape) for a in ops))
-            shapes.append([a.shape for a in ops])
-        return self.bucket_specs(planned, sizes, dtypes, shapes)
+        return self.concatenated_gradient_buckets(planned)
 
     def per_device(self, planned: PlannedStep, values: list, collective_state: Any):
         analysis, buckets = planned.analysis, planned.buckets
