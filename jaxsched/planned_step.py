@@ -40,6 +40,9 @@ class PlannedStep:
       buckets_option: the user's ``buckets=`` (None, bytes, explicit paths or ``"auto"``).
       plan_options: options of ``buckets="auto"`` (layer_profile, network_profile, planner).
       pattern: the strategy's communication pattern, which ``"auto"`` plans against.
+      compression: how the simulator models the strategy's compressor (a
+        :class:`jaxsched.sim.Compression`), so that ``"auto"`` merges buckets against the
+        compressed collective's cost (OMGS); None for dense collectives.
       layer_profile, network_profile: what ``"auto"`` planned with (None otherwise).
       derived: memo of what the strategy derives from the plan (see :meth:`memo`).
     """
@@ -48,6 +51,7 @@ class PlannedStep:
     buckets_option: Any = None
     plan_options: dict = dataclasses.field(default_factory=dict)
     pattern: CommPattern = WFBP_PATTERN
+    compression: Any = None
     layer_profile: LayerProfile | None = None
     network_profile: NetworkProfile | None = None
     derived: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -78,7 +82,8 @@ class PlannedStep:
             from jaxsched.plan.from_step import auto_bucket_paths
 
             option, self.layer_profile, self.network_profile = auto_bucket_paths(
-                self.analysis, self.paths, self.pattern, **self.plan_options)
+                self.analysis, self.paths, self.pattern, compression=self.compression,
+                **self.plan_options)
         return plan_buckets(self.analysis, self.paths, option)
 
     # -- where things live --------------------------------------------------------------

@@ -111,8 +111,21 @@ class Program:
 def build_program(captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Engine,
                   plan_options: dict | None = None) -> Program:
     """The program of ``strategy`` for ``captured`` with bucket option ``buckets`` on ``engine``."""
-    planned = PlannedStep(captured, buckets, dict(plan_options or {}), strategy.cost)
+    planned = PlannedStep(captured, buckets, dict(plan_options or {}), strategy.cost,
+                          compression=simulated_compression(strategy))
     return Program(planned, strategy, engine)
+
+
+def simulated_compression(strategy: Strategy) -> Any:
+    """The strategy's compressor as the planner's simulator models it (None: dense, or a
+    compressor or pattern the simulator does not model)."""
+    model = getattr(strategy.collective, "sim_compression", None)
+    if model is None or not strategy.cost.compressible:
+        return None
+    try:
+        return model()
+    except ValueError:  # e.g. one density per bucket (LAGS): the simulator models one
+        return None
 
 
 class ProgramCache:

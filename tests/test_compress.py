@@ -459,3 +459,30 @@ def test_powersgd_recovers_a_rank_one_sum_and_keeps_vectors_whole(dtype):
     tol = 5e-2 if dtype == jnp.bfloat16 else 1e-5
     np.testing.assert_allclose(np.asarray(out[0], np.float32), grads.sum(0), rtol=tol, atol=tol)
     assert np.asarray(new.residual, np.float32)[:, 48:].max() == 0  # vectors carry no residual
+
+
+def test_auto_buckets_plan_against_the_compressed_collective():
+    """buckets='auto' with a compressor: the planner's simulator sees top-k's cost (OMGS)."""
+    from jaxsched.costmodel import Layer, LayerProfile, network_preset
+    from jaxsched.program import simulated_compression
+    from jaxsched.strategies import make_strategy
+
+    assert simulated_compression(make_strategy("wfbp", collective=TopK(0.01))).kind == "topk"
+    assert simulated_compression(make_strategy("wfbp")) is None
+    assert simulated_compression(make_strategy("dear", collective=TopK(0.01))) is None  # not modelled
+    measured = LayerProfile([Layer(name, 1, 10**8, 1.0, 2.0) for name in ("hidden.0", "hidden.1", "head")])
+    plans = {}
+    for name, compression in (("dense", None), ("topk", TopK(0.001))):
+        params, apply_fn = build("mlp", 0)
+        tx = optax.sgd(0.1)
+        mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+        sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="wfbp", buckets="auto",
+                                  compression=compression, layer_profile=measured,
+                                  network_profile=network_preset("1gbe", 4))
+        batch = steps.shard_batch(next(random_batches("mlp", 1, 8, 0)), mesh)
+        state, aux = sched(sched.init(params, tx.init(params)), batch)
+        assert np.isfinite(float(aux["loss"]))
+        plans[name] = [b.params for b in sched.program.buckets]
+    # at 1 GbE the dense plan overlaps every layer's all-reduce; top-0.1% messages are so
+    # small that the planner merges layers to save start-ups: the compression reached it
+    assert len(plans["topk"]) < len(plans["dense"])

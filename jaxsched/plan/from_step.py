@@ -115,7 +115,8 @@ def step_layer_profile(analysis: Analysis, paths: Sequence[str],
 def auto_bucket_paths(analysis: Analysis, paths: Sequence[str], strategy: str | CommPattern,
                       layer_profile: LayerProfile | None = None,
                       network_profile: NetworkProfile | str | None = None,
-                      planner: str = "optimal") -> tuple[list[list[str]], LayerProfile, NetworkProfile]:
+                      planner: str = "optimal", compression: Any = None
+                      ) -> tuple[list[list[str]], LayerProfile, NetworkProfile]:
     """Plan buckets for ``strategy`` (a name or its pattern) and return them as lists of
     parameter paths."""
     cap = analysis.captured
@@ -128,5 +129,5 @@ def auto_bucket_paths(analysis: Analysis, paths: Sequence[str], strategy: str | 
         network, _ = profile_network(cap.mesh, cap.axis_name, repeats=3)
     else:
         network = network_profile
-    groups = plan_buckets(profile, network, planner, strategy=strategy)
+    groups = plan_buckets(profile, network, planner, strategy=strategy, compression=compression)
     return [[paths[i] for layer in group for i in members[layer]] for group in groups], profile, network
