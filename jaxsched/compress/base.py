@@ -116,9 +116,31 @@ class Compressor(CollectiveWrapper):
 
     Subclasses implement ``init_own(bucket)`` (a NamedTuple with a ``bytes_sent`` field)
     and ``compress_sum(buffer, axis_name, bucket, own) -> (sum over devices, own)``.
+    Sparsifiers set ``density`` and ``sim_kind`` (how the simulator models them).
     """
 
     exact = False
+    sim_kind: str | None = None
+    density: Any = None
+
+    def sim_compression(self, selection_s_per_byte: float = 0.0):
+        """This compressor as the simulator and the bucket planner model it, for
+        ``jaxsched.sim.simulate(..., compression=)`` and
+        ``jaxsched.plan.plan_buckets(..., planner="optimal", compression=)`` (OMGS: the
+        planner then merges buckets against the compressed collective's cost and the
+        selection time). Needs one density for every bucket."""
+        from jaxsched.sim import Compression
+
+        if self.sim_kind is None:
+            raise ValueError(f"{type(self).__name__}: the simulator does not model it")
+        if not isinstance(self.density, float):
+            raise ValueError(f"{type(self).__name__}: the simulator models one density for every "
+                             f"bucket; got {self.density!r}")
+        return Compression(self.sim_kind, self.density, selection_s_per_byte)
+
+    def density_of(self, bucket: BucketSpec) -> float:
+        """This bucket's density (the same for all, per bucket, or a function: LAGS)."""
+        return bucket_density(self.density, bucket, type(self).__name__)
 
     def __init__(self, inner: Collective | None = None):
         super().__init__(inner)

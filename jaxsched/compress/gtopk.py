@@ -146,6 +146,8 @@ class GlobalTopK(Compressor):
       inner: the collective uncompressed operations (parameter all-gathers) go through.
     """
 
+    sim_kind = "gtopk"
+
     def __init__(self, density: Density = 0.01, error_feedback: bool = True,
                  inner: Collective | None = None):
         super().__init__(inner)
@@ -154,23 +156,6 @@ class GlobalTopK(Compressor):
 
     def __repr__(self) -> str:
         return f"GlobalTopK(density={self.density}, error_feedback={self.error_feedback})"
-
-    def sim_compression(self, selection_s_per_byte: float = 0.0):
-        """This compressor as the simulator and the bucket planner model it, for
-        ``jaxsched.sim.simulate(..., compression=)`` and
-        ``jaxsched.plan.plan_buckets(..., planner="optimal", compression=)`` (OMGS: the
-        planner then merges buckets against the compressed collective's cost and the
-        selection time). Needs one density for every bucket."""
-        from jaxsched.sim import Compression
-
-        if not isinstance(self.density, float):
-            raise ValueError(f"{type(self).__name__}: the simulator models one density for every "
-                             f"bucket; got {self.density!r}")
-        return Compression("gtopk", self.density, selection_s_per_byte)
-
-    def density_of(self, bucket: BucketSpec) -> float:
-        """This bucket's density (the same for all, per bucket, or a function: LAGS)."""
-        return bucket_density(self.density, bucket, type(self).__name__)
 
     def init_own(self, bucket: BucketSpec) -> GlobalTopKState:
         size = bucket.size if self.error_feedback and self.compresses(bucket) else 0

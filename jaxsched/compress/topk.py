@@ -91,6 +91,8 @@ class TopK(Compressor):
       inner: the collective that uncompressed operations (parameter all-gathers) go through.
     """
 
+    sim_kind = "topk"
+
     def __init__(self, density: Density = 0.01, error_feedback: bool = True,
                  selection: Selection = "threshold", seed: int = 0,
                  inner: Collective | None = None):
@@ -106,23 +108,6 @@ class TopK(Compressor):
     def __repr__(self) -> str:
         return (f"TopK(density={self.density}, error_feedback={self.error_feedback}, "
                 f"selection={self.selection!r})")
-
-    def sim_compression(self, selection_s_per_byte: float = 0.0):
-        """This compressor as the simulator and the bucket planner model it, for
-        ``jaxsched.sim.simulate(..., compression=)`` and
-        ``jaxsched.plan.plan_buckets(..., planner="optimal", compression=)`` (OMGS: the
-        planner then merges buckets against the compressed collective's cost and the
-        selection time). Needs one density for every bucket."""
-        from jaxsched.sim import Compression
-
-        if not isinstance(self.density, float):
-            raise ValueError(f"{type(self).__name__}: the simulator models one density for every "
-                             f"bucket; got {self.density!r}")
-        return Compression("topk", self.density, selection_s_per_byte)
-
-    def density_of(self, bucket: BucketSpec) -> float:
-        """This bucket's density (the same for all, per bucket, or a function: LAGS)."""
-        return bucket_density(self.density, bucket, type(self).__name__)
 
     def init_own(self, bucket: BucketSpec) -> TopKState:
         size = bucket.size if self.error_feedback and self.compresses(bucket) else 0
