@@ -12,7 +12,8 @@ import jaxsched
 from equivalence import assert_trees_close
 
 DEVICES = 4
-STRATEGIES = ["wfbp", "dear"]
+# dear (sharded state, the riskier rewrite) runs in `make test`; wfbp in `make test-slow`.
+STRATEGIES = [pytest.param("wfbp", marks=pytest.mark.slow), "dear"]
 TX = optax.adam(1e-2)
 
 
@@ -175,7 +176,7 @@ def _typed_key_body(p, s, batch):
     return {**optax.apply_updates(weights, u), "key": key}, s, {"loss": lax.pmean(loss, "data")}
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES + ["allreduce"])
+@pytest.mark.parametrize("strategy", STRATEGIES + [pytest.param("allreduce", marks=pytest.mark.slow)])
 def test_a_typed_key_and_an_integer_counter_pass_through(strategy):
     step, place, _ = _shard_map_step(_typed_key_body)
     weights = _params(0)

@@ -37,7 +37,7 @@ def _setup(strategy, n=6):
     return sched, sched.init(params, tx.init(params)), batches
 
 
-@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+@pytest.mark.parametrize("strategy", [pytest.param("wfbp", marks=pytest.mark.slow), "dear"])
 def test_verify_reports_agreement_with_a_baseline_per_leaf(strategy):
     sched, state, batches = _setup(strategy)
     report = sched.verify(state, batches, steps=6)
