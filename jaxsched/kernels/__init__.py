@@ -24,19 +24,4 @@ from jaxsched.kernels.error_feedback import (
     threshold_error_feedback,
 )
 
-__all__ = [
-    "BLOCK_COLS",
-    "ErrorFeedback",
-    "SparseGradient",
-    "compact",
-    "default_capacity",
-    "default_sample_size",
-    "densify",
-    "error_feedback_pallas",
-    "error_feedback_reference",
-    "estimate_threshold",
-    "exact_topk_error_feedback",
-    "fused_error_feedback",
-    "selection_size",
-    "threshold_error_feedback",
-]
+from jaxsched.kernels.error_feedback import __all__  # noqa: E402,F401  (one list of names)

@@ -72,7 +72,7 @@ from jaxsched.planned_step import PlannedStep
 from jaxsched.primitives import COLLECTIVES
 from jaxsched.replay import interpret, is_var, nested_eqns, read, source_line
 from jaxsched.rewrite.backward import walk_backward
-from jaxsched.strategies.base import RewrittenBody, Strategy, check_leaf_counts
+from jaxsched.strategies.base import RewrittenBody, Strategy, placed_user_layout
 from jaxsched.strategies.registry import register_strategy
 
 
@@ -284,10 +284,7 @@ class Approx(Strategy):
 
     def convert(self, planned: PlannedStep, state: NamedTuple) -> ApproxState:
         cap = planned.captured
-        params, opts = jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state)
-        check_leaf_counts(planned, params, opts)
-        params = [planned.placed(v, planned.input_spec("params", i)) for i, v in enumerate(params)]
-        opts = [planned.placed(v, planned.input_spec("opt_state", j)) for j, v in enumerate(opts)]
+        params, opts = map(jax.tree.leaves, placed_user_layout(planned, state))
         stacked = NamedSharding(planned.mesh, P(planned.axis_name))
         template = self.pending_template(planned) if self.staleness else []
         pending = tuple(getattr(state, "pending", ()) or ())

@@ -196,13 +196,8 @@ class UserLayoutStrategy(Strategy):
     """
 
     def convert(self, planned: PlannedStep, state: NamedTuple) -> SchedState:
-        cap = planned.captured
-        params, opts = jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state)
-        check_leaf_counts(planned, params, opts)
-        params = [planned.placed(v, planned.input_spec("params", i)) for i, v in enumerate(params)]
-        opts = [planned.placed(v, planned.input_spec("opt_state", j)) for j, v in enumerate(opts)]
-        return SchedState(jax.tree.unflatten(cap.params_tree, params),
-                          jax.tree.unflatten(cap.opt_tree, opts),
+        params, opts = placed_user_layout(planned, state)
+        return SchedState(params, opts,
                           self.collective_state(planned, getattr(state, "collective_state", None)))
 
     def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
@@ -235,6 +230,17 @@ class UserLayoutStrategy(Strategy):
 
     def check_vma(self, planned: PlannedStep) -> bool:
         return False
+
+
+def placed_user_layout(planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
+    """``state``'s params and opt_state in the user's layout, each leaf on the mesh with the
+    spec the user's step gives it."""
+    cap = planned.captured
+    params, opts = jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state)
+    check_leaf_counts(planned, params, opts)
+    params = [planned.placed(v, planned.input_spec("params", i)) for i, v in enumerate(params)]
+    opts = [planned.placed(v, planned.input_spec("opt_state", j)) for j, v in enumerate(opts)]
+    return jax.tree.unflatten(cap.params_tree, params), jax.tree.unflatten(cap.opt_tree, opts)
 
 
 def check_leaf_counts(planned: PlannedStep, params: Sequence, opts: Sequence) -> None:
