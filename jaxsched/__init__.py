@@ -15,6 +15,7 @@ from jaxsched.strategies import Strategy, register_strategy
 from jaxsched.sim import simulate
 from jaxsched.steps import make_pmap_step, make_step
 from jaxsched.trainer import RunResult, train
+from jaxsched import nnx  # noqa: E402  (after schedule: the adapter wraps it)
 
 __all__ = [
     "Collective",
@@ -36,6 +37,7 @@ __all__ = [
     "make_pmap_step",
     "make_step",
     "network_preset",
+    "nnx",
     "plan_buckets",
     "profile_network",
     "profile_zoo_model",

@@ -132,14 +132,16 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any) -> Captured
     outs = list(jaxpr.outvars)
     while len(jaxpr.eqns) == 1 and jaxpr.eqns[0].primitive.name in CALL_PRIMITIVES:
         eqn = jaxpr.eqns[0]
-        if list(eqn.outvars) != [o for o in outs]:
-            break
+        position = {v: i for i, v in enumerate(eqn.outvars)}
+        if not all(isinstance(o, jex_core.Var) and o in position for o in outs):
+            break  # an output bypasses the call: the shard_map check below explains
         inner, inner_consts = _sub_jaxpr(eqn)
         new_env = {}
         for v, operand in zip(inner.invars, eqn.invars):
             new_env[v] = ("const", operand.val) if isinstance(operand, jex_core.Literal) else env[operand]
         new_env.update({v: ("const", c) for v, c in zip(inner.constvars, inner_consts)})
-        env, jaxpr, outs = new_env, inner, list(inner.outvars)
+        # the call may return its outputs in another order than the step (NNX's jit does)
+        env, jaxpr, outs = new_env, inner, [inner.outvars[position[o]] for o in outs]
 
     shard_maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     if not shard_maps:

@@ -83,6 +83,9 @@ class Strategy(abc.ABC):
     name: ClassVar[str] = ""
     cost: ClassVar[CommPattern] = CommPattern()
     accepts_collective: ClassVar[bool] = True
+    #: whether params and opt_state stay in the user's layout between steps (so an adapter
+    #: may hand them to the user after every step without a ``finalize``)
+    keeps_user_layout: ClassVar[bool] = False
 
     def __init__(self, collective: Collective | None = None):
         if collective is not None and not self.accepts_collective:
@@ -194,6 +197,8 @@ class UserLayoutStrategy(Strategy):
     Subclasses implement :meth:`per_device`: the user's body inputs in, the user's body
     outputs out (plus the collective's new state).
     """
+
+    keeps_user_layout = True
 
     def convert(self, planned: PlannedStep, state: NamedTuple) -> SchedState:
         params, opts = placed_user_layout(planned, state)
