@@ -26,7 +26,6 @@ again from the objects' values.
 Example:
     >>> import jax, jax.numpy as jnp, optax
     >>> from flax import nnx
-from flax.nnx import graphlib
     >>> from jax.sharding import PartitionSpec as P
     >>> import jaxsched.nnx
     >>> from jaxsched import models, steps
