@@ -18,7 +18,7 @@ Example:
     >>> from jaxsched.profile import profile_zoo_model
     >>> prof = profile_zoo_model("mlp", batch=8, repeats=2)
     >>> [layer.name for layer in prof.layers]
-    ['hidden.0', 'hidden.1', 'head']
+    ['hidden/0', 'hidden/1', 'head']
 """
 from __future__ import annotations
 
@@ -66,12 +66,12 @@ def zoo_stages(name: str, model: Any) -> list[Stage]:
     relu = jax.nn.relu
     if name == "mlp":
         flatten = lambda x: x.reshape(x.shape[0], -1)
-        stages = [(f"hidden.{i}", *_with_activation(layer, relu, flatten if i == 0 else None))
+        stages = [(f"hidden/{i}", *_with_activation(layer, relu, flatten if i == 0 else None))
                   for i, layer in enumerate(model.hidden)]
         return stages + [("head", *_with_activation(model.head))]
     if name == "cnn":
         stages = [("stem", *_with_activation(model.stem, relu))]
-        stages += [(f"blocks.{i}", *_with_activation(b)) for i, b in enumerate(model.blocks)]
+        stages += [(f"blocks/{i}", *_with_activation(b)) for i, b in enumerate(model.blocks)]
         return stages + [("head", *_with_activation(model.head, before=lambda x: x.mean(axis=(1, 2))))]
     if name == "transformer":
         embed_params, embed = models.pure(model.embed)
@@ -82,7 +82,7 @@ def zoo_stages(name: str, model: Any) -> list[Stage]:
             return embed(p["embed"], tokens) + p["pos"][: tokens.shape[1]]
 
         stages = [("embed", {"embed": embed_params, "pos": model.pos[...]}, embedding)]
-        stages += [(f"blocks.{i}", *_with_activation(b)) for i, b in enumerate(model.blocks)]
+        stages += [(f"blocks/{i}", *_with_activation(b)) for i, b in enumerate(model.blocks)]
         return stages + [("norm+head", {"norm": norm_params, "head": head_params},
                           lambda p, x: head(p["head"], norm(p["norm"], x)))]
     raise ValueError(f"no stage split for model {name!r}; use one of mlp, cnn, transformer")

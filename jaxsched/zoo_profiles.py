@@ -74,13 +74,13 @@ def resnet50() -> list[ArchLayer]:
     for stage, (width, blocks, stride) in enumerate([(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)]):
         for b in range(blocks):
             s = stride if b == 0 else 1
-            prefix = f"layer{stage + 1}.{b}"
+            prefix = f"layer{stage + 1}/{b}"
             cin = c
-            _, h1, w1 = _conv(layers, f"{prefix}.conv1", cin, width, (1, 1), h, w)
-            _, h2, w2 = _conv(layers, f"{prefix}.conv2", width, width, (3, 3), h1, w1, s, (1, 1))
-            c, _, _ = _conv(layers, f"{prefix}.conv3", width, 4 * width, (1, 1), h2, w2)
+            _, h1, w1 = _conv(layers, f"{prefix}/conv1", cin, width, (1, 1), h, w)
+            _, h2, w2 = _conv(layers, f"{prefix}/conv2", width, width, (3, 3), h1, w1, s, (1, 1))
+            c, _, _ = _conv(layers, f"{prefix}/conv3", width, 4 * width, (1, 1), h2, w2)
             if b == 0:
-                _conv(layers, f"{prefix}.downsample", cin, 4 * width, (1, 1), h, w, s)
+                _conv(layers, f"{prefix}/downsample", cin, 4 * width, (1, 1), h, w, s)
             h, w = h2, w2
     _linear(layers, "fc", 2048, 1000)
     return layers
@@ -94,7 +94,7 @@ def vgg16() -> list[ArchLayer]:
         if v == "M":
             h, w = h // 2, w // 2
         else:
-            c, h, w = _conv(layers, f"features.{i}", c, v, (3, 3), h, w, 1, (1, 1), bias=True, bn=False)
+            c, h, w = _conv(layers, f"features/{i}", c, v, (3, 3), h, w, 1, (1, 1), bias=True, bn=False)
     _linear(layers, "classifier.0", 512 * 7 * 7, 4096)
     _linear(layers, "classifier.3", 4096, 4096)
     _linear(layers, "classifier.6", 4096, 1000)
@@ -107,9 +107,9 @@ def densenet201(growth: int = 32, blocks: tuple[int, ...] = (6, 12, 48, 32)) -> 
     h, w = (h - 1) // 2 + 1, (w - 1) // 2 + 1
     for b, count in enumerate(blocks):
         for i in range(count):
-            prefix = f"denseblock{b + 1}.denselayer{i + 1}"
-            _conv(layers, f"{prefix}.conv1", c, 4 * growth, (1, 1), h, w, bn=False, pre_bn=c)
-            _conv(layers, f"{prefix}.conv2", 4 * growth, growth, (3, 3), h, w, 1, (1, 1),
+            prefix = f"denseblock{b + 1}/denselayer{i + 1}"
+            _conv(layers, f"{prefix}/conv1", c, 4 * growth, (1, 1), h, w, bn=False, pre_bn=c)
+            _conv(layers, f"{prefix}/conv2", 4 * growth, growth, (3, 3), h, w, 1, (1, 1),
                   bn=False, pre_bn=4 * growth)
             c += growth
         if b < len(blocks) - 1:
@@ -139,29 +139,29 @@ def inception_v4(num_classes: int = 1000) -> list[ArchLayer]:
     _, h, w = conv("mixed5a", 192, 192, (3, 3), h, w, 2)  # || maxpool: 384
     for i in range(4):
         p = f"inception_a{i}"
-        conv(f"{p}.b0", 384, 96, (1, 1), h, w)
-        conv(f"{p}.b1.0", 384, 64, (1, 1), h, w)
-        conv(f"{p}.b1.1", 64, 96, (3, 3), h, w, 1, (1, 1))
-        conv(f"{p}.b2.0", 384, 64, (1, 1), h, w)
-        conv(f"{p}.b2.1", 64, 96, (3, 3), h, w, 1, (1, 1))
-        conv(f"{p}.b2.2", 96, 96, (3, 3), h, w, 1, (1, 1))
-        conv(f"{p}.b3", 384, 96, (1, 1), h, w)
+        conv(f"{p}/b0", 384, 96, (1, 1), h, w)
+        conv(f"{p}/b1/0", 384, 64, (1, 1), h, w)
+        conv(f"{p}/b1/1", 64, 96, (3, 3), h, w, 1, (1, 1))
+        conv(f"{p}/b2/0", 384, 64, (1, 1), h, w)
+        conv(f"{p}/b2/1", 64, 96, (3, 3), h, w, 1, (1, 1))
+        conv(f"{p}/b2/2", 96, 96, (3, 3), h, w, 1, (1, 1))
+        conv(f"{p}/b3", 384, 96, (1, 1), h, w)
     conv("reduction_a.b0", 384, 384, (3, 3), h, w, 2)
     conv("reduction_a.b1.0", 384, 192, (1, 1), h, w)
     conv("reduction_a.b1.1", 192, 224, (3, 3), h, w, 1, (1, 1))
     _, h, w = conv("reduction_a.b1.2", 224, 256, (3, 3), h, w, 2)
     for i in range(7):
         p = f"inception_b{i}"
-        conv(f"{p}.b0", 1024, 384, (1, 1), h, w)
-        conv(f"{p}.b1.0", 1024, 192, (1, 1), h, w)
-        conv(f"{p}.b1.1", 192, 224, (1, 7), h, w, 1, (0, 3))
-        conv(f"{p}.b1.2", 224, 256, (7, 1), h, w, 1, (3, 0))
-        conv(f"{p}.b2.0", 1024, 192, (1, 1), h, w)
-        conv(f"{p}.b2.1", 192, 192, (7, 1), h, w, 1, (3, 0))
-        conv(f"{p}.b2.2", 192, 224, (1, 7), h, w, 1, (0, 3))
-        conv(f"{p}.b2.3", 224, 224, (7, 1), h, w, 1, (3, 0))
-        conv(f"{p}.b2.4", 224, 256, (1, 7), h, w, 1, (0, 3))
-        conv(f"{p}.b3", 1024, 128, (1, 1), h, w)
+        conv(f"{p}/b0", 1024, 384, (1, 1), h, w)
+        conv(f"{p}/b1/0", 1024, 192, (1, 1), h, w)
+        conv(f"{p}/b1/1", 192, 224, (1, 7), h, w, 1, (0, 3))
+        conv(f"{p}/b1/2", 224, 256, (7, 1), h, w, 1, (3, 0))
+        conv(f"{p}/b2/0", 1024, 192, (1, 1), h, w)
+        conv(f"{p}/b2/1", 192, 192, (7, 1), h, w, 1, (3, 0))
+        conv(f"{p}/b2/2", 192, 224, (1, 7), h, w, 1, (0, 3))
+        conv(f"{p}/b2/3", 224, 224, (7, 1), h, w, 1, (3, 0))
+        conv(f"{p}/b2/4", 224, 256, (1, 7), h, w, 1, (0, 3))
+        conv(f"{p}/b3", 1024, 128, (1, 1), h, w)
     conv("reduction_b.b0.0", 1024, 192, (1, 1), h, w)
     conv("reduction_b.b0.1", 192, 192, (3, 3), h, w, 2)
     conv("reduction_b.b1.0", 1024, 256, (1, 1), h, w)
@@ -170,16 +170,16 @@ def inception_v4(num_classes: int = 1000) -> list[ArchLayer]:
     _, h, w = conv("reduction_b.b1.3", 320, 320, (3, 3), h, w, 2)
     for i in range(3):
         p = f"inception_c{i}"
-        conv(f"{p}.b0", 1536, 256, (1, 1), h, w)
-        conv(f"{p}.b1.0", 1536, 384, (1, 1), h, w)
-        conv(f"{p}.b1.1a", 384, 256, (1, 3), h, w, 1, (0, 1))
-        conv(f"{p}.b1.1b", 384, 256, (3, 1), h, w, 1, (1, 0))
-        conv(f"{p}.b2.0", 1536, 384, (1, 1), h, w)
-        conv(f"{p}.b2.1", 384, 448, (3, 1), h, w, 1, (1, 0))
-        conv(f"{p}.b2.2", 448, 512, (1, 3), h, w, 1, (0, 1))
-        conv(f"{p}.b2.3a", 512, 256, (1, 3), h, w, 1, (0, 1))
-        conv(f"{p}.b2.3b", 512, 256, (3, 1), h, w, 1, (1, 0))
-        conv(f"{p}.b3", 1536, 256, (1, 1), h, w)
+        conv(f"{p}/b0", 1536, 256, (1, 1), h, w)
+        conv(f"{p}/b1/0", 1536, 384, (1, 1), h, w)
+        conv(f"{p}/b1/1a", 384, 256, (1, 3), h, w, 1, (0, 1))
+        conv(f"{p}/b1/1b", 384, 256, (3, 1), h, w, 1, (1, 0))
+        conv(f"{p}/b2/0", 1536, 384, (1, 1), h, w)
+        conv(f"{p}/b2/1", 384, 448, (3, 1), h, w, 1, (1, 0))
+        conv(f"{p}/b2/2", 448, 512, (1, 3), h, w, 1, (0, 1))
+        conv(f"{p}/b2/3a", 512, 256, (1, 3), h, w, 1, (0, 1))
+        conv(f"{p}/b2/3b", 512, 256, (3, 1), h, w, 1, (1, 0))
+        conv(f"{p}/b3", 1536, 256, (1, 1), h, w)
     _linear(layers, "last_linear", 1536, num_classes)
     return layers
 
@@ -191,9 +191,9 @@ def _transformer(prefix: str, dim: int, depth: int, seq: int, vocab: int, positi
                         0.0, 2 * dim * seq)]
     for i in range(depth):
         attention_macs = 4 * dim * dim * seq + 2 * seq * seq * dim  # projections + QK^T, AV
-        layers.append(ArchLayer(f"{prefix}{i}.attention", 4 * dim * dim + 4 * dim + 2 * dim,
+        layers.append(ArchLayer(f"{prefix}{i}/attention", 4 * dim * dim + 4 * dim + 2 * dim,
                                 attention_macs, 6 * dim * seq))
-        layers.append(ArchLayer(f"{prefix}{i}.mlp", 8 * dim * dim + 5 * dim + 2 * dim,
+        layers.append(ArchLayer(f"{prefix}{i}/mlp", 8 * dim * dim + 5 * dim + 2 * dim,
                                 8 * dim * dim * seq, 10 * dim * seq))
     if pooler:
         layers.append(ArchLayer("pooler", dim * dim + dim, dim * dim, 2 * dim))

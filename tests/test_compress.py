@@ -470,7 +470,7 @@ def test_auto_buckets_plan_against_the_compressed_collective():
     assert simulated_compression(make_strategy("wfbp", collective=TopK(0.01))).kind == "topk"
     assert simulated_compression(make_strategy("wfbp")) is None
     assert simulated_compression(make_strategy("dear", collective=TopK(0.01))) is None  # not modelled
-    measured = LayerProfile([Layer(name, 1, 10**8, 1.0, 2.0) for name in ("hidden.0", "hidden.1", "head")])
+    measured = LayerProfile([Layer(name, 1, 10**8, 1.0, 2.0) for name in ("hidden/0", "hidden/1", "head")])
     plans = {}
     for name, compression in (("dense", None), ("topk", TopK(0.001))):
         params, apply_fn = build("mlp", 0)

@@ -92,7 +92,7 @@ def test_layer_profile_on_the_mesh_is_rescaled_to_the_whole_model():
     assert all(layer.update_s >= 0 for layer in prof.layers) and prof.meta["dispatch_s"] > 0
     assert prof.forward_s == pytest.approx(prof.meta["whole_model_forward_s"])
     assert prof.backward_s == pytest.approx(prof.meta["whole_model_backward_s"])
-    assert [l.name for l in prof.layers] == ["hidden.0", "hidden.1", "head"]
+    assert [l.name for l in prof.layers] == ["hidden/0", "hidden/1", "head"]
 
 
 MULTI_PROCESS_SCRIPT = """

@@ -388,7 +388,7 @@ def test_auto_buckets_split_when_compute_is_long_enough_to_hide_communication():
 
     # Seconds of compute per layer against a 1 GbE model: overlapping pays, so the
     # optimal wfbp plan sends more than one bucket.
-    measured = LayerProfile([Layer(name, 1, 10**8, 1.0, 2.0) for name in ("hidden.0", "hidden.1", "head")])
+    measured = LayerProfile([Layer(name, 1, 10**8, 1.0, 2.0) for name in ("hidden/0", "hidden/1", "head")])
     sched = _check("mlp", "sgd", "wfbp", 4, n_steps=3, buckets="auto", layer_profile=measured,
                    network_profile="1gbe")
     assert len(sched.program.buckets) > 1
