@@ -109,7 +109,9 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any) -> Captured
     if not isinstance(out_shape, (tuple, list)) or len(out_shape) != 3:
         raise UnsupportedStepError(
             "the step must return (params, opt_state, aux); it returned "
-            f"{type(out_shape).__name__} with structure {jax.tree.structure(out_shape)}")
+            f"{type(out_shape).__name__} with structure {jax.tree.structure(out_shape)} (an NNX "
+            "train_step(model, optimizer, batch) that updates its objects in place is "
+            "scheduled by jaxsched.nnx.schedule)")
     params_tree = jax.tree.structure(params)
     opt_tree = jax.tree.structure(opt_state)
     for name, tree, out in (("params", params_tree, out_shape[0]), ("opt_state", opt_tree, out_shape[1])):
