@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-WIDTH = 2048
+WIDTH, DEPTH = 2048, 2  # the set-up; --depth 8 --width 1024 sends the same bytes
 RESULTS_DIR = Path("benchmarks/results")
 
 
@@ -103,18 +103,16 @@ def _worker(args: argparse.Namespace) -> int:
                     for p in range(nproc)]
     mesh = jax.sharding.Mesh(np.array(mesh_devices), ("data",))
     batch_sharding = NamedSharding(mesh, P("data"))
-    key = jax.random.PRNGKey(0)
-    k1, k2 = jax.random.split(key)
-    params = {"layer0": {"kernel": jax.random.normal(k1, (WIDTH, WIDTH)) / WIDTH ** 0.5,
-                         "bias": jnp.zeros(WIDTH)},
-              "layer1": {"kernel": jax.random.normal(k2, (WIDTH, WIDTH)) / WIDTH ** 0.5,
-                         "bias": jnp.zeros(WIDTH)}}
+    width, depth = args.width, args.depth
+    keys = jax.random.split(jax.random.PRNGKey(0), depth)
+    params = {f"layer{i}": {"kernel": jax.random.normal(keys[i], (width, width)) / width ** 0.5,
+                            "bias": jnp.zeros(width)} for i in range(depth)}
     tx = optax.sgd(1e-3, momentum=0.9)
 
     def loss_fn(p, x, y):
-        h = jnp.tanh(x @ p["layer0"]["kernel"] + p["layer0"]["bias"])
-        out = jnp.tanh(h @ p["layer1"]["kernel"] + p["layer1"]["bias"])
-        return jnp.mean((out - y) ** 2)
+        for i in range(depth):
+            x = jnp.tanh(x @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"])
+        return jnp.mean((x - y) ** 2)
 
     def make(reduce: bool):
         def body(p, s, batch):
@@ -134,8 +132,8 @@ def _worker(args: argparse.Namespace) -> int:
 
     def batch_of(rows: int, seed: int):
         rng = np.random.default_rng(seed * nproc + rank)
-        local = (rng.standard_normal((rows, WIDTH)).astype(np.float32),
-                 rng.standard_normal((rows, WIDTH)).astype(np.float32))
+        local = (rng.standard_normal((rows, width)).astype(np.float32),
+                 rng.standard_normal((rows, width)).astype(np.float32))
         return tuple(jax.make_array_from_process_local_data(batch_sharding, a) for a in local)
 
     def timed(fn, *a) -> float:
@@ -215,7 +213,7 @@ def _worker(args: argparse.Namespace) -> int:
         report = {"processes": nproc, "batch_per_process": rows, "steps": args.steps,
                   "step_s_all": times, "median_s": med, "losses": losses, "timelines": timelines,
                   "missing": missing,
-                  "layers": {"width": WIDTH, "params": int(sum(np.size(l) for l in jax.tree.leaves(params)))}}
+                  "layers": {"width": width, "depth": depth, "params": int(sum(np.size(l) for l in jax.tree.leaves(params)))}}
         Path(args.out).write_text(json.dumps(report))
     return 0
 
@@ -229,7 +227,8 @@ def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) ->
     result: dict[str, Any] = {"compute_s": compute_s, "comm_s": comm_s, "bound_s": bound,
                               "plain_s": plain_s, "bandwidth": bandwidth,
                               "processes": raw["processes"], "batch_per_process": raw["batch_per_process"],
-                              "steps": raw["steps"], "strategies": {}}
+                              "steps": raw["steps"], "layers": raw.get("layers", {}),
+                              "strategies": {}}
     for name in strategies:
         if name in raw.get("missing", []):
             result["strategies"][name] = {"missing": True}
@@ -248,12 +247,14 @@ def simulated(result: dict[str, Any], strategies: Sequence[str]):
     from jaxsched.costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
     from jaxsched.sim import simulate
 
-    per_layer = result["compute_s"] / 2
-    nbytes = (WIDTH * WIDTH + WIDTH) * 4
-    layers = LayerProfile([Layer(f"layer{i}", WIDTH * WIDTH + WIDTH, nbytes, per_layer / 3,
-                                 2 * per_layer / 3) for i in range(2)],
+    width = result.get("layers", {}).get("width", WIDTH)
+    depth = result.get("layers", {}).get("depth", DEPTH)
+    per_layer = result["compute_s"] / depth
+    nbytes = (width * width + width) * 4
+    layers = LayerProfile([Layer(f"layer{i}", width * width + width, nbytes, per_layer / 3,
+                                 2 * per_layer / 3) for i in range(depth)],
                           {"source": "measured compute-only step split 1:2 forward:backward"})
-    beta = result["comm_s"] / (2 * nbytes)
+    beta = result["comm_s"] / (depth * nbytes)
     costs = {c: CollectiveCost(0.0, beta * f) for c, f in
              (("all_reduce", 1.0), ("reduce_scatter", 0.5), ("all_gather", 0.5))}
     network = NetworkProfile(result["processes"], costs, {"source": "measured comm-only psum"})
@@ -264,7 +265,7 @@ def simulated(result: dict[str, Any], strategies: Sequence[str]):
         try:
             if "+" in name:
                 continue  # compressed variants are measured, not simulated here
-            buckets = [[0], [1]] if name != "allreduce" else None
+            buckets = [[i] for i in range(depth)] if name != "allreduce" else None
             sims[name] = simulate(layers, network, name, buckets)
         except Exception:  # a strategy the simulator does not model
             continue
@@ -313,7 +314,8 @@ def plot(raw: dict[str, Any], result: dict[str, Any], sims: dict, path: Path) ->
                          f"{float(sim.iteration_s) * 1e3:.0f} ms)", fontsize=9)
         ax.set_yticks([0, 1], ["compute", "comm"])
     axes[-1].set_xlabel("seconds")
-    fig.suptitle(f"{result['processes']} hosts, {result['bandwidth']} links, batch {result['batch_per_process']}"
+    fig.suptitle(f"{_model_text(result)}, {result['processes']} hosts, {result['bandwidth']} links, "
+                 f"batch {result['batch_per_process']}"
                  f"/process; compute {result['compute_s'] * 1e3:.0f} ms, comm {result['comm_s'] * 1e3:.0f} ms")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -331,7 +333,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = Path(tmp) / "raw.json"
         worker = [sys.executable, "-m", "jaxsched.bench", "--worker", "--out", str(raw_path),
-                  "--steps", str(args.steps), "--strategies", ",".join(strategies)]
+                  "--steps", str(args.steps), "--strategies", ",".join(strategies),
+                  "--depth", str(args.depth), "--width", str(args.width)]
         if args.batch:
             worker += ["--batch", str(args.batch)]
         if args.buckets:
@@ -371,8 +374,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_text(result: dict[str, Any]) -> str:
+    layers = result.get("layers", {})
+    return f"{layers.get('depth', DEPTH)}x{layers.get('width', WIDTH)} tanh MLP"
+
+
 def format_report(result: dict[str, Any]) -> str:
-    lines = [f"{result['processes']} hosts, {result['bandwidth']}, batch {result['batch_per_process']} per "
+    lines = [f"{_model_text(result)}, {result['processes']} hosts, {result['bandwidth']}, "
+             f"batch {result['batch_per_process']} per "
              f"process, medians of {result['steps']} interleaved steps (MEASURED)",
              f"  compute only {result['compute_s'] * 1e3:7.1f} ms   comm only {result['comm_s'] * 1e3:7.1f} ms"
              f"   bound {result['bound_s'] * 1e3:7.1f} ms   plain step {result['plain_s'] * 1e3:7.1f} ms",
@@ -398,6 +407,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compression", help="also run wfbp/dear with this compressor "
                         "(topk:DENSITY, gtopk:DENSITY, powersgd:RANK, bf16), same session")
     parser.add_argument("--batch", type=int, help="per-process batch (default: calibrated)")
+    parser.add_argument("--depth", type=int, default=DEPTH, help="layers of the tanh MLP")
+    parser.add_argument("--width", type=int, default=WIDTH, help="width of every layer")
     parser.add_argument("--buckets", type=int, help="bucket byte threshold (default: one per layer)")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--png", help="Gantt chart path (default benchmarks/results/overlap_gantt.png)")
@@ -418,8 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         args.strategies = [s for s in args.strategies.split(",") if s]
-        # one bucket per layer: layer1's reduction overlaps layer0's backward
-        args.buckets = args.buckets or [["layer1"], ["layer0"]]
+        # one bucket per layer: each layer's reduction overlaps the backward of those below
+        args.buckets = args.buckets or [[f"layer{i}"] for i in reversed(range(args.depth))]
         return _worker(args)
     return run(args)
 
