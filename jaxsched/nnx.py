@@ -133,7 +133,7 @@ class NNXScheduled:
             session.state = session.scheduled.init(*self._pure(session, params, rest), batch)
             session.written = _leaves(params, rest)
         session.state, aux = session.scheduled(session.state, batch)
-        if session.scheduled.strategy.keeps_user_layout:
+        if session.scheduled.program.strategy.keeps_user_layout:
             self._write_back(session, nodes, session.state.params, session.state.opt_state)
         return aux
 

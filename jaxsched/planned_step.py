@@ -43,6 +43,8 @@ class PlannedStep:
       compression: how the simulator models the strategy's compressor (a
         :class:`jaxsched.sim.Compression`), so that ``"auto"`` merges buckets against the
         compressed collective's cost (OMGS); None for dense collectives.
+      engine: the engine that will run the step; ``"auto"`` asks it for its fixed cost per
+        collective (:meth:`jaxsched.engine.Engine.costs`).
       layer_profile, network_profile: what ``"auto"`` planned with (None otherwise).
       derived: memo of what the strategy derives from the plan (see :meth:`memo`).
     """
@@ -52,6 +54,7 @@ class PlannedStep:
     plan_options: dict = dataclasses.field(default_factory=dict)
     pattern: CommPattern = WFBP_PATTERN
     compression: Any = None
+    engine: Any = None
     layer_profile: LayerProfile | None = None
     network_profile: NetworkProfile | None = None
     derived: dict = dataclasses.field(default_factory=dict, repr=False)
@@ -83,6 +86,7 @@ class PlannedStep:
 
             option, self.layer_profile, self.network_profile = auto_bucket_paths(
                 self.analysis, self.paths, self.pattern, compression=self.compression,
+                engine_costs=None if self.engine is None else self.engine.costs(self.mesh),
                 **self.plan_options)
         return plan_buckets(self.analysis, self.paths, option)
 

@@ -367,6 +367,33 @@ def measure_copy(mesh: Mesh | None = None, axis: str = "data",
     return cost.beta_s_per_byte / 2
 
 
+def agree_across_processes(values: Sequence[float]) -> np.ndarray:
+    """Process 0's ``values`` on every process (unchanged with one process).
+
+    Measurements differ a little between processes; whatever a plan is computed from must
+    be identical everywhere, or processes would build different programs and their
+    collectives would never match.
+    """
+    values = np.asarray(values, np.float64)
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.broadcast_one_to_all(values), np.float64)
+
+
+def agree_on_network(network: NetworkProfile) -> NetworkProfile:
+    """``network`` with process 0's measured numbers (see :func:`agree_across_processes`)."""
+    names = sorted(network.collectives)
+    flat = [x for n in names for x in (network.collectives[n].alpha_s,
+                                       network.collectives[n].beta_s_per_byte)]
+    agreed = agree_across_processes([*flat, network.dispatch_s, network.copy_s_per_byte])
+    collectives = {n: CollectiveCost(float(agreed[2 * i]), float(agreed[2 * i + 1]))
+                   for i, n in enumerate(names)}
+    return dataclasses.replace(network, collectives=collectives, dispatch_s=float(agreed[-2]),
+                               copy_s_per_byte=float(agreed[-1]))
+
+
 def profile_network(mesh: Mesh | None = None, axis: str = "data",
                     sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
                     progress: bool = False, fixed_costs: bool = True

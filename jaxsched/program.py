@@ -111,8 +111,10 @@ class Program:
 def build_program(captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Engine,
                   plan_options: dict | None = None) -> Program:
     """The program of ``strategy`` for ``captured`` with bucket option ``buckets`` on ``engine``."""
-    planned = PlannedStep(captured, buckets, dict(plan_options or {}), strategy.cost,
-                          compression=simulated_compression(strategy))
+    plan_options = dict(plan_options or {})
+    strategy, buckets = strategy.resolve(captured, buckets, plan_options, engine)
+    planned = PlannedStep(captured, buckets, plan_options, strategy.cost,
+                          compression=simulated_compression(strategy), engine=engine)
     return Program(planned, strategy, engine)
 
 

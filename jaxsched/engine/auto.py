@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxsched.engine.base import Engine, PerDeviceProgram, register_engine
+from jaxsched.engine.base import Engine, EngineCosts, PerDeviceProgram, register_engine
 from jaxsched.engine.host import HostEngine, host_engine_applies
 from jaxsched.engine.xla import XlaEngine
 
@@ -27,6 +27,9 @@ class AutoEngine(Engine):
 
     def resolve(self, program: PerDeviceProgram) -> Engine:
         return HostEngine() if host_engine_applies(program.mesh) else self.xla
+
+    def costs(self, mesh) -> EngineCosts:
+        return (HostEngine() if host_engine_applies(mesh) else self.xla).costs(mesh)
 
     def compile(self, program: PerDeviceProgram):
         return self.resolve(program).compile(program)

@@ -77,10 +77,31 @@ class PerDeviceProgram:
         return (inner.jaxpr if hasattr(inner, "jaxpr") else inner), operands
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineCosts:
+    """What an engine changes in the cost of a step, for planners (buckets, ``strategy="auto"``).
+
+    Attributes:
+      overlaps: whether a collective can run while compute goes on. XLA:CPU runs
+        collectives inline in the program (docs/cpu_facts.md), so the ``xla`` engine on CPU
+        does not overlap; planners then simulate one shared stream.
+      per_collective_s: fixed seconds each collective costs on top of what
+        :func:`jaxsched.profile_network` measures for it (the host engine's Python dispatch
+        of a communication stage, its device copies, and the compute stage its cut adds).
+    """
+
+    overlaps: bool = True
+    per_collective_s: float = 0.0
+
+
 class Engine(abc.ABC):
     """Runs per-device programs. Subclasses take their own options at construction."""
 
     name: str = ""
+
+    def costs(self, mesh: Mesh) -> EngineCosts:
+        """How this engine runs collectives on ``mesh`` (see :class:`EngineCosts`)."""
+        return EngineCosts(overlaps=mesh.devices.flat[0].platform != "cpu")
 
     def resolve(self, program: PerDeviceProgram) -> "Engine":
         """The engine that will run ``program`` (an engine that chooses per mesh says which)."""

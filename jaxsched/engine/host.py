@@ -50,11 +50,12 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched import replay
-from jaxsched.engine.base import Engine, PerDeviceProgram, register_engine
+from jaxsched.engine.base import Engine, EngineCosts, PerDeviceProgram, register_engine
 from jaxsched.primitives import CALL_PRIMITIVES, COLLECTIVES
 
 #: Elements of the ballast each stage sums: above XLA:CPU's inline-execution estimate.
@@ -237,9 +238,49 @@ class HostEngine(Engine):
 
     def __init__(self, record_timings: bool = False):
         self.record_timings = record_timings
+        self._costs: dict[Any, EngineCosts] = {}
 
     def compile(self, program: PerDeviceProgram) -> "StagedProgram":
         return StagedProgram(program, self.record_timings)
+
+    def costs(self, mesh: Mesh) -> EngineCosts:
+        """Overlapping, at a measured Python cost per collective (:func:`measure_stage_overhead`);
+        measured once per mesh, by every process at the same point, as planning is."""
+        key = (tuple(d.id for d in mesh.devices.flat), mesh.axis_names)
+        if key not in self._costs:
+            from jaxsched.profile import agree_across_processes
+
+            seconds = measure_stage_overhead(mesh, mesh.axis_names[0])
+            self._costs[key] = EngineCosts(True, float(agree_across_processes([seconds])[0]))
+        return self._costs[key]
+
+
+def measure_stage_overhead(mesh: Mesh, axis: str, repeats: int = 9) -> float:
+    """Seconds of Python each collective adds to a staged step on ``mesh``.
+
+    A cut at a collective adds a communication stage, a compute stage after it and two
+    device copies, all dispatched from the Python thread that also feeds compute. This is
+    the median dispatch time of a staged ``compute -> psum -> compute`` program minus that
+    of the same compute as one stage (both tiny, so only dispatch counts). Every process
+    must call it at the same point (the psum is a real collective).
+    """
+    spec = (P(axis),)
+    staged = StagedProgram(PerDeviceProgram(lambda x: (lax.psum(x * 2.0, axis) * 3.0,), mesh, axis,
+                                            spec, spec))
+    plain = StagedProgram(PerDeviceProgram(lambda x: (x * 2.0 * 3.0,), mesh, axis, spec, spec))
+    host = np.ones((mesh.devices.size, 8), np.float32)
+    x = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P(axis)), lambda i: host[i])
+
+    def dispatch_seconds(program: StagedProgram) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            out = program(x)
+            times.append(time.perf_counter() - start)
+            jax.block_until_ready(out)
+        return float(np.median(times[1:]))  # the first call traces and compiles
+
+    return max(0.0, dispatch_seconds(staged) - dispatch_seconds(plain))
 
 
 class StagedProgram:

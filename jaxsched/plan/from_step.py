@@ -26,7 +26,9 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from jaxsched.analyze import Analysis
-from jaxsched.costmodel import CommPattern, Layer, LayerProfile, NetworkProfile, network_preset
+from jaxsched.costmodel import (CollectiveCost, CommPattern, Layer, LayerProfile, NetworkProfile,
+                                network_preset)
+from jaxsched.engine.base import EngineCosts
 from jaxsched.plan import plan_buckets
 
 MATMULS = ("dot_general", "conv_general_dilated")
@@ -99,7 +101,10 @@ def step_layer_profile(analysis: Analysis, paths: Sequence[str],
         layers = [dataclasses.replace(by_name[n], name=n) for n in order]
         return LayerProfile(layers, {"source": "measured layer profile"}), members
     if flops_per_s is None:
-        flops_per_s = measure_flops_per_s(cap.mesh.devices.flat[0])
+        from jaxsched.profile import agree_across_processes
+
+        local = [d for d in cap.mesh.devices.flat if d.process_index == jax.process_index()]
+        flops_per_s = float(agree_across_processes([measure_flops_per_s(local[0])])[0])
     flops = forward_flops(analysis)
     layers = []
     for name, group in zip(order, members):
@@ -112,22 +117,39 @@ def step_layer_profile(analysis: Analysis, paths: Sequence[str],
     return LayerProfile(layers, meta), members
 
 
-def auto_bucket_paths(analysis: Analysis, paths: Sequence[str], strategy: str | CommPattern,
-                      layer_profile: LayerProfile | None = None,
-                      network_profile: NetworkProfile | str | None = None,
-                      planner: str = "optimal", compression: Any = None
-                      ) -> tuple[list[list[str]], LayerProfile, NetworkProfile]:
-    """Plan buckets for ``strategy`` (a name or its pattern) and return them as lists of
-    parameter paths."""
+def step_network_profile(analysis: Analysis, network_profile: NetworkProfile | str | None = None,
+                         engine_costs: EngineCosts | None = None) -> NetworkProfile:
+    """The network a plan for this step assumes: a preset, a given profile, or one measured on
+    the step's mesh (the same on every process), with the engine's fixed cost per collective
+    added to every collective's start-up."""
     cap = analysis.captured
-    profile, members = step_layer_profile(analysis, paths, layer_profile)
     if isinstance(network_profile, str):
         network = network_preset(network_profile, cap.axis_size)
     elif network_profile is None:
-        from jaxsched.profile import profile_network
+        from jaxsched.profile import agree_on_network, profile_network
 
-        network, _ = profile_network(cap.mesh, cap.axis_name, repeats=3)
+        network = agree_on_network(profile_network(cap.mesh, cap.axis_name, repeats=3)[0])
     else:
         network = network_profile
+    extra = engine_costs.per_collective_s if engine_costs is not None else 0.0
+    if extra:
+        network = dataclasses.replace(network, collectives={
+            name: CollectiveCost(cost.alpha_s + extra, cost.beta_s_per_byte)
+            for name, cost in network.collectives.items()},
+            meta={**network.meta, "engine_per_collective_s": extra})
+    return network
+
+
+def auto_bucket_paths(analysis: Analysis, paths: Sequence[str], strategy: str | CommPattern,
+                      layer_profile: LayerProfile | None = None,
+                      network_profile: NetworkProfile | str | None = None,
+                      planner: str = "optimal", compression: Any = None,
+                      engine_costs: EngineCosts | None = None
+                      ) -> tuple[list[list[str]], LayerProfile, NetworkProfile]:
+    """Plan buckets for ``strategy`` (a name or its pattern) and return them as lists of
+    parameter paths. ``engine_costs`` (from the engine that will run the step) adds its
+    fixed cost per collective, so a staged engine is not cut finer than pays."""
+    profile, members = step_layer_profile(analysis, paths, layer_profile)
+    network = step_network_profile(analysis, network_profile, engine_costs)
     groups = plan_buckets(profile, network, planner, strategy=strategy, compression=compression)
     return [[paths[i] for layer in group for i in members[layer]] for group in groups], profile, network

@@ -99,6 +99,12 @@ class Strategy(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(collective={type(self.collective).__name__})"
 
+    def resolve(self, captured: Any, buckets: Any, plan_options: dict, engine: Any
+                ) -> tuple["Strategy", Any]:
+        """The strategy and bucket option that will run ``captured`` (a strategy that chooses
+        per step, ``auto``, says which); ``self`` and ``buckets`` unchanged by default."""
+        return self, buckets
+
     def initial_state(self, params: Any, opt_state: Any) -> NamedTuple:
         """The user's trees as this strategy's state, before any step was traced."""
         return SchedState(params, opt_state)
