@@ -132,15 +132,23 @@ class Auto(Strategy):
 
 
 def _layer_groups(buckets: Sequence[Sequence[int]], layer_of: dict[int, int]) -> list[list[int]]:
-    """Bucket plan over parameter leaves -> the simulator's groups of layers, forward order.
+    """Bucket plan over parameter leaves -> the simulator's groups of layers: contiguous runs
+    in forward order of layers in the same bucket.
 
-    A layer whose leaves sit in several buckets is counted in the one its first leaf is in.
+    A layer whose leaves sit in several buckets counts in the one its first leaf is in; a
+    layer in no bucket (no reduced gradient) joins its predecessor's run.
     """
     owner: dict[int, int] = {}
     for b, params in enumerate(buckets):
         for i in params:
             owner.setdefault(layer_of[i], b)
-    by_bucket: dict[int, list[int]] = {}
-    for layer in sorted(owner):
-        by_bucket.setdefault(owner[layer], []).append(layer)
-    return sorted(by_bucket.values(), key=min)
+    groups: list[list[int]] = []
+    previous = None
+    for layer in range(max(layer_of.values()) + 1):
+        bucket = owner.get(layer, previous)
+        if groups and bucket == previous:
+            groups[-1].append(layer)
+        else:
+            groups.append([layer])
+        previous = bucket
+    return groups
