@@ -43,6 +43,8 @@ class PlannedStep:
       compression: how the simulator models the strategy's compressor (a
         :class:`jaxsched.sim.Compression`), so that ``"auto"`` merges buckets against the
         compressed collective's cost (OMGS); None for dense collectives.
+      compressor: the strategy's compressor behind ``compression``; ``"auto"`` measures its
+        selection time per byte on the mesh before planning.
       engine: the engine that will run the step; ``"auto"`` asks it for its fixed cost per
         collective (:meth:`jaxsched.engine.Engine.costs`).
       layer_profile, network_profile: what ``"auto"`` planned with (None otherwise).
@@ -54,6 +56,7 @@ class PlannedStep:
     plan_options: dict = dataclasses.field(default_factory=dict)
     pattern: CommPattern = WFBP_PATTERN
     compression: Any = None
+    compressor: Any = None
     engine: Any = None
     layer_profile: LayerProfile | None = None
     network_profile: NetworkProfile | None = None
@@ -82,8 +85,9 @@ class PlannedStep:
             if option != "auto":
                 raise ValueError(f"buckets={option!r} is not understood; the only named plan is "
                                  "'auto' (cost-model planning)")
-            from jaxsched.plan.from_step import auto_bucket_paths
+            from jaxsched.plan.from_step import auto_bucket_paths, with_selection_cost
 
+            self.compression = with_selection_cost(self.compression, self.compressor, self.mesh)
             option, self.layer_profile, self.network_profile = auto_bucket_paths(
                 self.analysis, self.paths, self.pattern, compression=self.compression,
                 engine_costs=None if self.engine is None else self.engine.costs(self.mesh),

@@ -140,6 +140,18 @@ def step_network_profile(analysis: Analysis, network_profile: NetworkProfile | s
     return network
 
 
+def with_selection_cost(compression: Any, compressor: Any, mesh: Any) -> Any:
+    """The simulator's ``compression`` with the selection time ``compressor`` really takes on
+    this process's device of ``mesh`` (the same number on every process)."""
+    if compression is None or compressor is None or compression.selection_s_per_byte:
+        return compression
+    from jaxsched.profile import agree_across_processes, measure_selection_s_per_byte
+
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    seconds = float(agree_across_processes([measure_selection_s_per_byte(compressor, local[0])])[0])
+    return dataclasses.replace(compression, selection_s_per_byte=seconds)
+
+
 def auto_bucket_paths(analysis: Analysis, paths: Sequence[str], strategy: str | CommPattern,
                       layer_profile: LayerProfile | None = None,
                       network_profile: NetworkProfile | str | None = None,

@@ -88,7 +88,8 @@ class Auto(Strategy):
     def resolve(self, captured: Any, buckets: Any, plan_options: dict, engine: Any
                 ) -> tuple[Strategy, Any]:
         from jaxsched.plan import plan_buckets
-        from jaxsched.plan.from_step import step_layer_profile, step_network_profile
+        from jaxsched.plan.from_step import (step_layer_profile, step_network_profile,
+                                             with_selection_cost)
         from jaxsched.planned_step import PlannedStep
         from jaxsched.program import simulated_compression
         from jaxsched.sim import simulate
@@ -101,7 +102,8 @@ class Auto(Strategy):
         layer_of = {i: k for k, group in enumerate(members) for i in group}
         results: dict[str, tuple[float, Strategy, Any]] = {}
         for candidate in self._candidates():
-            compression = simulated_compression(candidate)
+            compression = with_selection_cost(simulated_compression(candidate),
+                                              candidate.collective, captured.mesh)
             if buckets is None or buckets == "auto":
                 groups = plan_buckets(layers, network, plan_options.get("planner", "optimal"),
                                       strategy=candidate.cost, compression=compression)
