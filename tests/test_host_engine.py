@@ -75,6 +75,15 @@ def test_one_process_host_engine_equals_xla_for_every_strategy():
         assert all(0 <= t.dispatched <= t.done and t.started <= t.done for t in timings[-1])
 
 
+def test_host_engine_reports_overlap_and_a_measured_cost_per_collective():
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    engine = HostEngine()
+    costs = engine.costs(mesh)
+    assert costs.overlaps and 0 < costs.per_collective_s < 0.5
+    assert engine.costs(mesh) is costs  # measured once per mesh
+    assert not jaxsched.engine.XlaEngine().costs(mesh).overlaps  # XLA:CPU: collectives inline
+
+
 def test_host_engine_refuses_meshes_it_cannot_stage():
     mesh = jax.make_mesh((8,), ("data",))
     with pytest.raises(HostEngineError, match="no local cpu device outside the mesh"):
