@@ -64,6 +64,7 @@ def test_auto_keeps_the_plain_step_where_nothing_overlaps():
     assert choice.chosen == "allreduce" and sched.program.strategy.name == "allreduce"
 
 
+@pytest.mark.slow
 def test_a_costly_collective_dispatch_merges_buckets():
     cheap = _run(OverlappingXla(0.0), n_steps=1, candidates=("wfbp",)).strategy.last_choice
     costly = _run(OverlappingXla(5.0), n_steps=1, candidates=("wfbp",)).strategy.last_choice
@@ -71,6 +72,7 @@ def test_a_costly_collective_dispatch_merges_buckets():
     assert costly.per_collective_s == 5.0
 
 
+@pytest.mark.slow
 def test_explicit_buckets_are_kept_and_compressors_skip_allreduce():
     plan = [["head"], ["hidden"]]
     sched = _run(OverlappingXla(), n_steps=1, buckets=plan)
