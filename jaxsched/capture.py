@@ -97,8 +97,12 @@ def _sub_jaxpr(eqn) -> tuple[Any, tuple]:
     return inner, ()
 
 
-def capture(step: Callable, params: Any, opt_state: Any, batch: Any) -> CapturedStep:
-    """Trace ``step`` on example inputs and locate its shard_map body and mesh axis."""
+def capture(step: Callable, params: Any, opt_state: Any, batch: Any,
+            fold_invariant_sums: bool = False) -> CapturedStep:
+    """Trace ``step`` on example inputs and locate its shard_map body and mesh axis.
+
+    ``fold_invariant_sums``: compute a ``psum`` of a device-invariant value as a product
+    (see :func:`flatten_calls`)."""
     try:
         closed, out_shape = jax.make_jaxpr(step, return_shape=True)(params, opt_state, batch)
     except NameError as err:  # lax.psum over an axis no mesh binds
@@ -177,7 +181,7 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any) -> Captured
     user_body = eqn.params["jaxpr"]
     user_body = user_body.jaxpr if hasattr(user_body, "jaxpr") else user_body
     body = flatten_calls(user_body, mesh, eqn.params["in_specs"], eqn.params["out_specs"],
-                         [x.aval for x in eqn.invars])
+                         [x.aval for x in eqn.invars], fold_invariant_sums)
     manual = tuple(eqn.params.get("manual_axes", eqn.params.get("newly_manual_axes", mesh.axis_names)))
     reduced_axes = _reduction_axes(body)
     candidates = [a for a in mesh.axis_names if a in reduced_axes] or list(mesh.axis_names)
@@ -198,21 +202,26 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any) -> Captured
         check_vma=bool(eqn.params.get("check_vma", False)))
 
 
-def flatten_calls(body, mesh: Mesh, in_specs, out_specs, operand_avals) -> Any:
+def flatten_calls(body, mesh: Mesh, in_specs, out_specs, operand_avals,
+                  fold_invariant_sums: bool = False) -> Any:
     """The body with nested jit and custom_jvp/vjp calls inlined, re-traced as one jaxpr.
 
     A user who jits the loss (or Flax/optax code that jits internally) hides forward and
     backward inside one call equation, whose gradients all appear at once when it
     returns; inlined, each gradient appears where backward computes it, so buckets can
     be reduced while backward continues. ``check_vma`` typing (``pvary``,
-    ``psum_invariant``) is translated on the way (:mod:`jaxsched.replay`).
+    ``psum_invariant``) is translated on the way (:mod:`jaxsched.replay`). With
+    ``fold_invariant_sums``, a ``psum`` of a value every device already holds (a ``pmean``
+    on top of the reduction JAX does in backward) becomes a product, not an all-reduce.
     """
     if body.constvars or not any(e.primitive.name in CALL_PRIMITIVES | VMA_TYPING | {"psum_invariant"}
                                  for e in body.eqns):
         return body
 
+    run = replay.invariant_sums_as_products(dict(mesh.shape)) if fold_invariant_sums else replay.bind
+
     def replayed(*args):
-        return tuple(replay.eval_inline(body, [], args))
+        return tuple(replay.eval_inline(body, [], args, run))
 
     mapped = jax.shard_map(replayed, mesh=mesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs),
                            check_vma=False)

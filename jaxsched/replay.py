@@ -16,7 +16,10 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
 
 from jax import lax
 from jax.extend import core as jex_core
@@ -36,18 +39,63 @@ def bind(eqn, values: Sequence[Any]) -> list:
     """
     if eqn.primitive.name in VMA_TYPING:
         return list(values)
-    if eqn.primitive.name == "psum_invariant":
-        return list(lax.psum(tuple(values), eqn.params["axes"]))
     if eqn.primitive.name in CALL_PRIMITIVES:
         inner = inner_jaxpr(eqn)
         if inner is not None:
             return eval_inline(inner.jaxpr, inner.consts, values)
-    params = eqn.primitive.get_bind_params(eqn.params)
-    with source_info_util.user_context(eqn.source_info.traceback,
-                                       name_stack=source_info_util.current_name_stack()
-                                       + eqn.source_info.name_stack), eqn.ctx.manager:
-        out = eqn.primitive.bind(*values, **params)
+    with at_source(eqn):
+        if eqn.primitive.name == "psum_invariant":
+            return list(lax.psum(tuple(values), eqn.params["axes"]))
+        out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(eqn.params))
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@contextlib.contextmanager
+def at_source(eqn):
+    """A context in which new equations carry ``eqn``'s source location, name and context."""
+    with source_info_util.user_context(
+            eqn.source_info.traceback,
+            name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack), \
+            eqn.ctx.manager:
+        yield
+
+
+def invariant_sums_as_products(mesh_shape: dict) -> Run:
+    """A ``run`` for :func:`eval_inline` that computes ``psum`` of a device-invariant value
+    as a product, without communication.
+
+    Under ``check_vma``, ``lax.psum`` of a value that is the same on every device (a
+    ``pmean`` of gradients JAX already reduced in backward, as ``nnx.shard_map`` steps
+    write it) traces to ``pvary`` then ``psum_invariant``, and XLA all-reduces identical
+    buffers. The sum is ``x * axis size``. ``pvary`` marks its (invariant) operand; a
+    ``psum_invariant`` operand so marked is multiplied instead of reduced.
+    """
+    marked: dict[int, tuple[Any, frozenset]] = {}  # id -> (value kept alive, its axes)
+
+    def run(eqn, values):
+        name = eqn.primitive.name
+        if name == "pvary":
+            for v in values:
+                marked[id(v)] = (v, frozenset(eqn.params["axes"]))
+            return list(values)
+        if name == "psum_invariant":
+            axes = eqn.params["axes"]
+            named = [a for a in axes if isinstance(a, str)]
+            if len(named) == len(axes) and all(
+                    id(v) in marked and marked[id(v)][0] is v and set(named) <= marked[id(v)][1]
+                    for v in values):
+                size = 1
+                for a in named:
+                    size *= mesh_shape[a]
+                with at_source(eqn):
+                    return [v * np.asarray(size, dtype=v.dtype) for v in values]
+        if name in CALL_PRIMITIVES:
+            inner = inner_jaxpr(eqn)
+            if inner is not None:
+                return eval_inline(inner.jaxpr, inner.consts, values, run)
+        return bind(eqn, values)
+
+    return run
 
 
 def inner_jaxpr(eqn):

@@ -128,7 +128,8 @@ class Scheduled:
         return self._programs.get(batch)
 
     def _build(self, batch: Any) -> Program:
-        captured = capture(self.step, self._template[0], self._template[1], batch)
+        captured = capture(self.step, self._template[0], self._template[1], batch,
+                           self.strategy.folds_invariant_sums)
         return build_program(captured, self.strategy, self.buckets_option, self.engine,
                              self.plan_options)
 

@@ -87,10 +87,10 @@ def nnx_pmap_step(devices):
     return train_step
 
 
-def zoo_objects(name: str, seed: int = 0):
+def zoo_objects(name: str, seed: int = 0, tx: optax.GradientTransformation | None = None):
     shape, classes = MODEL_INPUTS[name]
     model = models.build(name, shape, classes, seed=seed, **MODEL_OPTIONS[name])
-    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    return model, nnx.Optimizer(model, tx or optax.adam(1e-2), wrt=nnx.Param)
 
 
 def bn_objects(seed: int = 0):
@@ -255,3 +255,31 @@ def test_bad_input_is_named():
     sched(model, optimizer, batch)
     with pytest.raises(ValueError, match="another structure"):
         sched.finalize(*zoo_objects("mlp"))
+
+
+def test_approx_local_on_an_nnx_step_equals_it_on_the_functional_step():
+    """nnx.shard_map checks vma, so JAX reduces gradients in backward and the user's pmean is
+    a sum of identical values: approx's local update, replayed on one device's unreduced
+    gradient, must treat it as the identity it means (not refuse, not sum local grads)."""
+    mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
+    batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", 5, 2 * DEVICES, seed=6)]
+    # Under check_vma the NNX step's gradient is the *sum* of the devices' gradients (JAX sums
+    # in backward; the pmean of that invariant sum keeps it), the functional step's the mean:
+    # SGD with an 8x learning rate on the mean is the same algorithm, in both approx paths.
+    model, optimizer = zoo_objects("mlp", tx=optax.sgd(0.1, momentum=0.9))
+    params, apply_fn = models.pure(zoo_objects("mlp")[0])
+    tx = optax.sgd(0.1 * DEVICES, momentum=0.9)
+    functional = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="approx",
+                                   approx_method="local", staleness=1)
+    state = functional.init(params, tx.init(params))
+    sched = jaxsched.nnx.schedule(nnx_shard_map_step(mesh), strategy="approx",
+                                  approx_method="local", staleness=1)
+    for batch in batches:
+        state, _ = functional(state, batch)
+        sched(model, optimizer, batch)
+    sched.finalize(model, optimizer)
+    expected = jax.tree.leaves(functional.finalize(state)[0])
+    actual = jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    assert len(expected) == len(actual)
+    for a, b in zip(actual, expected):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -126,6 +126,10 @@ class Approx(Strategy):
 
     name = "approx"
     cost = APPROX_PATTERN
+    # ``local`` replays the update on this device's unreduced gradients: a pmean of
+    # gradients JAX already reduced in backward (check_vma) must then be the identity it
+    # means, not a global sum of different local gradients
+    folds_invariant_sums = True
 
     def __init__(self, collective: Collective | None = None, approx_method: str = "local",
                  staleness: int = 1):

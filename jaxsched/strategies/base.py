@@ -86,6 +86,10 @@ class Strategy(abc.ABC):
     #: whether params and opt_state stay in the user's layout between steps (so an adapter
     #: may hand them to the user after every step without a ``finalize``)
     keeps_user_layout: ClassVar[bool] = False
+    #: whether capture computes a ``psum`` of a device-invariant value as ``x * axis size``
+    #: (no communication; see :func:`jaxsched.replay.invariant_sums_as_products`). Off by
+    #: default: the user's own arithmetic, rounding included, is kept.
+    folds_invariant_sums: ClassVar[bool] = False
 
     def __init__(self, collective: Collective | None = None):
         if collective is not None and not self.accepts_collective:
