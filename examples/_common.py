@@ -143,7 +143,32 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> Opti
                 "or choose another --out")
     steps = args.steps or cfg.train.steps
     seed = cfg.train.seed if args.seed is None else args.seed
-    return Options(args, cfg, steps, devices, batch, seed, processes, out)
+    opts = Options(args, cfg, steps, devices, batch, seed, processes, out)
+    saved = out / "run.json"
+    if has_checkpoints and saved.exists():
+        before, now = json.loads(saved.read_text()), settings(opts)
+        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        if changed:
+            p.error(f"--resume: {', '.join(f'{k} was {before.get(k)!r}, now {now.get(k)!r}' for k in changed)}; "
+                    "a run resumes with the settings it started with (only --steps, --engine "
+                    "and --checkpoint-every may change)")
+    return opts
+
+
+def settings(opts: Options) -> dict[str, Any]:
+    """What decides a run's trajectory, as flat ``name: value`` pairs; a resumed run must
+    match the ones its first part wrote to ``--out/run.json``."""
+    cfg = dataclasses.asdict(opts.cfg)
+    flat = {f"{table}.{key}": value for table in ("model", "data", "optimizer")
+            for key, value in cfg[table].items() if key != "options"}
+    flat.update({f"{table}.{key}": value for table in ("model", "data")
+                 for key, value in cfg[table]["options"].items()})
+    a = opts.args
+    flat.update({"strategy": a.strategy, "buckets": a.buckets, "seed": opts.seed,
+                 "compression": repr(a.compression) if a.compression else None,
+                 "devices": opts.devices, "batch_size": opts.batch_size})
+    flat.pop("data.batch_size")
+    return json.loads(json.dumps(flat))
 
 
 def start_devices(opts: Options) -> Any:
@@ -164,12 +189,17 @@ def start_devices(opts: Options) -> Any:
     for p in range(jax.process_count()):
         local = sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
         if len(local) < per_process:
-            raise SystemExit(f"error: --devices {opts.devices} needs {per_process} devices in "
-                             f"process {p}, which has {len(local)}; set XLA_FLAGS="
-                             f"--xla_force_host_platform_device_count={per_process} or lower "
-                             "--devices")
+            fail(f"--devices {opts.devices} needs {per_process} devices in process {p}, which "
+                 f"has {len(local)}; set XLA_FLAGS=--xla_force_host_platform_device_count="
+                 f"{per_process} (or jaxsched launch --cpu-devices) or lower --devices")
         chosen += local[:per_process]
     return jax.sharding.Mesh(np.array(chosen), ("data",))
+
+
+def fail(message: str) -> None:
+    """End the program as argparse does for a bad option: one line, exit status 2."""
+    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def check_buckets(plan: Any, params: Any) -> None:
@@ -181,7 +211,7 @@ def check_buckets(plan: Any, params: Any) -> None:
     try:
         _explicit_groups(plan, param_paths(params))
     except ValueError as err:
-        raise SystemExit(f"error: --buckets: {err}") from None
+        fail(f"--buckets: {err}")
 
 
 def global_batch(mesh: Any, arrays: Sequence[np.ndarray], batch_size: int, step: int,
@@ -238,6 +268,8 @@ class Run:
 
         self.primary = jax.process_index() == 0
         opts.out.mkdir(parents=True, exist_ok=True)
+        if self.primary:
+            (opts.out / "run.json").write_text(json.dumps(settings(opts), indent=2) + "\n")
         self.checkpoints = Checkpoints(opts.out / "checkpoints")
         self.metrics_path = opts.out / "metrics.jsonl"
         self.start = 0
@@ -353,7 +385,7 @@ class Run:
             (self.opts.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             plot_losses(_read_jsonl(self.metrics_path), self.opts.out / "loss.png",
                         f"{self.name}: {self.opts.cfg.model.name}, {args.strategy}, "
-                        f"{self.opts.devices} devices")
+                        f"{self.opts.devices} devices", results.get("best_possible_loss"))
             width = max(map(len, summary))
             print("\n".join(f"{k:>{width}}  {_fmt(v)}" for k, v in summary.items()))
             print(f"wrote {self.opts.out}/summary.json, metrics.jsonl, loss.png", flush=True)
@@ -372,15 +404,19 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_losses(rows: list[dict], path: Path, title: str) -> None:
-    """The training loss per step, as a PNG (matplotlib's Agg backend: no display needed)."""
+def plot_losses(rows: list[dict], path: Path, title: str, floor: float | None = None) -> None:
+    """The training loss per step, as a PNG (matplotlib's Agg backend: no display needed);
+    ``floor``, if known, is drawn as the best loss any model can reach."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1)
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1, label="training loss")
+    if floor is not None:
+        ax.axhline(floor, color="grey", ls="--", lw=1, label=f"best possible ({floor:.3f})")
+        ax.legend()
     ax.set(xlabel="step", ylabel="training loss", title=title)
     ax.grid(alpha=0.3)
     fig.tight_layout()
