@@ -101,14 +101,16 @@ class Checkpoints:
 
         self._manager.save(step, args=ocp.args.StandardSave(state))
 
-    def restore(self, target: Any, step: int | None = None) -> Any:
-        """Checkpoint ``step`` (default: the latest) in ``target``'s layout and shardings."""
+    def restore(self, target: Any | None, step: int | None = None) -> Any:
+        """Checkpoint ``step`` (default: the latest) in ``target``'s layout and shardings
+        (``None``: as saved, e.g. to compare two runs' states)."""
         import orbax.checkpoint as ocp
 
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        return self._manager.restore(step, args=ocp.args.StandardRestore(_abstract(target)))
+        abstract = None if target is None else _abstract(target)
+        return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
 
     def wait(self) -> None:
         """Block until every save started so far is complete on disk."""
