@@ -50,7 +50,8 @@ def parser(description: str, default_config: str, default_out: str) -> argparse.
     p.add_argument("--devices", type=positive_int,
                    help="devices in the mesh (default: train.devices on one process; one per "
                         "process under jaxsched launch)")
-    p.add_argument("--batch-size", type=positive_int, help="global batch (default: data.batch_size)")
+    p.add_argument("--batch-size", type=positive_int,
+                   help="global batch (default: data.batch_size)")
     p.add_argument("--seed", type=int, help="model init and data order (default: train.seed)")
     p.add_argument("--out", default=default_out,
                    help="folder for metrics.jsonl, summary.json, loss.png and checkpoints/")
@@ -149,9 +150,9 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> Opti
         before, now = json.loads(saved.read_text()), settings(opts)
         changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
         if changed:
-            p.error(f"--resume: {', '.join(f'{k} was {before.get(k)!r}, now {now.get(k)!r}' for k in changed)}; "
-                    "a run resumes with the settings it started with (only --steps, --engine "
-                    "and --checkpoint-every may change)")
+            diffs = ", ".join(f"{k} was {before.get(k)!r}, now {now.get(k)!r}" for k in changed)
+            p.error(f"--resume: {diffs}; a run resumes with the settings it started with "
+                    "(only --steps, --engine and --checkpoint-every may change)")
     return opts
 
 
@@ -183,7 +184,8 @@ def start_devices(opts: Options) -> Any:
     elif not xla_bridge.backends_are_initialized():
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:  # must precede JAX's first use
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={opts.devices}"
+            count = f"--xla_force_host_platform_device_count={opts.devices}"
+            os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()
     per_process = opts.devices // jax.process_count()
     chosen = []
     for p in range(jax.process_count()):
@@ -341,7 +343,8 @@ class Run:
         if step > self.start:  # the first step of a process compiles
             self.step_seconds.append(seconds)
         rate = self.opts.batch_size * self.per_example / seconds
-        row = {"step": step, **{k: float(np.asarray(v.addressable_data(0))) for k, v in aux.items()},
+        metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in aux.items()}
+        row = {"step": step, **metrics,
                "step_s": seconds, f"{self.unit}_per_s": rate}
         self.last_row = row
         if self.primary:
@@ -366,14 +369,17 @@ class Run:
             launch.exit_now(EXIT_INTERRUPTED)  # skip jax.distributed's shutdown barrier
         return EXIT_INTERRUPTED
 
-    def finish(self, **results: Any) -> int:
-        """Write ``summary.json`` and ``loss.png``, print the summary; exit status 0."""
+    def finish(self, sched: Any, **results: Any) -> int:
+        """Write ``summary.json`` and ``loss.png``, print the summary; exit status 0.
+        ``sched`` says which engine ``--engine`` resolved to and how many buckets it sends."""
         args = self.opts.args
         median = float(np.median(self.step_seconds)) if self.step_seconds else float("nan")
         summary = {
             "example": self.name, "model": self.opts.cfg.model.name, "strategy": args.strategy,
             "buckets": args.buckets, "compression": repr(args.compression) if args.compression
             else None, "engine": args.engine, "devices": self.opts.devices,
+            "engine_used": sched.program.engine.name,
+            "buckets_used": len(sched.program.planned.buckets),
             "processes": self.opts.processes, "batch_size": self.opts.batch_size,
             "seed": self.opts.seed, "steps": self.opts.steps, "resumed_from": self.start,
             "final_loss": self.last_row.get("loss"), "median_step_s": median,

@@ -68,7 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logits = np.concatenate([evaluate(_common.host(params), split.test_x[i:i + 256])
                              for i in range(0, len(split.test_x), 256)])
     test_accuracy = float(np.mean(np.argmax(logits, -1) == split.test_y))
-    return run.finish(train_accuracy=run.last_row.get("accuracy"), test_accuracy=test_accuracy)
+    return run.finish(sched, train_accuracy=run.last_row.get("accuracy"),
+                      test_accuracy=test_accuracy)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     params, _ = sched.finalize(state)  # ordinary trees (dear: the deferred all-gathers)
     logits = jax.jit(apply_fn)(_common.host(params), split.test_x)
     test_accuracy = float(np.mean(np.argmax(logits, -1) == split.test_y))
-    return run.finish(train_accuracy=run.last_row.get("accuracy"), test_accuracy=test_accuracy)
+    return run.finish(sched, train_accuracy=run.last_row.get("accuracy"),
+                      test_accuracy=test_accuracy)
 
 
 if __name__ == "__main__":

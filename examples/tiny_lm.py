@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     params, _ = sched.finalize(state)
     logits = jax.jit(apply_fn)(_common.host(params), split.test_x)
     test_loss = float(steps.cross_entropy(logits, split.test_y))
-    return run.finish(test_loss=test_loss, best_possible_loss=math.log(2),
+    return run.finish(sched, test_loss=test_loss, best_possible_loss=math.log(2),
                       test_token_accuracy=float(np.mean(np.argmax(logits, -1) == split.test_y)))
 
 

@@ -148,7 +148,8 @@ def test_train_10_save_restore_train_10_equals_train_20(tmp_path, strategy, extr
     resumed = _run("digits", tmp_path, *args, "--steps", "20", "--resume", out="split")
     straight = _run("digits", tmp_path, *args, "--steps", "20", out="straight")
     assert resumed["resumed_from"] == 10
-    a, b = _rows(tmp_path / "split" / "metrics.jsonl"), _rows(tmp_path / "straight" / "metrics.jsonl")
+    a = _rows(tmp_path / "split" / "metrics.jsonl")
+    b = _rows(tmp_path / "straight" / "metrics.jsonl")
     assert [r["step"] for r in a] == list(range(20))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     split, straight_state = _state(tmp_path / "split", 20), _state(tmp_path / "straight", 20)
@@ -210,7 +211,7 @@ def test_two_processes_under_jaxsched_launch_match_one_process(tmp_path):
         env=_env(), capture_output=True, text=True, timeout=360)
     assert done.returncode == 0, done.stderr[-4000:]
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
-    assert two["processes"] == 2 and two["devices"] == 2
+    assert two["processes"] == 2 and two["devices"] == 2 and two["engine_used"] == "host"
     one = _run("digits", tmp_path, "--steps", "6", "--devices", "2", out="one")
     np.testing.assert_allclose([r["loss"] for r in _rows(tmp_path / "two" / "metrics.jsonl")],
                                [r["loss"] for r in _rows(tmp_path / "one" / "metrics.jsonl")],
