@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -28,8 +28,10 @@ EXIT_INTERRUPTED = 130  # what a shell reports for a program stopped by Ctrl-C (
 COMPRESSIONS = "none, topk:DENSITY, gtopk:DENSITY, powersgd:RANK, bf16"
 
 
-def parser(description: str, default_config: str, default_out: str) -> argparse.ArgumentParser:
-    """The options every trainer takes (each may add its own)."""
+def parser(description: str, default_config: str | None, default_out: str
+           ) -> argparse.ArgumentParser:
+    """The options every trainer takes (each may add its own). ``default_config=None``:
+    the trainer picks one from the other options (see :func:`parse`)."""
     from jaxsched.strategies import STRATEGIES
 
     p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
@@ -111,12 +113,16 @@ class Options:
     out: Path
 
 
-def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> Options:
-    """Parse and check every option, the config and the output folder; touch no device."""
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None,
+          config_for: Callable[[argparse.Namespace], str] | None = None) -> Options:
+    """Parse and check every option, the config and the output folder; touch no device.
+    ``config_for(args)`` names the config when ``--config`` is not given."""
     from jaxsched.compress import PowerSGD
     from jaxsched.strategies import make_strategy
 
     args = p.parse_args(argv)
+    if args.config is None and config_for is not None:
+        args.config = config_for(args)
     try:
         cfg = config_lib.load(args.config)
     except config_lib.ConfigError as err:
@@ -311,10 +317,11 @@ class Run:
     def restore(self, state: Any) -> Any:
         """The latest checkpoint when resuming, else ``state``; trims metrics to match."""
         latest = self.checkpoints.latest_step() if self.opts.args.resume else None
-        rows = _read_jsonl(self.metrics_path) if latest else []
+        rows = [r for r in _read_jsonl(self.metrics_path) if r["step"] < (latest or 0)]
+        self.last_row = rows[-1] if rows else {}
         if self.primary:  # metrics of steps after the checkpoint are run again: drop them
             with open(self.metrics_path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] < (latest or 0))
+                f.writelines(json.dumps(r) + "\n" for r in rows)
         if latest is None:
             if self.opts.args.resume:
                 self.say(f"no checkpoint in {self.checkpoints.directory}; starting at step 0")
@@ -326,7 +333,8 @@ class Run:
     def steps(self) -> Iterator[int]:
         from jaxsched.progress import progress
 
-        bar = progress(range(self.start, self.opts.steps), self.name,
+        desc = f"{self.name} from step {self.start}" if self.start else self.name
+        bar = progress(range(self.start, self.opts.steps), desc,
                        enabled=self.primary and not self.opts.args.no_progress, unit="step")
         self._bar = bar
         for step in bar:
@@ -387,6 +395,8 @@ class Run:
             "wall_s": time.perf_counter() - self._started, **results,
             "checkpoint": str(self.checkpoints.directory / str(self.checkpoints.latest_step())),
         }
+        summary = {k: None if isinstance(v, float) and not np.isfinite(v) else v
+                   for k, v in summary.items()}  # no step timed (e.g. resumed at the end)
         if self.primary:
             (self.opts.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             plot_losses(_read_jsonl(self.metrics_path), self.opts.out / "loss.png",
@@ -396,6 +406,16 @@ class Run:
             print("\n".join(f"{k:>{width}}  {_fmt(v)}" for k, v in summary.items()))
             print(f"wrote {self.opts.out}/summary.json, metrics.jsonl, loss.png", flush=True)
         return 0
+
+
+def script(main: Any) -> int:
+    """Run a trainer's ``main()``; Ctrl-C before training starts (while compiling) ends it
+    quietly with status 130 (during training, :class:`Run` handles it)."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print("interrupted before training started", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _fmt(value: Any) -> str:

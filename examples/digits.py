@@ -22,16 +22,14 @@ CONFIGS = Path(__file__).parent.parent / "configs"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = _common.parser(__doc__.splitlines()[0], default_config="", default_out="runs/digits")
-    p.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
-                   help="picks the config when --config is not given")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    model = p.parse_known_args(argv)[0].model
-    p.set_defaults(config=str(CONFIGS / f"{model}_digits.toml"))
-    opts = _common.parse(p, argv)
-    if opts.cfg.data.name != "digits":
-        p.error(f"--config {opts.args.config}: data.name is {opts.cfg.data.name!r}; this "
-                "trainer reads the digits")
+    p = _common.parser(__doc__.splitlines()[0], default_config=None, default_out="runs/digits")
+    p.add_argument("--model", choices=("mlp", "cnn"),
+                   help="mlp (the default) or cnn: reads configs/MODEL_digits.toml")
+    opts = _common.parse(p, argv, lambda a: str(CONFIGS / f"{a.model or 'mlp'}_digits.toml"))
+    cfg, model = opts.cfg, opts.args.model
+    if cfg.data.name != "digits" or model not in (None, cfg.model.name):
+        p.error(f"--config {opts.args.config} trains {cfg.model.name!r} on {cfg.data.name!r}, "
+                f"but this trainer reads the digits{' with --model ' + model if model else ''}")
     mesh = _common.start_devices(opts)  # first touch of a device: after validation
 
     import jax
@@ -41,11 +39,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxsched import data, models, steps
 
     split = data.load_digits()
-    net = models.build(opts.cfg.model.name, split.train_x.shape[1:], split.num_classes,
-                       seed=opts.seed, **opts.cfg.model.options)
+    net = models.build(cfg.model.name, split.train_x.shape[1:], split.num_classes,
+                       seed=opts.seed, **cfg.model.options)
     params, apply_fn = models.pure(net)
     _common.check_buckets(opts.args.buckets, params)
-    tx = steps.make_optimizer(opts.cfg.optimizer)
+    tx = steps.make_optimizer(cfg.optimizer)
     sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy=opts.args.strategy,
                               buckets=opts.args.buckets, engine=opts.args.engine,
                               compression=opts.args.compression)
@@ -72,4 +70,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.script(main))
