@@ -23,13 +23,20 @@ Example:
     >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="dear")
     >>> batch = steps.shard_batch((jax.numpy.ones((4, 8, 8, 1)), jax.numpy.zeros(4, "int32")), mesh)
     >>> state, _ = sched(sched.init(params, tx.init(params), batch), batch)
+    >>> target = sched.init(params, tx.init(params), batch)   # the scheduled layout
     >>> with Checkpoints(tempfile.mkdtemp()) as ckpts:
     ...     ckpts.save(1, state)
     ...     ckpts.wait()
-    ...     restored = ckpts.restore(sched.init(params, tx.init(params), batch))
+    ...     restored = ckpts.restore(target)
     ...     ckpts.latest_step()
     1
-    >>> all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
+    >>> same = lambda x, y: all(bool((a == b).all())
+    ...                         for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)))
+    >>> same(restored, state)
+    True
+    >>> folder = tempfile.mkdtemp() + "/one"
+    >>> save(folder, state)
+    >>> same(restore(folder, target), state)
     True
 """
 from __future__ import annotations
