@@ -231,6 +231,9 @@ def test_two_processes_under_jaxsched_launch_match_one_process(tmp_path):
          "--out", str(tmp_path / "two")],
         env=_env(), capture_output=True, text=True, timeout=360)
     assert done.returncode == 0, done.stderr[-4000:]
+    # Not a terminal: plain progress lines with throughput, from process 0 only, no redraws.
+    assert re.search(r"^\[0\] digits: 3/6 \[loss=[\d.]+, images/s=[\d,]+\]$", done.stderr, re.M)
+    assert "\r" not in done.stderr and "[1] digits:" not in done.stderr
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert two["processes"] == 2 and two["devices"] == 2 and two["engine_used"] == "host"
     one = _run("digits", tmp_path, "--steps", "6", "--devices", "2", out="one")
