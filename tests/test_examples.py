@@ -220,22 +220,29 @@ def test_sigint_leaves_the_last_complete_checkpoint_loadable(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_under_jaxsched_launch_match_one_process(tmp_path):
-    """Each process feeds its own rows of every batch; the host engine runs the collectives."""
+def test_two_processes_under_jaxsched_launch_resume_and_match_one_process(tmp_path):
+    """Each process feeds its own rows of every batch; the host engine runs the collectives;
+    3 steps, then 3 more resumed from the checkpoint, match 6 steps on 2 devices in one."""
     config = tmp_path / "digits.toml"
     config.write_text(TINY["digits"])
-    args = ["--config", str(config), "--steps", "6", "--checkpoint-every", "3"]
-    done = subprocess.run(
-        [sys.executable, "-m", "jaxsched.launch", "--hosts", "2", "--cpu-devices", "2",
-         "--timeout", "300", "--", sys.executable, str(EXAMPLES / "digits.py"), *args,
-         "--out", str(tmp_path / "two")],
-        env=_env(), capture_output=True, text=True, timeout=360)
-    assert done.returncode == 0, done.stderr[-4000:]
+
+    def launch(*args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run(
+            [sys.executable, "-m", "jaxsched.launch", "--hosts", "2", "--cpu-devices", "2",
+             "--timeout", "300", "--", sys.executable, str(EXAMPLES / "digits.py"), "--config",
+             str(config), "--out", str(tmp_path / "two"), *args],
+            env=_env(), capture_output=True, text=True, timeout=360)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return done
+
+    first = launch("--steps", "3")
     # Not a terminal: plain progress lines with throughput, from process 0 only, no redraws.
-    assert re.search(r"^\[0\] digits: 3/6 \[loss=[\d.]+, images/s=[\d,]+\]$", done.stderr, re.M)
-    assert "\r" not in done.stderr and "[1] digits:" not in done.stderr
+    assert re.search(r"^\[0\] digits: 2/3 \[loss=[\d.]+, images/s=[\d,]+\]$", first.stderr, re.M)
+    assert "\r" not in first.stderr and "[1] digits:" not in first.stderr
+    launch("--steps", "6", "--resume")
     two = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert two["processes"] == 2 and two["devices"] == 2 and two["engine_used"] == "host"
+    assert two["resumed_from"] == 3
     one = _run("digits", tmp_path, "--steps", "6", "--devices", "2", out="one")
     np.testing.assert_allclose([r["loss"] for r in _rows(tmp_path / "two" / "metrics.jsonl")],
                                [r["loss"] for r in _rows(tmp_path / "one" / "metrics.jsonl")],
