@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import numpy as np
 
@@ -204,7 +204,7 @@ def start_devices(opts: Options) -> Any:
     return jax.sharding.Mesh(np.array(chosen), ("data",))
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     """End the program as argparse does for a bad option: one line, exit status 2."""
     print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
@@ -269,11 +269,11 @@ class Run:
     """
 
     def __init__(self, opts: Options, name: str, unit: str, per_example: int = 1):
+        import jax
+
         from jaxsched.checkpoint import Checkpoints
 
         self.opts, self.name, self.unit, self.per_example = opts, name, unit, per_example
-        import jax
-
         self.primary = jax.process_index() == 0
         opts.out.mkdir(parents=True, exist_ok=True)
         if self.primary:
