@@ -3,7 +3,7 @@
 A config has four tables; every key is optional except ``model.name`` and ``data.name``::
 
     [model]      name = "mlp"            # plus the model's own options, e.g. hidden = [64]
-    [data]       name = "digits"         # digits | synthetic_images | synthetic_tokens
+    [data]       name = "digits"         # digits | synthetic_images | synthetic_tokens | synthetic_cifar
                  batch_size = 128        # global batch, split over the devices
     [optimizer]  name = "adam"           # sgd | momentum | adam | adamw
                  learning_rate = 1e-3    # clip_norm = 1.0 chains clip_by_global_norm first
@@ -139,7 +139,8 @@ def model_options(name: str) -> tuple[str, ...]:
 def data_options(name: str) -> tuple[str, ...]:
     """Fields ``[data]`` accepts besides ``name`` and ``batch_size`` for data set ``name``."""
     loaders = {"digits": data_lib.load_digits, "synthetic_images": data_lib.synthetic_images,
-               "synthetic_tokens": data_lib.synthetic_tokens}
+               "synthetic_tokens": data_lib.synthetic_tokens,
+               "synthetic_cifar": data_lib.synthetic_cifar}
     return _keyword_options(loaders[name], ("seed",))
 
 

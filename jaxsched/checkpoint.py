@@ -1,0 +1,135 @@
+"""Orbax checkpoints of a scheduled state, for training that stops and resumes exactly.
+
+Why this module: a scheduled state (``SchedState(params, opt_state, collective_state)``)
+may be in its strategy's own layout (``dear`` keeps each parameter as a flat shard per
+device) and carries a compressor's residuals. Restoring it needs a target in that same
+layout, with its shardings: ``sched.init(params, opt_state, example_batch)`` gives one.
+Orbax writes each checkpoint into a temporary folder and renames it when complete, so a
+save that is interrupted (Ctrl-C, a killed process) never replaces the last complete one.
+
+- :func:`save` / :func:`restore`: one checkpoint in one folder, synchronously.
+- :class:`Checkpoints`: numbered checkpoints in a folder (``save(step, state)`` in the
+  background, ``latest_step()``, ``restore(target)``, ``wait()``), keeping the last few.
+
+Every process of a multi-process run must make the same calls (orbax coordinates them).
+
+Example:
+    >>> import tempfile, jax, optax
+    >>> import jaxsched
+    >>> from jaxsched import checkpoint, models, steps
+    >>> params, apply_fn = models.pure(models.build("mlp", (8, 8, 1), 10, hidden=(16,)))
+    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> tx = optax.adam(1e-3)
+    >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="dear")
+    >>> batch = steps.shard_batch((jax.numpy.ones((4, 8, 8, 1)), jax.numpy.zeros(4, "int32")), mesh)
+    >>> state, _ = sched(sched.init(params, tx.init(params), batch), batch)
+    >>> target = sched.init(params, tx.init(params), batch)   # the scheduled layout
+    >>> with Checkpoints(tempfile.mkdtemp()) as ckpts:
+    ...     ckpts.save(1, state)
+    ...     ckpts.wait()
+    ...     restored = ckpts.restore(target)
+    ...     ckpts.latest_step()
+    1
+    >>> same = lambda x, y: all(bool((a == b).all())
+    ...                         for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(y)))
+    >>> same(restored, state)
+    True
+    >>> folder = tempfile.mkdtemp() + "/one"
+    >>> save(folder, state)
+    >>> same(restore(folder, target), state)
+    True
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+
+__all__ = ["Checkpoints", "restore", "save"]
+
+
+def _abstract(target: Any) -> Any:
+    """Shapes, dtypes and shardings of ``target`` (arrays or ShapeDtypeStructs)."""
+    import orbax.checkpoint as ocp
+
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+
+
+def save(path: str | Path, state: Any) -> None:
+    """Write ``state`` to the folder ``path`` (which must not exist yet) and wait until done."""
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(Path(path).absolute(), state)
+    checkpointer.wait_until_finished()
+
+
+def restore(path: str | Path, target: Any | None = None) -> Any:
+    """Read the checkpoint at ``path`` into ``target``'s structure, layout and shardings.
+
+    ``target``: a state of the same kind, e.g. ``sched.init(params, opt_state, batch)`` (or
+    its ``ShapeDtypeStruct`` tree). Without one, orbax returns the tree as it was saved.
+    """
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.StandardCheckpointer()
+    return checkpointer.restore(Path(path).absolute(),
+                                None if target is None else _abstract(target))
+
+
+class Checkpoints:
+    """Numbered checkpoints ``directory/<step>``, saved in the background, the last
+    ``max_to_keep`` kept.
+
+    Why a class: the background save must be waited for before the process exits
+    (:meth:`wait`, :meth:`close`, or use it as a context manager); until a save completes,
+    the previous checkpoint is the latest one on disk.
+    """
+
+    def __init__(self, directory: str | Path, max_to_keep: int | None = 3):
+        import orbax.checkpoint as ocp
+
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        """The step of the newest complete checkpoint, or None if there is none."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Steps of every complete checkpoint kept, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: Any) -> None:
+        """Start saving ``state`` as checkpoint ``step``; returns once the arrays are copied."""
+        import orbax.checkpoint as ocp
+
+        self._manager.save(step, args=ocp.args.StandardSave(state))
+
+    def restore(self, target: Any | None, step: int | None = None) -> Any:
+        """Checkpoint ``step`` (default: the latest) in ``target``'s layout and shardings
+        (``None``: as saved, e.g. to compare two runs' states)."""
+        import orbax.checkpoint as ocp
+
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        abstract = None if target is None else _abstract(target)
+        return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+
+    def wait(self) -> None:
+        """Block until every save started so far is complete on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for pending saves, then release orbax's resources."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpoints":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
