@@ -256,6 +256,14 @@ class CommPattern:
         next step never waits for communication (approximated parameters).
       packs_buckets: the rewrite copies each bucket into one buffer and back.
       compressible: whether the simulator models compression of the gradient collective.
+      factors: the collective of second-order statistics (K-FAC's Kronecker factors), sent
+        per layer (``all_reduce``), or None. The simulator reads each layer's
+        ``factor_bytes``, ``factor_s`` and ``inverse_s``.
+      factors_in_backward: each layer's factor collective is issued in backward as soon as
+        its factors exist; False: after the whole backward.
+      inverse_placement: how the factor inversions are spread over the workers
+        (``balanced``, ``round_robin``, ``naive``; see :mod:`jaxsched.placement`); their
+        results are shared by one all-gather (none for ``naive``).
     """
 
     gradient: str = "all_reduce"
@@ -264,12 +272,18 @@ class CommPattern:
     delayed_update: bool = False
     packs_buckets: bool = True
     compressible: bool = True
+    factors: str | None = None
+    factors_in_backward: bool = True
+    inverse_placement: str | None = None
 
     def __post_init__(self) -> None:
-        for name in (self.gradient, self.parameters):
+        for name in (self.gradient, self.parameters, self.factors):
             if name is not None and name not in COLLECTIVES:
                 raise ValueError(f"CommPattern collective {name!r} is unknown; use one of "
                                  f"{', '.join(COLLECTIVES)}")
+        if self.inverse_placement not in (None, "balanced", "round_robin", "naive"):
+            raise ValueError(f"CommPattern inverse_placement={self.inverse_placement!r} is unknown; "
+                             "use balanced, round_robin or naive")
 
     @property
     def sharded_update(self) -> bool:
@@ -330,6 +344,7 @@ ALLREDUCE_PATTERN = CommPattern(in_backward=False, packs_buckets=False)
 WFBP_PATTERN = CommPattern()
 DEAR_PATTERN = CommPattern(gradient="reduce_scatter", parameters="all_gather", compressible=False)
 APPROX_PATTERN = CommPattern(delayed_update=True, packs_buckets=False)
+KFAC_PATTERN = CommPattern(compressible=False, factors="all_reduce", inverse_placement="balanced")
 for _name, _pattern in (("allreduce", ALLREDUCE_PATTERN), ("wfbp", WFBP_PATTERN),
                         ("mgwfbp", WFBP_PATTERN), ("dear", DEAR_PATTERN), ("approx", APPROX_PATTERN)):
     register_comm_pattern(_name, _pattern)
