@@ -149,11 +149,17 @@ def _origin(x: Any, producer: dict, body) -> int | None:
     while is_var(x) and x in producer:
         i = producer[x]
         eqn = body.eqns[i]
-        if eqn.primitive.name in PASS_THROUGH and len(eqn.invars) == 1:
+        if eqn.primitive.name in PASS_THROUGH and len(eqn.invars) == 1 or _sums_unit_axes(eqn):
             x = eqn.invars[0]
             continue
         return i
     return None
+
+
+def _sums_unit_axes(eqn) -> bool:
+    """A ``reduce_sum`` over axes of size 1 only (a reshape in disguise)."""
+    return eqn.primitive.name == "reduce_sum" and all(
+        eqn.invars[0].aval.shape[a] == 1 for a in eqn.params["axes"])
 
 
 def _dense(fwd, bwd, x, w):

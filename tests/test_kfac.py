@@ -1,0 +1,242 @@
+"""K-FAC (jaxsched.kfac): a float64 reference on one device, 8 devices against 1, every
+placement against naive, layer discovery, fallback reporting, bad options."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxsched
+from jaxsched import steps
+from jaxsched.kfac import KFAC, KFACFallbackWarning, find_layers, max_load, plan_placement
+
+D_IN, HIDDEN, CLASSES = 6, 5, 3
+
+
+def _params(dtype=np.float32, seed=0, extra=False):
+    rng = np.random.default_rng(seed)
+    p = {"l0": {"kernel": rng.normal(0, 0.5, (D_IN, HIDDEN)), "bias": rng.normal(0, 0.1, HIDDEN)},
+         "l1": {"kernel": rng.normal(0, 0.5, (HIDDEN, CLASSES)), "bias": rng.normal(0, 0.1, CLASSES)}}
+    if extra:
+        p["temp"] = np.ones(())
+    return jax.tree.map(lambda a: np.asarray(a, dtype), p)
+
+
+def _apply(p, x):
+    h = jax.nn.relu(x @ p["l0"]["kernel"] + p["l0"]["bias"])
+    out = h @ p["l1"]["kernel"] + p["l1"]["bias"]
+    return out * p["temp"] if "temp" in p else out
+
+
+def _step(mesh, tx, apply=_apply):
+    def body(params, opt_state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(lambda p: steps.cross_entropy(apply(p, x), y))(params)
+        grads = lax.pmean(grads, "data")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": lax.pmean(loss, "data")}
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                 out_specs=(P(), P(), P()), check_vma=False))
+
+
+def _batches(n, size=16, dtype=np.float32, seed=1):
+    rng = np.random.default_rng(seed)
+    return [(rng.normal(size=(size, D_IN)).astype(dtype), rng.integers(0, CLASSES, size).astype(np.int32))
+            for _ in range(n)]
+
+
+def _mesh(n):
+    return jax.make_mesh((n,), ("data",), devices=jax.devices()[:n])
+
+
+def _run(n_dev, strategy, batches, params, tx):
+    mesh = _mesh(n_dev)
+    sched = jaxsched.schedule(_step(mesh, tx), strategy=strategy)
+    state = sched.init(params, tx.init(params))
+    for b in batches:
+        state, aux = sched(state, steps.shard_batch(b, mesh))
+        jax.block_until_ready(aux)
+    return state
+
+
+# ----------------------------------------------------------------- the float64 reference
+def _reference(params, batches, lr, damping, decay, inverse_interval):
+    """Dense K-FAC written out in numpy float64: per-example backprop, empirical Fisher."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    factors, inverses, history = None, None, []
+    for t, (x, y) in enumerate(batches):
+        n = len(x)
+        s0 = x @ p["l0"]["kernel"] + p["l0"]["bias"]
+        h = np.maximum(s0, 0)
+        s1 = h @ p["l1"]["kernel"] + p["l1"]["bias"]
+        prob = np.exp(s1 - s1.max(1, keepdims=True))
+        prob /= prob.sum(1, keepdims=True)
+        d1 = prob - np.eye(CLASSES)[y]          # per-example d loss_i / d s1
+        d0 = (d1 @ p["l1"]["kernel"].T) * (s0 > 0)
+        acts = [np.hstack([x, np.ones((n, 1))]), np.hstack([h, np.ones((n, 1))])]
+        deltas = [d0, d1]
+        new = [(a.T @ a / n, d.T @ d / n) for a, d in zip(acts, deltas)]
+        factors = new if factors is None else [
+            tuple(decay * o + (1 - decay) * m for o, m in zip(old, nw)) for old, nw in zip(factors, new)]
+        if t % inverse_interval == 0:
+            inverses = []
+            for a, g in factors:
+                pi = np.sqrt((np.trace(a) / len(a)) / (np.trace(g) / len(g)))
+                inverses.append((np.linalg.inv(a + pi * np.sqrt(damping) * np.eye(len(a))),
+                                 np.linalg.inv(g + np.sqrt(damping) / pi * np.eye(len(g)))))
+        for k, name in enumerate(("l0", "l1")):
+            grad = acts[k].T @ deltas[k] / n       # [d kernel; d bias] of the mean loss
+            update = inverses[k][0] @ grad @ inverses[k][1]
+            p[name] = {"kernel": p[name]["kernel"] - lr * update[:-1], "bias": p[name]["bias"] - lr * update[-1]}
+        history.append(jax.tree.map(np.copy, p))
+    return history
+
+
+@pytest.mark.parametrize("inverse", ["eigh", pytest.param("cholesky", marks=pytest.mark.slow)])
+def test_one_device_equals_a_float64_dense_reference(inverse):
+    lr, damping, decay = 0.5, 1e-2, 0.7
+    with jax.enable_x64(True):
+        params = _params(np.float64)
+        batches = _batches(3, dtype=np.float64)
+        tx = optax.sgd(lr)
+        mesh = _mesh(1)
+        sched = jaxsched.schedule(_step(mesh, tx), strategy=KFAC(
+            damping=damping, ema_decay=decay, inverse_interval=2, inverse=inverse))
+        state = sched.init(params, tx.init(params))
+        expected = _reference(params, batches, lr, damping, decay, inverse_interval=2)
+        for b, want in zip(batches, expected):
+            state, _ = sched(state, steps.shard_batch(b, mesh))
+            got = jax.tree.map(np.asarray, state.params)
+            assert jax.tree.leaves(got)[0].dtype == np.float64
+            jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-9), got, want)
+
+
+def test_eight_devices_equal_one_device_for_the_same_global_batch():
+    params, batches, tx = _params(), _batches(2, size=32), optax.sgd(0.3)
+    kfac = dict(damping=1e-2, inverse_interval=2, factor_buckets="per_layer")
+    one = _run(1, KFAC(**kfac), batches, params, tx)
+    eight = _run(8, KFAC(**kfac), batches, params, tx)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
+                 (one.params, one.factors), (eight.params, eight.factors))
+
+
+def _assert_same_numbers(a, b):
+    """Same numbers up to float rounding: an inverse computed inside one worker's branch
+    of the placement is fused differently from the inline one (a few ulps)."""
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6),
+                 (a.params, a.inverses), (b.params, b.inverses))
+
+
+PLACEMENT_CASES = {"balanced": dict(placement="balanced", factor_buckets="per_layer"),
+                   "round_robin, one factor bucket": dict(placement="round_robin", factor_buckets=10**9),
+                   "factors after backward": dict(placement="balanced", pipeline=False,
+                                                  factor_buckets=[["l0", "l1"]])}
+
+
+@pytest.mark.parametrize("case", [
+    "balanced", *[pytest.param(c, marks=pytest.mark.slow) for c in PLACEMENT_CASES if c != "balanced"]])
+def test_placements_and_factor_schedules_give_the_naive_numbers(case):
+    params, batches, tx = _params(), _batches(2, size=32), optax.sgd(0.3)
+    base = dict(damping=1e-2, inverse_interval=1)
+    naive = _run(8, KFAC(placement="naive", factor_buckets="per_layer", **base), batches, params, tx)
+    _assert_same_numbers(naive, _run(8, KFAC(**PLACEMENT_CASES[case], **base), batches, params, tx))
+
+
+@pytest.mark.slow
+def test_factor_interval_skips_factor_updates_and_inverses_stay_between_refreshes():
+    params, batches, tx = _params(), _batches(4, size=16), optax.sgd(0.1)
+    state = _run(2, KFAC(factor_interval=2, inverse_interval=3, factor_buckets="per_layer"),
+                 batches, params, tx)
+    assert int(state.step) == 4 and int(state.factor_updates) == 2
+
+
+def test_layers_are_found_in_the_jaxpr_and_the_rest_is_reported_once_by_name():
+    params, tx, mesh = _params(extra=True), optax.sgd(0.1), _mesh(2)
+    step = _step(mesh, tx)
+    batch = steps.shard_batch(_batches(1)[0], mesh)
+    found = find_layers(step, params, tx.init(params), batch)
+    assert [(l.name, l.kind, l.dims) for l in found.layers] == [("l0", "dense", (7, 5)), ("l1", "dense", (6, 3))]
+    assert found.unmatched == ("temp",)
+    sched = jaxsched.schedule(step, strategy="kfac", factor_buckets="per_layer")
+    state = sched.init(params, tx.init(params))
+    with pytest.warns(KFACFallbackWarning, match="params/temp is not part of a dense or convolution"):
+        state, _ = sched(state, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KFACFallbackWarning)
+        sched(state, batch)  # reported once
+
+
+def test_conv_factors_use_the_kernel_layout_of_the_gradient():
+    """A's rows (patches) and the kernel matrix K-FAC preconditions are laid out alike:
+    patches @ kernel_matrix(W) is the convolution itself."""
+    from jaxsched import models
+    from jaxsched.strategies.kfac import kernel_from_matrix, kernel_matrix, local_factors
+
+    params, apply_fn = models.pure(models.build("cnn", (6, 6, 2), 3, channels=3, blocks=1))
+    tx, mesh = optax.sgd(0.1), _mesh(1)
+    rng = np.random.default_rng(0)
+    batch = (rng.normal(size=(2, 6, 6, 2)).astype(np.float32), np.zeros(2, np.int32))
+    found = find_layers(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), steps.shard_batch(batch, mesh))
+    stem = next(l for l in found.layers if l.name == "stem")
+    assert stem.kind == "conv" and stem.dims == (3 * 3 * 2 + 1, 3)
+    w = params["stem"]["kernel"]
+    p = stem.params
+    patches = lax.conv_general_dilated_patches(batch[0], p["filter_shape"], p["window_strides"], p["padding"],
+                                               p["lhs_dilation"], p["rhs_dilation"], p["dimension_numbers"])
+    conv = lax.conv_general_dilated(batch[0], w, p["window_strides"], p["padding"], p["lhs_dilation"],
+                                    p["rhs_dilation"], p["dimension_numbers"])
+    np.testing.assert_allclose(patches.reshape(-1, 18) @ kernel_matrix(stem, w), conv.reshape(-1, 3), atol=1e-5)
+    np.testing.assert_array_equal(kernel_from_matrix(stem, kernel_matrix(stem, w), w.shape), w)
+    a, g = local_factors(stem, batch[0], jnp.ones((2, 6, 6, 3)), jnp.float32)
+    assert a.shape == (19, 19) and g.shape == (3, 3)
+
+
+@pytest.mark.slow
+def test_cnn_trains_on_eight_devices_like_one():
+    from jaxsched import models
+    params, apply_fn = models.pure(models.build("cnn", (6, 6, 1), 3, channels=2, blocks=1))
+    tx = optax.sgd(0.05)
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(16, 6, 6, 1)).astype(np.float32), rng.integers(0, 3, 16).astype(np.int32))
+               for _ in range(2)]
+    out = []
+    for n in (1, 8):
+        mesh = _mesh(n)
+        sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="kfac", damping=1e-2,
+                                  factor_buckets="per_layer")
+        state = sched.init(params, tx.init(params))
+        for b in batches:
+            state, aux = sched(state, steps.shard_batch(b, mesh))
+            jax.block_until_ready(aux)
+        out.append(state.params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), *out)
+
+
+def test_balanced_placement_beats_round_robin_on_uneven_layers():
+    dims = [513, 10, 257, 10, 129, 10, 65, 10]            # (A, G) of four layers
+    layers = [0, 0, 1, 1, 2, 2, 3, 3]
+    balanced = plan_placement(dims, 2, "balanced", layers)
+    round_robin = plan_placement(dims, 2, "round_robin", layers)
+    assert round_robin == (0, 0, 1, 1, 0, 0, 1, 1)
+    assert max_load(dims, balanced, 2) < max_load(dims, round_robin, 2)
+    assert plan_placement(dims, 2, "naive") is None
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(damping=0.0), "damping=0.0 must be a finite number > 0"),
+    (dict(damping=-1e-3), "damping=-0.001 must be a finite number > 0"),
+    (dict(inverse_interval=0), "inverse_interval=0 must be an int >= 1"),
+    (dict(factor_interval=0), "factor_interval=0 must be an int >= 1"),
+    (dict(placement="random"), "placement='random' is unknown"),
+    (dict(inverse="svd"), "inverse='svd' is unknown"),
+    (dict(factor_buckets="fast"), "factor_buckets='fast' is not understood"),
+])
+def test_bad_options_are_refused_at_construction(options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        KFAC(**options)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        jaxsched.schedule(lambda *a: a, strategy="kfac", **options)
