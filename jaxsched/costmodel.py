@@ -33,7 +33,13 @@ class ProfileError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
-    """One parameter group, in forward order. ``update_s`` is its optimizer-update time."""
+    """One parameter group, in forward order. ``update_s`` is its optimizer-update time.
+
+    Second-order fields (zero for first-order strategies; read by patterns with
+    ``factors``): ``factor_bytes``, the bytes of its Kronecker factors; ``factor_s``, the time
+    to compute them after its backward; ``factor_dims``, each factor's size ``n``; and
+    ``inverse_s``, the time to invert each factor on one worker.
+    """
 
     name: str
     params: int
@@ -41,6 +47,17 @@ class Layer:
     forward_s: float
     backward_s: float
     update_s: float = 0.0
+    factor_bytes: int = 0
+    factor_s: float = 0.0
+    factor_dims: tuple[int, ...] = ()
+    inverse_s: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "factor_dims", tuple(self.factor_dims))
+        object.__setattr__(self, "inverse_s", tuple(self.inverse_s))
+        if len(self.factor_dims) != len(self.inverse_s):
+            raise ProfileError(f"layer {self.name!r}: factor_dims {list(self.factor_dims)} and inverse_s "
+                               f"{list(self.inverse_s)} must have one entry per factor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +96,9 @@ class LayerProfile:
         return sum(layer.params for layer in self.layers)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layers": [dataclasses.asdict(layer) for layer in self.layers],
+        second_order = ("factor_bytes", "factor_s", "factor_dims", "inverse_s")
+        return {"layers": [{k: v for k, v in dataclasses.asdict(layer).items()
+                            if k not in second_order or v} for layer in self.layers],
                 "meta": dict(self.meta)}
 
     @classmethod
@@ -103,6 +122,10 @@ class LayerProfile:
                 forward_s=_field(raw, "forward_s", float, where),
                 backward_s=_field(raw, "backward_s", float, where),
                 update_s=_field(raw, "update_s", float, where, default=0.0),
+                factor_bytes=_field(raw, "factor_bytes", int, where, default=0),
+                factor_s=_field(raw, "factor_s", float, where, default=0.0),
+                factor_dims=tuple(int(n) for n in raw.get("factor_dims", ())),
+                inverse_s=tuple(float(t) for t in raw.get("inverse_s", ())),
             ))
         meta = data.get("meta", {})
         if not isinstance(meta, Mapping):
