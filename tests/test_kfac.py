@@ -240,3 +240,29 @@ def test_bad_options_are_refused_at_construction(options, message):
         KFAC(**options)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         jaxsched.schedule(lambda *a: a, strategy="kfac", **options)
+
+
+def test_simulator_reads_factor_collectives_and_placement_from_the_pattern():
+    import dataclasses
+    from jaxsched.costmodel import KFAC_PATTERN, Layer, LayerProfile, network_preset
+    from jaxsched.sim import simulate
+
+    layers = LayerProfile([Layer(f"l{i}", 1000, 4000, 1e-3, 2e-3, factor_bytes=4 * 2 * n * n,
+                                 factor_s=1e-3, factor_dims=(n, n), inverse_s=(n ** 3 * 1e-9,) * 2)
+                           for i, n in enumerate((800, 100, 400, 50))])
+    assert LayerProfile.from_dict(layers.to_dict()) == layers
+    net = network_preset("10gbe", 8)
+    time = {(pipe, place): simulate(layers, net, dataclasses.replace(
+        KFAC_PATTERN, factors_in_backward=pipe, inverse_placement=place)).iteration_s
+        for pipe in (True, False) for place in ("balanced", "round_robin", "naive")}
+    assert time[True, "balanced"] <= time[True, "round_robin"] < time[True, "naive"]
+    assert time[True, "balanced"] < time[False, "balanced"]
+    assert simulate(layers, net, "wfbp").iteration_s < time[True, "balanced"]  # K-FAC costs extra
+
+
+@pytest.mark.slow
+def test_factor_buckets_planned_by_the_cost_model():
+    params, tx, mesh = _params(), optax.sgd(0.1), _mesh(2)
+    sched = jaxsched.schedule(_step(mesh, tx), strategy="kfac", network_profile="1gbe")
+    sched(sched.init(params, tx.init(params)), steps.shard_batch(_batches(1)[0], mesh))
+    assert sched.strategy.factor_buckets(sched.program.planned) == [[1, 0]]  # latency-bound: merged
