@@ -144,11 +144,60 @@ def simulated() -> dict:
     return out
 
 
+def render(results: dict) -> str:
+    m, sim = results["measured"], results["simulated"]
+    med, inv, r = m["median_step_s"], m["inversion_s (refresh - no refresh)"], m["ratios"]
+    load = results["machine"]
+    lines = [
+        f"**Measured** ({m['model']}, factors {min(m['factor_dims'])}x{min(m['factor_dims'])} to "
+        f"{max(m['factor_dims'])}x{max(m['factor_dims'])}, 8 virtual CPU devices on a 2-core machine, global "
+        f"batch {m['global_batch']}, median of {m['steps']} interleaved steps; load average "
+        f"{load['loadavg_before'][0]:.1f} before and {load['loadavg_after'][0]:.1f} after: other work shared "
+        "the cores, so read ratios, not seconds; OPENBLAS_NUM_THREADS=1):", "",
+        "| variant | step (refresh every step) | step (no refresh) | inversion (difference) |",
+        "|---|---|---|---|"]
+    for name in ("balanced", "round_robin", "naive"):
+        lines.append(f"| {name} | {med[name] * 1e3:.0f} ms | {med[name + ', no refresh'] * 1e3:.0f} ms | "
+                     f"{inv[name] * 1e3:.0f} ms |")
+    lines += ["", f"Same run: naive / balanced = **{r['naive / balanced (step, refresh every step)']:.2f}x** per "
+              f"refreshing step ({r['naive / balanced (inversion only)']:.2f}x on the inversion alone); "
+              f"round_robin / balanced = **{r['round_robin / balanced (step, refresh every step)']:.2f}x** "
+              f"({r['round_robin / balanced (inversion only)']:.2f}x on the inversion). Busiest worker's "
+              "n^3 under each plan: " + ", ".join(
+                  f"{k} {v['busiest_worker_n3'] / 1e6:.0f}M" for k, v in m["plans"].items()) + ". "
+              f"The plain first-order step took {med['plain step (no K-FAC)'] * 1e3:.0f} ms.", "",
+              f"Pipelining, same run, inverses not refreshed: factors after backward "
+              f"{med['factors after backward'] * 1e3:.0f} ms, pipelined {med['pipelined factors'] * 1e3:.0f} ms "
+              f"(after / pipelined = {r['after backward / pipelined (step)']:.2f}x).", "",
+              f"**Simulated** ({sim['label']}): ResNet-50, V100 roofline, {sim['workers']} workers, "
+              f"100 Gb/s InfiniBand; factors and inverses refreshed every iteration. Published beside it: "
+              f"{sim['published']}.", "",
+              "| inversion efficiency (assumed) | one worker inverting all | SPD-style (pipelined, balanced) | "
+              "after backward, naive | after backward, round_robin | pipelined, round_robin | first-order wfbp |",
+              "|---|---|---|---|---|---|---|"]
+    for eff, row in sim["by_inverse_efficiency"].items():
+        it, save = row["iteration_s"], row["saving_vs"]
+        lines.append(
+            f"| {float(eff):.0%} of peak | {row['inversion_s_one_worker']:.2f} s | "
+            f"{it['pipelined, balanced'] * 1e3:.0f} ms | {it['after backward, naive'] * 1e3:.0f} ms "
+            f"(-{save['after backward, naive']:.0%}) | {it['after backward, round_robin'] * 1e3:.0f} ms "
+            f"(-{save['after backward, round_robin']:.0%}) | {it['pipelined, round_robin'] * 1e3:.0f} ms "
+            f"(-{save['pipelined, round_robin']:.1%}) | {it['first-order wfbp (no K-FAC)'] * 1e3:.0f} ms |")
+    lines.append("")
+    lines.append("(-x%: the SPD-style iteration is that much shorter than the variant's.)")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--render-only", action="store_true", help="re-render docs from the saved JSON")
     args = parser.parse_args()
+    if args.render_only:
+        results = json.loads((ROOT / "benchmarks" / "results" / "kfac_speed.json").read_text())
+        print(render(results))
+        return
     load_before = os.getloadavg()
     results = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                            "loadavg_before": load_before,
@@ -158,6 +207,15 @@ def main() -> None:
     results["simulated"] = simulated()
     out = ROOT / "benchmarks" / "results" / "kfac_speed.json"
     out.write_text(json.dumps(results, indent=1, default=float))
+    table = render(json.loads(out.read_text()))
+    doc = ROOT / "docs" / "kfac.md"
+    if doc.exists():
+        import re
+
+        text = re.sub(r"(<!-- kfac_speed:start -->\n).*?(<!-- kfac_speed:end -->)",
+                      lambda mt: mt.group(1) + table + "\n" + mt.group(2), doc.read_text(), flags=re.S)
+        doc.write_text(text)
+    print(table)
     print(json.dumps({"machine": results["machine"], "ratios": results["measured"]["ratios"],
                       "median_step_s": results["measured"]["median_step_s"],
                       "inversion_s": results["measured"]["inversion_s (refresh - no refresh)"],
