@@ -266,3 +266,19 @@ def test_factor_buckets_planned_by_the_cost_model():
     sched = jaxsched.schedule(_step(mesh, tx), strategy="kfac", network_profile="1gbe")
     sched(sched.init(params, tx.init(params)), steps.shard_batch(_batches(1)[0], mesh))
     assert sched.strategy.factor_buckets(sched.program.planned) == [[1, 0]]  # latency-bound: merged
+
+
+def test_pmap_steps_are_refused_with_the_way_out():
+    params, tx = _params(), optax.sgd(0.1)
+
+    def body(params, opt_state, batch):
+        x, y = batch
+        grads = lax.pmean(jax.grad(lambda p: steps.cross_entropy(_apply(p, x), y))(params), "data")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, ()
+
+    devices = jax.devices()[:2]
+    sched = jaxsched.schedule(jax.pmap(body, axis_name="data", devices=devices), strategy="kfac")
+    state = sched.init(steps.replicate(params, 2), steps.replicate(tx.init(params), 2))
+    with pytest.raises(jaxsched.UnsupportedStepError, match="kfac schedules jax.shard_map steps"):
+        sched(state, steps.split_batch(_batches(1)[0], 2))

@@ -170,6 +170,11 @@ class KFAC(Strategy):
         return planned.memo("kfac.layers", lambda: self._layers(planned))
 
     def _layers(self, planned: PlannedStep) -> LayerMatch:
+        if planned.captured.kind == "pmap":
+            raise UnsupportedStepError(
+                "kfac schedules jax.shard_map steps; this is a jax.pmap step, whose parameters "
+                "carry a device axis. Write the same body with jax.shard_map over a mesh "
+                "(jaxsched.steps.make_step shows how)")
         found = match_layers(planned.analysis, planned.paths)
         if not found.layers:
             raise UnsupportedStepError(
