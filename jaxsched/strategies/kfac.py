@@ -41,6 +41,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Any, NamedTuple, Sequence
@@ -155,8 +156,7 @@ class KFAC(Strategy):
         self.factor_buckets_option = factor_buckets
         self._reported: set[str] = set()
         # the simulator and planners see this instance's variant of the pattern
-        import dataclasses
-        self.cost = dataclasses.replace(KFAC_PATTERN, factors_in_backward=self.pipeline,
+        self.cost: CommPattern = dataclasses.replace(KFAC_PATTERN, factors_in_backward=self.pipeline,
                                         inverse_placement=placement)
 
     def __repr__(self) -> str:
@@ -558,4 +558,3 @@ def auto_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], or
 
 __all__ = ["INVERSES", "KFAC", "KFACFallbackWarning", "KFACState", "check_options", "damped_inverse",
            "damped_terms", "local_factors", "plan_factor_buckets", "precondition"]
-_ = CommPattern  # re-exported type of KFAC.cost
