@@ -1,5 +1,6 @@
 """K-FAC (jaxsched.kfac): a float64 reference on one device, 8 devices against 1, every
 placement against naive, layer discovery, fallback reporting, bad options."""
+import functools
 import warnings
 
 import jax
@@ -115,11 +116,18 @@ def test_one_device_equals_a_float64_dense_reference(inverse):
             jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-9), got, want)
 
 
-def test_eight_devices_equal_one_device_for_the_same_global_batch():
+BASE = dict(damping=1e-2, inverse_interval=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_run(n_dev: int, placement: str):
+    """One- and eight-device runs shared by the tests below (each compile costs seconds)."""
     params, batches, tx = _params(), _batches(2, size=32), optax.sgd(0.3)
-    kfac = dict(damping=1e-2, inverse_interval=2, factor_buckets="per_layer")
-    one = _run(1, KFAC(**kfac), batches, params, tx)
-    eight = _run(8, KFAC(**kfac), batches, params, tx)
+    return _run(n_dev, KFAC(placement=placement, factor_buckets="per_layer", **BASE), batches, params, tx)
+
+
+def test_eight_devices_equal_one_device_for_the_same_global_batch():
+    one, eight = _reference_run(1, "balanced"), _reference_run(8, "naive")
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
                  (one.params, one.factors), (eight.params, eight.factors))
 
@@ -140,10 +148,12 @@ PLACEMENT_CASES = {"balanced": dict(placement="balanced", factor_buckets="per_la
 @pytest.mark.parametrize("case", [
     "balanced", *[pytest.param(c, marks=pytest.mark.slow) for c in PLACEMENT_CASES if c != "balanced"]])
 def test_placements_and_factor_schedules_give_the_naive_numbers(case):
-    params, batches, tx = _params(), _batches(2, size=32), optax.sgd(0.3)
-    base = dict(damping=1e-2, inverse_interval=1)
-    naive = _run(8, KFAC(placement="naive", factor_buckets="per_layer", **base), batches, params, tx)
-    _assert_same_numbers(naive, _run(8, KFAC(**PLACEMENT_CASES[case], **base), batches, params, tx))
+    if case == "balanced":
+        other = _reference_run(8, "balanced")
+    else:
+        params, batches, tx = _params(), _batches(2, size=32), optax.sgd(0.3)
+        other = _run(8, KFAC(**PLACEMENT_CASES[case], **BASE), batches, params, tx)
+    _assert_same_numbers(_reference_run(8, "naive"), other)
 
 
 @pytest.mark.slow
@@ -155,7 +165,7 @@ def test_factor_interval_skips_factor_updates_and_inverses_stay_between_refreshe
 
 
 def test_layers_are_found_in_the_jaxpr_and_the_rest_is_reported_once_by_name():
-    params, tx, mesh = _params(extra=True), optax.sgd(0.1), _mesh(2)
+    params, tx, mesh = _params(extra=True), optax.sgd(0.1), _mesh(1)
     step = _step(mesh, tx)
     batch = steps.shard_batch(_batches(1)[0], mesh)
     found = find_layers(step, params, tx.init(params), batch)
@@ -173,25 +183,38 @@ def test_layers_are_found_in_the_jaxpr_and_the_rest_is_reported_once_by_name():
 def test_conv_factors_use_the_kernel_layout_of_the_gradient():
     """A's rows (patches) and the kernel matrix K-FAC preconditions are laid out alike:
     patches @ kernel_matrix(W) is the convolution itself."""
-    from jaxsched import models
     from jaxsched.strategies.kfac import kernel_from_matrix, kernel_matrix, local_factors
 
-    params, apply_fn = models.pure(models.build("cnn", (6, 6, 2), 3, channels=3, blocks=1))
-    tx, mesh = optax.sgd(0.1), _mesh(1)
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def conv(p, x):
+        y = lax.conv_general_dilated(x, p["conv"]["kernel"], (2, 1), ((1, 1), (0, 1)), (1, 1), (1, 2),
+                                     dimension_numbers=dn) + p["conv"]["bias"]
+        return y.mean(axis=(1, 2))
+
     rng = np.random.default_rng(0)
+    params = {"conv": {"kernel": rng.normal(size=(3, 3, 2, 3)).astype(np.float32),
+                       "bias": np.zeros(3, np.float32)}}
+    tx, mesh = optax.sgd(0.1), _mesh(1)
     batch = (rng.normal(size=(2, 6, 6, 2)).astype(np.float32), np.zeros(2, np.int32))
-    found = find_layers(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), steps.shard_batch(batch, mesh))
-    stem = next(l for l in found.layers if l.name == "stem")
-    assert stem.kind == "conv" and stem.dims == (3 * 3 * 2 + 1, 3)
-    w = params["stem"]["kernel"]
-    p = stem.params
-    patches = lax.conv_general_dilated_patches(batch[0], p["filter_shape"], p["window_strides"], p["padding"],
-                                               p["lhs_dilation"], p["rhs_dilation"], p["dimension_numbers"])
-    conv = lax.conv_general_dilated(batch[0], w, p["window_strides"], p["padding"], p["lhs_dilation"],
-                                    p["rhs_dilation"], p["dimension_numbers"])
-    np.testing.assert_allclose(patches.reshape(-1, 18) @ kernel_matrix(stem, w), conv.reshape(-1, 3), atol=1e-5)
-    np.testing.assert_array_equal(kernel_from_matrix(stem, kernel_matrix(stem, w), w.shape), w)
-    a, g = local_factors(stem, batch[0], jnp.ones((2, 6, 6, 3)), jnp.float32)
+    found = find_layers(_step(mesh, tx, conv), params, tx.init(params), steps.shard_batch(batch, mesh))
+    (layer,) = found.layers
+    assert layer.kind == "conv" and layer.dims == (3 * 3 * 2 + 1, 3) and layer.bias is not None
+    p = layer.params
+
+    @jax.jit
+    def check(x, w):
+        patches = lax.conv_general_dilated_patches(x, p["filter_shape"], p["window_strides"], p["padding"],
+                                                   p["lhs_dilation"], p["rhs_dilation"], p["dimension_numbers"])
+        y = lax.conv_general_dilated(x, w, p["window_strides"], p["padding"], p["lhs_dilation"],
+                                     p["rhs_dilation"], p["dimension_numbers"])
+        a, g = local_factors(layer, x, y, jnp.float32)
+        return (patches.reshape(-1, 18) @ kernel_matrix(layer, w), y.reshape(-1, 3),
+                kernel_from_matrix(layer, kernel_matrix(layer, w), w.shape), a, g)
+
+    via_patches, direct, round_trip, a, g = check(batch[0], params["conv"]["kernel"])
+    np.testing.assert_allclose(via_patches, direct, atol=1e-5)
+    np.testing.assert_array_equal(round_trip, params["conv"]["kernel"])
     assert a.shape == (19, 19) and g.shape == (3, 3)
 
 
