@@ -7,6 +7,7 @@ from jaxsched.plan import plan_buckets
 from jaxsched.profile import profile_network, profile_zoo_model
 from jaxsched.collectives import Collective, CollectiveWrapper
 from jaxsched import compress
+from jaxsched import kfac
 from jaxsched.engine import Engine, register_engine
 from jaxsched.rewrite.rules import FallbackWarning
 from jaxsched.schedule import STRATEGIES, SchedState, Scheduled
@@ -23,6 +24,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "compress",
+    "kfac",
     "Engine",
     "FallbackWarning",
     "Layer",

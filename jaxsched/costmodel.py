@@ -33,7 +33,13 @@ class ProfileError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
-    """One parameter group, in forward order. ``update_s`` is its optimizer-update time."""
+    """One parameter group, in forward order. ``update_s`` is its optimizer-update time.
+
+    Second-order fields (zero for first-order strategies; read by patterns with
+    ``factors``): ``factor_bytes``, the bytes of its Kronecker factors; ``factor_s``, the time
+    to compute them after its backward; ``factor_dims``, each factor's size ``n``; and
+    ``inverse_s``, the time to invert each factor on one worker.
+    """
 
     name: str
     params: int
@@ -41,6 +47,17 @@ class Layer:
     forward_s: float
     backward_s: float
     update_s: float = 0.0
+    factor_bytes: int = 0
+    factor_s: float = 0.0
+    factor_dims: tuple[int, ...] = ()
+    inverse_s: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "factor_dims", tuple(self.factor_dims))
+        object.__setattr__(self, "inverse_s", tuple(self.inverse_s))
+        if len(self.factor_dims) != len(self.inverse_s):
+            raise ProfileError(f"layer {self.name!r}: factor_dims {list(self.factor_dims)} and inverse_s "
+                               f"{list(self.inverse_s)} must have one entry per factor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +96,9 @@ class LayerProfile:
         return sum(layer.params for layer in self.layers)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layers": [dataclasses.asdict(layer) for layer in self.layers],
+        second_order = ("factor_bytes", "factor_s", "factor_dims", "inverse_s")
+        return {"layers": [{k: v for k, v in dataclasses.asdict(layer).items()
+                            if k not in second_order or v} for layer in self.layers],
                 "meta": dict(self.meta)}
 
     @classmethod
@@ -103,6 +122,10 @@ class LayerProfile:
                 forward_s=_field(raw, "forward_s", float, where),
                 backward_s=_field(raw, "backward_s", float, where),
                 update_s=_field(raw, "update_s", float, where, default=0.0),
+                factor_bytes=_field(raw, "factor_bytes", int, where, default=0),
+                factor_s=_field(raw, "factor_s", float, where, default=0.0),
+                factor_dims=tuple(int(n) for n in raw.get("factor_dims", ())),
+                inverse_s=tuple(float(t) for t in raw.get("inverse_s", ())),
             ))
         meta = data.get("meta", {})
         if not isinstance(meta, Mapping):
@@ -256,6 +279,14 @@ class CommPattern:
         next step never waits for communication (approximated parameters).
       packs_buckets: the rewrite copies each bucket into one buffer and back.
       compressible: whether the simulator models compression of the gradient collective.
+      factors: the collective of second-order statistics (K-FAC's Kronecker factors), sent
+        per layer (``all_reduce``), or None. The simulator reads each layer's
+        ``factor_bytes``, ``factor_s`` and ``inverse_s``.
+      factors_in_backward: each layer's factor collective is issued in backward as soon as
+        its factors exist; False: after the whole backward.
+      inverse_placement: how the factor inversions are spread over the workers
+        (``balanced``, ``round_robin``, ``naive``; see :mod:`jaxsched.placement`); their
+        results are shared by one all-gather (none for ``naive``).
     """
 
     gradient: str = "all_reduce"
@@ -264,12 +295,18 @@ class CommPattern:
     delayed_update: bool = False
     packs_buckets: bool = True
     compressible: bool = True
+    factors: str | None = None
+    factors_in_backward: bool = True
+    inverse_placement: str | None = None
 
     def __post_init__(self) -> None:
-        for name in (self.gradient, self.parameters):
+        for name in (self.gradient, self.parameters, self.factors):
             if name is not None and name not in COLLECTIVES:
                 raise ValueError(f"CommPattern collective {name!r} is unknown; use one of "
                                  f"{', '.join(COLLECTIVES)}")
+        if self.inverse_placement not in (None, "balanced", "round_robin", "naive"):
+            raise ValueError(f"CommPattern inverse_placement={self.inverse_placement!r} is unknown; "
+                             "use balanced, round_robin or naive")
 
     @property
     def sharded_update(self) -> bool:
@@ -330,6 +367,7 @@ ALLREDUCE_PATTERN = CommPattern(in_backward=False, packs_buckets=False)
 WFBP_PATTERN = CommPattern()
 DEAR_PATTERN = CommPattern(gradient="reduce_scatter", parameters="all_gather", compressible=False)
 APPROX_PATTERN = CommPattern(delayed_update=True, packs_buckets=False)
+KFAC_PATTERN = CommPattern(compressible=False, factors="all_reduce", inverse_placement="balanced")
 for _name, _pattern in (("allreduce", ALLREDUCE_PATTERN), ("wfbp", WFBP_PATTERN),
                         ("mgwfbp", WFBP_PATTERN), ("dear", DEAR_PATTERN), ("approx", APPROX_PATTERN)):
     register_comm_pattern(_name, _pattern)

@@ -46,6 +46,7 @@ class ArchLayer:
     params: int
     macs: float  # forward multiply-accumulates per sample
     activations: float  # input + output values per sample (memory traffic)
+    factor_dims: tuple[int, ...] = ()  # K-FAC: (input factor, output factor) of convs and linears
 
 
 def _conv(layers: list[ArchLayer], name: str, cin: int, cout: int, kernel: tuple[int, int],
@@ -57,14 +58,14 @@ def _conv(layers: list[ArchLayer], name: str, cin: int, cout: int, kernel: tuple
     wo = (w + 2 * pad[1] - kw) // stride + 1
     params = kh * kw * cin * cout + (cout if bias else 0) + (2 * cout if bn else 0) + 2 * pre_bn
     layers.append(ArchLayer(name, params, kh * kw * cin * cout * ho * wo,
-                            cin * h * w + cout * ho * wo))
+                            cin * h * w + cout * ho * wo, (kh * kw * cin + (1 if bias else 0), cout)))
     return cout, ho, wo
 
 
 def _linear(layers: list[ArchLayer], name: str, fin: int, fout: int, tokens: int = 1,
             extra_params: int = 0) -> None:
     layers.append(ArchLayer(name, fin * fout + fout + extra_params, fin * fout * tokens,
-                            (fin + fout) * tokens))
+                            (fin + fout) * tokens, (fin + 1, fout)))
 
 
 def resnet50() -> list[ArchLayer]:
@@ -223,12 +224,23 @@ def architecture(name: str, seq_len: int | None = None) -> list[ArchLayer]:
                      f"or pass a measured --profile")
 
 
+#: Symmetric eigendecomposition with eigenvectors: about 9 n^3 flops (Golub & Van Loan).
+EIGH_FLOPS_PER_CUBE = 9.0
+
+
 def zoo_profile(name: str, device: str | DevicePreset = "v100", batch: int | None = None,
-                seq_len: int | None = None, efficiency: float = 0.5) -> LayerProfile:
+                seq_len: int | None = None, efficiency: float = 0.5, kfac: bool = False,
+                inverse_efficiency: float = 0.1) -> LayerProfile:
     """Layer profile of a published model on a device roofline (``efficiency`` of peak).
 
     Forward: ``2 * MACs * batch`` FLOPs and ``4 * (params + batch * activations)`` bytes;
     backward: twice both; update (SGD with momentum): 5 values moved per parameter.
+
+    ``kfac=True`` adds K-FAC's second-order costs to every convolution and linear layer:
+    factor bytes (fp32), factor computation (``2 * rows * sum(n^2)`` FLOPs, rows = batch
+    times output positions, on the roofline) and one eigendecomposition per factor
+    (``9 n^3`` FLOPs at ``inverse_efficiency`` of peak: factorizations run far below a
+    matmul's rate; an assumption, not a measurement).
     """
     dev = device_preset(device) if isinstance(device, str) else device
     batch = batch or DEFAULT_BATCH.get(name, 32)
@@ -240,10 +252,24 @@ def zoo_profile(name: str, device: str | DevicePreset = "v100", batch: int | Non
         forward = roofline_seconds(2 * arch.macs * batch, memory, dev, efficiency)
         backward = roofline_seconds(4 * arch.macs * batch, 2 * memory, dev, efficiency)
         update = roofline_seconds(2 * arch.params, 5 * BYTES_PER_VALUE * arch.params, dev, efficiency)
+        second = {}
+        if kfac and arch.factor_dims:
+            d_a, d_g = arch.factor_dims
+            rows = batch * arch.macs / max(1, d_a * d_g)
+            squares = sum(n * n for n in arch.factor_dims)
+            second = dict(
+                factor_bytes=BYTES_PER_VALUE * squares,
+                factor_s=roofline_seconds(2 * rows * squares,
+                                          BYTES_PER_VALUE * (rows * (d_a + d_g) + squares), dev, efficiency),
+                factor_dims=arch.factor_dims,
+                inverse_s=tuple(roofline_seconds(EIGH_FLOPS_PER_CUBE * n ** 3, BYTES_PER_VALUE * n * n, dev,
+                                                 inverse_efficiency) for n in arch.factor_dims))
         layers.append(Layer(arch.name, arch.params, BYTES_PER_VALUE * arch.params, forward,
-                            backward, update))
+                            backward, update, **second))
     meta = {"model": name, "device": dev.name, "precision": dev.precision, "batch": batch,
             "efficiency": efficiency, "source": "jaxsched.zoo_profiles (roofline, not measured)"}
+    if kfac:
+        meta["kfac"] = {"inverse": f"{EIGH_FLOPS_PER_CUBE:g} n^3 flops", "inverse_efficiency": inverse_efficiency}
     if name in DEFAULT_SEQ_LEN:
         meta["seq_len"] = seq_len or DEFAULT_SEQ_LEN[name]
     return LayerProfile(layers, meta)
@@ -259,5 +285,5 @@ def relative_param_error(name: str) -> float:
     return abs(sum(a.params for a in architecture(name)) - published) / published
 
 
-__all__ = ["PUBLISHED_PARAMS", "ZOO_MODELS", "architecture", "forward_gflops",
+__all__ = ["EIGH_FLOPS_PER_CUBE", "PUBLISHED_PARAMS", "ZOO_MODELS", "architecture", "forward_gflops",
            "relative_param_error", "zoo_profile"]

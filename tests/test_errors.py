@@ -32,11 +32,11 @@ def _mlp_step(strategy="dear", **options):
     return sched, sched.init(params, tx.init(params)), batch, params
 
 
-def _custom(body, out_specs=(P(), P(), P())):
+def _custom(body, out_specs=(P(), P(), P()), strategy="wfbp"):
     mesh = _mesh()
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
                                  out_specs=out_specs, check_vma=False))
-    sched = jaxsched.schedule(step, strategy="wfbp")
+    sched = jaxsched.schedule(step, strategy=strategy)
     params = {"w": np.ones(3, np.float32)}
     return sched(sched.init(params, ()), jax.device_put(np.ones((4, 3), np.float32),
                                                          jax.NamedSharding(mesh, P("data"))))
@@ -62,6 +62,11 @@ def _nested(p, s, x):
 def _renamed_output(p, s, x):
     g = lax.pmean(jax.grad(lambda q: jnp.sum(q["w"] * x))(p), "data")
     return {"v": p["w"] - g["w"]}, s, jnp.zeros(())
+
+
+def _elementwise(p, s, x):
+    g = lax.pmean(jax.grad(lambda q: jnp.sum(q["w"] * x))(p), "data")
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
 
 
 def _two_outputs(p, s, x):
@@ -107,6 +112,14 @@ CASES = {
                        "engine='gpu' is unknown; choose one of"),
     "host engine without a spare device": (lambda _: spare_devices(jax.make_mesh((8,), ("data",))),
                                            HostEngineError, "process 0 has no local cpu device outside the mesh"),
+    "K-FAC damping <= 0": (lambda _: jaxsched.schedule(lambda *a: a, strategy="kfac", damping=0.0),
+                           ValueError, "damping=0.0 must be a finite number > 0"),
+    "K-FAC inverse interval < 1": (lambda _: jaxsched.schedule(lambda *a: a, strategy="kfac",
+                                                               inverse_interval=0),
+                                   ValueError, "inverse_interval=0 must be an int >= 1"),
+    "K-FAC without a dense or conv layer": (lambda _: _custom(_elementwise, strategy="kfac"),
+                                            jaxsched.UnsupportedStepError,
+                                            "kfac found no dense or convolution layer in the step"),
     "state leaf of another shape": (_wrong_shape, ValueError,
                                     "state leaf params/head/bias has shape (3,); expected the user's"),
 }

@@ -49,6 +49,13 @@ def test_stages_alternate_at_collectives_and_keep_only_what_later_stages_read():
     assert all(len(s.eqns) == 1 for s in stages if s.kind == "comm")
 
 
+def STAGEABLE() -> list[str]:
+    """Every registered strategy but kfac, which refreshes its inverses (and skips factor
+    updates) under lax.cond with the collective inside; the host engine refuses a
+    collective nested in control flow by design, naming it."""
+    return [s for s in jaxsched.STRATEGIES if s != "kfac"]
+
+
 @pytest.mark.slow  # a heavy compile: runs in `make test-slow` (CI runs both)
 def test_one_process_host_engine_equals_xla_for_every_strategy():
     """One process, mesh of device 0, collectives on device 1: the staging path end to end."""
@@ -57,7 +64,7 @@ def test_one_process_host_engine_equals_xla_for_every_strategy():
     mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     step = steps.make_step(apply_fn, tx, mesh)
     batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", 3, 4, 2)]
-    for strategy in jaxsched.STRATEGIES:
+    for strategy in STAGEABLE():
         results = []
         for engine in ("xla", HostEngine(record_timings=True)):
             sched = jaxsched.schedule(step, strategy=strategy, engine=engine)
@@ -114,7 +121,7 @@ def test_auto_engine_is_xla_in_one_process():
 @pytest.mark.slow
 def test_two_processes_host_engine_equals_xla_engine_for_every_strategy(tmp_path):
     out = tmp_path / "report.json"
-    strategies = list(jaxsched.STRATEGIES)
+    strategies = STAGEABLE()
     log = io.StringIO()
     code = launch_lib.launch(2, [sys.executable, str(HERE / "host_engine_worker.py"), str(out), *strategies],
                              env=CHILD_ENV, stdout=log, stderr=log, timeout_s=240, grace_s=2)

@@ -252,8 +252,11 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPa
         return graph.add(_Task("comm", f"{kind} b{k}", kind, n,
                                gradient_comm_time(network, bucket_bytes[k], compression), after))
 
+    second_order = pattern.factors is not None and any(l.factor_bytes or l.factor_s for l in lay)
     for n in range(iterations):
         comm: list[int] = []
+        factor_comm: list[int] = []
+        factor_tasks: list[tuple[int, int]] = []  # (layer, compute task) awaiting their collective
         reduce_of_bucket: dict[int, int] = {}
         chunks: dict[int, list[int]] = {}
         if network.dispatch_s:  # the step program is launched once per iteration
@@ -268,6 +271,12 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPa
             graph.add(_Task("compute", f"fwd {lay[i].name}", "forward", n, lay[i].forward_s, deps))
         for i in reversed(range(num)):
             bwd = graph.add(_Task("compute", f"bwd {lay[i].name}", "backward", n, lay[i].backward_s, []))
+            if second_order and (lay[i].factor_bytes or lay[i].factor_s):
+                fac = graph.add(_Task("compute", f"factors {lay[i].name}", "factors", n, lay[i].factor_s, []))
+                if pattern.factors_in_backward:
+                    factor_comm.append(_factor_collective(graph, network, pattern, lay[i], n, [fac]))
+                else:
+                    factor_tasks.append((i, fac))
             if pattern.in_backward and i in bucket_lo:
                 k = bucket_lo[i]
                 reduce_of_bucket[k] = grad_collective(k, n, [bwd])
@@ -281,6 +290,13 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPa
         if not pattern.in_backward and not priority:
             bwd_end = graph.compute_order[-1]
             comm = [grad_collective(k, n, [bwd_end]) for k in reversed(range(len(buckets)))]
+        if second_order:
+            bwd_end = graph.compute_order[-1]
+            factor_comm += [_factor_collective(graph, network, pattern, lay[i], n, [bwd_end])
+                            for i, _ in factor_tasks]
+            second_order_tail = _inversions(graph, network, pattern, lay, n, factor_comm)
+        else:
+            second_order_tail = []
         if priority:
             pass  # each layer's update waits for its own chunks (next iteration, above)
         elif pattern.delayed_update:
@@ -296,9 +312,48 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPa
             if copy:  # the update reads the unpacked gradients
                 comm = [copy_task("unpack", k, n, [c])[0]
                         for k, c in sorted(reduce_of_bucket.items(), reverse=True)]
-            graph.add(_Task("compute", "update", "update", n, total_update, comm))
+            graph.add(_Task("compute", "update", "update", n, total_update, comm + second_order_tail))
         prev_comm, prev_chunks = comm, chunks
     return graph
+
+
+def _factor_collective(graph: _Graph, network: NetworkProfile, pattern: CommPattern, layer: Any,
+                       n: int, deps: list[int]) -> int:
+    """One layer's factor reduction on the comm stream (K-FAC's statistics)."""
+    kind = pattern.factors
+    return graph.add(_Task("comm", f"{kind} factors {layer.name}", f"factor {kind}", n,
+                           network.time(kind, layer.factor_bytes), deps))
+
+
+def _inversions(graph: _Graph, network: NetworkProfile, pattern: CommPattern, lay: Sequence[Any],
+                n: int, factor_comm: list[int]) -> list[int]:
+    """The factor inversions (the busiest worker's share under the pattern's placement) and
+    the all-gather that shares them; returns what the update must wait for."""
+    from jaxsched.placement import plan_placement
+
+    dims = [d for layer in lay for d in layer.factor_dims]
+    times = [t for layer in lay for t in layer.inverse_s]
+    if not dims:
+        return factor_comm
+    owners = plan_placement(dims, network.workers, pattern.inverse_placement or "naive",
+                            [i for i, layer in enumerate(lay) for _ in layer.factor_dims])
+    busiest = max(worker_loads_seconds(times, owners, network.workers))
+    inv = graph.add(_Task("compute", "invert factors", "inverse", n, busiest, list(factor_comm)))
+    if owners is None or network.workers == 1:
+        return [inv]
+    nbytes = sum(d * d for d in dims) * 4
+    return [graph.add(_Task("comm", "all_gather inverses", "all_gather", n,
+                            network.time("all_gather", nbytes), [inv]))]
+
+
+def worker_loads_seconds(times: Sequence[Any], owners: Sequence[int] | None, workers: int) -> list[Any]:
+    """Seconds of inversion per worker (``owners`` None: every worker inverts everything)."""
+    if owners is None:
+        return [sum(times)] * workers
+    load: list[Any] = [0] * workers
+    for t, w in zip(times, owners, strict=True):
+        load[w] += t
+    return load
 
 
 def _execute(graph: _Graph, priority: bool, merge_cost: Any = None, credit_bytes: Any = 0

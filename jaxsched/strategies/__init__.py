@@ -12,8 +12,10 @@ from jaxsched.strategies.allreduce import AllReduce  # noqa: E402
 from jaxsched.strategies.wfbp import Wfbp  # noqa: E402
 from jaxsched.strategies.dear import Dear  # noqa: E402
 from jaxsched.strategies.approx import Approx  # noqa: E402
+from jaxsched.strategies.kfac import KFAC  # noqa: E402
 from jaxsched.strategies.auto import Auto, AutoChoice  # noqa: E402
 
-__all__ = ["AllReduce", "Approx", "Auto", "AutoChoice", "Dear", "RewrittenBody", "STRATEGIES", "SchedState", "Strategy",
+__all__ = ["AllReduce", "Approx", "Auto", "AutoChoice", "Dear", "KFAC", "RewrittenBody", "STRATEGIES",
+           "SchedState", "Strategy",
            "UserLayoutStrategy", "Wfbp", "make_strategy", "register_strategy", "strategy_names",
            "unregister_strategy"]
