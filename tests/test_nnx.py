@@ -192,7 +192,7 @@ def test_rng_batchnorm_and_custom_variables_pass_through_wfbp(style):
     _bn_case(style, "wfbp")
 
 
-@pytest.mark.parametrize("strategy", ["wfbp", "auto"])  # auto picks allreduce on XLA:CPU
+@pytest.mark.parametrize("strategy", ["wfbp", pytest.param("auto", marks=pytest.mark.slow)])
 def test_user_layout_strategies_keep_the_objects_up_to_date_after_every_step(strategy):
     mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
     plain_objects, sched_objects = bn_objects(), bn_objects()

@@ -32,14 +32,14 @@ def _check(model, opt, strategy, devices, api="shard_map", n_steps=20, **kw):
     return sched
 
 
-@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+@pytest.mark.parametrize("strategy", [pytest.param("wfbp", marks=pytest.mark.slow), "dear"])
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
 def test_every_optimizer_matches_the_plain_step_on_8_devices(strategy, opt):
     sched = _check("mlp", opt, strategy, 8)
     assert sched.program.fallbacks == []  # all of these run on shards without gathering
 
 
-@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+@pytest.mark.parametrize("strategy", [pytest.param("wfbp", marks=pytest.mark.slow), "dear"])
 @pytest.mark.parametrize("model", ["cnn", pytest.param("transformer", marks=pytest.mark.slow)])  # the heaviest compiles run in `make test-slow` (CI runs both)
 def test_zoo_models_match_the_plain_step(model, strategy):
     _check(model, "clip+adamw", strategy, 8)
@@ -50,7 +50,7 @@ def test_dear_matches_on_every_device_count(devices):
     _check("mlp", "adam", "dear", devices)
 
 
-@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+@pytest.mark.parametrize("strategy", [pytest.param("wfbp", marks=pytest.mark.slow), "dear"])
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 def test_pmap_steps_match(model, strategy):
     _check(model, "adamw", strategy, 4, api="pmap", n_steps=10)
@@ -234,6 +234,8 @@ def test_dear_keeps_one_over_p_of_the_optimizer_state_per_device():
     assert param_bytes <= sum(np.asarray(p).nbytes for p in jax.tree.leaves(params)) / 8 * 1.1
 
 
+# wfbp's twins of the dear cases above run in `make test-slow` (CI runs both)
+
 # -- round trips -----------------------------------------------------------------------------
 @pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "dear"])
 def test_finalize_of_init_is_the_identity(strategy):
@@ -353,7 +355,7 @@ def test_decorator_form():
     assert np.isfinite(aux["loss"])
 
 
-@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+@pytest.mark.parametrize("strategy", [pytest.param("wfbp", marks=pytest.mark.slow), "dear"])
 def test_bf16_params_with_f32_optimizer_state_keep_their_dtypes(strategy):
     params, apply_fn = build("mlp", 4)
     params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), params)

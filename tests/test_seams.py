@@ -151,7 +151,8 @@ def test_allreduce_cannot_carry_a_collective():
         jaxsched.schedule(lambda *a: a, strategy="allreduce", collective=CountingCollective())
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "dear"])
+@pytest.mark.parametrize("strategy", [pytest.param("allreduce", marks=pytest.mark.slow),
+                                      pytest.param("wfbp", marks=pytest.mark.slow), "dear"])
 def test_each_batch_shape_gets_its_own_program_and_matches_the_plain_step(strategy):
     params, apply_fn = build("mlp", 0)
     tx = optax.adamw(1e-2)
