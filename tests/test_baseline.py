@@ -80,6 +80,7 @@ def test_pmap_and_shard_map_baselines_agree():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), sm, pm)
 
 
+@pytest.mark.slow
 def test_trainer_pmap_api_matches_shard_map_losses():
     a = trainer.train(_tiny_config(api="shard_map"), progress=False)
     b = trainer.train(_tiny_config(api="pmap"), progress=False)

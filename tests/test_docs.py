@@ -20,7 +20,10 @@ def _all_modules() -> list[str]:
                   if not m.name.endswith("__main__"))
 
 
-MODULES = _all_modules()
+# The heaviest examples (compiles of collectives over 8 devices) run in `make test-slow`.
+SLOW_EXAMPLES = {"jaxsched.compress.gtopk", "jaxsched.kernels.error_feedback"}
+MODULES = [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_EXAMPLES else m
+           for m in _all_modules()]
 # Packages whose __init__ only re-exports, and modules of argument parsing or rule tables,
 # may have no example; every other module shows one.
 WITHOUT_EXAMPLES = {"jaxsched.cli", "jaxsched.collectives", "jaxsched.engine", "jaxsched.rewrite",

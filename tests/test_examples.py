@@ -75,7 +75,8 @@ def digits_run(tmp_path_factory) -> Path:
     return tmp
 
 
-@pytest.mark.parametrize("name", RUNS)
+@pytest.mark.parametrize("name", ["digits", pytest.param("cifar_synthetic", marks=pytest.mark.slow),
+                                  pytest.param("tiny_lm", marks=pytest.mark.slow)])
 def test_each_trainer_runs_and_writes_metrics_summary_plot_and_checkpoints(
         request, tmp_path, name):
     if name == "digits":

@@ -206,6 +206,7 @@ def test_user_layout_strategies_keep_the_objects_up_to_date_after_every_step(str
         assert_same_state(flat_values(*plain_objects), flat_values(*sched_objects))
 
 
+@pytest.mark.slow
 def test_dear_finalize_mid_run_then_training_goes_on():
     mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
     batches = [steps.shard_batch(b, mesh) for b in bn_batches(6, seed=9)]
