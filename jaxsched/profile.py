@@ -287,10 +287,18 @@ def scale_to_whole_model(prof: LayerProfile, stages: Sequence[Stage], x: jax.Arr
     forward_total_s = _median_seconds(lambda: forward(params, x, labels), repeats)
     backward_s = max(_median_seconds(lambda: both(params, x, labels), repeats) - forward_total_s, 0.0)
     forward_s = max(forward_total_s - dispatch_s, 0.0)
-    f_scale = forward_s / prof.forward_s if prof.forward_s else 1.0
-    b_scale = backward_s / prof.backward_s if prof.backward_s else 1.0
-    layers = [dataclasses.replace(l, forward_s=l.forward_s * f_scale, backward_s=l.backward_s * b_scale)
-              for l in prof.layers]
+    def shares(times: list[float]) -> list[float]:
+        # per-stage times all within noise of zero: share by parameter count instead
+        total = sum(times)
+        if total > 0:
+            return [t / total for t in times]
+        counts = [max(l.params, 1) for l in prof.layers]
+        return [c / sum(counts) for c in counts]
+
+    f_shares = shares([l.forward_s for l in prof.layers])
+    b_shares = shares([l.backward_s for l in prof.layers])
+    layers = [dataclasses.replace(l, forward_s=forward_s * f, backward_s=backward_s * b)
+              for l, f, b in zip(prof.layers, f_shares, b_shares, strict=True)]
     return LayerProfile(layers, {**prof.meta, "whole_model_forward_s": forward_s,
                                  "whole_model_backward_s": backward_s,
                                  "whole_model_dispatch_s": dispatch_s,
