@@ -21,7 +21,8 @@ def _all_modules() -> list[str]:
 
 
 # The heaviest examples (compiles of collectives over 8 devices) run in `make test-slow`.
-SLOW_EXAMPLES = {"jaxsched.compress.gtopk", "jaxsched.kernels.error_feedback"}
+SLOW_EXAMPLES = {"jaxsched.compress.gtopk", "jaxsched.kernels.error_feedback",
+                 "jaxsched.checkpoint", "jaxsched.profile"}
 MODULES = [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_EXAMPLES else m
            for m in _all_modules()]
 # Packages whose __init__ only re-exports, and modules of argument parsing or rule tables,

@@ -33,14 +33,16 @@ def _check(model, opt, strategy, devices, api="shard_map", n_steps=20, **kw):
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("wfbp", marks=pytest.mark.slow), "dear"])
-@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("opt", [o if o in ("adam", "clip+adamw") else pytest.param(o, marks=pytest.mark.slow)
+                                 for o in sorted(OPTIMIZERS)])
 def test_every_optimizer_matches_the_plain_step_on_8_devices(strategy, opt):
     sched = _check("mlp", opt, strategy, 8)
     assert sched.program.fallbacks == []  # all of these run on shards without gathering
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("wfbp", marks=pytest.mark.slow), "dear"])
-@pytest.mark.parametrize("model", ["cnn", pytest.param("transformer", marks=pytest.mark.slow)])  # the heaviest compiles run in `make test-slow` (CI runs both)
+@pytest.mark.parametrize("model", [pytest.param("cnn", marks=pytest.mark.slow),
+                                   pytest.param("transformer", marks=pytest.mark.slow)])  # the heaviest compiles run in `make test-slow` (CI runs both)
 def test_zoo_models_match_the_plain_step(model, strategy):
     _check(model, "clip+adamw", strategy, 8)
 
@@ -51,7 +53,7 @@ def test_dear_matches_on_every_device_count(devices):
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("wfbp", marks=pytest.mark.slow), "dear"])
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("model", ["mlp", pytest.param("cnn", marks=pytest.mark.slow)])
 def test_pmap_steps_match(model, strategy):
     _check(model, "adamw", strategy, 4, api="pmap", n_steps=10)
 

@@ -124,7 +124,8 @@ class CountingCollective(jaxsched.CollectiveWrapper):
         return out, self._count(state, 2)
 
 
-@pytest.mark.parametrize("strategy, expected", [("wfbp", [5, 0, 0]), ("dear", [0, 5, 5])])
+@pytest.mark.parametrize("strategy, expected", [pytest.param("wfbp", [5, 0, 0], marks=pytest.mark.slow),
+                                                ("dear", [0, 5, 5])])
 def test_a_collective_wrapper_carries_per_device_state_through_any_strategy(strategy, expected):
     params, apply_fn = build("mlp", 0)
     tx = optax.adam(1e-2)
