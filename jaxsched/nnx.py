@@ -65,24 +65,40 @@ from jaxsched.strategies import Strategy
 __all__ = ["NNXScheduled", "schedule"]
 
 
-@dataclasses.dataclass
-class _Session:
-    """What the adapter keeps for one object-graph structure.
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How one object-graph structure maps to the pure step's dict trees and back.
 
     Attributes:
       graphdef: the structure of ``(model, optimizer, ...)`` as ``nnx.split`` sees it.
-      params_template, rest_template: ``nnx.State`` skeletons the pure step refills.
+      params_template, rest_template: ``nnx.State`` skeletons refilled with new values.
       single_owner: params all belong to the first object, so their paths drop its index
         (``hidden/0/kernel`` rather than ``0/hidden/0/kernel``).
-      scheduled: the scheduled pure step.
-      state: its state, or ``None`` before the first call.
-      written: the leaf arrays the objects held when the adapter last touched them.
     """
 
     graphdef: Any
     params_template: Any
     rest_template: Any
     single_owner: bool
+
+    def pure(self, params: Any, rest: Any) -> tuple[dict, dict]:
+        """``nnx.State`` of params and of the rest -> the pure step's dicts."""
+        pure_params = nnx.to_pure_dict(params)
+        return (pure_params[0] if self.single_owner else pure_params), nnx.to_pure_dict(rest)
+
+    def states(self, params: dict, rest: dict) -> tuple[Any, Any]:
+        """The pure step's dicts -> fresh ``nnx.State`` objects of params and of the rest."""
+        return (_refill(self.params_template, {0: params} if self.single_owner else params),
+                _refill(self.rest_template, rest))
+
+
+@dataclasses.dataclass
+class _Session:
+    """What the adapter keeps for one object-graph structure: its layout, the scheduled pure
+    step, that step's state (``None`` before the first call), and the leaf arrays the
+    objects held when the adapter last touched them."""
+
+    layout: _Layout
     scheduled: Scheduled
     state: Any = None
     written: tuple = ()
@@ -130,7 +146,7 @@ class NNXScheduled:
                               "starting again from the objects' values (state the strategy "
                               "carried, such as in-flight gradients or compression residuals, "
                               "is dropped)", stacklevel=2)
-            session.state = session.scheduled.init(*self._pure(session, params, rest), batch)
+            session.state = session.scheduled.init(*session.layout.pure(params, rest), batch)
             session.written = _leaves(params, rest)
         session.state, aux = session.scheduled(session.state, batch)
         if session.scheduled.program.strategy.keeps_user_layout:
@@ -148,7 +164,7 @@ class NNXScheduled:
         if session is None or session.state is None:
             return
         graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
-        if graphdef != session.graphdef:
+        if graphdef != session.layout.graphdef:
             raise ValueError("finalize() got objects of another structure than the scheduled "
                              "step was called with; pass the same (model, optimizer, ...)")
         if not _same_arrays(_leaves(params, rest), session.written):
@@ -179,42 +195,32 @@ class NNXScheduled:
         return tuple(nodes), batch
 
     def _session_for(self, graphdef: Any, params: Any, rest: Any) -> _Session:
-        if self._session is not None and self._session.graphdef == graphdef:
+        if self._session is not None and self._session.layout.graphdef == graphdef:
             return self._session
         pure_params = nnx.to_pure_dict(params)
         if not jax.tree.leaves(pure_params):
             raise ValueError("the objects passed to the scheduled NNX step hold no nnx.Param: "
                              "nothing to train, so nothing to schedule")
-        session = _Session(graphdef, params, rest, single_owner=list(pure_params) == [0],
-                           scheduled=None)  # type: ignore[arg-type]
-        session.scheduled = Scheduled(self._pure_step_for(session), self.strategy,
-                                      **self.schedule_options)
-        self._session = session
-        return session
+        layout = _Layout(graphdef, params, rest, single_owner=list(pure_params) == [0])
+        self._session = _Session(layout, Scheduled(self._pure_step_for(layout), self.strategy,
+                                                   **self.schedule_options))
+        return self._session
 
-    def _pure(self, session: _Session, params: Any, rest: Any) -> tuple[dict, dict]:
-        pure_params = nnx.to_pure_dict(params)
-        return (pure_params[0] if session.single_owner else pure_params), nnx.to_pure_dict(rest)
-
-    def _pure_step_for(self, session: _Session) -> Callable:
+    def _pure_step_for(self, layout: _Layout) -> Callable:
         train_step = self.train_step
 
         def pure_step(params: dict, rest: dict, batch: Any):
-            wrapped = {0: params} if session.single_owner else params
-            nodes = nnx.merge(session.graphdef, _refill(session.params_template, wrapped),
-                              _refill(session.rest_template, rest))
+            nodes = nnx.merge(layout.graphdef, *layout.states(params, rest))
             aux = train_step(*nodes, batch)
             _, new_params, new_rest = nnx.split(nodes, nnx.Param, ...)
-            return (*self._pure(session, new_params, new_rest), aux)
+            return (*layout.pure(new_params, new_rest), aux)
 
         pure_step.__name__ = getattr(train_step, "__name__", "train_step")
         pure_step.__wrapped__ = train_step  # source lines in errors point at the user's step
         return pure_step
 
     def _write_back(self, session: _Session, nodes: tuple, params: dict, rest: dict) -> None:
-        wrapped = {0: params} if session.single_owner else params
-        nnx.update(nodes, _refill(session.params_template, wrapped),
-                   _refill(session.rest_template, rest))
+        nnx.update(nodes, *session.layout.states(params, rest))
         _, new_params, new_rest = nnx.split(nodes, nnx.Param, ...)
         session.written = _leaves(new_params, new_rest)
 

@@ -66,6 +66,11 @@ def forward_flops(analysis: Analysis) -> list[float]:
     return flops
 
 
+def local_device(mesh: Any) -> Any:
+    """This process's first device of ``mesh`` (where it measures what a plan needs)."""
+    return next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+
+
 def measure_flops_per_s(device: Any, size: int = 256, repeats: int = 5) -> float:
     """A matmul rate achievable on ``device`` (median of ``repeats``)."""
     a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
@@ -103,8 +108,7 @@ def step_layer_profile(analysis: Analysis, paths: Sequence[str],
     if flops_per_s is None:
         from jaxsched.profile import agree_across_processes
 
-        local = [d for d in cap.mesh.devices.flat if d.process_index == jax.process_index()]
-        flops_per_s = float(agree_across_processes([measure_flops_per_s(local[0])])[0])
+        flops_per_s = float(agree_across_processes([measure_flops_per_s(local_device(cap.mesh))])[0])
     flops = forward_flops(analysis)
     layers = []
     for name, group in zip(order, members):
@@ -147,8 +151,8 @@ def with_selection_cost(compression: Any, compressor: Any, mesh: Any) -> Any:
         return compression
     from jaxsched.profile import agree_across_processes, measure_selection_s_per_byte
 
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    seconds = float(agree_across_processes([measure_selection_s_per_byte(compressor, local[0])])[0])
+    seconds = float(agree_across_processes(
+        [measure_selection_s_per_byte(compressor, local_device(mesh))])[0])
     return dataclasses.replace(compression, selection_s_per_byte=seconds)
 
 
@@ -164,4 +168,11 @@ def auto_bucket_paths(analysis: Analysis, paths: Sequence[str], strategy: str | 
     profile, members = step_layer_profile(analysis, paths, layer_profile)
     network = step_network_profile(analysis, network_profile, engine_costs)
     groups = plan_buckets(profile, network, planner, strategy=strategy, compression=compression)
-    return [[paths[i] for layer in group for i in members[layer]] for group in groups], profile, network
+    return group_paths(groups, members, paths), profile, network
+
+
+def group_paths(groups: Sequence[Sequence[int]], members: Sequence[Sequence[int]],
+                paths: Sequence[str]) -> list[list[str]]:
+    """A plan's groups of layers as lists of parameter paths (``members``: each layer's
+    parameter leaf indices, from :func:`step_layer_profile`)."""
+    return [[paths[i] for layer in group for i in members[layer]] for group in groups]

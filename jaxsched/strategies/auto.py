@@ -88,8 +88,8 @@ class Auto(Strategy):
     def resolve(self, captured: Any, buckets: Any, plan_options: dict, engine: Any
                 ) -> tuple[Strategy, Any]:
         from jaxsched.plan import plan_buckets
-        from jaxsched.plan.from_step import (step_layer_profile, step_network_profile,
-                                             with_selection_cost)
+        from jaxsched.plan.from_step import (group_paths, step_layer_profile,
+                                             step_network_profile, with_selection_cost)
         from jaxsched.planned_step import PlannedStep
         from jaxsched.program import simulated_compression
         from jaxsched.sim import simulate
@@ -107,7 +107,7 @@ class Auto(Strategy):
             if buckets is None or buckets == "auto":
                 groups = plan_buckets(layers, network, plan_options.get("planner", "optimal"),
                                       strategy=candidate.cost, compression=compression)
-                option = [[probe.paths[i] for k in g for i in members[k]] for g in groups]
+                option = group_paths(groups, members, probe.paths)
             else:
                 option = buckets
                 planned = PlannedStep(captured, buckets, plan_options, candidate.cost)
