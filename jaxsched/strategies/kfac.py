@@ -300,13 +300,7 @@ class KFAC(Strategy):
             if planned.axis_size == 1:
                 sums = grads
             else:
-                flat = jnp.concatenate([jnp.ravel(g).astype(specs[k].dtype) for g in grads])
-                total, carried[k] = self.collective.all_reduce(flat, axis, specs[k], carried[k])
-                sums, offset = [], 0
-                for g in grads:
-                    size = math.prod(g.shape)
-                    sums.append(total[offset:offset + size].reshape(g.shape).astype(g.dtype))
-                    offset += size
+                sums, carried[k] = self.collective.all_reduce_tensors(grads, axis, specs[k], carried[k])
             for j, s in zip(bucket.reductions, sums):
                 env[reds[j].result] = s
 

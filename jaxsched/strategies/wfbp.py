@@ -1,8 +1,9 @@
 """``wfbp``: one all-reduce per bucket, issued in backward as soon as its gradients exist.
 
 Wait-free backpropagation (Zhang et al., 2017) with tensor fusion (MG-WFBP, Horovod and
-DDP buckets). The bucket's gradients are flattened and concatenated, reduced with the
-collective's ``all_reduce`` and split back; the update region then runs unchanged.
+DDP buckets). The bucket's gradients are reduced together by the collective's
+``all_reduce_tensors`` (one multi-operand psum, or one flattened buffer for a
+compressor); the update region then runs unchanged.
 Params and optimizer state keep the user's layout.
 
 Example:
@@ -11,10 +12,8 @@ Example:
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import jax.numpy as jnp
 
 from jaxsched.collectives.base import BucketSpec
 from jaxsched.costmodel import WFBP_PATTERN
@@ -50,13 +49,9 @@ class Wfbp(UserLayoutStrategy):
                 for j, g in zip(bucket.reductions, grads):
                     env[reds[j].result] = g
                 return
-            flat = jnp.concatenate([jnp.ravel(g).astype(specs[k].dtype) for g in grads])
-            total, carried[k] = self.collective.all_reduce(flat, axis, specs[k], carried[k])
-            offset = 0
-            for j, g in zip(bucket.reductions, grads):
-                size = math.prod(g.shape)
-                env[reds[j].result] = total[offset:offset + size].reshape(g.shape).astype(g.dtype)
-                offset += size
+            sums, carried[k] = self.collective.all_reduce_tensors(grads, axis, specs[k], carried[k])
+            for j, total in zip(bucket.reductions, sums):
+                env[reds[j].result] = total
 
         walk_backward(analysis, env, {}, buckets, emit)
         interpret((body.eqns[i] for i in analysis.update), lambda x: read(env, x), env.__setitem__)
