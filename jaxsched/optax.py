@@ -50,6 +50,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 METHODS = ("stale", "local", "extrapolate")
 
@@ -150,11 +151,24 @@ def approximated_point(method: str, staleness: int, true_params: Any, inner_stat
     params, state = true_params, inner_state
     for slot, grads in enumerate(pending):
         holds = slot_holds_gradient(slot, staleness, num_pending)
-        new_params, new_state = local_step(params, state, grads)
-        params = select(holds, new_params, params)
-        if slot + 1 < len(pending):
-            state = select(holds, new_state, state)
+        params, state = gated(holds, lambda p, s, g=grads: local_step(p, s, g),
+                              lambda p, s: (p, s), params, state)
     return params
+
+
+def gated(condition: jax.Array, compute: Callable, otherwise: Callable, *operands: Any) -> Any:
+    """``compute(*operands)`` where ``condition`` holds, else ``otherwise(*operands)``.
+
+    A ``lax.cond``: the first steps of a delayed recurrence skip work, and every later step
+    pays for ``compute`` alone. Selecting between both results (``jnp.where`` on every leaf)
+    would cost a pass over the parameters and the optimizer state on every step.
+    Results keep the dtypes of ``otherwise``'s.
+    """
+    def matched(*args):
+        like = jax.eval_shape(otherwise, *args)
+        return jax.tree.map(lambda n, o: jnp.asarray(n).astype(o.dtype), compute(*args), like)
+
+    return lax.cond(condition, matched, otherwise, *operands)
 
 
 def approximate(tx: optax.GradientTransformation, method: str = "local",
