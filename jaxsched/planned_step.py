@@ -143,13 +143,24 @@ class PlannedStep:
         by_role = {"params": params, "opt_state": opts, "batch": batch, "const": consts}
         return [by_role[src.role][src.index] for src in self.captured.sources]
 
+    @functools.cached_property
+    def _mesh_devices(self) -> frozenset:
+        return frozenset(self.mesh.devices.flat)
+
+    def _sharding(self, spec: P) -> NamedSharding:
+        return self.memo(("sharding", spec), lambda: NamedSharding(self.mesh, spec))
+
     def placed(self, value: Any, spec: P) -> Any:
-        """``value`` on the mesh with ``spec``; replicated values already there are left alone."""
-        mesh_devices = set(self.mesh.devices.flat)
-        if all(dim is None for dim in spec) and not (
-                isinstance(value, jax.Array) and value.sharding.device_set != mesh_devices):
-            return value  # replicated and on the mesh (or on the host): jit places it
-        sharding = NamedSharding(self.mesh, spec)
-        if isinstance(value, jax.Array) and value.sharding == sharding:
+        """``value`` on the mesh with ``spec``; replicated values already there are left alone.
+        Runs for every leaf of every call, so it does no work a placed leaf does not need."""
+        if not isinstance(value, jax.Array):
+            if all(dim is None for dim in spec):
+                return value  # on the host and replicated: jit places it
+            return jax.device_put(value, self._sharding(spec))
+        current = value.sharding
+        if all(dim is None for dim in spec) and current.device_set == self._mesh_devices:
+            return value  # replicated and on the mesh
+        sharding = self._sharding(spec)
+        if current is sharding or current == sharding:
             return value
         return jax.device_put(value, sharding)

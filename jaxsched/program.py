@@ -84,12 +84,15 @@ class Program:
 
     def inputs(self, state: NamedTuple, batch: Any) -> list:
         """The compiled core's flat arguments for one step."""
+        return self._inputs(self.convert(state), batch)
+
+    def _inputs(self, converted: NamedTuple, batch: Any) -> list:
         planned = self.planned
         batch_leaves = jax.tree.leaves(batch)
         if len(batch_leaves) != planned.captured.num_batch:
             raise ValueError(f"the batch has {len(batch_leaves)} leaves; the step was traced with "
                              f"{planned.captured.num_batch}")
-        return (jax.tree.leaves(self.convert(state))
+        return (jax.tree.leaves(converted)
                 + [planned.placed(b, s) for b, s in zip(batch_leaves, planned.batch_specs, strict=True)]
                 + [planned.placed(c, s) for c, s in zip(planned.captured.consts, planned.const_specs,
                                                          strict=True)])
@@ -97,7 +100,7 @@ class Program:
     def run(self, state: NamedTuple, batch: Any) -> tuple[NamedTuple, Any]:
         state = self.convert(state)
         leaves, treedef = jax.tree.flatten(state)
-        outs = self.core(*self.inputs(state, batch))
+        outs = self.core(*self._inputs(state, batch))
         new_state = jax.tree.unflatten(treedef, outs[:len(leaves)])
         return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[len(leaves):])
 
