@@ -25,12 +25,15 @@ def test_bench_reports_every_strategy_and_a_missing_one(tmp_path):
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert {"compute_s", "comm_s", "bound_s", "strategies"} <= report.keys()
+    assert {"compute_s", "comm_s", "bound_s", "ceiling_s", "strategies"} <= report.keys()
+    # both dispatched together take at least the longer of the two alone (5 % noise allowed)
+    assert report["ceiling_s"] >= 0.95 * max(report["compute_s"], report["comm_s"]) > 0
     assert report["layers"]["depth"] == 3 and report["layers"]["width"] == 32
     assert report["strategies"]["nosuch"] == {"missing": True}
     for name in ("allreduce", "wfbp"):
         row = report["strategies"][name]
         assert row["step_s"] > 0 and row["speedup"] > 0
+        assert row["ratio_to_ceiling"] == pytest.approx(row["step_s"] / report["ceiling_s"])
         assert row["max_loss_gap_to_plain"] < 1e-4   # the host engine computes the plain step
     assert "3x32 tanh MLP" in done.stdout and "missing" in done.stdout
     assert png.stat().st_size > 10_000
