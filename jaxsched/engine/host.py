@@ -61,6 +61,11 @@ from jaxsched.primitives import CALL_PRIMITIVES, COLLECTIVES
 #: Elements of the ballast each stage sums: above XLA:CPU's inline-execution estimate.
 BALLAST_ELEMENTS = 4096
 
+#: Equations that only relabel a buffer's shape. Between a collective and values that
+#: already exist they run inside the communication stage instead of as a compute stage
+#: of their own (which would copy the buffer on the compute device first).
+LAYOUT_PRIMITIVES = frozenset({"squeeze", "reshape"})
+
 
 class HostEngineError(RuntimeError):
     """The program or the devices do not fit the host engine; the message says why."""
@@ -73,7 +78,8 @@ class Stage:
     Attributes:
       kind: ``"compute"`` (on this process's mesh device) or ``"comm"`` (on the spare one).
       name: for timelines (the collective's primitive, or ``compute k``).
-      eqns: the per-device equations it runs (one, for a collective).
+      eqns: the per-device equations it runs (for a communication stage: its collective,
+        after any squeeze or reshape that only it reads first).
       inputs, outputs: the per-device jaxpr variables it reads and defines for later.
       fn: the jitted callable.
     """
@@ -201,6 +207,12 @@ def cut_stages(jaxpr) -> list[Stage]:
                 continue
             needed.add(i)
             stack.extend(producer[v] for v in eqns[i].invars if replay.is_var(v) and v in producer)
+        if needed and all(eqns[i].primitive.name in LAYOUT_PRIMITIVES for i in needed):
+            # Only a squeeze or reshape stands between the collective and values that exist:
+            # it runs inside the communication stage (no copy on the compute device). It stays
+            # unplaced, so compute that reads its result computes it there too.
+            groups.append(("comm", [eqns[i] for i in sorted(needed)] + [eqn]))
+            continue
         placed |= needed
         add_compute(sorted(needed))
         groups.append(("comm", [eqn]))
@@ -219,8 +231,9 @@ def cut_stages(jaxpr) -> list[Stage]:
                 if replay.is_var(v) and v not in defined and v not in inputs:
                     inputs.append(v)
             defined.update(eqn.outvars)
-        outputs = [v for eqn in eqns for v in eqn.outvars if v in read_later[k]]
-        name = eqns[0].primitive.name if kind == "comm" else f"compute {k}"
+        exported = [e for e in eqns if _is_collective(e)] if kind == "comm" else eqns
+        outputs = [v for eqn in exported for v in eqn.outvars if v in read_later[k]]
+        name = exported[-1].primitive.name if kind == "comm" else f"compute {k}"
         stages.append(Stage(kind, name, eqns, inputs, outputs))
     return stages
 
@@ -340,16 +353,17 @@ class StagedProgram:
         return jax.jit(fn)  # runs where its inputs live: the ballast pins it to the mesh device
 
     def _comm_fn(self, stage: Stage) -> Callable:
-        (eqn,) = stage.eqns
         axis = self.program.axis_name
 
         def per_device(ballast, *blocks):
-            outs = replay.bind(eqn, [b[0] for b in blocks])
-            return [o[None] for o in outs], jnp.sum(ballast)
+            env = {v: _from_block(b, v) for v, b in zip(stage.inputs, blocks, strict=True)}
+            replay.interpret(stage.eqns, lambda x: replay.read(env, x), env.__setitem__,
+                             lambda eqn, values: replay.bind(eqn, values))
+            return [_to_block(env[v]) for v in stage.outputs], jnp.sum(ballast)
 
         mapped = jax.shard_map(per_device, mesh=self.comm_mesh,
                                in_specs=(P(axis),) * (len(stage.inputs) + 1),
-                               out_specs=([P(axis)] * len(eqn.outvars), P()), check_vma=False)
+                               out_specs=([P(axis)] * len(stage.outputs), P()), check_vma=False)
         return jax.jit(mapped)
 
     # -- running ----------------------------------------------------------------------------
@@ -361,9 +375,11 @@ class StagedProgram:
         return self._run(args)
 
     def _global_comm(self, local_block: jax.Array) -> jax.Array:
-        """This process's ``(1, ...)`` block on its spare device as a global comm-mesh array."""
+        """This process's block on its spare device as a global comm-mesh array (the blocks
+        of every process stacked along the first axis)."""
+        shape = tuple(local_block.shape)
         return jax.make_array_from_single_device_arrays(
-            (self.comm_mesh.devices.size,) + tuple(local_block.shape[1:]),
+            (self.comm_mesh.devices.size * shape[0],) + shape[1:],
             NamedSharding(self.comm_mesh, P(self.program.axis_name)), [local_block])
 
     def _run(self, args: Sequence[Any]) -> tuple:
@@ -374,7 +390,7 @@ class StagedProgram:
                 env[var] = arg.addressable_data(0) if isinstance(arg, jax.Array) else jnp.asarray(arg)
             else:
                 env[var] = jax.device_put(value, self.device)
-        comm_blocks: dict[Any, Any] = {}  # var -> its (1, ...) block on the spare device
+        comm_blocks: dict[Any, Any] = {}  # var -> its block (_to_block) on the spare device
         timeline = _Timeline(self.record_timings)
         for stage in self.stages:
             if stage.kind == "compute":
@@ -397,14 +413,15 @@ class StagedProgram:
         if not replay.is_var(var):
             return jnp.asarray(var.val)
         if var not in env:  # produced by a collective: bring it over, drop the device axis
-            env[var] = jax.device_put(comm_blocks[var], self.device)[0]
+            block = jax.device_put(comm_blocks[var], self.device)
+            env[var] = block[0] if var.aval.ndim == 0 else block
         return env[var]
 
     def _on_comm(self, var, env: dict, comm_blocks: dict) -> jax.Array:
         if not replay.is_var(var):
-            return jax.device_put(jnp.asarray(var.val)[None], self.comm_device)
+            return jax.device_put(_to_block(jnp.asarray(var.val)), self.comm_device)
         if var not in comm_blocks:
-            comm_blocks[var] = jax.device_put(jnp.asarray(env[var])[None], self.comm_device)
+            comm_blocks[var] = jax.device_put(_to_block(jnp.asarray(env[var])), self.comm_device)
         return comm_blocks[var]
 
     def _global_output(self, local: Any, spec: P) -> jax.Array:
@@ -422,6 +439,16 @@ class StagedProgram:
                               "program; inspect `.stages` after a call, or lower with engine='xla'")
 
     trace = lower
+
+
+def _to_block(value: jax.Array) -> jax.Array:
+    """A per-device value as this device's block of a comm-mesh array: itself, stacked with
+    the other devices' along its first axis (no copy); a scalar gets an axis of one."""
+    return value[None] if value.ndim == 0 else value
+
+
+def _from_block(block: jax.Array, var: Any) -> jax.Array:
+    return block[0] if replay.is_var(var) and var.aval.ndim == 0 else block
 
 
 class _Timeline:
