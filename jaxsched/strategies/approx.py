@@ -66,7 +66,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxsched.capture import UnsupportedStepError
 from jaxsched.collectives.base import BucketSpec, Collective, stack_local, unstack_local
 from jaxsched.costmodel import APPROX_PATTERN
-from jaxsched.optax import approximated_point, check_method, check_staleness, gated, select
+from jaxsched.optax import approximated_point, check_method, check_staleness, select
 from jaxsched.planned_step import PlannedStep
 from jaxsched.primitives import COLLECTIVES
 from jaxsched.replay import interpret, is_var, nested_eqns, read, source_line
@@ -108,14 +108,10 @@ class UpdateSplit:
       state_eqns: update equations the new params / opt_state need; they read only
         params, opt_state, consts and the reduced gradients.
       aux_eqns: the other update equations (metrics); they may read forward/backward.
-      aux_reads: what ``aux_eqns`` read of the update's own values (reduced gradients, state
-        equations' results), so that the update can run inside a ``lax.cond``; ``None`` when
-        the update communicates (a collective inside a cond would not stage on every engine).
     """
 
     state_eqns: tuple[int, ...]
     aux_eqns: tuple[int, ...]
-    aux_reads: tuple[Any, ...] | None = None
 
 
 @register_strategy
@@ -248,15 +244,7 @@ class Approx(Strategy):
                         f"before forward, but the update communicates ({hit.primitive.name} at "
                         f"{source_line(hit)}), which would put a collective in front of forward; "
                         "use approx_method='stale' or 'extrapolate'")
-        communicates = any(e.primitive.name in COLLECTIVES for i in state_eqns
-                           for e in [body.eqns[i], *nested_eqns_of(body.eqns[i])])
-        aux_reads = None
-        if not communicates:
-            own = {r.result for r in analysis.reductions}
-            own.update(o for i in state_eqns for o in body.eqns[i].outvars)
-            aux_reads = tuple(dict.fromkeys(x for i in aux_eqns for x in body.eqns[i].invars
-                                            if is_var(x) and x in own))
-        return UpdateSplit(tuple(state_eqns), aux_eqns, aux_reads)
+        return UpdateSplit(tuple(state_eqns), aux_eqns)
 
     @staticmethod
     def _describe(planned: PlannedStep, x: Any, producer: dict) -> str:
@@ -445,24 +433,14 @@ class Approx(Strategy):
                      for r in reds]
 
         # 4. the update on the true parameters with ḡ_{t-k}; metrics from this step's forward.
-        # Until k gradients have arrived the update runs on zeros and is discarded.
+        # Until k gradients have arrived it runs on zeros and is discarded. A select, not a
+        # cond: leaf by leaf, so a staged engine applies each gradient as soon as its sum
+        # arrives instead of after the last one.
         arrived = num_pending >= self.staleness
-        split = self.update_split(planned)
-        if split.aux_reads is None:  # the update communicates: both results, then a select
-            new_params, new_opts, update_env = self._run_update(planned, params, opts, reduced, consts)
-            new_params, new_opts = select(arrived, new_params, params), select(arrived, new_opts, opts)
-            for v in body.invars:
-                update_env.pop(v, None)
-        else:
-            def update(keep: bool):
-                def run(p, o, g):
-                    new_p, new_o, out_env = self._run_update(planned, p, o, g, consts)
-                    return ((p, o) if keep else (new_p, new_o)), [out_env[v] for v in split.aux_reads]
-                return run
-
-            (new_params, new_opts), aux_values = gated(arrived, update(False), update(True),
-                                                       list(params), list(opts), list(reduced))
-            update_env = dict(zip(split.aux_reads, aux_values, strict=True))
+        new_params, new_opts, update_env = self._run_update(planned, params, opts, reduced, consts)
+        new_params, new_opts = select(arrived, new_params, params), select(arrived, new_opts, opts)
+        for v in body.invars:
+            update_env.pop(v, None)
         env.update(update_env)
         interpret((body.eqns[i] for i in self.update_split(planned).aux_eqns),
                   lambda x: read(env, x), env.__setitem__)
