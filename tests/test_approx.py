@@ -251,9 +251,10 @@ def test_forward_and_backward_never_read_the_collective(method):
                 reductions.append(eqn)
             else:
                 from_pending.update(eqn.outvars)
-    # one psum per pending gradient (a bucket's tensors go as one multi-operand psum)
+    # per bucket, one psum per large pending gradient and one for its small ones together
     assert len(sched.program.buckets) > 1
-    assert len(reductions) == sum(len(b.reductions) for b in sched.program.buckets)
+    assert len(sched.program.buckets) <= len(reductions) <= sum(
+        len(b.reductions) for b in sched.program.buckets)
     # each is issued before any forward work: only slicing/packing of its operands precedes it
     first_compute = next(i for i, e in enumerate(jaxpr.eqns) if e.primitive.name in ("dot_general", "conv_general_dilated"))
     assert all(jaxpr.eqns.index(r) < first_compute for r in reductions)

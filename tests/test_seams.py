@@ -216,3 +216,35 @@ def test_the_pipeline_compares_against_no_strategy_name():
     for module in ("schedule.py", "program.py", "planned_step.py", "engine/base.py", "engine/xla.py",
                    "plan/__init__.py", "plan/_common.py", "plan/from_step.py", "sim/core.py"):
         assert not _string_comparisons(ROOT / "jaxsched" / module) & names, module
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_all_reduce_tensors_sums_each_tensor_whatever_its_size(wrapped):
+    """Large tensors go as they are, small ones share a buffer, a wrapper gets the flat
+    bucket: every way gives each tensor's own psum, in its own shape and dtype."""
+    from jaxsched.collectives.base import SMALL_TENSOR_BYTES, BucketSpec, Collective, CollectiveWrapper
+
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    rng = np.random.default_rng(7)
+    big = SMALL_TENSOR_BYTES // 4 + 1
+    shapes = [(big,), (3, 5), (2,), (big // 8 + 1, 8), ()]
+    tensors = [rng.standard_normal((4,) + s).astype(np.float32) for s in shapes]
+    collective = CollectiveWrapper() if wrapped else Collective()
+    spec = BucketSpec(index=0, size=sum(int(np.prod(s)) for s in shapes), dtype=np.dtype("float32"),
+                      axis_size=4, shapes=tuple(shapes))
+
+    def body(*blocks):
+        sums, _ = collective.all_reduce_tensors([b[0] for b in blocks], "data", spec,
+                                                collective.init([spec])[0])
+        return [s[None] for s in sums]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
+    placed = [jax.device_put(t, jax.NamedSharding(mesh, P("data"))) for t in tensors]
+    outs = f(*placed)
+    for t, out in zip(tensors, outs, strict=True):
+        assert out.shape == t.shape and out.dtype == t.dtype
+        np.testing.assert_allclose(np.asarray(out)[0], t.sum(0), rtol=1e-5, atol=1e-5)
+    psums = [e for e in replay.nested_eqns(jax.make_jaxpr(f)(*placed).jaxpr)
+             if e.primitive.name == "psum"]
+    # plain: two large tensors as they are + one buffer for the three small ones; wrapped: one
+    assert len(psums) == (1 if wrapped else 3)

@@ -85,22 +85,30 @@ class Collective:
                            state: Any) -> tuple[list[jax.Array], Any]:
         """One bucket's tensors summed over ``axis_name``, each in its own shape and dtype.
 
-        The plain psum sends them as one multi-operand ``psum``: packing them into one
-        buffer and slicing it back costs two copies of the bucket (XLA:CPU's concatenate
-        moves about 1 GB/s), on the compute path, for the same sums element by element.
+        The plain psum sends large tensors as they are: packing them into one buffer and
+        slicing it back costs two copies of the bucket (XLA:CPU's concatenate moves about
+        1 GB/s), on the compute path, for the same sums element by element. Tensors of at
+        most :data:`SMALL_TENSOR_BYTES` share one buffer.
         A collective that overrides :meth:`all_reduce` (compression, casts) gets the
         flattened, concatenated buffer that :class:`BucketSpec` describes.
         """
         if type(self).all_reduce is Collective.all_reduce:
-            return list(lax.psum(tuple(tensors), axis_name)), state
-        flat = jnp.concatenate([jnp.ravel(t).astype(bucket.dtype) for t in tensors])
-        total, state = self.all_reduce(flat, axis_name, bucket, state)
-        out, offset = [], 0
-        for t in tensors:
-            size = int(np.prod(np.shape(t)))
-            out.append(total[offset:offset + size].reshape(np.shape(t)).astype(jnp.result_type(t)))
-            offset += size
-        return out, state
+            small = [i for i, t in enumerate(tensors) if _nbytes(t) <= SMALL_TENSOR_BYTES]
+            if len(small) < 2:
+                return list(lax.psum(tuple(tensors), axis_name)), state
+            # Small tensors travel in one buffer: each psum pays a start-up (on gloo about
+            # 5 ms after a large one), and copying them is cheap.
+            out = list(tensors)
+            large = [i for i in range(len(tensors)) if i not in set(small)]
+            for i, total in zip(large, lax.psum(tuple(tensors[i] for i in large), axis_name)):
+                out[i] = total
+            packed = _split(lax.psum(_pack([tensors[i] for i in small], bucket.dtype), axis_name),
+                            [tensors[i] for i in small])
+            for i, total in zip(small, packed):
+                out[i] = total
+            return out, state
+        total, state = self.all_reduce(_pack(tensors, bucket.dtype), axis_name, bucket, state)
+        return _split(total, tensors), state
 
     def reduce_scatter(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, state: Any
                        ) -> tuple[jax.Array, Any]:
@@ -114,6 +122,26 @@ class Collective:
 
 
 PlainCollective = Collective
+
+#: Tensors up to this size that share a bucket go through the plain psum in one buffer.
+SMALL_TENSOR_BYTES = 64 * 1024
+
+
+def _nbytes(t: Any) -> int:
+    return int(np.prod(np.shape(t))) * jnp.dtype(jnp.result_type(t)).itemsize
+
+
+def _pack(tensors: Sequence[Any], dtype: Any) -> jax.Array:
+    return jnp.concatenate([jnp.ravel(t).astype(dtype) for t in tensors])
+
+
+def _split(flat: jax.Array, like: Sequence[Any]) -> list[jax.Array]:
+    out, offset = [], 0
+    for t in like:
+        size = int(np.prod(np.shape(t)))
+        out.append(flat[offset:offset + size].reshape(np.shape(t)).astype(jnp.result_type(t)))
+        offset += size
+    return out
 
 
 class CollectiveWrapper(Collective):
