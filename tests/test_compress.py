@@ -461,9 +461,16 @@ def test_powersgd_recovers_a_rank_one_sum_and_keeps_vectors_whole(dtype):
     assert np.asarray(new.residual, np.float32)[:, 48:].max() == 0  # vectors carry no residual
 
 
-def test_auto_buckets_plan_against_the_compressed_collective():
+def test_auto_buckets_plan_against_the_compressed_collective(monkeypatch):
     """buckets='auto' with a compressor: the planner's simulator sees top-k's cost (OMGS)."""
+    import jaxsched.profile
     from jaxsched.costmodel import Layer, LayerProfile, network_preset
+
+    # The selection time is measured, and the plan depends on it (not monotonically); a
+    # loaded CI machine measured a cost that kept the layers apart. A fixed cost of the
+    # order measured on these machines (1e-9 to 4e-9 s per byte) keeps the plan this test
+    # compares from depending on the load.
+    monkeypatch.setattr(jaxsched.profile, "measure_selection_s_per_byte", lambda *a, **k: 2e-9)
     from jaxsched.program import simulated_compression
     from jaxsched.strategies import make_strategy
 
