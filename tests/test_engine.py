@@ -20,6 +20,7 @@ def _scheduled(strategy, compiler_options=None, devices=2):
     return sched, state, batch
 
 
+@pytest.mark.slow
 def test_gpu_option_set_is_accepted_by_xla_and_cpu_gets_none():
     assert compiler_options_for("cpu") == {}
     assert compiler_options_for("cuda") == GPU_OPTIONS

@@ -47,7 +47,9 @@ def test_zoo_models_match_the_plain_step(model, strategy):
     _check(model, "clip+adamw", strategy, 8)
 
 
-@pytest.mark.parametrize("devices", [1, 2, 4, 8])
+# 1 and 4 devices run in make test-slow (the make test budget); 2 and 8 in both
+@pytest.mark.parametrize("devices", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                     pytest.param(4, marks=pytest.mark.slow), 8])
 def test_dear_matches_on_every_device_count(devices):
     _check("mlp", "adam", "dear", devices)
 
@@ -88,6 +90,7 @@ def test_explicit_bucket_plan_and_byte_threshold():
     assert len(sched.program.buckets) == len(paths)
 
 
+@pytest.mark.slow
 def test_bucket_plans_accept_subtree_prefixes():
     params, _ = build("mlp", 0)
     paths = jaxsched.bucketing.param_paths(params)
