@@ -133,23 +133,23 @@ def _worker(args: argparse.Namespace) -> int:
                                      out_specs=(P(), P(), P()), check_vma=False))
 
     plain, compute_only = make(True), make(False)
-    comm_only = jax.jit(jax.shard_map(lambda g: lax.psum(g, "data"), mesh=mesh, in_specs=P("data"),
-                                      out_specs=P("data"), check_vma=False))
+    def psum_over(on_mesh):
+        return jax.jit(jax.shard_map(lambda g: lax.psum(g, "data"), mesh=on_mesh, in_specs=P("data"),
+                                     out_specs=P("data"), check_vma=False))
+
+    comm_only = psum_over(mesh)  # also takes the gradient-shaped tree (comm_tree below)
     n_grads = sum(np.size(l) for l in jax.tree.leaves(params))
     grads_like = jax.make_array_from_process_local_data(
         batch_sharding, np.ones((1, n_grads), np.float32))
     # The user's pmean reduces the gradient tree leaf by leaf (16 psums, half of them tiny):
     # on gloo that costs more than one psum of the same bytes, so it is measured too.
-    comm_tree = jax.jit(jax.shard_map(lambda g: lax.psum(g, "data"), mesh=mesh, in_specs=P("data"),
-                                      out_specs=P("data"), check_vma=False))
     grads_tree = jax.tree.map(lambda leaf: jax.make_array_from_process_local_data(
         batch_sharding, np.ones((1,) + leaf.shape, np.float32)), params)
     # The ceiling: compute-only and the psum on the spare devices, as raw programs dispatched
     # together. No schedule can beat it here: it is what the machine gives when both run at
     # once (gloo and the kernel's network work share each host's core with compute).
     spare_mesh = jax.sharding.Mesh(np.array(spare_devices(mesh)), ("data",))
-    spare_comm = jax.jit(jax.shard_map(lambda g: lax.psum(g, "data"), mesh=spare_mesh,
-                                       in_specs=P("data"), out_specs=P("data"), check_vma=False))
+    spare_comm = psum_over(spare_mesh)
     spare_grads = jax.make_array_from_process_local_data(
         NamedSharding(spare_mesh, P("data")), np.ones((1, n_grads), np.float32))
 
@@ -202,7 +202,7 @@ def _worker(args: argparse.Namespace) -> int:
             jax.block_until_ready(comm_only(grads_like))
             return time.perf_counter() - start
         if name == "comm_tree":
-            jax.block_until_ready(comm_tree(grads_tree))
+            jax.block_until_ready(comm_only(grads_tree))
             return time.perf_counter() - start
         if name == "ceiling":
             jax.block_until_ready((spare_comm(spare_grads), compute_only(*states["compute"], b)))
@@ -421,7 +421,7 @@ def format_report(result: dict[str, Any]) -> str:
              (f"  comm of the gradient tree leaf by leaf, as the plain step's pmean "
               f"{result['comm_tree_s'] * 1e3:7.1f} ms" if result.get("comm_tree_s") else
               "  comm of the gradient tree: not measured"),
-             f"  ceiling (compute and comm dispatched together as raw programs) "
+             "  ceiling (compute and comm dispatched together as raw programs) "
              + (f"{result['ceiling_s'] * 1e3:7.1f} ms = {result['plain_s'] / result['ceiling_s']:.2f}x "
                 "the plain step" if result.get("ceiling_s") else "not measured"),
              f"  {'strategy':<10} {'step ms':>8} {'speedup':>8} {'x bound':>8} {'x ceiling':>9} "

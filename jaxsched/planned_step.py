@@ -161,6 +161,6 @@ class PlannedStep:
         if all(dim is None for dim in spec) and current.device_set == self._mesh_devices:
             return value  # replicated and on the mesh
         sharding = self._sharding(spec)
-        if current is sharding or current == sharding:
+        if current == sharding:
             return value
         return jax.device_put(value, sharding)

@@ -98,13 +98,12 @@ class Collective:
                 return list(lax.psum(tuple(tensors), axis_name)), state
             # Small tensors travel in one buffer: each psum pays a start-up (on gloo about
             # 5 ms after a large one), and copying them is cheap.
+            large = [i for i in range(len(tensors)) if i not in small]
+            small_tensors = [tensors[i] for i in small]
+            sums = (list(lax.psum(tuple(tensors[i] for i in large), axis_name))
+                    + _split(lax.psum(_pack(small_tensors, bucket.dtype), axis_name), small_tensors))
             out = list(tensors)
-            large = [i for i in range(len(tensors)) if i not in set(small)]
-            for i, total in zip(large, lax.psum(tuple(tensors[i] for i in large), axis_name)):
-                out[i] = total
-            packed = _split(lax.psum(_pack([tensors[i] for i in small], bucket.dtype), axis_name),
-                            [tensors[i] for i in small])
-            for i, total in zip(small, packed):
+            for i, total in zip(large + small, sums, strict=True):
                 out[i] = total
             return out, state
         total, state = self.all_reduce(_pack(tensors, bucket.dtype), axis_name, bucket, state)

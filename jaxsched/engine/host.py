@@ -357,8 +357,7 @@ class StagedProgram:
 
         def per_device(ballast, *blocks):
             env = {v: _from_block(b, v) for v, b in zip(stage.inputs, blocks, strict=True)}
-            replay.interpret(stage.eqns, lambda x: replay.read(env, x), env.__setitem__,
-                             lambda eqn, values: replay.bind(eqn, values))
+            replay.interpret(stage.eqns, lambda x: replay.read(env, x), env.__setitem__)
             return [_to_block(env[v]) for v in stage.outputs], jnp.sum(ballast)
 
         mapped = jax.shard_map(per_device, mesh=self.comm_mesh,
@@ -413,8 +412,7 @@ class StagedProgram:
         if not replay.is_var(var):
             return jnp.asarray(var.val)
         if var not in env:  # produced by a collective: bring it over, drop the device axis
-            block = jax.device_put(comm_blocks[var], self.device)
-            env[var] = block[0] if var.aval.ndim == 0 else block
+            env[var] = _from_block(jax.device_put(comm_blocks[var], self.device), var)
         return env[var]
 
     def _on_comm(self, var, env: dict, comm_blocks: dict) -> jax.Array:
