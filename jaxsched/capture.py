@@ -60,6 +60,9 @@ class CapturedStep:
       params_tree, opt_tree, batch_tree, aux_tree: tree structures of the step's pytrees.
       num_params, num_opt, num_batch: leaf counts of those trees.
       check_vma: whether the user's shard_map checked varying-manual-axes types.
+      example_inputs: ``(params, opt_state, batch)`` as ``jax.ShapeDtypeStruct`` trees (with
+        the shardings of placed arrays): enough to lower and compile the step again, e.g.
+        to choose a strategy by XLA's estimate (:mod:`jaxsched.plan.compiled`).
     """
 
     kind: str
@@ -81,6 +84,7 @@ class CapturedStep:
     num_opt: int
     num_batch: int
     check_vma: bool
+    example_inputs: Any = None
 
     def body_input(self, role: str, index: int) -> int:
         """Position of the body invar fed by leaf ``index`` of ``role``, or -1."""
@@ -199,7 +203,8 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any,
         in_specs=tuple(eqn.params["in_specs"]), out_specs=tuple(eqn.params["out_specs"]),
         params_tree=params_tree, opt_tree=opt_tree, batch_tree=batch_tree, aux_tree=aux_tree,
         num_params=num_params, num_opt=num_opt, num_batch=batch_tree.num_leaves,
-        check_vma=bool(eqn.params.get("check_vma", False)))
+        check_vma=bool(eqn.params.get("check_vma", False)),
+        example_inputs=jax.tree.map(abstract_leaf, (params, opt_state, batch)))
 
 
 def flatten_calls(body, mesh: Mesh, in_specs, out_specs, operand_avals,
@@ -231,6 +236,15 @@ def flatten_calls(body, mesh: Mesh, in_specs, out_specs, operand_avals,
     (inner,) = [e for e in traced.eqns if e.primitive.name == "shard_map"]
     flat = inner.params["jaxpr"]
     return flat.jaxpr if hasattr(flat, "jaxpr") else flat
+
+
+def abstract_leaf(a: Any) -> jax.ShapeDtypeStruct:
+    """Shape, dtype and (for arrays placed by the user) sharding: what tracing needs."""
+    if isinstance(a, jax.ShapeDtypeStruct):
+        return a
+    sharding = a.sharding if isinstance(a, jax.Array) else None
+    dtype = a.dtype if hasattr(a, "dtype") else jax.numpy.asarray(a).dtype
+    return jax.ShapeDtypeStruct(jax.numpy.shape(a), dtype, sharding=sharding)
 
 
 def _reduction_axes(jaxpr) -> set:

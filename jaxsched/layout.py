@@ -72,7 +72,7 @@ class BucketLayout:
     # -- whole leaves <-> the (P * shard_size,) bucket buffer -------------------------------
     def pack(self, leaves: Sequence[jax.Array]) -> jax.Array:
         """Full leaves -> the interleaved bucket buffer of ``P * shard_size`` elements."""
-        columns = [_pad_flat(leaf, c * self.axis_size).reshape(self.axis_size, c)
+        columns = [pad_flat(leaf, c * self.axis_size).reshape(self.axis_size, c)
                    for leaf, c in zip(leaves, self.chunk_sizes)]
         return jnp.concatenate(columns, axis=1).reshape(-1)
 
@@ -94,7 +94,8 @@ class BucketLayout:
         return jnp.concatenate([c.reshape(-1).astype(self.dtype) for c in chunks])
 
 
-def _pad_flat(leaf: jax.Array, length: int) -> jax.Array:
+def pad_flat(leaf: jax.Array, length: int) -> jax.Array:
+    """``leaf`` flattened and zero-padded to ``length`` elements."""
     flat = jnp.ravel(leaf)
     return jnp.pad(flat, (0, length - flat.shape[0])) if length > flat.shape[0] else flat
 
@@ -102,7 +103,7 @@ def _pad_flat(leaf: jax.Array, length: int) -> jax.Array:
 def local_chunk(full: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
     """This device's chunk of a replicated tensor; no communication."""
     c = chunk_size(full.shape, axis_size)
-    padded = _pad_flat(full, c * axis_size)
+    padded = pad_flat(full, c * axis_size)
     return lax.dynamic_slice_in_dim(padded, lax.axis_index(axis_name) * c, c)
 
 

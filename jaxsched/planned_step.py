@@ -23,6 +23,7 @@ import functools
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsched.analyze import Analysis, analyze
@@ -31,6 +32,12 @@ from jaxsched.capture import CapturedStep, UnsupportedStepError
 from jaxsched.costmodel import CommPattern, LayerProfile, NetworkProfile, WFBP_PATTERN
 
 REPLICATED = P()
+
+
+def is_abstract(tree: Any) -> bool:
+    """Whether ``tree`` holds abstract leaves (``jax.ShapeDtypeStruct``): a state or batch
+    described for ahead-of-time compilation, not data."""
+    return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(tree))
 
 
 @dataclasses.dataclass
@@ -107,6 +114,10 @@ class PlannedStep:
     def axis_size(self) -> int:
         return self.captured.axis_size
 
+    def collective_form(self, op: str) -> str:
+        """How buckets travel for ``op`` on this step's engine (:meth:`Engine.collective_form`)."""
+        return "mixed" if self.engine is None else self.engine.collective_form(self.mesh, op)
+
     def body_invar(self, role: str, index: int):
         """The body variable fed by leaf ``index`` of ``role``; refuses leaves that never reach it."""
         k = self.captured.body_input(role, index)
@@ -150,9 +161,20 @@ class PlannedStep:
     def _sharding(self, spec: P) -> NamedSharding:
         return self.memo(("sharding", spec), lambda: NamedSharding(self.mesh, spec))
 
+    def zeros(self, shape: tuple, dtype: Any, spec: P, abstract: bool = False) -> Any:
+        """Fresh zeros on the mesh with ``spec``, or their ``jax.ShapeDtypeStruct`` when the
+        state is abstract (ahead-of-time compilation for devices that cannot hold data)."""
+        if abstract:
+            return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=self._sharding(spec))
+        return jax.device_put(np.zeros(tuple(shape), dtype), self._sharding(spec))
+
     def placed(self, value: Any, spec: P) -> Any:
         """``value`` on the mesh with ``spec``; replicated values already there are left alone.
-        Runs for every leaf of every call, so it does no work a placed leaf does not need."""
+        Runs for every leaf of every call, so it does no work a placed leaf does not need.
+        An abstract leaf (``jax.ShapeDtypeStruct``, ahead-of-time compilation) stays abstract,
+        with the sharding it would have."""
+        if isinstance(value, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=self._sharding(spec))
         if not isinstance(value, jax.Array):
             if all(dim is None for dim in spec):
                 return value  # on the host and replicated: jit places it

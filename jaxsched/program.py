@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxsched.capture import CapturedStep
 from jaxsched.engine.base import Engine, PerDeviceProgram
-from jaxsched.planned_step import PlannedStep
+from jaxsched.planned_step import PlannedStep, is_abstract
 from jaxsched.strategies.base import Strategy
 
 
@@ -52,7 +52,8 @@ class Program:
         self.per_device = PerDeviceProgram(
             rewritten.body, planned.mesh, planned.axis_name,
             tuple(rewritten.state_in_specs) + planned.batch_specs + planned.const_specs,
-            tuple(rewritten.state_out_specs) + planned.aux_specs, rewritten.check_vma)
+            tuple(rewritten.state_out_specs) + planned.aux_specs, rewritten.check_vma,
+            rewritten.compiler_defaults)
         self.engine = engine.resolve(self.per_device)
         self.core = self.engine.compile(self.per_device)
 
@@ -98,6 +99,10 @@ class Program:
                                                          strict=True)])
 
     def run(self, state: NamedTuple, batch: Any) -> tuple[NamedTuple, Any]:
+        if is_abstract(state) or is_abstract(batch):
+            raise TypeError("the state or batch is abstract (jax.ShapeDtypeStruct leaves): it can "
+                            "be lowered, compiled and inspected (sched.lower, sched.inspect), not "
+                            "run; pass arrays to run a step")
         state = self.convert(state)
         leaves, treedef = jax.tree.flatten(state)
         outs = self.core(*self._inputs(state, batch))
@@ -108,7 +113,19 @@ class Program:
         return self.strategy.finalize(self.planned, state)
 
     def lower(self, state: NamedTuple, batch: Any):
+        """``jax.stages.Lowered`` of this program for ``state`` and ``batch``, concrete or
+        abstract (``jax.ShapeDtypeStruct`` leaves with shardings: nothing touches a device)."""
         return self.core.lower(*self.inputs(state, batch))
+
+    def inspect(self, state: NamedTuple, batch: Any, label: str | None = None):
+        """Compile for the mesh's devices and read the scheduled program and XLA's estimate
+        (a :class:`jaxsched.inspect.CompiledReport`)."""
+        from jaxsched import inspect as inspect_lib
+
+        compiled, schedule = inspect_lib.compile_with_schedule(self.lower(state, batch))
+        return inspect_lib.report(compiled, schedule, self.planned.mesh,
+                                  label=label or self.strategy.name,
+                                  target=inspect_lib.describe_mesh(self.planned.mesh))
 
 
 def build_program(captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Engine,

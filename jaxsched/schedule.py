@@ -21,9 +21,8 @@ import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
-import numpy as np
 
-from jaxsched.capture import capture
+from jaxsched.capture import abstract_leaf, capture
 from jaxsched.collectives.base import Collective
 from jaxsched.engine import Engine, make_engine
 from jaxsched.program import Program, ProgramCache, build_program
@@ -77,7 +76,7 @@ class Scheduled:
         ``batch`` the state comes back in its scheduled layout at once, which is what a
         checkpoint restore needs as its target.
         """
-        self._template = jax.tree.map(_abstract, (params, opt_state))
+        self._template = jax.tree.map(abstract_leaf, (params, opt_state))
         state = self.strategy.initial_state(params, opt_state)
         if batch is None:
             return state
@@ -96,6 +95,29 @@ class Scheduled:
     def lower(self, state: NamedTuple, batch: Any):
         """The lowered scheduled program (StableHLO), e.g. to inspect where collectives sit."""
         return self._program_for(state, batch).lower(state, batch)
+
+    def inspect(self, state: NamedTuple, batch: Any, *, baseline: bool = True):
+        """Compile this step for its mesh's devices and read what the compiler scheduled.
+
+        Works ahead of time: with a mesh over compile-only devices (:func:`jaxsched.aot.devices`)
+        and abstract ``state`` / ``batch`` (``jax.ShapeDtypeStruct`` leaves with shardings,
+        ``state`` from ``sched.init``), nothing touches a device. Returns a
+        :class:`jaxsched.inspect.Inspection`: the scheduled step's
+        :class:`~jaxsched.inspect.CompiledReport` (every collective, async or not, the compute
+        in its window, XLA's estimated step and exposed communication) and, with
+        ``baseline``, the same for the user's step unchanged as XLA compiles it with its
+        default options, the peer every strategy is compared with.
+        """
+        from jaxsched import inspect as inspect_lib
+
+        program = self._program_for(state, batch)
+        report = program.inspect(state, batch)
+        plain = None
+        if baseline:
+            params, opt_state = self._template
+            plain = inspect_lib.inspect_jitted(self.step, (params, opt_state, batch),
+                                               program.planned.mesh, label=inspect_lib.PLAIN_LABEL)
+        return inspect_lib.Inspection(report, plain)
 
     def verify(self, state: NamedTuple, batches: Any, steps: int = 10, rtol: float = 1e-5,
                baseline_factor: float = 100.0):
@@ -132,13 +154,6 @@ class Scheduled:
                            self.strategy.folds_invariant_sums)
         return build_program(captured, self.strategy, self.buckets_option, self.engine,
                              self.plan_options)
-
-
-def _abstract(a: Any) -> jax.ShapeDtypeStruct:
-    """Shape, dtype and (for arrays placed by the user) sharding: what tracing needs."""
-    sharding = a.sharding if isinstance(a, jax.Array) else None
-    dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
-    return jax.ShapeDtypeStruct(np.shape(a), dtype, sharding=sharding)
 
 
 def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dear",

@@ -1,5 +1,5 @@
 """``jaxsched`` command line: ``train``, ``demo``, ``verify``, ``simulate``, ``profile``,
-``cluster``, ``launch`` and ``bench``.
+``cluster``, ``launch``, ``bench`` and ``inspect``.
 
 Examples:
     jaxsched train --config configs/mlp_digits.toml --strategies allreduce,dear
@@ -8,6 +8,7 @@ Examples:
     sudo jaxsched bench --hosts 2 --bandwidth 1gbit --strategies allreduce,wfbp,dear
     jaxsched simulate --model resnet50 --workers 64 --network 10gbe --device v100
     jaxsched profile --model mlp --optimizer adam --out layers.json --network-out net.json
+    jaxsched inspect --config configs/tiny_lm.toml --target h100:1x2x4 --png out.png
 
 Each module in :data:`COMMAND_MODULES` has ``register(subparsers)``, which adds its
 subcommands and sets ``run=`` on each; a new subcommand is one more module in that list.
@@ -23,7 +24,7 @@ from typing import Sequence
 from jaxsched.cli.options import CommandError, request_cpu_devices
 
 COMMAND_MODULES = ("jaxsched.cli.train", "jaxsched.cli.verify", "jaxsched.cli.simulate",
-                   "jaxsched.cli.cluster")
+                   "jaxsched.cli.cluster", "jaxsched.cli.inspect")
 
 __all__ = ["COMMAND_MODULES", "CommandError", "build_parser", "main", "request_cpu_devices"]
 

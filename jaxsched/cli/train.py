@@ -119,6 +119,14 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    import os
+
+    if "JAX_PLATFORMS" not in os.environ:
+        # the demo is the CPU one; with the `aot` extra installed JAX would otherwise probe
+        # for a TPU and a CUDA driver first (and print libtpu's errors)
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
     log = prepare_output(args.log)
     log.unlink(missing_ok=True)
     code = _train(str(DEMO_CONFIG), None, args.log, not args.no_progress)

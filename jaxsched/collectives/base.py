@@ -51,6 +51,10 @@ class BucketSpec:
         and all-gather buffers are laid out.
       kind: ``"gradients"`` or ``"parameters"`` (what the buffer holds; lossy
         compression must leave parameters exact).
+      form: how the plain collective's ``*_tensors`` methods send the bucket (one of
+        :data:`FORMS`; the engine decides per platform,
+        :meth:`jaxsched.engine.Engine.collective_form`). A collective that overrides the
+        buffer method (a compressor) always gets the packed buffer.
     """
 
     index: int
@@ -60,6 +64,16 @@ class BucketSpec:
     shapes: tuple[tuple[int, ...], ...] = ()
     interleaved: bool = False
     kind: str = "gradients"
+    form: str = "mixed"
+
+
+#: How a bucket's tensors travel: ``"mixed"``, large tensors as they are and small ones
+#: (<= :data:`SMALL_TENSOR_BYTES`) packed together (all-reduce), one interleaved buffer
+#: (reduce-scatter, all-gather); ``"per_tensor"``, one collective per tensor in its own
+#: shape; ``"packed"``, one flat buffer per bucket.
+FORMS = ("mixed", "per_tensor", "packed")
+#: The bucket operations whose form can be chosen.
+OPERATIONS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 class Collective:
@@ -67,7 +81,28 @@ class Collective:
 
     Every method runs inside the per-device body and returns ``(result, new_state)``
     where ``state`` is this bucket's entry of :meth:`init`.
+
+    Args:
+      forms: per operation (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``), the
+        form of :data:`FORMS` to send buckets in, overriding the engine's per-platform
+        choice (``BucketSpec.form``); e.g. ``Collective(forms={"all_reduce": "packed"})``.
     """
+
+    #: per operation, the form that overrides the engine's (see Args)
+    forms: dict = {}
+
+    def __init__(self, forms: dict[str, str] | None = None):
+        forms = dict(forms or {})
+        for op, form in forms.items():
+            if op not in OPERATIONS:
+                raise ValueError(f"forms: {op!r} is not an operation; choose from {', '.join(OPERATIONS)}")
+            if form not in FORMS:
+                raise ValueError(f"forms[{op!r}] = {form!r}; choose from {', '.join(FORMS)}")
+        self.forms = forms
+
+    def form(self, op: str, bucket: BucketSpec) -> str:
+        """The form ``op`` sends ``bucket`` in: this collective's override, else the engine's."""
+        return self.forms.get(op, bucket.form)
 
     #: Whether the collective changes the numbers (lossy compression). Exact wrappers
     #: (a wider accumulator, a hierarchy) keep strategies' equivalence guarantees.
@@ -90,9 +125,15 @@ class Collective:
         1 GB/s), on the compute path, for the same sums element by element. Tensors of at
         most :data:`SMALL_TENSOR_BYTES` share one buffer.
         A collective that overrides :meth:`all_reduce` (compression, casts) gets the
-        flattened, concatenated buffer that :class:`BucketSpec` describes.
+        flattened, concatenated buffer that :class:`BucketSpec` describes. With
+        ``bucket.form == "per_tensor"`` every tensor is its own psum (a multi-operand psum
+        becomes one tuple all-reduce, which XLA:TPU runs synchronously); with ``"packed"``
+        the bucket is one flat buffer.
         """
-        if type(self).all_reduce is Collective.all_reduce:
+        form = self.form("all_reduce", bucket)
+        if type(self).all_reduce is Collective.all_reduce and form != "packed":
+            if form == "per_tensor":
+                return [lax.psum(t, axis_name) for t in tensors], state
             small = [i for i, t in enumerate(tensors) if _nbytes(t) <= SMALL_TENSOR_BYTES]
             if len(small) < 2:
                 return list(lax.psum(tuple(tensors), axis_name)), state
@@ -108,6 +149,57 @@ class Collective:
             return out, state
         total, state = self.all_reduce(_pack(tensors, bucket.dtype), axis_name, bucket, state)
         return _split(total, tensors), state
+
+    def reduce_scatter_tensors(self, tensors: Sequence[jax.Array], axis_name: str,
+                               bucket: BucketSpec, state: Any) -> tuple[list[jax.Array], Any]:
+        """One bucket's full tensors in; out, this device's flat chunk of each sum
+        (:func:`jaxsched.layout.chunk_size` elements, as :class:`~jaxsched.layout.BucketLayout`
+        cuts it).
+
+        By default the tensors travel as one interleaved buffer (one reduce-scatter). With
+        ``bucket.form == "per_tensor"`` (and a collective that does not override
+        :meth:`reduce_scatter`), each tensor is scattered on its own, along its leading
+        dimension when ``P`` divides it (the same chunk, row-major), flat and padded
+        otherwise.
+        """
+        from jaxsched.layout import BucketLayout, pad_flat
+
+        layout = BucketLayout.of(bucket.shapes, [bucket.dtype] * len(bucket.shapes), bucket.axis_size)
+        if (self.form("reduce_scatter", bucket) == "per_tensor"
+                and type(self).reduce_scatter is Collective.reduce_scatter):
+            p = bucket.axis_size
+            chunks = []
+            for t, c in zip(tensors, layout.chunk_sizes, strict=True):
+                if np.ndim(t) >= 1 and np.shape(t)[0] % p == 0:
+                    part = lax.psum_scatter(t, axis_name, scatter_dimension=0, tiled=True)
+                else:
+                    part = lax.psum_scatter(pad_flat(t, c * p), axis_name, tiled=True)
+                chunks.append(part.reshape(-1))
+            return chunks, state
+        shard, state = self.reduce_scatter(layout.pack(tensors), axis_name, bucket, state)
+        return layout.split_shard(shard), state
+
+    def all_gather_tensors(self, chunks: Sequence[jax.Array], axis_name: str, bucket: BucketSpec,
+                           state: Any) -> tuple[list[jax.Array], Any]:
+        """Each tensor's flat chunk on this device in; the full tensors (``bucket.shapes``)
+        out. The inverse of :meth:`reduce_scatter_tensors`, with the same two forms."""
+        from jaxsched.layout import BucketLayout
+
+        layout = BucketLayout.of(bucket.shapes, [bucket.dtype] * len(bucket.shapes), bucket.axis_size)
+        if (self.form("all_gather", bucket) == "per_tensor"
+                and type(self).all_gather is Collective.all_gather):
+            p = bucket.axis_size
+            full = []
+            for chunk, shape in zip(chunks, layout.shapes, strict=True):
+                if len(shape) >= 1 and shape[0] % p == 0:
+                    block = chunk.reshape((shape[0] // p,) + tuple(shape[1:]))
+                    full.append(lax.all_gather(block, axis_name, axis=0, tiled=True))
+                else:
+                    flat = lax.all_gather(chunk, axis_name, tiled=True)
+                    full.append(flat[:int(np.prod(shape))].reshape(shape))
+            return full, state
+        gathered, state = self.all_gather(layout.join_chunks(chunks), axis_name, bucket, state)
+        return layout.unpack(gathered), state
 
     def reduce_scatter(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, state: Any
                        ) -> tuple[jax.Array, Any]:

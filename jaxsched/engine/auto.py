@@ -28,6 +28,9 @@ class AutoEngine(Engine):
     def resolve(self, program: PerDeviceProgram) -> Engine:
         return HostEngine() if host_engine_applies(program.mesh) else self.xla
 
+    def collective_form(self, mesh, op: str) -> str:
+        return (HostEngine() if host_engine_applies(mesh) else self.xla).collective_form(mesh, op)
+
     def costs(self, mesh) -> EngineCosts:
         return (HostEngine() if host_engine_applies(mesh) else self.xla).costs(mesh)
 

@@ -39,6 +39,8 @@ class PerDeviceProgram:
       mesh, axis_name: where it runs; ``axis_name`` is the data-parallel axis.
       in_specs, out_specs: one ``PartitionSpec`` per flat input and output.
       check_vma: the ``shard_map`` typing mode the body was written for.
+      compiler_defaults: compile with XLA's default options (engines that choose options
+        per target leave them out; the identity strategy asks for this).
     """
 
     body: Callable[..., Sequence[Any]]
@@ -47,6 +49,7 @@ class PerDeviceProgram:
     in_specs: tuple[P, ...]
     out_specs: tuple[P, ...]
     check_vma: bool = False
+    compiler_defaults: bool = False
 
     def mapped(self) -> Callable[..., tuple]:
         """The body as a ``shard_map`` over the mesh (not jitted)."""
@@ -102,6 +105,16 @@ class Engine(abc.ABC):
     def costs(self, mesh: Mesh) -> EngineCosts:
         """How this engine runs collectives on ``mesh`` (see :class:`EngineCosts`)."""
         return EngineCosts(overlaps=mesh.devices.flat[0].platform != "cpu")
+
+    def collective_form(self, mesh: Mesh, op: str) -> str:
+        """How a bucket's ``op`` (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``)
+        should travel: one of :data:`jaxsched.collectives.FORMS`.
+
+        The compilers differ (docs/accelerators.md): XLA:TPU overlaps only collectives of
+        single tensors in their own shapes, XLA:GPU's scheduler prefers fewer, larger
+        all-reduces, and an engine that pays per collective (the host engine on gloo) wants
+        few collectives without packing copies of large tensors (``"mixed"``)."""
+        return "mixed"
 
     def resolve(self, program: PerDeviceProgram) -> "Engine":
         """The engine that will run ``program`` (an engine that chooses per mesh says which)."""

@@ -1,23 +1,26 @@
 """The ``xla`` engine: the scheduled program as one jitted shard_map.
 
-Overlap on GPU comes from XLA's latency-hiding scheduler, which moves the async
-collective starts early and the dones late around independent compute. Two things
-would undo the schedule, so the options below are passed to this one function only
-(never through ``XLA_FLAGS``):
+Overlap on GPU and TPU comes from XLA's latency-hiding scheduler, which moves async
+collective starts early and dones late around independent compute. What each compiler
+does by default would undo a schedule (measured on compiled programs, docs/accelerators.md),
+so the options below go to this one function only (never through ``XLA_FLAGS``):
 
-* ``xla_gpu_enable_latency_hiding_scheduler``: turns that scheduler on;
-* ``xla_gpu_{all_reduce,reduce_scatter,all_gather}_combine_threshold_bytes = 0``: XLA's
-  combiners would otherwise re-merge our buckets into one collective at the end of
-  backward, which is exactly the serialization the buckets exist to avoid.
+* GPU: ``xla_gpu_enable_latency_hiding_scheduler`` on, and the all-reduce, reduce-scatter
+  and all-gather combiners off (``*_combine_threshold_bytes = 0``): combiners re-merge our
+  buckets into one collective at the end of backward, the serialization buckets avoid.
+* TPU: by default XLA:TPU combines every all-reduce into one *synchronous* all-reduce
+  after backward. The async collective fusion (``xla_tpu_enable_async_collective_fusion``
+  and its ``fuse_*`` options), async all-reduce/all-gather, and the cross-replica-sum
+  combiner threshold at 0 make each collective an async pair with compute in its window.
 
-On TPU the latency-hiding scheduler is on by default; XLA:CPU runs collectives
-synchronously inside a program (docs/architecture.md), so CPU gets no options.
+XLA:CPU runs collectives synchronously inside a program (docs/cpu_facts.md), so CPU gets
+no options.
 
 Example:
     >>> XlaEngine(compiler_options={"xla_gpu_enable_latency_hiding_scheduler": True}).name
     'xla'
-    >>> compiler_options_for("cuda") == GPU_OPTIONS
-    True
+    >>> compiler_options_for("cuda") == GPU_OPTIONS, compiler_options_for("cpu")
+    (True, {})
 """
 from __future__ import annotations
 
@@ -35,9 +38,41 @@ GPU_OPTIONS: dict[str, Any] = {
 }
 
 
+TPU_OPTIONS: dict[str, Any] = {
+    "xla_tpu_enable_async_collective_fusion": True,
+    "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": True,
+    "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
+    "xla_tpu_enable_async_collective_fusion_fuse_reduce_scatter": True,
+    "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
+    "xla_enable_async_all_reduce": True,
+    "xla_enable_async_all_gather": True,
+    "xla_jf_crs_combiner_threshold_in_bytes": 0,
+    # DeAR's all-gathers all start at the top of the step; with one in flight at a time the
+    # first ones stay synchronous
+    "xla_max_concurrent_async_all_gathers": 4,
+}
+
+
 def compiler_options_for(platform: str) -> dict[str, Any]:
     """Per-function XLA options for ``platform`` (``cpu``, ``gpu``/``cuda``/``rocm``, ``tpu``)."""
-    return dict(GPU_OPTIONS) if platform in ("gpu", "cuda", "rocm") else {}
+    if platform in ("gpu", "cuda", "rocm"):
+        return dict(GPU_OPTIONS)
+    if platform == "tpu":
+        return dict(TPU_OPTIONS)
+    return {}
+
+
+#: How buckets travel per platform and collective (see :meth:`Engine.collective_form`).
+#: Measured on compiled programs (docs/accelerators.md, benchmarks/compiled_overlap.py).
+COLLECTIVE_FORMS: dict[str, dict[str, str]] = {
+    "tpu": {"all_reduce": "per_tensor", "reduce_scatter": "per_tensor", "all_gather": "per_tensor"},
+    "gpu": {"all_reduce": "mixed", "reduce_scatter": "mixed", "all_gather": "per_tensor"},
+}
+
+
+def collective_form_for(platform: str, op: str) -> str:
+    platform = "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+    return COLLECTIVE_FORMS.get(platform, {}).get(op, "mixed")
 
 
 class XlaEngine(Engine):
@@ -45,7 +80,8 @@ class XlaEngine(Engine):
 
     Args:
       compiler_options: XLA options for this program only; ``None`` picks the platform's
-        set (:func:`compiler_options_for`), ``{}`` passes none.
+        set (:func:`compiler_options_for`), or none for a program that asks for XLA's
+        defaults (``PerDeviceProgram.compiler_defaults``); ``{}`` passes none.
     """
 
     name = "xla"
@@ -56,10 +92,17 @@ class XlaEngine(Engine):
                             f"{type(compiler_options).__name__}")
         self.compiler_options = compiler_options
 
+    def collective_form(self, mesh, op: str) -> str:
+        return collective_form_for(mesh.devices.flat[0].platform, op)
+
     def compile(self, program: PerDeviceProgram) -> Callable[..., tuple]:
         platform = program.mesh.devices.flat[0].platform
-        options = (compiler_options_for(platform) if self.compiler_options is None
-                   else self.compiler_options)
+        if self.compiler_options is not None:
+            options = self.compiler_options
+        elif program.compiler_defaults:
+            options = {}
+        else:
+            options = compiler_options_for(platform)
         return jax.jit(program.mapped(), compiler_options=options or None)
 
 

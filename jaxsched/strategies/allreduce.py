@@ -27,6 +27,8 @@ class AllReduce(UserLayoutStrategy):
     name = "allreduce"
     cost = ALLREDUCE_PATTERN
     accepts_collective = False
+    # the reference is the user's step as XLA compiles it alone: no per-target options
+    compiler_defaults = True
 
     def per_device(self, planned: PlannedStep, values: list, collective_state: Any):
         user_body = planned.captured.user_body

@@ -61,13 +61,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxsched.capture import UnsupportedStepError
 from jaxsched.collectives.base import BucketSpec, Collective, stack_local, unstack_local
 from jaxsched.costmodel import APPROX_PATTERN
 from jaxsched.optax import approximated_point, check_method, check_staleness, select
-from jaxsched.planned_step import PlannedStep
+from jaxsched.planned_step import PlannedStep, is_abstract
 from jaxsched.primitives import COLLECTIVES
 from jaxsched.replay import interpret, is_var, nested_eqns, read, source_line
 from jaxsched.rewrite.backward import walk_backward
@@ -282,8 +282,8 @@ class Approx(Strategy):
 
     def convert(self, planned: PlannedStep, state: NamedTuple) -> ApproxState:
         cap = planned.captured
+        abstract = is_abstract(state)
         params, opts = map(jax.tree.leaves, placed_user_layout(planned, state))
-        stacked = NamedSharding(planned.mesh, P(planned.axis_name))
         template = self.pending_template(planned) if self.staleness else []
         pending = tuple(getattr(state, "pending", ()) or ())
         num_pending = getattr(state, "num_pending", 0)
@@ -296,9 +296,10 @@ class Approx(Strategy):
                                  "and step the state was saved with")
             pending = tuple(tuple(planned.placed(a, P(planned.axis_name)) for a in slot) for slot in pending)
         elif self.staleness:
-            if int(np.asarray(num_pending)) != 0:
+            if not abstract and int(np.asarray(num_pending)) != 0:
                 raise ValueError("the state says gradients are pending but holds none")
-            pending = tuple(tuple(jax.device_put(np.zeros((planned.axis_size,) + t.shape, t.dtype), stacked)
+            pending = tuple(tuple(planned.zeros((planned.axis_size,) + t.shape, t.dtype,
+                                                P(planned.axis_name), abstract)
                                   for t in template) for _ in range(self.staleness))
         previous = ()
         if self.method == "extrapolate" and self.staleness:
@@ -307,10 +308,12 @@ class Approx(Strategy):
                 previous = params  # nothing applied yet: θ_{-1} = θ_0
             previous = [planned.placed(v, planned.input_spec("params", i)) for i, v in enumerate(previous)]
             previous = jax.tree.unflatten(cap.params_tree, previous)
-        num_pending = planned.placed(jnp.asarray(num_pending, jnp.int32), P())
+        num_pending = (planned.zeros((), jnp.int32, P(), abstract=True) if abstract
+                       else planned.placed(jnp.asarray(num_pending, jnp.int32), P()))
         return ApproxState(jax.tree.unflatten(cap.params_tree, params),
                            jax.tree.unflatten(cap.opt_tree, opts),
-                           self.collective_state(planned, getattr(state, "collective_state", None)),
+                           self.collective_state(planned, getattr(state, "collective_state", None),
+                                                 abstract),
                            pending, num_pending, previous)
 
     def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 from jaxsched.collectives.base import Collective
 from jaxsched.costmodel import WFBP_PATTERN
+from jaxsched.plan.compiled import compiled_estimates_apply
 from jaxsched.strategies.base import Strategy
 from jaxsched.strategies.registry import make_strategy, register_strategy, strategy_names
 
@@ -43,6 +44,9 @@ class AutoChoice:
       overlaps: whether the engine lets collectives overlap compute (else one stream).
       per_collective_s: the engine's fixed cost per collective that the plan included.
       buckets: the bucket option the chosen strategy runs with.
+      estimated_s: on GPU and TPU, XLA's estimated step per candidate (strategy and bucket
+        option) compiled for the mesh; the choice then goes by it, and ``simulated_s`` is
+        empty. An estimate, not a measurement.
     """
 
     chosen: str
@@ -50,6 +54,7 @@ class AutoChoice:
     overlaps: bool
     per_collective_s: float
     buckets: Any
+    estimated_s: dict = dataclasses.field(default_factory=dict)
 
 
 @register_strategy
@@ -94,6 +99,8 @@ class Auto(Strategy):
         from jaxsched.program import simulated_compression
         from jaxsched.sim import simulate
 
+        if compiled_estimates_apply(captured.mesh.devices.flat[0].platform):
+            return self._resolve_by_compiling(captured, buckets, plan_options, engine)
         probe = PlannedStep(captured, buckets, plan_options)
         costs = engine.costs(captured.mesh)
         layers, members = step_layer_profile(probe.analysis, probe.paths,
@@ -119,6 +126,23 @@ class Auto(Strategy):
         _, strategy, option = results[chosen]
         self.last_choice = AutoChoice(chosen, {n: r[0] for n, r in results.items()},
                                       costs.overlaps, costs.per_collective_s, option)
+        return strategy, option
+
+    def _resolve_by_compiling(self, captured: Any, buckets: Any, plan_options: dict, engine: Any
+                              ) -> tuple[Strategy, Any]:
+        """On GPU/TPU: every candidate (and, with ``buckets`` None or ``"auto"``, each bucket
+        option and all-reduce form of :func:`~jaxsched.plan.compiled.candidates_for`) compiled
+        for the mesh;
+        XLA's smallest estimated step wins. ``allreduce`` is the user's step as XLA compiles it
+        alone, so the choice is never estimated slower than it."""
+        from jaxsched.plan.compiled import candidates_for, choose_by_compiling
+
+        platform = captured.mesh.devices.flat[0].platform
+        pairs = [pair for candidate in self._candidates()
+                 for pair in candidates_for(candidate, platform, buckets)]
+        choice = choose_by_compiling(captured, pairs, engine, plan_options)
+        strategy, option = pairs[choice.chosen]
+        self.last_choice = AutoChoice(strategy.name, {}, True, 0.0, option, choice.as_dict())
         return strategy, option
 
     # Until resolve() runs, the state is the user's trees; afterwards the chosen strategy's

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jaxsched.collectives.base import (BucketSpec, Collective, stack_local, stacked_zeros,
                                        unstack_local)
 from jaxsched.costmodel import CommPattern
-from jaxsched.planned_step import PlannedStep
+from jaxsched.planned_step import PlannedStep, is_abstract
 
 
 class SchedState(NamedTuple):
@@ -60,6 +60,8 @@ class RewrittenBody:
       fallbacks: ``(primitive, source line)`` pairs the rewrite could not run as planned
         (see :class:`~jaxsched.rewrite.rules.FallbackWarning`).
       check_vma: the ``shard_map`` typing mode the body is written for.
+      compiler_defaults: compile with XLA's own default options, not the engine's
+        per-target set (the identity strategy: the user's step as XLA compiles it alone).
     """
 
     body: Callable[..., Sequence[Any]]
@@ -67,6 +69,7 @@ class RewrittenBody:
     state_out_specs: tuple[P, ...]
     fallbacks: list = dataclasses.field(default_factory=list)
     check_vma: bool = False
+    compiler_defaults: bool = False
 
 
 class Strategy(abc.ABC):
@@ -83,6 +86,8 @@ class Strategy(abc.ABC):
     name: ClassVar[str] = ""
     cost: ClassVar[CommPattern] = CommPattern()
     accepts_collective: ClassVar[bool] = True
+    #: whether the program compiles with XLA's default options (see :class:`RewrittenBody`)
+    compiler_defaults: ClassVar[bool] = False
     #: whether params and opt_state stay in the user's layout between steps (so an adapter
     #: may hand them to the user after every step without a ``finalize``)
     keeps_user_layout: ClassVar[bool] = False
@@ -106,7 +111,21 @@ class Strategy(abc.ABC):
     def resolve(self, captured: Any, buckets: Any, plan_options: dict, engine: Any
                 ) -> tuple["Strategy", Any]:
         """The strategy and bucket option that will run ``captured`` (a strategy that chooses
-        per step, ``auto``, says which); ``self`` and ``buckets`` unchanged by default."""
+        per step, ``auto``, says which); ``self`` and ``buckets`` unchanged by default.
+
+        ``buckets="auto"`` on a GPU or TPU mesh is chosen by XLA's estimate of the compiled
+        program (:mod:`jaxsched.plan.compiled`; ``self.last_bucket_choice`` says what each
+        candidate was estimated at); elsewhere the planners plan it against the simulator.
+        """
+        from jaxsched.plan.compiled import candidates_for, choose_by_compiling, compiled_estimates_apply
+
+        if (isinstance(buckets, str) and buckets == "auto"
+                and compiled_estimates_apply(captured.mesh.devices.flat[0].platform)
+                and not plan_options):
+            pairs = candidates_for(self, captured.mesh.devices.flat[0].platform, buckets)
+            choice = choose_by_compiling(captured, pairs, engine, plan_options)
+            self.last_bucket_choice = choice
+            return pairs[choice.chosen]
         return self, buckets
 
     def initial_state(self, params: Any, opt_state: Any) -> NamedTuple:
@@ -144,10 +163,11 @@ class Strategy(abc.ABC):
 
     # -- helpers for subclasses ---------------------------------------------------------
     def bucket_specs(self, planned: PlannedStep, sizes: Sequence[int], dtypes: Sequence,
-                     shapes: Sequence[tuple] | None = None, interleaved: bool = False
-                     ) -> list[BucketSpec]:
+                     shapes: Sequence[tuple] | None = None, interleaved: bool = False,
+                     op: str = "all_reduce") -> list[BucketSpec]:
         shapes = shapes if shapes is not None else [()] * len(sizes)
-        return [BucketSpec(k, int(n), np.dtype(d), planned.axis_size, tuple(map(tuple, s)), interleaved)
+        return [BucketSpec(k, int(n), np.dtype(d), planned.axis_size, tuple(map(tuple, s)), interleaved,
+                           form=planned.collective_form(op))
                 for k, (n, d, s) in enumerate(zip(sizes, dtypes, shapes, strict=True))]
 
     def concatenated_gradient_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
@@ -170,14 +190,19 @@ class Strategy(abc.ABC):
         """What the collective is told of each bucket; strategies that bucket override it."""
         return []
 
-    def collective_state(self, planned: PlannedStep, current: Any) -> Any:
-        """The carried collective state on the mesh: fresh zeros, or ``current`` placed."""
+    def collective_state(self, planned: PlannedStep, current: Any, abstract: bool = False) -> Any:
+        """The carried collective state on the mesh: fresh zeros, or ``current`` placed
+        (abstract leaves when ``abstract``, see :meth:`PlannedStep.zeros`)."""
         template = self.collective_template(planned)
         if not jax.tree.leaves(template):
             return template
-        if current is None or not jax.tree.leaves(current):
-            current = stacked_zeros(template, planned.axis_size)
         spec = P(planned.axis_name)
+        if current is None or not jax.tree.leaves(current):
+            if abstract:
+                return jax.tree.map(
+                    lambda a: planned.zeros((planned.axis_size,) + tuple(np.shape(a)),
+                                            jax.numpy.result_type(a), spec, abstract=True), template)
+            current = stacked_zeros(template, planned.axis_size)
         return jax.tree.map(lambda leaf: planned.placed(leaf, spec), current)
 
     def split_inputs(self, planned: PlannedStep, inputs: Sequence[Any], num_state: int
@@ -213,7 +238,8 @@ class UserLayoutStrategy(Strategy):
     def convert(self, planned: PlannedStep, state: NamedTuple) -> SchedState:
         params, opts = placed_user_layout(planned, state)
         return SchedState(params, opts,
-                          self.collective_state(planned, getattr(state, "collective_state", None)))
+                          self.collective_state(planned, getattr(state, "collective_state", None),
+                                                is_abstract(state)))
 
     def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
         return state.params, state.opt_state
@@ -241,7 +267,8 @@ class UserLayoutStrategy(Strategy):
         in_specs = (tuple(planned.input_spec("params", i) for i in range(n_p))
                     + tuple(planned.input_spec("opt_state", j) for j in range(n_o)) + coll_specs)
         out_specs = tuple(planned.output_spec(k) for k in range(n_p + n_o)) + coll_specs
-        return RewrittenBody(body, in_specs, out_specs, [], self.check_vma(planned))
+        return RewrittenBody(body, in_specs, out_specs, [], self.check_vma(planned),
+                             self.compiler_defaults)
 
     def check_vma(self, planned: PlannedStep) -> bool:
         return False

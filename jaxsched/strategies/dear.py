@@ -35,7 +35,7 @@ from jaxsched import layout
 from jaxsched.bucketing import is_float
 from jaxsched.collectives.base import BucketSpec
 from jaxsched.costmodel import DEAR_PATTERN
-from jaxsched.planned_step import PlannedStep
+from jaxsched.planned_step import PlannedStep, is_abstract
 from jaxsched.replay import interpret, read
 from jaxsched.rewrite.backward import walk_backward
 from jaxsched.rewrite.rules import Shard, ShardContext, apply_rule
@@ -104,11 +104,12 @@ class Dear(Strategy):
         return self.bucket_specs(
             planned, [g.shard_size * planned.axis_size if g else 0 for g in lay.grads],
             [g.dtype if g else np.float32 for g in lay.grads],
-            [g.shapes if g else () for g in lay.grads], interleaved=True)
+            [g.shapes if g else () for g in lay.grads], interleaved=True, op="reduce_scatter")
 
     def _gather_spec(self, planned: PlannedStep, k: int, p_layout) -> BucketSpec:
         return BucketSpec(k, p_layout.shard_size * planned.axis_size, p_layout.dtype, planned.axis_size,
-                          p_layout.shapes, interleaved=True, kind="parameters")
+                          p_layout.shapes, interleaved=True, kind="parameters",
+                          form=planned.collective_form("all_gather"))
 
     # -- conversions ----------------------------------------------------------------------
     def convert(self, planned: PlannedStep, state: NamedTuple) -> SchedState:
@@ -126,7 +127,8 @@ class Dear(Strategy):
                 for j, leaf in enumerate(opts)]
         return SchedState(jax.tree.unflatten(cap.params_tree, params),
                           jax.tree.unflatten(cap.opt_tree, opts),
-                          self.collective_state(planned, getattr(state, "collective_state", None)))
+                          self.collective_state(planned, getattr(state, "collective_state", None),
+                                                is_abstract(state)))
 
     def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
         cap = planned.captured
@@ -149,6 +151,8 @@ class Dear(Strategy):
         sharding = NamedSharding(planned.mesh, P(planned.axis_name))
         if isinstance(leaf, jax.Array) and leaf.shape == (flat_len,) and leaf.sharding == sharding:
             return leaf
+        if isinstance(leaf, jax.ShapeDtypeStruct):  # ahead of time: the layout, no data
+            return jax.ShapeDtypeStruct((flat_len,), leaf.dtype, sharding=sharding)
         expected = ((len(planned.mesh.devices.flat),) + tuple(block.shape[1:])
                     if cap.kind == "pmap" else tuple(block.shape))
         shape = tuple(np.shape(leaf))
@@ -212,10 +216,10 @@ class Dear(Strategy):
                         for i in lay.gathered[k]:
                             env[param_invar[i]] = param_chunks[i].reshape(param_invar[i].aval.shape)
                         return
-                    shard = lay.params[k].join_chunks([param_chunks[i] for i in lay.gathered[k]])
-                    full, carried[k] = self.collective.all_gather(
-                        shard, axis, self._gather_spec(planned, k, lay.params[k]), carried[k])
-                    for i, leaf in zip(lay.gathered[k], lay.params[k].unpack(full)):
+                    leaves, carried[k] = self.collective.all_gather_tensors(
+                        [param_chunks[i] for i in lay.gathered[k]], axis,
+                        self._gather_spec(planned, k, lay.params[k]), carried[k])
+                    for i, leaf in zip(lay.gathered[k], leaves):
                         env[param_invar[i]] = leaf
                 for i in lay.gathered[k]:
                     lazy[param_invar[i]] = gather
@@ -235,9 +239,8 @@ class Dear(Strategy):
                     for j, g in zip(bucket.reductions, grads):
                         post[reds[j].result] = Shard(jnp.ravel(g), tuple(reds[j].operand.aval.shape))
                     return
-                scattered, carried[k] = self.collective.reduce_scatter(
-                    lay.grads[k].pack(grads), axis, specs[k], carried[k])
-                for j, chunk in zip(bucket.reductions, lay.grads[k].split_shard(scattered)):
+                chunks, carried[k] = self.collective.reduce_scatter_tensors(grads, axis, specs[k], carried[k])
+                for j, chunk in zip(bucket.reductions, chunks):
                     post[reds[j].result] = Shard(chunk, tuple(reds[j].operand.aval.shape))
 
             walk_backward(analysis, env, lazy, buckets, emit)

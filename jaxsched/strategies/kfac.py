@@ -56,7 +56,7 @@ from jaxsched.capture import UnsupportedStepError
 from jaxsched.collectives.base import BucketSpec, Collective
 from jaxsched.costmodel import KFAC_PATTERN, CommPattern
 from jaxsched.placement import check_placement, plan_placement
-from jaxsched.planned_step import PlannedStep
+from jaxsched.planned_step import PlannedStep, is_abstract
 from jaxsched.replay import interpret, is_var, read
 from jaxsched.rewrite.layers import LayerMatch, MatchedLayer, match_layers
 from jaxsched.strategies.base import RewrittenBody, Strategy, placed_user_layout
@@ -225,11 +225,12 @@ class KFAC(Strategy):
     def convert(self, planned: PlannedStep, state: NamedTuple) -> KFACState:
         params, opts = placed_user_layout(planned, state)
         templates = self.factor_templates(planned)
+        abstract = is_abstract(state)
 
         def filled(given: Any, what: str) -> tuple:
             given = tuple(given or ())
             if not given:
-                return tuple(tuple(planned.placed(jnp.zeros(t.shape, t.dtype), P()) for t in pair)
+                return tuple(tuple(planned.zeros(t.shape, t.dtype, P(), abstract) for t in pair)
                              for pair in templates)
             if [tuple(tuple(np.shape(a)) for a in pair) for pair in given] != \
                     [tuple(t.shape for t in pair) for pair in templates]:
@@ -238,9 +239,11 @@ class KFAC(Strategy):
                                  "the step the state was saved with")
             return tuple(tuple(planned.placed(a, P()) for a in pair) for pair in given)
 
-        scalar = lambda v: planned.placed(jnp.asarray(v, jnp.int32), P())
+        scalar = lambda v: (planned.zeros((), jnp.int32, P(), abstract=True) if abstract
+                            else planned.placed(jnp.asarray(v, jnp.int32), P()))
         return KFACState(params, opts,
-                         self.collective_state(planned, getattr(state, "collective_state", None)),
+                         self.collective_state(planned, getattr(state, "collective_state", None),
+                                               abstract),
                          filled(getattr(state, "factors", ()), "factors"),
                          filled(getattr(state, "inverses", ()), "inverses"),
                          scalar(getattr(state, "step", 0)), scalar(getattr(state, "factor_updates", 0)))

@@ -1,0 +1,147 @@
+"""Every strategy compiled for GPU and TPU clusters, against the plain step as XLA compiles it.
+
+Nothing runs on an accelerator: each step is compiled for compile-only devices
+(jaxsched.aot) and read with jaxsched.inspect. Every time is XLA's latency-hiding
+scheduler estimate for the compiled program, NOT a measurement; ratios are taken against
+the plain step compiled in the same run (on TPU, where XLA's defaults give no estimate,
+against the plain step compiled with jaxsched's TPU options, labelled as such).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/compiled_overlap.py            # everything (long)
+    PYTHONPATH=. .venv/bin/python benchmarks/compiled_overlap.py --models mlp --targets h100:1x2x4
+    PYTHONPATH=. .venv/bin/python benchmarks/compiled_overlap.py --update-docs   # tables from the JSON
+
+Writes benchmarks/results/compiled_overlap.json (one entry per model and target, updated in
+place so a long sweep can be resumed with --resume) and a PNG of the compiled schedules per
+model and target beside it. --update-docs rewrites the results block of README.md and
+docs/accelerators.md from the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices need no backend
+
+RESULTS = Path(__file__).parent / "results"
+JSON_PATH = RESULTS / "compiled_overlap.json"
+TARGETS = ("h100:1x2x4", "h100:1x8x8", "v5p:2x2x2:slices=2")
+MODELS = ("mlp", "cnn", "transformer")
+STRATEGIES = ("allreduce", "wfbp", "dear", "approx")
+#: strategies also compiled with buckets="auto" (bucket size and collective form chosen by
+#: XLA's estimate among jaxsched.plan.compiled's candidates)
+TUNED = ("wfbp", "dear", "approx")
+BEGIN, END = "<!-- compiled_overlap:begin -->", "<!-- compiled_overlap:end -->"
+
+
+def run_one(model: str, target: str, strategies, tuned) -> dict:
+    import jaxsched
+    from jaxsched.aot.compare import compare_strategies
+    from jaxsched.aot.experiment import ZOO, abstract_experiment
+
+    started = time.perf_counter()
+    exp = abstract_experiment(ZOO[model], target=target)
+    comparison = compare_strategies(exp, strategies, target=target, progress=True)
+    reports = list(comparison.reports)
+    choices = {}
+    for name in tuned:
+        sched = jaxsched.schedule(exp.step, strategy=name, buckets="auto")
+        inspection = sched.inspect(sched.init(exp.params, exp.opt_state), exp.batch, baseline=False)
+        chosen = sched.strategy.last_bucket_choice
+        label = f"{name} (tuned)"
+        reports.append(dataclasses.replace(inspection.report, label=label, target=target))
+        choices[label] = {"chosen": chosen.labels[chosen.chosen], "estimated_step_s": chosen.as_dict()}
+        print(f"  {label}: {chosen.labels[chosen.chosen]}", file=sys.stderr)
+    comparison = dataclasses.replace(comparison, reports=tuple(reports))
+    png = RESULTS / f"compiled_overlap_{model}_{target.replace(':', '_').replace('=', '')}.png"
+    comparison.plot(str(png))
+    print(comparison.table())
+    entry = comparison.to_json()
+    entry.update(num_params=exp.num_params, devices=int(exp.mesh.devices.size), png=png.name,
+                 tuned_choices=choices, wall_s=round(time.perf_counter() - started, 1))
+    return entry
+
+
+def _fmt(x):
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def markdown(results: dict) -> str:
+    lines = [f"All figures: {next(iter(results.values()))['estimator'] if results else ''}; "
+             "ratios to the plain step compiled in the same run (`PYTHONPATH=. .venv/bin/python "
+             "benchmarks/compiled_overlap.py`, jax 0.10.2, libtpu 0.0.42.1, CUDA plugin 0.10.2).", ""]
+    for key, entry in results.items():
+        model, target = key.split(" @ ")
+        lines.append(f"**{entry['model']} on `{target}`** ({entry['devices']} devices; ratios to "
+                     f"{entry['reference']}):")
+        lines.append("")
+        lines.append("| strategy | est. step | x plain | est. exposed comm | x plain | async collectives |")
+        lines.append("|---|---|---|---|---|---|")
+        base = entry.get("reference_report") or entry["baseline"]
+        rows = [(entry["baseline"]["label"], entry["baseline"], None)]
+        if entry.get("reference_report"):
+            rows.append((base["label"], base, {"step": 1.0, "exposed_comm": 1.0}))
+        rows += [(name, r, r["ratio_to_reference"]) for name, r in entry["strategies"].items()]
+        for name, r, ratio in rows:
+            step = "-" if r["step_s"] is None else f"{r['step_s'] * 1e6:.0f} us"
+            exposed = "-" if r["exposed_comm_s"] is None else f"{r['exposed_comm_s'] * 1e6:.0f} us"
+            ratio = ratio or ({"step": 1.0, "exposed_comm": 1.0} if r is base else {})
+            n_async = sum(1 for c in r["collectives"] if c["is_async"])
+            lines.append(f"| {name} | {step} | {_fmt(ratio.get('step'))} | {exposed} | "
+                         f"{_fmt(ratio.get('exposed_comm'))} | {n_async}/{len(r['collectives'])} |")
+        if entry.get("tuned_choices"):
+            chosen = "; ".join(f"{k}: {v['chosen']}" for k, v in entry["tuned_choices"].items())
+            lines.append(f"\nTuned = `buckets=\"auto\"`, which chose {chosen}.")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def update_docs(results: dict) -> None:
+    block = f"{BEGIN}\n{markdown(results)}\n{END}"
+    for path in (Path("README.md"), Path("docs/accelerators.md")):
+        text = path.read_text()
+        if BEGIN not in text:
+            print(f"{path}: no {BEGIN} block; not changed", file=sys.stderr)
+            continue
+        head, rest = text.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1]
+        path.write_text(head + block + tail)
+        print(f"updated {path}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--targets", default=",".join(TARGETS))
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--tuned", default=",".join(TUNED), help="strategies also run with buckets='auto' ('' for none)")
+    parser.add_argument("--resume", action="store_true", help="skip model/target pairs already in the JSON")
+    parser.add_argument("--update-docs", action="store_true", help="only rewrite the docs' results block")
+    args = parser.parse_args()
+    results = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {}
+    if args.update_docs:
+        update_docs(results)
+        return 0
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    for target in args.targets.split(","):
+        for model in args.models.split(","):
+            key = f"{model} @ {target}"
+            if args.resume and key in results:
+                continue
+            print(f"== {key}", file=sys.stderr)
+            results[key] = run_one(model, target, args.strategies.split(","),
+                                   [t for t in args.tuned.split(",") if t])
+            RESULTS.mkdir(exist_ok=True)
+            JSON_PATH.write_text(json.dumps(results, indent=1))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
