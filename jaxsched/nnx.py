@@ -174,6 +174,22 @@ class NNXScheduled:
         user_params, user_rest = session.scheduled.finalize(session.state)
         self._write_back(session, nodes, user_params, user_rest)
 
+    def lower(self, *args: Any):
+        """``jax.stages.Lowered`` of the scheduled step for ``(model, optimizer, ..., batch)``.
+
+        Ahead of time: objects built under ``nnx.eval_shape`` (abstract variables) and a
+        batch of ``jax.ShapeDtypeStruct`` leaves lower on compile-only devices
+        (:mod:`jaxsched.aot`) without touching one. The objects are not changed.
+        """
+        session, state, batch = self._abstract_call(args, "lower")
+        return session.scheduled.lower(state, batch)
+
+    def inspect(self, *args: Any, baseline: bool = True):
+        """Compile and read the scheduled step (see :meth:`jaxsched.Scheduled.inspect`) for
+        ``(model, optimizer, ..., batch)``, concrete or abstract; the objects are not changed."""
+        session, state, batch = self._abstract_call(args, "inspect")
+        return session.scheduled.inspect(state, batch, baseline=baseline)
+
     @property
     def scheduled(self) -> Scheduled:
         if self._session is None:
@@ -181,6 +197,12 @@ class NNXScheduled:
         return self._session.scheduled
 
     # -- internals ------------------------------------------------------------------------
+    def _abstract_call(self, args: tuple, what: str) -> tuple[_Session, Any, Any]:
+        nodes, batch = self._split_args(args, what)
+        graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
+        session = self._session_for(graphdef, params, rest)
+        return session, session.scheduled.init(*session.layout.pure(params, rest)), batch
+
     def _split_args(self, args: tuple, what: str) -> tuple[tuple, Any]:
         if len(args) < 2:
             raise TypeError(f"the scheduled NNX step takes (model, optimizer, ..., batch); the "

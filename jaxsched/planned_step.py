@@ -40,6 +40,11 @@ def is_abstract(tree: Any) -> bool:
     return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(tree))
 
 
+def zero_count(*trees: Any) -> Any:
+    """A step counter at zero for a state of ``trees``: abstract if they are."""
+    return jax.ShapeDtypeStruct((), np.int32) if is_abstract(trees) else np.int32(0)
+
+
 @dataclasses.dataclass
 class PlannedStep:
     """Attributes:

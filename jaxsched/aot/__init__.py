@@ -125,14 +125,23 @@ def _gpu_devices(target: str, topology: str) -> tuple:
     reason = toolchain_missing("gpu")
     if reason:
         raise AotUnavailableError(reason)
+    # Without a CUDA runtime the plugin refuses to register unless told that its version
+    # check does not apply; compiling needs only the plugin's compiler. This must happen
+    # before JAX discovers its plugins (its first use), see the error below otherwise.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     from jax.experimental import topologies
 
     try:
         desc = topologies.get_topology_desc(target, "cuda", target_config=target_config(target),
                                             topology=topology)
     except Exception as err:  # the plugin reports what it cannot build
+        hint = _EXTRA_HINT
+        if "not implemented for cuda" in str(err):
+            hint = ("the CUDA plugin did not register: JAX had already started and checked for a "
+                    "CUDA runtime; call jaxsched.aot.devices before anything else uses JAX, or set "
+                    "JAX_PLATFORMS=cpu (or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) before starting Python")
         raise AotUnavailableError(f"could not make compile-only {target} devices {topology}: "
-                                  f"{err}; {_EXTRA_HINT}") from None
+                                  f"{err}; {hint}") from None
     return tuple(desc.devices)
 
 

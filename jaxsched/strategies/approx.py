@@ -67,7 +67,7 @@ from jaxsched.capture import UnsupportedStepError
 from jaxsched.collectives.base import BucketSpec, Collective, stack_local, unstack_local
 from jaxsched.costmodel import APPROX_PATTERN
 from jaxsched.optax import approximated_point, check_method, check_staleness, select
-from jaxsched.planned_step import PlannedStep, is_abstract
+from jaxsched.planned_step import PlannedStep, is_abstract, zero_count
 from jaxsched.primitives import COLLECTIVES
 from jaxsched.replay import interpret, is_var, nested_eqns, read, source_line
 from jaxsched.rewrite.backward import walk_backward
@@ -273,7 +273,7 @@ class Approx(Strategy):
 
     # -- state ------------------------------------------------------------------------------
     def initial_state(self, params: Any, opt_state: Any) -> ApproxState:
-        return ApproxState(params, opt_state, (), (), np.int32(0), ())
+        return ApproxState(params, opt_state, (), (), zero_count(params, opt_state), ())
 
     def pending_template(self, planned: PlannedStep) -> list[jax.ShapeDtypeStruct]:
         """One device's pending gradient per reduction (analysis order)."""

@@ -56,7 +56,7 @@ from jaxsched.capture import UnsupportedStepError
 from jaxsched.collectives.base import BucketSpec, Collective
 from jaxsched.costmodel import KFAC_PATTERN, CommPattern
 from jaxsched.placement import check_placement, plan_placement
-from jaxsched.planned_step import PlannedStep, is_abstract
+from jaxsched.planned_step import PlannedStep, is_abstract, zero_count
 from jaxsched.replay import interpret, is_var, read
 from jaxsched.rewrite.layers import LayerMatch, MatchedLayer, match_layers
 from jaxsched.strategies.base import RewrittenBody, Strategy, placed_user_layout
@@ -220,7 +220,8 @@ class KFAC(Strategy):
 
     # -- state -------------------------------------------------------------------------------
     def initial_state(self, params: Any, opt_state: Any) -> KFACState:
-        return KFACState(params, opt_state, (), (), (), np.int32(0), np.int32(0))
+        return KFACState(params, opt_state, (), (), (), zero_count(params, opt_state),
+                         zero_count(params, opt_state))
 
     def convert(self, planned: PlannedStep, state: NamedTuple) -> KFACState:
         params, opts = placed_user_layout(planned, state)

@@ -1,0 +1,267 @@
+"""Ahead of time: every strategy compiled for GPU and TPU clusters without the hardware.
+
+The structure checked here is the compiled, scheduled program's (jaxsched.inspect), not a
+lowering: which collectives XLA kept async and what compute it put in their windows.
+Without the `aot` extra these tests skip, naming it; `make test` installs it.
+"""
+import importlib.util
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxsched
+import jaxsched.aot
+from jaxsched import models, steps
+from jaxsched.collectives import Collective
+from equivalence import assert_trees_close, build, random_batches
+
+GPU_MISSING = jaxsched.aot.toolchain_missing("gpu")
+TPU_MISSING = jaxsched.aot.toolchain_missing("tpu")
+needs_gpu = pytest.mark.skipif(GPU_MISSING is not None, reason=GPU_MISSING or "")
+needs_tpu = pytest.mark.skipif(TPU_MISSING is not None, reason=TPU_MISSING or "")
+
+LAYERS = 4
+WIDTH = 512
+
+
+def _experiment(target: str, layers: int = LAYERS, width: int = WIDTH, per_device: int = 128):
+    """A plain MLP step over the compile-only mesh of ``target``, all inputs abstract."""
+    from jaxsched.aot.experiment import ModelSpec, abstract_experiment
+    from jaxsched.config import OptimizerConfig
+
+    spec = ModelSpec("mlp", (width,), 10, {"hidden": (width,) * layers}, per_device,
+                     OptimizerConfig(name="momentum", learning_rate=0.1))
+    return abstract_experiment(spec, target=target)
+
+
+def _per_layer(exp):
+    paths = jaxsched.bucketing.param_paths(exp.params)
+    return [[p for p in paths if p.startswith(f"hidden/{i}/")] for i in range(LAYERS)] + \
+        [[p for p in paths if p.startswith("head/")]]
+
+
+def _inspect(exp, strategy, **options):
+    sched = jaxsched.schedule(exp.step, strategy=strategy, **options)
+    state = sched.init(exp.params, exp.opt_state)
+    return sched.inspect(state, exp.batch)
+
+
+def _gradient_windows(report, kind, min_bytes):
+    return [w for w in report.collectives if w.kind == kind and w.bytes >= min_bytes]
+
+
+# -- devices and abstract state ------------------------------------------------------------
+def test_unknown_target_and_bad_topology_say_what_to_write():
+    with pytest.raises(jaxsched.aot.AotUnavailableError, match="unknown target 'k80'"):
+        jaxsched.aot.devices("k80", "1x1x1")
+    with pytest.raises(ValueError, match="SLICESxHOSTSxGPUS"):
+        jaxsched.aot.devices("h100", "8")
+    with pytest.raises(ValueError, match="slices=N"):
+        jaxsched.aot.parse_target("v5p:2x2x2:three")
+
+
+def test_a_missing_toolchain_names_the_extra(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "libtpu" else real(name, *a))
+    reason = jaxsched.aot.toolchain_missing("tpu")
+    assert "jaxsched[aot]" in reason and "libtpu" in reason
+    jaxsched.aot._tpu_devices.cache_clear()
+    with pytest.raises(jaxsched.aot.AotUnavailableError, match=r"jaxsched\[aot\]"):
+        jaxsched.aot.devices("v5p", "2x2x2")
+
+
+@needs_gpu
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "dear", "approx"])
+def test_init_and_lower_are_abstract_on_compile_only_devices(strategy):
+    exp = _experiment("h100:1x2x4")
+    sched = jaxsched.schedule(exp.step, strategy=strategy)
+    state = sched.init(exp.params, exp.opt_state)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
+    lowered = sched.lower(state, exp.batch)
+    assert "stablehlo" in lowered.as_text()
+    assert "HloModule" in lowered.compile().as_text()
+    with pytest.raises(TypeError, match="abstract"):
+        sched(state, exp.batch)
+
+
+@needs_gpu
+def test_devices_are_cached_and_describe_the_cluster():
+    a = jaxsched.aot.devices("h100", "1x2x4")
+    assert a == jaxsched.aot.devices("h100", "1x2x4") and len(a) == 8
+    assert {d.process_index for d in a} == {0, 1} and a[0].platform == "gpu"
+    from jaxsched.inspect import describe_mesh
+
+    assert describe_mesh(Mesh(np.array(a), ("data",))) == "gpu: 8 x NVIDIA H100 80GB HBM3 over 2 hosts"
+
+
+# -- compiled structure on GPU (XLA:GPU, H100, 2 hosts x 4) --------------------------------
+@needs_gpu
+def test_allreduce_is_the_users_step_as_xla_compiles_it_alone():
+    inspection = _inspect(_experiment("h100:1x2x4"), "allreduce")
+    report, plain = inspection.report, inspection.baseline
+    assert [(w.kind, w.bytes, w.is_async) for w in report.collectives] == \
+        [(w.kind, w.bytes, w.is_async) for w in plain.collectives]
+    assert report.step_s == pytest.approx(plain.step_s)
+
+
+@needs_gpu
+def test_wfbp_all_reduces_are_async_with_backward_compute_inside_on_gpu():
+    exp = _experiment("h100:1x2x4")
+    report = _inspect(exp, "wfbp", buckets=_per_layer(exp)).report
+    layer_bytes = WIDTH * WIDTH * 4
+    grads = _gradient_windows(report, "all-reduce", layer_bytes)
+    assert len(grads) >= LAYERS - 1, report.collectives  # the buckets stay separate
+    assert all(w.is_async for w in grads)
+    # every bucket but the first layer's (whose gradient is backward's last) overlaps a matmul
+    assert sum(1 for w in grads if w.compute_flops > 0) >= LAYERS - 2
+
+
+@needs_gpu
+def test_dear_reduce_scatters_in_backward_and_all_gathers_in_forward_are_async_on_gpu():
+    exp = _experiment("h100:1x2x4")
+    report = _inspect(exp, "dear", buckets=_per_layer(exp)).report
+    scatters = [w for w in report.collectives if w.kind == "reduce-scatter"]
+    gathers = [w for w in report.collectives if w.kind == "all-gather"]
+    assert scatters and gathers
+    assert any(w.is_async and w.compute_flops > 0 for w in scatters)
+    assert any(w.is_async and w.compute_flops > 0 for w in gathers)
+    assert not any(w.kind == "all-reduce" and w.bytes >= WIDTH * WIDTH * 4 for w in report.collectives)
+
+
+@needs_gpu
+def test_approx_reduction_spans_forward_and_backward_on_gpu():
+    exp = _experiment("h100:1x2x4")
+    report = _inspect(exp, "approx", collective=Collective(forms={"all_reduce": "packed"})).report
+    grads = _gradient_windows(report, "all-reduce", LAYERS * WIDTH * WIDTH * 4)
+    assert len(grads) == 1 and grads[0].is_async
+    # forward and backward of every hidden layer: 3 matmuls each, 2 * rows * W^2 flops
+    rows = 128
+    assert grads[0].compute_flops >= 0.5 * 3 * 2 * rows * WIDTH * WIDTH * LAYERS
+
+
+@needs_gpu
+def test_auto_is_never_estimated_slower_than_the_plain_step_on_gpu():
+    exp = _experiment("h100:1x2x4", layers=2)
+    sched = jaxsched.schedule(exp.step, strategy="auto")
+    inspection = sched.inspect(sched.init(exp.params, exp.opt_state), exp.batch)
+    choice = sched.strategy.last_choice
+    assert choice.estimated_s["allreduce, buckets=None"] == pytest.approx(inspection.baseline.step_s)
+    assert min(choice.estimated_s.values()) == pytest.approx(inspection.report.step_s)
+    assert inspection.report.step_s <= inspection.baseline.step_s
+
+
+# -- TPU (XLA:TPU, v5p 2x2x2) ---------------------------------------------------------------
+@needs_tpu
+def test_wfbp_per_tensor_all_reduces_are_async_collective_fusions_on_tpu():
+    exp = _experiment("v5p:2x2x2")
+    inspection = _inspect(exp, "wfbp", buckets=_per_layer(exp))
+    grads = _gradient_windows(inspection.report, "all-reduce", WIDTH * WIDTH * 4)
+    assert sum(1 for w in grads if w.is_async and w.compute_ops > 0) >= LAYERS - 2
+    # XLA's defaults: every gradient in one synchronous all-reduce after backward
+    plain = _gradient_windows(inspection.baseline, "all-reduce", WIDTH * WIDTH * 4)
+    assert plain and not any(w.is_async for w in plain)
+
+
+@needs_tpu
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["dear", "approx"])
+def test_dear_and_approx_collectives_are_async_on_tpu(strategy):
+    exp = _experiment("v5p:2x2x2")
+    report = _inspect(exp, strategy, buckets=_per_layer(exp)).report
+    big = [w for w in report.collectives if w.bytes >= WIDTH * WIDTH * 4 // 8]
+    assert sum(1 for w in big if w.is_async and w.compute_ops > 0) >= 2, report.collectives
+
+
+@needs_tpu
+@pytest.mark.slow
+def test_two_slices_compile_and_report_cross_slice_traffic():
+    exp = _experiment("v5p:2x2x2:slices=2", layers=2)
+    report = _inspect(exp, "wfbp").report
+    assert exp.mesh.devices.size == 16
+    assert report.collectives and report.step_s is not None
+
+
+# -- the new collective forms are exact on CPU --------------------------------------------
+@pytest.mark.parametrize("strategy,form", [("wfbp", "per_tensor"), ("wfbp", "packed"),
+                                           ("dear", "per_tensor"), ("approx", "packed")])
+def test_collective_forms_give_the_plain_steps_numbers(strategy, form):
+    from equivalence import run_both
+
+    forms = {"all_reduce": form, "reduce_scatter": form, "all_gather": form}
+    options = {"staleness": 0} if strategy == "approx" else {}
+    plain, scheduled, plain_aux, sched_aux, _ = run_both(
+        "mlp", optax.adam(1e-2), strategy, devices=4, n_steps=6,
+        collective=Collective(forms=forms), **options)
+    assert_trees_close(plain, scheduled)
+    np.testing.assert_allclose([a["loss"] for a in sched_aux], [a["loss"] for a in plain_aux], rtol=1e-5)
+
+
+def test_collective_forms_are_validated():
+    with pytest.raises(ValueError, match="'all_sum' is not an operation"):
+        Collective(forms={"all_sum": "packed"})
+    with pytest.raises(ValueError, match="choose from mixed, per_tensor, packed"):
+        Collective(forms={"all_reduce": "flat"})
+
+
+# -- the command line ------------------------------------------------------------------------
+@needs_gpu
+@pytest.mark.slow
+def test_inspect_command_writes_json_and_png(tmp_path):
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxsched", "inspect", "--config", "configs/tiny_lm.toml",
+         "--target", "h100:1x2x4", "--strategies", "allreduce,wfbp", "--json", str(out),
+         "--png", str(png), "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    data = json.loads(out.read_text())
+    assert data["baseline"]["label"] == "plain (XLA defaults)"
+    assert set(data["strategies"]) == {"allreduce", "wfbp"}
+    assert "not measured" in data["estimator"] and png.stat().st_size > 10_000
+    assert "plain (XLA defaults)" in proc.stdout
+
+
+def test_inspect_command_rejects_a_bad_target_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "jaxsched", "inspect", "--model", "mlp",
+                           "--target", "h100"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "TARGET:TOPOLOGY" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@needs_gpu
+def test_nnx_steps_lower_and_inspect_ahead_of_time():
+    from flax import nnx
+
+    from jaxsched.aot.experiment import mesh_for
+    import jaxsched.nnx
+
+    mesh = mesh_for("h100:1x2x4")
+    build = lambda: models.MLP(64, 10, hidden=(64,), rngs=nnx.Rngs(0))
+    model = nnx.eval_shape(build)
+    optimizer = nnx.eval_shape(lambda: nnx.Optimizer(build(), optax.adam(1e-3), wrt=nnx.Param))
+
+    @nnx.jit
+    @nnx.shard_map(mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P())
+    def train_step(model, optimizer, batch):
+        x, y = batch
+        loss, grads = nnx.value_and_grad(lambda m: steps.cross_entropy(m(x), y))(model)
+        optimizer.update(model, jax.lax.pmean(grads, "data"))
+        return jax.lax.pmean(loss, "data")
+
+    sharded = NamedSharding(mesh, P("data"))
+    batch = (jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=sharded),
+             jax.ShapeDtypeStruct((16,), jnp.int32, sharding=sharded))
+    sched = jaxsched.nnx.schedule(train_step, strategy="dear")
+    assert "reduce-scatter" in sched.lower(model, optimizer, batch).compile().as_text()
+    inspection = sched.inspect(model, optimizer, batch)
+    assert {w.kind for w in inspection.report.collectives} >= {"reduce-scatter", "all-gather"}
+    assert inspection.baseline.label == "plain (XLA defaults)"
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
