@@ -22,37 +22,50 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-__all__ = ["BUCKET_CANDIDATES", "FORM_CANDIDATES", "CompiledChoice", "candidates_for",
+__all__ = ["BUCKET_CANDIDATES", "VARIANTS", "CompiledChoice", "candidates_for",
            "choose_by_compiling", "compiled_estimates_apply"]
 
-#: Bucket options tried for a strategy whose buckets are chosen on an accelerator: the
-#: default 25 MB threshold, and 4 MB (about one large layer per bucket).
-BUCKET_CANDIDATES: tuple[Any, ...] = (None, 4_000_000)
+#: Bucket options tried per platform for a strategy whose buckets are chosen on an
+#: accelerator: the default 25 MB threshold and, on TPU, 4 MB (about one large layer per
+#: bucket). On GPU smaller buckets were always estimated slower (docs/accelerators.md).
+BUCKET_CANDIDATES: dict[str, tuple[Any, ...]] = {"gpu": (None,), "tpu": (None, 4_000_000)}
 
-#: Forms tried per platform besides the engine's defaults (``None``), for every bucket
-#: operation at once: on GPU, XLA's estimator prices one large collective far below several
-#: small ones, so packed buckets can win where collectives start together (``approx``); on
-#: TPU only per-tensor collectives overlap at all, so nothing else is tried.
-FORM_CANDIDATES: dict[str, tuple[str | None, ...]] = {"gpu": (None, "packed"), "tpu": (None,)}
+#: Variants tried per platform besides the engine's own choices (``None``): ``"packed"``
+#: sends every bucket operation as one packed buffer (XLA:GPU's estimator prices one large
+#: collective far below several small ones); ``"xla defaults"`` compiles the rewritten
+#: program with XLA's default options, whose combiner regroups the collectives (on GPU this
+#: was the best for some models and the worst for others). On TPU only per-tensor
+#: collectives with the async options overlap at all, so nothing else is tried.
+VARIANTS: dict[str, tuple[str | None, ...]] = {"gpu": (None, "packed", "xla defaults"),
+                                                "tpu": (None,)}
+
+
+def _platform(platform: str) -> str:
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
 def candidates_for(strategy: Any, platform: str, buckets: Any) -> list[tuple[Any, Any]]:
     """(strategy, buckets) pairs to compile: ``strategy`` as given and, for a plain
-    collective, with each alternative form of :data:`FORM_CANDIDATES`; each bucket option of
+    collective, each variant of :data:`VARIANTS`; each bucket option of
     :data:`BUCKET_CANDIDATES` when ``buckets`` is None or ``"auto"``, else ``buckets``."""
     from jaxsched.collectives.base import OPERATIONS, Collective
 
+    platform = _platform(platform)
     if not strategy.accepts_collective:
         return [(strategy, None)]
-    options = BUCKET_CANDIDATES if buckets is None or buckets == "auto" else (buckets,)
-    platform = "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+    options = (BUCKET_CANDIDATES.get(platform, (None,)) if buckets is None or buckets == "auto"
+               else (buckets,))
     variants = [strategy]
     if type(strategy.collective) is Collective and not strategy.collective.forms:
-        for form in FORM_CANDIDATES.get(platform, (None,)):
-            if form is not None:
-                variant = copy.copy(strategy)  # same options, another collective
-                variant.collective = Collective(forms={op: form for op in OPERATIONS})
-                variants.append(variant)
+        for name in VARIANTS.get(platform, (None,)):
+            if name is None:
+                continue
+            variant = copy.copy(strategy)  # same options
+            if name == "packed":
+                variant.collective = Collective(forms={op: "packed" for op in OPERATIONS})
+            else:
+                variant.compiler_defaults = True
+            variants.append(variant)
     return [(v, b) for v in variants for b in options]
 
 
@@ -94,7 +107,9 @@ def choose_by_compiling(captured: Any, candidates: Sequence[tuple[Any, Any]], en
         program = build_program(captured, strategy, buckets, engine, dict(plan_options))
         report = program.inspect(strategy.initial_state(params, opt_state), batch)
         forms = sorted(set(strategy.collective.forms.values()))
-        labels.append(f"{strategy.name}, buckets={buckets}" + "".join(f", {f}" for f in forms))
+        labels.append(f"{strategy.name}, buckets={buckets}" + "".join(f", {f}" for f in forms)
+                      + (", xla defaults" if strategy.compiler_defaults and strategy.name != "allreduce"
+                         else ""))
         steps.append(report.step_s)
         exposed.append(report.exposed_comm_s)
     ranked = [s if s is not None else math.inf for s in steps]
