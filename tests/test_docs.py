@@ -31,7 +31,7 @@ WITHOUT_EXAMPLES = {"jaxsched.cli", "jaxsched.collectives", "jaxsched.engine", "
                     "jaxsched.rewrite.backward", "jaxsched.rewrite.rules", "jaxsched.sim",
                     "jaxsched.strategies", "jaxsched.plan._common", "jaxsched.cli.simulate",
                     "jaxsched.cli.train", "jaxsched.cli.cluster", "jaxsched.cli.options",
-                    "jaxsched.cli.verify"}
+                    "jaxsched.cli.verify", "jaxsched.cli.inspect"}
 
 
 def _readme_python_blocks() -> list[str]:

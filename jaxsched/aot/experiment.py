@@ -5,10 +5,11 @@ with ``jax.ShapeDtypeStruct`` parameters, optimizer state and batch.
 Why abstract: a 170M-parameter Transformer on 64 H100s is compiled here, on a CPU
 machine, without materializing a single array (``nnx.eval_shape`` builds the model).
 
-Example (needs the ``aot`` extra):
-    >>> exp = abstract_experiment(ZOO["mlp"], target="h100:1x2x4")        # doctest: +SKIP
-    >>> sched = jaxsched.schedule(exp.step, strategy="wfbp")                # doctest: +SKIP
-    >>> print(sched.inspect(sched.init(exp.params, exp.opt_state), exp.batch).table())  # doctest: +SKIP
+Example (any mesh works; ``target="h100:1x2x4"`` needs the ``aot`` extra):
+    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> exp = abstract_experiment(ModelSpec("mlp", (8,), 2, {"hidden": (4,)}), mesh=mesh)
+    >>> exp.num_params, type(exp.params["head"]["bias"]).__name__, exp.batch[0].shape
+    (46, 'ShapeDtypeStruct', (64, 8))
 """
 from __future__ import annotations
 
