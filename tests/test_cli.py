@@ -72,7 +72,7 @@ def test_every_subcommand_module_registers_through_one_function():
         for command, sub_parser in sub.choices.items():
             assert callable(sub_parser.get_default("run")), (name, command)
     assert set(cli.build_parser()._subparsers._group_actions[0].choices) == {
-        "train", "demo", "verify", "simulate", "profile", "cluster", "launch", "bench"}
+        "train", "demo", "verify", "simulate", "profile", "cluster", "launch", "bench", "inspect"}
 
 
 def test_sim_and_plan_do_not_import_the_cli():
