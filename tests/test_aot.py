@@ -78,7 +78,9 @@ def test_a_missing_toolchain_names_the_extra(monkeypatch):
 
 
 @needs_gpu
-@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "dear", "approx"])
+@pytest.mark.parametrize("strategy", ["wfbp", "approx",
+                                      pytest.param("allreduce", marks=pytest.mark.slow),
+                                      pytest.param("dear", marks=pytest.mark.slow)])
 def test_init_and_lower_are_abstract_on_compile_only_devices(strategy):
     exp = _experiment("h100:1x2x4")
     sched = jaxsched.schedule(exp.step, strategy=strategy)
@@ -189,8 +191,10 @@ def test_two_slices_compile_and_report_cross_slice_traffic():
 
 
 # -- the new collective forms are exact on CPU --------------------------------------------
-@pytest.mark.parametrize("strategy,form", [("wfbp", "per_tensor"), ("wfbp", "packed"),
-                                           ("dear", "per_tensor"), ("approx", "packed")])
+@pytest.mark.parametrize("strategy,form", [
+    ("wfbp", "per_tensor"), ("dear", "per_tensor"),
+    pytest.param("wfbp", "packed", marks=pytest.mark.slow),
+    pytest.param("approx", "packed", marks=pytest.mark.slow)])
 def test_collective_forms_give_the_plain_steps_numbers(strategy, form):
     from equivalence import run_both
 
