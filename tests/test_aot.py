@@ -173,12 +173,15 @@ def test_wfbp_per_tensor_all_reduces_are_async_collective_fusions_on_tpu():
 
 @needs_tpu
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["dear", "approx"])
-def test_dear_and_approx_collectives_are_async_on_tpu(strategy):
+@pytest.mark.parametrize("strategy,at_least", [("dear", 3), ("approx", 1)])
+def test_dear_and_approx_collectives_are_async_on_tpu(strategy, at_least):
+    """dear: the reduce-scatters (XLA:TPU turns them into all-reduces on 3-D v5p slices) and
+    a deferred all-gather overlap compute; approx: XLA:TPU keeps only the first of the
+    reductions issued at the top of the step async (docs/accelerators.md)."""
     exp = _experiment("v5p:2x2x2")
     report = _inspect(exp, strategy, buckets=_per_layer(exp)).report
     big = [w for w in report.collectives if w.bytes >= WIDTH * WIDTH * 4 // 8]
-    assert sum(1 for w in big if w.is_async and w.compute_ops > 0) >= 2, report.collectives
+    assert sum(1 for w in big if w.is_async and w.compute_ops > 0) >= at_least, report.collectives
 
 
 @needs_tpu
