@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from jaxsched.cli.options import name_list, output_dir, output_path, positive_float, positive_int
+
 WIDTH, DEPTH = 2048, 2  # the issue's set-up; --depth 8 --width 1024 sends the same bytes
 RESULTS_DIR = Path("benchmarks/results")
 
@@ -244,7 +246,7 @@ def _worker(args: argparse.Namespace) -> int:
                   "step_s_all": times, "median_s": med, "losses": losses, "timelines": timelines,
                   "missing": missing,
                   "layers": {"width": width, "depth": depth, "params": int(sum(np.size(l) for l in jax.tree.leaves(params)))}}
-        Path(args.out).write_text(json.dumps(report))
+        Path(args.raw_out).write_text(json.dumps(report))
     return 0
 
 
@@ -359,14 +361,14 @@ def run(args: argparse.Namespace) -> int:
     from jaxsched import cluster as cluster_lib
     from jaxsched import launch as launch_lib
 
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    strategies = list(args.strategies)
     if args.compression:  # every strategy that can carry it, compressed, beside the dense ones
         parse_compression(args.compression)
         strategies += [f"{s}+{args.compression}" for s in strategies if s in ("wfbp", "dear")]
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = Path(tmp) / "raw.json"
-        worker = [sys.executable, "-m", "jaxsched.bench", "--worker", "--out", str(raw_path),
-                  "--steps", str(args.steps), "--strategies", ",".join(strategies),
+        worker = [sys.executable, "-m", "jaxsched.bench", "--worker", "--raw-out", str(raw_path),
+                  "--steps", str(args.steps), "--worker-strategies", ",".join(strategies),
                   "--depth", str(args.depth), "--width", str(args.width)]
         if args.batch:
             worker += ["--batch", str(args.batch)]
@@ -397,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
-    results_dir = Path(args.results_dir)
+    results_dir = RESULTS_DIR if args.save else Path(args.out)
     results_dir.mkdir(parents=True, exist_ok=True)
     with open(results_dir / "overlap.jsonl", "a") as f:
         f.write(json.dumps(result) + "\n")
@@ -439,25 +441,53 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _strategy_names() -> tuple[str, ...]:
+    from jaxsched.strategies import strategy_names
+
+    return strategy_names()
+
+
+def _compression_option(text: str) -> str:
+    try:
+        parse_compression(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _hosts(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value} hosts: a benchmark of communication needs at least 2")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hosts", type=int, default=2, help="processes, one per emulated host")
+    """``jaxsched bench``'s options; every value is checked while parsing, before any work."""
+    parser.add_argument("--hosts", type=_hosts, default=2, help="processes, one per emulated host")
     parser.add_argument("--bandwidth", default="1gbit", help="per-link limit, e.g. 1gbit, 500mbit")
-    parser.add_argument("--strategies", default="allreduce,wfbp,dear,approx",
-                        help="comma-separated; unknown ones are reported as missing")
-    parser.add_argument("--steps", type=int, default=20, help="measured steps per variant")
-    parser.add_argument("--compression", help="also run wfbp/dear with this compressor "
+    parser.add_argument("--strategies", type=name_list(_strategy_names), default="allreduce,wfbp,dear,approx",
+                        help="comma-separated registered strategies")
+    parser.add_argument("--steps", type=positive_int, default=20, help="measured steps per variant")
+    parser.add_argument("--compression", type=_compression_option,
+                        help="also run wfbp/dear with this compressor "
                         "(topk:DENSITY, gtopk:DENSITY, powersgd:RANK, bf16), same session")
-    parser.add_argument("--batch", type=int, help="per-process batch (default: calibrated)")
-    parser.add_argument("--depth", type=int, default=DEPTH, help="layers of the tanh MLP")
-    parser.add_argument("--width", type=int, default=WIDTH, help="width of every layer")
-    parser.add_argument("--buckets", type=int, help="bucket byte threshold (default: one per layer)")
-    parser.add_argument("--json", help="write the report here")
-    parser.add_argument("--png", help="Gantt chart path (default benchmarks/results/overlap_gantt.png)")
-    parser.add_argument("--results-dir", default=str(RESULTS_DIR), help="where the result row is appended")
+    parser.add_argument("--batch", type=positive_int, help="per-process batch (default: calibrated)")
+    parser.add_argument("--depth", type=positive_int, default=DEPTH, help="layers of the tanh MLP")
+    parser.add_argument("--width", type=positive_int, default=WIDTH, help="width of every layer")
+    parser.add_argument("--buckets", type=positive_int, help="bucket byte threshold (default: one per layer)")
+    parser.add_argument("--out", type=output_dir, default="runs/bench",
+                        help="folder for the report row (overlap.jsonl) and the Gantt chart")
+    parser.add_argument("--save", action="store_true",
+                        help=f"write the row and the chart into {RESULTS_DIR}/ (the committed "
+                             "results the docs cite) instead of --out")
+    parser.add_argument("--json", type=output_path, help="also write the report here")
+    parser.add_argument("--png", type=output_path, help="Gantt chart path (default: overlap_gantt.png "
+                        "in --out, or in the results folder with --save)")
     parser.add_argument("--prefix", default="jxsb", help="namespace prefix of the emulated cluster")
     parser.add_argument("--no-cluster", action="store_true", help="loopback only (no root needed)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin each process to one core")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds for the whole run")
+    parser.add_argument("--timeout", type=positive_float, default=900, help="seconds for the whole run")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -465,11 +495,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(parser)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--raw-out", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-strategies", help=argparse.SUPPRESS)  # with "+compressor" variants
     parser.add_argument("--pin", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        args.strategies = [s for s in args.strategies.split(",") if s]
+        args.strategies = [s for s in args.worker_strategies.split(",") if s]
         # one bucket per layer: each layer's reduction overlaps the backward of those below
         args.buckets = args.buckets or [[f"layer{i}"] for i in reversed(range(args.depth))]
         return _worker(args)

@@ -487,11 +487,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-devices", type=int,
                         help="local CPU devices per process (sets JAXSCHED_CPU_DEVICES)")
     parser.add_argument("--heartbeat-timeout", type=int, default=LAUNCH_HEARTBEAT_TIMEOUT_S,
-                        help="seconds until jax.distributed declares a silent process dead "
-                             f"(default {LAUNCH_HEARTBEAT_TIMEOUT_S})")
+                        help="seconds until jax.distributed declares a silent process dead")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
-                        help="seconds between SIGTERM and SIGKILL when stopping processes "
-                             f"(default {DEFAULT_GRACE_S:g})")
+                        help="seconds between SIGTERM and SIGKILL when stopping processes")
     parser.add_argument("--timeout", type=float, help="stop everything after this many seconds")
     parser.add_argument("--no-prefix", action="store_true", help="do not prefix output with [rank]")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",

@@ -33,10 +33,26 @@ def build_parser() -> argparse.ArgumentParser:
     """The whole command line, every subcommand registered."""
     parser = argparse.ArgumentParser(
         prog="jaxsched", description="Scheduled gradient communication for data-parallel JAX training.")
+    parser.add_argument("--version", action="version", version=_version())
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
     return parser
+
+
+def _version() -> str:
+    """``jaxsched X (jax Y, jaxlib Z)``, without importing JAX."""
+    from importlib import metadata
+
+    from jaxsched import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"jaxsched {__version__} (jax {installed('jax')}, jaxlib {installed('jaxlib')})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

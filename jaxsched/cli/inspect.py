@@ -29,8 +29,15 @@ def _target(text: str) -> str:
     return text
 
 
+def _zoo_model(text: str) -> str:
+    from jaxsched.aot.experiment import ZOO  # imported only when the option is given
+
+    if text not in ZOO:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a zoo model; choose from {', '.join(ZOO)}")
+    return text
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from jaxsched.aot.experiment import ZOO
     from jaxsched.cli.train import _strategy_names
 
     parser = add_command(subparsers, "inspect", "compile strategies for a GPU/TPU cluster and report "
@@ -38,8 +45,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          __doc__.split("\n\n", 1)[1])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", type=existing_file, help="TOML file, e.g. configs/tiny_lm.toml")
-    source.add_argument("--model", choices=sorted(ZOO), help="a zoo model at a realistic size "
-                        "(jaxsched.aot.experiment.ZOO)")
+    source.add_argument("--model", type=_zoo_model, help="a zoo model at a realistic size: mlp, "
+                        "cnn or transformer (jaxsched.aot.experiment.ZOO)")
     parser.add_argument("--target", type=_target, default="h100:1x2x4",
                         help="TARGET:TOPOLOGY[:slices=N]: h100:1x2x4 (slices x hosts x GPUs), "
                              "v5p:2x2x2:slices=2")

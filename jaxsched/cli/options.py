@@ -105,6 +105,13 @@ def output_path(text: str) -> str:
     return text
 
 
+def output_dir(text: str) -> str:
+    """A folder to write into (created when written); an existing file is refused."""
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
+    return text
+
+
 def prepare_output(path: str | Path | None) -> Path | None:
     """Create the folders above ``path`` so that writing it cannot fail for want of them."""
     if path is None:

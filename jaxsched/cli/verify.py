@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxsched.cli.options import add_command, request_cpu_devices
+from jaxsched.cli.options import add_command, positive_float, positive_int, request_cpu_devices
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,8 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", required=True, help="TOML file, e.g. configs/cnn_digits.toml")
     parser.add_argument("--strategies", type=name_list(_strategy_names),
                         help="comma-separated (default: the config's, without allreduce)")
-    parser.add_argument("--steps", type=int, help="steps to compare (default: the config's)")
-    parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance floor")
+    parser.add_argument("--steps", type=positive_int, help="steps to compare (default: the config's)")
+    parser.add_argument("--rtol", type=positive_float, default=1e-5, help="relative tolerance floor")
     parser.set_defaults(run=run)
 
 
