@@ -119,17 +119,25 @@ class Scheduled:
                                                program.planned.mesh, label=inspect_lib.PLAIN_LABEL)
         return inspect_lib.Inspection(report, plain)
 
+    def fresh(self) -> "Scheduled":
+        """A new schedule of the same step with the same options and no traced programs
+        (``verify`` traces the step again in float64 with it)."""
+        return Scheduled(self.step, self.strategy, self.buckets_option, engine=self.engine,
+                         **self.plan_options)
+
     def verify(self, state: NamedTuple, batches: Any, steps: int = 10, rtol: float = 1e-5,
-               baseline_factor: float = 100.0):
+               baseline_factor: float = 100.0, precision: str = "float64"):
         """Run the plain step and this scheduled step side by side on ``batches``.
 
         Returns a :class:`jaxsched.verify.VerifyReport`: per leaf the largest relative
         difference, the rounding baseline it is judged against, and the first step at
-        which a leaf left the tolerance (``print(report)`` shows a table).
+        which a leaf left the tolerance (``print(report)`` shows a table). By default every
+        run is made in float64, where rounding cannot pass for a defect
+        (:mod:`jaxsched.verify`); ``precision="float32"`` compares the step as it trains.
         """
         from jaxsched.verify import verify
 
-        return verify(self, state, batches, steps, rtol, baseline_factor)
+        return verify(self, state, batches, steps, rtol, baseline_factor, precision)
 
     @property
     def program(self) -> Program:

@@ -28,11 +28,28 @@ class SlightlyWrong(UserLayoutStrategy):
         return replay.eval_inline(body, [], values, run=run), collective_state
 
 
-def _setup(strategy, n=6):
+class OffByOneIn10000(SlightlyWrong):
+    """With SGD, a gradient 1e-4 too large is a learning rate off by 1e-4 relative."""
+
+    name = "toy_off_by_1e-4"
+    factor = 1.0001
+
+    def per_device(self, planned, values, collective_state):
+        body = planned.captured.body
+        reducing = {id(body.eqns[r.eqn_index]) for r in planned.analysis.reductions}
+
+        def run(eqn, operands):
+            out = replay.bind(eqn, operands)
+            return [o * self.factor for o in out] if id(eqn) in reducing else out
+
+        return replay.eval_inline(body, [], values, run=run), collective_state
+
+
+def _setup(strategy, n=6, tx=None, **options):
     params, apply_fn = build("mlp", 0)
-    tx = optax.adam(1e-2)
+    tx = tx or optax.adam(1e-2)
     mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
-    sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy=strategy)
+    sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy=strategy, **options)
     batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", n, 8, 4)]
     return sched, sched.init(params, tx.init(params)), batches
 
@@ -66,3 +83,36 @@ def test_verify_rejects_too_few_batches():
     sched, state, batches = _setup("wfbp", n=2)
     with pytest.raises(ValueError, match="needs 5 batches, got 2"):
         sched.verify(state, batches, steps=5)
+
+
+def test_verify_compares_in_float64_and_says_so():
+    sched, state, batches = _setup("dear")
+    report = sched.verify(state, batches, steps=6)
+    assert report.precision == "float64" and "all runs in float64" in str(report)
+    # float64 rounding: the nudged baseline and the reordered sums stay near 1e-16..1e-12
+    assert 0 < max(report.baseline_gap.values()) < 1e-10
+    assert max(report.leaf_gap.values()) < 1e-10
+    assert sched.verify(state, batches, steps=6, precision="float32").precision == "float32"
+
+
+def test_verify_fails_a_learning_rate_off_by_1e_4():
+    register_strategy(OffByOneIn10000)
+    try:
+        sched, state, batches = _setup("toy_off_by_1e-4", n=20, tx=optax.sgd(0.1))
+        report = sched.verify(state, batches, steps=20)
+    finally:
+        unregister_strategy("toy_off_by_1e-4")
+    assert not report.ok, str(report)
+    assert "a leaf left the tolerance" in str(report)
+
+
+def test_verify_fails_gradients_sent_in_bfloat16():
+    sched, state, batches = _setup("wfbp", n=5, compression=jaxsched.compress.Cast("bfloat16"))
+    report = sched.verify(state, batches, steps=5)
+    assert not report.ok and report.first_divergent_step == 1, str(report)
+
+
+def test_verify_rejects_an_unknown_precision():
+    sched, state, batches = _setup("wfbp", n=1)
+    with pytest.raises(ValueError, match="precision='float16'; choose from float64, float32"):
+        sched.verify(state, batches, steps=1, precision="float16")
