@@ -131,7 +131,7 @@ def experiment(cfg: Config) -> Experiment:
 
 
 def verify_config(cfg: Config, strategies: Sequence[str] | None = None, steps: int | None = None,
-                  rtol: float = 1e-5) -> list:
+                  rtol: float = 1e-5, precision: str = "float64") -> list:
     """``Scheduled.verify`` of every strategy (but the identity) on ``cfg``'s own step and data."""
     from jaxsched.schedule import Scheduled
 
@@ -141,7 +141,8 @@ def verify_config(cfg: Config, strategies: Sequence[str] | None = None, steps: i
     for strategy in strategies or [s for s in cfg.train.strategies if s != "allreduce"]:
         sched = Scheduled(exp.make_step(), strategy=strategy)
         batches = (exp.place(b) for b in exp.batches())
-        reports.append(sched.verify(sched.init(exp.params, exp.opt_state), batches, steps=steps, rtol=rtol))
+        reports.append(sched.verify(sched.init(exp.params, exp.opt_state), batches, steps=steps,
+                                    rtol=rtol, precision=precision))
     return reports
 
 

@@ -15,9 +15,15 @@ baseline would pass anything. By default all three runs are therefore made in **
 reordered sum differs by about 1e-16 and chaos needs far more steps to bring that to 1e-5,
 while a real defect (gradients sent in bfloat16, a learning rate off by 1e-4 relative)
 shows at once. A step that cannot run in float64 is compared in float32, with a warning
-that says why. The report gives, per leaf, the largest relative difference between the
-scheduled and the plain run, the same for the baseline, and the first step at which the
-largest gap over all leaves exceeded ``max(rtol, baseline_factor * baseline)``.
+that says why.
+
+Some training is chaotic even in float64 (the digits CNN at learning rate 0.05: a nudge of
+8 float64 roundings grows to O(1) within 300 steps). So the per-step test, the largest gap
+over all leaves against ``max(rtol, baseline_factor * baseline)``, is applied only while
+the baseline is within ``rtol``; after that, the run fails only if the scheduled gap left
+``rtol`` clearly before the baseline did (before half its step): a defect leaves early, a
+reordered sum leaves with the baseline. The report gives, per leaf, the largest relative
+difference between the scheduled and the plain run and the same for the baseline.
 
 Example:
     >>> import jax, optax
@@ -56,9 +62,15 @@ class VerifyReport:
         relative difference between scheduled and plain over all steps.
       baseline_gap: the same between the nudged plain run and the plain run.
       step_gap, step_baseline: per step, the largest gap over all leaves.
-      first_divergent_step: the first step (1-based) at which a leaf left the tolerance,
-        or None.
+      first_divergent_step: the step (1-based) the verdict fails at, or None: the first
+        step, while the baseline is still within ``rtol``, at which a leaf left the
+        tolerance; or, once chaos has taken the baseline past ``rtol``, the step at which
+        the scheduled run left ``rtol`` if that was clearly earlier (before half the
+        baseline's step).
       worst_leaf: the leaf with the largest gap.
+      precision: what every run was computed in (``float64`` unless the step cannot).
+      scheduled_left_rtol, baseline_left_rtol: the first step at which the largest gap
+        of the scheduled run (of the baseline) exceeded ``rtol``, or None.
     """
 
     strategy: str
@@ -72,15 +84,27 @@ class VerifyReport:
     first_divergent_step: int | None
     worst_leaf: str
     precision: str = "float32"
+    scheduled_left_rtol: int | None = None
+    baseline_left_rtol: int | None = None
 
     @property
     def ok(self) -> bool:
         return self.first_divergent_step is None
 
     def __str__(self) -> str:
-        verdict = (f"agree for all {self.steps} steps" if self.ok else
-                   f"agree up to step {self.first_divergent_step - 1}; at step "
-                   f"{self.first_divergent_step} a leaf left the tolerance")
+        chaos = self.baseline_left_rtol
+        if not self.ok:
+            verdict = (f"agree up to step {self.first_divergent_step - 1}; at step "
+                       f"{self.first_divergent_step} a leaf left the tolerance"
+                       + (f" (the rounding baseline left rtol only at step {chaos}: chaos cannot "
+                          "explain it)" if chaos is not None else ""))
+        elif chaos is None:
+            verdict = f"agree for all {self.steps} steps"
+        else:
+            verdict = (f"agree for steps 1-{chaos}, while the rounding baseline stays within rtol; "
+                       f"then training's chaos takes the baseline past rtol (step {chaos}) and the "
+                       f"scheduled run " + (f"at step {self.scheduled_left_rtol}, not clearly earlier"
+                                            if self.scheduled_left_rtol else "stays within it"))
         lines = [f"jaxsched verify ({self.strategy}, {self.steps} steps, all runs in {self.precision}): "
                  f"scheduled and plain {verdict} (per step, the largest relative difference over "
                  f"every leaf against max(rtol {self.rtol:g}, {self.baseline_factor:g} x the same "
@@ -178,6 +202,7 @@ def _compare(scheduled: Any, params: Any, opt_state: Any, batches: list, rtol: f
     leaf_gap: dict[str, float] = {}
     baseline_gap: dict[str, float] = {}
     step_gap, step_baseline, first = [], [], None
+    sched_left = base_left = None
     for t, batch in enumerate(batches, start=1):
         *plain, plain_aux = step(*plain, batch)
         *nudged, nudged_aux = step(*nudged, batch)
@@ -198,9 +223,14 @@ def _compare(scheduled: Any, params: Any, opt_state: Any, batches: list, rtol: f
             worst, worst_base = max(worst, gap), max(worst_base, bgap)
         step_gap.append(worst)
         step_baseline.append(worst_base)
-        # Judged per step over all leaves: which leaf a rounding reaches first is chance.
-        if first is None and worst > max(rtol, baseline_factor * worst_base):
+        sched_left = sched_left or (t if worst > rtol else None)
+        # Judged per step over all leaves (which leaf a rounding reaches first is chance),
+        # while the baseline is within rtol: past it, chaos says nothing about the transform.
+        if first is None and base_left is None and worst > max(rtol, baseline_factor * worst_base):
             first = t
+        base_left = base_left or (t if worst_base > rtol else None)
+    if first is None and sched_left is not None and base_left is not None and sched_left < base_left / 2:
+        first = sched_left  # the scheduled run left rtol clearly before rounding could take it there
     worst_leaf = max(leaf_gap, key=leaf_gap.get) if leaf_gap else ""
     return VerifyReport(scheduled.strategy.name, steps, rtol, baseline_factor, leaf_gap, baseline_gap,
-                        step_gap, step_baseline, first, worst_leaf, precision)
+                        step_gap, step_baseline, first, worst_leaf, precision, sched_left, base_left)

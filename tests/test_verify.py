@@ -116,3 +116,21 @@ def test_verify_rejects_an_unknown_precision():
     sched, state, batches = _setup("wfbp", n=1)
     with pytest.raises(ValueError, match="precision='float16'; choose from float64, float32"):
         sched.verify(state, batches, steps=1, precision="float16")
+
+
+@pytest.mark.slow
+def test_verify_on_the_chaotic_cnn_digits_config_passes_dear_and_fails_bfloat16():
+    """The digits CNN (momentum 0.05, global-norm clipping) is chaotic even in float64: the
+    rounding baseline leaves rtol within 300 steps. dear leaves it with the baseline and
+    passes; gradients sent in bfloat16 leave it at once and fail."""
+    from jaxsched import config, trainer
+
+    cfg = config.load("configs/cnn_digits.toml")
+    (dear,) = trainer.verify_config(cfg, ["dear"], steps=300)
+    assert dear.ok and dear.precision == "float64", str(dear)
+    exp = trainer.experiment(cfg)
+    sched = jaxsched.schedule(exp.make_step(), strategy="wfbp",
+                              compression=jaxsched.compress.Cast("bfloat16"))
+    batches = (exp.place(b) for b in exp.batches())
+    bf16 = sched.verify(sched.init(exp.params, exp.opt_state), batches, steps=20)
+    assert not bf16.ok and bf16.first_divergent_step <= 2, str(bf16)

@@ -25,6 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="comma-separated (default: the config's, without allreduce)")
     parser.add_argument("--steps", type=positive_int, help="steps to compare (default: the config's)")
     parser.add_argument("--rtol", type=positive_float, default=1e-5, help="relative tolerance floor")
+    parser.add_argument("--precision", choices=("float64", "float32"), default="float64",
+                        help="what every run is compared in (float64: rounding cannot pass for a defect)")
     parser.set_defaults(run=run)
 
 
@@ -35,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     request_cpu_devices(cfg.train.devices)
     from jaxsched import trainer
 
-    reports = trainer.verify_config(cfg, args.strategies, args.steps, args.rtol)
+    reports = trainer.verify_config(cfg, args.strategies, args.steps, args.rtol, args.precision)
     for report in reports:
         print(report)
     return 0 if all(r.ok for r in reports) else 1
