@@ -32,11 +32,11 @@ class Counter(nnx.Variable):
 class BNNet(nnx.Module):
     """Dense, BatchNorm (statistics averaged over the data axis), dropout, a call counter."""
 
-    def __init__(self, rngs: nnx.Rngs):
-        self.l1 = nnx.Linear(12, 16, rngs=rngs)
-        self.bn = nnx.BatchNorm(16, axis_name="data", rngs=rngs)
+    def __init__(self, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.l1 = nnx.Linear(12, 16, rngs=rngs, dtype=dtype, param_dtype=dtype)
+        self.bn = nnx.BatchNorm(16, axis_name="data", rngs=rngs, dtype=dtype, param_dtype=dtype)
         self.drop = nnx.Dropout(0.3, rngs=rngs)
-        self.l2 = nnx.Linear(16, 4, rngs=rngs)
+        self.l2 = nnx.Linear(16, 4, rngs=rngs, dtype=dtype, param_dtype=dtype)
         self.calls = Counter(jnp.zeros((), jnp.int32))
 
     def __call__(self, x):
@@ -93,15 +93,17 @@ def zoo_objects(name: str, seed: int = 0, tx: optax.GradientTransformation | Non
     return model, nnx.Optimizer(model, tx or optax.adam(1e-2), wrt=nnx.Param)
 
 
-def bn_objects(seed: int = 0):
-    model = BNNet(nnx.Rngs(seed, dropout=seed + 1))
+def bn_objects(seed: int = 0, dtype=jnp.float32):
+    model = BNNet(nnx.Rngs(seed, dropout=seed + 1), dtype)
+    for stat in (model.bn.mean, model.bn.var):  # flax keeps BatchNorm statistics in float32
+        stat.set_value(stat.get_value().astype(dtype))
     return model, nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param)
 
 
-def bn_batches(n: int, seed: int):
+def bn_batches(n: int, seed: int, dtype=np.float32):
     rng = np.random.default_rng(seed)
     for _ in range(n):
-        yield (rng.standard_normal((2 * DEVICES, 12)).astype(np.float32),
+        yield (rng.standard_normal((2 * DEVICES, 12)).astype(dtype),
                rng.integers(0, 4, 2 * DEVICES).astype(np.int32))
 
 
@@ -164,6 +166,13 @@ def test_zoo_models_match_the_unscheduled_nnx_step_with_wfbp(name):
 
 
 def _bn_case(style, strategy):
+    """Compared in float64: in float32 the BatchNorm net's trajectories drift apart by
+    reordered sums alone, to 5e-6..4e-5 relative after 20 steps depending on the CPU."""
+    with jax.enable_x64(True):
+        _bn_case_x64(style, strategy)
+
+
+def _bn_case_x64(style, strategy):
     devices = jax.devices()[:DEVICES]
     mesh = jax.make_mesh((DEVICES,), ("data",), devices=devices)
     if style == "nnx_pmap":
@@ -171,8 +180,9 @@ def _bn_case(style, strategy):
     else:
         builder = nnx_shard_map_step if style == "nnx_shard_map" else jax_shard_map_step
         make_step, place = (lambda: builder(mesh)), (lambda b: steps.shard_batch(b, mesh))
-    batches = [place(b) for b in bn_batches(STEPS, seed=5)]
-    plain, _ = run_pair(bn_objects, make_step, batches, strategy)
+    batches = [place(b) for b in bn_batches(STEPS, seed=5, dtype=np.float64)]
+    plain, _ = run_pair(lambda: bn_objects(dtype=jnp.float64), make_step, batches, strategy)
+    assert plain[(0, "l1", "kernel")].dtype == np.float64
     # the non-parameter state really moved: counters, RNG stream and BatchNorm statistics
     assert plain[(0, "calls")] == STEPS and plain[(0, "drop", "rngs", "count")] == STEPS
     assert np.any(plain[(0, "bn", "mean")] != 0)
