@@ -9,6 +9,7 @@ work starts: a bad value ends the program with exit status 2 and one line naming
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -27,6 +28,10 @@ from jaxsched.cli.options import HelpFormatter, positive_int
 EXIT_INTERRUPTED = 130  # what a shell reports for a program stopped by Ctrl-C (128 + SIGINT)
 COMPRESSIONS = "none, topk:DENSITY, gtopk:DENSITY, powersgd:RANK, bf16"
 
+
+
+#: the final loss and train accuracy of a summary are averages over this many last steps
+RECENT_STEPS = 10
 
 def parser(description: str, default_config: str | None, default_out: str
            ) -> argparse.ArgumentParser:
@@ -283,6 +288,7 @@ class Run:
         self.start = 0
         self.step_seconds: list[float] = []
         self.last_row: dict[str, float] = {}
+        self.recent_rows: collections.deque = collections.deque(maxlen=RECENT_STEPS)
         self.interrupted = self.stop_requested = False
         self._previous_handlers: dict[int, Any] = {}
         self._started = time.perf_counter()
@@ -319,6 +325,7 @@ class Run:
         latest = self.checkpoints.latest_step() if self.opts.args.resume else None
         rows = [r for r in _read_jsonl(self.metrics_path) if r["step"] < (latest or 0)]
         self.last_row = rows[-1] if rows else {}
+        self.recent_rows.extend(rows[-RECENT_STEPS:])
         if self.primary:  # metrics of steps after the checkpoint are run again: drop them
             with open(self.metrics_path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -355,6 +362,7 @@ class Run:
         row = {"step": step, **metrics,
                "step_s": seconds, f"{self.unit}_per_s": rate}
         self.last_row = row
+        self.recent_rows.append(row)
         if self.primary:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -377,6 +385,12 @@ class Run:
             launch.exit_now(EXIT_INTERRUPTED)  # skip jax.distributed's shutdown barrier
         return EXIT_INTERRUPTED
 
+    def recent_mean(self, key: str) -> float | None:
+        """The average of ``key`` over the last :data:`RECENT_STEPS` steps: what the
+        summary reports as the final loss and train accuracy, as ``jaxsched train`` does."""
+        values = [r[key] for r in self.recent_rows if key in r]
+        return float(np.mean(values)) if values else None
+
     def finish(self, sched: Any, **results: Any) -> int:
         """Write ``summary.json`` and ``loss.png``, print the summary; exit status 0.
         ``sched`` says which engine ``--engine`` resolved to and how many buckets it sends."""
@@ -390,7 +404,7 @@ class Run:
             "buckets_used": len(sched.program.planned.buckets),
             "processes": self.opts.processes, "batch_size": self.opts.batch_size,
             "seed": self.opts.seed, "steps": self.opts.steps, "resumed_from": self.start,
-            "final_loss": self.last_row.get("loss"), "median_step_s": median,
+            "final_loss": self.recent_mean("loss"), "median_step_s": median,
             f"{self.unit}_per_s": self.opts.batch_size * self.per_example / median,
             "wall_s": time.perf_counter() - self._started, **results,
             "checkpoint": str(self.checkpoints.directory / str(self.checkpoints.latest_step())),

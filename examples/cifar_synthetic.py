@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logits = np.concatenate([evaluate(_common.host(params), split.test_x[i:i + 256])
                              for i in range(0, len(split.test_x), 256)])
     test_accuracy = float(np.mean(np.argmax(logits, -1) == split.test_y))
-    return run.finish(sched, train_accuracy=run.last_row.get("accuracy"),
+    return run.finish(sched, train_accuracy=run.recent_mean("accuracy"),
                       test_accuracy=test_accuracy)
 
 

@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     params, _ = sched.finalize(state)  # ordinary trees (dear: the deferred all-gathers)
     logits = jax.jit(apply_fn)(_common.host(params), split.test_x)
     test_accuracy = float(np.mean(np.argmax(logits, -1) == split.test_y))
-    return run.finish(sched, train_accuracy=run.last_row.get("accuracy"),
+    return run.finish(sched, train_accuracy=run.recent_mean("accuracy"),
                       test_accuracy=test_accuracy)
 
 

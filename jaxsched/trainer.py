@@ -44,6 +44,10 @@ class StepRunner(Protocol):
     def finalize(self, state: Any) -> tuple[Any, Any]: ...
 
 
+
+#: final loss and train accuracy are averages over this many last steps (batches)
+FINAL_WINDOW = 10
+
 def default_wrap(step: steps_lib.Step, strategy: str) -> StepRunner:
     """Schedule ``step`` with ``strategy`` through :func:`jaxsched.schedule`."""
     from jaxsched.schedule import STRATEGIES, Scheduled
@@ -191,7 +195,9 @@ def train_side_by_side(cfg: Config, strategies: Sequence[str] | None = None, *,
                 losses[k].append(row["loss"])
                 accuracies[k].append(row.get("accuracy", float("nan")))
                 if log and i % cfg.train.log_every == 0:
-                    log.write(json.dumps({"strategy": strategy, "step": i, **row}) + "\n")
+                    # the first step's time includes compiling
+                    log.write(json.dumps({"strategy": strategy, "step": i, **row,
+                                          "step_s": time.perf_counter() - started}) + "\n")
             bar.set_postfix(loss=f"{losses[0][-1]:.4f}")
     finally:
         if log:
@@ -203,7 +209,7 @@ def train_side_by_side(cfg: Config, strategies: Sequence[str] | None = None, *,
         if cfg.train.api == "pmap":
             final_params, final_opt_state = jax.tree.map(lambda a: a[0], (final_params, final_opt_state))
         logits = evaluate(final_params, jnp.asarray(split.test_x))
-        tail = max(1, min(10, len(losses[k])))
+        tail = max(1, min(FINAL_WINDOW, len(losses[k])))
         median_step_s = float(np.median(step_seconds[k])) if step_seconds[k] else float("nan")
         results.append(RunResult(
             strategy=strategy, steps=cfg.train.steps, median_step_s=median_step_s,
@@ -217,7 +223,8 @@ def train_side_by_side(cfg: Config, strategies: Sequence[str] | None = None, *,
 
 def summary_table(results: list[RunResult]) -> str:
     """A plain-text table of runs, with each loss trajectory's largest gap to the first run."""
-    header = ["strategy", "steps/s", "final loss", "train acc", "test acc", "max |dloss| vs first"]
+    header = ["strategy", "steps/s", f"loss (avg last {FINAL_WINDOW})",
+              f"train acc (avg last {FINAL_WINDOW})", "test acc", "max |dloss| vs first"]
     rows = []
     for r in results:
         gap = max(abs(a - b) for a, b in zip(r.losses, results[0].losses))
