@@ -41,6 +41,10 @@ def test_unknown_strategy_fails_before_training_naming_value_and_choices(no_trai
     (["simulate", "--profile", "no/such/layers.json"], "file 'no/such/layers.json' does not exist"),
     (["profile", "--model", "mlp", "--devices", "many"], "--devices: 'many' is not an integer"),
     (["train", "--config", "configs/mlp_digits.toml", "--strategies", ","], "no names in ','"),
+    (["verify", "--config", "configs/mlp_digits.toml", "--steps", "-1"], "--steps: -1 must be positive"),
+    (["verify", "--config", "configs/mlp_digits.toml", "--precision", "half"], "invalid choice: 'half'"),
+    (["inspect", "--model", "mlp", "--target", "h100"], "TARGET:TOPOLOGY"),
+    (["inspect", "--model", "resnet", "--target", "h100:1x2x4"], "'resnet' is not a zoo model"),
 ])
 def test_bad_options_fail_at_parse_time(argv, message, no_training, capsys):
     assert main(argv) == 2
@@ -58,6 +62,25 @@ def test_help_shows_defaults(command, shown, capsys):
     for text in shown:
         assert text in out, text
     assert "(default: None)" not in out
+
+
+def test_help_shows_each_default_once():
+    """The formatter adds "(default: X)" to every option with a default; its help text must
+    not say it again."""
+    import argparse
+
+    subparsers = cli.build_parser()._subparsers._group_actions[0]
+    for command, parser in subparsers.choices.items():
+        for action in parser._actions:
+            if action.default in (None, False, argparse.SUPPRESS) or not action.help:
+                continue
+            assert "default" not in action.help, (command, action.option_strings, action.help)
+
+
+def test_version_names_jaxsched_and_jax(capsys):
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("jaxsched 0.1.0 (jax 0.10.2, jaxlib 0.10.2)")
 
 
 def test_every_subcommand_module_registers_through_one_function():
