@@ -66,6 +66,16 @@ def run_one(model: str, target: str, strategies, tuned) -> dict:
     return entry
 
 
+def _without_timelines(entry: dict) -> dict:
+    """The compute timeline of every report is drawn in the PNG; the JSON keeps the rest."""
+    def strip(report):
+        return {k: v for k, v in report.items() if k != "compute"} if isinstance(report, dict) else report
+
+    entry = dict(entry, baseline=strip(entry["baseline"]), reference_report=strip(entry.get("reference_report")))
+    entry["strategies"] = {name: strip(r) for name, r in entry["strategies"].items()}
+    return entry
+
+
 def _fmt(x):
     return "-" if x is None else f"{x:.2f}x"
 
@@ -120,10 +130,13 @@ def main() -> int:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--tuned", default=",".join(TUNED), help="strategies also run with buckets='auto' ('' for none)")
     parser.add_argument("--resume", action="store_true", help="skip model/target pairs already in the JSON")
-    parser.add_argument("--update-docs", action="store_true", help="only rewrite the docs' results block")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="only rewrite the docs' results block (and the JSON, without timelines)")
     args = parser.parse_args()
     results = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {}
+    results = {key: _without_timelines(entry) for key, entry in results.items()}
     if args.update_docs:
+        JSON_PATH.write_text(json.dumps(results, indent=1))
         update_docs(results)
         return 0
     import jax
@@ -135,8 +148,8 @@ def main() -> int:
             if args.resume and key in results:
                 continue
             print(f"== {key}", file=sys.stderr)
-            results[key] = run_one(model, target, args.strategies.split(","),
-                                   [t for t in args.tuned.split(",") if t])
+            results[key] = _without_timelines(run_one(model, target, args.strategies.split(","),
+                                                      [t for t in args.tuned.split(",") if t]))
             RESULTS.mkdir(exist_ok=True)
             JSON_PATH.write_text(json.dumps(results, indent=1))
     print(markdown(results))

@@ -379,11 +379,11 @@ def run(args: argparse.Namespace) -> int:
         env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent),
                                               os.environ.get("PYTHONPATH", "")])}
         if args.no_cluster:
-            code = launch_lib.launch(args.hosts, worker, env=env, timeout_s=args.timeout)
+            code = launch_lib.launch(args.hosts, worker, env=env, timeout_s=args.timeout, verbose=False)
         else:
             with cluster_lib.Cluster.up(args.hosts, args.bandwidth, prefix=args.prefix) as cluster:
                 code = launch_lib.launch(args.hosts, worker, cluster=cluster, env=env,
-                                         timeout_s=args.timeout)
+                                         timeout_s=args.timeout, verbose=False)
         if code != 0:
             print(f"jaxsched bench: the benchmark processes failed (exit status {code})", file=sys.stderr)
             return code

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import re
 import shlex
 import signal
 import socket
@@ -304,11 +305,21 @@ def _describe(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-def _pump(stream: IO[bytes], out: IO[str], tag: str, lock: threading.Lock) -> None:
-    """Copy ``stream`` to ``out`` line by line, each line prefixed with ``tag``."""
+#: Lines gloo prints once per connected peer when a process joins ("[Gloo] Rank 0 is
+#: connected to 1 peer ranks. Expected number of connected peer ranks is : 1"): one per
+#: process and collective context, noise unless something is wrong (``--verbose``).
+GLOO_CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+
+
+def _pump(stream: IO[bytes], out: IO[str], tag: str, lock: threading.Lock,
+          drop: re.Pattern | None = None) -> None:
+    """Copy ``stream`` to ``out`` line by line, each line prefixed with ``tag``; lines that
+    ``drop`` matches are left out."""
     try:
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace")
+            if drop is not None and drop.search(line):
+                continue
             if not line.endswith("\n"):
                 line += "\n"
             with lock:
@@ -335,7 +346,7 @@ def launch(hosts: int, command: Sequence[str], *, cluster=None, port: int | None
            shutdown_timeout_s: int = LAUNCH_SHUTDOWN_TIMEOUT_S,
            grace_s: float = DEFAULT_GRACE_S, timeout_s: float | None = None,
            prefix_output: bool = True, stdout: IO[str] | None = None,
-           stderr: IO[str] | None = None) -> int:
+           stderr: IO[str] | None = None, verbose: bool = True) -> int:
     """Run ``command`` as ``hosts`` processes; returns 0, or the first failing exit status.
 
     Each process gets the ``JAXSCHED_*`` variables (module docstring) and, with ``cluster``
@@ -344,7 +355,8 @@ def launch(hosts: int, command: Sequence[str], *, cluster=None, port: int | None
     prefixed ``[rank] ``. When a process fails, the others get SIGTERM, then SIGKILL after
     ``grace_s``; the launcher returns within ``grace_s`` plus a fraction of a second.
     ``timeout_s`` bounds the whole run (exit status 124 when it expires). Ctrl-C or SIGTERM
-    to the launcher stops every process (status 130 or 143).
+    to the launcher stops every process (status 130 or 143). Unless ``verbose``, gloo's
+    per-peer connection lines (:data:`GLOO_CHATTER`) are left out.
     """
     if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
         raise ValueError(f"hosts={hosts!r}: need an integer >= 1")
@@ -394,8 +406,9 @@ def launch(hosts: int, command: Sequence[str], *, cluster=None, port: int | None
                     raise LaunchError(f"cannot start {shlex.join(argv)}: {e}") from e
                 procs.append(p)
                 tag = f"[{rank}] " if prefix_output else ""
+                drop = None if verbose else GLOO_CHATTER
                 for stream, sink in ((p.stdout, out), (p.stderr, err)):
-                    t = threading.Thread(target=_pump, args=(stream, sink, tag, lock), daemon=True)
+                    t = threading.Thread(target=_pump, args=(stream, sink, tag, lock, drop), daemon=True)
                     t.start()
                     pumps.append(t)
             status = _watch(procs, note, timeout_s)
@@ -492,6 +505,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between SIGTERM and SIGKILL when stopping processes")
     parser.add_argument("--timeout", type=float, help="stop everything after this many seconds")
     parser.add_argument("--no-prefix", action="store_true", help="do not prefix output with [rank]")
+    parser.add_argument("--verbose", action="store_true",
+                        help="keep gloo's per-peer connection lines ([Gloo] Rank N is connected ...)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                         help="the command each process runs")
 
@@ -519,7 +534,8 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         return fail("--bandwidth and --prefix need --cluster", 2)
     kwargs = dict(port=args.port, cpu_devices=args.cpu_devices,
                   heartbeat_timeout_s=args.heartbeat_timeout, grace_s=args.grace,
-                  timeout_s=args.timeout, prefix_output=not args.no_prefix)
+                  timeout_s=args.timeout, prefix_output=not args.no_prefix,
+                  verbose=getattr(args, "verbose", True))
     try:
         if not args.cluster:
             return launch(args.hosts, command, **kwargs)

@@ -163,3 +163,17 @@ def test_side_by_side_training_gives_each_strategy_its_own_run():
     assert [r.strategy for r in results] == ["allreduce", "wfbp"]
     assert all(len(r.losses) == 3 and r.median_step_s > 0 for r in results)
     assert max(abs(a - b) for a, b in zip(results[0].losses, results[1].losses)) < 1e-4
+
+
+def test_launch_drops_gloo_chatter_unless_verbose():
+    import io
+    import threading
+
+    from jaxsched.launch import GLOO_CHATTER, _pump
+
+    text = (b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer "
+            b"ranks is : 1\nloss 0.5\n")
+    for drop, expected in ((GLOO_CHATTER, "[0] loss 0.5\n"), (None, "[0] " + text.decode().replace("\n", "\n[0] ", 1))):
+        out = io.StringIO()
+        _pump(io.BytesIO(text), out, "[0] ", threading.Lock(), drop)
+        assert out.getvalue() == expected
