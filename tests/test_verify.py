@@ -126,11 +126,25 @@ def test_verify_on_the_chaotic_cnn_digits_config_passes_dear_and_fails_bfloat16(
     from jaxsched import config, trainer
 
     cfg = config.load("configs/cnn_digits.toml")
-    (dear,) = trainer.verify_config(cfg, ["dear"], steps=300)
-    assert dear.ok and dear.precision == "float64", str(dear)
+    for report in trainer.verify_config(cfg, ["wfbp", "dear"], steps=300):
+        assert report.ok and report.precision == "float64", str(report)
     exp = trainer.experiment(cfg)
     sched = jaxsched.schedule(exp.make_step(), strategy="wfbp",
                               compression=jaxsched.compress.Cast("bfloat16"))
     batches = (exp.place(b) for b in exp.batches())
     bf16 = sched.verify(sched.init(exp.params, exp.opt_state), batches, steps=20)
     assert not bf16.ok and bf16.first_divergent_step <= 2, str(bf16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_verify_passes_the_readme_example_over_300_steps(strategy):
+    from jaxsched import data, models
+
+    params, apply_fn = models.pure(models.build("mlp", (8, 8, 1), 10))
+    tx, mesh = optax.adam(3e-3), jax.make_mesh((8,), ("data",))
+    sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy=strategy)
+    digits = data.load_digits()
+    batches = (steps.shard_batch(b, mesh) for b in data.batches(digits.train_x, digits.train_y, 128))
+    report = sched.verify(sched.init(params, tx.init(params)), batches, steps=300)
+    assert report.ok and report.precision == "float64", str(report)
