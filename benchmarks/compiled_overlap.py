@@ -104,7 +104,8 @@ def markdown(results: dict) -> str:
             lines.append(f"| {name} | {step} | {_fmt(ratio.get('step'))} | {exposed} | "
                          f"{_fmt(ratio.get('exposed_comm'))} | {n_async}/{len(r['collectives'])} |")
         if entry.get("tuned_choices"):
-            chosen = "; ".join(f"{k}: {v['chosen']}" for k, v in entry["tuned_choices"].items())
+            chosen = "; ".join(f"{v['chosen'].replace(', buckets=None', ', 25 MB buckets')}"
+                               for v in entry["tuned_choices"].values())
             lines.append(f"\nTuned = `buckets=\"auto\"`, which chose {chosen}.")
         lines.append("")
     return "\n".join(lines)

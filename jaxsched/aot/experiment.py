@@ -52,7 +52,7 @@ class ModelSpec:
 
 #: Realistic sizes for compiled-overlap studies (benchmarks/compiled_overlap.py).
 ZOO: dict[str, ModelSpec] = {
-    # 8 x 4096 fully connected: 118M parameters, large matmuls per layer
+    # 8 x 4096 fully connected: 126M parameters, large matmuls per layer
     "mlp": ModelSpec("mlp", (1024,), 1000, {"hidden": (4096,) * 8}, batch_per_device=256),
     # 8 residual blocks of 3x3 convolutions at 256 channels on 32x32 images: 9.5M parameters
     "cnn": ModelSpec("cnn", (32, 32, 3), 100, {"channels": 256, "blocks": 8}, batch_per_device=32),
