@@ -111,9 +111,34 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def compact_markdown(results: dict) -> str:
+    """One row per model and target: estimated step / exposed communication, each as a
+    ratio to the plain step, per strategy (tuned where it ran)."""
+    names = ("wfbp", "dear", "approx")
+    lines = ["XLA's estimates for the compiled programs, not measurements: estimated step / "
+             "estimated exposed communication, each as a ratio to the plain step compiled with "
+             "XLA's defaults in the same run (`buckets=\"auto\"` where it ran, else the "
+             "strategy's defaults; full tables and the chosen variants in "
+             "[docs/accelerators.md](docs/accelerators.md)).", "",
+             "| model | target | plain step (est.) | " + " | ".join(f"`{n}`" for n in names) + " |",
+             "|---|---|---|" + "---|" * len(names)]
+    for key, entry in results.items():
+        model, target = key.split(" @ ")
+        base = entry.get("reference_report") or entry["baseline"]
+        cells = []
+        for n in names:
+            r = entry["strategies"].get(f"{n} (tuned)") or entry["strategies"].get(n)
+            ratio = r["ratio_to_reference"] if r else {}
+            cells.append(f"{_fmt(ratio.get('step'))} / {_fmt(ratio.get('exposed_comm'))}" if r else "-")
+        step = "-" if base["step_s"] is None else f"{base['step_s'] * 1e3:.1f} ms"
+        lines.append(f"| {entry['model'].split(',')[0]} | `{target}` | {step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def update_docs(results: dict) -> None:
-    block = f"{BEGIN}\n{markdown(results)}\n{END}"
-    for path in (Path("README.md"), Path("docs/accelerators.md")):
+    blocks = {Path("README.md"): compact_markdown(results), Path("docs/accelerators.md"): markdown(results)}
+    for path, text in blocks.items():
+        block = f"{BEGIN}\n{text}\n{END}"
         text = path.read_text()
         if BEGIN not in text:
             print(f"{path}: no {BEGIN} block; not changed", file=sys.stderr)
@@ -137,7 +162,7 @@ def main() -> int:
     results = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {}
     results = {key: _without_timelines(entry) for key, entry in results.items()}
     if args.update_docs:
-        JSON_PATH.write_text(json.dumps(results, indent=1))
+        JSON_PATH.write_text(json.dumps(results, separators=(",", ":")))
         update_docs(results)
         return 0
     import jax
@@ -152,7 +177,7 @@ def main() -> int:
             results[key] = _without_timelines(run_one(model, target, args.strategies.split(","),
                                                       [t for t in args.tuned.split(",") if t]))
             RESULTS.mkdir(exist_ok=True)
-            JSON_PATH.write_text(json.dumps(results, indent=1))
+            JSON_PATH.write_text(json.dumps(results, separators=(",", ":")))
     print(markdown(results))
     return 0
 
