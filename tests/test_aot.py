@@ -149,6 +149,7 @@ def test_approx_reduction_spans_forward_and_backward_on_gpu():
 
 
 @needs_gpu
+@pytest.mark.slow
 def test_auto_is_never_estimated_slower_than_the_plain_step_on_gpu():
     exp = _experiment("h100:1x2x4", layers=2)
     sched = jaxsched.schedule(exp.step, strategy="auto")
