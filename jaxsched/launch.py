@@ -485,9 +485,21 @@ def _stop(procs: list[subprocess.Popen], grace_s: float, note) -> None:
 
 # --- command line: `jaxsched launch` -----------------------------------------------------
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: use 1..65535")
+    return port
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``jaxsched launch``'s options to ``parser``; the command follows ``--``."""
-    parser.add_argument("--hosts", type=int, required=True, help="number of processes")
+    from jaxsched.cli.options import positive_float, positive_int
+
+    parser.add_argument("--hosts", type=positive_int, required=True, help="number of processes")
     parser.add_argument("--cluster", action="store_true",
                         help="run each process in its host's namespace of the emulated cluster "
                              "(the one that is up, else one brought up for this run; root)")
@@ -496,14 +508,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "every link (default 1gbit; 'none' for unshaped)")
     parser.add_argument("--prefix", default=None, help="with --cluster: namespace prefix "
                         "(default jxs)")
-    parser.add_argument("--port", type=int, help="coordinator port (default: a free one)")
-    parser.add_argument("--cpu-devices", type=int,
+    parser.add_argument("--port", type=_port, help="coordinator port (default: a free one)")
+    parser.add_argument("--cpu-devices", type=positive_int,
                         help="local CPU devices per process (sets JAXSCHED_CPU_DEVICES)")
-    parser.add_argument("--heartbeat-timeout", type=int, default=LAUNCH_HEARTBEAT_TIMEOUT_S,
+    parser.add_argument("--heartbeat-timeout", type=positive_int, default=LAUNCH_HEARTBEAT_TIMEOUT_S,
                         help="seconds until jax.distributed declares a silent process dead")
-    parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+    parser.add_argument("--grace", type=positive_float, default=DEFAULT_GRACE_S,
                         help="seconds between SIGTERM and SIGKILL when stopping processes")
-    parser.add_argument("--timeout", type=float, help="stop everything after this many seconds")
+    parser.add_argument("--timeout", type=positive_float, help="stop everything after this many seconds")
     parser.add_argument("--no-prefix", action="store_true", help="do not prefix output with [rank]")
     parser.add_argument("--verbose", action="store_true",
                         help="keep gloo's per-peer connection lines ([Gloo] Rank N is connected ...)")
