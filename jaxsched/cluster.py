@@ -344,20 +344,11 @@ class Cluster:
 
 # --- command line: `jaxsched cluster up|down|status` ------------------------------------------
 
-def _hosts(text: str) -> int:
-    from jaxsched.cli.options import positive_int
-
-    value = positive_int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"{value} hosts: an emulated network needs at least 2")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``up``/``down``/``status`` to ``parser`` (the ``jaxsched cluster`` subcommand)."""
     sub = parser.add_subparsers(dest="cluster_command", required=True, metavar="{up,down,status}")
     up = sub.add_parser("up", help="create an emulated cluster (root)")
-    up.add_argument("--hosts", type=_hosts, required=True, help="number of hosts (>= 2)")
+    up.add_argument("--hosts", type=int, required=True, help="number of hosts (>= 2)")
     up.add_argument("--bandwidth", default="1gbit",
                     help="rate of every link, each way: e.g. 1gbit, 500mbit; 'none' for unshaped "
                          "(default 1gbit)")
