@@ -67,7 +67,7 @@ from jax.sharding import Mesh
 
 __all__ = ["CollectiveWindow", "CompiledReport", "ESTIMATOR", "Inspection", "PLAIN_LABEL",
            "compile_with_schedule", "describe_mesh", "format_table", "inspect_jitted", "plot",
-           "report"]
+           "ratios", "report"]
 
 ESTIMATOR = "XLA latency-hiding scheduler estimate for the compiled program (not measured on hardware)"
 
@@ -1026,6 +1026,16 @@ def inspect_jitted(fn, args: Sequence[Any], mesh, *, label: str = PLAIN_LABEL,
     return report(compiled, schedule, mesh, label=label, target=describe_mesh(mesh))
 
 
+def ratios(report: CompiledReport, base: CompiledReport | None) -> dict[str, float | None]:
+    """``report``'s estimated step and exposed communication over ``base``'s (None where
+    either has no estimate)."""
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else a / b
+
+    return {"step": ratio(report.step_s, base and base.step_s),
+            "exposed_comm": ratio(report.exposed_comm_s, base and base.exposed_comm_s)}
+
+
 @dataclasses.dataclass(frozen=True)
 class Inspection:
     """What ``Scheduled.inspect`` returns.
@@ -1041,12 +1051,7 @@ class Inspection:
 
     def ratios(self) -> dict[str, float | None]:
         """Estimated step and exposed communication as ratios to the baseline's."""
-        def ratio(a, b):
-            return None if a is None or b is None or not b else a / b
-
-        base = self.baseline
-        return {"step": ratio(self.report.step_s, base and base.step_s),
-                "exposed_comm": ratio(self.report.exposed_comm_s, base and base.exposed_comm_s)}
+        return ratios(self.report, self.baseline)
 
     def table(self) -> str:
         return format_table([self.report], baseline=self.baseline)

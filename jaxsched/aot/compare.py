@@ -55,12 +55,7 @@ class Comparison:
 
     def ratios(self, report: inspect_lib.CompiledReport) -> dict[str, float | None]:
         """``report``'s estimated step and exposed communication over the reference's."""
-        def ratio(a: float | None, b: float | None) -> float | None:
-            return None if a is None or not b else a / b
-
-        base = self.ratio_base
-        return {"step": ratio(report.step_s, base.step_s),
-                "exposed_comm": ratio(report.exposed_comm_s, base.exposed_comm_s)}
+        return inspect_lib.ratios(report, self.ratio_base)
 
     def _all(self) -> tuple[inspect_lib.CompiledReport, ...]:
         return (self.baseline,) + ((self.reference,) if self.reference is not None else ()) + self.reports
