@@ -31,6 +31,7 @@ from typing import Any
 from jax.extend import core as jex_core
 
 from jaxsched.capture import CapturedStep, UnsupportedStepError
+from jaxsched.axes import as_axes
 from jaxsched.primitives import REDUCTIONS, SUM_REDUCTIONS, reduces_over, reduction_axes
 from jaxsched.replay import is_var, nested_eqns, source_line
 
@@ -90,8 +91,11 @@ def analyze(captured: CapturedStep) -> Analysis:
 
     # Device-varying values: the batch (and anything sharded), axis_index, and what they touch.
     varying = set()
+    data_axes = set(as_axes(axis))
     for v, src, spec in zip(body.invars, captured.sources, captured.in_specs):
-        sharded = any(dim is not None for dim in spec)
+        # sharded over a data axis; a block of a model axis (tensor parallel) is the same
+        # on every device of the data axis
+        sharded = any(a in data_axes for dim in spec if dim is not None for a in as_axes(dim))
         if src.role == "batch" or (sharded and captured.kind != "pmap"):
             varying.add(v)  # pmap gives every input a device axis; its state is replicated by convention
     for eqn in body.eqns:
@@ -133,10 +137,14 @@ def analyze(captured: CapturedStep) -> Analysis:
         eqn = body.eqns[i]
         if i in upstream:
             continue
-        if reduction_axes(eqn) != (axis,):
+        if set(reduction_axes(eqn)) != data_axes:
+            extra = [a for a in reduction_axes(eqn) if a not in data_axes]
             raise UnsupportedStepError(
-                f"gradients are reduced over axes {reduction_axes(eqn)} at "
-                f"{source_line(eqn)}; jaxsched schedules reductions over the single axis {axis!r}")
+                f"gradients are reduced over axes {reduction_axes(eqn)} at {source_line(eqn)}, "
+                f"but the batch is sharded over {as_axes(axis)} only, so {tuple(extra)} are not "
+                "data-parallel axes; jaxsched schedules gradient reductions over exactly the "
+                "data-parallel axes (reduce the gradients over the axes the batch is sharded "
+                "over, and keep model-axis collectives inside forward and backward)")
         reducing_eqns.add(i)
         for pos, (x, o) in enumerate(zip(eqn.invars, eqn.outvars)):
             nbytes = x.aval.size * x.aval.dtype.itemsize

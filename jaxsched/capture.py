@@ -27,6 +27,7 @@ from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched import replay
+from jaxsched.axes import as_axes, axis_size
 from jaxsched.primitives import CALL_PRIMITIVES, REDUCTIONS, VMA_TYPING, reduction_axes
 
 
@@ -55,7 +56,9 @@ class CapturedStep:
       sources: for every body invar, which input leaf feeds it.
       consts: values for body invars whose source role is ``const``.
       outputs: for every flat output of the step, the body outvar index that produces it.
-      mesh, axis_name, axis_size: where the data-parallel axis lives.
+      mesh, axis_name, axis_size: where the data-parallel axis lives: ``axis_name`` is one
+        mesh axis or a tuple of them (data parallel over several, e.g. slices and chips;
+        :func:`data_axes`), ``axis_size`` the number of devices along it.
       in_specs, out_specs: the shard_map specs of the body inputs and outputs.
       params_tree, opt_tree, batch_tree, aux_tree: tree structures of the step's pytrees.
       num_params, num_opt, num_batch: leaf counts of those trees.
@@ -72,7 +75,7 @@ class CapturedStep:
     consts: tuple[Any, ...]
     outputs: tuple[int, ...]
     mesh: Mesh
-    axis_name: str
+    axis_name: str | tuple[str, ...]
     axis_size: int
     in_specs: tuple[P, ...]
     out_specs: tuple[P, ...]
@@ -187,19 +190,14 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any,
     body = flatten_calls(user_body, mesh, eqn.params["in_specs"], eqn.params["out_specs"],
                          [x.aval for x in eqn.invars], fold_invariant_sums)
     manual = tuple(eqn.params.get("manual_axes", eqn.params.get("newly_manual_axes", mesh.axis_names)))
-    reduced_axes = _reduction_axes(body)
-    candidates = [a for a in mesh.axis_names if a in reduced_axes] or list(mesh.axis_names)
-    if len(candidates) != 1:
-        raise UnsupportedStepError(
-            f"the mesh has axes {mesh.axis_names} and gradients are reduced over several "
-            f"({sorted(reduced_axes)}); jaxsched schedules one data-parallel axis")
-    axis_name = candidates[0]
-    if axis_name not in manual and manual:
-        raise UnsupportedStepError(f"mesh axis {axis_name!r} is not manual in the shard_map")
+    axis_name = data_axes(mesh, eqn.params["in_specs"], sources, body)
+    for a in as_axes(axis_name):
+        if manual and a not in manual:
+            raise UnsupportedStepError(f"mesh axis {a!r} is not manual in the shard_map")
     kind = "pmap" if _looks_like_pmap(eqn, body) else "shard_map"
     return CapturedStep(
         kind=kind, body=body, user_body=user_body, sources=tuple(sources), consts=tuple(consts), outputs=outputs,
-        mesh=mesh, axis_name=axis_name, axis_size=mesh.shape[axis_name],
+        mesh=mesh, axis_name=axis_name, axis_size=axis_size(mesh, axis_name),
         in_specs=tuple(eqn.params["in_specs"]), out_specs=tuple(eqn.params["out_specs"]),
         params_tree=params_tree, opt_tree=opt_tree, batch_tree=batch_tree, aux_tree=aux_tree,
         num_params=num_params, num_opt=num_opt, num_batch=batch_tree.num_leaves,
@@ -245,6 +243,35 @@ def abstract_leaf(a: Any) -> jax.ShapeDtypeStruct:
     sharding = a.sharding if isinstance(a, jax.Array) else None
     dtype = a.dtype if hasattr(a, "dtype") else jax.numpy.asarray(a).dtype
     return jax.ShapeDtypeStruct(jax.numpy.shape(a), dtype, sharding=sharding)
+
+
+def data_axes(mesh: Mesh, in_specs: Any, sources: Any, body: Any) -> str | tuple[str, ...]:
+    """The data-parallel axis of a step: the mesh axes its batch is sharded over.
+
+    One axis comes back as its name, several as a tuple in the order the batch's spec
+    names them (``P(("dcn", "ici"))``: that order lays out devices, and every collective
+    over the tuple follows it). Other mesh axes (tensor or expert parallel) are model
+    axes: their collectives stay where the user wrote them. A step whose batch is not
+    sharded falls back on the axes its reductions sum over, which must then be one.
+    """
+    found: list[str] = []
+    for spec, src in zip(in_specs, sources):
+        if src.role != "batch":
+            continue
+        for dim in spec:
+            for a in as_axes(dim) if dim is not None else ():
+                if a not in found:
+                    found.append(a)
+    if found:
+        return found[0] if len(found) == 1 else tuple(found)
+    reduced = _reduction_axes(body)
+    candidates = [a for a in mesh.axis_names if a in reduced] or list(mesh.axis_names)
+    if len(candidates) != 1:
+        raise UnsupportedStepError(
+            f"the mesh has axes {mesh.axis_names} and the batch is not sharded over any of them, "
+            f"so the data-parallel axis is ambiguous (the step reduces over {sorted(reduced)}); "
+            "shard the batch over the data-parallel axes (in_specs P('data') or P(('dcn', 'ici')))")
+    return candidates[0]
 
 
 def _reduction_axes(jaxpr) -> set:

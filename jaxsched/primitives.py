@@ -10,6 +10,8 @@ Example:
 """
 from __future__ import annotations
 
+from jaxsched.axes import as_axes
+
 #: Calls whose body is a jaxpr that can be inlined (jit, custom derivatives).
 CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
                              "custom_vjp_call"})
@@ -30,6 +32,7 @@ def reduction_axes(eqn) -> tuple:
     return axes if isinstance(axes, tuple) else (axes,)
 
 
-def reduces_over(eqn, axis: str, family: frozenset = REDUCTIONS) -> bool:
-    """Whether ``eqn`` is a reduction of ``family`` over mesh axis ``axis``."""
-    return eqn.primitive.name in family and axis in reduction_axes(eqn)
+def reduces_over(eqn, axis, family: frozenset = REDUCTIONS) -> bool:
+    """Whether ``eqn`` is a reduction of ``family`` over every mesh axis of ``axis`` (a name
+    or a tuple of names: a data-parallel axis that spans several mesh axes)."""
+    return eqn.primitive.name in family and set(as_axes(axis)) <= set(reduction_axes(eqn))

@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched import models
+from jaxsched.axes import axis_size
 from jaxsched.costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
 
 Stage = tuple[str, Any, Callable[[Any, jax.Array], jax.Array]]
@@ -141,7 +142,7 @@ def measure_dispatch(mesh: Mesh | None = None, axis: str = "data", repeats: int 
     else:
         program = jax.jit(jax.shard_map(lambda v: v + 1, mesh=mesh, in_specs=P(axis),
                                         out_specs=P(axis)))
-        x = jax.device_put(jnp.zeros((mesh.shape[axis],), jnp.float32), NamedSharding(mesh, P(axis)))
+        x = jax.device_put(jnp.zeros((axis_size(mesh, axis),), jnp.float32), NamedSharding(mesh, P(axis)))
     return _median_seconds(lambda: program(x), repeats, warmup=3)
 
 
@@ -216,7 +217,7 @@ def _profile_stages_on_mesh(stages: Sequence[Stage], x: jax.Array, labels: jax.A
         x = jax.block_until_ready(forward(params, x, labels)) if not last else x
     return LayerProfile(layers, {"source": "jaxsched.profile (measured medians, all devices at once)",
                                  "backend": jax.default_backend(), "repeats": repeats,
-                                 "workers": mesh.shape[axis]})
+                                 "workers": axis_size(mesh, axis)})
 
 
 def profile_zoo_model(name: str, batch: int = 64, repeats: int = 5, seed: int = 0,
@@ -231,7 +232,7 @@ def profile_zoo_model(name: str, batch: int = 64, repeats: int = 5, seed: int = 
     With ``optimizer`` (an optax transform), each layer's ``update_s`` is measured by
     :func:`profile_update`; without it, ``update_s`` stays 0.
     """
-    workers = mesh.shape[axis] if mesh is not None else 1
+    workers = axis_size(mesh, axis) if mesh is not None else 1
     rng = np.random.default_rng(seed)
     if name == "transformer":
         model = models.build(name, (32,), 64, seed, **options)
@@ -307,7 +308,7 @@ def scale_to_whole_model(prof: LayerProfile, stages: Sequence[Stage], x: jax.Arr
 
 
 def _collective_programs(mesh: Mesh, axis: str) -> dict[str, Callable[[jax.Array], jax.Array]]:
-    size = mesh.shape[axis]
+    size = axis_size(mesh, axis)
     ring = [(i, (i + 1) % size) for i in range(size)]
     def wrap(body):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis),
@@ -355,7 +356,7 @@ def measure_copy(mesh: Mesh | None = None, axis: str = "data",
     from jaxsched import layout
 
     mesh = mesh or jax.make_mesh((jax.device_count(),), (axis,))
-    workers = mesh.shape[axis]
+    workers = axis_size(mesh, axis)
     points = []
     for size in sizes:
         per_leaf = max(1, size // 16)
@@ -445,7 +446,7 @@ def profile_network(mesh: Mesh | None = None, axis: str = "data",
     (docs/simulator.md), so taking the dispatch off would undercount it.
     """
     mesh = mesh or jax.make_mesh((jax.device_count(),), (axis,))
-    workers = mesh.shape[axis]
+    workers = axis_size(mesh, axis)
     programs = _collective_programs(mesh, axis)
     sharding = NamedSharding(mesh, P(axis))
     todo = [(name, size) for name in programs for size in sizes]

@@ -27,6 +27,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsched.axes import axis_size
 from jaxsched.config import OptimizerConfig
 
 Step = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
@@ -92,9 +93,10 @@ def make_pmap_step(apply_fn: Callable, tx: optax.GradientTransformation, axis: s
     return jax.pmap(local_step_fn(apply_fn, tx, axis), axis_name=axis, devices=devices)
 
 
-def shard_batch(batch: Any, mesh: Mesh, axis: str = "data") -> Any:
-    """Place a global batch on the mesh, split along its leading axis."""
-    size = mesh.shape[axis]
+def shard_batch(batch: Any, mesh: Mesh, axis: str | tuple[str, ...] = "data") -> Any:
+    """Place a global batch on the mesh, split along its leading axis (over several mesh
+    axes when ``axis`` is a tuple, e.g. ``("dcn", "ici")``)."""
+    size = axis_size(mesh, axis)
     for leaf in jax.tree.leaves(batch):
         if leaf.shape[0] % size:
             raise ValueError(f"batch leading dimension {leaf.shape[0]} is not divisible by the "

@@ -45,7 +45,7 @@ class PerDeviceProgram:
 
     body: Callable[..., Sequence[Any]]
     mesh: Mesh
-    axis_name: str
+    axis_name: str | tuple[str, ...]
     in_specs: tuple[P, ...]
     out_specs: tuple[P, ...]
     check_vma: bool = False

@@ -128,7 +128,7 @@ def host_engine_applies(mesh: Mesh) -> bool:
     """Whether ``engine="auto"`` picks the host engine: a multi-process CPU mesh with one
     device per process and a spare local device in each."""
     devices = list(mesh.devices.flat)
-    if jax.process_count() == 1 or devices[0].platform != "cpu":
+    if jax.process_count() == 1 or devices[0].platform != "cpu" or len(mesh.shape) != 1:
         return False
     if len({d.process_index for d in devices}) != len(devices):
         return False
@@ -309,9 +309,10 @@ class StagedProgram:
         self.record_timings = record_timings
         self.timings: list[list[StageTiming]] = []
         mesh, axis = program.mesh, program.axis_name
-        if mesh.devices.size != mesh.shape[axis]:
-            raise HostEngineError(f"the host engine runs meshes with the single axis {axis!r}; "
-                                  f"this mesh has axes {dict(mesh.shape)}")
+        if isinstance(axis, tuple) or mesh.devices.size != mesh.shape[axis]:
+            raise HostEngineError(f"the host engine runs meshes with one data-parallel axis and no "
+                                  f"other; this step's data-parallel axis is {axis!r} on a mesh "
+                                  f"with axes {dict(mesh.shape)}; run it with engine='xla'")
         local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
         if len(local) != 1:
             raise HostEngineError(

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsched import layout
+from jaxsched.axes import as_axes
 from jaxsched.primitives import CALL_PRIMITIVES, VMA_TYPING
 from jaxsched.replay import bind as _bind
 from jaxsched.replay import eval_inline, is_var, source_line
@@ -56,7 +57,7 @@ class FallbackWarning(UserWarning):
 class ShardContext:
     """What rules need: the axis, which variables are device-varying, and a warn-once log."""
 
-    axis_name: str
+    axis_name: str | tuple[str, ...]
     axis_size: int
     varying: frozenset = frozenset()
     reported: set = dataclasses.field(default_factory=set)
@@ -153,9 +154,11 @@ def _highest(dtype):
 
 def psum_rule(ctx: ShardContext, eqn, values: list) -> list:
     """A user's psum in the update region: of an invariant value it is a multiply by P."""
-    if ctx.axis_name not in _axes(eqn) or any(x in ctx.varying for x in eqn.invars if is_var(x)):
+    data_axes = as_axes(ctx.axis_name)
+    if (not set(data_axes) <= set(_axes(eqn))
+            or any(x in ctx.varying for x in eqn.invars if is_var(x))):
         return full_rule(ctx, eqn, values)
-    factor = math.prod(ctx.axis_size if a == ctx.axis_name else _axis_size(a) for a in _axes(eqn))
+    factor = ctx.axis_size * math.prod(_axis_size(a) for a in _axes(eqn) if a not in data_axes)
     out = []
     for v in values:
         scale = lambda a: a * jnp.asarray(factor, a.dtype)

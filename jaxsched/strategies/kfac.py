@@ -175,6 +175,15 @@ class KFAC(Strategy):
                 "kfac schedules jax.shard_map steps; this is a jax.pmap step, whose parameters "
                 "carry a device axis. Write the same body with jax.shard_map over a mesh "
                 "(jaxsched.steps.make_step shows how)")
+        sharded = {planned.paths[i]: planned.model_axes("params", i)
+                   for i in range(planned.captured.num_params) if planned.model_axes("params", i)}
+        if sharded:
+            path, axes = next(iter(sharded.items()))
+            raise UnsupportedStepError(
+                f"kfac preconditions whole layers, but params/{path} is sharded over the model "
+                f"axes {axes} (and {len(sharded) - 1} more leaves): its Kronecker factors would "
+                "need activations and cotangents from every device of those axes. Schedule "
+                "tensor- or expert-parallel steps with wfbp, dear or approx")
         found = match_layers(planned.analysis, planned.paths)
         if not found.layers:
             raise UnsupportedStepError(
