@@ -120,6 +120,11 @@ class PlannedStep:
     def axis_size(self) -> int:
         return self.captured.axis_size
 
+    @property
+    def data_mesh_axes(self) -> tuple[tuple[str, int], ...]:
+        """``(name, size)`` of every data-parallel mesh axis, in the data axis's order."""
+        return tuple((a, self.mesh.shape[a]) for a in as_axes(self.axis_name))
+
     def model_axes(self, role: str, index: int) -> tuple[str, ...]:
         """Mesh axes other than the data-parallel ones that leaf ``index`` of ``role`` is
         sharded over (a tensor- or expert-parallel block; each device schedules its own)."""

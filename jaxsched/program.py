@@ -133,6 +133,7 @@ def build_program(captured: CapturedStep, strategy: Strategy, buckets: Any, engi
     """The program of ``strategy`` for ``captured`` with bucket option ``buckets`` on ``engine``."""
     plan_options = dict(plan_options or {})
     strategy, buckets = strategy.resolve(captured, buckets, plan_options, engine)
+    strategy = strategy.for_mesh(captured)
     compression = simulated_compression(strategy)
     planned = PlannedStep(captured, buckets, plan_options, strategy.cost, compression=compression,
                           compressor=strategy.collective if compression is not None else None,

@@ -55,6 +55,9 @@ class BucketSpec:
         :data:`FORMS`; the engine decides per platform,
         :meth:`jaxsched.engine.Engine.collective_form`). A collective that overrides the
         buffer method (a compressor) always gets the packed buffer.
+      mesh_axes: the data-parallel mesh axes the bucket crosses, ``(name, size)`` each, in
+        the order of the step's data axis (empty when not known): a hierarchical
+        collective splits the sum by them.
     """
 
     index: int
@@ -65,6 +68,7 @@ class BucketSpec:
     interleaved: bool = False
     kind: str = "gradients"
     form: str = "mixed"
+    mesh_axes: tuple[tuple[str, int], ...] = ()
 
 
 #: How a bucket's tensors travel: ``"mixed"``, large tensors as they are and small ones

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 import math
 from typing import Any, Callable, ClassVar, NamedTuple, Sequence
@@ -104,6 +105,9 @@ class Strategy(abc.ABC):
             raise TypeError(f"collective must be a jaxsched.collectives.Collective, got "
                             f"{type(collective).__name__}")
         self.collective = collective if collective is not None else Collective()
+        #: whether the collective is jaxsched's choice (then :meth:`for_mesh` may pick a
+        #: hierarchical one), not the user's
+        self.default_collective = collective is None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(collective={type(self.collective).__name__})"
@@ -127,6 +131,22 @@ class Strategy(abc.ABC):
             self.last_bucket_choice = choice
             return pairs[choice.chosen]
         return self, buckets
+
+    def for_mesh(self, captured: Any) -> "Strategy":
+        """This strategy with the collective the mesh calls for: when the step is data
+        parallel over several mesh axes and the devices say which are slow (another TPU
+        slice, another host), a :class:`~jaxsched.collectives.Hierarchical` sum, unless the
+        user chose a collective."""
+        from jaxsched.collectives.hierarchical import hierarchy_from_mesh
+
+        if not (self.accepts_collective and getattr(self, "default_collective", False)):
+            return self
+        hierarchy = hierarchy_from_mesh(captured.mesh, captured.axis_name)
+        if hierarchy is None:
+            return self
+        chosen = copy.copy(self)
+        chosen.collective, chosen.default_collective = hierarchy, False
+        return chosen
 
     def initial_state(self, params: Any, opt_state: Any) -> NamedTuple:
         """The user's trees as this strategy's state, before any step was traced."""
@@ -167,7 +187,7 @@ class Strategy(abc.ABC):
                      op: str = "all_reduce") -> list[BucketSpec]:
         shapes = shapes if shapes is not None else [()] * len(sizes)
         return [BucketSpec(k, int(n), np.dtype(d), planned.axis_size, tuple(map(tuple, s)), interleaved,
-                           form=planned.collective_form(op))
+                           form=planned.collective_form(op), mesh_axes=planned.data_mesh_axes)
                 for k, (n, d, s) in enumerate(zip(sizes, dtypes, shapes, strict=True))]
 
     def concatenated_gradient_buckets(self, planned: PlannedStep) -> list[BucketSpec]:

@@ -109,7 +109,7 @@ class Dear(Strategy):
     def _gather_spec(self, planned: PlannedStep, k: int, p_layout) -> BucketSpec:
         return BucketSpec(k, p_layout.shard_size * planned.axis_size, p_layout.dtype, planned.axis_size,
                           p_layout.shapes, interleaved=True, kind="parameters",
-                          form=planned.collective_form("all_gather"))
+                          form=planned.collective_form("all_gather"), mesh_axes=planned.data_mesh_axes)
 
     # -- conversions ----------------------------------------------------------------------
     def convert(self, planned: PlannedStep, state: NamedTuple) -> SchedState:
