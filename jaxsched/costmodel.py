@@ -399,6 +399,18 @@ LINK_PRESETS: dict[str, LinkPreset] = {
     # (NVIDIA Tesla V100 datasheet, "300 GB/s" bidirectional); ~5 us per NCCL step (assumed).
     # Only meaningful within one NVLink domain (8-16 GPUs).
     "nvlink": LinkPreset("nvlink", 5e-6, 150e9, "NVIDIA Tesla V100 datasheet (NVLink 300 GB/s bidir)"),
+    # NVLink 4 on H100 SXM5: 900 GB/s bidirectional per GPU = 450 GB/s per direction (NVIDIA
+    # H100 datasheet); ~5 us per NCCL step (assumed). One node's level of a two-level network.
+    "nvlink4": LinkPreset("nvlink4", 5e-6, 450e9, "NVIDIA H100 SXM datasheet (NVLink 900 GB/s bidir)"),
+    # InfiniBand NDR 4x: 400 Gbit/s (IBTA spec), one NIC per GPU as in DGX H100 (8 x 400G);
+    # ~2 us MPI-level latency (assumed).
+    "400gbib": LinkPreset("400gbib", 2e-6, 400e9 / 8, "InfiniBand NDR 4x (IBTA, 400 Gbit/s)"),
+    # TPU v5p inter-chip interconnect: 4800 Gbit/s per chip (Google Cloud TPU v5p docs), taken
+    # as 300 GB/s per direction; ~2 us per step (assumed).
+    "ici": LinkPreset("ici", 2e-6, 4800e9 / 8 / 2, "cloud.google.com/tpu/docs/v5p (ICI 4800 Gbps/chip)"),
+    # Data-center network between TPU slices: 100 Gbit/s per chip's share of its host's NICs
+    # and ~20 us per message (both assumed: Google publishes no per-chip DCN figure).
+    "dcn": LinkPreset("dcn", 20e-6, 100e9 / 8, "assumed (no published per-chip DCN figure)"),
 }
 
 
@@ -424,17 +436,83 @@ def ring_costs(link: LinkPreset, workers: int) -> dict[str, CollectiveCost]:
     }
 
 
-def network_preset(name: str, workers: int) -> NetworkProfile:
-    """A ring-algorithm network profile for a named link preset and worker count."""
+def _link(name: str) -> LinkPreset:
     try:
-        link = LINK_PRESETS[name]
+        return LINK_PRESETS[name]
     except KeyError:
         raise ProfileError(f"unknown network preset {name!r}; choose one of "
-                           f"{', '.join(LINK_PRESETS)} or pass a measured --network-profile") from None
+                           f"{', '.join(LINK_PRESETS)}, a two-level 'fast+slow' pair of them "
+                           "(e.g. nvlink4+400gbib, ici+dcn), or pass a measured "
+                           "--network-profile") from None
+
+
+def network_preset(name: str, workers: int, per_node: int | None = None,
+                   hierarchical: bool = True) -> NetworkProfile:
+    """A ring-algorithm network profile for a named link preset and worker count.
+
+    A name ``"fast+slow"`` (``"nvlink4+400gbib"``, ``"ici+dcn"``) is a two-level network of
+    ``workers // per_node`` nodes of ``per_node`` devices each (:func:`two_level_network`).
+
+    >>> network_preset("10gbe", 4).meta["algorithm"]
+    'ring'
+    >>> network_preset("nvlink4+400gbib", 64, per_node=8).meta["levels"]
+    {'fast': 'nvlink4', 'slow': '400gbib', 'nodes': 8, 'per_node': 8}
+    """
     if workers < 1:
         raise ProfileError(f"workers={workers} must be >= 1")
+    if "+" in name:
+        fast, _, slow = name.partition("+")
+        if per_node is None or per_node < 1 or workers % per_node:
+            raise ProfileError(f"the two-level network {name!r} needs per_node (devices per "
+                               f"node, --per-node) dividing workers={workers}; got {per_node!r}")
+        return two_level_network(fast, slow, workers // per_node, per_node, hierarchical)
+    link = _link(name)
     return NetworkProfile(workers, ring_costs(link, workers),
                           {"preset": name, "source": link.source, "algorithm": "ring"})
+
+
+def two_level_network(fast: str, slow: str, nodes: int, per_node: int,
+                      hierarchical: bool = True) -> NetworkProfile:
+    """``nodes`` x ``per_node`` devices: ``fast`` links within a node (NVLink, ICI), ``slow``
+    links between nodes (InfiniBand, Ethernet, DCN), one slow link per device (rails).
+
+    With ``hierarchical`` (what :class:`jaxsched.collectives.Hierarchical` runs), with
+    ``F = per_node`` and ``S = nodes``:
+
+    * all-reduce of ``B`` bytes = reduce-scatter over the node (``B``), all-reduce of the
+      ``B / F`` shard across nodes, all-gather over the node (``B``);
+    * reduce-scatter = over the node, then the shard across nodes; all-gather the reverse.
+
+    Without it, one flat ring over all ``F * S`` devices, every step paced by the slow
+    link. Both are alpha-beta costs, so the simulator and the planners take them as any
+    other profile.
+    """
+    f, s = _link(fast), _link(slow)
+    if nodes < 1 or per_node < 1:
+        raise ProfileError(f"nodes={nodes} and per_node={per_node} must be >= 1")
+    within, across = ring_costs(f, per_node), ring_costs(s, nodes)
+    workers = nodes * per_node
+    if hierarchical:
+        def chain(*parts: tuple[CollectiveCost, float]) -> CollectiveCost:
+            return CollectiveCost(sum(c.alpha_s for c, _ in parts),
+                                  sum(c.beta_s_per_byte * share for c, share in parts))
+
+        shard = 1.0 / per_node
+        collectives = {
+            "all_reduce": chain((within["reduce_scatter"], 1.0), (across["all_reduce"], shard),
+                                (within["all_gather"], 1.0)),
+            "reduce_scatter": chain((within["reduce_scatter"], 1.0), (across["reduce_scatter"], shard)),
+            "all_gather": chain((across["all_gather"], shard), (within["all_gather"], 1.0)),
+            "all_to_all": ring_costs(s, workers)["all_to_all"] if nodes > 1 else within["all_to_all"],
+            "ppermute": across["ppermute"] if nodes > 1 else within["ppermute"],
+        }
+        algorithm = "hierarchical ring"
+    else:
+        collectives = ring_costs(s if nodes > 1 else f, workers)
+        algorithm = "flat ring (paced by the slow link)"
+    return NetworkProfile(workers, collectives, {
+        "preset": f"{fast}+{slow}", "source": f"{f.source}; {s.source}", "algorithm": algorithm,
+        "levels": {"fast": fast, "slow": slow, "nodes": nodes, "per_node": per_node}})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,7 +97,7 @@ def test_presets_cite_sources():
     assert all(p.source for p in LINK_PRESETS.values())
     assert all(p.source for p in DEVICE_PRESETS.values())
     assert set(DEVICE_PRESETS) == {"v100", "a100", "h100", "tpu-v5e"}
-    assert set(LINK_PRESETS) == {"1gbe", "10gbe", "25gbe", "100gbib", "nvlink"}
+    assert set(LINK_PRESETS) == {"1gbe", "10gbe", "25gbe", "100gbib", "nvlink", "nvlink4", "400gbib", "ici", "dcn"}
 
 
 @pytest.mark.parametrize("model", ZOO_MODELS)
@@ -141,3 +141,33 @@ def test_network_fixed_costs_round_trip_and_old_files_load(tmp_path):
     assert loaded.dispatch_s == 0 and loaded.copy_s_per_byte == 0
     with pytest.raises(ProfileError, match="dispatch_s"):
         NetworkProfile.from_dict({**old, "dispatch_s": -1})
+
+
+def test_two_level_network_hand_computed():
+    from jaxsched.costmodel import LINK_PRESETS, two_level_network
+
+    f, s = LINK_PRESETS["nvlink4"], LINK_PRESETS["400gbib"]
+    net = two_level_network("nvlink4", "400gbib", nodes=8, per_node=8)
+    nbytes = 100e6
+    # reduce-scatter in the node, all-reduce of 1/8 across 8 nodes, all-gather in the node
+    within = 7 * f.latency_s + 7 / 8 * nbytes / f.bandwidth_bytes_per_s
+    across = 2 * 7 * s.latency_s + 2 * 7 / 8 * (nbytes / 8) / s.bandwidth_bytes_per_s
+    assert net.time("all_reduce", nbytes) == pytest.approx(2 * within + across)
+    assert net.time("reduce_scatter", nbytes) == pytest.approx(
+        within + 7 * s.latency_s + 7 / 8 * (nbytes / 8) / s.bandwidth_bytes_per_s)
+    flat = two_level_network("nvlink4", "400gbib", nodes=8, per_node=8, hierarchical=False)
+    assert flat.time("all_reduce", nbytes) == pytest.approx(
+        2 * 63 * s.latency_s + 2 * 63 / 64 * nbytes / s.bandwidth_bytes_per_s)
+    # the hierarchy sends 1/8 of the bytes over the slow links (and NVLink is 9x faster)
+    assert net.time("all_reduce", nbytes) < 0.25 * flat.time("all_reduce", nbytes)
+    assert net.workers == 64 and net.meta["levels"]["per_node"] == 8
+
+
+def test_two_level_preset_needs_devices_per_node():
+    from jaxsched.costmodel import ProfileError, network_preset
+
+    assert network_preset("ici+dcn", 16, per_node=4).workers == 16
+    with pytest.raises(ProfileError, match="needs per_node"):
+        network_preset("ici+dcn", 16)
+    with pytest.raises(ProfileError, match="unknown network preset 'infiniband'.*fast\\+slow"):
+        network_preset("nvlink4+infiniband", 16, per_node=8)

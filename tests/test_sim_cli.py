@@ -56,3 +56,20 @@ def test_simulate_reports_bad_input_clearly(tmp_path, capsys):
     assert "--strategies: 'fastest' is unknown; choose from allreduce, wfbp" in err
     assert main(["simulate", "--model", "vgg16", "--strategies", "wfbp+zip", "--no-progress"]) == 2
     assert "compression 'zip' in 'wfbp+zip' is unknown; use +topk or +gtopk" in capsys.readouterr().err
+
+
+def test_simulate_a_two_level_cluster_hierarchical_and_flat(tmp_path):
+    import json
+
+    from jaxsched.cli import main
+
+    out = {}
+    for name, extra in (("hier", []), ("flat", ["--flat"])):
+        path = tmp_path / f"{name}.json"
+        assert main(["simulate", "--model", "resnet50", "--workers", "64", "--network",
+                     "nvlink4+400gbib", "--per-node", "8", "--device", "h100", "--strategies",
+                     "allreduce", "--no-progress", "--json", str(path)] + extra) in (0, None)
+        out[name] = json.loads(path.read_text())
+    assert out["hier"]["simulated"] is True
+    hier, flat = (out[k]["strategies"]["allreduce"]["iteration_s"] for k in ("hier", "flat"))
+    assert hier < flat

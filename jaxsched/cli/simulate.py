@@ -3,6 +3,7 @@
 Examples:
     jaxsched simulate --model resnet50 --workers 64 --network 10gbe --device v100 \\
         --strategies allreduce,wfbp,mgwfbp,bytescheduler,dear,approx --planner optimal
+    jaxsched simulate --model gpt2 --workers 64 --network nvlink4+400gbib --per-node 8 --device h100
     jaxsched simulate --profile layers.json --network-profile net.json --json out.json
     jaxsched profile --model mlp --out layers.json --network-out net.json
 """
@@ -43,6 +44,25 @@ def check_strategy(name: str) -> None:
                          f"+{' or +'.join(COMPRESSIONS)}")
 
 
+def _levels(network: NetworkProfile) -> str:
+    levels = network.meta.get("levels")
+    if not levels:
+        return ""
+    return (f" ({levels['nodes']} nodes x {levels['per_node']} devices, "
+            f"{network.meta.get('algorithm')})")
+
+
+def network_name(text: str) -> str:
+    """A link preset, or two joined by ``+`` (fast within a node, slow between nodes)."""
+    parts = text.split("+")
+    unknown = [p for p in parts if p not in LINK_PRESETS]
+    if unknown or len(parts) > 2:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use one of {', '.join(sorted(LINK_PRESETS))}, or 'fast+slow' "
+            "(e.g. nvlink4+400gbib, ici+dcn)")
+    return text
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``simulate`` and ``profile``."""
     from jaxsched.zoo_profiles import ZOO_MODELS
@@ -54,7 +74,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--profile", type=existing_file,
                      help="layer profile JSON (from `jaxsched profile` or your own)")
     sim.add_argument("--workers", type=positive_int, default=DEFAULT_WORKERS, help="data-parallel workers")
-    sim.add_argument("--network", choices=sorted(LINK_PRESETS), default="10gbe", help="link preset")
+    sim.add_argument("--network", type=network_name, default="10gbe",
+                     help=f"link preset ({', '.join(sorted(LINK_PRESETS))}) or a two-level "
+                          "'fast+slow' pair of them, e.g. nvlink4+400gbib (then --per-node)")
+    sim.add_argument("--per-node", type=positive_int,
+                     help="devices per node on a two-level --network (default 8)")
+    sim.add_argument("--flat", action="store_true",
+                     help="on a two-level --network, one flat ring over all devices instead of "
+                          "the hierarchical all-reduce")
     sim.add_argument("--network-profile", type=existing_file,
                      help="network profile JSON; overrides --network/--workers")
     sim.add_argument("--device", choices=sorted(DEVICE_PRESETS), default="v100",
@@ -139,7 +166,12 @@ def _inputs(args: argparse.Namespace) -> tuple[LayerProfile, NetworkProfile, str
             print(f"note: {args.network_profile} was measured on {network.workers} workers; "
                   f"--workers {args.workers} is ignored", file=sys.stderr)
     else:
-        network = network_preset(args.network, args.workers)
+        two_level = "+" in args.network
+        if not two_level and (args.per_node or args.flat):
+            raise ValueError(f"--per-node and --flat describe a two-level network; "
+                             f"--network {args.network} is one level (try nvlink4+{args.network})")
+        per_node = (args.per_node or 8) if two_level else None
+        network = network_preset(args.network, args.workers, per_node, hierarchical=not args.flat)
     return layers, network, label
 
 
@@ -197,8 +229,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     bound, compute_min, comm_min = lower_bound(layers, network)
     reference = results.get("allreduce")
     print(f"{label}: {len(layers)} layers, {layers.total_params / 1e6:.2f}M params, "
-          f"{network.workers} workers, {network.meta.get('preset', args.network_profile)} "
-          f"-- SIMULATED")
+          f"{network.workers} workers, {network.meta.get('preset', args.network_profile)}"
+          f"{_levels(network)} -- SIMULATED")
     print(f"compute {compute_min * 1e3:.1f} ms, one all-reduce of all gradients "
           f"{comm_min * 1e3:.1f} ms, bound max(compute, comm) {bound * 1e3:.1f} ms")
     header = f"{'strategy':<20} {'planner':<12} {'buckets':>7} {'iter ms':>10} {'speedup':>8} {'% of bound':>10}"

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from jaxsched.analyze import Analysis
+from jaxsched.axes import as_axes
 from jaxsched.costmodel import (CollectiveCost, CommPattern, Layer, LayerProfile, NetworkProfile,
                                 network_preset)
 from jaxsched.engine.base import EngineCosts
@@ -128,7 +129,10 @@ def step_network_profile(analysis: Analysis, network_profile: NetworkProfile | s
     added to every collective's start-up."""
     cap = analysis.captured
     if isinstance(network_profile, str):
-        network = network_preset(network_profile, cap.axis_size)
+        # a two-level preset: the step's first data axis is the slow one, the rest one node
+        first = as_axes(cap.axis_name)[0]
+        network = network_preset(network_profile, cap.axis_size,
+                                 per_node=cap.axis_size // cap.mesh.shape[first])
     elif network_profile is None:
         from jaxsched.profile import agree_on_network, profile_network
 
