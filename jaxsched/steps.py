@@ -59,7 +59,7 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     return tx
 
 
-def local_step_fn(apply_fn: Callable, tx: optax.GradientTransformation, axis: str) -> Step:
+def local_step_fn(apply_fn: Callable, tx: optax.GradientTransformation, axis: str | tuple[str, ...]) -> Step:
     """The per-device body: gradients on the local batch, pmean'ed over ``axis``."""
 
     def local_step(params, opt_state, batch):
@@ -80,8 +80,9 @@ def local_step_fn(apply_fn: Callable, tx: optax.GradientTransformation, axis: st
 
 
 def make_step(apply_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh,
-              axis: str = "data") -> Step:
-    """A jitted ``jax.shard_map`` step: replicated params/opt_state, batch sharded on ``axis``."""
+              axis: str | tuple[str, ...] = "data") -> Step:
+    """A jitted ``jax.shard_map`` step: replicated params/opt_state, batch sharded on ``axis``
+    (one mesh axis, or a tuple such as ``("dcn", "ici")``: data parallel over several)."""
     body = local_step_fn(apply_fn, tx, axis)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis)),
                                  out_specs=(P(), P(), P()), check_vma=False))

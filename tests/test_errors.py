@@ -80,6 +80,47 @@ def _wrong_shape(_):
     sched(state._replace(params=bad), batch)
 
 
+def _two_axis_mesh():
+    return jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4])
+
+
+def _grads_over_a_model_axis(_):
+    mesh = _two_axis_mesh()
+
+    def body(p, s, x):
+        g = lax.pmean(jax.grad(lambda q: jnp.sum(q["w"] * x))(p), ("data", "model"))
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                 out_specs=(P(), P(), P()), check_vma=False))
+    sched = jaxsched.schedule(step, strategy="wfbp")
+    sched(sched.init({"w": np.ones(3, np.float32)}, ()),
+          jax.device_put(np.ones((4, 3), np.float32), jax.NamedSharding(mesh, P("data"))))
+
+
+def _kfac_on_model_sharded_params(_):
+    mesh = _two_axis_mesh()
+    tx = optax.sgd(0.1)
+
+    def body(p, s, x):
+        def loss(q):
+            return jnp.sum(lax.psum(jnp.tanh(x @ q["w"]), "model"))
+        g = lax.pmean(jax.grad(loss)(p), "data")
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=({"w": P(None, "model")}, P(), P("data")),
+                                 out_specs=({"w": P(None, "model")}, P(), P()), check_vma=False))
+    sched = jaxsched.schedule(step, strategy="kfac")
+    w = jax.device_put(np.ones((3, 4), np.float32), jax.NamedSharding(mesh, P(None, "model")))
+    sched(sched.init({"w": w}, ()),
+          jax.device_put(np.ones((4, 3), np.float32), jax.NamedSharding(mesh, P("data"))))
+
+
+def _hierarchical_on_one_axis(_):
+    sched, state, batch, _p = _mlp_step("wfbp", collective=jaxsched.collectives.Hierarchical("ici", "dcn"))
+    sched(state, batch)
+
+
 CASES = {
     "unknown strategy": (lambda _: jaxsched.schedule(lambda *a: a, strategy="deer"),
                          ValueError, "strategy='deer' is unknown; choose one of"),
@@ -122,6 +163,14 @@ CASES = {
                                             "kfac found no dense or convolution layer in the step"),
     "state leaf of another shape": (_wrong_shape, ValueError,
                                     "state leaf params/head/bias has shape (3,); expected the user's"),
+    "gradients reduced over a model axis": (_grads_over_a_model_axis, jaxsched.UnsupportedStepError,
+                                            "gradients are reduced over axes ('data', 'model') at"),
+    "K-FAC on a tensor-parallel layer": (_kfac_on_model_sharded_params, jaxsched.UnsupportedStepError,
+                                         "kfac preconditions whole layers, but params/w is sharded over "
+                                         "the model axes ('model',)"),
+    "Hierarchical on other axes": (_hierarchical_on_one_axis, ValueError,
+                                   "Hierarchical(fast='ici', slow='dcn') needs a step whose "
+                                   "data-parallel axes are exactly ('dcn', 'ici')"),
 }
 
 

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jaxsched
 from jaxsched.capture import UnsupportedStepError
 from jaxsched.collectives import BucketSpec, Collective, Hierarchical, hierarchy_from_mesh, slow_axes
+from jaxsched.collectives.hierarchical import default_collective_for
 from jaxsched.compress import TopK, bytes_sent
 
 from equivalence import assert_trees_close
@@ -200,6 +201,10 @@ def test_the_mesh_names_the_slow_axis():
     assert slow_axes(mesh, ("dcn", "ici")) == ("dcn",)
     chosen = hierarchy_from_mesh(mesh, ("dcn", "ici"))
     assert (chosen.fast, chosen.slow) == (("ici",), ("dcn",))
+    # XLA:TPU lowers the flat sum over slices in two levels itself: left to it by default
+    assert default_collective_for(mesh, ("dcn", "ici")) is None
+    hosts = jax.sharding.Mesh(np.array(aot.devices("h100", "1x2x4")).reshape(2, 4), ("hosts", "local"))
+    assert (default_collective_for(hosts, ("hosts", "local")).slow) == ("hosts",)
     # virtual CPU devices of one process name no slow axis: the flat sum stays
     local = jax.make_mesh((2, 4), ("dcn", "ici"), devices=jax.devices()[:8])
     assert slow_axes(local, ("dcn", "ici")) == () and hierarchy_from_mesh(local, ("dcn", "ici")) is None

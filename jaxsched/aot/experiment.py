@@ -85,11 +85,18 @@ class AbstractExperiment:
         return sum(math.prod(a.shape) for a in jax.tree.leaves(self.params))
 
 
-def mesh_for(target: str, axis: str = "data") -> Mesh:
-    """A one-axis mesh over the compile-only devices of ``target`` (``"h100:1x2x4"``,
-    ``"v5p:2x2x2:slices=2"``; see :func:`jaxsched.aot.parse_target`)."""
+def mesh_for(target: str, axis: str | tuple[str, str] = "data") -> Mesh:
+    """A mesh over the compile-only devices of ``target`` (``"h100:1x2x4"``,
+    ``"v5p:2x2x2:slices=2"``; see :func:`jaxsched.aot.parse_target`): one axis, or with two
+    names (``("dcn", "ici")``, ``("hosts", "local")``) the slices (else the hosts) by the
+    devices within one."""
     name, topology, slices = aot.parse_target(target)
-    return Mesh(np.array(aot.devices(name, topology, slices=slices)), (axis,))
+    devices = np.array(aot.devices(name, topology, slices=slices))
+    if isinstance(axis, str):
+        return Mesh(devices, (axis,))
+    outer = len({getattr(d, "slice_index", 0) or 0 for d in devices}) if slices > 1 else \
+        len({d.process_index for d in devices})
+    return Mesh(devices.reshape(outer, -1), tuple(axis))
 
 
 def abstract_experiment(spec: ModelSpec, *, target: str | None = None, mesh: Mesh | None = None
@@ -98,7 +105,7 @@ def abstract_experiment(spec: ModelSpec, *, target: str | None = None, mesh: Mes
     if (target is None) == (mesh is None):
         raise ValueError("pass target= (e.g. 'h100:1x2x4') or mesh=, exactly one")
     mesh = mesh if mesh is not None else mesh_for(target)
-    axis = mesh.axis_names[0]
+    axis = mesh.axis_names[0] if len(mesh.axis_names) == 1 else tuple(mesh.axis_names)
     model = nnx.eval_shape(lambda: models.build(spec.name, spec.input_shape, spec.num_outputs,
                                                 **spec.options))
     params, apply_fn = models.pure(model)
@@ -108,7 +115,7 @@ def abstract_experiment(spec: ModelSpec, *, target: str | None = None, mesh: Mes
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
     params = as_abstract(params, replicated)
     opt_state = as_abstract(jax.eval_shape(tx.init, params), replicated)
-    n = mesh.shape[axis]
+    n = mesh.devices.size
     rows = spec.batch_per_device * n
     sharded = NamedSharding(mesh, P(axis))
     x_dtype = jnp.int32 if spec.name == "transformer" else jnp.float32

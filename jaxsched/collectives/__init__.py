@@ -2,7 +2,7 @@
 two-level :class:`Hierarchical` plug in here."""
 from jaxsched.collectives.base import (FORMS, BucketSpec, Collective, CollectiveWrapper, PlainCollective,
                                        stack_local, stacked_zeros, unstack_local)
-from jaxsched.collectives.hierarchical import Hierarchical, hierarchy_from_mesh, slow_axes
+from jaxsched.collectives.hierarchical import Hierarchical, default_collective_for, hierarchy_from_mesh, slow_axes
 
 __all__ = ["FORMS", "BucketSpec", "Collective", "CollectiveWrapper", "Hierarchical", "PlainCollective",
-           "hierarchy_from_mesh", "slow_axes", "stack_local", "stacked_zeros", "unstack_local"]
+           "default_collective_for", "hierarchy_from_mesh", "slow_axes", "stack_local", "stacked_zeros", "unstack_local"]

@@ -43,7 +43,7 @@ from jax import lax
 from jaxsched.axes import as_axes
 from jaxsched.collectives.base import BucketSpec, Collective
 
-__all__ = ["Hierarchical", "hierarchy_from_mesh", "slow_axes"]
+__all__ = ["Hierarchical", "default_collective_for", "hierarchy_from_mesh", "slow_axes"]
 
 
 class Hierarchical(Collective):
@@ -188,3 +188,13 @@ def hierarchy_from_mesh(mesh: Any, axes: Any) -> Hierarchical | None:
     if not slow or not fast:
         return None
     return Hierarchical(fast=fast, slow=slow)
+
+
+def default_collective_for(mesh: Any, axes: Any) -> Hierarchical | None:
+    """The collective jaxsched uses when the user chose none: :func:`hierarchy_from_mesh`,
+    except on TPU. XLA:TPU already lowers a flat sum over slices in two levels (an ICI
+    all-reduce, then ``1/F`` of it over DCN as send/recv), and estimates the explicit
+    hierarchy slower (``benchmarks/hierarchical.py``), so the flat sum is left to it."""
+    if mesh.devices.flat[0].platform == "tpu":
+        return None
+    return hierarchy_from_mesh(mesh, axes)

@@ -134,14 +134,15 @@ class Strategy(abc.ABC):
 
     def for_mesh(self, captured: Any) -> "Strategy":
         """This strategy with the collective the mesh calls for: when the step is data
-        parallel over several mesh axes and the devices say which are slow (another TPU
-        slice, another host), a :class:`~jaxsched.collectives.Hierarchical` sum, unless the
-        user chose a collective."""
-        from jaxsched.collectives.hierarchical import hierarchy_from_mesh
+        parallel over several mesh axes and the devices say which are slow (another
+        host), a :class:`~jaxsched.collectives.Hierarchical` sum, unless the user chose a
+        collective. On TPU, XLA lowers the flat sum in two levels itself
+        (:func:`~jaxsched.collectives.hierarchical.default_collective_for`)."""
+        from jaxsched.collectives.hierarchical import default_collective_for
 
         if not (self.accepts_collective and getattr(self, "default_collective", False)):
             return self
-        hierarchy = hierarchy_from_mesh(captured.mesh, captured.axis_name)
+        hierarchy = default_collective_for(captured.mesh, captured.axis_name)
         if hierarchy is None:
             return self
         chosen = copy.copy(self)
