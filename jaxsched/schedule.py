@@ -214,9 +214,11 @@ def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dea
     """Schedule the gradient communication of a data-parallel ``train_step``.
 
     Args:
-      train_step: ``(params, opt_state, batch) -> (params, opt_state, aux)`` whose body is a
-        ``jax.shard_map`` over a mesh axis (jitted or not) or a ``jax.pmap``, reducing the
-        gradients with ``lax.pmean``/``lax.psum`` (or implicitly via ``check_vma``).
+      train_step: ``(params, opt_state, batch) -> (params, opt_state, aux)``, or ``(state,
+        batch) -> (state, aux)`` over any pytree state (a Flax ``TrainState``, a dataclass, a
+        dict; :mod:`jaxsched.state_step`), whose body is a ``jax.shard_map`` over a mesh axis
+        (jitted or not) or a ``jax.pmap``, reducing the gradients with
+        ``lax.pmean``/``lax.psum`` (or implicitly via ``check_vma``).
         Omit it to use ``schedule`` as a decorator: ``@jaxsched.schedule(strategy="wfbp")``.
       strategy: a registered name (``jaxsched.STRATEGIES``: ``allreduce``, the step
         unchanged; ``wfbp``, one all-reduce per bucket in backward; ``dear``,

@@ -217,12 +217,17 @@ def find_layout(step: Callable, state: Any, batch: Any) -> StateLayout:
     trained = []
     for name, leaf in zip(names, leaves):
         i = position[name]
-        trained.append(is_float(jax.numpy.result_type(leaf)) and reaches_varying[i]
+        trained.append(is_float(_dtype(leaf)) and reaches_varying[i]
                        and from_reduction[i] and from_itself[i])
     if not any(trained):
         raise UnsupportedStepError(_nothing_trained(names, leaves, position, reaches_varying,
                                                     from_reduction, from_itself, captured.axis_name))
     return StateLayout(treedef, names, tuple(trained))
+
+
+def _dtype(leaf: Any) -> Any:
+    """A leaf's dtype: arrays, ``jax.ShapeDtypeStruct`` and Python scalars alike."""
+    return leaf.dtype if hasattr(leaf, "dtype") else jax.numpy.result_type(leaf)
 
 
 def _dependencies(captured: Any, analysis: Any) -> tuple[list[bool], list[bool], list[bool]]:
@@ -268,7 +273,7 @@ def _nothing_trained(names, leaves, position, reaches_varying, from_reduction, f
     rows = []
     for name, leaf in zip(names, leaves):
         i = position[name]
-        why = ("not a float" if not is_float(jax.numpy.result_type(leaf)) else
+        why = ("not a float" if not is_float(_dtype(leaf)) else
                "forward and backward never combine it with the batch" if not reaches_varying[i] else
                f"its new value does not come from a reduction over {axis!r}"
                if not from_reduction[i] else "its new value is only the reduction's result")

@@ -259,6 +259,29 @@ def test_lazy_and_eager_init_give_the_same_training():
     finalized = sched.finalize(b)
     assert isinstance(finalized, TrainState) and finalized.apply_fn is state.apply_fn
     assert finalized.tx is state.tx and int(finalized.step) == 3
+    assert "reduce_scatter" in sched.lower(b, batches[0]).as_text()
+
+
+def test_a_pmap_train_state_step():
+    devices = jax.devices()[:4]
+    n = len(devices)
+
+    def body(state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(
+            lambda p: _xent(state.apply_fn({"params": p}, x), y))(state.params)
+        return state.apply_gradients(grads=lax.pmean(grads, "data")), lax.pmean(loss, "data")
+
+    step = jax.pmap(body, axis_name="data", devices=devices)
+    state = jax.tree.map(lambda a: np.stack([np.asarray(a)] * n), _train_state())
+    rng = np.random.default_rng(5)
+    batches = [(rng.standard_normal((n, 2, FEATURES)).astype(np.float32),
+                rng.integers(0, CLASSES, (n, 2)).astype(np.int32)) for _ in range(3)]
+    plain, plain_aux = _plain(step, state, batches)
+    sched = jaxsched.schedule(step, strategy="dear", buckets=200)
+    sstate, sched_aux = _scheduled(sched, sched.init(state), batches)
+    _assert_same(sched.finalize(sstate), plain)
+    assert_trees_close(sched_aux, plain_aux)
 
 
 def test_checkpoint_round_trip_resumes_exactly(tmp_path):
