@@ -77,7 +77,7 @@ from jaxsched.capture import UnsupportedStepError, capture
 if TYPE_CHECKING:  # the adapter wraps Scheduled; schedule imports this module lazily
     from jaxsched.schedule import Scheduled
 
-__all__ = ["SIGNATURES", "StateLayout", "UnsplitState", "find_layout", "step_form"]
+__all__ = ["SIGNATURES", "StateForm", "StateLayout", "UnsplitState", "find_layout", "step_form"]
 
 #: the two step forms jaxsched.schedule accepts, as error messages state them
 SIGNATURES = ("step(params, opt_state, batch) -> (params, opt_state, aux) or "
@@ -176,6 +176,7 @@ class StateLayout:
             return (*self.split(new_state), aux)
 
         pure_step.__name__ = getattr(step, "__name__", "train_step")
+        pure_step.__wrapped__ = step  # as jaxsched.nnx: tools that unwrap find the user's step
         return pure_step
 
 
