@@ -161,7 +161,9 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any,
         found = sorted({e.primitive.name for e in jaxpr.eqns}) or ["nothing"]
         raise UnsupportedStepError(
             "found no jax.shard_map or jax.pmap in the step (its top level computes "
-            f"{', '.join(found)}); write the per-device work inside shard_map over a mesh axis")
+            f"{', '.join(found)}): a jax.jit step whose shardings leave the gradient reduction to "
+            "XLA has no reduction to schedule; write the per-device work inside jax.shard_map over "
+            "a mesh axis with lax.pmean of the gradients (README.md#wrap-your-step shows one)")
     if len(jaxpr.eqns) != 1:
         others = sorted({e.primitive.name for e in jaxpr.eqns if e.primitive.name != "shard_map"})
         raise UnsupportedStepError(

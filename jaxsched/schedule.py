@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -26,6 +27,7 @@ from jaxsched.capture import abstract_leaf, capture
 from jaxsched.collectives.base import Collective
 from jaxsched.engine import Engine, make_engine
 from jaxsched.program import Program, ProgramCache, build_program
+from jaxsched.state_step import STATE, StateForm, UnsplitState, step_form
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
 
 PLAN_OPTIONS = ("layer_profile", "network_profile", "planner")
@@ -65,17 +67,35 @@ class Scheduled:
         self._template: tuple[Any, Any] | None = None
         self._programs = ProgramCache(self._build)
         self._pending_state: NamedTuple | None = None
+        self._form: str | None = None  # "trees" or "state": decided by the first init
+        self._state_form: StateForm | None = None  # a step(state, batch) delegates to it
         functools.update_wrapper(self, step, updated=())
 
     # -- public API -----------------------------------------------------------------------
-    def init(self, params: Any, opt_state: Any, batch: Any = None) -> NamedTuple:
-        """Ordinary trees in, scheduled state out.
+    def init(self, *args: Any, batch: Any = None) -> NamedTuple:
+        """Ordinary trees in, scheduled state out: ``init(params, opt_state[, batch])`` for a
+        ``step(params, opt_state, batch)``, ``init(state[, batch])`` for a ``step(state,
+        batch)`` (:mod:`jaxsched.state_step` says how the form is told apart).
 
         Without ``batch`` the leaves keep the user's layout until the first step converts
         them (the step can only be traced once a batch is known). With an example
         ``batch`` the state comes back in its scheduled layout at once, which is what a
         checkpoint restore needs as its target.
         """
+        form = step_form(self.step, len(args), batch is not None)
+        if self._form not in (None, form):
+            raise TypeError(f"this schedule was initialized in the {self._form} form "
+                            f"({'init(state)' if self._form == STATE else 'init(params, opt_state)'})"
+                            f"; sched.init got the {form} form's arguments")
+        self._form = form
+        if form == STATE:
+            self._state_form = self._state_form or StateForm(self)
+            return self._state_form.init(args[0], args[1] if len(args) == 2 else batch)
+        params, opt_state = args[:2]
+        batch = args[2] if len(args) == 3 else batch
+        return self._init_trees(params, opt_state, batch)
+
+    def _init_trees(self, params: Any, opt_state: Any, batch: Any) -> NamedTuple:
         self._template = jax.tree.map(abstract_leaf, (params, opt_state))
         state = self.strategy.initial_state(params, opt_state)
         if batch is None:
@@ -84,16 +104,23 @@ class Scheduled:
 
     def __call__(self, state: NamedTuple, batch: Any) -> tuple[NamedTuple, Any]:
         """One training step; returns the new state and the step's aux, as the plain step would."""
+        if self._state_form_for(state):
+            return self._state_form(state, batch)
         return self._program_for(state, batch).run(state, batch)
 
     def finalize(self, state: NamedTuple) -> tuple[Any, Any]:
-        """Back to ordinary ``(params, opt_state)`` (performs pending all-gathers)."""
+        """Back to ordinary ``(params, opt_state)``, or the user's state object for a
+        ``step(state, batch)`` (performs pending all-gathers)."""
+        if self._state_form_for(state):
+            return self._state_form.finalize(state)
         if self._programs.last is None:  # never traced here: only a state in the user's layout
             return self.strategy.finalize_untraced(state)
         return self._programs.last.finalize(state)
 
     def lower(self, state: NamedTuple, batch: Any):
         """The lowered scheduled program (StableHLO), e.g. to inspect where collectives sit."""
+        if self._state_form_for(state):
+            return self._state_form.scheduled(state, batch, "lower")
         return self._program_for(state, batch).lower(state, batch)
 
     def inspect(self, state: NamedTuple, batch: Any, *, baseline: bool = True):
@@ -110,6 +137,8 @@ class Scheduled:
         """
         from jaxsched import inspect as inspect_lib
 
+        if self._state_form_for(state):
+            return self._state_form.scheduled(state, batch, "inspect", baseline=baseline)
         program = self._program_for(state, batch)
         report = program.inspect(state, batch)
         plain = None
@@ -137,11 +166,17 @@ class Scheduled:
         """
         from jaxsched.verify import verify
 
+        if self._state_form_for(state):
+            batches = list(itertools.islice(iter(batches), steps))
+            inner, state = self._state_form.scheduled_state(state, batches[0] if batches else None)
+            return inner.verify(state, batches, steps, rtol, baseline_factor, precision)
         return verify(self, state, batches, steps, rtol, baseline_factor, precision)
 
     @property
     def program(self) -> Program:
         """The program of the most recent call."""
+        if self._state_form is not None and self._state_form.inner is not None:
+            return self._state_form.inner.program
         if self._programs.last is None:
             raise RuntimeError("the step has not been traced yet: call it once (or lower()) first")
         return self._programs.last
@@ -149,9 +184,17 @@ class Scheduled:
     @property
     def num_programs(self) -> int:
         """How many input signatures have been traced (one program each)."""
+        if self._state_form is not None and self._state_form.inner is not None:
+            return self._state_form.inner.num_programs
         return len(self._programs)
 
     # -- internals -------------------------------------------------------------------------
+    def _state_form_for(self, state: Any) -> StateForm | None:
+        """The state-form adapter if this schedule runs a ``step(state, batch)``."""
+        if self._state_form is None and isinstance(state, UnsplitState):
+            self._form, self._state_form = STATE, StateForm(self)
+        return self._state_form
+
     def _program_for(self, state: NamedTuple, batch: Any) -> Program:
         if self._template is None:
             self._template = (state.params, state.opt_state)
@@ -171,9 +214,11 @@ def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dea
     """Schedule the gradient communication of a data-parallel ``train_step``.
 
     Args:
-      train_step: ``(params, opt_state, batch) -> (params, opt_state, aux)`` whose body is a
-        ``jax.shard_map`` over a mesh axis (jitted or not) or a ``jax.pmap``, reducing the
-        gradients with ``lax.pmean``/``lax.psum`` (or implicitly via ``check_vma``).
+      train_step: ``(params, opt_state, batch) -> (params, opt_state, aux)``, or ``(state,
+        batch) -> (state, aux)`` over any pytree state (a Flax ``TrainState``, a dataclass, a
+        dict; :mod:`jaxsched.state_step`), whose body is a ``jax.shard_map`` over a mesh axis
+        (jitted or not) or a ``jax.pmap``, reducing the gradients with
+        ``lax.pmean``/``lax.psum`` (or implicitly via ``check_vma``).
         Omit it to use ``schedule`` as a decorator: ``@jaxsched.schedule(strategy="wfbp")``.
       strategy: a registered name (``jaxsched.STRATEGIES``: ``allreduce``, the step
         unchanged; ``wfbp``, one all-reduce per bucket in backward; ``dear``,

@@ -120,6 +120,36 @@ def _hierarchical_on_one_axis(_):
     sched, state, batch, _p = _mlp_step("wfbp", collective=jaxsched.collectives.Hierarchical("ici", "dcn"))
     sched(state, batch)
 
+def _jit_with_shardings(_):
+    mesh = _mesh()
+    rows = jax.NamedSharding(mesh, P("data"))
+
+    def step(state, x):  # GSPMD: XLA would insert the gradient all-reduce itself
+        g = jax.grad(lambda w: jnp.mean((x * w) ** 2))(state["w"])
+        return {"w": state["w"] - 0.1 * g}, jnp.zeros(())
+
+    step = jax.jit(step, in_shardings=(jax.NamedSharding(mesh, P()), rows))
+    sched = jaxsched.schedule(step)
+    sched(sched.init({"w": np.ones(3, np.float32)}), jax.device_put(np.ones((4, 3), np.float32), rows))
+
+
+def _state_step(body, state):
+    mesh = _mesh()
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
+                                 check_vma=False))
+    sched = jaxsched.schedule(step)
+    return sched(sched.init(state), jax.device_put(np.ones((4, 3), np.float32),
+                                                   jax.NamedSharding(mesh, P("data"))))
+
+
+def _extra_output(state, x):
+    g = lax.pmean(jax.grad(lambda w: jnp.sum(jnp.sin(w * x)))(state["w"]), "data")
+    return {"w": state["w"] - g, "extra": g}, jnp.zeros(())
+
+
+def _running_mean(state, x):
+    return {"mean": 0.5 * state["mean"] + lax.pmean(x.mean(0), "data")}, jnp.zeros(())
+
 
 CASES = {
     "unknown strategy": (lambda _: jaxsched.schedule(lambda *a: a, strategy="deer"),
@@ -136,6 +166,19 @@ CASES = {
                                 "the gradients are reduced over 'data' inside a nested scan at"),
     "outputs in another structure": (lambda _: _custom(_renamed_output), jaxsched.UnsupportedStepError,
                                      "the step's output params has structure"),
+    "`jax.jit` step with shardings, no `shard_map`": (
+        _jit_with_shardings, jaxsched.UnsupportedStepError,
+        "found no jax.shard_map or jax.pmap in the step (its top level computes"),
+    "step of another arity": (lambda _: jaxsched.schedule(lambda m, o, metrics, b: b).init(1, 2, 3),
+                              TypeError, "the step takes 4 positional argument(s); jaxsched.schedule "
+                              "accepts step(params, opt_state, batch) -> (params, opt_state, aux) or "
+                              "step(state, batch) -> (state, aux)"),
+    "output state in another structure": (
+        lambda _: _state_step(_extra_output, {"w": np.ones(3, np.float32)}),
+        jaxsched.UnsupportedStepError, "the step's output state has structure"),
+    "state with nothing trained": (
+        lambda _: _state_step(_running_mean, {"mean": np.zeros(3, np.float32)}),
+        jaxsched.UnsupportedStepError, "found no trained parameter in the state"),
     "not (params, opt_state, aux)": (lambda _: _custom(_two_outputs, (P(), P())),
                                      jaxsched.UnsupportedStepError,
                                      "the step must return (params, opt_state, aux)"),
@@ -182,6 +225,13 @@ def test_bad_input_gets_the_message_the_readme_quotes(case):
     row = [line for line in README.splitlines() if line.startswith(f"| {case} |")]
     assert row, f"README's table of bad inputs has no row for {case!r}"
     assert message.replace("|", "\\|") in row[0], f"README quotes another message for {case!r}"
+
+
+def test_a_step_without_shard_map_is_pointed_to_the_readme_section_that_shows_one():
+    with pytest.raises(jaxsched.UnsupportedStepError, match="README.md#wrap-your-step") as info:
+        _jit_with_shardings(None)
+    assert "no reduction to schedule" in str(info.value)
+    assert "\n## Wrap your step\n" in README  # the anchor #wrap-your-step
 
 
 def test_the_readme_table_has_at_least_ten_classes():

@@ -41,6 +41,7 @@ TINY = {  # a few seconds each: small models, 2 devices
                'name = "synthetic_tokens"\nbatch_size = 8\nn = 64\nseq_len = 8\nvocab_size = 16\n'
                '[train]\nsteps = 3\ndevices = 2\n',
 }
+TINY["trainstate_digits"] = TINY["digits"]
 
 
 def _tiny(tmp_path: Path, name: str) -> str:
@@ -64,7 +65,8 @@ def _rows(path: Path) -> list[dict]:
 # programs take longer to compile and run in the slow README test.
 RUNS = {"digits": ["--strategy", "dear", "--compression", "topk:0.1", "--buckets", "hidden;head"],
         "cifar_synthetic": ["--strategy", "wfbp", "--buckets", "2000"],
-        "tiny_lm": ["--strategy", "allreduce"]}
+        "tiny_lm": ["--strategy", "allreduce"],
+        "trainstate_digits": ["--strategy", "wfbp", "--buckets", "params/Dense_0;params/Dense_1"]}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,8 @@ def digits_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("name", ["digits", pytest.param("cifar_synthetic", marks=pytest.mark.slow),
-                                  pytest.param("tiny_lm", marks=pytest.mark.slow)])
+                                  pytest.param("tiny_lm", marks=pytest.mark.slow),
+                                  pytest.param("trainstate_digits", marks=pytest.mark.slow)])
 def test_each_trainer_runs_and_writes_metrics_summary_plot_and_checkpoints(
         request, tmp_path, name):
     if name == "digits":
@@ -95,6 +98,8 @@ def test_each_trainer_runs_and_writes_metrics_summary_plot_and_checkpoints(
     assert steps[-1] == summary["steps"] and 2 in steps
     if name == "digits":
         assert summary["buckets_used"] == 2 and summary["compression"].startswith("TopK")
+    if name == "trainstate_digits":
+        assert summary["buckets_used"] == 2 and summary["trained_steps"] == summary["steps"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -152,6 +157,25 @@ def test_digits_dear_reaches_the_same_accuracy_as_allreduce(tmp_path):
     assert plain["test_accuracy"] > 0.9
     assert abs(dear["test_accuracy"] - plain["test_accuracy"]) <= 1 / 359  # one test image
     assert dear["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_trainstate_digits_learns_and_resumes_exactly(tmp_path):
+    """The Flax linen + TrainState trainer: dear beats chance (10%) clearly, and 40 steps,
+    resume, 40 more give the losses of 80 straight steps."""
+    config = str(ROOT / "configs" / "mlp_digits.toml")
+    trainer = _load("trainstate_digits")
+    common = ["--config", config, "--strategy", "dear", "--no-progress", "--checkpoint-every", "40"]
+    assert trainer.main([*common, "--steps", "80", "--out", str(tmp_path / "straight")]) == 0
+    summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
+    assert summary["test_accuracy"] > 0.8 and summary["trained_steps"] == 80
+    assert trainer.main([*common, "--steps", "40", "--out", str(tmp_path / "resumed")]) == 0
+    assert trainer.main([*common, "--steps", "80", "--resume", "--out", str(tmp_path / "resumed")]) == 0
+    resumed = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert resumed["resumed_from"] == 40 and resumed["trained_steps"] == 80
+    losses = lambda run: [r["loss"] for r in _rows(tmp_path / run / "metrics.jsonl")]
+    assert losses("resumed") == losses("straight")
+    assert resumed["test_accuracy"] == summary["test_accuracy"]
 
 
 def _state(out: Path, step: int):
