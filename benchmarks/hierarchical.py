@@ -18,7 +18,9 @@ scheduler estimate for a compiled program, NOT a measurement.
     PYTHONPATH=. .venv/bin/python benchmarks/hierarchical.py
     PYTHONPATH=. .venv/bin/python benchmarks/hierarchical.py --model cnn --target v5p:2x2x2:slices=2
 
-Writes benchmarks/results/hierarchical_aot.json.
+Writes benchmarks/results/hierarchical_aot.json. ``--update-docs`` rewrites the block
+between the ``hierarchical`` markers of README.md from it and from the emulated cluster's
+measurement, benchmarks/results/hierarchical_cluster.json (benchmarks/hierarchical_cluster.py).
 """
 from __future__ import annotations
 
@@ -33,6 +35,41 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices need no backend
 
 RESULTS = Path(__file__).parent / "results"
+README = Path(__file__).parent.parent / "README.md"
+BEGIN, END = "<!-- hierarchical:begin -->", "<!-- hierarchical:end -->"
+
+
+def docs_block(aot: dict, cluster: dict | None) -> str:
+    """The README's tables: compiled for TPU (XLA's estimates), and the emulated cluster."""
+    lines = [f"Compiled for `{aot['target']}`, mesh `{aot['mesh']}`, {aot['model']}: XLA's "
+             "estimates for the compiled programs, not measured. Cross-slice MB are the bytes per "
+             "device per step of the collectives that span slices and of the DCN send/recv.", "",
+             "| step | cross-slice MB | est. step ms | est. exposed comm ms |", "|---|---|---|---|"]
+    for label, row in aot["rows"].items():
+        fmt = lambda v: "-" if v is None else f"{v * 1e3:.2f}"
+        lines.append(f"| {label} | {row['cross_slice_bytes'] / 1e6:.1f} | {fmt(row['step_s'])} | "
+                     f"{fmt(row['exposed_comm_s'])} |")
+    if cluster:
+        lines += ["", f"Measured on the emulated cluster ({cluster['processes']} hosts x "
+                  f"{cluster['local_devices']} CPU devices, 1 Gbit/s links, "
+                  f"{cluster['gradient_bytes'] / 1e6:.1f} MB of gradients, median of "
+                  f"{cluster['steps']} interleaved steps, `benchmarks/hierarchical_cluster.py`). "
+                  "Sent MB are what each host's interface sent per step:", "",
+                  "| variant | median step ms | sent per step per host MB |", "|---|---|---|"]
+        for label, row in cluster["variants"].items():
+            sent = sum(row["tx_bytes_per_step_per_host"]) / len(row["tx_bytes_per_step_per_host"])
+            lines.append(f"| {label} | {row['median_step_s'] * 1e3:.1f} | {sent / 1e6:.2f} |")
+    return "\n".join(lines)
+
+
+def update_docs() -> None:
+    aot = json.loads((RESULTS / "hierarchical_aot.json").read_text())
+    path = RESULTS / "hierarchical_cluster.json"
+    cluster = json.loads(path.read_text()) if path.exists() else None
+    text = README.read_text()
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    README.write_text(head + BEGIN + "\n" + docs_block(aot, cluster) + "\n" + END + tail)
 
 
 def cross_slice_bytes(report) -> int:
@@ -54,7 +91,12 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="v5p:2x2x2:slices=2")
     parser.add_argument("--strategies", default="wfbp,dear")
     parser.add_argument("--out", type=Path, default=RESULTS / "hierarchical_aot.json")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="only rewrite README's block from the saved JSON results")
     args = parser.parse_args(argv)
+    if args.update_docs:
+        update_docs()
+        return 0
 
     import jax
 

@@ -93,12 +93,38 @@ class Scheduled:
         return aux
 
 
+class CommOnly:
+    """The gradient bytes summed alone, without compute: where the step's time goes."""
+
+    def __init__(self, collective):
+        from jaxsched.collectives import BucketSpec
+
+        spec = BucketSpec(0, n_params, np.dtype(np.float32), mesh.size,
+                          mesh_axes=tuple((a, mesh.shape[a]) for a in axes))
+        state = collective.init([spec])[0]
+        body = lambda x: collective.all_reduce(x[0], axes, spec, state)[0][None]
+        self.run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
+                                         check_vma=False))
+        self.x = jax.make_array_from_process_local_data(
+            NamedSharding(mesh, P(axes)), np.ones((local, n_params), np.float32))
+        self.state = None
+
+    def __call__(self):
+        return self.run(self.x)
+
+
 variants = {"plain": Plain(), "wfbp, flat": Scheduled(collective=Collective()),
             "wfbp, hierarchical": Scheduled()}
+
 for run in variants.values():  # compile and warm up
     jax.block_until_ready(run())
     jax.block_until_ready(run())
-chosen = repr(variants["wfbp, hierarchical"].sched.program.strategy.collective)
+hierarchy = variants["wfbp, hierarchical"].sched.program.strategy.collective
+chosen = repr(hierarchy)
+variants["comm only, flat"] = CommOnly(Collective())
+variants["comm only, hierarchical"] = CommOnly(hierarchy)
+for name in ("comm only, flat", "comm only, hierarchical"):
+    jax.block_until_ready(variants[name]())
 times = {name: [] for name in variants}
 sent = {name: 0 for name in variants}
 for _ in range(args.steps):
@@ -109,7 +135,8 @@ for _ in range(args.steps):
         sent[name] += tx_bytes() - before
 # the three trajectories agree: same data, same initial state, exact strategies
 final = {name: np.asarray(jax.tree.leaves(v.state if name == "plain" else v.sched.finalize(v.state))[0]
-                          .addressable_shards[0].data) for name, v in variants.items()}
+                          .addressable_shards[0].data) for name, v in variants.items()
+         if not name.startswith("comm only")}
 agree = all(np.allclose(final["plain"], f, rtol=1e-4, atol=1e-6) for f in final.values())
 every = jax.experimental.multihost_utils.process_allgather(
     np.array([sent[name] / args.steps for name in variants]))

@@ -222,3 +222,44 @@ def test_any_mesh_shape_within_eight_devices(first, second, strategy, tensor_par
     if not tensor_parallel and strategy == "dear" and first > 1 and second > 1:
         options["collective"] = Hierarchical(fast="ici", slow="dcn")
     _check(made, strategy, options)
+
+
+def test_a_trainstate_step_over_two_axes_with_the_hierarchy():
+    import flax.linen as nn
+    from flax.training import train_state
+
+    mesh = jax.make_mesh((2, 4), ("dcn", "ici"), devices=jax.devices()[:8])
+    axes = ("dcn", "ici")
+
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3)(nn.relu(nn.Dense(16)(x)))
+
+    model = Mlp()
+    start = train_state.TrainState.create(apply_fn=model.apply, tx=optax.adam(1e-2),
+                                          params=model.init(jax.random.key(0), jnp.ones((1, 5)))["params"])
+
+    def local(state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(
+            lambda p: jnp.mean((state.apply_fn({"params": p}, x) - y) ** 2))(state.params)
+        return state.apply_gradients(grads=lax.pmean(grads, axes)), lax.pmean(loss, axes)
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(axes)), out_specs=(P(), P()),
+                                 check_vma=False))
+    rng = np.random.default_rng(3)
+    batches = [jax.device_put((rng.standard_normal((16, 5)).astype(np.float32),
+                               rng.standard_normal((16, 3)).astype(np.float32)),
+                              jax.NamedSharding(mesh, P(axes))) for _ in range(3)]
+    plain = start
+    for b in batches:
+        plain, _ = step(plain, b)
+    sched = jaxsched.schedule(step, strategy="dear", collective=Hierarchical(fast="ici", slow="dcn"))
+    state = sched.init(start)
+    for b in batches:
+        state, _ = sched(state, b)
+    final = sched.finalize(state)
+    assert isinstance(final, train_state.TrainState) and int(final.step) == 3
+    assert_trees_close(final.params, plain.params, rtol=1e-5)
+    assert_trees_close(final.opt_state, plain.opt_state, rtol=1e-5)
