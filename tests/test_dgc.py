@@ -284,3 +284,26 @@ def test_a_checkpoint_mid_warmup_resumes_bit_identically(tmp_path, strategy, com
         jax.block_until_ready(restored)
     for a, b in zip(jax.tree.leaves(uninterrupted), jax.tree.leaves(restored)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_host_engine_refuses_a_warmup_step_and_names_the_xla_engine():
+    """Warm-up switches between all-gathers of different sizes inside lax.switch; the host
+    engine stages top-level collectives only, so it says so instead of running it."""
+    from jaxsched.engine import PerDeviceProgram
+    from jaxsched.engine.host import HostEngineError, cut_stages
+
+    mesh = _mesh(2)
+    spec = BucketSpec(0, 64, jnp.dtype("float32"), 2, shapes=((64,),))
+    for comp, refused in ((TopK(0.05, warmup_steps=4), True), (TopK(0.05, momentum=0.9), False)):
+        state = comp.init([spec])[0]
+
+        def body(g, comp=comp, state=state):
+            return (comp.all_reduce(g, "data", spec, state)[0],)
+
+        program = PerDeviceProgram(body, mesh, "data", (P("data"),), (P(),))
+        jaxpr, _ = program.jaxpr_and_operands(jnp.zeros(128))
+        if refused:
+            with pytest.raises(HostEngineError, match=r"all_gather inside (cond|switch).*engine='xla'"):
+                cut_stages(jaxpr)
+        else:
+            assert any(stage.kind == "comm" for stage in cut_stages(jaxpr))

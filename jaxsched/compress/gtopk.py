@@ -30,6 +30,9 @@ sum that contains it. When supports overlap, the merges work on partial sums, so
 can differ from the top-k of the full sum. This is the algorithm's approximation, not
 an error.
 
+The options of :mod:`jaxsched.compress.dgc` (warm-up, momentum correction with factor
+masking at ``G``, local clipping) apply as in :class:`~jaxsched.compress.TopK`.
+
 Per device and step: ``log2 Q`` (plus folding) messages of ``k`` values and ``k`` int32
 indices, and ``k`` values in the final all-reduce, against ``P - 1`` messages of
 ``k`` entries received with :class:`~jaxsched.compress.TopK`'s all-gather.

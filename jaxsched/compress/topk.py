@@ -19,6 +19,11 @@ Per gradient bucket and step, every device
 all-gather itself moves the fixed ``capacity`` slots per device (about ``1.25 k + 64``
 with the threshold selection, ``k`` with the exact one), because shapes are static.
 
+Deep Gradient Compression's options (keyword-only: ``warmup_steps``, ``momentum``,
+``clip_norm``; :mod:`jaxsched.compress.dgc`) change step 1: the gradient is clipped, and with
+momentum correction the *velocity* enters the residual. With warm-up, steps 2-4 run at the
+step's tier density, each tier with its own static capacity.
+
 Example:
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
