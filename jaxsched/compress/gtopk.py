@@ -66,8 +66,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsched import kernels
-from jaxsched.collectives.base import BucketSpec, Collective
-from jaxsched.compress.base import Density
+from jaxsched.collectives.base import BucketSpec
 from jaxsched.compress.dgc import Sparsifier, sent_mask
 
 __all__ = ["GlobalTopK", "GlobalTopKState", "merge_top_k", "exchange_rounds"]
