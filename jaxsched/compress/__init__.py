@@ -7,6 +7,11 @@
 - :class:`Cast`: reduce in a narrower dtype (``jnp.bfloat16``).
 - :func:`bytes_sent`: bytes each device sent in its last step, read from the scheduled state.
 
+``TopK`` and ``GlobalTopK`` also take Deep Gradient Compression's options (keyword-only,
+:mod:`jaxsched.compress.dgc`): ``warmup_steps`` (the density decays from 25 % to
+``density`` over the first steps), ``momentum`` (momentum correction and factor masking,
+for an optimizer without momentum such as ``optax.sgd(lr)``) and ``clip_norm``.
+
 Example:
     >>> import jax, jax.numpy as jnp, optax
     >>> import jaxsched
@@ -26,9 +31,10 @@ Example:
 """
 from jaxsched.compress.base import Compressor, bytes_sent
 from jaxsched.compress.cast import Cast, CastState
+from jaxsched.compress.dgc import Sparsifier
 from jaxsched.compress.gtopk import GlobalTopK, GlobalTopKState
 from jaxsched.compress.powersgd import PowerSGD, PowerSGDState
 from jaxsched.compress.topk import TopK, TopKState
 
 __all__ = ["Cast", "CastState", "Compressor", "GlobalTopK", "GlobalTopKState", "PowerSGD",
-           "PowerSGDState", "TopK", "TopKState", "bytes_sent"]
+           "PowerSGDState", "Sparsifier", "TopK", "TopKState", "bytes_sent"]

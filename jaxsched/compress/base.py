@@ -193,7 +193,7 @@ def bytes_sent(state: Any) -> np.ndarray:
 
     >>> import numpy as np
     >>> from jaxsched.compress.topk import TopKState
-    >>> own = TopKState(np.zeros((2, 0)), np.array([8, 16]), np.array([1, 2]), np.zeros(2))
+    >>> own = TopKState(np.zeros((2, 0)), np.array([8, 16]), np.array([1, 2]), np.zeros(2), ())
     >>> bytes_sent(((own, ()), (own, ()))).tolist()
     [16, 32]
     """

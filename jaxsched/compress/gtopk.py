@@ -30,6 +30,9 @@ sum that contains it. When supports overlap, the merges work on partial sums, so
 can differ from the top-k of the full sum. This is the algorithm's approximation, not
 an error.
 
+The options of :mod:`jaxsched.compress.dgc` (warm-up, momentum correction with factor
+masking at ``G``, local clipping) apply as in :class:`~jaxsched.compress.TopK`.
+
 Per device and step: ``log2 Q`` (plus folding) messages of ``k`` values and ``k`` int32
 indices, and ``k`` values in the final all-reduce, against ``P - 1`` messages of
 ``k`` entries received with :class:`~jaxsched.compress.TopK`'s all-gather.
@@ -63,8 +66,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsched import kernels
-from jaxsched.collectives.base import BucketSpec, Collective
-from jaxsched.compress.base import Compressor, Density, bucket_density, check_density_spec
+from jaxsched.collectives.base import BucketSpec
+from jaxsched.compress.dgc import Sparsifier, sent_mask
 
 __all__ = ["GlobalTopK", "GlobalTopKState", "merge_top_k", "exchange_rounds"]
 
@@ -77,11 +80,16 @@ class GlobalTopKState(NamedTuple):
       bytes_sent: int32, payload bytes this device sent in its last step (its
         ``ppermute`` messages plus its share of the final ``k``-value all-reduce).
       rounds: int32, point-to-point rounds this device sent a message in.
+      step: int32, steps taken (picks the warm-up density).
+      velocity: the momentum-corrected velocity, the bucket's flat shape and dtype; ``()``
+        (no array) without ``momentum``.
     """
 
     residual: jax.Array
     bytes_sent: jax.Array
     rounds: jax.Array
+    step: jax.Array
+    velocity: jax.Array | tuple
 
 
 def exchange_rounds(num_devices: int) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -136,7 +144,7 @@ def merge_top_k(values_a: jax.Array, indices_a: jax.Array, values_b: jax.Array,
     return values[top], indices[top]
 
 
-class GlobalTopK(Compressor):
+class GlobalTopK(Sparsifier):
     """Global top-k sparsification (gTop-k) with error feedback, by recursive doubling.
 
     Args:
@@ -144,30 +152,28 @@ class GlobalTopK(Compressor):
         per bucket, or a function of the :class:`BucketSpec` (layer-wise, LAGS).
       error_feedback: keep what was not selected globally for the next step.
       inner: the collective uncompressed operations (parameter all-gathers) go through.
+      warmup_steps, warmup_density, warmup_tiers, momentum, clip_norm: Deep Gradient
+        Compression's warm-up, momentum correction (for an optimizer without momentum)
+        and local clipping; keyword-only, see :class:`~jaxsched.compress.dgc.Sparsifier`.
     """
 
     sim_kind = "gtopk"
 
-    def __init__(self, density: Density = 0.01, error_feedback: bool = True,
-                 inner: Collective | None = None):
-        super().__init__(inner)
-        self.density = check_density_spec(density, type(self).__name__)
-        self.error_feedback = bool(error_feedback)
-
     def __repr__(self) -> str:
-        return f"GlobalTopK(density={self.density}, error_feedback={self.error_feedback})"
+        return f"GlobalTopK({self._options_repr()})"
 
     def init_own(self, bucket: BucketSpec) -> GlobalTopKState:
-        size = bucket.size if self.error_feedback and self.compresses(bucket) else 0
         zero = jnp.zeros((), jnp.int32)
-        return GlobalTopKState(jnp.zeros((size,), bucket.dtype), zero, zero)
+        return GlobalTopKState(jnp.zeros((self.residual_size(bucket),), bucket.dtype), zero, zero,
+                               zero, self.init_velocity(bucket))
 
-    def global_indices(self, acc: jax.Array, axis_name: str, bucket: BucketSpec
-                       ) -> tuple[jax.Array, jax.Array]:
+    def global_indices(self, acc: jax.Array, axis_name: str, bucket: BucketSpec,
+                       density: float | None = None) -> tuple[jax.Array, jax.Array]:
         """The ``k`` indices every device agrees on (``n`` marks an empty slot), and how
-        many messages this device sent to find them."""
+        many messages this device sent to find them, at ``density`` (default: the density
+        after warm-up)."""
         n, size = bucket.size, bucket.axis_size
-        k = kernels.selection_size(n, self.density_of(bucket))
+        k = kernels.selection_size(n, self.density_of(bucket) if density is None else density)
         _, indices = lax.top_k(jnp.abs(acc), k)
         indices = indices.astype(jnp.int32)
         values = acc[indices]
@@ -199,14 +205,23 @@ class GlobalTopK(Compressor):
         return indices, sent_messages
 
     def compress_sum(self, buffer, axis_name, bucket, own):
+        grad, velocity = self.accumulate(buffer, own.velocity)
         residual = own.residual if self.error_feedback else jnp.zeros_like(buffer)
-        acc = residual + buffer
-        indices, messages = self.global_indices(acc, axis_name, bucket)
-        summed = lax.psum(acc.at[indices].get(mode="fill", fill_value=0), axis_name)
-        total = jnp.zeros_like(acc).at[indices].add(summed, mode="drop")
-        k = indices.shape[0]
+        acc = residual + grad
         itemsize = jnp.dtype(buffer.dtype).itemsize
-        new_residual = (acc.at[indices].set(jnp.zeros((), acc.dtype), mode="drop")
-                        if self.error_feedback else own.residual)
-        sent = messages * (k * (itemsize + 4)) + k * itemsize
-        return total, GlobalTopKState(new_residual, sent.astype(jnp.int32), messages)
+
+        def exchange(density):
+            indices, messages = self.global_indices(acc, axis_name, bucket, density)
+            summed = lax.psum(acc.at[indices].get(mode="fill", fill_value=0), axis_name)
+            total = jnp.zeros_like(acc).at[indices].add(summed, mode="drop")
+            k = indices.shape[0]
+            new_residual = (acc.at[indices].set(jnp.zeros((), acc.dtype), mode="drop")
+                            if self.error_feedback else own.residual)
+            sent = (messages * (k * (itemsize + 4)) + k * itemsize).astype(jnp.int32)
+            mask = sent_mask(indices, jnp.asarray(k), bucket.size) if self.momentum else None
+            return total, new_residual, sent, messages, mask
+
+        total, new_residual, sent, messages, mask = self.at_scheduled_density(
+            own.step, bucket, exchange)
+        return total, GlobalTopKState(new_residual, sent, messages, own.step + 1,
+                                      self.mask_velocity(velocity, mask))

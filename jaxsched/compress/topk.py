@@ -19,6 +19,11 @@ Per gradient bucket and step, every device
 all-gather itself moves the fixed ``capacity`` slots per device (about ``1.25 k + 64``
 with the threshold selection, ``k`` with the exact one), because shapes are static.
 
+Deep Gradient Compression's options (keyword-only: ``warmup_steps``, ``momentum``,
+``clip_norm``; :mod:`jaxsched.compress.dgc`) change step 1: the gradient is clipped, and with
+momentum correction the *velocity* enters the residual. With warm-up, steps 2-4 run at the
+step's tier density, each tier with its own static capacity.
+
 Example:
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
@@ -53,7 +58,8 @@ from jax import lax
 
 from jaxsched import kernels
 from jaxsched.collectives.base import BucketSpec, Collective
-from jaxsched.compress.base import Compressor, Density, bucket_density, check_density_spec
+from jaxsched.compress.base import Density
+from jaxsched.compress.dgc import Sparsifier, sent_mask
 
 __all__ = ["TopK", "TopKState", "SELECTIONS"]
 
@@ -66,19 +72,24 @@ class TopKState(NamedTuple):
 
     Attributes:
       residual: error feedback, the bucket's flat shape and dtype (``(0,)`` without error
-        feedback): what this device selected from but did not send yet.
+        feedback): what this device selected from but did not send yet (with
+        ``momentum``, DGC's accumulated velocity).
       bytes_sent: int32, compressed payload bytes this device sent in its last step.
       selected: int32, entries this device sent in its last step.
-      step: int32, steps taken (seeds the threshold's random sample).
+      step: int32, steps taken (seeds the threshold's random sample, and picks the
+        warm-up density).
+      velocity: the momentum-corrected velocity, the bucket's flat shape and dtype; ``()``
+        (no array) without ``momentum``.
     """
 
     residual: jax.Array
     bytes_sent: jax.Array
     selected: jax.Array
     step: jax.Array
+    velocity: jax.Array | tuple
 
 
-class TopK(Compressor):
+class TopK(Sparsifier):
     """Top-k sparsification with error feedback, exchanged by all-gather.
 
     Args:
@@ -89,56 +100,70 @@ class TopK(Compressor):
         ``"exact"`` (exactly ``k`` with ``lax.top_k``).
       seed: seeds the threshold's random sample (per step, device and bucket).
       inner: the collective that uncompressed operations (parameter all-gathers) go through.
+      warmup_steps, warmup_density, warmup_tiers, momentum, clip_norm: Deep Gradient
+        Compression's warm-up, momentum correction (for an optimizer without momentum)
+        and local clipping; keyword-only, see :class:`~jaxsched.compress.dgc.Sparsifier`.
     """
 
     sim_kind = "topk"
 
     def __init__(self, density: Density = 0.01, error_feedback: bool = True,
                  selection: Selection = "threshold", seed: int = 0,
-                 inner: Collective | None = None):
-        super().__init__(inner)
-        self.density = check_density_spec(density, type(self).__name__)
+                 inner: Collective | None = None, *, warmup_steps: int = 0,
+                 warmup_density: float | None = None, warmup_tiers: int | None = None,
+                 momentum: float = 0.0, clip_norm: float | None = None):
+        super().__init__(density, error_feedback, inner, warmup_steps=warmup_steps,
+                         warmup_density=warmup_density, warmup_tiers=warmup_tiers,
+                         momentum=momentum, clip_norm=clip_norm)
         if selection not in SELECTIONS:
             raise ValueError(f"TopK(selection={selection!r}) is unknown; use one of "
                              f"{', '.join(map(repr, SELECTIONS))}")
         self.selection = selection
-        self.error_feedback = bool(error_feedback)
         self.seed = int(seed)
 
     def __repr__(self) -> str:
-        return (f"TopK(density={self.density}, error_feedback={self.error_feedback}, "
-                f"selection={self.selection!r})")
+        return f"TopK({self._options_repr()}, selection={self.selection!r})"
 
     def init_own(self, bucket: BucketSpec) -> TopKState:
-        size = bucket.size if self.error_feedback and self.compresses(bucket) else 0
         zero = jnp.zeros((), jnp.int32)
-        return TopKState(jnp.zeros((size,), bucket.dtype), zero, zero, zero)
+        return TopKState(jnp.zeros((self.residual_size(bucket),), bucket.dtype), zero, zero, zero,
+                         self.init_velocity(bucket))
 
-    def capacity(self, bucket: BucketSpec) -> int:
-        """Slots per device in the all-gather."""
+    def capacity(self, bucket: BucketSpec, density: float | None = None) -> int:
+        """Slots per device in the all-gather at ``density`` (default: the density after
+        warm-up, what every step moves once warm-up is over)."""
+        density = self.density_of(bucket) if density is None else density
         if self.selection == "exact":
-            return kernels.selection_size(bucket.size, self.density_of(bucket))
-        return kernels.default_capacity(bucket.size, self.density_of(bucket))
+            return kernels.selection_size(bucket.size, density)
+        return kernels.default_capacity(bucket.size, density)
 
-    def select(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, own: TopKState
-               ) -> kernels.SparseGradient:
-        """This device's ``(values, indices)`` and new residual (error feedback applied)."""
+    def select(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, own: TopKState,
+               density: float | None = None) -> kernels.SparseGradient:
+        """This device's ``(values, indices)`` and new residual (error feedback applied), at
+        ``density`` (default: the density after warm-up)."""
+        density = self.density_of(bucket) if density is None else density
         residual = own.residual if self.error_feedback else jnp.zeros_like(buffer)
         if self.selection == "exact":
             return kernels.exact_topk_error_feedback(
-                buffer, residual, kernels.selection_size(bucket.size, self.density_of(bucket)))
+                buffer, residual, kernels.selection_size(bucket.size, density))
         key = jax.random.fold_in(jax.random.key(self.seed), own.step)
         key = jax.random.fold_in(jax.random.fold_in(key, bucket.index), lax.axis_index(axis_name))
-        return kernels.threshold_error_feedback(buffer, residual, self.density_of(bucket), key,
-                                                capacity=self.capacity(bucket))
+        return kernels.threshold_error_feedback(buffer, residual, density, key,
+                                                capacity=self.capacity(bucket, density))
 
     def compress_sum(self, buffer, axis_name, bucket, own):
-        sparse = self.select(buffer, axis_name, bucket, own)
-        values, indices = sparse.values, sparse.indices
-        all_values = lax.all_gather(values, axis_name, tiled=True)
-        all_indices = lax.all_gather(indices, axis_name, tiled=True)
-        total = jnp.zeros((bucket.size,), buffer.dtype).at[all_indices].add(all_values)
+        grad, velocity = self.accumulate(buffer, own.velocity)
+
+        def exchange(density):
+            sparse = self.select(grad, axis_name, bucket, own, density)
+            all_values = lax.all_gather(sparse.values, axis_name, tiled=True)
+            all_indices = lax.all_gather(sparse.indices, axis_name, tiled=True)
+            total = jnp.zeros((bucket.size,), buffer.dtype).at[all_indices].add(all_values)
+            sent = sent_mask(sparse.indices, sparse.count, bucket.size) if self.momentum else None
+            return total, sparse.new_residual, sparse.count, sent
+
+        total, new_residual, count, sent = self.at_scheduled_density(own.step, bucket, exchange)
         entry_bytes = jnp.dtype(buffer.dtype).itemsize + 4
-        residual = sparse.new_residual if self.error_feedback else own.residual
-        return total, TopKState(residual, sparse.count * entry_bytes, sparse.count,
-                                own.step + 1)
+        residual = new_residual if self.error_feedback else own.residual
+        return total, TopKState(residual, count * entry_bytes, count, own.step + 1,
+                                self.mask_velocity(velocity, sent))
