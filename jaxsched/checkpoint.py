@@ -41,6 +41,7 @@ Example:
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,29 @@ def _abstract(target: Any) -> Any:
     """Shapes, dtypes and shardings of ``target`` (arrays or ShapeDtypeStructs)."""
     import orbax.checkpoint as ocp
 
-    return jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, _without_empty(target))
+
+
+def _is_empty(leaf: Any) -> bool:
+    return hasattr(leaf, "shape") and math.prod(leaf.shape) == 0
+
+
+def _without_empty(tree: Any) -> Any:
+    """``tree`` with zero-size leaves as None: orbax refuses to write them, and they hold
+    nothing (a compressor without error feedback keeps a ``(0,)`` residual)."""
+    return jax.tree.map(lambda leaf: None if _is_empty(leaf) else leaf, tree)
+
+
+def _with_empty(target: Any, restored: Any) -> Any:
+    """``restored`` with ``target``'s zero-size leaves put back."""
+    def fill(want: Any, got: Any) -> Any:
+        if got is None and _is_empty(want):
+            sharding = getattr(want, "sharding", None)
+            empty = jax.numpy.zeros(want.shape, want.dtype)
+            return jax.device_put(empty, sharding) if sharding is not None else empty
+        return got
+
+    return jax.tree.map(fill, target, restored)
 
 
 def save(path: str | Path, state: Any) -> None:
@@ -61,7 +84,7 @@ def save(path: str | Path, state: Any) -> None:
     import orbax.checkpoint as ocp
 
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(Path(path).absolute(), state)
+    checkpointer.save(Path(path).absolute(), _without_empty(state))
     checkpointer.wait_until_finished()
 
 
@@ -74,8 +97,9 @@ def restore(path: str | Path, target: Any | None = None) -> Any:
     import orbax.checkpoint as ocp
 
     checkpointer = ocp.StandardCheckpointer()
-    return checkpointer.restore(Path(path).absolute(),
-                                None if target is None else _abstract(target))
+    restored = checkpointer.restore(Path(path).absolute(),
+                                    None if target is None else _abstract(target))
+    return restored if target is None else _with_empty(target, restored)
 
 
 class Checkpoints:
@@ -106,7 +130,7 @@ class Checkpoints:
         """Start saving ``state`` as checkpoint ``step``; returns once the arrays are copied."""
         import orbax.checkpoint as ocp
 
-        self._manager.save(step, args=ocp.args.StandardSave(state))
+        self._manager.save(step, args=ocp.args.StandardSave(_without_empty(state)))
 
     def restore(self, target: Any | None, step: int | None = None) -> Any:
         """Checkpoint ``step`` (default: the latest) in ``target``'s layout and shardings
@@ -117,7 +141,8 @@ class Checkpoints:
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         abstract = None if target is None else _abstract(target)
-        return self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        return restored if target is None else _with_empty(target, restored)
 
     def wait(self) -> None:
         """Block until every save started so far is complete on disk."""
