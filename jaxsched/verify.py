@@ -158,12 +158,14 @@ PRECISIONS = ("float64", "float32")
 
 def _widened(tree: Any, placed: bool = False) -> Any:
     """Floating leaves narrower than float64 as float64: host arrays (the step places
-    them), or with ``placed`` on the sharding they had (a batch the user placed)."""
+    them), or with ``placed`` on the sharding they had (a batch the user placed, a
+    parameter block sharded over a model axis)."""
     def widen(x):
         if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)) or x.dtype == np.float64:
             return x
         wide = np.asarray(_host(x), np.float64)
-        return jax.device_put(wide, x.sharding) if placed and isinstance(x, jax.Array) else wide
+        on_mesh = isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding)
+        return jax.device_put(wide, x.sharding) if placed and on_mesh else wide
     return jax.tree.map(widen, tree)
 
 
@@ -182,7 +184,9 @@ def verify(scheduled: Any, state: Any, batches: Iterable[Any], steps: int = 10,
     if precision == "float64":
         try:
             with jax.enable_x64(True):
-                return _compare(scheduled.fresh(), _widened(params), _widened(opt_state),
+                # placed leaves keep their sharding: a tensor-parallel block stays sharded
+                return _compare(scheduled.fresh(), _widened(params, placed=True),
+                                _widened(opt_state, placed=True),
                                 [_widened(b, placed=True) for b in batches], rtol, baseline_factor,
                                 "float64")
         except Exception as err:  # the step pins float32 somewhere, a kernel has no float64...

@@ -263,3 +263,10 @@ def test_a_trainstate_step_over_two_axes_with_the_hierarchy():
     assert isinstance(final, train_state.TrainState) and int(final.step) == 3
     assert_trees_close(final.params, plain.params, rtol=1e-5)
     assert_trees_close(final.opt_state, plain.opt_state, rtol=1e-5)
+
+
+def test_verify_runs_a_tensor_parallel_step_in_float64():
+    step, params, opt_state, batches = tensor_parallel_mlp(4, 2)
+    sched = jaxsched.schedule(step, strategy="dear")
+    report = sched.verify(sched.init(params, opt_state), list(batches(3)), steps=3)
+    assert report.ok and report.precision == "float64"
