@@ -157,6 +157,15 @@ def analyze(captured: CapturedStep) -> Analysis:
                 f"at {source_line(nested)}; jaxsched rewrites reductions at the top level of the "
                 "shard_map body, so call lax.pmean/psum there rather than inside a separately "
                 "jitted function, scan, cond or loop")
+        partial = sorted({reduction_axes(e) for e in body.eqns
+                          if e.primitive.name in SUM_REDUCTIONS and set(reduction_axes(e)) & data_axes
+                          and any(o in feeds_state for o in e.outvars)})
+        if len(data_axes) > 1 and partial:
+            raise UnsupportedStepError(
+                f"the gradients are reduced over the data-parallel axes {as_axes(axis)} in "
+                f"separate calls (over {', '.join(map(str, partial))}); reduce them in one, "
+                f"lax.pmean(grads, {axis!r}), and pass collective=jaxsched.collectives."
+                "Hierarchical(fast=..., slow=...) to have it summed level by level")
         raise UnsupportedStepError(
             f"the step has no gradient reduction over mesh axis {axis!r}: nothing psums or pmeans "
             "device-varying values into the new params or optimizer state. Reduce the gradients "

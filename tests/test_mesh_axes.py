@@ -270,3 +270,23 @@ def test_verify_runs_a_tensor_parallel_step_in_float64():
     sched = jaxsched.schedule(step, strategy="dear")
     report = sched.verify(sched.init(params, opt_state), list(batches(3)), steps=3)
     assert report.ok and report.precision == "float64"
+
+
+def test_a_sum_level_by_level_by_hand_is_refused_with_what_to_write():
+    mesh = jax.make_mesh((2, 4), ("dcn", "ici"), devices=jax.devices()[:8])
+    tx = optax.sgd(0.1)
+
+    def local(params, opt_state, batch):
+        grads = jax.grad(lambda p: jnp.sum((batch @ p["w"]) ** 2))(params)
+        grads = lax.psum(lax.psum(grads, "ici"), "dcn")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, ()
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(("dcn", "ici"))),
+                                 out_specs=(P(), P(), P()), check_vma=False))
+    sched = jaxsched.schedule(step, strategy="wfbp")
+    params = {"w": jnp.ones((3, 2))}
+    batch = jax.device_put(jnp.ones((8, 3)), jax.NamedSharding(mesh, P(("dcn", "ici"))))
+    with pytest.raises(UnsupportedStepError, match=r"in separate calls \(over \('dcn',\), \('ici',\)\); "
+                                                   r"reduce them in one, lax.pmean\(grads, \('dcn', 'ici'\)\)"):
+        sched(sched.init(params, tx.init(params)), batch)
