@@ -290,3 +290,14 @@ def test_a_sum_level_by_level_by_hand_is_refused_with_what_to_write():
     with pytest.raises(UnsupportedStepError, match=r"in separate calls \(over \('dcn',\), \('ici',\)\); "
                                                    r"reduce them in one, lax.pmean\(grads, \('dcn', 'ici'\)\)"):
         sched(sched.init(params, tx.init(params)), batch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,options", [("dear", {}), ("approx", {"staleness": 0})])
+@pytest.mark.parametrize("slow_collective", [TopK(1.0, selection="exact"), "gtopk"])
+def test_a_full_density_compressor_on_the_slow_axis_is_exact(strategy, options, slow_collective):
+    from jaxsched.compress import GlobalTopK
+
+    slow_collective = GlobalTopK(1.0) if slow_collective == "gtopk" else slow_collective
+    _check(two_level_step(2, 4), strategy,
+           dict(options, compression=Hierarchical("ici", "dcn", slow_collective=slow_collective)))
