@@ -36,14 +36,16 @@ Example (the arithmetic of the report):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from jaxsched.cli.options import name_list, output_dir, output_path, positive_float, positive_int
 
@@ -80,6 +82,114 @@ def parse_compression(text: str | None):
         raise argparse.ArgumentTypeError(f"--compression {text!r}: {err}") from None
     raise argparse.ArgumentTypeError(f"--compression {text!r}: use one of {', '.join(COMPRESSORS)}, "
                                      "e.g. topk:0.01")
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The outcome of :func:`calibrate_batch`.
+
+    ``error`` is ``compute_s / comm_s - 1`` at the chosen ``batch``; ``probes`` lists every
+    ``(batch, compute_s, comm_s)`` measured, in order; ``converged`` says whether
+    ``|error| <= tolerance``; ``reason`` says why not when it is False.
+    """
+
+    batch: int
+    compute_s: float
+    comm_s: float
+    error: float
+    probes: list[tuple[int, float, float]]
+    converged: bool
+    tolerance: float
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target_ratio": 1.0, "achieved_ratio": self.compute_s / self.comm_s,
+                "error": self.error, "tolerance": self.tolerance, "converged": self.converged,
+                "batch": self.batch, "reason": self.reason,
+                "probes": [{"batch": b, "compute_s": c, "comm_s": m} for b, c, m in self.probes]}
+
+
+def calibrate_batch(measure: Callable[[int], tuple[float, float]], start: int, *,
+                    tolerance: float = 0.10, max_probes: int = 6, multiple: int = 8,
+                    max_batch: int = 1 << 16, max_growth: float = 16.0) -> Calibration:
+    """Find a batch whose compute-only time is within ``tolerance`` of comm-only time.
+
+    Why iterate: compute time is ``fixed + per_row * batch``, and at small batches the fixed
+    part (dispatch, the optimizer update, the loss pmean) dominates, so one probe
+    extrapolated linearly lands far off (issue 21: compute 91 ms against comm 291 ms).
+    This runs the secant method on ``g = log(compute / comm)`` against ``log(batch)``,
+    and once probes bracket the root, keeps the step inside the bracket (bisecting in log
+    space when the secant step would leave it). The first step, with one probe, assumes
+    compute proportional to batch. Batches are multiples of ``multiple`` (the bench needs
+    them divisible by its devices) in ``[multiple, max_batch]``; a step grows the batch by
+    at most ``max_growth`` times.
+
+    ``measure(batch) -> (compute_s, comm_s)``; it is called at most ``max_probes`` times.
+    Returns the probe closest to the target; ``converged`` is False, with a ``reason``,
+    when no probe came within ``tolerance`` (the curve cannot reach it within the bounds,
+    the batch granularity is too coarse, or the probes ran out).
+
+    Example (compute = 50 ms fixed + 0.1 ms per row, comm 200 ms):
+        >>> cal = calibrate_batch(lambda b: (0.05 + 1e-4 * b, 0.2), 128)
+        >>> cal.converged, abs(cal.error) <= 0.1, len(cal.probes) <= 6
+        (True, True, True)
+    """
+    if start < 1 or multiple < 1 or max_probes < 1:
+        raise ValueError(f"calibrate_batch: start={start}, multiple={multiple}, max_probes={max_probes} "
+                         "must all be >= 1")
+    lo_b, hi_b = multiple, max(multiple, max_batch // multiple * multiple)
+
+    def snap(x: float) -> int:
+        return int(min(hi_b, max(lo_b, round(x / multiple) * multiple)))
+
+    probes: list[tuple[int, float, float]] = []
+    reason = None
+    batch = snap(start)
+    while True:
+        compute_s, comm_s = measure(batch)
+        if not (compute_s > 0 and comm_s > 0):
+            raise ValueError(f"calibrate_batch: measure({batch}) returned compute {compute_s!r}, "
+                             f"comm {comm_s!r}; both must be positive seconds")
+        probes.append((batch, float(compute_s), float(comm_s)))
+        if abs(compute_s / comm_s - 1) <= tolerance:
+            break
+        if len(probes) >= max_probes:
+            reason = f"{max_probes} probes did not bring compute within {tolerance:.0%} of comm"
+            break
+        # g(batch) = compute/comm - 1 is about linear in batch (comm does not depend on it)
+        pts = sorted((b, c / m - 1) for b, c, m in probes)
+        below = [p for p in pts if p[1] < 0]  # compute shorter than comm
+        above = [p for p in pts if p[1] > 0]
+        if below and above and below[-1][0] < above[0][0]:
+            (x0, g0), (x1, g1) = below[-1], above[0]  # the tightest bracket
+            x = x0 - g0 * (x1 - x0) / (g1 - g0)
+            width = x1 - x0
+            if not x0 + 0.1 * width < x < x1 - 0.1 * width:  # secant stalls near an end: bisect
+                x = math.sqrt(x0 * x1)
+        else:
+            x_last, g_last = probes[-1][0], probes[-1][1] / probes[-1][2] - 1
+            x = x_last * probes[-1][2] / probes[-1][1]  # one probe: compute proportional to batch
+            if len(probes) > 1:
+                xa, ga = probes[-2][0], probes[-2][1] / probes[-2][2] - 1
+                if xa != x_last and (ga - g_last) / (xa - x_last) > 0:
+                    x = x_last - g_last * (xa - x_last) / (ga - g_last)
+            x = min(max(x, x_last / max_growth), x_last * max_growth)
+        nxt = snap(x)
+        if nxt in (b for b, _, _ in probes):
+            reason = (f"the batch bound [{lo_b}, {hi_b}] was reached" if nxt in (lo_b, hi_b) else
+                      f"batches are multiples of {multiple}: no untried batch is closer to the target")
+            break
+        batch = nxt
+    best = min(probes, key=lambda p: abs(math.log(p[1] / p[2])))
+    error = best[1] / best[2] - 1
+    converged = abs(error) <= tolerance
+    if converged:
+        reason = None
+    else:
+        side = "above" if error > 0 else "below"
+        reason = (f"compute stays {side} comm ({best[1] * 1e3:.0f} ms against {best[2] * 1e3:.0f} ms "
+                  f"at batch {best[0]}): {reason}")
+    return Calibration(best[0], best[1], best[2], error, probes, converged, tolerance, reason)
 
 
 def overlap_efficiency(plain: float, step: float, bound: float) -> float:
@@ -173,11 +283,20 @@ def _worker(args: argparse.Namespace) -> int:
     state0 = (params, tx.init(params))
     comm_s = median_time(comm_only, grads_like)
     rows = args.batch
+    calibration: dict[str, Any] = {"explicit_batch": True, "batch": rows}
     if rows is None:  # calibrate: compute-only close to comm-only
-        probe = 128
-        compute_probe = median_time(compute_only, *state0, batch_of(probe, 0), repeats=3)
-        rows = int(max(16, min(4096, probe * comm_s / compute_probe)) // 8 * 8)
-        rows = int(multihost_utils.broadcast_one_to_all(np.int32(rows)))
+
+        def measure(probe: int) -> tuple[float, float]:
+            # Every process must probe the same batches (the step's loss pmean is a collective):
+            # all of them take rank 0's times, so they all choose the same next batch.
+            compute_probe = median_time(compute_only, *state0, batch_of(probe, 0), repeats=3)
+            comm_probe = median_time(comm_only, grads_like, repeats=3)
+            both = multihost_utils.broadcast_one_to_all(np.array([compute_probe, comm_probe]))
+            return float(both[0]), float(both[1])
+
+        cal = calibrate_batch(measure, args.calibration_start, tolerance=args.calibration_tolerance,
+                              max_probes=args.calibration_probes, multiple=8, max_batch=16384)
+        rows, calibration = cal.batch, cal.to_dict()
     batches = [batch_of(rows, s) for s in range(4)]
 
     variants: dict[str, Any] = {"plain": lambda st, b: plain(*st, b),
@@ -243,6 +362,7 @@ def _worker(args: argparse.Namespace) -> int:
     if rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         report = {"processes": nproc, "batch_per_process": rows, "steps": args.steps,
+                  "calibration": calibration,
                   "step_s_all": times, "median_s": med, "losses": losses, "timelines": timelines,
                   "missing": missing,
                   "layers": {"width": width, "depth": depth, "params": int(sum(np.size(l) for l in jax.tree.leaves(params)))}}
@@ -251,6 +371,19 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 # -- the driver --------------------------------------------------------------------------------
+def speedups_withheld(calibration: dict[str, Any] | None) -> str | None:
+    """Why speed-ups must not be reported, or None.
+
+    A speed-up over the plain step only says something about overlap when compute and
+    comm are about equal; when the calibration did not get them there, one side dominates
+    and every strategy looks like the plain step (or better only by noise)."""
+    if not calibration or calibration.get("explicit_batch") or calibration.get("converged"):
+        return None
+    return (f"calibration did not converge: compute/comm = {calibration['achieved_ratio']:.2f} "
+            f"at batch {calibration['batch']}, outside 1 +- {calibration['tolerance']:.0%} "
+            f"({calibration.get('reason')}); pass --batch to measure anyway")
+
+
 def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) -> dict[str, Any]:
     """The report: compute, comm, bound, and per strategy step, speedup, efficiency."""
     med = raw["median_s"]
@@ -262,16 +395,19 @@ def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) ->
                               "plain_s": plain_s, "bandwidth": bandwidth,
                               "processes": raw["processes"], "batch_per_process": raw["batch_per_process"],
                               "steps": raw["steps"], "layers": raw.get("layers", {}),
-                              "strategies": {}}
+                              "calibration": raw.get("calibration"), "strategies": {}}
+    withheld = speedups_withheld(raw.get("calibration"))
+    result["speedups_withheld"] = withheld
     for name in strategies:
         if name in raw.get("missing", []):
             result["strategies"][name] = {"missing": True}
             continue
         step = med[name]
         result["strategies"][name] = {
-            "step_s": step, "speedup": plain_s / step, "ratio_to_bound": step / bound,
+            "step_s": step, "speedup": None if withheld else plain_s / step,
+            "ratio_to_bound": step / bound,
             "ratio_to_ceiling": step / ceiling if ceiling else None,
-            "overlap_efficiency": overlap_efficiency(plain_s, step, bound),
+            "overlap_efficiency": None if withheld else overlap_efficiency(plain_s, step, bound),
             "max_loss_gap_to_plain": max(abs(a - b) for a, b in zip(raw["losses"][name], raw["losses"]["plain"])),
         }
     return result
@@ -372,6 +508,8 @@ def run(args: argparse.Namespace) -> int:
                   "--depth", str(args.depth), "--width", str(args.width)]
         if args.batch:
             worker += ["--batch", str(args.batch)]
+        worker += ["--calibration-start", str(args.calibration_start), "--calibration-tolerance",
+                   str(args.calibration_tolerance), "--calibration-probes", str(args.calibration_probes)]
         if args.buckets:
             worker += ["--buckets", str(args.buckets)]
         if not args.no_pin:
@@ -426,6 +564,8 @@ def format_report(result: dict[str, Any]) -> str:
              "  ceiling (compute and comm dispatched together as raw programs) "
              + (f"{result['ceiling_s'] * 1e3:7.1f} ms = {result['plain_s'] / result['ceiling_s']:.2f}x "
                 "the plain step" if result.get("ceiling_s") else "not measured"),
+             calibration_text(result.get("calibration")),
+             *([f"  SPEED-UPS WITHHELD: {result['speedups_withheld']}"] if result.get("speedups_withheld") else []),
              f"  {'strategy':<10} {'step ms':>8} {'speedup':>8} {'x bound':>8} {'x ceiling':>9} "
              f"{'overlap eff':>12} {'sim ms':>8}"]
     for name, r in result["strategies"].items():
@@ -436,9 +576,25 @@ def format_report(result: dict[str, Any]) -> str:
         sim_txt = f"{sim * 1e3:8.1f}" if sim is not None else f"{'-':>8}"
         ceiling = r.get("ratio_to_ceiling")
         ceiling_txt = f"{ceiling:9.2f}" if ceiling else f"{'-':>9}"
-        lines.append(f"  {name:<10} {r['step_s'] * 1e3:8.1f} {r['speedup']:8.2f} {r['ratio_to_bound']:8.2f} "
-                     f"{ceiling_txt} {r['overlap_efficiency']:12.2f} {sim_txt}")
+        speedup = f"{r['speedup']:8.2f}" if r.get("speedup") is not None else f"{'-':>8}"
+        eff = f"{r['overlap_efficiency']:12.2f}" if r.get("overlap_efficiency") is not None else f"{'-':>12}"
+        lines.append(f"  {name:<10} {r['step_s'] * 1e3:8.1f} {speedup} {r['ratio_to_bound']:8.2f} "
+                     f"{ceiling_txt} {eff} {sim_txt}")
     return "\n".join(lines)
+
+
+def calibration_text(calibration: dict[str, Any] | None) -> str:
+    """One line: how the batch was chosen and how close compute came to comm."""
+    if not calibration:
+        return "  calibration: not recorded"
+    if calibration.get("explicit_batch"):
+        return f"  calibration: none (--batch {calibration['batch']} given)"
+    probes = ", ".join(f"{p['batch']}: {p['compute_s'] * 1e3:.1f}/{p['comm_s'] * 1e3:.1f} ms"
+                       for p in calibration["probes"])
+    state = "converged" if calibration["converged"] else "NOT CONVERGED"
+    return (f"  calibration {state}: compute/comm {calibration['achieved_ratio']:.2f} (target 1, "
+            f"error {calibration['error']:+.1%}, tolerance {calibration['tolerance']:.0%}) after "
+            f"{len(calibration['probes'])} probes (batch: compute/comm) {probes}")
 
 
 def _strategy_names() -> tuple[str, ...]:
@@ -473,6 +629,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run wfbp/dear with this compressor "
                         "(topk:DENSITY, gtopk:DENSITY, powersgd:RANK, bf16), same session")
     parser.add_argument("--batch", type=positive_int, help="per-process batch (default: calibrated)")
+    parser.add_argument("--calibration-start", type=positive_int, default=128,
+                        help="first per-process batch the calibration probes")
+    parser.add_argument("--calibration-tolerance", type=positive_float, default=0.10,
+                        help="calibration succeeds when |compute/comm - 1| is at most this")
+    parser.add_argument("--calibration-probes", type=positive_int, default=6,
+                        help="most batches the calibration measures")
     parser.add_argument("--depth", type=positive_int, default=DEPTH, help="layers of the tanh MLP")
     parser.add_argument("--width", type=positive_int, default=WIDTH, help="width of every layer")
     parser.add_argument("--buckets", type=positive_int, help="bucket byte threshold (default: one per layer)")

@@ -52,3 +52,70 @@ def test_bench_refuses_bad_options_in_one_line_before_any_work(argv, message, ca
     assert main(["bench", "--no-cluster", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+# -- the calibration (pure: a synthetic cost curve stands in for the cluster) ------------------
+def _curve(fixed_s, per_row_s, comm_s, calls):
+    def measure(batch):
+        calls.append(batch)
+        return fixed_s + per_row_s * batch, comm_s
+    return measure
+
+
+@pytest.mark.parametrize("fixed_s", [0.05, 0.2, 0.27])
+def test_calibration_converges_despite_a_large_fixed_cost(fixed_s):
+    from jaxsched.bench import calibrate_batch
+
+    calls = []
+    # comm 291 ms; at the first probe (128 rows) the fixed cost is most of compute, so the old
+    # one-probe linear extrapolation (128 * comm / compute) landed far below the target.
+    cal = calibrate_batch(_curve(fixed_s, 1e-4, 0.291, calls), 128, multiple=8)
+    assert cal.converged and cal.reason is None
+    assert abs(cal.compute_s / cal.comm_s - 1) <= 0.10 and cal.error == pytest.approx(cal.compute_s / cal.comm_s - 1)
+    assert len(calls) <= 6 and [p[0] for p in cal.probes] == calls
+    assert all(b % 8 == 0 for b in calls) and cal.batch in calls
+    assert cal.compute_s == pytest.approx(fixed_s + 1e-4 * cal.batch)
+
+
+def test_calibration_that_cannot_reach_the_target_says_so():
+    from jaxsched.bench import calibrate_batch
+
+    calls = []
+    cal = calibrate_batch(_curve(0.5, 1e-4, 0.291, calls), 128, multiple=8)  # fixed cost > comm
+    assert not cal.converged and len(calls) <= 6
+    assert cal.batch == 8 and cal.error > 0.10
+    assert "compute stays above comm" in cal.reason and "bound" in cal.reason
+    calls = []
+    cal = calibrate_batch(_curve(0.0, 1e-9, 0.291, calls), 128, max_probes=3)  # runs out of probes
+    assert not cal.converged and len(calls) == 3 and "3 probes" in cal.reason
+
+
+def test_calibration_refuses_bad_measurements():
+    from jaxsched.bench import calibrate_batch
+
+    with pytest.raises(ValueError, match="measure\\(128\\) returned compute 0"):
+        calibrate_batch(lambda b: (0.0, 0.3), 128)
+
+
+def _raw(calibration):
+    return {"median_s": {"compute": 0.09, "comm": 0.29, "plain": 0.38, "ceiling": 0.3, "comm_tree": 0.3,
+                         "wfbp": 0.37},
+            "processes": 2, "batch_per_process": 144, "steps": 3, "layers": {"width": 1024, "depth": 8},
+            "losses": {"plain": [1.0], "wfbp": [1.0]}, "calibration": calibration}
+
+
+def test_speedups_are_withheld_when_calibration_failed():
+    from jaxsched.bench import calibrate_batch, format_report, summarize
+
+    failed = calibrate_batch(lambda b: (0.5 + 1e-4 * b, 0.29), 128).to_dict()
+    result = summarize(_raw(failed), ["wfbp"], "1gbit")
+    row = result["strategies"]["wfbp"]
+    assert row["speedup"] is None and row["overlap_efficiency"] is None and row["step_s"] == 0.37
+    assert "calibration did not converge" in result["speedups_withheld"]
+    text = format_report(result)
+    assert "NOT CONVERGED" in text and "SPEED-UPS WITHHELD" in text
+    ok = calibrate_batch(lambda b: (0.05 + 1e-4 * b, 0.29), 128).to_dict()
+    result = summarize(_raw(ok), ["wfbp"], "1gbit")
+    assert result["speedups_withheld"] is None
+    assert result["strategies"]["wfbp"]["speedup"] == pytest.approx(0.38 / 0.37)
+    assert result["calibration"]["converged"] and "calibration converged" in format_report(result)
