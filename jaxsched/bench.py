@@ -40,6 +40,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -230,8 +231,9 @@ def _worker(args: argparse.Namespace) -> int:
     tx = optax.sgd(1e-3, momentum=0.9)
 
     def loss_fn(p, x, y):
-        for i in range(depth):
-            x = jnp.tanh(x @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"])
+        for i in range(depth):  # named scopes: the host engine's stage names in the chart
+            with jax.named_scope(f"layer{i}"):
+                x = jnp.tanh(x @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"])
         return jnp.mean((x - y) ** 2)
 
     def make(reduce: bool):
@@ -239,8 +241,10 @@ def _worker(args: argparse.Namespace) -> int:
             loss, grads = jax.value_and_grad(loss_fn)(p, *batch)
             if reduce:
                 grads = lax.pmean(grads, "data")
-            updates, s = tx.update(grads, s, p)
-            return optax.apply_updates(p, updates), s, {"loss": lax.pmean(loss, "data")}
+            with jax.named_scope("update"):
+                updates, s = tx.update(grads, s, p)
+                p = optax.apply_updates(p, updates)
+            return p, s, {"loss": lax.pmean(loss, "data")}
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
                                      out_specs=(P(), P(), P()), check_vma=False))
 
@@ -443,44 +447,70 @@ def simulated(result: dict[str, Any], strategies: Sequence[str]):
     return sims
 
 
-def plot(raw: dict[str, Any], result: dict[str, Any], sims: dict, path: Path) -> None:
+def chart_path(folder: Path, result: dict[str, Any], strategies: Sequence[str]) -> Path:
+    """``bench_<depth>x<width>_<strategies>.png``: one chart per model and strategy set, so a
+    run on one model does not overwrite another's chart.
+
+    Example:
+        >>> chart_path(Path("out"), {"layers": {"depth": 8, "width": 1024}}, ["wfbp", "dear+topk:0.01"]).name
+        'bench_8x1024_wfbp-dear+topk0.01.png'
+    """
+    layers = result.get("layers", {})
+    names = "-".join(re.sub(r"[^A-Za-z0-9_.+]", "", n) for n in strategies)
+    return folder / f"bench_{layers.get('depth', DEPTH)}x{layers.get('width', WIDTH)}_{names}.png"
+
+
+_SIM_BUCKET = re.compile(r"\bb(\d+)\b")
+
+
+def _sim_label(name: str) -> str:
+    """The simulator's task names with buckets spelled out: ``all_reduce b3`` -> ``all_reduce bucket 3``."""
+    return _SIM_BUCKET.sub(lambda m: f"bucket {m.group(1)}", name)
+
+
+def bench_figure(raw: dict[str, Any], result: dict[str, Any], sims: dict):
+    """The Gantt figure: per strategy, its measured stages (one traced step, labelled with
+    what each stage runs) and, only when the simulator models it, the simulated iteration."""
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
 
-    names = [n for n in raw["timelines"]]
-    fig = Figure(figsize=(12, 1.6 + 1.3 * len(names) * 2))
-    axes = fig.subplots(len(names) * 2 or 1, 1, squeeze=False)[:, 0]
+    names = list(raw["timelines"])
+    panels = [p for name in names for p in [(name, "measured")] + ([(name, "simulated")] if name in sims else [])]
+    fig = Figure(figsize=(13, 1.6 + 1.4 * max(1, len(panels))))
+    axes = fig.subplots(max(1, len(panels)), 1, squeeze=False)[:, 0]
     colors = {"compute": "#4C72B0", "comm": "#DD8452"}
-    for k, name in enumerate(names):
-        ax = axes[2 * k]
-        spans = raw["timelines"][name]
-        for row, kind in enumerate(("compute", "comm")):
-            for s in (x for x in spans if x["kind"] == kind):
-                width = s["done"] - s["started"]
-                ax.barh(row, width, left=s["started"], height=0.6, color=colors[kind],
-                        edgecolor="black", linewidth=0.8)
-                if width > 0.04 * spans[-1]["done"]:
-                    ax.text(s["started"] + width / 2, row, s["name"], ha="center", va="center",
-                            fontsize=7, color="white")
-            ax.plot([s["dispatched"] for s in spans if s["kind"] == kind], [row - 0.4] * sum(
-                x["kind"] == kind for x in spans), "k|", markersize=6)
-        ax.set_yticks([0, 1], ["compute", "comm"])
-        measured = result["strategies"][name]["step_s"]
-        ax.set_title(f"{name}: MEASURED stages of one step (ticks: dispatch; median step "
-                     f"{measured * 1e3:.0f} ms)", fontsize=9)
-        ax = axes[2 * k + 1]
-        if name in sims:
+    for ax, (name, what) in zip(axes, panels):
+        if what == "measured":
+            spans = raw["timelines"][name]
+            end = max((s["done"] for s in spans), default=1.0)
+            for row, kind in enumerate(("compute", "comm")):
+                mine = [x for x in spans if x["kind"] == kind]
+                for s in mine:
+                    width = s["done"] - s["started"]
+                    ax.barh(row, width, left=s["started"], height=0.6, color=colors[kind],
+                            edgecolor="black", linewidth=0.8)
+                    if width > 0.05 * end:
+                        ax.text(s["started"] + width / 2, row, s["name"], ha="center", va="center",
+                                fontsize=6.5, color="white", clip_on=True)
+                ax.plot([s["dispatched"] for s in mine], [row - 0.4] * len(mine), "k|", markersize=6)
+            measured = result["strategies"][name]["step_s"]
+            ax.set_title(f"{name}: MEASURED stages of one step (ticks: dispatch; median step "
+                         f"{measured * 1e3:.0f} ms)", fontsize=9)
+        else:
             sim = sims[name]
-            it = sim.spans[0].iteration
             steady = [s for s in sim.spans if s.iteration == sim.spans[-1].iteration - 1]
-            t0 = min(s.start for s in steady) if steady else 0
+            t0 = min((float(s.start) for s in steady), default=0.0)
+            end = max((float(s.end) - t0 for s in steady), default=1.0)
             for s in steady:
                 row = 0 if s.stream == "compute" else 1
-                ax.barh(row, float(s.end - s.start), left=float(s.start - t0), height=0.6,
+                width = float(s.end - s.start)
+                ax.barh(row, width, left=float(s.start) - t0, height=0.6,
                         color=colors["compute" if row == 0 else "comm"], edgecolor="black", linewidth=0.5)
-            del it
+                if width > 0.05 * end:
+                    ax.text(float(s.start) - t0 + width / 2, row, _sim_label(s.name), ha="center",
+                            va="center", fontsize=6.5, color="white", clip_on=True)
             ax.set_title(f"{name}: SIMULATED for the measured costs (iteration "
                          f"{float(sim.iteration_s) * 1e3:.0f} ms)", fontsize=9)
         ax.set_yticks([0, 1], ["compute", "comm"])
@@ -489,8 +519,13 @@ def plot(raw: dict[str, Any], result: dict[str, Any], sims: dict, path: Path) ->
                  f"batch {result['batch_per_process']}"
                  f"/process; compute {result['compute_s'] * 1e3:.0f} ms, comm {result['comm_s'] * 1e3:.0f} ms")
     fig.tight_layout()
+    return fig
+
+
+def plot(raw: dict[str, Any], result: dict[str, Any], sims: dict, path: Path) -> None:
+    """Write :func:`bench_figure` to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    bench_figure(raw, result, sims).savefig(path, dpi=110)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -541,7 +576,7 @@ def run(args: argparse.Namespace) -> int:
     results_dir.mkdir(parents=True, exist_ok=True)
     with open(results_dir / "overlap.jsonl", "a") as f:
         f.write(json.dumps(result) + "\n")
-    png = Path(args.png) if args.png else results_dir / "overlap_gantt.png"
+    png = Path(args.png) if args.png else chart_path(results_dir, result, strategies)
     plot(raw, result, sims, png)
     print(f"Gantt chart (measured stages beside the simulator): {png}")
     return 0
@@ -644,8 +679,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"write the row and the chart into {RESULTS_DIR}/ (the committed "
                              "results the docs cite) instead of --out")
     parser.add_argument("--json", type=output_path, help="also write the report here")
-    parser.add_argument("--png", type=output_path, help="Gantt chart path (default: overlap_gantt.png "
-                        "in --out, or in the results folder with --save)")
+    parser.add_argument("--png", type=output_path, help="Gantt chart path (default: "
+                        "bench_<depth>x<width>_<strategies>.png in --out, or in the results folder with --save)")
     parser.add_argument("--prefix", default="jxsb", help="namespace prefix of the emulated cluster")
     parser.add_argument("--no-cluster", action="store_true", help="loopback only (no root needed)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin each process to one core")

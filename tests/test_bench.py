@@ -119,3 +119,68 @@ def test_speedups_are_withheld_when_calibration_failed():
     assert result["speedups_withheld"] is None
     assert result["strategies"]["wfbp"]["speedup"] == pytest.approx(0.38 / 0.37)
     assert result["calibration"]["converged"] and "calibration converged" in format_report(result)
+
+
+# -- the charts ----------------------------------------------------------------------------------
+def _texts(fig):
+    return [t.get_text() for ax in fig.axes for t in ax.texts]
+
+
+def test_bench_chart_labels_stages_and_draws_no_empty_panel():
+    from jaxsched.bench import bench_figure, simulated, summarize
+
+    raw = _raw({"explicit_batch": True, "batch": 144})
+    raw["median_s"]["wfbp+topk:0.01"] = 0.36
+    raw["losses"]["wfbp+topk:0.01"] = [1.0]
+    spans = [dict(kind="compute", name="fwd layer0..layer7 + bwd layer7", dispatched=0.0, started=0.0, done=0.15),
+             dict(kind="comm", name="psum bucket 0 (4.2 MB)", dispatched=0.15, started=0.15, done=0.2),
+             dict(kind="compute", name="bwd layer6", dispatched=0.15, started=0.15, done=0.19),
+             dict(kind="compute", name="update", dispatched=0.2, started=0.2, done=0.3)]
+    raw["timelines"] = {"wfbp": spans, "wfbp+topk:0.01": spans}
+    result = summarize(raw, ["wfbp", "wfbp+topk:0.01"], "1gbit")
+    sims = simulated(result, ["wfbp", "wfbp+topk:0.01"])
+    assert list(sims) == ["wfbp"]  # compressed variants are not simulated here
+    fig = bench_figure(raw, result, sims)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert len(fig.axes) == 3 and sum("SIMULATED" in t for t in titles) == 1  # no empty panel
+    texts = _texts(fig)
+    assert {"fwd layer0..layer7 + bwd layer7", "psum bucket 0 (4.2 MB)", "update"} <= set(texts)
+    assert any(t.startswith("all_reduce bucket") for t in texts)  # the simulator's "b7" spelled out
+    assert not any(t.startswith("compute ") and t[8:].isdigit() for t in texts)
+
+
+def test_bench_chart_file_is_named_by_model_and_strategies(tmp_path):
+    from jaxsched.bench import chart_path
+
+    a = chart_path(tmp_path, {"layers": {"depth": 8, "width": 1024}}, ["allreduce", "wfbp"])
+    b = chart_path(tmp_path, {"layers": {"depth": 2, "width": 2048}}, ["allreduce", "wfbp"])
+    c = chart_path(tmp_path, {"layers": {"depth": 8, "width": 1024}}, ["dear"])
+    assert a.name == "bench_8x1024_allreduce-wfbp.png" and len({a, b, c}) == 3
+
+
+def test_host_engine_names_stages_by_what_they_run():
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from jaxsched.engine.host import cut_stages
+
+    def loss(w, x):
+        for i in range(2):
+            with jax.named_scope(f"layer{i}"):
+                x = jnp.tanh(x @ w[i])
+        return jnp.sum(x ** 2)
+
+    def body(w, x):
+        value, g = jax.value_and_grad(loss)(w, x)
+        g = [lax.psum(gi, "data") for gi in reversed(g)]  # the last layer's bucket first
+        with jax.named_scope("update"):
+            w = [wi - 0.1 * gi for wi, gi in zip(w, reversed(g))]
+        return w, lax.psum(value, "data")
+
+    jaxpr = jax.make_jaxpr(body, axis_env=[("data", 1)])([jnp.ones((32, 32))] * 2, jnp.ones((4, 32)))
+    names = [s.name for s in cut_stages(jaxpr.jaxpr)]
+    assert names[0] == "fwd layer0..layer1 + bwd layer1", names
+    # layer1's input-gradient matmul is only needed by layer0's backward: it runs after bucket 0
+    assert names[1:4] == ["psum bucket 0 (4.1 kB)", "bwd layer1..layer0", "psum bucket 1 (4.1 kB)"], names
+    assert "psum (4 B)" in names and "update" in names, names
