@@ -286,6 +286,17 @@ def _worker(args: argparse.Namespace) -> int:
 
     state0 = (params, tx.init(params))
     comm_s = median_time(comm_only, grads_like)
+    # The host engine's own costs, for the simulator (jaxsched.sim.HostCosts): Python per
+    # collective stage, and the copy of a gradient-sized buffer to this process's spare device.
+    from jaxsched.engine.host import measure_stage_overhead
+
+    stage_s = measure_stage_overhead(mesh, "data")
+    spare_device = next(d for d in spare_mesh.devices.flat if d.process_index == rank)
+    local_grads = grads_like.addressable_data(0)
+    copy_s = median_time(lambda a: jax.device_put(a, spare_device), local_grads)
+    host_costs = {"stage_s": float(stage_s), "copy_s_per_byte": copy_s / (4 * n_grads),
+                  "source": "measured: jaxsched.engine.host.measure_stage_overhead; device_put of "
+                            f"{4 * n_grads} bytes to the spare device"}
     rows = args.batch
     calibration: dict[str, Any] = {"explicit_batch": True, "batch": rows}
     if rows is None:  # calibrate: compute-only close to comm-only
@@ -366,7 +377,7 @@ def _worker(args: argparse.Namespace) -> int:
     if rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         report = {"processes": nproc, "batch_per_process": rows, "steps": args.steps,
-                  "calibration": calibration,
+                  "calibration": calibration, "host_costs": host_costs,
                   "step_s_all": times, "median_s": med, "losses": losses, "timelines": timelines,
                   "missing": missing,
                   "layers": {"width": width, "depth": depth, "params": int(sum(np.size(l) for l in jax.tree.leaves(params)))}}
@@ -399,7 +410,8 @@ def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) ->
                               "plain_s": plain_s, "bandwidth": bandwidth,
                               "processes": raw["processes"], "batch_per_process": raw["batch_per_process"],
                               "steps": raw["steps"], "layers": raw.get("layers", {}),
-                              "calibration": raw.get("calibration"), "strategies": {}}
+                              "calibration": raw.get("calibration"),
+                              "host_costs": raw.get("host_costs"), "strategies": {}}
     withheld = speedups_withheld(raw.get("calibration"))
     result["speedups_withheld"] = withheld
     for name in strategies:
@@ -417,10 +429,30 @@ def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) ->
     return result
 
 
+def host_costs_of(result: dict[str, Any]):
+    """The measured host-engine terms for the simulator (:class:`jaxsched.sim.HostCosts`):
+    stage dispatch and copy cost measured by the workers, and the compute slow-down while
+    bytes move derived from the measured ceiling (:func:`jaxsched.sim.comm_slowdown_from_ceiling`).
+    None when the run measured none of them (an older raw report)."""
+    from jaxsched.sim import HostCosts, comm_slowdown_from_ceiling
+
+    measured = result.get("host_costs")
+    if not measured:
+        return None
+    slowdown = 1.0
+    if result.get("ceiling_s"):
+        slowdown = comm_slowdown_from_ceiling(result["compute_s"], result["comm_s"], result["ceiling_s"])
+    return HostCosts(stage_s=measured["stage_s"], copy_s_per_byte=measured["copy_s_per_byte"],
+                     comm_slowdown=slowdown)
+
+
 def simulated(result: dict[str, Any], strategies: Sequence[str]):
-    """The simulator's prediction for the measured costs (labelled SIMULATED)."""
+    """The simulator's prediction for the measured costs (labelled SIMULATED), with the
+    host engine's measured terms (:func:`host_costs_of`)."""
     from jaxsched.costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
     from jaxsched.sim import simulate
+
+    host = host_costs_of(result)
 
     width = result.get("layers", {}).get("width", WIDTH)
     depth = result.get("layers", {}).get("depth", DEPTH)
@@ -441,7 +473,7 @@ def simulated(result: dict[str, Any], strategies: Sequence[str]):
             if "+" in name:
                 continue  # compressed variants are measured, not simulated here
             buckets = [[i] for i in range(depth)] if name != "allreduce" else None
-            sims[name] = simulate(layers, network, name, buckets)
+            sims[name] = simulate(layers, network, name, buckets, host=host)
         except Exception:  # a strategy the simulator does not model
             continue
     return sims
@@ -564,6 +596,9 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = "unshaped loopback" if args.no_cluster else args.bandwidth
     result = summarize(raw, strategies, bandwidth)
     sims = simulated(result, strategies)
+    host = host_costs_of(result)
+    if host is not None:
+        result["host_costs"]["comm_slowdown"] = host.comm_slowdown
     result["simulated"] = {n: {"iteration_s": float(s.iteration_s),
                                "error_vs_measured": float(s.iteration_s) / result["strategies"][n]["step_s"] - 1}
                            for n, s in sims.items()}
