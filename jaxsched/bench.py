@@ -36,14 +36,17 @@ Example (the arithmetic of the report):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from jaxsched.cli.options import name_list, output_dir, output_path, positive_float, positive_int
 
@@ -80,6 +83,114 @@ def parse_compression(text: str | None):
         raise argparse.ArgumentTypeError(f"--compression {text!r}: {err}") from None
     raise argparse.ArgumentTypeError(f"--compression {text!r}: use one of {', '.join(COMPRESSORS)}, "
                                      "e.g. topk:0.01")
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The outcome of :func:`calibrate_batch`.
+
+    ``error`` is ``compute_s / comm_s - 1`` at the chosen ``batch``; ``probes`` lists every
+    ``(batch, compute_s, comm_s)`` measured, in order; ``converged`` says whether
+    ``|error| <= tolerance``; ``reason`` says why not when it is False.
+    """
+
+    batch: int
+    compute_s: float
+    comm_s: float
+    error: float
+    probes: list[tuple[int, float, float]]
+    converged: bool
+    tolerance: float
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target_ratio": 1.0, "achieved_ratio": self.compute_s / self.comm_s,
+                "error": self.error, "tolerance": self.tolerance, "converged": self.converged,
+                "batch": self.batch, "reason": self.reason,
+                "probes": [{"batch": b, "compute_s": c, "comm_s": m} for b, c, m in self.probes]}
+
+
+def calibrate_batch(measure: Callable[[int], tuple[float, float]], start: int, *,
+                    tolerance: float = 0.10, max_probes: int = 6, multiple: int = 8,
+                    max_batch: int = 1 << 16, max_growth: float = 16.0) -> Calibration:
+    """Find a batch whose compute-only time is within ``tolerance`` of comm-only time.
+
+    Why iterate: compute time is ``fixed + per_row * batch``, and at small batches the fixed
+    part (dispatch, the optimizer update, the loss pmean) dominates, so one probe
+    extrapolated linearly lands far off (issue 21: compute 91 ms against comm 291 ms).
+    This runs the secant method on ``g = log(compute / comm)`` against ``log(batch)``,
+    and once probes bracket the root, keeps the step inside the bracket (bisecting in log
+    space when the secant step would leave it). The first step, with one probe, assumes
+    compute proportional to batch. Batches are multiples of ``multiple`` (the bench needs
+    them divisible by its devices) in ``[multiple, max_batch]``; a step grows the batch by
+    at most ``max_growth`` times.
+
+    ``measure(batch) -> (compute_s, comm_s)``; it is called at most ``max_probes`` times.
+    Returns the probe closest to the target; ``converged`` is False, with a ``reason``,
+    when no probe came within ``tolerance`` (the curve cannot reach it within the bounds,
+    the batch granularity is too coarse, or the probes ran out).
+
+    Example (compute = 50 ms fixed + 0.1 ms per row, comm 200 ms):
+        >>> cal = calibrate_batch(lambda b: (0.05 + 1e-4 * b, 0.2), 128)
+        >>> cal.converged, abs(cal.error) <= 0.1, len(cal.probes) <= 6
+        (True, True, True)
+    """
+    if start < 1 or multiple < 1 or max_probes < 1:
+        raise ValueError(f"calibrate_batch: start={start}, multiple={multiple}, max_probes={max_probes} "
+                         "must all be >= 1")
+    lo_b, hi_b = multiple, max(multiple, max_batch // multiple * multiple)
+
+    def snap(x: float) -> int:
+        return int(min(hi_b, max(lo_b, round(x / multiple) * multiple)))
+
+    probes: list[tuple[int, float, float]] = []
+    reason = None
+    batch = snap(start)
+    while True:
+        compute_s, comm_s = measure(batch)
+        if not (compute_s > 0 and comm_s > 0):
+            raise ValueError(f"calibrate_batch: measure({batch}) returned compute {compute_s!r}, "
+                             f"comm {comm_s!r}; both must be positive seconds")
+        probes.append((batch, float(compute_s), float(comm_s)))
+        if abs(compute_s / comm_s - 1) <= tolerance:
+            break
+        if len(probes) >= max_probes:
+            reason = f"{max_probes} probes did not bring compute within {tolerance:.0%} of comm"
+            break
+        # g(batch) = compute/comm - 1 is about linear in batch (comm does not depend on it)
+        pts = sorted((b, c / m - 1) for b, c, m in probes)
+        below = [p for p in pts if p[1] < 0]  # compute shorter than comm
+        above = [p for p in pts if p[1] > 0]
+        if below and above and below[-1][0] < above[0][0]:
+            (x0, g0), (x1, g1) = below[-1], above[0]  # the tightest bracket
+            x = x0 - g0 * (x1 - x0) / (g1 - g0)
+            width = x1 - x0
+            if not x0 + 0.1 * width < x < x1 - 0.1 * width:  # secant stalls near an end: bisect
+                x = math.sqrt(x0 * x1)
+        else:
+            x_last, g_last = probes[-1][0], probes[-1][1] / probes[-1][2] - 1
+            x = x_last * probes[-1][2] / probes[-1][1]  # one probe: compute proportional to batch
+            if len(probes) > 1:
+                xa, ga = probes[-2][0], probes[-2][1] / probes[-2][2] - 1
+                if xa != x_last and (ga - g_last) / (xa - x_last) > 0:
+                    x = x_last - g_last * (xa - x_last) / (ga - g_last)
+            x = min(max(x, x_last / max_growth), x_last * max_growth)
+        nxt = snap(x)
+        if nxt in (b for b, _, _ in probes):
+            reason = (f"the batch bound [{lo_b}, {hi_b}] was reached" if nxt in (lo_b, hi_b) else
+                      f"batches are multiples of {multiple}: no untried batch is closer to the target")
+            break
+        batch = nxt
+    best = min(probes, key=lambda p: abs(math.log(p[1] / p[2])))
+    error = best[1] / best[2] - 1
+    converged = abs(error) <= tolerance
+    if converged:
+        reason = None
+    else:
+        side = "above" if error > 0 else "below"
+        reason = (f"compute stays {side} comm ({best[1] * 1e3:.0f} ms against {best[2] * 1e3:.0f} ms "
+                  f"at batch {best[0]}): {reason}")
+    return Calibration(best[0], best[1], best[2], error, probes, converged, tolerance, reason)
 
 
 def overlap_efficiency(plain: float, step: float, bound: float) -> float:
@@ -120,8 +231,9 @@ def _worker(args: argparse.Namespace) -> int:
     tx = optax.sgd(1e-3, momentum=0.9)
 
     def loss_fn(p, x, y):
-        for i in range(depth):
-            x = jnp.tanh(x @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"])
+        for i in range(depth):  # named scopes: the host engine's stage names in the chart
+            with jax.named_scope(f"layer{i}"):
+                x = jnp.tanh(x @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"])
         return jnp.mean((x - y) ** 2)
 
     def make(reduce: bool):
@@ -129,8 +241,10 @@ def _worker(args: argparse.Namespace) -> int:
             loss, grads = jax.value_and_grad(loss_fn)(p, *batch)
             if reduce:
                 grads = lax.pmean(grads, "data")
-            updates, s = tx.update(grads, s, p)
-            return optax.apply_updates(p, updates), s, {"loss": lax.pmean(loss, "data")}
+            with jax.named_scope("update"):
+                updates, s = tx.update(grads, s, p)
+                p = optax.apply_updates(p, updates)
+            return p, s, {"loss": lax.pmean(loss, "data")}
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
                                      out_specs=(P(), P(), P()), check_vma=False))
 
@@ -172,12 +286,32 @@ def _worker(args: argparse.Namespace) -> int:
 
     state0 = (params, tx.init(params))
     comm_s = median_time(comm_only, grads_like)
+    # The host engine's own costs, for the simulator (jaxsched.sim.HostCosts): Python per
+    # collective stage, and the copy of a gradient-sized buffer to this process's spare device.
+    from jaxsched.engine.host import measure_stage_overhead
+
+    stage_s = measure_stage_overhead(mesh, "data")
+    spare_device = next(d for d in spare_mesh.devices.flat if d.process_index == rank)
+    local_grads = grads_like.addressable_data(0)
+    copy_s = median_time(lambda a: jax.device_put(a, spare_device), local_grads)
+    host_costs = {"stage_s": float(stage_s), "copy_s_per_byte": copy_s / (4 * n_grads),
+                  "source": "measured: jaxsched.engine.host.measure_stage_overhead; device_put of "
+                            f"{4 * n_grads} bytes to the spare device"}
     rows = args.batch
+    calibration: dict[str, Any] = {"explicit_batch": True, "batch": rows}
     if rows is None:  # calibrate: compute-only close to comm-only
-        probe = 128
-        compute_probe = median_time(compute_only, *state0, batch_of(probe, 0), repeats=3)
-        rows = int(max(16, min(4096, probe * comm_s / compute_probe)) // 8 * 8)
-        rows = int(multihost_utils.broadcast_one_to_all(np.int32(rows)))
+
+        def measure(probe: int) -> tuple[float, float]:
+            # Every process must probe the same batches (the step's loss pmean is a collective):
+            # all of them take rank 0's times, so they all choose the same next batch.
+            compute_probe = median_time(compute_only, *state0, batch_of(probe, 0), repeats=3)
+            comm_probe = median_time(comm_only, grads_like, repeats=3)
+            both = multihost_utils.broadcast_one_to_all(np.array([compute_probe, comm_probe]))
+            return float(both[0]), float(both[1])
+
+        cal = calibrate_batch(measure, args.calibration_start, tolerance=args.calibration_tolerance,
+                              max_probes=args.calibration_probes, multiple=8, max_batch=16384)
+        rows, calibration = cal.batch, cal.to_dict()
     batches = [batch_of(rows, s) for s in range(4)]
 
     variants: dict[str, Any] = {"plain": lambda st, b: plain(*st, b),
@@ -243,6 +377,7 @@ def _worker(args: argparse.Namespace) -> int:
     if rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
         report = {"processes": nproc, "batch_per_process": rows, "steps": args.steps,
+                  "calibration": calibration, "host_costs": host_costs,
                   "step_s_all": times, "median_s": med, "losses": losses, "timelines": timelines,
                   "missing": missing,
                   "layers": {"width": width, "depth": depth, "params": int(sum(np.size(l) for l in jax.tree.leaves(params)))}}
@@ -251,6 +386,19 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 # -- the driver --------------------------------------------------------------------------------
+def speedups_withheld(calibration: dict[str, Any] | None) -> str | None:
+    """Why speed-ups must not be reported, or None.
+
+    A speed-up over the plain step only says something about overlap when compute and
+    comm are about equal; when the calibration did not get them there, one side dominates
+    and every strategy looks like the plain step (or better only by noise)."""
+    if not calibration or calibration.get("explicit_batch") or calibration.get("converged"):
+        return None
+    return (f"calibration did not converge: compute/comm = {calibration['achieved_ratio']:.2f} "
+            f"at batch {calibration['batch']}, outside 1 +- {calibration['tolerance']:.0%} "
+            f"({calibration.get('reason')}); pass --batch to measure anyway")
+
+
 def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) -> dict[str, Any]:
     """The report: compute, comm, bound, and per strategy step, speedup, efficiency."""
     med = raw["median_s"]
@@ -262,25 +410,49 @@ def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) ->
                               "plain_s": plain_s, "bandwidth": bandwidth,
                               "processes": raw["processes"], "batch_per_process": raw["batch_per_process"],
                               "steps": raw["steps"], "layers": raw.get("layers", {}),
-                              "strategies": {}}
+                              "calibration": raw.get("calibration"),
+                              "host_costs": raw.get("host_costs"), "strategies": {}}
+    withheld = speedups_withheld(raw.get("calibration"))
+    result["speedups_withheld"] = withheld
     for name in strategies:
         if name in raw.get("missing", []):
             result["strategies"][name] = {"missing": True}
             continue
         step = med[name]
         result["strategies"][name] = {
-            "step_s": step, "speedup": plain_s / step, "ratio_to_bound": step / bound,
+            "step_s": step, "speedup": None if withheld else plain_s / step,
+            "ratio_to_bound": step / bound,
             "ratio_to_ceiling": step / ceiling if ceiling else None,
-            "overlap_efficiency": overlap_efficiency(plain_s, step, bound),
+            "overlap_efficiency": None if withheld else overlap_efficiency(plain_s, step, bound),
             "max_loss_gap_to_plain": max(abs(a - b) for a, b in zip(raw["losses"][name], raw["losses"]["plain"])),
         }
     return result
 
 
+def host_costs_of(result: dict[str, Any]):
+    """The measured host-engine terms for the simulator (:class:`jaxsched.sim.HostCosts`):
+    stage dispatch and copy cost measured by the workers, and the compute slow-down while
+    bytes move derived from the measured ceiling (:func:`jaxsched.sim.comm_slowdown_from_ceiling`).
+    None when the run measured none of them (an older raw report)."""
+    from jaxsched.sim import HostCosts, comm_slowdown_from_ceiling
+
+    measured = result.get("host_costs")
+    if not measured:
+        return None
+    slowdown = 1.0
+    if result.get("ceiling_s"):
+        slowdown = comm_slowdown_from_ceiling(result["compute_s"], result["comm_s"], result["ceiling_s"])
+    return HostCosts(stage_s=measured["stage_s"], copy_s_per_byte=measured["copy_s_per_byte"],
+                     comm_slowdown=slowdown)
+
+
 def simulated(result: dict[str, Any], strategies: Sequence[str]):
-    """The simulator's prediction for the measured costs (labelled SIMULATED)."""
+    """The simulator's prediction for the measured costs (labelled SIMULATED), with the
+    host engine's measured terms (:func:`host_costs_of`)."""
     from jaxsched.costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
     from jaxsched.sim import simulate
+
+    host = host_costs_of(result)
 
     width = result.get("layers", {}).get("width", WIDTH)
     depth = result.get("layers", {}).get("depth", DEPTH)
@@ -301,50 +473,76 @@ def simulated(result: dict[str, Any], strategies: Sequence[str]):
             if "+" in name:
                 continue  # compressed variants are measured, not simulated here
             buckets = [[i] for i in range(depth)] if name != "allreduce" else None
-            sims[name] = simulate(layers, network, name, buckets)
+            sims[name] = simulate(layers, network, name, buckets, host=host)
         except Exception:  # a strategy the simulator does not model
             continue
     return sims
 
 
-def plot(raw: dict[str, Any], result: dict[str, Any], sims: dict, path: Path) -> None:
+def chart_path(folder: Path, result: dict[str, Any], strategies: Sequence[str]) -> Path:
+    """``bench_<depth>x<width>_<strategies>.png``: one chart per model and strategy set, so a
+    run on one model does not overwrite another's chart.
+
+    Example:
+        >>> chart_path(Path("out"), {"layers": {"depth": 8, "width": 1024}}, ["wfbp", "dear+topk:0.01"]).name
+        'bench_8x1024_wfbp-dear+topk0.01.png'
+    """
+    layers = result.get("layers", {})
+    names = "-".join(re.sub(r"[^A-Za-z0-9_.+]", "", n) for n in strategies)
+    return folder / f"bench_{layers.get('depth', DEPTH)}x{layers.get('width', WIDTH)}_{names}.png"
+
+
+_SIM_BUCKET = re.compile(r"\bb(\d+)\b")
+
+
+def _sim_label(name: str) -> str:
+    """The simulator's task names with buckets spelled out: ``all_reduce b3`` -> ``all_reduce bucket 3``."""
+    return _SIM_BUCKET.sub(lambda m: f"bucket {m.group(1)}", name)
+
+
+def bench_figure(raw: dict[str, Any], result: dict[str, Any], sims: dict):
+    """The Gantt figure: per strategy, its measured stages (one traced step, labelled with
+    what each stage runs) and, only when the simulator models it, the simulated iteration."""
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg", force=False)
     from matplotlib.figure import Figure
 
-    names = [n for n in raw["timelines"]]
-    fig = Figure(figsize=(12, 1.6 + 1.3 * len(names) * 2))
-    axes = fig.subplots(len(names) * 2 or 1, 1, squeeze=False)[:, 0]
+    names = list(raw["timelines"])
+    panels = [p for name in names for p in [(name, "measured")] + ([(name, "simulated")] if name in sims else [])]
+    fig = Figure(figsize=(13, 1.6 + 1.4 * max(1, len(panels))))
+    axes = fig.subplots(max(1, len(panels)), 1, squeeze=False)[:, 0]
     colors = {"compute": "#4C72B0", "comm": "#DD8452"}
-    for k, name in enumerate(names):
-        ax = axes[2 * k]
-        spans = raw["timelines"][name]
-        for row, kind in enumerate(("compute", "comm")):
-            for s in (x for x in spans if x["kind"] == kind):
-                width = s["done"] - s["started"]
-                ax.barh(row, width, left=s["started"], height=0.6, color=colors[kind],
-                        edgecolor="black", linewidth=0.8)
-                if width > 0.04 * spans[-1]["done"]:
-                    ax.text(s["started"] + width / 2, row, s["name"], ha="center", va="center",
-                            fontsize=7, color="white")
-            ax.plot([s["dispatched"] for s in spans if s["kind"] == kind], [row - 0.4] * sum(
-                x["kind"] == kind for x in spans), "k|", markersize=6)
-        ax.set_yticks([0, 1], ["compute", "comm"])
-        measured = result["strategies"][name]["step_s"]
-        ax.set_title(f"{name}: MEASURED stages of one step (ticks: dispatch; median step "
-                     f"{measured * 1e3:.0f} ms)", fontsize=9)
-        ax = axes[2 * k + 1]
-        if name in sims:
+    for ax, (name, what) in zip(axes, panels):
+        if what == "measured":
+            spans = raw["timelines"][name]
+            end = max((s["done"] for s in spans), default=1.0)
+            for row, kind in enumerate(("compute", "comm")):
+                mine = [x for x in spans if x["kind"] == kind]
+                for s in mine:
+                    width = s["done"] - s["started"]
+                    ax.barh(row, width, left=s["started"], height=0.6, color=colors[kind],
+                            edgecolor="black", linewidth=0.8)
+                    if width > 0.05 * end:
+                        ax.text(s["started"] + width / 2, row, s["name"], ha="center", va="center",
+                                fontsize=6.5, color="white", clip_on=True)
+                ax.plot([s["dispatched"] for s in mine], [row - 0.4] * len(mine), "k|", markersize=6)
+            measured = result["strategies"][name]["step_s"]
+            ax.set_title(f"{name}: MEASURED stages of one step (ticks: dispatch; median step "
+                         f"{measured * 1e3:.0f} ms)", fontsize=9)
+        else:
             sim = sims[name]
-            it = sim.spans[0].iteration
             steady = [s for s in sim.spans if s.iteration == sim.spans[-1].iteration - 1]
-            t0 = min(s.start for s in steady) if steady else 0
+            t0 = min((float(s.start) for s in steady), default=0.0)
+            end = max((float(s.end) - t0 for s in steady), default=1.0)
             for s in steady:
                 row = 0 if s.stream == "compute" else 1
-                ax.barh(row, float(s.end - s.start), left=float(s.start - t0), height=0.6,
+                width = float(s.end - s.start)
+                ax.barh(row, width, left=float(s.start) - t0, height=0.6,
                         color=colors["compute" if row == 0 else "comm"], edgecolor="black", linewidth=0.5)
-            del it
+                if width > 0.05 * end:
+                    ax.text(float(s.start) - t0 + width / 2, row, _sim_label(s.name), ha="center",
+                            va="center", fontsize=6.5, color="white", clip_on=True)
             ax.set_title(f"{name}: SIMULATED for the measured costs (iteration "
                          f"{float(sim.iteration_s) * 1e3:.0f} ms)", fontsize=9)
         ax.set_yticks([0, 1], ["compute", "comm"])
@@ -353,8 +551,13 @@ def plot(raw: dict[str, Any], result: dict[str, Any], sims: dict, path: Path) ->
                  f"batch {result['batch_per_process']}"
                  f"/process; compute {result['compute_s'] * 1e3:.0f} ms, comm {result['comm_s'] * 1e3:.0f} ms")
     fig.tight_layout()
+    return fig
+
+
+def plot(raw: dict[str, Any], result: dict[str, Any], sims: dict, path: Path) -> None:
+    """Write :func:`bench_figure` to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    bench_figure(raw, result, sims).savefig(path, dpi=110)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -372,6 +575,8 @@ def run(args: argparse.Namespace) -> int:
                   "--depth", str(args.depth), "--width", str(args.width)]
         if args.batch:
             worker += ["--batch", str(args.batch)]
+        worker += ["--calibration-start", str(args.calibration_start), "--calibration-tolerance",
+                   str(args.calibration_tolerance), "--calibration-probes", str(args.calibration_probes)]
         if args.buckets:
             worker += ["--buckets", str(args.buckets)]
         if not args.no_pin:
@@ -391,6 +596,9 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = "unshaped loopback" if args.no_cluster else args.bandwidth
     result = summarize(raw, strategies, bandwidth)
     sims = simulated(result, strategies)
+    host = host_costs_of(result)
+    if host is not None:
+        result["host_costs"]["comm_slowdown"] = host.comm_slowdown
     result["simulated"] = {n: {"iteration_s": float(s.iteration_s),
                                "error_vs_measured": float(s.iteration_s) / result["strategies"][n]["step_s"] - 1}
                            for n, s in sims.items()}
@@ -403,7 +611,7 @@ def run(args: argparse.Namespace) -> int:
     results_dir.mkdir(parents=True, exist_ok=True)
     with open(results_dir / "overlap.jsonl", "a") as f:
         f.write(json.dumps(result) + "\n")
-    png = Path(args.png) if args.png else results_dir / "overlap_gantt.png"
+    png = Path(args.png) if args.png else chart_path(results_dir, result, strategies)
     plot(raw, result, sims, png)
     print(f"Gantt chart (measured stages beside the simulator): {png}")
     return 0
@@ -426,6 +634,8 @@ def format_report(result: dict[str, Any]) -> str:
              "  ceiling (compute and comm dispatched together as raw programs) "
              + (f"{result['ceiling_s'] * 1e3:7.1f} ms = {result['plain_s'] / result['ceiling_s']:.2f}x "
                 "the plain step" if result.get("ceiling_s") else "not measured"),
+             calibration_text(result.get("calibration")),
+             *([f"  SPEED-UPS WITHHELD: {result['speedups_withheld']}"] if result.get("speedups_withheld") else []),
              f"  {'strategy':<10} {'step ms':>8} {'speedup':>8} {'x bound':>8} {'x ceiling':>9} "
              f"{'overlap eff':>12} {'sim ms':>8}"]
     for name, r in result["strategies"].items():
@@ -436,9 +646,25 @@ def format_report(result: dict[str, Any]) -> str:
         sim_txt = f"{sim * 1e3:8.1f}" if sim is not None else f"{'-':>8}"
         ceiling = r.get("ratio_to_ceiling")
         ceiling_txt = f"{ceiling:9.2f}" if ceiling else f"{'-':>9}"
-        lines.append(f"  {name:<10} {r['step_s'] * 1e3:8.1f} {r['speedup']:8.2f} {r['ratio_to_bound']:8.2f} "
-                     f"{ceiling_txt} {r['overlap_efficiency']:12.2f} {sim_txt}")
+        speedup = f"{r['speedup']:8.2f}" if r.get("speedup") is not None else f"{'-':>8}"
+        eff = f"{r['overlap_efficiency']:12.2f}" if r.get("overlap_efficiency") is not None else f"{'-':>12}"
+        lines.append(f"  {name:<10} {r['step_s'] * 1e3:8.1f} {speedup} {r['ratio_to_bound']:8.2f} "
+                     f"{ceiling_txt} {eff} {sim_txt}")
     return "\n".join(lines)
+
+
+def calibration_text(calibration: dict[str, Any] | None) -> str:
+    """One line: how the batch was chosen and how close compute came to comm."""
+    if not calibration:
+        return "  calibration: not recorded"
+    if calibration.get("explicit_batch"):
+        return f"  calibration: none (--batch {calibration['batch']} given)"
+    probes = ", ".join(f"{p['batch']}: {p['compute_s'] * 1e3:.1f}/{p['comm_s'] * 1e3:.1f} ms"
+                       for p in calibration["probes"])
+    state = "converged" if calibration["converged"] else "NOT CONVERGED"
+    return (f"  calibration {state}: compute/comm {calibration['achieved_ratio']:.2f} (target 1, "
+            f"error {calibration['error']:+.1%}, tolerance {calibration['tolerance']:.0%}) after "
+            f"{len(calibration['probes'])} probes (batch: compute/comm) {probes}")
 
 
 def _strategy_names() -> tuple[str, ...]:
@@ -473,6 +699,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run wfbp/dear with this compressor "
                         "(topk:DENSITY, gtopk:DENSITY, powersgd:RANK, bf16), same session")
     parser.add_argument("--batch", type=positive_int, help="per-process batch (default: calibrated)")
+    parser.add_argument("--calibration-start", type=positive_int, default=128,
+                        help="first per-process batch the calibration probes")
+    parser.add_argument("--calibration-tolerance", type=positive_float, default=0.10,
+                        help="calibration succeeds when |compute/comm - 1| is at most this")
+    parser.add_argument("--calibration-probes", type=positive_int, default=6,
+                        help="most batches the calibration measures")
     parser.add_argument("--depth", type=positive_int, default=DEPTH, help="layers of the tanh MLP")
     parser.add_argument("--width", type=positive_int, default=WIDTH, help="width of every layer")
     parser.add_argument("--buckets", type=positive_int, help="bucket byte threshold (default: one per layer)")
@@ -482,8 +714,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"write the row and the chart into {RESULTS_DIR}/ (the committed "
                              "results the docs cite) instead of --out")
     parser.add_argument("--json", type=output_path, help="also write the report here")
-    parser.add_argument("--png", type=output_path, help="Gantt chart path (default: overlap_gantt.png "
-                        "in --out, or in the results folder with --save)")
+    parser.add_argument("--png", type=output_path, help="Gantt chart path (default: "
+                        "bench_<depth>x<width>_<strategies>.png in --out, or in the results folder with --save)")
     parser.add_argument("--prefix", default="jxsb", help="namespace prefix of the emulated cluster")
     parser.add_argument("--no-cluster", action="store_true", help="loopback only (no root needed)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin each process to one core")

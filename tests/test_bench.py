@@ -52,3 +52,135 @@ def test_bench_refuses_bad_options_in_one_line_before_any_work(argv, message, ca
     assert main(["bench", "--no-cluster", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+# -- the calibration (pure: a synthetic cost curve stands in for the cluster) ------------------
+def _curve(fixed_s, per_row_s, comm_s, calls):
+    def measure(batch):
+        calls.append(batch)
+        return fixed_s + per_row_s * batch, comm_s
+    return measure
+
+
+@pytest.mark.parametrize("fixed_s", [0.05, 0.2, 0.27])
+def test_calibration_converges_despite_a_large_fixed_cost(fixed_s):
+    from jaxsched.bench import calibrate_batch
+
+    calls = []
+    # comm 291 ms; at the first probe (128 rows) the fixed cost is most of compute, so the old
+    # one-probe linear extrapolation (128 * comm / compute) landed far below the target.
+    cal = calibrate_batch(_curve(fixed_s, 1e-4, 0.291, calls), 128, multiple=8)
+    assert cal.converged and cal.reason is None
+    assert abs(cal.compute_s / cal.comm_s - 1) <= 0.10 and cal.error == pytest.approx(cal.compute_s / cal.comm_s - 1)
+    assert len(calls) <= 6 and [p[0] for p in cal.probes] == calls
+    assert all(b % 8 == 0 for b in calls) and cal.batch in calls
+    assert cal.compute_s == pytest.approx(fixed_s + 1e-4 * cal.batch)
+
+
+def test_calibration_that_cannot_reach_the_target_says_so():
+    from jaxsched.bench import calibrate_batch
+
+    calls = []
+    cal = calibrate_batch(_curve(0.5, 1e-4, 0.291, calls), 128, multiple=8)  # fixed cost > comm
+    assert not cal.converged and len(calls) <= 6
+    assert cal.batch == 8 and cal.error > 0.10
+    assert "compute stays above comm" in cal.reason and "bound" in cal.reason
+    calls = []
+    cal = calibrate_batch(_curve(0.0, 1e-9, 0.291, calls), 128, max_probes=3)  # runs out of probes
+    assert not cal.converged and len(calls) == 3 and "3 probes" in cal.reason
+
+
+def test_calibration_refuses_bad_measurements():
+    from jaxsched.bench import calibrate_batch
+
+    with pytest.raises(ValueError, match="measure\\(128\\) returned compute 0"):
+        calibrate_batch(lambda b: (0.0, 0.3), 128)
+
+
+def _raw(calibration):
+    return {"median_s": {"compute": 0.09, "comm": 0.29, "plain": 0.38, "ceiling": 0.3, "comm_tree": 0.3,
+                         "wfbp": 0.37},
+            "processes": 2, "batch_per_process": 144, "steps": 3, "layers": {"width": 1024, "depth": 8},
+            "losses": {"plain": [1.0], "wfbp": [1.0]}, "calibration": calibration}
+
+
+def test_speedups_are_withheld_when_calibration_failed():
+    from jaxsched.bench import calibrate_batch, format_report, summarize
+
+    failed = calibrate_batch(lambda b: (0.5 + 1e-4 * b, 0.29), 128).to_dict()
+    result = summarize(_raw(failed), ["wfbp"], "1gbit")
+    row = result["strategies"]["wfbp"]
+    assert row["speedup"] is None and row["overlap_efficiency"] is None and row["step_s"] == 0.37
+    assert "calibration did not converge" in result["speedups_withheld"]
+    text = format_report(result)
+    assert "NOT CONVERGED" in text and "SPEED-UPS WITHHELD" in text
+    ok = calibrate_batch(lambda b: (0.05 + 1e-4 * b, 0.29), 128).to_dict()
+    result = summarize(_raw(ok), ["wfbp"], "1gbit")
+    assert result["speedups_withheld"] is None
+    assert result["strategies"]["wfbp"]["speedup"] == pytest.approx(0.38 / 0.37)
+    assert result["calibration"]["converged"] and "calibration converged" in format_report(result)
+
+
+# -- the charts ----------------------------------------------------------------------------------
+def _texts(fig):
+    return [t.get_text() for ax in fig.axes for t in ax.texts]
+
+
+def test_bench_chart_labels_stages_and_draws_no_empty_panel():
+    from jaxsched.bench import bench_figure, simulated, summarize
+
+    raw = _raw({"explicit_batch": True, "batch": 144})
+    raw["median_s"]["wfbp+topk:0.01"] = 0.36
+    raw["losses"]["wfbp+topk:0.01"] = [1.0]
+    spans = [dict(kind="compute", name="fwd layer0..layer7 + bwd layer7", dispatched=0.0, started=0.0, done=0.15),
+             dict(kind="comm", name="psum bucket 0 (4.2 MB)", dispatched=0.15, started=0.15, done=0.2),
+             dict(kind="compute", name="bwd layer6", dispatched=0.15, started=0.15, done=0.19),
+             dict(kind="compute", name="update", dispatched=0.2, started=0.2, done=0.3)]
+    raw["timelines"] = {"wfbp": spans, "wfbp+topk:0.01": spans}
+    result = summarize(raw, ["wfbp", "wfbp+topk:0.01"], "1gbit")
+    sims = simulated(result, ["wfbp", "wfbp+topk:0.01"])
+    assert list(sims) == ["wfbp"]  # compressed variants are not simulated here
+    fig = bench_figure(raw, result, sims)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert len(fig.axes) == 3 and sum("SIMULATED" in t for t in titles) == 1  # no empty panel
+    texts = _texts(fig)
+    assert {"fwd layer0..layer7 + bwd layer7", "psum bucket 0 (4.2 MB)", "update"} <= set(texts)
+    assert any(t.startswith("all_reduce bucket") for t in texts)  # the simulator's "b7" spelled out
+    assert not any(t.startswith("compute ") and t[8:].isdigit() for t in texts)
+
+
+def test_bench_chart_file_is_named_by_model_and_strategies(tmp_path):
+    from jaxsched.bench import chart_path
+
+    a = chart_path(tmp_path, {"layers": {"depth": 8, "width": 1024}}, ["allreduce", "wfbp"])
+    b = chart_path(tmp_path, {"layers": {"depth": 2, "width": 2048}}, ["allreduce", "wfbp"])
+    c = chart_path(tmp_path, {"layers": {"depth": 8, "width": 1024}}, ["dear"])
+    assert a.name == "bench_8x1024_allreduce-wfbp.png" and len({a, b, c}) == 3
+
+
+def test_host_engine_names_stages_by_what_they_run():
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from jaxsched.engine.host import cut_stages
+
+    def loss(w, x):
+        for i in range(2):
+            with jax.named_scope(f"layer{i}"):
+                x = jnp.tanh(x @ w[i])
+        return jnp.sum(x ** 2)
+
+    def body(w, x):
+        value, g = jax.value_and_grad(loss)(w, x)
+        g = [lax.psum(gi, "data") for gi in reversed(g)]  # the last layer's bucket first
+        with jax.named_scope("update"):
+            w = [wi - 0.1 * gi for wi, gi in zip(w, reversed(g))]
+        return w, lax.psum(value, "data")
+
+    jaxpr = jax.make_jaxpr(body, axis_env=[("data", 1)])([jnp.ones((32, 32))] * 2, jnp.ones((4, 32)))
+    names = [s.name for s in cut_stages(jaxpr.jaxpr)]
+    assert names[0] == "fwd layer0..layer1 + bwd layer1", names
+    # layer1's input-gradient matmul is only needed by layer0's backward: it runs after bucket 0
+    assert names[1:4] == ["psum bucket 0 (4.1 kB)", "bwd layer1..layer0", "psum bucket 1 (4.1 kB)"], names
+    assert "psum (4 B)" in names and "update" in names, names

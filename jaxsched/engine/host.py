@@ -43,6 +43,7 @@ Example (one process: the collective stages run on the spare device, trivially):
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -77,7 +78,7 @@ class Stage:
 
     Attributes:
       kind: ``"compute"`` (on this process's mesh device) or ``"comm"`` (on the spare one).
-      name: for timelines (the collective's primitive, or ``compute k``).
+      name: for timelines (:func:`describe_compute_stage`, :func:`describe_comm_stage`).
       eqns: the per-device equations it runs (for a communication stage: its collective,
         after any squeeze or reshape that only it reads first).
       inputs, outputs: the per-device jaxpr variables it reads and defines for later.
@@ -233,9 +234,83 @@ def cut_stages(jaxpr) -> list[Stage]:
             defined.update(eqn.outvars)
         exported = [e for e in eqns if _is_collective(e)] if kind == "comm" else eqns
         outputs = [v for eqn in exported for v in eqn.outvars if v in read_later[k]]
-        name = exported[-1].primitive.name if kind == "comm" else f"compute {k}"
+        if kind == "comm":
+            prim = exported[-1].primitive.name
+            ordinal = sum(1 for s in stages if s.kind == "comm" and s.eqns[-1].primitive.name == prim
+                          and _comm_bytes(s.eqns[-1]) >= BUCKET_MIN_BYTES)
+            name = describe_comm_stage(exported, ordinal)
+        else:
+            name = describe_compute_stage(eqns, k)
         stages.append(Stage(kind, name, eqns, inputs, outputs))
     return stages
+
+
+_TRANSPOSED = re.compile(r"transpose\((?:jvp\()?([^()]*)\)")
+_JVP = re.compile(r"jvp\(([^()]*)\)")
+HEAVY_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def _scope_tail(scope: str) -> str:
+    return scope.rsplit("/", 1)[-1]
+
+
+def describe_compute_stage(eqns: Sequence[Any], index: int) -> str:
+    """What a compute stage does, for timelines: ``"fwd layer0..layer3 + bwd layer3"``,
+    ``"update"``. Read off the equations' name stacks (``jax.named_scope`` in the model:
+    forward under ``jvp(scope)``, backward under ``transpose(jvp(scope))``, anything under
+    a scope named ``update``). When the stage has matmuls or convolutions only those are
+    read (the cheap elementwise leftovers of a layer's forward often run with the next
+    backward). Falls back to ``compute k`` (its position) when nothing is named."""
+    heavy = [e for e in eqns if e.primitive.name in HEAVY_PRIMITIVES]
+    forward: list[str] = []
+    backward: list[str] = []
+    update = False
+    for eqn in eqns:
+        stack = str(eqn.source_info.name_stack)
+        if "update" in stack.split("/") or stack.endswith("update") or "(update" in stack:
+            update = True
+            continue
+        if heavy and eqn.primitive.name not in HEAVY_PRIMITIVES:
+            continue
+        match = _TRANSPOSED.search(stack)
+        if match and match.group(1):
+            scope = _scope_tail(match.group(1))
+            if scope not in backward:
+                backward.append(scope)
+            continue
+        match = _JVP.search(stack)
+        if match and match.group(1):
+            scope = _scope_tail(match.group(1))
+            if scope not in forward:
+                forward.append(scope)
+    parts = []
+    for label, scopes in (("fwd", forward), ("bwd", backward)):
+        if scopes:
+            parts.append(f"{label} {scopes[0]}" if len(scopes) == 1 else f"{label} {scopes[0]}..{scopes[-1]}")
+    if update:
+        parts.append("update")
+    return " + ".join(parts) if parts else f"compute {index}"
+
+
+#: Below this a collective is a scalar or a statistic (the loss's pmean), not a bucket.
+BUCKET_MIN_BYTES = 1024
+
+
+def _comm_bytes(eqn: Any) -> int:
+    return sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
+               for v in eqn.invars if hasattr(v, "aval") and hasattr(v.aval, "shape"))
+
+
+def describe_comm_stage(eqns: Sequence[Any], ordinal: int) -> str:
+    """``"psum bucket 2 (4.2 MB)"``: the collective, which of this program's collectives
+    of that kind and of at least :data:`BUCKET_MIN_BYTES` it is (in dispatch order; for a
+    bucketed strategy, the bucket), and the bytes it sends. Smaller ones are ``"psum (4 B)"``."""
+    eqn = eqns[-1]
+    nbytes = _comm_bytes(eqn)
+    if nbytes < BUCKET_MIN_BYTES:
+        return f"{eqn.primitive.name} ({nbytes} B)"
+    size = f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} kB"
+    return f"{eqn.primitive.name} bucket {ordinal} ({size})"
 
 
 class HostEngine(Engine):

@@ -86,6 +86,67 @@ class Compression:
 
 
 @dataclasses.dataclass(frozen=True)
+class HostCosts:
+    """What the ``host`` engine (jaxsched.engine.host) adds to a step on CPU clusters.
+
+    Why: that engine dispatches every stage from the Python thread that shares the host's
+    core with compute, copies each collective's operands to a spare local device and back,
+    and gloo and the kernel's network work take CPU from compute while bytes move. Without
+    these the simulator predicted 14-34% too fast (issue 21). All default to "nothing", so
+    a simulation without them is unchanged.
+
+    * ``stage_s``: seconds of Python per collective (a communication stage, the compute
+      stage after it, two device copies dispatched): charged on the compute stream just
+      before the collective is issued (:func:`jaxsched.engine.host.measure_stage_overhead`).
+    * ``copy_s_per_byte``: copying one byte between the compute device and the spare one;
+      every collective's bytes are copied there before it (compute stream, before it is
+      issued) and back after it (compute stream, before what reads the result).
+    * ``comm_slowdown``: compute runs this many times slower while a collective is moving
+      bytes (>= 1); :func:`comm_slowdown_from_ceiling` derives it from a measured ceiling.
+    """
+
+    stage_s: float = 0.0
+    copy_s_per_byte: float = 0.0
+    comm_slowdown: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.stage_s < 0 or self.copy_s_per_byte < 0:
+            raise SimulationError(f"HostCosts stage_s={self.stage_s}, copy_s_per_byte="
+                                  f"{self.copy_s_per_byte} must be >= 0")
+        if not self.comm_slowdown >= 1:
+            raise SimulationError(f"HostCosts comm_slowdown={self.comm_slowdown} must be >= 1 "
+                                  "(compute is never faster while bytes move)")
+
+
+def comm_slowdown_from_ceiling(compute_s: float, comm_s: float, ceiling_s: float,
+                               limit: float = 100.0) -> float:
+    """The compute slow-down while bytes move that explains a measured ceiling.
+
+    The ceiling is compute (``compute_s`` alone) and one collective (``comm_s`` alone)
+    started together. If compute runs ``s`` times slower while the collective runs and the
+    collective is the longer, it has done ``comm_s / s`` of its work when the collective
+    ends, so ``ceiling = comm_s + compute_s - comm_s / s``; symmetrically when compute is
+    the longer. Solved for ``s``; 1 when the ceiling is at the bound ``max(compute, comm)``,
+    ``limit`` when nothing overlapped (ceiling >= compute + comm). With compute = comm it
+    is ``1 / (2 - ceiling / bound)``.
+
+    Example:
+        >>> round(comm_slowdown_from_ceiling(0.3, 0.3, 0.33), 4)   # ceiling 1.1x the bound
+        1.1111
+    """
+    if min(compute_s, comm_s, ceiling_s) <= 0:
+        raise SimulationError(f"compute_s={compute_s}, comm_s={comm_s}, ceiling_s={ceiling_s} "
+                              "must all be > 0")
+    if ceiling_s <= max(compute_s, comm_s):
+        return 1.0
+    overlapped = compute_s + comm_s - ceiling_s  # compute work done while the collective ran
+    if overlapped <= 0:
+        return limit
+    # the window is the collective (compute outlasted it): compute did comm_s / s of work
+    return float(min(limit, max(1.0, comm_s / overlapped)))
+
+
+@dataclasses.dataclass(frozen=True)
 class Span:
     """One task as executed: which stream, what, which iteration, when."""
 
@@ -214,7 +275,8 @@ class _Graph:
 
 def _build(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPattern,
            buckets: list[list[int]], iterations: int, compression: Compression | None,
-           partition_bytes: int, shared_stream: bool = False) -> _Graph:
+           partition_bytes: int, shared_stream: bool = False,
+           host: HostCosts | None = None) -> _Graph:
     """The task graph of ``iterations`` iterations (see the table in docs/simulator.md).
 
     Everything but ByteScheduler is read off the strategy's :class:`CommPattern`."""
@@ -239,8 +301,23 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPa
             return deps
         return [graph.add(_Task("compute", f"{label} b{k}", label, n, copy * bucket_bytes[k], deps))]
 
+    host = host or HostCosts()
+
+    def to_spare(k: int, n: int, deps: list[int]) -> list[int]:
+        """The host engine's dispatch of a collective and the copy of its bytes to the spare device."""
+        cost = host.stage_s + host.copy_s_per_byte * bucket_bytes[k] if host.copy_s_per_byte else host.stage_s
+        if not cost:
+            return deps
+        return [graph.add(_Task("compute", f"to spare b{k}", "stage", n, cost, deps))]
+
+    def from_spare(k: int, n: int, deps: list[int]) -> list[int]:
+        if not host.copy_s_per_byte:
+            return deps
+        return [graph.add(_Task("compute", f"from spare b{k}", "copy", n,
+                                host.copy_s_per_byte * bucket_bytes[k], deps))]
+
     def grad_collective(k: int, n: int, deps: list[int]) -> int:
-        after = copy_task("pack", k, n, deps)
+        after = to_spare(k, n, copy_task("pack", k, n, deps))
         if compression is not None and compression.selection_s_per_byte:
             after = [graph.add(_Task("compute", f"compress b{k}", "compress", n,
                                      compression.selection_s_per_byte * bucket_bytes[k], after))]
@@ -267,7 +344,8 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPa
                                 prev_chunks[i]))
             deps = []
             if pattern.parameters and n > 0 and i in bucket_lo:
-                deps = copy_task("unpack", bucket_lo[i], n, [prev_gather[bucket_lo[i]]])
+                deps = copy_task("unpack", bucket_lo[i], n,
+                                 from_spare(bucket_lo[i], n, [prev_gather[bucket_lo[i]]]))
             graph.add(_Task("compute", f"fwd {lay[i].name}", "forward", n, lay[i].forward_s, deps))
         for i in reversed(range(num)):
             bwd = graph.add(_Task("compute", f"bwd {lay[i].name}", "backward", n, lay[i].backward_s, []))
@@ -300,21 +378,30 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPa
         if priority:
             pass  # each layer's update waits for its own chunks (next iteration, above)
         elif pattern.delayed_update:
-            graph.add(_Task("compute", "update (previous step)", "update", n, total_update, prev_comm))
+            back = [t for c in prev_comm for t in from_spare(_bucket_of_task(graph, c), n, [c])]
+            graph.add(_Task("compute", "update (previous step)", "update", n, total_update, back))
         elif pattern.parameters:
             for k in range(len(buckets)):
                 upd = graph.add(_Task("compute", f"update b{k} shard", "update", n,
-                                      _share(bucket_update[k], workers), [reduce_of_bucket[k]]))
+                                      _share(bucket_update[k], workers),
+                                      from_spare(k, n, [reduce_of_bucket[k]])))
                 kind = pattern.parameters
                 prev_gather[k] = graph.add(_Task("comm", f"{kind} b{k}", kind, n,
-                                                 network.time(kind, bucket_bytes[k]), [upd]))
+                                                 network.time(kind, bucket_bytes[k]),
+                                                 to_spare(k, n, [upd])))
         else:
-            if copy:  # the update reads the unpacked gradients
-                comm = [copy_task("unpack", k, n, [c])[0]
-                        for k, c in sorted(reduce_of_bucket.items(), reverse=True)]
+            if copy or host.copy_s_per_byte:  # the update reads the unpacked gradients
+                by_bucket = reduce_of_bucket or {_bucket_of_task(graph, c): c for c in comm}
+                comm = [t for k, c in sorted(by_bucket.items(), reverse=True)
+                        for t in copy_task("unpack", k, n, from_spare(k, n, [c]))]
             graph.add(_Task("compute", "update", "update", n, total_update, comm + second_order_tail))
         prev_comm, prev_chunks = comm, chunks
     return graph
+
+
+def _bucket_of_task(graph: _Graph, idx: int) -> int:
+    """The bucket index in a gradient collective's name (``all_reduce b3`` -> 3)."""
+    return int(graph.tasks[idx].name.rsplit(" b", 1)[1])
 
 
 def _factor_collective(graph: _Graph, network: NetworkProfile, pattern: CommPattern, layer: Any,
@@ -356,9 +443,12 @@ def worker_loads_seconds(times: Sequence[Any], owners: Sequence[int] | None, wor
     return load
 
 
-def _execute(graph: _Graph, priority: bool, merge_cost: Any = None, credit_bytes: Any = 0
-             ) -> tuple[list[Any], list[Any], list[tuple[list[int], Any, Any]]]:
-    """Run the task graph; returns per-task start/end and the comm ops as executed."""
+def _execute(graph: _Graph, priority: bool, merge_cost: Any = None, credit_bytes: Any = 0,
+             comm_slowdown: Any = 1) -> tuple[list[Any], list[Any], list[tuple[list[int], Any, Any]]]:
+    """Run the task graph; returns per-task start/end and the comm ops as executed.
+
+    With ``comm_slowdown`` s > 1, the running compute task progresses at 1/s of its speed
+    while a collective runs: its end is recomputed whenever the comm stream starts or stops."""
     tasks = graph.tasks
     count = len(tasks)
     start: list[Any] = [None] * count
@@ -377,6 +467,28 @@ def _execute(graph: _Graph, priority: bool, merge_cost: Any = None, credit_bytes
     order = graph.compute_order
     compute_free = comm_free = True
     finished = 0
+    slow = comm_slowdown != 1
+    running: list[Any] = []  # [task, work left at `since`, since, rate, event seq]
+    stale: set[int] = set()  # seqs of compute end events superseded by a rate change
+
+    def rate() -> Any:
+        return 1 if comm_free else 1 / comm_slowdown
+
+    def rerate() -> None:
+        nonlocal seq
+        if not running:
+            return
+        idx, left, since, old_rate, old_seq = running
+        left = left - (now - since) * old_rate
+        new_rate = rate()
+        if new_rate == old_rate:
+            running[1], running[2] = left, now
+            return
+        stale.add(old_seq)
+        end[idx] = now + left / new_rate
+        running[:] = [idx, left, now, new_rate, seq]
+        heapq.heappush(events, (end[idx], seq, [idx]))
+        seq += 1
 
     def make_ready(idx: int) -> None:
         key = tasks[idx].priority if priority else (now,)
@@ -390,6 +502,9 @@ def _execute(graph: _Graph, priority: bool, merge_cost: Any = None, credit_bytes
             idx = order[pointer]
             pointer += 1
             start[idx], end[idx] = now, now + tasks[idx].duration
+            if slow:
+                end[idx] = now + tasks[idx].duration / rate()
+                running[:] = [idx, tasks[idx].duration, now, rate(), seq]
             heapq.heappush(events, (end[idx], seq, [idx]))
             seq += 1
             compute_free = False
@@ -409,13 +524,21 @@ def _execute(graph: _Graph, priority: bool, merge_cost: Any = None, credit_bytes
             heapq.heappush(events, (now + duration, seq, group))
             seq += 1
             comm_free = False
+            if slow:
+                rerate()
         if not events:
             raise RuntimeError("simulator deadlock: a task waits on something never scheduled")
+        while events and events[0][1] in stale:
+            heapq.heappop(events)
         now = events[0][0]
+        comm_was_busy = not comm_free
         while events and events[0][0] == now:
-            _, _, group = heapq.heappop(events)
+            _, event_seq, group = heapq.heappop(events)
+            if event_seq in stale:
+                continue
             if tasks[group[0]].stream == "compute":
                 compute_free = True
+                running.clear()
             else:
                 comm_free = True
             for idx in group:
@@ -424,6 +547,8 @@ def _execute(graph: _Graph, priority: bool, merge_cost: Any = None, credit_bytes
                     waiting[child] -= 1
                     if waiting[child] == 0 and tasks[child].stream == "comm":
                         make_ready(child)
+        if slow and comm_was_busy and comm_free:
+            rerate()
     return start, end, comm_ops
 
 
@@ -431,7 +556,7 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str | Comm
              buckets: Sequence[Sequence[int]] | None = None, *, iterations: int = 8,
              compression: Compression | None = None, partition_bytes: int = 4 * MB,
              credit_bytes: int | None = None, shared_stream: bool = False,
-             keep_spans: bool = True) -> SimResult:
+             keep_spans: bool = True, host: HostCosts | None = None) -> SimResult:
     """Simulate ``iterations`` iterations of ``strategy`` and report the steady state.
 
     ``buckets`` (forward order) defaults to :func:`default_buckets`; ``bytescheduler``
@@ -440,6 +565,8 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str | Comm
     merging ready chunks up to ``credit_bytes`` (default: one partition) per collective.
     ``shared_stream=True`` runs every collective inline on the compute stream, in program
     order: how XLA:CPU executes them (no overlap at all; docs/architecture.md).
+    ``host`` adds the host engine's own costs (:class:`HostCosts`: stage dispatch, copies
+    to the spare device, compute slowed while bytes move).
     """
     if not isinstance(strategy, CommPattern) and strategy not in STRATEGIES:
         raise SimulationError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -457,10 +584,10 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str | Comm
         raise SimulationError(f"partition_bytes={partition_bytes} must be > 0")
     credit = partition_bytes if credit_bytes is None else credit_bytes
     graph = _build(layers, network, strategy, buckets, iterations, compression, partition_bytes,
-                   shared_stream)
+                   shared_stream, host)
     merge = (lambda b: network.time("all_reduce", b)) if priority else None
-    start, end, comm_ops = _execute(graph, priority=priority,
-                                    merge_cost=merge, credit_bytes=credit)
+    start, end, comm_ops = _execute(graph, priority=priority, merge_cost=merge, credit_bytes=credit,
+                                    comm_slowdown=host.comm_slowdown if host else 1)
     tasks = graph.tasks
     first_of_iter: dict[int, Any] = {}
     for idx in graph.compute_order:
@@ -496,6 +623,8 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str | Comm
         options.update(partition_bytes=partition_bytes, credit_bytes=credit)
     if compression is not None:
         options.update(compression=compression.kind, density=compression.density)
+    if host is not None and host != HostCosts():
+        options.update(host=dataclasses.asdict(host))
     return SimResult(strategy, buckets, iteration, compute_busy, comm_busy,
                      iteration - compute_busy, iteration - comm_busy, bound, compute_min,
                      comm_min, gaps, spans, options)

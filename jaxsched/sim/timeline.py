@@ -80,6 +80,24 @@ def _merged(spans: list) -> list[tuple[float, float, str, int | None]]:
     return bars
 
 
+def bar_label(kind: str, bucket: int | None, fraction: float) -> str | None:
+    """What a bar is, as long as the bar is wide (``fraction`` of the time axis) enough to
+    hold it: ``"all-reduce bucket 3"``, ``"bucket 3"``, ``"b3"``; ``"backward"``; None if
+    nothing fits.
+
+    Example:
+        >>> bar_label("all_reduce", 3, 0.2), bar_label("all_reduce", 3, 0.03), bar_label("forward", None, 0.1)
+        ('all-reduce bucket 3', 'b3', 'forward')
+    """
+    kind_text = kind.replace("_", "-")
+    options = ([f"{kind_text} bucket {bucket}", f"bucket {bucket}", f"b{bucket}"] if bucket is not None
+               else [kind_text])
+    for text in options:
+        if fraction >= 0.0075 * (len(text) + 1):  # about a character per 0.75% of the axis
+            return text
+    return None
+
+
 def save_gantt_png(results: Sequence[SimResult], path: str | Path, steady_iterations: int = 2,
                    title: str | None = None) -> None:
     """Write :func:`gantt_figure` as a PNG."""
@@ -91,7 +109,9 @@ def gantt_figure(results: Sequence[SimResult], steady_iterations: int = 2,
     """A matplotlib Figure: two rows per strategy (compute, comm) over ``steady_iterations`` steady iterations.
 
     Each bucket's collective is its own bar, outlined, alternately shaded and labelled
-    (``b0`` is the bucket nearest the input), so a plan's buckets can be counted off the
+    (``all-reduce bucket 0``, shortened to ``b0`` when narrow; bucket 0 is nearest the input);
+    compute bars say what they are (forward, backward, update) when they are wide enough;
+    a strategy without spans gets no row; so a plan's buckets can be counted off the
     chart; dashed lines mark where each iteration's compute starts. Tasks shorter than
     0.6% of the time axis (updates, dispatch, copies) are drawn that wide so they stay
     visible. ``title`` names what was simulated (model, workers, network).
@@ -132,8 +152,9 @@ def gantt_figure(results: Sequence[SimResult], steady_iterations: int = 2,
                 ax.barh(y, width, left=left, height=0.7, color=_shade(COLORS.get(kind, "gray"), bucket),
                         edgecolor="white" if is_comm else "none", linewidth=1.5 if is_comm else 0,
                         zorder=2)
-                if bucket is not None and is_comm and width > 0.025 * span_ms:
-                    ax.text(left + width / 2, y, f"b{bucket}", ha="center", va="center",
+                label = bar_label(kind, bucket, width / span_ms)
+                if label:
+                    ax.text(left + width / 2, y, label, ha="center", va="center",
                             fontsize=7, color="white", zorder=3)
             labels.append(f"{result.strategy} {stream}")
         for k, start in enumerate(starts):
