@@ -294,9 +294,19 @@ def _worker(args: argparse.Namespace) -> int:
     spare_device = next(d for d in spare_mesh.devices.flat if d.process_index == rank)
     local_grads = grads_like.addressable_data(0)
     copy_s = median_time(lambda a: jax.device_put(a, spare_device), local_grads)
+    # dear's pair: a reduce-scatter and an all-gather of the same bytes. On gloo they cost
+    # more than one all-reduce, not the half each a ring model gives them.
+    padded = -(-n_grads // nproc) * nproc
+    rs_ag = jax.jit(jax.shard_map(
+        lambda g: lax.all_gather(lax.psum_scatter(g[0], "data", tiled=True), "data", tiled=True)[None],
+        mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
+    rs_ag_s = median_time(rs_ag, jax.make_array_from_process_local_data(
+        batch_sharding, np.ones((1, padded), np.float32)))
     host_costs = {"stage_s": float(stage_s), "copy_s_per_byte": copy_s / (4 * n_grads),
+                  "reduce_scatter_all_gather_s": float(rs_ag_s),
                   "source": "measured: jaxsched.engine.host.measure_stage_overhead; device_put of "
-                            f"{4 * n_grads} bytes to the spare device"}
+                            f"{4 * n_grads} bytes to the spare device; a reduce-scatter then an "
+                            "all-gather of the gradient bytes"}
     rows = args.batch
     calibration: dict[str, Any] = {"explicit_batch": True, "batch": rows}
     if rows is None:  # calibrate: compute-only close to comm-only
@@ -414,6 +424,8 @@ def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) ->
                               "host_costs": raw.get("host_costs"), "strategies": {}}
     withheld = speedups_withheld(raw.get("calibration"))
     result["speedups_withheld"] = withheld
+    # the machine drifts between the calibration probes and the measured steps: say by how much
+    result["measured_ratio"] = compute_s / comm_s if comm_s else None
     for name in strategies:
         if name in raw.get("missing", []):
             result["strategies"][name] = {"missing": True}
@@ -462,9 +474,15 @@ def simulated(result: dict[str, Any], strategies: Sequence[str]):
                                  2 * per_layer / 3) for i in range(depth)],
                           {"source": "measured compute-only step split 1:2 forward:backward"})
     beta = result["comm_s"] / (depth * nbytes)
-    costs = {c: CollectiveCost(0.0, beta * f) for c, f in
-             (("all_reduce", 1.0), ("reduce_scatter", 0.5), ("all_gather", 0.5))}
-    network = NetworkProfile(result["processes"], costs, {"source": "measured comm-only psum"})
+    # reduce-scatter and all-gather: half each of the measured pair when bench timed it
+    # (on gloo the pair costs more than one all-reduce), else half an all-reduce each
+    pair_s = (result.get("host_costs") or {}).get("reduce_scatter_all_gather_s")
+    half = (pair_s / 2 / (depth * nbytes)) if pair_s else beta * 0.5
+    costs = {"all_reduce": CollectiveCost(0.0, beta), "reduce_scatter": CollectiveCost(0.0, half),
+             "all_gather": CollectiveCost(0.0, half)}
+    network = NetworkProfile(result["processes"], costs,
+                             {"source": "measured comm-only psum" + (" and reduce-scatter + all-gather"
+                                                                     if pair_s else "")})
     sims = {}
     for name in strategies:
         if result["strategies"].get(name, {}).get("missing"):
@@ -634,7 +652,7 @@ def format_report(result: dict[str, Any]) -> str:
              "  ceiling (compute and comm dispatched together as raw programs) "
              + (f"{result['ceiling_s'] * 1e3:7.1f} ms = {result['plain_s'] / result['ceiling_s']:.2f}x "
                 "the plain step" if result.get("ceiling_s") else "not measured"),
-             calibration_text(result.get("calibration")),
+             calibration_text(result.get("calibration"), result.get("measured_ratio")),
              *([f"  SPEED-UPS WITHHELD: {result['speedups_withheld']}"] if result.get("speedups_withheld") else []),
              f"  {'strategy':<10} {'step ms':>8} {'speedup':>8} {'x bound':>8} {'x ceiling':>9} "
              f"{'overlap eff':>12} {'sim ms':>8}"]
@@ -653,8 +671,9 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def calibration_text(calibration: dict[str, Any] | None) -> str:
-    """One line: how the batch was chosen and how close compute came to comm."""
+def calibration_text(calibration: dict[str, Any] | None, measured_ratio: float | None = None) -> str:
+    """One line: how the batch was chosen and how close compute came to comm (in the probes
+    and, with ``measured_ratio``, in the measured steps that followed)."""
     if not calibration:
         return "  calibration: not recorded"
     if calibration.get("explicit_batch"):
@@ -664,7 +683,9 @@ def calibration_text(calibration: dict[str, Any] | None) -> str:
     state = "converged" if calibration["converged"] else "NOT CONVERGED"
     return (f"  calibration {state}: compute/comm {calibration['achieved_ratio']:.2f} (target 1, "
             f"error {calibration['error']:+.1%}, tolerance {calibration['tolerance']:.0%}) after "
-            f"{len(calibration['probes'])} probes (batch: compute/comm) {probes}")
+            f"{len(calibration['probes'])} probes (batch: compute/comm) {probes}"
+            + (f"; in the measured steps compute/comm {measured_ratio:.2f}"
+               if measured_ratio is not None else ""))
 
 
 def _strategy_names() -> tuple[str, ...]:

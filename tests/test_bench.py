@@ -184,3 +184,20 @@ def test_host_engine_names_stages_by_what_they_run():
     # layer1's input-gradient matmul is only needed by layer0's backward: it runs after bucket 0
     assert names[1:4] == ["psum bucket 0 (4.1 kB)", "bwd layer1..layer0", "psum bucket 1 (4.1 kB)"], names
     assert "psum (4 B)" in names and "update" in names, names
+
+
+def test_the_simulated_column_prices_dears_pair_as_measured():
+    """On gloo a reduce-scatter plus an all-gather costs more than one all-reduce: when bench
+    timed the pair, dear's simulation uses it rather than half an all-reduce each."""
+    from jaxsched.bench import simulated, summarize
+
+    raw = _raw({"explicit_batch": True, "batch": 144})
+    raw["median_s"]["dear"] = 0.4
+    raw["losses"]["dear"] = [1.0]
+    result = summarize(raw, ["dear"], "1gbit")
+    result["host_costs"] = {"stage_s": 0.0, "copy_s_per_byte": 0.0}
+    ring = simulated(result, ["dear"])["dear"].iteration_s
+    result["host_costs"]["reduce_scatter_all_gather_s"] = 3 * result["comm_s"]
+    paired = simulated(result, ["dear"])["dear"].iteration_s
+    assert paired > ring
+    assert result["measured_ratio"] == pytest.approx(result["compute_s"] / result["comm_s"])
