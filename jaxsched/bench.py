@@ -438,7 +438,70 @@ def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) ->
             "overlap_efficiency": None if withheld else overlap_efficiency(plain_s, step, bound),
             "max_loss_gap_to_plain": max(abs(a - b) for a, b in zip(raw["losses"][name], raw["losses"]["plain"])),
         }
+        spans = raw.get("timelines", {}).get(name)
+        if spans:
+            result["strategies"][name]["breakdown"] = time_breakdown(spans)
     return result
+
+
+#: What each strategy should reach on this machine, as a multiple of the ceiling (issue 21).
+CEILING_TARGETS = {"approx": 1.10, "wfbp": 1.25}
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total = 0.0
+    for s1, e1 in a:
+        for s2, e2 in b:
+            total += max(0.0, min(e1, e2) - max(s1, s2))
+    return total
+
+
+def time_breakdown(spans: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Where one measured step's time went: compute alone, communication alone (exposed),
+    both at once (overlapped), and neither (dispatch, waiting), from its stage spans.
+
+    Example:
+        >>> spans = [dict(kind="compute", started=0.0, done=0.3), dict(kind="comm", started=0.2, done=0.5),
+        ...          dict(kind="compute", started=0.6, done=0.7)]
+        >>> {k: round(v, 2) for k, v in time_breakdown(spans).items()}
+        {'step_s': 0.7, 'compute_alone_s': 0.3, 'comm_alone_s': 0.2, 'overlapped_s': 0.1, 'idle_s': 0.1}
+    """
+    compute = _union([(x["started"], x["done"]) for x in spans if x["kind"] == "compute"])
+    comm = _union([(x["started"], x["done"]) for x in spans if x["kind"] == "comm"])
+    start = min((x["started"] for x in spans), default=0.0)
+    end = max((x["done"] for x in spans), default=0.0)
+    both = _intersection(compute, comm)
+    busy = _length(compute) + _length(comm) - both
+    return {"step_s": end - start, "compute_alone_s": _length(compute) - both,
+            "comm_alone_s": _length(comm) - both, "overlapped_s": both,
+            "idle_s": max(0.0, (end - start) - busy)}
+
+
+def missed_target(name: str, row: dict[str, Any], strategies: dict[str, Any]) -> str | None:
+    """Which target of :data:`CEILING_TARGETS` (or ``dear`` no slower than ``allreduce``)
+    ``name`` missed in this run, or None."""
+    target = CEILING_TARGETS.get(name)
+    if target is not None and row.get("ratio_to_ceiling") and row["ratio_to_ceiling"] > target:
+        return f"target <= {target:.2f}x the ceiling missed ({row['ratio_to_ceiling']:.2f}x)"
+    if name == "dear" and "allreduce" in strategies and not strategies["allreduce"].get("missing"):
+        if row["step_s"] > strategies["allreduce"]["step_s"]:
+            return (f"target: no slower than allreduce, missed "
+                    f"({row['step_s'] * 1e3:.0f} against {strategies['allreduce']['step_s'] * 1e3:.0f} ms)")
+    return None
 
 
 def host_costs_of(result: dict[str, Any]):
@@ -545,9 +608,18 @@ def bench_figure(raw: dict[str, Any], result: dict[str, Any], sims: dict):
                         ax.text(s["started"] + width / 2, row, s["name"], ha="center", va="center",
                                 fontsize=6.5, color="white", clip_on=True)
                 ax.plot([s["dispatched"] for s in mine], [row - 0.4] * len(mine), "k|", markersize=6)
-            measured = result["strategies"][name]["step_s"]
-            ax.set_title(f"{name}: MEASURED stages of one step (ticks: dispatch; median step "
-                         f"{measured * 1e3:.0f} ms)", fontsize=9)
+            row_result = result["strategies"][name]
+            measured = row_result["step_s"]
+            title = (f"{name}: MEASURED stages of one step (ticks: dispatch; median step "
+                     f"{measured * 1e3:.0f} ms)")
+            parts = time_breakdown(spans)
+            where = (f"this step {parts['step_s'] * 1e3:.0f} ms: compute alone "
+                     f"{parts['compute_alone_s'] * 1e3:.0f}, comm alone (exposed) "
+                     f"{parts['comm_alone_s'] * 1e3:.0f}, overlapped {parts['overlapped_s'] * 1e3:.0f}, "
+                     f"neither {parts['idle_s'] * 1e3:.0f} ms")
+            missed = missed_target(name, row_result, result["strategies"])
+            ax.set_title(title + "\n" + (f"{missed}: {where}" if missed else where), fontsize=8,
+                         color="firebrick" if missed else "black")
         else:
             sim = sims[name]
             steady = [s for s in sim.spans if s.iteration == sim.spans[-1].iteration - 1]

@@ -201,3 +201,26 @@ def test_the_simulated_column_prices_dears_pair_as_measured():
     paired = simulated(result, ["dear"])["dear"].iteration_s
     assert paired > ring
     assert result["measured_ratio"] == pytest.approx(result["compute_s"] / result["comm_s"])
+
+
+def test_the_chart_says_where_a_step_lost_and_which_target_it_missed():
+    from jaxsched.bench import bench_figure, missed_target, simulated, summarize, time_breakdown
+
+    spans = [dict(kind="compute", name="fwd", dispatched=0.0, started=0.0, done=0.2),
+             dict(kind="comm", name="psum bucket 0", dispatched=0.1, started=0.1, done=0.4),
+             dict(kind="compute", name="update", dispatched=0.4, started=0.45, done=0.5)]
+    parts = time_breakdown(spans)
+    assert parts == pytest.approx({"step_s": 0.5, "compute_alone_s": 0.15, "comm_alone_s": 0.2,
+                                   "overlapped_s": 0.1, "idle_s": 0.05})
+    raw = _raw({"explicit_batch": True, "batch": 144})
+    raw["timelines"] = {"wfbp": spans}
+    result = summarize(raw, ["wfbp"], "1gbit")  # 0.37 s against a 0.3 s ceiling: 1.23x
+    assert result["strategies"]["wfbp"]["breakdown"] == parts
+    assert missed_target("wfbp", result["strategies"]["wfbp"], result["strategies"]) is None
+    raw["median_s"]["wfbp"] = 0.45  # 1.5x the ceiling
+    result = summarize(raw, ["wfbp"], "1gbit")
+    assert "target <= 1.25x the ceiling missed (1.50x)" in missed_target(
+        "wfbp", result["strategies"]["wfbp"], result["strategies"])
+    fig = bench_figure(raw, result, simulated(result, ["wfbp"]))
+    title = fig.axes[0].get_title()
+    assert "missed" in title and "comm alone (exposed) 200" in title
