@@ -107,7 +107,6 @@ class CommOnly:
                                          check_vma=False))
         self.x = jax.make_array_from_process_local_data(
             NamedSharding(mesh, P(axes)), np.ones((local, n_params), np.float32))
-        self.state = None
 
     def __call__(self):
         return self.run(self.x)
@@ -115,7 +114,6 @@ class CommOnly:
 
 variants = {"plain": Plain(), "wfbp, flat": Scheduled(collective=Collective()),
             "wfbp, hierarchical": Scheduled()}
-
 for run in variants.values():  # compile and warm up
     jax.block_until_ready(run())
     jax.block_until_ready(run())

@@ -31,7 +31,7 @@ from typing import Any
 from jax.extend import core as jex_core
 
 from jaxsched.capture import CapturedStep, UnsupportedStepError
-from jaxsched.axes import as_axes
+from jaxsched.axes import as_axes, spec_axes
 from jaxsched.primitives import REDUCTIONS, SUM_REDUCTIONS, reduces_over, reduction_axes
 from jaxsched.replay import is_var, nested_eqns, source_line
 
@@ -95,7 +95,7 @@ def analyze(captured: CapturedStep) -> Analysis:
     for v, src, spec in zip(body.invars, captured.sources, captured.in_specs):
         # sharded over a data axis; a block of a model axis (tensor parallel) is the same
         # on every device of the data axis
-        sharded = any(a in data_axes for dim in spec if dim is not None for a in as_axes(dim))
+        sharded = any(a in data_axes for a in spec_axes(spec))
         if src.role == "batch" or (sharded and captured.kind != "pmap"):
             varying.add(v)  # pmap gives every input a device axis; its state is replicated by convention
     for eqn in body.eqns:

@@ -18,15 +18,25 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["AxisName", "as_axes", "axis_size"]
+__all__ = ["AxisName", "as_axes", "axis_size", "spec_axes"]
 
 #: One mesh axis name, or a tuple of them.
-AxisName = str | tuple  # str | tuple[str, ...]
+AxisName = str | tuple[str, ...]
 
 
 def as_axes(axis: Any) -> tuple:
     """``axis`` (one mesh axis name or a tuple of them) as a tuple of names."""
     return tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+
+
+def spec_axes(spec: Any) -> tuple[str, ...]:
+    """Every mesh axis a ``PartitionSpec`` shards over, in the order it names them.
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> spec_axes(P(("dcn", "ici"), None, "model"))
+    ('dcn', 'ici', 'model')
+    """
+    return tuple(a for dim in spec if dim is not None for a in as_axes(dim))
 
 
 def axis_size(mesh: Any, axis: Any) -> int:

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from jaxsched import intervals
 from jaxsched.cli.options import name_list, output_dir, output_path, positive_float, positive_int
 
 WIDTH, DEPTH = 2048, 2  # the issue's set-up; --depth 8 --width 1024 sends the same bytes
@@ -448,28 +449,6 @@ def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) ->
 CEILING_TARGETS = {"approx": 1.10, "wfbp": 1.25}
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
-def _length(intervals: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    total = 0.0
-    for s1, e1 in a:
-        for s2, e2 in b:
-            total += max(0.0, min(e1, e2) - max(s1, s2))
-    return total
-
-
 def time_breakdown(spans: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Where one measured step's time went: compute alone, communication alone (exposed),
     both at once (overlapped), and neither (dispatch, waiting), from its stage spans.
@@ -480,14 +459,14 @@ def time_breakdown(spans: Sequence[dict[str, Any]]) -> dict[str, float]:
         >>> {k: round(v, 2) for k, v in time_breakdown(spans).items()}
         {'step_s': 0.7, 'compute_alone_s': 0.3, 'comm_alone_s': 0.2, 'overlapped_s': 0.1, 'idle_s': 0.1}
     """
-    compute = _union([(x["started"], x["done"]) for x in spans if x["kind"] == "compute"])
-    comm = _union([(x["started"], x["done"]) for x in spans if x["kind"] == "comm"])
+    compute = intervals.union([(x["started"], x["done"]) for x in spans if x["kind"] == "compute"])
+    comm = intervals.union([(x["started"], x["done"]) for x in spans if x["kind"] == "comm"])
     start = min((x["started"] for x in spans), default=0.0)
     end = max((x["done"] for x in spans), default=0.0)
-    both = _intersection(compute, comm)
-    busy = _length(compute) + _length(comm) - both
-    return {"step_s": end - start, "compute_alone_s": _length(compute) - both,
-            "comm_alone_s": _length(comm) - both, "overlapped_s": both,
+    both = intervals.overlap(compute, comm)
+    busy = intervals.total(compute) + intervals.total(comm) - both
+    return {"step_s": end - start, "compute_alone_s": intervals.total(compute) - both,
+            "comm_alone_s": intervals.total(comm) - both, "overlapped_s": both,
             "idle_s": max(0.0, (end - start) - busy)}
 
 

@@ -27,7 +27,7 @@ from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched import replay
-from jaxsched.axes import as_axes, axis_size
+from jaxsched.axes import as_axes, axis_size, spec_axes
 from jaxsched.primitives import CALL_PRIMITIVES, REDUCTIONS, VMA_TYPING, reduction_axes
 
 
@@ -260,10 +260,7 @@ def data_axes(mesh: Mesh, in_specs: Any, sources: Any, body: Any) -> str | tuple
     for spec, src in zip(in_specs, sources):
         if src.role != "batch":
             continue
-        for dim in spec:
-            for a in as_axes(dim) if dim is not None else ():
-                if a not in found:
-                    found.append(a)
+        found += [a for a in spec_axes(spec) if a not in found]
     if found:
         return found[0] if len(found) == 1 else tuple(found)
     reduced = _reduction_axes(body)

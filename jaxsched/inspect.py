@@ -65,6 +65,8 @@ from typing import Any, Sequence
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxsched import intervals
+
 __all__ = ["CollectiveWindow", "CompiledReport", "ESTIMATOR", "Inspection", "PLAIN_LABEL",
            "compile_with_schedule", "describe_mesh", "format_table", "inspect_jitted", "plot",
            "ratios", "report"]
@@ -845,40 +847,11 @@ def report(compiled_or_hlo_text, schedule_text: str | None, mesh=None, *, label:
             # schedule (on TPU made before the async fusions) had compute in its window
             timed = [w for w in out if w.start_s is not None and w.end_s is not None]
             hidden_by = [(sched.seconds(o.start), sched.seconds(o.end)) for o in sched.ops if o.compute]
-            exposed_parts = _subtract([(w.start_s, w.end_s) for w in timed if w.is_async], hidden_by)
+            exposed_parts = intervals.subtract([(w.start_s, w.end_s) for w in timed if w.is_async], hidden_by)
             exposed_parts += [(w.start_s, w.end_s) for w in timed if not w.is_async]
-            exposed = sum(b - a for a, b in _union(exposed_parts))
+            exposed = intervals.total(intervals.union(exposed_parts))
     return CompiledReport(label, target, _platform(text, mesh), step_s, exposed, tuple(out), compute,
                           xla_total_s=total, xla_wasted_s=wasted)
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for a, b in sorted(i for i in intervals if i[1] > i[0]):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
-
-
-def _subtract(busy: list[tuple[float, float]], cover: list[tuple[float, float]]
-              ) -> list[tuple[float, float]]:
-    """The parts of the union of ``busy`` outside the union of ``cover``."""
-    cover = _union(cover)
-    parts = []
-    for a, b in _union(busy):
-        for c, d in cover:
-            if d <= a or c >= b:
-                continue
-            if c > a:
-                parts.append((a, c))
-            a = max(a, d)
-            if a >= b:
-                break
-        if a < b:
-            parts.append((a, b))
-    return parts
 
 
 # ---------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxsched.axes import as_axes
+from jaxsched.axes import as_axes, spec_axes
 from jaxsched.analyze import Analysis, analyze
 from jaxsched.bucketing import Bucket, param_paths, plan_buckets
 from jaxsched.capture import CapturedStep, UnsupportedStepError
@@ -129,8 +129,7 @@ class PlannedStep:
         """Mesh axes other than the data-parallel ones that leaf ``index`` of ``role`` is
         sharded over (a tensor- or expert-parallel block; each device schedules its own)."""
         data = set(as_axes(self.axis_name))
-        return tuple(a for dim in self.input_spec(role, index) if dim is not None
-                     for a in as_axes(dim) if a not in data)
+        return tuple(a for a in spec_axes(self.input_spec(role, index)) if a not in data)
 
     def collective_form(self, op: str) -> str:
         """How buckets travel for ``op`` on this step's engine (:meth:`Engine.collective_form`)."""

@@ -16,6 +16,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxsched
+import jaxsched.aot
 from jaxsched.capture import UnsupportedStepError
 from jaxsched.collectives import BucketSpec, Collective, Hierarchical, hierarchy_from_mesh, slow_axes
 from jaxsched.collectives.hierarchical import default_collective_for
@@ -191,12 +192,15 @@ def test_kfac_refuses_model_sharded_params_by_name():
         sched(sched.init(params, opt_state), next(batches(1)))
 
 
+# The compile-only devices come from the optional `aot` extra, which `make test` installs;
+# only a checkout without it skips, and a device that cannot be built there fails the test.
+_AOT_MISSING = jaxsched.aot.toolchain_missing("tpu") or jaxsched.aot.toolchain_missing("gpu")
+
+
+@pytest.mark.skipif(_AOT_MISSING is not None, reason=str(_AOT_MISSING))
 def test_the_mesh_names_the_slow_axis():
-    aot = pytest.importorskip("jaxsched.aot")
-    try:
-        devices = aot.devices("v5p", "2x2x2", slices=2)
-    except aot.AotUnavailableError as err:
-        pytest.skip(str(err))
+    aot = jaxsched.aot
+    devices = aot.devices("v5p", "2x2x2", slices=2)
     mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 8), ("dcn", "ici"))
     assert slow_axes(mesh, ("dcn", "ici")) == ("dcn",)
     chosen = hierarchy_from_mesh(mesh, ("dcn", "ici"))

@@ -86,8 +86,7 @@ class Hierarchical(Collective):
     # -- the two levels -------------------------------------------------------------------
     def _sizes(self, bucket: BucketSpec) -> tuple[int, int]:
         sizes = dict(bucket.mesh_axes)
-        missing = [a for a in self.fast + self.slow if a not in sizes]
-        if missing or set(sizes) != set(self.fast + self.slow):
+        if set(sizes) != set(self.fast + self.slow):
             data = tuple(sizes) or "one axis (unknown here)"
             raise ValueError(
                 f"{self!r} needs a step whose data-parallel axes are exactly "
@@ -100,25 +99,21 @@ class Hierarchical(Collective):
     def slow_bucket(self, bucket: BucketSpec) -> BucketSpec:
         """What ``slow_collective`` is told of a bucket: the fast group's shard of it."""
         fast, slow = self._sizes(bucket)
-        shard = -(-bucket.size // fast)
-        if bucket.interleaved:  # a reduce-scatter buffer: P equal slices, so divisible
-            shard = bucket.size // fast
-        return dataclasses.replace(bucket, size=shard, axis_size=slow, shapes=((shard,),),
-                                   interleaved=bucket.interleaved, form="packed",
-                                   mesh_axes=tuple((a, dict(bucket.mesh_axes)[a]) for a in self.slow))
+        shard = -(-bucket.size // fast)  # all-reduce buffers are padded to a multiple of fast
+        sizes = dict(bucket.mesh_axes)
+        return dataclasses.replace(bucket, size=shard, axis_size=slow, shapes=((shard,),), form="packed",
+                                   mesh_axes=tuple((a, sizes[a]) for a in self.slow))
 
     def init(self, buckets: Sequence[BucketSpec]) -> tuple:
-        if not buckets:
-            return ()
         return tuple(self.slow_collective.init([self.slow_bucket(b) for b in buckets]))
 
-    def _check_axis(self, axis_name: Any, bucket: BucketSpec) -> None:
+    def _check_axis(self, axis_name: Any) -> None:
         if set(as_axes(axis_name)) != set(self.fast + self.slow):
             raise ValueError(f"{self!r} was asked to reduce over {axis_name!r}; it reduces over "
                              f"the data-parallel axes {self.slow + self.fast}")
 
     def all_reduce(self, buffer, axis_name, bucket, state):
-        self._check_axis(axis_name, bucket)
+        self._check_axis(axis_name)
         fast, _ = self._sizes(bucket)
         n = buffer.shape[0]
         padded = jnp.pad(buffer, (0, -n % fast))
@@ -138,7 +133,7 @@ class Hierarchical(Collective):
 
     def reduce_scatter(self, buffer, axis_name, bucket, state):
         """The slice a tiled ``psum_scatter`` over ``axis_name`` gives this device."""
-        self._check_axis(axis_name, bucket)
+        self._check_axis(axis_name)
         dims, fast_pos, slow_pos = self._grid(axis_name, bucket)
         chunk = buffer.shape[0] // math.prod(dims)
         # slices are numbered row-major over axis_name; put the fast axes first so that the
@@ -151,7 +146,7 @@ class Hierarchical(Collective):
 
     def all_gather(self, shard, axis_name, bucket, state):
         """Every device's slice in ``axis_name``'s order, as a tiled ``all_gather`` over it."""
-        self._check_axis(axis_name, bucket)
+        self._check_axis(axis_name)
         dims, fast_pos, slow_pos = self._grid(axis_name, bucket)
         chunk = shard.shape[0]
         group = lax.all_gather(shard, self._axis(self.slow), tiled=True)

@@ -272,17 +272,13 @@ def describe_compute_stage(eqns: Sequence[Any], index: int) -> str:
             continue
         if heavy and eqn.primitive.name not in HEAVY_PRIMITIVES:
             continue
-        match = _TRANSPOSED.search(stack)
-        if match and match.group(1):
-            scope = _scope_tail(match.group(1))
-            if scope not in backward:
-                backward.append(scope)
-            continue
-        match = _JVP.search(stack)
-        if match and match.group(1):
-            scope = _scope_tail(match.group(1))
-            if scope not in forward:
-                forward.append(scope)
+        for pattern, scopes in ((_TRANSPOSED, backward), (_JVP, forward)):  # backward first
+            match = pattern.search(stack)
+            if match and match.group(1):
+                scope = _scope_tail(match.group(1))
+                if scope not in scopes:
+                    scopes.append(scope)
+                break
     parts = []
     for label, scopes in (("fwd", forward), ("bwd", backward)):
         if scopes:

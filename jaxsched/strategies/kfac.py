@@ -175,8 +175,8 @@ class KFAC(Strategy):
                 "kfac schedules jax.shard_map steps; this is a jax.pmap step, whose parameters "
                 "carry a device axis. Write the same body with jax.shard_map over a mesh "
                 "(jaxsched.steps.make_step shows how)")
-        sharded = {planned.paths[i]: planned.model_axes("params", i)
-                   for i in range(planned.captured.num_params) if planned.model_axes("params", i)}
+        sharded = {planned.paths[i]: axes for i in range(planned.captured.num_params)
+                   if (axes := planned.model_axes("params", i))}
         if sharded:
             path, axes = next(iter(sharded.items()))
             raise UnsupportedStepError(
