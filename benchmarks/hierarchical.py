@@ -42,8 +42,10 @@ BEGIN, END = "<!-- hierarchical:begin -->", "<!-- hierarchical:end -->"
 def docs_block(aot: dict, cluster: dict | None) -> str:
     """The README's tables: compiled for TPU (XLA's estimates), and the emulated cluster."""
     lines = [f"Compiled for `{aot['target']}`, mesh `{aot['mesh']}`, {aot['model']}: XLA's "
-             "estimates for the compiled programs, not measured. Cross-slice MB are the bytes per "
-             "device per step of the collectives that span slices and of the DCN send/recv.", "",
+             "estimates for the compiled programs, not measured "
+             f"(`PYTHONPATH=. .venv/bin/python benchmarks/hierarchical.py --model {aot['model'].split()[0]}`). "
+             "Cross-slice MB are the bytes per device per step of the collectives that span slices "
+             "and of the DCN send/recv.", "",
              "| step | cross-slice MB | est. step ms | est. exposed comm ms |", "|---|---|---|---|"]
     for label, row in aot["rows"].items():
         fmt = lambda v: "-" if v is None else f"{v * 1e3:.2f}"
