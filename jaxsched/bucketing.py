@@ -138,6 +138,13 @@ def plan_buckets(analysis: Analysis, paths: Sequence[str], buckets: Any = None) 
     return sorted(result, key=complete)
 
 
+def bucket_nbytes(analysis: Analysis, bucket: Bucket) -> int:
+    """Bytes per device that ``bucket``'s collective moves: its reductions' operands."""
+    return sum(int(np.prod(analysis.reductions[j].operand.aval.shape))
+               * np.dtype(analysis.reductions[j].operand.aval.dtype).itemsize
+               for j in bucket.reductions)
+
+
 def _explicit_groups(plan: Sequence[Sequence[Any]], paths: Sequence[str]) -> list[list[int]]:
     index = {p: i for i, p in enumerate(paths)}
     seen: dict[int, int] = {}

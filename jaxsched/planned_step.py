@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsched.axes import as_axes, spec_axes
 from jaxsched.analyze import Analysis, analyze
-from jaxsched.bucketing import Bucket, param_paths, plan_buckets
+from jaxsched.bucketing import DEFAULT_BUCKET_BYTES, Bucket, bucket_nbytes, param_paths, plan_buckets
 from jaxsched.capture import CapturedStep, UnsupportedStepError
 from jaxsched.costmodel import CommPattern, LayerProfile, NetworkProfile, WFBP_PATTERN
 
@@ -106,6 +106,18 @@ class PlannedStep:
                 engine_costs=None if self.engine is None else self.engine.costs(self.mesh),
                 **self.plan_options)
         return plan_buckets(self.analysis, self.paths, option)
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The plan's bucket size in bytes per device: the threshold of a threshold plan
+        (``None``: 25 MiB), else the largest bucket (0 without buckets). An engine whose
+        compiler combines collectives combines up to this size, so buckets stay separate."""
+        option = self.buckets_option
+        if option is None:
+            return DEFAULT_BUCKET_BYTES
+        if isinstance(option, int) and not isinstance(option, bool):
+            return option
+        return max((bucket_nbytes(self.analysis, b) for b in self.buckets), default=0)
 
     # -- where things live --------------------------------------------------------------
     @property

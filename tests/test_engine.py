@@ -24,6 +24,11 @@ def _scheduled(strategy, compiler_options=None, devices=2):
 def test_gpu_option_set_is_accepted_by_xla_and_cpu_gets_none():
     assert compiler_options_for("cpu") == {}
     assert compiler_options_for("cuda") == GPU_OPTIONS
+    capped = compiler_options_for("gpu", bucket_bytes=8_000_000, axis_size=8)
+    assert capped["xla_gpu_all_reduce_combine_threshold_bytes"] == 8_000_000
+    assert capped["xla_gpu_all_gather_combine_threshold_bytes"] == 8_000_000
+    # XLA sizes a reduce-scatter by its result: one device's shard of the bucket
+    assert capped["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 1_000_000
     sched, state, batch = _scheduled("dear", compiler_options=dict(GPU_OPTIONS))
     state, aux = sched(state, batch)  # compiles with the GPU option names on the CPU client
     assert float(aux["loss"]) > 0

@@ -86,8 +86,13 @@ def test_explicit_bucket_plan_and_byte_threshold():
     plan = [paths[:2], paths[2:4], paths[4:]]
     sched = _check("mlp", "adam", "dear", 8, n_steps=5, buckets=plan)
     assert len(sched.program.buckets) == 3
+    # the bucket size an accelerator's combiner is capped at: the largest explicit bucket
+    sizes = [sum(int(np.prod(jax.tree.leaves(params)[i].shape)) * 4 for i in range(len(paths))
+                 if paths[i] in group) for group in plan]
+    assert sched.program.per_device.bucket_bytes == max(sizes)
     sched = _check("mlp", "adam", "wfbp", 8, n_steps=5, buckets=1)
     assert len(sched.program.buckets) == len(paths)
+    assert sched.program.per_device.bucket_bytes == 1  # a threshold is the cap itself
 
 
 @pytest.mark.slow

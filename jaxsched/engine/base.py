@@ -41,6 +41,10 @@ class PerDeviceProgram:
       check_vma: the ``shard_map`` typing mode the body was written for.
       compiler_defaults: compile with XLA's default options (engines that choose options
         per target leave them out; the identity strategy asks for this).
+      bucket_bytes: the plan's bucket size in bytes per device (0: unknown;
+        :attr:`jaxsched.planned_step.PlannedStep.bucket_bytes`).
+        A compiler that combines collectives may combine up to this size and no further:
+        the leaves of one bucket merge into one collective, separate buckets stay separate.
     """
 
     body: Callable[..., Sequence[Any]]
@@ -50,6 +54,7 @@ class PerDeviceProgram:
     out_specs: tuple[P, ...]
     check_vma: bool = False
     compiler_defaults: bool = False
+    bucket_bytes: int = 0
 
     def mapped(self) -> Callable[..., tuple]:
         """The body as a ``shard_map`` over the mesh (not jitted)."""

@@ -22,13 +22,20 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-__all__ = ["BUCKET_CANDIDATES", "VARIANTS", "CompiledChoice", "candidates_for",
+__all__ = ["BUCKET_CANDIDATES", "ONE_BUCKET", "VARIANTS", "CompiledChoice", "candidates_for",
            "choose_by_compiling", "compiled_estimates_apply"]
 
+#: One bucket for every gradient in practice (1 GiB): on a multi-host GPU mesh each
+#: collective pays a latency and XLA:GPU runs one at a time, so one large collective can
+#: beat several (and approx's reduction, which can start at the top of the step, needs no
+#: pipelining at all).
+ONE_BUCKET = 2**30
+
 #: Bucket options tried per platform for a strategy whose buckets are chosen on an
-#: accelerator: the default 25 MB threshold and, on TPU, 4 MB (about one large layer per
-#: bucket). On GPU smaller buckets were always estimated slower (docs/accelerators.md).
-BUCKET_CANDIDATES: dict[str, tuple[Any, ...]] = {"gpu": (None,), "tpu": (None, 4_000_000)}
+#: accelerator: the default 25 MB threshold; on GPU also :data:`ONE_BUCKET` (smaller
+#: buckets were always estimated slower there); on TPU also 4 MB (about one large layer
+#: per bucket). See docs/accelerators.md.
+BUCKET_CANDIDATES: dict[str, tuple[Any, ...]] = {"gpu": (None, ONE_BUCKET), "tpu": (None, 4_000_000)}
 
 #: Variants tried per platform besides the engine's own choices (``None``): ``"packed"``
 #: sends every bucket operation as one packed buffer (XLA:GPU's estimator prices one large
