@@ -442,6 +442,12 @@ def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) ->
         spans = raw.get("timelines", {}).get(name)
         if spans:
             result["strategies"][name]["breakdown"] = time_breakdown(spans)
+    for name, row in result["strategies"].items():
+        missed = None if row.get("missing") else missed_target(name, row, result["strategies"])
+        if missed:
+            row["missed_target"] = missed
+            if row.get("breakdown"):
+                row["missed_because"] = miss_reason(row["breakdown"], compute_s)
     return result
 
 
@@ -481,6 +487,21 @@ def missed_target(name: str, row: dict[str, Any], strategies: dict[str, Any]) ->
             return (f"target: no slower than allreduce, missed "
                     f"({row['step_s'] * 1e3:.0f} against {strategies['allreduce']['step_s'] * 1e3:.0f} ms)")
     return None
+
+
+def miss_reason(breakdown: dict[str, float], compute_s: float) -> str:
+    """The measured reason a step is longer than its ceiling: how much longer its compute
+    ran than the compute-only step (``compute_s``), and what was exposed or idle.
+
+    Example:
+        >>> miss_reason({"step_s": 0.5, "compute_alone_s": 0.13, "comm_alone_s": 0.0,
+        ...              "overlapped_s": 0.37, "idle_s": 0.0}, compute_s=0.25)
+        'compute ran 500 ms against 250 ms alone (2.00x, slowed while bytes moved), comm exposed 0 ms, neither 0 ms'
+    """
+    ran = breakdown["compute_alone_s"] + breakdown["overlapped_s"]
+    return (f"compute ran {ran * 1e3:.0f} ms against {compute_s * 1e3:.0f} ms alone "
+            f"({ran / compute_s:.2f}x, slowed while bytes moved), comm exposed "
+            f"{breakdown['comm_alone_s'] * 1e3:.0f} ms, neither {breakdown['idle_s'] * 1e3:.0f} ms")
 
 
 def host_costs_of(result: dict[str, Any]):
@@ -597,8 +618,9 @@ def bench_figure(raw: dict[str, Any], result: dict[str, Any], sims: dict):
                      f"{parts['comm_alone_s'] * 1e3:.0f}, overlapped {parts['overlapped_s'] * 1e3:.0f}, "
                      f"neither {parts['idle_s'] * 1e3:.0f} ms")
             missed = missed_target(name, row_result, result["strategies"])
-            ax.set_title(title + "\n" + (f"{missed}: {where}" if missed else where), fontsize=8,
-                         color="firebrick" if missed else "black")
+            if missed:
+                where = f"{missed}\n{where}\nwhy: {miss_reason(parts, result['compute_s'])}"
+            ax.set_title(title + "\n" + where, fontsize=8, color="firebrick" if missed else "black")
         else:
             sim = sims[name]
             steady = [s for s in sim.spans if s.iteration == sim.spans[-1].iteration - 1]
@@ -719,6 +741,10 @@ def format_report(result: dict[str, Any]) -> str:
         eff = f"{r['overlap_efficiency']:12.2f}" if r.get("overlap_efficiency") is not None else f"{'-':>12}"
         lines.append(f"  {name:<10} {r['step_s'] * 1e3:8.1f} {speedup} {r['ratio_to_bound']:8.2f} "
                      f"{ceiling_txt} {eff} {sim_txt}")
+    for name, r in result["strategies"].items():
+        if r.get("missed_target"):
+            lines.append(f"  {name}: {r['missed_target']}"
+                         + (f"; measured: {r['missed_because']}" if r.get("missed_because") else ""))
     return "\n".join(lines)
 
 

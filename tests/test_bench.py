@@ -204,7 +204,7 @@ def test_the_simulated_column_prices_dears_pair_as_measured():
 
 
 def test_the_chart_says_where_a_step_lost_and_which_target_it_missed():
-    from jaxsched.bench import bench_figure, missed_target, simulated, summarize, time_breakdown
+    from jaxsched.bench import bench_figure, format_report, missed_target, simulated, summarize, time_breakdown
 
     spans = [dict(kind="compute", name="fwd", dispatched=0.0, started=0.0, done=0.2),
              dict(kind="comm", name="psum bucket 0", dispatched=0.1, started=0.1, done=0.4),
@@ -224,3 +224,9 @@ def test_the_chart_says_where_a_step_lost_and_which_target_it_missed():
     fig = bench_figure(raw, result, simulated(result, ["wfbp"]))
     title = fig.axes[0].get_title()
     assert "missed" in title and "comm alone (exposed) 200" in title
+    # the measured reason beside the miss: compute ran 250 ms (150 alone + 100 overlapped)
+    row = result["strategies"]["wfbp"]
+    assert row["missed_because"].startswith(
+        f"compute ran 250 ms against {result['compute_s'] * 1e3:.0f} ms alone"), row
+    assert "why: compute ran 250 ms" in title
+    assert "measured: compute ran 250 ms" in format_report(result)
