@@ -553,8 +553,11 @@ def simulated(result: dict[str, Any], strategies: Sequence[str]):
         try:
             if "+" in name:
                 continue  # compressed variants are measured, not simulated here
-            buckets = [[i] for i in range(depth)] if name != "allreduce" else None
-            sims[name] = simulate(layers, network, name, buckets, host=host)
+            # one bucket per layer, allreduce included: the plain step's pmean reduces the
+            # gradient tree leaf by leaf and the host engine runs each psum as its own
+            # stage, so each leaf's copies to and from the spare device overlap the other
+            # leaves' psums (one bucket would price one serial copy of every gradient)
+            sims[name] = simulate(layers, network, name, [[i] for i in range(depth)], host=host)
         except Exception:  # a strategy the simulator does not model
             continue
     return sims
