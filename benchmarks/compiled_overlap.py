@@ -61,9 +61,58 @@ def run_one(model: str, target: str, strategies, tuned) -> dict:
     comparison.plot(str(png))
     print(comparison.table())
     entry = comparison.to_json()
+    plain = comparison.reference or comparison.baseline
+    entry.update(floor=communication_floor(exp, plain))
     entry.update(num_params=exp.num_params, devices=int(exp.mesh.devices.size), png=png.name,
                  tuned_choices=choices, wall_s=round(time.perf_counter() - started, 1))
     return entry
+
+
+def communication_floor(exp, baseline) -> dict:
+    """How little any exact schedule could expose, by XLA's own estimates: the gradients'
+    all-reduce compiled alone (``comm_alone_s``) against the plain step's compute
+    (``compute_s``: its estimated step less its exposed communication). Even a reduction
+    that overlaps all of forward, backward and the update (``approx``) exposes at least
+    their difference, ``floor_exposed_s``."""
+    import jax
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxsched import inspect as inspect_lib
+    from jaxsched.engine.xla import compiler_options_for
+    from jaxsched.plan.compiled import ONE_BUCKET
+
+    mesh = exp.mesh
+    axis = mesh.axis_names[0] if len(mesh.axis_names) == 1 else tuple(mesh.axis_names)
+    reduce_all = jax.jit(jax.shard_map(lambda grads: jax.tree.map(lambda g: lax.psum(g, axis), grads),
+                                       mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    platform = mesh.devices.flat[0].platform
+    # the cheapest way XLA prices the reduction: XLA's defaults, or (GPU) one combined
+    # collective; XLA:TPU writes no estimate for its default synchronous all-reduce
+    candidates = ([compiler_options_for(platform)] if platform == "tpu" else
+                  [None, compiler_options_for(platform, bucket_bytes=ONE_BUCKET)])
+    estimates = [inspect_lib.inspect_jitted(reduce_all, (exp.params,), mesh, label="all-reduce alone",
+                                            compiler_options=options).step_s for options in candidates]
+    estimates = [e for e in estimates if e is not None]
+    if not estimates or baseline.step_s is None:
+        return {}
+    comm_alone_s = min(estimates)
+    compute_s = baseline.step_s - baseline.exposed_comm_s
+    floor = max(0.0, comm_alone_s - compute_s)
+    return {"comm_alone_s": comm_alone_s, "compute_s": compute_s, "floor_exposed_s": floor,
+            "floor_ratio": floor / baseline.exposed_comm_s if baseline.exposed_comm_s else None}
+
+
+def _floor_of(model: str, target: str, entry: dict) -> dict:
+    """The floor of an entry already in the JSON, from its reference report's estimates."""
+    from types import SimpleNamespace
+
+    from jaxsched.aot.experiment import ZOO, abstract_experiment
+
+    print(f"== floor of {model} @ {target}", file=sys.stderr)
+    plain = entry.get("reference_report") or entry["baseline"]
+    return communication_floor(abstract_experiment(ZOO[model], target=target),
+                               SimpleNamespace(step_s=plain["step_s"], exposed_comm_s=plain["exposed_comm_s"]))
 
 
 def _without_timelines(entry: dict) -> dict:
@@ -103,6 +152,12 @@ def markdown(results: dict) -> str:
             n_async = sum(1 for c in r["collectives"] if c["is_async"])
             lines.append(f"| {name} | {step} | {_fmt(ratio.get('step'))} | {exposed} | "
                          f"{_fmt(ratio.get('exposed_comm'))} | {n_async}/{len(r['collectives'])} |")
+        floor = entry.get("floor") or {}
+        if floor:
+            lines.append(f"\nFloor: the gradients' all-reduce compiled alone is estimated at "
+                         f"{floor['comm_alone_s'] * 1e6:.0f} us and the plain step's compute at "
+                         f"{floor['compute_s'] * 1e6:.0f} us, so no exact schedule exposes less than "
+                         f"{floor['floor_exposed_s'] * 1e6:.0f} us ({_fmt(floor['floor_ratio'])} plain).")
         if entry.get("tuned_choices"):
             chosen = "; ".join(f"{v['chosen'].replace(', buckets=None', ', 25 MB buckets')}"
                                for v in entry["tuned_choices"].values())
@@ -120,8 +175,12 @@ def compact_markdown(results: dict) -> str:
              "XLA's defaults in the same run (`buckets=\"auto\"` where it ran, else the "
              "strategy's defaults; full tables and the chosen variants in "
              "[docs/accelerators.md](docs/accelerators.md)).", "",
-             "| model | target | plain step (est.) | " + " | ".join(f"`{n}`" for n in names) + " |",
-             "|---|---|---|" + "---|" * len(names)]
+             "The floor is the least exposed communication any exact schedule can reach by the "
+             "same estimates: the gradients' all-reduce compiled alone, less the plain step's "
+             "compute.", "",
+             "| model | target | plain step (est.) | " + " | ".join(f"`{n}`" for n in names)
+             + " | exposed-comm floor |",
+             "|---|---|---|" + "---|" * (len(names) + 1)]
     for key, entry in results.items():
         model, target = key.split(" @ ")
         base = entry.get("reference_report") or entry["baseline"]
@@ -131,7 +190,9 @@ def compact_markdown(results: dict) -> str:
             ratio = r["ratio_to_reference"] if r else {}
             cells.append(f"{_fmt(ratio.get('step'))} / {_fmt(ratio.get('exposed_comm'))}" if r else "-")
         step = "-" if base["step_s"] is None else f"{base['step_s'] * 1e3:.1f} ms"
-        lines.append(f"| {entry['model'].split(',')[0]} | `{target}` | {step} | " + " | ".join(cells) + " |")
+        floor = (entry.get("floor") or {}).get("floor_ratio")
+        lines.append(f"| {entry['model'].split(',')[0]} | `{target}` | {step} | " + " | ".join(cells)
+                     + f" | {_fmt(floor)} |")
     return "\n".join(lines)
 
 
@@ -156,6 +217,8 @@ def main() -> int:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--tuned", default=",".join(TUNED), help="strategies also run with buckets='auto' ('' for none)")
     parser.add_argument("--resume", action="store_true", help="skip model/target pairs already in the JSON")
+    parser.add_argument("--floors-only", action="store_true",
+                        help="only add the exposed-communication floor to entries that lack it")
     parser.add_argument("--update-docs", action="store_true",
                         help="only rewrite the docs' results block (and the JSON, without timelines)")
     args = parser.parse_args()
@@ -171,6 +234,11 @@ def main() -> int:
     for target in args.targets.split(","):
         for model in args.models.split(","):
             key = f"{model} @ {target}"
+            if args.floors_only:
+                if key in results and not results[key].get("floor"):
+                    results[key]["floor"] = _floor_of(model, target, results[key])
+                    JSON_PATH.write_text(json.dumps(results, separators=(",", ":")))
+                continue
             if args.resume and key in results:
                 continue
             print(f"== {key}", file=sys.stderr)

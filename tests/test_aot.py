@@ -194,6 +194,24 @@ def test_auto_is_never_estimated_slower_than_the_plain_step_on_gpu():
     assert inspection.report.step_s <= inspection.baseline.step_s
 
 
+def test_compiled_planner_candidates_per_platform():
+    """GPU: the engine's options, packed, XLA's defaults, each at 25 MB and in one bucket;
+    TPU: the engine's options and XLA's defaults (bucket size changes nothing per tensor)."""
+    from jaxsched.plan.compiled import ONE_BUCKET, candidates_for
+    from jaxsched.strategies import make_strategy
+
+    def described(platform):
+        return sorted((dict(v.collective.forms).get("all_reduce", "engine"), v.compiler_defaults, b or 0)
+                      for v, b in candidates_for(make_strategy("approx"), platform, "auto"))
+
+    assert described("gpu") == sorted((form, defaults, b) for form, defaults in
+                                      [("engine", False), ("packed", False), ("engine", True)]
+                                      for b in (0, ONE_BUCKET))
+    assert described("tpu") == [("engine", False, 0), ("engine", True, 0)]
+    identity = make_strategy("allreduce")  # the user's step: no collective to vary
+    assert len(candidates_for(identity, "tpu", "auto")) == 1
+
+
 # -- TPU (XLA:TPU, v5p 2x2x2) ---------------------------------------------------------------
 @needs_tpu
 def test_wfbp_per_tensor_all_reduces_are_async_collective_fusions_on_tpu():
