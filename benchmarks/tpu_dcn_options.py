@@ -4,8 +4,8 @@ On a two-slice v5p pod XLA:TPU sends every gradient's DCN share only after the l
 phase of the step (docs/accelerators.md, "What the compilers do"). This compiles the
 plain step of a 6 x 2048 MLP (4096 rows per device) for ``v5p:2x2x2`` with 2 slices under
 jaxsched's TPU options plus, one at a time, each option that might change that, and
-records XLA's estimates and when the first ``send`` starts relative to the last ICI
-phase. Nothing runs on a TPU: every time is XLA's latency-hiding scheduler estimate for
+records XLA's estimates, when the ICI phases finish and when the weight matrices' DCN
+shares start to move. Nothing runs on a TPU: every time is XLA's latency-hiding scheduler estimate for
 the compiled program, NOT a measurement.
 
     PYTHONPATH=. .venv/bin/python benchmarks/tpu_dcn_options.py     # about 3 minutes
@@ -24,6 +24,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 RESULT = Path(__file__).parent / "results" / "tpu_dcn_options.json"
 TARGET = "v5p:2x2x2:slices=2"
+LARGE = 1_000_000  # bytes: a weight matrix's DCN share, not a bias's
 
 #: Each candidate, added to jaxsched's TPU options (jaxsched.engine.xla.TPU_OPTIONS).
 CANDIDATES: dict[str, dict] = {
@@ -64,10 +65,16 @@ def main() -> int:
             "step_s": report.step_s, "exposed_comm_s": report.exposed_comm_s,
             "last_ici_phase_done_s": max((c.end_s for c in ici), default=None),
             "first_send_s": min((c.start_s for c in sends), default=None),
+            "first_ici_phase_done_s": min((c.end_s for c in ici), default=None),
+            # the tensors' shares (a scalar's or a bias's share is a few bytes)
+            "large_sends_start_s": [min((c.start_s for c in sends if c.bytes >= LARGE), default=None),
+                                    max((c.start_s for c in sends if c.bytes >= LARGE), default=None)],
             "sends": len(sends), "compile_s": round(time.perf_counter() - started, 1)}
         print(f"{name:40s} step {report.step_s * 1e3:6.2f} ms  exposed {report.exposed_comm_s * 1e3:5.2f} ms"
-              f"  first send {rows[name]['first_send_s'] * 1e3:5.2f} ms  last ICI done "
-              f"{rows[name]['last_ici_phase_done_s'] * 1e3:5.2f} ms", file=sys.stderr)
+              f"  ICI phases done {rows[name]['first_ici_phase_done_s'] * 1e3:5.2f} to "
+              f"{rows[name]['last_ici_phase_done_s'] * 1e3:5.2f} ms, large sends start "
+              f"{rows[name]['large_sends_start_s'][0] * 1e3:5.2f} to "
+              f"{rows[name]['large_sends_start_s'][1] * 1e3:5.2f} ms", file=sys.stderr)
     RESULT.parent.mkdir(exist_ok=True)
     RESULT.write_text(json.dumps({
         "target": TARGET, "model": exp.description,
