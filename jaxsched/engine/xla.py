@@ -7,11 +7,12 @@ so the options below go to this one function only (never through ``XLA_FLAGS``):
 
 * GPU: ``xla_gpu_enable_latency_hiding_scheduler`` on, and the all-reduce, reduce-scatter
   and all-gather combiners capped at the plan's bucket size
-  (``*_combine_threshold_bytes = PerDeviceProgram.bucket_bytes``, 25 MiB by default). XLA's defaults would
-  re-merge our buckets into one collective at the end of backward, the serialization
-  buckets avoid; with the combiners off (0) every tensor of a bucket is its own collective,
-  and on a multi-host mesh their latencies add up (a 9.5M-parameter CNN on 64 H100s:
-  estimated 4.4x the plain step, against 0.81x with the cap; docs/accelerators.md).
+  (``*_combine_threshold_bytes = PerDeviceProgram.bucket_bytes``, 25 MiB by default).
+  XLA's defaults would re-merge our buckets into one collective at the end of backward,
+  the serialization buckets avoid; with the combiners off (0) every tensor of a bucket is
+  its own collective, and on a multi-host mesh their latencies add up (a 9.5M-parameter
+  CNN on 64 H100s: estimated 4.4x the plain step, against 0.81x with the cap;
+  docs/accelerators.md).
 * TPU: by default XLA:TPU combines every all-reduce into one *synchronous* all-reduce
   after backward. The async collective fusion (``xla_tpu_enable_async_collective_fusion``
   and its ``fuse_*`` options), async all-reduce/all-gather, and the cross-replica-sum
