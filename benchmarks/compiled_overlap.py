@@ -82,8 +82,7 @@ def communication_floor(exp, baseline) -> dict:
     from jaxsched.engine.xla import compiler_options_for
     from jaxsched.plan.compiled import ONE_BUCKET
 
-    mesh = exp.mesh
-    axis = mesh.axis_names[0] if len(mesh.axis_names) == 1 else tuple(mesh.axis_names)
+    mesh, axis = exp.mesh, exp.axis
     reduce_all = jax.jit(jax.shard_map(lambda grads: jax.tree.map(lambda g: lax.psum(g, axis), grads),
                                        mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
     platform = mesh.devices.flat[0].platform

@@ -20,13 +20,8 @@ import jaxsched.aot
 from jaxsched import models, steps
 from jaxsched.collectives import Collective
 from equivalence import assert_trees_close, build, random_batches
+from toolchains import needs_gpu, needs_tpu
 
-GPU_MISSING = jaxsched.aot.toolchain_missing("gpu")
-TPU_MISSING = jaxsched.aot.toolchain_missing("tpu")
-# skipped only where the `aot` extra is not installed (make test installs it); the reason
-# names the missing module and the extra
-needs_gpu = pytest.mark.skipif(GPU_MISSING is not None, reason=str(GPU_MISSING))
-needs_tpu = pytest.mark.skipif(TPU_MISSING is not None, reason=str(TPU_MISSING))
 
 LAYERS = 4
 WIDTH = 512

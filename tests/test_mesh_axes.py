@@ -24,6 +24,7 @@ from jaxsched.compress import TopK, bytes_sent
 
 from equivalence import assert_trees_close
 from mesh_steps import run_plain_and_scheduled, tensor_parallel_mlp, two_level_step
+from toolchains import needs_gpu, needs_tpu
 
 EXACT = [("allreduce", {}), ("wfbp", {}), ("wfbp", {"buckets": 1}), ("dear", {}),
          ("dear", {"buckets": 1}), ("approx", {"staleness": 0, "buckets": 1})]
@@ -192,12 +193,8 @@ def test_kfac_refuses_model_sharded_params_by_name():
         sched(sched.init(params, opt_state), next(batches(1)))
 
 
-# The compile-only devices come from the optional `aot` extra, which `make test` installs;
-# only a checkout without it skips, and a device that cannot be built there fails the test.
-_AOT_MISSING = jaxsched.aot.toolchain_missing("tpu") or jaxsched.aot.toolchain_missing("gpu")
-
-
-@pytest.mark.skipif(_AOT_MISSING is not None, reason=str(_AOT_MISSING))
+@needs_tpu
+@needs_gpu
 def test_the_mesh_names_the_slow_axis():
     aot = jaxsched.aot
     devices = aot.devices("v5p", "2x2x2", slices=2)

@@ -81,8 +81,18 @@ class AbstractExperiment:
     description: str
 
     @property
+    def axis(self) -> str | tuple[str, ...]:
+        """The data-parallel axis the step reduces over: every axis of ``mesh``."""
+        return _mesh_axis(self.mesh)
+
+    @property
     def num_params(self) -> int:
         return sum(math.prod(a.shape) for a in jax.tree.leaves(self.params))
+
+
+def _mesh_axis(mesh: Mesh) -> str | tuple[str, ...]:
+    """The mesh's one axis name, or the tuple of its names: what the step reduces over."""
+    return mesh.axis_names[0] if len(mesh.axis_names) == 1 else tuple(mesh.axis_names)
 
 
 def mesh_for(target: str, axis: str | tuple[str, str] = "data") -> Mesh:
@@ -105,7 +115,7 @@ def abstract_experiment(spec: ModelSpec, *, target: str | None = None, mesh: Mes
     if (target is None) == (mesh is None):
         raise ValueError("pass target= (e.g. 'h100:1x2x4') or mesh=, exactly one")
     mesh = mesh if mesh is not None else mesh_for(target)
-    axis = mesh.axis_names[0] if len(mesh.axis_names) == 1 else tuple(mesh.axis_names)
+    axis = _mesh_axis(mesh)
     model = nnx.eval_shape(lambda: models.build(spec.name, spec.input_shape, spec.num_outputs,
                                                 **spec.options))
     params, apply_fn = models.pure(model)

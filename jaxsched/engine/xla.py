@@ -31,12 +31,11 @@ Example:
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import jax
 
-from jaxsched.axes import as_axes
+from jaxsched import axes
 from jaxsched.engine.base import Engine, PerDeviceProgram, register_engine
 
 GPU_OPTIONS: dict[str, Any] = {
@@ -118,8 +117,8 @@ class XlaEngine(Engine):
         elif program.compiler_defaults:
             options = {}
         else:
-            axis_size = math.prod(program.mesh.shape[a] for a in as_axes(program.axis_name))
-            options = compiler_options_for(platform, program.bucket_bytes, axis_size)
+            options = compiler_options_for(platform, program.bucket_bytes,
+                                           axes.axis_size(program.mesh, program.axis_name))
         return jax.jit(program.mapped(), compiler_options=options or None)
 
 
