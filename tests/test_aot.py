@@ -191,20 +191,33 @@ def test_auto_is_never_estimated_slower_than_the_plain_step_on_gpu():
 
 def test_compiled_planner_candidates_per_platform():
     """GPU: the engine's options, packed, XLA's defaults, each at 25 MB and in one bucket;
-    TPU: the engine's options and XLA's defaults (bucket size changes nothing per tensor)."""
-    from jaxsched.plan.compiled import ONE_BUCKET, candidates_for
+    TPU: the engine's options and XLA's defaults (bucket size changes nothing per tensor),
+    and on a mesh of several slices also the devices' own DCN reduction."""
+    from types import SimpleNamespace
+
+    from jaxsched.plan.compiled import DEVICE_DCN_REDUCTION, ONE_BUCKET, candidates_for
     from jaxsched.strategies import make_strategy
 
-    def described(platform):
-        return sorted((dict(v.collective.forms).get("all_reduce", "engine"), v.compiler_defaults, b or 0)
-                      for v, b in candidates_for(make_strategy("approx"), platform, "auto"))
+    def described(platform, mesh=None):
+        return sorted((dict(v.collective.forms).get("all_reduce", "engine"), v.compiler_defaults,
+                       bool(v.compiler_overrides), b or 0)
+                      for v, b in candidates_for(make_strategy("approx"), platform, "auto", mesh=mesh))
 
-    assert described("gpu") == sorted((form, defaults, b) for form, defaults in
+    assert described("gpu") == sorted((form, defaults, False, b) for form, defaults in
                                       [("engine", False), ("packed", False), ("engine", True)]
                                       for b in (0, ONE_BUCKET))
-    assert described("tpu") == [("engine", False, 0), ("engine", True, 0)]
+    one_slice = SimpleNamespace(devices=np.array([SimpleNamespace(slice_index=0)] * 8))
+    two_slices = SimpleNamespace(devices=np.array([SimpleNamespace(slice_index=i // 8) for i in range(16)]))
+    assert described("tpu") == described("tpu", one_slice) == [("engine", False, False, 0),
+                                                              ("engine", True, False, 0)]
+    assert described("tpu", two_slices) == [("engine", False, False, 0), ("engine", False, True, 0),
+                                            ("engine", True, False, 0)]
+    variant = [v for v, _ in candidates_for(make_strategy("approx"), "tpu", "auto", mesh=two_slices)
+               if v.compiler_overrides]
+    assert variant[0].compiler_overrides == DEVICE_DCN_REDUCTION
+    assert make_strategy("approx").compiler_overrides == {}  # the variant is a copy
     identity = make_strategy("allreduce")  # the user's step: no collective to vary
-    assert len(candidates_for(identity, "tpu", "auto")) == 1
+    assert len(candidates_for(identity, "tpu", "auto", mesh=two_slices)) == 1
 
 
 # -- TPU (XLA:TPU, v5p 2x2x2) ---------------------------------------------------------------
@@ -239,6 +252,26 @@ def test_two_slices_compile_and_report_cross_slice_traffic():
     report = _inspect(exp, "wfbp").report
     assert exp.mesh.devices.size == 16
     assert report.collectives and report.step_s is not None
+
+
+@needs_tpu
+@pytest.mark.slow
+def test_the_device_dcn_reduction_variant_keeps_cross_slice_sums_off_the_hosts():
+    """The variant's option reaches the compiled program: without it XLA:TPU has the hosts'
+    megascale runtime sum the cross-slice shares; with it the hosts only move them and the
+    devices sum."""
+    from jaxsched.plan.compiled import DEVICE_DCN_REDUCTION
+
+    exp = _experiment("v5p:2x2x2:slices=2", layers=2)
+    texts = {}
+    for name, overrides in (("engine", {}), ("device", DEVICE_DCN_REDUCTION)):
+        sched = jaxsched.schedule(exp.step, strategy="wfbp")
+        sched.strategy.compiler_overrides = dict(overrides)
+        lowered = sched.lower(sched.init(exp.params, exp.opt_state), exp.batch)
+        texts[name] = lowered.compile().as_text()
+    host_sum = '_xla_megascale_transfer_type="ALL_REDUCE"'
+    assert host_sum in texts["engine"]
+    assert host_sum not in texts["device"] and "_xla_megascale_transfer_type" in texts["device"]
 
 
 # -- the new collective forms are exact on CPU --------------------------------------------

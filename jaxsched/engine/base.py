@@ -45,6 +45,8 @@ class PerDeviceProgram:
         :attr:`jaxsched.planned_step.PlannedStep.bucket_bytes`).
         A compiler that combines collectives may combine up to this size and no further:
         the leaves of one bucket merge into one collective, separate buckets stay separate.
+      compiler_overrides: XLA options set over whatever the engine chooses (its platform
+        set or XLA's defaults); ignored when the user passed ``compiler_options``.
     """
 
     body: Callable[..., Sequence[Any]]
@@ -55,6 +57,7 @@ class PerDeviceProgram:
     check_vma: bool = False
     compiler_defaults: bool = False
     bucket_bytes: int = 0
+    compiler_overrides: dict = dataclasses.field(default_factory=dict)
 
     def mapped(self) -> Callable[..., tuple]:
         """The body as a ``shard_map`` over the mesh (not jitted)."""

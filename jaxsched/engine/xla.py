@@ -119,6 +119,8 @@ class XlaEngine(Engine):
         else:
             options = compiler_options_for(platform, program.bucket_bytes,
                                            axes.axis_size(program.mesh, program.axis_name))
+        if self.compiler_options is None:
+            options = {**options, **program.compiler_overrides}
         return jax.jit(program.mapped(), compiler_options=options or None)
 
 

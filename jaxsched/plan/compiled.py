@@ -22,8 +22,8 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
-__all__ = ["BUCKET_CANDIDATES", "ONE_BUCKET", "VARIANTS", "CompiledChoice", "candidates_for",
-           "choose_by_compiling", "compiled_estimates_apply"]
+__all__ = ["BUCKET_CANDIDATES", "DEVICE_DCN_REDUCTION", "ONE_BUCKET", "VARIANTS", "CompiledChoice",
+           "candidates_for", "choose_by_compiling", "compiled_estimates_apply", "spans_slices"]
 
 #: One bucket for every gradient in practice (1 GiB): on a multi-host GPU mesh each
 #: collective pays a latency and XLA:GPU runs one at a time, so one large collective can
@@ -45,20 +45,41 @@ BUCKET_CANDIDATES: dict[str, tuple[Any, ...]] = {"gpu": (None, ONE_BUCKET), "tpu
 #: program with XLA's default options, whose combiner regroups the collectives (on GPU this
 #: was the best for some models and the worst for others; on a two-slice TPU pod it lets
 #: ``approx``'s cross-slice transfers span the step: the zoo CNN's estimated exposed
-#: communication fell from 0.24x to 0.03x the plain step's). Packed buffers stay
+#: communication fell from 0.24x to 0.03x the plain step's); ``"device DCN reduction"``
+#: (TPU pods of several slices only) sums the cross-slice shares on the TPUs rather than
+#: in the hosts' megascale runtime (:data:`DEVICE_DCN_REDUCTION`). Packed buffers stay
 #: synchronous on TPU, so that variant is GPU only.
 VARIANTS: dict[str, tuple[str | None, ...]] = {"gpu": (None, "packed", "xla defaults"),
-                                                "tpu": (None, "xla defaults")}
+                                                "tpu": (None, "xla defaults", "device DCN reduction")}
+
+#: The options of the ``"device DCN reduction"`` variant. XLA:TPU otherwise hands each
+#: cross-slice share to the megascale runtime as host send/recv pairs, whose receives it
+#: schedules after backward; summed on the devices, the zoo Transformer's ``approx`` step
+#: was estimated at 1.10x the plain step instead of 1.33x and the 126M-parameter MLP's
+#: ``dear`` at 0.86x instead of 1.00x, while ``wfbp`` lost 3% to 4% (docs/accelerators.md).
+DEVICE_DCN_REDUCTION: dict[str, Any] = {"xla_tpu_use_megascale_host_reduction": False}
+
+#: Variants that only change a program whose mesh spans several TPU slices.
+_MULTI_SLICE_VARIANTS = frozenset({"device DCN reduction"})
 
 
 def _platform(platform: str) -> str:
     return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
-def candidates_for(strategy: Any, platform: str, buckets: Any) -> list[tuple[Any, Any]]:
+def spans_slices(mesh: Any) -> bool:
+    """Whether ``mesh``'s devices sit in more than one TPU slice (joined over DCN)."""
+    if mesh is None:
+        return False
+    return len({getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat}) > 1
+
+
+def candidates_for(strategy: Any, platform: str, buckets: Any, *, mesh: Any = None
+                   ) -> list[tuple[Any, Any]]:
     """(strategy, buckets) pairs to compile: ``strategy`` as given and, for a plain
-    collective, each variant of :data:`VARIANTS`; each bucket option of
-    :data:`BUCKET_CANDIDATES` when ``buckets`` is None or ``"auto"``, else ``buckets``."""
+    collective, each variant of :data:`VARIANTS` (those for several slices only when
+    ``mesh`` spans several); each bucket option of :data:`BUCKET_CANDIDATES` when
+    ``buckets`` is None or ``"auto"``, else ``buckets``."""
     from jaxsched.collectives.base import OPERATIONS, Collective
 
     platform = _platform(platform)
@@ -69,11 +90,13 @@ def candidates_for(strategy: Any, platform: str, buckets: Any) -> list[tuple[Any
     variants = [strategy]
     if type(strategy.collective) is Collective and not strategy.collective.forms:
         for name in VARIANTS.get(platform, (None,)):
-            if name is None:
+            if name is None or (name in _MULTI_SLICE_VARIANTS and not spans_slices(mesh)):
                 continue
             variant = copy.copy(strategy)  # same options
             if name == "packed":
                 variant.collective = Collective(forms={op: "packed" for op in OPERATIONS})
+            elif name == "device DCN reduction":
+                variant.compiler_overrides = dict(DEVICE_DCN_REDUCTION)
             else:
                 variant.compiler_defaults = True
             variants.append(variant)
@@ -120,6 +143,8 @@ def choose_by_compiling(captured: Any, candidates: Sequence[tuple[Any, Any]], en
         forms = sorted(set(strategy.collective.forms.values()))
         labels.append(f"{strategy.name}, buckets={buckets}" + "".join(f", {f}" for f in forms)
                       + (", xla defaults" if strategy.compiler_defaults and strategy.name != "allreduce"
+                         else "")
+                      + (", device DCN reduction" if strategy.compiler_overrides == DEVICE_DCN_REDUCTION
                          else ""))
         steps.append(report.step_s)
         exposed.append(report.exposed_comm_s)

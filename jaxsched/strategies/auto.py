@@ -139,7 +139,7 @@ class Auto(Strategy):
 
         platform = captured.mesh.devices.flat[0].platform
         pairs = [pair for candidate in self._candidates()
-                 for pair in candidates_for(candidate, platform, buckets)]
+                 for pair in candidates_for(candidate, platform, buckets, mesh=captured.mesh)]
         choice = choose_by_compiling(captured, pairs, engine, plan_options)
         strategy, option = pairs[choice.chosen]
         self.last_choice = AutoChoice(strategy.name, {}, True, 0.0, option, choice.as_dict())

@@ -89,6 +89,9 @@ class Strategy(abc.ABC):
     accepts_collective: ClassVar[bool] = True
     #: whether the program compiles with XLA's default options (see :class:`RewrittenBody`)
     compiler_defaults: ClassVar[bool] = False
+    #: XLA options set over the engine's choice for this strategy's program (a variant of
+    #: :mod:`jaxsched.plan.compiled` sets them; empty: the engine's set as it is)
+    compiler_overrides: ClassVar[dict] = {}
     #: whether params and opt_state stay in the user's layout between steps (so an adapter
     #: may hand them to the user after every step without a ``finalize``)
     keeps_user_layout: ClassVar[bool] = False
@@ -126,7 +129,8 @@ class Strategy(abc.ABC):
         if (isinstance(buckets, str) and buckets == "auto"
                 and compiled_estimates_apply(captured.mesh.devices.flat[0].platform)
                 and not plan_options):
-            pairs = candidates_for(self, captured.mesh.devices.flat[0].platform, buckets)
+            pairs = candidates_for(self, captured.mesh.devices.flat[0].platform, buckets,
+                                   mesh=captured.mesh)
             choice = choose_by_compiling(captured, pairs, engine, plan_options)
             self.last_bucket_choice = choice
             return pairs[choice.chosen]
