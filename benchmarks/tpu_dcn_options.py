@@ -40,6 +40,10 @@ CANDIDATES: dict[str, dict] = {
     "prefer async all-gather": {"xla_tpu_prefer_async_allgather_to_allreduce": True},
     "DCN all-reduce dual pipelining": {"xla_tpu_data_parallel_dcn_ar_dual_pipelining": True},
     "multi-recv DCN sinking": {"xla_tpu_enable_multi_recv_for_dcn_all_reduce_sinking": True},
+    "send/recv aggregation off": {"xla_tpu_enable_send_recv_aggregation": False},
+    # the TPUs sum the cross-slice shares, the hosts only move them (a compiled-planner
+    # variant on multi-slice meshes: jaxsched.plan.compiled.DEVICE_DCN_REDUCTION)
+    "device DCN reduction": {"xla_tpu_use_megascale_host_reduction": False},
 }
 
 
@@ -70,11 +74,12 @@ def main() -> int:
             "large_sends_start_s": [min((c.start_s for c in sends if c.bytes >= LARGE), default=None),
                                     max((c.start_s for c in sends if c.bytes >= LARGE), default=None)],
             "sends": len(sends), "compile_s": round(time.perf_counter() - started, 1)}
-        print(f"{name:40s} step {report.step_s * 1e3:6.2f} ms  exposed {report.exposed_comm_s * 1e3:5.2f} ms"
-              f"  ICI phases done {rows[name]['first_ici_phase_done_s'] * 1e3:5.2f} to "
-              f"{rows[name]['last_ici_phase_done_s'] * 1e3:5.2f} ms, large sends start "
-              f"{rows[name]['large_sends_start_s'][0] * 1e3:5.2f} to "
-              f"{rows[name]['large_sends_start_s'][1] * 1e3:5.2f} ms", file=sys.stderr)
+        ms = lambda t: "-" if t is None else f"{t * 1e3:5.2f}"
+        print(f"{name:40s} step {ms(report.step_s)} ms  exposed {ms(report.exposed_comm_s)} ms"
+              f"  ICI phases done {ms(rows[name]['first_ici_phase_done_s'])} to "
+              f"{ms(rows[name]['last_ici_phase_done_s'])} ms, large sends start "
+              f"{ms(rows[name]['large_sends_start_s'][0])} to "
+              f"{ms(rows[name]['large_sends_start_s'][1])} ms", file=sys.stderr)
     RESULT.parent.mkdir(exist_ok=True)
     RESULT.write_text(json.dumps({
         "target": TARGET, "model": exp.description,
