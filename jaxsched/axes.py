@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["AxisName", "as_axes", "axis_size", "spec_axes"]
+__all__ = ["AxisName", "as_axes", "axis_size", "num_slices", "spec_axes"]
 
 #: One mesh axis name, or a tuple of them.
 AxisName = str | tuple[str, ...]
@@ -42,3 +42,9 @@ def spec_axes(spec: Any) -> tuple[str, ...]:
 def axis_size(mesh: Any, axis: Any) -> int:
     """Devices along ``axis`` (the product over a tuple of mesh axes)."""
     return math.prod(mesh.shape[a] for a in as_axes(axis))
+
+
+def num_slices(devices: Any) -> int:
+    """How many TPU slices (joined over DCN) ``devices`` sit in; 1 for devices without a
+    ``slice_index`` (GPU, CPU, one slice)."""
+    return len({getattr(d, "slice_index", 0) or 0 for d in devices})

@@ -66,6 +66,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxsched import intervals
+from jaxsched.axes import num_slices
 
 __all__ = ["CollectiveWindow", "CompiledReport", "ESTIMATOR", "Inspection", "PLAIN_LABEL",
            "compile_with_schedule", "describe_mesh", "format_table", "inspect_jitted", "plot",
@@ -981,7 +982,7 @@ def describe_mesh(mesh) -> str:
     devices = list(mesh.devices.flat)
     first = devices[0]
     hosts = len({d.process_index for d in devices})
-    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    slices = num_slices(devices)
     where = f" over {hosts} hosts" if hosts > 1 else ""
     where += f", {slices} slices" if slices > 1 else ""
     return f"{first.platform}: {len(devices)} x {getattr(first, 'device_kind', first.platform)}{where}"

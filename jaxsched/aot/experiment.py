@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched import aot, models, steps
+from jaxsched.axes import num_slices
 from jaxsched.config import Config, OptimizerConfig
 
 __all__ = ["AbstractExperiment", "ModelSpec", "ZOO", "abstract_experiment", "from_config", "mesh_for"]
@@ -104,7 +105,7 @@ def mesh_for(target: str, axis: str | tuple[str, str] = "data") -> Mesh:
     devices = np.array(aot.devices(name, topology, slices=slices))
     if isinstance(axis, str):
         return Mesh(devices, (axis,))
-    outer = len({getattr(d, "slice_index", 0) or 0 for d in devices}) if slices > 1 else \
+    outer = num_slices(devices.flat) if slices > 1 else \
         len({d.process_index for d in devices})
     return Mesh(devices.reshape(outer, -1), tuple(axis))
 

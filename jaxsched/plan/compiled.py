@@ -69,9 +69,9 @@ def _platform(platform: str) -> str:
 
 def spans_slices(mesh: Any) -> bool:
     """Whether ``mesh``'s devices sit in more than one TPU slice (joined over DCN)."""
-    if mesh is None:
-        return False
-    return len({getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat}) > 1
+    from jaxsched.axes import num_slices
+
+    return mesh is not None and num_slices(mesh.devices.flat) > 1
 
 
 def candidates_for(strategy: Any, platform: str, buckets: Any, *, mesh: Any = None
