@@ -2,8 +2,10 @@
 
 A step is ``(params, opt_state, batch) -> (params, opt_state, aux)`` whose work happens
 inside one ``shard_map`` (a jitted ``jax.shard_map`` or a ``jax.pmap``, which JAX 0.10
-traces to the same thing). Capture records the body jaxpr, the mesh, the specs, and
-which body input is which leaf of params / opt_state / batch. Nothing here rewrites.
+traces to the same thing), or a ``jax.jit`` step (or plain function) on global arrays whose
+batch is sharded over mesh axes: :mod:`jaxsched.partition` turns that one into the
+per-device body. Capture records the body jaxpr, the mesh, the specs, and which body input
+is which leaf of params / opt_state / batch. Nothing here rewrites.
 
 Example:
     >>> import jax, optax
@@ -66,6 +68,11 @@ class CapturedStep:
       example_inputs: ``(params, opt_state, batch)`` as ``jax.ShapeDtypeStruct`` trees (with
         the shardings of placed arrays): enough to lower and compile the step again, e.g.
         to choose a strategy by XLA's estimate (:mod:`jaxsched.plan.compiled`).
+      global_step: for a ``jax.jit`` step (``kind == "jit"``), its global jaxpr as traced,
+        which the identity strategy runs unchanged; None otherwise.
+      gathers: for a ``jax.jit`` step, ``(primitive, source line)`` of every operation that
+        mixes examples across the batch and so runs on the gathered batch
+        (:class:`jaxsched.partition.GatherWarning`).
     """
 
     kind: str
@@ -88,6 +95,8 @@ class CapturedStep:
     num_batch: int
     check_vma: bool
     example_inputs: Any = None
+    global_step: Any = None
+    gathers: tuple = ()
 
     def body_input(self, role: str, index: int) -> int:
         """Position of the body invar fed by leaf ``index`` of ``role``, or -1."""
@@ -158,12 +167,8 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any,
 
     shard_maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     if not shard_maps:
-        found = sorted({e.primitive.name for e in jaxpr.eqns}) or ["nothing"]
-        raise UnsupportedStepError(
-            "found no jax.shard_map or jax.pmap in the step (its top level computes "
-            f"{', '.join(found)}): a jax.jit step whose shardings leave the gradient reduction to "
-            "XLA has no reduction to schedule; write the per-device work inside jax.shard_map over "
-            "a mesh axis with lax.pmean of the gradients (README.md#wrap-your-step shows one)")
+        return _capture_global(closed, out_shape, (params, opt_state, batch),
+                               (params_tree, opt_tree, batch_tree, aux_tree))
     if len(jaxpr.eqns) != 1:
         others = sorted({e.primitive.name for e in jaxpr.eqns if e.primitive.name != "shard_map"})
         raise UnsupportedStepError(
@@ -205,6 +210,44 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any,
         num_params=num_params, num_opt=num_opt, num_batch=batch_tree.num_leaves,
         check_vma=bool(eqn.params.get("check_vma", False)),
         example_inputs=jax.tree.map(abstract_leaf, (params, opt_state, batch)))
+
+
+def _leaf_names(role: str, tree: Any) -> list[str]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [role + jax.tree_util.keystr(path) for path, _ in flat]
+
+
+def _capture_global(closed, out_shape: Any, inputs: tuple, trees: tuple) -> CapturedStep:
+    """A step on global arrays (``jax.jit`` with shardings), partitioned per device."""
+    from jaxsched import partition
+
+    params, opt_state, batch = inputs
+    params_tree, opt_tree, batch_tree, aux_tree = trees
+    leaves = jax.tree.leaves(inputs)
+    names = (_leaf_names("params", params) + _leaf_names("opt_state", opt_state)
+             + _leaf_names("batch", batch))
+    roles = (["params"] * params_tree.num_leaves + ["opt_state"] * opt_tree.num_leaves
+             + ["batch"] * batch_tree.num_leaves)
+    n_state = params_tree.num_leaves + opt_tree.num_leaves
+    try:
+        part = partition.partition(closed, leaves, names, roles, n_state)
+    except (partition.PlacementError, partition.PartitionError) as err:
+        raise UnsupportedStepError(str(err)) from None
+    placement = part.placement
+    sources = [Source(role, i) for role, tree in (("params", params_tree), ("opt_state", opt_tree),
+                                                  ("batch", batch_tree))
+               for i in range(tree.num_leaves)]
+    sources += [Source("const", c) for c in range(len(part.const_values))]
+    return CapturedStep(
+        kind="jit", body=part.body, user_body=part.body, sources=tuple(sources),
+        consts=part.const_values, outputs=tuple(range(len(closed.jaxpr.outvars))),
+        mesh=placement.mesh, axis_name=placement.axis_name, axis_size=placement.axis_size,
+        in_specs=part.in_specs, out_specs=part.out_specs, params_tree=params_tree,
+        opt_tree=opt_tree, batch_tree=batch_tree, aux_tree=aux_tree,
+        num_params=params_tree.num_leaves, num_opt=opt_tree.num_leaves,
+        num_batch=batch_tree.num_leaves, check_vma=False,
+        example_inputs=jax.tree.map(abstract_leaf, inputs), global_step=closed,
+        gathers=part.gathers)
 
 
 def flatten_calls(body, mesh: Mesh, in_specs, out_specs, operand_avals,

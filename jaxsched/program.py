@@ -54,7 +54,7 @@ class Program:
             tuple(rewritten.state_in_specs) + planned.batch_specs + planned.const_specs,
             tuple(rewritten.state_out_specs) + planned.aux_specs, rewritten.check_vma,
             rewritten.compiler_defaults or strategy.compiler_defaults,
-            planned.bucket_bytes, dict(strategy.compiler_overrides))
+            planned.bucket_bytes, dict(strategy.compiler_overrides), rewritten.global_body)
         self.engine = engine.resolve(self.per_device)
         self.core = self.engine.compile(self.per_device)
 

@@ -47,6 +47,8 @@ class PerDeviceProgram:
         the leaves of one bucket merge into one collective, separate buckets stay separate.
       compiler_overrides: XLA options set over whatever the engine chooses (its platform
         set or XLA's defaults); ignored when the user passed ``compiler_options``.
+      global_body: the same computation on global arrays (a ``jax.jit`` step run as the
+        user wrote it), for engines that compile whole programs; None otherwise.
     """
 
     body: Callable[..., Sequence[Any]]
@@ -58,6 +60,7 @@ class PerDeviceProgram:
     compiler_defaults: bool = False
     bucket_bytes: int = 0
     compiler_overrides: dict = dataclasses.field(default_factory=dict)
+    global_body: Callable[..., Sequence[Any]] | None = None
 
     def mapped(self) -> Callable[..., tuple]:
         """The body as a ``shard_map`` over the mesh (not jitted)."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+from jax.sharding import NamedSharding
 
 from jaxsched import axes
 from jaxsched.engine.base import Engine, PerDeviceProgram, register_engine
@@ -121,6 +122,14 @@ class XlaEngine(Engine):
                                            axes.axis_size(program.mesh, program.axis_name))
         if self.compiler_options is None:
             options = {**options, **program.compiler_overrides}
+        if program.global_body is not None:
+            def whole(*args):
+                return tuple(program.global_body(*args))
+
+            sharding = lambda spec: NamedSharding(program.mesh, spec)
+            return jax.jit(whole, in_shardings=tuple(map(sharding, program.in_specs)),
+                           out_shardings=tuple(map(sharding, program.out_specs)),
+                           compiler_options=options or None)
         return jax.jit(program.mapped(), compiler_options=options or None)
 
 

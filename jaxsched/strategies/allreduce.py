@@ -2,7 +2,9 @@
 
 The body replays the per-device jaxpr exactly as the user's step traced it, nested calls
 and ``check_vma`` typing included, so the compiled program is the user's own and the
-results are bit-identical.
+results are bit-identical. A ``jax.jit`` step runs as its global program, partitioned by
+XLA as the user's own call would be (engines that cut per-device programs into stages
+replay the partitioned body instead).
 
 Example:
     >>> AllReduce.name, AllReduce.cost.in_backward
@@ -10,13 +12,14 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jax.extend import core as jex_core
 
 from jaxsched.costmodel import ALLREDUCE_PATTERN
 from jaxsched.planned_step import PlannedStep
-from jaxsched.strategies.base import UserLayoutStrategy
+from jaxsched.strategies.base import RewrittenBody, UserLayoutStrategy
 from jaxsched.strategies.registry import register_strategy
 
 
@@ -37,3 +40,16 @@ class AllReduce(UserLayoutStrategy):
 
     def check_vma(self, planned: PlannedStep) -> bool:
         return planned.captured.check_vma
+
+    def rewrite(self, planned: PlannedStep) -> RewrittenBody:
+        rewritten = super().rewrite(planned)
+        closed = planned.captured.global_step
+        if closed is None:
+            return rewritten
+        run = jex_core.jaxpr_as_fun(closed)
+        n_inputs = len(closed.jaxpr.invars)
+
+        def global_body(*inputs):  # the trailing inputs are the per-device body's constants
+            return list(run(*inputs[:n_inputs]))
+
+        return dataclasses.replace(rewritten, global_body=global_body)

@@ -63,6 +63,9 @@ class RewrittenBody:
       check_vma: the ``shard_map`` typing mode the body is written for.
       compiler_defaults: compile with XLA's own default options, not the engine's
         per-target set (the identity strategy: the user's step as XLA compiles it alone).
+      global_body: the same step on global arrays (same flat inputs and outputs), for an
+        engine that can run it as it is: the identity strategy on a ``jax.jit`` step is the
+        user's own program, partitioned by XLA.
     """
 
     body: Callable[..., Sequence[Any]]
@@ -71,6 +74,7 @@ class RewrittenBody:
     fallbacks: list = dataclasses.field(default_factory=list)
     check_vma: bool = False
     compiler_defaults: bool = False
+    global_body: Callable[..., Sequence[Any]] | None = None
 
 
 class Strategy(abc.ABC):
