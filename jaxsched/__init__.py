@@ -9,6 +9,7 @@ from jaxsched.collectives import Collective, CollectiveWrapper
 from jaxsched import compress
 from jaxsched import kfac
 from jaxsched.engine import Engine, register_engine
+from jaxsched.partition import GatherWarning
 from jaxsched.rewrite.rules import FallbackWarning
 from jaxsched.schedule import STRATEGIES, SchedState, Scheduled
 from jaxsched.schedule import schedule  # noqa: E402  (the function shadows the module name)
@@ -27,6 +28,7 @@ __all__ = [
     "kfac",
     "Engine",
     "FallbackWarning",
+    "GatherWarning",
     "Layer",
     "LayerProfile",
     "NetworkProfile",

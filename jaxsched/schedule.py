@@ -27,7 +27,7 @@ from jaxsched.capture import abstract_leaf, capture
 from jaxsched.collectives.base import Collective
 from jaxsched.engine import Engine, make_engine
 from jaxsched.program import Program, ProgramCache, build_program
-from jaxsched.state_step import STATE, StateForm, UnsplitState, step_form
+from jaxsched.state_step import STATE, StateForm, UnsplitState, inputs_of, step_form, with_inputs
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
 
 PLAN_OPTIONS = ("layer_profile", "network_profile", "planner")
@@ -69,6 +69,7 @@ class Scheduled:
         self._pending_state: NamedTuple | None = None
         self._form: str | None = None  # "trees" or "state": decided by the first init
         self._state_form: StateForm | None = None  # a step(state, batch) delegates to it
+        self._num_inputs: int | None = None  # the batch and the extra inputs before it
         functools.update_wrapper(self, step, updated=())
 
     # -- public API -----------------------------------------------------------------------
@@ -88,6 +89,8 @@ class Scheduled:
                             f"({'init(state)' if self._form == STATE else 'init(params, opt_state)'})"
                             f"; sched.init got the {form} form's arguments")
         self._form = form
+        if self._num_inputs is None:
+            self._num_inputs = inputs_of(self.step, 1 if form == STATE else 2)
         if form == STATE:
             self._state_form = self._state_form or StateForm(self)
             return self._state_form.init(args[0], args[1] if len(args) == 2 else batch)
@@ -102,8 +105,11 @@ class Scheduled:
             return state
         return self._program_for(state, batch).convert(state)
 
-    def __call__(self, state: NamedTuple, batch: Any) -> tuple[NamedTuple, Any]:
-        """One training step; returns the new state and the step's aux, as the plain step would."""
+    def __call__(self, state: NamedTuple, *inputs: Any) -> Any:
+        """One training step: ``sched(state, batch)`` (or ``sched(state, key, batch)`` for a
+        step with extra inputs); returns the new state and the step's aux, as the plain step
+        would (the state alone for a step that returns only its state)."""
+        batch = self._batch_of(inputs, state)
         if self._state_form_for(state):
             return self._state_form(state, batch)
         return self._program_for(state, batch).run(state, batch)
@@ -144,7 +150,7 @@ class Scheduled:
         plain = None
         if baseline:
             params, opt_state = self._template
-            plain = inspect_lib.inspect_jitted(self.step, (params, opt_state, batch),
+            plain = inspect_lib.inspect_jitted(self.traced_step, (params, opt_state, batch),
                                                program.planned.mesh, label=inspect_lib.PLAIN_LABEL)
         return inspect_lib.Inspection(report, plain)
 
@@ -188,7 +194,31 @@ class Scheduled:
             return self._state_form.inner.num_programs
         return len(self._programs)
 
+    @property
+    def traced_step(self) -> Callable:
+        """The user's step with its inputs after the state in one tuple, as the pipeline
+        traces it (the step itself when it takes only a batch)."""
+        state_args = 1 if self._form == STATE else 2
+        return with_inputs(self.step, self._num_inputs or 1, state_args)
+
     # -- internals -------------------------------------------------------------------------
+    def _batch_of(self, inputs: tuple, state: Any) -> Any:
+        """The inputs after the state as the one batch pytree the pipeline traces."""
+        if isinstance(state, tuple) and not hasattr(state, "_fields"):
+            raise TypeError(f"sched(state, batch) got a plain {type(state).__name__} as its state; "
+                            "pass the state sched.init returned (state = sched.init(params, "
+                            "opt_state), then state, aux = sched(state, batch))")
+        if not inputs:
+            raise TypeError("sched(state, batch) got no batch; call it as the step is called, "
+                            "state first, then the step's inputs")
+        expected = self._num_inputs if self._num_inputs is not None else len(inputs)
+        if len(inputs) != expected:
+            raise TypeError(f"the scheduled step got {len(inputs)} input(s) after the state; the "
+                            f"step takes {expected} (call sched(state, "
+                            + ", ".join(["input"] * (expected - 1) + ["batch"]) + "))")
+        self._num_inputs = expected
+        return inputs[0] if expected == 1 else tuple(inputs)
+
     def _state_form_for(self, state: Any) -> StateForm | None:
         """The state-form adapter if this schedule runs a ``step(state, batch)``."""
         if self._state_form is None and isinstance(state, UnsplitState):
@@ -201,7 +231,7 @@ class Scheduled:
         return self._programs.get(batch)
 
     def _build(self, batch: Any) -> Program:
-        captured = capture(self.step, self._template[0], self._template[1], batch,
+        captured = capture(self.traced_step, self._template[0], self._template[1], batch,
                            self.strategy.folds_invariant_sums)
         return build_program(captured, self.strategy, self.buckets_option, self.engine,
                              self.plan_options)

@@ -77,11 +77,13 @@ from jaxsched.capture import UnsupportedStepError, capture
 if TYPE_CHECKING:  # the adapter wraps Scheduled; schedule imports this module lazily
     from jaxsched.schedule import Scheduled
 
-__all__ = ["SIGNATURES", "StateForm", "StateLayout", "UnsplitState", "find_layout", "step_form"]
+__all__ = ["SIGNATURES", "StateForm", "StateLayout", "UnsplitState", "find_layout", "inputs_of",
+           "returns_aux", "step_form", "with_inputs"]
 
 #: the two step forms jaxsched.schedule accepts, as error messages state them
 SIGNATURES = ("step(params, opt_state, batch) -> (params, opt_state, aux) or "
-              "step(state, batch) -> (state, aux)")
+              "step(state, batch) -> (state, aux) (or -> state), with any extra inputs (a key, "
+              "a constant) between the state and the batch")
 STATE, TREES = "state", "trees"
 
 
@@ -117,18 +119,18 @@ def step_form(step: Callable, n_args: int, batch_keyword: bool) -> str:
     arguments (and ``batch=`` or not); the rule is in the module doc. Raises TypeError,
     stating both accepted signatures, for anything else."""
     arity = positional_arity(step)
-    if arity is not None and arity not in (2, 3):
+    if arity is not None and arity < 2:
         raise TypeError(f"the step takes {arity} positional argument(s); jaxsched.schedule "
                         f"accepts {SIGNATURES}")
     if n_args == 1:
-        form = STATE
+        form = STATE  # init(state): a step(state, *inputs, batch), whatever its arity
     elif n_args == 3 and not batch_keyword:
         form = TREES
     elif n_args == 2:
         form = STATE if arity == 2 and not batch_keyword else TREES
     else:
         form = None
-    if form is None or (arity == 3 and form == STATE) or (arity == 2 and form == TREES):
+    if form is None or (arity == 2 and form == TREES):
         takes = {2: "(state, batch)", 3: "(params, opt_state, batch)"}.get(arity)
         init = {2: "sched.init(state) or sched.init(state, batch)",
                 3: "sched.init(params, opt_state) or sched.init(params, opt_state, batch)"}
@@ -147,11 +149,13 @@ class StateLayout:
       treedef: the state's tree structure (static fields included).
       names: every leaf's path, in tree order.
       trained: per leaf, whether it is a trained parameter.
+      has_aux: whether the step returns ``(state, aux)`` (False: the state alone).
     """
 
     treedef: Any
     names: tuple[str, ...]
     trained: tuple[bool, ...]
+    has_aux: bool = True
 
     def split(self, state: Any, what: str = "the state") -> tuple[dict, dict]:
         """The user's state -> (trained leaves, every other leaf), dicts keyed by path."""
@@ -168,11 +172,14 @@ class StateLayout:
         return jax.tree.unflatten(self.treedef, [(params if t else rest)[n]
                                                  for n, t in zip(self.names, self.trained)])
 
-    def pure_step(self, step: Callable) -> Callable:
+    def pure_step(self, step: Callable, observe: Callable[[Any], None] | None = None) -> Callable:
         """``step(state, batch) -> (state, aux)`` as ``(params, rest, batch) -> (params, rest,
-        aux)``, the form the scheduling pipeline takes."""
+        aux)``, the form the scheduling pipeline takes (``observe`` sees each raw output)."""
         def pure_step(params: dict, rest: dict, batch: Any):
-            new_state, aux = _state_and_aux(step(self.join(params, rest), batch), self.treedef)
+            out = step(self.join(params, rest), batch)
+            if observe is not None:
+                observe(out)
+            new_state, aux = _state_and_aux(out, self.treedef)
             return (*self.split(new_state), aux)
 
         pure_step.__name__ = getattr(step, "__name__", "train_step")
@@ -180,10 +187,40 @@ class StateLayout:
         return pure_step
 
 
+def inputs_of(step: Callable, state_args: int) -> int | None:
+    """How many inputs ``step`` takes after its ``state_args`` state arguments (the batch and
+    any extra inputs before it), or None when its signature does not say."""
+    arity = positional_arity(step)
+    return None if arity is None else max(1, arity - state_args)
+
+
+def with_inputs(step: Callable, num_inputs: int, state_args: int) -> Callable:
+    """``step(*state, *inputs)`` as ``step(*state, inputs)`` with the inputs in one tuple,
+    the form the pipeline traces (its batch is one pytree); ``step`` itself for one input."""
+    if num_inputs == 1:
+        return step
+
+    def on_inputs(*args):
+        *state, inputs = args
+        return step(*state, *inputs)
+
+    on_inputs.__name__ = getattr(step, "__name__", "train_step")
+    on_inputs.__wrapped__ = step
+    return on_inputs
+
+
+def returns_aux(out: Any, treedef: Any) -> bool:
+    """Whether a ``step(state, batch)`` output is ``(state, aux)`` rather than the state alone
+    (JAX's own examples return only the new parameters)."""
+    return jax.tree.structure(out) != treedef
+
+
 def _state_and_aux(out: Any, treedef: Any) -> tuple[Any, Any]:
+    if not returns_aux(out, treedef):
+        return out, None
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise UnsupportedStepError(
-            "a step(state, batch) must return (state, aux); it returned "
+            "a step(state, batch) must return (state, aux) or the state alone; it returned "
             f"{type(out).__name__} with structure {jax.tree.structure(out)}")
     if jax.tree.structure(out[0]) != treedef:
         raise UnsupportedStepError(
@@ -209,7 +246,9 @@ def find_layout(step: Callable, state: Any, batch: Any) -> StateLayout:
     names = leaf_names(state)
     everything = StateLayout(treedef, names, (True,) * len(names))
     all_params, _ = everything.split(state)
-    captured = capture(everything.pure_step(step), all_params, {}, batch)
+    outputs: list = []
+    captured = capture(everything.pure_step(step, outputs.append), all_params, {}, batch)
+    has_aux = returns_aux(outputs[0], treedef)
     analysis = analyze(captured)
     reaches_varying, from_reduction, from_itself = _dependencies(captured, analysis)
     # the captured step's params are a dict: their leaf order is jax's order of its keys
@@ -223,7 +262,7 @@ def find_layout(step: Callable, state: Any, batch: Any) -> StateLayout:
     if not any(trained):
         raise UnsupportedStepError(_nothing_trained(names, leaves, position, reaches_varying,
                                                     from_reduction, from_itself, captured.axis_name))
-    return StateLayout(treedef, names, tuple(trained))
+    return StateLayout(treedef, names, tuple(trained), has_aux)
 
 
 def _dtype(leaf: Any) -> Any:
@@ -301,14 +340,19 @@ class StateForm:
         inner = self.inner_for(state, batch)
         return inner.init(*self.layout.split(state), batch)
 
+    @property
+    def step(self) -> Callable:
+        """The user's step as ``step(state, batch)`` (extra inputs in the batch tuple)."""
+        return self.owner.traced_step
+
     def inner_for(self, state: Any, batch: Any) -> "Scheduled":
         """The scheduled pure step, splitting the state on first use."""
         if self.layout is None:
             from jaxsched.schedule import Scheduled
 
             owner = self.owner
-            self.layout = find_layout(owner.step, state, batch)
-            self.inner = Scheduled(self.layout.pure_step(owner.step), owner.strategy,
+            self.layout = find_layout(self.step, state, batch)
+            self.inner = Scheduled(self.layout.pure_step(self.step), owner.strategy,
                                    owner.buckets_option, engine=owner.engine, **owner.plan_options)
         return self.inner
 
@@ -323,9 +367,10 @@ class StateForm:
                              "example_batch) first (the checkpoint restore target)")
         return self.inner, sstate
 
-    def __call__(self, sstate: Any, batch: Any) -> tuple[Any, Any]:
+    def __call__(self, sstate: Any, batch: Any) -> Any:
         inner, sstate = self.scheduled_state(sstate, batch)
-        return inner(sstate, batch)
+        sstate, aux = inner(sstate, batch)
+        return (sstate, aux) if self.layout.has_aux else sstate
 
     def scheduled(self, sstate: Any, batch: Any, method: str, **options: Any) -> Any:
         """``inner.<method>(sstate, batch)`` (``lower``, ``inspect``) on the scheduled state."""

@@ -169,6 +169,19 @@ def _widened(tree: Any, placed: bool = False) -> Any:
     return jax.tree.map(widen, tree)
 
 
+def _without_donation(step: Any) -> Any:
+    """``step`` called on copies of its inputs: a step jitted with ``donate_argnums`` deletes
+    the buffers it is given, and verify hands the same parameters, optimizer state and
+    batches to the plain run, the rounding baseline and the scheduled run."""
+    def fresh(x: Any) -> Any:
+        return jnp.array(x, copy=True) if isinstance(x, jax.Array) else x
+
+    def call(*args: Any) -> Any:
+        return step(*jax.tree.map(fresh, args))
+
+    return call
+
+
 def verify(scheduled: Any, state: Any, batches: Iterable[Any], steps: int = 10,
            rtol: float = 1e-5, baseline_factor: float = 100.0,
            precision: str = "float64") -> VerifyReport:
@@ -199,8 +212,8 @@ def verify(scheduled: Any, state: Any, batches: Iterable[Any], steps: int = 10,
 def _compare(scheduled: Any, params: Any, opt_state: Any, batches: list, rtol: float,
              baseline_factor: float, precision: str) -> VerifyReport:
     steps = len(batches)
-    step = scheduled.step
     sched_state = scheduled.init(params, opt_state)
+    step = _without_donation(scheduled.traced_step)
     devices = scheduled._program_for(sched_state, batches[0]).planned.axis_size
     plain, nudged = (params, opt_state), (_nudged(params, devices), opt_state)
     leaf_gap: dict[str, float] = {}

@@ -120,17 +120,18 @@ def _hierarchical_on_one_axis(_):
     sched, state, batch, _p = _mlp_step("wfbp", collective=jaxsched.collectives.Hierarchical("ici", "dcn"))
     sched(state, batch)
 
-def _jit_with_shardings(_):
+def _jit_with_sharded_params(_):
     mesh = _mesh()
     rows = jax.NamedSharding(mesh, P("data"))
 
-    def step(state, x):  # GSPMD: XLA would insert the gradient all-reduce itself
+    def step(state, x):  # FSDP written with shardings: the parameter itself is split
         g = jax.grad(lambda w: jnp.mean((x * w) ** 2))(state["w"])
         return {"w": state["w"] - 0.1 * g}, jnp.zeros(())
 
-    step = jax.jit(step, in_shardings=(jax.NamedSharding(mesh, P()), rows))
+    step = jax.jit(step)
     sched = jaxsched.schedule(step)
-    sched(sched.init({"w": np.ones(3, np.float32)}), jax.device_put(np.ones((4, 3), np.float32), rows))
+    w = jax.device_put(np.ones(8, np.float32), rows)
+    sched(sched.init({"w": w}), jax.device_put(np.ones((4, 8), np.float32), rows))
 
 
 def _state_step(body, state):
@@ -166,11 +167,12 @@ CASES = {
                                 "the gradients are reduced over 'data' inside a nested scan at"),
     "outputs in another structure": (lambda _: _custom(_renamed_output), jaxsched.UnsupportedStepError,
                                      "the step's output params has structure"),
-    "`jax.jit` step with shardings, no `shard_map`": (
-        _jit_with_shardings, jaxsched.UnsupportedStepError,
-        "found no jax.shard_map or jax.pmap in the step (its top level computes"),
-    "step of another arity": (lambda _: jaxsched.schedule(lambda m, o, metrics, b: b).init(1, 2, 3),
-                              TypeError, "the step takes 4 positional argument(s); jaxsched.schedule "
+    "`jax.jit` step with sharded parameters": (
+        _jit_with_sharded_params, jaxsched.UnsupportedStepError,
+        "['w'] is sharded with P('data',): jaxsched schedules jax.jit steps whose parameters and "
+        "optimizer state are replicated (P())"),
+    "step of another arity": (lambda _: jaxsched.schedule(lambda batch: batch).init(1),
+                              TypeError, "the step takes 1 positional argument(s); jaxsched.schedule "
                               "accepts step(params, opt_state, batch) -> (params, opt_state, aux) or "
                               "step(state, batch) -> (state, aux)"),
     "output state in another structure": (
@@ -225,13 +227,6 @@ def test_bad_input_gets_the_message_the_readme_quotes(case):
     row = [line for line in README.splitlines() if line.startswith(f"| {case} |")]
     assert row, f"README's table of bad inputs has no row for {case!r}"
     assert message.replace("|", "\\|") in row[0], f"README quotes another message for {case!r}"
-
-
-def test_a_step_without_shard_map_is_pointed_to_the_readme_section_that_shows_one():
-    with pytest.raises(jaxsched.UnsupportedStepError, match="README.md#wrap-your-step") as info:
-        _jit_with_shardings(None)
-    assert "no reduction to schedule" in str(info.value)
-    assert "\n## Wrap your step\n" in README  # the anchor #wrap-your-step
 
 
 def test_the_readme_table_has_at_least_ten_classes():

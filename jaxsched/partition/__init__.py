@@ -30,6 +30,7 @@ import dataclasses
 from typing import Any, Sequence
 
 import jax
+from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsched.partition.interpreter import GatherWarning, Partitioner, PartitionError
@@ -97,8 +98,33 @@ def partition(closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequen
                                   sharding=NamedSharding(mesh, P())) for c in consts]
     mapped = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                            check_vma=False)
-    traced = jax.make_jaxpr(mapped)(*args).jaxpr
-    (eqn,) = [e for e in traced.eqns if e.primitive.name == "shard_map"]
+    body, hoisted = _body_of(jax.make_jaxpr(mapped)(*args), len(args))
+    consts += tuple(hoisted)
+    in_specs += (P(),) * len(hoisted)
+    return Partitioned(body, placement, consts, in_specs, out_specs, tuple(partitioner.gathers))
+
+
+def _body_of(traced, num_args: int) -> tuple[Any, list]:
+    """The ``shard_map`` body of ``traced`` with its inputs in argument order, then the
+    constants tracing hoisted out of it (arrays the rules or nested jaxprs closed over),
+    with their values."""
+    (eqn,) = [e for e in traced.jaxpr.eqns if e.primitive.name == "shard_map"]
     body = eqn.params["jaxpr"]
     body = body.jaxpr if hasattr(body, "jaxpr") else body
-    return Partitioned(body, placement, consts, in_specs, out_specs, tuple(partitioner.gathers))
+    origin = {v: i for i, v in enumerate(traced.jaxpr.invars)}
+    const_of = dict(zip(traced.jaxpr.constvars, traced.consts))
+    by_arg: dict[int, Any] = {}
+    hoisted_vars, hoisted = [], []
+    for inner, outer in zip(body.invars, eqn.invars, strict=True):
+        if isinstance(outer, jex_core.Literal):
+            hoisted_vars.append(inner)
+            hoisted.append(outer.val)
+        elif outer in origin and origin[outer] not in by_arg:
+            by_arg[origin[outer]] = inner
+        else:
+            hoisted_vars.append(inner)
+            hoisted.append(const_of[outer])
+    if sorted(by_arg) != list(range(num_args)):
+        raise AssertionError(f"the traced per-device body reads {len(by_arg)} of its {num_args} inputs")
+    invars = [by_arg[i] for i in range(num_args)] + hoisted_vars
+    return body.replace(invars=invars), hoisted

@@ -66,7 +66,11 @@ def _entry_kinds(kinds: list, single: list) -> list[Kind]:
 def call_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     jaxpr, consts = _inner(eqn)
     inputs = _entry_kinds(kinds, single)
-    sub = p.plan(jaxpr, inputs)
+    p.callers.append(eqn)
+    try:
+        sub = p.plan(jaxpr, inputs)
+    finally:
+        p.callers.pop()
     return EqnPlan(tuple(inputs), sub.out_kinds, lambda values: p.run(sub, consts, values))
 
 

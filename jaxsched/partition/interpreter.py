@@ -24,6 +24,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 from jax.extend import core as jex_core
+from jax.extend import source_info_util
 
 from jaxsched.partition.kinds import AxisContext, Kind, REPLICATED
 from jaxsched.replay import source_line
@@ -81,6 +82,7 @@ class Partitioner:
         self.ctx = ctx
         self.gathers: list[tuple[str, str]] = []
         self.zeros: set = set()
+        self.callers: list = []  # the call equations being planned, outermost first
 
     # -- planning ---------------------------------------------------------------------------
     def plan(self, jaxpr, in_kinds: Sequence[Kind], out_kinds: Sequence[Kind] | None = None
@@ -132,9 +134,21 @@ class Partitioner:
                 and eqn.invars and self.is_zero(eqn.invars[0]):
             self.zeros.update(eqn.outvars)
 
+    def where(self, eqn) -> str:
+        """The user's source line of ``eqn``, or of the innermost call it was inlined from
+        (``jnp.roll`` or ``jnp.sort`` run jitted library code that has none)."""
+        for candidate in [eqn, *reversed(self.callers)]:
+            try:
+                line = source_info_util.summarize(candidate.source_info)
+            except Exception:  # messages degrade to the next caller
+                line = ""
+            if line:
+                return line
+        return source_line(eqn)
+
     def gathered(self, eqn, why: str) -> None:
         """Record (and warn once about) an operation that gathers the batch."""
-        key = (eqn.primitive.name, source_line(eqn))
+        key = (eqn.primitive.name, self.where(eqn))
         if key in self.gathers:
             return
         self.gathers.append(key)
@@ -144,7 +158,7 @@ class Partitioner:
                       stacklevel=2)
 
     def refuse(self, eqn, why: str) -> PartitionError:
-        return PartitionError(f"jaxsched cannot run {eqn.primitive.name} at {source_line(eqn)} "
+        return PartitionError(f"jaxsched cannot run {eqn.primitive.name} at {self.where(eqn)} "
                               f"per device: {why}")
 
     # -- running ----------------------------------------------------------------------------

@@ -110,8 +110,9 @@ class AxisContext:
         """``value`` (a local value of global ``shape`` held as ``have``) held as ``want``."""
         if have == want:
             return value
-        if self.axis_size == 1:
-            return value  # one device: every kind is the whole value
+        if self.axis_size == 1 and not (have.partial and want.is_replicated):
+            return value  # one device: every kind is the whole value (a psum stays: it marks
+            # the gradient reductions the strategies schedule, and costs nothing)
         if want.is_replicated:
             return self.replicate(value, have)
         if want.partial:

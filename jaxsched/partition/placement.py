@@ -86,7 +86,7 @@ def _concrete_mesh(shardings: Sequence[Any]) -> Mesh | None:
     meshes = []
     for s in shardings:
         mesh = getattr(s, "mesh", None)
-        if isinstance(mesh, Mesh) and mesh.devices.size and mesh not in meshes:
+        if isinstance(mesh, Mesh) and mesh.axis_names and mesh not in meshes:
             meshes.append(mesh)
     if len(meshes) > 1:
         devices = {frozenset(m.devices.flat) for m in meshes}
@@ -100,7 +100,7 @@ def _concrete_mesh(shardings: Sequence[Any]) -> Mesh | None:
         mesh = jax.sharding.get_mesh()
     except ValueError:
         mesh = None
-    if isinstance(mesh, Mesh) and mesh.devices.size:
+    if isinstance(mesh, Mesh) and mesh.axis_names:
         return mesh
     return None
 

@@ -1,0 +1,434 @@
+"""`jax.jit` data-parallel steps, written as the JAX and Flax docs teach them (parameters
+replicated, the batch placed with NamedSharding, no shard_map): each exact strategy equals the
+plain jit step on fresh random inputs (rtol 1e-5), or the step is refused by name."""
+import contextlib
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training.train_state import TrainState
+from hypothesis import HealthCheck, given, settings, strategies as st
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxsched
+import jit_steps as js
+from equivalence import assert_trees_close
+
+EXACT = {"allreduce": {}, "wfbp": {}, "dear": {}, "approx": {"staleness": 0}}
+
+
+def _mesh(shape=(8,), names=("data",), explicit=False):
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    n = int(np.prod(shape))
+    return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape), devices=jax.devices()[:n])
+
+
+def _copy(tree):
+    return jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else np.array(a), tree)
+
+
+def _close(got, want, rtol=1e-5, atol=1e-6):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        if jnp.issubdtype(jnp.result_type(b), jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        if jnp.issubdtype(jnp.result_type(b), jnp.inexact):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+        else:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _run_trees(step, params, opt_state, batches, strategy, **options):
+    """Plain and scheduled side by side on a (params, opt_state, batch) step."""
+    plain, plain_aux = (_copy(params), _copy(opt_state)), []
+    for b in batches:
+        *plain, aux = step(*plain, b)
+        plain_aux.append(jax.device_get(aux))
+    sched = jaxsched.schedule(step, strategy=strategy, **options)
+    state, sched_aux = sched.init(_copy(params), _copy(opt_state)), []
+    for b in batches:
+        state, aux = sched(state, b)
+        sched_aux.append(jax.device_get(jax.block_until_ready(aux)))
+    _close(sched.finalize(state), tuple(plain))
+    _close(sched_aux, plain_aux)
+    return sched
+
+
+def _run_state(step, state, batches, strategy, **options):
+    """Plain and scheduled side by side on a step(state, batch) -> (state, aux)."""
+    plain, plain_aux = _copy(state), []
+    for b in batches:
+        plain, aux = step(plain, b)
+        plain_aux.append(jax.device_get(aux))
+    sched = jaxsched.schedule(step, strategy=strategy, **options)
+    sstate, sched_aux = sched.init(_copy(state)), []
+    for b in batches:
+        sstate, aux = sched(sstate, b)
+        sched_aux.append(jax.device_get(jax.block_until_ready(aux)))
+    _close(sched.finalize(sstate), plain)
+    _close(sched_aux, plain_aux)
+    return sched
+
+
+# -- equivalence -------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", list(EXACT))
+def test_mlp_with_adam_equals_the_plain_jit_step(strategy):
+    mesh, tx = _mesh(), optax.adam(1e-2)
+    params = js.mlp_params(0)
+    batches = [js.place(mesh, b) for b in js.mlp_batches(1, 4, 16)]
+    sched = _run_trees(js.mlp_step(tx), params, tx.init(params), batches, strategy, **EXACT[strategy])
+    captured = sched.program.captured
+    assert captured.kind == "jit" and captured.axis_name == "data" and captured.axis_size == 8
+
+
+def test_allreduce_runs_the_jit_step_as_written_bit_for_bit():
+    mesh, tx = _mesh(), optax.adam(1e-2)
+    params = js.mlp_params(3)
+    batches = [js.place(mesh, b) for b in js.mlp_batches(4, 3, 16)]
+    step = js.mlp_step(tx)
+    plain = (_copy(params), tx.init(params))
+    sched = jaxsched.schedule(step, strategy="allreduce")
+    state = sched.init(_copy(params), tx.init(params))
+    for b in batches:
+        *plain, aux = step(*plain, b)
+        state, saux = sched(state, b)
+    for a, b in zip(jax.tree.leaves(sched.finalize(state)), jax.tree.leaves(tuple(plain))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_gradient_sums_are_the_reductions_the_strategies_schedule():
+    mesh, tx = _mesh(), optax.sgd(0.1)
+    params = js.mlp_params(0)
+    sched = jaxsched.schedule(js.mlp_step(tx), strategy="wfbp")
+    state = sched.init(params, tx.init(params))
+    sched(state, js.place(mesh, js.mlp_batches(1, 1, 16)[0]))
+    analysis = sched.program.planned.analysis
+    # one psum per parameter gradient, none for the loss (aux) or inside forward
+    assert len(analysis.reductions) == 3
+    assert sorted(r.operand.aval.shape for r in analysis.reductions) == [(6, 16), (16,), (16, 3)]
+    assert analysis.forward_collectives == ()
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear", pytest.param("allreduce", marks=pytest.mark.slow)])
+def test_cnn_with_global_batch_norm_dropout_and_label_smoothing(strategy):
+    mesh = _mesh()
+    state, model, tx = js.cnn_state(0)
+    batches = [js.place(mesh, b) for b in js.cnn_batches(2, 3, 16)]
+    sched = _run_state(js.cnn_state_step(model, tx), state, batches, strategy)
+    # batch-norm statistics are reduced where the step computes them (forward), not scheduled
+    inner = sched.program.planned.analysis
+    assert inner.forward_collectives
+    assert sched.program.captured.gathers == ()
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear", pytest.param("allreduce", marks=pytest.mark.slow),
+                                      pytest.param("approx", marks=pytest.mark.slow)])
+def test_transformer_lm_with_masks_global_count_smoothing_clipping_scan_and_remat(strategy):
+    mesh = _mesh()
+    model, params, tx = js.lm_setup(0)
+    batches = [js.place(mesh, b) for b in js.lm_batches(1, 3, 16)]
+    sched = _run_trees(js.lm_step(model, tx), params, tx.init(params), batches, strategy,
+                       **EXACT[strategy])
+    assert sched.program.fallbacks == [] and sched.program.captured.gathers == ()
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_flax_train_state_step(strategy):
+    mesh = _mesh()
+    model = js.Cnn()
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 2)), train=False)
+    tx = optax.adamw(1e-2, weight_decay=0.05)
+
+    @jax.jit
+    def step(state, batch):
+        x, y = batch
+
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params, "batch_stats": variables["batch_stats"]}, x,
+                                    train=False)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    state = TrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx)
+    batches = [js.place(mesh, b) for b in js.cnn_batches(3, 3, 16)]
+    sched = _run_state(step, state, batches, strategy)
+    assert type(sched.finalize(sched.init(state))) is TrainState
+
+
+def _nnx_model():
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(6, 16, rngs=rngs)
+            self.head = nnx.Linear(16, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(jnp.tanh(self.hidden(x)))
+
+    model = Mlp(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_nnx_step_as_the_flax_guide_writes_it(strategy):
+    mesh = _mesh(explicit=True)  # jax.make_mesh's default axis type
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        x, y = batch
+
+        def loss_fn(m):
+            return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    with jax.set_mesh(mesh):
+        batches = [js.place(mesh, b) for b in js.mlp_batches(5, 3, 16)]
+        model, optimizer = _nnx_model()
+        sched_model, sched_optimizer = _nnx_model()
+        sched = jaxsched.nnx.schedule(train_step, strategy=strategy)
+        for b in batches:
+            loss = train_step(model, optimizer, b)
+            sched_loss = sched(sched_model, sched_optimizer, b)
+            np.testing.assert_allclose(float(sched_loss), float(loss), rtol=1e-5)
+        sched.finalize(sched_model, sched_optimizer)
+    _close(nnx.state(sched_model, nnx.Param), nnx.state(model, nnx.Param))
+    assert sched.scheduled.program.captured.kind == "jit"
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_explicit_axes_mesh_set_with_set_mesh(strategy):
+    mesh, tx = _mesh(explicit=True), optax.adam(1e-2)
+    with jax.set_mesh(mesh):
+        params = js.replicated(mesh, js.mlp_params(1))
+        batches = [js.place(mesh, b) for b in js.mlp_batches(2, 3, 16)]
+        _run_trees(js.mlp_step(tx), params, tx.init(params), batches, strategy)
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_two_data_axes(strategy):
+    mesh, tx = _mesh((2, 4), ("dcn", "ici")), optax.adam(1e-2)
+    params = js.mlp_params(2)
+    batches = [js.place(mesh, b, P(("dcn", "ici"))) for b in js.mlp_batches(3, 3, 16)]
+    sched = _run_trees(js.mlp_step(tx), params, tx.init(params), batches, strategy)
+    assert sched.program.captured.axis_name == ("dcn", "ici")
+
+
+def test_in_shardings_given_to_jit_place_host_arrays():
+    mesh, tx = _mesh(), optax.sgd(0.1, momentum=0.9)
+    rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    params = js.mlp_params(4)
+    step = jax.jit(js.mlp_step(tx).__wrapped__, in_shardings=(rep, rep, data))
+    batches = js.mlp_batches(6, 3, 16)  # NumPy arrays: jit places them
+    sched = _run_trees(step, params, tx.init(params), batches, "dear")
+    assert sched.program.captured.axis_name == "data"
+
+
+def test_one_device_without_a_mesh():
+    tx = optax.adam(1e-2)
+    params = js.mlp_params(5)
+    batches = js.mlp_batches(7, 3, 8)
+    sched = _run_trees(js.mlp_step(tx), params, tx.init(params), batches, "dear")
+    assert sched.program.captured.axis_size == 1
+
+
+# -- step forms ----------------------------------------------------------------------------
+def test_a_step_that_returns_only_its_state():
+    """JAX's SPMD MNIST example: update(params, batch) -> params, SGD written inline."""
+    mesh = _mesh()
+
+    @jax.jit
+    def update(params, batch):
+        x, y = batch
+        grads = jax.grad(js.mlp_loss)(params, x, y)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    params = js.mlp_params(6)
+    batches = [js.place(mesh, b) for b in js.mlp_batches(8, 3, 16)]
+    plain = _copy(params)
+    sched = jaxsched.schedule(update, strategy="wfbp")
+    state = sched.init(_copy(params))
+    for b in batches:
+        plain = update(plain, b)
+        state = sched(state, b)  # the state alone, as the step returns it
+    _close(sched.finalize(state), plain)
+
+
+def test_extra_inputs_between_the_state_and_the_batch_pass_through():
+    """big_vision's update_fn(train_state, rng, batch): a replicated key before the batch."""
+    mesh = _mesh()
+    tx = optax.sgd(0.1)
+
+    @jax.jit
+    def update_fn(train_state, rng, batch):
+        x, y = batch
+        mask = jax.random.bernoulli(rng, 0.8, x.shape)  # dropout on the inputs, global bits
+        loss, grads = jax.value_and_grad(js.mlp_loss)(train_state["params"], x * mask / 0.8, y)
+        updates, opt = tx.update(grads, train_state["opt"], train_state["params"])
+        return {"params": optax.apply_updates(train_state["params"], updates), "opt": opt}, {"loss": loss}
+
+    params = js.mlp_params(7)
+    state = {"params": params, "opt": tx.init(params)}
+    batches = [js.place(mesh, b) for b in js.mlp_batches(9, 3, 16)]
+    keys = [jax.random.key(i) for i in range(3)]
+    plain = _copy(state)
+    sched = jaxsched.schedule(update_fn, strategy="dear")
+    sstate = sched.init(_copy(state))
+    for key, b in zip(keys, batches):
+        plain, aux = update_fn(plain, key, b)
+        sstate, saux = sched(sstate, key, b)
+        _close(saux, aux)
+    _close(sched.finalize(sstate), plain)
+    with pytest.raises(TypeError, match=r"got 1 input\(s\) after the state; the step takes 2"):
+        sched(sstate, batches[0])
+
+
+def test_random_draws_have_the_bits_of_the_plain_step():
+    """Dropout on batch-sharded activations draws, per device, the global draw's block."""
+    mesh, tx = _mesh(), optax.sgd(0.1)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y, key = batch
+
+        def loss(p):
+            h = jnp.tanh(x @ p["w1"] + p["b1"])
+            keep = jax.random.bernoulli(key, 0.5, h.shape)
+            return optax.softmax_cross_entropy_with_integer_labels((h * keep) @ p["w2"], y).mean()
+
+        l, g = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": l}
+
+    params = js.mlp_params(8)
+    batches = [js.place(mesh, b) + (jax.random.key(i),) for i, b in enumerate(js.mlp_batches(3, 3, 16))]
+    _run_trees(step, params, tx.init(params), batches, "dear")
+
+
+def test_donated_inputs_are_scheduled_and_verified():
+    mesh, tx = _mesh(), optax.adam(1e-2)
+    params = js.mlp_params(9)
+    step = js.mlp_step(tx, donate=True)
+    batches = [js.place(mesh, b) for b in js.mlp_batches(10, 3, 16)]
+    _run_trees(step, params, tx.init(params), batches, "dear")
+    sched = jaxsched.schedule(step, strategy="dear")
+    report = sched.verify(sched.init(_copy(params), tx.init(params)), batches, steps=3)
+    assert report.ok, str(report)
+
+
+# -- operations that mix examples across the batch ----------------------------------------------
+def test_mixup_roll_sort_top_k_and_cumsum_over_the_batch_are_gathered_exactly():
+    mesh, tx = _mesh(), optax.sgd(0.1)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        mixed = 0.7 * x + 0.3 * jnp.roll(x, 1, axis=0)
+
+        def loss(p):
+            logits = jnp.tanh(mixed @ p["w1"] + p["b1"]) @ p["w2"]
+            per = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+            hardest = jax.lax.top_k(per, 4)[0].mean()
+            return per.mean() + 0.1 * hardest + 0.01 * jnp.cumsum(jnp.sort(per))[-1]
+
+        l, g = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": l}
+
+    params = js.mlp_params(10)
+    batches = [js.place(mesh, b) for b in js.mlp_batches(11, 3, 16)]
+    with pytest.warns(jaxsched.GatherWarning, match=r"test_jit_steps.py:\d+"):
+        sched = _run_trees(step, params, tx.init(params), batches, "dear")
+    gathered = {name for name, _ in sched.program.captured.gathers}
+    assert {"slice", "top_k", "sort"} <= gathered
+
+
+# -- refusals ----------------------------------------------------------------------------------
+def test_sharded_parameters_are_refused_naming_the_leaf_its_spec_and_the_shard_map_form():
+    mesh, tx = _mesh(), optax.sgd(0.1)
+    params = js.mlp_params(0)
+    params["w2"] = jax.device_put(params["w2"], NamedSharding(mesh, P("data", None)))
+    sched = jaxsched.schedule(js.mlp_step(tx), strategy="dear")
+    state = sched.init(params, tx.init(params))
+    with pytest.raises(jaxsched.UnsupportedStepError,
+                       match=r"params\['w2'\] is sharded with P\('data', None\).*shard_map form: "
+                             r"jax.shard_map\(step"):
+        sched(state, js.place(mesh, js.mlp_batches(0, 1, 16)[0]))
+
+
+def test_an_unsharded_batch_on_a_mesh_is_refused():
+    mesh, tx = _mesh(), optax.sgd(0.1)
+    params = js.replicated(mesh, js.mlp_params(0))
+    sched = jaxsched.schedule(js.mlp_step(tx), strategy="wfbp")
+    state = sched.init(params, tx.init(params))
+    with pytest.raises(jaxsched.UnsupportedStepError, match=r"no batch leaf is sharded over the mesh"):
+        sched(state, js.place(mesh, js.mlp_batches(0, 1, 16)[0], P()))
+
+
+def test_a_shard_map_inside_a_jit_step_is_refused_naming_the_line():
+    mesh, tx = _mesh(), optax.sgd(0.1)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        x = jax.shard_map(lambda v: v * 2, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(x)
+        l, g = jax.value_and_grad(js.mlp_loss)(params, x, y)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": l}
+
+    params = js.mlp_params(0)
+    sched = jaxsched.schedule(step, strategy="wfbp")
+    state = sched.init(params, tx.init(params))
+    with pytest.raises(jaxsched.UnsupportedStepError,
+                       match=r"cannot run shard_map at .*test_jit_steps.py:\d+.*mixes jax.jit"):
+        sched(state, js.place(mesh, js.mlp_batches(0, 1, 16)[0]))
+
+
+def test_batches_sharded_over_different_axes_are_refused():
+    mesh, tx = _mesh((2, 4), ("a", "b")), optax.sgd(0.1)
+    params = js.mlp_params(0)
+    x, y = js.mlp_batches(0, 1, 16)[0]
+    sched = jaxsched.schedule(js.mlp_step(tx), strategy="wfbp")
+    state = sched.init(params, tx.init(params))
+    with pytest.raises(jaxsched.UnsupportedStepError, match=r"sharded over \('b',\), other batch"):
+        sched(state, (js.place(mesh, x, P("a")), js.place(mesh, y, P("b"))))
+
+
+# -- over shapes -------------------------------------------------------------------------------
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(devices=st.sampled_from([1, 2, 4, 8]), rows_per_device=st.integers(1, 3),
+       reduce_axis=st.sampled_from([0, 1, None]), seed=st.integers(0, 2 ** 16))
+def test_reductions_over_any_dimension_of_any_batch_size(devices, rows_per_device, reduce_axis, seed):
+    """A loss that reduces the batch over axis 0, axis 1 (features, then the batch) or all
+    at once, with a per-example weight normalised by its global sum."""
+    mesh, tx = _mesh((devices,)), optax.adam(1e-2)
+    rows = devices * rows_per_device
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y, w = batch
+
+        def loss(p):
+            logits = jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+            per = optax.softmax_cross_entropy_with_integer_labels(logits, y) * w
+            if reduce_axis is None:
+                return jnp.sum(per) / jnp.sum(w)
+            grid = (logits * w[:, None]).sum(axis=reduce_axis)
+            return jnp.sum(per) / jnp.sum(w) + 0.01 * jnp.sum(grid ** 2)
+
+        l, g = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": l}
+
+    rng = np.random.default_rng(seed)
+    params = js.mlp_params(seed % 7)
+    batches = [js.place(mesh, (x, y, rng.uniform(0.1, 1.0, rows).astype(np.float32)))
+               for x, y in js.mlp_batches(seed, 2, rows)]
+    _run_trees(step, params, tx.init(params), batches, "dear")
