@@ -121,7 +121,7 @@ def _hierarchical_on_one_axis(_):
     sched(state, batch)
 
 def _jit_with_sharded_params(_):
-    mesh = _mesh()
+    mesh = jax.make_mesh((2,), ("data",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
     rows = jax.NamedSharding(mesh, P("data"))
 
     def step(state, x):  # FSDP written with shardings: the parameter itself is split

@@ -347,16 +347,29 @@ def test_a_state_with_nothing_trained_names_each_leaf():
 
 def test_wrong_arity_states_both_signatures():
     both = r"step\(params, opt_state, batch\) -> \(params, opt_state, aux\) or step\(state, batch\)"
-    with pytest.raises(TypeError, match=r"the step takes 4 positional argument\(s\); .*" + both):
-        jaxsched.schedule(lambda model, optimizer, metrics, batch: None).init(1, 2, 3)
+    with pytest.raises(TypeError, match=r"the step takes 1 positional argument\(s\); .*" + both):
+        jaxsched.schedule(lambda batch: None).init(1)
     state_step = jaxsched.schedule(lambda state, batch: None)
     with pytest.raises(TypeError, match=r"but the step takes \(state, batch\): call sched.init\(state\)"):
         state_step.init(1, 2, 3)
-    trees_step = jaxsched.schedule(lambda params, opt_state, batch: None)
-    with pytest.raises(TypeError, match=r"takes \(params, opt_state, batch\): call sched.init\(params"):
-        trees_step.init(1)
     with pytest.raises(TypeError, match="sched.init got 4 positional argument"):
         jaxsched.schedule(lambda *a: a).init(1, 2, 3, 4)
+
+
+def test_extra_inputs_before_the_batch_are_read_from_the_signature():
+    from jaxsched.state_step import inputs_of
+
+    assert step_form_of(lambda model, optimizer, metrics, batch: None, 3) == "trees"
+    assert step_form_of(lambda train_state, rng, batch: None, 1) == "state"
+    assert inputs_of(lambda train_state, rng, batch: None, 1) == 2
+    assert inputs_of(lambda params, opt_state, rng, batch: None, 2) == 2
+    assert inputs_of(lambda *a: None, 1) is None
+
+
+def step_form_of(step, n_args):
+    from jaxsched.state_step import step_form
+
+    return step_form(step, n_args, False)
 
 
 def test_the_form_is_read_from_the_step_signature_and_else_from_init():

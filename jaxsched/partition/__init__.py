@@ -15,7 +15,7 @@ statistics) stay where they are.
 Example:
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> mesh = jax.make_mesh((2,), ("data",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
     >>> x = jax.device_put(np.ones((4, 3), np.float32), NamedSharding(mesh, P("data")))
     >>> step = jax.jit(lambda w, x: (w - 0.1 * jax.grad(lambda w: jnp.mean(x @ w))(w),))
     >>> closed = jax.make_jaxpr(step)(np.ones((3,), np.float32), x)

@@ -11,12 +11,12 @@ on a one-device mesh.
 Example:
     >>> import jax, numpy as np
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> mesh = jax.make_mesh((2,), ("data",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
     >>> x = jax.device_put(np.ones((4, 3), np.float32), NamedSharding(mesh, P("data")))
     >>> closed = jax.make_jaxpr(lambda w, x: x @ w)(np.ones((3, 2), np.float32), x)
     >>> placed = read_placement(closed, [np.ones((3, 2)), x], ["params/w", "batch[0]"], ["params", "batch"])
     >>> placed.axis_name, placed.specs
-    ('data', (PartitionSpec(), PartitionSpec('data',)))
+    ('data', (P(), P('data',)))
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ track a batched dimension:
   on the whole batch: exact, never a wrong number.
 
 Example:
-    >>> "dot_general" in RULES and "scan" in RULES
+    >>> "dot_general" in RULES and "scan" not in RULES  # loops: control_flow.CONTROL_RULES
     True
 """
 from __future__ import annotations
