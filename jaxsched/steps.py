@@ -2,8 +2,9 @@
 
 ``make_step`` returns ``step(params, opt_state, batch) -> (params, opt_state, aux)``:
 ``jax.value_and_grad`` on the local shard of the batch, ``lax.pmean`` of the gradients
-and metrics over the mesh axis, then an optax update. Every scheduling strategy is
-compared against this step.
+and metrics over the mesh axis, then an optax update. ``make_jit_step`` is the same step
+on global arrays under ``jax.jit``, the batch's sharding telling XLA where to sum. Every
+scheduling strategy is compared against these steps.
 
 Example:
     >>> import jax, optax
@@ -86,6 +87,31 @@ def make_step(apply_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh,
     body = local_step_fn(apply_fn, tx, axis)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis)),
                                  out_specs=(P(), P(), P()), check_vma=False))
+
+
+def global_step_fn(apply_fn: Callable, tx: optax.GradientTransformation) -> Step:
+    """The same step on global arrays, as the JAX sharding tutorial writes it: no collective
+    anywhere; the batch's placement tells XLA (and :mod:`jaxsched.partition`) where to sum."""
+
+    def step(params, opt_state, batch):
+        x, y = batch
+
+        def loss_fn(p):
+            logits = apply_fn(p, x)
+            return cross_entropy(logits, y), logits
+
+        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {"loss": loss, "accuracy": accuracy(logits, y)}
+
+    return step
+
+
+def make_jit_step(apply_fn: Callable, tx: optax.GradientTransformation) -> Step:
+    """The step as ``jax.jit`` on global arrays: parameters replicated, the batch placed with
+    :func:`shard_batch`; XLA's partitioner adds the gradient sums."""
+    return jax.jit(global_step_fn(apply_fn, tx))
 
 
 def make_pmap_step(apply_fn: Callable, tx: optax.GradientTransformation, axis: str = "data",

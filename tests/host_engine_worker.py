@@ -1,4 +1,7 @@
-"""One process of the host-engine test: ``python host_engine_worker.py OUT STRATEGY...``.
+"""One process of the host-engine test: ``python host_engine_worker.py OUT [--jit] STRATEGY...``.
+
+With ``--jit`` the step is the ``jax.jit`` form on global arrays (steps.make_jit_step),
+partitioned per device by jaxsched; otherwise the jitted ``shard_map`` step.
 
 Started by ``jaxsched.launch`` (2 processes, 2 CPU devices each). The mesh takes device 0
 of every process; the host engine runs collectives on device 1. For every strategy, the
@@ -22,6 +25,8 @@ from jaxsched import steps  # noqa: E402
 from equivalence import build, random_batches  # noqa: E402
 
 out, strategies = sys.argv[1], sys.argv[2:]
+jit_form = "--jit" in strategies
+strategies = [s for s in strategies if s != "--jit"]
 rank = jax.process_index()
 devices = [d for d in jax.devices() if d.id == min(e.id for e in jax.devices()
                                                    if e.process_index == d.process_index)]
@@ -29,7 +34,7 @@ mesh = jax.sharding.Mesh(np.array(devices), ("data",))
 sharding = NamedSharding(mesh, P("data"))
 params, apply_fn = build("mlp", 0)
 tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
-step = steps.make_step(apply_fn, tx, mesh)
+step = steps.make_jit_step(apply_fn, tx) if jit_form else steps.make_step(apply_fn, tx, mesh)
 batches = []
 for x, y in random_batches("mlp", 4, 8, 3):
     local = (x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])

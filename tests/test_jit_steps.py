@@ -16,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxsched
 import jit_steps as js
-from equivalence import assert_trees_close
+from toolchains import needs_gpu, needs_tpu
 
 EXACT = {"allreduce": {}, "wfbp": {}, "dear": {}, "approx": {"staleness": 0}}
 
@@ -432,3 +432,119 @@ def test_reductions_over_any_dimension_of_any_batch_size(devices, rows_per_devic
     batches = [js.place(mesh, (x, y, rng.uniform(0.1, 1.0, rows).astype(np.float32)))
                for x, y in js.mlp_batches(seed, 2, rows)]
     _run_trees(step, params, tx.init(params), batches, "dear")
+
+
+# -- everything else works on these steps --------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_the_jit_step_schedules_as_its_shard_map_twin(strategy):
+    """Same model, same optimizer, written both ways: the same buckets, the same gradient
+    reductions, the same numbers, compression included."""
+    from jaxsched import compress, steps
+    from equivalence import build, random_batches
+
+    mesh, tx = _mesh(), optax.adam(1e-2)
+    params, apply_fn = build("mlp", 0)
+    batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", 3, 16, 1)]
+    results = {}
+    for form, step in (("jit", steps.make_jit_step(apply_fn, tx)),
+                       ("shard_map", steps.make_step(apply_fn, tx, mesh))):
+        sched = jaxsched.schedule(step, strategy=strategy, buckets=2000,
+                                  compression=compress.TopK(0.3) if strategy == "wfbp" else None)
+        state = sched.init(_copy(params), tx.init(params))
+        for b in batches:
+            state, aux = sched(state, b)
+        planned = sched.program.planned
+        results[form] = (sched.finalize(state), jax.device_get(aux), len(planned.buckets),
+                         len(planned.analysis.reductions))
+    jit, twin = results["jit"], results["shard_map"]
+    assert jit[2:] == twin[2:]
+    _close(jit[0], twin[0])
+    _close(jit[1], twin[1])
+
+
+def test_checkpoint_round_trip_of_a_jit_step(tmp_path):
+    from jaxsched import checkpoint
+
+    mesh, tx = _mesh(), optax.adam(1e-2)
+    params = js.mlp_params(11)
+    step = js.mlp_step(tx)
+    batches = [js.place(mesh, b) for b in js.mlp_batches(12, 4, 16)]
+    sched = jaxsched.schedule(step, strategy="dear")
+    state = sched.init(_copy(params), tx.init(params))
+    for b in batches[:2]:
+        state, _ = sched(state, b)
+    checkpoint.save(tmp_path / "ckpt", state)
+    for b in batches[2:]:
+        state, _ = sched(state, b)
+    resumed = jaxsched.schedule(step, strategy="dear")
+    target = resumed.init(params, tx.init(params), batches[0])
+    restored = checkpoint.restore(tmp_path / "ckpt", target)
+    for b in batches[2:]:
+        restored, _ = resumed(restored, b)
+    _close(resumed.finalize(restored), sched.finalize(state))
+
+
+def test_auto_strategy_on_a_jit_step_is_exact():
+    mesh, tx = _mesh(), optax.adam(1e-2)
+    params = js.mlp_params(12)
+    batches = [js.place(mesh, b) for b in js.mlp_batches(13, 3, 16)]
+    sched = _run_trees(js.mlp_step(tx), params, tx.init(params), batches, "auto")
+    assert sched.program.strategy.name in ("allreduce", "wfbp", "dear")
+
+
+@needs_gpu
+def test_a_jit_step_lowers_and_inspects_for_a_gpu_cluster_ahead_of_time():
+    from jaxsched.aot.experiment import ModelSpec, abstract_experiment
+    from jaxsched.config import OptimizerConfig
+
+    spec = ModelSpec("mlp", (256,), 10, {"hidden": (256,) * 3}, 64,
+                     OptimizerConfig(name="momentum", learning_rate=0.1))
+    exp = abstract_experiment(spec, target="h100:1x2x4", form="jit")
+    sched = jaxsched.schedule(exp.step, strategy="wfbp", buckets=256 * 257 * 4)  # a layer each
+    state = sched.init(exp.params, exp.opt_state)
+    assert "stablehlo" in sched.lower(state, exp.batch).as_text()
+    inspection = sched.inspect(state, exp.batch)
+    grads = [w for w in inspection.report.collectives if w.kind == "all-reduce" and w.bytes >= 256 * 256 * 4]
+    assert len(grads) >= 3, inspection.report.collectives
+    assert sum(w.is_async and w.compute_flops > 0 for w in grads) >= 2  # backward in their windows
+    assert inspection.baseline.step_s is not None and inspection.report.step_s is not None
+
+
+@needs_tpu
+@pytest.mark.slow
+def test_a_jit_step_inspects_for_a_tpu_pod_ahead_of_time():
+    from jaxsched.aot.experiment import ModelSpec, abstract_experiment
+    from jaxsched.config import OptimizerConfig
+
+    spec = ModelSpec("mlp", (256,), 10, {"hidden": (256,) * 2}, 16,
+                     OptimizerConfig(name="momentum", learning_rate=0.1))
+    exp = abstract_experiment(spec, target="v5p:2x2x2", form="jit")
+    sched = jaxsched.schedule(exp.step, strategy="dear")
+    inspection = sched.inspect(sched.init(exp.params, exp.opt_state), exp.batch)
+    kinds = {w.kind for w in inspection.report.collectives}
+    assert "all-gather" in kinds or any("gather" in k for k in kinds), kinds
+
+
+@pytest.mark.slow
+def test_a_jit_step_on_the_host_engine_across_two_processes(tmp_path):
+    """`jaxsched launch`'s set-up: two processes, the host engine staging the partitioned step."""
+    import io
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from jaxsched import launch as launch_lib
+
+    here = Path(__file__).parent
+    env = {"PYTHONPATH": f"{here}{os.pathsep}{here.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "JAX_PLATFORMS": "cpu"}
+    out, log = tmp_path / "report.json", io.StringIO()
+    code = launch_lib.launch(2, [sys.executable, str(here / "host_engine_worker.py"), str(out),
+                                 "--jit", "wfbp", "dear"],
+                             env=env, stdout=log, stderr=log, timeout_s=240, grace_s=2)
+    assert code == 0, log.getvalue()[-4000:]
+    report = json.loads(out.read_text())
+    for strategy in ("wfbp", "dear"):
+        assert report[strategy]["params_rel_gap"] < 1e-5, (strategy, report[strategy])
+        assert report[f"{strategy}_stages"].count("comm") >= 1

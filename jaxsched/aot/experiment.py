@@ -68,7 +68,8 @@ class AbstractExperiment:
     """What ``schedule(...).inspect`` needs, without data.
 
     Attributes:
-      step: the reference jitted ``shard_map`` step (:func:`jaxsched.steps.make_step`).
+      step: the reference step: a jitted ``shard_map`` (:func:`jaxsched.steps.make_step`) or
+        ``jax.jit`` on global arrays (:func:`jaxsched.steps.make_jit_step`).
       params, opt_state, batch: ``jax.ShapeDtypeStruct`` trees with shardings on ``mesh``.
       mesh: the mesh over compile-only (or real) devices, axis ``"data"``.
       description: model, size and batch, for reports.
@@ -110,11 +111,15 @@ def mesh_for(target: str, axis: str | tuple[str, str] = "data") -> Mesh:
     return Mesh(devices.reshape(outer, -1), tuple(axis))
 
 
-def abstract_experiment(spec: ModelSpec, *, target: str | None = None, mesh: Mesh | None = None
-                        ) -> AbstractExperiment:
-    """The step of ``spec`` on ``mesh`` (or the compile-only mesh of ``target``), abstract."""
+def abstract_experiment(spec: ModelSpec, *, target: str | None = None, mesh: Mesh | None = None,
+                        form: str = "shard_map") -> AbstractExperiment:
+    """The step of ``spec`` on ``mesh`` (or the compile-only mesh of ``target``), abstract;
+    ``form="jit"`` writes it as ``jax.jit`` on global arrays (:func:`jaxsched.steps.make_jit_step`)
+    rather than as a ``shard_map``."""
     if (target is None) == (mesh is None):
         raise ValueError("pass target= (e.g. 'h100:1x2x4') or mesh=, exactly one")
+    if form not in ("shard_map", "jit"):
+        raise ValueError(f"form={form!r}; choose 'shard_map' or 'jit'")
     mesh = mesh if mesh is not None else mesh_for(target)
     axis = _mesh_axis(mesh)
     model = nnx.eval_shape(lambda: models.build(spec.name, spec.input_shape, spec.num_outputs,
@@ -136,8 +141,8 @@ def abstract_experiment(spec: ModelSpec, *, target: str | None = None, mesh: Mes
     size = sum(math.prod(a.shape) for a in jax.tree.leaves(params))
     description = (f"{spec.name} {size / 1e6:.1f}M params, {spec.batch_per_device} examples per "
                    f"device, {spec.optimizer.name}")
-    return AbstractExperiment(steps.make_step(apply_fn, tx, mesh, axis), params, opt_state, batch,
-                              mesh, description)
+    step = steps.make_jit_step(apply_fn, tx) if form == "jit" else steps.make_step(apply_fn, tx, mesh, axis)
+    return AbstractExperiment(step, params, opt_state, batch, mesh, description)
 
 
 def from_config(cfg: Config, *, target: str) -> AbstractExperiment:
