@@ -3,11 +3,13 @@
     python examples/trainstate_digits.py --model cnn --strategy dear --steps 200
     jaxsched launch --hosts 2 --cpu-devices 2 -- python examples/trainstate_digits.py --steps 100
 
-The step is the Flax one: ``flax.training.train_state.TrainState`` carries the parameters,
-the optimizer state and the step counter; inside ``jax.shard_map`` the gradients of the
-local shard are ``lax.pmean``'ed and ``state.apply_gradients`` updates it. It returns
-``(state, metrics)``; ``jaxsched.schedule`` takes it as it is (``jaxsched.state_step``
-finds the trained leaves: ``state.params``). Options, checkpoints, metrics and Ctrl-C live
+The step is the Flax one, written the way the JAX sharding tutorial writes data
+parallelism: ``jax.jit`` on global arrays, the batch placed with ``NamedSharding(mesh,
+P("data"))``, no collective in sight. ``flax.training.train_state.TrainState`` carries the
+parameters, the optimizer state and the step counter, and ``state.apply_gradients`` updates
+it. It returns ``(state, metrics)``; ``jaxsched.schedule`` takes it as it is: it partitions
+the step per device (``jaxsched.partition``) and finds the trained leaves
+(``state.params``). Options, checkpoints, metrics and Ctrl-C live
 in ``_common.py``; ``--help`` lists every option with its default.
 """
 import sys  # no `from __future__ import annotations`: linen's dataclasses read the annotations
@@ -68,8 +70,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     import jax
     import numpy as np
     from flax.training.train_state import TrainState
-    from jax import lax
-    from jax.sharding import PartitionSpec as P
 
     import jaxsched
     from jaxsched import data, steps
@@ -81,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               tx=steps.make_optimizer(cfg.optimizer))
     _common.check_buckets(opts.args.buckets, {"params": state.params})  # paths: params/...
 
-    def train_step(state, batch):  # the Flax step you already have
+    @jax.jit
+    def train_step(state, batch):  # the Flax step you already have, on the global batch
         x, y = batch
 
         def loss_fn(params):
@@ -89,12 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return steps.cross_entropy(logits, y), logits
 
         (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        state = state.apply_gradients(grads=lax.pmean(grads, "data"))
-        metrics = {"loss": loss, "accuracy": steps.accuracy(logits, y)}
-        return state, lax.pmean(metrics, "data")
-
-    train_step = jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), P("data")),
-                                       out_specs=(P(), P()), check_vma=False))
+        state = state.apply_gradients(grads=grads)
+        return state, {"loss": loss, "accuracy": steps.accuracy(logits, y)}
     sched = jaxsched.schedule(train_step, strategy=opts.args.strategy,
                               buckets=opts.args.buckets, engine=opts.args.engine,
                               compression=opts.args.compression)
