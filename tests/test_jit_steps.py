@@ -309,7 +309,35 @@ def test_random_draws_have_the_bits_of_the_plain_step():
 
     params = js.mlp_params(8)
     batches = [js.place(mesh, b) + (jax.random.key(i),) for i, b in enumerate(js.mlp_batches(3, 3, 16))]
-    _run_trees(step, params, tx.init(params), batches, "dear")
+    sched = _run_trees(step, params, tx.init(params), batches, "dear")
+    # each device hashes only its block's counters (2 of the 16 rows), as XLA's partitioner does
+    hashes = [e for e in sched.program.captured.body.eqns if e.primitive.name == "threefry2x32"]
+    assert hashes and all(e.outvars[0].aval.shape == (2, 16) for e in hashes)
+
+
+def test_positions_along_the_batch_are_this_blocks_positions():
+    mesh, tx = _mesh(), optax.sgd(0.1)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        weight = 1.0 + jnp.arange(x.shape[0], dtype=jnp.float32) / x.shape[0]  # iota over the batch
+
+        def loss(p):
+            logits = jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+            per = weight * optax.softmax_cross_entropy_with_integer_labels(logits, y)
+            return jnp.mean(per), per
+
+        (l, per), g = jax.value_and_grad(loss, has_aux=True)(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": l, "per_example": per}
+
+    params = js.mlp_params(13)
+    batches = [js.place(mesh, b) for b in js.mlp_batches(14, 2, 16)]
+    sched = _run_trees(step, params, tx.init(params), batches, "wfbp")
+    assert sched.program.planned.aux_specs == (P(), P("data"))  # the per-example aux stays split
+    iotas = [e for e in sched.program.captured.body.eqns if e.primitive.name == "iota"]
+    assert iotas and all(e.outvars[0].aval.shape == (2,) for e in iotas)  # this block's positions
 
 
 def test_donated_inputs_are_scheduled_and_verified():

@@ -33,6 +33,7 @@ import jax
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxsched import replay
 from jaxsched.partition.interpreter import GatherWarning, Partitioner, PartitionError
 from jaxsched.partition.kinds import AxisContext, Kind, REPLICATED
 from jaxsched.partition.placement import Placement, PlacementError, read_placement
@@ -75,6 +76,7 @@ def partition(closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequen
     out replicated; the others (aux) as the step computes them: replicated, or blocks of
     the batch."""
     placement = read_placement(closed, leaves, names, roles)
+    closed = _inlined(closed, placement)
     ctx = AxisContext(placement.axis_name, placement.axis_size)
     partitioner = Partitioner(ctx)
     jaxpr = closed.jaxpr
@@ -102,6 +104,33 @@ def partition(closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequen
     consts += tuple(hoisted)
     in_specs += (P(),) * len(hoisted)
     return Partitioned(body, placement, consts, in_specs, out_specs, tuple(partitioner.gathers))
+
+
+def _inlined(closed, placement: Placement):
+    """``closed`` with its ``jit`` and custom-derivative calls inlined (re-traced as one
+    jaxpr), so that planning sees across them: a dropout mask drawn inside
+    ``jax.random.bernoulli``'s own ``jit`` is read by the layer outside it, and only then can
+    the draw be planned as this device's block."""
+    mesh = placement.mesh
+    args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))
+            for v, spec in zip(closed.jaxpr.invars, placement.specs)]
+    inlined = jax.make_jaxpr(lambda *a: replay.eval_inline(closed.jaxpr, closed.consts, a))(*args)
+    return inlined.replace(jaxpr=_without_dead_code(inlined.jaxpr))
+
+
+def _without_dead_code(jaxpr):
+    """``jaxpr`` without equations whose results nothing reads (and that have no effects).
+
+    Autodiff leaves some (the cotangent of a value nothing depends on); XLA removes them
+    after compiling, but planning would take their demands for real: a dead equation that
+    reads a whole value keeps its producer from computing just a block."""
+    live = {x for x in jaxpr.outvars if isinstance(x, jex_core.Var)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(o in live for o in eqn.outvars):
+            kept.append(eqn)
+            live.update(x for x in eqn.invars if isinstance(x, jex_core.Var))
+    return jaxpr.replace(eqns=kept[::-1])
 
 
 def _body_of(traced, num_args: int) -> tuple[Any, list]:

@@ -83,6 +83,7 @@ class Partitioner:
         self.gathers: list[tuple[str, str]] = []
         self.zeros: set = set()
         self.callers: list = []  # the call equations being planned, outermost first
+        self.trying = False  # planning hypothetically (narrowing): record nothing
 
     # -- planning ---------------------------------------------------------------------------
     def plan(self, jaxpr, in_kinds: Sequence[Kind], out_kinds: Sequence[Kind] | None = None
@@ -113,8 +114,51 @@ class Partitioner:
             self._track_zeros(eqn)
             plans.append(plan)
         natural = tuple(self.kind_of(kinds, x) for x in jaxpr.outvars)
-        return JaxprPlan(jaxpr, tuple(in_kinds), tuple(out_kinds) if out_kinds is not None else natural,
-                         plans, kinds)
+        out_kinds = tuple(out_kinds) if out_kinds is not None else natural
+        self._narrow(jaxpr, plans, kinds, out_kinds)
+        return JaxprPlan(jaxpr, tuple(in_kinds), out_kinds, plans, kinds)
+
+    def _narrow(self, jaxpr, plans: list, kinds: dict, out_kinds: Sequence[Kind]) -> None:
+        """Compute blocks, not whole values, where only blocks are read.
+
+        A value computed from replicated inputs alone (a dropout mask drawn from one key, an
+        iota, a broadcast constant) is whole on every device, and a rule that meets it beside
+        a batch block slices it. When every reader wants the same block, the producer is
+        planned to compute just that block (:data:`~jaxsched.partition.rules.NARROW`), as XLA's
+        partitioner would: one pass from the outputs back."""
+        from jaxsched.partition.rules import narrow_rule_for
+
+        wants: dict = {}
+
+        def want(x: Any, kind: Kind, count: int) -> None:
+            if isinstance(x, jex_core.Var):
+                tally = wants.setdefault(x, {})
+                tally[kind] = tally.get(kind, 0) + count
+
+        for eqn, plan in zip(jaxpr.eqns, plans):
+            for x, k in zip(eqn.invars, plan.inputs):
+                want(x, k, 1)
+        for x, k in zip(jaxpr.outvars, out_kinds):
+            want(x, k, 1)
+        for index in range(len(plans) - 1, -1, -1):
+            eqn, plan = jaxpr.eqns[index], plans[index]
+            if len(eqn.outvars) != 1 or not all(k.is_replicated for k in plan.inputs + plan.outputs):
+                continue
+            tally = {k: n for k, n in wants.get(eqn.outvars[0], {}).items() if n}
+            if len(tally) != 1:
+                continue
+            (wanted,) = tally
+            rule = narrow_rule_for(eqn)
+            if wanted.dim is None or wanted.partial or rule is None:
+                continue
+            narrowed = rule(self, eqn, wanted.dim)
+            if narrowed is None:
+                continue
+            plans[index] = narrowed
+            kinds[eqn.outvars[0]] = wanted
+            for x, old, new in zip(eqn.invars, plan.inputs, narrowed.inputs):
+                want(x, old, -1)
+                want(x, new, 1)
 
     @staticmethod
     def kind_of(kinds: dict, x: Any) -> Kind:
@@ -148,6 +192,8 @@ class Partitioner:
 
     def gathered(self, eqn, why: str) -> None:
         """Record (and warn once about) an operation that gathers the batch."""
+        if self.trying:
+            return
         key = (eqn.primitive.name, self.where(eqn))
         if key in self.gathers:
             return

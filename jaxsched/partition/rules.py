@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxsched.partition.interpreter import EqnPlan, Partitioner
@@ -691,6 +692,131 @@ RULES.update({
         "step as one jax.shard_map over the mesh (the form jaxsched schedules as written), or "
         "leave the inner shard_map out"),
 })
+
+
+# -- narrowing: replicated producers that compute only the block their readers want -----------
+NarrowRule = Callable[[Partitioner, Any, int], "EqnPlan | None"]
+
+#: Elementwise primitives whose operands and result share a shape (random keys do not).
+NARROWABLE_ELEMENTWISE = ELEMENTWISE - {"threefry2x32", "random_fold_in", "random_wrap",
+                                        "random_unwrap", "random_split", "random_bits",
+                                        "random_seed", "random_clone"}
+
+
+def _narrow_elementwise(p: Partitioner, eqn, d: int) -> EqnPlan | None:
+    out_shape = _shape(eqn.outvars[0])
+    if not p.ctx.can_shard(out_shape, d):
+        return None
+    wanted = [sharded(d) if len(_shape(x)) == len(out_shape) and _shape(x)[d] == out_shape[d]
+              else REPLICATED for x in eqn.invars]
+    return _plan(eqn, wanted, [sharded(d)])
+
+
+def _narrow_bitcast(p: Partitioner, eqn, d: int) -> EqnPlan | None:
+    if _shape(eqn.invars[0]) != _shape(eqn.outvars[0]):
+        return None
+    return _narrow_elementwise(p, eqn, d)
+
+
+def _narrow_broadcast(p: Partitioner, eqn, d: int) -> EqnPlan | None:
+    shape = tuple(eqn.params["shape"])
+    if len(eqn.invars) != 1 or not p.ctx.can_shard(shape, d):
+        return None
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    operand = REPLICATED
+    if d in dims and _shape(eqn.invars[0])[dims.index(d)] == shape[d]:
+        operand = sharded(dims.index(d))
+    local = local_shape(shape, sharded(d), p.ctx.axis_size)
+    return _plan(eqn, [operand], [sharded(d)], lambda v: bind_local(eqn, v, shape=local))
+
+
+def _narrow_iota(p: Partitioner, eqn, d: int) -> EqnPlan | None:
+    shape = tuple(eqn.params["shape"])
+    if not p.ctx.can_shard(shape, d):
+        return None
+    local = local_shape(shape, sharded(d), p.ctx.axis_size)
+    along = eqn.params["dimension"] == d
+
+    def emit(values: list) -> list:
+        (out,) = bind_local(eqn, values, shape=local)
+        if along:  # this block's positions along d start at its offset
+            out = out + (p.ctx.index() * local[d]).astype(out.dtype)
+        return [out]
+
+    return _plan(eqn, [], [sharded(d)], emit)
+
+
+def _narrow_random_bits(p: Partitioner, eqn, d: int) -> EqnPlan | None:
+    """One key's bits for this device's block, by the counter layout of JAX's partitionable
+    threefry (``jax_threefry_partitionable``): the element at global linear index ``n`` is
+    hashed from counter ``n``, so a block hashes its own counters, as XLA's partitioner does."""
+    import jax
+    from jax.extend.random import threefry2x32_p
+
+    key = eqn.invars[0].aval
+    shape = tuple(eqn.params["shape"])
+    bit_width = eqn.params["bit_width"]
+    if (key.shape != () or not jax.config.jax_threefry_partitionable
+            or not p.ctx.can_shard(shape, d) or bit_width not in (8, 16, 32, 64)
+            or int(np.prod(shape)) >= 2 ** 32):
+        return None
+    if getattr(getattr(key.dtype, "_impl", None), "name", None) != "threefry2x32":
+        return None  # another PRNG (rbg): its bits do not follow this counter layout
+    local = local_shape(shape, sharded(d), p.ctx.axis_size)
+    strides = [int(np.prod(shape[k + 1:])) for k in range(len(shape))]
+
+    def emit(values: list) -> list:
+        data = jax.random.key_data(values[0])
+        counts = jnp.zeros(local, jnp.uint32)
+        for k, stride in enumerate(strides):
+            counts = counts + lax.broadcasted_iota(jnp.uint32, local, k) * jnp.uint32(stride)
+        counts = counts + (p.ctx.index() * local[d] * strides[d]).astype(jnp.uint32)
+        bits1, bits2 = threefry2x32_p.bind(data[0], data[1], jnp.zeros(local, jnp.uint32), counts)
+        if bit_width == 64:
+            wide = jnp.uint64
+            return [lax.shift_left(bits1.astype(wide), wide(32)) | bits2.astype(wide)]
+        out = bits1 ^ bits2
+        return [out if bit_width == 32 else out.astype({8: jnp.uint8, 16: jnp.uint16}[bit_width])]
+
+    return _plan(eqn, [REPLICATED], [sharded(d)], emit)
+
+
+NARROW: dict[str, NarrowRule] = {name: _narrow_elementwise for name in NARROWABLE_ELEMENTWISE}
+NARROW.update({"bitcast_convert_type": _narrow_bitcast, "broadcast_in_dim": _narrow_broadcast,
+               "iota": _narrow_iota, "random_bits": _narrow_random_bits})
+
+
+def _narrow_by_search(p: Partitioner, eqn, d: int) -> EqnPlan | None:
+    """The plan of ``eqn``'s own rule for some operand held as a block, if that plan yields
+    block ``d`` of the result: a scatter's or a reshape's inverse, found by asking forward."""
+    rule = RULES[eqn.primitive.name]
+    n = len(eqn.invars)
+    p.trying = True
+    try:
+        for i, x in enumerate(eqn.invars):
+            shape = _shape(x)
+            for e in range(len(shape)):
+                if not p.ctx.can_shard(shape, e):
+                    continue
+                kinds = [REPLICATED] * n
+                kinds[i] = sharded(e)
+                plan = rule(p, eqn, kinds, [False] * n)
+                if plan.outputs == (sharded(d),) and not any(k.partial for k in plan.inputs):
+                    return plan
+    finally:
+        p.trying = False
+    return None
+
+
+def narrow_rule_for(eqn) -> NarrowRule | None:
+    """How ``eqn`` computes only a block of its result (None: it cannot)."""
+    name = eqn.primitive.name
+    if name in NARROW:
+        return NARROW[name]
+    if name in RULES and RULES[name] not in (identity_rule,) and \
+            name not in ELEMENTWISE - NARROWABLE_ELEMENTWISE and name != "shard_map":
+        return _narrow_by_search
+    return None
 
 
 def rule_for(eqn) -> Rule:
