@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -100,10 +101,14 @@ class CapturedStep:
 
     def body_input(self, role: str, index: int) -> int:
         """Position of the body invar fed by leaf ``index`` of ``role``, or -1."""
+        return self._positions.get((role, index), -1)
+
+    @functools.cached_property
+    def _positions(self) -> dict:
+        positions: dict = {}
         for i, src in enumerate(self.sources):
-            if src.role == role and src.index == index:
-                return i
-        return -1
+            positions.setdefault((src.role, src.index), i)
+        return positions
 
 
 def _sub_jaxpr(eqn) -> tuple[Any, tuple]:

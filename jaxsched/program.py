@@ -57,6 +57,7 @@ class Program:
             planned.bucket_bytes, dict(strategy.compiler_overrides), rewritten.global_body)
         self.engine = engine.resolve(self.per_device)
         self.core = self.engine.compile(self.per_device)
+        self._returned: NamedTuple | None = None  # the state the last run returned
 
     # what users and tests inspect ----------------------------------------------------------
     @property
@@ -100,14 +101,16 @@ class Program:
                                                          strict=True)])
 
     def run(self, state: NamedTuple, batch: Any) -> tuple[NamedTuple, Any]:
-        if is_abstract(state) or is_abstract(batch):
-            raise TypeError("the state or batch is abstract (jax.ShapeDtypeStruct leaves): it can "
-                            "be lowered, compiled and inspected (sched.lower, sched.inspect), not "
-                            "run; pass arrays to run a step")
-        state = self.convert(state)
+        if state is not self._returned:  # a state this program returned is in place already
+            if is_abstract(state) or is_abstract(batch):
+                raise TypeError("the state or batch is abstract (jax.ShapeDtypeStruct leaves): it "
+                                "can be lowered, compiled and inspected (sched.lower, "
+                                "sched.inspect), not run; pass arrays to run a step")
+            state = self.convert(state)
         leaves, treedef = jax.tree.flatten(state)
         outs = self.core(*self._inputs(state, batch))
         new_state = jax.tree.unflatten(treedef, outs[:len(leaves)])
+        self._returned = new_state
         return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[len(leaves):])
 
     def finalize(self, state: NamedTuple) -> tuple[Any, Any]:

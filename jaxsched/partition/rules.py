@@ -175,19 +175,16 @@ def elementwise_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
 
 # -- shape operations ---------------------------------------------------------------------
 def broadcast_in_dim_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
-    (k, *rest) = kinds
+    k = kinds[0]
     shape = tuple(eqn.params["shape"])
     dims = tuple(eqn.params["broadcast_dimensions"])
-    extra = [REPLICATED] * len(rest)
-    if k.partial and single[0] and not rest:
-        return _plan(eqn, [PARTIAL], [PARTIAL])
-    if k.dim is not None and not rest:
+    if len(kinds) == 1 and k.partial and single[0]:
+        return _plan(eqn, [PARTIAL], [PARTIAL])  # a broadcast of a sum is the sum of broadcasts
+    if len(kinds) == 1 and k.dim is not None and _shape(eqn.invars[0])[k.dim] == shape[dims[k.dim]]:
         e = dims[k.dim]
-        if _shape(eqn.invars[0])[k.dim] == shape[e]:
-            local = local_shape(shape, sharded(e), p.ctx.axis_size)
-            return _plan(eqn, [k], [sharded(e)], lambda v: bind_local(eqn, v, shape=local))
-    return replicated_rule(p, eqn, kinds, single) if extra or k.dim is not None or k.partial \
-        else _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED])
+        local = local_shape(shape, sharded(e), p.ctx.axis_size)
+        return _plan(eqn, [k], [sharded(e)], lambda v: bind_local(eqn, v, shape=local))
+    return replicated_rule(p, eqn, kinds, single)
 
 
 def reshaped_dim(in_shape: Sequence[int], out_shape: Sequence[int], d: int, axis_size: int) -> int | None:
