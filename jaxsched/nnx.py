@@ -133,6 +133,7 @@ class NNXScheduled:
         self.schedule_options = schedule_options
         Scheduled(train_step, strategy, **schedule_options)  # validates options now, not later
         self._session: _Session | None = None
+        self._num_inputs: int | None = None  # arguments after the objects (the batch's parts)
 
     # -- public API -----------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
@@ -204,17 +205,31 @@ class NNXScheduled:
         return session, session.scheduled.init(*session.layout.pure(params, rest)), batch
 
     def _split_args(self, args: tuple, what: str) -> tuple[tuple, Any]:
-        if len(args) < 2:
-            raise TypeError(f"the scheduled NNX step takes (model, optimizer, ..., batch); the "
-                            f"{what} got {len(args)} argument(s)")
-        *nodes, batch = args
-        for i, node in enumerate(nodes):
-            if not graphlib.is_graph_node(node):
-                raise TypeError(f"argument {i} of the scheduled NNX step is a "
-                                f"{type(node).__name__}, not an NNX object (nnx.Module, "
-                                "nnx.Optimizer, ...); the step must be train_step(model, "
-                                "optimizer, batch) with the batch last")
-        return tuple(nodes), batch
+        """The leading NNX objects, and the inputs after them as one batch pytree (one input
+        as it is; several, as the Flax guide's ``train_step(model, optimizer, x, y)``, as a
+        tuple)."""
+        count = 0
+        while count < len(args) and graphlib.is_graph_node(args[count]):
+            count += 1
+        nodes, inputs = tuple(args[:count]), tuple(args[count:])
+        if not nodes and args:
+            raise TypeError(f"argument 0 of the scheduled NNX step is a {type(args[0]).__name__}, "
+                            "not an NNX object (nnx.Module, nnx.Optimizer, ...); the step takes "
+                            "(model, optimizer, ..., batch): the objects first, then the batch")
+        if not nodes or not inputs:
+            raise TypeError(f"the scheduled NNX step takes (model, optimizer, ..., batch): NNX "
+                            f"objects first (nnx.Module, nnx.Optimizer), then the batch; the "
+                            f"{what} got {len(nodes)} NNX object(s) and {len(inputs)} other "
+                            "argument(s)")
+        for i, arg in enumerate(inputs):
+            if graphlib.is_graph_node(arg):
+                raise TypeError(f"argument {count + i} of the scheduled NNX step is an NNX object "
+                                "after the batch's inputs; pass the objects first")
+        if self._num_inputs not in (None, len(inputs)):
+            raise TypeError(f"the scheduled NNX step was called with {self._num_inputs} input(s) "
+                            f"after the objects before; the {what} got {len(inputs)}")
+        self._num_inputs = len(inputs)
+        return nodes, inputs[0] if len(inputs) == 1 else inputs
 
     def _session_for(self, graphdef: Any, params: Any, rest: Any) -> _Session:
         if self._session is not None and self._session.layout.graphdef == graphdef:
@@ -233,7 +248,8 @@ class NNXScheduled:
 
         def pure_step(params: dict, rest: dict, batch: Any):
             nodes = nnx.merge(layout.graphdef, *layout.states(params, rest))
-            aux = train_step(*nodes, batch)
+            inputs = batch if self._num_inputs > 1 else (batch,)
+            aux = train_step(*nodes, *inputs)
             _, new_params, new_rest = nnx.split(nodes, nnx.Param, ...)
             return (*layout.pure(new_params, new_rest), aux)
 

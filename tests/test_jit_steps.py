@@ -179,8 +179,8 @@ def test_nnx_step_as_the_flax_guide_writes_it(strategy):
     mesh = _mesh(explicit=True)  # jax.make_mesh's default axis type
 
     @nnx.jit
-    def train_step(model, optimizer, batch):
-        x, y = batch
+    def train_step(model, optimizer, x, y):
+        x = jax.sharding.reshard(x, P("data"))
 
         def loss_fn(m):
             return optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
@@ -194,9 +194,9 @@ def test_nnx_step_as_the_flax_guide_writes_it(strategy):
         model, optimizer = _nnx_model()
         sched_model, sched_optimizer = _nnx_model()
         sched = jaxsched.nnx.schedule(train_step, strategy=strategy)
-        for b in batches:
-            loss = train_step(model, optimizer, b)
-            sched_loss = sched(sched_model, sched_optimizer, b)
+        for x, y in batches:
+            loss = train_step(model, optimizer, x, y)
+            sched_loss = sched(sched_model, sched_optimizer, x, y)
             np.testing.assert_allclose(float(sched_loss), float(loss), rtol=1e-5)
         sched.finalize(sched_model, sched_optimizer)
     _close(nnx.state(sched_model, nnx.Param), nnx.state(model, nnx.Param))
