@@ -186,11 +186,15 @@ def read_placement(closed, leaves: Sequence[Any], names: Sequence[str], roles: S
     axis_name: AxisName = data[0] if len(data) == 1 else data
     size = axis_size(mesh, axis_name)
     kinds, final_specs = [], []
-    for leaf, role, spec in zip(leaves, roles, specs):
+    for name, leaf, role, spec in zip(names, leaves, roles, specs):
         dims = _sharded_dims(spec)
         shape = np.shape(leaf)
         if role == "batch" and dims:
-            kinds.append(sharded(dims[0][0]))
+            d = dims[0][0]
+            if len(shape) <= d or shape[d] % size:
+                raise PlacementError(f"{name} has shape {tuple(shape)}, whose dimension {d} does not "
+                                     f"split evenly over the {size} devices of {axis_name!r}")
+            kinds.append(sharded(d))
             final_specs.append(spec)
         elif role == "batch" and size == 1 and len(shape) >= 1:
             kinds.append(sharded(0))  # one device: a block is the whole leaf
