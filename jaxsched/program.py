@@ -35,6 +35,36 @@ def abstract_signature(tree: Any) -> Hashable:
     return treedef, tuple(leaf_key(x) for x in leaves)
 
 
+def leaf_dtype(x: Any) -> Any:
+    """The dtype ``x`` has in a traced program (a Python scalar's canonical dtype)."""
+    return x.dtype if hasattr(x, "dtype") else jax.dtypes.canonicalize_dtype(np.result_type(x))
+
+
+def retyped(template: Any, state: Any) -> Any:
+    """``template`` (the state's trees as first traced) with the dtypes ``state``'s leaves
+    have now, or ``template`` itself when none differs.
+
+    A step may return a leaf in another dtype than it took (adam's ``mu_dtype=bfloat16``
+    on a float32 optimizer state): the next call is a program for the new dtypes, as
+    ``jax.jit`` traces again, never the old program with its outputs cast back. Shapes
+    stay the template's, since a strategy may hold a leaf in its own layout (``dear``'s
+    flat shards) whose dtype, not shape, is the user's.
+    """
+    leaves, treedef = jax.tree.flatten(template)
+    now = jax.tree.leaves(state)
+    if len(now) != len(leaves) or all(leaf_dtype(a) == leaf_dtype(b) for a, b in zip(leaves, now)):
+        return template
+    from jaxsched.capture import abstract_leaf
+
+    def retype(old: Any, new: Any) -> Any:
+        if leaf_dtype(old) == leaf_dtype(new):
+            return old
+        old = abstract_leaf(old)
+        return jax.ShapeDtypeStruct(old.shape, leaf_dtype(new), sharding=old.sharding)
+
+    return jax.tree.unflatten(treedef, [retype(a, b) for a, b in zip(leaves, now)])
+
+
 class Program:
     """A compiled scheduled step and the conversions of its state.
 
@@ -155,18 +185,21 @@ def simulated_compression(strategy: Strategy) -> Any:
 
 
 class ProgramCache:
-    """One program per abstract signature of the batch (the state's is fixed per schedule)."""
+    """One program per abstract signature of the batch and dtypes of the state: the
+    state's shapes are fixed per schedule, its dtypes are not (:func:`retyped`)."""
 
-    def __init__(self, build: Callable[[Any], Program]):
+    def __init__(self, build: Callable[[Any, Any], Program]):
         self._build = build
         self._programs: dict[Hashable, Program] = {}
         self.last: Program | None = None
 
-    def get(self, batch: Any) -> Program:
-        key = abstract_signature(batch)
+    def get(self, batch: Any, template: Any = None) -> Program:
+        """The program for ``batch`` and a state like ``template`` (``(params, opt_state)``)."""
+        key = (abstract_signature(batch),
+               tuple(str(leaf_dtype(x)) for x in jax.tree.leaves(template)))
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = self._build(batch)
+            program = self._programs[key] = self._build(batch, template)
         self.last = program
         return program
 

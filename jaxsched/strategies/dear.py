@@ -262,19 +262,22 @@ class Dear(Strategy):
 
             outs = [read_post(body.outvars[k]) for k in cap.outputs]
             new_params, new_opt, aux = outs[:n_p], outs[n_p:n_p + n_o], outs[n_p + n_o:]
+            # every state leaf leaves in the dtype the user's step gives it (which may
+            # differ from its input's: the next call then gets a program for it)
+            out_dtype = [body.outvars[k].aval.dtype for k in cap.outputs[:n_p + n_o]]
             results = []
             for i in range(n_p):
                 if not lay.param_sharded[i]:
                     results.append(ctx.to_full(new_params[i]))
                     continue
                 chunk = ctx.to_chunk(new_params[i], param_invar[i].aval.shape)
-                results.append(jnp.broadcast_to(chunk, param_chunks[i].shape).astype(param_chunks[i].dtype))
+                results.append(jnp.broadcast_to(chunk, param_chunks[i].shape).astype(out_dtype[i]))
             for j, value in enumerate(new_opt):
                 if lay.opt_sharded[j]:
                     chunk = ctx.to_chunk(value, opt_invar[j].aval.shape)
-                    results.append(jnp.broadcast_to(chunk, opt_values[j].shape).astype(opt_invar[j].aval.dtype))
+                    results.append(jnp.broadcast_to(chunk, opt_values[j].shape).astype(out_dtype[n_p + j]))
                 else:
-                    results.append(_as_dtype(ctx.to_full(value), opt_invar[j].aval.dtype))
+                    results.append(_as_dtype(ctx.to_full(value), out_dtype[n_p + j]))
             results += self.stacked_collective_leaves(tuple(carried))
             results += [ctx.to_full(a) for a in aux]
             return results
