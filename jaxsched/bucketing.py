@@ -60,7 +60,7 @@ def match_reductions(analysis: Analysis) -> list[int | None]:
         k = cap.body_input("params", i)
         aval = cap.body.invars[k].aval if k >= 0 else None
         trainable = aval is not None and is_float(aval.dtype)  # keys, counters: never matched
-        shapes.append((tuple(aval.shape), aval.dtype) if trainable else None)
+        shapes.append((_gradient_shape(cap, k, aval), aval.dtype) if trainable else None)
     reds = analysis.reductions
     match: list[int | None] = [None] * cap.num_params
     if len(reds) == cap.num_params and all(
@@ -74,6 +74,15 @@ def match_reductions(analysis: Analysis) -> list[int | None]:
                 taken.add(j)
                 break
     return match
+
+
+def _gradient_shape(cap: Any, k: int, aval: Any) -> tuple[int, ...]:
+    """The shape of the gradient of body input ``k``: a pmap step squeezes the leading unit
+    axis of every mapped input (``jax_utils.replicate``'s device axis) before forward."""
+    spec = cap.in_specs[k]
+    if cap.kind == "pmap" and len(spec) >= 1 and spec[0] is not None and aval.shape[:1] == (1,):
+        return tuple(aval.shape[1:])
+    return tuple(aval.shape)
 
 
 def is_float(dtype) -> bool:

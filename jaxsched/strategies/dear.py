@@ -119,10 +119,12 @@ class Dear(Strategy):
         lay = self.layout(planned)
         opt_sharded = lay.opt_sharded
         params = [self._sharded(planned, leaf, planned.body_invar("params", i).aval,
-                                f"params/{planned.paths[i]}") if lay.param_sharded[i]
+                                f"params/{planned.paths[i]}", planned.device_stacked("params", i))
+                  if lay.param_sharded[i]
                   else planned.placed(leaf, planned.input_spec("params", i))
                   for i, leaf in enumerate(params)]
-        opts = [self._sharded(planned, leaf, planned.body_invar("opt_state", j).aval, f"opt_state[{j}]")
+        opts = [self._sharded(planned, leaf, planned.body_invar("opt_state", j).aval, f"opt_state[{j}]",
+                              planned.device_stacked("opt_state", j))
                 if opt_sharded[j] else planned.placed(leaf, planned.input_spec("opt_state", j))
                 for j, leaf in enumerate(opts)]
         return SchedState(jax.tree.unflatten(cap.params_tree, params),
@@ -134,10 +136,12 @@ class Dear(Strategy):
         cap = planned.captured
         lay = self.layout(planned)
         opt_sharded = lay.opt_sharded
-        params = [self._unsharded(planned, leaf, planned.body_invar("params", i).aval)
+        params = [self._unsharded(planned, leaf, planned.body_invar("params", i).aval,
+                                  planned.device_stacked("params", i))
                   if lay.param_sharded[i] else leaf
                   for i, leaf in enumerate(jax.tree.leaves(state.params))]
-        opts = [self._unsharded(planned, leaf, planned.body_invar("opt_state", j).aval)
+        opts = [self._unsharded(planned, leaf, planned.body_invar("opt_state", j).aval,
+                                planned.device_stacked("opt_state", j))
                 if opt_sharded[j] else leaf for j, leaf in enumerate(jax.tree.leaves(state.opt_state))]
         return jax.tree.unflatten(cap.params_tree, params), jax.tree.unflatten(cap.opt_tree, opts)
 
@@ -145,8 +149,7 @@ class Dear(Strategy):
     def _flat_len(planned: PlannedStep, block) -> int:
         return layout.chunk_size(block.shape, planned.axis_size) * planned.axis_size
 
-    def _sharded(self, planned: PlannedStep, leaf: Any, block, name: str) -> jax.Array:
-        cap = planned.captured
+    def _sharded(self, planned: PlannedStep, leaf: Any, block, name: str, stacked: bool) -> jax.Array:
         flat_len = self._flat_len(planned, block)
         sharding = NamedSharding(planned.mesh, P(planned.axis_name))
         if isinstance(leaf, jax.Array) and leaf.shape == (flat_len,) and leaf.sharding == sharding:
@@ -154,27 +157,26 @@ class Dear(Strategy):
         if isinstance(leaf, jax.ShapeDtypeStruct):  # ahead of time: the layout, no data
             return jax.ShapeDtypeStruct((flat_len,), leaf.dtype, sharding=sharding)
         expected = ((len(planned.mesh.devices.flat),) + tuple(block.shape[1:])
-                    if cap.kind == "pmap" else tuple(block.shape))
+                    if stacked else tuple(block.shape))
         shape = tuple(np.shape(leaf))
         if shape != expected and shape != (flat_len,):
             raise ValueError(f"state leaf {name} has shape {shape}; expected the user's "
                              f"{expected} or the scheduled ({flat_len},)")
         if shape == expected:
             user = np.asarray(leaf)
-            flat = layout.host_chunks((user[:1] if cap.kind == "pmap" else user).reshape(block.shape),
+            flat = layout.host_chunks((user[:1] if stacked else user).reshape(block.shape),
                                       planned.axis_size)
         else:
             flat = np.asarray(leaf)
         return jax.device_put(flat, sharding)
 
-    def _unsharded(self, planned: PlannedStep, leaf: Any, block) -> Any:
-        cap = planned.captured
+    def _unsharded(self, planned: PlannedStep, leaf: Any, block, stacked: bool) -> Any:
         sharding = NamedSharding(planned.mesh, P(planned.axis_name))
         if not (isinstance(leaf, jax.Array) and leaf.shape == (self._flat_len(planned, block),)
                 and leaf.sharding == sharding):
             return leaf  # still in the user's layout (no step has run yet)
         full = _host_value(leaf)[: math.prod(block.shape)].reshape(block.shape)
-        if cap.kind == "pmap":
+        if stacked:
             full = np.repeat(full, len(planned.mesh.devices.flat), axis=0)
         return full
 

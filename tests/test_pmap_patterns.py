@@ -1,0 +1,102 @@
+"""pmap steps as public code writes them, each against its ``shard_map`` twin: the same
+trained leaves, buckets and collectives under ``dear``, and the plain step's numbers.
+
+The patterns: state replicated with a leading device axis (Flax's ``jax_utils.replicate``),
+an unmapped argument (``in_axes=None``, as AlgoPerf passes hyperparameters), and a constant
+JAX hoists into the body (a position table closed over by the model)."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxsched
+from equivalence import assert_trees_close
+from hlo_counts import counts
+
+N = 4
+TX = optax.adamw(1e-2, weight_decay=1e-2)
+TABLE = np.linspace(0.0, 1.0, 6, dtype=np.float32)  # a numpy constant: hoisted into the body
+
+
+def _state():
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.standard_normal((6, 16)).astype(np.float32),
+              "b1": np.zeros(16, np.float32),
+              "w2": rng.standard_normal((16, 3)).astype(np.float32)}
+    return {"params": params, "opt": TX.init(params), "step": np.int32(0)}
+
+
+def _body(with_table: bool):
+    def body(state, batch):
+        x, y, scale = batch
+
+        def loss_fn(p):
+            h = jnp.tanh((x + TABLE if with_table else x) @ p["w1"] + p["b1"])
+            return jnp.mean((h @ p["w2"] - y) ** 2) * scale
+
+        loss, g = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = TX.update(lax.pmean(g, "data"), state["opt"], state["params"])
+        new = {"params": optax.apply_updates(state["params"], updates), "opt": opt,
+               "step": state["step"] + 1}
+        return new, lax.pmean(loss, "data")
+    return body
+
+
+def _batches(n=2):
+    rng = np.random.default_rng(1)
+    return [(rng.standard_normal((N * 2, 6)).astype(np.float32),
+             rng.standard_normal((N * 2, 3)).astype(np.float32), np.float32(1.0)) for _ in range(n)]
+
+
+def _twins(pattern: str):
+    """(pmap step, its state, its batches), (shard_map step, state, batches)."""
+    with_table = pattern == "hoisted constant"
+    body = _body(with_table)
+    devices = jax.devices()[:N]
+    mesh = jax.make_mesh((N,), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
+    sm = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), (P("data"), P("data"), P())),
+                               out_specs=(P(), P()), check_vma=False))
+    sm_batches = [(jax.device_put(x, NamedSharding(mesh, P("data"))),
+                   jax.device_put(y, NamedSharding(mesh, P("data"))), s) for x, y, s in _batches()]
+    in_axes = (0, (0, 0, None)) if pattern == "unmapped argument" else 0
+    pm = jax.pmap(body, axis_name="data", in_axes=in_axes, devices=devices)
+    stack = lambda tree: jax.tree.map(lambda a: np.stack([np.asarray(a)] * N), tree)
+    split = lambda a: a.reshape(N, -1, *a.shape[1:])
+    pm_batches = [(split(x), split(y), s if pattern == "unmapped argument" else np.full(N, s))
+                  for x, y, s in _batches()]
+    return (pm, stack(_state()), pm_batches), (sm, _state(), sm_batches)
+
+
+def _scheduled(step, state, batches, **options):
+    sched = jaxsched.schedule(step, strategy="dear", **options)
+    s = sched.init(state)
+    for b in batches:
+        s, _ = sched(s, b)
+    return sched, s
+
+
+@pytest.mark.parametrize("pattern", ["replicated state", "unmapped argument", "hoisted constant"])
+@pytest.mark.parametrize("buckets", [None, 300])
+def test_pmap_step_schedules_like_its_shard_map_twin(pattern, buckets):
+    (pm, pm_state, pm_batches), (sm, sm_state, sm_batches) = _twins(pattern)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxsched.FallbackWarning)
+        pm_sched, pm_s = _scheduled(pm, pm_state, pm_batches, buckets=buckets)
+        sm_sched, sm_s = _scheduled(sm, sm_state, sm_batches, buckets=buckets)
+    pm_prog, sm_prog = pm_sched.program, sm_sched.program
+    assert pm_prog.captured.kind == "pmap"
+    assert sorted(pm_prog.planned.paths) == sorted(sm_prog.planned.paths) == \
+        ["params/b1", "params/w1", "params/w2"]
+    assert [b.params for b in pm_prog.buckets] == [b.params for b in sm_prog.buckets]
+    assert len(pm_prog.buckets) == (1 if buckets is None else 2)
+    assert counts(pm_sched.lower(pm_s, pm_batches[0]).as_text()) == \
+        counts(sm_sched.lower(sm_s, sm_batches[0]).as_text())
+    plain = pm_state
+    for b in pm_batches:
+        plain, _ = pm(plain, b)
+    assert_trees_close(pm_sched.finalize(pm_s), jax.device_get(plain), rtol=1e-5, atol=1e-6)
