@@ -6,7 +6,10 @@ device) or a :class:`Shard`: this device's flat chunk of a full tensor (see
 
 * elementwise primitives run on chunks (full operands are sliced locally, no traffic);
 * reshapes keep the chunk (row-major order is preserved);
-* reductions over every axis become a local masked reduction plus one ``psum``/``pmax``;
+* reductions over every axis become a local masked reduction plus one ``psum``/``pmax``
+  (``pmin``/``pmax`` of booleans for ``reduce_and``/``reduce_or``, the finite checks of
+  loss scaling); over some axes, a partial result the size of the output and one
+  collective of it (adafactor's factored row and column statistics);
 * a user ``psum`` of a device-invariant value becomes a multiply by the axis size.
 
 Anything else gathers its sharded operands (one all-gather each) and runs unchanged on
@@ -132,16 +135,45 @@ def broadcast_in_dim_rule(ctx: ShardContext, eqn, values: list) -> list:
     return full_rule(ctx, eqn, values)
 
 
-def _reduce_rule(local: Callable, collective: Callable, identity: Callable) -> Rule:
+def _reduce_rule(local: Callable, collective: Callable, identity: Callable,
+                 segment: Callable | None = None) -> Rule:
+    """A reduction over every axis: a local reduction of the chunk (padding masked with the
+    identity) and one scalar collective. Over some axes (adafactor's row and column sums),
+    with ``segment``: each chunk element added into its output position, a partial result
+    the size of the output, and one collective of that size; never a gather of the input."""
     def rule(ctx: ShardContext, eqn, values: list) -> list:
         (value,) = values
-        if tuple(eqn.params["axes"]) != tuple(range(len(value.shape))):
-            return full_rule(ctx, eqn, values)
+        axes = tuple(sorted(eqn.params["axes"]))
         mask = layout.valid_mask(value.shape, ctx.axis_name, ctx.axis_size)
         chunk = jnp.where(mask, value.chunk, identity(value.chunk.dtype))
-        partial = local(chunk).astype(eqn.outvars[0].aval.dtype)
-        return [collective(partial, ctx.axis_name)]
+        out_dtype = eqn.outvars[0].aval.dtype
+        if axes == tuple(range(len(value.shape))):
+            return [collective(local(chunk).astype(out_dtype), ctx.axis_name)]
+        if segment is None:
+            return full_rule(ctx, eqn, values)
+        out_shape = tuple(d for k, d in enumerate(value.shape) if k not in axes)
+        position = _output_position(ctx, value.shape, axes)
+        partial = segment(chunk, position, num_segments=math.prod(out_shape))
+        return [collective(partial.reshape(out_shape).astype(out_dtype), ctx.axis_name)]
     return rule
+
+
+def _output_position(ctx: ShardContext, shape: tuple[int, ...], axes: tuple[int, ...]) -> jax.Array:
+    """For each element of this device's chunk of a tensor of ``shape``, its flat position
+    in the result of reducing ``axes`` (padding maps to position 0, masked by the caller)."""
+    c = layout.chunk_size(shape, ctx.axis_size)
+    flat = jnp.minimum(lax.axis_index(ctx.axis_name) * c + jnp.arange(c), math.prod(shape) - 1)
+    position = jnp.zeros_like(flat)
+    for k, dim in enumerate(shape):
+        if k not in axes:
+            coordinate = flat // math.prod(shape[k + 1:]) % dim
+            position = position * dim + coordinate
+    return position
+
+
+def _all_devices(reduce: Callable) -> Callable:
+    """A boolean collective through int32 (``pmin`` for all, ``pmax`` for any)."""
+    return lambda x, axis_name: reduce(x.astype(jnp.int32), axis_name).astype(x.dtype)
 
 
 def _lowest(dtype):
@@ -191,9 +223,14 @@ RULES: dict[str, Rule] = {name: elementwise_rule for name in ELEMENTWISE}
 RULES.update({name: reshape_rule for name in RESHAPES})
 RULES.update({
     "broadcast_in_dim": broadcast_in_dim_rule,
-    "reduce_sum": _reduce_rule(jnp.sum, lax.psum, lambda d: jnp.zeros((), d)),
-    "reduce_max": _reduce_rule(jnp.max, lax.pmax, lambda d: jnp.asarray(_lowest(d), d)),
-    "reduce_min": _reduce_rule(jnp.min, lax.pmin, lambda d: jnp.asarray(_highest(d), d)),
+    "reduce_sum": _reduce_rule(jnp.sum, lax.psum, lambda d: jnp.zeros((), d), jax.ops.segment_sum),
+    "reduce_max": _reduce_rule(jnp.max, lax.pmax, lambda d: jnp.asarray(_lowest(d), d),
+                               jax.ops.segment_max),
+    "reduce_min": _reduce_rule(jnp.min, lax.pmin, lambda d: jnp.asarray(_highest(d), d),
+                               jax.ops.segment_min),
+    # the finite checks of loss scaling (DynamicScale, apply_if_finite) and zero_nans
+    "reduce_and": _reduce_rule(jnp.all, _all_devices(lax.pmin), lambda d: jnp.ones((), d)),
+    "reduce_or": _reduce_rule(jnp.any, _all_devices(lax.pmax), lambda d: jnp.zeros((), d)),
     "psum": psum_rule,
     "psum_invariant": psum_rule,
 })

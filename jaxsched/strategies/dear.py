@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -52,8 +53,8 @@ class DearLayout(NamedTuple):
       grads: per bucket, the layout of its gradients.
       param_sharded, opt_sharded: per leaf, whether it is stored as flat shards. Leaves
         that are not (typed keys, integers, scalars, per-device state, leaves with a
-        non-replicated spec, parameters without a reduced gradient) keep the user's layout
-        and spec, whole.
+        non-replicated spec, parameters without a reduced gradient, optimizer state whose
+        shape is no sharded parameter's) keep the user's layout and spec, whole.
     """
 
     params: list
@@ -86,7 +87,14 @@ class Dear(Strategy):
 
         bucketed = {i for b in planned.buckets for i in b.params}
         param_sharded = [i in bucketed and shardable("params", i, i) for i in range(cap.num_params)]
-        opt_sharded = [shardable("opt_state", j, cap.num_params + j) for j in range(cap.num_opt)]
+        # optimizer state that mirrors a parameter (moments, accumulators) is sharded like
+        # it; smaller statistics (adafactor's factored rows and columns) stay whole, so
+        # that broadcasting them against a gradient is a local slice, not a gather
+        mirrored = _mirrored_params(cap.params_tree, cap.opt_tree)
+        opt_sharded = [shardable("opt_state", j, cap.num_params + j)
+                       and (j not in mirrored or planned.body_invar("opt_state", j).aval.shape
+                            == planned.body_invar("params", mirrored[j]).aval.shape)
+                       for j in range(cap.num_opt)]
         p_layouts, gathered, g_layouts = [], [], []
         for b in planned.buckets:
             members = [i for i in b.params if param_sharded[i]]
@@ -237,6 +245,12 @@ class Dear(Strategy):
             def emit(bucket) -> None:
                 k = buckets.index(bucket)
                 grads = [read(env, reds[j].operand) for j in bucket.reductions]
+                if not bucket.params:
+                    # no parameter's gradient (a global example count, a loss summed with
+                    # the gradients): the update keeps no shard of it, so it is summed whole
+                    for j, total in zip(bucket.reductions, lax.psum(tuple(grads), axis)):
+                        post[reds[j].result] = total
+                    return
                 if size == 1:  # nothing to communicate: a sum over one device is the identity
                     for j, g in zip(bucket.reductions, grads):
                         post[reds[j].result] = Shard(jnp.ravel(g), tuple(reds[j].operand.aval.shape))
@@ -293,6 +307,20 @@ class Dear(Strategy):
                      + tuple(sharded if lay.opt_sharded[j] else planned.output_spec(n_p + j)
                              for j in range(n_o)) + coll_specs)
         return RewrittenBody(scheduled_body, in_specs, out_specs, ctx.fallbacks)
+
+
+def _mirrored_params(params_tree: Any, opt_tree: Any) -> dict[int, int]:
+    """For optimizer-state leaves inside a subtree shaped like the params tree (optax's
+    per-parameter statistics), the index of the parameter each one stands for."""
+    if params_tree.num_leaves == 1:  # every leaf would match a one-leaf tree
+        return {}
+    indexed = jax.tree.unflatten(opt_tree, range(opt_tree.num_leaves))
+    found: dict[int, int] = {}
+    like_params = lambda t: not isinstance(t, int) and jax.tree.structure(t) == params_tree
+    for sub in jax.tree.leaves(indexed, is_leaf=like_params):
+        if like_params(sub):
+            found.update((j, i) for i, j in enumerate(jax.tree.leaves(sub)))
+    return found
 
 
 def _as_dtype(value: Any, dtype) -> Any:
