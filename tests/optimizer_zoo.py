@@ -45,6 +45,8 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "multi_steps": lambda: optax.MultiSteps(optax.adam(SCHEDULE), every_k_schedule=2),
     "masked": lambda: optax.chain(optax.masked(optax.add_decayed_weights(1e-2), decay_mask),
                                   optax.adam(SCHEDULE)),
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(SCHEDULE), max_consecutive_errors=3),
+    "zero_nans": lambda: optax.chain(optax.zero_nans(), optax.adam(SCHEDULE)),
     "schedule_free": lambda: optax.contrib.schedule_free_adamw(1e-2, warmup_steps=2),
     "muon": _muon,
 }

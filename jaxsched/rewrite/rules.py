@@ -10,7 +10,8 @@ device) or a :class:`Shard`: this device's flat chunk of a full tensor (see
   (``pmin``/``pmax`` of booleans for ``reduce_and``/``reduce_or``, the finite checks of
   loss scaling); over some axes, a partial result the size of the output and one
   collective of it (adafactor's factored row and column statistics);
-* a user ``psum`` of a device-invariant value becomes a multiply by the axis size.
+* a user ``psum`` of a device-invariant value becomes a multiply by the axis size;
+* ``cond``/``switch`` on a device-invariant index runs its branches with these rules.
 
 Anything else gathers its sharded operands (one all-gather each) and runs unchanged on
 full tensors: DeAR's lazy update, applied only where it is needed. That fallback is
@@ -31,7 +32,7 @@ from jaxsched import layout
 from jaxsched.axes import as_axes
 from jaxsched.primitives import CALL_PRIMITIVES, VMA_TYPING
 from jaxsched.replay import bind as _bind
-from jaxsched.replay import eval_inline, is_var, source_line
+from jaxsched.replay import at_source, eval_inline, is_var, source_line
 from jaxsched.replay import inner_jaxpr as _inner_jaxpr
 
 
@@ -210,6 +211,39 @@ def call_rule(ctx: ShardContext, eqn, values: list) -> list:
     return eval_sharded(ctx, inner.jaxpr, values, constvals=inner.consts)
 
 
+def cond_rule(ctx: ShardContext, eqn, values: list) -> list:
+    """``lax.cond``/``lax.switch`` on a device-invariant index (``MultiSteps``' every k-th
+    step, ``apply_if_finite``'s skip): every branch runs with these rules on the same chunks.
+    An output that one branch returns sharded is sharded in all (a full value's chunk is a
+    local slice, no traffic), so the branches agree on their types. The index is the same
+    on every device, so a collective inside a branch runs on all of them or on none."""
+    index, *operands = values
+    if isinstance(index, Shard):
+        return full_rule(ctx, eqn, values)
+    shapes = [v.shape if isinstance(v, Shard) else None for v in operands]
+    flat = [v.chunk if isinstance(v, Shard) else v for v in operands]
+    avals = [o.aval for o in eqn.outvars]
+
+    def branch(closed, sharded: Sequence[bool] | None = None, seen: list | None = None) -> Callable:
+        def run(*args):
+            inner = [Shard(a, s) if s is not None else a for a, s in zip(args, shapes)]
+            outs = eval_sharded(ctx, closed.jaxpr, inner, closed.consts)
+            if seen is not None:  # first pass: which outputs this branch keeps sharded
+                seen.append([isinstance(o, Shard) for o in outs])
+                return [o.chunk if isinstance(o, Shard) else o for o in outs]
+            return [jnp.asarray(ctx.to_chunk(o, a.shape) if sh else ctx.to_full(o), a.dtype)
+                    for o, a, sh in zip(outs, avals, sharded)]
+        return run
+
+    seen: list = []
+    for closed in eqn.params["branches"]:
+        jax.eval_shape(branch(closed, seen=seen), *flat)
+    sharded = [len(a.shape) > 0 and any(s[k] for s in seen) for k, a in enumerate(avals)]
+    with at_source(eqn):
+        outs = lax.switch(index, [branch(c, sharded) for c in eqn.params["branches"]], *flat)
+    return [Shard(o, tuple(a.shape)) if sh else o for o, a, sh in zip(outs, avals, sharded)]
+
+
 def _axes(eqn) -> tuple:
     axes = eqn.params.get("axes", ())
     return axes if isinstance(axes, tuple) else (axes,)
@@ -234,6 +268,7 @@ RULES.update({
     "psum": psum_rule,
     "psum_invariant": psum_rule,
 })
+RULES["cond"] = cond_rule
 RULES.update({name: identity_rule for name in VMA_TYPING})
 RULES.update({name: call_rule for name in CALL_PRIMITIVES})
 
