@@ -102,6 +102,30 @@ class Program:
         return self.rewritten.fallbacks
 
     @property
+    def bucket_report(self) -> list:
+        """Per bucket, whether its update ran on shards and, if not, which primitives and
+        source lines forced the fallback (:class:`~jaxsched.strategies.base.BucketReport`;
+        the :class:`~jaxsched.rewrite.rules.FallbackWarning` as data). Empty for strategies
+        that run the update on full tensors. Complete once the step has been traced (a
+        call, ``lower`` or ``inspect``).
+
+        Example:
+            >>> import jax, optax
+            >>> import jaxsched
+            >>> from jaxsched import models, steps
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.adamw(optax.linear_schedule(1e-2, 0.0, 10))
+            >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="dear")
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> state, aux = sched(sched.init(params, tx.init(params)), batch)
+            >>> [(r.bucket, r.on_shards, r.fallbacks) for r in sched.program.bucket_report]
+            [(0, True, ())]
+        """
+        make = self.rewritten.bucket_report
+        return [] if make is None else make()
+
+    @property
     def layer_profile(self):
         return self.planned.layer_profile
 

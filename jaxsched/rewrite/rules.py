@@ -66,6 +66,10 @@ class ShardContext:
     varying: frozenset = frozenset()
     reported: set = dataclasses.field(default_factory=set)
     fallbacks: list = dataclasses.field(default_factory=list)
+    #: the top-level equation being run (nested calls and branches report under it)
+    top: Any = None
+    #: every ``((primitive, source line), top-level equation)`` that fell back
+    sites: list = dataclasses.field(default_factory=list)
 
     def to_full(self, value: Any) -> Any:
         if isinstance(value, Shard):
@@ -84,6 +88,7 @@ class ShardContext:
 
     def report(self, eqn, reason: str) -> None:
         key = (eqn.primitive.name, source_line(eqn))
+        self.sites.append((key, self.top if self.top is not None else eqn))
         if key not in self.reported:
             self.reported.add(key)
             self.fallbacks.append(key)

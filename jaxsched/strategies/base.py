@@ -63,6 +63,8 @@ class RewrittenBody:
       check_vma: the ``shard_map`` typing mode the body is written for.
       compiler_defaults: compile with XLA's own default options, not the engine's
         per-target set (the identity strategy: the user's step as XLA compiles it alone).
+      bucket_report: a function giving one :class:`BucketReport` per bucket once the body
+        has been traced (strategies that run the update on shards); None otherwise.
     """
 
     body: Callable[..., Sequence[Any]]
@@ -71,6 +73,26 @@ class RewrittenBody:
     fallbacks: list = dataclasses.field(default_factory=list)
     check_vma: bool = False
     compiler_defaults: bool = False
+    bucket_report: Callable[[], list] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketReport:
+    """Whether one bucket's update ran on shards (``dear``), as data a test can read.
+
+    Attributes:
+      bucket: the bucket's index in the plan.
+      params: the paths of its parameters.
+      on_shards: True when no equation of the update that reads the bucket's gradients,
+        parameters or optimizer state had to gather them.
+      fallbacks: ``(primitive, source line)`` of each equation that did (the same as the
+        :class:`~jaxsched.rewrite.rules.FallbackWarning` says).
+    """
+
+    bucket: int
+    params: tuple[str, ...]
+    on_shards: bool
+    fallbacks: tuple[tuple[str, str], ...] = ()
 
 
 class Strategy(abc.ABC):

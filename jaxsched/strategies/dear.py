@@ -40,7 +40,8 @@ from jaxsched.planned_step import PlannedStep, is_abstract
 from jaxsched.replay import interpret, read
 from jaxsched.rewrite.backward import walk_backward
 from jaxsched.rewrite.rules import Shard, ShardContext, apply_rule
-from jaxsched.strategies.base import RewrittenBody, SchedState, Strategy, check_leaf_counts
+from jaxsched.strategies.base import (BucketReport, RewrittenBody, SchedState, Strategy,
+                                      check_leaf_counts)
 from jaxsched.strategies.registry import register_strategy
 
 
@@ -273,8 +274,12 @@ class Dear(Strategy):
                     lazy.pop(x)()
                 return read(env, x)
 
-            interpret((body.eqns[i] for i in analysis.update), read_post, post.__setitem__,
-                      run=lambda eqn, vals: apply_rule(ctx, eqn, vals))
+            def run(eqn, vals):
+                ctx.top = eqn  # what a fallback inside it is attributed to (bucket_report)
+                return apply_rule(ctx, eqn, vals)
+
+            interpret((body.eqns[i] for i in analysis.update), read_post, post.__setitem__, run=run)
+            ctx.top = None
 
             outs = [read_post(body.outvars[k]) for k in cap.outputs]
             new_params, new_opt, aux = outs[:n_p], outs[n_p:n_p + n_o], outs[n_p + n_o:]
@@ -306,7 +311,38 @@ class Dear(Strategy):
         out_specs = (tuple(sharded if lay.param_sharded[i] else planned.output_spec(i) for i in range(n_p))
                      + tuple(sharded if lay.opt_sharded[j] else planned.output_spec(n_p + j)
                              for j in range(n_o)) + coll_specs)
-        return RewrittenBody(scheduled_body, in_specs, out_specs, ctx.fallbacks)
+        return RewrittenBody(scheduled_body, in_specs, out_specs, ctx.fallbacks,
+                             bucket_report=lambda: self._bucket_report(planned, ctx))
+
+    def _bucket_report(self, planned: PlannedStep, ctx: ShardContext) -> list[BucketReport]:
+        """Per bucket, the fallbacks whose top-level equation reads what the bucket holds:
+        its reduced gradients, its parameters, or optimizer state that mirrors them."""
+        cap, analysis = planned.captured, planned.analysis
+        body = cap.body
+        bucket_of_param = {i: k for k, b in enumerate(planned.buckets) for i in b.params}
+        bits: dict[Any, int] = {}
+        for k, b in enumerate(planned.buckets):
+            for j in b.reductions:
+                bits[analysis.reductions[j].result] = bits.get(analysis.reductions[j].result, 0) | 1 << k
+        for i, k in bucket_of_param.items():
+            bits[planned.body_invar("params", i)] = 1 << k
+        for j, i in _mirrored_params(cap.params_tree, cap.opt_tree).items():
+            if i in bucket_of_param:
+                bits[planned.body_invar("opt_state", j)] = 1 << bucket_of_param[i]
+        reads: dict[int, int] = {}  # id of a top-level equation -> buckets it reads
+        for i in analysis.update:
+            eqn = body.eqns[i]
+            read_bits = 0
+            for x in eqn.invars:
+                read_bits |= bits.get(x, 0) if isinstance(x, jex_core.Var) else 0
+            reads[id(eqn)] = read_bits
+            for o in eqn.outvars:
+                bits[o] = read_bits
+        report = []
+        for k, b in enumerate(planned.buckets):
+            found = tuple(dict.fromkeys(key for key, top in ctx.sites if reads.get(id(top), 0) >> k & 1))
+            report.append(BucketReport(k, tuple(planned.paths[i] for i in b.params), not found, found))
+        return report
 
 
 def _mirrored_params(params_tree: Any, opt_tree: Any) -> dict[int, int]:
