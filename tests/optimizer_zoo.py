@@ -32,6 +32,15 @@ def _muon() -> optax.GradientTransformation:
     return optax.contrib.muon(SCHEDULE)
 
 
+def _frozen_head() -> optax.GradientTransformation:
+    """big_vision's shape: a labelled chain, frozen leaves set to zero, decay on the rest."""
+    labels = lambda p: {k: jax.tree.map(lambda _: "frozen" if k == "head" else "trained", v)
+                        for k, v in p.items()}
+    return optax.multi_transform(
+        {"trained": optax.adamw(SCHEDULE, weight_decay=1e-2, mask=decay_mask),
+         "frozen": optax.set_to_zero()}, labels)
+
+
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adam": lambda: optax.adam(SCHEDULE),
     "adamw": lambda: optax.adamw(SCHEDULE, weight_decay=1e-2, mask=decay_mask),
@@ -45,6 +54,7 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "multi_steps": lambda: optax.MultiSteps(optax.adam(SCHEDULE), every_k_schedule=2),
     "masked": lambda: optax.chain(optax.masked(optax.add_decayed_weights(1e-2), decay_mask),
                                   optax.adam(SCHEDULE)),
+    "frozen": _frozen_head,
     "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(SCHEDULE), max_consecutive_errors=3),
     "zero_nans": lambda: optax.chain(optax.zero_nans(), optax.adam(SCHEDULE)),
     "schedule_free": lambda: optax.contrib.schedule_free_adamw(1e-2, warmup_steps=2),
