@@ -137,11 +137,13 @@ def test_check_vma_step_stays_on_shards():
 
 
 def test_dynamic_scale_is_not_trained_and_its_finite_check_is_one_scalar_reduction():
-    """Flax ImageNet's loss scaling in a ``step(state, batch)``: the scale is state, not a
-    parameter; the all-finite check of the gradients is one scalar collective."""
+    """Flax ImageNet's loss scaling in a ``step(state, batch)``: the scale (and an EMA of the
+    parameters) is state, not a parameter; the all-finite check of the gradients is one
+    scalar collective."""
     params, apply_fn = build("mlp", 0)
     tx = optax.sgd(0.1, momentum=0.9)
-    state = {"params": params, "opt": tx.init(params), "scale": DynamicScale(growth_interval=2)}
+    state = {"params": params, "opt": tx.init(params), "scale": DynamicScale(growth_interval=2),
+             "ema": params}
 
     def body(state, batch):
         x, y = batch
@@ -150,8 +152,10 @@ def test_dynamic_scale_is_not_trained_and_its_finite_check_is_one_scalar_reducti
         u, opt = tx.update(g, state["opt"], state["params"])
         new = optax.apply_updates(state["params"], u)
         keep = functools.partial(jnp.where, is_fin)
-        return {"params": jax.tree.map(keep, new, state["params"]),
-                "opt": jax.tree.map(keep, opt, state["opt"]), "scale": scale}, loss
+        new = jax.tree.map(keep, new, state["params"])
+        ema = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, state["ema"], new)
+        return {"params": new, "opt": jax.tree.map(keep, opt, state["opt"]), "scale": scale,
+                "ema": ema}, loss
 
     mesh = _mesh()
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
