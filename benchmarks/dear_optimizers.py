@@ -71,6 +71,7 @@ def time_steps(runs: dict, batches: list, repeats: int) -> dict:
 def optimizer_table(names, repeats: int) -> list[dict]:
     import jaxsched
     import optimizer_zoo as zoo
+    from jaxsched.verify import relative_gap
 
     rows = []
     for name in names:
@@ -81,9 +82,8 @@ def optimizer_table(names, repeats: int) -> list[dict]:
         w_state = wfbp.init(*run["plain"])
         w_state, _ = wfbp(w_state, run["batches"][0])
         step_s = time_steps({"dear": (sched, state), "wfbp": (wfbp, w_state)}, run["batches"], repeats)
-        gap = max(float(abs(jax.numpy.asarray(a, "float64") - jax.numpy.asarray(b, "float64")).max()
-                        / max(float(abs(jax.numpy.asarray(b, "float64")).max()), 1e-30))
-                  for a, b in zip(jax.tree.leaves(run["got"]), jax.tree.leaves(run["plain"])))
+        gap = max(relative_gap(a, b) for a, b in zip(jax.tree.leaves(run["got"]),
+                                                     jax.tree.leaves(run["plain"])))
         found = run["collectives"]
         row = {
             "optimizer": name,
