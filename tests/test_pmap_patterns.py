@@ -3,7 +3,8 @@ trained leaves, buckets and collectives under ``dear``, and the plain step's num
 
 The patterns: state replicated with a leading device axis (Flax's ``jax_utils.replicate``),
 an unmapped argument (``in_axes=None``, as AlgoPerf passes hyperparameters), and a constant
-JAX hoists into the body (a position table closed over by the model)."""
+JAX hoists into the body (a position table closed over by the model); and the state
+passed whole (``in_axes=None``, ``out_axes=None``)."""
 import warnings
 
 import jax
@@ -63,10 +64,15 @@ def _twins(pattern: str):
                                out_specs=(P(), P()), check_vma=False))
     sm_batches = [(jax.device_put(x, NamedSharding(mesh, P("data"))),
                    jax.device_put(y, NamedSharding(mesh, P("data"))), s) for x, y, s in _batches()]
+    split = lambda a: a.reshape(N, -1, *a.shape[1:])
+    if pattern == "unmapped state":  # the state whole in and out (in_axes/out_axes None)
+        pm = jax.pmap(body, axis_name="data", in_axes=(None, (0, 0, None)), out_axes=None,
+                      devices=devices)
+        return (pm, _state(), [(split(x), split(y), s) for x, y, s in _batches()]), \
+            (sm, _state(), sm_batches)
     in_axes = (0, (0, 0, None)) if pattern == "unmapped argument" else 0
     pm = jax.pmap(body, axis_name="data", in_axes=in_axes, devices=devices)
     stack = lambda tree: jax.tree.map(lambda a: np.stack([np.asarray(a)] * N), tree)
-    split = lambda a: a.reshape(N, -1, *a.shape[1:])
     pm_batches = [(split(x), split(y), s if pattern == "unmapped argument" else np.full(N, s))
                   for x, y, s in _batches()]
     return (pm, stack(_state()), pm_batches), (sm, _state(), sm_batches)
@@ -80,8 +86,13 @@ def _scheduled(step, state, batches, **options):
     return sched, s
 
 
-@pytest.mark.parametrize("pattern", ["replicated state", "unmapped argument", "hoisted constant"])
-@pytest.mark.parametrize("buckets", [None, 300])
+PATTERNS = ["replicated state", "unmapped argument", "unmapped state", "hoisted constant"]
+CASES = [(pattern, 300) for pattern in PATTERNS] + [
+    pytest.param(pattern, None, marks=() if pattern == "replicated state" else pytest.mark.slow)
+    for pattern in PATTERNS]
+
+
+@pytest.mark.parametrize("pattern,buckets", CASES)
 def test_pmap_step_schedules_like_its_shard_map_twin(pattern, buckets):
     (pm, pm_state, pm_batches), (sm, sm_state, sm_batches) = _twins(pattern)
     with warnings.catch_warnings():
