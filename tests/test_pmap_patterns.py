@@ -111,3 +111,53 @@ def test_pmap_step_schedules_like_its_shard_map_twin(pattern, buckets):
     for b in pm_batches:
         plain, _ = pm(plain, b)
     assert_trees_close(pm_sched.finalize(pm_s), jax.device_get(plain), rtol=1e-5, atol=1e-6)
+
+
+def test_algoperf_style_step_stays_on_shards():
+    """AlgoPerf's pmapped step: state mapped, hyperparameters unmapped, the loss, the count
+    of valid examples and the gradients summed in one psum, gradients divided by the count,
+    clipped by their global norm, and a NAdam chain with masked weight decay."""
+    from equivalence import build, random_batches
+    import optimizer_zoo as zoo
+
+    params, apply_fn = build("mlp", 0)
+    tx = optax.chain(optax.scale_by_adam(nesterov=True),
+                     optax.add_decayed_weights(1e-2, mask=zoo.decay_mask),
+                     optax.scale_by_learning_rate(zoo.SCHEDULE))
+
+    def train_step(params, opt_state, batch, grad_clip, label_smoothing):
+        x, y = batch
+        mask = (y >= 0).astype(jnp.float32)
+
+        def loss_fn(p):
+            targets = optax.smooth_labels(jax.nn.one_hot(y, 10), label_smoothing)
+            return jnp.sum(optax.softmax_cross_entropy(apply_fn(p, x), targets) * mask), jnp.sum(mask)
+
+        (summed, n_valid), grad = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        summed, n_valid, grad = lax.psum((summed, n_valid, grad), axis_name="batch")
+        grad = jax.tree.map(lambda g: g / n_valid, grad)
+        norm = jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grad)))
+        grad = jax.tree.map(lambda g: g * grad_clip / jnp.maximum(norm, grad_clip), grad)
+        updates, opt_state = tx.update(grad, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, (summed / n_valid, norm)
+
+    pmapped = jax.pmap(train_step, axis_name="batch", in_axes=(0, 0, 0, None, None),
+                       devices=jax.devices()[:N])
+    step = lambda p, o, b: pmapped(p, o, b, 1.0, 0.1)
+    stack = lambda t: jax.tree.map(lambda a: np.stack([np.asarray(a)] * N), t)
+    start = (stack(params), stack(tx.init(params)))
+    batches = [jax.tree.map(lambda a: a.reshape(N, -1, *a.shape[1:]), b)
+               for b in random_batches("mlp", 2, 2 * N, 1)]
+    plain = start
+    for b in batches:
+        plain = step(*plain, b)[:2]
+    sched = jaxsched.schedule(step, strategy="dear")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxsched.FallbackWarning)
+        state = sched.init(*start)
+        for b in batches:
+            state, _ = sched(state, b)
+        found = counts(sched.lower(state, batches[0]).as_text())
+    assert sched.program.captured.kind == "pmap"
+    assert found["all_gather"] == found["reduce_scatter"] == 1
+    assert_trees_close(jax.device_get(sched.finalize(state)), jax.device_get(plain), rtol=1e-5, atol=1e-6)
