@@ -46,6 +46,11 @@ FUNCTIONS = {
     "any nan": lambda x: jnp.any(jnp.isnan(x)),
     "zero nans": lambda x: jnp.where(jnp.isnan(x), 0.0, x),
     "cond on a global norm": lambda x: lax.cond(jnp.sum(x ** 2) > 1.0, lambda a: a * 2.0, lambda a: a - 1.0, x),
+    "fori_loop": lambda x: lax.fori_loop(0, 3, lambda i, a: a * 0.5 + jnp.float32(i), x),
+    "scan with a full input": lambda x: lax.scan(lambda c, t: (c * t + 1.0, jnp.sum(c)), x,
+                                                 jnp.arange(3.0))[0],
+    "scan growing a sharded carry": lambda x: lax.fori_loop(
+        0, 2, lambda i, c: (c[0] + x, c[1] + 1.0), (jnp.zeros(SHAPE), 0.0))[0],
     "switch": lambda x: lax.switch(jnp.int32(jnp.sum(x) > 0), [lambda a: a, lambda a: jnp.sqrt(jnp.abs(a))], x),
 }
 

@@ -11,7 +11,8 @@ device) or a :class:`Shard`: this device's flat chunk of a full tensor (see
   loss scaling); over some axes, a partial result the size of the output and one
   collective of it (adafactor's factored row and column statistics);
 * a user ``psum`` of a device-invariant value becomes a multiply by the axis size;
-* ``cond``/``switch`` on a device-invariant index runs its branches with these rules.
+* ``cond``/``switch`` on a device-invariant index runs its branches with these rules, and
+  ``scan`` over full inputs its body, sharded carries staying sharded.
 
 Anything else gathers its sharded operands (one all-gather each) and runs unchanged on
 full tensors: DeAR's lazy update, applied only where it is needed. That fallback is
@@ -26,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxsched import layout
@@ -70,6 +72,8 @@ class ShardContext:
     top: Any = None
     #: every ``((primitive, source line), top-level equation)`` that fell back
     sites: list = dataclasses.field(default_factory=list)
+    #: while a rule traces a body only to see what it does, what would fall back there
+    probing: list | None = None
 
     def to_full(self, value: Any) -> Any:
         if isinstance(value, Shard):
@@ -88,6 +92,9 @@ class ShardContext:
 
     def report(self, eqn, reason: str) -> None:
         key = (eqn.primitive.name, source_line(eqn))
+        if self.probing is not None:
+            self.probing.append(key)
+            return
         self.sites.append((key, self.top if self.top is not None else eqn))
         if key not in self.reported:
             self.reported.add(key)
@@ -108,10 +115,11 @@ rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh xo
 RESHAPES = frozenset({"reshape", "squeeze", "expand_dims"})
 
 
-def full_rule(ctx: ShardContext, eqn, values: list) -> list:
+def full_rule(ctx: ShardContext, eqn, values: list,
+              reason: str = "no shard rule for this primitive or these shapes") -> list:
     """Gather what is sharded, run the primitive unchanged."""
     if any(isinstance(v, Shard) and v.full is None for v in values):
-        ctx.report(eqn, "no shard rule for this primitive or these shapes")
+        ctx.report(eqn, reason)
     return _bind(eqn, [ctx.to_full(v) for v in values])
 
 
@@ -249,6 +257,73 @@ def cond_rule(ctx: ShardContext, eqn, values: list) -> list:
     return [Shard(o, tuple(a.shape)) if sh else o for o, a, sh in zip(outs, avals, sharded)]
 
 
+def scan_rule(ctx: ShardContext, eqn, values: list) -> list:
+    """``lax.scan`` (and ``fori_loop`` with static bounds) whose scanned inputs are full:
+    the body runs with these rules, sharded carries stay sharded. Which carries are
+    sharded is found by tracing the body until it agrees with itself: a carry that comes
+    out sharded starts sharded (its initial value sliced locally); one the body needs
+    whole (muon's Newton-Schulz matmuls) is gathered once, before the loop, not in every
+    iteration. Scanned inputs that are shards, and per-iteration outputs that come out
+    sharded, are no chunk of one tensor per iteration: the former fall back, the latter
+    are gathered; both say so."""
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    consts, init, xs = values[:nc], values[nc:nc + nk], values[nc + nk:]
+    if any(isinstance(v, Shard) for v in xs) or p.get("_split_transpose"):
+        return full_rule(ctx, eqn, values)
+    closed = p["jaxpr"]
+    carry_avals = [v.aval for v in closed.jaxpr.invars[nc:nc + nk]]
+    kinds = [isinstance(v, Shard) and len(a.shape) > 0 for v, a in zip(init, carry_avals)]
+
+    def body(kinds: Sequence[bool], seen: list | None = None) -> Callable:
+        def run(carry, x):
+            inner = [Shard(c, tuple(a.shape)) if k else c for c, a, k in zip(carry, carry_avals, kinds)]
+            outs = eval_sharded(ctx, closed.jaxpr, list(consts) + inner + list(x), closed.consts)
+            new, ys = outs[:nk], outs[nk:]
+            if seen is not None:
+                seen.append([isinstance(o, Shard) for o in new])
+            if any(isinstance(y, Shard) and y.full is None for y in ys):
+                ctx.report(eqn, "a per-iteration output is sharded")
+            new = [jnp.asarray(ctx.to_chunk(o, a.shape) if k else ctx.to_full(o), a.dtype)
+                   for o, a, k in zip(new, carry_avals, kinds)]
+            return new, [ctx.to_full(y) for y in ys]
+        return run
+
+    def start(kinds: Sequence[bool], final: bool = False) -> list:
+        if final and any(isinstance(v, Shard) and v.full is None and not k for v, k in zip(init, kinds)):
+            ctx.report(eqn, "the loop body needs a sharded carry whole")
+        return [jnp.asarray(ctx.to_chunk(v, a.shape) if k else ctx.to_full(v), a.dtype)
+                for v, a, k in zip(init, carry_avals, kinds)]
+
+    x_slice = [jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], jnp.result_type(x)) for x in xs]
+    dropped: set = set()
+    probe, ctx.probing = ctx.probing, []
+    try:
+        for _ in range(2 * nk + 1):  # a carry is sharded at most once and dropped at most once
+            seen: list = []
+            jax.eval_shape(body(kinds, seen), start(kinds), x_slice)
+            agreed = []
+            for k, (was, now, a) in enumerate(zip(kinds, seen[0], carry_avals)):
+                if was and not now:
+                    dropped.add(k)
+                agreed.append(now and k not in dropped and len(a.shape) > 0)
+            if agreed == kinds:
+                break
+            kinds = agreed
+        inside = ctx.probing
+    finally:
+        ctx.probing = probe
+    if inside:  # the body gathers something in every iteration: gather it once, before
+        return full_rule(ctx, eqn, values, f"its body needs a sharded value whole ({inside[0][0]} "
+                                           f"at {inside[0][1]})")
+    init_values = start(kinds, final=True)
+    with at_source(eqn):
+        carry, ys = lax.scan(body(kinds), init_values, list(xs), length=p["length"],
+                             reverse=p["reverse"], unroll=p["unroll"])
+    return [Shard(c, tuple(a.shape)) if k else c
+            for c, a, k in zip(carry, carry_avals, kinds)] + list(ys)
+
+
 def _axes(eqn) -> tuple:
     axes = eqn.params.get("axes", ())
     return axes if isinstance(axes, tuple) else (axes,)
@@ -274,6 +349,7 @@ RULES.update({
     "psum_invariant": psum_rule,
 })
 RULES["cond"] = cond_rule
+RULES["scan"] = scan_rule
 RULES.update({name: identity_rule for name in VMA_TYPING})
 RULES.update({name: call_rule for name in CALL_PRIMITIVES})
 
