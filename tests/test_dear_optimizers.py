@@ -22,7 +22,7 @@ import optimizer_zoo as zoo
 # optimizers that stayed on shards before the rules for control flow, boolean and partial
 # reductions: in the slow suite, to keep `make test` short
 SLOW = {"adam", "nadamw", "lion", "lamb", "sgd_nesterov", "rmsprop", "masked", "schedule_free",
-        "zero_nans"}
+        "zero_nans", "clip_adam"}
 ON_SHARDS = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
              for name in zoo.OPTIMIZERS if name != "muon"]
 

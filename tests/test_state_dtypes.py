@@ -64,6 +64,7 @@ def test_verify_keeps_bfloat16_moments_and_passes():
     assert report.precision == "float64" and report.ok, str(report)
 
 
+@pytest.mark.slow
 def test_verify_of_a_step_that_narrows_a_leaf_passes():
     step, params, opt_state, batches = _bf16_moments_step(widen_moments=True)
     sched = jaxsched.schedule(step, strategy="dear")
