@@ -87,9 +87,10 @@ def _scheduled(step, state, batches, **options):
 
 
 PATTERNS = ["replicated state", "unmapped argument", "unmapped state", "hoisted constant"]
+PLAN = [["params/w1"], ["params/b1", "params/w2"]]  # an explicit plan, by path
 CASES = [(pattern, 300) for pattern in PATTERNS] + [
     pytest.param(pattern, None, marks=() if pattern == "replicated state" else pytest.mark.slow)
-    for pattern in PATTERNS]
+    for pattern in PATTERNS] + [("replicated state", PLAN)]
 
 
 @pytest.mark.parametrize("pattern,buckets", CASES)
@@ -105,6 +106,9 @@ def test_pmap_step_schedules_like_its_shard_map_twin(pattern, buckets):
         ["params/b1", "params/w1", "params/w2"]
     assert [b.params for b in pm_prog.buckets] == [b.params for b in sm_prog.buckets]
     assert len(pm_prog.buckets) == (1 if buckets is None else 2)
+    if buckets == PLAN:
+        assert sorted(sorted(pm_prog.planned.paths[i] for i in b.params) for b in pm_prog.buckets) == \
+            sorted(sorted(group) for group in PLAN)
     assert counts(pm_sched.lower(pm_s, pm_batches[0]).as_text()) == \
         counts(sm_sched.lower(sm_s, sm_batches[0]).as_text())
     plain = pm_state
