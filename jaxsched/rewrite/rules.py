@@ -157,6 +157,8 @@ def _reduce_rule(local: Callable, collective: Callable, identity: Callable,
     the size of the output, and one collective of that size; never a gather of the input."""
     def rule(ctx: ShardContext, eqn, values: list) -> list:
         (value,) = values
+        if value.full is not None:  # already whole here (a parameter gathered for forward)
+            return _bind(eqn, [value.full])
         axes = tuple(sorted(eqn.params["axes"]))
         mask = layout.valid_mask(value.shape, ctx.axis_name, ctx.axis_size)
         chunk = jnp.where(mask, value.chunk, identity(value.chunk.dtype))
