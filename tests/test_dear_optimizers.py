@@ -201,3 +201,26 @@ def test_bucket_report_names_the_bucket_whose_update_fell_back():
     assert not report["head"].on_shards
     assert [p for p, _ in report["head"].fallbacks] == ["rev"]
     assert "test_dear_optimizers.py" in report["head"].fallbacks[0][1]
+
+
+def test_jmp_style_loss_scaling_checks_finiteness_with_one_scalar_reduction():
+    """jmp's pattern: ``all_finite`` over the unscaled gradients (a stack of per-leaf
+    checks), ``select_tree`` with ``lax.select``, the scale adjusted in the optimizer state."""
+    params, apply_fn = build("mlp", 0)
+    tx = optax.adam(zoo.SCHEDULE)
+
+    def local(p, s, batch):
+        (inner, scale), (x, y) = s, batch
+        loss_fn = lambda q: optax.softmax_cross_entropy_with_integer_labels(apply_fn(q, x), y).mean() * scale
+        loss, g = jax.value_and_grad(loss_fn)(p)
+        g = lax.pmean(jax.tree.map(lambda t: t / scale, g), "data")
+        finite = jnp.stack([jnp.all(jnp.isfinite(t)) for t in jax.tree.leaves(g)]).all()
+        u, new_inner = tx.update(g, inner, p)
+        select = lambda new, old: jax.tree.map(lambda a, b: lax.select(finite, a, b), new, old)
+        new_scale = jnp.where(finite, scale, scale / 2)
+        return (select(optax.apply_updates(p, u), p), (select(new_inner, inner), new_scale),
+                lax.pmean(loss, "data") / scale)
+
+    _, found = _check(local, params, (tx.init(params), jnp.float32(2.0 ** 8)))
+    assert len(found["all_gather"]) == len(found["reduce_scatter"]) == 1
+    assert set(found["all_reduce"]) == {1}
