@@ -60,20 +60,27 @@ def match_reductions(analysis: Analysis) -> list[int | None]:
         k = cap.body_input("params", i)
         aval = cap.body.invars[k].aval if k >= 0 else None
         trainable = aval is not None and is_float(aval.dtype)  # keys, counters: never matched
-        shapes.append((tuple(aval.shape), aval.dtype) if trainable else None)
+        shapes.append((shape_key(aval.shape), aval.dtype) if trainable else None)
     reds = analysis.reductions
     match: list[int | None] = [None] * cap.num_params
     if len(reds) == cap.num_params and all(
-            shapes[i] == (tuple(r.operand.aval.shape), r.operand.aval.dtype) for i, r in enumerate(reds)):
+            shapes[i] == (shape_key(r.operand.aval.shape), r.operand.aval.dtype) for i, r in enumerate(reds)):
         return list(range(cap.num_params))
     taken = set()
     for i, shape in enumerate(shapes):
         for j, r in enumerate(reds):
-            if j not in taken and shape is not None and tuple(r.operand.aval.shape) == shape[0]:
+            if j not in taken and shape is not None and shape_key(r.operand.aval.shape) == shape[0]:
                 match[i] = j
                 taken.add(j)
                 break
     return match
+
+
+def shape_key(shape: Sequence[int]) -> tuple[int, ...]:
+    """A shape without its unit axes, what a parameter and its reduced gradient share: a
+    pmap step squeezes every mapped input's leading device axis before forward, and under
+    ``check_vma`` a bias gradient is reduced as the ``(1, n)`` sum of its cotangent."""
+    return tuple(int(d) for d in shape if d != 1)
 
 
 def is_float(dtype) -> bool:

@@ -325,7 +325,14 @@ def _reduction_axes(jaxpr) -> set:
 
 
 def _looks_like_pmap(eqn, body) -> bool:
-    """pmap bodies take (1, ...) blocks of every input and squeeze them first."""
+    """pmap bodies take a (1, ...) block of every mapped input and only squeeze it. Inputs
+    that are not mapped, an ``in_axes=None`` argument or a constant JAX hoisted into the
+    body (a position table), come in whole with spec ``P()``: they say nothing either way."""
     specs = eqn.params["in_specs"]
-    return bool(specs) and all(len(s) >= 1 and s[0] is not None for s in specs) and \
-        all(tuple(v.aval.shape[:1]) == (1,) for v in body.invars)
+    mapped = {v for v, s in zip(body.invars, specs) if len(s) >= 1 and s[0] is not None}
+    if not mapped or any(v not in mapped and spec_axes(s) for v, s in zip(body.invars, specs)):
+        return False
+    if any(tuple(v.aval.shape[:1]) != (1,) for v in mapped):
+        return False
+    return all(e.primitive.name == "squeeze" and tuple(e.params["dimensions"]) == (0,)
+               for e in body.eqns if any(isinstance(x, jex_core.Var) and x in mapped for x in e.invars))

@@ -126,8 +126,10 @@ def check_staleness(staleness: Any) -> int:
 
 
 def select(condition: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where ``condition`` holds, else ``old``, leaf by leaf (exact: no arithmetic)."""
-    return jax.tree.map(lambda n, o: jnp.where(condition, n, o).astype(jnp.result_type(o)), new, old)
+    """``new`` where ``condition`` holds, else ``old``, leaf by leaf (exact: no arithmetic),
+    in ``new``'s dtype: an update that changes a leaf's dtype (adam's ``mu_dtype``) changes
+    it from the first step, applied or not, as the plain step does."""
+    return jax.tree.map(lambda n, o: jnp.where(condition, n, o).astype(jnp.result_type(n)), new, old)
 
 
 def slot_holds_gradient(slot: int, staleness: int, num_pending: jax.Array) -> jax.Array:

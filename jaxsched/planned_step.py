@@ -156,6 +156,13 @@ class PlannedStep:
                                        "the per-device step reads")
         return self.captured.body.invars[k]
 
+    def device_stacked(self, role: str, index: int) -> bool:
+        """Whether the user holds leaf ``index`` of ``role`` with a leading device axis: a
+        mapped input of a ``jax.pmap`` step (``jax_utils.replicate``'s layout), not an
+        unmapped one (``in_axes=None``)."""
+        spec = self.input_spec(role, index)
+        return self.captured.kind == "pmap" and len(spec) >= 1 and spec[0] is not None
+
     def input_spec(self, role: str, index: int) -> P:
         k = self.captured.body_input(role, index)
         return self.captured.in_specs[k] if k >= 0 else REPLICATED

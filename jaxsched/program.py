@@ -35,6 +35,36 @@ def abstract_signature(tree: Any) -> Hashable:
     return treedef, tuple(leaf_key(x) for x in leaves)
 
 
+def leaf_dtype(x: Any) -> Any:
+    """The dtype ``x`` has in a traced program (a Python scalar's canonical dtype)."""
+    return x.dtype if hasattr(x, "dtype") else jax.dtypes.canonicalize_dtype(np.result_type(x))
+
+
+def retyped(template: Any, state: Any) -> Any:
+    """``template`` (the state's trees as first traced) with the dtypes ``state``'s leaves
+    have now, or ``template`` itself when none differs.
+
+    A step may return a leaf in another dtype than it took (adam's ``mu_dtype=bfloat16``
+    on a float32 optimizer state): the next call is a program for the new dtypes, as
+    ``jax.jit`` traces again, never the old program with its outputs cast back. Shapes
+    stay the template's, since a strategy may hold a leaf in its own layout (``dear``'s
+    flat shards) whose dtype, not shape, is the user's.
+    """
+    leaves, treedef = jax.tree.flatten(template)
+    now = jax.tree.leaves(state)
+    if len(now) != len(leaves) or all(leaf_dtype(a) == leaf_dtype(b) for a, b in zip(leaves, now)):
+        return template
+    from jaxsched.capture import abstract_leaf
+
+    def retype(old: Any, new: Any) -> Any:
+        if leaf_dtype(old) == leaf_dtype(new):
+            return old
+        old = abstract_leaf(old)
+        return jax.ShapeDtypeStruct(old.shape, leaf_dtype(new), sharding=old.sharding)
+
+    return jax.tree.unflatten(treedef, [retype(a, b) for a, b in zip(leaves, now)])
+
+
 class Program:
     """A compiled scheduled step and the conversions of its state.
 
@@ -71,6 +101,30 @@ class Program:
     @property
     def fallbacks(self) -> list:
         return self.rewritten.fallbacks
+
+    @property
+    def bucket_report(self) -> list:
+        """Per bucket, whether its update ran on shards and, if not, which primitives and
+        source lines forced the fallback (:class:`~jaxsched.strategies.base.BucketReport`;
+        the :class:`~jaxsched.rewrite.rules.FallbackWarning` as data). Empty for strategies
+        that run the update on full tensors. Complete once the step has been traced (a
+        call, ``lower`` or ``inspect``).
+
+        Example:
+            >>> import jax, optax
+            >>> import jaxsched
+            >>> from jaxsched import models, steps
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.adamw(optax.linear_schedule(1e-2, 0.0, 10))
+            >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="dear")
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> state, aux = sched(sched.init(params, tx.init(params)), batch)
+            >>> [(r.bucket, r.on_shards, r.fallbacks) for r in sched.program.bucket_report]
+            [(0, True, ())]
+        """
+        make = self.rewritten.bucket_report
+        return [] if make is None else make()
 
     @property
     def layer_profile(self):
@@ -158,18 +212,21 @@ def simulated_compression(strategy: Strategy) -> Any:
 
 
 class ProgramCache:
-    """One program per abstract signature of the batch (the state's is fixed per schedule)."""
+    """One program per abstract signature of the batch and dtypes of the state: the
+    state's shapes are fixed per schedule, its dtypes are not (:func:`retyped`)."""
 
-    def __init__(self, build: Callable[[Any], Program]):
+    def __init__(self, build: Callable[[Any, Any], Program]):
         self._build = build
         self._programs: dict[Hashable, Program] = {}
         self.last: Program | None = None
 
-    def get(self, batch: Any) -> Program:
-        key = abstract_signature(batch)
+    def get(self, batch: Any, template: Any = None) -> Program:
+        """The program for ``batch`` and a state like ``template`` (``(params, opt_state)``)."""
+        key = (abstract_signature(batch),
+               tuple(str(leaf_dtype(x)) for x in jax.tree.leaves(template)))
         program = self._programs.get(key)
         if program is None:
-            program = self._programs[key] = self._build(batch)
+            program = self._programs[key] = self._build(batch, template)
         self.last = program
         return program
 

@@ -26,7 +26,7 @@ import jax
 from jaxsched.capture import abstract_leaf, capture
 from jaxsched.collectives.base import Collective
 from jaxsched.engine import Engine, make_engine
-from jaxsched.program import Program, ProgramCache, build_program
+from jaxsched.program import Program, ProgramCache, build_program, retyped
 from jaxsched.state_step import STATE, StateForm, UnsplitState, inputs_of, step_form, with_inputs
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
 
@@ -228,10 +228,10 @@ class Scheduled:
     def _program_for(self, state: NamedTuple, batch: Any) -> Program:
         if self._template is None:
             self._template = (state.params, state.opt_state)
-        return self._programs.get(batch)
+        return self._programs.get(batch, retyped(self._template, (state.params, state.opt_state)))
 
-    def _build(self, batch: Any) -> Program:
-        captured = capture(self.traced_step, self._template[0], self._template[1], batch,
+    def _build(self, batch: Any, template: Any) -> Program:
+        captured = capture(self.traced_step, template[0], template[1], batch,
                            self.strategy.folds_invariant_sums)
         return build_program(captured, self.strategy, self.buckets_option, self.engine,
                              self.plan_options)

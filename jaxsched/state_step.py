@@ -71,7 +71,7 @@ import jax
 from jax.extend import core as jex_core
 
 from jaxsched.analyze import analyze
-from jaxsched.bucketing import is_float, param_paths
+from jaxsched.bucketing import is_float, param_paths, shape_key
 from jaxsched.capture import UnsupportedStepError, capture
 
 if TYPE_CHECKING:  # the adapter wraps Scheduled; schedule imports this module lazily
@@ -272,38 +272,48 @@ def _dtype(leaf: Any) -> Any:
 
 def _dependencies(captured: Any, analysis: Any) -> tuple[list[bool], list[bool], list[bool]]:
     """Per params leaf of ``captured``: whether a device-varying value is computed from it,
-    whether its new value depends on a gradient reduction, and whether it depends on the
-    leaf's old value other than through a reduction. One forward pass over the body with a
-    bitset of leaves per variable."""
+    whether its new value depends on the reduction of a gradient of its own shape, and
+    whether it depends on the leaf's old value other than through a reduction. One forward
+    pass over the body with a bitset of leaves and one of reductions per variable.
+
+    A loss scale, a step count or an EMA may depend on the reduced gradients as a whole
+    (the all-finite check, a global norm) but has no gradient of its own: not trained."""
     body = captured.body
-    reducing = {r.eqn_index for r in analysis.reductions}
+    reds = analysis.reductions
+    reduction_of = {(r.eqn_index, r.operand_pos): j for j, r in enumerate(reds)}
+    reducing = {r.eqn_index for r in reds}
     leaves_of: dict[Any, int] = {}  # variable -> bitset of params leaves it is computed from
-    reduced: set = set()  # variables computed from a gradient reduction's result
+    reduced: dict[Any, int] = {}  # variable -> bitset of the reductions it is computed from
     for v, src in zip(body.invars, captured.sources):
         if src.role == "params":
             leaves_of[v] = 1 << src.index
     is_var = lambda x: isinstance(x, jex_core.Var)
     for i, eqn in enumerate(body.eqns):
         if i in reducing:  # the result depends on the reduction, not on the leaves directly
-            for x, o in zip(eqn.invars, eqn.outvars):
-                reduced.add(o)
+            for pos, o in enumerate(eqn.outvars):
+                reduced[o] = 1 << reduction_of[(i, pos)] if (i, pos) in reduction_of else 0
             continue
         ins = [x for x in eqn.invars if is_var(x)]
-        bits = 0
+        bits = red_bits = 0
         for x in ins:
             bits |= leaves_of.get(x, 0)
-        from_red = any(x in reduced for x in ins)
+            red_bits |= reduced.get(x, 0)
         for o in eqn.outvars:
             leaves_of[o] = bits
-            if from_red:
-                reduced.add(o)
+            if red_bits:
+                reduced[o] = red_bits
     varying_bits = 0
     for v in analysis.varying:
         varying_bits |= leaves_of.get(v, 0)
     n = captured.num_params
     outs = [body.outvars[captured.outputs[i]] for i in range(n)]
     reaches_varying = [bool(varying_bits >> i & 1) for i in range(n)]
-    from_reduction = [is_var(o) and o in reduced for o in outs]
+    shape_of = {src.index: shape_key(v.aval.shape) for v, src in zip(body.invars, captured.sources)
+                if src.role == "params"}
+    own_gradient = [sum(1 << j for j, r in enumerate(reds)
+                        if shape_key(r.operand.aval.shape) == shape_of.get(i)) for i in range(n)]
+    from_reduction = [is_var(o) and bool(reduced.get(o, 0) & own_gradient[i])
+                      for i, o in enumerate(outs)]
     from_itself = [is_var(o) and bool(leaves_of.get(o, 0) >> i & 1) for i, o in enumerate(outs)]
     return reaches_varying, from_reduction, from_itself
 
@@ -315,7 +325,7 @@ def _nothing_trained(names, leaves, position, reaches_varying, from_reduction, f
         i = position[name]
         why = ("not a float" if not is_float(_dtype(leaf)) else
                "forward and backward never combine it with the batch" if not reaches_varying[i] else
-               f"its new value does not come from a reduction over {axis!r}"
+               f"its new value does not come from the reduction over {axis!r} of a gradient of its shape"
                if not from_reduction[i] else "its new value is only the reduction's result")
         rows.append(f"{name} ({why})")
     shown = ", ".join(rows[:8]) + (f", ... {len(rows) - 8} more" if len(rows) > 8 else "")

@@ -157,11 +157,12 @@ PRECISIONS = ("float64", "float32")
 
 
 def _widened(tree: Any, placed: bool = False) -> Any:
-    """Floating leaves narrower than float64 as float64: host arrays (the step places
-    them), or with ``placed`` on the sharding they had (a batch the user placed, a
-    parameter block sharded over a model axis)."""
+    """float32 leaves as float64: host arrays (the step places them), or with ``placed``
+    on the sharding they had (a batch the user placed, a parameter block sharded over a
+    model axis). 16-bit leaves (bfloat16 Adam moments) are a precision the step chose and
+    may return them in: they stay as they are."""
     def widen(x):
-        if not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)) or x.dtype == np.float64:
+        if not (hasattr(x, "dtype") and x.dtype == np.float32):
             return x
         wide = np.asarray(_host(x), np.float64)
         on_mesh = isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding)

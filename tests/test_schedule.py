@@ -66,8 +66,14 @@ def test_allreduce_is_bit_identical_to_the_users_step():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _running_sum(updates):
+    """A transformation with no shard rule: each leaf's rows in reverse order, added."""
+    return jax.tree.map(lambda u: u + lax.rev(u, (0,)), updates)
+
+
 def test_non_elementwise_optimizer_falls_back_and_says_so_once():
-    tx = optax.adafactor(1e-2, min_dim_size_to_factor=4)
+    tx = optax.chain(optax.scale_by_adam(), optax.stateless(lambda u, p: _running_sum(u)),
+                     optax.scale(-1e-2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plain, scheduled, plain_aux, sched_aux, sched = run_both("mlp", tx, "dear", 8, n_steps=10)
@@ -75,8 +81,8 @@ def test_non_elementwise_optimizer_falls_back_and_says_so_once():
     assert_trees_close(plain_aux, sched_aux)
     messages = [str(w.message) for w in caught if issubclass(w.category, jaxsched.FallbackWarning)]
     # Each message names the primitive and the optimizer's source line that needs full tensors.
-    assert messages and all(re.search(r"factorized\.py:\d+", m) for m in messages)
-    assert any(m.startswith("jaxsched: reduce_sum at ") for m in messages)
+    assert messages and all(re.search(r"test_schedule\.py:\d+", m) for m in messages)
+    assert any(m.startswith("jaxsched: rev at ") for m in messages)
     assert len(messages) == len(set(messages)) == len(sched.program.fallbacks)
 
 

@@ -4,7 +4,8 @@ Adding one is one new module (a :class:`Strategy` subclass with ``name``, ``cost
 state conversions and its rewrite) plus ``@register_strategy``; see
 docs/architecture.md.
 """
-from jaxsched.strategies.base import RewrittenBody, SchedState, Strategy, UserLayoutStrategy
+from jaxsched.strategies.base import (BucketReport, RewrittenBody, SchedState, Strategy,
+                                      UserLayoutStrategy)
 from jaxsched.strategies.registry import (STRATEGIES, make_strategy, register_strategy,
                                           strategy_names, unregister_strategy)
 # Built-in strategies register themselves on import.
@@ -15,7 +16,7 @@ from jaxsched.strategies.approx import Approx  # noqa: E402
 from jaxsched.strategies.kfac import KFAC  # noqa: E402
 from jaxsched.strategies.auto import Auto, AutoChoice  # noqa: E402
 
-__all__ = ["AllReduce", "Approx", "Auto", "AutoChoice", "Dear", "KFAC", "RewrittenBody", "STRATEGIES",
+__all__ = ["AllReduce", "Approx", "Auto", "AutoChoice", "BucketReport", "Dear", "KFAC", "RewrittenBody", "STRATEGIES",
            "SchedState", "Strategy",
            "UserLayoutStrategy", "Wfbp", "make_strategy", "register_strategy", "strategy_names",
            "unregister_strategy"]

@@ -66,6 +66,8 @@ class RewrittenBody:
       global_body: the same step on global arrays (same flat inputs and outputs), for an
         engine that can run it as it is: the identity strategy on a ``jax.jit`` step is the
         user's own program, partitioned by XLA.
+      bucket_report: a function giving one :class:`BucketReport` per bucket once the body
+        has been traced (strategies that run the update on shards); None otherwise.
     """
 
     body: Callable[..., Sequence[Any]]
@@ -75,6 +77,26 @@ class RewrittenBody:
     check_vma: bool = False
     compiler_defaults: bool = False
     global_body: Callable[..., Sequence[Any]] | None = None
+    bucket_report: Callable[[], list] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketReport:
+    """Whether one bucket's update ran on shards (``dear``), as data a test can read.
+
+    Attributes:
+      bucket: the bucket's index in the plan.
+      params: the paths of its parameters.
+      on_shards: True when no equation of the update that reads the bucket's gradients,
+        parameters or optimizer state had to gather them.
+      fallbacks: ``(primitive, source line)`` of each equation that did (the same as the
+        :class:`~jaxsched.rewrite.rules.FallbackWarning` says).
+    """
+
+    bucket: int
+    params: tuple[str, ...]
+    on_shards: bool
+    fallbacks: tuple[tuple[str, str], ...] = ()
 
 
 class Strategy(abc.ABC):

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -39,7 +40,8 @@ from jaxsched.planned_step import PlannedStep, is_abstract
 from jaxsched.replay import interpret, read
 from jaxsched.rewrite.backward import walk_backward
 from jaxsched.rewrite.rules import Shard, ShardContext, apply_rule
-from jaxsched.strategies.base import RewrittenBody, SchedState, Strategy, check_leaf_counts
+from jaxsched.strategies.base import (BucketReport, RewrittenBody, SchedState, Strategy,
+                                      check_leaf_counts)
 from jaxsched.strategies.registry import register_strategy
 
 
@@ -52,8 +54,8 @@ class DearLayout(NamedTuple):
       grads: per bucket, the layout of its gradients.
       param_sharded, opt_sharded: per leaf, whether it is stored as flat shards. Leaves
         that are not (typed keys, integers, scalars, per-device state, leaves with a
-        non-replicated spec, parameters without a reduced gradient) keep the user's layout
-        and spec, whole.
+        non-replicated spec, parameters without a reduced gradient, optimizer state whose
+        shape is no sharded parameter's) keep the user's layout and spec, whole.
     """
 
     params: list
@@ -86,7 +88,14 @@ class Dear(Strategy):
 
         bucketed = {i for b in planned.buckets for i in b.params}
         param_sharded = [i in bucketed and shardable("params", i, i) for i in range(cap.num_params)]
-        opt_sharded = [shardable("opt_state", j, cap.num_params + j) for j in range(cap.num_opt)]
+        # optimizer state that mirrors a parameter (moments, accumulators) is sharded like
+        # it; smaller statistics (adafactor's factored rows and columns) stay whole, so
+        # that broadcasting them against a gradient is a local slice, not a gather
+        mirrored = _mirrored_params(cap.params_tree, cap.opt_tree)
+        opt_sharded = [shardable("opt_state", j, cap.num_params + j)
+                       and (j not in mirrored or planned.body_invar("opt_state", j).aval.shape
+                            == planned.body_invar("params", mirrored[j]).aval.shape)
+                       for j in range(cap.num_opt)]
         p_layouts, gathered, g_layouts = [], [], []
         for b in planned.buckets:
             members = [i for i in b.params if param_sharded[i]]
@@ -119,10 +128,12 @@ class Dear(Strategy):
         lay = self.layout(planned)
         opt_sharded = lay.opt_sharded
         params = [self._sharded(planned, leaf, planned.body_invar("params", i).aval,
-                                f"params/{planned.paths[i]}") if lay.param_sharded[i]
+                                f"params/{planned.paths[i]}", planned.device_stacked("params", i))
+                  if lay.param_sharded[i]
                   else planned.placed(leaf, planned.input_spec("params", i))
                   for i, leaf in enumerate(params)]
-        opts = [self._sharded(planned, leaf, planned.body_invar("opt_state", j).aval, f"opt_state[{j}]")
+        opts = [self._sharded(planned, leaf, planned.body_invar("opt_state", j).aval, f"opt_state[{j}]",
+                              planned.device_stacked("opt_state", j))
                 if opt_sharded[j] else planned.placed(leaf, planned.input_spec("opt_state", j))
                 for j, leaf in enumerate(opts)]
         return SchedState(jax.tree.unflatten(cap.params_tree, params),
@@ -134,10 +145,12 @@ class Dear(Strategy):
         cap = planned.captured
         lay = self.layout(planned)
         opt_sharded = lay.opt_sharded
-        params = [self._unsharded(planned, leaf, planned.body_invar("params", i).aval)
+        params = [self._unsharded(planned, leaf, planned.body_invar("params", i).aval,
+                                  planned.device_stacked("params", i))
                   if lay.param_sharded[i] else leaf
                   for i, leaf in enumerate(jax.tree.leaves(state.params))]
-        opts = [self._unsharded(planned, leaf, planned.body_invar("opt_state", j).aval)
+        opts = [self._unsharded(planned, leaf, planned.body_invar("opt_state", j).aval,
+                                planned.device_stacked("opt_state", j))
                 if opt_sharded[j] else leaf for j, leaf in enumerate(jax.tree.leaves(state.opt_state))]
         return jax.tree.unflatten(cap.params_tree, params), jax.tree.unflatten(cap.opt_tree, opts)
 
@@ -145,8 +158,7 @@ class Dear(Strategy):
     def _flat_len(planned: PlannedStep, block) -> int:
         return layout.chunk_size(block.shape, planned.axis_size) * planned.axis_size
 
-    def _sharded(self, planned: PlannedStep, leaf: Any, block, name: str) -> jax.Array:
-        cap = planned.captured
+    def _sharded(self, planned: PlannedStep, leaf: Any, block, name: str, stacked: bool) -> jax.Array:
         flat_len = self._flat_len(planned, block)
         sharding = NamedSharding(planned.mesh, P(planned.axis_name))
         if isinstance(leaf, jax.Array) and leaf.shape == (flat_len,) and leaf.sharding == sharding:
@@ -154,27 +166,26 @@ class Dear(Strategy):
         if isinstance(leaf, jax.ShapeDtypeStruct):  # ahead of time: the layout, no data
             return jax.ShapeDtypeStruct((flat_len,), leaf.dtype, sharding=sharding)
         expected = ((len(planned.mesh.devices.flat),) + tuple(block.shape[1:])
-                    if cap.kind == "pmap" else tuple(block.shape))
+                    if stacked else tuple(block.shape))
         shape = tuple(np.shape(leaf))
         if shape != expected and shape != (flat_len,):
             raise ValueError(f"state leaf {name} has shape {shape}; expected the user's "
                              f"{expected} or the scheduled ({flat_len},)")
         if shape == expected:
             user = np.asarray(leaf)
-            flat = layout.host_chunks((user[:1] if cap.kind == "pmap" else user).reshape(block.shape),
+            flat = layout.host_chunks((user[:1] if stacked else user).reshape(block.shape),
                                       planned.axis_size)
         else:
             flat = np.asarray(leaf)
         return jax.device_put(flat, sharding)
 
-    def _unsharded(self, planned: PlannedStep, leaf: Any, block) -> Any:
-        cap = planned.captured
+    def _unsharded(self, planned: PlannedStep, leaf: Any, block, stacked: bool) -> Any:
         sharding = NamedSharding(planned.mesh, P(planned.axis_name))
         if not (isinstance(leaf, jax.Array) and leaf.shape == (self._flat_len(planned, block),)
                 and leaf.sharding == sharding):
             return leaf  # still in the user's layout (no step has run yet)
         full = _host_value(leaf)[: math.prod(block.shape)].reshape(block.shape)
-        if cap.kind == "pmap":
+        if stacked:
             full = np.repeat(full, len(planned.mesh.devices.flat), axis=0)
         return full
 
@@ -235,6 +246,12 @@ class Dear(Strategy):
             def emit(bucket) -> None:
                 k = buckets.index(bucket)
                 grads = [read(env, reds[j].operand) for j in bucket.reductions]
+                if not bucket.params:
+                    # no parameter's gradient (a global example count, a loss summed with
+                    # the gradients): the update keeps no shard of it, so it is summed whole
+                    for j, total in zip(bucket.reductions, lax.psum(tuple(grads), axis)):
+                        post[reds[j].result] = total
+                    return
                 if size == 1:  # nothing to communicate: a sum over one device is the identity
                     for j, g in zip(bucket.reductions, grads):
                         post[reds[j].result] = Shard(jnp.ravel(g), tuple(reds[j].operand.aval.shape))
@@ -257,24 +274,31 @@ class Dear(Strategy):
                     lazy.pop(x)()
                 return read(env, x)
 
-            interpret((body.eqns[i] for i in analysis.update), read_post, post.__setitem__,
-                      run=lambda eqn, vals: apply_rule(ctx, eqn, vals))
+            def run(eqn, vals):
+                ctx.top = eqn  # what a fallback inside it is attributed to (bucket_report)
+                return apply_rule(ctx, eqn, vals)
+
+            interpret((body.eqns[i] for i in analysis.update), read_post, post.__setitem__, run=run)
+            ctx.top = None
 
             outs = [read_post(body.outvars[k]) for k in cap.outputs]
             new_params, new_opt, aux = outs[:n_p], outs[n_p:n_p + n_o], outs[n_p + n_o:]
+            # every state leaf leaves in the dtype the user's step gives it (which may
+            # differ from its input's: the next call then gets a program for it)
+            out_dtype = [body.outvars[k].aval.dtype for k in cap.outputs[:n_p + n_o]]
             results = []
             for i in range(n_p):
                 if not lay.param_sharded[i]:
                     results.append(ctx.to_full(new_params[i]))
                     continue
                 chunk = ctx.to_chunk(new_params[i], param_invar[i].aval.shape)
-                results.append(jnp.broadcast_to(chunk, param_chunks[i].shape).astype(param_chunks[i].dtype))
+                results.append(jnp.broadcast_to(chunk, param_chunks[i].shape).astype(out_dtype[i]))
             for j, value in enumerate(new_opt):
                 if lay.opt_sharded[j]:
                     chunk = ctx.to_chunk(value, opt_invar[j].aval.shape)
-                    results.append(jnp.broadcast_to(chunk, opt_values[j].shape).astype(opt_invar[j].aval.dtype))
+                    results.append(jnp.broadcast_to(chunk, opt_values[j].shape).astype(out_dtype[n_p + j]))
                 else:
-                    results.append(_as_dtype(ctx.to_full(value), opt_invar[j].aval.dtype))
+                    results.append(_as_dtype(ctx.to_full(value), out_dtype[n_p + j]))
             results += self.stacked_collective_leaves(tuple(carried))
             results += [ctx.to_full(a) for a in aux]
             return results
@@ -287,7 +311,52 @@ class Dear(Strategy):
         out_specs = (tuple(sharded if lay.param_sharded[i] else planned.output_spec(i) for i in range(n_p))
                      + tuple(sharded if lay.opt_sharded[j] else planned.output_spec(n_p + j)
                              for j in range(n_o)) + coll_specs)
-        return RewrittenBody(scheduled_body, in_specs, out_specs, ctx.fallbacks)
+        return RewrittenBody(scheduled_body, in_specs, out_specs, ctx.fallbacks,
+                             bucket_report=lambda: self._bucket_report(planned, ctx))
+
+    def _bucket_report(self, planned: PlannedStep, ctx: ShardContext) -> list[BucketReport]:
+        """Per bucket, the fallbacks whose top-level equation reads what the bucket holds:
+        its reduced gradients, its parameters, or optimizer state that mirrors them."""
+        cap, analysis = planned.captured, planned.analysis
+        body = cap.body
+        bucket_of_param = {i: k for k, b in enumerate(planned.buckets) for i in b.params}
+        bits: dict[Any, int] = {}
+        for k, b in enumerate(planned.buckets):
+            for j in b.reductions:
+                bits[analysis.reductions[j].result] = bits.get(analysis.reductions[j].result, 0) | 1 << k
+        for i, k in bucket_of_param.items():
+            bits[planned.body_invar("params", i)] = 1 << k
+        for j, i in _mirrored_params(cap.params_tree, cap.opt_tree).items():
+            if i in bucket_of_param:
+                bits[planned.body_invar("opt_state", j)] = 1 << bucket_of_param[i]
+        reads: dict[int, int] = {}  # id of a top-level equation -> buckets it reads
+        for i in analysis.update:
+            eqn = body.eqns[i]
+            read_bits = 0
+            for x in eqn.invars:
+                read_bits |= bits.get(x, 0) if isinstance(x, jex_core.Var) else 0
+            reads[id(eqn)] = read_bits
+            for o in eqn.outvars:
+                bits[o] = read_bits
+        report = []
+        for k, b in enumerate(planned.buckets):
+            found = tuple(dict.fromkeys(key for key, top in ctx.sites if reads.get(id(top), 0) >> k & 1))
+            report.append(BucketReport(k, tuple(planned.paths[i] for i in b.params), not found, found))
+        return report
+
+
+def _mirrored_params(params_tree: Any, opt_tree: Any) -> dict[int, int]:
+    """For optimizer-state leaves inside a subtree shaped like the params tree (optax's
+    per-parameter statistics), the index of the parameter each one stands for."""
+    if params_tree.num_leaves == 1:  # every leaf would match a one-leaf tree
+        return {}
+    indexed = jax.tree.unflatten(opt_tree, range(opt_tree.num_leaves))
+    found: dict[int, int] = {}
+    like_params = lambda t: not isinstance(t, int) and jax.tree.structure(t) == params_tree
+    for sub in jax.tree.leaves(indexed, is_leaf=like_params):
+        if like_params(sub):
+            found.update((j, i) for i, j in enumerate(jax.tree.leaves(sub)))
+    return found
 
 
 def _as_dtype(value: Any, dtype) -> Any:
