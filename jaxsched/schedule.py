@@ -109,7 +109,11 @@ class Scheduled:
         """One training step: ``sched(state, batch)`` (or ``sched(state, key, batch)`` for a
         step with extra inputs); returns the new state and the step's aux, as the plain step
         would (the state alone for a step that returns only its state)."""
-        batch = self._batch_of(inputs, state)
+        return self.step_batch(state, self._batch_of(inputs, state))
+
+    def step_batch(self, state: NamedTuple, batch: Any) -> Any:
+        """One step with the step's inputs after the state as one pytree (``batch``, or the
+        tuple of a step's extra inputs and its batch), as ``verify`` and adapters call it."""
         if self._state_form_for(state):
             return self._state_form(state, batch)
         return self._program_for(state, batch).run(state, batch)

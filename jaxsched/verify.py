@@ -224,7 +224,7 @@ def _compare(scheduled: Any, params: Any, opt_state: Any, batches: list, rtol: f
     for t, batch in enumerate(batches, start=1):
         *plain, plain_aux = step(*plain, batch)
         *nudged, nudged_aux = step(*nudged, batch)
-        sched_state, sched_aux = scheduled(sched_state, batch)
+        sched_state, sched_aux = scheduled.step_batch(sched_state, batch)
         jax.block_until_ready((plain, nudged, sched_state, sched_aux))
         user_sched = scheduled.finalize(sched_state)
         reference = _named_leaves("params", plain[0]) + _named_leaves("opt_state", plain[1]) + \

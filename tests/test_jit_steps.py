@@ -576,3 +576,20 @@ def test_a_jit_step_on_the_host_engine_across_two_processes(tmp_path):
     for strategy in ("wfbp", "dear"):
         assert report[strategy]["params_rel_gap"] < 1e-5, (strategy, report[strategy])
         assert report[f"{strategy}_stages"].count("comm") >= 1
+
+
+def test_verify_a_step_with_an_extra_input():
+    mesh, tx = _mesh(), optax.sgd(0.1)
+
+    @jax.jit
+    def update(params, opt_state, scale, batch):
+        x, y = batch
+        l, g = jax.value_and_grad(js.mlp_loss)(params, x * scale, y)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": l}
+
+    params = js.mlp_params(15)
+    sched = jaxsched.schedule(update, strategy="wfbp")
+    batches = [(np.float32(0.5), js.place(mesh, b)) for b in js.mlp_batches(16, 2, 16)]
+    report = sched.verify(sched.init(params, tx.init(params)), batches, steps=2)
+    assert report.ok, str(report)
