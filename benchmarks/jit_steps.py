@@ -1,11 +1,13 @@
 """`jax.jit` steps: what scheduling a step written on global arrays costs, and what it gains.
 
-Run: ``.venv/bin/python benchmarks/jit_steps.py [--steps 40] [--skip-compiled]``. Writes
+Run: ``.venv/bin/python benchmarks/jit_steps.py [--steps 100] [--skip-compiled]``. Writes
 ``benchmarks/results/jit_steps.json``. Three measurements, each against its baseline in
 the same run:
 
 * **one device**: the scheduled jit step (``wfbp``, ``dear``) against the plain jit step,
-  per-step time (medians of interleaved steps);
+  per-step time (medians of interleaved steps), at two batch sizes: what the scheduled
+  step adds is a fixed Python cost per call (turning its state into the compiled
+  program's inputs), so its share falls as the step grows;
 * **eight virtual CPU devices**: how long jaxsched takes to build the program (trace,
   partition, rewrite, compile) against ``jax.jit``'s own compile of the plain step, and the
   per-step time of the scheduled jit step against the same step written with ``shard_map``
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -46,13 +49,13 @@ PER_DEVICE = 32
 STRATEGIES = ("wfbp", "dear")
 
 
-def _setup(devices: int):
+def _setup(devices: int, per_device: int = PER_DEVICE):
     params, apply_fn = models.pure(models.build(MODEL["name"], MODEL["input_shape"], MODEL["classes"],
                                                 **MODEL["options"]))
     tx = optax.adamw(1e-3)
     mesh = jax.make_mesh((devices,), ("data",), (AxisType.Auto,), devices=jax.devices()[:devices])
     rng = np.random.default_rng(0)
-    rows = PER_DEVICE * devices
+    rows = per_device * devices
     batches = [jax.device_put((rng.standard_normal((rows, *MODEL["input_shape"])).astype(np.float32),
                                rng.integers(0, MODEL["classes"], rows).astype(np.int32)),
                               NamedSharding(mesh, P("data"))) for _ in range(4)]
@@ -61,11 +64,16 @@ def _setup(devices: int):
 
 
 def _interleaved(runners: dict, batches: list, n_steps: int, label: str) -> dict:
-    """Median seconds per step of each runner, steps interleaved round-robin so that load on
-    the machine affects every runner alike (one step in flight: docs/cpu_facts.md)."""
+    """Median seconds per step of each runner. Steps are interleaved, in a shuffled order each
+    round (a fixed order biased the later runners by up to 20% on 8 virtual devices), so that
+    load on the machine affects every runner alike; one step in flight (docs/cpu_facts.md)."""
     times = {name: [] for name in runners}
+    order = random.Random(0)
     for i in tqdm(range(n_steps + 1), desc=label, leave=False):
-        for name, run in runners.items():
+        names = list(runners)
+        order.shuffle(names)
+        for name in names:
+            run = runners[name]
             start = time.perf_counter()
             jax.block_until_ready(run(batches[i % len(batches)]))
             if i:  # the first call compiles
@@ -91,15 +99,16 @@ def _scheduled(sched, state):
     return run
 
 
-def one_device(n_steps: int) -> dict:
-    params, apply_fn, tx, _, batches = _setup(1)
+def one_device(n_steps: int, per_device: int) -> dict:
+    params, apply_fn, tx, _, batches = _setup(1, per_device)
     step = steps.make_jit_step(apply_fn, tx)
     runners = {"plain": _stepper(step, (params, tx.init(params)))}
     for strategy in STRATEGIES:
         sched = jaxsched.schedule(step, strategy=strategy)
         runners[strategy] = _scheduled(sched, sched.init(params, tx.init(params)))
-    medians = _interleaved(runners, batches, n_steps, "one device")
-    return {"step_s": medians,
+    medians = _interleaved(runners, batches, n_steps, f"one device, batch {per_device}")
+    return {"batch": per_device, "step_s": medians,
+            "overhead_s": {s: medians[s] - medians["plain"] for s in STRATEGIES},
             "ratio_to_plain": {s: medians[s] / medians["plain"] for s in STRATEGIES}}
 
 
@@ -154,7 +163,7 @@ def compiled(target: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--skip-compiled", action="store_true",
                         help="leave out the GPU/TPU compiles (they need the aot extra)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "jit_steps.json"))
@@ -162,7 +171,8 @@ def main() -> None:
     result = {"command": "benchmarks/jit_steps.py", "date": time.strftime("%Y-%m-%d"),
               "machine": f"{platform.machine()}, {jax.local_device_count()} virtual CPU devices",
               "model": f"mlp {MODEL['options']['hidden']}, {PER_DEVICE} examples per device, adamw",
-              "one_device": one_device(args.steps), "eight_devices": eight_devices(args.steps)}
+              "one_device": [one_device(args.steps, rows) for rows in (PER_DEVICE, 8 * PER_DEVICE)],
+              "eight_devices": eight_devices(args.steps)}
     if not args.skip_compiled:
         result["compiled"] = {t: compiled(t) for t in ("h100:1x8x8", "v5p:2x2x2:slices=2")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

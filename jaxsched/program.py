@@ -28,9 +28,10 @@ def abstract_signature(tree: Any) -> Hashable:
     leaves, treedef = jax.tree.flatten(tree)
 
     def leaf_key(x: Any) -> tuple:
+        if isinstance(x, jax.Array):  # the common case, without numpy's slower paths
+            return x.shape, x.dtype, x.sharding
         dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-        sharding = x.sharding if isinstance(x, jax.Array) else None
-        return tuple(np.shape(x)), str(dtype), sharding
+        return tuple(np.shape(x)), np.dtype(dtype) if not hasattr(dtype, "_impl") else dtype, None
 
     return treedef, tuple(leaf_key(x) for x in leaves)
 
@@ -88,6 +89,7 @@ class Program:
         self.engine = engine.resolve(self.per_device)
         self.core = self.engine.compile(self.per_device)
         self._returned: NamedTuple | None = None  # the state the last run returned
+        self._placed_consts: list | None = None
 
     # what users and tests inspect ----------------------------------------------------------
     @property
@@ -143,16 +145,29 @@ class Program:
         """The compiled core's flat arguments for one step."""
         return self._inputs(self.convert(state), batch)
 
-    def _inputs(self, converted: NamedTuple, batch: Any) -> list:
+    def _inputs(self, converted: NamedTuple, batch: Any, consts: list | None = None) -> list:
         planned = self.planned
         batch_leaves = jax.tree.leaves(batch)
         if len(batch_leaves) != planned.captured.num_batch:
             raise ValueError(f"the batch has {len(batch_leaves)} leaves; the step was traced with "
                              f"{planned.captured.num_batch}")
+        if consts is None:
+            consts = [planned.placed(c, s) for c, s in zip(planned.captured.consts,
+                                                           planned.const_specs, strict=True)]
         return (jax.tree.leaves(converted)
                 + [planned.placed(b, s) for b, s in zip(batch_leaves, planned.batch_specs, strict=True)]
-                + [planned.placed(c, s) for c, s in zip(planned.captured.consts, planned.const_specs,
-                                                         strict=True)])
+                + consts)
+
+    def _device_consts(self) -> list:
+        """The step's constants on the mesh, placed once: a host array passed on every call
+        would be copied to every device on every call."""
+        if self._placed_consts is None:
+            planned = self.planned
+            self._placed_consts = [
+                jax.device_put(c, planned._sharding(s)) if not isinstance(c, jax.Array) or
+                c.sharding != planned._sharding(s) else c
+                for c, s in zip(planned.captured.consts, planned.const_specs, strict=True)]
+        return self._placed_consts
 
     def run(self, state: NamedTuple, batch: Any) -> tuple[NamedTuple, Any]:
         if state is not self._returned:  # a state this program returned is in place already
@@ -162,7 +177,7 @@ class Program:
                                 "sched.inspect), not run; pass arrays to run a step")
             state = self.convert(state)
         leaves, treedef = jax.tree.flatten(state)
-        outs = self.core(*self._inputs(state, batch))
+        outs = self.core(*self._inputs(state, batch, self._device_consts()))
         new_state = jax.tree.unflatten(treedef, outs[:len(leaves)])
         self._returned = new_state
         return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[len(leaves):])
@@ -223,7 +238,7 @@ class ProgramCache:
     def get(self, batch: Any, template: Any = None) -> Program:
         """The program for ``batch`` and a state like ``template`` (``(params, opt_state)``)."""
         key = (abstract_signature(batch),
-               tuple(str(leaf_dtype(x)) for x in jax.tree.leaves(template)))
+               tuple(leaf_dtype(x) for x in jax.tree.leaves(template)))
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._build(batch, template)
