@@ -134,6 +134,10 @@ def test_transformer_lm_with_masks_global_count_smoothing_clipping_scan_and_rema
     sched = _run_trees(js.lm_step(model, tx), params, tx.init(params), batches, strategy,
                        **EXACT[strategy])
     assert sched.program.fallbacks == [] and sched.program.captured.gathers == ()
+    from jaxsched.replay import nested_eqns
+
+    kept = {e.primitive.name for e in nested_eqns(sched.program.captured.body)}
+    assert {"scan", "remat2"} <= kept  # the per-device body still loops and rematerializes
 
 
 @pytest.mark.parametrize("strategy", ["wfbp", "dear"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jax
 from jax import lax
 from jax.extend import core as jex_core
 
@@ -33,8 +34,10 @@ from jaxsched.primitives import CALL_PRIMITIVES
 
 __all__ = ["CONTROL_RULES", "call_rule", "is_call"]
 
-#: Calls whose body is inlined (``remat2`` is ``jax.checkpoint``).
-CALLS = CALL_PRIMITIVES | {"remat2", "checkpoint", "custom_lin"}
+#: ``jax.checkpoint``: planned like any call, and kept a checkpoint in the per-device body.
+REMAT = frozenset({"remat2", "checkpoint"})
+#: Calls whose body is planned with their operands' kinds.
+CALLS = CALL_PRIMITIVES | REMAT | {"custom_lin"}
 
 #: How many times a loop's carry kinds may widen before everything is replicated.
 MAX_WIDENINGS = 6
@@ -71,7 +74,14 @@ def call_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         sub = p.plan(jaxpr, inputs)
     finally:
         p.callers.pop()
-    return EqnPlan(tuple(inputs), sub.out_kinds, lambda values: p.run(sub, consts, values))
+
+    def run(*values):
+        return p.run(sub, consts, values)
+
+    if eqn.primitive.name in REMAT:  # keep jax.checkpoint: the per-device body rematerializes too
+        run = jax.checkpoint(run, prevent_cse=eqn.params.get("prevent_cse", True),
+                             policy=eqn.params.get("policy"))
+    return EqnPlan(tuple(inputs), sub.out_kinds, lambda values: list(run(*values)))
 
 
 def _widen(p: Partitioner, plan_body, carry: list[Kind]) -> tuple[list[Kind], JaxprPlan]:
