@@ -221,25 +221,23 @@ def reshape_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     return _plan(eqn, [k], [sharded(e)], lambda v: [lax.reshape(v[0], local)])
 
 
-def transpose_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
-    (k,) = kinds
-    if k.partial:
-        return _plan(eqn, [PARTIAL if single[0] else REPLICATED],
-                     [PARTIAL if single[0] else REPLICATED])
-    if k.dim is None:
-        return _plan(eqn, [REPLICATED], [REPLICATED])
-    return _plan(eqn, [k], [sharded(tuple(eqn.params["permutation"]).index(k.dim))])
+def moving_rule(new_dim: Callable[[Any, int], int]) -> Rule:
+    """A linear one-operand operation that moves dimensions around (transpose, squeeze): a
+    block of dimension ``d`` becomes a block of ``new_dim(eqn, d)``; a partial sum stays one
+    when this is its only use."""
+    def rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+        (k,) = kinds
+        if k.partial:
+            kind = PARTIAL if single[0] else REPLICATED
+            return _plan(eqn, [kind], [kind])
+        if k.dim is None:
+            return _plan(eqn, [REPLICATED], [REPLICATED])
+        return _plan(eqn, [k], [sharded(new_dim(eqn, k.dim))])
+    return rule
 
 
-def squeeze_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
-    (k,) = kinds
-    if k.partial:
-        return _plan(eqn, [PARTIAL if single[0] else REPLICATED],
-                     [PARTIAL if single[0] else REPLICATED])
-    if k.dim is None:
-        return _plan(eqn, [REPLICATED], [REPLICATED])
-    dims = tuple(eqn.params["dimensions"])
-    return _plan(eqn, [k], [sharded(k.dim - sum(1 for a in dims if a < k.dim))])
+transpose_rule = moving_rule(lambda eqn, d: tuple(eqn.params["permutation"]).index(d))
+squeeze_rule = moving_rule(lambda eqn, d: d - sum(1 for a in eqn.params["dimensions"] if a < d))
 
 
 def _keep_along(p: Partitioner, eqn, kinds: list, single: list, untouched: Callable[[int], bool],
