@@ -125,7 +125,8 @@ def test_cnn_with_global_batch_norm_dropout_and_label_smoothing(strategy):
     assert sched.program.captured.gathers == ()
 
 
-@pytest.mark.parametrize("strategy", ["wfbp", "dear", pytest.param("allreduce", marks=pytest.mark.slow),
+@pytest.mark.parametrize("strategy", ["dear", pytest.param("wfbp", marks=pytest.mark.slow),
+                                      pytest.param("allreduce", marks=pytest.mark.slow),
                                       pytest.param("approx", marks=pytest.mark.slow)])
 def test_transformer_lm_with_masks_global_count_smoothing_clipping_scan_and_remat(strategy):
     mesh = _mesh()
