@@ -89,6 +89,8 @@ class Program:
         self.engine = engine.resolve(self.per_device)
         self.core = self.engine.compile(self.per_device)
         self._returned: NamedTuple | None = None  # the state the last run returned
+        #: whether the state comes out in the dtypes it went in (None: not run yet)
+        self.keeps_dtypes: bool | None = None
         self._placed_consts: list | None = None
 
     # what users and tests inspect ----------------------------------------------------------
@@ -178,9 +180,16 @@ class Program:
             state = self.convert(state)
         leaves, treedef = jax.tree.flatten(state)
         outs = self.core(*self._inputs(state, batch, self._device_consts()))
+        if self.keeps_dtypes is None:
+            self.keeps_dtypes = all(leaf_dtype(a) == leaf_dtype(b) for a, b in zip(leaves, outs))
         new_state = jax.tree.unflatten(treedef, outs[:len(leaves)])
         self._returned = new_state
         return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[len(leaves):])
+
+    @property
+    def returned(self) -> NamedTuple | None:
+        """The state the last run returned (it is in this program's layout already)."""
+        return self._returned
 
     def finalize(self, state: NamedTuple) -> tuple[Any, Any]:
         return self.strategy.finalize(self.planned, state)
@@ -242,8 +251,17 @@ class ProgramCache:
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._build(batch, template)
-        self.last = program
+        self.last, self._last_key = program, key
         return program
+
+    def again(self, state: Any, batch: Any) -> Program | None:
+        """The last program when ``state`` is what it returned, in the dtypes it took, and
+        ``batch`` has the last batch's signature: the usual call in a training loop, which
+        then skips reading the state's dtypes."""
+        last = self.last
+        if last is None or state is not last.returned or not last.keeps_dtypes:
+            return None
+        return last if abstract_signature(batch) == self._last_key[0] else None
 
     def __len__(self) -> int:
         return len(self._programs)

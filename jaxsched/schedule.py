@@ -232,6 +232,9 @@ class Scheduled:
     def _program_for(self, state: NamedTuple, batch: Any) -> Program:
         if self._template is None:
             self._template = (state.params, state.opt_state)
+        program = self._programs.again(state, batch)
+        if program is not None:
+            return program
         return self._programs.get(batch, retyped(self._template, (state.params, state.opt_state)))
 
     def _build(self, batch: Any, template: Any) -> Program:
