@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxsched.axes import AxisName, as_axes, axis_size
 from jaxsched.partition.kinds import Kind, REPLICATED, sharded
 
-__all__ = ["Placement", "read_placement"]
+__all__ = ["Placement", "PlacementError", "read_placement"]
 
 #: The forms jaxsched schedules, for refusals.
 SHARD_MAP_FORM = ("jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P('data')), out_specs=P()) "

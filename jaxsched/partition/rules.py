@@ -36,7 +36,8 @@ from jaxsched.partition.interpreter import EqnPlan, Partitioner
 from jaxsched.partition.kinds import Kind, PARTIAL, REPLICATED, local_shape, sharded
 from jax.extend import source_info_util
 
-__all__ = ["RULES", "Rule", "bind_local", "replicated_rule", "rule_for"]
+__all__ = ["NARROW", "RULES", "Rule", "bind_local", "moving_rule", "narrow_rule_for", "replicated_rule",
+           "rule_for"]
 
 Rule = Callable[[Partitioner, Any, list, list], EqnPlan]
 
