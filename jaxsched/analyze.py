@@ -33,7 +33,7 @@ from jax.extend import core as jex_core
 from jaxsched.capture import CapturedStep, UnsupportedStepError
 from jaxsched.axes import as_axes, spec_axes
 from jaxsched.primitives import REDUCTIONS, SUM_REDUCTIONS, reduces_over, reduction_axes
-from jaxsched.replay import is_var, nested_eqns, source_line
+from jaxsched.replay import is_var, live_equations, nested_eqns, source_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +182,7 @@ def analyze(captured: CapturedStep) -> Analysis:
             in_backward.add(i)
             needed.update(x for x in eqn.invars if is_var(x))
     backward = [i for i in range(len(body.eqns)) if i in in_backward]
-    live = _live_equations(body)
+    live = live_equations(body)
     update = [i for i in range(len(body.eqns))
               if i not in in_backward and i not in reducing_eqns and i in live]
 
@@ -197,20 +197,6 @@ def analyze(captured: CapturedStep) -> Analysis:
                            if is_var(outvars[captured.outputs[k]]) and outvars[captured.outputs[k]] in varying)
     return Analysis(captured, tuple(reductions), tuple(backward), tuple(update),
                     frozenset(varying), tuple(first_use), forward_collectives, per_device)
-
-
-def _live_equations(body) -> set[int]:
-    """Equations whose results reach an output, or that have effects. Dead code (a forward
-    branch whose result nobody reads) is left out of the update region: XLA would remove it
-    after compiling, but a rewrite that saw it would gather its operands first."""
-    needed = {x for x in body.outvars if is_var(x)}
-    live = set()
-    for i in range(len(body.eqns) - 1, -1, -1):
-        eqn = body.eqns[i]
-        if eqn.effects or any(o in needed for o in eqn.outvars):
-            live.add(i)
-            needed.update(x for x in eqn.invars if is_var(x))
-    return live
 
 
 def _nested_reduction(jaxpr, axis: str):

@@ -154,6 +154,20 @@ def source_line(eqn) -> str:
     return f"<no user source line: {eqn.primitive.name} inserted by JAX in {stack}>"
 
 
+def live_equations(jaxpr) -> set[int]:
+    """Indices of the equations whose results reach an output, or that have effects: the
+    rest is dead code, which XLA removes after compiling but a rewrite would otherwise read
+    (and, for instance, gather operands for)."""
+    needed = {x for x in jaxpr.outvars if is_var(x)}
+    live = set()
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        eqn = jaxpr.eqns[i]
+        if eqn.effects or any(o in needed for o in eqn.outvars):
+            live.add(i)
+            needed.update(x for x in eqn.invars if is_var(x))
+    return live
+
+
 def nested_eqns(jaxpr):
     """Every equation of ``jaxpr`` and of the jaxprs nested in its equations' parameters."""
     for eqn in jaxpr.eqns:

@@ -60,17 +60,22 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     return tx
 
 
+def _loss_and_grads(apply_fn: Callable, params: Any, x: Any, y: Any) -> tuple:
+    """Cross-entropy, logits and gradients on the batch this code sees (local or global)."""
+    def loss_fn(p):
+        logits = apply_fn(p, x)
+        return cross_entropy(logits, y), logits
+
+    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return loss, logits, grads
+
+
 def local_step_fn(apply_fn: Callable, tx: optax.GradientTransformation, axis: str | tuple[str, ...]) -> Step:
     """The per-device body: gradients on the local batch, pmean'ed over ``axis``."""
 
     def local_step(params, opt_state, batch):
         x, y = batch
-
-        def loss_fn(p):
-            logits = apply_fn(p, x)
-            return cross_entropy(logits, y), logits
-
-        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        loss, logits, grads = _loss_and_grads(apply_fn, params, x, y)
         grads = lax.pmean(grads, axis)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
@@ -95,12 +100,7 @@ def global_step_fn(apply_fn: Callable, tx: optax.GradientTransformation) -> Step
 
     def step(params, opt_state, batch):
         x, y = batch
-
-        def loss_fn(p):
-            logits = apply_fn(p, x)
-            return cross_entropy(logits, y), logits
-
-        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        loss, logits, grads = _loss_and_grads(apply_fn, params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, "accuracy": accuracy(logits, y)}

@@ -119,18 +119,11 @@ def _inlined(closed, placement: Placement):
 
 
 def _without_dead_code(jaxpr):
-    """``jaxpr`` without equations whose results nothing reads (and that have no effects).
-
-    Autodiff leaves some (the cotangent of a value nothing depends on); XLA removes them
-    after compiling, but planning would take their demands for real: a dead equation that
-    reads a whole value keeps its producer from computing just a block."""
-    live = {x for x in jaxpr.outvars if isinstance(x, jex_core.Var)}
-    kept = []
-    for eqn in reversed(jaxpr.eqns):
-        if eqn.effects or any(o in live for o in eqn.outvars):
-            kept.append(eqn)
-            live.update(x for x in eqn.invars if isinstance(x, jex_core.Var))
-    return jaxpr.replace(eqns=kept[::-1])
+    """``jaxpr`` without dead equations (:func:`jaxsched.replay.live_equations`): planning
+    would take their demands for real, and a dead equation that reads a whole value keeps its
+    producer from computing just a block."""
+    live = replay.live_equations(jaxpr)
+    return jaxpr.replace(eqns=[e for i, e in enumerate(jaxpr.eqns) if i in live])
 
 
 def _body_of(traced, num_args: int) -> tuple[Any, list]:

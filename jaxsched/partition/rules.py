@@ -259,6 +259,24 @@ def _keep_along(p: Partitioner, eqn, kinds: list, single: list, untouched: Calla
     return _plan(eqn, [k] + rest, [k] * len(eqn.outvars), emit)
 
 
+def _shared_block(p: Partitioner, eqn, kinds: list, single: list, untouched: Callable[[int], bool],
+                  why: str) -> EqnPlan:
+    """Several operands of one rank that work together along some dimensions (a sort of
+    several keys, pooling and its gradients): a block of a dimension they leave alone
+    (``untouched(d)``) stays a block in every operand of that rank and in every result."""
+    dims = {k.dim for k in kinds if k.dim is not None}
+    if any(k.partial for k in kinds) or len(dims) > 1:
+        return replicated_rule(p, eqn, kinds, single)
+    if not dims:
+        return _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED] * len(eqn.outvars))
+    d = dims.pop()
+    if not untouched(d):
+        return replicated_rule(p, eqn, kinds, single, why)
+    rank = len(_shape(eqn.outvars[0]))
+    wanted = [sharded(d) if len(_shape(x)) == rank else REPLICATED for x in eqn.invars]
+    return _plan(eqn, wanted, [sharded(d)] * len(eqn.outvars))
+
+
 def slice_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     shape = _shape(eqn.invars[0])
     start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
@@ -293,16 +311,8 @@ def along_axis_rule(param: str, linear: bool = False) -> Rule:
         axis = eqn.params[param]
         axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
         if len(kinds) > 1:  # sort of several same-shaped operands
-            dims = {k.dim for k in kinds if k.dim is not None}
-            if any(k.partial for k in kinds) or len(dims) > 1:
-                return replicated_rule(p, eqn, kinds, single)
-            if not dims:
-                return _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED] * len(eqn.outvars))
-            d = dims.pop()
-            if d in axes:
-                return replicated_rule(p, eqn, kinds, single,
-                                       "works along the sharded (batch) dimension")
-            return _plan(eqn, [sharded(d)] * len(kinds), [sharded(d)] * len(eqn.outvars))
+            return _shared_block(p, eqn, kinds, single, lambda d: d not in axes,
+                                 "works along the sharded (batch) dimension")
         return _keep_along(p, eqn, kinds, single, lambda d: d not in axes, linear=linear)
     return rule
 
@@ -578,16 +588,8 @@ def window_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         return window[d] == 1 and strides[d] == 1 and tuple(padding[d]) == (0, 0) \
             and base[d] == 1 and win_dil[d] == 1
 
-    dims = {k.dim for k in kinds if k.dim is not None}
-    if any(k.partial for k in kinds) or len(dims) > 1:
-        return replicated_rule(p, eqn, kinds, single)
-    if not dims:
-        return _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED] * len(eqn.outvars))
-    d = dims.pop()
-    if not untouched(d):
-        return replicated_rule(p, eqn, kinds, single, "pools across the sharded (batch) dimension")
-    wanted = [sharded(d) if len(_shape(x)) == n else REPLICATED for x in eqn.invars]
-    return _plan(eqn, wanted, [sharded(d)] * len(eqn.outvars))
+    return _shared_block(p, eqn, kinds, single, untouched,
+                         "pools across the sharded (batch) dimension")
 
 
 def bitcast_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
