@@ -217,8 +217,8 @@ class Partitioner:
 
         def read(x: Any, want: Kind) -> Any:
             if isinstance(x, jex_core.Literal):
-                return self.ctx.convert(x.val, REPLICATED, want, x.aval.shape) \
-                    if not want.is_replicated and not want.partial else x.val
+                return x.val if want.is_replicated else \
+                    self.ctx.convert(x.val, REPLICATED, want, x.aval.shape)
             have = plan.kinds[x]
             if have == want or (want.partial and have.is_replicated and x in self.zeros):
                 return env[x]
