@@ -65,7 +65,7 @@ def _setup(devices: int, per_device: int = PER_DEVICE):
 
 def _interleaved(runners: dict, batches: list, n_steps: int, label: str) -> dict:
     """Median seconds per step of each runner. Steps are interleaved, in a shuffled order each
-    round (a fixed order biased the later runners by up to 20% on 8 virtual devices), so that
+    round (with a fixed order, later runners are measured slower on 8 virtual devices), so that
     load on the machine affects every runner alike; one step in flight (docs/cpu_facts.md)."""
     times = {name: [] for name in runners}
     order = random.Random(0)
