@@ -1,15 +1,15 @@
-"""Time a psum of float32 between processes started by ``jaxsched.launch``.
+"""Time a psum of float32 between processes started by ``jaxsched.tools.launch``.
 
 One process per host, one CPU device each; gloo collectives (bound to the namespace's
 interface under ``--cluster``). Rank 0 prints the median, min and max of ``--reps`` timed
 psums after one warm-up, and with ``--json`` appends a row to that file.
 
     # loopback
-    PYTHONPATH=. python -m jaxsched.launch --hosts 2 -- python benchmarks/cluster_psum.py
+    PYTHONPATH=. python -m jaxsched.tools.launch --hosts 2 -- python benchmarks/cluster_psum.py
     # two namespaces, unshaped and at 1 Gbit/s (root)
-    PYTHONPATH=. python -m jaxsched.launch --hosts 2 --cluster --bandwidth none -- \\
+    PYTHONPATH=. python -m jaxsched.tools.launch --hosts 2 --cluster --bandwidth none -- \\
         python benchmarks/cluster_psum.py --label unshaped
-    PYTHONPATH=. python -m jaxsched.launch --hosts 2 --cluster --bandwidth 1gbit -- \\
+    PYTHONPATH=. python -m jaxsched.tools.launch --hosts 2 --cluster --bandwidth 1gbit -- \\
         python benchmarks/cluster_psum.py --label 1gbit
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 import statistics
 import time
 
-import jaxsched.launch
+import jaxsched.tools.launch
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--mb", type=float, default=40.0, help="megabytes (10**6) per process")
@@ -28,7 +28,7 @@ parser.add_argument("--label", default="", help="what this run is, e.g. '1gbit'"
 parser.add_argument("--json", help="append a JSON line with the result to this file")
 args = parser.parse_args()
 
-info = jaxsched.launch.initialize(cpu_devices=1)
+info = jaxsched.tools.launch.initialize(cpu_devices=1)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -4,7 +4,7 @@ Run from the repository root (about 10 minutes on 2 shared cores):
 
     PYTHONPATH=. .venv/bin/python benchmarks/compression_convergence.py
 
-Trains the zoo MLP on scikit-learn digits (``jaxsched.data.load_digits``), data parallel
+Trains the zoo MLP on scikit-learn digits (``jaxsched.zoo.data.load_digits``), data parallel
 over 8 virtual CPU devices, with ``jaxsched.schedule(step, strategy="wfbp",
 compression=...)``. It runs these variants, for 3 seeds each:
 
@@ -48,8 +48,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxsched  # noqa: E402
-from jaxsched import data, models, steps  # noqa: E402
-from jaxsched.compress import GlobalTopK, PowerSGD, TopK, bytes_sent  # noqa: E402
+from jaxsched.zoo import data  # noqa: E402
+from jaxsched.zoo import models
+from jaxsched.demo import steps
+from jaxsched.runtime.compress import GlobalTopK, PowerSGD, TopK, bytes_sent  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICES = 8
@@ -165,7 +167,7 @@ def table(rows: list[dict], meta: dict) -> str:
              f"warm-up is `warmup_steps={meta['warmup_steps']}` from 25 % to 1 % "
              f"({meta['warmup_tiers'] or 'the default'} tiers); clipping is `clip_norm={meta['clip_norm']}`. "
              f"Bytes: compressed payload per "
-             f"device per step (`jaxsched.compress.bytes_sent` after every step), averaged over the "
+             f"device per step (`jaxsched.runtime.compress.bytes_sent` after every step), averaged over the "
              f"{steps_done} steps, warm-up included; dense float32 is {meta['dense_bytes']} B.",
              "",
              "| variant | optimizer | test accuracy (mean of seeds) | per seed | vs dense (points) | loss (last 20 steps) | bytes/step/device | ratio |",

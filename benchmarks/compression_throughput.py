@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxsched import kernels  # noqa: E402
+from jaxsched.runtime import kernels  # noqa: E402
 
 
 def _timer(fn, args, inner):

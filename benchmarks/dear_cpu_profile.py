@@ -25,7 +25,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxsched  # noqa: E402
-from jaxsched import models, steps  # noqa: E402
+from jaxsched.zoo import models  # noqa: E402
+from jaxsched.demo import steps
 
 COLLECTIVE_WORDS = ("all-reduce", "all_reduce", "all_gather", "all-gather", "reduce_scatter",
                     "reduce-scatter", "Rendezvous")

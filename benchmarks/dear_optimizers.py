@@ -13,7 +13,7 @@ fallback, and the median step time of ``dear`` and ``wfbp``, interleaved step by
 the same run. CPU step times say nothing about overlap (XLA:CPU runs collectives
 synchronously, FACTS.md); they show what the sharded update costs here.
 
-Part two (``--compiled``) compiles for compile-only devices (jaxsched.aot): nothing runs on
+Part two (``--compiled``) compiles for compile-only devices (jaxsched.tools.aot): nothing runs on
 an accelerator, every time is XLA's latency-hiding scheduler estimate, NOT a measurement.
 
 Writes benchmarks/results/dear_optimizers.json.
@@ -71,7 +71,7 @@ def time_steps(runs: dict, batches: list, repeats: int) -> dict:
 def optimizer_table(names, repeats: int) -> list[dict]:
     import jaxsched
     import optimizer_zoo as zoo
-    from jaxsched.verify import relative_gap
+    from jaxsched.check.verify import relative_gap
 
     rows = []
     for name in names:
@@ -121,8 +121,9 @@ def compiled_transformer(target: str) -> dict:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import jaxsched
-    from jaxsched import models, steps
-    from jaxsched.aot.experiment import ZOO, mesh_for
+    from jaxsched.zoo import models
+    from jaxsched.demo import steps
+    from jaxsched.tools.aot.experiment import ZOO, mesh_for
 
     spec = ZOO["transformer"]
     mesh = mesh_for(target)

@@ -21,7 +21,8 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import jaxsched  # noqa: E402
-from jaxsched import models, steps  # noqa: E402
+from jaxsched.zoo import models  # noqa: E402
+from jaxsched.demo import steps
 
 
 def dispatch_us(call, state, calls: int = 200) -> float:

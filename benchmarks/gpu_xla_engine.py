@@ -56,9 +56,10 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxsched  # noqa: E402
-from jaxsched import models, steps  # noqa: E402
-from jaxsched.bench import parse_compression  # noqa: E402
-from jaxsched.collectives.base import BucketSpec, Collective  # noqa: E402
+from jaxsched.zoo import models  # noqa: E402
+from jaxsched.demo import steps
+from jaxsched.tools.bench import parse_compression  # noqa: E402
+from jaxsched.runtime.collectives.base import BucketSpec, Collective  # noqa: E402
 
 MODELS = {
     # the CPU overhead table's MLP (README), a 10-class head

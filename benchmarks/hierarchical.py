@@ -7,7 +7,7 @@ strategy it compiles
 * the plain step (``lax.pmean(grads, ("dcn", "ici"))``, XLA's own lowering);
 * the strategy with the flat collective (``collective=Collective()``: one sum over both axes);
 * the strategy with ``Hierarchical(fast="ici", slow="dcn")``, the two-level sum the mesh
-  calls for (``jaxsched.collectives.hierarchy_from_mesh``);
+  calls for (``jaxsched.runtime.collectives.hierarchy_from_mesh``);
 
 and reports the bytes that cross slices (operand bytes per device per step of every
 collective whose device groups span both slices, and of every ``send``: XLA:TPU lowers
@@ -103,9 +103,9 @@ def main(argv=None) -> int:
     import jax
 
     import jaxsched
-    from jaxsched import inspect as inspect_lib
-    from jaxsched.aot.experiment import ZOO, abstract_experiment, mesh_for
-    from jaxsched.collectives import Collective, hierarchy_from_mesh
+    from jaxsched.check import inspection as inspect_lib
+    from jaxsched.tools.aot.experiment import ZOO, abstract_experiment, mesh_for
+    from jaxsched.runtime.collectives import Collective, hierarchy_from_mesh
 
     mesh = mesh_for(args.target, ("dcn", "ici"))
     exp = abstract_experiment(ZOO[args.model], mesh=mesh)

@@ -30,7 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
-import jaxsched.launch
+import jaxsched.tools.launch
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
@@ -39,7 +39,7 @@ parser.add_argument("--batch-per-device", type=int, default=16)
 parser.add_argument("--json", help="write the result here (rank 0)")
 args = parser.parse_args()
 
-info = jaxsched.launch.initialize()
+info = jaxsched.tools.launch.initialize()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -47,8 +47,9 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxsched  # noqa: E402
-from jaxsched import models, steps  # noqa: E402
-from jaxsched.collectives import Collective  # noqa: E402
+from jaxsched.zoo import models  # noqa: E402
+from jaxsched.demo import steps
+from jaxsched.runtime.collectives import Collective  # noqa: E402
 
 local = jax.local_device_count()
 mesh = jax.make_mesh((info.num_processes, local), ("hosts", "local"), devices=jax.devices())
@@ -97,7 +98,7 @@ class CommOnly:
     """The gradient bytes summed alone, without compute: where the step's time goes."""
 
     def __init__(self, collective):
-        from jaxsched.collectives import BucketSpec
+        from jaxsched.runtime.collectives import BucketSpec
 
         spec = BucketSpec(0, n_params, np.dtype(np.float32), mesh.size,
                           mesh_axes=tuple((a, mesh.shape[a]) for a in axes))

@@ -18,9 +18,9 @@ import statistics
 import time
 from pathlib import Path
 
-import jaxsched.launch
+import jaxsched.tools.launch
 
-jaxsched.launch.initialize(cpu_devices=2)
+jaxsched.tools.launch.initialize(cpu_devices=2)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

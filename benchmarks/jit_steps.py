@@ -42,7 +42,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 from tqdm import tqdm  # noqa: E402
 
 import jaxsched  # noqa: E402
-from jaxsched import models, steps  # noqa: E402
+from jaxsched.zoo import models  # noqa: E402
+from jaxsched.demo import steps
 
 MODEL = dict(name="mlp", input_shape=(32, 32, 1), classes=10, options=dict(hidden=(512,) * 4))
 PER_DEVICE = 32
@@ -138,8 +139,8 @@ def eight_devices(n_steps: int) -> dict:
 
 def compiled(target: str) -> dict:
     """XLA's estimates for the plain jit step and the scheduled ones on ``target``."""
-    from jaxsched.aot.experiment import ModelSpec, abstract_experiment
-    from jaxsched.config import OptimizerConfig
+    from jaxsched.tools.aot.experiment import ModelSpec, abstract_experiment
+    from jaxsched.demo.config import OptimizerConfig
 
     spec = ModelSpec("mlp", (1024,), 1000, {"hidden": (2048,) * 6}, 64,
                      OptimizerConfig(name="adamw", learning_rate=1e-4))

@@ -3,7 +3,7 @@
 Every optimizer gets the same tuning effort: a sweep of four learning rates, nothing else
 tuned (K-FAC's damping, moving-average decay and intervals stay at the values below).
 ``sgd`` and ``adam`` run the plain step (``strategy="allreduce"``); ``kfac`` runs the same
-step with ``optax.sgd`` under ``strategy=jaxsched.kfac.KFAC(...)``. Every run of a seed
+step with ``optax.sgd`` under ``strategy=jaxsched.integrations.kfac.KFAC(...)``. Every run of a seed
 sees the same batches; test accuracy (held-out split) is evaluated every ``--eval-every``
 steps. For each optimizer, the best learning rate is the one that reaches the target
 first (ties: higher final accuracy). Writes ``benchmarks/results/kfac_convergence.json``,
@@ -30,7 +30,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxsched  # noqa: E402
-from jaxsched import data, models, steps  # noqa: E402
+from jaxsched.zoo import data  # noqa: E402
+from jaxsched.zoo import models
+from jaxsched.demo import steps
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEPS = {"sgd": (0.03, 0.1, 0.3, 1.0), "adam": (1e-3, 3e-3, 1e-2, 3e-2),
@@ -47,7 +49,7 @@ def optimizer(name: str, lr: float):
 def train(name: str, lr: float, seed: int, split, args, mesh) -> dict:
     params, apply_fn = models.pure(models.build("mlp", (8, 8, 1), 10, seed=seed, hidden=HIDDEN))
     tx = optimizer(name, lr)
-    strategy = jaxsched.kfac.KFAC(**KFAC_OPTIONS) if name == "kfac" else "allreduce"
+    strategy = jaxsched.integrations.kfac.KFAC(**KFAC_OPTIONS) if name == "kfac" else "allreduce"
     sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy=strategy)
     state = sched.init(params, tx.init(params))
     evaluate = jax.jit(lambda p: steps.accuracy(apply_fn(p, split.test_x), split.test_y))

@@ -47,11 +47,12 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxsched  # noqa: E402
-from jaxsched import models, steps  # noqa: E402
-from jaxsched.costmodel import KFAC_PATTERN, network_preset  # noqa: E402
-from jaxsched.placement import max_load, plan_placement, worker_loads  # noqa: E402
+from jaxsched.zoo import models  # noqa: E402
+from jaxsched.demo import steps
+from jaxsched.sim.costmodel import KFAC_PATTERN, network_preset  # noqa: E402
+from jaxsched.sim.kfac_placement import max_load, plan_placement, worker_loads  # noqa: E402
 from jaxsched.sim import simulate  # noqa: E402
-from jaxsched.zoo_profiles import zoo_profile  # noqa: E402
+from jaxsched.sim.zoo_profiles import zoo_profile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_FEATURES, HIDDEN, CLASSES = 128, (512, 256, 128, 64), 10
@@ -79,7 +80,7 @@ def measured(args) -> dict:
     }
     runs = {}
     for name, options in variants.items():
-        strategy = jaxsched.kfac.KFAC(damping=1e-2, factor_buckets="per_layer", **options)
+        strategy = jaxsched.integrations.kfac.KFAC(damping=1e-2, factor_buckets="per_layer", **options)
         sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy=strategy)
         state = sched.init(params, tx.init(params))
         state, aux = sched(state, batch)  # the refreshing step 0 of every variant, and compile

@@ -1,10 +1,10 @@
-"""Measured overlap on an emulated 2-host cluster: see ``jaxsched.bench`` (same options).
+"""Measured overlap on an emulated 2-host cluster: see ``jaxsched.tools.bench`` (same options).
 
     sudo .venv/bin/python benchmarks/overlap.py --hosts 2 --bandwidth 1gbit --steps 20
 """
 import sys
 
-from jaxsched.bench import main
+from jaxsched.tools.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

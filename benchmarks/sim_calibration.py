@@ -1,9 +1,9 @@
 """Simulator vs measurement: predict the baseline step from measured profiles, then time it.
 
 For each zoo model: measure its layer profile on all 8 virtual CPU devices at once
-(``jaxsched.profile.profile_zoo_model(mesh=...)``) and the mesh's collective costs
+(``jaxsched.plan.profiling.profile_zoo_model(mesh=...)``) and the mesh's collective costs
 (``profile_network``); simulate each strategy; then time the real step (median of
-blocked steps) in the same run: ``allreduce`` is ``jaxsched.steps.make_step`` (SGD);
+blocked steps) in the same run: ``allreduce`` is ``jaxsched.demo.steps.make_step`` (SGD);
 ``wfbp`` and ``dear`` are ``jaxsched.schedule`` (xla engine).
 XLA:CPU runs collectives inline (docs/cpu_facts.md), so the prediction uses
 ``simulate(..., shared_stream=True)``; one bucket (every model here is under 25 MB, the
@@ -33,7 +33,9 @@ jax.devices()
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from jaxsched import models, profile, steps  # noqa: E402
+from jaxsched.zoo import models  # noqa: E402
+from jaxsched.plan import profiling as profile
+from jaxsched.demo import steps
 from jaxsched.sim import simulate  # noqa: E402
 
 CASES = [("mlp", {"hidden": (512, 512, 512)}, 64), ("cnn", {"channels": 32}, 16),

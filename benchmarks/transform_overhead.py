@@ -23,7 +23,8 @@ import optax  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import jaxsched  # noqa: E402
-from jaxsched import models, steps  # noqa: E402
+from jaxsched.zoo import models  # noqa: E402
+from jaxsched.demo import steps
 
 MODELS = {
     "mlp-4x512": dict(name="mlp", input_shape=(32, 32, 1), classes=10, options=dict(hidden=(512,) * 4),

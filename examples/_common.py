@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import numpy as np
 
-from jaxsched import config as config_lib
-from jaxsched import launch
-from jaxsched.cli.options import HelpFormatter, positive_int
+from jaxsched.demo import config as config_lib
+from jaxsched.tools import launch
+from jaxsched.tools.cli.options import HelpFormatter, positive_int
 
 EXIT_INTERRUPTED = 130  # what a shell reports for a program stopped by Ctrl-C (128 + SIGINT)
 COMPRESSIONS = "none, topk:DENSITY, gtopk:DENSITY, powersgd:RANK, bf16"
@@ -52,7 +52,7 @@ def parser(description: str, default_config: str | None, default_out: str
     p.add_argument("--compression", default=None, type=compression,
                    help=f"gradient compressor: {COMPRESSIONS}")
     p.add_argument("--engine", default="auto", type=engine_name,
-                   help="auto, xla or host (jaxsched.engine)")
+                   help="auto, xla or host (jaxsched.runtime.engine)")
     p.add_argument("--steps", type=positive_int, help="steps in all (default: train.steps)")
     p.add_argument("--devices", type=positive_int,
                    help="devices in the mesh (default: train.devices on one process; one per "
@@ -87,16 +87,16 @@ def bucket_plan(text: str) -> Any:
 
 
 def compression(text: str) -> Any:
-    """``--compression``: a :mod:`jaxsched.compress` compressor, or None for ``none``."""
+    """``--compression``: a :mod:`jaxsched.runtime.compress` compressor, or None for ``none``."""
     if text in ("none", ""):
         return None
-    from jaxsched.bench import parse_compression
+    from jaxsched.tools.bench import parse_compression
 
     return parse_compression(text)
 
 
 def engine_name(text: str) -> str:
-    from jaxsched.engine import engine_names
+    from jaxsched.runtime.engine import engine_names
 
     if text not in engine_names():
         raise argparse.ArgumentTypeError(f"{text!r} is unknown; choose one of "
@@ -122,7 +122,7 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None,
           config_for: Callable[[argparse.Namespace], str] | None = None) -> Options:
     """Parse and check every option, the config and the output folder; touch no device.
     ``config_for(args)`` names the config when ``--config`` is not given."""
-    from jaxsched.compress import PowerSGD
+    from jaxsched.runtime.compress import PowerSGD
     from jaxsched.strategies import make_strategy
 
     args = p.parse_args(argv)
@@ -219,7 +219,7 @@ def check_buckets(plan: Any, params: Any) -> None:
     """An explicit ``--buckets`` plan against the model's parameter paths, before tracing."""
     if not isinstance(plan, list):
         return
-    from jaxsched.bucketing import _explicit_groups, param_paths
+    from jaxsched.core.bucketing import _explicit_groups, param_paths
 
     try:
         _explicit_groups(plan, param_paths(params))
@@ -234,7 +234,7 @@ def global_batch(mesh: Any, arrays: Sequence[np.ndarray], batch_size: int, step:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxsched.data import batch_indices
+    from jaxsched.zoo.data import batch_indices
 
     idx = batch_indices(len(arrays[0]), batch_size, step, seed)
     share = batch_size // jax.process_count()
@@ -276,7 +276,7 @@ class Run:
     def __init__(self, opts: Options, name: str, unit: str, per_example: int = 1):
         import jax
 
-        from jaxsched.checkpoint import Checkpoints
+        from jaxsched.integrations.checkpoint import Checkpoints
 
         self.opts, self.name, self.unit, self.per_example = opts, name, unit, per_example
         self.primary = jax.process_index() == 0
@@ -338,7 +338,7 @@ class Run:
         return self.checkpoints.restore(state, latest)
 
     def steps(self) -> Iterator[int]:
-        from jaxsched.progress import progress
+        from jaxsched.core.progress import progress
 
         desc = f"{self.name} from step {self.start}" if self.start else self.name
         bar = progress(range(self.start, self.opts.steps), desc,

@@ -5,7 +5,7 @@
 
 The images (32x32x3) are generated, nothing is downloaded: each class is a coloured
 grating of its own orientation and frequency at a random phase, under noise
-(``jaxsched.data.synthetic_cifar``), so the loss falls as it would on real data. Reports
+(``jaxsched.zoo.data.synthetic_cifar``), so the loss falls as it would on real data. Reports
 images/s per step (metrics.jsonl) and the median over the run (summary.json); the first
 step, which compiles, is left out of the median. Options: ``--help`` or ``_common.py``.
 """
@@ -35,7 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import numpy as np
 
     import jaxsched
-    from jaxsched import data, models, steps
+    from jaxsched.zoo import data
+    from jaxsched.zoo import models
+    from jaxsched.demo import steps
 
     split = data.load("synthetic_cifar", seed=opts.seed, **opts.cfg.data.options)
     if opts.batch_size > len(split.train_x):

@@ -3,7 +3,7 @@
     python examples/digits.py --model cnn --strategy dear --steps 200
     jaxsched launch --hosts 2 --cpu-devices 2 -- python examples/digits.py --steps 100
 
-The step is the one users already write (``jaxsched.steps.make_step``: value_and_grad on
+The step is the one users already write (``jaxsched.demo.steps.make_step``: value_and_grad on
 the local shard, ``lax.pmean`` of the gradients, an optax update inside ``jax.shard_map``);
 ``jaxsched.schedule`` reorders its gradient communication. Options, checkpoints, metrics
 and Ctrl-C live in ``_common.py``; ``--help`` lists every option with its default.
@@ -36,7 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import numpy as np
 
     import jaxsched
-    from jaxsched import data, models, steps
+    from jaxsched.zoo import data
+    from jaxsched.zoo import models
+    from jaxsched.demo import steps
 
     split = data.load_digits()
     net = models.build(cfg.model.name, split.train_x.shape[1:], split.num_classes,

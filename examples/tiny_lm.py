@@ -3,7 +3,7 @@
     python examples/tiny_lm.py --strategy dear --steps 200
     jaxsched launch --hosts 2 --cpu-devices 2 -- python examples/tiny_lm.py --steps 100
 
-The sequences come from a sparse Markov chain (``jaxsched.data.synthetic_tokens``): each
+The sequences come from a sparse Markov chain (``jaxsched.zoo.data.synthetic_tokens``): each
 token has two possible successors, so a model that learned the chain reaches a loss of
 ln 2 = 0.693 and about 50% next-token accuracy, and no model can do better. The summary
 reports the held-out loss against that bound; tokens/s per step go to metrics.jsonl.
@@ -36,7 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import numpy as np
 
     import jaxsched
-    from jaxsched import data, models, steps
+    from jaxsched.zoo import data
+    from jaxsched.zoo import models
+    from jaxsched.demo import steps
 
     split = data.load("synthetic_tokens", seed=opts.seed, **opts.cfg.data.options)
     seq_len = split.train_x.shape[1]

@@ -8,7 +8,7 @@ parallelism: ``jax.jit`` on global arrays, the batch placed with ``NamedSharding
 P("data"))``, no collective in sight. ``flax.training.train_state.TrainState`` carries the
 parameters, the optimizer state and the step counter, and ``state.apply_gradients`` updates
 it. It returns ``(state, metrics)``; ``jaxsched.schedule`` takes it as it is: it partitions
-the step per device (``jaxsched.partition``) and finds the trained leaves
+the step per device (``jaxsched.core.partition``) and finds the trained leaves
 (``state.params``). Options, checkpoints, metrics and Ctrl-C live
 in ``_common.py``; ``--help`` lists every option with its default.
 """
@@ -72,7 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from flax.training.train_state import TrainState
 
     import jaxsched
-    from jaxsched import data, steps
+    from jaxsched.zoo import data
+    from jaxsched.demo import steps
 
     split = data.load_digits()
     model = build_model(cfg.model.name, split.num_classes, cfg.model.options)

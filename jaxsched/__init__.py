@@ -1,23 +1,27 @@
 """jaxsched: scheduled gradient communication for data-parallel JAX training."""
-from jaxsched.capture import UnsupportedStepError
-from jaxsched.config import Config, ConfigError
-from jaxsched.costmodel import Layer, LayerProfile, NetworkProfile, network_preset
-from jaxsched.models import pure
+from jaxsched import _legacy_paths
+
+_legacy_paths.install()
+
+from jaxsched.core.capture import UnsupportedStepError
+from jaxsched.demo.config import Config, ConfigError
+from jaxsched.sim.costmodel import Layer, LayerProfile, NetworkProfile, network_preset
+from jaxsched.zoo.models import pure
 from jaxsched.plan import plan_buckets
-from jaxsched.profile import profile_network, profile_zoo_model
-from jaxsched.collectives import Collective, CollectiveWrapper
-from jaxsched import compress
-from jaxsched import kfac
-from jaxsched.engine import Engine, register_engine
-from jaxsched.partition import GatherWarning
-from jaxsched.rewrite.rules import FallbackWarning
-from jaxsched.schedule import STRATEGIES, SchedState, Scheduled
-from jaxsched.schedule import schedule  # noqa: E402  (the function shadows the module name)
+from jaxsched.plan.profiling import profile_network, profile_zoo_model
+from jaxsched.runtime.collectives import Collective, CollectiveWrapper
+from jaxsched.runtime import compress
+from jaxsched.integrations import kfac
+from jaxsched.runtime.engine import Engine, register_engine
+from jaxsched.core.partition import GatherWarning
+from jaxsched.core.rewrite.rules import FallbackWarning
+from jaxsched._schedule import STRATEGIES, SchedState, Scheduled
+from jaxsched._schedule import schedule
 from jaxsched.strategies import Strategy, register_strategy
 from jaxsched.sim import simulate
-from jaxsched.steps import make_pmap_step, make_step
-from jaxsched.trainer import RunResult, train
-from jaxsched import nnx  # noqa: E402  (after schedule: the adapter wraps it)
+from jaxsched.demo.steps import make_pmap_step, make_step
+from jaxsched.demo.trainer import RunResult, train
+from jaxsched.integrations import nnx  # noqa: E402  (after schedule: the adapter wraps it)
 
 __all__ = [
     "Collective",

@@ -1,5 +1,5 @@
 import sys
 
-from jaxsched.cli import main
+from jaxsched.tools.cli import main
 
 sys.exit(main())

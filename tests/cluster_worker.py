@@ -1,4 +1,4 @@
-"""One process under ``jaxsched.launch``: ``python cluster_worker.py MODE [ARGS]``.
+"""One process under ``jaxsched.tools.launch``: ``python cluster_worker.py MODE [ARGS]``.
 
 Modes:
   echo            print one line on stdout and one on stderr (no JAX)
@@ -29,9 +29,9 @@ if mode == "fail-sleep":
     time.sleep(600)
     sys.exit(0)
 
-import jaxsched.launch  # noqa: E402
+import jaxsched.tools.launch  # noqa: E402
 
-info = jaxsched.launch.initialize(cpu_devices=1)
+info = jaxsched.tools.launch.initialize(cpu_devices=1)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -2,7 +2,7 @@
 
 The `aot` extra installs the GPU and TPU compile-only toolchains; with them JAX would probe
 for a TPU and CUDA driver at start-up (and print libtpu's errors) in every process. Tests run
-on CPU, and compile for accelerators only through jaxsched.aot's compile-only devices, which
+on CPU, and compile for accelerators only through jaxsched.tools.aot's compile-only devices, which
 need no backend: so this process and every subprocess it starts use the CPU backend only.
 """
 import os

@@ -6,7 +6,8 @@ import numpy as np
 import optax
 
 import jaxsched
-from jaxsched import models, steps
+from jaxsched.zoo import models
+from jaxsched.demo import steps
 
 MODEL_INPUTS = {"mlp": ((8, 8, 1), 10), "cnn": ((8, 8, 1), 10), "transformer": ((8,), 16)}
 MODEL_OPTIONS = {"mlp": {"hidden": (13, 7)}, "cnn": {"channels": 4, "blocks": 1},

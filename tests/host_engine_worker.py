@@ -3,7 +3,7 @@
 With ``--jit`` the step is the ``jax.jit`` form on global arrays (steps.make_jit_step),
 partitioned per device by jaxsched; otherwise the jitted ``shard_map`` step.
 
-Started by ``jaxsched.launch`` (2 processes, 2 CPU devices each). The mesh takes device 0
+Started by ``jaxsched.tools.launch`` (2 processes, 2 CPU devices each). The mesh takes device 0
 of every process; the host engine runs collectives on device 1. For every strategy, the
 xla engine and the host engine run the same batches; rank 0 writes the largest relative
 difference of the finalized params and of the losses.
@@ -11,9 +11,9 @@ difference of the finalized params and of the losses.
 import json
 import sys
 
-import jaxsched.launch
+import jaxsched.tools.launch
 
-info = jaxsched.launch.initialize(cpu_devices=2)
+info = jaxsched.tools.launch.initialize(cpu_devices=2)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -21,7 +21,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxsched  # noqa: E402
-from jaxsched import steps  # noqa: E402
+from jaxsched.demo import steps  # noqa: E402
 from equivalence import build, random_batches  # noqa: E402
 
 out, strategies = sys.argv[1], sys.argv[2:]

@@ -18,7 +18,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxsched import models
+from jaxsched.zoo import models
 
 
 def _specs_like(tree, mesh):

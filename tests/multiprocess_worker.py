@@ -18,7 +18,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxsched  # noqa: E402
-from jaxsched import steps  # noqa: E402
+from jaxsched.demo import steps  # noqa: E402
 from equivalence import build, random_batches  # noqa: E402
 
 params, apply_fn = build("mlp", 0)

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 import jaxsched
-from jaxsched import steps
+from jaxsched.demo import steps
 from equivalence import build, random_batches
 from hlo_counts import collectives
 

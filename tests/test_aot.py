@@ -1,6 +1,6 @@
 """Ahead of time: every strategy compiled for GPU and TPU clusters without the hardware.
 
-The structure checked here is the compiled, scheduled program's (jaxsched.inspect), not a
+The structure checked here is the compiled, scheduled program's (jaxsched.check.inspection), not a
 lowering: which collectives XLA kept async and what compute it put in their windows.
 Without the `aot` extra these tests skip, naming it; `make test` installs it.
 """
@@ -16,9 +16,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxsched
-import jaxsched.aot
-from jaxsched import models, steps
-from jaxsched.collectives import Collective
+import jaxsched.tools.aot
+from jaxsched.zoo import models
+from jaxsched.demo import steps
+from jaxsched.runtime.collectives import Collective
 from equivalence import assert_trees_close, build, random_batches
 from toolchains import needs_gpu, needs_tpu
 
@@ -29,8 +30,8 @@ WIDTH = 512
 
 def _experiment(target: str, layers: int = LAYERS, width: int = WIDTH, per_device: int = 128):
     """A plain MLP step over the compile-only mesh of ``target``, all inputs abstract."""
-    from jaxsched.aot.experiment import ModelSpec, abstract_experiment
-    from jaxsched.config import OptimizerConfig
+    from jaxsched.tools.aot.experiment import ModelSpec, abstract_experiment
+    from jaxsched.demo.config import OptimizerConfig
 
     spec = ModelSpec("mlp", (width,), 10, {"hidden": (width,) * layers}, per_device,
                      OptimizerConfig(name="momentum", learning_rate=0.1))
@@ -38,7 +39,7 @@ def _experiment(target: str, layers: int = LAYERS, width: int = WIDTH, per_devic
 
 
 def _per_layer(exp):
-    paths = jaxsched.bucketing.param_paths(exp.params)
+    paths = jaxsched.core.bucketing.param_paths(exp.params)
     return [[p for p in paths if p.startswith(f"hidden/{i}/")] for i in range(LAYERS)] + \
         [[p for p in paths if p.startswith("head/")]]
 
@@ -55,23 +56,23 @@ def _gradient_windows(report, kind, min_bytes):
 
 # -- devices and abstract state ------------------------------------------------------------
 def test_unknown_target_and_bad_topology_say_what_to_write():
-    with pytest.raises(jaxsched.aot.AotUnavailableError, match="unknown target 'k80'"):
-        jaxsched.aot.devices("k80", "1x1x1")
+    with pytest.raises(jaxsched.tools.aot.AotUnavailableError, match="unknown target 'k80'"):
+        jaxsched.tools.aot.devices("k80", "1x1x1")
     with pytest.raises(ValueError, match="SLICESxHOSTSxGPUS"):
-        jaxsched.aot.devices("h100", "8")
+        jaxsched.tools.aot.devices("h100", "8")
     with pytest.raises(ValueError, match="slices=N"):
-        jaxsched.aot.parse_target("v5p:2x2x2:three")
+        jaxsched.tools.aot.parse_target("v5p:2x2x2:three")
 
 
 def test_a_missing_toolchain_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "libtpu" else real(name, *a))
-    reason = jaxsched.aot.toolchain_missing("tpu")
+    reason = jaxsched.tools.aot.toolchain_missing("tpu")
     assert "jaxsched[aot]" in reason and "libtpu" in reason
-    jaxsched.aot._tpu_devices.cache_clear()
-    with pytest.raises(jaxsched.aot.AotUnavailableError, match=r"jaxsched\[aot\]"):
-        jaxsched.aot.devices("v5p", "2x2x2")
+    jaxsched.tools.aot._tpu_devices.cache_clear()
+    with pytest.raises(jaxsched.tools.aot.AotUnavailableError, match=r"jaxsched\[aot\]"):
+        jaxsched.tools.aot.devices("v5p", "2x2x2")
 
 
 @needs_gpu
@@ -92,10 +93,10 @@ def test_init_and_lower_are_abstract_on_compile_only_devices(strategy):
 
 @needs_gpu
 def test_devices_are_cached_and_describe_the_cluster():
-    a = jaxsched.aot.devices("h100", "1x2x4")
-    assert a == jaxsched.aot.devices("h100", "1x2x4") and len(a) == 8
+    a = jaxsched.tools.aot.devices("h100", "1x2x4")
+    assert a == jaxsched.tools.aot.devices("h100", "1x2x4") and len(a) == 8
     assert {d.process_index for d in a} == {0, 1} and a[0].platform == "gpu"
-    from jaxsched.inspect import describe_mesh
+    from jaxsched.check.inspection import describe_mesh
 
     assert describe_mesh(Mesh(np.array(a), ("data",))) == "gpu: 8 x NVIDIA H100 80GB HBM3 over 2 hosts"
 
@@ -135,7 +136,7 @@ def test_gpu_combiners_merge_collectives_up_to_the_bucket_size_and_no_further():
         grads = [w for w in report.collectives if w.kind == "all-reduce" and w.bytes > 64]
         # every gradient once (plus at most the loss's scalars, combined into a bucket)
         assert total <= sum(w.bytes for w in grads) <= total + 64, report.collectives
-        cap = threshold or jaxsched.bucketing.DEFAULT_BUCKET_BYTES
+        cap = threshold or jaxsched.core.bucketing.DEFAULT_BUCKET_BYTES
         assert all(w.bytes <= cap for w in grads), (threshold, report.collectives)
         assert len(sched.program.buckets) == buckets
         assert len(grads) == buckets, (threshold, report.collectives)
@@ -195,7 +196,7 @@ def test_compiled_planner_candidates_per_platform():
     and on a mesh of several slices also the devices' own DCN reduction."""
     from types import SimpleNamespace
 
-    from jaxsched.plan.compiled import DEVICE_DCN_REDUCTION, ONE_BUCKET, candidates_for
+    from jaxsched.pipeline.compiled_planner import DEVICE_DCN_REDUCTION, ONE_BUCKET, candidates_for
     from jaxsched.strategies import make_strategy
 
     def described(platform, mesh=None):
@@ -260,7 +261,7 @@ def test_the_device_dcn_reduction_variant_keeps_cross_slice_sums_off_the_hosts()
     """The variant's option reaches the compiled program: without it XLA:TPU has the hosts'
     megascale runtime sum the cross-slice shares; with it the hosts only move them and the
     devices sum."""
-    from jaxsched.plan.compiled import DEVICE_DCN_REDUCTION
+    from jaxsched.pipeline.compiled_planner import DEVICE_DCN_REDUCTION
 
     exp = _experiment("v5p:2x2x2:slices=2", layers=2)
     texts = {}
@@ -328,8 +329,8 @@ def test_inspect_command_rejects_a_bad_target_in_one_line():
 def test_nnx_steps_lower_and_inspect_ahead_of_time():
     from flax import nnx
 
-    from jaxsched.aot.experiment import mesh_for
-    import jaxsched.nnx
+    from jaxsched.tools.aot.experiment import mesh_for
+    import jaxsched.integrations.nnx
 
     mesh = mesh_for("h100:1x2x4")
     build = lambda: models.MLP(64, 10, hidden=(64,), rngs=nnx.Rngs(0))
@@ -347,7 +348,7 @@ def test_nnx_steps_lower_and_inspect_ahead_of_time():
     sharded = NamedSharding(mesh, P("data"))
     batch = (jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=sharded),
              jax.ShapeDtypeStruct((16,), jnp.int32, sharding=sharded))
-    sched = jaxsched.nnx.schedule(train_step, strategy="dear")
+    sched = jaxsched.integrations.nnx.schedule(train_step, strategy="dear")
     assert "reduce-scatter" in sched.lower(model, optimizer, batch).compile().as_text()
     inspection = sched.inspect(model, optimizer, batch)
     assert {w.kind for w in inspection.report.collectives} >= {"reduce-scatter", "all-gather"}

@@ -11,8 +11,8 @@ from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
 import jaxsched
-from jaxsched import steps
-from jaxsched.optax import ApproxParams, approximate, staleness_aware
+from jaxsched.demo import steps
+from jaxsched.strategies.approximation import ApproxParams, approximate, staleness_aware
 from equivalence import assert_trees_close, build, random_batches, run_both
 
 # Every test here compiles scheduled steps: they run in `make test-slow` (CI runs both),

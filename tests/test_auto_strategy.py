@@ -8,9 +8,9 @@ import optax
 import pytest
 
 import jaxsched
-from jaxsched import steps
-from jaxsched.costmodel import Layer, LayerProfile
-from jaxsched.engine import EngineCosts, XlaEngine
+from jaxsched.demo import steps
+from jaxsched.sim.costmodel import Layer, LayerProfile
+from jaxsched.runtime.engine import EngineCosts, XlaEngine
 from tests.equivalence import build, random_batches
 
 # The test MLP's layers, made heavy: 40 MB of gradients each, 50/100 ms forward/backward.
@@ -77,7 +77,7 @@ def test_explicit_buckets_are_kept_and_compressors_skip_allreduce():
     plan = [["head"], ["hidden"]]
     sched = _run(OverlappingXla(), n_steps=1, buckets=plan)
     assert sched.strategy.last_choice.buckets == plan
-    auto = jaxsched.strategies.Auto(collective=jaxsched.compress.Cast("bfloat16"))
+    auto = jaxsched.strategies.Auto(collective=jaxsched.runtime.compress.Cast("bfloat16"))
     assert [c.name for c in auto._candidates()] == ["wfbp", "dear"]
     with pytest.raises(ValueError, match="'nope' is not a registered strategy"):
         jaxsched.schedule(lambda *a: a, strategy="auto", candidates=("nope",))

@@ -7,7 +7,12 @@ import numpy as np
 import optax
 import pytest
 
-from jaxsched import cli, config, data, models, steps, trainer
+from jaxsched.tools import cli
+from jaxsched.demo import config
+from jaxsched.zoo import data
+from jaxsched.zoo import models
+from jaxsched.demo import steps
+from jaxsched.demo import trainer
 
 
 def _tiny_config(**train):

@@ -47,7 +47,7 @@ def test_bench_reports_every_strategy(tmp_path):
     (["--out", "README.md"], "is a file"),
 ])
 def test_bench_refuses_bad_options_in_one_line_before_any_work(argv, message, capsys):
-    from jaxsched.cli import main
+    from jaxsched.tools.cli import main
 
     assert main(["bench", "--no-cluster", *argv]) == 2
     err = capsys.readouterr().err
@@ -64,7 +64,7 @@ def _curve(fixed_s, per_row_s, comm_s, calls):
 
 @pytest.mark.parametrize("fixed_s", [0.05, 0.2, 0.27])
 def test_calibration_converges_despite_a_large_fixed_cost(fixed_s):
-    from jaxsched.bench import calibrate_batch
+    from jaxsched.tools.bench import calibrate_batch
 
     calls = []
     # comm 291 ms; at the first probe (128 rows) the fixed cost is most of compute, so the old
@@ -78,7 +78,7 @@ def test_calibration_converges_despite_a_large_fixed_cost(fixed_s):
 
 
 def test_calibration_that_cannot_reach_the_target_says_so():
-    from jaxsched.bench import calibrate_batch
+    from jaxsched.tools.bench import calibrate_batch
 
     calls = []
     cal = calibrate_batch(_curve(0.5, 1e-4, 0.291, calls), 128, multiple=8)  # fixed cost > comm
@@ -91,7 +91,7 @@ def test_calibration_that_cannot_reach_the_target_says_so():
 
 
 def test_calibration_refuses_bad_measurements():
-    from jaxsched.bench import calibrate_batch
+    from jaxsched.tools.bench import calibrate_batch
 
     with pytest.raises(ValueError, match="measure\\(128\\) returned compute 0"):
         calibrate_batch(lambda b: (0.0, 0.3), 128)
@@ -105,7 +105,7 @@ def _raw(calibration):
 
 
 def test_speedups_are_withheld_when_calibration_failed():
-    from jaxsched.bench import calibrate_batch, format_report, summarize
+    from jaxsched.tools.bench import calibrate_batch, format_report, summarize
 
     failed = calibrate_batch(lambda b: (0.5 + 1e-4 * b, 0.29), 128).to_dict()
     result = summarize(_raw(failed), ["wfbp"], "1gbit")
@@ -127,7 +127,7 @@ def _texts(fig):
 
 
 def test_bench_chart_labels_stages_and_draws_no_empty_panel():
-    from jaxsched.bench import bench_figure, simulated, summarize
+    from jaxsched.tools.bench import bench_figure, simulated, summarize
 
     raw = _raw({"explicit_batch": True, "batch": 144})
     raw["median_s"]["wfbp+topk:0.01"] = 0.36
@@ -150,7 +150,7 @@ def test_bench_chart_labels_stages_and_draws_no_empty_panel():
 
 
 def test_bench_chart_file_is_named_by_model_and_strategies(tmp_path):
-    from jaxsched.bench import chart_path
+    from jaxsched.tools.bench import chart_path
 
     a = chart_path(tmp_path, {"layers": {"depth": 8, "width": 1024}}, ["allreduce", "wfbp"])
     b = chart_path(tmp_path, {"layers": {"depth": 2, "width": 2048}}, ["allreduce", "wfbp"])
@@ -163,7 +163,7 @@ def test_host_engine_names_stages_by_what_they_run():
     import jax.numpy as jnp
     from jax import lax
 
-    from jaxsched.engine.host import cut_stages
+    from jaxsched.runtime.engine.host import cut_stages
 
     def loss(w, x):
         for i in range(2):
@@ -189,7 +189,7 @@ def test_host_engine_names_stages_by_what_they_run():
 def test_the_simulated_column_prices_dears_pair_as_measured():
     """On gloo a reduce-scatter plus an all-gather costs more than one all-reduce: when bench
     timed the pair, dear's simulation uses it rather than half an all-reduce each."""
-    from jaxsched.bench import simulated, summarize
+    from jaxsched.tools.bench import simulated, summarize
 
     raw = _raw({"explicit_batch": True, "batch": 144})
     raw["median_s"]["dear"] = 0.4
@@ -204,7 +204,7 @@ def test_the_simulated_column_prices_dears_pair_as_measured():
 
 
 def test_the_chart_says_where_a_step_lost_and_which_target_it_missed():
-    from jaxsched.bench import bench_figure, format_report, missed_target, simulated, summarize, time_breakdown
+    from jaxsched.tools.bench import bench_figure, format_report, missed_target, simulated, summarize, time_breakdown
 
     spans = [dict(kind="compute", name="fwd", dispatched=0.0, started=0.0, done=0.2),
              dict(kind="comm", name="psum bucket 0", dispatched=0.1, started=0.1, done=0.4),
@@ -236,7 +236,7 @@ def test_the_simulated_allreduce_pipelines_its_leaf_by_leaf_copies():
     """The plain step's pmean is one psum stage per leaf on the host engine: the simulated
     allreduce gets one bucket per layer, so a copy to the spare device overlaps the other
     psums instead of one serial copy of every gradient (+9 to +16% against measured before)."""
-    from jaxsched.bench import simulated, summarize
+    from jaxsched.tools.bench import simulated, summarize
 
     raw = _raw({"explicit_batch": True, "batch": 144})
     raw["median_s"]["allreduce"], raw["losses"]["allreduce"] = 0.38, [1.0]

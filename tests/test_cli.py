@@ -8,8 +8,10 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxsched import cli, config, trainer
-from jaxsched.cli import main
+from jaxsched.tools import cli
+from jaxsched.demo import config
+from jaxsched.demo import trainer
+from jaxsched.tools.cli import main
 
 ROOT = Path(__file__).parent.parent
 
@@ -104,8 +106,8 @@ def test_every_subcommand_module_registers_through_one_function():
 def test_sim_and_plan_do_not_import_the_cli():
     """Layering: the simulator and planners run without the command line."""
     code = ("import sys, jaxsched.sim, jaxsched.plan, jaxsched.sim.timeline; "
-            "bad = [m for m in sys.modules if m.startswith('jaxsched.cli')]; "
-            "assert not bad, bad; import jaxsched.cli; print('ok')")
+            "bad = [m for m in sys.modules if m.startswith('jaxsched.tools.cli')]; "
+            "assert not bad, bad; import jaxsched.tools.cli; print('ok')")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
@@ -172,7 +174,7 @@ def test_launch_drops_gloo_chatter_unless_verbose():
     import io
     import threading
 
-    from jaxsched.launch import GLOO_CHATTER, _pump
+    from jaxsched.tools.launch import GLOO_CHATTER, _pump
 
     text = (b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer "
             b"ranks is : 1\nloss 0.5\n")

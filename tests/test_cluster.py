@@ -1,4 +1,4 @@
-"""The emulated cluster (jaxsched.cluster) and the launcher (jaxsched.launch).
+"""The emulated cluster (jaxsched.tools.cluster) and the launcher (jaxsched.tools.launch).
 
 Multi-process tests start at most 2 processes, each with 1 CPU device. Tests that create
 network namespaces need root and are skipped without it.
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxsched import cluster as cluster_lib
-from jaxsched import launch as launch_lib
+from jaxsched.tools import cluster as cluster_lib
+from jaxsched.tools import launch as launch_lib
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -184,7 +184,7 @@ def test_initialize_without_launcher_or_cluster(monkeypatch, fake_distributed):
 def test_real_jax_without_any_cluster_runs_single_process_only_when_allowed():
     # In a fresh process (this one's backend exists already): pins the error jax raises when
     # it detects no cluster, which initialize() recognises.
-    code = ("import jaxsched.launch as l\n"
+    code = ("import jaxsched.tools.launch as l\n"
             "try:\n    l.initialize(fail_fast=False)\n"
             "except RuntimeError as e:\n    print('refused:', e)\n"
             "print(l.initialize(fail_fast=False, allow_single_process=True))\n")
@@ -193,7 +193,7 @@ def test_real_jax_without_any_cluster_runs_single_process_only_when_allowed():
     out = subprocess.run([sys.executable, "-c", code], env={**env, **CHILD_ENV}, timeout=120,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "refused: jaxsched.launch.initialize: no JAXSCHED_* variables and no cluster" \
+    assert "refused: jaxsched.tools.launch.initialize: no JAXSCHED_* variables and no cluster" \
         in out.stdout
     assert "ProcessInfo(process_id=0, num_processes=1, coordinator_address=None" in out.stdout
 

@@ -10,10 +10,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxsched
-from jaxsched import kernels, steps
-from jaxsched.collectives import BucketSpec
-from jaxsched.compress import Cast, GlobalTopK, PowerSGD, TopK, bytes_sent
-from jaxsched.compress.gtopk import exchange_rounds
+from jaxsched.runtime import kernels
+from jaxsched.demo import steps
+from jaxsched.runtime.collectives import BucketSpec
+from jaxsched.runtime.compress import Cast, GlobalTopK, PowerSGD, TopK, bytes_sent
+from jaxsched.runtime.compress.gtopk import exchange_rounds
 from equivalence import assert_trees_close, build, random_batches, run_both
 
 # Every test here compiles scheduled steps: they run in `make test-slow` (CI runs both),
@@ -463,15 +464,15 @@ def test_powersgd_recovers_a_rank_one_sum_and_keeps_vectors_whole(dtype):
 
 def test_auto_buckets_plan_against_the_compressed_collective(monkeypatch):
     """buckets='auto' with a compressor: the planner's simulator sees top-k's cost (OMGS)."""
-    import jaxsched.profile
-    from jaxsched.costmodel import Layer, LayerProfile, network_preset
+    import jaxsched.plan.profiling
+    from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
 
     # The selection time is measured, and the plan depends on it (not monotonically); a
     # loaded CI machine measured a cost that kept the layers apart. A fixed cost of the
     # order measured on these machines (1e-9 to 4e-9 s per byte) keeps the plan this test
     # compares from depending on the load.
-    monkeypatch.setattr(jaxsched.profile, "measure_selection_s_per_byte", lambda *a, **k: 2e-9)
-    from jaxsched.program import simulated_compression
+    monkeypatch.setattr(jaxsched.plan.profiling, "measure_selection_s_per_byte", lambda *a, **k: 2e-9)
+    from jaxsched.pipeline.program import simulated_compression
     from jaxsched.strategies import make_strategy
 
     assert simulated_compression(make_strategy("wfbp", collective=TopK(0.01))).kind == "topk"
@@ -499,7 +500,7 @@ def test_auto_buckets_plan_against_the_compressed_collective(monkeypatch):
 
 def test_a_state_with_empty_leaves_round_trips_through_jaxsched_checkpoint(tmp_path):
     """TopK without error feedback carries a (0,) residual, which orbax refuses to write."""
-    from jaxsched import checkpoint
+    from jaxsched.integrations import checkpoint
 
     params, apply_fn = build("mlp", 0)
     tx = optax.sgd(0.1)

@@ -14,7 +14,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxsched
-from jaxsched import steps
+from jaxsched.demo import steps
 from equivalence import assert_trees_close, build, random_batches
 from hlo_counts import collectives
 import optimizer_zoo as zoo
@@ -178,7 +178,7 @@ def test_dynamic_scale_is_not_trained_and_its_finite_check_is_one_scalar_reducti
 
 
 def zoo_paths(params):
-    return jaxsched.bucketing.param_paths(params)
+    return jaxsched.core.bucketing.param_paths(params)
 
 
 def _reversed_rows(updates):

@@ -21,17 +21,19 @@ def _all_modules() -> list[str]:
 
 
 # The heaviest examples (compiles of collectives over 8 devices) run in `make test-slow`.
-SLOW_EXAMPLES = {"jaxsched.compress.gtopk", "jaxsched.kernels.error_feedback",
-                 "jaxsched.checkpoint", "jaxsched.profile"}
+SLOW_EXAMPLES = {"jaxsched.runtime.compress.gtopk", "jaxsched.runtime.kernels.error_feedback",
+                 "jaxsched.integrations.checkpoint", "jaxsched.plan.profiling"}
 MODULES = [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_EXAMPLES else m
            for m in _all_modules()]
 # Packages whose __init__ only re-exports, and modules of argument parsing or rule tables,
 # may have no example; every other module shows one.
-WITHOUT_EXAMPLES = {"jaxsched.cli", "jaxsched.collectives", "jaxsched.engine", "jaxsched.rewrite",
-                    "jaxsched.rewrite.backward", "jaxsched.rewrite.rules", "jaxsched.sim",
-                    "jaxsched.strategies", "jaxsched.plan._common", "jaxsched.cli.simulate",
-                    "jaxsched.cli.train", "jaxsched.cli.cluster", "jaxsched.cli.options",
-                    "jaxsched.cli.verify", "jaxsched.cli.inspect"}
+WITHOUT_EXAMPLES = {"jaxsched.core", "jaxsched.runtime", "jaxsched.zoo", "jaxsched.pipeline",
+                    "jaxsched.check", "jaxsched.integrations", "jaxsched.demo", "jaxsched.tools",
+                    "jaxsched._legacy_paths", "jaxsched.tools.cli", "jaxsched.runtime.collectives", "jaxsched.runtime.engine", "jaxsched.core.rewrite",
+                    "jaxsched.core.rewrite.backward", "jaxsched.core.rewrite.rules", "jaxsched.sim",
+                    "jaxsched.strategies", "jaxsched.plan._common", "jaxsched.tools.cli.simulate",
+                    "jaxsched.tools.cli.train", "jaxsched.tools.cli.cluster", "jaxsched.tools.cli.options",
+                    "jaxsched.tools.cli.verify", "jaxsched.tools.cli.inspect"}
 
 
 def _readme_python_blocks() -> list[str]:

@@ -4,8 +4,8 @@ import optax
 import pytest
 
 import jaxsched
-from jaxsched import steps
-from jaxsched.engine.xla import GPU_OPTIONS, compiler_options_for
+from jaxsched.demo import steps
+from jaxsched.runtime.engine.xla import GPU_OPTIONS, compiler_options_for
 from equivalence import build, random_batches
 
 

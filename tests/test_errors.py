@@ -12,8 +12,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxsched
-from jaxsched import steps
-from jaxsched.engine.host import HostEngineError, spare_devices
+from jaxsched.demo import steps
+from jaxsched.runtime.engine.host import HostEngineError, spare_devices
 from equivalence import build, random_batches
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
@@ -117,7 +117,7 @@ def _kfac_on_model_sharded_params(_):
 
 
 def _hierarchical_on_one_axis(_):
-    sched, state, batch, _p = _mlp_step("wfbp", collective=jaxsched.collectives.Hierarchical("ici", "dcn"))
+    sched, state, batch, _p = _mlp_step("wfbp", collective=jaxsched.runtime.collectives.Hierarchical("ici", "dcn"))
     sched(state, batch)
 
 def _jit_with_sharded_params(_):

@@ -179,7 +179,7 @@ def test_trainstate_digits_learns_and_resumes_exactly(tmp_path):
 
 
 def _state(out: Path, step: int):
-    from jaxsched.checkpoint import Checkpoints
+    from jaxsched.integrations.checkpoint import Checkpoints
 
     with Checkpoints(out / "checkpoints") as checkpoints:
         return checkpoints.restore(None, step)
@@ -253,7 +253,7 @@ def test_two_processes_under_jaxsched_launch_resume_and_match_one_process(tmp_pa
 
     def launch(*args: str) -> subprocess.CompletedProcess:
         done = subprocess.run(
-            [sys.executable, "-m", "jaxsched.launch", "--hosts", "2", "--cpu-devices", "2",
+            [sys.executable, "-m", "jaxsched.tools.launch", "--hosts", "2", "--cpu-devices", "2",
              "--timeout", "300", "--", sys.executable, str(EXAMPLES / "digits.py"), "--config",
              str(config), "--out", str(tmp_path / "two"), *args],
             env=_env(), capture_output=True, text=True, timeout=360)

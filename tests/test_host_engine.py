@@ -14,10 +14,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxsched
-from jaxsched import launch as launch_lib
-from jaxsched import steps
-from jaxsched.engine import HostEngine, HostEngineError, PerDeviceProgram, host_engine_applies
-from jaxsched.engine.host import cut_stages, spare_devices
+from jaxsched.tools import launch as launch_lib
+from jaxsched.demo import steps
+from jaxsched.runtime.engine import HostEngine, HostEngineError, PerDeviceProgram, host_engine_applies
+from jaxsched.runtime.engine.host import cut_stages, spare_devices
 from equivalence import build, random_batches
 
 HERE = Path(__file__).parent
@@ -88,7 +88,7 @@ def test_host_engine_reports_overlap_and_a_measured_cost_per_collective():
     costs = engine.costs(mesh)
     assert costs.overlaps and 0 < costs.per_collective_s < 0.5
     assert engine.costs(mesh) is costs  # measured once per mesh
-    assert not jaxsched.engine.XlaEngine().costs(mesh).overlaps  # XLA:CPU: collectives inline
+    assert not jaxsched.runtime.engine.XlaEngine().costs(mesh).overlaps  # XLA:CPU: collectives inline
 
 
 def test_host_engine_refuses_meshes_it_cannot_stage():

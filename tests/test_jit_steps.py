@@ -135,7 +135,7 @@ def test_transformer_lm_with_masks_global_count_smoothing_clipping_scan_and_rema
     sched = _run_trees(js.lm_step(model, tx), params, tx.init(params), batches, strategy,
                        **EXACT[strategy])
     assert sched.program.fallbacks == [] and sched.program.captured.gathers == ()
-    from jaxsched.replay import nested_eqns
+    from jaxsched.core.replay import nested_eqns
 
     kept = {e.primitive.name for e in nested_eqns(sched.program.captured.body)}
     assert {"scan", "remat2"} <= kept  # the per-device body still loops and rematerializes
@@ -198,7 +198,7 @@ def test_nnx_step_as_the_flax_guide_writes_it(strategy):
         batches = [js.place(mesh, b) for b in js.mlp_batches(5, 3, 16)]
         model, optimizer = _nnx_model()
         sched_model, sched_optimizer = _nnx_model()
-        sched = jaxsched.nnx.schedule(train_step, strategy=strategy)
+        sched = jaxsched.integrations.nnx.schedule(train_step, strategy=strategy)
         for x, y in batches:
             loss = train_step(model, optimizer, x, y)
             sched_loss = sched(sched_model, sched_optimizer, x, y)
@@ -472,7 +472,8 @@ def test_reductions_over_any_dimension_of_any_batch_size(devices, rows_per_devic
 def test_the_jit_step_schedules_as_its_shard_map_twin(strategy):
     """Same model, same optimizer, written both ways: the same buckets, the same gradient
     reductions, the same numbers, compression included."""
-    from jaxsched import compress, steps
+    from jaxsched.runtime import compress
+    from jaxsched.demo import steps
     from equivalence import build, random_batches
 
     mesh, tx = _mesh(), optax.adam(1e-2)
@@ -496,7 +497,7 @@ def test_the_jit_step_schedules_as_its_shard_map_twin(strategy):
 
 
 def test_checkpoint_round_trip_of_a_jit_step(tmp_path):
-    from jaxsched import checkpoint
+    from jaxsched.integrations import checkpoint
 
     mesh, tx = _mesh(), optax.adam(1e-2)
     params = js.mlp_params(11)
@@ -527,8 +528,8 @@ def test_auto_strategy_on_a_jit_step_is_exact():
 
 @needs_gpu
 def test_a_jit_step_lowers_and_inspects_for_a_gpu_cluster_ahead_of_time():
-    from jaxsched.aot.experiment import ModelSpec, abstract_experiment
-    from jaxsched.config import OptimizerConfig
+    from jaxsched.tools.aot.experiment import ModelSpec, abstract_experiment
+    from jaxsched.demo.config import OptimizerConfig
 
     spec = ModelSpec("mlp", (256,), 10, {"hidden": (256,) * 3}, 64,
                      OptimizerConfig(name="momentum", learning_rate=0.1))
@@ -546,8 +547,8 @@ def test_a_jit_step_lowers_and_inspects_for_a_gpu_cluster_ahead_of_time():
 @needs_tpu
 @pytest.mark.slow
 def test_a_jit_step_inspects_for_a_tpu_pod_ahead_of_time():
-    from jaxsched.aot.experiment import ModelSpec, abstract_experiment
-    from jaxsched.config import OptimizerConfig
+    from jaxsched.tools.aot.experiment import ModelSpec, abstract_experiment
+    from jaxsched.demo.config import OptimizerConfig
 
     spec = ModelSpec("mlp", (256,), 10, {"hidden": (256,) * 2}, 16,
                      OptimizerConfig(name="momentum", learning_rate=0.1))
@@ -567,7 +568,7 @@ def test_a_jit_step_on_the_host_engine_across_two_processes(tmp_path):
     import sys
     from pathlib import Path
 
-    from jaxsched import launch as launch_lib
+    from jaxsched.tools import launch as launch_lib
 
     here = Path(__file__).parent
     env = {"PYTHONPATH": f"{here}{os.pathsep}{here.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",

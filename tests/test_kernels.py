@@ -1,4 +1,4 @@
-"""jaxsched.kernels: the fused error-feedback kernel, threshold estimation, compaction.
+"""jaxsched.runtime.kernels: the fused error-feedback kernel, threshold estimation, compaction.
 
 The Pallas kernel runs under the interpreter here (CPU); on a machine with a Hopper GPU
 the same tests also run the compiled kernel (``implementation="pallas"``).
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsched import kernels
-from jaxsched.kernels import error_feedback as ef
+from jaxsched.runtime import kernels
+from jaxsched.runtime.kernels import error_feedback as ef
 
 
 def _hopper() -> bool:

@@ -1,4 +1,4 @@
-"""K-FAC (jaxsched.kfac): a float64 reference on one device, 8 devices against 1, every
+"""K-FAC (jaxsched.integrations.kfac): a float64 reference on one device, 8 devices against 1, every
 placement against naive, layer discovery, fallback reporting, bad options."""
 import functools
 import warnings
@@ -12,8 +12,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxsched
-from jaxsched import steps
-from jaxsched.kfac import KFAC, KFACFallbackWarning, find_layers, max_load, plan_placement
+from jaxsched.demo import steps
+from jaxsched.integrations.kfac import KFAC, KFACFallbackWarning, find_layers, max_load, plan_placement
 
 D_IN, HIDDEN, CLASSES = 6, 5, 3
 
@@ -220,7 +220,7 @@ def test_conv_factors_use_the_kernel_layout_of_the_gradient():
 
 @pytest.mark.slow
 def test_cnn_trains_on_eight_devices_like_one():
-    from jaxsched import models
+    from jaxsched.zoo import models
     params, apply_fn = models.pure(models.build("cnn", (6, 6, 1), 3, channels=2, blocks=1))
     tx = optax.sgd(0.05)
     rng = np.random.default_rng(0)
@@ -267,7 +267,7 @@ def test_bad_options_are_refused_at_construction(options, message):
 
 def test_simulator_reads_factor_collectives_and_placement_from_the_pattern():
     import dataclasses
-    from jaxsched.costmodel import KFAC_PATTERN, Layer, LayerProfile, network_preset
+    from jaxsched.sim.costmodel import KFAC_PATTERN, Layer, LayerProfile, network_preset
     from jaxsched.sim import simulate
 
     layers = LayerProfile([Layer(f"l{i}", 1000, 4000, 1e-3, 2e-3, factor_bytes=4 * 2 * n * n,

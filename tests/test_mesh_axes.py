@@ -16,11 +16,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxsched
-import jaxsched.aot
-from jaxsched.capture import UnsupportedStepError
-from jaxsched.collectives import BucketSpec, Collective, Hierarchical, hierarchy_from_mesh, slow_axes
-from jaxsched.collectives.hierarchical import default_collective_for
-from jaxsched.compress import TopK, bytes_sent
+import jaxsched.tools.aot
+from jaxsched.core.capture import UnsupportedStepError
+from jaxsched.runtime.collectives import BucketSpec, Collective, Hierarchical, hierarchy_from_mesh, slow_axes
+from jaxsched.runtime.collectives.hierarchical import default_collective_for
+from jaxsched.runtime.compress import TopK, bytes_sent
 
 from equivalence import assert_trees_close
 from mesh_steps import run_plain_and_scheduled, tensor_parallel_mlp, two_level_step
@@ -196,7 +196,7 @@ def test_kfac_refuses_model_sharded_params_by_name():
 @needs_tpu
 @needs_gpu
 def test_the_mesh_names_the_slow_axis():
-    aot = jaxsched.aot
+    aot = jaxsched.tools.aot
     devices = aot.devices("v5p", "2x2x2", slices=2)
     mesh = jax.sharding.Mesh(np.array(devices).reshape(2, 8), ("dcn", "ici"))
     assert slow_axes(mesh, ("dcn", "ici")) == ("dcn",)
@@ -297,7 +297,7 @@ def test_a_sum_level_by_level_by_hand_is_refused_with_what_to_write():
 @pytest.mark.parametrize("strategy,options", [("dear", {}), ("approx", {"staleness": 0})])
 @pytest.mark.parametrize("slow_collective", [TopK(1.0, selection="exact"), "gtopk"])
 def test_a_full_density_compressor_on_the_slow_axis_is_exact(strategy, options, slow_collective):
-    from jaxsched.compress import GlobalTopK
+    from jaxsched.runtime.compress import GlobalTopK
 
     slow_collective = GlobalTopK(1.0) if slow_collective == "gtopk" else slow_collective
     _check(two_level_step(2, 4), strategy,

@@ -11,7 +11,7 @@ import pytest
 import optax
 
 import jaxsched
-from jaxsched import steps
+from jaxsched.demo import steps
 from equivalence import build, random_batches
 
 HERE = Path(__file__).parent

@@ -1,4 +1,4 @@
-"""jaxsched.nnx: an NNX train_step(model, optimizer, batch), scheduled, equals the plain one.
+"""jaxsched.integrations.nnx: an NNX train_step(model, optimizer, batch), scheduled, equals the plain one.
 
 Every test runs the user's NNX step unscheduled on one copy of the objects and scheduled on
 another, on fresh random batches, and compares every variable of the model and optimizer
@@ -17,8 +17,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxsched
-import jaxsched.nnx
-from jaxsched import models, steps
+import jaxsched.integrations.nnx
+from jaxsched.zoo import models
+from jaxsched.demo import steps
 from tests.equivalence import MODEL_INPUTS, MODEL_OPTIONS, random_batches
 
 DEVICES = 8
@@ -130,7 +131,7 @@ def run_pair(make_objects, make_step, batches, strategy, finalize_every=None, **
     loss agree; returns the plain objects' values and the scheduled step."""
     plain_objects, sched_objects = make_objects(), make_objects()
     plain_step = make_step()
-    sched = jaxsched.nnx.schedule(make_step(), strategy=strategy, **options)
+    sched = jaxsched.integrations.nnx.schedule(make_step(), strategy=strategy, **options)
     plain_losses, sched_losses = [], []
     for i, batch in enumerate(batches):
         plain_losses.append(float(plain_step(*plain_objects, batch)))
@@ -209,7 +210,7 @@ def test_user_layout_strategies_keep_the_objects_up_to_date_after_every_step(str
     plain_step = nnx_shard_map_step(mesh)
     # auto's choice depends on what it measures: keep its candidates to user-layout ones
     options = {"candidates": ("allreduce", "wfbp")} if strategy == "auto" else {}
-    sched = jaxsched.nnx.schedule(nnx_shard_map_step(mesh), strategy=strategy,
+    sched = jaxsched.integrations.nnx.schedule(nnx_shard_map_step(mesh), strategy=strategy,
                                   buckets=[["l1"], ["bn", "l2"]], **options)  # subtree prefixes
     for batch in bn_batches(4, seed=8):
         batch = steps.shard_batch(batch, mesh)
@@ -232,7 +233,7 @@ def test_objects_changed_between_calls_restart_from_their_values():
     batches = [steps.shard_batch(b, mesh) for b in bn_batches(6, seed=10)]
     reference, objects = bn_objects(), bn_objects()
     plain_step = nnx_shard_map_step(mesh)
-    sched = jaxsched.nnx.schedule(nnx_shard_map_step(mesh), strategy="dear")
+    sched = jaxsched.integrations.nnx.schedule(nnx_shard_map_step(mesh), strategy="dear")
     for i, batch in enumerate(batches):
         plain_step(*reference, batch)
         if i == 3:  # the user steps the objects themselves, after bringing them up to date
@@ -248,10 +249,10 @@ def test_bad_input_is_named():
     mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
     step = nnx_shard_map_step(mesh)
     with pytest.raises(ValueError, match="strategy='dearr' is unknown"):
-        jaxsched.nnx.schedule(step, strategy="dearr")
+        jaxsched.integrations.nnx.schedule(step, strategy="dearr")
     with pytest.raises(TypeError, match="NNX train step"):
-        jaxsched.nnx.schedule(42)
-    sched = jaxsched.nnx.schedule(step, strategy="dear")
+        jaxsched.integrations.nnx.schedule(42)
+    sched = jaxsched.integrations.nnx.schedule(step, strategy="dear")
     model, optimizer = bn_objects()
     batch = steps.shard_batch(next(bn_batches(1, 0)), mesh)
     with pytest.raises(TypeError, match="argument 0 of the scheduled NNX step is a dict"):
@@ -285,7 +286,7 @@ def test_approx_local_on_an_nnx_step_equals_it_on_the_functional_step():
     functional = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="approx",
                                    approx_method="local", staleness=1)
     state = functional.init(params, tx.init(params))
-    sched = jaxsched.nnx.schedule(nnx_shard_map_step(mesh), strategy="approx",
+    sched = jaxsched.integrations.nnx.schedule(nnx_shard_map_step(mesh), strategy="approx",
                                   approx_method="local", staleness=1)
     for batch in batches:
         state, _ = functional(state, batch)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from jaxsched.costmodel import Layer, LayerProfile, network_preset
+from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
 from jaxsched.plan import PLANNERS, plan_buckets
 from jaxsched.plan.optimal import all_partitions
 from jaxsched.sim import check_buckets, simulate, wfbp_time

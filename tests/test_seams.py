@@ -12,8 +12,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxsched
-from jaxsched import replay, steps
-from jaxsched.engine import XlaEngine, make_engine, register_engine
+from jaxsched.core import replay
+from jaxsched.demo import steps
+from jaxsched.runtime.engine import XlaEngine, make_engine, register_engine
 from jaxsched.strategies import UserLayoutStrategy, register_strategy, unregister_strategy
 from equivalence import assert_trees_close, build, random_batches
 
@@ -24,7 +25,7 @@ class Bf16AllReduce(UserLayoutStrategy):
     """A toy strategy: the user's step with every gradient reduction carried in bfloat16."""
 
     name = "toy_bf16_allreduce"
-    cost = jaxsched.costmodel.CommPattern(in_backward=False, packs_buckets=False)
+    cost = jaxsched.sim.costmodel.CommPattern(in_backward=False, packs_buckets=False)
 
     def per_device(self, planned, values, collective_state):
         body = planned.captured.body
@@ -213,7 +214,7 @@ def _string_comparisons(path: Path) -> set[str]:
 def test_the_pipeline_compares_against_no_strategy_name():
     # "auto" is also the value of buckets= and engine=, which the pipeline does compare
     names = (set(jaxsched.STRATEGIES) | {"approx", "mgwfbp"}) - {"auto"}
-    for module in ("schedule.py", "program.py", "planned_step.py", "engine/base.py", "engine/xla.py",
+    for module in ("_schedule.py", "pipeline/program.py", "pipeline/planned_step.py", "runtime/engine/base.py", "runtime/engine/xla.py",
                    "plan/__init__.py", "plan/_common.py", "plan/from_step.py", "sim/core.py"):
         assert not _string_comparisons(ROOT / "jaxsched" / module) & names, module
 
@@ -222,7 +223,7 @@ def test_the_pipeline_compares_against_no_strategy_name():
 def test_all_reduce_tensors_sums_each_tensor_whatever_its_size(wrapped):
     """Large tensors go as they are, small ones share a buffer, a wrapper gets the flat
     bucket: every way gives each tensor's own psum, in its own shape and dtype."""
-    from jaxsched.collectives.base import SMALL_TENSOR_BYTES, BucketSpec, Collective, CollectiveWrapper
+    from jaxsched.runtime.collectives.base import SMALL_TENSOR_BYTES, BucketSpec, Collective, CollectiveWrapper
 
     mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
     rng = np.random.default_rng(7)

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from jaxsched.costmodel import Layer, LayerProfile, network_preset
+from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
 from jaxsched.sim import (STRATEGIES, Compression, SimulationError, allreduce_time, lower_bound,
                           simulate, wfbp_time)
 from jaxsched.sim.timeline import chrome_trace, save_gantt_png
@@ -165,7 +165,7 @@ _times = st.fractions(min_value=0, max_value=10, max_denominator=1000)
        st.fractions(min_value=0, max_value=Fraction(1, 10**6), max_denominator=10**9),
        st.integers(1, 64), st.sampled_from(STRATEGIES))
 def test_bound_and_closed_forms_hold_for_any_profile(rows, alpha, beta, workers, strategy):
-    from jaxsched.costmodel import CollectiveCost, NetworkProfile
+    from jaxsched.sim.costmodel import CollectiveCost, NetworkProfile
 
     layers = LayerProfile([Layer(f"l{i}", b // 4, b, f, bw, u) for i, (f, bw, u, b) in enumerate(rows)])
     net = NetworkProfile(workers, {k: CollectiveCost(alpha, beta) for k in

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from jaxsched.cli import main
-from jaxsched.costmodel import Layer, LayerProfile, network_preset
+from jaxsched.tools.cli import main
+from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
 from jaxsched.sim import simulate
 
 
@@ -61,7 +61,7 @@ def test_simulate_reports_bad_input_clearly(tmp_path, capsys):
 def test_simulate_a_two_level_cluster_hierarchical_and_flat(tmp_path):
     import json
 
-    from jaxsched.cli import main
+    from jaxsched.tools.cli import main
 
     out = {}
     for name, extra in (("hier", []), ("flat", ["--flat"])):

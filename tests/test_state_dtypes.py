@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jaxsched
-from jaxsched import steps
+from jaxsched.demo import steps
 from equivalence import assert_trees_close, build, random_batches
 
 STRATEGIES = [("allreduce", {}), ("wfbp", {}), ("dear", {}), ("approx", {"staleness": 0})]

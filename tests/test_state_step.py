@@ -1,4 +1,4 @@
-"""``(state, batch) -> (state, aux)`` steps (jaxsched.state_step): a Flax ``TrainState``, a
+"""``(state, batch) -> (state, aux)`` steps (jaxsched.pipeline.state_step): a Flax ``TrainState``, a
 dict and a ``flax.struct`` dataclass state. Every strategy against the plain step on fresh
 random inputs (rtol 1e-5), with and without ``check_vma``, on 8 and 2 devices; leaves that
 are not trained pass through as the plain step moves them; lazy and eager ``init``,
@@ -15,8 +15,8 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsched
-from jaxsched.checkpoint import restore, save
-from jaxsched.state_step import UnsplitState
+from jaxsched.integrations.checkpoint import restore, save
+from jaxsched.pipeline.state_step import UnsplitState
 from equivalence import assert_trees_close
 
 FEATURES, CLASSES = 6, 3
@@ -357,7 +357,7 @@ def test_wrong_arity_states_both_signatures():
 
 
 def test_extra_inputs_before_the_batch_are_read_from_the_signature():
-    from jaxsched.state_step import inputs_of
+    from jaxsched.pipeline.state_step import inputs_of
 
     assert step_form_of(lambda model, optimizer, metrics, batch: None, 3) == "trees"
     assert step_form_of(lambda train_state, rng, batch: None, 1) == "state"
@@ -367,13 +367,13 @@ def test_extra_inputs_before_the_batch_are_read_from_the_signature():
 
 
 def step_form_of(step, n_args):
-    from jaxsched.state_step import step_form
+    from jaxsched.pipeline.state_step import step_form
 
     return step_form(step, n_args, False)
 
 
 def test_the_form_is_read_from_the_step_signature_and_else_from_init():
-    from jaxsched.state_step import step_form
+    from jaxsched.pipeline.state_step import step_form
 
     assert step_form(lambda state, batch: 0, 2, False) == "state"
     assert step_form(lambda params, opt_state, batch: 0, 2, False) == "trees"

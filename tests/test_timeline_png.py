@@ -6,7 +6,7 @@ import dataclasses
 
 from matplotlib.colors import to_hex
 
-from jaxsched.costmodel import Layer, LayerProfile, network_preset
+from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
 from jaxsched.sim import simulate
 from jaxsched.sim.timeline import COLORS, gantt_figure
 

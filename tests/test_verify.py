@@ -7,7 +7,8 @@ import pytest
 from jax import lax
 
 import jaxsched
-from jaxsched import replay, steps
+from jaxsched.core import replay
+from jaxsched.demo import steps
 from jaxsched.strategies import UserLayoutStrategy, register_strategy, unregister_strategy
 from equivalence import build, random_batches
 
@@ -107,7 +108,7 @@ def test_verify_fails_a_learning_rate_off_by_1e_4():
 
 
 def test_verify_fails_gradients_sent_in_bfloat16():
-    sched, state, batches = _setup("wfbp", n=5, compression=jaxsched.compress.Cast("bfloat16"))
+    sched, state, batches = _setup("wfbp", n=5, compression=jaxsched.runtime.compress.Cast("bfloat16"))
     report = sched.verify(state, batches, steps=5)
     assert not report.ok and report.first_divergent_step == 1, str(report)
 
@@ -123,14 +124,15 @@ def test_verify_on_the_chaotic_cnn_digits_config_passes_dear_and_fails_bfloat16(
     """The digits CNN (momentum 0.05, global-norm clipping) is chaotic even in float64: the
     rounding baseline leaves rtol within 300 steps. dear leaves it with the baseline and
     passes; gradients sent in bfloat16 leave it at once and fail."""
-    from jaxsched import config, trainer
+    from jaxsched.demo import config
+    from jaxsched.demo import trainer
 
     cfg = config.load("configs/cnn_digits.toml")
     for report in trainer.verify_config(cfg, ["wfbp", "dear"], steps=300):
         assert report.ok and report.precision == "float64", str(report)
     exp = trainer.experiment(cfg)
     sched = jaxsched.schedule(exp.make_step(), strategy="wfbp",
-                              compression=jaxsched.compress.Cast("bfloat16"))
+                              compression=jaxsched.runtime.compress.Cast("bfloat16"))
     batches = (exp.place(b) for b in exp.batches())
     bf16 = sched.verify(sched.init(exp.params, exp.opt_state), batches, steps=20)
     assert not bf16.ok and bf16.first_divergent_step <= 2, str(bf16)
@@ -139,7 +141,8 @@ def test_verify_on_the_chaotic_cnn_digits_config_passes_dear_and_fails_bfloat16(
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["wfbp", "dear"])
 def test_verify_passes_the_readme_example_over_300_steps(strategy):
-    from jaxsched import data, models
+    from jaxsched.zoo import data
+    from jaxsched.zoo import models
 
     params, apply_fn = models.pure(models.build("mlp", (8, 8, 1), 10))
     tx, mesh = optax.adam(3e-3), jax.make_mesh((8,), ("data",))

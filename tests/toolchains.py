@@ -6,9 +6,9 @@ extra; a device that cannot be built where the extra is installed fails the test
 """
 import pytest
 
-import jaxsched.aot
+import jaxsched.tools.aot
 
-GPU_MISSING = jaxsched.aot.toolchain_missing("gpu")
-TPU_MISSING = jaxsched.aot.toolchain_missing("tpu")
+GPU_MISSING = jaxsched.tools.aot.toolchain_missing("gpu")
+TPU_MISSING = jaxsched.tools.aot.toolchain_missing("tpu")
 needs_gpu = pytest.mark.skipif(GPU_MISSING is not None, reason=str(GPU_MISSING))
 needs_tpu = pytest.mark.skipif(TPU_MISSING is not None, reason=str(TPU_MISSING))

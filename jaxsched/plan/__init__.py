@@ -5,7 +5,7 @@
 first). That is the layout ``jaxsched.sim.simulate`` and ``jaxsched.schedule`` take.
 
 Example:
-    >>> from jaxsched.costmodel import Layer, LayerProfile, network_preset
+    >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
     >>> from jaxsched.plan import plan_buckets
     >>> prof = LayerProfile([Layer(str(i), 1, 10**6, 1e-3, 2e-3) for i in range(8)])
     >>> net = network_preset("10gbe", 16)
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from jaxsched.costmodel import CommPattern, LayerProfile, NetworkProfile, comm_pattern
+from jaxsched.sim.costmodel import CommPattern, LayerProfile, NetworkProfile, comm_pattern
 from jaxsched.plan.mgwfbp import plan_mgwfbp
 from jaxsched.plan.optimal import optimal_wfbp, search
 from jaxsched.plan.per_layer import plan_per_layer

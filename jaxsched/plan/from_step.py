@@ -25,11 +25,11 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from jaxsched.analyze import Analysis
-from jaxsched.axes import as_axes
-from jaxsched.costmodel import (CollectiveCost, CommPattern, Layer, LayerProfile, NetworkProfile,
+from jaxsched.core.analyze import Analysis
+from jaxsched.core.axes import as_axes
+from jaxsched.sim.costmodel import (CollectiveCost, CommPattern, Layer, LayerProfile, NetworkProfile,
                                 network_preset)
-from jaxsched.engine.base import EngineCosts
+from jaxsched.runtime.engine.base import EngineCosts
 from jaxsched.plan import plan_buckets
 
 MATMULS = ("dot_general", "conv_general_dilated")
@@ -107,7 +107,7 @@ def step_layer_profile(analysis: Analysis, paths: Sequence[str],
         layers = [dataclasses.replace(by_name[n], name=n) for n in order]
         return LayerProfile(layers, {"source": "measured layer profile"}), members
     if flops_per_s is None:
-        from jaxsched.profile import agree_across_processes
+        from jaxsched.plan.profiling import agree_across_processes
 
         flops_per_s = float(agree_across_processes([measure_flops_per_s(local_device(cap.mesh))])[0])
     flops = forward_flops(analysis)
@@ -134,7 +134,7 @@ def step_network_profile(analysis: Analysis, network_profile: NetworkProfile | s
         network = network_preset(network_profile, cap.axis_size,
                                  per_node=cap.axis_size // cap.mesh.shape[first])
     elif network_profile is None:
-        from jaxsched.profile import agree_on_network, profile_network
+        from jaxsched.plan.profiling import agree_on_network, profile_network
 
         network = agree_on_network(profile_network(cap.mesh, cap.axis_name, repeats=3)[0])
     else:
@@ -153,7 +153,7 @@ def with_selection_cost(compression: Any, compressor: Any, mesh: Any) -> Any:
     this process's device of ``mesh`` (the same number on every process)."""
     if compression is None or compressor is None or compression.selection_s_per_byte:
         return compression
-    from jaxsched.profile import agree_across_processes, measure_selection_s_per_byte
+    from jaxsched.plan.profiling import agree_across_processes, measure_selection_s_per_byte
 
     seconds = float(agree_across_processes(
         [measure_selection_s_per_byte(compressor, local_device(mesh))])[0])

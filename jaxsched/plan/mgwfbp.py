@@ -2,7 +2,7 @@
 waiting for it costs less than the start-up time that one fewer collective saves."""
 from __future__ import annotations
 
-from jaxsched.costmodel import LayerProfile, NetworkProfile
+from jaxsched.sim.costmodel import LayerProfile, NetworkProfile
 from jaxsched.plan._common import backward_view, bucket_time, grad_alpha, to_forward_buckets
 
 
@@ -14,7 +14,7 @@ def plan_mgwfbp(layers: LayerProfile, network: NetworkProfile, strategy: str = "
     merged with the next layer, ready at ``r``, when ``r - s < alpha``.
 
     Example:
-        >>> from jaxsched.costmodel import Layer, LayerProfile, network_preset
+        >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
         >>> tiny = LayerProfile([Layer(str(i), 1, 4, 1e-6, 1e-6) for i in range(4)])
         >>> plan_mgwfbp(tiny, network_preset("1gbe", 8))  # latency dominates: merge all
         [[0, 1, 2, 3]]

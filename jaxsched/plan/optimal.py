@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from jaxsched.costmodel import LayerProfile, NetworkProfile
+from jaxsched.sim.costmodel import LayerProfile, NetworkProfile
 from jaxsched.plan._common import backward_view, to_forward_buckets
 
 EXHAUSTIVE_LAYERS = 10
@@ -28,7 +28,7 @@ def optimal_wfbp(layers: LayerProfile, network: NetworkProfile) -> tuple[list[li
     """Exact DP for WFBP; returns forward-order buckets and the link-free time after backward.
 
     Example:
-        >>> from jaxsched.costmodel import Layer, LayerProfile, network_preset
+        >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
         >>> prof = LayerProfile([Layer(str(i), 1, 10**6, 1e-3, 1e-3) for i in range(6)])
         >>> buckets, _ = optimal_wfbp(prof, network_preset("10gbe", 8))
         >>> sum(len(b) for b in buckets)
@@ -78,7 +78,7 @@ def search(layers: LayerProfile, candidates: list[list[list[int]]],
     pool = {tuple(map(tuple, c)): c for c in candidates}
     iterator = pool.values()
     if progress:
-        from jaxsched.progress import progress as progress_bar
+        from jaxsched.core.progress import progress as progress_bar
         iterator = progress_bar(list(iterator), "optimal planner", unit="partition", leave=False)
     best, best_time = None, None
     for buckets in iterator:

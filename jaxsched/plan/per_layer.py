@@ -1,14 +1,14 @@
 """WFBP (Zhang et al., Poseidon 2017): one collective per layer, issued as soon as it is ready."""
 from __future__ import annotations
 
-from jaxsched.costmodel import LayerProfile
+from jaxsched.sim.costmodel import LayerProfile
 
 
 def plan_per_layer(layers: LayerProfile) -> list[list[int]]:
     """One bucket per layer.
 
     Example:
-        >>> from jaxsched.costmodel import Layer, LayerProfile
+        >>> from jaxsched.sim.costmodel import Layer, LayerProfile
         >>> plan_per_layer(LayerProfile([Layer("a", 1, 4, 0.1, 0.1)] * 3))
         [[0], [1], [2]]
     """

@@ -3,7 +3,7 @@ measured link speed; whenever the link frees, send every gradient already waitin
 block, so the link never idles while gradients queue and fewer start-ups are paid."""
 from __future__ import annotations
 
-from jaxsched.costmodel import LayerProfile, NetworkProfile
+from jaxsched.sim.costmodel import LayerProfile, NetworkProfile
 from jaxsched.plan._common import backward_view, bucket_time, to_forward_buckets
 
 
@@ -12,7 +12,7 @@ def plan_prophet(layers: LayerProfile, network: NetworkProfile, strategy: str = 
     """Blocks = the gradients ready when the link becomes free (at least one each).
 
     Example:
-        >>> from jaxsched.costmodel import Layer, LayerProfile, network_preset
+        >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
         >>> slow = LayerProfile([Layer(str(i), 1, 10**6, 1e-3, 1e-3) for i in range(4)])
         >>> plan_prophet(slow, network_preset("1gbe", 8))
         [[0, 1, 2], [3]]

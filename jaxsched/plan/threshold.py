@@ -1,7 +1,7 @@
 """Fixed-size fusion buffers, as Horovod tensor fusion and PyTorch DDP buckets do."""
 from __future__ import annotations
 
-from jaxsched.costmodel import LayerProfile
+from jaxsched.sim.costmodel import LayerProfile
 from jaxsched.plan._common import to_forward_buckets
 
 DEFAULT_THRESHOLD_BYTES = 25 * 1024 * 1024  # PyTorch DDP bucket_cap_mb=25
@@ -12,7 +12,7 @@ def plan_threshold(layers: LayerProfile, threshold_bytes: int = DEFAULT_THRESHOL
     """Fill buckets in gradient-completion (backward) order; close one at ``threshold_bytes``.
 
     Example:
-        >>> from jaxsched.costmodel import Layer, LayerProfile
+        >>> from jaxsched.sim.costmodel import Layer, LayerProfile
         >>> plan_threshold(LayerProfile([Layer("a", 1, 10, 0.1, 0.1)] * 4), threshold_bytes=20)
         [[0, 1], [2, 3]]
     """

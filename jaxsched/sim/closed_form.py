@@ -13,7 +13,7 @@ gradients are ready ``r_k`` after backward starts and whose collective costs ``c
   ``E_k = max(E_{k-1}, r_k) + c_k``).
 
 Example:
-    >>> from jaxsched.costmodel import Layer, LayerProfile, network_preset
+    >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
     >>> layers = LayerProfile([Layer("a", 1, 4000, 1e-3, 2e-3), Layer("b", 1, 4000, 1e-3, 2e-3)])
     >>> net = network_preset("1gbe", 2)
     >>> wfbp_time(layers, net) <= allreduce_time(layers, net, [[0], [1]])
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from jaxsched.costmodel import LayerProfile, NetworkProfile
+from jaxsched.sim.costmodel import LayerProfile, NetworkProfile
 from jaxsched.sim.core import check_buckets
 
 

@@ -16,7 +16,7 @@ Durations may be ``float`` or :class:`fractions.Fraction` (exact arithmetic, use
 tests that compare against closed forms).
 
 Example:
-    >>> from jaxsched.costmodel import Layer, LayerProfile, network_preset
+    >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
     >>> layers = LayerProfile([Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(4)])
     >>> net = network_preset("10gbe", 8)
     >>> r = simulate(layers, net, "wfbp")
@@ -30,7 +30,7 @@ import heapq
 import math
 from typing import Any, Sequence
 
-from jaxsched.costmodel import (CommPattern, LayerProfile, NetworkProfile, comm_pattern,
+from jaxsched.sim.costmodel import (CommPattern, LayerProfile, NetworkProfile, comm_pattern,
                                 comm_pattern_names)
 
 #: The priority scheduler the simulator models itself (it is not a bucket pattern).
@@ -87,7 +87,7 @@ class Compression:
 
 @dataclasses.dataclass(frozen=True)
 class HostCosts:
-    """What the ``host`` engine (jaxsched.engine.host) adds to a step on CPU clusters.
+    """What the ``host`` engine (jaxsched.runtime.engine.host) adds to a step on CPU clusters.
 
     Why: that engine dispatches every stage from the Python thread that shares the host's
     core with compute, copies each collective's operands to a spare local device and back,
@@ -97,7 +97,7 @@ class HostCosts:
 
     * ``stage_s``: seconds of Python per collective (a communication stage, the compute
       stage after it, two device copies dispatched): charged on the compute stream just
-      before the collective is issued (:func:`jaxsched.engine.host.measure_stage_overhead`).
+      before the collective is issued (:func:`jaxsched.runtime.engine.host.measure_stage_overhead`).
     * ``copy_s_per_byte``: copying one byte between the compute device and the spare one;
       every collective's bytes are copied there before it (compute stream, before it is
       issued) and back after it (compute stream, before what reads the result).
@@ -416,7 +416,7 @@ def _inversions(graph: _Graph, network: NetworkProfile, pattern: CommPattern, la
                 n: int, factor_comm: list[int]) -> list[int]:
     """The factor inversions (the busiest worker's share under the pattern's placement) and
     the all-gather that shares them; returns what the update must wait for."""
-    from jaxsched.placement import plan_placement
+    from jaxsched.sim.kfac_placement import plan_placement
 
     dims = [d for layer in lay for d in layer.factor_dims]
     times = [t for layer in lay for t in layer.inverse_s]

@@ -4,7 +4,7 @@ Why: a table says how long; a timeline says why — where the compute stream wai
 the link and where the link idles. Every figure is labelled *simulated*.
 
 Example:
-    >>> from jaxsched.costmodel import Layer, LayerProfile, network_preset
+    >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
     >>> from jaxsched.sim import simulate
     >>> layers = LayerProfile([Layer("a", 1, 4000, 1e-3, 2e-3)] * 3)
     >>> trace = chrome_trace([simulate(layers, network_preset("1gbe", 4), "wfbp")])

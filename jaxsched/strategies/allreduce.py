@@ -17,8 +17,8 @@ from typing import Any
 
 from jax.extend import core as jex_core
 
-from jaxsched.costmodel import ALLREDUCE_PATTERN
-from jaxsched.planned_step import PlannedStep
+from jaxsched.sim.costmodel import ALLREDUCE_PATTERN
+from jaxsched.pipeline.planned_step import PlannedStep
 from jaxsched.strategies.base import RewrittenBody, UserLayoutStrategy
 from jaxsched.strategies.registry import register_strategy
 

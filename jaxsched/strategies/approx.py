@@ -2,7 +2,7 @@
 
 Jin's All-Reduce scheduler (HKU thesis, 2023) and DaSGD: the gradient of step ``t`` is
 applied ``k = staleness`` steps later, and meanwhile forward and backward run at
-approximated parameters ``θ̃`` (:mod:`jaxsched.optax` states the recurrences; this
+approximated parameters ``θ̃`` (:mod:`jaxsched.strategies.approximation` states the recurrences; this
 strategy runs them on the user's own step, with the user's own optimizer as ``U``).
 
 One program per step. With ``k >= 1``, step ``t``'s program
@@ -63,14 +63,14 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
-from jaxsched.capture import UnsupportedStepError
-from jaxsched.collectives.base import BucketSpec, Collective, stack_local, unstack_local
-from jaxsched.costmodel import APPROX_PATTERN
-from jaxsched.optax import approximated_point, check_method, check_staleness, select
-from jaxsched.planned_step import PlannedStep, is_abstract, zero_count
-from jaxsched.primitives import COLLECTIVES
-from jaxsched.replay import interpret, is_var, nested_eqns, read, source_line
-from jaxsched.rewrite.backward import walk_backward
+from jaxsched.core.capture import UnsupportedStepError
+from jaxsched.runtime.collectives.base import BucketSpec, Collective, stack_local, unstack_local
+from jaxsched.sim.costmodel import APPROX_PATTERN
+from jaxsched.strategies.approximation import approximated_point, check_method, check_staleness, select
+from jaxsched.pipeline.planned_step import PlannedStep, is_abstract, zero_count
+from jaxsched.core.primitives import COLLECTIVES
+from jaxsched.core.replay import interpret, is_var, nested_eqns, read, source_line
+from jaxsched.core.rewrite.backward import walk_backward
 from jaxsched.strategies.base import RewrittenBody, Strategy, placed_user_layout
 from jaxsched.strategies.registry import register_strategy
 
@@ -119,7 +119,7 @@ class Approx(Strategy):
     """Reduce step ``t-k``'s gradients at the start of step ``t``; compute at ``θ̃_t``.
 
     Options (also through ``jaxsched.schedule(..., approx_method=..., staleness=...)``):
-      approx_method: ``"stale"``, ``"local"`` or ``"extrapolate"`` (:mod:`jaxsched.optax`).
+      approx_method: ``"stale"``, ``"local"`` or ``"extrapolate"`` (:mod:`jaxsched.strategies.approximation`).
       staleness: ``k >= 0``; ``0`` is a synchronous step.
     """
 

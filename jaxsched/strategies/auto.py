@@ -27,9 +27,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from jaxsched.collectives.base import Collective
-from jaxsched.costmodel import WFBP_PATTERN
-from jaxsched.plan.compiled import compiled_estimates_apply
+from jaxsched.runtime.collectives.base import Collective
+from jaxsched.sim.costmodel import WFBP_PATTERN
+from jaxsched.pipeline.compiled_planner import compiled_estimates_apply
 from jaxsched.strategies.base import Strategy
 from jaxsched.strategies.registry import make_strategy, register_strategy, strategy_names
 
@@ -95,8 +95,8 @@ class Auto(Strategy):
         from jaxsched.plan import plan_buckets
         from jaxsched.plan.from_step import (group_paths, step_layer_profile,
                                              step_network_profile, with_selection_cost)
-        from jaxsched.planned_step import PlannedStep
-        from jaxsched.program import simulated_compression
+        from jaxsched.pipeline.planned_step import PlannedStep
+        from jaxsched.pipeline.program import simulated_compression
         from jaxsched.sim import simulate
 
         if compiled_estimates_apply(captured.mesh.devices.flat[0].platform):
@@ -131,11 +131,11 @@ class Auto(Strategy):
     def _resolve_by_compiling(self, captured: Any, buckets: Any, plan_options: dict, engine: Any
                               ) -> tuple[Strategy, Any]:
         """On GPU/TPU: every candidate (and, with ``buckets`` None or ``"auto"``, each bucket
-        option and all-reduce form of :func:`~jaxsched.plan.compiled.candidates_for`) compiled
+        option and all-reduce form of :func:`~jaxsched.pipeline.compiled_planner.candidates_for`) compiled
         for the mesh;
         XLA's smallest estimated step wins. ``allreduce`` is the user's step as XLA compiles it
         alone, so the choice is never estimated slower than it."""
-        from jaxsched.plan.compiled import candidates_for, choose_by_compiling
+        from jaxsched.pipeline.compiled_planner import candidates_for, choose_by_compiling
 
         platform = captured.mesh.devices.flat[0].platform
         pairs = [pair for candidate in self._candidates()

@@ -8,7 +8,7 @@ A strategy owns four things (one module each, see :mod:`jaxsched.strategies`):
   :meth:`Strategy.finalize`);
 * its **rewrite**: a per-device body with one signature for every strategy,
   ``(*state leaves, *batch leaves, *consts) -> (*state leaves, *aux leaves)``;
-* its **cost description**, a :class:`~jaxsched.costmodel.CommPattern` that the planners
+* its **cost description**, a :class:`~jaxsched.sim.costmodel.CommPattern` that the planners
   and the simulator read.
 
 Example:
@@ -28,10 +28,10 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxsched.collectives.base import (BucketSpec, Collective, stack_local, stacked_zeros,
+from jaxsched.runtime.collectives.base import (BucketSpec, Collective, stack_local, stacked_zeros,
                                        unstack_local)
-from jaxsched.costmodel import CommPattern
-from jaxsched.planned_step import PlannedStep, is_abstract
+from jaxsched.sim.costmodel import CommPattern
+from jaxsched.pipeline.planned_step import PlannedStep, is_abstract
 
 
 class SchedState(NamedTuple):
@@ -59,7 +59,7 @@ class RewrittenBody:
       body: ``(*state leaves, *batch leaves, *consts) -> (*state leaves, *aux leaves)``.
       state_in_specs, state_out_specs: one ``PartitionSpec`` per state leaf.
       fallbacks: ``(primitive, source line)`` pairs the rewrite could not run as planned
-        (see :class:`~jaxsched.rewrite.rules.FallbackWarning`).
+        (see :class:`~jaxsched.core.rewrite.rules.FallbackWarning`).
       check_vma: the ``shard_map`` typing mode the body is written for.
       compiler_defaults: compile with XLA's own default options, not the engine's
         per-target set (the identity strategy: the user's step as XLA compiles it alone).
@@ -90,7 +90,7 @@ class BucketReport:
       on_shards: True when no equation of the update that reads the bucket's gradients,
         parameters or optimizer state had to gather them.
       fallbacks: ``(primitive, source line)`` of each equation that did (the same as the
-        :class:`~jaxsched.rewrite.rules.FallbackWarning` says).
+        :class:`~jaxsched.core.rewrite.rules.FallbackWarning` says).
     """
 
     bucket: int
@@ -116,13 +116,13 @@ class Strategy(abc.ABC):
     #: whether the program compiles with XLA's default options (see :class:`RewrittenBody`)
     compiler_defaults: ClassVar[bool] = False
     #: XLA options set over the engine's choice for this strategy's program (a variant of
-    #: :mod:`jaxsched.plan.compiled` sets them; empty: the engine's set as it is)
+    #: :mod:`jaxsched.pipeline.compiled_planner` sets them; empty: the engine's set as it is)
     compiler_overrides: ClassVar[dict] = {}
     #: whether params and opt_state stay in the user's layout between steps (so an adapter
     #: may hand them to the user after every step without a ``finalize``)
     keeps_user_layout: ClassVar[bool] = False
     #: whether capture computes a ``psum`` of a device-invariant value as ``x * axis size``
-    #: (no communication; see :func:`jaxsched.replay.invariant_sums_as_products`). Off by
+    #: (no communication; see :func:`jaxsched.core.replay.invariant_sums_as_products`). Off by
     #: default: the user's own arithmetic, rounding included, is kept.
     folds_invariant_sums: ClassVar[bool] = False
 
@@ -131,7 +131,7 @@ class Strategy(abc.ABC):
             raise ValueError(f"strategy {self.name!r} issues no bucket collectives, so it cannot "
                              f"carry {type(collective).__name__}; use wfbp or dear")
         if collective is not None and not isinstance(collective, Collective):
-            raise TypeError(f"collective must be a jaxsched.collectives.Collective, got "
+            raise TypeError(f"collective must be a jaxsched.runtime.collectives.Collective, got "
                             f"{type(collective).__name__}")
         self.collective = collective if collective is not None else Collective()
         #: whether the collective is jaxsched's choice (then :meth:`for_mesh` may pick a
@@ -147,10 +147,10 @@ class Strategy(abc.ABC):
         per step, ``auto``, says which); ``self`` and ``buckets`` unchanged by default.
 
         ``buckets="auto"`` on a GPU or TPU mesh is chosen by XLA's estimate of the compiled
-        program (:mod:`jaxsched.plan.compiled`; ``self.last_bucket_choice`` says what each
+        program (:mod:`jaxsched.pipeline.compiled_planner`; ``self.last_bucket_choice`` says what each
         candidate was estimated at); elsewhere the planners plan it against the simulator.
         """
-        from jaxsched.plan.compiled import candidates_for, choose_by_compiling, compiled_estimates_apply
+        from jaxsched.pipeline.compiled_planner import candidates_for, choose_by_compiling, compiled_estimates_apply
 
         if (isinstance(buckets, str) and buckets == "auto"
                 and compiled_estimates_apply(captured.mesh.devices.flat[0].platform)
@@ -165,10 +165,10 @@ class Strategy(abc.ABC):
     def for_mesh(self, captured: Any) -> "Strategy":
         """This strategy with the collective the mesh calls for: when the step is data
         parallel over several mesh axes and the devices say which are slow (another
-        host), a :class:`~jaxsched.collectives.Hierarchical` sum, unless the user chose a
+        host), a :class:`~jaxsched.runtime.collectives.Hierarchical` sum, unless the user chose a
         collective. On TPU, XLA lowers the flat sum in two levels itself
-        (:func:`~jaxsched.collectives.hierarchical.default_collective_for`)."""
-        from jaxsched.collectives.hierarchical import default_collective_for
+        (:func:`~jaxsched.runtime.collectives.hierarchical.default_collective_for`)."""
+        from jaxsched.runtime.collectives.hierarchical import default_collective_for
 
         if not (self.accepts_collective and getattr(self, "default_collective", False)):
             return self

@@ -6,14 +6,14 @@ Per bucket the scheduled body
 1. all-gathers the bucket's parameter shard just before the first forward equation that
    reads one of its parameters (the all-gather deferred from the previous step);
 2. reduce-scatters the bucket's gradients right after the last of them is computed;
-3. runs the update region on shards (:mod:`jaxsched.rewrite.rules`), so optimizer state
+3. runs the update region on shards (:mod:`jaxsched.core.rewrite.rules`), so optimizer state
    that mirrors the parameters lives sharded (ZeRO-1 memory);
 4. returns the updated parameter shard, which the next step gathers again.
 
 State: each parameter leaf as its flat ``(P * chunk,)`` array sharded over the axis;
 optimizer leaves likewise where they are not scalars; the collective's carried state. A
 bucket's chunks are concatenated before its one all-gather, which yields exactly the
-interleaved layout of :mod:`jaxsched.layout`, so the state stays per leaf and its
+interleaved layout of :mod:`jaxsched.core.layout`, so the state stays per leaf and its
 structure does not depend on the bucket plan (checkpoints restore across plans).
 
 Example:
@@ -32,14 +32,14 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxsched import layout
-from jaxsched.bucketing import is_float
-from jaxsched.collectives.base import BucketSpec
-from jaxsched.costmodel import DEAR_PATTERN
-from jaxsched.planned_step import PlannedStep, is_abstract
-from jaxsched.replay import interpret, read
-from jaxsched.rewrite.backward import walk_backward
-from jaxsched.rewrite.rules import Shard, ShardContext, apply_rule
+from jaxsched.core import layout
+from jaxsched.core.bucketing import is_float
+from jaxsched.runtime.collectives.base import BucketSpec
+from jaxsched.sim.costmodel import DEAR_PATTERN
+from jaxsched.pipeline.planned_step import PlannedStep, is_abstract
+from jaxsched.core.replay import interpret, read
+from jaxsched.core.rewrite.backward import walk_backward
+from jaxsched.core.rewrite.rules import Shard, ShardContext, apply_rule
 from jaxsched.strategies.base import (BucketReport, RewrittenBody, SchedState, Strategy,
                                       check_leaf_counts)
 from jaxsched.strategies.registry import register_strategy

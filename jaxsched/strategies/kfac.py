@@ -3,7 +3,7 @@ inversions placed across workers by a load-balancing plan (SPD-KFAC).
 
 The user's step is the ordinary one (``value_and_grad``, ``pmean`` of the gradients, an
 optax update). This strategy replays its backward region and, per dense or convolution
-layer found in the jaxpr (:mod:`jaxsched.rewrite.layers`), forms the Kronecker factors
+layer found in the jaxpr (:mod:`jaxsched.core.rewrite.layers`), forms the Kronecker factors
 from the layer input ``a`` and output cotangent ``g`` that backward already computes:
 
 * ``A = [a, 1]^T [a, 1] / R`` (``R``: rows, i.e. examples times spatial positions or
@@ -17,7 +17,7 @@ cotangents exist, in backward order, while backward continues (``pipeline=False`
 them after backward, as kfac-jax does). Factors are exponential moving averages (the first
 update takes the batch's factors as they are). Every ``inverse_interval`` steps the damped
 factors are inverted, each on the worker the placement plan assigns
-(:mod:`jaxsched.placement`), and shared with one all-gather. The reduced kernel gradient
+(:mod:`jaxsched.sim.kfac_placement`), and shared with one all-gather. The reduced kernel gradient
 ``V`` (with the bias gradient as an extra row) becomes
 ``(A + pi sqrt(lambda) I)^-1 V (G + sqrt(lambda)/pi I)^-1`` (factored Tikhonov damping,
 ``pi^2 = (tr A / d_A) / (tr G / d_G)``; Martens & Grosse, 2015), and the user's optax
@@ -52,13 +52,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxsched.capture import UnsupportedStepError
-from jaxsched.collectives.base import BucketSpec, Collective
-from jaxsched.costmodel import KFAC_PATTERN, CommPattern
-from jaxsched.placement import check_placement, plan_placement
-from jaxsched.planned_step import PlannedStep, is_abstract, zero_count
-from jaxsched.replay import interpret, is_var, read
-from jaxsched.rewrite.layers import LayerMatch, MatchedLayer, match_layers
+from jaxsched.core.capture import UnsupportedStepError
+from jaxsched.runtime.collectives.base import BucketSpec, Collective
+from jaxsched.sim.costmodel import KFAC_PATTERN, CommPattern
+from jaxsched.sim.kfac_placement import check_placement, plan_placement
+from jaxsched.pipeline.planned_step import PlannedStep, is_abstract, zero_count
+from jaxsched.core.replay import interpret, is_var, read
+from jaxsched.core.rewrite.layers import LayerMatch, MatchedLayer, match_layers
 from jaxsched.strategies.base import RewrittenBody, Strategy, placed_user_layout
 from jaxsched.strategies.registry import register_strategy
 
@@ -174,7 +174,7 @@ class KFAC(Strategy):
             raise UnsupportedStepError(
                 "kfac schedules jax.shard_map steps; this is a jax.pmap step, whose parameters "
                 "carry a device axis. Write the same body with jax.shard_map over a mesh "
-                "(jaxsched.steps.make_step shows how)")
+                "(jaxsched.demo.steps.make_step shows how)")
         sharded = {planned.paths[i]: axes for i in range(planned.captured.num_params)
                    if (axes := planned.model_axes("params", i))}
         if sharded:
@@ -536,7 +536,7 @@ def plan_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], op
 def auto_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], order: list[int]
                         ) -> list[list[int]]:
     """MG-WFBP merging of factor all-reduces against the cost model (see :class:`KFAC`)."""
-    from jaxsched.costmodel import Layer, LayerProfile, network_preset
+    from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
     from jaxsched.plan import plan_buckets
     from jaxsched.plan.from_step import measure_flops_per_s
 
@@ -544,7 +544,7 @@ def auto_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], or
     if isinstance(network, str):
         network = network_preset(network, planned.axis_size)
     elif network is None:
-        from jaxsched.profile import profile_network
+        from jaxsched.plan.profiling import profile_network
 
         network, _ = profile_network(planned.mesh, planned.axis_name, repeats=3)
     rate = planned.memo("flops_per_s", lambda: measure_flops_per_s(planned.mesh.devices.flat[0]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jaxsched.costmodel import register_comm_pattern, unregister_comm_pattern
+from jaxsched.sim.costmodel import register_comm_pattern, unregister_comm_pattern
 
 _STRATEGIES: dict[str, type] = {}
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 from typing import Any
 
 
-from jaxsched.collectives.base import BucketSpec
-from jaxsched.costmodel import WFBP_PATTERN
-from jaxsched.planned_step import PlannedStep
-from jaxsched.replay import interpret, read
-from jaxsched.rewrite.backward import walk_backward
+from jaxsched.runtime.collectives.base import BucketSpec
+from jaxsched.sim.costmodel import WFBP_PATTERN
+from jaxsched.pipeline.planned_step import PlannedStep
+from jaxsched.core.replay import interpret, read
+from jaxsched.core.rewrite.backward import walk_backward
 from jaxsched.strategies.base import UserLayoutStrategy
 from jaxsched.strategies.registry import register_strategy
 

@@ -1,0 +1,288 @@
+"""``jaxsched.schedule``: capture -> analyze -> plan -> strategy -> engine.
+
+Example:
+    >>> import jax, optax
+    >>> import jaxsched
+    >>> from jaxsched import models, steps
+    >>> params, apply_fn = models.pure(models.build("mlp", (8, 8, 1), 10, hidden=(16,)))
+    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> tx = optax.adam(1e-3)
+    >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="dear")
+    >>> state = sched.init(params, tx.init(params))
+    >>> batch = steps.shard_batch((jax.numpy.ones((4, 8, 8, 1)), jax.numpy.zeros(4, "int32")), mesh)
+    >>> state, aux = sched(state, batch)
+    >>> new_params, new_opt_state = sched.finalize(state)
+    >>> jax.tree.structure(new_params) == jax.tree.structure(params)
+    True
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+from jaxsched.core.capture import abstract_leaf, capture
+from jaxsched.runtime.collectives.base import Collective
+from jaxsched.runtime.engine import Engine, make_engine
+from jaxsched.pipeline.program import Program, ProgramCache, build_program, retyped
+from jaxsched.pipeline.state_step import STATE, StateForm, UnsplitState, inputs_of, step_form, with_inputs
+from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
+
+PLAN_OPTIONS = ("layer_profile", "network_profile", "planner")
+
+__all__ = ["STRATEGIES", "SchedState", "Scheduled", "schedule"]
+
+
+class Scheduled:
+    """A scheduled training step: ``init``, ``__call__``, ``finalize`` (see :func:`schedule`)."""
+
+    def __init__(self, step: Callable, strategy: str | Strategy = "dear", buckets: Any = None,
+                 compiler_options: dict[str, Any] | None = None, *, engine: str | Engine = "auto",
+                 collective: Collective | None = None, compression: Collective | None = None,
+                 **options: Any):
+        if not callable(step):
+            raise TypeError(f"schedule() needs the user's train step, got {type(step).__name__}")
+        if collective is not None and compression is not None:
+            raise TypeError("pass compression= or collective= (a compressor is a collective "
+                            "wrapper), not both")
+        plan_options = {k: v for k, v in options.items() if k in PLAN_OPTIONS}
+        strategy_options = {k: v for k, v in options.items() if k not in PLAN_OPTIONS}
+        self.step = step
+        try:
+            self.strategy: Strategy = make_strategy(
+                strategy, collective=compression if collective is None else collective,
+                **strategy_options)
+        except TypeError as err:
+            if not strategy_options:
+                raise
+            raise TypeError(f"schedule() got unknown options {sorted(strategy_options)}: neither "
+                            f"strategy {strategy!r} takes them ({err}) nor buckets='auto', whose "
+                            f"options are {', '.join(PLAN_OPTIONS)}") from None
+        engine_options = {} if compiler_options is None else {"compiler_options": compiler_options}
+        self.engine: Engine = make_engine(engine, **engine_options)
+        self.buckets_option = buckets
+        self.plan_options = plan_options
+        self._template: tuple[Any, Any] | None = None
+        self._programs = ProgramCache(self._build)
+        self._pending_state: NamedTuple | None = None
+        self._form: str | None = None  # "trees" or "state": decided by the first init
+        self._state_form: StateForm | None = None  # a step(state, batch) delegates to it
+        self._num_inputs: int | None = None  # the batch and the extra inputs before it
+        functools.update_wrapper(self, step, updated=())
+
+    # -- public API -----------------------------------------------------------------------
+    def init(self, *args: Any, batch: Any = None) -> NamedTuple:
+        """Ordinary trees in, scheduled state out: ``init(params, opt_state[, batch])`` for a
+        ``step(params, opt_state, batch)``, ``init(state[, batch])`` for a ``step(state,
+        batch)`` (:mod:`jaxsched.pipeline.state_step` says how the form is told apart).
+
+        Without ``batch`` the leaves keep the user's layout until the first step converts
+        them (the step can only be traced once a batch is known). With an example
+        ``batch`` the state comes back in its scheduled layout at once, which is what a
+        checkpoint restore needs as its target.
+        """
+        form = step_form(self.step, len(args), batch is not None)
+        if self._form not in (None, form):
+            raise TypeError(f"this schedule was initialized in the {self._form} form "
+                            f"({'init(state)' if self._form == STATE else 'init(params, opt_state)'})"
+                            f"; sched.init got the {form} form's arguments")
+        self._form = form
+        if self._num_inputs is None:
+            self._num_inputs = inputs_of(self.step, 1 if form == STATE else 2)
+        if form == STATE:
+            self._state_form = self._state_form or StateForm(self)
+            return self._state_form.init(args[0], args[1] if len(args) == 2 else batch)
+        params, opt_state = args[:2]
+        batch = args[2] if len(args) == 3 else batch
+        return self._init_trees(params, opt_state, batch)
+
+    def _init_trees(self, params: Any, opt_state: Any, batch: Any) -> NamedTuple:
+        self._template = jax.tree.map(abstract_leaf, (params, opt_state))
+        state = self.strategy.initial_state(params, opt_state)
+        if batch is None:
+            return state
+        return self._program_for(state, batch).convert(state)
+
+    def __call__(self, state: NamedTuple, *inputs: Any) -> Any:
+        """One training step: ``sched(state, batch)`` (or ``sched(state, key, batch)`` for a
+        step with extra inputs); returns the new state and the step's aux, as the plain step
+        would (the state alone for a step that returns only its state)."""
+        return self.step_batch(state, self._batch_of(inputs, state))
+
+    def step_batch(self, state: NamedTuple, batch: Any) -> Any:
+        """One step with the step's inputs after the state as one pytree (``batch``, or the
+        tuple of a step's extra inputs and its batch), as ``verify`` and adapters call it."""
+        if self._state_form_for(state):
+            return self._state_form(state, batch)
+        return self._program_for(state, batch).run(state, batch)
+
+    def finalize(self, state: NamedTuple) -> tuple[Any, Any]:
+        """Back to ordinary ``(params, opt_state)``, or the user's state object for a
+        ``step(state, batch)`` (performs pending all-gathers)."""
+        if self._state_form_for(state):
+            return self._state_form.finalize(state)
+        if self._programs.last is None:  # never traced here: only a state in the user's layout
+            return self.strategy.finalize_untraced(state)
+        return self._programs.last.finalize(state)
+
+    def lower(self, state: NamedTuple, batch: Any):
+        """The lowered scheduled program (StableHLO), e.g. to inspect where collectives sit."""
+        if self._state_form_for(state):
+            return self._state_form.scheduled(state, batch, "lower")
+        return self._program_for(state, batch).lower(state, batch)
+
+    def inspect(self, state: NamedTuple, batch: Any, *, baseline: bool = True):
+        """Compile this step for its mesh's devices and read what the compiler scheduled.
+
+        Works ahead of time: with a mesh over compile-only devices (:func:`jaxsched.tools.aot.devices`)
+        and abstract ``state`` / ``batch`` (``jax.ShapeDtypeStruct`` leaves with shardings,
+        ``state`` from ``sched.init``), nothing touches a device. Returns a
+        :class:`jaxsched.check.inspection.Inspection`: the scheduled step's
+        :class:`~jaxsched.check.inspection.CompiledReport` (every collective, async or not, the compute
+        in its window, XLA's estimated step and exposed communication) and, with
+        ``baseline``, the same for the user's step unchanged as XLA compiles it with its
+        default options, the peer every strategy is compared with.
+        """
+        from jaxsched.check import inspection as inspect_lib
+
+        if self._state_form_for(state):
+            return self._state_form.scheduled(state, batch, "inspect", baseline=baseline)
+        program = self._program_for(state, batch)
+        report = program.inspect(state, batch)
+        plain = None
+        if baseline:
+            params, opt_state = self._template
+            plain = inspect_lib.inspect_jitted(self.traced_step, (params, opt_state, batch),
+                                               program.planned.mesh, label=inspect_lib.PLAIN_LABEL)
+        return inspect_lib.Inspection(report, plain)
+
+    def fresh(self) -> "Scheduled":
+        """A new schedule of the same step with the same options and no traced programs
+        (``verify`` traces the step again in float64 with it)."""
+        return Scheduled(self.step, self.strategy, self.buckets_option, engine=self.engine,
+                         **self.plan_options)
+
+    def verify(self, state: NamedTuple, batches: Any, steps: int = 10, rtol: float = 1e-5,
+               baseline_factor: float = 100.0, precision: str = "float64"):
+        """Run the plain step and this scheduled step side by side on ``batches``.
+
+        Returns a :class:`jaxsched.check.verify.VerifyReport`: per leaf the largest relative
+        difference, the rounding baseline it is judged against, and the first step at
+        which a leaf left the tolerance (``print(report)`` shows a table). By default every
+        run is made in float64, where rounding cannot pass for a defect
+        (:mod:`jaxsched.check.verify`); ``precision="float32"`` compares the step as it trains.
+        """
+        from jaxsched.check.verify import verify
+
+        if self._state_form_for(state):
+            batches = list(itertools.islice(iter(batches), steps))
+            inner, state = self._state_form.scheduled_state(state, batches[0] if batches else None)
+            return inner.verify(state, batches, steps, rtol, baseline_factor, precision)
+        return verify(self, state, batches, steps, rtol, baseline_factor, precision)
+
+    @property
+    def program(self) -> Program:
+        """The program of the most recent call."""
+        if self._state_form is not None and self._state_form.inner is not None:
+            return self._state_form.inner.program
+        if self._programs.last is None:
+            raise RuntimeError("the step has not been traced yet: call it once (or lower()) first")
+        return self._programs.last
+
+    @property
+    def num_programs(self) -> int:
+        """How many input signatures have been traced (one program each)."""
+        if self._state_form is not None and self._state_form.inner is not None:
+            return self._state_form.inner.num_programs
+        return len(self._programs)
+
+    @property
+    def traced_step(self) -> Callable:
+        """The user's step with its inputs after the state in one tuple, as the pipeline
+        traces it (the step itself when it takes only a batch)."""
+        state_args = 1 if self._form == STATE else 2
+        return with_inputs(self.step, self._num_inputs or 1, state_args)
+
+    # -- internals -------------------------------------------------------------------------
+    def _batch_of(self, inputs: tuple, state: Any) -> Any:
+        """The inputs after the state as the one batch pytree the pipeline traces."""
+        if isinstance(state, tuple) and not hasattr(state, "_fields"):
+            raise TypeError(f"sched(state, batch) got a plain {type(state).__name__} as its state; "
+                            "pass the state sched.init returned (state = sched.init(params, "
+                            "opt_state), then state, aux = sched(state, batch))")
+        if not inputs:
+            raise TypeError("sched(state, batch) got no batch; call it as the step is called, "
+                            "state first, then the step's inputs")
+        expected = self._num_inputs if self._num_inputs is not None else len(inputs)
+        if len(inputs) != expected:
+            raise TypeError(f"the scheduled step got {len(inputs)} input(s) after the state; the "
+                            f"step takes {expected} (call sched(state, "
+                            + ", ".join(["input"] * (expected - 1) + ["batch"]) + "))")
+        self._num_inputs = expected
+        return inputs[0] if expected == 1 else tuple(inputs)
+
+    def _state_form_for(self, state: Any) -> StateForm | None:
+        """The state-form adapter if this schedule runs a ``step(state, batch)``."""
+        if self._state_form is None and isinstance(state, UnsplitState):
+            self._form, self._state_form = STATE, StateForm(self)
+        return self._state_form
+
+    def _program_for(self, state: NamedTuple, batch: Any) -> Program:
+        if self._template is None:
+            self._template = (state.params, state.opt_state)
+        program = self._programs.again(state, batch)
+        if program is not None:
+            return program
+        return self._programs.get(batch, retyped(self._template, (state.params, state.opt_state)))
+
+    def _build(self, batch: Any, template: Any) -> Program:
+        captured = capture(self.traced_step, template[0], template[1], batch,
+                           self.strategy.folds_invariant_sums)
+        return build_program(captured, self.strategy, self.buckets_option, self.engine,
+                             self.plan_options)
+
+
+def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dear",
+             buckets: Any = None, compiler_options: dict[str, Any] | None = None, *,
+             engine: str | Engine = "auto", collective: Collective | None = None,
+             compression: Collective | None = None, **options: Any) -> Any:
+    """Schedule the gradient communication of a data-parallel ``train_step``.
+
+    Args:
+      train_step: ``(params, opt_state, batch) -> (params, opt_state, aux)``, or ``(state,
+        batch) -> (state, aux)`` over any pytree state (a Flax ``TrainState``, a dataclass, a
+        dict; :mod:`jaxsched.pipeline.state_step`), whose body is a ``jax.shard_map`` over a mesh axis
+        (jitted or not) or a ``jax.pmap``, reducing the gradients with
+        ``lax.pmean``/``lax.psum`` (or implicitly via ``check_vma``).
+        Omit it to use ``schedule`` as a decorator: ``@jaxsched.schedule(strategy="wfbp")``.
+      strategy: a registered name (``jaxsched.STRATEGIES``: ``allreduce``, the step
+        unchanged; ``wfbp``, one all-reduce per bucket in backward; ``dear``,
+        reduce-scatter in backward, sharded update, all-gather deferred to the next
+        forward) or a :class:`~jaxsched.strategies.Strategy` instance.
+      buckets: ``None`` (25 MB threshold in gradient-completion order), a byte threshold,
+        an explicit plan (a list of lists of parameter paths such as ``"head/kernel"``), or
+        ``"auto"``: planned against the simulator (:mod:`jaxsched.plan.from_step`), with
+        options ``layer_profile`` (a measured :class:`~jaxsched.sim.costmodel.LayerProfile`),
+        ``network_profile`` (a profile or preset name; default: measured on the mesh) and
+        ``planner`` (default ``"optimal"``).
+      compiler_options: options of the ``xla`` engine: per-function XLA options; by
+        default the platform's set from :mod:`jaxsched.runtime.engine.xla` (latency-hiding
+        scheduler on, combiners off, on GPU).
+      engine: ``"auto"`` (the host engine on multi-process CPU meshes with a spare local
+        device per process, else ``"xla"``), ``"xla"``, ``"host"``, another registered
+        name (``jaxsched.runtime.engine.engine_names()``) or an :class:`~jaxsched.runtime.engine.Engine`.
+      collective: a :class:`~jaxsched.runtime.collectives.Collective` that the strategy sends its
+        buckets through; ``compression=`` is the same for compressors.
+      options: the strategy's own options (passed to its constructor) and, with
+        ``buckets="auto"``, the planning options above.
+
+    The step is traced once per abstract batch signature (structure, shapes, dtypes,
+    shardings): a smaller last batch gets its own program.
+    """
+    def wrap(step: Callable) -> Scheduled:
+        return Scheduled(step, strategy, buckets, compiler_options, engine=engine,
+                         collective=collective, compression=compression, **options)
+
+    return wrap if train_step is None else wrap(train_step)

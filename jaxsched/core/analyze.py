@@ -1,0 +1,208 @@
+"""Analyze: where gradients are reduced, what the update region is, and when params are used.
+
+The body of a data-parallel step splits at its gradient reductions (``psum`` over the
+data axis of device-varying values that flow into the new params or optimizer state):
+
+* the *backward region*: every equation the gradients need (forward and backward);
+* the *update region*: everything else (the optimizer, metrics, anything after).
+
+Per body input the analysis records its first use in the backward region (where an
+all-gather must land by), and per reduction the equation that completes its operand
+(where a reduce-scatter can start).
+
+Example:
+    >>> import jax, optax
+    >>> from jaxsched import models, steps
+    >>> from jaxsched.core.capture import capture
+    >>> from jaxsched.core.analyze import analyze
+    >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+    >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+    >>> tx = optax.sgd(0.1)
+    >>> a = analyze(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+    >>> len(a.reductions)
+    4
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.extend import core as jex_core
+
+from jaxsched.core.capture import CapturedStep, UnsupportedStepError
+from jaxsched.core.axes import as_axes, spec_axes
+from jaxsched.core.primitives import REDUCTIONS, SUM_REDUCTIONS, reduces_over, reduction_axes
+from jaxsched.core.replay import is_var, live_equations, nested_eqns, source_line
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """One reduced gradient: operand ``operand_pos`` of body equation ``eqn_index``.
+
+    Attributes:
+      eqn_index: the reducing equation in the body.
+      operand_pos: which of its operands (a psum may reduce several at once).
+      operand, result: the body variables before and after the reduction.
+      ready_at: index of the backward equation that computes the operand (-1: a body input).
+      nbytes: bytes of the full gradient.
+    """
+
+    eqn_index: int
+    operand_pos: int
+    operand: Any
+    result: Any
+    ready_at: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Analysis:
+    """Attributes:
+      captured: what capture found.
+      reductions: gradient reductions, in body order.
+      backward: indices of backward-region equations, in order.
+      update: indices of update-region equations, in order.
+      varying: body variables whose value differs across devices.
+      first_use: per body invar index, the first backward equation reading it (or None).
+      forward_collectives: reductions over the axis that forward or backward reads (they
+        run where the user wrote them).
+      per_device_outputs: positions among the step's params and opt_state outputs whose new
+        value differs across devices (kept per device, never sharded).
+    """
+
+    captured: CapturedStep
+    reductions: tuple[Reduction, ...]
+    backward: tuple[int, ...]
+    update: tuple[int, ...]
+    varying: frozenset
+    first_use: tuple[int | None, ...]
+    forward_collectives: tuple[int, ...] = ()
+    per_device_outputs: frozenset = frozenset()
+
+
+def analyze(captured: CapturedStep) -> Analysis:
+    body = captured.body
+    axis = captured.axis_name
+    outvars = list(body.outvars)
+    n_state = captured.num_params + captured.num_opt
+    state_out_idx = set(captured.outputs[:n_state])
+    state_outvars = {outvars[i] for i in state_out_idx if is_var(outvars[i])}
+
+    # Device-varying values: the batch (and anything sharded), axis_index, and what they touch.
+    varying = set()
+    data_axes = set(as_axes(axis))
+    for v, src, spec in zip(body.invars, captured.sources, captured.in_specs):
+        # sharded over a data axis; a block of a model axis (tensor parallel) is the same
+        # on every device of the data axis
+        sharded = any(a in data_axes for a in spec_axes(spec))
+        if src.role == "batch" or (sharded and captured.kind != "pmap"):
+            varying.add(v)  # pmap gives every input a device axis; its state is replicated by convention
+    for eqn in body.eqns:
+        name = eqn.primitive.name
+        if reduces_over(eqn, axis, REDUCTIONS):
+            continue
+        if name == "axis_index" or any(is_var(x) and x in varying for x in eqn.invars):
+            varying.update(eqn.outvars)
+
+    # Which equations feed the new params / opt_state (backward slice from the state outputs).
+    feeds_state = set(state_outvars)
+    for eqn in reversed(body.eqns):
+        if any(o in feeds_state for o in eqn.outvars):
+            feeds_state.update(x for x in eqn.invars if is_var(x))
+
+    producer = {}
+    for i, eqn in enumerate(body.eqns):
+        for o in eqn.outvars:
+            producer[o] = i
+
+    candidates = [i for i, eqn in enumerate(body.eqns)
+                  if reduces_over(eqn, axis, SUM_REDUCTIONS)
+                  and any(o in feeds_state for o in eqn.outvars)
+                  # a reduction of an invariant value (e.g. a second pmean) is part of the update
+                  and any(is_var(x) and x in varying for x in eqn.invars)]
+    # A reduction whose result another reduction's operand needs belongs to forward or
+    # backward (synchronized batch norm, a global token count, SAM's first gradient): it
+    # stays where it is. Only the last reductions on each path, whose results only the
+    # update reads, are gradient reductions to reschedule.
+    upstream, needed = set(), {x for i in candidates for x in body.eqns[i].invars if is_var(x)}
+    for i in range(len(body.eqns) - 1, -1, -1):
+        if any(o in needed for o in body.eqns[i].outvars):
+            upstream.add(i)
+            needed.update(x for x in body.eqns[i].invars if is_var(x))
+    forward_collectives = tuple(i for i in candidates if i in upstream)
+
+    reductions, reducing_eqns = [], set()
+    for i in candidates:
+        eqn = body.eqns[i]
+        if i in upstream:
+            continue
+        if set(reduction_axes(eqn)) != data_axes:
+            extra = [a for a in reduction_axes(eqn) if a not in data_axes]
+            raise UnsupportedStepError(
+                f"gradients are reduced over axes {reduction_axes(eqn)} at {source_line(eqn)}, "
+                f"but the batch is sharded over {as_axes(axis)} only, so {tuple(extra)} are not "
+                "data-parallel axes; jaxsched schedules gradient reductions over exactly the "
+                "data-parallel axes (reduce the gradients over the axes the batch is sharded "
+                "over, and keep model-axis collectives inside forward and backward)")
+        reducing_eqns.add(i)
+        for pos, (x, o) in enumerate(zip(eqn.invars, eqn.outvars)):
+            nbytes = x.aval.size * x.aval.dtype.itemsize
+            reductions.append(Reduction(i, pos, x, o, producer.get(x, -1), nbytes))
+    if not reductions:
+        nested = _nested_reduction(body, axis)
+        if nested is not None:
+            raise UnsupportedStepError(
+                f"the gradients are reduced over {axis!r} inside a nested {nested.primitive.name} "
+                f"at {source_line(nested)}; jaxsched rewrites reductions at the top level of the "
+                "shard_map body, so call lax.pmean/psum there rather than inside a separately "
+                "jitted function, scan, cond or loop")
+        partial = sorted({reduction_axes(e) for e in body.eqns
+                          if e.primitive.name in SUM_REDUCTIONS and set(reduction_axes(e)) & data_axes
+                          and any(o in feeds_state for o in e.outvars)})
+        if len(data_axes) > 1 and partial:
+            raise UnsupportedStepError(
+                f"the gradients are reduced over the data-parallel axes {as_axes(axis)} in "
+                f"separate calls (over {', '.join(map(str, partial))}); reduce them in one, "
+                f"lax.pmean(grads, {axis!r}), and pass collective=jaxsched.runtime.collectives."
+                "Hierarchical(fast=..., slow=...) to have it summed level by level")
+        raise UnsupportedStepError(
+            f"the step has no gradient reduction over mesh axis {axis!r}: nothing psums or pmeans "
+            "device-varying values into the new params or optimizer state. Reduce the gradients "
+            f"with lax.pmean(grads, {axis!r}) (or use check_vma=True so JAX does it in backward)")
+
+    # Backward region: what the reduced gradients need. Everything else (the optimizer,
+    # including its gradient-free parts such as b1 * mu, and metrics) is the update region,
+    # so optimizer state is never gathered just to be decayed.
+    needed = {r.operand for r in reductions if is_var(r.operand)}
+    in_backward = set()
+    for i in range(len(body.eqns) - 1, -1, -1):
+        eqn = body.eqns[i]
+        if i not in reducing_eqns and any(o in needed for o in eqn.outvars):
+            in_backward.add(i)
+            needed.update(x for x in eqn.invars if is_var(x))
+    backward = [i for i in range(len(body.eqns)) if i in in_backward]
+    live = live_equations(body)
+    update = [i for i in range(len(body.eqns))
+              if i not in in_backward and i not in reducing_eqns and i in live]
+
+    first_use: list[int | None] = [None] * len(body.invars)
+    position = {v: k for k, v in enumerate(body.invars)}
+    for i in backward:
+        for x in body.eqns[i].invars:
+            k = position.get(x) if is_var(x) else None
+            if k is not None and first_use[k] is None:
+                first_use[k] = i
+    per_device = frozenset(k for k in range(n_state)
+                           if is_var(outvars[captured.outputs[k]]) and outvars[captured.outputs[k]] in varying)
+    return Analysis(captured, tuple(reductions), tuple(backward), tuple(update),
+                    frozenset(varying), tuple(first_use), forward_collectives, per_device)
+
+
+def _nested_reduction(jaxpr, axis: str):
+    """The top-level equation whose sub-jaxpr psums over ``axis``, if any."""
+    for eqn in jaxpr.eqns:
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            if any(reduces_over(e, axis, SUM_REDUCTIONS) for e in nested_eqns(sub)):
+                return eqn
+    return None

@@ -1,0 +1,152 @@
+"""Partition: a ``jax.jit`` data-parallel step as the per-device step the pipeline schedules.
+
+Most data-parallel JAX code never writes a per-device body: parameters are replicated,
+the batch is placed with ``NamedSharding(mesh, P("data"))``, and XLA's partitioner adds
+the gradient sums. This stage does what that partitioner does, in a form the rest of
+jaxsched can read: it interprets the step's global jaxpr per device
+(:mod:`.interpreter`, with one rule per primitive in :mod:`.rules` and
+:mod:`.control_flow`), tracking which dimension of each value is sharded over the data
+axes (:mod:`.kinds`), and traces the result as a ``shard_map`` body. A sum, mean or
+contraction over the batch becomes a local one plus one ``psum`` where its value is
+complete; those ``psum``s of gradients are the reductions every strategy schedules, and
+the others (a loss averaged over the global batch, a global token count, batch-norm
+statistics) stay where they are.
+
+Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((2,), ("data",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    >>> x = jax.device_put(np.ones((4, 3), np.float32), NamedSharding(mesh, P("data")))
+    >>> step = jax.jit(lambda w, x: (w - 0.1 * jax.grad(lambda w: jnp.mean(x @ w))(w),))
+    >>> closed = jax.make_jaxpr(step)(np.ones((3,), np.float32), x)
+    >>> part = partition(closed, [np.ones(3, np.float32), x], ["params/w", "batch"],
+    ...                  ["params", "batch"], num_state_outputs=1)
+    >>> [e.primitive.name for e in part.body.eqns if e.primitive.name == "psum"]
+    ['psum']
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+from jax.extend import core as jex_core
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxsched.core import replay
+from jaxsched.core.partition.interpreter import GatherWarning, Partitioner, PartitionError
+from jaxsched.core.partition.kinds import AxisContext, Kind, REPLICATED
+from jaxsched.core.partition.placement import Placement, PlacementError, read_placement
+
+__all__ = ["GatherWarning", "PartitionError", "Partitioned", "PlacementError", "partition"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Partitioned:
+    """A global step as a per-device one.
+
+    Attributes:
+      body: the per-device jaxpr: inputs are the step's flat input leaves then the global
+        jaxpr's constants; outputs the step's flat outputs.
+      placement: the mesh, data axes and input specs.
+      const_values: the global jaxpr's constants (replicated inputs of ``body``).
+      in_specs, out_specs: the ``shard_map`` specs of ``body``.
+      gathers: ``(primitive, source line)`` of operations that gather the batch.
+    """
+
+    body: Any
+    placement: Placement
+    const_values: tuple
+    in_specs: tuple[P, ...]
+    out_specs: tuple[P, ...]
+    gathers: tuple[tuple[str, str], ...]
+
+
+def _spec(kind: Kind, axis_name: Any, rank: int) -> P:
+    if kind.dim is None:
+        return P()
+    return P(*([None] * kind.dim + [axis_name] + [None] * (rank - kind.dim - 1)))
+
+
+def partition(closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequence[str],
+              num_state_outputs: int) -> Partitioned:
+    """The per-device form of the global step traced as ``closed`` on flat ``leaves``.
+
+    The first ``num_state_outputs`` outputs (the new parameters and optimizer state) come
+    out replicated; the others (aux) as the step computes them: replicated, or blocks of
+    the batch."""
+    placement = read_placement(closed, leaves, names, roles)
+    closed = _inlined(closed, placement)
+    ctx = AxisContext(placement.axis_name, placement.axis_size)
+    partitioner = Partitioner(ctx)
+    jaxpr = closed.jaxpr
+    natural = partitioner.plan(jaxpr, placement.kinds).out_kinds
+    out_kinds = tuple(REPLICATED if (k.partial or i < num_state_outputs) else k
+                      for i, k in enumerate(natural))
+    plan = partitioner.plan(jaxpr, placement.kinds, out_kinds)
+    n_in = len(jaxpr.invars)
+
+    def per_device(*args):
+        return tuple(partitioner.run(plan, args[n_in:], args[:n_in]))
+
+    consts = tuple(closed.consts)
+    in_specs = placement.specs + (P(),) * len(consts)
+    out_specs = tuple(_spec(k, placement.axis_name, len(v.aval.shape))
+                      for k, v in zip(out_kinds, jaxpr.outvars))
+    mesh = placement.mesh
+    args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))
+            for v, spec in zip(jaxpr.invars, placement.specs)]
+    args += [jax.ShapeDtypeStruct(jax.numpy.shape(c), jax.numpy.result_type(c),
+                                  sharding=NamedSharding(mesh, P())) for c in consts]
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                           check_vma=False)
+    body, hoisted = _body_of(jax.make_jaxpr(mapped)(*args), len(args))
+    consts += tuple(hoisted)
+    in_specs += (P(),) * len(hoisted)
+    return Partitioned(body, placement, consts, in_specs, out_specs, tuple(partitioner.gathers))
+
+
+def _inlined(closed, placement: Placement):
+    """``closed`` with its ``jit`` and custom-derivative calls inlined (re-traced as one
+    jaxpr), so that planning sees across them: a dropout mask drawn inside
+    ``jax.random.bernoulli``'s own ``jit`` is read by the layer outside it, and only then can
+    the draw be planned as this device's block."""
+    mesh = placement.mesh
+    args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))
+            for v, spec in zip(closed.jaxpr.invars, placement.specs)]
+    inlined = jax.make_jaxpr(lambda *a: replay.eval_inline(closed.jaxpr, closed.consts, a))(*args)
+    return inlined.replace(jaxpr=_without_dead_code(inlined.jaxpr))
+
+
+def _without_dead_code(jaxpr):
+    """``jaxpr`` without dead equations (:func:`jaxsched.core.replay.live_equations`): planning
+    would take their demands for real, and a dead equation that reads a whole value keeps its
+    producer from computing just a block."""
+    live = replay.live_equations(jaxpr)
+    return jaxpr.replace(eqns=[e for i, e in enumerate(jaxpr.eqns) if i in live])
+
+
+def _body_of(traced, num_args: int) -> tuple[Any, list]:
+    """The ``shard_map`` body of ``traced`` with its inputs in argument order, then the
+    constants tracing hoisted out of it (arrays the rules or nested jaxprs closed over),
+    with their values."""
+    (eqn,) = [e for e in traced.jaxpr.eqns if e.primitive.name == "shard_map"]
+    body = eqn.params["jaxpr"]
+    body = body.jaxpr if hasattr(body, "jaxpr") else body
+    origin = {v: i for i, v in enumerate(traced.jaxpr.invars)}
+    const_of = dict(zip(traced.jaxpr.constvars, traced.consts))
+    by_arg: dict[int, Any] = {}
+    hoisted_vars, hoisted = [], []
+    for inner, outer in zip(body.invars, eqn.invars, strict=True):
+        if isinstance(outer, jex_core.Literal):
+            hoisted_vars.append(inner)
+            hoisted.append(outer.val)
+        elif outer in origin and origin[outer] not in by_arg:
+            by_arg[origin[outer]] = inner
+        else:
+            hoisted_vars.append(inner)
+            hoisted.append(const_of[outer])
+    if sorted(by_arg) != list(range(num_args)):
+        raise AssertionError(f"the traced per-device body reads {len(by_arg)} of its {num_args} inputs")
+    invars = [by_arg[i] for i in range(num_args)] + hoisted_vars
+    return body.replace(invars=invars), hoisted

@@ -1,0 +1,179 @@
+"""Calls, loops and conditionals in a global jaxpr, per device.
+
+A call (``jit``, ``custom_jvp``/``custom_vjp``, ``jax.checkpoint``) is inlined: its body
+is planned with the kinds its operands have. A loop's carry must enter and leave each
+iteration in the same kind, so ``scan`` and ``while`` are planned to a fixed point: start
+from the kinds of the initial carry, plan the body, widen each carry to the
+:func:`~jaxsched.core.partition.kinds.join` of what enters and what leaves, until nothing
+changes. A gradient accumulated over layers in a ``scan`` thereby stays a partial sum
+through the loop and is reduced once, after it. A conditional's branches are planned
+with the same operands and return the join of their results' kinds.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxsched.core.partition.interpreter import Partitioner
+    >>> from jaxsched.core.partition.kinds import AxisContext, REPLICATED, sharded
+    >>> def f(ws, x):  # a scan over stacked layers of a batch-sharded activation
+    ...     return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+    >>> closed = jax.make_jaxpr(f)(jnp.ones((3, 4, 4)), jnp.ones((8, 4)))
+    >>> Partitioner(AxisContext("data", 4)).plan(closed.jaxpr, [REPLICATED, sharded(0)]).out_kinds
+    (S(0),)
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+from jax import lax
+from jax.extend import core as jex_core
+
+from jaxsched.core.partition.interpreter import EqnPlan, JaxprPlan, Partitioner
+from jaxsched.core.partition.kinds import Kind, REPLICATED, join, sharded
+from jaxsched.core.primitives import CALL_PRIMITIVES
+
+__all__ = ["CONTROL_RULES", "call_rule", "is_call"]
+
+#: ``jax.checkpoint``: planned like any call, and kept a checkpoint in the per-device body.
+REMAT = frozenset({"remat2", "checkpoint"})
+#: Calls whose body is planned with their operands' kinds.
+CALLS = CALL_PRIMITIVES | REMAT | {"custom_lin"}
+
+#: How many times a loop's carry kinds may widen before everything is replicated.
+MAX_WIDENINGS = 6
+
+
+def _inner(eqn) -> tuple[Any, tuple] | None:
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        inner = eqn.params.get(key)
+        if inner is None:
+            continue
+        if hasattr(inner, "jaxpr") and hasattr(inner, "consts"):
+            return inner.jaxpr, tuple(inner.consts)
+        if isinstance(inner, jex_core.Jaxpr):
+            return inner, ()
+    return None
+
+
+def is_call(eqn) -> bool:
+    """Whether ``eqn`` is a call whose body can be inlined."""
+    return eqn.primitive.name in CALLS and _inner(eqn) is not None
+
+
+def _entry_kinds(kinds: list, single: list) -> list[Kind]:
+    """Operand kinds a nested body receives: a partial sum that is also used elsewhere is
+    reduced first, so that it is reduced once."""
+    return [REPLICATED if k.partial and not s else k for k, s in zip(kinds, single)]
+
+
+def call_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    jaxpr, consts = _inner(eqn)
+    inputs = _entry_kinds(kinds, single)
+    p.callers.append(eqn)
+    try:
+        sub = p.plan(jaxpr, inputs)
+    finally:
+        p.callers.pop()
+
+    def run(*values):
+        return p.run(sub, consts, values)
+
+    if eqn.primitive.name in REMAT:  # keep jax.checkpoint: the per-device body rematerializes too
+        run = jax.checkpoint(run, prevent_cse=eqn.params.get("prevent_cse", True),
+                             policy=eqn.params.get("policy"))
+    return EqnPlan(tuple(inputs), sub.out_kinds, lambda values: list(run(*values)))
+
+
+def _widen(p: Partitioner, plan_body, carry: list[Kind]) -> tuple[list[Kind], JaxprPlan]:
+    """Carry kinds at the fixed point of ``plan_body`` (carry kinds -> plan whose first
+    outputs are the new carry)."""
+    for _ in range(MAX_WIDENINGS):
+        sub = plan_body(carry)
+        out = sub.out_kinds[:len(carry)]
+        widened = [join(c, o) for c, o in zip(carry, out)]
+        if widened == carry:
+            return carry, sub
+        carry = widened
+    carry = [REPLICATED] * len(carry)
+    return carry, plan_body(carry)
+
+
+def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    params = eqn.params
+    closed = params["jaxpr"]
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    entry = _entry_kinds(kinds, single)
+    consts, carry = entry[:n_consts], entry[n_consts:n_consts + n_carry]
+    xs_outer, xs_inner = [], []
+    for k in entry[n_consts + n_carry:]:
+        if k.dim == 0:  # scanning over the sharded dimension itself: every step needs the whole
+            p.gathered(eqn, "scans over the sharded (batch) dimension")
+            k = REPLICATED
+        xs_outer.append(k)
+        xs_inner.append(sharded(k.dim - 1) if k.dim is not None else k)
+
+    def plan_body(carry_kinds: list[Kind], out_kinds: Any = None) -> JaxprPlan:
+        return p.plan(closed.jaxpr, consts + list(carry_kinds) + xs_inner, out_kinds)
+
+    carry, natural = _widen(p, plan_body, carry)
+    ys_inner = list(natural.out_kinds[n_carry:])
+    body = plan_body(carry, carry + ys_inner)
+    ys_outer = [sharded(k.dim + 1) if k.dim is not None else k for k in ys_inner]
+
+    def emit(values: list) -> list:
+        const_vals = values[:n_consts]
+        init = values[n_consts:n_consts + n_carry]
+        xs = values[n_consts + n_carry:]
+
+        def step(c, x):
+            outs = p.run(body, closed.consts, [*const_vals, *c, *x])
+            return outs[:n_carry], outs[n_carry:]
+
+        final, ys = lax.scan(step, list(init), list(xs), length=params["length"],
+                             reverse=params["reverse"], unroll=params["unroll"])
+        return [*final, *ys]
+
+    return EqnPlan(tuple(consts + carry + xs_outer), tuple(carry + ys_outer), emit)
+
+
+def while_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    params = eqn.params
+    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    entry = _entry_kinds(kinds, single)
+    cond_consts, body_consts, carry = entry[:nc], entry[nc:nc + nb], entry[nc + nb:]
+    cond_consts = [REPLICATED if k.partial else k for k in cond_consts]
+
+    def plan_body(carry_kinds: list[Kind], out_kinds: Any = None) -> JaxprPlan:
+        return p.plan(body.jaxpr, body_consts + list(carry_kinds), out_kinds)
+
+    carry, _ = _widen(p, plan_body, carry)
+    body_plan = plan_body(carry, carry)
+    cond_plan = p.plan(cond.jaxpr, cond_consts + carry, [REPLICATED])
+
+    def emit(values: list) -> list:
+        cvals, bvals, init = values[:nc], values[nc:nc + nb], values[nc + nb:]
+        return list(lax.while_loop(
+            lambda c: p.run(cond_plan, cond.consts, [*cvals, *c])[0],
+            lambda c: p.run(body_plan, body.consts, [*bvals, *c]), list(init)))
+
+    return EqnPlan(tuple(cond_consts + body_consts + carry), tuple(carry), emit)
+
+
+def cond_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    branches = eqn.params["branches"]
+    operands = _entry_kinds(kinds[1:], single[1:])
+    natural = [p.plan(b.jaxpr, operands).out_kinds for b in branches]
+    outs = [functools.reduce(join, ks) for ks in zip(*natural)]
+    plans = [p.plan(b.jaxpr, operands, outs) for b in branches]
+
+    def emit(values: list) -> list:
+        index, ops = values[0], values[1:]
+        fns = [lambda *a, b=b, plan=plan: p.run(plan, b.consts, a)
+               for b, plan in zip(branches, plans)]
+        return list(lax.switch(index, fns, *ops))
+
+    return EqnPlan((REPLICATED, *operands), tuple(outs), emit)
+
+
+CONTROL_RULES = {"scan": scan_rule, "while": while_rule, "cond": cond_rule}

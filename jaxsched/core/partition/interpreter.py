@@ -1,0 +1,234 @@
+"""Plan, then run: the two passes that turn a global jaxpr into a per-device computation.
+
+:meth:`Partitioner.plan` walks a jaxpr once with the :class:`~jaxsched.core.partition.kinds.Kind`
+of every input and asks each equation's rule (:mod:`jaxsched.core.partition.rules`, keyed by
+primitive, as JAX's batching rules are) which kind it needs of each operand and which kinds
+its results have. Kinds must be known before anything is traced: a loop's carry must
+enter and leave in the same kind, and a ``shard_map``'s output specs are fixed when it is
+called. :meth:`Partitioner.run` then evaluates the plan on local values where a
+``shard_map`` body is being traced, converting operands between kinds (an all-gather, a
+``psum``, a local slice) where a rule asked for it, once per variable and kind.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxsched.core.partition.kinds import AxisContext, sharded, REPLICATED
+    >>> closed = jax.make_jaxpr(lambda w, x: jnp.sum(x @ w))(jnp.ones((3, 2)), jnp.ones((8, 3)))
+    >>> p = Partitioner(AxisContext("data", 4))
+    >>> p.plan(closed.jaxpr, [REPLICATED, sharded(0)]).out_kinds
+    (Pt,)
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable, Sequence
+
+from jax.extend import core as jex_core
+from jax.extend import source_info_util
+
+from jaxsched.core.partition.kinds import AxisContext, Kind, REPLICATED
+from jaxsched.core.replay import source_line
+
+__all__ = ["EqnPlan", "GatherWarning", "JaxprPlan", "Partitioner", "PartitionError"]
+
+
+class PartitionError(ValueError):
+    """A ``jax.jit`` step the per-device rewrite cannot make exact; the message names the
+    primitive and the source line."""
+
+
+class GatherWarning(UserWarning):
+    """An operation mixes examples across the sharded batch: its batch-sharded operands are
+    all-gathered (exact, at the cost of the gather)."""
+
+
+@dataclasses.dataclass
+class EqnPlan:
+    """What one equation does per device.
+
+    Attributes:
+      inputs: the kind each operand must be converted to before ``emit``.
+      outputs: the kind of each result.
+      emit: local operand values (in ``inputs`` kinds) -> local results.
+    """
+
+    inputs: tuple[Kind, ...]
+    outputs: tuple[Kind, ...]
+    emit: Callable[[list], Sequence[Any]]
+
+
+@dataclasses.dataclass
+class JaxprPlan:
+    """A jaxpr with the plan of each equation and the kinds of its inputs and outputs
+    (``out_kinds``: the kinds the outputs are returned in)."""
+
+    jaxpr: Any
+    in_kinds: tuple[Kind, ...]
+    out_kinds: tuple[Kind, ...]
+    eqns: list[EqnPlan]
+    kinds: dict
+
+
+class Partitioner:
+    """Plans and runs global jaxprs per device along one data axis (see the module doc).
+
+    Attributes:
+      ctx: the data axes and their conversions.
+      gathers: ``(primitive, source line)`` of every operation that gathered the batch.
+      zeros: variables known to hold zeros (a zero is a partial sum as it is).
+    """
+
+    def __init__(self, ctx: AxisContext):
+        self.ctx = ctx
+        self.gathers: list[tuple[str, str]] = []
+        self.zeros: set = set()
+        self.callers: list = []  # the call equations being planned, outermost first
+        self.trying = False  # planning hypothetically (narrowing): record nothing
+
+    # -- planning ---------------------------------------------------------------------------
+    def plan(self, jaxpr, in_kinds: Sequence[Kind], out_kinds: Sequence[Kind] | None = None
+             ) -> JaxprPlan:
+        """The plan of ``jaxpr`` for inputs of ``in_kinds`` (constvars are replicated); with
+        ``out_kinds`` the outputs are converted to those kinds."""
+        from jaxsched.core.partition.rules import rule_for
+
+        kinds: dict = {v: REPLICATED for v in jaxpr.constvars}
+        kinds.update(zip(jaxpr.invars, in_kinds, strict=True))
+        uses: dict = {}
+        for eqn in jaxpr.eqns:
+            for x in eqn.invars:
+                if isinstance(x, jex_core.Var):
+                    uses[x] = uses.get(x, 0) + 1
+        for x in jaxpr.outvars:
+            if isinstance(x, jex_core.Var):
+                uses[x] = uses.get(x, 0) + 1
+        plans = []
+        for eqn in jaxpr.eqns:
+            operand_kinds = [self.kind_of(kinds, x) for x in eqn.invars]
+            single = [isinstance(x, jex_core.Var) and uses.get(x, 0) == 1 for x in eqn.invars]
+            plan = rule_for(eqn)(self, eqn, operand_kinds, single)
+            if len(plan.inputs) != len(eqn.invars) or len(plan.outputs) != len(eqn.outvars):
+                raise AssertionError(f"rule for {eqn.primitive.name} planned {len(plan.inputs)} "
+                                     f"inputs / {len(plan.outputs)} outputs")
+            kinds.update(zip(eqn.outvars, plan.outputs))
+            self._track_zeros(eqn)
+            plans.append(plan)
+        natural = tuple(self.kind_of(kinds, x) for x in jaxpr.outvars)
+        out_kinds = tuple(out_kinds) if out_kinds is not None else natural
+        self._narrow(jaxpr, plans, kinds, out_kinds)
+        return JaxprPlan(jaxpr, tuple(in_kinds), out_kinds, plans, kinds)
+
+    def _narrow(self, jaxpr, plans: list, kinds: dict, out_kinds: Sequence[Kind]) -> None:
+        """Compute blocks, not whole values, where only blocks are read.
+
+        A value computed from replicated inputs alone (a dropout mask drawn from one key, an
+        iota, a broadcast constant) is whole on every device, and a rule that meets it beside
+        a batch block slices it. When every reader wants the same block, the producer is
+        planned to compute just that block (:data:`~jaxsched.core.partition.rules.NARROW`), as XLA's
+        partitioner would: one pass from the outputs back."""
+        from jaxsched.core.partition.rules import narrow_rule_for
+
+        wants: dict = {}
+
+        def want(x: Any, kind: Kind, count: int) -> None:
+            if isinstance(x, jex_core.Var):
+                tally = wants.setdefault(x, {})
+                tally[kind] = tally.get(kind, 0) + count
+
+        for eqn, plan in zip(jaxpr.eqns, plans):
+            for x, k in zip(eqn.invars, plan.inputs):
+                want(x, k, 1)
+        for x, k in zip(jaxpr.outvars, out_kinds):
+            want(x, k, 1)
+        for index in range(len(plans) - 1, -1, -1):
+            eqn, plan = jaxpr.eqns[index], plans[index]
+            if len(eqn.outvars) != 1 or not all(k.is_replicated for k in plan.inputs + plan.outputs):
+                continue
+            tally = {k: n for k, n in wants.get(eqn.outvars[0], {}).items() if n}
+            if len(tally) != 1:
+                continue
+            (wanted,) = tally
+            rule = narrow_rule_for(eqn)
+            if wanted.dim is None or wanted.partial or rule is None:
+                continue
+            narrowed = rule(self, eqn, wanted.dim)
+            if narrowed is None:
+                continue
+            plans[index] = narrowed
+            kinds[eqn.outvars[0]] = wanted
+            for x, old, new in zip(eqn.invars, plan.inputs, narrowed.inputs):
+                want(x, old, -1)
+                want(x, new, 1)
+
+    @staticmethod
+    def kind_of(kinds: dict, x: Any) -> Kind:
+        return REPLICATED if isinstance(x, jex_core.Literal) else kinds[x]
+
+    def is_zero(self, x: Any) -> bool:
+        if isinstance(x, jex_core.Literal):
+            try:
+                return not bool(x.val != 0)
+            except (TypeError, ValueError):
+                return False
+        return x in self.zeros
+
+    def _track_zeros(self, eqn) -> None:
+        name = eqn.primitive.name
+        if name in ("broadcast_in_dim", "convert_element_type", "reshape", "copy", "copy_p") \
+                and eqn.invars and self.is_zero(eqn.invars[0]):
+            self.zeros.update(eqn.outvars)
+
+    def where(self, eqn) -> str:
+        """The user's source line of ``eqn``, or of the innermost call it was inlined from
+        (``jnp.roll`` or ``jnp.sort`` run jitted library code that has none)."""
+        for candidate in [eqn, *reversed(self.callers)]:
+            try:
+                line = source_info_util.summarize(candidate.source_info)
+            except Exception:  # messages degrade to the next caller
+                line = ""
+            if line:
+                return line
+        return source_line(eqn)
+
+    def gathered(self, eqn, why: str) -> None:
+        """Record (and warn once about) an operation that gathers the batch."""
+        if self.trying:
+            return
+        key = (eqn.primitive.name, self.where(eqn))
+        if key in self.gathers:
+            return
+        self.gathers.append(key)
+        warnings.warn(f"jaxsched: {key[0]} at {key[1]} {why}; its batch-sharded operands are "
+                      f"all-gathered over {self.ctx.axis_name!r} so that it runs on the whole "
+                      "batch (exact, but every device then computes it in full)", GatherWarning,
+                      stacklevel=2)
+
+    def refuse(self, eqn, why: str) -> PartitionError:
+        return PartitionError(f"jaxsched cannot run {eqn.primitive.name} at {self.where(eqn)} "
+                              f"per device: {why}")
+
+    # -- running ----------------------------------------------------------------------------
+    def run(self, plan: JaxprPlan, consts: Sequence[Any], args: Sequence[Any]) -> list:
+        """Evaluate ``plan`` on local values of its input kinds (where a body is traced)."""
+        jaxpr = plan.jaxpr
+        env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+        converted: dict = {}
+
+        def read(x: Any, want: Kind) -> Any:
+            if isinstance(x, jex_core.Literal):
+                return x.val if want.is_replicated else \
+                    self.ctx.convert(x.val, REPLICATED, want, x.aval.shape)
+            have = plan.kinds[x]
+            if have == want or (want.partial and have.is_replicated and x in self.zeros):
+                return env[x]
+            key = (x, want)
+            if key not in converted:
+                converted[key] = self.ctx.convert(env[x], have, want, x.aval.shape)
+            return converted[key]
+
+        for eqn, eqn_plan in zip(jaxpr.eqns, plan.eqns, strict=True):
+            values = [read(x, k) for x, k in zip(eqn.invars, eqn_plan.inputs, strict=True)]
+            results = eqn_plan.emit(values)
+            env.update(zip(eqn.outvars, results, strict=True))
+        return [read(x, k) for x, k in zip(jaxpr.outvars, plan.out_kinds, strict=True)]

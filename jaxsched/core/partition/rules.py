@@ -1,0 +1,832 @@
+"""One rule per primitive: which kinds it needs of its operands, which kinds its results have.
+
+A rule receives the equation, the current :class:`~jaxsched.core.partition.kinds.Kind` of each
+operand and, per operand, whether this equation is the variable's only use; it returns an
+:class:`~jaxsched.core.partition.interpreter.EqnPlan`. The families, as JAX's batching rules
+track a batched dimension:
+
+* **elementwise** operations keep the sharded dimension; replicated operands are sliced to
+  the same block locally, without communication;
+* **shape** operations (reshape, transpose, broadcast, slice, pad, concatenate, ...) move
+  the sharded dimension, or gather when they cut across it;
+* a **reduction or contraction over** the sharded dimension becomes a local one whose
+  result is a partial sum (``reduce_sum``, ``dot_general``, a convolution's kernel
+  gradient, a scatter-add of per-example rows) or is reduced at once (``pmax`` for
+  ``reduce_max``, ``pmin`` for ``reduce_and``);
+* **linear** operations keep a partial sum unreduced when they are its only use, so each
+  gradient is summed once, where it is complete;
+* **calls** are inlined, **loops and conditionals** are planned to a fixed point
+  (:mod:`jaxsched.core.partition.control_flow`);
+* anything else that meets a sharded operand gathers it (:class:`GatherWarning`) and runs
+  on the whole batch: exact, never a wrong number.
+
+Example:
+    >>> "dot_general" in RULES and "scan" not in RULES  # loops: control_flow.CONTROL_RULES
+    True
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxsched.core.partition.interpreter import EqnPlan, Partitioner
+from jaxsched.core.partition.kinds import Kind, PARTIAL, REPLICATED, local_shape, sharded
+from jax.extend import source_info_util
+
+__all__ = ["NARROW", "RULES", "Rule", "bind_local", "moving_rule", "narrow_rule_for", "replicated_rule",
+           "rule_for"]
+
+Rule = Callable[[Partitioner, Any, list, list], EqnPlan]
+
+#: Parameters that place a result on a mesh: meaningless per device, so dropped.
+SHARDING_PARAMS = ("sharding", "out_sharding")
+
+
+def bind_local(eqn, values: Sequence[Any], **updates: Any) -> list:
+    """Bind ``eqn``'s primitive on local values, its placement parameters dropped and
+    ``updates`` (local shapes) applied, at the user's source line."""
+    params = dict(eqn.params)
+    for name in SHARDING_PARAMS:
+        if name in params:
+            params[name] = None
+    params.update(updates)
+    # the user's source line, not the equation's context: that holds the global (Explicit)
+    # mesh, and these equations run inside the per-device body's manual one
+    with source_info_util.user_context(
+            eqn.source_info.traceback,
+            name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack):
+        out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(params))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _plan(eqn, inputs: Sequence[Kind], outputs: Sequence[Kind],
+          emit: Callable[[list], Sequence[Any]] | None = None) -> EqnPlan:
+    return EqnPlan(tuple(inputs), tuple(outputs), emit or (lambda values: bind_local(eqn, values)))
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(x.aval.shape)
+
+
+def replicated_rule(p: Partitioner, eqn, kinds: list, single: list,
+                    why: str = "has no per-device rule for a batch-sharded operand") -> EqnPlan:
+    """Run on whole values: gather blocks, reduce partial sums (the exact fallback)."""
+    if any(k.dim is not None for k in kinds):
+        p.gathered(eqn, why)
+    return _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED] * len(eqn.outvars))
+
+
+def _all_replicated(kinds: list) -> bool:
+    return all(k.is_replicated for k in kinds)
+
+
+def _partial_ok(p: Partitioner, eqn, kinds: list, single: list, positions: Sequence[int]) -> bool:
+    """Whether the operands at ``positions`` may stay partial sums: each is one already (and
+    this is its only use) or a known zero."""
+    return all((kinds[i].partial and single[i]) or p.is_zero(eqn.invars[i]) for i in positions)
+
+
+def _partial_inputs(p: Partitioner, eqn, kinds: list, positions: Sequence[int]) -> list:
+    """Input kinds for a linear plan: partial at ``positions`` (a zero stays as it is),
+    replicated elsewhere."""
+    wanted = []
+    for i, k in enumerate(kinds):
+        if i in positions and not (p.is_zero(eqn.invars[i]) and not k.partial):
+            wanted.append(PARTIAL)
+        else:
+            wanted.append(REPLICATED if i not in positions else k)
+    return wanted
+
+
+# -- elementwise --------------------------------------------------------------------------
+ELEMENTWISE = frozenset("""
+abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp
+clz conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1
+floor ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt max min mul
+ne neg nextafter not or polygamma population_count pow real reduce_precision rem round rsqrt
+select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
+stop_gradient sub tan tanh xor zeta threefry2x32 random_fold_in random_wrap random_unwrap
+random_split random_bits random_seed random_clone
+""".split())
+
+#: Elementwise primitives linear in the operands at these positions (the others must be
+#: replicated): a partial sum goes through them unreduced.
+LINEAR_IN: dict[str, Callable[[int], tuple]] = {
+    "add": lambda n: tuple(range(n)), "add_any": lambda n: tuple(range(n)),
+    "sub": lambda n: tuple(range(n)), "neg": lambda n: (0,), "copy": lambda n: (0,),
+    "copy_p": lambda n: (0,), "real": lambda n: (0,), "imag": lambda n: (0,),
+    "conj": lambda n: (0,),
+}
+
+
+def _linear_positions(p: Partitioner, eqn, kinds: list, single: list) -> tuple | None:
+    """Operand positions through which this elementwise equation carries a partial sum, or
+    None if it cannot."""
+    name = eqn.primitive.name
+    partial = [i for i, k in enumerate(kinds) if k.partial]
+    if not partial:
+        return None
+    if name in LINEAR_IN:
+        positions = LINEAR_IN[name](len(kinds))
+        return positions if _partial_ok(p, eqn, kinds, single, positions) else None
+    if name == "convert_element_type":
+        src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+        ok = jnp.issubdtype(src, jnp.inexact) and jnp.issubdtype(dst, jnp.inexact)
+        return (0,) if ok and _partial_ok(p, eqn, kinds, single, (0,)) else None
+    if name in ("mul", "div") and len(partial) == 1:
+        i = partial[0]
+        others = [j for j in range(len(kinds)) if j != i]
+        if name == "div" and i != 0:
+            return None
+        if single[i] and all(kinds[j].is_replicated for j in others):
+            return (i,)
+        return None
+    if name == "select_n":
+        cases = tuple(range(1, len(kinds)))
+        if kinds[0].is_replicated and _partial_ok(p, eqn, kinds, single, cases):
+            return cases
+    return None
+
+
+def elementwise_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    out_shape = _shape(eqn.outvars[0])
+    positions = _linear_positions(p, eqn, kinds, single)
+    if positions is not None:
+        return _plan(eqn, _partial_inputs(p, eqn, kinds, positions), [PARTIAL] * len(eqn.outvars))
+    dims = [k.dim for k, x in zip(kinds, eqn.invars) if k.dim is not None]
+    if not dims:
+        return _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED] * len(eqn.outvars))
+    d = dims[0]
+    wanted = []
+    for x, k in zip(eqn.invars, kinds):
+        shape = _shape(x)
+        if len(shape) == len(out_shape) and shape[d] == out_shape[d]:
+            wanted.append(sharded(d))  # a full-size operand: its block (a slice if replicated)
+        else:
+            wanted.append(REPLICATED)  # a scalar, or broadcast along d (size 1)
+    outs = []
+    for o in eqn.outvars:
+        shape = _shape(o)
+        outs.append(sharded(d) if len(shape) > d and shape[d] == out_shape[d] else REPLICATED)
+    return _plan(eqn, wanted, outs)
+
+
+# -- shape operations ---------------------------------------------------------------------
+def broadcast_in_dim_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    k = kinds[0]
+    shape = tuple(eqn.params["shape"])
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    if len(kinds) == 1 and k.partial and single[0]:
+        return _plan(eqn, [PARTIAL], [PARTIAL])  # a broadcast of a sum is the sum of broadcasts
+    if len(kinds) == 1 and k.dim is not None and _shape(eqn.invars[0])[k.dim] == shape[dims[k.dim]]:
+        e = dims[k.dim]
+        local = local_shape(shape, sharded(e), p.ctx.axis_size)
+        return _plan(eqn, [k], [sharded(e)], lambda v: bind_local(eqn, v, shape=local))
+    return replicated_rule(p, eqn, kinds, single)
+
+
+def reshaped_dim(in_shape: Sequence[int], out_shape: Sequence[int], d: int, axis_size: int) -> int | None:
+    """The output dimension that holds dimension ``d``'s blocks after a row-major reshape, or
+    None when the blocks do not stay whole (see the module doc of :mod:`.kinds`)."""
+    prefix = 1
+    for s in in_shape[:d]:
+        prefix *= s
+    acc = 1
+    for e, s in enumerate(out_shape):
+        if acc == prefix and s % axis_size == 0 and s > 1:
+            return e
+        acc *= s
+        if acc > prefix:
+            return None
+    return None
+
+
+def reshape_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    (k,) = kinds[:1]
+    out_shape = _shape(eqn.outvars[0])
+    if len(kinds) != 1 or eqn.params.get("dimensions") not in (None, ()):
+        return replicated_rule(p, eqn, kinds, single)
+    if k.partial:
+        return _plan(eqn, [PARTIAL], [PARTIAL]) if single[0] else _plan(eqn, [REPLICATED], [REPLICATED])
+    if k.dim is None:
+        return _plan(eqn, [REPLICATED], [REPLICATED])
+    e = reshaped_dim(_shape(eqn.invars[0]), out_shape, k.dim, p.ctx.axis_size)
+    if e is None:
+        return replicated_rule(p, eqn, kinds, single, "reshapes across the sharded dimension")
+    local = local_shape(out_shape, sharded(e), p.ctx.axis_size)
+    if eqn.primitive.name == "reshape":
+        return _plan(eqn, [k], [sharded(e)], lambda v: bind_local(eqn, v, new_sizes=local))
+    return _plan(eqn, [k], [sharded(e)], lambda v: [lax.reshape(v[0], local)])
+
+
+def moving_rule(new_dim: Callable[[Any, int], int]) -> Rule:
+    """A linear one-operand operation that moves dimensions around (transpose, squeeze): a
+    block of dimension ``d`` becomes a block of ``new_dim(eqn, d)``; a partial sum stays one
+    when this is its only use."""
+    def rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+        (k,) = kinds
+        if k.partial:
+            kind = PARTIAL if single[0] else REPLICATED
+            return _plan(eqn, [kind], [kind])
+        if k.dim is None:
+            return _plan(eqn, [REPLICATED], [REPLICATED])
+        return _plan(eqn, [k], [sharded(new_dim(eqn, k.dim))])
+    return rule
+
+
+transpose_rule = moving_rule(lambda eqn, d: tuple(eqn.params["permutation"]).index(d))
+squeeze_rule = moving_rule(lambda eqn, d: d - sum(1 for a in eqn.params["dimensions"] if a < d))
+
+
+def _keep_along(p: Partitioner, eqn, kinds: list, single: list, untouched: Callable[[int], bool],
+                emit_for: Callable[[Kind], Callable] | None = None, linear: bool = False) -> EqnPlan:
+    """A one-operand operation that works along some dimensions only: a block of a dimension
+    it leaves alone (``untouched(d)``) stays a block of the same dimension."""
+    k = kinds[0]
+    rest = [REPLICATED] * (len(kinds) - 1)
+    if k.partial:
+        if linear and single[0] and all(r.is_replicated for r in kinds[1:]):
+            return _plan(eqn, [PARTIAL] + rest, [PARTIAL] * len(eqn.outvars))
+        return _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED] * len(eqn.outvars))
+    if k.dim is None:
+        return replicated_rule(p, eqn, kinds, single)
+    if not untouched(k.dim) or any(r.dim is not None for r in kinds[1:]):
+        return replicated_rule(p, eqn, kinds, single, "works along the sharded (batch) dimension")
+    emit = emit_for(k) if emit_for is not None else None
+    return _plan(eqn, [k] + rest, [k] * len(eqn.outvars), emit)
+
+
+def _shared_block(p: Partitioner, eqn, kinds: list, single: list, untouched: Callable[[int], bool],
+                  why: str) -> EqnPlan:
+    """Several operands of one rank that work together along some dimensions (a sort of
+    several keys, pooling and its gradients): a block of a dimension they leave alone
+    (``untouched(d)``) stays a block in every operand of that rank and in every result."""
+    dims = {k.dim for k in kinds if k.dim is not None}
+    if any(k.partial for k in kinds) or len(dims) > 1:
+        return replicated_rule(p, eqn, kinds, single)
+    if not dims:
+        return _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED] * len(eqn.outvars))
+    d = dims.pop()
+    if not untouched(d):
+        return replicated_rule(p, eqn, kinds, single, why)
+    rank = len(_shape(eqn.outvars[0]))
+    wanted = [sharded(d) if len(_shape(x)) == rank else REPLICATED for x in eqn.invars]
+    return _plan(eqn, wanted, [sharded(d)] * len(eqn.outvars))
+
+
+def slice_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    shape = _shape(eqn.invars[0])
+    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    strides = eqn.params["strides"] or (1,) * len(shape)
+
+    def untouched(d: int) -> bool:
+        return start[d] == 0 and limit[d] == shape[d] and strides[d] == 1
+
+    def emit_for(k: Kind):
+        local = tuple(limit)[:k.dim] + (shape[k.dim] // p.ctx.axis_size,) + tuple(limit)[k.dim + 1:]
+        return lambda v: bind_local(eqn, v, limit_indices=local)
+
+    return _keep_along(p, eqn, kinds, single, untouched, emit_for, linear=True)
+
+
+def pad_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    config = eqn.params["padding_config"]
+    if kinds[0].partial and p.is_zero(eqn.invars[1]) and single[0]:
+        return _plan(eqn, [PARTIAL, REPLICATED], [PARTIAL])
+    return _keep_along(p, eqn, kinds, single, lambda d: tuple(config[d]) == (0, 0, 0))
+
+
+def rev_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    dims = tuple(eqn.params["dimensions"])
+    return _keep_along(p, eqn, kinds, single, lambda d: d not in dims, linear=True)
+
+
+def along_axis_rule(param: str, linear: bool = False) -> Rule:
+    """Operations along the axes named by ``param`` (cumsum, sort, split, top_k): a block of
+    another dimension stays a block."""
+    def rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+        axis = eqn.params[param]
+        axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+        if len(kinds) > 1:  # sort of several same-shaped operands
+            return _shared_block(p, eqn, kinds, single, lambda d: d not in axes,
+                                 "works along the sharded (batch) dimension")
+        return _keep_along(p, eqn, kinds, single, lambda d: d not in axes, linear=linear)
+    return rule
+
+
+def top_k_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    axis = eqn.params.get("axis", len(_shape(eqn.invars[0])) - 1)
+    return _keep_along(p, eqn, kinds, single, lambda d: d != axis % len(_shape(eqn.invars[0])))
+
+
+def trailing_rule(trailing: Callable[[Any], int]) -> Rule:
+    """Operations on the last ``trailing(eqn)`` dimensions (linear algebra, FFT): leading
+    dimensions are batch dimensions and keep their blocks."""
+    def rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+        rank = len(_shape(eqn.invars[0]))
+        dims = {k.dim for k in kinds if k.dim is not None}
+        if len(dims) != 1 or any(k.partial for k in kinds):
+            return replicated_rule(p, eqn, kinds, single)
+        d = dims.pop()
+        if d >= rank - trailing(eqn):
+            return replicated_rule(p, eqn, kinds, single, "works along the sharded (batch) dimension")
+        return _plan(eqn, [sharded(d) if len(_shape(x)) > d else REPLICATED for x in eqn.invars],
+                     [sharded(d)] * len(eqn.outvars))
+    return rule
+
+
+def concatenate_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    axis = eqn.params["dimension"]
+    if any(k.partial for k in kinds) and _partial_ok(p, eqn, kinds, single, range(len(kinds))):
+        return _plan(eqn, _partial_inputs(p, eqn, kinds, range(len(kinds))), [PARTIAL])
+    dims = {k.dim for k in kinds if k.dim is not None}
+    if not dims:
+        return replicated_rule(p, eqn, kinds, single)
+    d = dims.pop()
+    if dims or d == axis or any(k.partial for k in kinds):
+        return replicated_rule(p, eqn, kinds, single, "concatenates along the sharded (batch) dimension")
+    return _plan(eqn, [sharded(d)] * len(kinds), [sharded(d)])
+
+
+def iota_like_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    return _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED] * len(eqn.outvars))
+
+
+def identity_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    """Placement annotations (``reshard``, sharding constraints): per device they are no-ops."""
+    return _plan(eqn, list(kinds), list(kinds), lambda values: list(values))
+
+
+# -- reductions ----------------------------------------------------------------------------
+def _reduce_rule(finish: Callable[[Partitioner, Any], Any] | None, linear: bool = False) -> Rule:
+    """``reduce_*`` over ``axes``: over the sharded dimension a local reduction, then a partial
+    sum (``linear``) or ``finish`` (a ``pmax``, ``pmin``); None: gather instead."""
+    def rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+        (k,) = kinds
+        axes = tuple(eqn.params["axes"])
+        if k.partial:
+            if linear and single[0]:
+                return _plan(eqn, [PARTIAL], [PARTIAL])
+            return _plan(eqn, [REPLICATED], [REPLICATED])
+        if k.dim is None:
+            return _plan(eqn, [REPLICATED], [REPLICATED])
+        if k.dim not in axes:
+            return _plan(eqn, [k], [sharded(k.dim - sum(1 for a in axes if a < k.dim))])
+        if linear:
+            return _plan(eqn, [k], [PARTIAL])
+        if finish is None:
+            return replicated_rule(p, eqn, kinds, single, "reduces over the sharded (batch) dimension")
+        return _plan(eqn, [k], [REPLICATED], lambda v: [finish(p, bind_local(eqn, v)[0])])
+    return rule
+
+
+def _as_int_then(collective: Callable) -> Callable[[Partitioner, Any], Any]:
+    def finish(p: Partitioner, value: Any) -> Any:
+        if value.dtype == jnp.bool_:
+            return collective(value.astype(jnp.int32), p.ctx.axis_name).astype(jnp.bool_)
+        return collective(value, p.ctx.axis_name)
+    return finish
+
+
+def _argminmax_keep(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    (k,) = kinds
+    axes = tuple(eqn.params["axes"])
+    if k.dim is None or k.dim in axes:
+        return replicated_rule(p, eqn, kinds, single, "reduces over the sharded (batch) dimension") \
+            if k.dim is not None else _plan(eqn, [REPLICATED], [REPLICATED])
+    return _plan(eqn, [k], [sharded(k.dim - sum(1 for a in axes if a < k.dim))])
+
+
+# -- contractions --------------------------------------------------------------------------
+def dot_general_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lc, rc, lb, rb = map(tuple, (lc, rc, lb, rb))
+    lhs, rhs = kinds
+    if lhs.partial or rhs.partial:
+        i, other = (0, rhs) if lhs.partial else (1, lhs)
+        if single[i] and other.is_replicated:
+            return _plan(eqn, [PARTIAL, REPLICATED] if i == 0 else [REPLICATED, PARTIAL], [PARTIAL])
+        lhs = REPLICATED if lhs.partial else lhs
+        rhs = REPLICATED if rhs.partial else rhs
+    l_rank, r_rank = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
+    l_free = [d for d in range(l_rank) if d not in lc and d not in lb]
+    r_free = [d for d in range(r_rank) if d not in rc and d not in rb]
+    nb = len(lb)
+
+    if lhs.dim is not None and rhs.dim is not None:
+        d, e = lhs.dim, rhs.dim
+        if d in lc and e in rc and lc.index(d) == rc.index(e):
+            return _plan(eqn, [lhs, rhs], [PARTIAL])
+        if d in lb and e in rb and lb.index(d) == rb.index(e):
+            return _plan(eqn, [lhs, rhs], [sharded(lb.index(d))])
+        p.gathered(eqn, "contracts two batch-sharded operands along different dimensions")
+        rhs = REPLICATED
+    if lhs.dim is not None:
+        d = lhs.dim
+        if d in lc:
+            return _plan(eqn, [lhs, sharded(rc[lc.index(d)])], [PARTIAL])
+        if d in lb:
+            return _plan(eqn, [lhs, sharded(rb[lb.index(d)])], [sharded(lb.index(d))])
+        return _plan(eqn, [lhs, REPLICATED], [sharded(nb + l_free.index(d))])
+    if rhs.dim is not None:
+        e = rhs.dim
+        if e in rc:
+            return _plan(eqn, [sharded(lc[rc.index(e)]), rhs], [PARTIAL])
+        if e in rb:
+            return _plan(eqn, [sharded(lb[rb.index(e)]), rhs], [sharded(rb.index(e))])
+        return _plan(eqn, [REPLICATED, rhs], [sharded(nb + len(l_free) + r_free.index(e))])
+    return _plan(eqn, [REPLICATED, REPLICATED], [REPLICATED])
+
+
+def conv_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    lhs, rhs = kinds
+    dn = eqn.params["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    groups = eqn.params.get("feature_group_count", 1)
+    batch_groups = eqn.params.get("batch_group_count", 1)
+    if lhs.partial and single[0] and rhs.is_replicated:
+        return _plan(eqn, [PARTIAL, REPLICATED], [PARTIAL])
+    if rhs.partial and single[1] and lhs.is_replicated:
+        return _plan(eqn, [REPLICATED, PARTIAL], [PARTIAL])
+    if lhs.partial or rhs.partial:
+        return replicated_rule(p, eqn, kinds, single)
+    if lhs.dim == lhs_spec[0] and rhs.is_replicated and batch_groups == 1:
+        return _plan(eqn, [lhs, REPLICATED], [sharded(out_spec[0])])
+    if (lhs.dim == lhs_spec[1] and rhs.dim == rhs_spec[1] and groups == 1):
+        return _plan(eqn, [lhs, rhs], [PARTIAL])  # a kernel gradient: contracts the batch
+    if lhs.dim is None and rhs.dim is None:
+        return _plan(eqn, [REPLICATED, REPLICATED], [REPLICATED])
+    return replicated_rule(p, eqn, kinds, single, "convolves across the sharded (batch) dimension")
+
+
+# -- indexing ------------------------------------------------------------------------------
+def _batch_positions(out_rank: int, offset_dims: Sequence[int]) -> list[int]:
+    return [d for d in range(out_rank) if d not in offset_dims]
+
+
+def gather_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    operand, indices = kinds
+    dn = eqn.params["dimension_numbers"]
+    op_shape = _shape(eqn.invars[0])
+    idx_rank = len(_shape(eqn.invars[1]))
+    out_rank = len(_shape(eqn.outvars[0]))
+    batch_out = _batch_positions(out_rank, dn.offset_dims)
+    if operand.partial and indices.is_replicated and single[0]:
+        return _plan(eqn, [PARTIAL, REPLICATED], [PARTIAL])
+    if operand.partial or indices.partial:
+        return replicated_rule(p, eqn, kinds, single)
+    if operand.dim is None and indices.dim is not None and indices.dim < idx_rank - 1:
+        return _plan(eqn, [REPLICATED, indices], [sharded(batch_out[indices.dim])])
+    if operand.dim is not None and operand.dim in dn.operand_batching_dims:
+        i = dn.start_indices_batching_dims[dn.operand_batching_dims.index(operand.dim)]
+        if indices.dim in (None, i):
+            return _plan(eqn, [operand, sharded(i)], [sharded(batch_out[i])])
+    if operand.dim is None and indices.dim is not None:
+        i = indices.dim
+        if i in dn.start_indices_batching_dims:
+            d = dn.operand_batching_dims[dn.start_indices_batching_dims.index(i)]
+            return _plan(eqn, [sharded(d), indices], [sharded(batch_out[i])])
+    if operand.dim is not None and indices.dim is None:
+        d = operand.dim
+        window = [a for a in range(len(op_shape))
+                  if a not in dn.collapsed_slice_dims and a not in dn.operand_batching_dims]
+        sizes = tuple(eqn.params["slice_sizes"])
+        if d in window and d not in dn.start_index_map and sizes[d] == op_shape[d]:
+            local = sizes[:d] + (op_shape[d] // p.ctx.axis_size,) + sizes[d + 1:]
+            return _plan(eqn, [operand, REPLICATED], [sharded(dn.offset_dims[window.index(d)])],
+                         lambda v: bind_local(eqn, v, slice_sizes=local))
+    if operand.dim is None and indices.dim is None:
+        return _plan(eqn, [REPLICATED, REPLICATED], [REPLICATED])
+    return replicated_rule(p, eqn, kinds, single, "gathers rows across the sharded (batch) dimension")
+
+
+def scatter_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    operand, indices, updates = kinds[:3]
+    dn = eqn.params["dimension_numbers"]
+    op_shape = _shape(eqn.invars[0])
+    upd_rank = len(_shape(eqn.invars[2]))
+    idx_rank = len(_shape(eqn.invars[1]))
+    is_add = eqn.primitive.name == "scatter-add" or eqn.primitive.name == "scatter_add"
+    extra = [REPLICATED] * (len(kinds) - 3)
+    upd_scatter = [d for d in range(upd_rank) if d not in dn.update_window_dims]
+    if is_add and indices.is_replicated and (updates.partial or p.is_zero(eqn.invars[2])) \
+            and _partial_ok(p, eqn, kinds, single, (0, 2)):
+        return _plan(eqn, _partial_inputs(p, eqn, kinds, (0, 2))[:3] + extra, [PARTIAL])
+    if any(k.partial for k in kinds):
+        return replicated_rule(p, eqn, kinds, single)
+    # rows of the operand scattered into by the same device's rows (take_along_axis)
+    batch_pairs = list(zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims))
+    for d, i in batch_pairs:
+        if operand.dim in (None, d) and indices.dim in (None, i) and \
+                (operand.dim == d or indices.dim == i or updates.dim is not None) and \
+                i < idx_rank - 1 and op_shape[d] % p.ctx.axis_size == 0:
+            u = upd_scatter[i]
+            if updates.dim in (None, u):
+                return _plan(eqn, [sharded(d), sharded(i), sharded(u)] + extra, [sharded(d)])
+    # a whole window dimension of the operand, filled by the same dimension of the updates
+    window = [a for a in range(len(op_shape))
+              if a not in dn.inserted_window_dims and a not in dn.operand_batching_dims]
+    if indices.is_replicated and (operand.dim is not None or updates.dim is not None):
+        d = operand.dim if operand.dim is not None else None
+        if d is None and updates.dim in dn.update_window_dims:
+            d = window[list(dn.update_window_dims).index(updates.dim)]
+        if d is not None and d in window and d not in dn.scatter_dims_to_operand_dims:
+            u = dn.update_window_dims[window.index(d)]
+            if _shape(eqn.invars[2])[u] == op_shape[d] and updates.dim in (None, u):
+                return _plan(eqn, [sharded(d), REPLICATED, sharded(u)] + extra, [sharded(d)])
+    # per-example rows added into a replicated table (an embedding's gradient)
+    if is_add and operand.dim is None and indices.dim is not None and indices.dim < idx_rank - 1 \
+            and updates.dim in (None, upd_scatter[indices.dim]) and not batch_pairs:
+        return _plan(eqn, [PARTIAL, indices, sharded(upd_scatter[indices.dim])] + extra, [PARTIAL])
+    if all(k.is_replicated for k in kinds):
+        return _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED])
+    return replicated_rule(p, eqn, kinds, single, "scatters across the sharded (batch) dimension")
+
+
+def dynamic_slice_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    shape = _shape(eqn.invars[0])
+    sizes = tuple(eqn.params["slice_sizes"])
+
+    def emit_for(k: Kind):
+        local = sizes[:k.dim] + (shape[k.dim] // p.ctx.axis_size,) + sizes[k.dim + 1:]
+        return lambda v: bind_local(eqn, v, slice_sizes=local)
+
+    return _keep_along(p, eqn, kinds, single, lambda d: sizes[d] == shape[d], emit_for, linear=True)
+
+
+def dynamic_update_slice_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    operand, update = kinds[:2]
+    rest = [REPLICATED] * (len(kinds) - 2)
+    op_shape, up_shape = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    if (operand.partial or update.partial) and _partial_ok(p, eqn, kinds, single, (0, 1)) \
+            and all(k.is_replicated for k in kinds[2:]):
+        return _plan(eqn, _partial_inputs(p, eqn, kinds, (0, 1))[:2] + rest, [PARTIAL])
+    dims = {k.dim for k in (operand, update) if k.dim is not None}
+    if len(dims) == 1 and not (operand.partial or update.partial):
+        d = dims.pop()
+        if op_shape[d] == up_shape[d]:
+            return _plan(eqn, [sharded(d), sharded(d)] + rest, [sharded(d)])
+    if not dims and not (operand.partial or update.partial):
+        return _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED])
+    return replicated_rule(p, eqn, kinds, single, "updates a slice across the sharded (batch) dimension")
+
+
+def window_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    """Pooling and its gradients: a window of one element along the batch keeps its blocks."""
+    params = eqn.params
+    n = len(_shape(eqn.invars[0]))
+    window = params.get("window_dimensions", (1,) * n)
+    strides = params.get("window_strides", (1,) * n)
+    padding = params.get("padding", ((0, 0),) * n)
+    base = params.get("base_dilation", (1,) * n) or (1,) * n
+    win_dil = params.get("window_dilation", (1,) * n) or (1,) * n
+
+    def untouched(d: int) -> bool:
+        return window[d] == 1 and strides[d] == 1 and tuple(padding[d]) == (0, 0) \
+            and base[d] == 1 and win_dil[d] == 1
+
+    return _shared_block(p, eqn, kinds, single, untouched,
+                         "pools across the sharded (batch) dimension")
+
+
+def bitcast_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    (k,) = kinds
+    rank = min(len(_shape(eqn.invars[0])), len(_shape(eqn.outvars[0])))
+    if k.dim is not None and k.dim < rank:
+        return _plan(eqn, [k], [k])
+    return replicated_rule(p, eqn, kinds, single)
+
+
+def random_bits_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    """Random bits of a batch of keys keep the keys' blocks; of one key, the draw is whole
+    (every device draws the same bits the global program draws)."""
+    (k,) = kinds
+    if k.dim is None:
+        return _plan(eqn, [REPLICATED], [REPLICATED])
+    key_rank = len(_shape(eqn.invars[0]))
+    shape = tuple(eqn.params["shape"])
+    local = shape[:k.dim] + (shape[k.dim] // p.ctx.axis_size,) + shape[k.dim + 1:]
+    if k.dim < key_rank:
+        return _plan(eqn, [k], [k], lambda v: bind_local(eqn, v, shape=local))
+    return replicated_rule(p, eqn, kinds, single)
+
+
+def refuse_rule(why: str) -> Rule:
+    def rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+        if _all_replicated(kinds) and eqn.primitive.name != "shard_map":
+            return _plan(eqn, list(kinds), [REPLICATED] * len(eqn.outvars))
+        raise p.refuse(eqn, why)
+    return rule
+
+
+RULES: dict[str, Rule] = {name: elementwise_rule for name in ELEMENTWISE}
+RULES.update({
+    "random_bits": random_bits_rule,
+    "broadcast_in_dim": broadcast_in_dim_rule,
+    "reshape": reshape_rule,
+    "expand_dims": reshape_rule,
+    "transpose": transpose_rule,
+    "squeeze": squeeze_rule,
+    "slice": slice_rule,
+    "pad": pad_rule,
+    "rev": rev_rule,
+    "concatenate": concatenate_rule,
+    "iota": iota_like_rule,
+    "bitcast_convert_type": bitcast_rule,
+    "reduce_sum": _reduce_rule(None, linear=True),
+    "reduce_max": _reduce_rule(lambda p, v: lax.pmax(v, p.ctx.axis_name)),
+    "reduce_min": _reduce_rule(lambda p, v: lax.pmin(v, p.ctx.axis_name)),
+    "reduce_and": _reduce_rule(_as_int_then(lax.pmin)),
+    "reduce_or": _reduce_rule(_as_int_then(lax.pmax)),
+    "reduce_prod": _reduce_rule(None),
+    "reduce_xor": _reduce_rule(None),
+    "argmax": _argminmax_keep,
+    "argmin": _argminmax_keep,
+    "dot_general": dot_general_rule,
+    "conv_general_dilated": conv_rule,
+    "gather": gather_rule,
+    "scatter-add": scatter_rule,
+    "scatter_add": scatter_rule,
+    "scatter": scatter_rule,
+    "scatter-mul": scatter_rule,
+    "scatter_mul": scatter_rule,
+    "scatter-min": scatter_rule,
+    "scatter_min": scatter_rule,
+    "scatter-max": scatter_rule,
+    "scatter_max": scatter_rule,
+    "dynamic_slice": dynamic_slice_rule,
+    "dynamic_update_slice": dynamic_update_slice_rule,
+    "cumsum": along_axis_rule("axis", linear=True),
+    "cumprod": along_axis_rule("axis"),
+    "cummax": along_axis_rule("axis"),
+    "cummin": along_axis_rule("axis"),
+    "cumlogsumexp": along_axis_rule("axis"),
+    "sort": along_axis_rule("dimension"),
+    "split": along_axis_rule("axis", linear=True),
+    "top_k": top_k_rule,
+    "approx_top_k": along_axis_rule("reduction_dimension"),
+    "reduce_window_sum": window_rule,
+    "reduce_window_max": window_rule,
+    "reduce_window_min": window_rule,
+    "reduce_window": window_rule,
+    "select_and_scatter_add": window_rule,
+    "select_and_gather_add": window_rule,
+    "cholesky": trailing_rule(lambda e: 2),
+    "triangular_solve": trailing_rule(lambda e: 2),
+    "lu": trailing_rule(lambda e: 2),
+    "qr": trailing_rule(lambda e: 2),
+    "eigh": trailing_rule(lambda e: 2),
+    "svd": trailing_rule(lambda e: 2),
+    "fft": trailing_rule(lambda e: len(e.params["fft_lengths"])),
+    "reshard": identity_rule,
+    "sharding_constraint": identity_rule,
+    "mesh_cast": identity_rule,
+    "pvary": identity_rule,
+    "shard_map": refuse_rule(
+        "the step mixes jax.jit shardings with a jax.shard_map inside; write the whole per-device "
+        "step as one jax.shard_map over the mesh (the form jaxsched schedules as written), or "
+        "leave the inner shard_map out"),
+})
+
+
+# -- narrowing: replicated producers that compute only the block their readers want -----------
+NarrowRule = Callable[[Partitioner, Any, int], "EqnPlan | None"]
+
+#: Elementwise primitives whose operands and result share a shape (random keys do not).
+NARROWABLE_ELEMENTWISE = ELEMENTWISE - {"threefry2x32", "random_fold_in", "random_wrap",
+                                        "random_unwrap", "random_split", "random_bits",
+                                        "random_seed", "random_clone"}
+
+
+def _narrow_elementwise(p: Partitioner, eqn, d: int) -> EqnPlan | None:
+    out_shape = _shape(eqn.outvars[0])
+    if not p.ctx.can_shard(out_shape, d):
+        return None
+    wanted = [sharded(d) if len(_shape(x)) == len(out_shape) and _shape(x)[d] == out_shape[d]
+              else REPLICATED for x in eqn.invars]
+    return _plan(eqn, wanted, [sharded(d)])
+
+
+def _narrow_bitcast(p: Partitioner, eqn, d: int) -> EqnPlan | None:
+    if _shape(eqn.invars[0]) != _shape(eqn.outvars[0]):
+        return None
+    return _narrow_elementwise(p, eqn, d)
+
+
+def _narrow_broadcast(p: Partitioner, eqn, d: int) -> EqnPlan | None:
+    shape = tuple(eqn.params["shape"])
+    if len(eqn.invars) != 1 or not p.ctx.can_shard(shape, d):
+        return None
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    operand = REPLICATED
+    if d in dims and _shape(eqn.invars[0])[dims.index(d)] == shape[d]:
+        operand = sharded(dims.index(d))
+    local = local_shape(shape, sharded(d), p.ctx.axis_size)
+    return _plan(eqn, [operand], [sharded(d)], lambda v: bind_local(eqn, v, shape=local))
+
+
+def _narrow_iota(p: Partitioner, eqn, d: int) -> EqnPlan | None:
+    shape = tuple(eqn.params["shape"])
+    if not p.ctx.can_shard(shape, d):
+        return None
+    local = local_shape(shape, sharded(d), p.ctx.axis_size)
+    along = eqn.params["dimension"] == d
+
+    def emit(values: list) -> list:
+        (out,) = bind_local(eqn, values, shape=local)
+        if along:  # this block's positions along d start at its offset
+            out = out + (p.ctx.index() * local[d]).astype(out.dtype)
+        return [out]
+
+    return _plan(eqn, [], [sharded(d)], emit)
+
+
+def _narrow_random_bits(p: Partitioner, eqn, d: int) -> EqnPlan | None:
+    """One key's bits for this device's block, by the counter layout of JAX's partitionable
+    threefry (``jax_threefry_partitionable``): the element at global linear index ``n`` is
+    hashed from counter ``n``, so a block hashes its own counters, as XLA's partitioner does."""
+    import jax
+    from jax.extend.random import threefry2x32_p
+
+    key = eqn.invars[0].aval
+    shape = tuple(eqn.params["shape"])
+    bit_width = eqn.params["bit_width"]
+    if (key.shape != () or not jax.config.jax_threefry_partitionable
+            or not p.ctx.can_shard(shape, d) or bit_width not in (8, 16, 32, 64)
+            or int(np.prod(shape)) >= 2 ** 32):
+        return None
+    if getattr(getattr(key.dtype, "_impl", None), "name", None) != "threefry2x32":
+        return None  # another PRNG (rbg): its bits do not follow this counter layout
+    local = local_shape(shape, sharded(d), p.ctx.axis_size)
+    strides = [int(np.prod(shape[k + 1:])) for k in range(len(shape))]
+
+    def emit(values: list) -> list:
+        data = jax.random.key_data(values[0])
+        counts = jnp.zeros(local, jnp.uint32)
+        for k, stride in enumerate(strides):
+            counts = counts + lax.broadcasted_iota(jnp.uint32, local, k) * jnp.uint32(stride)
+        counts = counts + (p.ctx.index() * local[d] * strides[d]).astype(jnp.uint32)
+        bits1, bits2 = threefry2x32_p.bind(data[0], data[1], jnp.zeros(local, jnp.uint32), counts)
+        if bit_width == 64:
+            wide = jnp.uint64
+            return [lax.shift_left(bits1.astype(wide), wide(32)) | bits2.astype(wide)]
+        out = bits1 ^ bits2
+        return [out if bit_width == 32 else out.astype({8: jnp.uint8, 16: jnp.uint16}[bit_width])]
+
+    return _plan(eqn, [REPLICATED], [sharded(d)], emit)
+
+
+NARROW: dict[str, NarrowRule] = {name: _narrow_elementwise for name in NARROWABLE_ELEMENTWISE}
+NARROW.update({"bitcast_convert_type": _narrow_bitcast, "broadcast_in_dim": _narrow_broadcast,
+               "iota": _narrow_iota, "random_bits": _narrow_random_bits})
+
+
+def _narrow_by_search(p: Partitioner, eqn, d: int) -> EqnPlan | None:
+    """The plan of ``eqn``'s own rule for some operand held as a block, if that plan yields
+    block ``d`` of the result: a scatter's or a reshape's inverse, found by asking forward."""
+    rule = RULES[eqn.primitive.name]
+    n = len(eqn.invars)
+    p.trying = True
+    try:
+        for i, x in enumerate(eqn.invars):
+            shape = _shape(x)
+            for e in range(len(shape)):
+                if not p.ctx.can_shard(shape, e):
+                    continue
+                kinds = [REPLICATED] * n
+                kinds[i] = sharded(e)
+                plan = rule(p, eqn, kinds, [False] * n)
+                if plan.outputs == (sharded(d),) and not any(k.partial for k in plan.inputs):
+                    return plan
+    finally:
+        p.trying = False
+    return None
+
+
+def narrow_rule_for(eqn) -> NarrowRule | None:
+    """How ``eqn`` computes only a block of its result (None: it cannot)."""
+    name = eqn.primitive.name
+    if name in NARROW:
+        return NARROW[name]
+    if name in RULES and RULES[name] not in (identity_rule,) and \
+            name not in ELEMENTWISE - NARROWABLE_ELEMENTWISE and name != "shard_map":
+        return _narrow_by_search
+    return None
+
+
+def rule_for(eqn) -> Rule:
+    """The rule of ``eqn``'s primitive; calls and control flow come from
+    :mod:`jaxsched.core.partition.control_flow`; the exact fallback for anything else."""
+    from jaxsched.core.partition.control_flow import CONTROL_RULES, call_rule, is_call
+
+    name = eqn.primitive.name
+    if name in RULES:
+        return RULES[name]
+    if name in CONTROL_RULES:
+        return CONTROL_RULES[name]
+    if is_call(eqn):
+        return call_rule
+    return replicated_rule

@@ -1,0 +1,371 @@
+"""Rules that run the update region on shards: one rule per primitive.
+
+A value in the update region is either *full* (an ordinary array, the same on every
+device) or a :class:`Shard`: this device's flat chunk of a full tensor (see
+:mod:`jaxsched.core.layout`). Rules keep values sharded where that is exact:
+
+* elementwise primitives run on chunks (full operands are sliced locally, no traffic);
+* reshapes keep the chunk (row-major order is preserved);
+* reductions over every axis become a local masked reduction plus one ``psum``/``pmax``
+  (``pmin``/``pmax`` of booleans for ``reduce_and``/``reduce_or``, the finite checks of
+  loss scaling); over some axes, a partial result the size of the output and one
+  collective of it (adafactor's factored row and column statistics);
+* a user ``psum`` of a device-invariant value becomes a multiply by the axis size;
+* ``cond``/``switch`` on a device-invariant index runs its branches with these rules, and
+  ``scan`` over full inputs its body, sharded carries staying sharded.
+
+Anything else gathers its sharded operands (one all-gather each) and runs unchanged on
+full tensors: DeAR's lazy update, applied only where it is needed. That fallback is
+reported once per primitive and source line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxsched.core import layout
+from jaxsched.core.axes import as_axes
+from jaxsched.core.primitives import CALL_PRIMITIVES, VMA_TYPING
+from jaxsched.core.replay import bind as _bind
+from jaxsched.core.replay import at_source, eval_inline, is_var, source_line
+from jaxsched.core.replay import inner_jaxpr as _inner_jaxpr
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """This device's flat chunk of a device-invariant tensor of ``shape``.
+
+    ``full`` is the whole tensor when the program already holds it (a parameter gathered
+    for forward), so a rule that needs it costs no second all-gather.
+    """
+
+    chunk: jax.Array
+    shape: tuple[int, ...]
+    full: Any = None
+
+    @property
+    def dtype(self):
+        return self.chunk.dtype
+
+
+class FallbackWarning(UserWarning):
+    """An update-region primitive could not run on shards and was run on gathered tensors."""
+
+
+@dataclasses.dataclass
+class ShardContext:
+    """What rules need: the axis, which variables are device-varying, and a warn-once log."""
+
+    axis_name: str | tuple[str, ...]
+    axis_size: int
+    varying: frozenset = frozenset()
+    reported: set = dataclasses.field(default_factory=set)
+    fallbacks: list = dataclasses.field(default_factory=list)
+    #: the top-level equation being run (nested calls and branches report under it)
+    top: Any = None
+    #: every ``((primitive, source line), top-level equation)`` that fell back
+    sites: list = dataclasses.field(default_factory=list)
+    #: while a rule traces a body only to see what it does, what would fall back there
+    probing: list | None = None
+
+    def to_full(self, value: Any) -> Any:
+        if isinstance(value, Shard):
+            if value.full is not None:
+                return value.full
+            return layout.gather_chunk(value.chunk, value.shape, self.axis_name)
+        return value
+
+    def to_chunk(self, value: Any, shape: Sequence[int]) -> jax.Array:
+        if isinstance(value, Shard):
+            return value.chunk
+        value = jnp.asarray(value)
+        if value.ndim == 0:
+            return value
+        return layout.local_chunk(jnp.broadcast_to(value, shape), self.axis_name, self.axis_size)
+
+    def report(self, eqn, reason: str) -> None:
+        key = (eqn.primitive.name, source_line(eqn))
+        if self.probing is not None:
+            self.probing.append(key)
+            return
+        self.sites.append((key, self.top if self.top is not None else eqn))
+        if key not in self.reported:
+            self.reported.add(key)
+            self.fallbacks.append(key)
+            warnings.warn(f"jaxsched: {eqn.primitive.name} at {key[1]} cannot run on shards "
+                          f"({reason}); its sharded operands are all-gathered and it runs on full "
+                          "tensors (DeAR's lazy update)", FallbackWarning, stacklevel=2)
+
+
+Rule = Callable[[ShardContext, Any, list], list]
+
+ELEMENTWISE = frozenset("""
+abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite
+le lgamma digamma log log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision
+rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh xor
+""".split())
+RESHAPES = frozenset({"reshape", "squeeze", "expand_dims"})
+
+
+def full_rule(ctx: ShardContext, eqn, values: list,
+              reason: str = "no shard rule for this primitive or these shapes") -> list:
+    """Gather what is sharded, run the primitive unchanged."""
+    if any(isinstance(v, Shard) and v.full is None for v in values):
+        ctx.report(eqn, reason)
+    return _bind(eqn, [ctx.to_full(v) for v in values])
+
+
+def elementwise_rule(ctx: ShardContext, eqn, values: list) -> list:
+    shape = tuple(eqn.outvars[0].aval.shape)
+    if any(isinstance(v, Shard) and v.shape != shape for v in values):
+        return full_rule(ctx, eqn, values)
+    chunks = [ctx.to_chunk(v, shape) for v in values]
+    return [Shard(out, tuple(o.aval.shape)) for out, o in zip(_bind(eqn, chunks), eqn.outvars)]
+
+
+def reshape_rule(ctx: ShardContext, eqn, values: list) -> list:
+    """Row-major reshapes, and squeezing or inserting unit axes (pmap's block axis), keep
+    the flat chunk; a reshape that transposes first (``dimensions``) does not."""
+    (value,) = [v for v in values if isinstance(v, Shard)][:1] or [None]
+    transposes = eqn.primitive.name == "reshape" and eqn.params.get("dimensions") not in (None, ())
+    if value is None or len(values) != 1 or transposes:
+        return full_rule(ctx, eqn, values)
+    return [Shard(value.chunk, tuple(eqn.outvars[0].aval.shape))]
+
+
+def broadcast_in_dim_rule(ctx: ShardContext, eqn, values: list) -> list:
+    operand = values[0]
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    if len(values) == 1 and math.prod(operand.shape) == math.prod(out_shape):
+        return [Shard(operand.chunk, out_shape)]  # only inserts unit dimensions
+    return full_rule(ctx, eqn, values)
+
+
+def _reduce_rule(local: Callable, collective: Callable, identity: Callable,
+                 segment: Callable | None = None) -> Rule:
+    """A reduction over every axis: a local reduction of the chunk (padding masked with the
+    identity) and one scalar collective. Over some axes (adafactor's row and column sums),
+    with ``segment``: each chunk element added into its output position, a partial result
+    the size of the output, and one collective of that size; never a gather of the input."""
+    def rule(ctx: ShardContext, eqn, values: list) -> list:
+        (value,) = values
+        if value.full is not None:  # already whole here (a parameter gathered for forward)
+            return _bind(eqn, [value.full])
+        axes = tuple(sorted(eqn.params["axes"]))
+        mask = layout.valid_mask(value.shape, ctx.axis_name, ctx.axis_size)
+        chunk = jnp.where(mask, value.chunk, identity(value.chunk.dtype))
+        out_dtype = eqn.outvars[0].aval.dtype
+        if axes == tuple(range(len(value.shape))):
+            return [collective(local(chunk).astype(out_dtype), ctx.axis_name)]
+        if segment is None:
+            return full_rule(ctx, eqn, values)
+        out_shape = tuple(d for k, d in enumerate(value.shape) if k not in axes)
+        position = _output_position(ctx, value.shape, axes)
+        partial = segment(chunk, position, num_segments=math.prod(out_shape))
+        return [collective(partial.reshape(out_shape).astype(out_dtype), ctx.axis_name)]
+    return rule
+
+
+def _output_position(ctx: ShardContext, shape: tuple[int, ...], axes: tuple[int, ...]) -> jax.Array:
+    """For each element of this device's chunk of a tensor of ``shape``, its flat position
+    in the result of reducing ``axes`` (padding maps to position 0, masked by the caller)."""
+    c = layout.chunk_size(shape, ctx.axis_size)
+    flat = jnp.minimum(lax.axis_index(ctx.axis_name) * c + jnp.arange(c), math.prod(shape) - 1)
+    position = jnp.zeros_like(flat)
+    for k, dim in enumerate(shape):
+        if k not in axes:
+            coordinate = flat // math.prod(shape[k + 1:]) % dim
+            position = position * dim + coordinate
+    return position
+
+
+def _all_devices(reduce: Callable) -> Callable:
+    """A boolean collective through int32 (``pmin`` for all, ``pmax`` for any)."""
+    return lambda x, axis_name: reduce(x.astype(jnp.int32), axis_name).astype(x.dtype)
+
+
+def _lowest(dtype):
+    return jnp.finfo(dtype).min if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+
+
+def _highest(dtype):
+    return jnp.finfo(dtype).max if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
+
+
+def psum_rule(ctx: ShardContext, eqn, values: list) -> list:
+    """A user's psum in the update region: of an invariant value it is a multiply by P."""
+    data_axes = as_axes(ctx.axis_name)
+    if (not set(data_axes) <= set(_axes(eqn))
+            or any(x in ctx.varying for x in eqn.invars if is_var(x))):
+        return full_rule(ctx, eqn, values)
+    factor = ctx.axis_size * math.prod(_axis_size(a) for a in _axes(eqn) if a not in data_axes)
+    out = []
+    for v in values:
+        scale = lambda a: a * jnp.asarray(factor, a.dtype)
+        out.append(Shard(scale(v.chunk), v.shape) if isinstance(v, Shard) else scale(v))
+    return out
+
+
+def identity_rule(ctx: ShardContext, eqn, values: list) -> list:
+    return list(values)
+
+
+def call_rule(ctx: ShardContext, eqn, values: list) -> list:
+    """jit / custom_jvp / custom_vjp calls: interpret their body with the same rules."""
+    inner = _inner_jaxpr(eqn)
+    if inner is None:
+        return full_rule(ctx, eqn, values)
+    return eval_sharded(ctx, inner.jaxpr, values, constvals=inner.consts)
+
+
+def cond_rule(ctx: ShardContext, eqn, values: list) -> list:
+    """``lax.cond``/``lax.switch`` on a device-invariant index (``MultiSteps``' every k-th
+    step, ``apply_if_finite``'s skip): every branch runs with these rules on the same chunks.
+    An output that one branch returns sharded is sharded in all (a full value's chunk is a
+    local slice, no traffic), so the branches agree on their types. The index is the same
+    on every device, so a collective inside a branch runs on all of them or on none."""
+    index, *operands = values
+    if isinstance(index, Shard):
+        return full_rule(ctx, eqn, values)
+    shapes = [v.shape if isinstance(v, Shard) else None for v in operands]
+    flat = [v.chunk if isinstance(v, Shard) else v for v in operands]
+    avals = [o.aval for o in eqn.outvars]
+
+    def branch(closed, sharded: Sequence[bool] | None = None, seen: list | None = None) -> Callable:
+        def run(*args):
+            inner = [Shard(a, s) if s is not None else a for a, s in zip(args, shapes)]
+            outs = eval_sharded(ctx, closed.jaxpr, inner, closed.consts)
+            if seen is not None:  # first pass: which outputs this branch keeps sharded
+                seen.append([isinstance(o, Shard) for o in outs])
+                return [o.chunk if isinstance(o, Shard) else o for o in outs]
+            return [jnp.asarray(ctx.to_chunk(o, a.shape) if sh else ctx.to_full(o), a.dtype)
+                    for o, a, sh in zip(outs, avals, sharded)]
+        return run
+
+    seen: list = []
+    for closed in eqn.params["branches"]:
+        jax.eval_shape(branch(closed, seen=seen), *flat)
+    sharded = [len(a.shape) > 0 and any(s[k] for s in seen) for k, a in enumerate(avals)]
+    with at_source(eqn):
+        outs = lax.switch(index, [branch(c, sharded) for c in eqn.params["branches"]], *flat)
+    return [Shard(o, tuple(a.shape)) if sh else o for o, a, sh in zip(outs, avals, sharded)]
+
+
+def scan_rule(ctx: ShardContext, eqn, values: list) -> list:
+    """``lax.scan`` (and ``fori_loop`` with static bounds) whose scanned inputs are full:
+    the body runs with these rules, sharded carries stay sharded. Which carries are
+    sharded is found by tracing the body until it agrees with itself: a carry that comes
+    out sharded starts sharded (its initial value sliced locally); one the body needs
+    whole (muon's Newton-Schulz matmuls) is gathered once, before the loop, not in every
+    iteration. Scanned inputs that are shards, and per-iteration outputs that come out
+    sharded, are no chunk of one tensor per iteration: the former fall back, the latter
+    are gathered; both say so."""
+    p = eqn.params
+    nc, nk = p["num_consts"], p["num_carry"]
+    consts, init, xs = values[:nc], values[nc:nc + nk], values[nc + nk:]
+    if any(isinstance(v, Shard) for v in xs) or p.get("_split_transpose"):
+        return full_rule(ctx, eqn, values)
+    closed = p["jaxpr"]
+    carry_avals = [v.aval for v in closed.jaxpr.invars[nc:nc + nk]]
+    kinds = [isinstance(v, Shard) and len(a.shape) > 0 for v, a in zip(init, carry_avals)]
+
+    def body(kinds: Sequence[bool], seen: list | None = None) -> Callable:
+        def run(carry, x):
+            inner = [Shard(c, tuple(a.shape)) if k else c for c, a, k in zip(carry, carry_avals, kinds)]
+            outs = eval_sharded(ctx, closed.jaxpr, list(consts) + inner + list(x), closed.consts)
+            new, ys = outs[:nk], outs[nk:]
+            if seen is not None:
+                seen.append([isinstance(o, Shard) for o in new])
+            if any(isinstance(y, Shard) and y.full is None for y in ys):
+                ctx.report(eqn, "a per-iteration output is sharded")
+            new = [jnp.asarray(ctx.to_chunk(o, a.shape) if k else ctx.to_full(o), a.dtype)
+                   for o, a, k in zip(new, carry_avals, kinds)]
+            return new, [ctx.to_full(y) for y in ys]
+        return run
+
+    def start(kinds: Sequence[bool], final: bool = False) -> list:
+        if final and any(isinstance(v, Shard) and v.full is None and not k for v, k in zip(init, kinds)):
+            ctx.report(eqn, "the loop body needs a sharded carry whole")
+        return [jnp.asarray(ctx.to_chunk(v, a.shape) if k else ctx.to_full(v), a.dtype)
+                for v, a, k in zip(init, carry_avals, kinds)]
+
+    x_slice = [jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], jnp.result_type(x)) for x in xs]
+    dropped: set = set()
+    probe, ctx.probing = ctx.probing, []
+    try:
+        for _ in range(2 * nk + 1):  # a carry is sharded at most once and dropped at most once
+            seen: list = []
+            jax.eval_shape(body(kinds, seen), start(kinds), x_slice)
+            agreed = []
+            for k, (was, now, a) in enumerate(zip(kinds, seen[0], carry_avals)):
+                if was and not now:
+                    dropped.add(k)
+                agreed.append(now and k not in dropped and len(a.shape) > 0)
+            if agreed == kinds:
+                break
+            kinds = agreed
+        inside = ctx.probing
+    finally:
+        ctx.probing = probe
+    if inside:  # the body gathers something in every iteration: gather it once, before
+        return full_rule(ctx, eqn, values, f"its body needs a sharded value whole ({inside[0][0]} "
+                                           f"at {inside[0][1]})")
+    init_values = start(kinds, final=True)
+    with at_source(eqn):
+        carry, ys = lax.scan(body(kinds), init_values, list(xs), length=p["length"],
+                             reverse=p["reverse"], unroll=p["unroll"])
+    return [Shard(c, tuple(a.shape)) if k else c
+            for c, a, k in zip(carry, carry_avals, kinds)] + list(ys)
+
+
+def _axes(eqn) -> tuple:
+    axes = eqn.params.get("axes", ())
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+def _axis_size(name) -> int:
+    return lax.axis_size(name)
+
+
+RULES: dict[str, Rule] = {name: elementwise_rule for name in ELEMENTWISE}
+RULES.update({name: reshape_rule for name in RESHAPES})
+RULES.update({
+    "broadcast_in_dim": broadcast_in_dim_rule,
+    "reduce_sum": _reduce_rule(jnp.sum, lax.psum, lambda d: jnp.zeros((), d), jax.ops.segment_sum),
+    "reduce_max": _reduce_rule(jnp.max, lax.pmax, lambda d: jnp.asarray(_lowest(d), d),
+                               jax.ops.segment_max),
+    "reduce_min": _reduce_rule(jnp.min, lax.pmin, lambda d: jnp.asarray(_highest(d), d),
+                               jax.ops.segment_min),
+    # the finite checks of loss scaling (DynamicScale, apply_if_finite) and zero_nans
+    "reduce_and": _reduce_rule(jnp.all, _all_devices(lax.pmin), lambda d: jnp.ones((), d)),
+    "reduce_or": _reduce_rule(jnp.any, _all_devices(lax.pmax), lambda d: jnp.zeros((), d)),
+    "psum": psum_rule,
+    "psum_invariant": psum_rule,
+})
+RULES["cond"] = cond_rule
+RULES["scan"] = scan_rule
+RULES.update({name: identity_rule for name in VMA_TYPING})
+RULES.update({name: call_rule for name in CALL_PRIMITIVES})
+
+
+def apply_rule(ctx: ShardContext, eqn, values: list) -> list:
+    """Run one equation: unchanged if nothing is sharded, else by its rule."""
+    if not any(isinstance(v, Shard) for v in values):
+        return _bind(eqn, values)
+    if any(x in ctx.varying for x in eqn.invars if is_var(x)):
+        # Chunks of device-varying tensors are not chunks of one tensor: stay exact.
+        return full_rule(ctx, eqn, values)
+    return RULES.get(eqn.primitive.name, full_rule)(ctx, eqn, values)
+
+
+def eval_sharded(ctx: ShardContext, jaxpr, args: Sequence[Any], constvals: Sequence[Any] = ()) -> list:
+    """Evaluate ``jaxpr`` with some inputs sharded; returns full arrays or :class:`Shard`."""
+    return eval_inline(jaxpr, constvals, args, run=lambda eqn, values: apply_rule(ctx, eqn, values))

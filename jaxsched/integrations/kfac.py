@@ -1,0 +1,46 @@
+"""``jaxsched.integrations.kfac``: K-FAC for the dense and convolution layers of an ordinary step.
+
+The preconditioner is a strategy (:class:`KFAC`, registered as ``"kfac"``): wrap the step
+you already have, and its reduced gradients are preconditioned before your optax update.
+Layers are found in the step's jaxpr (:func:`find_layers`); factor all-reduces are
+bucketed and issued in backward; inversions are placed across workers
+(:func:`plan_placement`). See docs/kfac.md for the conventions and measured numbers.
+
+Example:
+    >>> import jax, optax
+    >>> import jaxsched
+    >>> from jaxsched import models, steps
+    >>> params, apply_fn = models.pure(models.build("mlp", (8, 8, 1), 10, hidden=(16,)))
+    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> tx = optax.sgd(0.1)
+    >>> step = steps.make_step(apply_fn, tx, mesh)
+    >>> batch = steps.shard_batch((jax.numpy.ones((4, 8, 8, 1)), jax.numpy.zeros(4, "int32")), mesh)
+    >>> [(layer.name, layer.dims) for layer in find_layers(step, params, tx.init(params), batch).layers]
+    [('hidden/0', (65, 16)), ('head', (17, 10))]
+    >>> sched = jaxsched.schedule(step, strategy=KFAC(damping=1e-2, factor_buckets="per_layer"))
+    >>> state, aux = sched(sched.init(params, tx.init(params)), batch)
+    >>> plan_placement([65, 16, 17, 10], 2, "balanced")
+    (0, 1, 1, 1)
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from jaxsched.sim.kfac_placement import PLACEMENTS, max_load, plan_placement, worker_loads
+from jaxsched.core.rewrite.layers import LayerMatch, MatchedLayer
+from jaxsched.strategies.kfac import INVERSES, KFAC, KFACFallbackWarning, KFACState
+
+
+def find_layers(step: Callable, params: Any, opt_state: Any, batch: Any) -> LayerMatch:
+    """The dense and convolution layers K-FAC recognises in ``step`` (traced on these
+    example inputs), and the parameter paths it leaves on the plain gradient."""
+    from jaxsched.core.capture import capture
+    from jaxsched.pipeline.planned_step import PlannedStep
+    from jaxsched.core.rewrite.layers import match_layers
+
+    planned = PlannedStep(capture(step, params, opt_state, batch))
+    return match_layers(planned.analysis, planned.paths)
+
+
+__all__ = ["INVERSES", "KFAC", "KFACFallbackWarning", "KFACState", "LayerMatch", "MatchedLayer",
+           "PLACEMENTS", "find_layers", "max_load", "plan_placement", "worker_loads"]

@@ -1,0 +1,267 @@
+"""The program: what one (captured step, strategy, buckets, engine) builds.
+
+:func:`build_program` is a pure function of those four; :class:`ProgramCache` keeps one
+program per abstract input signature (tree structure, shapes, dtypes, shardings), as
+``jax.jit`` caches, so a batch of a new shape gets its own program.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> a = abstract_signature((jnp.zeros((4, 2)), 1))
+    >>> a == abstract_signature((jnp.ones((4, 2)), 2)), a == abstract_signature((jnp.zeros((3, 2)), 1))
+    (True, False)
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxsched.core.capture import CapturedStep
+from jaxsched.runtime.engine.base import Engine, PerDeviceProgram
+from jaxsched.pipeline.planned_step import PlannedStep, is_abstract
+from jaxsched.strategies.base import Strategy
+
+
+def abstract_signature(tree: Any) -> Hashable:
+    """What a program depends on in ``tree``: structure, and per leaf shape, dtype, sharding."""
+    leaves, treedef = jax.tree.flatten(tree)
+
+    def leaf_key(x: Any) -> tuple:
+        if isinstance(x, jax.Array):  # the common case, without numpy's slower paths
+            return x.shape, x.dtype, x.sharding
+        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+        return tuple(np.shape(x)), np.dtype(dtype) if not hasattr(dtype, "_impl") else dtype, None
+
+    return treedef, tuple(leaf_key(x) for x in leaves)
+
+
+def leaf_dtype(x: Any) -> Any:
+    """The dtype ``x`` has in a traced program (a Python scalar's canonical dtype)."""
+    return x.dtype if hasattr(x, "dtype") else jax.dtypes.canonicalize_dtype(np.result_type(x))
+
+
+def retyped(template: Any, state: Any) -> Any:
+    """``template`` (the state's trees as first traced) with the dtypes ``state``'s leaves
+    have now, or ``template`` itself when none differs.
+
+    A step may return a leaf in another dtype than it took (adam's ``mu_dtype=bfloat16``
+    on a float32 optimizer state): the next call is a program for the new dtypes, as
+    ``jax.jit`` traces again, never the old program with its outputs cast back. Shapes
+    stay the template's, since a strategy may hold a leaf in its own layout (``dear``'s
+    flat shards) whose dtype, not shape, is the user's.
+    """
+    leaves, treedef = jax.tree.flatten(template)
+    now = jax.tree.leaves(state)
+    if len(now) != len(leaves) or all(leaf_dtype(a) == leaf_dtype(b) for a, b in zip(leaves, now)):
+        return template
+    from jaxsched.core.capture import abstract_leaf
+
+    def retype(old: Any, new: Any) -> Any:
+        if leaf_dtype(old) == leaf_dtype(new):
+            return old
+        old = abstract_leaf(old)
+        return jax.ShapeDtypeStruct(old.shape, leaf_dtype(new), sharding=old.sharding)
+
+    return jax.tree.unflatten(treedef, [retype(a, b) for a, b in zip(leaves, now)])
+
+
+class Program:
+    """A compiled scheduled step and the conversions of its state.
+
+    Attributes:
+      planned: the captured step with its analysis and buckets.
+      strategy, engine: what built it.
+      rewritten: the strategy's per-device body and state specs.
+      per_device: the explicit program handed to the engine.
+      core: the engine's callable on flat global arrays.
+    """
+
+    def __init__(self, planned: PlannedStep, strategy: Strategy, engine: Engine):
+        self.planned, self.strategy, self.engine = planned, strategy, engine
+        self.rewritten = rewritten = strategy.rewrite(planned)
+        self.per_device = PerDeviceProgram(
+            rewritten.body, planned.mesh, planned.axis_name,
+            tuple(rewritten.state_in_specs) + planned.batch_specs + planned.const_specs,
+            tuple(rewritten.state_out_specs) + planned.aux_specs, rewritten.check_vma,
+            rewritten.compiler_defaults or strategy.compiler_defaults,
+            planned.bucket_bytes, dict(strategy.compiler_overrides), rewritten.global_body)
+        self.engine = engine.resolve(self.per_device)
+        self.core = self.engine.compile(self.per_device)
+        self._returned: NamedTuple | None = None  # the state the last run returned
+        #: whether the state comes out in the dtypes it went in (None: not run yet)
+        self.keeps_dtypes: bool | None = None
+        self._placed_consts: list | None = None
+
+    # what users and tests inspect ----------------------------------------------------------
+    @property
+    def captured(self) -> CapturedStep:
+        return self.planned.captured
+
+    @property
+    def buckets(self):
+        return self.planned.buckets
+
+    @property
+    def fallbacks(self) -> list:
+        return self.rewritten.fallbacks
+
+    @property
+    def bucket_report(self) -> list:
+        """Per bucket, whether its update ran on shards and, if not, which primitives and
+        source lines forced the fallback (:class:`~jaxsched.strategies.base.BucketReport`;
+        the :class:`~jaxsched.core.rewrite.rules.FallbackWarning` as data). Empty for strategies
+        that run the update on full tensors. Complete once the step has been traced (a
+        call, ``lower`` or ``inspect``).
+
+        Example:
+            >>> import jax, optax
+            >>> import jaxsched
+            >>> from jaxsched import models, steps
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.adamw(optax.linear_schedule(1e-2, 0.0, 10))
+            >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="dear")
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> state, aux = sched(sched.init(params, tx.init(params)), batch)
+            >>> [(r.bucket, r.on_shards, r.fallbacks) for r in sched.program.bucket_report]
+            [(0, True, ())]
+        """
+        make = self.rewritten.bucket_report
+        return [] if make is None else make()
+
+    @property
+    def layer_profile(self):
+        return self.planned.layer_profile
+
+    @property
+    def network_profile(self):
+        return self.planned.network_profile
+
+    # running -------------------------------------------------------------------------------
+    def convert(self, state: NamedTuple) -> NamedTuple:
+        """The state in this program's layout; idempotent."""
+        return self.strategy.convert(self.planned, state)
+
+    def inputs(self, state: NamedTuple, batch: Any) -> list:
+        """The compiled core's flat arguments for one step."""
+        return self._inputs(self.convert(state), batch)
+
+    def _inputs(self, converted: NamedTuple, batch: Any, consts: list | None = None) -> list:
+        planned = self.planned
+        batch_leaves = jax.tree.leaves(batch)
+        if len(batch_leaves) != planned.captured.num_batch:
+            raise ValueError(f"the batch has {len(batch_leaves)} leaves; the step was traced with "
+                             f"{planned.captured.num_batch}")
+        if consts is None:
+            consts = [planned.placed(c, s) for c, s in zip(planned.captured.consts,
+                                                           planned.const_specs, strict=True)]
+        return (jax.tree.leaves(converted)
+                + [planned.placed(b, s) for b, s in zip(batch_leaves, planned.batch_specs, strict=True)]
+                + consts)
+
+    def _device_consts(self) -> list:
+        """The step's constants on the mesh, placed once: a host array passed on every call
+        would be copied to every device on every call."""
+        if self._placed_consts is None:
+            planned = self.planned
+            self._placed_consts = [
+                jax.device_put(c, planned._sharding(s)) if not isinstance(c, jax.Array) or
+                c.sharding != planned._sharding(s) else c
+                for c, s in zip(planned.captured.consts, planned.const_specs, strict=True)]
+        return self._placed_consts
+
+    def run(self, state: NamedTuple, batch: Any) -> tuple[NamedTuple, Any]:
+        if state is not self._returned:  # a state this program returned is in place already
+            if is_abstract(state) or is_abstract(batch):
+                raise TypeError("the state or batch is abstract (jax.ShapeDtypeStruct leaves): it "
+                                "can be lowered, compiled and inspected (sched.lower, "
+                                "sched.inspect), not run; pass arrays to run a step")
+            state = self.convert(state)
+        leaves, treedef = jax.tree.flatten(state)
+        outs = self.core(*self._inputs(state, batch, self._device_consts()))
+        if self.keeps_dtypes is None:
+            self.keeps_dtypes = all(leaf_dtype(a) == leaf_dtype(b) for a, b in zip(leaves, outs))
+        new_state = jax.tree.unflatten(treedef, outs[:len(leaves)])
+        self._returned = new_state
+        return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[len(leaves):])
+
+    @property
+    def returned(self) -> NamedTuple | None:
+        """The state the last run returned (it is in this program's layout already)."""
+        return self._returned
+
+    def finalize(self, state: NamedTuple) -> tuple[Any, Any]:
+        return self.strategy.finalize(self.planned, state)
+
+    def lower(self, state: NamedTuple, batch: Any):
+        """``jax.stages.Lowered`` of this program for ``state`` and ``batch``, concrete or
+        abstract (``jax.ShapeDtypeStruct`` leaves with shardings: nothing touches a device)."""
+        return self.core.lower(*self.inputs(state, batch))
+
+    def inspect(self, state: NamedTuple, batch: Any, label: str | None = None):
+        """Compile for the mesh's devices and read the scheduled program and XLA's estimate
+        (a :class:`jaxsched.check.inspection.CompiledReport`)."""
+        from jaxsched.check import inspection as inspect_lib
+
+        compiled, schedule = inspect_lib.compile_with_schedule(self.lower(state, batch))
+        return inspect_lib.report(compiled, schedule, self.planned.mesh,
+                                  label=label or self.strategy.name,
+                                  target=inspect_lib.describe_mesh(self.planned.mesh))
+
+
+def build_program(captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Engine,
+                  plan_options: dict | None = None) -> Program:
+    """The program of ``strategy`` for ``captured`` with bucket option ``buckets`` on ``engine``."""
+    plan_options = dict(plan_options or {})
+    strategy, buckets = strategy.resolve(captured, buckets, plan_options, engine)
+    strategy = strategy.for_mesh(captured)
+    compression = simulated_compression(strategy)
+    planned = PlannedStep(captured, buckets, plan_options, strategy.cost, compression=compression,
+                          compressor=strategy.collective if compression is not None else None,
+                          engine=engine)
+    return Program(planned, strategy, engine)
+
+
+def simulated_compression(strategy: Strategy) -> Any:
+    """The strategy's compressor as the planner's simulator models it (None: dense, or a
+    compressor or pattern the simulator does not model)."""
+    model = getattr(strategy.collective, "sim_compression", None)
+    if model is None or not strategy.cost.compressible:
+        return None
+    try:
+        return model()
+    except ValueError:  # e.g. one density per bucket (LAGS): the simulator models one
+        return None
+
+
+class ProgramCache:
+    """One program per abstract signature of the batch and dtypes of the state: the
+    state's shapes are fixed per schedule, its dtypes are not (:func:`retyped`)."""
+
+    def __init__(self, build: Callable[[Any, Any], Program]):
+        self._build = build
+        self._programs: dict[Hashable, Program] = {}
+        self.last: Program | None = None
+
+    def get(self, batch: Any, template: Any = None) -> Program:
+        """The program for ``batch`` and a state like ``template`` (``(params, opt_state)``)."""
+        key = (abstract_signature(batch),
+               tuple(leaf_dtype(x) for x in jax.tree.leaves(template)))
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = self._build(batch, template)
+        self.last, self._last_key = program, key
+        return program
+
+    def again(self, state: Any, batch: Any) -> Program | None:
+        """The last program when ``state`` is what it returned, in the dtypes it took, and
+        ``batch`` has the last batch's signature: the usual call in a training loop, which
+        then skips reading the state's dtypes."""
+        last = self.last
+        if last is None or state is not last.returned or not last.keeps_dtypes:
+            return None
+        return last if abstract_signature(batch) == self._last_key[0] else None
+
+    def __len__(self) -> int:
+        return len(self._programs)

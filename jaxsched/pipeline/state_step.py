@@ -1,0 +1,396 @@
+"""``(state, batch) -> (state, aux)`` steps: one pytree state instead of params and opt_state.
+
+Flax's ``TrainState`` step, ``train_step(state, batch) -> (state, metrics)``, keeps the
+parameters, the optimizer state and the step counter in one pytree; so does a dataclass or
+a dict of your own. :func:`jaxsched.schedule` accepts such a step as it accepts
+``train_step(params, opt_state, batch) -> (params, opt_state, aux)``; this module is the
+adapter between the two forms.
+
+**Which form.** ``sched.init`` decides, at its first call: one positional argument
+(``sched.init(state)``, or ``sched.init(state, batch=example)``) is the state form, three
+(``params, opt_state, batch``) the params form; with two, the state form if the step takes
+exactly two positional arguments (``step(state, batch)``, read with ``inspect.signature``),
+else ``(params, opt_state)``.
+
+**Which leaves are trained.** The state's leaves are named by their path (``params/Dense_0
+/kernel``, ``opt_state/0/mu/Dense_0/kernel``, ``step``), as bucket plans, ``verify`` and
+error messages name them. The step is traced once with every leaf in the role of a
+parameter and its gradient reductions found (:mod:`jaxsched.core.analyze`); a leaf is
+*trained* when it is a float, forward or backward combines it with device-varying data
+(the batch), and its new value is computed from a gradient reduction and from its old
+value (not only through the reduction). So optimizer moments (never combined with the
+batch), step counters and RNG keys (not floats), and statistics that are averaged over
+devices (a running mean ``pmean``'ed into place) are not trained. The scheduled step
+is the user's step as ``(params, rest, batch) -> (params, rest, aux)``: ``params`` a dict
+of the trained leaves and ``rest`` a dict of every other leaf, both keyed by path; static
+fields (a ``TrainState``'s ``apply_fn`` and ``tx``) stay in the tree structure.
+``sched.finalize(sstate)`` rebuilds the user's state object of the same type.
+
+The split needs a batch to trace the step: ``sched.init(state)`` returns an
+:class:`UnsplitState` that the first call splits; ``sched.init(state, batch)`` splits at
+once and returns the state in the strategy's layout (a checkpoint restore target).
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from flax import linen as nn
+    >>> from flax.training.train_state import TrainState
+    >>> from jax.sharding import PartitionSpec as P
+    >>> import jaxsched
+    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> model = nn.Dense(3)
+    >>> state = TrainState.create(apply_fn=model.apply, tx=optax.adam(1e-2),
+    ...                           params=model.init(jax.random.key(0), jnp.ones((1, 4)))["params"])
+    >>> def body(state, batch):
+    ...     x, y = batch
+    ...     def loss_fn(params):
+    ...         logits = state.apply_fn({"params": params}, x)
+    ...         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    ...     loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    ...     state = state.apply_gradients(grads=jax.lax.pmean(grads, "data"))
+    ...     return state, {"loss": jax.lax.pmean(loss, "data")}
+    >>> train_step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")),
+    ...                                    out_specs=(P(), P()), check_vma=False))
+    >>> sched = jaxsched.schedule(train_step, strategy="dear")
+    >>> batch = jax.device_put((jnp.ones((4, 4)), jnp.zeros(4, "int32")),
+    ...                        jax.NamedSharding(mesh, P("data")))
+    >>> sstate = sched.init(state)
+    >>> sstate, aux = sched(sstate, batch)
+    >>> sorted(sched.program.planned.paths)       # the trained leaves, by path
+    ['params/bias', 'params/kernel']
+    >>> new_state = sched.finalize(sstate)        # a TrainState again
+    >>> type(new_state).__name__, int(new_state.step)
+    ('TrainState', 1)
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+
+import jax
+from jax.extend import core as jex_core
+
+from jaxsched.core.analyze import analyze
+from jaxsched.core.bucketing import is_float, param_paths, shape_key
+from jaxsched.core.capture import UnsupportedStepError, capture
+
+if TYPE_CHECKING:  # the adapter wraps Scheduled; schedule imports this module lazily
+    from jaxsched._schedule import Scheduled
+
+__all__ = ["SIGNATURES", "StateForm", "StateLayout", "UnsplitState", "find_layout", "inputs_of",
+           "returns_aux", "step_form", "with_inputs"]
+
+#: the two step forms jaxsched.schedule accepts, as error messages state them
+SIGNATURES = ("step(params, opt_state, batch) -> (params, opt_state, aux) or "
+              "step(state, batch) -> (state, aux) (or -> state), with any extra inputs (a key, "
+              "a constant) between the state and the batch")
+STATE, TREES = "state", "trees"
+
+
+class UnsplitState(NamedTuple):
+    """``sched.init(state)`` without an example batch: the user's state, split into trained
+    parameters and the rest by the first step (which can trace the step).
+
+    Attributes:
+      state: the user's state as given.
+    """
+
+    state: Any
+
+
+def positional_arity(step: Callable) -> int | None:
+    """How many positional arguments ``step`` requires, or None if its signature does not
+    say (``*args``, or no signature). A wrapper's own signature is read first (jaxsched's
+    NNX adapter), then the function it wraps (``jax.jit``, ``jax.shard_map``, ``jax.pmap``)."""
+    for follow in (False, True):
+        try:
+            parameters = inspect.signature(step, follow_wrapped=follow).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+            continue
+        return sum(1 for p in parameters if p.default is inspect.Parameter.empty and p.kind in
+                   (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    return None
+
+
+def step_form(step: Callable, n_args: int, batch_keyword: bool) -> str:
+    """``"state"`` or ``"trees"`` for ``sched.init`` called with ``n_args`` positional
+    arguments (and ``batch=`` or not); the rule is in the module doc. Raises TypeError,
+    stating both accepted signatures, for anything else."""
+    arity = positional_arity(step)
+    if arity is not None and arity < 2:
+        raise TypeError(f"the step takes {arity} positional argument(s); jaxsched.schedule "
+                        f"accepts {SIGNATURES}")
+    if n_args == 1:
+        form = STATE  # init(state): a step(state, *inputs, batch), whatever its arity
+    elif n_args == 3 and not batch_keyword:
+        form = TREES
+    elif n_args == 2:
+        form = STATE if arity == 2 and not batch_keyword else TREES
+    else:
+        form = None
+    if form is None or (arity == 2 and form == TREES):
+        takes = {2: "(state, batch)", 3: "(params, opt_state, batch)"}.get(arity)
+        init = {2: "sched.init(state) or sched.init(state, batch)",
+                3: "sched.init(params, opt_state) or sched.init(params, opt_state, batch)"}
+        raise TypeError(f"sched.init got {n_args} positional argument(s)"
+                        + (" and batch=" if batch_keyword else "")
+                        + (f", but the step takes {takes}: call {init[arity]}" if takes else
+                           f"; it takes the first arguments of the step, which is {SIGNATURES}"))
+    return form
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """How the user's state maps to the ``(params, rest)`` dicts of the scheduled step.
+
+    Attributes:
+      treedef: the state's tree structure (static fields included).
+      names: every leaf's path, in tree order.
+      trained: per leaf, whether it is a trained parameter.
+      has_aux: whether the step returns ``(state, aux)`` (False: the state alone).
+    """
+
+    treedef: Any
+    names: tuple[str, ...]
+    trained: tuple[bool, ...]
+    has_aux: bool = True
+
+    def split(self, state: Any, what: str = "the state") -> tuple[dict, dict]:
+        """The user's state -> (trained leaves, every other leaf), dicts keyed by path."""
+        leaves, treedef = jax.tree.flatten(state)
+        if treedef != self.treedef:
+            raise ValueError(f"{what} has structure {treedef}, but the step was traced with a "
+                             f"state of structure {self.treedef}")
+        params = {n: x for n, x, t in zip(self.names, leaves, self.trained) if t}
+        rest = {n: x for n, x, t in zip(self.names, leaves, self.trained) if not t}
+        return params, rest
+
+    def join(self, params: dict, rest: dict) -> Any:
+        """The two dicts -> the user's state object."""
+        return jax.tree.unflatten(self.treedef, [(params if t else rest)[n]
+                                                 for n, t in zip(self.names, self.trained)])
+
+    def pure_step(self, step: Callable, observe: Callable[[Any], None] | None = None) -> Callable:
+        """``step(state, batch) -> (state, aux)`` as ``(params, rest, batch) -> (params, rest,
+        aux)``, the form the scheduling pipeline takes (``observe`` sees each raw output)."""
+        def pure_step(params: dict, rest: dict, batch: Any):
+            out = step(self.join(params, rest), batch)
+            if observe is not None:
+                observe(out)
+            new_state, aux = _state_and_aux(out, self.treedef)
+            return (*self.split(new_state), aux)
+
+        pure_step.__name__ = getattr(step, "__name__", "train_step")
+        pure_step.__wrapped__ = step  # as jaxsched.integrations.nnx: tools that unwrap find the user's step
+        return pure_step
+
+
+def inputs_of(step: Callable, state_args: int) -> int | None:
+    """How many inputs ``step`` takes after its ``state_args`` state arguments (the batch and
+    any extra inputs before it), or None when its signature does not say."""
+    arity = positional_arity(step)
+    return None if arity is None else max(1, arity - state_args)
+
+
+def with_inputs(step: Callable, num_inputs: int, state_args: int) -> Callable:
+    """``step(*state, *inputs)`` as ``step(*state, inputs)`` with the inputs in one tuple,
+    the form the pipeline traces (its batch is one pytree); ``step`` itself for one input."""
+    if num_inputs == 1:
+        return step
+
+    def on_inputs(*args):
+        *state, inputs = args
+        return step(*state, *inputs)
+
+    on_inputs.__name__ = getattr(step, "__name__", "train_step")
+    on_inputs.__wrapped__ = step
+    return on_inputs
+
+
+def returns_aux(out: Any, treedef: Any) -> bool:
+    """Whether a ``step(state, batch)`` output is ``(state, aux)`` rather than the state alone
+    (JAX's own examples return only the new parameters)."""
+    return jax.tree.structure(out) != treedef
+
+
+def _state_and_aux(out: Any, treedef: Any) -> tuple[Any, Any]:
+    if not returns_aux(out, treedef):
+        return out, None
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise UnsupportedStepError(
+            "a step(state, batch) must return (state, aux) or the state alone; it returned "
+            f"{type(out).__name__} with structure {jax.tree.structure(out)}")
+    if jax.tree.structure(out[0]) != treedef:
+        raise UnsupportedStepError(
+            f"the step's output state has structure {jax.tree.structure(out[0])} but its input "
+            f"state has {treedef}; the step must return its state in the same structure it takes")
+    return out[0], out[1]
+
+
+def leaf_names(state: Any) -> tuple[str, ...]:
+    """Every leaf's path (``params/Dense_0/kernel``), unique; ``jax.tree_util.keystr``
+    paths where the short ones would collide."""
+    names = param_paths(state)
+    if len(set(names)) == len(names):
+        return tuple(names)
+    return tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0])
+
+
+def find_layout(step: Callable, state: Any, batch: Any) -> StateLayout:
+    """Trace ``step(state, batch)`` and decide which leaves are trained (module doc)."""
+    leaves, treedef = jax.tree.flatten(state)
+    if not leaves:
+        raise UnsupportedStepError(f"the state {treedef} has no leaves: nothing to train")
+    names = leaf_names(state)
+    everything = StateLayout(treedef, names, (True,) * len(names))
+    all_params, _ = everything.split(state)
+    outputs: list = []
+    captured = capture(everything.pure_step(step, outputs.append), all_params, {}, batch)
+    has_aux = returns_aux(outputs[0], treedef)
+    analysis = analyze(captured)
+    reaches_varying, from_reduction, from_itself = _dependencies(captured, analysis)
+    # the captured step's params are a dict: their leaf order is jax's order of its keys
+    position = {path[0].key: i for i, (path, _) in
+                enumerate(jax.tree_util.tree_flatten_with_path(all_params)[0])}
+    trained = []
+    for name, leaf in zip(names, leaves):
+        i = position[name]
+        trained.append(is_float(_dtype(leaf)) and reaches_varying[i]
+                       and from_reduction[i] and from_itself[i])
+    if not any(trained):
+        raise UnsupportedStepError(_nothing_trained(names, leaves, position, reaches_varying,
+                                                    from_reduction, from_itself, captured.axis_name))
+    return StateLayout(treedef, names, tuple(trained), has_aux)
+
+
+def _dtype(leaf: Any) -> Any:
+    """A leaf's dtype: arrays, ``jax.ShapeDtypeStruct`` and Python scalars alike."""
+    return leaf.dtype if hasattr(leaf, "dtype") else jax.numpy.result_type(leaf)
+
+
+def _dependencies(captured: Any, analysis: Any) -> tuple[list[bool], list[bool], list[bool]]:
+    """Per params leaf of ``captured``: whether a device-varying value is computed from it,
+    whether its new value depends on the reduction of a gradient of its own shape, and
+    whether it depends on the leaf's old value other than through a reduction. One forward
+    pass over the body with a bitset of leaves and one of reductions per variable.
+
+    A loss scale, a step count or an EMA may depend on the reduced gradients as a whole
+    (the all-finite check, a global norm) but has no gradient of its own: not trained."""
+    body = captured.body
+    reds = analysis.reductions
+    reduction_of = {(r.eqn_index, r.operand_pos): j for j, r in enumerate(reds)}
+    reducing = {r.eqn_index for r in reds}
+    leaves_of: dict[Any, int] = {}  # variable -> bitset of params leaves it is computed from
+    reduced: dict[Any, int] = {}  # variable -> bitset of the reductions it is computed from
+    for v, src in zip(body.invars, captured.sources):
+        if src.role == "params":
+            leaves_of[v] = 1 << src.index
+    is_var = lambda x: isinstance(x, jex_core.Var)
+    for i, eqn in enumerate(body.eqns):
+        if i in reducing:  # the result depends on the reduction, not on the leaves directly
+            for pos, o in enumerate(eqn.outvars):
+                reduced[o] = 1 << reduction_of[(i, pos)] if (i, pos) in reduction_of else 0
+            continue
+        ins = [x for x in eqn.invars if is_var(x)]
+        bits = red_bits = 0
+        for x in ins:
+            bits |= leaves_of.get(x, 0)
+            red_bits |= reduced.get(x, 0)
+        for o in eqn.outvars:
+            leaves_of[o] = bits
+            if red_bits:
+                reduced[o] = red_bits
+    varying_bits = 0
+    for v in analysis.varying:
+        varying_bits |= leaves_of.get(v, 0)
+    n = captured.num_params
+    outs = [body.outvars[captured.outputs[i]] for i in range(n)]
+    reaches_varying = [bool(varying_bits >> i & 1) for i in range(n)]
+    shape_of = {src.index: shape_key(v.aval.shape) for v, src in zip(body.invars, captured.sources)
+                if src.role == "params"}
+    own_gradient = [sum(1 << j for j, r in enumerate(reds)
+                        if shape_key(r.operand.aval.shape) == shape_of.get(i)) for i in range(n)]
+    from_reduction = [is_var(o) and bool(reduced.get(o, 0) & own_gradient[i])
+                      for i, o in enumerate(outs)]
+    from_itself = [is_var(o) and bool(leaves_of.get(o, 0) >> i & 1) for i, o in enumerate(outs)]
+    return reaches_varying, from_reduction, from_itself
+
+
+def _nothing_trained(names, leaves, position, reaches_varying, from_reduction, from_itself,
+                     axis: str) -> str:
+    rows = []
+    for name, leaf in zip(names, leaves):
+        i = position[name]
+        why = ("not a float" if not is_float(_dtype(leaf)) else
+               "forward and backward never combine it with the batch" if not reaches_varying[i] else
+               f"its new value does not come from the reduction over {axis!r} of a gradient of its shape"
+               if not from_reduction[i] else "its new value is only the reduction's result")
+        rows.append(f"{name} ({why})")
+    shown = ", ".join(rows[:8]) + (f", ... {len(rows) - 8} more" if len(rows) > 8 else "")
+    return ("found no trained parameter in the state: a trained leaf is a float that forward "
+            "and backward read and whose new value is computed from its old value and a "
+            f"gradient reduced over {axis!r} (lax.pmean(grads, {axis!r})); the state's leaves: "
+            f"{shown}")
+
+
+class StateForm:
+    """What ``Scheduled`` delegates to for a ``step(state, batch)``: the layout (decided at
+    the first split) and an inner :class:`~jaxsched.Scheduled` of the pure step."""
+
+    def __init__(self, owner: "Scheduled"):
+        self.owner = owner
+        self.layout: StateLayout | None = None
+        self.inner: "Scheduled" | None = None
+
+    def init(self, state: Any, batch: Any = None) -> Any:
+        if batch is None:
+            return UnsplitState(state)
+        inner = self.inner_for(state, batch)
+        return inner.init(*self.layout.split(state), batch)
+
+    @property
+    def step(self) -> Callable:
+        """The user's step as ``step(state, batch)`` (extra inputs in the batch tuple)."""
+        return self.owner.traced_step
+
+    def inner_for(self, state: Any, batch: Any) -> "Scheduled":
+        """The scheduled pure step, splitting the state on first use."""
+        if self.layout is None:
+            from jaxsched._schedule import Scheduled
+
+            owner = self.owner
+            self.layout = find_layout(self.step, state, batch)
+            self.inner = Scheduled(self.layout.pure_step(self.step), owner.strategy,
+                                   owner.buckets_option, engine=owner.engine, **owner.plan_options)
+        return self.inner
+
+    def scheduled_state(self, sstate: Any, batch: Any) -> tuple["Scheduled", Any]:
+        """The inner schedule and ``sstate`` in its form (an :class:`UnsplitState` split)."""
+        if isinstance(sstate, UnsplitState):
+            inner = self.inner_for(sstate.state, batch)
+            return inner, inner.init(*self.layout.split(sstate.state))
+        if self.inner is None:
+            raise ValueError("this scheduled state comes from another schedule (or a checkpoint) "
+                             "but this one has not split a state yet; call sched.init(state, "
+                             "example_batch) first (the checkpoint restore target)")
+        return self.inner, sstate
+
+    def __call__(self, sstate: Any, batch: Any) -> Any:
+        inner, sstate = self.scheduled_state(sstate, batch)
+        sstate, aux = inner(sstate, batch)
+        return (sstate, aux) if self.layout.has_aux else sstate
+
+    def scheduled(self, sstate: Any, batch: Any, method: str, **options: Any) -> Any:
+        """``inner.<method>(sstate, batch)`` (``lower``, ``inspect``) on the scheduled state."""
+        inner, sstate = self.scheduled_state(sstate, batch)
+        return getattr(inner, method)(sstate, batch, **options)
+
+    def finalize(self, sstate: Any) -> Any:
+        if isinstance(sstate, UnsplitState):
+            return sstate.state
+        if self.inner is None:
+            raise ValueError("finalize got a scheduled state, but this schedule has not split a "
+                             "state yet; call sched.init(state, example_batch) first")
+        return self.layout.join(*self.inner.finalize(sstate))

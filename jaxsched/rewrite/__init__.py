@@ -1,5 +1,0 @@
-"""Rewrite building blocks shared by strategies: the backward walk and the shard rules."""
-from jaxsched.rewrite.backward import walk_backward
-from jaxsched.rewrite.rules import FallbackWarning, Shard, ShardContext, apply_rule, eval_sharded
-
-__all__ = ["FallbackWarning", "Shard", "ShardContext", "apply_rule", "eval_sharded", "walk_backward"]

@@ -1,0 +1,195 @@
+"""``Hierarchical``: a sum over two levels of the network, with fewer bytes on the slow one.
+
+Data parallelism over several mesh axes (``("dcn", "ici")`` on a multi-slice TPU pod,
+``("hosts", "local")`` on a multi-node GPU job) reduces gradients over their product. A
+flat all-reduce moves the whole buffer across the slow links. The hierarchical one
+(Goyal et al. 2017; MultiTree, Huang et al. 2021) moves ``1/F`` of it, ``F`` the devices
+on the fast axis:
+
+1. reduce-scatter over the fast axis: each device holds the fast group's sum of ``1/F``;
+2. all-reduce of that shard over the slow axis (optionally through ``slow_collective``, e.g.
+   a compressor, so that only the slow links are lossy);
+3. all-gather over the fast axis.
+
+A reduce-scatter (``dear``) runs steps 1 and a slow reduce-scatter, and hands every device
+the same slice a flat tiled ``psum_scatter`` over the data axis would; an all-gather is
+the inverse. The sums are the same as the flat collective's, up to float rounding from
+the order of addition.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((2, 2), ("dcn", "ici"), devices=jax.devices()[:4])
+    >>> spec = BucketSpec(0, 3, jnp.dtype("float32"), 4, mesh_axes=(("dcn", 2), ("ici", 2)))
+    >>> hier = Hierarchical(fast="ici", slow="dcn")
+    >>> (state,) = hier.init([spec])
+    >>> def body(x):
+    ...     return hier.all_reduce(x, ("dcn", "ici"), spec, state)[0]
+    >>> f = jax.shard_map(body, mesh=mesh, in_specs=P(("dcn", "ici")), out_specs=P(), check_vma=False)
+    >>> x = jax.device_put(jnp.arange(12.0), jax.NamedSharding(mesh, P(("dcn", "ici"))))
+    >>> f(x).tolist()    # [0+3+6+9, 1+4+7+10, 2+5+8+11]
+    [18.0, 22.0, 26.0]
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxsched.core.axes import as_axes
+from jaxsched.runtime.collectives.base import BucketSpec, Collective
+
+__all__ = ["Hierarchical", "default_collective_for", "hierarchy_from_mesh", "slow_axes"]
+
+
+class Hierarchical(Collective):
+    """Reduce-scatter over ``fast``, reduce over ``slow``, all-gather over ``fast``.
+
+    Args:
+      fast: the mesh axis (or tuple of axes) whose links are fast: ICI, NVLink, one host.
+      slow: the mesh axis (or tuple) whose links are slow: DCN, InfiniBand, Ethernet.
+        ``fast`` and ``slow`` together must be the step's data-parallel axes (the axes its
+        batch is sharded over).
+      slow_collective: how the fast-reduced shards cross ``slow``; default the plain
+        collective. A compressor here (``TopK(0.01)``) compresses only the slow links: its
+        state (residuals, ``bytes_sent``) is carried per bucket and counts slow traffic.
+    """
+
+    def __init__(self, fast: str | Sequence[str] = "ici", slow: str | Sequence[str] = "dcn",
+                 slow_collective: Collective | None = None):
+        super().__init__()
+        self.fast, self.slow = as_axes(fast), as_axes(slow)
+        for name, axes in (("fast", self.fast), ("slow", self.slow)):
+            if not axes or not all(isinstance(a, str) and a for a in axes):
+                raise TypeError(f"Hierarchical({name}={axes!r}): give a mesh axis name or a "
+                                "tuple of names")
+        if set(self.fast) & set(self.slow):
+            raise ValueError(f"Hierarchical: axes {sorted(set(self.fast) & set(self.slow))} are "
+                             "both fast and slow; each data-parallel axis is one or the other")
+        if slow_collective is not None and not isinstance(slow_collective, Collective):
+            raise TypeError(f"Hierarchical(slow_collective=...) must be a jaxsched Collective "
+                            f"(e.g. jaxsched.runtime.compress.TopK(0.01)), got {type(slow_collective).__name__}")
+        self.slow_collective = slow_collective if slow_collective is not None else Collective()
+        self.exact = self.slow_collective.exact
+
+    def __repr__(self) -> str:
+        fast = self.fast[0] if len(self.fast) == 1 else self.fast
+        slow = self.slow[0] if len(self.slow) == 1 else self.slow
+        inner = ("" if type(self.slow_collective) is Collective
+                 else f", slow_collective={self.slow_collective!r}")
+        return f"Hierarchical(fast={fast!r}, slow={slow!r}{inner})"
+
+    # -- the two levels -------------------------------------------------------------------
+    def _sizes(self, bucket: BucketSpec) -> tuple[int, int]:
+        sizes = dict(bucket.mesh_axes)
+        if set(sizes) != set(self.fast + self.slow):
+            data = tuple(sizes) or "one axis (unknown here)"
+            raise ValueError(
+                f"{self!r} needs a step whose data-parallel axes are exactly "
+                f"{self.slow + self.fast} (its batch sharded over them); this step's are {data}")
+        return math.prod(sizes[a] for a in self.fast), math.prod(sizes[a] for a in self.slow)
+
+    def _axis(self, axes: tuple) -> Any:
+        return axes[0] if len(axes) == 1 else axes
+
+    def slow_bucket(self, bucket: BucketSpec) -> BucketSpec:
+        """What ``slow_collective`` is told of a bucket: the fast group's shard of it."""
+        fast, slow = self._sizes(bucket)
+        shard = -(-bucket.size // fast)  # all-reduce buffers are padded to a multiple of fast
+        sizes = dict(bucket.mesh_axes)
+        return dataclasses.replace(bucket, size=shard, axis_size=slow, shapes=((shard,),), form="packed",
+                                   mesh_axes=tuple((a, sizes[a]) for a in self.slow))
+
+    def init(self, buckets: Sequence[BucketSpec]) -> tuple:
+        return tuple(self.slow_collective.init([self.slow_bucket(b) for b in buckets]))
+
+    def _check_axis(self, axis_name: Any) -> None:
+        if set(as_axes(axis_name)) != set(self.fast + self.slow):
+            raise ValueError(f"{self!r} was asked to reduce over {axis_name!r}; it reduces over "
+                             f"the data-parallel axes {self.slow + self.fast}")
+
+    def all_reduce(self, buffer, axis_name, bucket, state):
+        self._check_axis(axis_name)
+        fast, _ = self._sizes(bucket)
+        n = buffer.shape[0]
+        padded = jnp.pad(buffer, (0, -n % fast))
+        shard = lax.psum_scatter(padded, self._axis(self.fast), scatter_dimension=0, tiled=True)
+        shard, state = self.slow_collective.all_reduce(shard, self._axis(self.slow),
+                                                        self.slow_bucket(bucket), state)
+        full = lax.all_gather(shard, self._axis(self.fast), tiled=True)
+        return full[:n], state
+
+    def _grid(self, axis_name: Any, bucket: BucketSpec) -> tuple[list[int], list[int], list[int]]:
+        """Sizes of the data axes in ``axis_name``'s order, and the positions of the fast and
+        of the slow ones among them."""
+        order = list(as_axes(axis_name))
+        sizes = dict(bucket.mesh_axes)
+        return ([sizes[a] for a in order], [order.index(a) for a in self.fast],
+                [order.index(a) for a in self.slow])
+
+    def reduce_scatter(self, buffer, axis_name, bucket, state):
+        """The slice a tiled ``psum_scatter`` over ``axis_name`` gives this device."""
+        self._check_axis(axis_name)
+        dims, fast_pos, slow_pos = self._grid(axis_name, bucket)
+        chunk = buffer.shape[0] // math.prod(dims)
+        # slices are numbered row-major over axis_name; put the fast axes first so that the
+        # fast scatter hands each device every slow slice of its own fast position
+        grid = buffer.reshape(tuple(dims) + (chunk,))
+        grid = jnp.transpose(grid, fast_pos + slow_pos + [len(dims)]).reshape(-1)
+        shard = lax.psum_scatter(grid, self._axis(self.fast), scatter_dimension=0, tiled=True)
+        return self.slow_collective.reduce_scatter(shard, self._axis(self.slow),
+                                                   self.slow_bucket(bucket), state)
+
+    def all_gather(self, shard, axis_name, bucket, state):
+        """Every device's slice in ``axis_name``'s order, as a tiled ``all_gather`` over it."""
+        self._check_axis(axis_name)
+        dims, fast_pos, slow_pos = self._grid(axis_name, bucket)
+        chunk = shard.shape[0]
+        group = lax.all_gather(shard, self._axis(self.slow), tiled=True)
+        grid = lax.all_gather(group, self._axis(self.fast), tiled=True)
+        perm = fast_pos + slow_pos
+        grid = grid.reshape(tuple(dims[p] for p in perm) + (chunk,))
+        inverse = [perm.index(k) for k in range(len(dims))] + [len(dims)]
+        return jnp.transpose(grid, inverse).reshape(-1), state
+
+
+def slow_axes(mesh: Any, axes: Any) -> tuple[str, ...]:
+    """The axes among ``axes`` whose links the mesh itself says are slow.
+
+    On a TPU pod of several slices, those along which devices change ``slice_index``
+    (DCN; hosts within a slice share ICI). Elsewhere, those along which devices change
+    process (the network between hosts; GPUs of one host share NVLink)."""
+    devices = mesh.devices
+    slices = np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0, otypes=[np.int64])(devices)
+    level = (slices if np.unique(slices).size > 1 else
+             np.vectorize(lambda d: d.process_index, otypes=[np.int64])(devices))
+    names = list(mesh.axis_names)
+    return tuple(a for a in as_axes(axes)
+                 if np.any(level != np.take(level, [0], axis=names.index(a))))
+
+
+def hierarchy_from_mesh(mesh: Any, axes: Any) -> Hierarchical | None:
+    """``Hierarchical(fast=..., slow=...)`` for a data axis that spans slow and fast mesh
+    axes (:func:`slow_axes`); None when the mesh names no slow axis, or only slow ones."""
+    axes = as_axes(axes)
+    if len(axes) < 2:
+        return None
+    slow = slow_axes(mesh, axes)
+    fast = tuple(a for a in axes if a not in slow)
+    if not slow or not fast:
+        return None
+    return Hierarchical(fast=fast, slow=slow)
+
+
+def default_collective_for(mesh: Any, axes: Any) -> Hierarchical | None:
+    """The collective jaxsched uses when the user chose none: :func:`hierarchy_from_mesh`,
+    except on TPU. XLA:TPU already lowers a flat sum over slices in two levels (an ICI
+    all-reduce, then ``1/F`` of it over DCN as send/recv), and estimates the explicit
+    hierarchy slower (``benchmarks/hierarchical.py``), so the flat sum is left to it."""
+    if mesh.devices.flat[0].platform == "tpu":
+        return None
+    return hierarchy_from_mesh(mesh, axes)

@@ -1,0 +1,40 @@
+"""Gradient compression as collective wrappers (issue 11): pass one to
+``jaxsched.schedule(step, strategy="wfbp" | "dear", compression=...)``.
+
+- :class:`TopK`: top-k (threshold or exact) with error feedback, exchanged by all-gather.
+- :class:`GlobalTopK`: gTop-k, the top-k of the sum in log2 P pairwise ``ppermute`` merges.
+- :class:`PowerSGD`: low-rank compression of a bucket's matrices (``wfbp`` only).
+- :class:`Cast`: reduce in a narrower dtype (``jnp.bfloat16``).
+- :func:`bytes_sent`: bytes each device sent in its last step, read from the scheduled state.
+
+``TopK`` and ``GlobalTopK`` also take Deep Gradient Compression's options (keyword-only,
+:mod:`jaxsched.runtime.compress.dgc`): ``warmup_steps`` (the density decays from 25 % to
+``density`` over the first steps), ``momentum`` (momentum correction and factor masking,
+for an optimizer without momentum such as ``optax.sgd(lr)``) and ``clip_norm``.
+
+Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import jaxsched
+    >>> from jaxsched import models, steps
+    >>> params, apply_fn = models.pure(models.build("mlp", (8, 8, 1), 10, hidden=(16,)))
+    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> tx = optax.sgd(0.1)
+    >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="wfbp",
+    ...                           compression=TopK(density=0.1, selection="exact"))
+    >>> state = sched.init(params, tx.init(params))
+    >>> batch = steps.shard_batch((jnp.ones((4, 8, 8, 1)), jnp.zeros(4, "int32")), mesh)
+    >>> state, aux = sched(state, batch)
+    >>> dense = 4 * sum(p.size for p in jax.tree.leaves(params))
+    >>> sent = bytes_sent(state)          # one entry per device
+    >>> sent.shape, bool((sent < dense / 4).all())
+    ((2,), True)
+"""
+from jaxsched.runtime.compress.base import Compressor, bytes_sent
+from jaxsched.runtime.compress.cast import Cast, CastState
+from jaxsched.runtime.compress.dgc import Sparsifier
+from jaxsched.runtime.compress.gtopk import GlobalTopK, GlobalTopKState
+from jaxsched.runtime.compress.powersgd import PowerSGD, PowerSGDState
+from jaxsched.runtime.compress.topk import TopK, TopKState
+
+__all__ = ["Cast", "CastState", "Compressor", "GlobalTopK", "GlobalTopKState", "PowerSGD",
+           "PowerSGDState", "Sparsifier", "TopK", "TopKState", "bytes_sent"]

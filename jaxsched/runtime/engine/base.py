@@ -1,0 +1,167 @@
+"""The engine seam: what an engine receives, and the registry of engines.
+
+An engine turns a :class:`PerDeviceProgram` into something callable on global arrays.
+The program is explicit: a per-device function whose collective equations (see
+:data:`jaxsched.core.primitives.COLLECTIVES`) mark where an engine may cut it into stages,
+and the shard_map specs of its inputs and outputs. Engines know nothing of strategies.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax import lax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> program = PerDeviceProgram(lambda x: (lax.psum(x, "data"),), mesh, "data", (P("data"),), (P(),))
+    >>> [e.primitive.name for e in program.jaxpr(jax.ShapeDtypeStruct((2,), jnp.float32)).eqns]
+    ['psum']
+    >>> run = make_engine("xla").compile(program)
+    >>> x = jax.device_put(jnp.array([1.0, 2.0]), jax.NamedSharding(mesh, P("data")))
+    >>> [float(v) for v in run(x)[0]]
+    [3.0]
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.extend import core as jex_core
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class PerDeviceProgram:
+    """A scheduled step as one per-device function plus the specs that run it.
+
+    Attributes:
+      body: ``(*state leaves, *batch leaves, *consts) -> (*state leaves, *aux leaves)``,
+        traced per device (inside ``shard_map``).
+      mesh, axis_name: where it runs; ``axis_name`` is the data-parallel axis.
+      in_specs, out_specs: one ``PartitionSpec`` per flat input and output.
+      check_vma: the ``shard_map`` typing mode the body was written for.
+      compiler_defaults: compile with XLA's default options (engines that choose options
+        per target leave them out; the identity strategy asks for this).
+      bucket_bytes: the plan's bucket size in bytes per device (0: unknown;
+        :attr:`jaxsched.pipeline.planned_step.PlannedStep.bucket_bytes`).
+        A compiler that combines collectives may combine up to this size and no further:
+        the leaves of one bucket merge into one collective, separate buckets stay separate.
+      compiler_overrides: XLA options set over whatever the engine chooses (its platform
+        set or XLA's defaults); ignored when the user passed ``compiler_options``.
+      global_body: the same computation on global arrays (a ``jax.jit`` step run as the
+        user wrote it), for engines that compile whole programs; None otherwise.
+    """
+
+    body: Callable[..., Sequence[Any]]
+    mesh: Mesh
+    axis_name: str | tuple[str, ...]
+    in_specs: tuple[P, ...]
+    out_specs: tuple[P, ...]
+    check_vma: bool = False
+    compiler_defaults: bool = False
+    bucket_bytes: int = 0
+    compiler_overrides: dict = dataclasses.field(default_factory=dict)
+    global_body: Callable[..., Sequence[Any]] | None = None
+
+    def mapped(self) -> Callable[..., tuple]:
+        """The body as a ``shard_map`` over the mesh (not jitted)."""
+        def flat_body(*args):
+            return tuple(self.body(*args))
+
+        return jax.shard_map(flat_body, mesh=self.mesh, in_specs=self.in_specs,
+                             out_specs=self.out_specs, check_vma=self.check_vma)
+
+    def jaxpr(self, *global_args: Any):
+        """The per-device jaxpr for these global (abstract or concrete) inputs: its collective
+        equations are where a staged engine may cut."""
+        return self.jaxpr_and_operands(*global_args)[0]
+
+    def jaxpr_and_operands(self, *global_args: Any) -> tuple[Any, list]:
+        """The per-device jaxpr and, per invar, where its value comes from: ``("arg", i)``
+        (the program's input ``i``) or ``("const", value)`` (an array the body closed over)."""
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, spec))
+                 for a, spec in zip(global_args, self.in_specs, strict=True)]
+        closed = jax.make_jaxpr(self.mapped())(*avals)
+        outer = closed.jaxpr
+        (eqn,) = [e for e in outer.eqns if e.primitive.name == "shard_map"]
+        origin = {v: ("arg", i) for i, v in enumerate(outer.invars)}
+        origin.update({v: ("const", c) for v, c in zip(outer.constvars, closed.consts)})
+        operands = [("const", x.val) if isinstance(x, jex_core.Literal) else origin[x]
+                    for x in eqn.invars]
+        inner = eqn.params["jaxpr"]
+        return (inner.jaxpr if hasattr(inner, "jaxpr") else inner), operands
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCosts:
+    """What an engine changes in the cost of a step, for planners (buckets, ``strategy="auto"``).
+
+    Attributes:
+      overlaps: whether a collective can run while compute goes on. XLA:CPU runs
+        collectives inline in the program (docs/cpu_facts.md), so the ``xla`` engine on CPU
+        does not overlap; planners then simulate one shared stream.
+      per_collective_s: fixed seconds each collective costs on top of what
+        :func:`jaxsched.profile_network` measures for it (the host engine's Python dispatch
+        of a communication stage, its device copies, and the compute stage its cut adds).
+    """
+
+    overlaps: bool = True
+    per_collective_s: float = 0.0
+
+
+class Engine(abc.ABC):
+    """Runs per-device programs. Subclasses take their own options at construction."""
+
+    name: str = ""
+
+    def costs(self, mesh: Mesh) -> EngineCosts:
+        """How this engine runs collectives on ``mesh`` (see :class:`EngineCosts`)."""
+        return EngineCosts(overlaps=mesh.devices.flat[0].platform != "cpu")
+
+    def collective_form(self, mesh: Mesh, op: str) -> str:
+        """How a bucket's ``op`` (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``)
+        should travel: one of :data:`jaxsched.runtime.collectives.FORMS`.
+
+        The compilers differ (docs/accelerators.md): XLA:TPU overlaps only collectives of
+        single tensors in their own shapes, XLA:GPU's scheduler prefers fewer, larger
+        all-reduces, and an engine that pays per collective (the host engine on gloo) wants
+        few collectives without packing copies of large tensors (``"mixed"``)."""
+        return "mixed"
+
+    def resolve(self, program: PerDeviceProgram) -> "Engine":
+        """The engine that will run ``program`` (an engine that chooses per mesh says which)."""
+        return self
+
+    @abc.abstractmethod
+    def compile(self, program: PerDeviceProgram) -> Callable[..., tuple]:
+        """A callable on the program's global inputs returning its flat global outputs.
+
+        ``callable.trace(*args)`` (as ``jax.jit`` has) lets callers lower the program."""
+
+
+_ENGINES: dict[str, Callable[..., Engine]] = {}
+
+
+def register_engine(name: str, factory: Callable[..., Engine]) -> None:
+    """Make ``engine=name`` available; a taken name is refused."""
+    if name in _ENGINES:
+        raise ValueError(f"an engine named {name!r} is already registered")
+    _ENGINES[name] = factory
+
+
+def engine_names() -> tuple[str, ...]:
+    return tuple(_ENGINES)
+
+
+def make_engine(engine: str | Engine, **options: Any) -> Engine:
+    """An engine from its registered name and options, or an instance as given."""
+    if isinstance(engine, Engine):
+        if options:
+            raise TypeError(f"engine options {sorted(options)} go to the engine's constructor "
+                            f"when an Engine instance ({type(engine).__name__}) is passed")
+        return engine
+    if engine not in _ENGINES:
+        raise ValueError(f"engine={engine!r} is unknown; choose one of {', '.join(_ENGINES)}")
+    try:
+        return _ENGINES[engine](**options)
+    except TypeError as err:
+        raise TypeError(f"engine {engine!r} does not take options {sorted(options)}: {err}") from None

@@ -1,0 +1,567 @@
+"""Cost model inputs: per-layer compute profiles and alpha-beta collective costs.
+
+Scheduling decisions need numbers. A :class:`LayerProfile` says how long each layer's
+forward and backward take and how many gradient bytes it produces; a
+:class:`NetworkProfile` says how long one collective of ``B`` bytes takes on a given
+number of workers, as ``alpha_s + beta_s_per_byte * B`` (``B`` is the full, unsharded
+tensor size). Both load from and save to JSON so users can simulate their own
+measurements. This module imports nothing else from jaxsched (lowest layer).
+
+Example:
+    >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
+    >>> layers = LayerProfile([Layer("fc", params=1000, bytes=4000, forward_s=1e-3,
+    ...                              backward_s=2e-3)])
+    >>> net = network_preset("10gbe", workers=8)
+    >>> round(net.time("all_reduce", 4000) * 1e6, 1)  # microseconds
+    355.6
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "ppermute", "all_to_all")
+REQUIRED_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+class ProfileError(ValueError):
+    """A profile (file or dict) is malformed; the message names the file and field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One parameter group, in forward order. ``update_s`` is its optimizer-update time.
+
+    Second-order fields (zero for first-order strategies; read by patterns with
+    ``factors``): ``factor_bytes``, the bytes of its Kronecker factors; ``factor_s``, the time
+    to compute them after its backward; ``factor_dims``, each factor's size ``n``; and
+    ``inverse_s``, the time to invert each factor on one worker.
+    """
+
+    name: str
+    params: int
+    bytes: int
+    forward_s: float
+    backward_s: float
+    update_s: float = 0.0
+    factor_bytes: int = 0
+    factor_s: float = 0.0
+    factor_dims: tuple[int, ...] = ()
+    inverse_s: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "factor_dims", tuple(self.factor_dims))
+        object.__setattr__(self, "inverse_s", tuple(self.inverse_s))
+        if len(self.factor_dims) != len(self.inverse_s):
+            raise ProfileError(f"layer {self.name!r}: factor_dims {list(self.factor_dims)} and inverse_s "
+                               f"{list(self.inverse_s)} must have one entry per factor")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerProfile:
+    """Layers in forward order; the gradient of layer ``i`` is ready when its backward ends."""
+
+    layers: Sequence[Layer]
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.layers:
+            raise ProfileError("layer profile has no layers; give at least one")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def forward_s(self) -> float:
+        return sum(layer.forward_s for layer in self.layers)
+
+    @property
+    def backward_s(self) -> float:
+        return sum(layer.backward_s for layer in self.layers)
+
+    @property
+    def update_s(self) -> float:
+        return sum(layer.update_s for layer in self.layers)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(layer.bytes for layer in self.layers)
+
+    @property
+    def total_params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        second_order = ("factor_bytes", "factor_s", "factor_dims", "inverse_s")
+        return {"layers": [{k: v for k, v in dataclasses.asdict(layer).items()
+                            if k not in second_order or v} for layer in self.layers],
+                "meta": dict(self.meta)}
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<dict>") -> "LayerProfile":
+        """Validate and build; errors name ``source`` and the offending field."""
+        if not isinstance(data, Mapping) or "layers" not in data:
+            raise ProfileError(f"{source}: layer profile needs a top-level 'layers' list")
+        raw_layers = data["layers"]
+        if not isinstance(raw_layers, list) or not raw_layers:
+            raise ProfileError(f"{source}: 'layers' must be a non-empty list")
+        layers = []
+        for i, raw in enumerate(raw_layers):
+            where = f"{source}: layers[{i}]"
+            if not isinstance(raw, Mapping):
+                raise ProfileError(f"{where} must be an object with name, params, bytes, "
+                                   f"forward_s, backward_s")
+            layers.append(Layer(
+                name=_field(raw, "name", str, where),
+                params=_field(raw, "params", int, where),
+                bytes=_field(raw, "bytes", int, where),
+                forward_s=_field(raw, "forward_s", float, where),
+                backward_s=_field(raw, "backward_s", float, where),
+                update_s=_field(raw, "update_s", float, where, default=0.0),
+                factor_bytes=_field(raw, "factor_bytes", int, where, default=0),
+                factor_s=_field(raw, "factor_s", float, where, default=0.0),
+                factor_dims=tuple(int(n) for n in raw.get("factor_dims", ())),
+                inverse_s=tuple(float(t) for t in raw.get("inverse_s", ())),
+            ))
+        meta = data.get("meta", {})
+        if not isinstance(meta, Mapping):
+            raise ProfileError(f"{source}: 'meta' must be an object")
+        return cls(layers, dict(meta))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "LayerProfile":
+        return cls.from_dict(_read_json(path), str(path))
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCost:
+    """``time(B) = alpha_s + beta_s_per_byte * B`` for a collective of ``B`` full-tensor bytes."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def time(self, nbytes: float) -> float:
+        # An empty bucket issues no collective at all, so it costs nothing.
+        return 0 if nbytes <= 0 else self.alpha_s + self.beta_s_per_byte * nbytes
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkProfile:
+    """Alpha-beta cost per collective type, for a fixed number of workers.
+
+    Two optional fixed costs of running a step on these workers (both default 0, and
+    JSON files without them load unchanged):
+
+    * ``dispatch_s``: launching one step program on every worker and waiting for it
+      (Python/jit dispatch, start-up of the program on each device). The simulator adds it
+      once per iteration. A measured layer profile takes it out of the whole-model forward
+      (timed as its own program), so it is counted once.
+    * ``copy_s_per_byte``: packing one byte of gradient into a bucket buffer (flatten,
+      pad, concatenate), and the same again to unpack it. The simulator charges it on the
+      compute stream before and after every bucketed collective of ``wfbp``, ``mgwfbp`` and
+      ``dear`` (the strategies whose rewrite builds bucket buffers).
+    """
+
+    workers: int
+    collectives: Mapping[str, CollectiveCost]
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    dispatch_s: float = 0.0
+    copy_s_per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ProfileError(f"network profile 'workers'={self.workers!r} must be an int >= 1")
+
+    def cost(self, collective: str) -> CollectiveCost:
+        try:
+            return self.collectives[collective]
+        except KeyError:
+            raise ProfileError(f"network profile has no {collective!r} cost (it has "
+                               f"{', '.join(sorted(self.collectives))}); add it to the JSON "
+                               f"'collectives' object or use a preset") from None
+
+    def time(self, collective: str, nbytes: float) -> float:
+        return self.cost(collective).time(nbytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {"workers": self.workers,
+                "collectives": {k: dataclasses.asdict(v) for k, v in self.collectives.items()},
+                "meta": dict(self.meta)}
+        if self.dispatch_s:
+            data["dispatch_s"] = self.dispatch_s
+        if self.copy_s_per_byte:
+            data["copy_s_per_byte"] = self.copy_s_per_byte
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<dict>") -> "NetworkProfile":
+        if not isinstance(data, Mapping):
+            raise ProfileError(f"{source}: network profile must be a JSON object")
+        workers = _field(data, "workers", int, source)
+        raw = data.get("collectives")
+        if not isinstance(raw, Mapping):
+            raise ProfileError(f"{source}: network profile needs a 'collectives' object")
+        collectives = {}
+        for name, cost in raw.items():
+            where = f"{source}: collectives.{name}"
+            if name not in COLLECTIVES:
+                raise ProfileError(f"{where}: unknown collective; use one of {', '.join(COLLECTIVES)}")
+            if not isinstance(cost, Mapping):
+                raise ProfileError(f"{where} must be an object with alpha_s and beta_s_per_byte")
+            collectives[name] = CollectiveCost(_field(cost, "alpha_s", float, where),
+                                               _field(cost, "beta_s_per_byte", float, where))
+        for name in REQUIRED_COLLECTIVES:
+            if name not in collectives:
+                raise ProfileError(f"{source}: collectives.{name} is missing; the simulator "
+                                   f"needs {', '.join(REQUIRED_COLLECTIVES)}")
+        meta = data.get("meta", {})
+        return cls(workers, collectives, dict(meta) if isinstance(meta, Mapping) else {},
+                   dispatch_s=_field(data, "dispatch_s", float, source, default=0.0),
+                   copy_s_per_byte=_field(data, "copy_s_per_byte", float, source, default=0.0))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "NetworkProfile":
+        return cls.from_dict(_read_json(path), str(path))
+
+
+def _read_json(path: str | Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"{path}: no such file") from None
+    except json.JSONDecodeError as err:
+        raise ProfileError(f"{path}: not valid JSON ({err})") from None
+
+
+def _field(raw: Mapping, key: str, kind: type, where: str, default: Any = None) -> Any:
+    """Read ``raw[key]`` as ``kind``; times and sizes must be finite and non-negative."""
+    if key not in raw:
+        if default is not None:
+            return default
+        raise ProfileError(f"{where}: field {key!r} is missing")
+    value = raw[key]
+    ok = (isinstance(value, str) if kind is str else
+          isinstance(value, int) and not isinstance(value, bool) if kind is int else
+          isinstance(value, (int, float)) and not isinstance(value, bool))
+    if not ok:
+        raise ProfileError(f"{where}: field {key!r}={value!r} must be {kind.__name__}")
+    if kind is not str and (not math.isfinite(value) or value < 0):
+        raise ProfileError(f"{where}: field {key!r}={value!r} must be finite and >= 0")
+    return float(value) if kind is float else value
+
+
+
+# --------------------------------------------------------------------------- patterns
+@dataclasses.dataclass(frozen=True)
+class CommPattern:
+    """What a strategy sends per bucket, and when: the one description that the
+    planners and the simulator read (each strategy owns its own instance).
+
+    Attributes:
+      gradient: the collective of a bucket's gradients (``all_reduce`` or
+        ``reduce_scatter``).
+      parameters: the collective of a bucket's updated parameters, which the next
+        forward waits for (``all_gather`` for DeAR), or None. With it, the update runs
+        on each worker's 1/P shard of the bucket.
+      in_backward: the gradient collective is issued as soon as the bucket's gradients
+        exist; False: after the whole backward (the plain step).
+      delayed_update: the update applies the previous step's reduced gradients, so the
+        next step never waits for communication (approximated parameters).
+      packs_buckets: the rewrite copies each bucket into one buffer and back.
+      compressible: whether the simulator models compression of the gradient collective.
+      factors: the collective of second-order statistics (K-FAC's Kronecker factors), sent
+        per layer (``all_reduce``), or None. The simulator reads each layer's
+        ``factor_bytes``, ``factor_s`` and ``inverse_s``.
+      factors_in_backward: each layer's factor collective is issued in backward as soon as
+        its factors exist; False: after the whole backward.
+      inverse_placement: how the factor inversions are spread over the workers
+        (``balanced``, ``round_robin``, ``naive``; see :mod:`jaxsched.sim.kfac_placement`); their
+        results are shared by one all-gather (none for ``naive``).
+    """
+
+    gradient: str = "all_reduce"
+    parameters: str | None = None
+    in_backward: bool = True
+    delayed_update: bool = False
+    packs_buckets: bool = True
+    compressible: bool = True
+    factors: str | None = None
+    factors_in_backward: bool = True
+    inverse_placement: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in (self.gradient, self.parameters, self.factors):
+            if name is not None and name not in COLLECTIVES:
+                raise ValueError(f"CommPattern collective {name!r} is unknown; use one of "
+                                 f"{', '.join(COLLECTIVES)}")
+        if self.inverse_placement not in (None, "balanced", "round_robin", "naive"):
+            raise ValueError(f"CommPattern inverse_placement={self.inverse_placement!r} is unknown; "
+                             "use balanced, round_robin or naive")
+
+    @property
+    def sharded_update(self) -> bool:
+        return self.parameters is not None
+
+    def collectives(self) -> tuple[str, ...]:
+        """Every collective one bucket costs, in issue order."""
+        return (self.gradient,) + ((self.parameters,) if self.parameters else ())
+
+    def bucket_seconds(self, network: "NetworkProfile", nbytes: float) -> float:
+        """Communication time of one bucket of ``nbytes`` gradient bytes."""
+        return sum(network.time(c, nbytes) for c in self.collectives())
+
+    def startup_seconds(self, network: "NetworkProfile") -> float:
+        """Per-bucket start-up cost (alpha) that merging two buckets saves."""
+        return sum(network.cost(c).alpha_s for c in self.collectives())
+
+
+_COMM_PATTERNS: dict[str, CommPattern] = {}
+
+
+def register_comm_pattern(name: str, pattern: CommPattern) -> None:
+    """Make ``name`` known to the planners and the simulator.
+
+    Registering the same pattern again is a no-op; a different pattern under a taken
+    name is refused, so two strategies cannot silently share a name.
+    """
+    if not isinstance(pattern, CommPattern):
+        raise TypeError(f"register_comm_pattern({name!r}) needs a CommPattern, got "
+                        f"{type(pattern).__name__}")
+    if _COMM_PATTERNS.get(name, pattern) != pattern:
+        raise ValueError(f"a different communication pattern is already registered as {name!r}")
+    _COMM_PATTERNS[name] = pattern
+
+
+def unregister_comm_pattern(name: str) -> None:
+    _COMM_PATTERNS.pop(name, None)
+
+
+def comm_pattern(name: "str | CommPattern") -> CommPattern:
+    """The registered pattern of strategy ``name`` (a pattern passes through)."""
+    if isinstance(name, CommPattern):
+        return name
+    try:
+        return _COMM_PATTERNS[name]
+    except KeyError:
+        raise ValueError(f"no communication pattern is registered for strategy {name!r}; known: "
+                         f"{', '.join(_COMM_PATTERNS)}") from None
+
+
+def comm_pattern_names() -> tuple[str, ...]:
+    return tuple(_COMM_PATTERNS)
+
+
+# Patterns the planners and the simulator know even where no transform strategy
+# implements them (each transform strategy registers its own, identical, pattern).
+ALLREDUCE_PATTERN = CommPattern(in_backward=False, packs_buckets=False)
+WFBP_PATTERN = CommPattern()
+DEAR_PATTERN = CommPattern(gradient="reduce_scatter", parameters="all_gather", compressible=False)
+APPROX_PATTERN = CommPattern(delayed_update=True, packs_buckets=False)
+KFAC_PATTERN = CommPattern(compressible=False, factors="all_reduce", inverse_placement="balanced")
+for _name, _pattern in (("allreduce", ALLREDUCE_PATTERN), ("wfbp", WFBP_PATTERN),
+                        ("mgwfbp", WFBP_PATTERN), ("dear", DEAR_PATTERN), ("approx", APPROX_PATTERN)):
+    register_comm_pattern(_name, _pattern)
+
+# --------------------------------------------------------------------------- presets
+@dataclasses.dataclass(frozen=True)
+class LinkPreset:
+    """A point-to-point link: per-message latency and per-direction bandwidth."""
+
+    name: str
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    source: str
+
+
+# Bandwidths are the line rates of the standards; latencies are typical per-message
+# software+wire latencies (order of magnitude, our assumption; measure yours with
+# `jaxsched.plan.profiling.profile_network`).
+LINK_PRESETS: dict[str, LinkPreset] = {
+    # IEEE 802.3ab 1000BASE-T: 1 Gbit/s. TCP latency ~50 us (assumed).
+    "1gbe": LinkPreset("1gbe", 50e-6, 1e9 / 8, "IEEE 802.3ab (1 Gbit/s)"),
+    # IEEE 802.3ae 10GBASE: 10 Gbit/s. TCP latency ~25 us (assumed).
+    "10gbe": LinkPreset("10gbe", 25e-6, 10e9 / 8, "IEEE 802.3ae (10 Gbit/s)"),
+    # IEEE 802.3by 25GBASE: 25 Gbit/s. ~10 us (assumed, RoCE/TCP).
+    "25gbe": LinkPreset("25gbe", 10e-6, 25e9 / 8, "IEEE 802.3by (25 Gbit/s)"),
+    # InfiniBand EDR 4x: 100 Gbit/s (IBTA spec); ~1.5 us MPI-level latency (assumed).
+    "100gbib": LinkPreset("100gbib", 1.5e-6, 100e9 / 8, "InfiniBand EDR 4x (IBTA, 100 Gbit/s)"),
+    # NVLink 2.0 on V100 SXM2: 6 links x 25 GB/s per direction = 150 GB/s per direction
+    # (NVIDIA Tesla V100 datasheet, "300 GB/s" bidirectional); ~5 us per NCCL step (assumed).
+    # Only meaningful within one NVLink domain (8-16 GPUs).
+    "nvlink": LinkPreset("nvlink", 5e-6, 150e9, "NVIDIA Tesla V100 datasheet (NVLink 300 GB/s bidir)"),
+    # NVLink 4 on H100 SXM5: 900 GB/s bidirectional per GPU = 450 GB/s per direction (NVIDIA
+    # H100 datasheet); ~5 us per NCCL step (assumed). One node's level of a two-level network.
+    "nvlink4": LinkPreset("nvlink4", 5e-6, 450e9, "NVIDIA H100 SXM datasheet (NVLink 900 GB/s bidir)"),
+    # InfiniBand NDR 4x: 400 Gbit/s (IBTA spec), one NIC per GPU as in DGX H100 (8 x 400G);
+    # ~2 us MPI-level latency (assumed).
+    "400gbib": LinkPreset("400gbib", 2e-6, 400e9 / 8, "InfiniBand NDR 4x (IBTA, 400 Gbit/s)"),
+    # TPU v5p inter-chip interconnect: 4800 Gbit/s per chip (Google Cloud TPU v5p docs), taken
+    # as 300 GB/s per direction; ~2 us per step (assumed).
+    "ici": LinkPreset("ici", 2e-6, 4800e9 / 8 / 2, "cloud.google.com/tpu/docs/v5p (ICI 4800 Gbps/chip)"),
+    # Data-center network between TPU slices: 100 Gbit/s per chip's share of its host's NICs
+    # and ~20 us per message (both assumed: Google publishes no per-chip DCN figure).
+    "dcn": LinkPreset("dcn", 20e-6, 100e9 / 8, "assumed (no published per-chip DCN figure)"),
+}
+
+
+def ring_costs(link: LinkPreset, workers: int) -> dict[str, CollectiveCost]:
+    """Ring-algorithm alpha-beta costs (Thakur et al., 2005; Patarasuk & Yuan, 2009).
+
+    With ``P`` workers, latency ``a`` and bandwidth ``bw``: all-reduce moves
+    ``2(P-1)/P`` of the tensor in ``2(P-1)`` steps; reduce-scatter and all-gather each
+    ``(P-1)/P`` in ``P-1`` steps; ppermute is one point-to-point message. One worker
+    needs no communication (all costs zero).
+    """
+    p, a, inv_bw = workers, link.latency_s, 1.0 / link.bandwidth_bytes_per_s
+    if p == 1:
+        zero = CollectiveCost(0.0, 0.0)
+        return {name: zero for name in COLLECTIVES}
+    half = CollectiveCost((p - 1) * a, (p - 1) / p * inv_bw)
+    return {
+        "all_reduce": CollectiveCost(2 * (p - 1) * a, 2 * (p - 1) / p * inv_bw),
+        "reduce_scatter": half,
+        "all_gather": half,
+        "all_to_all": half,
+        "ppermute": CollectiveCost(a, inv_bw),
+    }
+
+
+def _link(name: str) -> LinkPreset:
+    try:
+        return LINK_PRESETS[name]
+    except KeyError:
+        raise ProfileError(f"unknown network preset {name!r}; choose one of "
+                           f"{', '.join(LINK_PRESETS)}, a two-level 'fast+slow' pair of them "
+                           "(e.g. nvlink4+400gbib, ici+dcn), or pass a measured "
+                           "--network-profile") from None
+
+
+def network_preset(name: str, workers: int, per_node: int | None = None,
+                   hierarchical: bool = True) -> NetworkProfile:
+    """A ring-algorithm network profile for a named link preset and worker count.
+
+    A name ``"fast+slow"`` (``"nvlink4+400gbib"``, ``"ici+dcn"``) is a two-level network of
+    ``workers // per_node`` nodes of ``per_node`` devices each (:func:`two_level_network`).
+
+    >>> network_preset("10gbe", 4).meta["algorithm"]
+    'ring'
+    >>> network_preset("nvlink4+400gbib", 64, per_node=8).meta["levels"]
+    {'fast': 'nvlink4', 'slow': '400gbib', 'nodes': 8, 'per_node': 8}
+    """
+    if workers < 1:
+        raise ProfileError(f"workers={workers} must be >= 1")
+    if "+" in name:
+        fast, _, slow = name.partition("+")
+        if per_node is None or per_node < 1 or workers % per_node:
+            raise ProfileError(f"the two-level network {name!r} needs per_node (devices per "
+                               f"node, --per-node) dividing workers={workers}; got {per_node!r}")
+        return two_level_network(fast, slow, workers // per_node, per_node, hierarchical)
+    link = _link(name)
+    return NetworkProfile(workers, ring_costs(link, workers),
+                          {"preset": name, "source": link.source, "algorithm": "ring"})
+
+
+def two_level_network(fast: str, slow: str, nodes: int, per_node: int,
+                      hierarchical: bool = True) -> NetworkProfile:
+    """``nodes`` x ``per_node`` devices: ``fast`` links within a node (NVLink, ICI), ``slow``
+    links between nodes (InfiniBand, Ethernet, DCN), one slow link per device (rails).
+
+    With ``hierarchical`` (what :class:`jaxsched.runtime.collectives.Hierarchical` runs), with
+    ``F = per_node`` and ``S = nodes``:
+
+    * all-reduce of ``B`` bytes = reduce-scatter over the node (``B``), all-reduce of the
+      ``B / F`` shard across nodes, all-gather over the node (``B``);
+    * reduce-scatter = over the node, then the shard across nodes; all-gather the reverse.
+
+    Without it, one flat ring over all ``F * S`` devices, every step paced by the slow
+    link. Both are alpha-beta costs, so the simulator and the planners take them as any
+    other profile.
+    """
+    f, s = _link(fast), _link(slow)
+    if nodes < 1 or per_node < 1:
+        raise ProfileError(f"nodes={nodes} and per_node={per_node} must be >= 1")
+    within, across = ring_costs(f, per_node), ring_costs(s, nodes)
+    workers = nodes * per_node
+    if hierarchical:
+        def chain(*parts: tuple[CollectiveCost, float]) -> CollectiveCost:
+            return CollectiveCost(sum(c.alpha_s for c, _ in parts),
+                                  sum(c.beta_s_per_byte * share for c, share in parts))
+
+        shard = 1.0 / per_node
+        collectives = {
+            "all_reduce": chain((within["reduce_scatter"], 1.0), (across["all_reduce"], shard),
+                                (within["all_gather"], 1.0)),
+            "reduce_scatter": chain((within["reduce_scatter"], 1.0), (across["reduce_scatter"], shard)),
+            "all_gather": chain((across["all_gather"], shard), (within["all_gather"], 1.0)),
+            "all_to_all": ring_costs(s, workers)["all_to_all"] if nodes > 1 else within["all_to_all"],
+            "ppermute": across["ppermute"] if nodes > 1 else within["ppermute"],
+        }
+        algorithm = "hierarchical ring"
+    else:
+        collectives = ring_costs(s if nodes > 1 else f, workers)
+        algorithm = "flat ring (paced by the slow link)"
+    return NetworkProfile(workers, collectives, {
+        "preset": f"{fast}+{slow}", "source": f"{f.source}; {s.source}", "algorithm": algorithm,
+        "levels": {"fast": fast, "slow": slow, "nodes": nodes, "per_node": per_node}})
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePreset:
+    """A device roofline: peak dense FLOP/s in the stated precision and memory bandwidth."""
+
+    name: str
+    peak_flops: float
+    memory_bytes_per_s: float
+    precision: str
+    source: str
+
+
+DEVICE_PRESETS: dict[str, DevicePreset] = {
+    # NVIDIA Tesla V100 SXM2 datasheet: 15.7 TFLOPS FP32, 900 GB/s HBM2. FP32, as in the
+    # MG-WFBP / DeAR experiments.
+    "v100": DevicePreset("v100", 15.7e12, 900e9, "fp32", "NVIDIA Tesla V100 SXM2 datasheet"),
+    # NVIDIA A100 SXM4 40GB datasheet: 156 TFLOPS TF32 (dense), 1555 GB/s HBM2.
+    "a100": DevicePreset("a100", 156e12, 1555e9, "tf32", "NVIDIA A100 datasheet (SXM4 40GB)"),
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOPS BF16 dense (1979 with sparsity), 3.35 TB/s HBM3.
+    "h100": DevicePreset("h100", 989e12, 3.35e12, "bf16", "NVIDIA H100 SXM datasheet"),
+    # Google Cloud TPU v5e docs: 197 TFLOPS BF16 per chip, 819 GB/s HBM2.
+    "tpu-v5e": DevicePreset("tpu-v5e", 197e12, 819e9, "bf16", "cloud.google.com/tpu/docs/v5e"),
+}
+
+
+def device_preset(name: str) -> DevicePreset:
+    try:
+        return DEVICE_PRESETS[name]
+    except KeyError:
+        raise ProfileError(f"unknown device preset {name!r}; choose one of "
+                           f"{', '.join(DEVICE_PRESETS)}") from None
+
+
+def roofline_seconds(flops: float, memory_bytes: float, device: DevicePreset,
+                     efficiency: float = 0.5) -> float:
+    """Time of a kernel under a roofline, with a sustained fraction ``efficiency`` of peak."""
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
+    return max(flops / device.peak_flops, memory_bytes / device.memory_bytes_per_s) / efficiency
+
+
+
+# Top-k selection as a threshold test is a few elementwise passes over the gradient, not a
+# sort: on CPU, 10M float32 took 34 ms per elementwise pass against 93 ms for a sampled
+# threshold + mask (docs/cpu_facts.md, "Top-k on CPU").
+SELECTION_PASSES = 3
+
+
+def topk_selection_s_per_byte(device: DevicePreset) -> float:
+    """Seconds per gradient byte that top-k selection costs on ``device`` (memory bound)."""
+    return SELECTION_PASSES / device.memory_bytes_per_s

@@ -1,0 +1,844 @@
+"""``jaxsched bench``: measured overlap on an emulated multi-host cluster.
+
+Brings up ``hosts`` network namespaces joined by links shaped to ``bandwidth``
+(:mod:`jaxsched.tools.cluster`), starts one process per host (:mod:`jaxsched.tools.launch`), each with
+two CPU devices and pinned to one core, and measures in the same session, interleaved
+step by step:
+
+* ``plain``: the user's step (pmean after backward, one jitted program);
+* ``compute``: the same step without the gradient reduction;
+* ``comm``: the gradient reduction alone (one psum of a gradient-sized buffer), and
+  ``comm_tree``: the psum of a gradient-shaped tree, leaf by leaf, as the plain step's
+  ``pmean`` does it (on gloo the small leaves add start-up costs);
+* ``ceiling``: the compute-only step and the comm-only psum (on the spare devices) as raw
+  programs dispatched together: what the machine gives when both run at once. On hosts
+  whose one core also runs gloo and the network stack this is well above the bound, and
+  no schedule can beat it;
+* every strategy through ``jaxsched.schedule(..., engine="host")``.
+
+It first calibrates the per-process batch so that compute-only time is close to
+comm-only time (otherwise one side dominates and overlap cannot show; these machines'
+speed moves by 2x from day to day). For each strategy it reports the median step, the
+speedup over the plain step, the ratio to the bound ``max(compute, comm)`` and to the
+ceiling, and the overlap efficiency ``(T_plain - T_s) / (T_plain - bound)``; then one step per strategy
+with stage timestamps (a Gantt PNG) beside the simulator's prediction for the same
+measured costs.
+
+Example (needs root for the namespaces; a few minutes)::
+
+    jaxsched bench --hosts 2 --bandwidth 1gbit --strategies allreduce,wfbp,dear --steps 20 --json out.json
+    python benchmarks/overlap.py --hosts 2 --bandwidth 1gbit
+
+Example (the arithmetic of the report):
+    >>> round(overlap_efficiency(plain=1.0, step=0.7, bound=0.5), 6)
+    0.6
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from jaxsched.sim import intervals
+from jaxsched.tools.cli.options import name_list, output_dir, output_path, positive_float, positive_int
+
+WIDTH, DEPTH = 2048, 2  # the issue's set-up; --depth 8 --width 1024 sends the same bytes
+RESULTS_DIR = Path("benchmarks/results")
+
+
+COMPRESSORS = ("topk", "gtopk", "powersgd", "bf16")
+
+
+def parse_compression(text: str | None):
+    """``"topk:0.01"``, ``"gtopk:0.01"``, ``"powersgd:4"`` or ``"bf16"`` -> a compressor.
+
+    Example:
+        >>> type(parse_compression("topk:0.01")).__name__, parse_compression(None)
+        ('TopK', None)
+    """
+    if not text:
+        return None
+    from jaxsched.runtime import compress
+
+    kind, _, arg = text.partition(":")
+    try:
+        if kind == "topk":
+            return compress.TopK(density=float(arg or 0.01))
+        if kind == "gtopk":
+            return compress.GlobalTopK(density=float(arg or 0.01))
+        if kind == "powersgd":
+            return compress.PowerSGD(rank=int(arg or 4))
+        if kind == "bf16":
+            import jax.numpy as jnp
+            return compress.Cast(jnp.bfloat16)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--compression {text!r}: {err}") from None
+    raise argparse.ArgumentTypeError(f"--compression {text!r}: use one of {', '.join(COMPRESSORS)}, "
+                                     "e.g. topk:0.01")
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The outcome of :func:`calibrate_batch`.
+
+    ``error`` is ``compute_s / comm_s - 1`` at the chosen ``batch``; ``probes`` lists every
+    ``(batch, compute_s, comm_s)`` measured, in order; ``converged`` says whether
+    ``|error| <= tolerance``; ``reason`` says why not when it is False.
+    """
+
+    batch: int
+    compute_s: float
+    comm_s: float
+    error: float
+    probes: list[tuple[int, float, float]]
+    converged: bool
+    tolerance: float
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"target_ratio": 1.0, "achieved_ratio": self.compute_s / self.comm_s,
+                "error": self.error, "tolerance": self.tolerance, "converged": self.converged,
+                "batch": self.batch, "reason": self.reason,
+                "probes": [{"batch": b, "compute_s": c, "comm_s": m} for b, c, m in self.probes]}
+
+
+def calibrate_batch(measure: Callable[[int], tuple[float, float]], start: int, *,
+                    tolerance: float = 0.10, max_probes: int = 6, multiple: int = 8,
+                    max_batch: int = 1 << 16, max_growth: float = 16.0) -> Calibration:
+    """Find a batch whose compute-only time is within ``tolerance`` of comm-only time.
+
+    Why iterate: compute time is ``fixed + per_row * batch``, and at small batches the fixed
+    part (dispatch, the optimizer update, the loss pmean) dominates, so one probe
+    extrapolated linearly lands far off (issue 21: compute 91 ms against comm 291 ms).
+    This runs the secant method on ``g = log(compute / comm)`` against ``log(batch)``,
+    and once probes bracket the root, keeps the step inside the bracket (bisecting in log
+    space when the secant step would leave it). The first step, with one probe, assumes
+    compute proportional to batch. Batches are multiples of ``multiple`` (the bench needs
+    them divisible by its devices) in ``[multiple, max_batch]``; a step grows the batch by
+    at most ``max_growth`` times.
+
+    ``measure(batch) -> (compute_s, comm_s)``; it is called at most ``max_probes`` times.
+    Returns the probe closest to the target; ``converged`` is False, with a ``reason``,
+    when no probe came within ``tolerance`` (the curve cannot reach it within the bounds,
+    the batch granularity is too coarse, or the probes ran out).
+
+    Example (compute = 50 ms fixed + 0.1 ms per row, comm 200 ms):
+        >>> cal = calibrate_batch(lambda b: (0.05 + 1e-4 * b, 0.2), 128)
+        >>> cal.converged, abs(cal.error) <= 0.1, len(cal.probes) <= 6
+        (True, True, True)
+    """
+    if start < 1 or multiple < 1 or max_probes < 1:
+        raise ValueError(f"calibrate_batch: start={start}, multiple={multiple}, max_probes={max_probes} "
+                         "must all be >= 1")
+    lo_b, hi_b = multiple, max(multiple, max_batch // multiple * multiple)
+
+    def snap(x: float) -> int:
+        return int(min(hi_b, max(lo_b, round(x / multiple) * multiple)))
+
+    probes: list[tuple[int, float, float]] = []
+    reason = None
+    batch = snap(start)
+    while True:
+        compute_s, comm_s = measure(batch)
+        if not (compute_s > 0 and comm_s > 0):
+            raise ValueError(f"calibrate_batch: measure({batch}) returned compute {compute_s!r}, "
+                             f"comm {comm_s!r}; both must be positive seconds")
+        probes.append((batch, float(compute_s), float(comm_s)))
+        if abs(compute_s / comm_s - 1) <= tolerance:
+            break
+        if len(probes) >= max_probes:
+            reason = f"{max_probes} probes did not bring compute within {tolerance:.0%} of comm"
+            break
+        # g(batch) = compute/comm - 1 is about linear in batch (comm does not depend on it)
+        pts = sorted((b, c / m - 1) for b, c, m in probes)
+        below = [p for p in pts if p[1] < 0]  # compute shorter than comm
+        above = [p for p in pts if p[1] > 0]
+        if below and above and below[-1][0] < above[0][0]:
+            (x0, g0), (x1, g1) = below[-1], above[0]  # the tightest bracket
+            x = x0 - g0 * (x1 - x0) / (g1 - g0)
+            width = x1 - x0
+            if not x0 + 0.1 * width < x < x1 - 0.1 * width:  # secant stalls near an end: bisect
+                x = math.sqrt(x0 * x1)
+        else:
+            x_last, g_last = probes[-1][0], probes[-1][1] / probes[-1][2] - 1
+            x = x_last * probes[-1][2] / probes[-1][1]  # one probe: compute proportional to batch
+            if len(probes) > 1:
+                xa, ga = probes[-2][0], probes[-2][1] / probes[-2][2] - 1
+                if xa != x_last and (ga - g_last) / (xa - x_last) > 0:
+                    x = x_last - g_last * (xa - x_last) / (ga - g_last)
+            x = min(max(x, x_last / max_growth), x_last * max_growth)
+        nxt = snap(x)
+        if nxt in (b for b, _, _ in probes):
+            reason = (f"the batch bound [{lo_b}, {hi_b}] was reached" if nxt in (lo_b, hi_b) else
+                      f"batches are multiples of {multiple}: no untried batch is closer to the target")
+            break
+        batch = nxt
+    best = min(probes, key=lambda p: abs(math.log(p[1] / p[2])))
+    error = best[1] / best[2] - 1
+    converged = abs(error) <= tolerance
+    if converged:
+        reason = None
+    else:
+        side = "above" if error > 0 else "below"
+        reason = (f"compute stays {side} comm ({best[1] * 1e3:.0f} ms against {best[2] * 1e3:.0f} ms "
+                  f"at batch {best[0]}): {reason}")
+    return Calibration(best[0], best[1], best[2], error, probes, converged, tolerance, reason)
+
+
+def overlap_efficiency(plain: float, step: float, bound: float) -> float:
+    """How much of the time that overlap could save a strategy saves: 1 at the bound."""
+    return (plain - step) / (plain - bound) if plain > bound else 0.0
+
+
+# -- the worker: one process of the benchmark --------------------------------------------------
+def _worker(args: argparse.Namespace) -> int:
+    import jaxsched.tools.launch
+
+    if args.pin:  # before JAX starts its thread pools, so that every thread inherits the core
+        rank = int(os.environ.get(jaxsched.tools.launch.ENV_PROCESS_ID, "0"))
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    jaxsched.tools.launch.initialize(cpu_devices=2)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax import lax
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jaxsched
+    from jaxsched.runtime.engine import HostEngine
+    from jaxsched.runtime.engine.host import spare_devices
+
+    rank, nproc = jax.process_index(), jax.process_count()
+    mesh_devices = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+                    for p in range(nproc)]
+    mesh = jax.sharding.Mesh(np.array(mesh_devices), ("data",))
+    batch_sharding = NamedSharding(mesh, P("data"))
+    width, depth = args.width, args.depth
+    keys = jax.random.split(jax.random.PRNGKey(0), depth)
+    params = {f"layer{i}": {"kernel": jax.random.normal(keys[i], (width, width)) / width ** 0.5,
+                            "bias": jnp.zeros(width)} for i in range(depth)}
+    tx = optax.sgd(1e-3, momentum=0.9)
+
+    def loss_fn(p, x, y):
+        for i in range(depth):  # named scopes: the host engine's stage names in the chart
+            with jax.named_scope(f"layer{i}"):
+                x = jnp.tanh(x @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"])
+        return jnp.mean((x - y) ** 2)
+
+    def make(reduce: bool):
+        def body(p, s, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(p, *batch)
+            if reduce:
+                grads = lax.pmean(grads, "data")
+            with jax.named_scope("update"):
+                updates, s = tx.update(grads, s, p)
+                p = optax.apply_updates(p, updates)
+            return p, s, {"loss": lax.pmean(loss, "data")}
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                     out_specs=(P(), P(), P()), check_vma=False))
+
+    plain, compute_only = make(True), make(False)
+    def psum_over(on_mesh):
+        return jax.jit(jax.shard_map(lambda g: lax.psum(g, "data"), mesh=on_mesh, in_specs=P("data"),
+                                     out_specs=P("data"), check_vma=False))
+
+    comm_only = psum_over(mesh)  # also takes the gradient-shaped tree (comm_tree below)
+    n_grads = sum(np.size(l) for l in jax.tree.leaves(params))
+    grads_like = jax.make_array_from_process_local_data(
+        batch_sharding, np.ones((1, n_grads), np.float32))
+    # The user's pmean reduces the gradient tree leaf by leaf (16 psums, half of them tiny):
+    # on gloo that costs more than one psum of the same bytes, so it is measured too.
+    grads_tree = jax.tree.map(lambda leaf: jax.make_array_from_process_local_data(
+        batch_sharding, np.ones((1,) + leaf.shape, np.float32)), params)
+    # The ceiling: compute-only and the psum on the spare devices, as raw programs dispatched
+    # together. No schedule can beat it here: it is what the machine gives when both run at
+    # once (gloo and the kernel's network work share each host's core with compute).
+    spare_mesh = jax.sharding.Mesh(np.array(spare_devices(mesh)), ("data",))
+    spare_comm = psum_over(spare_mesh)
+    spare_grads = jax.make_array_from_process_local_data(
+        NamedSharding(spare_mesh, P("data")), np.ones((1, n_grads), np.float32))
+
+    def batch_of(rows: int, seed: int):
+        rng = np.random.default_rng(seed * nproc + rank)
+        local = (rng.standard_normal((rows, width)).astype(np.float32),
+                 rng.standard_normal((rows, width)).astype(np.float32))
+        return tuple(jax.make_array_from_process_local_data(batch_sharding, a) for a in local)
+
+    def timed(fn, *a) -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*a))
+        return time.perf_counter() - start
+
+    def median_time(fn, *a, repeats: int = 5) -> float:
+        timed(fn, *a)
+        return statistics.median(timed(fn, *a) for _ in range(repeats))
+
+    state0 = (params, tx.init(params))
+    comm_s = median_time(comm_only, grads_like)
+    # The host engine's own costs, for the simulator (jaxsched.sim.HostCosts): Python per
+    # collective stage, and the copy of a gradient-sized buffer to this process's spare device.
+    from jaxsched.runtime.engine.host import measure_stage_overhead
+
+    stage_s = measure_stage_overhead(mesh, "data")
+    spare_device = next(d for d in spare_mesh.devices.flat if d.process_index == rank)
+    local_grads = grads_like.addressable_data(0)
+    copy_s = median_time(lambda a: jax.device_put(a, spare_device), local_grads)
+    # dear's pair: a reduce-scatter and an all-gather of the same bytes. On gloo they cost
+    # more than one all-reduce, not the half each a ring model gives them.
+    padded = -(-n_grads // nproc) * nproc
+    rs_ag = jax.jit(jax.shard_map(
+        lambda g: lax.all_gather(lax.psum_scatter(g[0], "data", tiled=True), "data", tiled=True)[None],
+        mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
+    rs_ag_s = median_time(rs_ag, jax.make_array_from_process_local_data(
+        batch_sharding, np.ones((1, padded), np.float32)))
+    host_costs = {"stage_s": float(stage_s), "copy_s_per_byte": copy_s / (4 * n_grads),
+                  "reduce_scatter_all_gather_s": float(rs_ag_s),
+                  "source": "measured: jaxsched.runtime.engine.host.measure_stage_overhead; device_put of "
+                            f"{4 * n_grads} bytes to the spare device; a reduce-scatter then an "
+                            "all-gather of the gradient bytes"}
+    rows = args.batch
+    calibration: dict[str, Any] = {"explicit_batch": True, "batch": rows}
+    if rows is None:  # calibrate: compute-only close to comm-only
+
+        def measure(probe: int) -> tuple[float, float]:
+            # Every process must probe the same batches (the step's loss pmean is a collective):
+            # all of them take rank 0's times, so they all choose the same next batch.
+            compute_probe = median_time(compute_only, *state0, batch_of(probe, 0), repeats=3)
+            comm_probe = median_time(comm_only, grads_like, repeats=3)
+            both = multihost_utils.broadcast_one_to_all(np.array([compute_probe, comm_probe]))
+            return float(both[0]), float(both[1])
+
+        cal = calibrate_batch(measure, args.calibration_start, tolerance=args.calibration_tolerance,
+                              max_probes=args.calibration_probes, multiple=8, max_batch=16384)
+        rows, calibration = cal.batch, cal.to_dict()
+    batches = [batch_of(rows, s) for s in range(4)]
+
+    variants: dict[str, Any] = {"plain": lambda st, b: plain(*st, b),
+                                "compute": lambda st, b: compute_only(*st, b)}
+    states = {"plain": state0, "compute": state0}
+    scheds = {}
+    missing = []
+    for name in args.strategies:
+        base, _, compression = name.partition("+")
+        if base not in jaxsched.STRATEGIES:
+            missing.append(name)
+            continue
+        sched = jaxsched.schedule(plain, strategy=base, engine="host", buckets=args.buckets,
+                                  compression=parse_compression(compression))
+        scheds[name] = sched
+        states[name] = sched.init(*state0)
+    times: dict[str, list[float]] = {name: [] for name in ["plain", "compute", "comm", "comm_tree",
+                                                           "ceiling", *scheds]}
+    losses: dict[str, list[float]] = {name: [] for name in ["plain", *scheds]}
+
+    def run_one(name: str, b) -> float:
+        start = time.perf_counter()
+        if name == "comm":
+            jax.block_until_ready(comm_only(grads_like))
+            return time.perf_counter() - start
+        if name == "comm_tree":
+            jax.block_until_ready(comm_only(grads_tree))
+            return time.perf_counter() - start
+        if name == "ceiling":
+            jax.block_until_ready((spare_comm(spare_grads), compute_only(*states["compute"], b)))
+            return time.perf_counter() - start
+        if name in scheds:
+            new_state, aux = scheds[name](states[name], b)
+        else:
+            *new_state, aux = variants[name](states[name], b)
+            new_state = tuple(new_state)
+        jax.block_until_ready((new_state, aux))
+        elapsed = time.perf_counter() - start
+        states[name] = new_state
+        if name in losses:
+            losses[name].append(float(np.asarray(aux["loss"].addressable_data(0))))
+        return elapsed
+
+    for warm in range(2):
+        for name in times:
+            run_one(name, batches[warm % len(batches)])
+    for step in range(args.steps):
+        for name in times:
+            times[name].append(run_one(name, batches[step % len(batches)]))
+
+    # One traced step per strategy: stage timestamps for the Gantt chart.
+    timelines = {}
+    for name, sched in scheds.items():
+        base, _, compression = name.partition("+")
+        traced = jaxsched.schedule(plain, strategy=base, engine=HostEngine(record_timings=True),
+                                   buckets=args.buckets, compression=parse_compression(compression))
+        st = traced.init(*state0)
+        for b in batches[:3]:
+            st, aux = traced(st, b)
+            jax.block_until_ready(aux)
+        timelines[name] = [dict(kind=t.kind, name=t.name, dispatched=t.dispatched, started=t.started,
+                                done=t.done) for t in traced.program.core.timings[-1]]
+    if rank == 0:
+        med = {k: statistics.median(v) for k, v in times.items()}
+        report = {"processes": nproc, "batch_per_process": rows, "steps": args.steps,
+                  "calibration": calibration, "host_costs": host_costs,
+                  "step_s_all": times, "median_s": med, "losses": losses, "timelines": timelines,
+                  "missing": missing,
+                  "layers": {"width": width, "depth": depth, "params": int(sum(np.size(l) for l in jax.tree.leaves(params)))}}
+        Path(args.raw_out).write_text(json.dumps(report))
+    return 0
+
+
+# -- the driver --------------------------------------------------------------------------------
+def speedups_withheld(calibration: dict[str, Any] | None) -> str | None:
+    """Why speed-ups must not be reported, or None.
+
+    A speed-up over the plain step only says something about overlap when compute and
+    comm are about equal; when the calibration did not get them there, one side dominates
+    and every strategy looks like the plain step (or better only by noise)."""
+    if not calibration or calibration.get("explicit_batch") or calibration.get("converged"):
+        return None
+    return (f"calibration did not converge: compute/comm = {calibration['achieved_ratio']:.2f} "
+            f"at batch {calibration['batch']}, outside 1 +- {calibration['tolerance']:.0%} "
+            f"({calibration.get('reason')}); pass --batch to measure anyway")
+
+
+def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) -> dict[str, Any]:
+    """The report: compute, comm, bound, and per strategy step, speedup, efficiency."""
+    med = raw["median_s"]
+    compute_s, comm_s, plain_s = med["compute"], med["comm"], med["plain"]
+    bound = max(compute_s, comm_s)
+    ceiling = med.get("ceiling")
+    result: dict[str, Any] = {"compute_s": compute_s, "comm_s": comm_s, "bound_s": bound,
+                              "ceiling_s": ceiling, "comm_tree_s": med.get("comm_tree"),
+                              "plain_s": plain_s, "bandwidth": bandwidth,
+                              "processes": raw["processes"], "batch_per_process": raw["batch_per_process"],
+                              "steps": raw["steps"], "layers": raw.get("layers", {}),
+                              "calibration": raw.get("calibration"),
+                              "host_costs": raw.get("host_costs"), "strategies": {}}
+    withheld = speedups_withheld(raw.get("calibration"))
+    result["speedups_withheld"] = withheld
+    # the machine drifts between the calibration probes and the measured steps: say by how much
+    result["measured_ratio"] = compute_s / comm_s if comm_s else None
+    for name in strategies:
+        if name in raw.get("missing", []):
+            result["strategies"][name] = {"missing": True}
+            continue
+        step = med[name]
+        result["strategies"][name] = {
+            "step_s": step, "speedup": None if withheld else plain_s / step,
+            "ratio_to_bound": step / bound,
+            "ratio_to_ceiling": step / ceiling if ceiling else None,
+            "overlap_efficiency": None if withheld else overlap_efficiency(plain_s, step, bound),
+            "max_loss_gap_to_plain": max(abs(a - b) for a, b in zip(raw["losses"][name], raw["losses"]["plain"])),
+        }
+        spans = raw.get("timelines", {}).get(name)
+        if spans:
+            result["strategies"][name]["breakdown"] = time_breakdown(spans)
+    for name, row in result["strategies"].items():
+        missed = None if row.get("missing") else missed_target(name, row, result["strategies"])
+        if missed:
+            row["missed_target"] = missed
+            if row.get("breakdown"):
+                row["missed_because"] = miss_reason(row["breakdown"], compute_s)
+    return result
+
+
+#: What each strategy should reach on this machine, as a multiple of the ceiling (issue 21).
+CEILING_TARGETS = {"approx": 1.10, "wfbp": 1.25}
+
+
+def time_breakdown(spans: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Where one measured step's time went: compute alone, communication alone (exposed),
+    both at once (overlapped), and neither (dispatch, waiting), from its stage spans.
+
+    Example:
+        >>> spans = [dict(kind="compute", started=0.0, done=0.3), dict(kind="comm", started=0.2, done=0.5),
+        ...          dict(kind="compute", started=0.6, done=0.7)]
+        >>> {k: round(v, 2) for k, v in time_breakdown(spans).items()}
+        {'step_s': 0.7, 'compute_alone_s': 0.3, 'comm_alone_s': 0.2, 'overlapped_s': 0.1, 'idle_s': 0.1}
+    """
+    compute = intervals.union([(x["started"], x["done"]) for x in spans if x["kind"] == "compute"])
+    comm = intervals.union([(x["started"], x["done"]) for x in spans if x["kind"] == "comm"])
+    start = min((x["started"] for x in spans), default=0.0)
+    end = max((x["done"] for x in spans), default=0.0)
+    both = intervals.overlap(compute, comm)
+    busy = intervals.total(compute) + intervals.total(comm) - both
+    return {"step_s": end - start, "compute_alone_s": intervals.total(compute) - both,
+            "comm_alone_s": intervals.total(comm) - both, "overlapped_s": both,
+            "idle_s": max(0.0, (end - start) - busy)}
+
+
+def missed_target(name: str, row: dict[str, Any], strategies: dict[str, Any]) -> str | None:
+    """Which target of :data:`CEILING_TARGETS` (or ``dear`` no slower than ``allreduce``)
+    ``name`` missed in this run, or None."""
+    target = CEILING_TARGETS.get(name)
+    if target is not None and row.get("ratio_to_ceiling") and row["ratio_to_ceiling"] > target:
+        return f"target <= {target:.2f}x the ceiling missed ({row['ratio_to_ceiling']:.2f}x)"
+    if name == "dear" and "allreduce" in strategies and not strategies["allreduce"].get("missing"):
+        if row["step_s"] > strategies["allreduce"]["step_s"]:
+            return (f"target: no slower than allreduce, missed "
+                    f"({row['step_s'] * 1e3:.0f} against {strategies['allreduce']['step_s'] * 1e3:.0f} ms)")
+    return None
+
+
+def miss_reason(breakdown: dict[str, float], compute_s: float) -> str:
+    """The measured reason a step is longer than its ceiling: how much longer its compute
+    ran than the compute-only step (``compute_s``), and what was exposed or idle.
+
+    Example:
+        >>> miss_reason({"step_s": 0.5, "compute_alone_s": 0.13, "comm_alone_s": 0.0,
+        ...              "overlapped_s": 0.37, "idle_s": 0.0}, compute_s=0.25)
+        'compute ran 500 ms against 250 ms alone (2.00x, slowed while bytes moved), comm exposed 0 ms, neither 0 ms'
+    """
+    ran = breakdown["compute_alone_s"] + breakdown["overlapped_s"]
+    return (f"compute ran {ran * 1e3:.0f} ms against {compute_s * 1e3:.0f} ms alone "
+            f"({ran / compute_s:.2f}x, slowed while bytes moved), comm exposed "
+            f"{breakdown['comm_alone_s'] * 1e3:.0f} ms, neither {breakdown['idle_s'] * 1e3:.0f} ms")
+
+
+def host_costs_of(result: dict[str, Any]):
+    """The measured host-engine terms for the simulator (:class:`jaxsched.sim.HostCosts`):
+    stage dispatch and copy cost measured by the workers, and the compute slow-down while
+    bytes move derived from the measured ceiling (:func:`jaxsched.sim.comm_slowdown_from_ceiling`).
+    None when the run measured none of them (an older raw report)."""
+    from jaxsched.sim import HostCosts, comm_slowdown_from_ceiling
+
+    measured = result.get("host_costs")
+    if not measured:
+        return None
+    slowdown = 1.0
+    if result.get("ceiling_s"):
+        slowdown = comm_slowdown_from_ceiling(result["compute_s"], result["comm_s"], result["ceiling_s"])
+    return HostCosts(stage_s=measured["stage_s"], copy_s_per_byte=measured["copy_s_per_byte"],
+                     comm_slowdown=slowdown)
+
+
+def simulated(result: dict[str, Any], strategies: Sequence[str]):
+    """The simulator's prediction for the measured costs (labelled SIMULATED), with the
+    host engine's measured terms (:func:`host_costs_of`)."""
+    from jaxsched.sim.costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
+    from jaxsched.sim import simulate
+
+    host = host_costs_of(result)
+
+    width = result.get("layers", {}).get("width", WIDTH)
+    depth = result.get("layers", {}).get("depth", DEPTH)
+    per_layer = result["compute_s"] / depth
+    nbytes = (width * width + width) * 4
+    layers = LayerProfile([Layer(f"layer{i}", width * width + width, nbytes, per_layer / 3,
+                                 2 * per_layer / 3) for i in range(depth)],
+                          {"source": "measured compute-only step split 1:2 forward:backward"})
+    beta = result["comm_s"] / (depth * nbytes)
+    # reduce-scatter and all-gather: half each of the measured pair when bench timed it
+    # (on gloo the pair costs more than one all-reduce), else half an all-reduce each
+    pair_s = (result.get("host_costs") or {}).get("reduce_scatter_all_gather_s")
+    half = (pair_s / 2 / (depth * nbytes)) if pair_s else beta * 0.5
+    costs = {"all_reduce": CollectiveCost(0.0, beta), "reduce_scatter": CollectiveCost(0.0, half),
+             "all_gather": CollectiveCost(0.0, half)}
+    network = NetworkProfile(result["processes"], costs,
+                             {"source": "measured comm-only psum" + (" and reduce-scatter + all-gather"
+                                                                     if pair_s else "")})
+    sims = {}
+    for name in strategies:
+        if result["strategies"].get(name, {}).get("missing"):
+            continue
+        try:
+            if "+" in name:
+                continue  # compressed variants are measured, not simulated here
+            # one bucket per layer, allreduce included: the plain step's pmean reduces the
+            # gradient tree leaf by leaf and the host engine runs each psum as its own
+            # stage, so each leaf's copies to and from the spare device overlap the other
+            # leaves' psums (one bucket would price one serial copy of every gradient)
+            sims[name] = simulate(layers, network, name, [[i] for i in range(depth)], host=host)
+        except Exception:  # a strategy the simulator does not model
+            continue
+    return sims
+
+
+def chart_path(folder: Path, result: dict[str, Any], strategies: Sequence[str]) -> Path:
+    """``bench_<depth>x<width>_<strategies>.png``: one chart per model and strategy set, so a
+    run on one model does not overwrite another's chart.
+
+    Example:
+        >>> chart_path(Path("out"), {"layers": {"depth": 8, "width": 1024}}, ["wfbp", "dear+topk:0.01"]).name
+        'bench_8x1024_wfbp-dear+topk0.01.png'
+    """
+    layers = result.get("layers", {})
+    names = "-".join(re.sub(r"[^A-Za-z0-9_.+]", "", n) for n in strategies)
+    return folder / f"bench_{layers.get('depth', DEPTH)}x{layers.get('width', WIDTH)}_{names}.png"
+
+
+_SIM_BUCKET = re.compile(r"\bb(\d+)\b")
+
+
+def _sim_label(name: str) -> str:
+    """The simulator's task names with buckets spelled out: ``all_reduce b3`` -> ``all_reduce bucket 3``."""
+    return _SIM_BUCKET.sub(lambda m: f"bucket {m.group(1)}", name)
+
+
+def bench_figure(raw: dict[str, Any], result: dict[str, Any], sims: dict):
+    """The Gantt figure: per strategy, its measured stages (one traced step, labelled with
+    what each stage runs) and, only when the simulator models it, the simulated iteration."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    names = list(raw["timelines"])
+    panels = [p for name in names for p in [(name, "measured")] + ([(name, "simulated")] if name in sims else [])]
+    fig = Figure(figsize=(13, 1.6 + 1.4 * max(1, len(panels))))
+    axes = fig.subplots(max(1, len(panels)), 1, squeeze=False)[:, 0]
+    colors = {"compute": "#4C72B0", "comm": "#DD8452"}
+    for ax, (name, what) in zip(axes, panels):
+        if what == "measured":
+            spans = raw["timelines"][name]
+            end = max((s["done"] for s in spans), default=1.0)
+            for row, kind in enumerate(("compute", "comm")):
+                mine = [x for x in spans if x["kind"] == kind]
+                for s in mine:
+                    width = s["done"] - s["started"]
+                    ax.barh(row, width, left=s["started"], height=0.6, color=colors[kind],
+                            edgecolor="black", linewidth=0.8)
+                    if width > 0.05 * end:
+                        ax.text(s["started"] + width / 2, row, s["name"], ha="center", va="center",
+                                fontsize=6.5, color="white", clip_on=True)
+                ax.plot([s["dispatched"] for s in mine], [row - 0.4] * len(mine), "k|", markersize=6)
+            row_result = result["strategies"][name]
+            measured = row_result["step_s"]
+            title = (f"{name}: MEASURED stages of one step (ticks: dispatch; median step "
+                     f"{measured * 1e3:.0f} ms)")
+            parts = time_breakdown(spans)
+            where = (f"this step {parts['step_s'] * 1e3:.0f} ms: compute alone "
+                     f"{parts['compute_alone_s'] * 1e3:.0f}, comm alone (exposed) "
+                     f"{parts['comm_alone_s'] * 1e3:.0f}, overlapped {parts['overlapped_s'] * 1e3:.0f}, "
+                     f"neither {parts['idle_s'] * 1e3:.0f} ms")
+            missed = missed_target(name, row_result, result["strategies"])
+            if missed:
+                where = f"{missed}\n{where}\nwhy: {miss_reason(parts, result['compute_s'])}"
+            ax.set_title(title + "\n" + where, fontsize=8, color="firebrick" if missed else "black")
+        else:
+            sim = sims[name]
+            steady = [s for s in sim.spans if s.iteration == sim.spans[-1].iteration - 1]
+            t0 = min((float(s.start) for s in steady), default=0.0)
+            end = max((float(s.end) - t0 for s in steady), default=1.0)
+            for s in steady:
+                row = 0 if s.stream == "compute" else 1
+                width = float(s.end - s.start)
+                ax.barh(row, width, left=float(s.start) - t0, height=0.6,
+                        color=colors["compute" if row == 0 else "comm"], edgecolor="black", linewidth=0.5)
+                if width > 0.05 * end:
+                    ax.text(float(s.start) - t0 + width / 2, row, _sim_label(s.name), ha="center",
+                            va="center", fontsize=6.5, color="white", clip_on=True)
+            ax.set_title(f"{name}: SIMULATED for the measured costs (iteration "
+                         f"{float(sim.iteration_s) * 1e3:.0f} ms)", fontsize=9)
+        ax.set_yticks([0, 1], ["compute", "comm"])
+    axes[-1].set_xlabel("seconds")
+    fig.suptitle(f"{_model_text(result)}, {result['processes']} hosts, {result['bandwidth']} links, "
+                 f"batch {result['batch_per_process']}"
+                 f"/process; compute {result['compute_s'] * 1e3:.0f} ms, comm {result['comm_s'] * 1e3:.0f} ms")
+    fig.tight_layout()
+    return fig
+
+
+def plot(raw: dict[str, Any], result: dict[str, Any], sims: dict, path: Path) -> None:
+    """Write :func:`bench_figure` to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    bench_figure(raw, result, sims).savefig(path, dpi=110)
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxsched.tools import cluster as cluster_lib
+    from jaxsched.tools import launch as launch_lib
+
+    strategies = list(args.strategies)
+    if args.compression:  # every strategy that can carry it, compressed, beside the dense ones
+        parse_compression(args.compression)
+        strategies += [f"{s}+{args.compression}" for s in strategies if s in ("wfbp", "dear")]
+    with tempfile.TemporaryDirectory() as tmp:
+        raw_path = Path(tmp) / "raw.json"
+        worker = [sys.executable, "-m", "jaxsched.tools.bench", "--worker", "--raw-out", str(raw_path),
+                  "--steps", str(args.steps), "--worker-strategies", ",".join(strategies),
+                  "--depth", str(args.depth), "--width", str(args.width)]
+        if args.batch:
+            worker += ["--batch", str(args.batch)]
+        worker += ["--calibration-start", str(args.calibration_start), "--calibration-tolerance",
+                   str(args.calibration_tolerance), "--calibration-probes", str(args.calibration_probes)]
+        if args.buckets:
+            worker += ["--buckets", str(args.buckets)]
+        if not args.no_pin:
+            worker += ["--pin"]
+        env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                              os.environ.get("PYTHONPATH", "")])}
+        if args.no_cluster:
+            code = launch_lib.launch(args.hosts, worker, env=env, timeout_s=args.timeout, verbose=False)
+        else:
+            with cluster_lib.Cluster.up(args.hosts, args.bandwidth, prefix=args.prefix) as cluster:
+                code = launch_lib.launch(args.hosts, worker, cluster=cluster, env=env,
+                                         timeout_s=args.timeout, verbose=False)
+        if code != 0:
+            print(f"jaxsched bench: the benchmark processes failed (exit status {code})", file=sys.stderr)
+            return code
+        raw = json.loads(raw_path.read_text())
+    bandwidth = "unshaped loopback" if args.no_cluster else args.bandwidth
+    result = summarize(raw, strategies, bandwidth)
+    sims = simulated(result, strategies)
+    host = host_costs_of(result)
+    if host is not None:
+        result["host_costs"]["comm_slowdown"] = host.comm_slowdown
+    result["simulated"] = {n: {"iteration_s": float(s.iteration_s),
+                               "error_vs_measured": float(s.iteration_s) / result["strategies"][n]["step_s"] - 1}
+                           for n, s in sims.items()}
+    result["date"] = time.strftime("%Y-%m-%d %H:%M")
+    print(format_report(result))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    results_dir = RESULTS_DIR if args.save else Path(args.out)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    with open(results_dir / "overlap.jsonl", "a") as f:
+        f.write(json.dumps(result) + "\n")
+    png = Path(args.png) if args.png else chart_path(results_dir, result, strategies)
+    plot(raw, result, sims, png)
+    print(f"Gantt chart (measured stages beside the simulator): {png}")
+    return 0
+
+
+def _model_text(result: dict[str, Any]) -> str:
+    layers = result.get("layers", {})
+    return f"{layers.get('depth', DEPTH)}x{layers.get('width', WIDTH)} tanh MLP"
+
+
+def format_report(result: dict[str, Any]) -> str:
+    lines = [f"{_model_text(result)}, {result['processes']} hosts, {result['bandwidth']}, "
+             f"batch {result['batch_per_process']} per "
+             f"process, medians of {result['steps']} interleaved steps (MEASURED)",
+             f"  compute only {result['compute_s'] * 1e3:7.1f} ms   comm only {result['comm_s'] * 1e3:7.1f} ms"
+             f"   bound {result['bound_s'] * 1e3:7.1f} ms   plain step {result['plain_s'] * 1e3:7.1f} ms",
+             (f"  comm of the gradient tree leaf by leaf, as the plain step's pmean "
+              f"{result['comm_tree_s'] * 1e3:7.1f} ms" if result.get("comm_tree_s") else
+              "  comm of the gradient tree: not measured"),
+             "  ceiling (compute and comm dispatched together as raw programs) "
+             + (f"{result['ceiling_s'] * 1e3:7.1f} ms = {result['plain_s'] / result['ceiling_s']:.2f}x "
+                "the plain step" if result.get("ceiling_s") else "not measured"),
+             calibration_text(result.get("calibration"), result.get("measured_ratio")),
+             *([f"  SPEED-UPS WITHHELD: {result['speedups_withheld']}"] if result.get("speedups_withheld") else []),
+             f"  {'strategy':<10} {'step ms':>8} {'speedup':>8} {'x bound':>8} {'x ceiling':>9} "
+             f"{'overlap eff':>12} {'sim ms':>8}"]
+    for name, r in result["strategies"].items():
+        if r.get("missing"):
+            lines.append(f"  {name:<10} missing (not a registered strategy yet)")
+            continue
+        sim = result.get("simulated", {}).get(name, {}).get("iteration_s")
+        sim_txt = f"{sim * 1e3:8.1f}" if sim is not None else f"{'-':>8}"
+        ceiling = r.get("ratio_to_ceiling")
+        ceiling_txt = f"{ceiling:9.2f}" if ceiling else f"{'-':>9}"
+        speedup = f"{r['speedup']:8.2f}" if r.get("speedup") is not None else f"{'-':>8}"
+        eff = f"{r['overlap_efficiency']:12.2f}" if r.get("overlap_efficiency") is not None else f"{'-':>12}"
+        lines.append(f"  {name:<10} {r['step_s'] * 1e3:8.1f} {speedup} {r['ratio_to_bound']:8.2f} "
+                     f"{ceiling_txt} {eff} {sim_txt}")
+    for name, r in result["strategies"].items():
+        if r.get("missed_target"):
+            lines.append(f"  {name}: {r['missed_target']}"
+                         + (f"; measured: {r['missed_because']}" if r.get("missed_because") else ""))
+    return "\n".join(lines)
+
+
+def calibration_text(calibration: dict[str, Any] | None, measured_ratio: float | None = None) -> str:
+    """One line: how the batch was chosen and how close compute came to comm (in the probes
+    and, with ``measured_ratio``, in the measured steps that followed)."""
+    if not calibration:
+        return "  calibration: not recorded"
+    if calibration.get("explicit_batch"):
+        return f"  calibration: none (--batch {calibration['batch']} given)"
+    probes = ", ".join(f"{p['batch']}: {p['compute_s'] * 1e3:.1f}/{p['comm_s'] * 1e3:.1f} ms"
+                       for p in calibration["probes"])
+    state = "converged" if calibration["converged"] else "NOT CONVERGED"
+    return (f"  calibration {state}: compute/comm {calibration['achieved_ratio']:.2f} (target 1, "
+            f"error {calibration['error']:+.1%}, tolerance {calibration['tolerance']:.0%}) after "
+            f"{len(calibration['probes'])} probes (batch: compute/comm) {probes}"
+            + (f"; in the measured steps compute/comm {measured_ratio:.2f}"
+               if measured_ratio is not None else ""))
+
+
+def _strategy_names() -> tuple[str, ...]:
+    from jaxsched.strategies import strategy_names
+
+    return strategy_names()
+
+
+def _compression_option(text: str) -> str:
+    try:
+        parse_compression(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _hosts(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value} hosts: a benchmark of communication needs at least 2")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``jaxsched bench``'s options; every value is checked while parsing, before any work."""
+    parser.add_argument("--hosts", type=_hosts, default=2, help="processes, one per emulated host")
+    parser.add_argument("--bandwidth", default="1gbit", help="per-link limit, e.g. 1gbit, 500mbit")
+    parser.add_argument("--strategies", type=name_list(_strategy_names), default="allreduce,wfbp,dear,approx",
+                        help="comma-separated registered strategies")
+    parser.add_argument("--steps", type=positive_int, default=20, help="measured steps per variant")
+    parser.add_argument("--compression", type=_compression_option,
+                        help="also run wfbp/dear with this compressor "
+                        "(topk:DENSITY, gtopk:DENSITY, powersgd:RANK, bf16), same session")
+    parser.add_argument("--batch", type=positive_int, help="per-process batch (default: calibrated)")
+    parser.add_argument("--calibration-start", type=positive_int, default=128,
+                        help="first per-process batch the calibration probes")
+    parser.add_argument("--calibration-tolerance", type=positive_float, default=0.10,
+                        help="calibration succeeds when |compute/comm - 1| is at most this")
+    parser.add_argument("--calibration-probes", type=positive_int, default=6,
+                        help="most batches the calibration measures")
+    parser.add_argument("--depth", type=positive_int, default=DEPTH, help="layers of the tanh MLP")
+    parser.add_argument("--width", type=positive_int, default=WIDTH, help="width of every layer")
+    parser.add_argument("--buckets", type=positive_int, help="bucket byte threshold (default: one per layer)")
+    parser.add_argument("--out", type=output_dir, default="runs/bench",
+                        help="folder for the report row (overlap.jsonl) and the Gantt chart")
+    parser.add_argument("--save", action="store_true",
+                        help=f"write the row and the chart into {RESULTS_DIR}/ (the committed "
+                             "results the docs cite) instead of --out")
+    parser.add_argument("--json", type=output_path, help="also write the report here")
+    parser.add_argument("--png", type=output_path, help="Gantt chart path (default: "
+                        "bench_<depth>x<width>_<strategies>.png in --out, or in the results folder with --save)")
+    parser.add_argument("--prefix", default="jxsb", help="namespace prefix of the emulated cluster")
+    parser.add_argument("--no-cluster", action="store_true", help="loopback only (no root needed)")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin each process to one core")
+    parser.add_argument("--timeout", type=positive_float, default=900, help="seconds for the whole run")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxsched bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--raw-out", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-strategies", help=argparse.SUPPRESS)  # with "+compressor" variants
+    parser.add_argument("--pin", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        args.strategies = [s for s in args.worker_strategies.split(",") if s]
+        # one bucket per layer: each layer's reduction overlaps the backward of those below
+        args.buckets = args.buckets or [[f"layer{i}"] for i in reversed(range(args.depth))]
+        return _worker(args)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""An emulated multi-host cluster on one machine: network namespaces, a bridge, ``tc tbf``.
+
+Each host is a network namespace ``{prefix}-h{i}`` with one interface, ``eth0``, holding a
+private address ``{subnet}.{i+1}/24``. The hosts' links meet at a Linux bridge in a namespace
+of its own, ``{prefix}-sw`` (the switch). Nothing is created in the machine's own namespace,
+and no address exists outside the cluster's namespaces, so no traffic can leave them.
+
+Bandwidth is shaped with ``tc qdisc ... tbf`` at both ends of every link: on the host's
+``eth0`` (what the host sends) and on the switch port (what it receives), like a full-duplex
+link of that rate into a non-blocking switch. Latency cannot be emulated here (``netem`` is
+not available in this kernel, see docs/cpu_facts.md); bandwidth can.
+
+Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and the ``ip``/``tc`` tools. Python::
+
+    from jaxsched.tools.cluster import Cluster
+    with Cluster.up(2, bandwidth="1gbit") as cluster:
+        cluster.hosts[1].namespace, cluster.hosts[1].address, cluster.hosts[1].interface
+    # torn down here, also on an exception, Ctrl-C or SIGTERM
+
+Shell (until ``jaxsched cluster`` is wired into the CLI)::
+
+    python -m jaxsched.tools.cluster up --hosts 2 --bandwidth 1gbit
+    python -m jaxsched.tools.cluster status
+    python -m jaxsched.tools.cluster down        # also removes what a crashed run left behind
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+DEFAULT_PREFIX = "jxs"
+DEFAULT_SUBNET = "10.199.0.0/24"
+INTERFACE = "eth0"
+BRIDGE = "br0"
+MAX_HOSTS = 250
+# tbf queue: how long a packet may wait before it is dropped. TCP adapts to drops; this only
+# bounds the queue so a shaped link does not add seconds of buffering.
+TBF_LATENCY = "50ms"
+
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$")
+_RATE_SCALE = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+_PREFIX_RE = re.compile(r"^[a-z][a-z0-9-]{0,19}$")
+_UNSHAPED = ("none", "unlimited", "0")
+
+
+class ClusterError(RuntimeError):
+    """The emulated cluster could not be brought up, found, or taken down."""
+
+
+class NotPrivilegedError(ClusterError):
+    """Creating namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN)."""
+
+
+@dataclass(frozen=True)
+class Host:
+    """One emulated host: run a process in it with ``ip netns exec {namespace} ...``."""
+    rank: int
+    namespace: str
+    address: str      # private IPv4 address, reachable only from the cluster's namespaces
+    interface: str    # the host's only link (bind gloo to it: jaxsched.tools.launch.initialize)
+
+    def exec_prefix(self) -> list[str]:
+        """The argv prefix that runs a command inside this host's namespace."""
+        return ["ip", "netns", "exec", self.namespace]
+
+
+def parse_bandwidth(bandwidth: str | None) -> int | None:
+    """``"1gbit"`` -> 10**9 bits/s; ``None``/``"none"``/``"unlimited"`` -> ``None`` (unshaped).
+
+    Rates use ``tc``'s bit units: ``bit``, ``kbit``, ``mbit``, ``gbit``, ``tbit`` (powers of
+    1000). Raises ``ValueError`` naming the bad value.
+
+    Example:
+        >>> parse_bandwidth("1gbit"), parse_bandwidth("500mbit"), parse_bandwidth("none")
+        (1000000000, 500000000, None)
+    """
+    if bandwidth is None:
+        return None
+    text = str(bandwidth).strip().lower()
+    if text in _UNSHAPED:
+        return None
+    m = _RATE_RE.match(text)
+    if not m:
+        raise ValueError(f"bandwidth {bandwidth!r} is not a rate like '1gbit', '500mbit' or "
+                         f"'100kbit' (units bit, kbit, mbit, gbit, tbit; 'none' for unshaped)")
+    bits = float(m.group(1)) * _RATE_SCALE[m.group(2)]
+    if bits < 8000:
+        raise ValueError(f"bandwidth {bandwidth!r} is below tc's useful minimum of 8kbit")
+    return int(bits)
+
+
+def format_bandwidth(bits_per_s: int | None) -> str:
+    if bits_per_s is None:
+        return "unshaped"
+    for unit in ("tbit", "gbit", "mbit", "kbit"):
+        scale = _RATE_SCALE[unit]
+        if bits_per_s >= scale and bits_per_s % (scale // 1000 or 1) == 0:
+            return f"{bits_per_s / scale:g}{unit}"
+    return f"{bits_per_s}bit"
+
+
+def _validate_hosts(hosts: int) -> int:
+    if isinstance(hosts, bool) or not isinstance(hosts, int):
+        raise ValueError(f"hosts={hosts!r}: need an integer >= 2")
+    if not 2 <= hosts <= MAX_HOSTS:
+        raise ValueError(f"hosts={hosts}: an emulated cluster has 2 to {MAX_HOSTS} hosts")
+    return hosts
+
+
+def _validate_prefix(prefix: str) -> str:
+    if not _PREFIX_RE.match(prefix or ""):
+        raise ValueError(f"prefix {prefix!r}: use lowercase letters, digits and '-', starting "
+                         "with a letter, at most 20 characters")
+    return prefix
+
+
+def _validate_subnet(subnet: str) -> ipaddress.IPv4Network:
+    try:
+        net = ipaddress.IPv4Network(subnet, strict=True)
+    except ValueError as err:
+        raise ValueError(f"subnet {subnet!r}: {err}") from None
+    if net.prefixlen != 24 or not net.is_private:
+        raise ValueError(f"subnet {subnet!r}: need a private /24 such as {DEFAULT_SUBNET}")
+    return net
+
+
+def _have_net_admin() -> bool:
+    """Whether this process may create namespaces and links: CAP_NET_ADMIN and CAP_SYS_ADMIN
+    in its effective set (root has both, unless a container took them away)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    caps = int(line.split()[1], 16)
+                    return all(caps & (1 << bit) for bit in (12, 21))  # NET_ADMIN, SYS_ADMIN
+    except (OSError, ValueError):
+        pass
+    return os.geteuid() == 0
+
+
+def require_privileges() -> None:
+    """Raise a clear error unless namespaces can be created here."""
+    if not _have_net_admin():
+        raise NotPrivilegedError(
+            "an emulated cluster needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network "
+            "namespaces and shape links with tc; run as root (e.g. sudo), or run without "
+            "--cluster to use loopback")
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise ClusterError(f"{' and '.join(missing)} not found: install iproute2")
+
+
+def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, stdin=subprocess.DEVNULL)
+    if check and proc.returncode != 0:
+        raise ClusterError(f"`{' '.join(argv)}` failed ({proc.returncode}): "
+                           f"{proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def list_namespaces(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Namespaces that belong to the cluster ``prefix``: its hosts, then its switch."""
+    _validate_prefix(prefix)
+    proc = _run(["ip", "netns", "list"], check=False)
+    names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+    pat = re.compile(rf"^{re.escape(prefix)}-(h(\d+)|sw)$")
+    hosts = sorted((int(m.group(2)), n) for n in names if (m := pat.match(n)) and m.group(2))
+    return [n for _, n in hosts] + [n for n in names if n == f"{prefix}-sw"]
+
+
+def teardown(prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Remove every namespace of the cluster ``prefix`` (idempotent); returns what was removed.
+
+    Deleting a namespace deletes the veth ends and the bridge inside it, and with them the
+    peers and qdiscs, so this also cleans up after a run that crashed half way through.
+    """
+    removed, errors = [], []
+    for name in list_namespaces(prefix):
+        proc = _run(["ip", "netns", "delete", name], check=False)
+        if proc.returncode == 0:
+            removed.append(name)
+        elif name in list_namespaces(prefix):
+            errors.append(f"{name}: {proc.stderr.strip()}")
+    if errors:
+        raise ClusterError("could not remove " + "; ".join(errors))
+    return removed
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Within the block, SIGTERM/SIGHUP raise SystemExit so ``finally`` clauses run.
+
+    (SIGINT already raises KeyboardInterrupt.) Only possible in the main thread; elsewhere
+    the block runs unchanged.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _tbf(namespace: str, device: str, bits_per_s: int) -> list[str]:
+    # burst: at least one 64 KiB GSO segment plus a frame, or 1 ms of traffic at this rate.
+    burst = max(64 * 1024 + 1514, bits_per_s // 8 // 1000)
+    return ["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", "tbf",
+            "rate", f"{bits_per_s}bit", "burst", str(burst), "latency", TBF_LATENCY]
+
+
+class Cluster:
+    """An emulated cluster of network namespaces. Build one with :meth:`up` or :meth:`attach`."""
+
+    def __init__(self, prefix: str, hosts: Sequence[Host], bandwidth: int | None,
+                 owned: bool = True):
+        self.prefix = prefix
+        self.hosts: tuple[Host, ...] = tuple(hosts)
+        self.bandwidth = bandwidth          # bits/s on every link end, None when unshaped
+        self.owned = owned                  # whether __exit__ tears it down
+        self._signal_guard: contextlib.ExitStack | None = None
+
+    def __repr__(self) -> str:
+        return (f"Cluster(prefix={self.prefix!r}, hosts={len(self.hosts)}, "
+                f"bandwidth={format_bandwidth(self.bandwidth)!r})")
+
+    @classmethod
+    def up(cls, hosts: int, bandwidth: str | None = "1gbit", *, prefix: str = DEFAULT_PREFIX,
+           subnet: str = DEFAULT_SUBNET) -> "Cluster":
+        """Create ``hosts`` namespaces joined by a bridge, links shaped to ``bandwidth``.
+
+        Refuses if a cluster with this prefix exists already (``Cluster.attach`` uses it,
+        ``teardown`` removes it). Anything created is removed again if set-up fails or is
+        interrupted (Ctrl-C, SIGTERM).
+        """
+        _validate_hosts(hosts)
+        bits = parse_bandwidth(bandwidth)
+        _validate_prefix(prefix)
+        net = _validate_subnet(subnet)
+        require_privileges()
+        existing = list_namespaces(prefix)
+        if existing:
+            raise ClusterError(f"a cluster with prefix {prefix!r} exists already "
+                               f"({', '.join(existing)}); take it down first "
+                               f"(`python -m jaxsched.tools.cluster down --prefix {prefix}`)")
+        addresses = list(net.hosts())
+        switch = f"{prefix}-sw"
+        members = [Host(i, f"{prefix}-h{i}", str(addresses[i]), INTERFACE) for i in range(hosts)]
+        try:
+            with _signals_raise():
+                _run(["ip", "netns", "add", switch])
+                _run(["ip", "-n", switch, "link", "add", BRIDGE, "type", "bridge"])
+                _run(["ip", "-n", switch, "link", "set", BRIDGE, "up"])
+                for h in members:
+                    port = f"p{h.rank}"
+                    _run(["ip", "netns", "add", h.namespace])
+                    # Both ends are created directly inside their namespaces: nothing appears
+                    # in the machine's own namespace, even for a moment.
+                    _run(["ip", "link", "add", h.interface, "netns", h.namespace, "type", "veth",
+                          "peer", "name", port, "netns", switch])
+                    _run(["ip", "-n", switch, "link", "set", port, "master", BRIDGE])
+                    _run(["ip", "-n", switch, "link", "set", port, "up"])
+                    _run(["ip", "-n", h.namespace, "link", "set", "lo", "up"])
+                    _run(["ip", "-n", h.namespace, "addr", "add", f"{h.address}/24",
+                          "dev", h.interface])
+                    _run(["ip", "-n", h.namespace, "link", "set", h.interface, "up"])
+                    if bits is not None:
+                        _run(_tbf(h.namespace, h.interface, bits))
+                        _run(_tbf(switch, port, bits))
+        except BaseException:
+            teardown(prefix)
+            raise
+        return cls(prefix, members, bits)
+
+    @classmethod
+    def attach(cls, prefix: str = DEFAULT_PREFIX) -> "Cluster":
+        """The cluster ``prefix`` that is up now (e.g. from ``cluster up`` in a shell).
+
+        The returned object does not tear the cluster down on ``__exit__``; ``down()`` does.
+        """
+        names = [n for n in list_namespaces(prefix) if n != f"{prefix}-sw"]
+        if not names:
+            raise ClusterError(f"no cluster with prefix {prefix!r} is up "
+                               f"(`python -m jaxsched.tools.cluster up --hosts N`)")
+        hosts, bits = [], None
+        for rank, ns in enumerate(names):
+            if ns != f"{prefix}-h{rank}":
+                raise ClusterError(f"cluster {prefix!r} is incomplete: expected {prefix}-h{rank}, "
+                                   f"found {ns}; take it down and bring it up again")
+            out = _run(["ip", "-n", ns, "-o", "-4", "addr", "show", "dev", INTERFACE]).stdout
+            m = re.search(r"inet (\d+\.\d+\.\d+\.\d+)/", out)
+            if not m:
+                raise ClusterError(f"{ns} has no IPv4 address on {INTERFACE}")
+            hosts.append(Host(rank, ns, m.group(1), INTERFACE))
+            qd = _run(["tc", "-n", ns, "qdisc", "show", "dev", INTERFACE]).stdout
+            r = re.search(r"tbf .*?rate (\d+(?:\.\d+)?)([KMGT]?)bit", qd)
+            if r:
+                bits = int(float(r.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9,
+                                                 "T": 10**12}[r.group(2)])
+        return cls(prefix, hosts, bits, owned=False)
+
+    def down(self) -> list[str]:
+        """Remove this cluster's namespaces (idempotent)."""
+        return teardown(self.prefix)
+
+    def __enter__(self) -> "Cluster":
+        self._signal_guard = contextlib.ExitStack()
+        self._signal_guard.enter_context(_signals_raise())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self.owned:
+                self.down()
+        finally:
+            if self._signal_guard is not None:
+                self._signal_guard.close()
+                self._signal_guard = None
+
+    def describe(self) -> str:
+        lines = [f"cluster {self.prefix!r}: {len(self.hosts)} hosts, "
+                 f"links {format_bandwidth(self.bandwidth)} each way, bridge in {self.prefix}-sw"]
+        lines += [f"  host {h.rank}: namespace {h.namespace}, {h.interface} {h.address}"
+                  for h in self.hosts]
+        return "\n".join(lines)
+
+
+# --- command line: `jaxsched cluster up|down|status` ------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``up``/``down``/``status`` to ``parser`` (the ``jaxsched cluster`` subcommand)."""
+    sub = parser.add_subparsers(dest="cluster_command", required=True, metavar="{up,down,status}")
+    up = sub.add_parser("up", help="create an emulated cluster (root)")
+    up.add_argument("--hosts", type=int, required=True, help="number of hosts (>= 2)")
+    up.add_argument("--bandwidth", default="1gbit",
+                    help="rate of every link, each way: e.g. 1gbit, 500mbit; 'none' for unshaped "
+                         "(default 1gbit)")
+    up.add_argument("--subnet", default=DEFAULT_SUBNET,
+                    help=f"private /24 (default {DEFAULT_SUBNET})")
+    down = sub.add_parser("down",
+                          help="remove the emulated cluster and anything a crashed run left")
+    status = sub.add_parser("status", help="show the emulated cluster, if one is up")
+    for p in (up, down, status):
+        p.add_argument("--prefix", default=DEFAULT_PREFIX,
+                       help=f"namespace name prefix (default {DEFAULT_PREFIX})")
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """Run ``jaxsched cluster ...``; returns the exit status (0 ok, 1 failed, 2 bad input)."""
+    if not isinstance(args, argparse.Namespace):
+        parser = argparse.ArgumentParser(prog="python -m jaxsched.tools.cluster",
+                                         description="An emulated multi-host cluster (root).")
+        add_arguments(parser)
+        args = parser.parse_args(args)
+    try:
+        if args.cluster_command == "up":
+            cluster = Cluster.up(args.hosts, args.bandwidth, prefix=args.prefix, subnet=args.subnet)
+            print(cluster.describe())
+            print(f"take it down with: jaxsched cluster down"
+                  + ("" if args.prefix == DEFAULT_PREFIX else f" --prefix {args.prefix}"))
+            return 0
+        if args.cluster_command == "down":
+            require_privileges()
+            removed = teardown(args.prefix)
+            print(f"removed {', '.join(removed)}" if removed
+                  else f"no cluster with prefix {args.prefix!r} was up")
+            return 0
+        if args.cluster_command == "status":
+            if not list_namespaces(args.prefix):
+                print(f"no cluster with prefix {args.prefix!r} is up")
+                return 1
+            print(Cluster.attach(args.prefix).describe())
+            return 0
+    except ValueError as err:
+        print(f"jaxsched cluster: error: {err}", file=sys.stderr)
+        return 2
+    except ClusterError as err:
+        print(f"jaxsched cluster: error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("jaxsched cluster: interrupted; nothing left behind", file=sys.stderr)
+        return 130
+    raise AssertionError(args.cluster_command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

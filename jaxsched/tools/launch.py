@@ -1,0 +1,576 @@
+"""Start one JAX process per host, locally or in an emulated cluster, and watch them.
+
+The launcher (``launch``) sets, for each process::
+
+    JAXSCHED_COORDINATOR_ADDRESS   host 0's address and a port, e.g. 127.0.0.1:47113
+    JAXSCHED_NUM_PROCESSES         N
+    JAXSCHED_PROCESS_ID            0 .. N-1
+    JAXSCHED_GLOO_INTERFACE        the host's interface (only inside an emulated cluster)
+    JAXSCHED_CPU_DEVICES           local CPU devices per process (only if asked for)
+    JAXSCHED_HEARTBEAT_TIMEOUT     seconds until jax.distributed declares a silent peer dead
+
+and the training script calls :func:`initialize` before any other JAX call::
+
+    import jaxsched.tools.launch
+    info = jaxsched.tools.launch.initialize()      # jax.distributed.initialize(...) + gloo binding
+    ...                                      # jax.process_index() == info.process_id
+
+Without those variables (``srun``, ``mpirun``, a TPU pod's per-host start), ``initialize``
+calls ``jax.distributed.initialize()`` with no addresses, which detects the cluster itself,
+so the same script runs unchanged on a real cluster.
+
+Failure handling: when a process exits non-zero (or is killed), the launcher stops the others
+(SIGTERM to each process group, then SIGKILL after ``grace_s``) and returns the first failing
+exit code. Processes that survive a dead peer on their own also fail: a gloo collective with a
+crashed peer fails at once ("Connection closed by peer"), and jax.distributed's coordination
+service declares a peer dead after ``heartbeat_timeout`` seconds (20 under this launcher,
+100 by jax's default), after which every process aborts.
+
+Shell (until ``jaxsched launch`` is wired into the CLI)::
+
+    python -m jaxsched.tools.launch --hosts 2 -- python train.py --steps 10
+    python -m jaxsched.tools.launch --hosts 2 --cluster --bandwidth 1gbit -- python train.py
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Mapping, NamedTuple, Sequence
+
+ENV_COORDINATOR = "JAXSCHED_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAXSCHED_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXSCHED_PROCESS_ID"
+ENV_INTERFACE = "JAXSCHED_GLOO_INTERFACE"
+ENV_CPU_DEVICES = "JAXSCHED_CPU_DEVICES"
+ENV_HEARTBEAT = "JAXSCHED_HEARTBEAT_TIMEOUT"
+ENV_INIT_TIMEOUT = "JAXSCHED_INIT_TIMEOUT"
+ENV_SHUTDOWN_TIMEOUT = "JAXSCHED_SHUTDOWN_TIMEOUT"
+_LAUNCH_VARS = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+
+# Timeouts the launcher hands to jax.distributed (seconds). jax's defaults are 300/100/300:
+# a peer that died would keep the others waiting minutes. The launcher stops them sooner
+# anyway; these bound what a process does on its own.
+LAUNCH_INIT_TIMEOUT_S = 60
+LAUNCH_HEARTBEAT_TIMEOUT_S = 20
+LAUNCH_SHUTDOWN_TIMEOUT_S = 120
+DEFAULT_GRACE_S = 5.0
+
+# --- gloo bound to an interface: the one place that touches jaxlib's private API ------------
+
+# Verified on jax/jaxlib 0.10.2. jax's own CPU client factory (jax/_src/xla_bridge.py,
+# make_cpu_client) calls this with distributed_client only, so gloo advertises the address
+# the hostname resolves to; inside a network namespace that is loopback, which the peers
+# cannot reach. Passing interface= makes gloo listen on, and advertise, that interface.
+GLOO_FACTORY = "jax._src.lib._jax.make_gloo_tcp_collectives"
+GLOO_FACTORY_SIGNATURE = (
+    "make_gloo_tcp_collectives(distributed_client: jaxlib._jax.DistributedRuntimeClient, "
+    "hostname: str | None = None, interface: str | None = None) -> jaxlib._jax.CpuCollectives")
+
+
+class GlooBindingError(RuntimeError):
+    """jaxlib's private gloo factory is not what this module was written against."""
+
+
+def _gloo_factory():
+    """jaxlib's gloo factory, after checking its signature against the pinned one."""
+    try:
+        from jax._src.lib import _jax
+    except ImportError as err:  # pragma: no cover - jax layout changed
+        raise GlooBindingError(f"cannot import jax._src.lib._jax ({err}); jaxsched binds gloo "
+                               f"to an interface through {GLOO_FACTORY}, verified on jax 0.10.2"
+                               ) from err
+    factory = getattr(_jax, "make_gloo_tcp_collectives", None)
+    doc = (getattr(factory, "__doc__", None) or "").strip().splitlines()
+    found = doc[0] if doc else "<missing>"
+    if factory is None or found != GLOO_FACTORY_SIGNATURE:
+        import jax
+        raise GlooBindingError(
+            f"jaxsched binds gloo to a network interface through the private {GLOO_FACTORY}, "
+            f"verified on jax 0.10.2 with signature\n  {GLOO_FACTORY_SIGNATURE}\n"
+            f"but jax {jax.__version__} has\n  {found}\n"
+            "Update jaxsched.tools.launch.make_gloo_collectives for this jax, or run without an "
+            "interface (processes on one network namespace need none).")
+    return factory
+
+
+def make_gloo_collectives(distributed_client, *, interface: str | None = None,
+                          hostname: str | None = None):
+    """gloo TCP collectives over ``interface`` (e.g. ``eth0``) or ``hostname``'s address.
+
+    The only call into ``jax._src.lib._jax.make_gloo_tcp_collectives`` in jaxsched; its
+    signature is checked against :data:`GLOO_FACTORY_SIGNATURE` and a mismatch raises
+    :class:`GlooBindingError` instead of failing somewhere inside jaxlib.
+    """
+    return _gloo_factory()(distributed_client=distributed_client, hostname=hostname,
+                           interface=interface)
+
+
+def _check_cpu_client_factory():
+    from jax._src import xla_bridge
+    import inspect
+    make = getattr(xla_bridge, "make_cpu_client", None)
+    register = getattr(xla_bridge, "register_backend_factory", None)
+    if make is None or register is None or \
+            "collectives" not in inspect.signature(make).parameters:
+        raise GlooBindingError(
+            "jaxsched replaces jax's CPU backend factory with one whose gloo collectives are "
+            "bound to an interface: it needs jax._src.xla_bridge.make_cpu_client(collectives=...) "
+            "and register_backend_factory, as in jax 0.10.2, and this jax differs")
+    return xla_bridge
+
+
+def bind_gloo(interface: str) -> None:
+    """Make the CPU client (not created yet) use gloo bound to ``interface``.
+
+    Call after ``jax.distributed.initialize`` and before anything creates JAX's backends
+    (``jax.devices()``, any computation). Re-registers jax's ``cpu`` backend factory with
+    the same ``make_cpu_client``, passing collectives from :func:`make_gloo_collectives`.
+    """
+    from jax._src import config as jax_config, distributed
+    xla_bridge = _check_cpu_client_factory()
+    _gloo_factory()  # fail now, not when the backend is created
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError("bind_gloo must run before JAX creates its backends (before "
+                           "jax.devices() or any computation)")
+    if distributed.global_state.client is None:
+        raise RuntimeError("bind_gloo needs jax.distributed.initialize() to have run first")
+    impl = jax_config.cpu_collectives_implementation.value
+    if impl != "gloo":
+        raise RuntimeError(f"bind_gloo binds gloo, but jax_cpu_collectives_implementation is "
+                           f"{impl!r}")
+
+    def make_cpu_client():
+        collectives = make_gloo_collectives(distributed.global_state.client, interface=interface)
+        return xla_bridge.make_cpu_client(collectives=collectives)
+
+    xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+
+
+# --- in the training script --------------------------------------------------------------
+
+class ProcessInfo(NamedTuple):
+    process_id: int
+    num_processes: int
+    coordinator_address: str | None   # None when single-process
+    interface: str | None             # gloo's interface, None when jax chose
+
+
+def _env_int(name: str, value: int | float | None, default: int | None) -> int | None:
+    if value is not None:
+        return int(value)
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def initialize(*, cpu_devices: int | None = None, interface: str | None = None,
+               heartbeat_timeout_s: int | None = None, initialization_timeout_s: int | None = None,
+               shutdown_timeout_s: int | None = None,
+               allow_single_process: bool = False, fail_fast: bool = True) -> ProcessInfo:
+    """``jax.distributed.initialize`` for a process started by :func:`launch` or a real cluster.
+
+    - Under ``jaxsched launch`` (``JAXSCHED_*`` variables set): initialize with the given
+      coordinator, process count and id, and bind gloo to ``JAXSCHED_GLOO_INTERFACE`` if set.
+    - Otherwise: ``jax.distributed.initialize()`` with no addresses, which auto-detects SLURM,
+      Open MPI and TPU pods. If nothing is detected it raises, unless
+      ``allow_single_process`` is set, in which case JAX runs as one process.
+
+    Arguments override the environment. ``cpu_devices`` sets ``jax_num_cpu_devices``. Call it
+    first, before any other JAX call.
+
+    ``fail_fast``: an uncaught exception prints its traceback and ends the process at once
+    (``os._exit(1)``). Without it, JAX's exit handler waits in jax.distributed's shutdown
+    barrier for the other processes, which may be blocked in a collective that waits for this
+    one, for up to the shutdown timeout (300 s by default). ``sys.exit(code)`` does not pass
+    through this hook: a script that exits non-zero on purpose should call
+    :func:`exit_now` (or ``os._exit``).
+    """
+    import jax
+
+    cpu_devices = _env_int(ENV_CPU_DEVICES, cpu_devices, None)
+    if cpu_devices is not None:
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+    timeouts = {}
+    for key, env, arg in (("initialization_timeout", ENV_INIT_TIMEOUT, initialization_timeout_s),
+                          ("heartbeat_timeout_seconds", ENV_HEARTBEAT, heartbeat_timeout_s),
+                          ("shutdown_timeout_seconds", ENV_SHUTDOWN_TIMEOUT, shutdown_timeout_s)):
+        value = _env_int(env, arg, None)
+        if value is not None:
+            timeouts[key] = value  # else jax's default
+    interface = interface or os.environ.get(ENV_INTERFACE) or None
+
+    present = [v for v in _LAUNCH_VARS if os.environ.get(v)]
+    if present:
+        missing = [v for v in _LAUNCH_VARS if v not in present]
+        if missing:
+            raise RuntimeError(f"{', '.join(present)} set but {', '.join(missing)} missing: "
+                               "start the processes with jaxsched launch, or set all three")
+        coordinator = os.environ[ENV_COORDINATOR]
+        num = _env_int(ENV_NUM_PROCESSES, None, None)
+        pid = _env_int(ENV_PROCESS_ID, None, None)
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
+                                   process_id=pid, cluster_detection_method="deactivate",
+                                   **timeouts)
+    else:
+        coordinator = None
+        try:
+            jax.distributed.initialize(**timeouts)
+        except ValueError as err:
+            if "should be defined" not in str(err):
+                raise
+            if allow_single_process:
+                return ProcessInfo(0, 1, None, None)
+            raise RuntimeError(
+                "jaxsched.tools.launch.initialize: no JAXSCHED_* variables and no cluster detected "
+                f"by jax.distributed.initialize() ({err}). Start the script with `jaxsched "
+                "launch --hosts N -- python ...`, under srun/mpirun/a TPU pod, or pass "
+                "allow_single_process=True") from err
+        from jax._src import distributed
+        num, pid = distributed.global_state.num_processes, distributed.global_state.process_id
+        coordinator = distributed.global_state.coordinator_address
+    if interface:
+        bind_gloo(interface)
+    if fail_fast:
+        _install_fail_fast()
+    return ProcessInfo(pid, num, coordinator, interface)
+
+
+def exit_now(code: int = 1) -> None:
+    """Flush stdout/stderr and end the process with ``code``, skipping JAX's shutdown barrier."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(code)
+
+
+def _install_fail_fast() -> None:
+    previous = sys.excepthook
+    if getattr(previous, "_jaxsched_fail_fast", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        try:
+            previous(exc_type, exc, tb)
+        finally:
+            exit_now(1)
+
+    hook._jaxsched_fail_fast = True
+    sys.excepthook = hook
+
+
+# --- the launcher ------------------------------------------------------------------------
+
+class LaunchError(RuntimeError):
+    """The processes could not be started."""
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now.
+
+    Example:
+        >>> 1024 <= free_port() < 65536
+        True
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_status(returncode: int) -> int:
+    """A process's exit status as a shell reports it: -SIGNAL becomes 128 + SIGNAL."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+#: Lines gloo prints once per connected peer when a process joins ("[Gloo] Rank 0 is
+#: connected to 1 peer ranks. Expected number of connected peer ranks is : 1"): one per
+#: process and collective context, noise unless something is wrong (``--verbose``).
+GLOO_CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+
+
+def _pump(stream: IO[bytes], out: IO[str], tag: str, lock: threading.Lock,
+          drop: re.Pattern | None = None) -> None:
+    """Copy ``stream`` to ``out`` line by line, each line prefixed with ``tag``; lines that
+    ``drop`` matches are left out."""
+    try:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace")
+            if drop is not None and drop.search(line):
+                continue
+            if not line.endswith("\n"):
+                line += "\n"
+            with lock:
+                out.write(tag + line)
+                out.flush()
+    except (OSError, ValueError):
+        pass  # the launcher's own output went away: keep draining is not possible
+    finally:
+        stream.close()
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated(signum)
+
+
+def launch(hosts: int, command: Sequence[str], *, cluster=None, port: int | None = None,
+           cpu_devices: int | None = None, env: Mapping[str, str] | None = None,
+           heartbeat_timeout_s: int = LAUNCH_HEARTBEAT_TIMEOUT_S,
+           initialization_timeout_s: int = LAUNCH_INIT_TIMEOUT_S,
+           shutdown_timeout_s: int = LAUNCH_SHUTDOWN_TIMEOUT_S,
+           grace_s: float = DEFAULT_GRACE_S, timeout_s: float | None = None,
+           prefix_output: bool = True, stdout: IO[str] | None = None,
+           stderr: IO[str] | None = None, verbose: bool = True) -> int:
+    """Run ``command`` as ``hosts`` processes; returns 0, or the first failing exit status.
+
+    Each process gets the ``JAXSCHED_*`` variables (module docstring) and, with ``cluster``
+    (a :class:`jaxsched.tools.cluster.Cluster`), runs inside host ``i``'s namespace with gloo
+    bound to its interface; without, all processes share loopback. Output lines are
+    prefixed ``[rank] ``. When a process fails, the others get SIGTERM, then SIGKILL after
+    ``grace_s``; the launcher returns within ``grace_s`` plus a fraction of a second.
+    ``timeout_s`` bounds the whole run (exit status 124 when it expires). Ctrl-C or SIGTERM
+    to the launcher stops every process (status 130 or 143). Unless ``verbose``, gloo's
+    per-peer connection lines (:data:`GLOO_CHATTER`) are left out.
+    """
+    if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
+        raise ValueError(f"hosts={hosts!r}: need an integer >= 1")
+    command = list(command)
+    if not command:
+        raise ValueError("no command to launch: give it after `--`, e.g. -- python train.py")
+    if cluster is not None and len(cluster.hosts) < hosts:
+        raise ValueError(f"hosts={hosts} but the cluster {cluster.prefix!r} has "
+                         f"{len(cluster.hosts)} hosts")
+    out = stdout if stdout is not None else sys.stdout
+    err = stderr if stderr is not None else sys.stderr
+    port = port or free_port()
+    coordinator = f"{cluster.hosts[0].address if cluster is not None else '127.0.0.1'}:{port}"
+    base = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
+            ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(hosts),
+            ENV_HEARTBEAT: str(heartbeat_timeout_s),
+            ENV_INIT_TIMEOUT: str(initialization_timeout_s),
+            ENV_SHUTDOWN_TIMEOUT: str(shutdown_timeout_s)}
+    if cpu_devices is not None:
+        base[ENV_CPU_DEVICES] = str(cpu_devices)
+
+    def note(msg: str) -> None:
+        with lock:
+            err.write(f"jaxsched launch: {msg}\n")
+            err.flush()
+
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    status = 0
+    in_main = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, _raise_terminated) if in_main else None
+    try:
+        try:
+            for rank in range(hosts):
+                proc_env = {**base, ENV_PROCESS_ID: str(rank)}
+                argv = command
+                if cluster is not None:
+                    host = cluster.hosts[rank]
+                    proc_env[ENV_INTERFACE] = host.interface
+                    argv = host.exec_prefix() + command
+                try:
+                    p = subprocess.Popen(argv, env=proc_env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         start_new_session=True)
+                except OSError as e:
+                    raise LaunchError(f"cannot start {shlex.join(argv)}: {e}") from e
+                procs.append(p)
+                tag = f"[{rank}] " if prefix_output else ""
+                drop = None if verbose else GLOO_CHATTER
+                for stream, sink in ((p.stdout, out), (p.stderr, err)):
+                    t = threading.Thread(target=_pump, args=(stream, sink, tag, lock, drop), daemon=True)
+                    t.start()
+                    pumps.append(t)
+            status = _watch(procs, note, timeout_s)
+        except KeyboardInterrupt:
+            note("interrupted; stopping every process")
+            status = 130
+        except _Terminated:
+            note("terminated; stopping every process")
+            status = 143
+        finally:
+            _stop(procs, grace_s, note)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, old_term)
+        for t in pumps:
+            t.join(timeout=2.0)
+    return status
+
+
+def _watch(procs: list[subprocess.Popen], note, timeout_s: float | None) -> int:
+    """Wait until every process exits 0 (0), one fails (its status) or time runs out (124).
+
+    One waiter thread per process reports exits in the order they happen, so the failure
+    reported is the first one, not the lowest rank among those that failed since the last look.
+    """
+    exits: queue.Queue = queue.Queue()
+    for rank, p in enumerate(procs):
+        threading.Thread(target=lambda r=rank, q=p: exits.put((r, q.wait())), daemon=True).start()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    done = 0
+    while done < len(procs):
+        try:
+            rank, code = exits.get(timeout=0.1)
+        except queue.Empty:
+            if deadline is not None and time.monotonic() > deadline:
+                note(f"timed out after {timeout_s:g} s; stopping every process")
+                return 124
+            continue
+        done += 1
+        if code != 0:
+            others = [r for r, q in enumerate(procs) if q.poll() is None]
+            note(f"process {rank} {_describe(code)}"
+                 + (f"; stopping process{'es' if len(others) > 1 else ''} "
+                    f"{', '.join(map(str, others))}" if others else ""))
+            return _exit_status(code)
+    return 0
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float, note) -> None:
+    """SIGTERM every running process group, SIGKILL what is left after ``grace_s``."""
+    def signal_all(sig: int) -> None:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    if not any(p.poll() is None for p in procs):
+        return
+    signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    if any(p.poll() is None for p in procs):
+        note(f"killing what is still running after {grace_s:g} s")
+        signal_all(signal.SIGKILL)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
+            note(f"process {p.pid} did not die")
+
+
+# --- command line: `jaxsched launch` -----------------------------------------------------
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: use 1..65535")
+    return port
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``jaxsched launch``'s options to ``parser``; the command follows ``--``."""
+    from jaxsched.tools.cli.options import positive_float, positive_int
+
+    parser.add_argument("--hosts", type=positive_int, required=True, help="number of processes")
+    parser.add_argument("--cluster", action="store_true",
+                        help="run each process in its host's namespace of the emulated cluster "
+                             "(the one that is up, else one brought up for this run; root)")
+    parser.add_argument("--bandwidth", default=None,
+                        help="with --cluster, when the launcher brings the cluster up: rate of "
+                             "every link (default 1gbit; 'none' for unshaped)")
+    parser.add_argument("--prefix", default=None, help="with --cluster: namespace prefix "
+                        "(default jxs)")
+    parser.add_argument("--port", type=_port, help="coordinator port (default: a free one)")
+    parser.add_argument("--cpu-devices", type=positive_int,
+                        help="local CPU devices per process (sets JAXSCHED_CPU_DEVICES)")
+    parser.add_argument("--heartbeat-timeout", type=positive_int, default=LAUNCH_HEARTBEAT_TIMEOUT_S,
+                        help="seconds until jax.distributed declares a silent process dead")
+    parser.add_argument("--grace", type=positive_float, default=DEFAULT_GRACE_S,
+                        help="seconds between SIGTERM and SIGKILL when stopping processes")
+    parser.add_argument("--timeout", type=positive_float, help="stop everything after this many seconds")
+    parser.add_argument("--no-prefix", action="store_true", help="do not prefix output with [rank]")
+    parser.add_argument("--verbose", action="store_true",
+                        help="keep gloo's per-peer connection lines ([Gloo] Rank N is connected ...)")
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                        help="the command each process runs")
+
+
+def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
+    """Run ``jaxsched launch ...``; returns the exit status (first failing process's status)."""
+    if not isinstance(args, argparse.Namespace):
+        parser = argparse.ArgumentParser(prog="python -m jaxsched.tools.launch",
+                                         description="Start one JAX process per host.")
+        add_arguments(parser)
+        args = parser.parse_args(args)
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    from jaxsched.tools import cluster as cluster_lib
+
+    def fail(msg: str, code: int) -> int:
+        print(f"jaxsched launch: error: {msg}", file=sys.stderr)
+        return code
+
+    if not command:
+        return fail("no command: put it after `--`, e.g. jaxsched launch --hosts 2 -- python "
+                    "train.py", 2)
+    if not args.cluster and (args.bandwidth is not None or args.prefix is not None):
+        return fail("--bandwidth and --prefix need --cluster", 2)
+    kwargs = dict(port=args.port, cpu_devices=args.cpu_devices,
+                  heartbeat_timeout_s=args.heartbeat_timeout, grace_s=args.grace,
+                  timeout_s=args.timeout, prefix_output=not args.no_prefix,
+                  verbose=getattr(args, "verbose", True))
+    try:
+        if not args.cluster:
+            return launch(args.hosts, command, **kwargs)
+        prefix = args.prefix or cluster_lib.DEFAULT_PREFIX
+        cluster_lib.require_privileges()
+        if cluster_lib.list_namespaces(prefix):
+            cluster = cluster_lib.Cluster.attach(prefix)
+            if args.bandwidth is not None and \
+                    cluster_lib.parse_bandwidth(args.bandwidth) != cluster.bandwidth:
+                return fail(f"the cluster {prefix!r} is up with links "
+                            f"{cluster_lib.format_bandwidth(cluster.bandwidth)}, not "
+                            f"{args.bandwidth}: take it down or leave out --bandwidth", 2)
+            print(f"jaxsched launch: using the cluster that is up: {cluster!r}", file=sys.stderr)
+            return launch(args.hosts, command, cluster=cluster, **kwargs)
+        bandwidth = "1gbit" if args.bandwidth is None else args.bandwidth
+        with cluster_lib.Cluster.up(max(args.hosts, 2), bandwidth, prefix=prefix) as cluster:
+            print(f"jaxsched launch: brought up {cluster!r} for this run", file=sys.stderr)
+            return launch(args.hosts, command, cluster=cluster, **kwargs)
+    except ValueError as e:
+        return fail(str(e), 2)
+    except (cluster_lib.ClusterError, LaunchError) as e:
+        return fail(str(e), 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
