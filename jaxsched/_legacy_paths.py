@@ -37,7 +37,7 @@ MOVED: dict[str, str] = {
     "jaxsched.data": "jaxsched.zoo.data",
     "jaxsched.profile": "jaxsched.plan.profiling",
     "jaxsched.plan.compiled": "jaxsched.pipeline.compiled_planner",
-    "jaxsched.planned_step": "jaxsched.pipeline.planned_step",
+    "jaxsched.planned_step": "jaxsched.plan.planned_step",
     "jaxsched.program": "jaxsched.pipeline.program",
     "jaxsched.state_step": "jaxsched.pipeline.state_step",
     "jaxsched.verify": "jaxsched.check.verify",

@@ -26,7 +26,8 @@ import jax
 from jaxsched.core.capture import abstract_leaf, capture
 from jaxsched.runtime.collectives.base import Collective
 from jaxsched.runtime.engine import Engine, make_engine
-from jaxsched.pipeline.program import Program, ProgramCache, build_program, retyped
+from jaxsched.pipeline.program import Program, ProgramCache, retyped
+from jaxsched.pipeline.select import build_program
 from jaxsched.pipeline.state_step import STATE, StateForm, UnsplitState, inputs_of, step_form, with_inputs
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
 
@@ -161,7 +162,12 @@ class Scheduled:
     def fresh(self) -> "Scheduled":
         """A new schedule of the same step with the same options and no traced programs
         (``verify`` traces the step again in float64 with it)."""
-        return Scheduled(self.step, self.strategy, self.buckets_option, engine=self.engine,
+        return self.with_step(self.step)
+
+    def with_step(self, step: Callable) -> "Scheduled":
+        """A new schedule of ``step`` with this one's options (the state-form adapter
+        schedules the pure step it splits off the user's)."""
+        return Scheduled(step, self.strategy, self.buckets_option, engine=self.engine,
                          **self.plan_options)
 
     def verify(self, state: NamedTuple, batches: Any, steps: int = 10, rtol: float = 1e-5,

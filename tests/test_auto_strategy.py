@@ -78,6 +78,6 @@ def test_explicit_buckets_are_kept_and_compressors_skip_allreduce():
     sched = _run(OverlappingXla(), n_steps=1, buckets=plan)
     assert sched.strategy.last_choice.buckets == plan
     auto = jaxsched.strategies.Auto(collective=jaxsched.runtime.compress.Cast("bfloat16"))
-    assert [c.name for c in auto._candidates()] == ["wfbp", "dear"]
+    assert [c.name for c in auto.candidate_strategies()] == ["wfbp", "dear"]
     with pytest.raises(ValueError, match="'nope' is not a registered strategy"):
         jaxsched.schedule(lambda *a: a, strategy="auto", candidates=("nope",))

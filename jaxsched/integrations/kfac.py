@@ -35,7 +35,7 @@ def find_layers(step: Callable, params: Any, opt_state: Any, batch: Any) -> Laye
     """The dense and convolution layers K-FAC recognises in ``step`` (traced on these
     example inputs), and the parameter paths it leaves on the plain gradient."""
     from jaxsched.core.capture import capture
-    from jaxsched.pipeline.planned_step import PlannedStep
+    from jaxsched.plan.planned_step import PlannedStep
     from jaxsched.core.rewrite.layers import match_layers
 
     planned = PlannedStep(capture(step, params, opt_state, batch))

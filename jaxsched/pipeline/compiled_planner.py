@@ -20,7 +20,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+from jaxsched.pipeline.program import Program
 
 __all__ = ["BUCKET_CANDIDATES", "DEVICE_DCN_REDUCTION", "ONE_BUCKET", "VARIANTS", "CompiledChoice",
            "candidates_for", "choose_by_compiling", "compiled_estimates_apply", "spans_slices"]
@@ -128,17 +130,19 @@ class CompiledChoice:
 
 
 def choose_by_compiling(captured: Any, candidates: Sequence[tuple[Any, Any]], engine: Any,
-                        plan_options: dict) -> CompiledChoice:
+                        plan_options: dict, plan: Callable[..., Any]) -> CompiledChoice:
     """Compile every ``(strategy, buckets)`` candidate for ``captured``'s mesh and return
-    which XLA estimates fastest (see the module docstring)."""
-    from jaxsched.pipeline.program import build_program
+    which XLA estimates fastest (see the module docstring). ``plan(captured, strategy,
+    buckets, engine, plan_options)`` gives each candidate's planned step."""
 
     if captured.example_inputs is None:
         raise ValueError("the captured step carries no example inputs to compile with")
     params, opt_state, batch = captured.example_inputs
     labels, steps, exposed = [], [], []
     for strategy, buckets in candidates:
-        program = build_program(captured, strategy, buckets, engine, dict(plan_options))
+        strategy = strategy.for_mesh(captured)
+        program = Program(plan(captured, strategy, buckets, engine, dict(plan_options)), strategy,
+                          engine)
         report = program.inspect(strategy.initial_state(params, opt_state), batch)
         forms = sorted(set(strategy.collective.forms.values()))
         labels.append(f"{strategy.name}, buckets={buckets}" + "".join(f", {f}" for f in forms)

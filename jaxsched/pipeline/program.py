@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxsched.core.capture import CapturedStep
 from jaxsched.runtime.engine.base import Engine, PerDeviceProgram
-from jaxsched.pipeline.planned_step import PlannedStep, is_abstract
+from jaxsched.plan.planned_step import PlannedStep, is_abstract
 from jaxsched.strategies.base import Strategy
 
 
@@ -208,31 +208,6 @@ class Program:
         return inspect_lib.report(compiled, schedule, self.planned.mesh,
                                   label=label or self.strategy.name,
                                   target=inspect_lib.describe_mesh(self.planned.mesh))
-
-
-def build_program(captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Engine,
-                  plan_options: dict | None = None) -> Program:
-    """The program of ``strategy`` for ``captured`` with bucket option ``buckets`` on ``engine``."""
-    plan_options = dict(plan_options or {})
-    strategy, buckets = strategy.resolve(captured, buckets, plan_options, engine)
-    strategy = strategy.for_mesh(captured)
-    compression = simulated_compression(strategy)
-    planned = PlannedStep(captured, buckets, plan_options, strategy.cost, compression=compression,
-                          compressor=strategy.collective if compression is not None else None,
-                          engine=engine)
-    return Program(planned, strategy, engine)
-
-
-def simulated_compression(strategy: Strategy) -> Any:
-    """The strategy's compressor as the planner's simulator models it (None: dense, or a
-    compressor or pattern the simulator does not model)."""
-    model = getattr(strategy.collective, "sim_compression", None)
-    if model is None or not strategy.cost.compressible:
-        return None
-    try:
-        return model()
-    except ValueError:  # e.g. one density per bucket (LAGS): the simulator models one
-        return None
 
 
 class ProgramCache:

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 from jax.extend import core as jex_core
@@ -73,9 +73,6 @@ from jax.extend import core as jex_core
 from jaxsched.core.analyze import analyze
 from jaxsched.core.bucketing import is_float, param_paths, shape_key
 from jaxsched.core.capture import UnsupportedStepError, capture
-
-if TYPE_CHECKING:  # the adapter wraps Scheduled; schedule imports this module lazily
-    from jaxsched._schedule import Scheduled
 
 __all__ = ["SIGNATURES", "StateForm", "StateLayout", "UnsplitState", "find_layout", "inputs_of",
            "returns_aux", "step_form", "with_inputs"]
@@ -339,10 +336,10 @@ class StateForm:
     """What ``Scheduled`` delegates to for a ``step(state, batch)``: the layout (decided at
     the first split) and an inner :class:`~jaxsched.Scheduled` of the pure step."""
 
-    def __init__(self, owner: "Scheduled"):
+    def __init__(self, owner: Any):
         self.owner = owner
         self.layout: StateLayout | None = None
-        self.inner: "Scheduled" | None = None
+        self.inner: Any | None = None
 
     def init(self, state: Any, batch: Any = None) -> Any:
         if batch is None:
@@ -355,18 +352,14 @@ class StateForm:
         """The user's step as ``step(state, batch)`` (extra inputs in the batch tuple)."""
         return self.owner.traced_step
 
-    def inner_for(self, state: Any, batch: Any) -> "Scheduled":
+    def inner_for(self, state: Any, batch: Any) -> Any:
         """The scheduled pure step, splitting the state on first use."""
         if self.layout is None:
-            from jaxsched._schedule import Scheduled
-
-            owner = self.owner
             self.layout = find_layout(self.step, state, batch)
-            self.inner = Scheduled(self.layout.pure_step(self.step), owner.strategy,
-                                   owner.buckets_option, engine=owner.engine, **owner.plan_options)
+            self.inner = self.owner.with_step(self.layout.pure_step(self.step))
         return self.inner
 
-    def scheduled_state(self, sstate: Any, batch: Any) -> tuple["Scheduled", Any]:
+    def scheduled_state(self, sstate: Any, batch: Any) -> tuple[Any, Any]:
         """The inner schedule and ``sstate`` in its form (an :class:`UnsplitState` split)."""
         if isinstance(sstate, UnsplitState):
             inner = self.inner_for(sstate.state, batch)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsched.runtime.processes import agree_across_processes
 from jaxsched.zoo import models
 from jaxsched.core.axes import axis_size
 from jaxsched.sim.costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
@@ -401,21 +402,6 @@ def measure_selection_s_per_byte(compressor: Any, device: Any = None, elements: 
         return _median_seconds(lambda: fn(g, state), repeats)
 
     return max(0.0, timed(compressor) - timed(Collective())) / (4 * elements)
-
-
-def agree_across_processes(values: Sequence[float]) -> np.ndarray:
-    """Process 0's ``values`` on every process (unchanged with one process).
-
-    Measurements differ a little between processes; whatever a plan is computed from must
-    be identical everywhere, or processes would build different programs and their
-    collectives would never match.
-    """
-    values = np.asarray(values, np.float64)
-    if jax.process_count() == 1:
-        return values
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.broadcast_one_to_all(values), np.float64)
 
 
 def agree_on_network(network: NetworkProfile) -> NetworkProfile:

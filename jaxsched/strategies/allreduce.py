@@ -18,7 +18,7 @@ from typing import Any
 from jax.extend import core as jex_core
 
 from jaxsched.sim.costmodel import ALLREDUCE_PATTERN
-from jaxsched.pipeline.planned_step import PlannedStep
+from jaxsched.plan.planned_step import PlannedStep
 from jaxsched.strategies.base import RewrittenBody, UserLayoutStrategy
 from jaxsched.strategies.registry import register_strategy
 

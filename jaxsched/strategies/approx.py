@@ -67,7 +67,7 @@ from jaxsched.core.capture import UnsupportedStepError
 from jaxsched.runtime.collectives.base import BucketSpec, Collective, stack_local, unstack_local
 from jaxsched.sim.costmodel import APPROX_PATTERN
 from jaxsched.strategies.approximation import approximated_point, check_method, check_staleness, select
-from jaxsched.pipeline.planned_step import PlannedStep, is_abstract, zero_count
+from jaxsched.plan.planned_step import PlannedStep, is_abstract, zero_count
 from jaxsched.core.primitives import COLLECTIVES
 from jaxsched.core.replay import interpret, is_var, nested_eqns, read, source_line
 from jaxsched.core.rewrite.backward import walk_backward

@@ -7,7 +7,8 @@ simulator, with the bucket plan the candidate would run and with what the engine
 its fixed cost per collective (the host engine's stage dispatch) and whether collectives
 overlap compute at all (not on the ``xla`` engine on CPU, where the simulator runs one
 shared stream). The fastest prediction wins; ties go to the earlier candidate. The choice
-is made once per traced step and is reported in ``strategy.last_choice`` (simulated
+is made once per traced step (:mod:`jaxsched.pipeline.select`) and is reported in
+``strategy.last_choice`` (simulated
 seconds per candidate: SIMULATED, not measured).
 
 With ``buckets=None`` or ``"auto"`` each candidate's buckets are planned too (the planned
@@ -29,7 +30,6 @@ from typing import Any, Sequence
 
 from jaxsched.runtime.collectives.base import Collective
 from jaxsched.sim.costmodel import WFBP_PATTERN
-from jaxsched.pipeline.compiled_planner import compiled_estimates_apply
 from jaxsched.strategies.base import Strategy
 from jaxsched.strategies.registry import make_strategy, register_strategy, strategy_names
 
@@ -62,7 +62,7 @@ class Auto(Strategy):
     """Chooses among exact strategies by simulating the step on the measured machine."""
 
     name = "auto"
-    cost = WFBP_PATTERN  # never planned against: resolve() hands over to the chosen strategy
+    cost = WFBP_PATTERN  # never planned against: selection hands over to the chosen strategy
 
     def __init__(self, collective: Collective | None = None,
                  candidates: Sequence[str] = ("allreduce", "wfbp", "dear")):
@@ -78,7 +78,8 @@ class Auto(Strategy):
         self.candidates = candidates
         self.last_choice: AutoChoice | None = None
 
-    def _candidates(self) -> list[Strategy]:
+    def candidate_strategies(self) -> list[Strategy]:
+        """The candidates as strategies; those that cannot carry the given collective drop out."""
         built = []
         for name in self.candidates:
             try:
@@ -90,63 +91,8 @@ class Auto(Strategy):
                              f"accepts collective {type(self._given_collective).__name__}")
         return built
 
-    def resolve(self, captured: Any, buckets: Any, plan_options: dict, engine: Any
-                ) -> tuple[Strategy, Any]:
-        from jaxsched.plan import plan_buckets
-        from jaxsched.plan.from_step import (group_paths, step_layer_profile,
-                                             step_network_profile, with_selection_cost)
-        from jaxsched.pipeline.planned_step import PlannedStep
-        from jaxsched.pipeline.program import simulated_compression
-        from jaxsched.sim import simulate
-
-        if compiled_estimates_apply(captured.mesh.devices.flat[0].platform):
-            return self._resolve_by_compiling(captured, buckets, plan_options, engine)
-        probe = PlannedStep(captured, buckets, plan_options)
-        costs = engine.costs(captured.mesh)
-        layers, members = step_layer_profile(probe.analysis, probe.paths,
-                                             plan_options.get("layer_profile"))
-        network = step_network_profile(probe.analysis, plan_options.get("network_profile"), costs)
-        layer_of = {i: k for k, group in enumerate(members) for i in group}
-        results: dict[str, tuple[float, Strategy, Any]] = {}
-        for candidate in self._candidates():
-            compression = with_selection_cost(simulated_compression(candidate),
-                                              candidate.collective, captured.mesh)
-            if buckets is None or buckets == "auto":
-                groups = plan_buckets(layers, network, plan_options.get("planner", "optimal"),
-                                      strategy=candidate.cost, compression=compression)
-                option = group_paths(groups, members, probe.paths)
-            else:
-                option = buckets
-                planned = PlannedStep(captured, buckets, plan_options, candidate.cost)
-                groups = _layer_groups([b.params for b in planned.buckets], layer_of)
-            sim = simulate(layers, network, candidate.cost, groups, compression=compression,
-                           shared_stream=not costs.overlaps, keep_spans=False)
-            results[candidate.name] = (float(sim.iteration_s), candidate, option)
-        chosen = min(results, key=lambda n: results[n][0])  # dicts keep order: ties go first
-        _, strategy, option = results[chosen]
-        self.last_choice = AutoChoice(chosen, {n: r[0] for n, r in results.items()},
-                                      costs.overlaps, costs.per_collective_s, option)
-        return strategy, option
-
-    def _resolve_by_compiling(self, captured: Any, buckets: Any, plan_options: dict, engine: Any
-                              ) -> tuple[Strategy, Any]:
-        """On GPU/TPU: every candidate (and, with ``buckets`` None or ``"auto"``, each bucket
-        option and all-reduce form of :func:`~jaxsched.pipeline.compiled_planner.candidates_for`) compiled
-        for the mesh;
-        XLA's smallest estimated step wins. ``allreduce`` is the user's step as XLA compiles it
-        alone, so the choice is never estimated slower than it."""
-        from jaxsched.pipeline.compiled_planner import candidates_for, choose_by_compiling
-
-        platform = captured.mesh.devices.flat[0].platform
-        pairs = [pair for candidate in self._candidates()
-                 for pair in candidates_for(candidate, platform, buckets, mesh=captured.mesh)]
-        choice = choose_by_compiling(captured, pairs, engine, plan_options)
-        strategy, option = pairs[choice.chosen]
-        self.last_choice = AutoChoice(strategy.name, {}, True, 0.0, option, choice.as_dict())
-        return strategy, option
-
-    # Until resolve() runs, the state is the user's trees; afterwards the chosen strategy's
-    # program does all of the following.
+    # Selection (jaxsched.pipeline.select) replaces auto by the strategy it chose before any
+    # program is built; these are never called.
     def convert(self, planned, state):
         raise RuntimeError("strategy='auto' converts through the strategy it chose")
 
@@ -156,25 +102,3 @@ class Auto(Strategy):
     def rewrite(self, planned):
         raise RuntimeError("strategy='auto' rewrites through the strategy it chose")
 
-
-def _layer_groups(buckets: Sequence[Sequence[int]], layer_of: dict[int, int]) -> list[list[int]]:
-    """Bucket plan over parameter leaves -> the simulator's groups of layers: contiguous runs
-    in forward order of layers in the same bucket.
-
-    A layer whose leaves sit in several buckets counts in the one its first leaf is in; a
-    layer in no bucket (no reduced gradient) joins its predecessor's run.
-    """
-    owner: dict[int, int] = {}
-    for b, params in enumerate(buckets):
-        for i in params:
-            owner.setdefault(layer_of[i], b)
-    groups: list[list[int]] = []
-    previous = None
-    for layer in range(max(layer_of.values()) + 1):
-        bucket = owner.get(layer, previous)
-        if groups and bucket == previous:
-            groups[-1].append(layer)
-        else:
-            groups.append([layer])
-        previous = bucket
-    return groups

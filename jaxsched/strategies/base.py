@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxsched.runtime.collectives.base import (BucketSpec, Collective, stack_local, stacked_zeros,
                                        unstack_local)
 from jaxsched.sim.costmodel import CommPattern
-from jaxsched.pipeline.planned_step import PlannedStep, is_abstract
+from jaxsched.plan.planned_step import PlannedStep, is_abstract
 
 
 class SchedState(NamedTuple):
@@ -116,7 +116,7 @@ class Strategy(abc.ABC):
     #: whether the program compiles with XLA's default options (see :class:`RewrittenBody`)
     compiler_defaults: ClassVar[bool] = False
     #: XLA options set over the engine's choice for this strategy's program (a variant of
-    #: :mod:`jaxsched.pipeline.compiled_planner` sets them; empty: the engine's set as it is)
+    #: the compile-and-choose planner sets them; empty: the engine's set as it is)
     compiler_overrides: ClassVar[dict] = {}
     #: whether params and opt_state stay in the user's layout between steps (so an adapter
     #: may hand them to the user after every step without a ``finalize``)
@@ -140,27 +140,6 @@ class Strategy(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(collective={type(self.collective).__name__})"
-
-    def resolve(self, captured: Any, buckets: Any, plan_options: dict, engine: Any
-                ) -> tuple["Strategy", Any]:
-        """The strategy and bucket option that will run ``captured`` (a strategy that chooses
-        per step, ``auto``, says which); ``self`` and ``buckets`` unchanged by default.
-
-        ``buckets="auto"`` on a GPU or TPU mesh is chosen by XLA's estimate of the compiled
-        program (:mod:`jaxsched.pipeline.compiled_planner`; ``self.last_bucket_choice`` says what each
-        candidate was estimated at); elsewhere the planners plan it against the simulator.
-        """
-        from jaxsched.pipeline.compiled_planner import candidates_for, choose_by_compiling, compiled_estimates_apply
-
-        if (isinstance(buckets, str) and buckets == "auto"
-                and compiled_estimates_apply(captured.mesh.devices.flat[0].platform)
-                and not plan_options):
-            pairs = candidates_for(self, captured.mesh.devices.flat[0].platform, buckets,
-                                   mesh=captured.mesh)
-            choice = choose_by_compiling(captured, pairs, engine, plan_options)
-            self.last_bucket_choice = choice
-            return pairs[choice.chosen]
-        return self, buckets
 
     def for_mesh(self, captured: Any) -> "Strategy":
         """This strategy with the collective the mesh calls for: when the step is data

@@ -36,7 +36,7 @@ from jaxsched.core import layout
 from jaxsched.core.bucketing import is_float
 from jaxsched.runtime.collectives.base import BucketSpec
 from jaxsched.sim.costmodel import DEAR_PATTERN
-from jaxsched.pipeline.planned_step import PlannedStep, is_abstract
+from jaxsched.plan.planned_step import PlannedStep, is_abstract
 from jaxsched.core.replay import interpret, read
 from jaxsched.core.rewrite.backward import walk_backward
 from jaxsched.core.rewrite.rules import Shard, ShardContext, apply_rule

@@ -56,7 +56,7 @@ from jaxsched.core.capture import UnsupportedStepError
 from jaxsched.runtime.collectives.base import BucketSpec, Collective
 from jaxsched.sim.costmodel import KFAC_PATTERN, CommPattern
 from jaxsched.sim.kfac_placement import check_placement, plan_placement
-from jaxsched.pipeline.planned_step import PlannedStep, is_abstract, zero_count
+from jaxsched.plan.planned_step import PlannedStep, is_abstract, zero_count
 from jaxsched.core.replay import interpret, is_var, read
 from jaxsched.core.rewrite.layers import LayerMatch, MatchedLayer, match_layers
 from jaxsched.strategies.base import RewrittenBody, Strategy, placed_user_layout

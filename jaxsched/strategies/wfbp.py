@@ -17,7 +17,7 @@ from typing import Any
 
 from jaxsched.runtime.collectives.base import BucketSpec
 from jaxsched.sim.costmodel import WFBP_PATTERN
-from jaxsched.pipeline.planned_step import PlannedStep
+from jaxsched.plan.planned_step import PlannedStep
 from jaxsched.core.replay import interpret, read
 from jaxsched.core.rewrite.backward import walk_backward
 from jaxsched.strategies.base import UserLayoutStrategy

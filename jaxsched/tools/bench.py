@@ -216,7 +216,7 @@ def _worker(args: argparse.Namespace) -> int:
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    import jaxsched
+    from jaxsched import _schedule
     from jaxsched.runtime.engine import HostEngine
     from jaxsched.runtime.engine.host import spare_devices
 
@@ -332,10 +332,10 @@ def _worker(args: argparse.Namespace) -> int:
     missing = []
     for name in args.strategies:
         base, _, compression = name.partition("+")
-        if base not in jaxsched.STRATEGIES:
+        if base not in _schedule.STRATEGIES:
             missing.append(name)
             continue
-        sched = jaxsched.schedule(plain, strategy=base, engine="host", buckets=args.buckets,
+        sched = _schedule.schedule(plain, strategy=base, engine="host", buckets=args.buckets,
                                   compression=parse_compression(compression))
         scheds[name] = sched
         states[name] = sched.init(*state0)
@@ -377,7 +377,7 @@ def _worker(args: argparse.Namespace) -> int:
     timelines = {}
     for name, sched in scheds.items():
         base, _, compression = name.partition("+")
-        traced = jaxsched.schedule(plain, strategy=base, engine=HostEngine(record_timings=True),
+        traced = _schedule.schedule(plain, strategy=base, engine=HostEngine(record_timings=True),
                                    buckets=args.buckets, compression=parse_compression(compression))
         st = traced.init(*state0)
         for b in batches[:3]:

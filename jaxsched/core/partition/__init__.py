@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsched.core import replay
 from jaxsched.core.partition.interpreter import GatherWarning, Partitioner, PartitionError
+from jaxsched.core.partition import rules
 from jaxsched.core.partition.kinds import AxisContext, Kind, REPLICATED
 from jaxsched.core.partition.placement import Placement, PlacementError, read_placement
 
@@ -78,7 +79,7 @@ def partition(closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequen
     placement = read_placement(closed, leaves, names, roles)
     closed = _inlined(closed, placement)
     ctx = AxisContext(placement.axis_name, placement.axis_size)
-    partitioner = Partitioner(ctx)
+    partitioner = Partitioner(ctx, rules.TABLE)
     jaxpr = closed.jaxpr
     natural = partitioner.plan(jaxpr, placement.kinds).out_kinds
     out_kinds = tuple(REPLICATED if (k.partial or i < num_state_outputs) else k

@@ -16,7 +16,8 @@ Example:
     >>> def f(ws, x):  # a scan over stacked layers of a batch-sharded activation
     ...     return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
     >>> closed = jax.make_jaxpr(f)(jnp.ones((3, 4, 4)), jnp.ones((8, 4)))
-    >>> Partitioner(AxisContext("data", 4)).plan(closed.jaxpr, [REPLICATED, sharded(0)]).out_kinds
+    >>> from jaxsched.core.partition import rules
+    >>> Partitioner(AxisContext("data", 4), rules.TABLE).plan(closed.jaxpr, [REPLICATED, sharded(0)]).out_kinds
     (S(0),)
 """
 from __future__ import annotations

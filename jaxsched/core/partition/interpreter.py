@@ -13,7 +13,8 @@ Example:
     >>> import jax, jax.numpy as jnp
     >>> from jaxsched.core.partition.kinds import AxisContext, sharded, REPLICATED
     >>> closed = jax.make_jaxpr(lambda w, x: jnp.sum(x @ w))(jnp.ones((3, 2)), jnp.ones((8, 3)))
-    >>> p = Partitioner(AxisContext("data", 4))
+    >>> from jaxsched.core.partition import rules
+    >>> p = Partitioner(AxisContext("data", 4), rules.TABLE)
     >>> p.plan(closed.jaxpr, [REPLICATED, sharded(0)]).out_kinds
     (Pt,)
 """
@@ -29,7 +30,7 @@ from jax.extend import source_info_util
 from jaxsched.core.partition.kinds import AxisContext, Kind, REPLICATED
 from jaxsched.core.replay import source_line
 
-__all__ = ["EqnPlan", "GatherWarning", "JaxprPlan", "Partitioner", "PartitionError"]
+__all__ = ["EqnPlan", "GatherWarning", "JaxprPlan", "Partitioner", "PartitionError", "RuleTable"]
 
 
 class PartitionError(ValueError):
@@ -69,6 +70,21 @@ class JaxprPlan:
     kinds: dict
 
 
+@dataclasses.dataclass(frozen=True)
+class RuleTable:
+    """Where the partitioner finds its rules (:data:`jaxsched.core.partition.rules.TABLE`):
+    passed in, so that the interpreter knows no rule and the rules may use the interpreter.
+
+    Attributes:
+      rule_for: ``eqn -> rule``: how an equation is planned.
+      narrow_rule_for: ``eqn -> narrowing rule or None``: how a replicated producer computes
+        only the block its readers want.
+    """
+
+    rule_for: Callable[[Any], Callable]
+    narrow_rule_for: Callable[[Any], Callable | None]
+
+
 class Partitioner:
     """Plans and runs global jaxprs per device along one data axis (see the module doc).
 
@@ -78,8 +94,9 @@ class Partitioner:
       zeros: variables known to hold zeros (a zero is a partial sum as it is).
     """
 
-    def __init__(self, ctx: AxisContext):
+    def __init__(self, ctx: AxisContext, rules: "RuleTable"):
         self.ctx = ctx
+        self.rules = rules
         self.gathers: list[tuple[str, str]] = []
         self.zeros: set = set()
         self.callers: list = []  # the call equations being planned, outermost first
@@ -90,8 +107,7 @@ class Partitioner:
              ) -> JaxprPlan:
         """The plan of ``jaxpr`` for inputs of ``in_kinds`` (constvars are replicated); with
         ``out_kinds`` the outputs are converted to those kinds."""
-        from jaxsched.core.partition.rules import rule_for
-
+        rule_for = self.rules.rule_for
         kinds: dict = {v: REPLICATED for v in jaxpr.constvars}
         kinds.update(zip(jaxpr.invars, in_kinds, strict=True))
         uses: dict = {}
@@ -126,8 +142,7 @@ class Partitioner:
         a batch block slices it. When every reader wants the same block, the producer is
         planned to compute just that block (:data:`~jaxsched.core.partition.rules.NARROW`), as XLA's
         partitioner would: one pass from the outputs back."""
-        from jaxsched.core.partition.rules import narrow_rule_for
-
+        narrow_rule_for = self.rules.narrow_rule_for
         wants: dict = {}
 
         def want(x: Any, kind: Kind, count: int) -> None:

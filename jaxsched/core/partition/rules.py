@@ -32,11 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsched.core.partition.interpreter import EqnPlan, Partitioner
+from jaxsched.core.partition.control_flow import CONTROL_RULES, call_rule, is_call
+from jaxsched.core.partition.interpreter import EqnPlan, Partitioner, RuleTable
 from jaxsched.core.partition.kinds import Kind, PARTIAL, REPLICATED, local_shape, sharded
 from jax.extend import source_info_util
 
-__all__ = ["NARROW", "RULES", "Rule", "bind_local", "moving_rule", "narrow_rule_for", "replicated_rule",
+__all__ = ["NARROW", "RULES", "Rule", "TABLE", "bind_local", "moving_rule", "narrow_rule_for", "replicated_rule",
            "rule_for"]
 
 Rule = Callable[[Partitioner, Any, list, list], EqnPlan]
@@ -820,8 +821,6 @@ def narrow_rule_for(eqn) -> NarrowRule | None:
 def rule_for(eqn) -> Rule:
     """The rule of ``eqn``'s primitive; calls and control flow come from
     :mod:`jaxsched.core.partition.control_flow`; the exact fallback for anything else."""
-    from jaxsched.core.partition.control_flow import CONTROL_RULES, call_rule, is_call
-
     name = eqn.primitive.name
     if name in RULES:
         return RULES[name]
@@ -830,3 +829,7 @@ def rule_for(eqn) -> Rule:
     if is_call(eqn):
         return call_rule
     return replicated_rule
+
+
+#: The rule table the partitioner is built with.
+TABLE = RuleTable(rule_for=rule_for, narrow_rule_for=narrow_rule_for)

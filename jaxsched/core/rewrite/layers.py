@@ -19,7 +19,7 @@ Example:
     >>> import jax, optax
     >>> from jaxsched import models, steps
     >>> from jaxsched.core.capture import capture
-    >>> from jaxsched.pipeline.planned_step import PlannedStep
+    >>> from jaxsched.plan.planned_step import PlannedStep
     >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
     >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     >>> tx = optax.sgd(0.1)

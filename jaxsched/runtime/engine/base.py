@@ -42,7 +42,7 @@ class PerDeviceProgram:
       compiler_defaults: compile with XLA's default options (engines that choose options
         per target leave them out; the identity strategy asks for this).
       bucket_bytes: the plan's bucket size in bytes per device (0: unknown;
-        :attr:`jaxsched.pipeline.planned_step.PlannedStep.bucket_bytes`).
+        :attr:`jaxsched.plan.planned_step.PlannedStep.bucket_bytes`).
         A compiler that combines collectives may combine up to this size and no further:
         the leaves of one bucket merge into one collective, separate buckets stay separate.
       compiler_overrides: XLA options set over whatever the engine chooses (its platform

@@ -332,7 +332,7 @@ class HostEngine(Engine):
         measured once per mesh, by every process at the same point, as planning is."""
         key = (tuple(d.id for d in mesh.devices.flat), mesh.axis_names)
         if key not in self._costs:
-            from jaxsched.plan.profiling import agree_across_processes
+            from jaxsched.runtime.processes import agree_across_processes
 
             seconds = measure_stage_overhead(mesh, mesh.axis_names[0])
             self._costs[key] = EngineCosts(True, float(agree_across_processes([seconds])[0]))

@@ -44,7 +44,7 @@ def _version() -> str:
     """``jaxsched X (jax Y, jaxlib Z)``, without importing JAX."""
     from importlib import metadata
 
-    from jaxsched import __version__
+    from jaxsched._version import __version__
 
     def installed(name: str) -> str:
         try:

@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--config", required=True, help="TOML file, e.g. configs/mlp_digits.toml")
     train.add_argument("--strategies", type=name_list(_strategy_names),
                        help="comma-separated strategies, overriding train.strategies in the config "
-                            f"(known: {', '.join(_strategy_names())})")
+                            "(any name in jaxsched.STRATEGIES: allreduce, wfbp, dear, ...)")
     train.add_argument("--log", type=output_path,
                        help="append per-step metrics as JSON lines to this file (folders are created)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar or lines")

@@ -46,22 +46,23 @@ def zero_count(*trees: Any) -> Any:
     return jax.ShapeDtypeStruct((), np.int32) if is_abstract(trees) else np.int32(0)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class PlannedStep:
-    """Attributes:
+    """A captured step with its buckets chosen: a value, built once by
+    :func:`jaxsched.pipeline.select.select` before the program is.
+
+    Attributes:
       captured: what capture found.
-      buckets_option: the user's ``buckets=`` (None, bytes, explicit paths or ``"auto"``).
-      plan_options: options of ``buckets="auto"`` (layer_profile, network_profile, planner).
-      pattern: the strategy's communication pattern, which ``"auto"`` plans against.
+      buckets_option: the bucket plan: None (the 25 MB threshold), a byte threshold, or
+        explicit lists of parameter paths (``buckets="auto"`` is planned before this exists).
+      plan_options: the user's planning options (layer_profile, network_profile, planner).
+      pattern: the strategy's communication pattern.
       compression: how the simulator models the strategy's compressor (a
-        :class:`jaxsched.sim.Compression`), so that ``"auto"`` merges buckets against the
-        compressed collective's cost (OMGS); None for dense collectives.
-      compressor: the strategy's compressor behind ``compression``; ``"auto"`` measures its
-        selection time per byte on the mesh before planning.
-      engine: the engine that will run the step; ``"auto"`` asks it for its fixed cost per
-        collective (:meth:`jaxsched.runtime.engine.Engine.costs`).
-      layer_profile, network_profile: what ``"auto"`` planned with (None otherwise).
-      derived: memo of what the strategy derives from the plan (see :meth:`memo`).
+        :class:`jaxsched.sim.Compression`); None for dense collectives.
+      engine: the engine that will run the step.
+      layer_profile, network_profile: what ``buckets="auto"`` planned with (None otherwise).
+      derived: memo of what the strategy derives from the plan (see :meth:`memo`): a cache
+        of values computed from the fields above, never read back as input.
     """
 
     captured: CapturedStep
@@ -69,11 +70,16 @@ class PlannedStep:
     plan_options: dict = dataclasses.field(default_factory=dict)
     pattern: CommPattern = WFBP_PATTERN
     compression: Any = None
-    compressor: Any = None
     engine: Any = None
     layer_profile: LayerProfile | None = None
     network_profile: NetworkProfile | None = None
-    derived: dict = dataclasses.field(default_factory=dict, repr=False)
+    derived: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.buckets_option, str):
+            raise ValueError(f"buckets={self.buckets_option!r} is not understood; the only named "
+                             "plan is 'auto' (cost-model planning), which "
+                             "jaxsched.pipeline.select.select resolves before planning")
 
     def memo(self, key: Any, build: Callable[[], Any]) -> Any:
         """What a strategy derives from this plan (layouts, templates), computed once."""
@@ -93,19 +99,7 @@ class PlannedStep:
 
     @functools.cached_property
     def buckets(self) -> list[Bucket]:
-        option = self.buckets_option
-        if isinstance(option, str):
-            if option != "auto":
-                raise ValueError(f"buckets={option!r} is not understood; the only named plan is "
-                                 "'auto' (cost-model planning)")
-            from jaxsched.plan.from_step import auto_bucket_paths, with_selection_cost
-
-            self.compression = with_selection_cost(self.compression, self.compressor, self.mesh)
-            option, self.layer_profile, self.network_profile = auto_bucket_paths(
-                self.analysis, self.paths, self.pattern, compression=self.compression,
-                engine_costs=None if self.engine is None else self.engine.costs(self.mesh),
-                **self.plan_options)
-        return plan_buckets(self.analysis, self.paths, option)
+        return plan_buckets(self.analysis, self.paths, self.buckets_option)
 
     @property
     def bucket_bytes(self) -> int:

@@ -1,0 +1,187 @@
+"""Selection: the one place where the strategy, the buckets and the compiled choice are made.
+
+Everything a program is built from is decided here, before the program is: which strategy
+runs (``strategy="auto"`` picks one), which collective it sends through on this mesh, and
+which buckets (``buckets="auto"`` plans them against the simulator on CPU, or by compiling
+candidates and reading XLA's estimate on GPU and TPU). The result is a frozen
+:class:`~jaxsched.plan.planned_step.PlannedStep` and the strategy that will rewrite it;
+nothing downstream plans again.
+
+Example:
+    >>> import jax, optax
+    >>> from jaxsched.zoo import models
+    >>> from jaxsched.demo import steps
+    >>> from jaxsched.core.capture import capture
+    >>> from jaxsched.runtime.engine import make_engine
+    >>> from jaxsched.strategies import make_strategy
+    >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    >>> tx = optax.sgd(0.1)
+    >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+    >>> captured = capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+    >>> chosen = select(captured, make_strategy("wfbp"), [["head/bias", "head/kernel"],
+    ...                 ["hidden/0/bias", "hidden/0/kernel"]], make_engine("xla"))
+    >>> chosen.strategy.name, len(chosen.planned.buckets)
+    ('wfbp', 2)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from jaxsched.core.capture import CapturedStep
+from jaxsched.plan import plan_buckets
+from jaxsched.plan.from_step import (auto_bucket_paths, group_paths, step_layer_profile,
+                                     step_network_profile, with_selection_cost)
+from jaxsched.plan.planned_step import PlannedStep
+from jaxsched.pipeline.program import Program
+from jaxsched.pipeline.compiled_planner import (candidates_for, choose_by_compiling,
+                                                compiled_estimates_apply)
+from jaxsched.sim import simulate
+from jaxsched.strategies.auto import Auto, AutoChoice
+from jaxsched.strategies.base import Strategy
+
+__all__ = ["Selection", "build_program", "select", "simulated_compression"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """What will run.
+
+    Attributes:
+      strategy: the strategy that rewrites the step (``auto`` resolved, the mesh's
+        collective chosen).
+      planned: the captured step with its buckets, frozen.
+    """
+
+    strategy: Strategy
+    planned: PlannedStep
+
+
+def select(captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any,
+           plan_options: dict | None = None) -> Selection:
+    """Resolve ``strategy`` and ``buckets`` for ``captured`` on ``engine``.
+
+    ``strategy="auto"`` records its choice in ``strategy.last_choice``; ``buckets="auto"`` on
+    GPU or TPU records the compiled candidates in ``strategy.last_bucket_choice``.
+    """
+    plan_options = dict(plan_options or {})
+    platform = captured.mesh.devices.flat[0].platform
+    if isinstance(strategy, Auto):
+        strategy, buckets = _choose_strategy(strategy, captured, buckets, plan_options, engine)
+    elif _is_auto(buckets) and compiled_estimates_apply(platform) and not plan_options:
+        pairs = candidates_for(strategy, platform, buckets, mesh=captured.mesh)
+        choice = choose_by_compiling(captured, pairs, engine, plan_options, _build_planned)
+        strategy.last_bucket_choice = choice
+        strategy, buckets = pairs[choice.chosen]
+    strategy = strategy.for_mesh(captured)
+    return Selection(strategy, _build_planned(captured, strategy, buckets, engine, plan_options))
+
+
+def build_program(captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any,
+                  plan_options: dict | None = None) -> Program:
+    """The program of ``strategy`` for ``captured`` with bucket option ``buckets`` on
+    ``engine``: a pure function of the four (and the planning options)."""
+    chosen = select(captured, strategy, buckets, engine, plan_options)
+    return Program(chosen.planned, chosen.strategy, engine)
+
+
+def simulated_compression(strategy: Strategy) -> Any:
+    """The strategy's compressor as the planner's simulator models it (None: dense, or a
+    compressor or pattern the simulator does not model)."""
+    model = getattr(strategy.collective, "sim_compression", None)
+    if model is None or not strategy.cost.compressible:
+        return None
+    try:
+        return model()
+    except ValueError:  # e.g. one density per bucket (LAGS): the simulator models one
+        return None
+
+
+def _is_auto(buckets: Any) -> bool:
+    return isinstance(buckets, str) and buckets == "auto"
+
+
+def _build_planned(captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any,
+                   plan_options: dict) -> PlannedStep:
+    """The frozen plan of a concrete strategy: ``buckets="auto"`` planned here, once."""
+    compression = simulated_compression(strategy)
+    layer_profile = network_profile = None
+    if isinstance(buckets, str):
+        if buckets != "auto":
+            raise ValueError(f"buckets={buckets!r} is not understood; the only named plan is "
+                             "'auto' (cost-model planning)")
+        probe = PlannedStep(captured)
+        compression = with_selection_cost(compression, strategy.collective
+                                          if compression is not None else None, captured.mesh)
+        buckets, layer_profile, network_profile = auto_bucket_paths(
+            probe.analysis, probe.paths, strategy.cost, compression=compression,
+            engine_costs=None if engine is None else engine.costs(captured.mesh),
+            **plan_options)
+    return PlannedStep(captured, buckets, plan_options, strategy.cost, compression=compression,
+                       engine=engine, layer_profile=layer_profile,
+                       network_profile=network_profile)
+
+
+def _choose_strategy(auto: Auto, captured: CapturedStep, buckets: Any, plan_options: dict,
+                     engine: Any) -> tuple[Strategy, Any]:
+    """``auto``'s choice: by XLA's estimate on GPU/TPU, else by the simulator."""
+    platform = captured.mesh.devices.flat[0].platform
+    if compiled_estimates_apply(platform):
+        # every candidate (and, with buckets None or "auto", each bucket option and
+        # all-reduce form) compiled for the mesh; allreduce is the user's step as XLA
+        # compiles it alone, so the choice is never estimated slower than it
+        pairs = [pair for candidate in auto.candidate_strategies()
+                 for pair in candidates_for(candidate, platform, buckets, mesh=captured.mesh)]
+        choice = choose_by_compiling(captured, pairs, engine, plan_options, _build_planned)
+        strategy, option = pairs[choice.chosen]
+        auto.last_choice = AutoChoice(strategy.name, {}, True, 0.0, option, choice.as_dict())
+        return strategy, option
+    probe = PlannedStep(captured, None if _is_auto(buckets) else buckets, plan_options)
+    costs = engine.costs(captured.mesh)
+    layers, members = step_layer_profile(probe.analysis, probe.paths,
+                                         plan_options.get("layer_profile"))
+    network = step_network_profile(probe.analysis, plan_options.get("network_profile"), costs)
+    layer_of = {i: k for k, group in enumerate(members) for i in group}
+    results: dict[str, tuple[float, Strategy, Any]] = {}
+    for candidate in auto.candidate_strategies():
+        compression = with_selection_cost(simulated_compression(candidate),
+                                          candidate.collective, captured.mesh)
+        if buckets is None or _is_auto(buckets):
+            groups = plan_buckets(layers, network, plan_options.get("planner", "optimal"),
+                                  strategy=candidate.cost, compression=compression)
+            option = group_paths(groups, members, probe.paths)
+        else:
+            option = buckets
+            groups = _layer_groups([b.params for b in probe.buckets], layer_of)
+        sim = simulate(layers, network, candidate.cost, groups, compression=compression,
+                       shared_stream=not costs.overlaps, keep_spans=False)
+        results[candidate.name] = (float(sim.iteration_s), candidate, option)
+    chosen = min(results, key=lambda n: results[n][0])  # dicts keep order: ties go first
+    _, strategy, option = results[chosen]
+    auto.last_choice = AutoChoice(chosen, {n: r[0] for n, r in results.items()},
+                                  costs.overlaps, costs.per_collective_s, option)
+    return strategy, option
+
+
+def _layer_groups(buckets: Sequence[Sequence[int]], layer_of: dict[int, int]) -> list[list[int]]:
+    """Bucket plan over parameter leaves -> the simulator's groups of layers: contiguous runs
+    in forward order of layers in the same bucket.
+
+    A layer whose leaves sit in several buckets counts in the one its first leaf is in; a
+    layer in no bucket (no reduced gradient) joins its predecessor's run.
+    """
+    owner: dict[int, int] = {}
+    for b, params in enumerate(buckets):
+        for i in params:
+            owner.setdefault(layer_of[i], b)
+    groups: list[list[int]] = []
+    previous = None
+    for layer in range(max(layer_of.values()) + 1):
+        bucket = owner.get(layer, previous)
+        if groups and bucket == previous:
+            groups[-1].append(layer)
+        else:
+            groups.append([layer])
+        previous = bucket
+    return groups
