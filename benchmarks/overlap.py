@@ -4,7 +4,7 @@
 """
 import sys
 
-from jaxsched.tools.bench import main
+from jaxsched.tools.cli.cluster import run_bench as main
 
 if __name__ == "__main__":
     sys.exit(main())

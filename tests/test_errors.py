@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jaxsched
 from jaxsched.demo import steps
 from jaxsched.runtime.engine.host import HostEngineError, spare_devices
-from equivalence import build, random_batches
+from support.equivalence import build, random_batches
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 

@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxsched
-import jit_steps as js
-from toolchains import needs_gpu, needs_tpu
+import support.jit_steps as jit_steps as js
+from support.toolchains import needs_gpu, needs_tpu
+from support import SUPPORT_DIR
 
 EXACT = {"allreduce": {}, "wfbp": {}, "dear": {}, "approx": {"staleness": 0}}
 
@@ -474,7 +475,7 @@ def test_the_jit_step_schedules_as_its_shard_map_twin(strategy):
     reductions, the same numbers, compression included."""
     from jaxsched.runtime import compress
     from jaxsched.demo import steps
-    from equivalence import build, random_batches
+    from support.equivalence import build, random_batches
 
     mesh, tx = _mesh(), optax.adam(1e-2)
     params, apply_fn = build("mlp", 0)
@@ -574,7 +575,7 @@ def test_a_jit_step_on_the_host_engine_across_two_processes(tmp_path):
     env = {"PYTHONPATH": f"{here}{os.pathsep}{here.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "JAX_PLATFORMS": "cpu"}
     out, log = tmp_path / "report.json", io.StringIO()
-    code = launch_lib.launch(2, [sys.executable, str(here / "host_engine_worker.py"), str(out),
+    code = launch_lib.launch(2, [sys.executable, str(SUPPORT_DIR / "host_engine_worker.py"), str(out),
                                  "--jit", "wfbp", "dear"],
                              env=env, stdout=log, stderr=log, timeout_s=240, grace_s=2)
     assert code == 0, log.getvalue()[-4000:]

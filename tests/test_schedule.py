@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxsched
 from jaxsched.demo import steps
-from equivalence import assert_trees_close, build, random_batches, run_both
+from support.equivalence import assert_trees_close, build, random_batches, run_both
 
 OPTIMIZERS = {
     "sgd": lambda: optax.sgd(0.1),

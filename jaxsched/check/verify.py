@@ -50,6 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = ["PRECISIONS", "relative_gap", "verify", "VerifyReport"]
+
 @dataclasses.dataclass
 class VerifyReport:
     """What ``verify`` found.

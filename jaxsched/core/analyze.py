@@ -35,6 +35,8 @@ from jaxsched.core.axes import as_axes, spec_axes
 from jaxsched.core.primitives import REDUCTIONS, SUM_REDUCTIONS, reduces_over, reduction_axes
 from jaxsched.core.replay import is_var, live_equations, nested_eqns, source_line
 
+__all__ = ["Analysis", "analyze", "Reduction"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Reduction:

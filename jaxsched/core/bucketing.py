@@ -21,6 +21,9 @@ import numpy as np
 
 from jaxsched.core.analyze import Analysis
 
+__all__ = ["Bucket", "bucket_nbytes", "DEFAULT_BUCKET_BYTES", "is_float", "match_reductions",
+           "param_paths", "plan_buckets", "shape_key"]
+
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 

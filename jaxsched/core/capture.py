@@ -33,6 +33,9 @@ from jaxsched.core import replay
 from jaxsched.core.axes import as_axes, axis_size, spec_axes
 from jaxsched.core.primitives import CALL_PRIMITIVES, REDUCTIONS, VMA_TYPING, reduction_axes
 
+__all__ = ["abstract_leaf", "capture", "CapturedStep", "data_axes", "flatten_calls", "Source",
+           "UnsupportedStepError"]
+
 
 class UnsupportedStepError(ValueError):
     """The step is not a data-parallel step jaxsched can schedule; the message says why."""

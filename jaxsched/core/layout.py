@@ -25,6 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+__all__ = ["BucketLayout", "chunk_size", "gather_chunk", "host_chunks", "local_chunk", "pad_flat",
+           "valid_mask"]
+
 
 def chunk_size(shape: Sequence[int], axis_size: int) -> int:
     """Elements per device for a tensor of ``shape`` sharded flat over ``axis_size`` devices."""

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from jaxsched.core.axes import as_axes
 
+__all__ = ["CALL_PRIMITIVES", "COLLECTIVES", "reduces_over", "reduction_axes", "REDUCTIONS",
+           "SUM_REDUCTIONS", "VMA_TYPING"]
+
 #: Calls whose body is a jaxpr that can be inlined (jit, custom derivatives).
 CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
                              "custom_vjp_call"})

@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any, Iterable, Iterator, TextIO
 
+__all__ = ["LineProgress", "progress"]
+
 
 class LineProgress:
     """A tqdm-like iterable that prints ``desc: i/total [postfix]`` every ``every`` items."""

@@ -27,6 +27,10 @@ from jax.extend import source_info_util
 
 from jaxsched.core.primitives import CALL_PRIMITIVES, VMA_TYPING
 
+__all__ = ["at_source", "bind", "eval_inline", "inner_jaxpr", "interpret",
+           "invariant_sums_as_products", "is_var", "live_equations", "nested_eqns", "read", "Run",
+           "source_line"]
+
 Run = Callable[[Any, list], Sequence[Any]]
 
 

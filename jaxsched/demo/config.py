@@ -25,6 +25,10 @@ from typing import Any, Mapping
 from jaxsched.zoo import data as data_lib
 from jaxsched.zoo import models as models_lib
 
+__all__ = ["APIS", "check_strategies", "Config", "ConfigError", "data_options", "DataConfig",
+           "known_strategies", "load", "model_options", "ModelConfig", "OptimizerConfig",
+           "OPTIMIZERS", "parse", "TrainConfig"]
+
 
 class ConfigError(ValueError):
     """A config value is missing or wrong; the message names the field."""

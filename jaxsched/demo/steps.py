@@ -31,6 +31,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxsched.core.axes import axis_size
 from jaxsched.demo.config import OptimizerConfig
 
+__all__ = ["accuracy", "cross_entropy", "global_step_fn", "local_step_fn", "make_jit_step",
+           "make_optimizer", "make_pmap_step", "make_step", "place_replicated", "place_stacked",
+           "replicate", "shard_batch", "split_batch", "Step"]
+
 Step = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 
 

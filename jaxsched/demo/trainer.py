@@ -35,6 +35,9 @@ from jaxsched.demo import steps as steps_lib
 from jaxsched.demo.config import Config, ConfigError
 from jaxsched.core.progress import progress as progress_bar
 
+__all__ = ["default_wrap", "devices_for", "Experiment", "experiment", "FINAL_WINDOW", "RunResult",
+           "StepRunner", "summary_table", "train", "train_side_by_side", "verify_config"]
+
 
 class StepRunner(Protocol):
     """What the trainer drives: a plain step, or a scheduled one."""

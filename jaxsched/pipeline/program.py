@@ -22,6 +22,8 @@ from jaxsched.runtime.engine.base import Engine, PerDeviceProgram
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
 from jaxsched.strategies.base import Strategy
 
+__all__ = ["abstract_signature", "leaf_dtype", "Program", "ProgramCache", "retyped"]
+
 
 def abstract_signature(tree: Any) -> Hashable:
     """What a program depends on in ``tree``: structure, and per leaf shape, dtype, sharding."""

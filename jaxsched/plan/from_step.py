@@ -32,6 +32,10 @@ from jaxsched.sim.costmodel import (CollectiveCost, CommPattern, Layer, LayerPro
 from jaxsched.runtime.engine.base import EngineCosts
 from jaxsched.plan import plan_buckets
 
+__all__ = ["auto_bucket_paths", "forward_flops", "group_paths", "layer_names", "local_device",
+           "MATMULS", "measure_flops_per_s", "PASS_THROUGH", "step_layer_profile",
+           "step_network_profile", "with_selection_cost"]
+
 MATMULS = ("dot_general", "conv_general_dilated")
 PASS_THROUGH = ("convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
                 "expand_dims", "copy", "copy_p", "pvary")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from jaxsched.sim.costmodel import LayerProfile, NetworkProfile
 from jaxsched.plan._common import backward_view, bucket_time, grad_alpha, to_forward_buckets
 
+__all__ = ["plan_mgwfbp"]
+
 
 def plan_mgwfbp(layers: LayerProfile, network: NetworkProfile, strategy: str = "wfbp"
                 ) -> list[list[int]]:

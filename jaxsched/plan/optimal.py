@@ -21,6 +21,8 @@ import numpy as np
 from jaxsched.sim.costmodel import LayerProfile, NetworkProfile
 from jaxsched.plan._common import backward_view, to_forward_buckets
 
+__all__ = ["all_partitions", "EXHAUSTIVE_LAYERS", "optimal_wfbp", "search"]
+
 EXHAUSTIVE_LAYERS = 10
 
 

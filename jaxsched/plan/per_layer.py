@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from jaxsched.sim.costmodel import LayerProfile
 
+__all__ = ["plan_per_layer"]
+
 
 def plan_per_layer(layers: LayerProfile) -> list[list[int]]:
     """One bucket per layer.

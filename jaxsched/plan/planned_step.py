@@ -32,6 +32,8 @@ from jaxsched.core.bucketing import DEFAULT_BUCKET_BYTES, Bucket, bucket_nbytes,
 from jaxsched.core.capture import CapturedStep, UnsupportedStepError
 from jaxsched.sim.costmodel import CommPattern, LayerProfile, NetworkProfile, WFBP_PATTERN
 
+__all__ = ["is_abstract", "PlannedStep", "REPLICATED", "zero_count"]
+
 REPLICATED = P()
 
 

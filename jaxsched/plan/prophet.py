@@ -6,6 +6,8 @@ from __future__ import annotations
 from jaxsched.sim.costmodel import LayerProfile, NetworkProfile
 from jaxsched.plan._common import backward_view, bucket_time, to_forward_buckets
 
+__all__ = ["plan_prophet"]
+
 
 def plan_prophet(layers: LayerProfile, network: NetworkProfile, strategy: str = "wfbp"
                  ) -> list[list[int]]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 from jaxsched.sim.costmodel import LayerProfile
 from jaxsched.plan._common import to_forward_buckets
 
+__all__ = ["DEFAULT_THRESHOLD_BYTES", "plan_threshold"]
+
 DEFAULT_THRESHOLD_BYTES = 25 * 1024 * 1024  # PyTorch DDP bucket_cap_mb=25
 
 

@@ -26,6 +26,8 @@ from typing import Any, Sequence
 from jaxsched.sim.costmodel import LayerProfile, NetworkProfile
 from jaxsched.sim.core import check_buckets
 
+__all__ = ["allreduce_time", "wfbp_time"]
+
 
 def _backward_buckets(layers: LayerProfile, network: NetworkProfile,
                       buckets: Sequence[Sequence[int]]) -> tuple[list[Any], list[Any]]:

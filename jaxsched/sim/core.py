@@ -33,6 +33,11 @@ from typing import Any, Sequence
 from jaxsched.sim.costmodel import (CommPattern, LayerProfile, NetworkProfile, comm_pattern,
                                 comm_pattern_names)
 
+__all__ = ["BYTESCHEDULER", "check_buckets", "comm_slowdown_from_ceiling", "Compression",
+           "COMPRESSIONS", "default_buckets", "gradient_comm_time", "HostCosts", "lower_bound",
+           "MB", "SimResult", "simulate", "SimulationError", "Span", "STRATEGIES",
+           "worker_loads_seconds"]
+
 #: The priority scheduler the simulator models itself (it is not a bucket pattern).
 BYTESCHEDULER = "bytescheduler"
 

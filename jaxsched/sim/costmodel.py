@@ -23,6 +23,14 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+__all__ = ["ALLREDUCE_PATTERN", "APPROX_PATTERN", "CollectiveCost", "COLLECTIVES", "comm_pattern",
+           "comm_pattern_names", "CommPattern", "DEAR_PATTERN", "device_preset", "DEVICE_PRESETS",
+           "DevicePreset", "KFAC_PATTERN", "Layer", "LayerProfile", "LINK_PRESETS", "LinkPreset",
+           "network_preset", "NetworkProfile", "ProfileError", "register_comm_pattern",
+           "REQUIRED_COLLECTIVES", "ring_costs", "roofline_seconds", "SELECTION_PASSES",
+           "topk_selection_s_per_byte", "two_level_network", "unregister_comm_pattern",
+           "WFBP_PATTERN"]
+
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "ppermute", "all_to_all")
 REQUIRED_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 

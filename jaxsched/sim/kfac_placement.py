@@ -26,6 +26,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+__all__ = ["check_placement", "inversion_cost", "max_load", "PLACEMENTS", "plan_placement",
+           "worker_loads"]
+
 #: Placement methods, in the order docs and benchmarks list them.
 PLACEMENTS = ("balanced", "round_robin", "naive")
 

@@ -19,6 +19,9 @@ from typing import Any, Sequence
 
 from jaxsched.sim.core import SimResult
 
+__all__ = ["bar_label", "chrome_trace", "COLORS", "gantt_figure", "LEGEND_ORDER",
+           "save_chrome_trace", "save_gantt_png", "STREAM_TIDS"]
+
 STREAM_TIDS = {"compute": 0, "comm": 1}
 # One colour per kind of task; related kinds share a hue family (collectives warm, compute cool).
 COLORS = {"forward": "#4c72b0", "backward": "#55a868", "update": "#8172b2", "compress": "#937860",

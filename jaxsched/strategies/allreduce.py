@@ -22,6 +22,8 @@ from jaxsched.plan.planned_step import PlannedStep
 from jaxsched.strategies.base import RewrittenBody, UserLayoutStrategy
 from jaxsched.strategies.registry import register_strategy
 
+__all__ = ["AllReduce"]
+
 
 @register_strategy
 class AllReduce(UserLayoutStrategy):

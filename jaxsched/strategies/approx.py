@@ -74,6 +74,8 @@ from jaxsched.core.rewrite.backward import walk_backward
 from jaxsched.strategies.base import RewrittenBody, Strategy, placed_user_layout
 from jaxsched.strategies.registry import register_strategy
 
+__all__ = ["Approx", "ApproxState", "nested_eqns_of", "UpdateSplit"]
+
 
 class ApproxState(NamedTuple):
     """The state of the ``approx`` strategy.

@@ -33,6 +33,8 @@ from jaxsched.sim.costmodel import WFBP_PATTERN
 from jaxsched.strategies.base import Strategy
 from jaxsched.strategies.registry import make_strategy, register_strategy, strategy_names
 
+__all__ = ["Auto", "AutoChoice"]
+
 
 @dataclasses.dataclass(frozen=True)
 class AutoChoice:

@@ -33,6 +33,9 @@ from jaxsched.runtime.collectives.base import (BucketSpec, Collective, stack_loc
 from jaxsched.sim.costmodel import CommPattern
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
 
+__all__ = ["BucketReport", "check_leaf_counts", "placed_user_layout", "RewrittenBody", "SchedState",
+           "Strategy", "UserLayoutStrategy"]
+
 
 class SchedState(NamedTuple):
     """The state a built-in strategy carries between calls.

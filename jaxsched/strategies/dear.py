@@ -44,6 +44,8 @@ from jaxsched.strategies.base import (BucketReport, RewrittenBody, SchedState, S
                                       check_leaf_counts)
 from jaxsched.strategies.registry import register_strategy
 
+__all__ = ["Dear", "DearLayout"]
+
 
 class DearLayout(NamedTuple):
     """Per program: what is stored sharded, and the bucket layouts.

@@ -13,6 +13,9 @@ from typing import Any
 
 from jaxsched.sim.costmodel import register_comm_pattern, unregister_comm_pattern
 
+__all__ = ["make_strategy", "register_strategy", "STRATEGIES", "strategy_names", "StrategyNames",
+           "unregister_strategy"]
+
 _STRATEGIES: dict[str, type] = {}
 
 

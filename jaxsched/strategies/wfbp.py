@@ -23,6 +23,8 @@ from jaxsched.core.rewrite.backward import walk_backward
 from jaxsched.strategies.base import UserLayoutStrategy
 from jaxsched.strategies.registry import register_strategy
 
+__all__ = ["Wfbp"]
+
 
 @register_strategy
 class Wfbp(UserLayoutStrategy):

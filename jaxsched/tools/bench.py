@@ -35,7 +35,6 @@ Example (the arithmetic of the report):
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -49,7 +48,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from jaxsched.sim import intervals
-from jaxsched.tools.cli.options import name_list, output_dir, output_path, positive_float, positive_int
+
+__all__ = ["bench_figure", "calibrate_batch", "Calibration", "calibration_text", "CEILING_TARGETS",
+           "chart_path", "COMPRESSORS", "format_report", "host_costs_of", "miss_reason",
+           "missed_target", "overlap_efficiency", "parse_compression", "plot", "RESULTS_DIR", "run",
+           "simulated", "speedups_withheld", "summarize", "time_breakdown", "worker"]
 
 WIDTH, DEPTH = 2048, 2  # the issue's set-up; --depth 8 --width 1024 sends the same bytes
 RESULTS_DIR = Path("benchmarks/results")
@@ -81,9 +84,8 @@ def parse_compression(text: str | None):
             import jax.numpy as jnp
             return compress.Cast(jnp.bfloat16)
     except ValueError as err:
-        raise argparse.ArgumentTypeError(f"--compression {text!r}: {err}") from None
-    raise argparse.ArgumentTypeError(f"--compression {text!r}: use one of {', '.join(COMPRESSORS)}, "
-                                     "e.g. topk:0.01")
+        raise ValueError(f"--compression {text!r}: {err}") from None
+    raise ValueError(f"--compression {text!r}: use one of {', '.join(COMPRESSORS)}, e.g. topk:0.01")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +202,8 @@ def overlap_efficiency(plain: float, step: float, bound: float) -> float:
 
 
 # -- the worker: one process of the benchmark --------------------------------------------------
-def _worker(args: argparse.Namespace) -> int:
+def worker(args: Any) -> int:
+    """One process of the benchmark (started by :func:`run` through the launcher)."""
     import jaxsched.tools.launch
 
     if args.pin:  # before JAX starts its thread pools, so that every thread inherits the core
@@ -654,7 +657,7 @@ def plot(raw: dict[str, Any], result: dict[str, Any], sims: dict, path: Path) ->
     bench_figure(raw, result, sims).savefig(path, dpi=110)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Any) -> int:
     from jaxsched.tools import cluster as cluster_lib
     from jaxsched.tools import launch as launch_lib
 
@@ -664,7 +667,7 @@ def run(args: argparse.Namespace) -> int:
         strategies += [f"{s}+{args.compression}" for s in strategies if s in ("wfbp", "dear")]
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = Path(tmp) / "raw.json"
-        worker = [sys.executable, "-m", "jaxsched.tools.bench", "--worker", "--raw-out", str(raw_path),
+        worker = [sys.executable, "-m", "jaxsched.tools.cli.bench", "--worker", "--raw-out", str(raw_path),
                   "--steps", str(args.steps), "--worker-strategies", ",".join(strategies),
                   "--depth", str(args.depth), "--width", str(args.width)]
         if args.batch:
@@ -766,79 +769,3 @@ def calibration_text(calibration: dict[str, Any] | None, measured_ratio: float |
             f"{len(calibration['probes'])} probes (batch: compute/comm) {probes}"
             + (f"; in the measured steps compute/comm {measured_ratio:.2f}"
                if measured_ratio is not None else ""))
-
-
-def _strategy_names() -> tuple[str, ...]:
-    from jaxsched.strategies import strategy_names
-
-    return strategy_names()
-
-
-def _compression_option(text: str) -> str:
-    try:
-        parse_compression(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    return text
-
-
-def _hosts(text: str) -> int:
-    value = positive_int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"{value} hosts: a benchmark of communication needs at least 2")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``jaxsched bench``'s options; every value is checked while parsing, before any work."""
-    parser.add_argument("--hosts", type=_hosts, default=2, help="processes, one per emulated host")
-    parser.add_argument("--bandwidth", default="1gbit", help="per-link limit, e.g. 1gbit, 500mbit")
-    parser.add_argument("--strategies", type=name_list(_strategy_names), default="allreduce,wfbp,dear,approx",
-                        help="comma-separated registered strategies")
-    parser.add_argument("--steps", type=positive_int, default=20, help="measured steps per variant")
-    parser.add_argument("--compression", type=_compression_option,
-                        help="also run wfbp/dear with this compressor "
-                        "(topk:DENSITY, gtopk:DENSITY, powersgd:RANK, bf16), same session")
-    parser.add_argument("--batch", type=positive_int, help="per-process batch (default: calibrated)")
-    parser.add_argument("--calibration-start", type=positive_int, default=128,
-                        help="first per-process batch the calibration probes")
-    parser.add_argument("--calibration-tolerance", type=positive_float, default=0.10,
-                        help="calibration succeeds when |compute/comm - 1| is at most this")
-    parser.add_argument("--calibration-probes", type=positive_int, default=6,
-                        help="most batches the calibration measures")
-    parser.add_argument("--depth", type=positive_int, default=DEPTH, help="layers of the tanh MLP")
-    parser.add_argument("--width", type=positive_int, default=WIDTH, help="width of every layer")
-    parser.add_argument("--buckets", type=positive_int, help="bucket byte threshold (default: one per layer)")
-    parser.add_argument("--out", type=output_dir, default="runs/bench",
-                        help="folder for the report row (overlap.jsonl) and the Gantt chart")
-    parser.add_argument("--save", action="store_true",
-                        help=f"write the row and the chart into {RESULTS_DIR}/ (the committed "
-                             "results the docs cite) instead of --out")
-    parser.add_argument("--json", type=output_path, help="also write the report here")
-    parser.add_argument("--png", type=output_path, help="Gantt chart path (default: "
-                        "bench_<depth>x<width>_<strategies>.png in --out, or in the results folder with --save)")
-    parser.add_argument("--prefix", default="jxsb", help="namespace prefix of the emulated cluster")
-    parser.add_argument("--no-cluster", action="store_true", help="loopback only (no root needed)")
-    parser.add_argument("--no-pin", action="store_true", help="do not pin each process to one core")
-    parser.add_argument("--timeout", type=positive_float, default=900, help="seconds for the whole run")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxsched bench", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_arguments(parser)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--raw-out", help=argparse.SUPPRESS)
-    parser.add_argument("--worker-strategies", help=argparse.SUPPRESS)  # with "+compressor" variants
-    parser.add_argument("--pin", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        args.strategies = [s for s in args.worker_strategies.split(",") if s]
-        # one bucket per layer: each layer's reduction overlaps the backward of those below
-        args.buckets = args.buckets or [[f"layer{i}"] for i in reversed(range(args.depth))]
-        return _worker(args)
-    return run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

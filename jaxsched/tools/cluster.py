@@ -19,13 +19,12 @@ Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and the ``ip``/``tc`` tools. Python
 
 Shell (until ``jaxsched cluster`` is wired into the CLI)::
 
-    python -m jaxsched.tools.cluster up --hosts 2 --bandwidth 1gbit
-    python -m jaxsched.tools.cluster status
-    python -m jaxsched.tools.cluster down        # also removes what a crashed run left behind
+    jaxsched cluster up --hosts 2 --bandwidth 1gbit
+    jaxsched cluster status
+    jaxsched cluster down        # also removes what a crashed run left behind
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ipaddress
 import os
@@ -37,6 +36,10 @@ import sys
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Sequence
+
+__all__ = ["BRIDGE", "Cluster", "ClusterError", "DEFAULT_PREFIX", "DEFAULT_SUBNET",
+           "format_bandwidth", "Host", "INTERFACE", "list_namespaces", "MAX_HOSTS",
+           "NotPrivilegedError", "parse_bandwidth", "require_privileges", "TBF_LATENCY", "teardown"]
 
 DEFAULT_PREFIX = "jxs"
 DEFAULT_SUBNET = "10.199.0.0/24"
@@ -259,7 +262,7 @@ class Cluster:
         if existing:
             raise ClusterError(f"a cluster with prefix {prefix!r} exists already "
                                f"({', '.join(existing)}); take it down first "
-                               f"(`python -m jaxsched.tools.cluster down --prefix {prefix}`)")
+                               f"(`jaxsched cluster down --prefix {prefix}`)")
         addresses = list(net.hosts())
         switch = f"{prefix}-sw"
         members = [Host(i, f"{prefix}-h{i}", str(addresses[i]), INTERFACE) for i in range(hosts)]
@@ -298,7 +301,7 @@ class Cluster:
         names = [n for n in list_namespaces(prefix) if n != f"{prefix}-sw"]
         if not names:
             raise ClusterError(f"no cluster with prefix {prefix!r} is up "
-                               f"(`python -m jaxsched.tools.cluster up --hosts N`)")
+                               f"(`jaxsched cluster up --hosts N`)")
         hosts, bits = [], None
         for rank, ns in enumerate(names):
             if ns != f"{prefix}-h{rank}":
@@ -340,65 +343,3 @@ class Cluster:
         lines += [f"  host {h.rank}: namespace {h.namespace}, {h.interface} {h.address}"
                   for h in self.hosts]
         return "\n".join(lines)
-
-
-# --- command line: `jaxsched cluster up|down|status` ------------------------------------------
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``up``/``down``/``status`` to ``parser`` (the ``jaxsched cluster`` subcommand)."""
-    sub = parser.add_subparsers(dest="cluster_command", required=True, metavar="{up,down,status}")
-    up = sub.add_parser("up", help="create an emulated cluster (root)")
-    up.add_argument("--hosts", type=int, required=True, help="number of hosts (>= 2)")
-    up.add_argument("--bandwidth", default="1gbit",
-                    help="rate of every link, each way: e.g. 1gbit, 500mbit; 'none' for unshaped "
-                         "(default 1gbit)")
-    up.add_argument("--subnet", default=DEFAULT_SUBNET,
-                    help=f"private /24 (default {DEFAULT_SUBNET})")
-    down = sub.add_parser("down",
-                          help="remove the emulated cluster and anything a crashed run left")
-    status = sub.add_parser("status", help="show the emulated cluster, if one is up")
-    for p in (up, down, status):
-        p.add_argument("--prefix", default=DEFAULT_PREFIX,
-                       help=f"namespace name prefix (default {DEFAULT_PREFIX})")
-
-
-def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
-    """Run ``jaxsched cluster ...``; returns the exit status (0 ok, 1 failed, 2 bad input)."""
-    if not isinstance(args, argparse.Namespace):
-        parser = argparse.ArgumentParser(prog="python -m jaxsched.tools.cluster",
-                                         description="An emulated multi-host cluster (root).")
-        add_arguments(parser)
-        args = parser.parse_args(args)
-    try:
-        if args.cluster_command == "up":
-            cluster = Cluster.up(args.hosts, args.bandwidth, prefix=args.prefix, subnet=args.subnet)
-            print(cluster.describe())
-            print(f"take it down with: jaxsched cluster down"
-                  + ("" if args.prefix == DEFAULT_PREFIX else f" --prefix {args.prefix}"))
-            return 0
-        if args.cluster_command == "down":
-            require_privileges()
-            removed = teardown(args.prefix)
-            print(f"removed {', '.join(removed)}" if removed
-                  else f"no cluster with prefix {args.prefix!r} was up")
-            return 0
-        if args.cluster_command == "status":
-            if not list_namespaces(args.prefix):
-                print(f"no cluster with prefix {args.prefix!r} is up")
-                return 1
-            print(Cluster.attach(args.prefix).describe())
-            return 0
-    except ValueError as err:
-        print(f"jaxsched cluster: error: {err}", file=sys.stderr)
-        return 2
-    except ClusterError as err:
-        print(f"jaxsched cluster: error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("jaxsched cluster: interrupted; nothing left behind", file=sys.stderr)
-        return 130
-    raise AssertionError(args.cluster_command)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

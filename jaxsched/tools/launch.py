@@ -28,12 +28,11 @@ service declares a peer dead after ``heartbeat_timeout`` seconds (20 under this 
 
 Shell (until ``jaxsched launch`` is wired into the CLI)::
 
-    python -m jaxsched.tools.launch --hosts 2 -- python train.py --steps 10
-    python -m jaxsched.tools.launch --hosts 2 --cluster --bandwidth 1gbit -- python train.py
+    jaxsched launch --hosts 2 -- python train.py --steps 10
+    jaxsched launch --hosts 2 --cluster --bandwidth 1gbit -- python train.py
 """
 from __future__ import annotations
 
-import argparse
 import os
 import queue
 import re
@@ -45,6 +44,13 @@ import sys
 import threading
 import time
 from typing import IO, Mapping, NamedTuple, Sequence
+
+__all__ = ["bind_gloo", "DEFAULT_GRACE_S", "ENV_COORDINATOR", "ENV_CPU_DEVICES", "ENV_HEARTBEAT",
+           "ENV_INIT_TIMEOUT", "ENV_INTERFACE", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID",
+           "ENV_SHUTDOWN_TIMEOUT", "exit_now", "free_port", "GLOO_CHATTER", "GLOO_FACTORY",
+           "GLOO_FACTORY_SIGNATURE", "GlooBindingError", "initialize", "launch",
+           "LAUNCH_HEARTBEAT_TIMEOUT_S", "LAUNCH_INIT_TIMEOUT_S", "LAUNCH_SHUTDOWN_TIMEOUT_S",
+           "LaunchError", "make_gloo_collectives", "ProcessInfo"]
 
 ENV_COORDINATOR = "JAXSCHED_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXSCHED_NUM_PROCESSES"
@@ -481,96 +487,3 @@ def _stop(procs: list[subprocess.Popen], grace_s: float, note) -> None:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:  # pragma: no cover - unkillable (D state)
             note(f"process {p.pid} did not die")
-
-
-# --- command line: `jaxsched launch` -----------------------------------------------------
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port: use 1..65535")
-    return port
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``jaxsched launch``'s options to ``parser``; the command follows ``--``."""
-    from jaxsched.tools.cli.options import positive_float, positive_int
-
-    parser.add_argument("--hosts", type=positive_int, required=True, help="number of processes")
-    parser.add_argument("--cluster", action="store_true",
-                        help="run each process in its host's namespace of the emulated cluster "
-                             "(the one that is up, else one brought up for this run; root)")
-    parser.add_argument("--bandwidth", default=None,
-                        help="with --cluster, when the launcher brings the cluster up: rate of "
-                             "every link (default 1gbit; 'none' for unshaped)")
-    parser.add_argument("--prefix", default=None, help="with --cluster: namespace prefix "
-                        "(default jxs)")
-    parser.add_argument("--port", type=_port, help="coordinator port (default: a free one)")
-    parser.add_argument("--cpu-devices", type=positive_int,
-                        help="local CPU devices per process (sets JAXSCHED_CPU_DEVICES)")
-    parser.add_argument("--heartbeat-timeout", type=positive_int, default=LAUNCH_HEARTBEAT_TIMEOUT_S,
-                        help="seconds until jax.distributed declares a silent process dead")
-    parser.add_argument("--grace", type=positive_float, default=DEFAULT_GRACE_S,
-                        help="seconds between SIGTERM and SIGKILL when stopping processes")
-    parser.add_argument("--timeout", type=positive_float, help="stop everything after this many seconds")
-    parser.add_argument("--no-prefix", action="store_true", help="do not prefix output with [rank]")
-    parser.add_argument("--verbose", action="store_true",
-                        help="keep gloo's per-peer connection lines ([Gloo] Rank N is connected ...)")
-    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
-                        help="the command each process runs")
-
-
-def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
-    """Run ``jaxsched launch ...``; returns the exit status (first failing process's status)."""
-    if not isinstance(args, argparse.Namespace):
-        parser = argparse.ArgumentParser(prog="python -m jaxsched.tools.launch",
-                                         description="Start one JAX process per host.")
-        add_arguments(parser)
-        args = parser.parse_args(args)
-    command = list(args.cmd)
-    if command and command[0] == "--":
-        command = command[1:]
-    from jaxsched.tools import cluster as cluster_lib
-
-    def fail(msg: str, code: int) -> int:
-        print(f"jaxsched launch: error: {msg}", file=sys.stderr)
-        return code
-
-    if not command:
-        return fail("no command: put it after `--`, e.g. jaxsched launch --hosts 2 -- python "
-                    "train.py", 2)
-    if not args.cluster and (args.bandwidth is not None or args.prefix is not None):
-        return fail("--bandwidth and --prefix need --cluster", 2)
-    kwargs = dict(port=args.port, cpu_devices=args.cpu_devices,
-                  heartbeat_timeout_s=args.heartbeat_timeout, grace_s=args.grace,
-                  timeout_s=args.timeout, prefix_output=not args.no_prefix,
-                  verbose=getattr(args, "verbose", True))
-    try:
-        if not args.cluster:
-            return launch(args.hosts, command, **kwargs)
-        prefix = args.prefix or cluster_lib.DEFAULT_PREFIX
-        cluster_lib.require_privileges()
-        if cluster_lib.list_namespaces(prefix):
-            cluster = cluster_lib.Cluster.attach(prefix)
-            if args.bandwidth is not None and \
-                    cluster_lib.parse_bandwidth(args.bandwidth) != cluster.bandwidth:
-                return fail(f"the cluster {prefix!r} is up with links "
-                            f"{cluster_lib.format_bandwidth(cluster.bandwidth)}, not "
-                            f"{args.bandwidth}: take it down or leave out --bandwidth", 2)
-            print(f"jaxsched launch: using the cluster that is up: {cluster!r}", file=sys.stderr)
-            return launch(args.hosts, command, cluster=cluster, **kwargs)
-        bandwidth = "1gbit" if args.bandwidth is None else args.bandwidth
-        with cluster_lib.Cluster.up(max(args.hosts, 2), bandwidth, prefix=prefix) as cluster:
-            print(f"jaxsched launch: brought up {cluster!r} for this run", file=sys.stderr)
-            return launch(args.hosts, command, cluster=cluster, **kwargs)
-    except ValueError as e:
-        return fail(str(e), 2)
-    except (cluster_lib.ClusterError, LaunchError) as e:
-        return fail(str(e), 1)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

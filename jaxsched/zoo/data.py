@@ -12,6 +12,9 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
+__all__ = ["batch_indices", "batches", "DATASETS", "load", "load_digits", "Split",
+           "synthetic_cifar", "synthetic_images", "synthetic_tokens"]
+
 
 class Split(NamedTuple):
     """A fixed train/test split.

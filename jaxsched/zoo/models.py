@@ -20,6 +20,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+__all__ = ["ApplyFn", "build", "CNN", "MLP", "MODELS", "Params", "pure", "ResidualBlock",
+           "TransformerBlock", "TransformerLM"]
+
 Params = Any
 ApplyFn = Callable[[Params, jax.Array], jax.Array]
 

@@ -15,6 +15,8 @@ from jaxsched.core.analyze import Analysis
 from jaxsched.core.bucketing import Bucket
 from jaxsched.core.replay import interpret, read
 
+__all__ = ["walk_backward"]
+
 
 def walk_backward(analysis: Analysis, env: dict, lazy: dict[Any, Callable[[], None]],
                   buckets: Sequence[Bucket], emit: Callable[[Bucket], None]) -> None:

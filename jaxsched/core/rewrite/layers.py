@@ -39,6 +39,8 @@ from jaxsched.core.analyze import Analysis
 from jaxsched.core.bucketing import match_reductions
 from jaxsched.core.replay import is_var
 
+__all__ = ["LayerMatch", "match_layers", "MatchedLayer", "PASS_THROUGH"]
+
 #: Equations that move or cast a value without changing what it holds.
 PASS_THROUGH = frozenset({"reshape", "transpose", "convert_element_type", "copy", "copy_p",
                           "squeeze", "expand_dims", "broadcast_in_dim"})

@@ -37,6 +37,11 @@ from jaxsched.core.replay import bind as _bind
 from jaxsched.core.replay import at_source, eval_inline, is_var, source_line
 from jaxsched.core.replay import inner_jaxpr as _inner_jaxpr
 
+__all__ = ["apply_rule", "broadcast_in_dim_rule", "call_rule", "cond_rule", "ELEMENTWISE",
+           "elementwise_rule", "eval_sharded", "FallbackWarning", "full_rule", "identity_rule",
+           "psum_rule", "reshape_rule", "RESHAPES", "Rule", "RULES", "scan_rule", "Shard",
+           "ShardContext"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Shard:

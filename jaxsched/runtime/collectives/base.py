@@ -33,6 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+__all__ = ["BucketSpec", "Collective", "CollectiveWrapper", "FORMS", "OPERATIONS",
+           "PlainCollective", "SMALL_TENSOR_BYTES", "stack_local", "stacked_zeros", "unstack_local"]
+
 
 @dataclasses.dataclass(frozen=True)
 class BucketSpec:

@@ -16,6 +16,8 @@ from jaxsched.runtime.engine.base import Engine, EngineCosts, PerDeviceProgram, 
 from jaxsched.runtime.engine.host import HostEngine, host_engine_applies
 from jaxsched.runtime.engine.xla import XlaEngine
 
+__all__ = ["AutoEngine"]
+
 
 class AutoEngine(Engine):
     """Picks an engine per program from its mesh."""

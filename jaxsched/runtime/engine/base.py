@@ -28,6 +28,9 @@ import jax
 from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+__all__ = ["Engine", "engine_names", "EngineCosts", "make_engine", "PerDeviceProgram",
+           "register_engine"]
+
 
 @dataclasses.dataclass(frozen=True)
 class PerDeviceProgram:

@@ -59,6 +59,11 @@ from jaxsched.core import replay
 from jaxsched.runtime.engine.base import Engine, EngineCosts, PerDeviceProgram, register_engine
 from jaxsched.core.primitives import CALL_PRIMITIVES, COLLECTIVES
 
+__all__ = ["BALLAST_ELEMENTS", "BUCKET_MIN_BYTES", "cut_stages", "describe_comm_stage",
+           "describe_compute_stage", "HEAVY_PRIMITIVES", "host_engine_applies", "HostEngine",
+           "HostEngineError", "LAYOUT_PRIMITIVES", "measure_stage_overhead", "spare_devices",
+           "Stage", "StagedProgram", "StageTiming"]
+
 #: Elements of the ballast each stage sums: above XLA:CPU's inline-execution estimate.
 BALLAST_ELEMENTS = 4096
 

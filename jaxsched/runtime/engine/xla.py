@@ -39,6 +39,9 @@ from jax.sharding import NamedSharding
 from jaxsched.core import axes
 from jaxsched.runtime.engine.base import Engine, PerDeviceProgram, register_engine
 
+__all__ = ["collective_form_for", "COLLECTIVE_FORMS", "compiler_options_for", "GPU_OPTIONS",
+           "TPU_OPTIONS", "XlaEngine"]
+
 GPU_OPTIONS: dict[str, Any] = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
     "xla_gpu_all_reduce_combine_threshold_bytes": 0,

@@ -15,6 +15,8 @@ import json
 
 from jaxsched.tools.cli.options import CommandError, add_command, existing_file, name_list, output_path, prepare_output
 
+__all__ = ["register", "run"]
+
 
 def _target(text: str) -> str:
     from jaxsched.tools.aot import GPU_TARGETS, TPU_TARGETS, parse_target

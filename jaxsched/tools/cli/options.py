@@ -10,6 +10,10 @@ import argparse
 from pathlib import Path
 from typing import Callable, Sequence
 
+__all__ = ["add_command", "CommandError", "existing_file", "fraction", "HelpFormatter", "name_list",
+           "output_dir", "output_path", "positive_float", "positive_int", "prepare_output",
+           "request_cpu_devices"]
+
 
 class CommandError(ValueError):
     """Bad input found after parsing (e.g. inside a file); printed as one line, exit 2."""

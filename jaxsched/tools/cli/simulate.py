@@ -24,6 +24,10 @@ from jaxsched.sim.costmodel import (DEVICE_PRESETS, LINK_PRESETS, LayerProfile, 
 from jaxsched.sim import COMPRESSIONS, STRATEGIES, Compression, SimResult, lower_bound, simulate
 from jaxsched.sim.core import MB
 
+__all__ = ["check_strategy", "DEFAULT_PLANNER", "DEFAULT_STRATEGIES", "DEFAULT_WORKERS",
+           "network_name", "OPTIMIZERS", "PLANNERS", "PROFILE_MODELS", "register", "run_profile",
+           "run_simulate"]
+
 DEFAULT_WORKERS = 8
 DEFAULT_STRATEGIES = "allreduce,wfbp,mgwfbp,bytescheduler,dear,approx"
 # Planner each strategy uses unless --planner overrides it (allreduce is the fixed reference:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 from jaxsched.tools.cli.options import (add_command, name_list, output_path, prepare_output,
                                   request_cpu_devices)
 
+__all__ = ["DEMO_CONFIG", "register", "run_demo", "run_train"]
+
 if TYPE_CHECKING:
     from jaxsched.demo.config import Config
     from jaxsched.demo.trainer import RunResult

@@ -13,6 +13,8 @@ import argparse
 
 from jaxsched.tools.cli.options import add_command, positive_float, positive_int, request_cpu_devices
 
+__all__ = ["register", "run"]
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from jaxsched.tools.cli.train import _strategy_names

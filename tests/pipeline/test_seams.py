@@ -1,0 +1,251 @@
+"""The three seams: a strategy, a collective and an engine defined outside the package plug
+in through the public registries; programs are cached per batch signature."""
+import ast
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxsched
+from jaxsched.core import replay
+from jaxsched.demo import steps
+from jaxsched.runtime.engine import XlaEngine, make_engine, register_engine
+from jaxsched.strategies import UserLayoutStrategy, register_strategy, unregister_strategy
+from support.equivalence import assert_trees_close, build, random_batches
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Bf16AllReduce(UserLayoutStrategy):
+    """A toy strategy: the user's step with every gradient reduction carried in bfloat16."""
+
+    name = "toy_bf16_allreduce"
+    cost = jaxsched.sim.costmodel.CommPattern(in_backward=False, packs_buckets=False)
+
+    def per_device(self, planned, values, collective_state):
+        body = planned.captured.body
+        reducing = {id(body.eqns[r.eqn_index]) for r in planned.analysis.reductions}
+
+        def run(eqn, operands):
+            if id(eqn) not in reducing:
+                return replay.bind(eqn, operands)
+            return [lax.psum(x.astype(jnp.bfloat16), planned.axis_name).astype(x.dtype)
+                    for x in operands]
+
+        return replay.eval_inline(body, [], values, run=run), collective_state
+
+
+@pytest.fixture
+def toy_strategy():
+    register_strategy(Bf16AllReduce)
+    yield Bf16AllReduce.name
+    unregister_strategy(Bf16AllReduce.name)
+
+
+def _bf16_reference_step(apply_fn, tx, mesh):
+    def body(params, opt_state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(lambda p: steps.cross_entropy(apply_fn(p, x), y))(params)
+        grads = jax.tree.map(lambda g: lax.psum(g.astype(jnp.bfloat16), "data").astype(g.dtype)
+                             / lax.axis_size("data"), grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": lax.pmean(loss, "data")}
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
+                                 out_specs=(P(), P(), P()), check_vma=False))
+
+
+def test_a_strategy_defined_outside_the_package_registers_and_runs_exactly(toy_strategy):
+    params, apply_fn = build("mlp", 0)
+    tx = optax.sgd(0.1, momentum=0.9)
+    mesh = jax.make_mesh((8,), ("data",))
+    user_step = steps.make_step(apply_fn, tx, mesh)  # reduces in float32
+    reference = _bf16_reference_step(apply_fn, tx, mesh)
+    sched = jaxsched.schedule(user_step, strategy=toy_strategy)
+    assert toy_strategy in jaxsched.STRATEGIES
+    state, ref = sched.init(params, tx.init(params)), (params, tx.init(params))
+    full = (params, tx.init(params))
+    for batch in random_batches("mlp", 8, 16, seed=3):
+        batch = steps.shard_batch(batch, mesh)
+        state, _ = sched(state, batch)
+        *ref, _ = reference(*ref, batch)
+        *full, _ = user_step(*full, batch)
+        jax.block_until_ready(state)
+    assert_trees_close(sched.finalize(state), tuple(ref))
+    # and it really reduced in bf16: the float32 step ends elsewhere
+    gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+              zip(jax.tree.leaves(full[0]), jax.tree.leaves(sched.finalize(state)[0])))
+    assert gap > 1e-6
+    # the simulator knows it by name through its cost description
+    layers = jaxsched.LayerProfile([jaxsched.Layer("l", 10, 40, 1e-3, 2e-3)])
+    assert jaxsched.simulate(layers, jaxsched.network_preset("10gbe", 8), toy_strategy).iteration_s > 0
+
+
+def test_the_registry_refuses_a_taken_name_and_unknown_names(toy_strategy):
+    with pytest.raises(ValueError, match="already registered"):
+        register_strategy(Bf16AllReduce)
+
+    class Other(Bf16AllReduce):
+        name = "dear"
+    with pytest.raises(ValueError, match="'dear' is already registered"):
+        register_strategy(Other)
+    with pytest.raises(ValueError, match="strategy='deer' is unknown.*dear"):
+        jaxsched.schedule(lambda *a: a, strategy="deer")
+    with pytest.raises(TypeError, match="Strategy subclass"):
+        register_strategy(object)
+    with pytest.raises(ValueError, match="engine='host2' is unknown"):
+        jaxsched.schedule(lambda *a: a, strategy="wfbp", engine="host2")
+
+
+class CountingCollective(jaxsched.CollectiveWrapper):
+    """Counts, per device and bucket, how often each operation ran: carried state."""
+
+    def init_own(self, bucket):
+        return jnp.zeros((3,), jnp.int32)
+
+    def _count(self, state, op):
+        own, inner = state
+        return own.at[op].add(1), inner
+
+    def all_reduce(self, buffer, axis_name, bucket, state):
+        out, state = super().all_reduce(buffer, axis_name, bucket, state)
+        return out, self._count(state, 0)
+
+    def reduce_scatter(self, buffer, axis_name, bucket, state):
+        out, state = super().reduce_scatter(buffer, axis_name, bucket, state)
+        return out, self._count(state, 1)
+
+    def all_gather(self, shard, axis_name, bucket, state):
+        out, state = super().all_gather(shard, axis_name, bucket, state)
+        return out, self._count(state, 2)
+
+
+@pytest.mark.parametrize("strategy, expected", [pytest.param("wfbp", [5, 0, 0], marks=pytest.mark.slow),
+                                                ("dear", [0, 5, 5])])
+def test_a_collective_wrapper_carries_per_device_state_through_any_strategy(strategy, expected):
+    params, apply_fn = build("mlp", 0)
+    tx = optax.adam(1e-2)
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    step = steps.make_step(apply_fn, tx, mesh)
+    sched = jaxsched.schedule(step, strategy=strategy, collective=CountingCollective(), buckets=1)
+    state = plain = sched.init(params, tx.init(params))
+    plain = (params, tx.init(params))
+    for batch in random_batches("mlp", 5, 8, seed=1):
+        batch = steps.shard_batch(batch, mesh)
+        state, _ = sched(state, batch)
+        *plain, _ = step(*plain, batch)
+        jax.block_until_ready(state)
+    counts = jax.tree.leaves(state.collective_state)
+    assert len(counts) == len(sched.program.buckets) == 6
+    for leaf in counts:
+        assert leaf.shape == (4, 3)  # one row per device
+        np.testing.assert_array_equal(np.asarray(leaf), np.tile(expected, (4, 1)))
+    assert_trees_close(sched.finalize(state), tuple(plain))  # counting changes no number
+
+
+def test_allreduce_cannot_carry_a_collective():
+    with pytest.raises(ValueError, match="allreduce.*cannot carry CountingCollective"):
+        jaxsched.schedule(lambda *a: a, strategy="allreduce", collective=CountingCollective())
+
+
+@pytest.mark.parametrize("strategy", [pytest.param("allreduce", marks=pytest.mark.slow),
+                                      pytest.param("wfbp", marks=pytest.mark.slow), "dear"])
+def test_each_batch_shape_gets_its_own_program_and_matches_the_plain_step(strategy):
+    params, apply_fn = build("mlp", 0)
+    tx = optax.adamw(1e-2)
+    mesh = jax.make_mesh((8,), ("data",))
+    step = steps.make_step(apply_fn, tx, mesh)
+    sched = jaxsched.schedule(step, strategy=strategy)
+    state, plain = sched.init(params, tx.init(params)), (params, tx.init(params))
+    rng = np.random.default_rng(7)
+    for rows in (32, 32, 16, 32):
+        x = rng.standard_normal((rows, 8, 8, 1)).astype(np.float32)
+        y = rng.integers(0, 10, rows).astype(np.int32)
+        batch = steps.shard_batch((x, y), mesh)
+        state, aux = sched(state, batch)
+        *plain, plain_aux = step(*plain, batch)
+        assert_trees_close(jax.device_get(aux), jax.device_get(plain_aux))
+    assert sched.num_programs == 2
+    assert_trees_close(sched.finalize(state), tuple(plain))
+
+
+class CountingEngine(XlaEngine):
+    name = "counting_xla"
+    compiled = 0
+
+    def compile(self, program):
+        type(self).compiled += 1
+        assert program.in_specs[-1] == P("data")  # the batch, as the user's step shards it
+        return super().compile(program)
+
+
+def test_an_engine_plugs_in_by_name_and_as_an_instance():
+    register_engine("counting_xla", CountingEngine)
+    params, apply_fn = build("mlp", 0)
+    tx = optax.sgd(0.1)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    batch = steps.shard_batch(next(random_batches("mlp", 1, 4, 0)), mesh)
+    for engine in ("counting_xla", CountingEngine()):
+        sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="wfbp", engine=engine)
+        state, aux = sched(sched.init(params, tx.init(params)), batch)
+        assert np.isfinite(float(aux["loss"]))
+    assert CountingEngine.compiled == 2
+    with pytest.raises(ValueError, match="already registered"):
+        register_engine("counting_xla", CountingEngine)
+    with pytest.raises(TypeError, match="does not take options"):
+        make_engine("counting_xla", compiler_option={})
+
+
+def _string_comparisons(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Compare):
+            for part in [node.left, *node.comparators]:
+                elts = part.elts if isinstance(part, (ast.Tuple, ast.List, ast.Set)) else [part]
+                found |= {e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+    return found
+
+
+def test_the_pipeline_compares_against_no_strategy_name():
+    # "auto" is also the value of buckets= and engine=, which the pipeline does compare
+    names = (set(jaxsched.STRATEGIES) | {"approx", "mgwfbp"}) - {"auto"}
+    for module in ("_schedule.py", "pipeline/program.py", "pipeline/planned_step.py", "runtime/engine/base.py", "runtime/engine/xla.py",
+                   "plan/__init__.py", "plan/_common.py", "plan/from_step.py", "sim/core.py"):
+        assert not _string_comparisons(ROOT / "jaxsched" / module) & names, module
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_all_reduce_tensors_sums_each_tensor_whatever_its_size(wrapped):
+    """Large tensors go as they are, small ones share a buffer, a wrapper gets the flat
+    bucket: every way gives each tensor's own psum, in its own shape and dtype."""
+    from jaxsched.runtime.collectives.base import SMALL_TENSOR_BYTES, BucketSpec, Collective, CollectiveWrapper
+
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    rng = np.random.default_rng(7)
+    big = SMALL_TENSOR_BYTES // 4 + 1
+    shapes = [(big,), (3, 5), (2,), (big // 8 + 1, 8), ()]
+    tensors = [rng.standard_normal((4,) + s).astype(np.float32) for s in shapes]
+    collective = CollectiveWrapper() if wrapped else Collective()
+    spec = BucketSpec(index=0, size=sum(int(np.prod(s)) for s in shapes), dtype=np.dtype("float32"),
+                      axis_size=4, shapes=tuple(shapes))
+
+    def body(*blocks):
+        sums, _ = collective.all_reduce_tensors([b[0] for b in blocks], "data", spec,
+                                                collective.init([spec])[0])
+        return [s[None] for s in sums]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
+    placed = [jax.device_put(t, jax.NamedSharding(mesh, P("data"))) for t in tensors]
+    outs = f(*placed)
+    for t, out in zip(tensors, outs, strict=True):
+        assert out.shape == t.shape and out.dtype == t.dtype
+        np.testing.assert_allclose(np.asarray(out)[0], t.sum(0), rtol=1e-5, atol=1e-5)
+    psums = [e for e in replay.nested_eqns(jax.make_jaxpr(f)(*placed).jaxpr)
+             if e.primitive.name == "psum"]
+    # plain: two large tensors as they are + one buffer for the three small ones; wrapped: one
+    assert len(psums) == (1 if wrapped else 3)
