@@ -26,8 +26,9 @@ import jax
 from jaxsched.core.capture import abstract_leaf, capture
 from jaxsched.runtime.collectives.base import Collective
 from jaxsched.runtime.engine import Engine, make_engine
+from jaxsched.core.bucketing import param_paths
 from jaxsched.pipeline.program import Program, ProgramCache, retyped
-from jaxsched.pipeline.select import build_program
+from jaxsched.pipeline.selection import build_program
 from jaxsched.pipeline.state_step import STATE, StateForm, UnsplitState, inputs_of, step_form, with_inputs
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
 
@@ -122,10 +123,12 @@ class Scheduled:
     def finalize(self, state: NamedTuple) -> tuple[Any, Any]:
         """Back to ordinary ``(params, opt_state)``, or the user's state object for a
         ``step(state, batch)`` (performs pending all-gathers)."""
+        check_scheduled_state(state, "sched.finalize(state)")
         if self._state_form_for(state):
             return self._state_form.finalize(state)
         if self._programs.last is None:  # never traced here: only a state in the user's layout
             return self.strategy.finalize_untraced(state)
+        check_state_fits(self._programs.last, self._template, state)
         return self._programs.last.finalize(state)
 
     def lower(self, state: NamedTuple, batch: Any):
@@ -214,10 +217,7 @@ class Scheduled:
     # -- internals -------------------------------------------------------------------------
     def _batch_of(self, inputs: tuple, state: Any) -> Any:
         """The inputs after the state as the one batch pytree the pipeline traces."""
-        if isinstance(state, tuple) and not hasattr(state, "_fields"):
-            raise TypeError(f"sched(state, batch) got a plain {type(state).__name__} as its state; "
-                            "pass the state sched.init returned (state = sched.init(params, "
-                            "opt_state), then state, aux = sched(state, batch))")
+        check_scheduled_state(state, "sched(state, batch)", num_arguments=1 + len(inputs))
         if not inputs:
             raise TypeError("sched(state, batch) got no batch; call it as the step is called, "
                             "state first, then the step's inputs")
@@ -241,11 +241,22 @@ class Scheduled:
         program = self._programs.again(state, batch)
         if program is not None:
             return program
-        return self._programs.get(batch, retyped(self._template, (state.params, state.opt_state)))
+        program = self._programs.get(batch, retyped(self._template, (state.params, state.opt_state)))
+        check_state_fits(program, self._template, state)
+        return program
 
     def _build(self, batch: Any, template: Any) -> Program:
-        captured = capture(self.traced_step, template[0], template[1], batch,
-                           self.strategy.folds_invariant_sums)
+        try:
+            captured = capture(self.traced_step, template[0], template[1], batch,
+                               self.strategy.folds_invariant_sums)
+        except TypeError as err:
+            integer = [path for path, leaf in zip(param_paths(template[0]), jax.tree.leaves(template[0]))
+                       if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)]
+            if "grad requires real" not in str(err) or not integer:
+                raise
+            raise TypeError(f"the step differentiates params with integer leaves ({', '.join(integer[:3])}"
+                            f"{', ...' if len(integer) > 3 else ''}): are sched.init's arguments "
+                            "swapped? Call sched.init(params, opt_state), params first") from err
         return build_program(captured, self.strategy, self.buckets_option, self.engine,
                              self.plan_options)
 
@@ -292,3 +303,51 @@ def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dea
                          collective=collective, compression=compression, **options)
 
     return wrap if train_step is None else wrap(train_step)
+
+
+def check_scheduled_state(state: Any, call: str, num_arguments: int = 1) -> None:
+    """Refuse what is not a state from ``sched.init`` with the call that was meant."""
+    if isinstance(state, UnsplitState):
+        return
+    fields = getattr(state, "_fields", None)
+    if isinstance(state, tuple) and fields and "params" in fields and "opt_state" in fields:
+        return
+    hint = ""
+    if num_arguments == 3:
+        hint = ("; sched(params, opt_state, batch) is the plain step's call, the scheduled step "
+                "carries its own state")
+    elif isinstance(state, tuple) and len(state) == 2:
+        hint = "; (params, opt_state) as a tuple is the user's trees, not the scheduled state"
+    raise TypeError(f"{call} got a {type(state).__name__} where the state sched.init returns "
+                    f"belongs{hint}. Call state = sched.init(params, opt_state) once "
+                    "(sched.init(state) for a step(state, batch)), then state, aux = "
+                    "sched(state, batch), and params, opt_state = sched.finalize(state) at the end")
+
+
+def check_state_fits(program: Program, template: Any, state: Any) -> None:
+    """Refuse a state this schedule did not make (another strategy's layout, another model),
+    before JAX fails on it with a sharding error that names no leaf."""
+    trees = (state.params, state.opt_state)
+    if jax.tree.structure(trees) != jax.tree.structure(template):
+        raise ValueError("this state's trees differ from the ones this schedule was initialized "
+                         f"with ({jax.tree.structure(trees)} against "
+                         f"{jax.tree.structure(template)}): was it made by another schedule? "
+                         "Pass the state this schedule's init returned, or finalize the other "
+                         "schedule's state and init this one with the result")
+    user = [tuple(x.shape) for x in jax.tree.leaves(template)]
+    got = [tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(trees)]
+    if got == user:
+        return
+    scheduled = program.state_shapes(template)
+    if got == scheduled:
+        return
+    paths = [("params/" if p.startswith("0") else "opt_state/") + p.partition("/")[2]
+             for p in param_paths(trees)]
+    for path, have, want_user, want_scheduled in zip(paths, got, user, scheduled):
+        if have not in (want_user, want_scheduled):
+            raise ValueError(
+                f"state leaf {path} has shape {have}, where this schedule keeps {want_user} (the "
+                f"user's layout) or {want_scheduled} (its {program.strategy.name} layout): the "
+                "state comes from another schedule (another strategy or buckets). Pass the state "
+                "this schedule's init returned, or finalize the other schedule's state with that "
+                "schedule and init this one with the result")

@@ -33,7 +33,7 @@ WITHOUT_EXAMPLES = {"jaxsched.core", "jaxsched.runtime", "jaxsched.zoo", "jaxsch
                     "jaxsched.core.rewrite.backward", "jaxsched.core.rewrite.rules", "jaxsched.sim",
                     "jaxsched.strategies", "jaxsched.plan._common", "jaxsched.tools.cli.simulate",
                     "jaxsched.tools.cli.train", "jaxsched.tools.cli.cluster", "jaxsched.tools.cli.options",
-                    "jaxsched.tools.cli.verify", "jaxsched.tools.cli.inspect"}
+                    "jaxsched.tools.cli.verify", "jaxsched.tools.cli.inspection"}
 
 
 def _readme_python_blocks() -> list[str]:

@@ -94,6 +94,7 @@ class Program:
         #: whether the state comes out in the dtypes it went in (None: not run yet)
         self.keeps_dtypes: bool | None = None
         self._placed_consts: list | None = None
+        self._state_shapes: list | None = None
 
     # what users and tests inspect ----------------------------------------------------------
     @property
@@ -195,6 +196,16 @@ class Program:
 
     def finalize(self, state: NamedTuple) -> tuple[Any, Any]:
         return self.strategy.finalize(self.planned, state)
+
+    def state_shapes(self, template: Any) -> list[tuple[int, ...]]:
+        """Shapes of the params and opt_state leaves in this program's layout, for trees
+        like ``template`` (abstract leaves): what a state this program made looks like."""
+        if self._state_shapes is None:
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template)
+            converted = self.convert(self.strategy.initial_state(*abstract))
+            self._state_shapes = [tuple(x.shape) for x in
+                                  jax.tree.leaves((converted.params, converted.opt_state))]
+        return self._state_shapes
 
     def lower(self, state: NamedTuple, batch: Any):
         """``jax.stages.Lowered`` of this program for ``state`` and ``batch``, concrete or

@@ -51,7 +51,7 @@ def zero_count(*trees: Any) -> Any:
 @dataclasses.dataclass(frozen=True, eq=False)
 class PlannedStep:
     """A captured step with its buckets chosen: a value, built once by
-    :func:`jaxsched.pipeline.select.select` before the program is.
+    :func:`jaxsched.pipeline.selection.select` before the program is.
 
     Attributes:
       captured: what capture found.
@@ -81,7 +81,7 @@ class PlannedStep:
         if isinstance(self.buckets_option, str):
             raise ValueError(f"buckets={self.buckets_option!r} is not understood; the only named "
                              "plan is 'auto' (cost-model planning), which "
-                             "jaxsched.pipeline.select.select resolves before planning")
+                             "jaxsched.pipeline.selection.select resolves before planning")
 
     def memo(self, key: Any, build: Callable[[], Any]) -> Any:
         """What a strategy derives from this plan (layouts, templates), computed once."""

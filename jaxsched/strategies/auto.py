@@ -7,7 +7,7 @@ simulator, with the bucket plan the candidate would run and with what the engine
 its fixed cost per collective (the host engine's stage dispatch) and whether collectives
 overlap compute at all (not on the ``xla`` engine on CPU, where the simulator runs one
 shared stream). The fastest prediction wins; ties go to the earlier candidate. The choice
-is made once per traced step (:mod:`jaxsched.pipeline.select`) and is reported in
+is made once per traced step (:mod:`jaxsched.pipeline.selection`) and is reported in
 ``strategy.last_choice`` (simulated
 seconds per candidate: SIMULATED, not measured).
 
@@ -93,7 +93,7 @@ class Auto(Strategy):
                              f"accepts collective {type(self._given_collective).__name__}")
         return built
 
-    # Selection (jaxsched.pipeline.select) replaces auto by the strategy it chose before any
+    # Selection (jaxsched.pipeline.selection) replaces auto by the strategy it chose before any
     # program is built; these are never called.
     def convert(self, planned, state):
         raise RuntimeError("strategy='auto' converts through the strategy it chose")

@@ -472,7 +472,7 @@ def test_auto_buckets_plan_against_the_compressed_collective(monkeypatch):
     # order measured on these machines (1e-9 to 4e-9 s per byte) keeps the plan this test
     # compares from depending on the load.
     monkeypatch.setattr(jaxsched.plan.profiling, "measure_selection_s_per_byte", lambda *a, **k: 2e-9)
-    from jaxsched.pipeline.select import simulated_compression
+    from jaxsched.pipeline.selection import simulated_compression
     from jaxsched.strategies import make_strategy
 
     assert simulated_compression(make_strategy("wfbp", collective=TopK(0.01))).kind == "topk"

@@ -85,7 +85,7 @@ def test_warmup_decays_exponentially_in_tiers_to_the_target_density():
     assert lags.density_levels(specs[0]) == (1.0,) and lags.density_at(0, specs[1]) == 0.25
     with pytest.raises(ValueError, match="pass the bucket"):
         lags.density_at(0)
-    from jaxsched.pipeline.select import simulated_compression
+    from jaxsched.pipeline.selection import simulated_compression
     from jaxsched.strategies import make_strategy
     assert simulated_compression(make_strategy("wfbp", collective=topk)).density == 0.01
 

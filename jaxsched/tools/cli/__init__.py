@@ -24,7 +24,7 @@ from typing import Sequence
 from jaxsched.tools.cli.options import CommandError, request_cpu_devices
 
 COMMAND_MODULES = ("jaxsched.tools.cli.train", "jaxsched.tools.cli.verify", "jaxsched.tools.cli.simulate",
-                   "jaxsched.tools.cli.cluster", "jaxsched.tools.cli.inspect")
+                   "jaxsched.tools.cli.cluster", "jaxsched.tools.cli.inspection")
 
 __all__ = ["COMMAND_MODULES", "CommandError", "build_parser", "main", "request_cpu_devices"]
 

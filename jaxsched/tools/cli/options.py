@@ -103,16 +103,34 @@ def name_list(choices: Callable[[], Sequence[str]], check: Callable[[str], None]
 
 
 def output_path(text: str) -> str:
-    """A file to write. Its folder is created when the file is written (see :func:`prepare_output`)."""
+    """A file to write. Its folder is created when the file is written (see
+    :func:`prepare_output`); a place where it cannot be written is refused now, before any work."""
     if Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
+    _check_writable(Path(text).parent, text)
     return text
+
+
+def _check_writable(folder: Path, text: str) -> None:
+    """Make ``folder`` (it would be made when the output is written) and check it takes a file,
+    so that a bad path fails now with one line rather than after the work."""
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written ({err.strerror}: "
+                                         f"{err.filename or folder}); choose a path under a "
+                                         "folder you can write, e.g. runs/") from None
 
 
 def output_dir(text: str) -> str:
     """A folder to write into (created when written); an existing file is refused."""
     if Path(text).exists() and not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a file; give a folder")
+    _check_writable(Path(text), text)
     return text
 
 
