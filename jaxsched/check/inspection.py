@@ -128,6 +128,21 @@ class CompiledReport:
         return sum(1 for c in self.collectives if c.is_async)
 
     @property
+    def no_estimate_reason(self) -> str | None:
+        """Why the report has no estimated step (None when it has one)."""
+        if self.step_s is not None:
+            return None
+        read = "the collectives listed are read from the compiled HLO"
+        if self.platform == "cpu":
+            return "XLA:CPU runs collectives inline and writes no schedule estimate"
+        if self.num_async == 0:
+            return ("XLA compiled every collective of this program synchronously and wrote no "
+                    "schedule estimate for it (XLA:TPU writes one only for a program with "
+                    "asynchronous collectives; on GPU its latency-hiding scheduler did not run "
+                    f"for this target); {read}")
+        return f"XLA wrote no schedule estimate for this program on this target; {read}"
+
+    @property
     def num_sync(self) -> int:
         return sum(1 for c in self.collectives if not c.is_async)
 
@@ -883,6 +898,8 @@ def format_table(reports: Sequence[CompiledReport], baseline: CompiledReport | N
                      f"async {r.num_async}/{len(r.collectives)} collectives"
                      + (f" [XLA statistics: total {_us(r.xla_total_s)} us, wasted "
                         f"{_us(r.xla_wasted_s)} us]" if r.xla_total_s is not None else ""))
+        if r.no_estimate_reason:
+            lines.append(f"  no estimate: {r.no_estimate_reason}")
         if not r.collectives:
             lines.append("  (no collectives)")
             continue

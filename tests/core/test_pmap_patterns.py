@@ -122,7 +122,7 @@ def test_algoperf_style_step_stays_on_shards():
     of valid examples and the gradients summed in one psum, gradients divided by the count,
     clipped by their global norm, and a NAdam chain with masked weight decay."""
     from support.equivalence import build, random_batches
-    import support.optimizer_zoo as optimizer_zoo as zoo
+    import support.optimizer_zoo as zoo
 
     params, apply_fn = build("mlp", 0)
     tx = optax.chain(optax.scale_by_adam(nesterov=True),

@@ -1,4 +1,4 @@
-"""Gradient compression (issue 11) through the collective seam: TopK, GlobalTopK, PowerSGD,
+"""Gradient compression through the collective seam: TopK, GlobalTopK, PowerSGD,
 Cast; exactness at full density/rank, error feedback, gTop-k against brute force, bytes,
 checkpoints and bad input."""
 import jax
@@ -17,9 +17,8 @@ from jaxsched.runtime.compress import Cast, GlobalTopK, PowerSGD, TopK, bytes_se
 from jaxsched.runtime.compress.gtopk import exchange_rounds
 from support.equivalence import assert_trees_close, build, random_batches, run_both
 
-# Every test here compiles scheduled steps: they run in `make test-slow` (CI runs both),
-# which keeps `make test` under 5 minutes on 2 cores.
-pytestmark = pytest.mark.slow
+# Tests that compile scheduled steps over many devices are marked slow (`make test-slow`);
+# the selection, error-feedback, gTop-k exchange and bad-input tests run in `make test`.
 
 
 def _mesh(n):
@@ -137,6 +136,7 @@ def _numpy_gtopk_indices(acc, k):
     return set(sets[0])
 
 
+@pytest.mark.slow  # compiles collectives over several devices: make test-slow
 @pytest.mark.parametrize("devices", [2, 3, 4, 6, 8])
 def test_global_topk_is_the_true_global_topk_of_the_summed_sparse_vectors(devices):
     n, density = 960, 0.02
@@ -161,6 +161,7 @@ def test_global_topk_is_the_true_global_topk_of_the_summed_sparse_vectors(device
         np.testing.assert_array_equal(out[d], expected)
 
 
+@pytest.mark.slow  # compiles collectives over several devices: make test-slow
 @pytest.mark.parametrize("devices", [3, 4, 8])
 def test_global_topk_with_overlapping_supports_matches_the_algorithm_written_in_numpy(devices):
     n, density = 700, 0.03
@@ -193,6 +194,7 @@ def test_reduce_scatter_returns_this_devices_shard_of_the_compressed_sum():
 @pytest.mark.parametrize("compression", [pytest.param(TopK(1.0, selection="exact"), marks=pytest.mark.slow),
                                          TopK(1.0), pytest.param(GlobalTopK(1.0), marks=pytest.mark.slow)],
                          ids=["topk_exact", "topk_threshold", "gtopk"])  # the heaviest compiles run in `make test-slow` (CI runs both)
+@pytest.mark.slow  # compiles collectives over several devices: make test-slow
 def test_full_density_gives_the_dense_trajectory(strategy, compression):
     plain, sched, plain_aux, sched_aux, _ = run_both(
         "mlp", optax.adam(1e-2), strategy, 8, n_steps=8, buckets=2000, compression=compression)
@@ -234,6 +236,7 @@ def _bf16_reference_step(apply_fn, tx, mesh):
                                  out_specs=(P(), P(), P()), check_vma=False))
 
 
+@pytest.mark.slow  # compiles collectives over several devices: make test-slow
 @pytest.mark.parametrize("strategy", ["wfbp", "dear"])
 def test_cast_to_bfloat16_equals_a_handwritten_bfloat16_step(strategy):
     params, apply_fn = build("mlp", 0)
@@ -256,6 +259,7 @@ def test_cast_to_bfloat16_equals_a_handwritten_bfloat16_step(strategy):
 
 
 # -- carried state: checkpoints, bytes ---------------------------------------------------------
+@pytest.mark.slow  # compiles collectives over several devices: make test-slow
 @pytest.mark.parametrize("strategy, compression", [("dear", TopK(0.05)), ("wfbp", PowerSGD(rank=2))])
 def test_residuals_round_trip_through_an_orbax_checkpoint_and_resume_identically(
         tmp_path, strategy, compression):
@@ -309,6 +313,7 @@ def _one_step(compression, devices=8, strategy="wfbp", buckets=2000):
     return sched, state
 
 
+@pytest.mark.slow  # compiles collectives over several devices: make test-slow
 def test_bytes_sent_reads_every_buckets_counter_from_the_scheduled_state():
     sched, state = _one_step(TopK(0.05, selection="exact"))
     specs = sched.strategy.collective_buckets(sched.program.planned)
@@ -323,6 +328,7 @@ def _bytes(compressor, grads, shapes=None):
     return bytes_sent(((new, ()),)), new
 
 
+@pytest.mark.slow  # compiles collectives over several devices: make test-slow
 def test_bytes_sent_counts_each_compressors_payload():
     rng = np.random.default_rng(2)
     grads = rng.standard_normal((8, 2000)).astype(np.float32)
@@ -342,6 +348,7 @@ def test_bytes_sent_counts_each_compressors_payload():
     np.testing.assert_array_equal(sent, [4 * (3 * (20 + 50) + 1000)] * 8)
 
 
+@pytest.mark.slow  # compiles collectives over several devices: make test-slow
 def test_parameter_all_gathers_and_reductions_stay_exact():
     rng = np.random.default_rng(4)
     shards = rng.standard_normal((4, 16)).astype(np.float32)
@@ -462,6 +469,7 @@ def test_powersgd_recovers_a_rank_one_sum_and_keeps_vectors_whole(dtype):
     assert np.asarray(new.residual, np.float32)[:, 48:].max() == 0  # vectors carry no residual
 
 
+@pytest.mark.slow  # compiles collectives over several devices: make test-slow
 def test_auto_buckets_plan_against_the_compressed_collective(monkeypatch):
     """buckets='auto' with a compressor: the planner's simulator sees top-k's cost (OMGS)."""
     import jaxsched.plan.profiling
@@ -498,6 +506,7 @@ def test_auto_buckets_plan_against_the_compressed_collective(monkeypatch):
     assert len(plans["topk"]) < len(plans["dense"])
 
 
+@pytest.mark.slow  # compiles collectives over several devices: make test-slow
 def test_a_state_with_empty_leaves_round_trips_through_jaxsched_checkpoint(tmp_path):
     """TopK without error feedback carries a (0,) residual, which orbax refuses to write."""
     from jaxsched.integrations import checkpoint
