@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxsched
-import support.jit_steps as jit_steps as js
+import support.jit_steps as js
 from support.toolchains import needs_gpu, needs_tpu
 from support import SUPPORT_DIR
 

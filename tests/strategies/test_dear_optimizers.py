@@ -17,7 +17,7 @@ import jaxsched
 from jaxsched.demo import steps
 from support.equivalence import assert_trees_close, build, random_batches
 from support.hlo_counts import collectives
-import support.optimizer_zoo as optimizer_zoo as zoo
+import support.optimizer_zoo as zoo
 
 # optimizers that stayed on shards before the rules for control flow, boolean and partial
 # reductions: in the slow suite, to keep `make test` short
