@@ -26,6 +26,12 @@ $(AOT_STAMP): requirements.lock requirements-aot.lock pyproject.toml
 	$(AOT_PY) -m pip install --quiet --no-deps -e .
 	touch $(AOT_STAMP)
 
+DEV_STAMP := $(VENV)/.installed-dev
+
+$(DEV_STAMP): $(STAMP) requirements-dev.lock
+	$(PY) -m pip install --quiet -r requirements-dev.lock
+	touch $(DEV_STAMP)
+
 venv: $(STAMP)
 aot: $(AOT_STAMP)
 
@@ -42,6 +48,16 @@ test: $(STAMP) $(AOT_STAMP)
 test-slow: $(STAMP) $(AOT_STAMP)
 	$(PY) -m pytest -n 2 -q -m "slow and not aot" tests
 	$(AOT_PY) -m pytest -n 2 -q -m "slow and aot" tests
+
+# The documentation site (guides and the API reference from the docstrings), warnings as errors.
+docs: $(DEV_STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+
+# ruff (lint and format) over everything; mypy over the public modules.
+lint: $(DEV_STAMP)
+	$(VENV)/bin/ruff check jaxsched tests benchmarks examples
+	$(VENV)/bin/ruff format --check jaxsched tests benchmarks examples
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) benchmarks/transform_overhead.py --steps 60 --repeats 3

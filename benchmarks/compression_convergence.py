@@ -1,4 +1,4 @@
-"""Convergence on real data with compression (issue 11): digits, 8 devices, density 1 %.
+"""Convergence on real data with compression: digits, 8 devices, density 1 %.
 
 Run from the repository root (about 10 minutes on 2 shared cores):
 
@@ -12,7 +12,7 @@ compression=...)``. It runs these variants, for 3 seeds each:
 - TopK(1 %) and GlobalTopK(1 %), with error feedback;
 - TopK(1 %) without error feedback, for contrast;
 - PowerSGD at rank 1 and at rank 4;
-- Deep Gradient Compression's options on TopK(1 %) and GlobalTopK(1 %) (issue 22): warm-up
+- Deep Gradient Compression's options on TopK(1 %) and GlobalTopK(1 %): warm-up
   (``warmup_steps``, 25 % -> 1 %), momentum correction (compressor ``momentum=0.9`` with
   ``optax.sgd(lr)``, no optimizer momentum), and both.
 
@@ -186,8 +186,8 @@ def plot(runs: list[dict], path: Path, warmup_steps: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("issue 11: error feedback, PowerSGD", [v for v in VARIANTS if v in ISSUE_11]),
-              ("issue 22: DGC warm-up and momentum correction",
+    panels = [("error feedback, PowerSGD", [v for v in VARIANTS if v in ISSUE_11]),
+              ("DGC warm-up and momentum correction",
                ["dense", "dense, sgd without momentum", "topk 1% + EF"]
                + [v for v in VARIANTS if "warm-up" in v or "momentum corr." in v])]
     panels = [(title, [v for v in names if any(r["variant"] == v for r in runs)])
@@ -205,7 +205,7 @@ def plot(runs: list[dict], path: Path, warmup_steps: int) -> None:
             smooth = np.convolve(mean, np.ones(window) / window, mode="valid")
             ax.plot(np.arange(len(smooth)) + window - 1, smooth, label=variant, lw=1.3,
                     ls="--" if "gtopk" in variant else "-", color=color[variant])
-        if "issue 22" in title:
+        if "DGC" in title:
             ax.axvline(warmup_steps, color="gray", lw=0.8, ls=":")
             ax.text(warmup_steps, ax.get_ylim()[1], " end of warm-up", va="top", fontsize=8,
                     color="gray")

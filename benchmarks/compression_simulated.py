@@ -1,4 +1,4 @@
-"""SIMULATED step times: dense vs top-k (all-gather) vs gTop-k at 16-64 workers (issue 11).
+"""SIMULATED step times: dense vs top-k (all-gather) vs gTop-k at 16-64 workers.
 
 Run from the repository root (a few seconds):
 

@@ -1,4 +1,4 @@
-"""Flat against hierarchical gradient sums, data parallel over two mesh axes (issue 19).
+"""Flat against hierarchical gradient sums, data parallel over two mesh axes.
 
 Compiles the zoo MLP (126M parameters) for a two-slice TPU v5p pod, compile-only (no TPU
 here), with the step data parallel over ``("dcn", "ici")``: 2 slices x 8 chips. For each

@@ -1,4 +1,4 @@
-"""Hierarchical against flat gradient sums on the emulated cluster, measured (issue 19).
+"""Hierarchical against flat gradient sums on the emulated cluster, measured.
 
 Every process of ``jaxsched launch`` holds ``--cpu-devices`` local CPU devices. The step is
 data parallel over ``("hosts", "local")``: the batch is sharded over both and the

@@ -1,4 +1,4 @@
-"""The core redesign (issue 7) before and after, measured in one session.
+"""The core redesign before and after, measured in one session.
 
 Runs ``benchmarks/transform_overhead.py`` of the old tree with the old and the new
 ``jaxsched`` on the import path, alternately (old, new, old, new), and compares each

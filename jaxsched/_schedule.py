@@ -31,6 +31,7 @@ from jaxsched.pipeline.program import Program, ProgramCache, retyped
 from jaxsched.pipeline.selection import build_program
 from jaxsched.pipeline.state_step import STATE, StateForm, UnsplitState, inputs_of, step_form, with_inputs
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
+from jaxsched.strategies.base import ScheduledState
 
 PLAN_OPTIONS = ("layer_profile", "network_profile", "planner")
 
@@ -68,7 +69,7 @@ class Scheduled:
         self.plan_options = plan_options
         self._template: tuple[Any, Any] | None = None
         self._programs = ProgramCache(self._build)
-        self._pending_state: NamedTuple | None = None
+        self._pending_state: ScheduledState | None = None
         self._form: str | None = None  # "trees" or "state": decided by the first init
         self._state_form: StateForm | None = None  # a step(state, batch) delegates to it
         self._num_inputs: int | None = None  # the batch and the extra inputs before it
@@ -107,37 +108,37 @@ class Scheduled:
             return state
         return self._program_for(state, batch).convert(state)
 
-    def __call__(self, state: NamedTuple, *inputs: Any) -> Any:
+    def __call__(self, state: ScheduledState, *inputs: Any) -> Any:
         """One training step: ``sched(state, batch)`` (or ``sched(state, key, batch)`` for a
         step with extra inputs); returns the new state and the step's aux, as the plain step
         would (the state alone for a step that returns only its state)."""
         return self.step_batch(state, self._batch_of(inputs, state))
 
-    def step_batch(self, state: NamedTuple, batch: Any) -> Any:
+    def step_batch(self, state: ScheduledState, batch: Any) -> Any:
         """One step with the step's inputs after the state as one pytree (``batch``, or the
         tuple of a step's extra inputs and its batch), as ``verify`` and adapters call it."""
-        if self._state_form_for(state):
-            return self._state_form(state, batch)
+        if (form := self._state_form_for(state)) is not None:
+            return form(state, batch)
         return self._program_for(state, batch).run(state, batch)
 
-    def finalize(self, state: NamedTuple) -> tuple[Any, Any]:
+    def finalize(self, state: ScheduledState) -> tuple[Any, Any]:
         """Back to ordinary ``(params, opt_state)``, or the user's state object for a
         ``step(state, batch)`` (performs pending all-gathers)."""
         check_scheduled_state(state, "sched.finalize(state)")
-        if self._state_form_for(state):
-            return self._state_form.finalize(state)
+        if (form := self._state_form_for(state)) is not None:
+            return form.finalize(state)
         if self._programs.last is None:  # never traced here: only a state in the user's layout
             return self.strategy.finalize_untraced(state)
         check_state_fits(self._programs.last, self._template, state)
         return self._programs.last.finalize(state)
 
-    def lower(self, state: NamedTuple, batch: Any):
+    def lower(self, state: ScheduledState, batch: Any):
         """The lowered scheduled program (StableHLO), e.g. to inspect where collectives sit."""
-        if self._state_form_for(state):
-            return self._state_form.scheduled(state, batch, "lower")
+        if (form := self._state_form_for(state)) is not None:
+            return form.scheduled(state, batch, "lower")
         return self._program_for(state, batch).lower(state, batch)
 
-    def inspect(self, state: NamedTuple, batch: Any, *, baseline: bool = True):
+    def inspect(self, state: ScheduledState, batch: Any, *, baseline: bool = True):
         """Compile this step for its mesh's devices and read what the compiler scheduled.
 
         Works ahead of time: with a mesh over compile-only devices (:func:`jaxsched.tools.aot.devices`)
@@ -151,12 +152,13 @@ class Scheduled:
         """
         from jaxsched.check import inspection as inspect_lib
 
-        if self._state_form_for(state):
-            return self._state_form.scheduled(state, batch, "inspect", baseline=baseline)
+        if (form := self._state_form_for(state)) is not None:
+            return form.scheduled(state, batch, "inspect", baseline=baseline)
         program = self._program_for(state, batch)
         report = program.inspect(state, batch)
         plain = None
         if baseline:
+            assert self._template is not None  # set by the program's build
             params, opt_state = self._template
             plain = inspect_lib.inspect_jitted(self.traced_step, (params, opt_state, batch),
                                                program.planned.mesh, label=inspect_lib.PLAIN_LABEL)
@@ -173,8 +175,9 @@ class Scheduled:
         return Scheduled(step, self.strategy, self.buckets_option, engine=self.engine,
                          **self.plan_options)
 
-    def verify(self, state: NamedTuple, batches: Any, steps: int = 10, rtol: float = 1e-5,
-               baseline_factor: float = 100.0, precision: str = "float64"):
+    def verify(self, state: ScheduledState, batches: Any, steps: int = 10, rtol: float = 1e-5,
+               baseline_factor: float = 100.0, precision: str = "float64", *,
+               progress: bool = False):
         """Run the plain step and this scheduled step side by side on ``batches``.
 
         Returns a :class:`jaxsched.check.verify.VerifyReport`: per leaf the largest relative
@@ -185,11 +188,13 @@ class Scheduled:
         """
         from jaxsched.check.verify import verify
 
-        if self._state_form_for(state):
+        if (form := self._state_form_for(state)) is not None:
             batches = list(itertools.islice(iter(batches), steps))
-            inner, state = self._state_form.scheduled_state(state, batches[0] if batches else None)
-            return inner.verify(state, batches, steps, rtol, baseline_factor, precision)
-        return verify(self, state, batches, steps, rtol, baseline_factor, precision)
+            inner, state = form.scheduled_state(state, batches[0] if batches else None)
+            return inner.verify(state, batches, steps, rtol, baseline_factor, precision,
+                                progress=progress)
+        return verify(self, state, batches, steps, rtol, baseline_factor, precision,
+                      progress=progress)
 
     @property
     def program(self) -> Program:
@@ -235,7 +240,7 @@ class Scheduled:
             self._form, self._state_form = STATE, StateForm(self)
         return self._state_form
 
-    def _program_for(self, state: NamedTuple, batch: Any) -> Program:
+    def _program_for(self, state: ScheduledState, batch: Any) -> Program:
         if self._template is None:
             self._template = (state.params, state.opt_state)
         program = self._programs.again(state, batch)
@@ -328,7 +333,7 @@ def check_state_fits(program: Program, template: Any, state: Any) -> None:
     """Refuse a state this schedule did not make (another strategy's layout, another model),
     before JAX fails on it with a sharding error that names no leaf."""
     trees = (state.params, state.opt_state)
-    if jax.tree.structure(trees) != jax.tree.structure(template):
+    if jax.tree.structure(trees) != jax.tree.structure(template):  # type: ignore[operator]
         raise ValueError("this state's trees differ from the ones this schedule was initialized "
                          f"with ({jax.tree.structure(trees)} against "
                          f"{jax.tree.structure(template)}): was it made by another schedule? "

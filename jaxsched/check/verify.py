@@ -95,7 +95,7 @@ class VerifyReport:
 
     def __str__(self) -> str:
         chaos = self.baseline_left_rtol
-        if not self.ok:
+        if self.first_divergent_step is not None:
             verdict = (f"agree up to step {self.first_divergent_step - 1}; at step "
                        f"{self.first_divergent_step} a leaf left the tolerance"
                        + (f" (the rounding baseline left rtol only at step {chaos}: chaos cannot "
@@ -187,8 +187,9 @@ def _without_donation(step: Any) -> Any:
 
 def verify(scheduled: Any, state: Any, batches: Iterable[Any], steps: int = 10,
            rtol: float = 1e-5, baseline_factor: float = 100.0,
-           precision: str = "float64") -> VerifyReport:
-    """Run plain, scheduled and the rounding baseline for ``steps`` batches; see the module."""
+           precision: str = "float64", *, progress: bool = False) -> VerifyReport:
+    """Run plain, scheduled and the rounding baseline for ``steps`` batches; see the module.
+    ``progress`` shows a bar (lines in a log) over the compared steps."""
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     if precision not in PRECISIONS:
@@ -204,16 +205,19 @@ def verify(scheduled: Any, state: Any, batches: Iterable[Any], steps: int = 10,
                 return _compare(scheduled.fresh(), _widened(params, placed=True),
                                 _widened(opt_state, placed=True),
                                 [_widened(b, placed=True) for b in batches], rtol, baseline_factor,
-                                "float64")
+                                "float64", progress)
         except Exception as err:  # the step pins float32 somewhere, a kernel has no float64...
             warnings.warn(f"verify could not run the step in float64 ({type(err).__name__}: "
                           f"{str(err).splitlines()[0][:200]}); comparing in float32, where chaotic "
                           "training amplifies rounding and the baseline is looser", stacklevel=2)
-    return _compare(scheduled, params, opt_state, batches, rtol, baseline_factor, "float32")
+    return _compare(scheduled, params, opt_state, batches, rtol, baseline_factor, "float32",
+                    progress)
 
 
 def _compare(scheduled: Any, params: Any, opt_state: Any, batches: list, rtol: float,
-             baseline_factor: float, precision: str) -> VerifyReport:
+             baseline_factor: float, precision: str, progress: bool = False) -> VerifyReport:
+    from jaxsched.core.progress import progress as progress_bar
+
     steps = len(batches)
     sched_state = scheduled.init(params, opt_state)
     step = _without_donation(scheduled.traced_step)
@@ -223,7 +227,9 @@ def _compare(scheduled: Any, params: Any, opt_state: Any, batches: list, rtol: f
     baseline_gap: dict[str, float] = {}
     step_gap, step_baseline, first = [], [], None
     sched_left = base_left = None
-    for t, batch in enumerate(batches, start=1):
+    shown = progress_bar(batches, f"verify {getattr(scheduled.strategy, 'name', '')} ({precision})",
+                         enabled=progress, unit="step")
+    for t, batch in enumerate(shown, start=1):
         *plain, plain_aux = step(*plain, batch)
         *nudged, nudged_aux = step(*nudged, batch)
         sched_state, sched_aux = scheduled.step_batch(sched_state, batch)
@@ -251,6 +257,6 @@ def _compare(scheduled: Any, params: Any, opt_state: Any, batches: list, rtol: f
         base_left = base_left or (t if worst_base > rtol else None)
     if first is None and sched_left is not None and base_left is not None and sched_left < base_left / 2:
         first = sched_left  # the scheduled run left rtol clearly before rounding could take it there
-    worst_leaf = max(leaf_gap, key=leaf_gap.get) if leaf_gap else ""
+    worst_leaf = max(leaf_gap, key=lambda name: leaf_gap[name]) if leaf_gap else ""
     return VerifyReport(scheduled.strategy.name, steps, rtol, baseline_factor, leaf_gap, baseline_gap,
                         step_gap, step_baseline, first, worst_leaf, precision, sched_left, base_left)

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, Iterable, Iterator, TextIO
 
-__all__ = ["LineProgress", "progress"]
+__all__ = ["LineProgress", "note", "progress"]
 
 
 class LineProgress:
@@ -86,3 +86,10 @@ class _Silent:
 
     def close(self) -> None:
         pass
+
+
+def note(message: str, *, enabled: bool = True, stream: TextIO | None = None) -> None:
+    """One line saying what starts now, for work that runs long before its first item ends
+    (a compile for a TPU pod can take minutes)."""
+    if enabled:
+        print(message, file=sys.stderr if stream is None else stream, flush=True)

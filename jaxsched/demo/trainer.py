@@ -138,7 +138,7 @@ def experiment(cfg: Config) -> Experiment:
 
 
 def verify_config(cfg: Config, strategies: Sequence[str] | None = None, steps: int | None = None,
-                  rtol: float = 1e-5, precision: str = "float64") -> list:
+                  rtol: float = 1e-5, precision: str = "float64", progress: bool = False) -> list:
     """``Scheduled.verify`` of every strategy (but the identity) on ``cfg``'s own step and data."""
     from jaxsched._schedule import Scheduled
 
@@ -149,7 +149,7 @@ def verify_config(cfg: Config, strategies: Sequence[str] | None = None, steps: i
         sched = Scheduled(exp.make_step(), strategy=strategy)
         batches = (exp.place(b) for b in exp.batches())
         reports.append(sched.verify(sched.init(exp.params, exp.opt_state), batches, steps=steps,
-                                    rtol=rtol, precision=precision))
+                                    rtol=rtol, precision=precision, progress=progress))
     return reports
 
 

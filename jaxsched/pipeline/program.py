@@ -20,7 +20,7 @@ import numpy as np
 from jaxsched.core.capture import CapturedStep
 from jaxsched.runtime.engine.base import Engine, PerDeviceProgram
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
-from jaxsched.strategies.base import Strategy
+from jaxsched.strategies.base import ScheduledState, Strategy
 
 __all__ = ["abstract_signature", "leaf_dtype", "Program", "ProgramCache", "retyped"]
 
@@ -142,11 +142,11 @@ class Program:
         return self.planned.network_profile
 
     # running -------------------------------------------------------------------------------
-    def convert(self, state: NamedTuple) -> NamedTuple:
+    def convert(self, state: ScheduledState) -> NamedTuple:
         """The state in this program's layout; idempotent."""
         return self.strategy.convert(self.planned, state)
 
-    def inputs(self, state: NamedTuple, batch: Any) -> list:
+    def inputs(self, state: ScheduledState, batch: Any) -> list:
         """The compiled core's flat arguments for one step."""
         return self._inputs(self.convert(state), batch)
 
@@ -174,7 +174,7 @@ class Program:
                 for c, s in zip(planned.captured.consts, planned.const_specs, strict=True)]
         return self._placed_consts
 
-    def run(self, state: NamedTuple, batch: Any) -> tuple[NamedTuple, Any]:
+    def run(self, state: ScheduledState, batch: Any) -> tuple[NamedTuple, Any]:
         if state is not self._returned:  # a state this program returned is in place already
             if is_abstract(state) or is_abstract(batch):
                 raise TypeError("the state or batch is abstract (jax.ShapeDtypeStruct leaves): it "
@@ -194,7 +194,7 @@ class Program:
         """The state the last run returned (it is in this program's layout already)."""
         return self._returned
 
-    def finalize(self, state: NamedTuple) -> tuple[Any, Any]:
+    def finalize(self, state: ScheduledState) -> tuple[Any, Any]:
         return self.strategy.finalize(self.planned, state)
 
     def state_shapes(self, template: Any) -> list[tuple[int, ...]]:
@@ -207,12 +207,12 @@ class Program:
                                   jax.tree.leaves((converted.params, converted.opt_state))]
         return self._state_shapes
 
-    def lower(self, state: NamedTuple, batch: Any):
+    def lower(self, state: ScheduledState, batch: Any):
         """``jax.stages.Lowered`` of this program for ``state`` and ``batch``, concrete or
         abstract (``jax.ShapeDtypeStruct`` leaves with shardings: nothing touches a device)."""
         return self.core.lower(*self.inputs(state, batch))
 
-    def inspect(self, state: NamedTuple, batch: Any, label: str | None = None):
+    def inspect(self, state: ScheduledState, batch: Any, label: str | None = None):
         """Compile for the mesh's devices and read the scheduled program and XLA's estimate
         (a :class:`jaxsched.check.inspection.CompiledReport`)."""
         from jaxsched.check import inspection as inspect_lib

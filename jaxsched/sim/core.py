@@ -97,7 +97,7 @@ class HostCosts:
     Why: that engine dispatches every stage from the Python thread that shares the host's
     core with compute, copies each collective's operands to a spare local device and back,
     and gloo and the kernel's network work take CPU from compute while bytes move. Without
-    these the simulator predicted 14-34% too fast (issue 21). All default to "nothing", so
+    these the simulator predicted 14-34% too fast. All default to "nothing", so
     a simulation without them is unchanged.
 
     * ``stage_s``: seconds of Python per collective (a communication stage, the compute

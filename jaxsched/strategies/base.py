@@ -22,7 +22,7 @@ import abc
 import copy
 import dataclasses
 import math
-from typing import Any, Callable, ClassVar, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, NamedTuple, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -33,8 +33,19 @@ from jaxsched.runtime.collectives.base import (BucketSpec, Collective, stack_loc
 from jaxsched.sim.costmodel import CommPattern
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
 
-__all__ = ["BucketReport", "check_leaf_counts", "placed_user_layout", "RewrittenBody", "SchedState",
+__all__ = ["ScheduledState", "BucketReport", "check_leaf_counts", "placed_user_layout", "RewrittenBody", "SchedState",
            "Strategy", "UserLayoutStrategy"]
+
+
+class ScheduledState(Protocol):
+    """What every strategy's state offers (:class:`SchedState` and the strategies' own
+    NamedTuples): the user's trees, in the strategy's layout."""
+
+    @property
+    def params(self) -> Any: ...
+
+    @property
+    def opt_state(self) -> Any: ...
 
 
 class SchedState(NamedTuple):
@@ -121,6 +132,9 @@ class Strategy(abc.ABC):
     #: XLA options set over the engine's choice for this strategy's program (a variant of
     #: the compile-and-choose planner sets them; empty: the engine's set as it is)
     compiler_overrides: ClassVar[dict] = {}
+    #: on GPU/TPU with ``buckets="auto"``: what each compiled candidate was estimated at
+    #: (a :class:`~jaxsched.pipeline.compiled_planner.CompiledChoice`, set by selection)
+    last_bucket_choice: Any = None
     #: whether params and opt_state stay in the user's layout between steps (so an adapter
     #: may hand them to the user after every step without a ``finalize``)
     keeps_user_layout: ClassVar[bool] = False
@@ -161,18 +175,18 @@ class Strategy(abc.ABC):
         chosen.collective, chosen.default_collective = hierarchy, False
         return chosen
 
-    def initial_state(self, params: Any, opt_state: Any) -> NamedTuple:
+    def initial_state(self, params: Any, opt_state: Any) -> Any:
         """The user's trees as this strategy's state, before any step was traced."""
         return SchedState(params, opt_state)
 
-    def finalize_untraced(self, state: NamedTuple) -> tuple[Any, Any]:
+    def finalize_untraced(self, state: ScheduledState) -> tuple[Any, Any]:
         """``finalize`` before any step was traced in this process: only a state still in
         the user's layout can be returned; anything carried would be lost, so refuse."""
         def holds_something(tree: Any) -> bool:
             return any(np.size(x) > 1 or bool(np.any(np.asarray(x) != 0))
                        for x in jax.tree.leaves(tree))
 
-        carried = [f for f in state._fields if f not in ("params", "opt_state")
+        carried = [f for f in getattr(state, "_fields", ()) if f not in ("params", "opt_state")
                    and holds_something(getattr(state, f))]
         if carried:
             raise ValueError(f"this {self.name!r} state carries {', '.join(carried)} but no step "
@@ -182,12 +196,12 @@ class Strategy(abc.ABC):
         return state.params, state.opt_state
 
     @abc.abstractmethod
-    def convert(self, planned: PlannedStep, state: NamedTuple) -> NamedTuple:
+    def convert(self, planned: PlannedStep, state: ScheduledState) -> NamedTuple:
         """The state in this strategy's layout for ``planned``, from the user's layout or its
         own (idempotent), placed on the mesh."""
 
     @abc.abstractmethod
-    def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
+    def finalize(self, planned: PlannedStep, state: ScheduledState) -> tuple[Any, Any]:
         """Back to the user's ``(params, opt_state)``."""
 
     @abc.abstractmethod
@@ -212,7 +226,7 @@ class Strategy(abc.ABC):
             dtypes.append(ops[0].dtype if ops else np.float32)
             sizes.append(sum(math.prod(a.shape) for a in ops))
             shapes.append([a.shape for a in ops])
-        return self.bucket_specs(planned, sizes, dtypes, shapes)
+        return self.bucket_specs(planned, sizes, dtypes, [tuple(s) for s in shapes])
 
     def collective_template(self, planned: PlannedStep) -> tuple:
         """One device's carried collective state for each bucket of ``planned``."""
@@ -268,13 +282,13 @@ class UserLayoutStrategy(Strategy):
 
     keeps_user_layout = True
 
-    def convert(self, planned: PlannedStep, state: NamedTuple) -> SchedState:
+    def convert(self, planned: PlannedStep, state: ScheduledState) -> SchedState:
         params, opts = placed_user_layout(planned, state)
         return SchedState(params, opts,
                           self.collective_state(planned, getattr(state, "collective_state", None),
                                                 is_abstract(state)))
 
-    def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
+    def finalize(self, planned: PlannedStep, state: ScheduledState) -> tuple[Any, Any]:
         return state.params, state.opt_state
 
     @abc.abstractmethod
@@ -307,7 +321,7 @@ class UserLayoutStrategy(Strategy):
         return False
 
 
-def placed_user_layout(planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
+def placed_user_layout(planned: PlannedStep, state: ScheduledState) -> tuple[Any, Any]:
     """``state``'s params and opt_state in the user's layout, each leaf on the mesh with the
     spec the user's step gives it."""
     cap = planned.captured

@@ -120,7 +120,7 @@ def calibrate_batch(measure: Callable[[int], tuple[float, float]], start: int, *
 
     Why iterate: compute time is ``fixed + per_row * batch``, and at small batches the fixed
     part (dispatch, the optimizer update, the loss pmean) dominates, so one probe
-    extrapolated linearly lands far off (issue 21: compute 91 ms against comm 291 ms).
+    extrapolated linearly lands far off (compute 91 ms against comm 291 ms, in one calibration).
     This runs the secant method on ``g = log(compute / comm)`` against ``log(batch)``,
     and once probes bracket the root, keeps the step inside the bracket (bisecting in log
     space when the secant step would leave it). The first step, with one probe, assumes
@@ -313,6 +313,12 @@ def worker(args: Any) -> int:
                             "all-gather of the gradient bytes"}
     rows = args.batch
     calibration: dict[str, Any] = {"explicit_batch": True, "batch": rows}
+    from jaxsched.core.progress import note, progress
+
+    lead = rank == 0 and not getattr(args, "no_progress", False)
+    note(f"bench: calibrating the batch (compute-only close to comm-only, at most "
+         f"{args.calibration_probes} probes)" if args.batch is None else
+         f"bench: batch {args.batch} per process", enabled=lead)
     if rows is None:  # calibrate: compute-only close to comm-only
 
         def measure(probe: int) -> tuple[float, float]:
@@ -372,7 +378,9 @@ def worker(args: Any) -> int:
     for warm in range(2):
         for name in times:
             run_one(name, batches[warm % len(batches)])
-    for step in range(args.steps):
+    note(f"bench: batch {rows}; {args.steps} measured steps of {len(times)} variants, interleaved",
+         enabled=lead)
+    for step in progress(range(args.steps), "bench steps", enabled=lead, unit="step"):
         for name in times:
             times[name].append(run_one(name, batches[step % len(batches)]))
 
@@ -454,7 +462,7 @@ def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) ->
     return result
 
 
-#: What each strategy should reach on this machine, as a multiple of the ceiling (issue 21).
+#: What each strategy should reach on this machine, as a multiple of the ceiling.
 CEILING_TARGETS = {"approx": 1.10, "wfbp": 1.25}
 
 

@@ -1,4 +1,4 @@
-"""Issue 19: data parallelism over several mesh axes, beside model axes, and Hierarchical.
+"""data parallelism over several mesh axes, beside model axes, and Hierarchical.
 
 Every exact strategy must equal the user's plain step (rtol 1e-5, fresh random inputs) on
 2-D meshes: ``('data', 'model')`` with a tensor-parallel MLP, and ``('dcn', 'ici')`` data

@@ -1,4 +1,4 @@
-"""Deep Gradient Compression's options on TopK and GlobalTopK (issue 22): warm-up tiers and
+"""Deep Gradient Compression's options on TopK and GlobalTopK: warm-up tiers and
 their bytes, momentum correction with factor masking against a NumPy reference, local
 clipping, exactness at full density, checkpoints mid-warm-up, and bad input."""
 import re

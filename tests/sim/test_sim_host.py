@@ -1,4 +1,4 @@
-"""The simulator's host-engine terms (issue 21) against a two-layer case computed by hand."""
+"""The simulator's host-engine terms against a two-layer case computed by hand."""
 from __future__ import annotations
 
 from fractions import Fraction as F

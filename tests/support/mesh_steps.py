@@ -1,4 +1,4 @@
-"""Steps on meshes with several axes, as large runs write them (issue 19).
+"""Steps on meshes with several axes, as large runs write them.
 
 * :func:`tensor_parallel_mlp`: a 2-D ``('data', 'model')`` mesh, the hidden dimension
   sharded over ``'model'`` (a Megatron MLP: a forward ``psum`` over ``'model'``), the batch

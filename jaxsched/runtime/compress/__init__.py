@@ -1,4 +1,4 @@
-"""Gradient compression as collective wrappers (issue 11): pass one to
+"""Gradient compression as collective wrappers: pass one to
 ``jaxsched.schedule(step, strategy="wfbp" | "dear", compression=...)``.
 
 - :class:`TopK`: top-k (threshold or exact) with error feedback, exchanged by all-gather.

@@ -1,4 +1,4 @@
-"""Kernels for gradient compression (issue 11): fused top-k style error feedback.
+"""Kernels for gradient compression: fused top-k style error feedback.
 
 Public API (see :mod:`jaxsched.runtime.kernels.error_feedback` for the design):
 

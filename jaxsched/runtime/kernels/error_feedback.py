@@ -29,11 +29,8 @@ so ``sent + new_residual == residual + grad`` exactly (each element is ``acc + 0
   GPU (or when lowering for CUDA on a machine without one) when 256 divides the size,
   jnp everywhere else.
 
-Measured on one H100 (jax 0.11.2, ``benchmarks/results/compression_throughput_h100.json``):
-for 100M float32 the kernel moves 2.80-2.85 TB/s (reads plus writes; 8 or 16 rows per
-block), a plain device copy of the same bytes 2.88-2.89 TB/s and XLA's own fusion of the
-jnp path 2.77-2.81 TB/s: the op is memory-bound and XLA already fuses it into one pass, so
-the kernel matches, not beats, it.
+The op is memory-bound: XLA fuses the jnp path into one pass too, so the kernel matches it
+rather than beats it (the benchmarks page has the throughput figures).
 * :func:`estimate_threshold`: the magnitude quantile of a random sample, so that the
   number selected lands near ``k = density * n`` without sorting the whole gradient.
 * :func:`compact`: dense masked output to fixed-capacity ``(values, indices)``.
@@ -55,12 +52,9 @@ the kernel as ordinary XLA ops, with a fixed ``capacity`` so shapes stay static:
    the word holding the ``j``-th selected element, and a 5-step binary search on
    popcounts of the word's low bits finds the bit.
 
-This is ``jnp.nonzero(size=capacity)`` by another route: ``jnp.nonzero`` takes a
-prefix sum over all ``n`` elements plus a scatter-add over all ``n``, and XLA:CPU's
-prefix sum (a reduce-window) took about 200 ms for 10M elements on the 2-core CI
-machine, more than ``lax.top_k`` itself costs at 0.1 %; the packed version took about
-30 ms, mask included. Work after the packing pass is proportional to ``n/32 +
-capacity * log n``. On GPU the same ops run as XLA fusions (XLA's GPU cumsum is CUB).
+This is ``jnp.nonzero(size=capacity)`` by another route, which avoids a prefix sum and a
+scatter over all ``n`` elements: work after the packing pass is proportional to ``n/32 +
+capacity * log n``.
 
 Entries with ``sent == 0`` are not transmitted; with ``threshold > 0`` these are exactly
 the unselected ones (a selected value has ``|acc| >= threshold > 0``); a selected
@@ -71,14 +65,8 @@ is conserved exactly in every case: ``densify(values, indices) + new_residual ==
 residual + grad``. The result reports ``count`` (entries sent) and ``overflow``
 (entries returned to the residual for lack of capacity).
 
-A second Pallas kernel for the sampled threshold statistics was not written: the
-estimator reads only ``sample_size`` gathered elements (0.4 % of 10M at 1 % density by
-default, 4 % at 0.1 %). On an H100 it took 0.05-0.09 ms for 10M and for 100M float32,
-while one pass over 100M (what a statistics kernel must read) takes about 0.14 ms for
-the read alone, so it would not pay. On CPU the estimator used to be dominated by
-``lax.top_k`` over the sample (XLA sorts all of it: 0.12 s for the 400k sample at 0.1 %),
-so it now takes a quantile of row maxima instead (:func:`estimate_threshold`): 25 ms at
-0.1 % and 4 ms at 1 % for 10M float32, of which the random gather is most.
+The sampled threshold statistics have no kernel of their own: the estimator reads only
+``sample_size`` gathered elements, far less than one pass over the gradient.
 
 NaN handling: ``|NaN| >= t`` is false, so a NaN stays in the residual (as in jnp).
 

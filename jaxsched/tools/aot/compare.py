@@ -81,14 +81,16 @@ def compare_strategies(experiment: Any, strategies: Sequence[str], *, target: st
     """Compile ``experiment`` (an :class:`~jaxsched.tools.aot.experiment.AbstractExperiment` or
     anything with ``step``, ``params``, ``opt_state``, ``batch``, ``mesh``) under each
     strategy and the plain step; ``schedule_options`` go to :func:`jaxsched.schedule`."""
-    from jaxsched.core.progress import progress as progress_lines
+    from jaxsched.core.progress import note, progress as progress_lines
     from jaxsched._schedule import schedule
 
     reports = []
     baseline = None
     names = progress_lines(list(strategies), f"compiling for {target or 'the mesh'}", enabled=progress)
-    for name in names:
+    for k, name in enumerate(names, start=1):
         names.set_postfix(strategy=name)
+        note(f"compiling {name} ({k}/{len(strategies)}) for {target or 'the mesh'}"
+             + (" and the plain step" if baseline is None else "") + "...", enabled=progress)
         sched = schedule(experiment.step, strategy=name, **schedule_options)
         state = sched.init(experiment.params, experiment.opt_state)
         inspection = sched.inspect(state, experiment.batch, baseline=baseline is None)

@@ -29,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rtol", type=positive_float, default=1e-5, help="relative tolerance floor")
     parser.add_argument("--precision", choices=("float64", "float32"), default="float64",
                         help="what every run is compared in (float64: rounding cannot pass for a defect)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
     parser.set_defaults(run=run)
 
 
@@ -39,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     request_cpu_devices(cfg.train.devices)
     from jaxsched.demo import trainer
 
-    reports = trainer.verify_config(cfg, args.strategies, args.steps, args.rtol, args.precision)
+    reports = trainer.verify_config(cfg, args.strategies, args.steps, args.rtol, args.precision,
+                                    progress=not args.no_progress)
     for report in reports:
         print(report)
     return 0 if all(r.ok for r in reports) else 1
