@@ -28,8 +28,8 @@ $(AOT_STAMP): requirements.lock requirements-aot.lock pyproject.toml
 
 DEV_STAMP := $(VENV)/.installed-dev
 
-$(DEV_STAMP): $(STAMP) requirements-dev.lock
-	$(PY) -m pip install --quiet -r requirements-dev.lock
+$(DEV_STAMP): $(STAMP) requirements-dev.lock requirements-docs.lock
+	$(PY) -m pip install --quiet -r requirements-dev.lock -r requirements-docs.lock
 	touch $(DEV_STAMP)
 
 venv: $(STAMP)
@@ -51,7 +51,7 @@ test-slow: $(STAMP) $(AOT_STAMP)
 
 # The documentation site (guides and the API reference from the docstrings), warnings as errors.
 docs: $(DEV_STAMP)
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
 # ruff (lint and format) over everything; mypy over the public modules.
 lint: $(DEV_STAMP)

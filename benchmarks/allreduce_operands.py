@@ -15,7 +15,7 @@ Run: ``.venv/bin/python benchmarks/allreduce_operands.py``. On 8 virtual CPU dev
    step with its gradients concatenated by hand before one ``pmean``, and
    ``jaxsched.schedule(strategy="wfbp")``, interleaved step by step.
 
-Writes ``benchmarks/results/allreduce_operands.json``. See docs/cpu_collectives.md.
+Writes ``benchmarks/results/allreduce_operands.json``. See docs/benchmarks.md.
 """
 from __future__ import annotations
 

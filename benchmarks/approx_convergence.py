@@ -7,11 +7,11 @@ optimizer and with it wrapped in ``jaxsched.strategies.approximation.staleness_a
 ``1/τ``, Zhang et al. 2016). Every run sees the same batches for a given seed; the final
 true parameters (``sched.finalize``, which drains the pending gradients) are evaluated
 on the held-out test split. Writes ``benchmarks/results/approx_convergence.json`` and
-``docs/approx.md`` with ``docs/approx_loss.png`` (training loss, sync against each method at staleness 1), and
+``runs/approx_convergence.md`` (the tables of the benchmarks page's approx section) with ``docs/approx_loss.png`` (training loss, sync against each method at staleness 1), and
 adds the simulated speed (``jaxsched.sim.simulate``) of ``approx`` against the bound
 ``max(compute, comm)`` for zoo profiles.
 
-    PYTHONPATH=. python benchmarks/approx_convergence.py [--steps 300] [--seeds 3]
+    python benchmarks/approx_convergence.py [--steps 300] [--seeds 3]
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
-jax.devices()  # before numpy/sklearn BLAS runs (docs/cpu_facts.md hazard)
+jax.devices()  # before numpy/sklearn BLAS runs (docs/benchmarks.md hazard)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -150,7 +150,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def render(results: dict) -> str:
-    """docs/approx.md from the results (prose fixed here, every number from the JSON)."""
+    """The tables of the approx section of docs/benchmarks.md, from the results."""
     lines = [
         "# `approx`: approximated parameters and delayed gradients",
         "",
@@ -209,7 +209,7 @@ def render(results: dict) -> str:
         f"{results['batch']} (8 per device), {results['steps']} steps, seeds 0..{results['seeds'] - 1} (model "
         f"init and batch order). Test accuracy of the final true parameters (after `finalize`), "
         f"mean over seeds; the gap is against synchronous training (`allreduce`) at the same steps. "
-        f"One test image is 0.28 points. Command: `PYTHONPATH=. python benchmarks/approx_convergence.py "
+        f"One test image is 0.28 points. Command: `python benchmarks/approx_convergence.py "
         f"--steps {results['steps']} --seeds {results['seeds']}` ({results['total_seconds']:.0f} s on "
         "2 shared CPU cores).",
         "",
@@ -264,7 +264,7 @@ def render(results: dict) -> str:
               "(the first bucket's start-up and the update).", "",
               "## Speed on the emulated 2-host cluster (measured)", "",
               "On CPU only the host engine overlaps (on XLA:CPU a collective and compute in one "
-              "program run one after the other, docs/cpu_facts.md). `jaxsched bench` on 2 emulated "
+              "program run one after the other, docs/benchmarks.md). `jaxsched bench` on 2 emulated "
               "hosts with 1 Gbit links, one core each (README, \"Real overlap on CPU clusters\"; "
               "`benchmarks/results/overlap_latest.json` and `overlap_8x1024.json`): `approx` "
               "(`local`, staleness 1) ran 1.40x the plain step on the 2-layer 2048-wide MLP and "
@@ -283,14 +283,17 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS),
                         help="comma-separated; models not run keep their saved results")
     parser.add_argument("--render-only", action="store_true",
-                        help="rewrite docs/approx.md and the PNG from the saved JSON")
+                        help="rewrite the tables (runs/approx_convergence.md) and the PNG from the saved JSON")
     args = parser.parse_args()
     out = ROOT / "benchmarks" / "results" / "approx_convergence.json"
     if args.render_only:
         results = json.loads(out.read_text())
         results["simulated"] = simulated()
         plot(results, ROOT / "docs" / "approx_loss.png")
-        (ROOT / "docs" / "approx.md").write_text(render(results))
+        page = ROOT / "runs" / "approx_convergence.md"
+        page.parent.mkdir(exist_ok=True)
+        page.write_text(render(results))
+        print(f"wrote {page}: its tables go into the approx section of docs/benchmarks.md")
         return
     args.models = [m for m in args.models.split(",") if m]
     unknown = sorted(set(args.models) - set(MODELS))
@@ -306,7 +309,10 @@ def main() -> None:
                                          for r in runs.values()), 1)  # every model's runs
     out.write_text(json.dumps(results, indent=1))
     plot(results, ROOT / "docs" / "approx_loss.png")
-    (ROOT / "docs" / "approx.md").write_text(render(results))
+    page = ROOT / "runs" / "approx_convergence.md"
+        page.parent.mkdir(exist_ok=True)
+        page.write_text(render(results))
+        print(f"wrote {page}: its tables go into the approx section of docs/benchmarks.md")
     print(json.dumps(results["simulated"], indent=1))
     print(f"wrote {out} in {results['total_seconds']} s")
 

@@ -5,11 +5,11 @@ interface under ``--cluster``). Rank 0 prints the median, min and max of ``--rep
 psums after one warm-up, and with ``--json`` appends a row to that file.
 
     # loopback
-    PYTHONPATH=. python -m jaxsched launch --hosts 2 -- python benchmarks/cluster_psum.py
+    .venv/bin/jaxsched launch --hosts 2 -- python benchmarks/cluster_psum.py
     # two namespaces, unshaped and at 1 Gbit/s (root)
-    PYTHONPATH=. python -m jaxsched launch --hosts 2 --cluster --bandwidth none -- \\
+    .venv/bin/jaxsched launch --hosts 2 --cluster --bandwidth none -- \\
         python benchmarks/cluster_psum.py --label unshaped
-    PYTHONPATH=. python -m jaxsched launch --hosts 2 --cluster --bandwidth 1gbit -- \\
+    .venv/bin/jaxsched launch --hosts 2 --cluster --bandwidth 1gbit -- \\
         python benchmarks/cluster_psum.py --label 1gbit
 """
 from __future__ import annotations

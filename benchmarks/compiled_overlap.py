@@ -6,14 +6,13 @@ scheduler estimate for the compiled program, NOT a measurement; ratios are taken
 the plain step compiled in the same run (on TPU, where XLA's defaults give no estimate,
 against the plain step compiled with jaxsched's TPU options, labelled as such).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/compiled_overlap.py            # everything (long)
-    PYTHONPATH=. .venv/bin/python benchmarks/compiled_overlap.py --models mlp --targets h100:1x2x4
-    PYTHONPATH=. .venv/bin/python benchmarks/compiled_overlap.py --update-docs   # tables from the JSON
+    .venv/bin/python benchmarks/compiled_overlap.py            # everything (long)
+    .venv/bin/python benchmarks/compiled_overlap.py --models mlp --targets h100:1x2x4
+    .venv/bin/python benchmarks/compiled_overlap.py --update-docs   # tables from the JSON
 
 Writes benchmarks/results/compiled_overlap.json (one entry per model and target, updated in
 place so a long sweep can be resumed with --resume) and a PNG of the compiled schedules per
-model and target beside it. --update-docs rewrites the results block of README.md and
-docs/accelerators.md from the JSON.
+model and target beside it. --update-docs rewrites the results block of docs/benchmarks.md from the JSON.
 """
 from __future__ import annotations
 
@@ -130,7 +129,7 @@ def _fmt(x):
 
 def markdown(results: dict) -> str:
     lines = [f"All figures: {next(iter(results.values()))['estimator'] if results else ''}; "
-             "ratios to the plain step compiled in the same run (`PYTHONPATH=. .venv/bin/python "
+             "ratios to the plain step compiled in the same run (`.venv/bin/python "
              "benchmarks/compiled_overlap.py`, jax 0.10.2, libtpu 0.0.42.1, CUDA plugin 0.10.2).", ""]
     for key, entry in results.items():
         model, target = key.split(" @ ")
@@ -196,7 +195,7 @@ def compact_markdown(results: dict) -> str:
 
 
 def update_docs(results: dict) -> None:
-    blocks = {Path("README.md"): compact_markdown(results), Path("docs/accelerators.md"): markdown(results)}
+    blocks = {Path("docs/benchmarks.md"): markdown(results)}
     for path, text in blocks.items():
         block = f"{BEGIN}\n{text}\n{END}"
         text = path.read_text()

@@ -2,7 +2,7 @@
 
 Run from the repository root (about 10 minutes on 2 shared cores):
 
-    PYTHONPATH=. .venv/bin/python benchmarks/compression_convergence.py
+    .venv/bin/python benchmarks/compression_convergence.py
 
 Trains the zoo MLP on scikit-learn digits (``jaxsched.zoo.data.load_digits``), data parallel
 over 8 virtual CPU devices, with ``jaxsched.schedule(step, strategy="wfbp",
@@ -22,7 +22,7 @@ the 300-step numbers are what a 300-step run gives. Bytes per step are ``bytes_s
 after every step, averaged over the steps up to that point (warm-up included). It writes
 ``benchmarks/results/compression_convergence.json``, a loss plot
 ``docs/compression_convergence.png`` and one table per step count between the
-``convergence-<steps>`` markers in ``docs/compression.md``.
+``convergence-<steps>`` markers in ``docs/benchmarks.md``.
 
 The warm-up sweep in the docs: ``--no-doc --warmup-steps 50 --variants dense "topk 1% +
 warm-up" "topk 1% + warm-up + momentum corr." "topk 1% + warm-up + clipping" --out
@@ -42,7 +42,7 @@ from pathlib import Path
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
-jax.devices()  # create the CPU client before numpy's BLAS runs (docs/cpu_facts.md hazard)
+jax.devices()  # create the CPU client before numpy's BLAS runs (docs/benchmarks.md hazard)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
@@ -117,7 +117,7 @@ def run(variant: str, seed: int, split: data.Split, checkpoints: list[int], batc
         for i in range(0, n, batch):
             idx = order[i:i + batch]
             state, aux = sched(state, steps.shard_batch((split.train_x[idx], split.train_y[idx]), mesh))
-            jax.block_until_ready(state)  # one multi-device step in flight (docs/cpu_facts.md)
+            jax.block_until_ready(state)  # one multi-device step in flight (docs/benchmarks.md)
             losses.append(float(aux["loss"]))
             sent.append(float(bytes_sent(state).mean()) if compression is not None else dense_bytes)
             if len(losses) in checkpoints:  # evaluate on the way (constant lr: a shorter run)
@@ -221,7 +221,7 @@ def plot(runs: list[dict], path: Path, warmup_steps: int) -> None:
 
 
 def write_doc(section: str, marker: str) -> None:
-    doc = ROOT / "docs" / "compression.md"
+    doc = ROOT / "docs" / "benchmarks.md"
     text = doc.read_text() if doc.exists() else ""
     begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
     block = f"{begin}\n{section}\n{end}"

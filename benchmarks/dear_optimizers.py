@@ -2,8 +2,8 @@
 device, how long a step takes against ``wfbp``; and, compiled for an H100 cluster, adamw
 with a schedule on the zoo Transformer against the plain step.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/dear_optimizers.py                 # the table
-    PYTHONPATH=. .venv/bin/python benchmarks/dear_optimizers.py --compiled h100:1x8x8
+    .venv/bin/python benchmarks/dear_optimizers.py                 # the table
+    .venv/bin/python benchmarks/dear_optimizers.py --compiled h100:1x8x8
 
 Part one runs on 8 virtual CPU devices (tests/optimizer_zoo.py: a small MLP whose leaf sizes
 do not divide by 8, each optimizer with a schedule and, where it decays weights, a mask).

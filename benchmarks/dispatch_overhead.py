@@ -1,6 +1,6 @@
 """Host time per call: the scheduled step's dispatch against the plain step's.
 
-Run from the repository root: ``PYTHONPATH=. .venv/bin/python benchmarks/dispatch_overhead.py``
+Run from the repository root: ``.venv/bin/python benchmarks/dispatch_overhead.py``
 (a tiny MLP on 8 virtual CPU devices, so that dispatch, not compute, is what is timed; the
 median of 200 calls, each blocked on after its time is taken, so that at most one step is
 in flight). Writes ``benchmarks/results/dispatch_overhead.json``.

@@ -2,7 +2,7 @@
 
 Run from the repository root on a machine with one GPU (jax with CUDA):
 
-    PYTHONPATH=. python3 benchmarks/gpu_xla_engine.py \\
+    python3 benchmarks/gpu_xla_engine.py \\
         --out benchmarks/results/gpu_xla_engine_h100.json
 
 (``--small`` runs a tiny model, for a quick check of the script on CPU.)

@@ -15,11 +15,11 @@ the cross-slice part of a sum to point-to-point DCN transfers), which collective
 async, and XLA's estimated step and exposed communication. Every time is XLA's latency-hiding
 scheduler estimate for a compiled program, NOT a measurement.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/hierarchical.py
-    PYTHONPATH=. .venv/bin/python benchmarks/hierarchical.py --model cnn --target v5p:2x2x2:slices=2
+    .venv/bin/python benchmarks/hierarchical.py
+    .venv/bin/python benchmarks/hierarchical.py --model cnn --target v5p:2x2x2:slices=2
 
 Writes benchmarks/results/hierarchical_aot.json. ``--update-docs`` rewrites the block
-between the ``hierarchical`` markers of README.md from it and from the emulated cluster's
+between the ``hierarchical`` markers of docs/benchmarks.md from it and from the emulated cluster's
 measurement, benchmarks/results/hierarchical_cluster.json (benchmarks/hierarchical_cluster.py).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices need no backend
 
 RESULTS = Path(__file__).parent / "results"
-README = Path(__file__).parent.parent / "README.md"
+README = Path(__file__).parent.parent / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- hierarchical:begin -->", "<!-- hierarchical:end -->"
 
 
@@ -43,7 +43,7 @@ def docs_block(aot: dict, cluster: dict | None) -> str:
     """The README's tables: compiled for TPU (XLA's estimates), and the emulated cluster."""
     lines = [f"Compiled for `{aot['target']}`, mesh `{aot['mesh']}`, {aot['model']}: XLA's "
              "estimates for the compiled programs, not measured "
-             f"(`PYTHONPATH=. .venv/bin/python benchmarks/hierarchical.py --model {aot['model'].split()[0]}`). "
+             f"(`.venv/bin/python benchmarks/hierarchical.py --model {aot['model'].split()[0]}`). "
              "Cross-slice MB are the bytes per device per step of the collectives that span slices "
              "and of the DCN send/recv.", "",
              "| step | cross-slice MB | est. step ms | est. exposed comm ms |", "|---|---|---|---|"]
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     parser.add_argument("--strategies", default="wfbp,dear")
     parser.add_argument("--out", type=Path, default=RESULTS / "hierarchical_aot.json")
     parser.add_argument("--update-docs", action="store_true",
-                        help="only rewrite README's block from the saved JSON results")
+                        help="only rewrite the benchmarks page's block from the saved JSON results")
     args = parser.parse_args(argv)
     if args.update_docs:
         update_docs()

@@ -14,10 +14,10 @@ Per variant: the median step time of ``--steps`` steps, and the bytes this host'
 interface sent per step (``/sys/class/net/<if>/statistics/tx_bytes`` in its namespace:
 every byte that crossed hosts, gloo's framing and TCP included). Measured, not simulated.
 
-    sudo .venv/bin/jaxsched cluster up --hosts 2 --bandwidth 1gbit
-    sudo PYTHONPATH=. .venv/bin/jaxsched launch --hosts 2 --cluster --cpu-devices 2 -- \\
+    .venv/bin/jaxsched cluster up --hosts 2 --bandwidth 1gbit
+    .venv/bin/jaxsched launch --hosts 2 --cluster --cpu-devices 2 -- \\
         .venv/bin/python benchmarks/hierarchical_cluster.py --json benchmarks/results/hierarchical_cluster.json
-    sudo .venv/bin/jaxsched cluster down
+    .venv/bin/jaxsched cluster down
 
 The machine has 2 cores: each process's two devices and gloo share them, so step times
 are the emulated cluster's, not a real one's; the bytes do not depend on that.

@@ -16,7 +16,7 @@ the same run:
   own estimate of the step and of its exposed communication, scheduled jit step against
   the plain jit step. These are the compilers' estimates, not measurements.
 
-On CPU, XLA runs collectives synchronously (docs/cpu_facts.md): step-time ratios on the
+On CPU, XLA runs collectives synchronously (docs/benchmarks.md): step-time ratios on the
 virtual devices measure the transform's overhead, not overlap.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _setup(devices: int, per_device: int = PER_DEVICE):
 def _interleaved(runners: dict, batches: list, n_steps: int, label: str) -> dict:
     """Median seconds per step of each runner. Steps are interleaved, in a shuffled order each
     round (with a fixed order, later runners are measured slower on 8 virtual devices), so that
-    load on the machine affects every runner alike; one step in flight (docs/cpu_facts.md)."""
+    load on the machine affects every runner alike; one step in flight (docs/benchmarks.md)."""
     times = {name: [] for name in runners}
     order = random.Random(0)
     for i in tqdm(range(n_steps + 1), desc=label, leave=False):

@@ -7,9 +7,9 @@ step with ``optax.sgd`` under ``strategy=jaxsched.integrations.kfac.KFAC(...)``.
 sees the same batches; test accuracy (held-out split) is evaluated every ``--eval-every``
 steps. For each optimizer, the best learning rate is the one that reaches the target
 first (ties: higher final accuracy). Writes ``benchmarks/results/kfac_convergence.json``,
-``docs/kfac_convergence.png`` and the table between the markers in ``docs/kfac.md``.
+``docs/kfac_convergence.png`` and the table between the markers in ``docs/benchmarks.md``.
 
-    PYTHONPATH=. python benchmarks/kfac_convergence.py [--steps 300] [--seeds 2]
+    python benchmarks/kfac_convergence.py [--steps 300] [--seeds 2]
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
-jax.devices()  # before numpy/sklearn BLAS runs (docs/cpu_facts.md hazard)
+jax.devices()  # before numpy/sklearn BLAS runs (docs/benchmarks.md hazard)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -58,7 +58,7 @@ def train(name: str, lr: float, seed: int, split, args, mesh) -> dict:
     for t in range(1, args.steps + 1):
         start = time.perf_counter()
         state, aux = sched(state, steps.shard_batch(next(batches), mesh))
-        jax.block_until_ready(aux)  # one multi-device step in flight (docs/cpu_facts.md)
+        jax.block_until_ready(aux)  # one multi-device step in flight (docs/benchmarks.md)
         times.append(time.perf_counter() - start)
         losses.append(float(aux["loss"]))
         if t % args.eval_every == 0:
@@ -171,7 +171,7 @@ def main() -> None:
     out.write_text(json.dumps(results, indent=1))
     plot(results, ROOT / "docs" / "kfac_convergence.png")
     table = render(results)
-    doc = ROOT / "docs" / "kfac.md"
+    doc = ROOT / "docs" / "benchmarks.md"
     if doc.exists():
         text = doc.read_text()
         text = re.sub(r"(<!-- kfac_convergence:start -->\n).*?(<!-- kfac_convergence:end -->)",

@@ -17,7 +17,7 @@ roofline, 64 workers on 100 Gb/s InfiniBand (ring costs), every combination of
 pipelining and placement, at three assumed inversion efficiencies, beside SPD-KFAC's
 published 10-35%.
 
-    PYTHONPATH=. python benchmarks/kfac_speed.py [--steps 30]
+    python benchmarks/kfac_speed.py [--steps 30]
 
 Writes ``benchmarks/results/kfac_speed.json``.
 """
@@ -209,7 +209,7 @@ def main() -> None:
     out = ROOT / "benchmarks" / "results" / "kfac_speed.json"
     out.write_text(json.dumps(results, indent=1, default=float))
     table = render(json.loads(out.read_text()))
-    doc = ROOT / "docs" / "kfac.md"
+    doc = ROOT / "docs" / "benchmarks.md"
     if doc.exists():
         import re
 

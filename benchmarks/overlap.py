@@ -1,6 +1,6 @@
 """Measured overlap on an emulated 2-host cluster: see ``jaxsched.tools.bench`` (same options).
 
-    sudo .venv/bin/python benchmarks/overlap.py --hosts 2 --bandwidth 1gbit --steps 20
+    .venv/bin/python benchmarks/overlap.py --hosts 2 --bandwidth 1gbit --steps 20
 """
 import sys
 

@@ -1,6 +1,6 @@
 """What packing a bucket into one buffer costs on XLA:CPU, against an elementwise pass.
 
-Run from the repository root: ``PYTHONPATH=. .venv/bin/python benchmarks/pack_copies.py``
+Run from the repository root: ``.venv/bin/python benchmarks/pack_copies.py``
 (one core; 16 leaves of an 8x1024 MLP's gradients, 33.6 MB; medians of 8 calls). Writes
 ``benchmarks/results/pack_copies.json``. Behind ``Collective.all_reduce_tensors``: the
 plain psum reduces large tensors as they are instead of packing them.

@@ -5,7 +5,7 @@ Times ``plan_buckets(..., "optimal", strategy="wfbp")`` (exact DP) on a seeded r
 simulator-searched DeAR plan, as medians of several runs on this machine. Writes
 ``benchmarks/results/plan_speed.json``.
 
-    PYTHONPATH=. python benchmarks/plan_speed.py
+    python benchmarks/plan_speed.py
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Every number this script prints is SIMULATED (zoo roofline profiles, ring alpha-
 presets); docs/simulator.md sets them next to what the papers report.
 Writes ``benchmarks/results/published_comparison.json``.
 
-    PYTHONPATH=. python benchmarks/published_comparison.py
+    python benchmarks/published_comparison.py
 """
 from __future__ import annotations
 

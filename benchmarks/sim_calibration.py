@@ -5,7 +5,7 @@ For each zoo model: measure its layer profile on all 8 virtual CPU devices at on
 (``profile_network``); simulate each strategy; then time the real step (median of
 blocked steps) in the same run: ``allreduce`` is ``jaxsched.demo.steps.make_step`` (SGD);
 ``wfbp`` and ``dear`` are ``jaxsched.schedule`` (xla engine).
-XLA:CPU runs collectives inline (docs/cpu_facts.md), so the prediction uses
+XLA:CPU runs collectives inline (docs/benchmarks.md), so the prediction uses
 ``simulate(..., shared_stream=True)``; one bucket (every model here is under 25 MB, the
 engine's default threshold). The profiles carry the measured SGD update per layer
 (``update_s``), the step's dispatch cost (``dispatch_s``, taken off the whole-model
@@ -14,7 +14,7 @@ forward and added once per iteration) and the bucket pack/unpack cost
 without the update and copy costs (what the simulator predicted before they were
 measured). Writes ``benchmarks/results/sim_calibration.json``.
 
-    PYTHONPATH=. python benchmarks/sim_calibration.py
+    python benchmarks/sim_calibration.py
 """
 from __future__ import annotations
 

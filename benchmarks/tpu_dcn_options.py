@@ -8,7 +8,7 @@ records XLA's estimates, when the ICI phases finish and when the weight matrices
 shares start to move. Nothing runs on a TPU: every time is XLA's latency-hiding scheduler estimate for
 the compiled program, NOT a measurement.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/tpu_dcn_options.py     # about 3 minutes
+    .venv/bin/python benchmarks/tpu_dcn_options.py     # about 3 minutes
 
 Writes benchmarks/results/tpu_dcn_options.json.
 """

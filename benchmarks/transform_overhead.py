@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python benchmarks/transform_overhead.py [--steps 30]``. Writes
 ``benchmarks/results/transform_overhead.json``. Every ratio is against the plain step
-measured in the same run. On CPU collectives are synchronous (docs/cpu_facts.md), so step-time
+measured in the same run. On CPU collectives are synchronous (docs/benchmarks.md), so step-time
 ratios here measure the transform's overhead, not overlap.
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ def measure(model: str, devices: int, n_steps: int, repeats: int) -> list[dict]:
         for strategy in STRATEGIES:
             start = time.perf_counter()
             states[strategy], aux = scheds[strategy](states[strategy], batches[i % len(batches)])
-            jax.block_until_ready((states[strategy], aux))  # one step in flight (docs/cpu_facts.md)
+            jax.block_until_ready((states[strategy], aux))  # one step in flight (docs/benchmarks.md)
             if i:  # the first call compiles
                 times[strategy].append(time.perf_counter() - start)
     return [{"model": model, "devices": devices, "strategy": s,

@@ -353,7 +353,7 @@ class Run:
     def log(self, step: int, aux: dict, state: Any) -> None:
         import jax
 
-        aux = jax.block_until_ready(aux)  # one multi-device step in flight (docs/cpu_facts.md)
+        aux = jax.block_until_ready(aux)  # one multi-device step in flight (docs/benchmarks.md)
         seconds = time.perf_counter() - self._t0
         if step > self.start:  # the first step of a process compiles
             self.step_seconds.append(seconds)

@@ -4,10 +4,10 @@ The step is pluggable: the trainer builds the user's plain step and hands it to 
 ``wrap(step, strategy)`` callable that returns an object with ``init``, ``__call__``
 and ``finalize`` (by default :func:`jaxsched.schedule`; ``allreduce`` is the plain step).
 Only one multi-device step is kept in flight: with 8 virtual CPU devices on 2 cores,
-steps queued unblocked deadlocked in a collective rendezvous (docs/cpu_facts.md).
+steps queued unblocked deadlocked in a collective rendezvous (docs/benchmarks.md).
 The initial state is placed on the mesh exactly as the step returns it, so the step
 compiles once: a second compilation on step 2 used to land inside the timed steps and
-halved the plain step's steps/s in ``jaxsched demo`` (docs/cpu_collectives.md).
+halved the plain step's steps/s in ``jaxsched demo`` (docs/benchmarks.md).
 
 Example:
     >>> from jaxsched import config, trainer
@@ -191,7 +191,7 @@ def train_side_by_side(cfg: Config, strategies: Sequence[str] | None = None, *,
             for k, (strategy, runner) in enumerate(zip(strategies, runners)):
                 started = time.perf_counter()
                 states[k], aux = runner(states[k], batch)
-                aux = jax.block_until_ready(aux)  # one multi-device step in flight (docs/cpu_facts.md)
+                aux = jax.block_until_ready(aux)  # one multi-device step in flight (docs/benchmarks.md)
                 if i > 0:  # the first step compiles
                     step_seconds[k].append(time.perf_counter() - started)
                 row = _metric_row(aux)

@@ -1,7 +1,7 @@
 """Measure the inputs of the cost model on the real backend: layer times and collective costs.
 
 Why: a planner must use the costs of the backend it runs on, not assumed ring costs (on
-gloo a reduce-scatter + all-gather took 2.3x one all-reduce; docs/cpu_facts.md). Layer profile:
+gloo a reduce-scatter + all-gather took 2.3x one all-reduce; docs/benchmarks.md). Layer profile:
 each top-level parameter group of a zoo model is run as its own jitted stage on one
 device; forward and backward (the VJP, residuals precomputed) are timed separately,
 after warm-up, as medians. Network profile: ``psum``, ``psum_scatter``,
@@ -12,7 +12,7 @@ the step uses, run on each layer's parameters as its own jitted program, with th
 dispatching an empty program (:func:`measure_dispatch`) taken off, since inside a training
 step the update is not dispatched on its own.
 Every multi-device call is blocked on before the next one starts (the rendezvous hazard
-in docs/cpu_facts.md).
+in docs/benchmarks.md).
 
 Example:
     >>> from jaxsched.plan.profiling import profile_zoo_model
@@ -486,7 +486,7 @@ def profile_psum_operands(arrays: Sequence[Any], mesh: Mesh, axis: str = "data",
     """Median ms of a tuple ``psum`` of ``arrays`` vs a ``psum`` of their concatenation.
 
     Why: XLA:CPU runs an all-reduce of a tuple as one rendezvous of all device threads
-    per operand (docs/cpu_collectives.md), so on virtual CPU devices the cost grows with
+    per operand (docs/benchmarks.md), so on virtual CPU devices the cost grows with
     the number of leaves, not the bytes. Calls are interleaved so that machine load hits
     both alike, and each is blocked on before the next (one multi-device call in flight).
 

@@ -566,7 +566,7 @@ def roofline_seconds(flops: float, memory_bytes: float, device: DevicePreset,
 
 # Top-k selection as a threshold test is a few elementwise passes over the gradient, not a
 # sort: on CPU, 10M float32 took 34 ms per elementwise pass against 93 ms for a sampled
-# threshold + mask (docs/cpu_facts.md, "Top-k on CPU").
+# threshold + mask (docs/benchmarks.md, "Top-k on CPU").
 SELECTION_PASSES = 3
 
 

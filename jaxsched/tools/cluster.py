@@ -8,7 +8,7 @@ and no address exists outside the cluster's namespaces, so no traffic can leave 
 Bandwidth is shaped with ``tc qdisc ... tbf`` at both ends of every link: on the host's
 ``eth0`` (what the host sends) and on the switch port (what it receives), like a full-duplex
 link of that rate into a non-blocking switch. Latency cannot be emulated here (``netem`` is
-not available in this kernel, see docs/cpu_facts.md); bandwidth can.
+not available in this kernel, see docs/benchmarks.md); bandwidth can.
 
 Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and the ``ip``/``tc`` tools. Python::
 

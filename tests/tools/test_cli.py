@@ -139,7 +139,7 @@ def test_progress_in_a_log_is_a_few_lines_not_redraws(capsys):
 @pytest.mark.parametrize("api", ["shard_map", "pmap"])
 def test_the_plain_step_compiles_only_on_its_first_call(api):
     """A fresh state on one device made the plain step compile again on step 2, inside the
-    timed steps, and halved its steps/s in the demo (docs/cpu_collectives.md)."""
+    timed steps, and halved its steps/s in the demo (docs/benchmarks.md)."""
     compiles_per_call: list[int] = []
     compiling = []
     jax.monitoring.register_event_duration_secs_listener(

@@ -100,7 +100,7 @@ class EngineCosts:
 
     Attributes:
       overlaps: whether a collective can run while compute goes on. XLA:CPU runs
-        collectives inline in the program (docs/cpu_facts.md), so the ``xla`` engine on CPU
+        collectives inline in the program (docs/benchmarks.md), so the ``xla`` engine on CPU
         does not overlap; planners then simulate one shared stream.
       per_collective_s: fixed seconds each collective costs on top of what
         :func:`jaxsched.profile_network` measures for it (the host engine's Python dispatch

@@ -18,7 +18,7 @@ so the options below go to this one function only (never through ``XLA_FLAGS``):
   and its ``fuse_*`` options), async all-reduce/all-gather, and the cross-replica-sum
   combiner threshold at 0 make each collective an async pair with compute in its window.
 
-XLA:CPU runs collectives synchronously inside a program (docs/cpu_facts.md), so CPU gets
+XLA:CPU runs collectives synchronously inside a program (docs/benchmarks.md), so CPU gets
 no options.
 
 Example:

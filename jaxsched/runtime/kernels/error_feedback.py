@@ -18,7 +18,7 @@ so ``sent + new_residual == residual + grad`` exactly (each element is ``acc + 0
   0.10 and has no lowering in 0.11; the interpreter path still uses ``pallas_call``,
   on the same block function, because the interpreter cannot run Mosaic GPU's copies). Blocks are
   ``(block_rows, 256)`` tiles of the flattened gradient: Mosaic GPU's async copies move
-  at most 256 elements along each dimension (docs/cpu_facts.md), so a 1-D 4096-element block
+  at most 256 elements along each dimension (docs/benchmarks.md), so a 1-D 4096-element block
   does not lower, a 2-D ``(16, 256)`` one does. A gradient whose size 256 does not
   divide is padded to the next multiple of 256 (one copy; give buffers a size that
   256 divides to avoid it); a partial last row block is left to the copy engine's

@@ -42,7 +42,9 @@ GPU_TARGETS = tuple(sorted(p.stem for p in (Path(__file__).parent / "targets").g
 #: TPU generations libtpu compiles for (the topology string is libtpu's).
 TPU_TARGETS = ("v4", "v5e", "v5p", "v6e")
 
-_EXTRA_HINT = "install the optional extra: pip install 'jaxsched[aot]' (make test installs it)"
+_EXTRA_HINT = ("install the optional extra, best in an environment of its own (its CUDA plugin and "
+               "libtpu print load errors on CPU runs): pip install 'jaxsched[aot]'; in a checkout, "
+               "`make aot` builds .venv-aot, then run .venv-aot/bin/jaxsched inspect ...")
 
 
 class AotUnavailableError(RuntimeError):

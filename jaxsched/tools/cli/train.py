@@ -111,7 +111,7 @@ def _speed_caption(cfg: Config, results: list[RunResult]) -> str:
         "unpacking its buckets). dear replaces the all-reduce by a "
         "reduce-scatter and an all-gather, and runs the optimizer on 1/"
         f"{cfg.train.devices} of every tensor per device, which on virtual devices sharing "
-        "a few cores saves real work. See docs/cpu_collectives.md.")
+        "a few cores saves real work. See docs/benchmarks.md.")
     return textwrap.fill(text, width=100)
 
 
