@@ -310,9 +310,9 @@ def main() -> None:
     out.write_text(json.dumps(results, indent=1))
     plot(results, ROOT / "docs" / "approx_loss.png")
     page = ROOT / "runs" / "approx_convergence.md"
-        page.parent.mkdir(exist_ok=True)
-        page.write_text(render(results))
-        print(f"wrote {page}: its tables go into the approx section of docs/benchmarks.md")
+    page.parent.mkdir(exist_ok=True)
+    page.write_text(render(results))
+    print(f"wrote {page}: its tables go into the approx section of docs/benchmarks.md")
     print(json.dumps(results["simulated"], indent=1))
     print(f"wrote {out} in {results['total_seconds']} s")
 

@@ -92,7 +92,10 @@ def compression(text: str) -> Any:
         return None
     from jaxsched.tools.bench import parse_compression
 
-    return parse_compression(text)
+    try:
+        return parse_compression(text)
+    except ValueError as err:  # argparse shows an ArgumentTypeError's message as it is
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def engine_name(text: str) -> str:

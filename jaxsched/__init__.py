@@ -14,10 +14,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from jaxsched import _legacy_paths
+from jaxsched._version import __version__ as __version__
 
 _legacy_paths.install()
-
-from jaxsched._version import __version__
 
 #: public name -> the module that defines it (a module itself when the name is a subpackage)
 _EXPORTS: dict[str, str] = {
@@ -57,7 +56,39 @@ _MODULES: dict[str, str] = {
     "nnx": "jaxsched.integrations.nnx",
 }
 
-__all__ = sorted([*_EXPORTS, *_MODULES])
+__all__ = [
+    "Collective",
+    "CollectiveWrapper",
+    "Config",
+    "ConfigError",
+    "Engine",
+    "FallbackWarning",
+    "GatherWarning",
+    "Layer",
+    "LayerProfile",
+    "NetworkProfile",
+    "RunResult",
+    "STRATEGIES",
+    "SchedState",
+    "Scheduled",
+    "Strategy",
+    "UnsupportedStepError",
+    "compress",
+    "kfac",
+    "make_pmap_step",
+    "make_step",
+    "network_preset",
+    "nnx",
+    "plan_buckets",
+    "profile_network",
+    "profile_zoo_model",
+    "pure",
+    "register_engine",
+    "register_strategy",
+    "schedule",
+    "simulate",
+    "train",
+]
 
 
 def __getattr__(name: str) -> Any:

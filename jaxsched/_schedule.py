@@ -351,8 +351,8 @@ def check_state_fits(program: Program, template: Any, state: Any) -> None:
     for path, have, want_user, want_scheduled in zip(paths, got, user, scheduled):
         if have not in (want_user, want_scheduled):
             raise ValueError(
-                f"state leaf {path} has shape {have}, where this schedule keeps {want_user} (the "
-                f"user's layout) or {want_scheduled} (its {program.strategy.name} layout): the "
-                "state comes from another schedule (another strategy or buckets). Pass the state "
-                "this schedule's init returned, or finalize the other schedule's state with that "
-                "schedule and init this one with the result")
+                f"state leaf {path} has shape {have}; expected the user's {want_user} or the "
+                f"scheduled {want_scheduled} ({program.strategy.name} layout). Does the state come "
+                "from another schedule (another strategy or buckets) or another model? Pass the "
+                "state this schedule's init returned, or finalize the other schedule's state with "
+                "that schedule and init this one with the result")

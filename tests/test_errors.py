@@ -101,7 +101,6 @@ def _grads_over_a_model_axis(_):
 
 def _kfac_on_model_sharded_params(_):
     mesh = _two_axis_mesh()
-    tx = optax.sgd(0.1)
 
     def body(p, s, x):
         def loss(q):

@@ -1,8 +1,6 @@
 """`jax.jit` data-parallel steps, written as the JAX and Flax docs teach them (parameters
 replicated, the batch placed with NamedSharding, no shard_map): each exact strategy equals the
 plain jit step on fresh random inputs (rtol 1e-5), or the step is refused by name."""
-import contextlib
-import warnings
 
 import jax
 import jax.numpy as jnp

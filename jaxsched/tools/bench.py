@@ -289,7 +289,7 @@ def worker(args: Any) -> int:
         return statistics.median(timed(fn, *a) for _ in range(repeats))
 
     state0 = (params, tx.init(params))
-    comm_s = median_time(comm_only, grads_like)
+    median_time(comm_only, grads_like)  # compile and warm the comm-only program
     # The host engine's own costs, for the simulator (jaxsched.sim.HostCosts): Python per
     # collective stage, and the copy of a gradient-sized buffer to this process's spare device.
     from jaxsched.runtime.engine.host import measure_stage_overhead

@@ -32,7 +32,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Sequence

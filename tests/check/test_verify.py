@@ -1,10 +1,8 @@
 """Scheduled.verify: plain against scheduled on the user's data, judged against a rounding
 baseline; a defect is caught at the step it appears."""
 import jax
-import jax.numpy as jnp
 import optax
 import pytest
-from jax import lax
 
 import jaxsched
 from jaxsched.core import replay

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jaxsched
 import jaxsched.tools.aot
 from jaxsched.core.capture import UnsupportedStepError
-from jaxsched.runtime.collectives import BucketSpec, Collective, Hierarchical, hierarchy_from_mesh, slow_axes
+from jaxsched.runtime.collectives import BucketSpec, Hierarchical, hierarchy_from_mesh, slow_axes
 from jaxsched.runtime.collectives.hierarchical import default_collective_for
 from jaxsched.runtime.compress import TopK, bytes_sent
 

@@ -20,7 +20,7 @@ import jaxsched
 import jaxsched.integrations.nnx
 from jaxsched.zoo import models
 from jaxsched.demo import steps
-from tests.equivalence import MODEL_INPUTS, MODEL_OPTIONS, random_batches
+from support.equivalence import MODEL_INPUTS, MODEL_OPTIONS, random_batches
 
 DEVICES = 8
 STEPS = 20

@@ -214,7 +214,7 @@ def _string_comparisons(path: Path) -> set[str]:
 def test_the_pipeline_compares_against_no_strategy_name():
     # "auto" is also the value of buckets= and engine=, which the pipeline does compare
     names = (set(jaxsched.STRATEGIES) | {"approx", "mgwfbp"}) - {"auto"}
-    for module in ("_schedule.py", "pipeline/program.py", "pipeline/planned_step.py", "runtime/engine/base.py", "runtime/engine/xla.py",
+    for module in ("_schedule.py", "pipeline/program.py", "pipeline/selection.py", "plan/planned_step.py", "runtime/engine/base.py", "runtime/engine/xla.py",
                    "plan/__init__.py", "plan/_common.py", "plan/from_step.py", "sim/core.py"):
         assert not _string_comparisons(ROOT / "jaxsched" / module) & names, module
 

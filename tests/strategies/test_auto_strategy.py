@@ -11,7 +11,7 @@ import jaxsched
 from jaxsched.demo import steps
 from jaxsched.sim.costmodel import Layer, LayerProfile
 from jaxsched.runtime.engine import EngineCosts, XlaEngine
-from tests.equivalence import build, random_batches
+from support.equivalence import build, random_batches
 
 # The test MLP's layers, made heavy: 40 MB of gradients each, 50/100 ms forward/backward.
 HEAVY = LayerProfile([Layer(name, 10**7, 4 * 10**7, 0.05, 0.10)

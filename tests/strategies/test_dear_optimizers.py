@@ -6,7 +6,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax.training.dynamic_scale import DynamicScale

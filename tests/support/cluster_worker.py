@@ -37,7 +37,6 @@ import jaxsched.tools.launch  # noqa: E402
 
 info = jaxsched.tools.launch.initialize(cpu_devices=1)
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 

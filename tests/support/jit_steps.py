@@ -2,7 +2,6 @@
 arrays, the batch placed with ``NamedSharding(mesh, P("data"))``, no ``shard_map``."""
 from __future__ import annotations
 
-import functools
 
 import flax.linen as nn
 import jax

@@ -20,7 +20,7 @@ import jaxsched.tools.aot
 from jaxsched.zoo import models
 from jaxsched.demo import steps
 from jaxsched.runtime.collectives import Collective
-from support.equivalence import assert_trees_close, build, random_batches
+from support.equivalence import assert_trees_close
 from support.toolchains import needs_gpu, needs_tpu
 
 

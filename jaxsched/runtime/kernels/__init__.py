@@ -3,7 +3,7 @@
 Public API (see :mod:`jaxsched.runtime.kernels.error_feedback` for the design):
 
 >>> import jax.numpy as jnp
->>> from jaxsched import kernels
+>>> from jaxsched.runtime import kernels
 >>> kernels.fused_error_feedback(jnp.array([2.0, 0.1]), jnp.zeros(2), 1.0).count.item()
 1
 """
@@ -24,4 +24,4 @@ from jaxsched.runtime.kernels.error_feedback import (
     threshold_error_feedback,
 )
 
-from jaxsched.runtime.kernels.error_feedback import __all__  # noqa: E402,F401  (one list of names)
+__all__ = ["BLOCK_COLS", "ErrorFeedback", "SparseGradient", "compact", "default_capacity", "default_sample_size", "densify", "error_feedback_pallas", "error_feedback_reference", "estimate_threshold", "exact_topk_error_feedback", "fused_error_feedback", "selection_size", "threshold_error_feedback"]

@@ -65,7 +65,7 @@ def run_cluster(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         if args.cluster_command == "up":
             cluster = cluster_lib.Cluster.up(args.hosts, args.bandwidth, prefix=args.prefix, subnet=args.subnet)
             print(cluster.describe())
-            print(f"take it down with: jaxsched cluster down"
+            print("take it down with: jaxsched cluster down"
                   + ("" if args.prefix == cluster_lib.DEFAULT_PREFIX else f" --prefix {args.prefix}"))
             return 0
         if args.cluster_command == "down":
