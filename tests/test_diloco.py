@@ -327,3 +327,29 @@ def test_finalize_of_init_is_the_identity():
     got = sched.finalize(converted)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves((params, opt_state))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# -- simulator ----------------------------------------------------------------------------------
+def test_simulated_diloco_step_time():
+    from jaxsched.costmodel import Layer, LayerProfile, network_preset
+    from jaxsched.sim import SimulationError, simulate
+    from jaxsched.sim.diloco import simulate_diloco
+
+    layers = LayerProfile([Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(4)])
+    net = network_preset("10gbe", 8)
+    compute = layers.forward_s + layers.backward_s + layers.update_s
+    h1 = simulate_diloco(layers, net, inner_steps=1)
+    # H=1, τ=0: every step is the compute, one all-reduce of every byte, the outer update
+    assert h1.step_s == pytest.approx(compute + net.time("all_reduce", layers.total_bytes)
+                                      + layers.update_s)
+    h10 = simulate_diloco(layers, net, inner_steps=10)
+    assert h10.step_s == pytest.approx(compute + (h1.step_s - compute) / 10)
+    # with τ=1 and a fragment's all-reduce shorter than a step, nothing is exposed
+    streaming = simulate_diloco(layers, net, inner_steps=10, fragments=2, overlap_steps=1)
+    assert streaming.outer_s < compute
+    assert streaming.step_s == pytest.approx(compute + layers.update_s / 10)
+    assert simulate_diloco(layers, net, 10, outer_bits=4).slow_bytes_per_step < h10.slow_bytes_per_step / 7
+    with pytest.raises(SimulationError, match="simulate_diloco"):
+        simulate(layers, net, "diloco")
+    with pytest.raises(SimulationError, match="overlap_steps"):
+        simulate_diloco(layers, net, inner_steps=4, fragments=2, overlap_steps=2)

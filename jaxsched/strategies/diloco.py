@@ -72,7 +72,7 @@ __all__ = ["DiLoCo", "DiLoCoState", "DILOCO_PATTERN", "fragment_of_leaves", "syn
 #: What the planners and the simulator see: each step's gradients reduced in backward over
 #: the fast axes; the outer all-reduce every H steps is modelled by the simulator's
 #: ``diloco`` options (:mod:`jaxsched.sim.diloco`).
-DILOCO_PATTERN = CommPattern(gradient="all_reduce", in_backward=True)
+DILOCO_PATTERN = CommPattern(gradient="all_reduce", in_backward=True, periodic_sync=True)
 
 #: Inner strategies DiLoCo can run (their gradients are reduced per bucket in backward and
 #: the update runs on full tensors, on each replica).
@@ -300,14 +300,23 @@ class DiLoCo(Strategy):
         return planned.memo("diloco.groups", build)
 
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
-        sync, _, n_sync = self._axes(planned)
+        """One outer bucket per fragment and dtype. With fast axes, the replica's devices
+        hold the same outer gradient, so each sends only its ``1/n_fast`` shard over the
+        slow axes (then the shards are all-gathered over the fast ones): the bucket is
+        that shard."""
+        sync, fast, n_sync = self._axes(planned)
+        n_fast = math.prod(planned.mesh.shape[a] for a in fast)
         avals = self._param_avals(planned)
         form = planned.collective_form("all_reduce")
         specs = []
         for k, (_, leaves) in enumerate(self._outer_groups(planned)):
             shapes = tuple(tuple(avals[i].shape) for i in leaves)
-            specs.append(BucketSpec(k, sum(math.prod(s) for s in shapes), np.dtype(avals[leaves[0]].dtype),
-                                    n_sync, shapes, False, form=form,
+            size = sum(math.prod(s) for s in shapes)
+            if n_fast > 1:
+                size = -(-size // n_fast)
+                shapes = ((size,),)
+            specs.append(BucketSpec(k, size, np.dtype(avals[leaves[0]].dtype), n_sync, shapes, False,
+                                    form=form,
                                     mesh_axes=tuple((a, planned.mesh.shape[a]) for a in sync)))
         return specs
 
@@ -502,7 +511,8 @@ class DiLoCo(Strategy):
     def _reduce_fragment(self, planned: PlannedStep, p: int, local: list, glob: list, carried: list
                          ) -> dict[int, Any]:
         """The mean over ``sync_axes`` of fragment ``p``'s outer gradients (``glob - local``)."""
-        sync, _, n_sync = self._axes(planned)
+        sync, fast, n_sync = self._axes(planned)
+        n_fast = math.prod(planned.mesh.shape[a] for a in fast)
         specs = self._outer_specs_memo(planned)
         out = {}
         for k, (frag, leaves) in enumerate(self._outer_groups(planned)):
@@ -511,9 +521,22 @@ class DiLoCo(Strategy):
             deltas = [glob[i] - local[i] for i in leaves]
             if n_sync == 1:
                 sums = deltas
-            else:
+            elif n_fast == 1:
                 sums, carried[k] = self.collective.all_reduce_tensors(deltas, self._axis(sync),
                                                                       specs[k], carried[k])
+            else:
+                # this device's shard of the (identical within the replica) outer gradient
+                flat = jnp.concatenate([jnp.ravel(d) for d in deltas])
+                shard = specs[k].size
+                flat = jnp.pad(flat, (0, shard * n_fast - flat.shape[0]))
+                mine = lax.dynamic_slice_in_dim(flat, lax.axis_index(self._axis(fast)) * shard, shard)
+                (total,), carried[k] = self.collective.all_reduce_tensors(
+                    [mine], self._axis(sync), specs[k], carried[k])
+                whole = lax.all_gather(total, self._axis(fast), tiled=True)
+                sums, offset = [], 0
+                for d in deltas:
+                    sums.append(whole[offset:offset + d.size].reshape(d.shape))
+                    offset += d.size
             for i, s in zip(leaves, sums):
                 out[i] = (s / n_sync).astype(glob[i].dtype)
         return out
