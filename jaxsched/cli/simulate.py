@@ -104,10 +104,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--seq-len", type=positive_int, help="sequence length for a transformer --model "
                      "(default: per model)")
     sim.add_argument("--efficiency", type=fraction, default=0.5, help="fraction of device peak sustained")
-    sim.add_argument("--strategies", "--strategy", type=name_list(lambda: STRATEGIES, check_strategy),
+    sim.add_argument("--strategies", type=name_list(lambda: STRATEGIES, check_strategy),
                      default=DEFAULT_STRATEGIES,
                      help=f"comma-separated from {', '.join(STRATEGIES)}; add +topk or +gtopk "
                           "for compression, e.g. wfbp+gtopk")
+    sim.add_argument("--strategy", dest="strategies", help=argparse.SUPPRESS,
+                     type=name_list(lambda: STRATEGIES, check_strategy))  # one name reads better
     sim.add_argument("--planner", choices=PLANNERS,
                      help="bucket planner for every strategy (default: " +
                           ", ".join(f"{k}: {v}" for k, v in DEFAULT_PLANNER.items()) + ")")
