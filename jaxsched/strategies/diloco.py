@@ -469,7 +469,14 @@ class DiLoCo(Strategy):
         as they are where every replica holds the same value)."""
         state = self.convert(planned, state)
         cap = planned.captured
-        drain = planned.memo("diloco.finalize", lambda: self._finalize_program(planned))
+        step, in_flight = self.host_step(state), None
+        if self.overlap_steps >= 2:
+            # sent at S with step - tau < S <= step - 1: reduced, not yet applied
+            for sent in range(step - self.overlap_steps + 1, step):
+                if self._fragment_at(sent) is not None:
+                    in_flight = self._fragment_at(sent)
+        drain = planned.memo(("diloco.finalize", in_flight),
+                             lambda: self._finalize_program(planned, in_flight))
         outs = drain(*jax.tree.leaves(state))
         return (jax.tree.unflatten(cap.params_tree, outs[:cap.num_params]),
                 jax.tree.unflatten(cap.opt_tree, outs[cap.num_params:]))
@@ -503,10 +510,33 @@ class DiLoCo(Strategy):
             table[d] = p
         return table
 
-    def _fragment_at(self, s: Any) -> Any:
-        """The fragment that sends after ``s`` inner steps (traced), or F for none."""
-        table = jnp.asarray(self._send_table())
-        return jnp.where(s >= 1, table[jnp.mod(s, self.inner_steps)], self.fragments).astype(jnp.int32)
+    def _fragment_at(self, s: int) -> int | None:
+        """The fragment that sends after ``s`` inner steps (a host int), or None."""
+        if s < 1:
+            return None
+        p = int(self._send_table()[s % self.inner_steps])
+        return None if p == self.fragments else p
+
+    # -- one program per phase ---------------------------------------------------------------
+    def phase_key(self, step: int | None) -> tuple:
+        """Which fragment sends at the start and which arrives at the end of the program for
+        inner step ``step`` (0-based): the programs differ only in that, so every phase with
+        the same key shares one compiled program, with no condition around a collective
+        (a staged engine cuts at them; XLA overlaps them). ``None``: the representative
+        phase (the first that communicates), for lowering an abstract state."""
+        tau = self.overlap_steps
+        if step is None:
+            step = next(t for t in range(2 * self.inner_steps + tau + 1)
+                        if any(k is not None for k in self.phase_key(t)))
+        sender = self._fragment_at(step) if tau >= 1 else None
+        arriver = self._fragment_at(step + 1 - tau)
+        return sender, arriver
+
+    def host_step(self, state: NamedTuple) -> int | None:
+        """The inner steps ``state`` has taken, read on the host (None for an abstract state)."""
+        if is_abstract(state):
+            return None
+        return int(np.asarray(jax.device_get(getattr(state, "step", 0))))
 
     def _reduce_fragment(self, planned: PlannedStep, p: int, local: list, glob: list, carried: list
                          ) -> dict[int, Any]:
@@ -556,25 +586,6 @@ class DiLoCo(Strategy):
             local[i] = g if self.mixing == 0.0 else (
                 self.mixing * local[i] + (1.0 - self.mixing) * g).astype(local[i].dtype)
 
-    def _switch(self, index: Any, branch, values: dict) -> dict:
-        """``lax.switch`` over fragments (index F: unchanged) on a dict of lists of arrays."""
-        keys = sorted(values)
-        leaves, treedef = jax.tree.flatten([values[k] for k in keys])
-
-        def make(p):
-            def run(*flat):
-                vals = dict(zip(keys, jax.tree.unflatten(treedef, list(flat))))
-                if p < self.fragments:
-                    branch(p, vals)
-                return tuple(jax.tree.leaves([vals[k] for k in keys]))
-            return run
-
-        if self.fragments == 1 and self.inner_steps == 1:
-            out = make(0)(*leaves)  # every step synchronizes: no condition
-        else:
-            out = lax.switch(index, [make(p) for p in range(self.fragments + 1)], *leaves)
-        return dict(zip(keys, jax.tree.unflatten(treedef, list(out))))
-
     def _inner_step(self, planned: PlannedStep, params: list, opts: list, batch: list, consts: list
                     ) -> tuple[list, list, list]:
         """The user's body with each gradient sum restricted to the fast axes (times the
@@ -606,107 +617,77 @@ class DiLoCo(Strategy):
         return outs[:n_p], outs[n_p:n_p + n_o], outs[n_p + n_o:]
 
     def rewrite(self, planned: PlannedStep) -> RewrittenBody:
+        """The program of the representative phase (see :meth:`phase_key`); an engine program
+        per phase comes from :meth:`rewrite_phase`."""
         self._check_step(planned)
-        specs, counts = self._state_specs(planned)
+        specs, _ = self._state_specs(planned)
+        return RewrittenBody(self.rewrite_phase(planned, self.phase_key(None)), specs, specs, [], False)
+
+    def _unpack(self, planned: PlannedStep, leaves: Sequence[Any]) -> dict:
+        _, counts = self._state_specs(planned)
+        st = self._split_state(leaves, counts)
+        outer, k = [], 0
+        for t in self._outer_treedefs(planned):
+            outer.append(jax.tree.unflatten(t, st["outer"][k:k + t.num_leaves]))
+            k += t.num_leaves
+        return dict(local=unstack_local(st["params"]), opts=unstack_local(st["opt"]),
+                    carried=list(self.local_collective_state(planned, st["coll"])),
+                    glob=list(st["glob"]), outer=outer, flight=list(st["flight"]), step=st["step"])
+
+    def rewrite_phase(self, planned: PlannedStep, key: tuple):
+        """The per-device body of the phase ``key = (sender, arriver)``."""
+        specs, _ = self._state_specs(planned)
         n_state = len(specs)
-        treedefs = self._outer_treedefs(planned)
-        tau, F = self.overlap_steps, self.fragments
+        tau = self.overlap_steps
+        sender, arriver = key
+        frag = self._fragments(planned)
 
         def body(*inputs):
             state_leaves, batch, consts = self.split_inputs(planned, inputs, n_state)
-            st = self._split_state(state_leaves, counts)
-            local = unstack_local(st["params"])
-            opts = unstack_local(st["opt"])
-            carried = list(self.local_collective_state(planned, st["coll"]))
-            glob, flight, step = st["glob"], st["flight"], st["step"]
-            outer, k = [], 0
-            for t in treedefs:
-                outer.append(jax.tree.unflatten(t, st["outer"][k:k + t.num_leaves]))
-                k += t.num_leaves
-
-            values = dict(local=local, glob=glob, outer=outer, carried=carried, flight=flight)
-            reduced_now = None
-            if tau >= 1:
-                # 1. the send due after `step` inner steps, first in the program
-                sender = self._fragment_at(step)
-
-                def send(p, v):
-                    red = self._reduce_fragment(planned, p, v["local"], v["glob"], v["carried"])
-                    target = v["flight"] if tau >= 2 else v["red"]
-                    for i, r in red.items():
-                        target[i] = r
-
-                if tau == 1:
-                    values["red"] = [jnp.zeros_like(g) for g in glob]
-                else:
-                    values["red"] = []
-                sent = self._switch(sender, send, {kk: values[kk] for kk in ("local", "glob", "carried", "flight", "red")})
-                values.update(carried=sent["carried"], flight=sent["flight"])
-                reduced_now = sent["red"]
-
+            v = self._unpack(planned, state_leaves)
+            reduced = {}
+            if sender is not None:
+                # 1. the send, first in the program: its operands are ready before any compute
+                reduced = self._reduce_fragment(planned, sender, v["local"], v["glob"], v["carried"])
+                if tau >= 2:
+                    for i, r in reduced.items():
+                        v["flight"][i] = r
             # 2. the inner step: the user's step on this replica
-            new_local, new_opts, aux = self._inner_step(planned, values["local"], opts, batch, consts)
-            values["local"] = list(new_local)
-
-            # 3. the arrival after step + 1 inner steps: send time step + 1 - tau
-            arriving = self._fragment_at(step + 1 - tau)
-            values["red"] = reduced_now if tau == 1 else []
-
-            def arrive(p, v):
+            local, opts, aux = self._inner_step(planned, v["local"], v["opts"], batch, consts)
+            local = list(local)
+            # 3. the arrival
+            if arriver is not None:
                 if tau == 0:
-                    red = self._reduce_fragment(planned, p, v["local"], v["glob"], v["carried"])
+                    red = self._reduce_fragment(planned, arriver, local, v["glob"], v["carried"])
+                elif tau == 1:
+                    red = reduced
                 else:
-                    source = v["red"] if tau == 1 else v["flight"]
-                    red = {i: source[i] for i in range(len(source)) if self._fragments(planned)[i] == p}
-                self._apply_fragment(planned, p, red, v["local"], v["glob"], v["outer"])
-
-            done = self._switch(arriving, arrive, {kk: values[kk] for kk in
-                                                   ("local", "glob", "outer", "carried", "flight", "red")})
-            outer_leaves = [x for s in done["outer"] for x in jax.tree.leaves(s)]
-            new_state = (stack_local(done["local"]) + stack_local(new_opts)
-                         + self.stacked_collective_leaves(tuple(done["carried"])) + list(done["glob"])
-                         + outer_leaves + list(done["flight"]) + [(step + 1).astype(jnp.int32)])
+                    red = {i: v["flight"][i] for i in range(len(frag)) if frag[i] == arriver}
+                self._apply_fragment(planned, arriver, red, local, v["glob"], v["outer"])
+            outer_leaves = [x for o in v["outer"] for x in jax.tree.leaves(o)]
+            new_state = (stack_local(local) + stack_local(list(opts))
+                         + self.stacked_collective_leaves(tuple(v["carried"])) + v["glob"]
+                         + outer_leaves + v["flight"] + [(v["step"] + 1).astype(jnp.int32)])
             return new_state + list(aux)
 
-        return RewrittenBody(body, specs, specs, [], False)
+        return body
 
-    def _finalize_program(self, planned: PlannedStep):
-        specs, counts = self._state_specs(planned)
+    def _finalize_program(self, planned: PlannedStep, in_flight: int | None):
+        """Apply the fragment in flight (if any), then average every replica's drift."""
+        specs, _ = self._state_specs(planned)
         cap = planned.captured
-        treedefs = self._outer_treedefs(planned)
-        tau = self.overlap_steps
-        data = planned.axis_name
-        n = planned.axis_size
+        frag = self._fragments(planned)
+        data, n = planned.axis_name, planned.axis_size
 
         def drain(*leaves):
-            st = self._split_state(leaves, counts)
-            local, opts = unstack_local(st["params"]), unstack_local(st["opt"])
-            glob, flight, step = list(st["glob"]), list(st["flight"]), st["step"]
-            outer, k = [], 0
-            for t in treedefs:
-                outer.append(jax.tree.unflatten(t, st["outer"][k:k + t.num_leaves]))
-                k += t.num_leaves
-            if tau >= 2:
-                # a fragment sent at S with step - tau < S <= step - 1 has its mean outer
-                # gradient in flight: apply it now, as it would arrive
-                def maybe(s_sent, vals):
-                    idx = jnp.where((s_sent >= 1) & (s_sent <= step - 1), self._fragment_at(s_sent),
-                                    self.fragments)
-
-                    def arrive(p, v):
-                        red = {i: v["flight"][i] for i in range(cap.num_params)
-                               if self._fragments(planned)[i] == p}
-                        self._apply_fragment(planned, p, red, v["local"], v["glob"], v["outer"])
-                    return self._switch(idx, arrive, vals)
-
-                vals = dict(local=local, glob=glob, outer=outer, flight=flight)
-                for back in range(1, tau):
-                    vals = maybe(step - back, vals)
-                local, glob = vals["local"], vals["glob"]
-            params = [g + lax.psum(x - g, data) / n for x, g in zip(local, glob)]
-            params = [p.astype(g.dtype) for p, g in zip(params, glob)]
+            v = self._unpack(planned, leaves)
+            local, glob = v["local"], v["glob"]
+            if in_flight is not None:
+                red = {i: v["flight"][i] for i in range(len(frag)) if frag[i] == in_flight}
+                self._apply_fragment(planned, in_flight, red, local, glob, v["outer"])
+            params = [(g + lax.psum(x - g, data) / n).astype(g.dtype) for x, g in zip(local, glob)]
             new_opts = []
-            for o in opts:
+            for o in v["opts"]:
                 if jnp.issubdtype(o.dtype, jnp.floating):
                     same = lax.pmax(o, data) == lax.pmin(o, data)
                     new_opts.append(jnp.where(same, o, (lax.psum(o, data) / n).astype(o.dtype)))
