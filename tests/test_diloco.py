@@ -353,3 +353,38 @@ def test_simulated_diloco_step_time():
         simulate(layers, net, "diloco")
     with pytest.raises(SimulationError, match="overlap_steps"):
         simulate_diloco(layers, net, inner_steps=4, fragments=2, overlap_steps=2)
+
+
+# -- the host engine (two processes) ---------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"inner_steps": 4, "fragments": 2, "overlap_steps": 1},
+                                     {"inner_steps": 6, "fragments": 2, "overlap_steps": 2}])
+def test_two_processes_host_engine_equals_xla_engine(tmp_path, options):
+    """Every phase is its own program with the outer all-reduce at its top level, so the
+    host engine stages it (a comm stage) beside the inner step's compute."""
+    import io
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from jaxsched import launch as launch_lib
+
+    here = Path(__file__).parent
+    out = tmp_path / "report.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(here.parent), str(here)]))
+    log = io.StringIO()
+    code = launch_lib.launch(2, [sys.executable, str(here / "diloco_host_worker.py"), str(out),
+                                 json.dumps(options)], env=env, stdout=log, stderr=log,
+                             timeout_s=300, grace_s=2)
+    assert code == 0, log.getvalue()[-4000:]
+    report = json.loads(out.read_text())
+    assert report["params_rel_gap"] < 1e-4, report
+    np.testing.assert_allclose(report["losses"]["host"], report["losses"]["xla"], rtol=1e-5)
+    import ast
+
+    # phases that send (τ >= 1: the send is the first thing of the step's program)
+    synced = [k for k in report["stages"] if ast.literal_eval(k)[0] is not None]
+    assert synced and all(report["stages"][k].count("comm") > report["stages"]["(None, None)"].count("comm")
+                          for k in synced)

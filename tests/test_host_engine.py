@@ -52,9 +52,8 @@ def test_stages_alternate_at_collectives_and_keep_only_what_later_stages_read():
 def STAGEABLE() -> list[str]:
     """Every registered strategy but kfac, which refreshes its inverses (and skips factor
     updates) under lax.cond with the collective inside; the host engine refuses a
-    collective nested in control flow by design, naming it; and diloco, whose outer
-    all-reduce runs under lax.switch on the steps that synchronize."""
-    return [s for s in jaxsched.STRATEGIES if s not in ("kfac", "diloco")]
+    collective nested in control flow by design, naming it."""
+    return [s for s in jaxsched.STRATEGIES if s != "kfac"]
 
 
 @pytest.mark.slow  # a heavy compile: runs in `make test-slow` (CI runs both)
