@@ -2,8 +2,9 @@
 
 Two processes (``jaxsched launch --cluster``), each in its own network namespace behind a
 shaped link, each with two local CPU devices; the step runs on a mesh of each process's
-first device (the second is the host engine's spare device). A 2-layer 2048-wide MLP
-(33.6 MB of gradients), ``sgd(momentum=0.9)``. Variants, interleaved step by step:
+first device (the second is the host engine's spare device). A 4-layer 1448-wide MLP
+(33.6 MB of gradients; fragments are whole leaves, so four layers give four fragments of
+about equal size), ``sgd(momentum=0.9)``. Variants, interleaved step by step:
 
 * ``compute`` (the ceiling): the same step without the gradient reduction;
 * ``allreduce``: the user's step (pmean after backward);
@@ -34,7 +35,8 @@ import jaxsched.launch
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--cycles", type=int, default=2, help="timed H-step cycles per variant")
-parser.add_argument("--width", type=int, default=2048)
+parser.add_argument("--width", type=int, default=1448)
+parser.add_argument("--depth", type=int, default=4)
 parser.add_argument("--batch", type=int, help="rows per process (default: calibrated)")
 parser.add_argument("--json", help="write the result here (rank 0)")
 args = parser.parse_args()
@@ -58,15 +60,16 @@ mesh = jax.sharding.Mesh(np.array([min((d for d in jax.devices() if d.process_in
                                        key=lambda d: d.id) for p in range(nproc)]), ("data",))
 sharding = NamedSharding(mesh, P("data"))
 width = args.width
-keys = jax.random.split(jax.random.PRNGKey(0), 2)
+depth = args.depth
+keys = jax.random.split(jax.random.PRNGKey(0), depth)
 params = {f"layer{i}": {"kernel": jax.random.normal(keys[i], (width, width)) / width ** 0.5,
-                        "bias": jnp.zeros(width)} for i in range(2)}
+                        "bias": jnp.zeros(width)} for i in range(depth)}
 n_params = sum(int(np.size(x)) for x in jax.tree.leaves(params))
 tx = optax.sgd(1e-3, momentum=0.9)
 
 
 def loss_fn(p, x, y):
-    for i in range(2):
+    for i in range(depth):
         x = jnp.tanh(x @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"])
     return jnp.mean((x - y) ** 2)
 
@@ -101,6 +104,29 @@ def timed(fn, *a) -> float:
     return time.perf_counter() - start
 
 
+def plot_timelines(timelines: dict, path: Path) -> None:
+    """A Gantt chart per phase: compute stages on one row, communication stages on another."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes_ = plt.subplots(len(timelines), 1, figsize=(10, 1.6 * len(timelines) + 0.6), squeeze=False)
+    for ax, (key, spans) in zip(axes_[:, 0], sorted(timelines.items())):
+        for s in spans:
+            row = 1 if s["kind"] == "compute" else 0
+            ax.barh(row, (s["done"] - s["started"]) * 1e3, left=s["started"] * 1e3,
+                    color="tab:blue" if row else "tab:orange", edgecolor="black", linewidth=0.3)
+        ax.set_yticks([0, 1], ["comm (spare device)", "compute"])
+        sender, arriver = eval(key)  # noqa: S307 (our own repr of a tuple of ints/None)
+        ax.set_title(f"host engine, streaming DiLoCo H={H} F=4 tau=1: step that sends fragment "
+                     f"{sender} and applies fragment {arriver}" if sender is not None else
+                     "host engine, streaming DiLoCo: a step that sends nothing", fontsize=8)
+    axes_[-1, 0].set_xlabel("ms since the step began (measured)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def tx_bytes() -> int:
     if not info.interface:
         return 0
@@ -129,6 +155,8 @@ variants = {
                                   overlap_steps=1),
     "diloco H=10 F=4 tau=1 4-bit": dict(strategy="diloco", engine="xla", inner_steps=H, fragments=4,
                                         overlap_steps=1, compression=Quantize(bits=4)),
+    "diloco H=10 F=4 tau=1 (host engine)": dict(strategy="diloco", engine="host", inner_steps=H,
+                                                fragments=4, overlap_steps=1),
 }
 scheds, states = {}, {}
 for name, options in variants.items():
@@ -153,7 +181,7 @@ def run_one(name: str, b) -> tuple[float, int]:
     return elapsed, tx_bytes() - before
 
 
-for warm in range(H):  # compile, and one whole cycle so every variant is in phase
+for warm in range(2 * H):  # compile every phase's program; whole cycles keep variants in phase
     for name in variants:
         run_one(name, batches[warm % 4])
 times = {name: [] for name in variants}
@@ -163,6 +191,20 @@ for step in range(args.cycles * H):
         t, b = run_one(name, batches[step % 4])
         times[name].append(t)
         sent[name] += b
+# One cycle of streaming DiLoCo on the host engine with stage timestamps: the timeline of
+# a step that sends a fragment (its outer all-reduce on the spare device beside the step's
+# compute) and of one that sends nothing.
+from jaxsched.engine import HostEngine  # noqa: E402
+
+traced = jaxsched.schedule(plain, strategy="diloco", engine=HostEngine(record_timings=True),
+                           inner_steps=H, fragments=4, overlap_steps=1)
+st = traced.init(*state0)
+for k in range(2 * H + 3):  # every phase twice: the timeline is a warm call
+    st, aux = traced(st, batches[k % 4])
+    jax.block_until_ready(aux)
+timelines = {repr(key): [dict(kind=t.kind, name=t.name, dispatched=t.dispatched, started=t.started,
+                              done=t.done) for t in core.timings[-1]]
+             for key, core in traced.program._phase_cores.items() if core.timings}
 every = multihost_utils.process_allgather(np.array([sent[n] / (args.cycles * H) for n in variants]))
 if rank == 0:
     ceiling = statistics.mean(times["compute (ceiling)"])
@@ -172,8 +214,9 @@ if rank == 0:
               "command": "PYTHONPATH=. jaxsched launch --hosts 2 --cluster --prefix jxd --cpu-devices 2 "
                          "-- python benchmarks/diloco_cluster.py",
               "processes": nproc, "interface": info.interface, "params": n_params,
+              "layers": {"width": width, "depth": depth},
               "gradient_bytes": 4 * n_params, "batch_per_process": rows, "inner_steps": H,
-              "cycles": args.cycles, "variants": {}}
+              "cycles": args.cycles, "variants": {}, "host_engine_timelines": timelines}
     print(f"{n_params / 1e6:.1f}M params, {nproc} hosts, batch {rows} per host, interface "
           f"{info.interface or 'loopback'}")
     print(f"  {'variant':<30} {'mean ms':>8} {'median ms':>9} {'x ceiling':>9} {'MB sent/step':>12} {'fewer bytes':>11}")
@@ -182,7 +225,8 @@ if rank == 0:
         per_step = float(np.mean(every[:, k]))
         row = {"mean_step_s": mean, "median_step_s": statistics.median(times[name]),
                "ratio_to_ceiling": mean / ceiling, "tx_bytes_per_step_per_host": [float(b) for b in every[:, k]],
-               "bytes_reduction_vs_allreduce": base_bytes / per_step if per_step else None,
+               "bytes_reduction_vs_allreduce": (base_bytes / per_step if per_step > 0.01 * base_bytes
+                                                else None),
                "step_s_all": times[name]}
         result["variants"][name] = row
         fewer = f"{row['bytes_reduction_vs_allreduce']:.1f}x" if row["bytes_reduction_vs_allreduce"] else "-"
@@ -190,4 +234,5 @@ if rank == 0:
               f"{row['ratio_to_ceiling']:9.2f} {per_step / 1e6:12.2f} {fewer:>11}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+        plot_timelines(timelines, Path(args.json).with_suffix(".png"))
 jax.distributed.shutdown()
