@@ -29,8 +29,16 @@ RESULTS = Path(__file__).parent / "results"
 TARGET = "v5p:2x2x2:slices=2"
 
 
+def crosses_slices(c) -> bool:
+    """A collective over the ``dcn`` axis, or a ``send`` (XLA:TPU moves multi-slice traffic
+    as send/recv pairs; a ``send``'s bytes are what leaves the slice)."""
+    kind = c["kind"] if isinstance(c, dict) else c.kind
+    axes = c["mesh_axes"] if isinstance(c, dict) else c.mesh_axes
+    return "dcn" in axes or kind == "send"
+
+
 def summarize(rep) -> dict:
-    dcn = [c for c in rep.collectives if "dcn" in c.mesh_axes]
+    dcn = [c for c in rep.collectives if crosses_slices(c)]
     return {"estimated_step_s": rep.step_s, "exposed_comm_s": rep.exposed_comm_s,
             "dcn_bytes": int(sum(c.bytes for c in dcn)),
             "dcn_collectives": [{"kind": c.kind, "bytes": int(c.bytes), "async": bool(c.is_async),
