@@ -61,6 +61,27 @@ def test_h1_equals_data_parallel_sgd_on_two_data_axes(sync_axes):
     assert sched.strategy.sync_axes(sched.program.planned) == expected
 
 
+def test_h1_equals_data_parallel_sgd_with_implicit_reductions_and_jit_steps():
+    """check_vma=True (JAX sums the gradients in backward) and a jax.jit step on global
+    arrays (jaxsched partitions it): the sums are found and restricted the same way."""
+    made = two_level_step(2, 4, tx=optax.sgd(LR), check_vma=True)
+    plain, scheduled, *_ = run_plain_and_scheduled(made, "diloco", steps=3, inner_steps=1,
+                                                   outer=optax.sgd(1.0))
+    assert_trees_close(scheduled, plain, rtol=1e-5)
+    params, apply_fn = build("mlp", 0)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    tx = optax.sgd(LR)
+
+    def batches(n, seed=1):
+        for x, y in random_batches("mlp", n, 16, seed):
+            yield steps.shard_batch((jnp.asarray(x), jnp.asarray(y)), mesh)
+
+    plain, scheduled, *_ = run_plain_and_scheduled(
+        (steps.make_jit_step(apply_fn, tx), params, tx.init(params), batches), "diloco", steps=3,
+        inner_steps=1, outer=optax.sgd(1.0))
+    assert_trees_close(scheduled, plain, rtol=1e-5)
+
+
 def test_without_communication_replicas_drift_apart_until_they_sync():
     """Between synchronizations the replicas differ; finalize right after a sync (F=1,
     α=0) is the global copy exactly, on every replica."""
