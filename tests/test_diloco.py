@@ -431,3 +431,26 @@ def test_the_guide_quotes_the_committed_benchmark_results():
     quoted = [float(x) for x in re.findall(r"^\| [^|]+ \| ([\d.]+) \| [\d.]+ \| [\d.]+ \|", guide, re.M)]
     measured = [round(v["mean_step_s"] * 1e3, 1) for v in cluster["variants"].values()]
     assert quoted == measured
+
+
+def test_simulate_command_reports_diloco_as_simulated(tmp_path, capsys):
+    import json
+
+    from jaxsched.cli import main
+    from jaxsched.costmodel import Layer, LayerProfile, network_preset
+    from jaxsched.sim.diloco import simulate_diloco
+
+    layers = LayerProfile([Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(6)])
+    layers.save(tmp_path / "layers.json")
+    out = tmp_path / "out.json"
+    code = main(["simulate", "--profile", str(tmp_path / "layers.json"), "--workers", "8",
+                 "--network", "10gbe", "--strategy", "allreduce,diloco", "--inner-steps", "10",
+                 "--fragments", "2", "--overlap-steps", "1", "--outer-bits", "4", "--json", str(out),
+                 "--no-progress"])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "SIMULATED" in table and "diloco" in table
+    data = json.loads(out.read_text())
+    want = simulate_diloco(layers, network_preset("10gbe", 8), 10, 2, 1, 4)
+    assert data["simulated"] and data["strategies"]["diloco"]["simulated"]
+    assert data["strategies"]["diloco"]["step_s"] == pytest.approx(want.step_s)
