@@ -25,7 +25,9 @@ gradient ``Δ̄`` arrives τ inner steps later, when the outer optimizer updates
 copy (``g ← g + outer(Δ̄)``) and the replica's fragment becomes ``α·local + (1-α)·g``
 (``α = mixing``). With τ ≥ 1 the send is the first thing of the next step's program, its
 operands ready before any compute, so the collective can run during that step's forward
-and backward.
+and backward. The programs of different steps differ only in which fragment is sent and
+which arrives, so each such phase is compiled once, without a condition around a
+collective (:meth:`DiLoCo.phase_key`); the step that picks it is counted on the host.
 
 Example:
     >>> import jax, optax
@@ -514,7 +516,10 @@ class DiLoCo(Strategy):
         """The fragment that sends after ``s`` inner steps (a host int), or None."""
         if s < 1:
             return None
-        p = int(self._send_table()[s % self.inner_steps])
+        table = self.__dict__.get("_table")
+        if table is None:
+            table = self.__dict__["_table"] = tuple(int(x) for x in self._send_table())
+        p = table[s % self.inner_steps]
         return None if p == self.fragments else p
 
     # -- one program per phase ---------------------------------------------------------------
