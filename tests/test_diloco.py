@@ -295,6 +295,24 @@ def test_quantized_outer_update_is_within_one_quantization_step(bits):
         sum(p.size for p in jax.tree.leaves(params)))).all()
 
 
+def test_quantized_outer_sum_is_the_same_on_every_device_of_a_two_level_mesh():
+    """With fast axes each device quantizes and sends its shard of every leaf over 'dcn';
+    after the gather every device holds the same synchronized parameters."""
+    step, params, opt_state, batches = two_level_step(2, 4, tx=optax.sgd(LR))
+    sched = jaxsched.schedule(step, strategy="diloco", inner_steps=2,
+                              compression=Quantize(bits=4, block_size=16))
+    state = sched.init(params, opt_state)
+    for b in batches(2):
+        state, _ = jax.block_until_ready(sched(state, b))
+    for local, glob in zip(jax.tree.leaves(state.params), jax.tree.leaves(state.global_params)):
+        local = np.asarray(local)
+        assert (local == local[:1]).all()
+        np.testing.assert_array_equal(local[0], np.asarray(glob))
+    # each device sent the 4-bit payload of its quarter (4 'ici' devices) of every leaf
+    shard_sizes = [-(-p.size // 4) for p in jax.tree.leaves(params)]
+    assert (bytes_sent(state) == Quantize(bits=4, block_size=16).payload_bytes(sum(shard_sizes))).all()
+
+
 # -- bad input --------------------------------------------------------------------------------
 @pytest.mark.parametrize("options,match", [
     ({"inner_steps": 0}, "inner_steps"),

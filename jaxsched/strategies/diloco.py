@@ -303,9 +303,9 @@ class DiLoCo(Strategy):
 
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
         """One outer bucket per fragment and dtype. With fast axes, the replica's devices
-        hold the same outer gradient, so each sends only its ``1/n_fast`` shard over the
-        slow axes (then the shards are all-gathered over the fast ones): the bucket is
-        that shard."""
+        hold the same outer gradient, so each sends only its ``1/n_fast`` shard of every leaf
+        over the slow axes (then the shards are all-gathered over the fast ones): the
+        bucket is those shards."""
         sync, fast, n_sync = self._axes(planned)
         n_fast = math.prod(planned.mesh.shape[a] for a in fast)
         avals = self._param_avals(planned)
@@ -314,9 +314,9 @@ class DiLoCo(Strategy):
         for k, (_, leaves) in enumerate(self._outer_groups(planned)):
             shapes = tuple(tuple(avals[i].shape) for i in leaves)
             size = sum(math.prod(s) for s in shapes)
-            if n_fast > 1:
-                size = -(-size // n_fast)
-                shapes = ((size,),)
+            if n_fast > 1:  # each leaf's 1/n_fast shard, flat and padded
+                shapes = tuple((-(-math.prod(sh) // n_fast),) for sh in shapes)
+                size = sum(sh[0] for sh in shapes)
             specs.append(BucketSpec(k, size, np.dtype(avals[leaves[0]].dtype), n_sync, shapes, False,
                                     form=form,
                                     mesh_axes=tuple((a, planned.mesh.shape[a]) for a in sync)))
@@ -560,18 +560,17 @@ class DiLoCo(Strategy):
                 sums, carried[k] = self.collective.all_reduce_tensors(deltas, self._axis(sync),
                                                                       specs[k], carried[k])
             else:
-                # this device's shard of the (identical within the replica) outer gradient
-                flat = jnp.concatenate([jnp.ravel(d) for d in deltas])
-                shard = specs[k].size
-                flat = jnp.pad(flat, (0, shard * n_fast - flat.shape[0]))
-                mine = lax.dynamic_slice_in_dim(flat, lax.axis_index(self._axis(fast)) * shard, shard)
-                (total,), carried[k] = self.collective.all_reduce_tensors(
-                    [mine], self._axis(sync), specs[k], carried[k])
-                whole = lax.all_gather(total, self._axis(fast), tiled=True)
-                sums, offset = [], 0
-                for d in deltas:
-                    sums.append(whole[offset:offset + d.size].reshape(d.shape))
-                    offset += d.size
+                # this device's shard of each leaf of the (identical within the replica) outer
+                # gradient, summed over the slow axes, then gathered over the fast ones
+                index = lax.axis_index(self._axis(fast))
+                shards = []
+                for d, (chunk,) in zip(deltas, specs[k].shapes):
+                    flat = jnp.pad(jnp.ravel(d), (0, chunk * n_fast - d.size))
+                    shards.append(lax.dynamic_slice_in_dim(flat, index * chunk, chunk))
+                totals, carried[k] = self.collective.all_reduce_tensors(
+                    shards, self._axis(sync), specs[k], carried[k])
+                sums = [lax.all_gather(t, self._axis(fast), tiled=True)[:d.size].reshape(d.shape)
+                        for t, d in zip(totals, deltas)]
             for i, s in zip(leaves, sums):
                 out[i] = (s / n_sync).astype(glob[i].dtype)
         return out
