@@ -75,7 +75,8 @@ class Program:
       strategy, engine: what built it.
       rewritten: the strategy's per-device body and state specs.
       per_device: the explicit program handed to the engine.
-      core: the engine's callable on flat global arrays.
+      core: the engine's callable on flat global arrays (for a strategy whose programs differ
+        by step, ``phase_key``: the one the most recent call ran).
     """
 
     def __init__(self, planned: PlannedStep, strategy: Strategy, engine: Engine):
@@ -184,6 +185,8 @@ class Program:
         step = (self._next_step if returned and self._next_step is not None
                 else self.strategy.host_step(state))
         key = phase_key(step)
+        if not self._phase_cores:  # the core built from `rewrite` is the representative phase's
+            self._phase_cores[phase_key(None)] = self.core
         if key not in self._phase_cores:
             body = self.strategy.rewrite_phase(self.planned, key)
             self._phase_cores[key] = self.engine.compile(dataclasses.replace(self.per_device, body=body))
@@ -199,6 +202,7 @@ class Program:
             state = self.convert(state)
         leaves, treedef = jax.tree.flatten(state)
         core, step = self._core_for(state, returned)
+        self.core = core
         outs = core(*self._inputs(state, batch, self._device_consts()))
         self._next_step = None if step is None else step + 1
         if self.keeps_dtypes is None:
