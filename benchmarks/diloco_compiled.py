@@ -42,7 +42,9 @@ def summarize(rep) -> dict:
     return {"estimated_step_s": rep.step_s, "exposed_comm_s": rep.exposed_comm_s,
             "dcn_bytes": int(sum(c.bytes for c in dcn)),
             "dcn_collectives": [{"kind": c.kind, "bytes": int(c.bytes), "async": bool(c.is_async),
-                                 "mesh_axes": list(c.mesh_axes)} for c in dcn],
+                                 "mesh_axes": list(c.mesh_axes), "compute_ops_in_window": c.compute_ops,
+                                 "window_s": None if c.start_s is None else c.end_s - c.start_s,
+                                 "compute_in_window_s": c.compute_s} for c in dcn],
             "collectives": [{"kind": c.kind, "bytes": int(c.bytes), "async": bool(c.is_async),
                              "mesh_axes": list(c.mesh_axes)} for c in rep.collectives]}
 
