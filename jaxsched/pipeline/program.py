@@ -12,6 +12,7 @@ Example:
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Hashable, NamedTuple
 
 import jax
@@ -76,7 +77,8 @@ class Program:
       strategy, engine: what built it.
       rewritten: the strategy's per-device body and state specs.
       per_device: the explicit program handed to the engine.
-      core: the engine's callable on flat global arrays.
+      core: the engine's callable on flat global arrays (for a strategy whose programs differ
+        by step, ``phase_key``: the one the most recent call ran).
     """
 
     def __init__(self, planned: PlannedStep, strategy: Strategy, engine: Engine):
@@ -91,6 +93,10 @@ class Program:
         self.engine = engine.resolve(self.per_device)
         self.core = self.engine.compile(self.per_device)
         self._returned: NamedTuple | None = None  # the state the last run returned
+        #: a strategy whose programs differ by step (``phase_key``): one core per phase, and
+        #: the step after the last run, counted on the host so that no call waits to read it
+        self._phase_cores: dict = {}
+        self._next_step: int | None = None
         #: whether the state comes out in the dtypes it went in (None: not run yet)
         self.keeps_dtypes: bool | None = None
         self._placed_consts: list | None = None
@@ -174,15 +180,34 @@ class Program:
                 for c, s in zip(planned.captured.consts, planned.const_specs, strict=True)]
         return self._placed_consts
 
+    def _core_for(self, state: ScheduledState, returned: bool) -> tuple[Callable, int | None]:
+        """The compiled core for ``state``'s step, and that step (None: one core for all)."""
+        phase_key = getattr(self.strategy, "phase_key", None)
+        if phase_key is None:
+            return self.core, None
+        step = (self._next_step if returned and self._next_step is not None
+                else self.strategy.host_step(state))
+        key = phase_key(step)
+        if not self._phase_cores:  # the core built from `rewrite` is the representative phase's
+            self._phase_cores[phase_key(None)] = self.core
+        if key not in self._phase_cores:
+            body = self.strategy.rewrite_phase(self.planned, key)
+            self._phase_cores[key] = self.engine.compile(dataclasses.replace(self.per_device, body=body))
+        return self._phase_cores[key], step
+
     def run(self, state: ScheduledState, batch: Any) -> tuple[NamedTuple, Any]:
-        if state is not self._returned:  # a state this program returned is in place already
+        returned = state is self._returned
+        if not returned:  # a state this program returned is in place already
             if is_abstract(state) or is_abstract(batch):
                 raise TypeError("the state or batch is abstract (jax.ShapeDtypeStruct leaves): it "
                                 "can be lowered, compiled and inspected (sched.lower, "
                                 "sched.inspect), not run; pass arrays to run a step")
             state = self.convert(state)
         leaves, treedef = jax.tree.flatten(state)
-        outs = self.core(*self._inputs(state, batch, self._device_consts()))
+        core, step = self._core_for(state, returned)
+        self.core = core
+        outs = core(*self._inputs(state, batch, self._device_consts()))
+        self._next_step = None if step is None else step + 1
         if self.keeps_dtypes is None:
             self.keeps_dtypes = all(leaf_dtype(a) == leaf_dtype(b) for a, b in zip(leaves, outs))
         new_state = jax.tree.unflatten(treedef, outs[:len(leaves)])
@@ -210,7 +235,8 @@ class Program:
     def lower(self, state: ScheduledState, batch: Any):
         """``jax.stages.Lowered`` of this program for ``state`` and ``batch``, concrete or
         abstract (``jax.ShapeDtypeStruct`` leaves with shardings: nothing touches a device)."""
-        return self.core.lower(*self.inputs(state, batch))
+        converted = self.convert(state)
+        return self._core_for(converted, False)[0].lower(*self._inputs(converted, batch))
 
     def inspect(self, state: ScheduledState, batch: Any, label: str | None = None):
         """Compile for the mesh's devices and read the scheduled program and XLA's estimate

@@ -46,7 +46,8 @@ class _StrategyNames(Sequence):
     """Every strategy the simulator knows: registered patterns plus ByteScheduler (live)."""
 
     def _names(self) -> tuple[str, ...]:
-        return comm_pattern_names() + (BYTESCHEDULER,)
+        return tuple(n for n in comm_pattern_names()
+                     if not comm_pattern(n).periodic_sync) + (BYTESCHEDULER,)
 
     def __getitem__(self, i):
         return self._names()[i]
@@ -573,6 +574,11 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str | Comm
     ``host`` adds the host engine's own costs (:class:`HostCosts`: stage dispatch, copies
     to the spare device, compute slowed while bytes move).
     """
+    if not isinstance(strategy, CommPattern) and strategy in comm_pattern_names() \
+            and comm_pattern(strategy).periodic_sync:
+        raise SimulationError(f"{strategy!r} synchronizes every few steps; simulate it with "
+                              "jaxsched.sim.diloco.simulate_diloco (simulate --strategies "
+                              f"{strategy} --inner-steps H)")
     if not isinstance(strategy, CommPattern) and strategy not in STRATEGIES:
         raise SimulationError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if iterations < 3:

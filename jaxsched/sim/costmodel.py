@@ -295,6 +295,9 @@ class CommPattern:
       inverse_placement: how the factor inversions are spread over the workers
         (``balanced``, ``round_robin``, ``naive``; see :mod:`jaxsched.sim.kfac_placement`); their
         results are shared by one all-gather (none for ``naive``).
+      periodic_sync: the gradient collective crosses only the fast axes, and the slow ones
+        are synchronized every few steps (DiLoCo): the per-step simulator does not model
+        that, :mod:`jaxsched.sim.diloco` does.
     """
 
     gradient: str = "all_reduce"
@@ -306,6 +309,7 @@ class CommPattern:
     factors: str | None = None
     factors_in_backward: bool = True
     inverse_placement: str | None = None
+    periodic_sync: bool = False
 
     def __post_init__(self) -> None:
         for name in (self.gradient, self.parameters, self.factors):

@@ -15,8 +15,9 @@ from jaxsched.strategies.dear import Dear  # noqa: E402
 from jaxsched.strategies.approx import Approx  # noqa: E402
 from jaxsched.strategies.kfac import KFAC  # noqa: E402
 from jaxsched.strategies.auto import Auto, AutoChoice  # noqa: E402
+from jaxsched.strategies.diloco import DiLoCo, DiLoCoState  # noqa: E402
 
-__all__ = ["AllReduce", "Approx", "Auto", "AutoChoice", "BucketReport", "Dear", "KFAC", "RewrittenBody", "STRATEGIES",
+__all__ = ["AllReduce", "Approx", "Auto", "AutoChoice", "BucketReport", "Dear", "DiLoCo", "DiLoCoState", "KFAC", "RewrittenBody", "STRATEGIES",
            "SchedState", "Strategy",
            "UserLayoutStrategy", "Wfbp", "make_strategy", "register_strategy", "strategy_names",
            "unregister_strategy"]

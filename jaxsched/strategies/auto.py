@@ -21,7 +21,7 @@ Example:
     >>> Auto(candidates=("wfbp", "nope"))
     Traceback (most recent call last):
     ...
-    ValueError: strategy='auto' candidates: 'nope' is not a registered strategy (registered: allreduce, wfbp, dear, approx, kfac, auto)
+    ValueError: strategy='auto' candidates: 'nope' is not a registered strategy (registered: allreduce, wfbp, dear, approx, kfac, auto, diloco)
 """
 from __future__ import annotations
 

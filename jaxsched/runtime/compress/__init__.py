@@ -5,6 +5,8 @@
 - :class:`GlobalTopK`: gTop-k, the top-k of the sum in log2 P pairwise ``ppermute`` merges.
 - :class:`PowerSGD`: low-rank compression of a bucket's matrices (``wfbp`` only).
 - :class:`Cast`: reduce in a narrower dtype (``jnp.bfloat16``).
+- :class:`Quantize`: 4- or 8-bit codes with per-block scales and error feedback (DiLoCo's
+  outer gradients).
 - :func:`bytes_sent`: bytes each device sent in its last step, read from the scheduled state.
 
 ``TopK`` and ``GlobalTopK`` also take Deep Gradient Compression's options (keyword-only,
@@ -34,7 +36,8 @@ from jaxsched.runtime.compress.cast import Cast, CastState
 from jaxsched.runtime.compress.dgc import Sparsifier
 from jaxsched.runtime.compress.gtopk import GlobalTopK, GlobalTopKState
 from jaxsched.runtime.compress.powersgd import PowerSGD, PowerSGDState
+from jaxsched.runtime.compress.quantize import Quantize, QuantizeState
 from jaxsched.runtime.compress.topk import TopK, TopKState
 
 __all__ = ["Cast", "CastState", "Compressor", "GlobalTopK", "GlobalTopKState", "PowerSGD",
-           "PowerSGDState", "Sparsifier", "TopK", "TopKState", "bytes_sent"]
+           "PowerSGDState", "Quantize", "QuantizeState", "Sparsifier", "TopK", "TopKState", "bytes_sent"]

@@ -5,6 +5,8 @@ Examples:
         --strategies allreduce,wfbp,mgwfbp,bytescheduler,dear,approx --planner optimal
     jaxsched simulate --model gpt2 --workers 64 --network nvlink4+400gbib --per-node 8 --device h100
     jaxsched simulate --profile layers.json --network-profile net.json --json out.json
+    jaxsched simulate --model gpt2 --workers 16 --network nvlink4+10gbe --per-node 8 --device h100 \\
+        --strategies wfbp,diloco --inner-steps 10 --fragments 4 --overlap-steps 1 --outer-bits 4
     jaxsched profile --model mlp --out layers.json --network-out net.json
 """
 from __future__ import annotations
@@ -38,9 +40,21 @@ PROFILE_MODELS = ("mlp", "cnn", "transformer")
 OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")
 
 
+def _periodic(name: str) -> bool:
+    """Whether ``name`` is a strategy that synchronizes every few steps (DiLoCo), which
+    :mod:`jaxsched.sim.diloco` models instead of the per-step simulator."""
+    from jaxsched.sim.costmodel import comm_pattern, comm_pattern_names
+
+    return name in comm_pattern_names() and comm_pattern(name).periodic_sync
+
+
 def check_strategy(name: str) -> None:
     """``name`` is a simulated strategy, optionally with ``+topk`` or ``+gtopk``."""
     base, _, comp = name.partition("+")
+    if _periodic(base):
+        if comp:
+            raise ValueError(f"{name!r}: compress {base}'s outer gradients with --outer-bits")
+        return
     if base not in STRATEGIES:
         raise ValueError(f"{base!r} is unknown; choose from {', '.join(STRATEGIES)}")
     if comp and comp not in COMPRESSIONS:
@@ -98,6 +112,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      default=DEFAULT_STRATEGIES,
                      help=f"comma-separated from {', '.join(STRATEGIES)}; add +topk or +gtopk "
                           "for compression, e.g. wfbp+gtopk")
+    sim.add_argument("--strategy", dest="strategies", help=argparse.SUPPRESS,
+                     type=name_list(lambda: STRATEGIES, check_strategy))  # one name reads better
     sim.add_argument("--planner", choices=PLANNERS,
                      help="bucket planner for every strategy (default: " +
                           ", ".join(f"{k}: {v}" for k, v in DEFAULT_PLANNER.items()) + ")")
@@ -107,6 +123,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--credit-mb", type=positive_float, help="ByteScheduler credit (default: tuned)")
     sim.add_argument("--density", type=fraction, default=0.001, help="top-k density for +topk/+gtopk")
     sim.add_argument("--iterations", type=positive_int, default=8, help="iterations simulated")
+    sim.add_argument("--inner-steps", type=positive_int, default=50,
+                     help="diloco: inner steps H between synchronizations of a fragment")
+    sim.add_argument("--fragments", type=positive_int, default=1, help="diloco: fragments (streaming)")
+    sim.add_argument("--overlap-steps", type=int, default=0,
+                     help="diloco: inner steps a fragment's outer all-reduce is in flight")
+    sim.add_argument("--outer-bits", type=int, choices=(4, 8, 32), default=32,
+                     help="diloco: bits per outer-gradient element sent (32: float32)")
     sim.add_argument("--shared-stream", action="store_true",
                      help="collectives run inline on the compute stream (XLA:CPU): no overlap")
     sim.add_argument("--json", type=output_path, help="write the results here")
@@ -214,7 +237,14 @@ def run_simulate(args: argparse.Namespace) -> int:
     selection = topk_selection_s_per_byte(device_preset(args.device))
     results: dict[str, SimResult] = {}
     planners: dict[str, str] = {}
+    periodic = {}
     for name, base, comp in strategies:
+        if _periodic(base):
+            from jaxsched.sim.diloco import simulate_diloco
+
+            periodic[name] = simulate_diloco(layers, network, args.inner_steps, args.fragments,
+                                             args.overlap_steps, args.outer_bits)
+            continue
         compression = Compression(comp, args.density, selection) if comp else None
         if base == "bytescheduler":
             results[name] = _bytescheduler(layers, network, args, progress)
@@ -245,11 +275,21 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"{name:<20} {planners[name]:<12} {len(result.buckets):>7} "
               f"{result.iteration_s * 1e3:>10.2f} {speedup:>8} "
               f"{100 * result.bound_s / result.iteration_s:>9.1f}%")
+    for name, result in periodic.items():
+        speedup = f"{reference.iteration_s / result.step_s:.2f}x" if reference else "-"
+        o = result.options
+        print(f"{name:<20} {'H=' + str(o['inner_steps']) + ' F=' + str(o['fragments']):<12} {'-':>7} "
+              f"{result.step_s * 1e3:>10.2f} {speedup:>8} {'-':>10}")
+        print(f"  {name}: inner step {result.inner_s * 1e3:.2f} ms, outer all-reduce "
+              f"{result.outer_s * 1e3:.2f} ms per fragment over {result.replicas} replicas, "
+              f"tau={o['overlap_steps']}, {o['outer_bits']}-bit, "
+              f"{result.slow_bytes_per_step / MB:.2f} MiB per step over the slow links")
     if args.json:
         payload = {"simulated": True, "profile": label, "workers": network.workers,
                    "bound_s": float(bound), "compute_s": float(compute_min), "comm_s": float(comm_min),
                    "strategies": {name: {**r.summary(), "planner": planners[name]}
                                   for name, r in results.items()}}
+        payload["strategies"].update({name: r.summary() for name, r in periodic.items()})
         Path(args.json).write_text(json.dumps(payload, indent=1))
     if args.trace:
         from jaxsched.sim.timeline import save_chrome_trace
