@@ -17,6 +17,7 @@ Run: ``.venv/bin/python benchmarks/allreduce_operands.py``. On 8 virtual CPU dev
 
 Writes ``benchmarks/results/allreduce_operands.json``. See docs/benchmarks.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,10 +61,15 @@ def rendezvous_events(arrays: list[np.ndarray], mesh, calls: int = 5) -> dict[st
                 for _ in range(calls):
                     jax.block_until_ready(program(*placed))
             trace = json.load(gzip.open(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True)[-1]))
-        events = [e for e in (trace["traceEvents"] if isinstance(trace, dict) else trace)
-                  if e.get("ph") == "X" and e.get("name") == "Rendezvous"]
-        counts[layout] = {"rendezvous_per_call": len(events) / calls,
-                          "rendezvous_thread_ms": sum(e.get("dur", 0) for e in events) / 1e3 / calls}
+        events = [
+            e
+            for e in (trace["traceEvents"] if isinstance(trace, dict) else trace)
+            if e.get("ph") == "X" and e.get("name") == "Rendezvous"
+        ]
+        counts[layout] = {
+            "rendezvous_per_call": len(events) / calls,
+            "rendezvous_thread_ms": sum(e.get("dur", 0) for e in events) / 1e3 / calls,
+        }
     return counts
 
 
@@ -76,13 +82,13 @@ def _flat_pmean_step(apply_fn, tx, mesh):
         leaves, treedef = jax.tree.flatten(grads)
         flat = lax.pmean(jnp.concatenate([g.ravel() for g in leaves]), "data")
         sizes = np.cumsum([g.size for g in leaves])[:-1]
-        grads = treedef.unflatten([part.reshape(g.shape) for part, g in
-                                   zip(jnp.split(flat, sizes), leaves)])
+        grads = treedef.unflatten([part.reshape(g.shape) for part, g in zip(jnp.split(flat, sizes), leaves)])
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": lax.pmean(loss, "data")}
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    )
 
 
 def first_calls(calls: int = 3) -> dict[str, list[float]]:
@@ -91,8 +97,7 @@ def first_calls(calls: int = 3) -> dict[str, list[float]]:
     tx = optax.adam(3e-3)
     mesh = jax.make_mesh((8,), ("data",))
     rng = np.random.default_rng(0)
-    batch = steps.shard_batch((rng.random((128, 8, 8, 1), np.float32),
-                               rng.integers(0, 10, 128).astype(np.int32)), mesh)
+    batch = steps.shard_batch((rng.random((128, 8, 8, 1), np.float32), rng.integers(0, 10, 128).astype(np.int32)), mesh)
     seconds = {}
     for start in ("fresh", "placed"):
         step = steps.make_step(apply_fn, tx, mesh)
@@ -114,13 +119,14 @@ def demo_steps(n_steps: int) -> dict[str, float]:
     tx = optax.adam(3e-3)
     mesh = jax.make_mesh((8,), ("data",))
     rng = np.random.default_rng(0)
-    batch = steps.shard_batch((rng.random((128, 8, 8, 1), np.float32),
-                               rng.integers(0, 10, 128).astype(np.int32)), mesh)
-    runners = {"plain (tuple pmean)": jaxsched.schedule(steps.make_step(apply_fn, tx, mesh),
-                                                        strategy="allreduce"),
-               "plain, grads concatenated by hand": jaxsched.schedule(
-                   _flat_pmean_step(apply_fn, tx, mesh), strategy="allreduce"),
-               "wfbp": jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="wfbp")}
+    batch = steps.shard_batch((rng.random((128, 8, 8, 1), np.float32), rng.integers(0, 10, 128).astype(np.int32)), mesh)
+    runners = {
+        "plain (tuple pmean)": jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="allreduce"),
+        "plain, grads concatenated by hand": jaxsched.schedule(
+            _flat_pmean_step(apply_fn, tx, mesh), strategy="allreduce"
+        ),
+        "wfbp": jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="wfbp"),
+    }
     states = {k: r.init(params, tx.init(params)) for k, r in runners.items()}
     times: dict[str, list[float]] = {k: [] for k in runners}
     for i in range(n_steps + 1):
@@ -151,30 +157,47 @@ def main() -> None:
     events = rendezvous_events(arrays, mesh)
     big, _ = models.pure(models.build("mlp", (32, 32, 1), 10, hidden=(512,) * 4))
     big_leaves = [np.ones(leaf.shape, np.float32) for leaf in jax.tree.leaves(big)]
-    bench_mlp = {"operands": len(big_leaves), "megabytes": sum(a.nbytes for a in big_leaves) / 1e6,
-                 **profile_psum_operands(big_leaves, mesh, repeats=max(10, args.repeats // 10))}
+    bench_mlp = {
+        "operands": len(big_leaves),
+        "megabytes": sum(a.nbytes for a in big_leaves) / 1e6,
+        **profile_psum_operands(big_leaves, mesh, repeats=max(10, args.repeats // 10)),
+    }
     demo = demo_steps(args.steps)
-    result = {"backend": jax.default_backend(), "machine": platform.machine(), "jax": jax.__version__,
-              "devices": 8, "cpus": os.cpu_count(), "load_average_1_5_15": os.getloadavg(),
-              "repeats": args.repeats, "steps": args.steps,
-              "note": "medians of interleaved calls; tuple = one psum of N operands, flat = one "
-                      "psum of their concatenation",
-              "first_calls_s": first, "psum_ms": psum_rows, "profile_n8": events, "bench_mlp_4x512_psum_ms": bench_mlp, "demo_step_ms": demo}
+    result = {
+        "backend": jax.default_backend(),
+        "machine": platform.machine(),
+        "jax": jax.__version__,
+        "devices": 8,
+        "cpus": os.cpu_count(),
+        "load_average_1_5_15": os.getloadavg(),
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "note": "medians of interleaved calls; tuple = one psum of N operands, flat = one psum of their concatenation",
+        "first_calls_s": first,
+        "psum_ms": psum_rows,
+        "profile_n8": events,
+        "bench_mlp_4x512_psum_ms": bench_mlp,
+        "demo_step_ms": demo,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     for start, seconds in first.items():
-        print(f"plain step, first calls from {start} parameters: "
-              + ", ".join(f"{1e3 * t:.0f} ms" for t in seconds))
+        print(f"plain step, first calls from {start} parameters: " + ", ".join(f"{1e3 * t:.0f} ms" for t in seconds))
     print(f"{'operands':>8} {'tuple ms':>9} {'flat ms':>8} {'ratio':>6}")
     for row in psum_rows:
-        print(f"{row['operands']:>8} {row['tuple_ms']:9.3f} {row['flat_ms']:8.3f} "
-              f"{row['tuple_ms'] / row['flat_ms']:6.2f}")
-    print(f"make bench's MLP 4x512 gradients ({bench_mlp['operands']} arrays, "
-          f"{bench_mlp['megabytes']:.1f} MB): tuple {bench_mlp['tuple_ms']:.2f} ms, "
-          f"flat {bench_mlp['flat_ms']:.2f} ms")
+        print(
+            f"{row['operands']:>8} {row['tuple_ms']:9.3f} {row['flat_ms']:8.3f} {row['tuple_ms'] / row['flat_ms']:6.2f}"
+        )
+    print(
+        f"make bench's MLP 4x512 gradients ({bench_mlp['operands']} arrays, "
+        f"{bench_mlp['megabytes']:.1f} MB): tuple {bench_mlp['tuple_ms']:.2f} ms, "
+        f"flat {bench_mlp['flat_ms']:.2f} ms"
+    )
     for layout, counts in events.items():
-        print(f"profile, {layout}: {counts['rendezvous_per_call']:.0f} Rendezvous events per call "
-              f"over 8 device threads, {counts['rendezvous_thread_ms']:.2f} thread-ms in them")
+        print(
+            f"profile, {layout}: {counts['rendezvous_per_call']:.0f} Rendezvous events per call "
+            f"over 8 device threads, {counts['rendezvous_thread_ms']:.2f} thread-ms in them"
+        )
     for name, ms in demo.items():
         print(f"demo step, {name}: {ms:.2f} ms")
     print(f"wrote {args.out}")

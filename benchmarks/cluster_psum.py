@@ -12,6 +12,7 @@ psums after one warm-up, and with ``--json`` appends a row to that file.
     .venv/bin/jaxsched launch --hosts 2 --cluster --bandwidth 1gbit -- \\
         python benchmarks/cluster_psum.py --label 1gbit
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 mesh = jax.make_mesh((info.num_processes,), ("x",), devices=jax.devices())
-psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"),
-                             out_specs=P("x")))
+psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 n = int(args.mb * 1e6) // 4
 x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("x")), np.ones(n, np.float32))
 first = np.asarray(jax.block_until_ready(psum(x)).addressable_shards[0].data[:1])
@@ -47,13 +47,23 @@ for _ in range(args.reps):
     jax.block_until_ready(psum(x))
     times.append(time.perf_counter() - t)
 if info.process_id == 0:
-    row = {"label": args.label, "processes": info.num_processes, "mb": args.mb,
-           "interface": info.interface, "reps": args.reps,
-           "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
-    print(f"psum {args.mb:g} MB float32, {info.num_processes} processes, "
-          f"interface {info.interface or 'default'} {args.label}: "
-          f"median {row['median_s'] * 1e3:.0f} ms (min {row['min_s'] * 1e3:.0f}, "
-          f"max {row['max_s'] * 1e3:.0f}, {args.reps} reps)", flush=True)
+    row = {
+        "label": args.label,
+        "processes": info.num_processes,
+        "mb": args.mb,
+        "interface": info.interface,
+        "reps": args.reps,
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+    }
+    print(
+        f"psum {args.mb:g} MB float32, {info.num_processes} processes, "
+        f"interface {info.interface or 'default'} {args.label}: "
+        f"median {row['median_s'] * 1e3:.0f} ms (min {row['min_s'] * 1e3:.0f}, "
+        f"max {row['max_s'] * 1e3:.0f}, {args.reps} reps)",
+        flush=True,
+    )
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(row) + "\n")

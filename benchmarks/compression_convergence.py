@@ -31,6 +31,7 @@ benchmarks/results/compression_convergence_sweep_w50.json`` (and 150; 150 with
 ``convergence-sweep`` markers. ``--render FILE`` rewrites the tables and the plot from a
 result file without training.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,35 +78,45 @@ VARIANTS = {
     "topk 1% + warm-up": lambda: (TopK(0.01, warmup_steps=WARMUP_STEPS, warmup_tiers=WARMUP_TIERS), MOMENTUM),
     "topk 1% + momentum corr.": lambda: (TopK(0.01, momentum=MOMENTUM), 0.0),
     "topk 1% + warm-up + momentum corr.": lambda: (
-        TopK(0.01, warmup_steps=WARMUP_STEPS, warmup_tiers=WARMUP_TIERS, momentum=MOMENTUM), 0.0),
+        TopK(0.01, warmup_steps=WARMUP_STEPS, warmup_tiers=WARMUP_TIERS, momentum=MOMENTUM),
+        0.0,
+    ),
     "topk 1% + warm-up + clipping": lambda: (
-        TopK(0.01, warmup_steps=WARMUP_STEPS, warmup_tiers=WARMUP_TIERS, clip_norm=CLIP_NORM), MOMENTUM),
+        TopK(0.01, warmup_steps=WARMUP_STEPS, warmup_tiers=WARMUP_TIERS, clip_norm=CLIP_NORM),
+        MOMENTUM,
+    ),
     "topk 1% + warm-up + momentum corr. + clipping": lambda: (
-        TopK(0.01, warmup_steps=WARMUP_STEPS, warmup_tiers=WARMUP_TIERS, momentum=MOMENTUM,
-             clip_norm=CLIP_NORM), 0.0),
+        TopK(0.01, warmup_steps=WARMUP_STEPS, warmup_tiers=WARMUP_TIERS, momentum=MOMENTUM, clip_norm=CLIP_NORM),
+        0.0,
+    ),
     "gtopk 1% + warm-up": lambda: (GlobalTopK(0.01, warmup_steps=WARMUP_STEPS, warmup_tiers=WARMUP_TIERS), MOMENTUM),
     "gtopk 1% + momentum corr.": lambda: (GlobalTopK(0.01, momentum=MOMENTUM), 0.0),
     "gtopk 1% + warm-up + momentum corr.": lambda: (
-        GlobalTopK(0.01, warmup_steps=WARMUP_STEPS, warmup_tiers=WARMUP_TIERS, momentum=MOMENTUM), 0.0),
+        GlobalTopK(0.01, warmup_steps=WARMUP_STEPS, warmup_tiers=WARMUP_TIERS, momentum=MOMENTUM),
+        0.0,
+    ),
 }
 #: The variants of each panel of the loss plot.
-ISSUE_11 = ["dense", "topk 1% + EF", "gtopk 1% + EF", "topk 1%, no EF", "powersgd rank 1",
-            "powersgd rank 4"]
+ISSUE_11 = ["dense", "topk 1% + EF", "gtopk 1% + EF", "topk 1%, no EF", "powersgd rank 1", "powersgd rank 4"]
 
 
 def optimizer_name(momentum: float) -> str:
     return f"sgd, momentum {momentum}" if momentum else "sgd"
 
 
-def run(variant: str, seed: int, split: data.Split, checkpoints: list[int], batch: int, lr: float,
-        hidden: tuple[int, ...]) -> dict:
+def run(
+    variant: str, seed: int, split: data.Split, checkpoints: list[int], batch: int, lr: float, hidden: tuple[int, ...]
+) -> dict:
     mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
     params, apply_fn = models.pure(models.build("mlp", (8, 8, 1), 10, seed=seed, hidden=hidden))
     compression, momentum = VARIANTS[variant]()
     tx = optax.sgd(lr, momentum=momentum or None)
     step = steps.make_step(apply_fn, tx, mesh)
-    sched = (jaxsched.schedule(step, strategy="wfbp", compression=compression)
-             if compression is not None else jaxsched.schedule(step, strategy="wfbp"))
+    sched = (
+        jaxsched.schedule(step, strategy="wfbp", compression=compression)
+        if compression is not None
+        else jaxsched.schedule(step, strategy="wfbp")
+    )
     state = sched.init(params, tx.init(params))
     rng = np.random.default_rng(1000 + seed)
     n = len(split.train_x) // batch * batch
@@ -115,7 +126,7 @@ def run(variant: str, seed: int, split: data.Split, checkpoints: list[int], batc
     while len(losses) < max(checkpoints):
         order = rng.permutation(len(split.train_x))[:n]
         for i in range(0, n, batch):
-            idx = order[i:i + batch]
+            idx = order[i : i + batch]
             state, aux = sched(state, steps.shard_batch((split.train_x[idx], split.train_y[idx]), mesh))
             jax.block_until_ready(state)  # one multi-device step in flight (docs/benchmarks.md)
             losses.append(float(aux["loss"]))
@@ -123,16 +134,22 @@ def run(variant: str, seed: int, split: data.Split, checkpoints: list[int], batc
             if len(losses) in checkpoints:  # evaluate on the way (constant lr: a shorter run)
                 final, _ = sched.finalize(state)
                 logits = apply_fn(final, split.test_x)
-                accuracy[str(len(losses))] = float(np.mean(np.argmax(np.asarray(logits), -1)
-                                                           == split.test_y))
+                accuracy[str(len(losses))] = float(np.mean(np.argmax(np.asarray(logits), -1) == split.test_y))
                 mean_bytes[str(len(losses))] = float(np.mean(sent))
             if len(losses) == max(checkpoints):
                 break
     seconds = time.perf_counter() - start
-    return {"variant": variant, "seed": seed, "optimizer": optimizer_name(momentum),
-            "compressor": repr(compression), "test_accuracy": accuracy, "losses": losses,
-            "bytes_per_step_per_device": mean_bytes, "dense_bytes_per_step_per_device": dense_bytes,
-            "train_seconds": seconds}
+    return {
+        "variant": variant,
+        "seed": seed,
+        "optimizer": optimizer_name(momentum),
+        "compressor": repr(compression),
+        "test_accuracy": accuracy,
+        "losses": losses,
+        "bytes_per_step_per_device": mean_bytes,
+        "dense_bytes_per_step_per_device": dense_bytes,
+        "train_seconds": seconds,
+    }
 
 
 def summarize(runs: list[dict], steps_done: int) -> list[dict]:
@@ -146,37 +163,48 @@ def summarize(runs: list[dict], steps_done: int) -> list[dict]:
             continue
         acc = np.array([r["test_accuracy"][key] for r in mine])
         sent = np.mean([r["bytes_per_step_per_device"][key] for r in mine])
-        rows.append({"variant": variant, "optimizer": mine[0]["optimizer"],
-                     "compressor": mine[0]["compressor"], "steps": steps_done,
-                     "accuracy_mean": float(acc.mean()), "accuracy_per_seed": acc.tolist(),
-                     "gap_to_dense_points": float(100 * (acc.mean() - dense)),
-                     "final_loss_mean": float(np.mean([np.mean(r["losses"][steps_done - 20:steps_done])
-                                                       for r in mine])),
-                     "bytes_per_step_per_device": float(sent),
-                     "compression_ratio": float(mine[0]["dense_bytes_per_step_per_device"] / sent)})
+        rows.append(
+            {
+                "variant": variant,
+                "optimizer": mine[0]["optimizer"],
+                "compressor": mine[0]["compressor"],
+                "steps": steps_done,
+                "accuracy_mean": float(acc.mean()),
+                "accuracy_per_seed": acc.tolist(),
+                "gap_to_dense_points": float(100 * (acc.mean() - dense)),
+                "final_loss_mean": float(np.mean([np.mean(r["losses"][steps_done - 20 : steps_done]) for r in mine])),
+                "bytes_per_step_per_device": float(sent),
+                "compression_ratio": float(mine[0]["dense_bytes_per_step_per_device"] / sent),
+            }
+        )
     return rows
 
 
 def table(rows: list[dict], meta: dict) -> str:
     steps_done = rows[0]["steps"]
-    lines = [f"Digits, zoo MLP {tuple(meta['hidden'])}, {DEVICES} devices, `wfbp`, lr {meta['lr']}, global "
-             f"batch {meta['batch']}, **{steps_done} steps** ({steps_done / meta['steps_per_epoch']:.1f} "
-             f"epochs), seeds {meta['seeds']}. Test accuracy is on the 360 held-out images; "
-             f"\"vs dense\" is against dense training with SGD momentum {meta['momentum']}. Momentum "
-             f"correction runs `optax.sgd(lr)` with the compressor's `momentum={meta['momentum']}`; "
-             f"warm-up is `warmup_steps={meta['warmup_steps']}` from 25 % to 1 % "
-             f"({meta['warmup_tiers'] or 'the default'} tiers); clipping is `clip_norm={meta['clip_norm']}`. "
-             f"Bytes: compressed payload per "
-             f"device per step (`jaxsched.runtime.compress.bytes_sent` after every step), averaged over the "
-             f"{steps_done} steps, warm-up included; dense float32 is {meta['dense_bytes']} B.",
-             "",
-             "| variant | optimizer | test accuracy (mean of seeds) | per seed | vs dense (points) | loss (last 20 steps) | bytes/step/device | ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Digits, zoo MLP {tuple(meta['hidden'])}, {DEVICES} devices, `wfbp`, lr {meta['lr']}, global "
+        f"batch {meta['batch']}, **{steps_done} steps** ({steps_done / meta['steps_per_epoch']:.1f} "
+        f"epochs), seeds {meta['seeds']}. Test accuracy is on the 360 held-out images; "
+        f'"vs dense" is against dense training with SGD momentum {meta["momentum"]}. Momentum '
+        f"correction runs `optax.sgd(lr)` with the compressor's `momentum={meta['momentum']}`; "
+        f"warm-up is `warmup_steps={meta['warmup_steps']}` from 25 % to 1 % "
+        f"({meta['warmup_tiers'] or 'the default'} tiers); clipping is `clip_norm={meta['clip_norm']}`. "
+        f"Bytes: compressed payload per "
+        f"device per step (`jaxsched.runtime.compress.bytes_sent` after every step), averaged over the "
+        f"{steps_done} steps, warm-up included; dense float32 is {meta['dense_bytes']} B.",
+        "",
+        "| variant | optimizer | test accuracy (mean of seeds) | per seed | vs dense (points) "
+        "| loss (last 20 steps) | bytes/step/device | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         per_seed = ", ".join(f"{100 * a:.1f}" for a in r["accuracy_per_seed"])
-        lines.append(f"| {r['variant']} | {r['optimizer']} | {100 * r['accuracy_mean']:.2f} % | "
-                     f"{per_seed} | {r['gap_to_dense_points']:+.2f} | {r['final_loss_mean']:.4f} | "
-                     f"{r['bytes_per_step_per_device']:.0f} | {r['compression_ratio']:.1f}x |")
+        lines.append(
+            f"| {r['variant']} | {r['optimizer']} | {100 * r['accuracy_mean']:.2f} % | "
+            f"{per_seed} | {r['gap_to_dense_points']:+.2f} | {r['final_loss_mean']:.4f} | "
+            f"{r['bytes_per_step_per_device']:.0f} | {r['compression_ratio']:.1f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -186,15 +214,17 @@ def plot(runs: list[dict], path: Path, warmup_steps: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("error feedback, PowerSGD", [v for v in VARIANTS if v in ISSUE_11]),
-              ("DGC warm-up and momentum correction",
-               ["dense", "dense, sgd without momentum", "topk 1% + EF"]
-               + [v for v in VARIANTS if "warm-up" in v or "momentum corr." in v])]
-    panels = [(title, [v for v in names if any(r["variant"] == v for r in runs)])
-              for title, names in panels]
+    panels = [
+        ("error feedback, PowerSGD", [v for v in VARIANTS if v in ISSUE_11]),
+        (
+            "DGC warm-up and momentum correction",
+            ["dense", "dense, sgd without momentum", "topk 1% + EF"]
+            + [v for v in VARIANTS if "warm-up" in v or "momentum corr." in v],
+        ),
+    ]
+    panels = [(title, [v for v in names if any(r["variant"] == v for r in runs)]) for title, names in panels]
     panels = [(title, names) for title, names in panels if names]
-    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False,
-                             sharey=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 5), squeeze=False, sharey=True)
     palette = plt.get_cmap("tab20").colors
     color = {v: palette[(2 * i) % 20 + (2 * i) // 20 % 2] for i, v in enumerate(VARIANTS)}
     for ax, (title, names) in zip(axes[0], panels):
@@ -203,12 +233,17 @@ def plot(runs: list[dict], path: Path, warmup_steps: int) -> None:
             mean = curves.mean(0)
             window = 10
             smooth = np.convolve(mean, np.ones(window) / window, mode="valid")
-            ax.plot(np.arange(len(smooth)) + window - 1, smooth, label=variant, lw=1.3,
-                    ls="--" if "gtopk" in variant else "-", color=color[variant])
+            ax.plot(
+                np.arange(len(smooth)) + window - 1,
+                smooth,
+                label=variant,
+                lw=1.3,
+                ls="--" if "gtopk" in variant else "-",
+                color=color[variant],
+            )
         if "DGC" in title:
             ax.axvline(warmup_steps, color="gray", lw=0.8, ls=":")
-            ax.text(warmup_steps, ax.get_ylim()[1], " end of warm-up", va="top", fontsize=8,
-                    color="gray")
+            ax.text(warmup_steps, ax.get_ylim()[1], " end of warm-up", va="top", fontsize=8, color="gray")
         ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_title(title, fontsize=10)
@@ -247,17 +282,18 @@ def publish(result: dict) -> None:
     meta, runs = result["meta"], result["runs"]
     plot(runs, ROOT / "docs" / "compression_convergence.png", meta["warmup_steps"])
     for key, rows in result["rows"].items():
-        figure = ("\n\n![training loss](compression_convergence.png)"
-                  if int(key) == max(meta["steps"]) else "")
+        figure = "\n\n![training loss](compression_convergence.png)" if int(key) == max(meta["steps"]) else ""
         write_doc(table(rows, meta) + figure, f"convergence-{key}")
 
 
 def sweep_table(paths: list[Path]) -> str:
     """The DGC variants of several ``--no-doc`` runs (other warm-up lengths, tiers, clipping)."""
-    lines = ["| file | warmup_steps | warmup_tiers | clip_norm | variant | optimizer | "
-             + " | ".join(f"{k} steps: accuracy, vs dense" for k in ("300", "660"))
-             + " | bytes/step/device (300 steps) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| file | warmup_steps | warmup_tiers | clip_norm | variant | optimizer | "
+        + " | ".join(f"{k} steps: accuracy, vs dense" for k in ("300", "660"))
+        + " | bytes/step/device (300 steps) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for path in paths:
         result = json.loads(path.read_text())
         meta = result["meta"]
@@ -265,20 +301,30 @@ def sweep_table(paths: list[Path]) -> str:
         for variant, row in by_steps["300"].items():
             if not any(option in variant for option in ("warm-up", "momentum corr.", "clipping")):
                 continue
-            cells = [f"{100 * by_steps[k][variant]['accuracy_mean']:.2f} %, "
-                     f"{by_steps[k][variant]['gap_to_dense_points']:+.2f}" for k in ("300", "660")]
+            cells = [
+                f"{100 * by_steps[k][variant]['accuracy_mean']:.2f} %, "
+                f"{by_steps[k][variant]['gap_to_dense_points']:+.2f}"
+                for k in ("300", "660")
+            ]
             clip = meta["clip_norm"] if "clipping" in variant else "-"
-            lines.append(f"| `{path.name}` | {meta['warmup_steps']} | {meta['warmup_tiers'] or 'default'} | "
-                         f"{clip} | {variant} | {row['optimizer']} | {' | '.join(cells)} | "
-                         f"{row['bytes_per_step_per_device']:.0f} |")
+            lines.append(
+                f"| `{path.name}` | {meta['warmup_steps']} | {meta['warmup_tiers'] or 'default'} | "
+                f"{clip} | {variant} | {row['optimizer']} | {' | '.join(cells)} | "
+                f"{row['bytes_per_step_per_device']:.0f} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> None:
     global VARIANTS, WARMUP_STEPS, WARMUP_TIERS, CLIP_NORM
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, nargs="+", default=[300, 660],
-                        help="evaluate (and write a table) after each of these step counts")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        nargs="+",
+        default=[300, 660],
+        help="evaluate (and write a table) after each of these step counts",
+    )
     parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS)
     parser.add_argument("--warmup-tiers", type=int, default=WARMUP_TIERS)
     parser.add_argument("--clip-norm", type=float, default=CLIP_NORM)
@@ -289,11 +335,16 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compression_convergence.json")
     parser.add_argument("--no-doc", action="store_true", help="do not touch docs/")
-    parser.add_argument("--render", type=Path, metavar="JSON",
-                        help="train nothing: write the tables and the plot from this result file")
-    parser.add_argument("--sweep-table", type=Path, nargs="+", metavar="JSON",
-                        help="train nothing: write the table of these --no-doc result files "
-                             "between the convergence-sweep markers")
+    parser.add_argument(
+        "--render", type=Path, metavar="JSON", help="train nothing: write the tables and the plot from this result file"
+    )
+    parser.add_argument(
+        "--sweep-table",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="train nothing: write the table of these --no-doc result files between the convergence-sweep markers",
+    )
     args = parser.parse_args()
     if args.render:
         publish(json.loads(args.render.read_text()))
@@ -303,8 +354,10 @@ def main() -> None:
         return
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown or "dense" not in args.variants:
-        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)} (dense included: "
-                     f"the gaps are measured against it)")
+        parser.error(
+            f"unknown variants {unknown}; choose from {list(VARIANTS)} (dense included: "
+            f"the gaps are measured against it)"
+        )
     VARIANTS = {k: v for k, v in VARIANTS.items() if k in args.variants}
     WARMUP_STEPS, WARMUP_TIERS, CLIP_NORM = args.warmup_steps, args.warmup_tiers, args.clip_norm
     checkpoints = sorted(set(args.steps))
@@ -313,21 +366,37 @@ def main() -> None:
     for seed in args.seeds:
         for variant in VARIANTS:
             r = run(variant, seed, split, checkpoints, args.batch, args.lr, tuple(args.hidden))
-            print(f"seed {seed} {variant:46s} test accuracy "
-                  + " ".join(f"{k}: {100 * a:.2f} %" for k, a in r["test_accuracy"].items())
-                  + f" bytes {r['bytes_per_step_per_device'][str(checkpoints[-1])]:.0f} "
-                  f"({r['train_seconds']:.1f} s)", flush=True)
+            print(
+                f"seed {seed} {variant:46s} test accuracy "
+                + " ".join(f"{k}: {100 * a:.2f} %" for k, a in r["test_accuracy"].items())
+                + f" bytes {r['bytes_per_step_per_device'][str(checkpoints[-1])]:.0f} "
+                f"({r['train_seconds']:.1f} s)",
+                flush=True,
+            )
             runs.append(r)
     tables = {steps_done: summarize(runs, steps_done) for steps_done in checkpoints}
-    meta = {"hidden": tuple(args.hidden), "lr": args.lr, "batch": args.batch,
-            "steps": checkpoints, "steps_per_epoch": len(split.train_x) // args.batch,
-            "seeds": args.seeds, "warmup_steps": WARMUP_STEPS, "warmup_tiers": WARMUP_TIERS,
-            "clip_norm": CLIP_NORM, "momentum": MOMENTUM,
-            "dense_bytes": runs[0]["dense_bytes_per_step_per_device"]}
+    meta = {
+        "hidden": tuple(args.hidden),
+        "lr": args.lr,
+        "batch": args.batch,
+        "steps": checkpoints,
+        "steps_per_epoch": len(split.train_x) // args.batch,
+        "seeds": args.seeds,
+        "warmup_steps": WARMUP_STEPS,
+        "warmup_tiers": WARMUP_TIERS,
+        "clip_norm": CLIP_NORM,
+        "momentum": MOMENTUM,
+        "dense_bytes": runs[0]["dense_bytes_per_step_per_device"],
+    }
     for rows in tables.values():
         print(table(rows, meta))
-    result = {"meta": meta, "rows": {str(k): v for k, v in tables.items()}, "runs": runs,
-              "machine": platform.processor() or platform.machine(), "jax": jax.__version__}
+    result = {
+        "meta": meta,
+        "rows": {str(k): v for k, v in tables.items()},
+        "runs": runs,
+        "machine": platform.processor() or platform.machine(),
+        "jax": jax.__version__,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(to_json(result))
     if not args.no_doc:

@@ -23,6 +23,7 @@ Variants (each jitted, inputs already on the device):
                   2 writes)
 Bytes for GB/s: 4 x n x itemsize (grad and residual read, sent and residual written).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,6 +51,7 @@ def _timer(fn, args, inner):
             out = fn(*args)
         jax.block_until_ready(out)
         return (time.perf_counter() - t0) / inner
+
     return run
 
 
@@ -77,51 +79,66 @@ def bench_size(n: int, densities, repeats: int, inner: int, gpu: bool, topk_max:
         thr = kernels.estimate_threshold(grad, density, key, residual=residual)
         ef = kernels.fused_error_feedback(grad, residual, thr)
         v = {
-            "threshold_path": (jax.jit(lambda g, r, key, d=density:
-                                       kernels.threshold_error_feedback(g, r, d, key)),
-                               (grad, residual, key)),
-            "estimate": (jax.jit(lambda g, r, key, d=density:
-                                 kernels.estimate_threshold(g, d, key, residual=r)),
-                         (grad, residual, key)),
+            "threshold_path": (
+                jax.jit(lambda g, r, key, d=density: kernels.threshold_error_feedback(g, r, d, key)),
+                (grad, residual, key),
+            ),
+            "estimate": (
+                jax.jit(lambda g, r, key, d=density: kernels.estimate_threshold(g, d, key, residual=r)),
+                (grad, residual, key),
+            ),
             "fused_auto": (jax.jit(kernels.fused_error_feedback), (grad, residual, thr)),
-            "compact": (jax.jit(lambda s, r, c=cap: kernels.compact(s, r, c)),
-                        (ef.sent, ef.new_residual)),
+            "compact": (jax.jit(lambda s, r, c=cap: kernels.compact(s, r, c)), (ef.sent, ef.new_residual)),
             "copy": (jax.jit(lambda g, r: (jnp.copy(g), jnp.copy(r))), (grad, residual)),
         }
         if n <= topk_max:
-            v["topk_path"] = (jax.jit(lambda g, r, k=k: kernels.exact_topk_error_feedback(g, r, k)),
-                              (grad, residual))
+            v["topk_path"] = (jax.jit(lambda g, r, k=k: kernels.exact_topk_error_feedback(g, r, k)), (grad, residual))
         if gpu:
-            v["fused_jnp"] = (jax.jit(lambda g, r, t: kernels.fused_error_feedback(
-                g, r, t, implementation="jnp")), (grad, residual, thr))
+            v["fused_jnp"] = (
+                jax.jit(lambda g, r, t: kernels.fused_error_feedback(g, r, t, implementation="jnp")),
+                (grad, residual, thr),
+            )
             for br in (8, 16, 32):
-                v[f"fused_pallas_r{br}"] = (jax.jit(lambda g, r, t, br=br: kernels.fused_error_feedback(
-                    g, r, t, implementation="pallas", block_rows=br)), (grad, residual, thr))
+                v[f"fused_pallas_r{br}"] = (
+                    jax.jit(
+                        lambda g, r, t, br=br: kernels.fused_error_feedback(
+                            g, r, t, implementation="pallas", block_rows=br
+                        )
+                    ),
+                    (grad, residual, thr),
+                )
             # the kernel is exact: check it against the reference before timing it
             for br in (8, 16, 32):
-                got = kernels.fused_error_feedback(grad, residual, thr, implementation="pallas",
-                                                   block_rows=br)
+                got = kernels.fused_error_feedback(grad, residual, thr, implementation="pallas", block_rows=br)
                 want = kernels.error_feedback_reference(grad, residual, thr)
                 assert bool(jnp.array_equal(got.sent, want.sent)), br
                 assert bool(jnp.array_equal(got.new_residual, want.new_residual)), br
                 assert int(got.count) == int(want.count), br
         res = measure(v, repeats, inner)
         out = kernels.threshold_error_feedback(grad, residual, density, key)
-        row = {"n": n, "density": density, "k": k, "capacity": cap,
-               "selected": int(out.count) + int(out.overflow),
-               "selected_over_k": (int(out.count) + int(out.overflow)) / k,
-               "bytes_moved_by_fused_ef": nbytes, "times": res}
+        row = {
+            "n": n,
+            "density": density,
+            "k": k,
+            "capacity": cap,
+            "selected": int(out.count) + int(out.overflow),
+            "selected_over_k": (int(out.count) + int(out.overflow)) / k,
+            "bytes_moved_by_fused_ef": nbytes,
+            "times": res,
+        }
         for name, r in res.items():
             r["GB_per_s_at_kernel_bytes"] = nbytes / r["median_s"] / 1e9
         if "topk_path" in res:
-            row["topk_over_threshold_path"] = (res["topk_path"]["median_s"]
-                                              / res["threshold_path"]["median_s"])
+            row["topk_over_threshold_path"] = res["topk_path"]["median_s"] / res["threshold_path"]["median_s"]
         rows.append(row)
         summary = ", ".join(f"{name} {1e3 * r['median_s']:.2f} ms" for name, r in res.items())
         print(f"n={n} density={density}: {summary}", flush=True)
         if "topk_over_threshold_path" in row:
-            print(f"  top-k / threshold path = {row['topk_over_threshold_path']:.2f}x; "
-                  f"selected {row['selected']} for k={k}", flush=True)
+            print(
+                f"  top-k / threshold path = {row['topk_over_threshold_path']:.2f}x; "
+                f"selected {row['selected']} for k={k}",
+                flush=True,
+            )
     return rows
 
 
@@ -131,10 +148,8 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000_000])
     ap.add_argument("--densities", type=float, nargs="+", default=[0.001, 0.01])
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--inner", type=int, default=None, help="calls per round (default 1 on "
-                    "CPU, 20 on GPU)")
-    ap.add_argument("--topk-max", type=int, default=20_000_000,
-                    help="skip lax.top_k above this size")
+    ap.add_argument("--inner", type=int, default=None, help="calls per round (default 1 on CPU, 20 on GPU)")
+    ap.add_argument("--topk-max", type=int, default=20_000_000, help="skip lax.top_k above this size")
     args = ap.parse_args()
     backend = jax.default_backend()
     gpu = backend == "gpu"
@@ -143,11 +158,14 @@ def main() -> None:
     for n in args.sizes:
         rows += bench_size(n, args.densities, args.repeats, inner, gpu, args.topk_max)
     result = {
-        "backend": backend, "device": str(jax.devices()[0].device_kind),
-        "machine": platform.machine(), "jax": jax.__version__, "repeats": args.repeats,
+        "backend": backend,
+        "device": str(jax.devices()[0].device_kind),
+        "machine": platform.machine(),
+        "jax": jax.__version__,
+        "repeats": args.repeats,
         "inner_calls_per_round": inner,
         "note": "medians of interleaved rounds; ratios from the same run; GB/s use the fused "
-                "kernel's bytes (4 n itemsize) for every variant",
+        "kernel's bytes (4 n itemsize) for every variant",
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ then records 3 steps of each under ``jax.profiler`` and sums the time spent in t
 collectives and rendezvous waits over the 8 device threads. Writes
 ``benchmarks/results/dear_cpu_profile.json``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -28,8 +29,15 @@ import jaxsched  # noqa: E402
 from jaxsched.zoo import models  # noqa: E402
 from jaxsched.demo import steps
 
-COLLECTIVE_WORDS = ("all-reduce", "all_reduce", "all_gather", "all-gather", "reduce_scatter",
-                    "reduce-scatter", "Rendezvous")
+COLLECTIVE_WORDS = (
+    "all-reduce",
+    "all_reduce",
+    "all_gather",
+    "all-gather",
+    "reduce_scatter",
+    "reduce-scatter",
+    "Rendezvous",
+)
 
 
 def main(n_steps: int = 10, profiled_steps: int = 3) -> None:
@@ -68,8 +76,10 @@ def main(n_steps: int = 10, profiled_steps: int = 3) -> None:
     out.write_text(json.dumps(result, indent=2))
     print("median step (ms, interleaved):", {k: round(v, 1) for k, v in result["step_ms"].items()})
     for k, prof in result["profile"].items():
-        print(f"{k:>9}: collectives and rendezvous, ms summed over 8 device threads per step:",
-              {name: round(ms, 1) for name, ms in prof["thread_ms_per_step"].items()})
+        print(
+            f"{k:>9}: collectives and rendezvous, ms summed over 8 device threads per step:",
+            {name: round(ms, 1) for name, ms in prof["thread_ms_per_step"].items()},
+        )
     print(f"wrote {out}")
 
 

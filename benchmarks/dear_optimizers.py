@@ -18,6 +18,7 @@ an accelerator, every time is XLA's latency-hiding scheduler estimate, NOT a mea
 
 Writes benchmarks/results/dear_optimizers.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,7 @@ def gathered_bytes(text: str) -> int:
 
     total = 0
     for match in re.finditer(r'"stablehlo\.all_gather"', text):
-        sig = re.search(r"\)\s*->\s*\(?tensor<([^>]*)>", text[match.end():])
+        sig = re.search(r"\)\s*->\s*\(?tensor<([^>]*)>", text[match.end() :])
         *dims, dtype = sig.group(1).split("x")
         total += math.prod(int(d) for d in dims) * DTYPE_BYTES.get(dtype, 4)
     return total
@@ -82,8 +83,7 @@ def optimizer_table(names, repeats: int) -> list[dict]:
         w_state = wfbp.init(*run["plain"])
         w_state, _ = wfbp(w_state, run["batches"][0])
         step_s = time_steps({"dear": (sched, state), "wfbp": (wfbp, w_state)}, run["batches"], repeats)
-        gap = max(relative_gap(a, b) for a, b in zip(jax.tree.leaves(run["got"]),
-                                                     jax.tree.leaves(run["plain"])))
+        gap = max(relative_gap(a, b) for a, b in zip(jax.tree.leaves(run["got"]), jax.tree.leaves(run["plain"])))
         found = run["collectives"]
         row = {
             "optimizer": name,
@@ -101,11 +101,14 @@ def optimizer_table(names, repeats: int) -> list[dict]:
             "wfbp_step_ms": 1e3 * step_s["wfbp"],
         }
         rows.append(row)
-        print(f"{name:16s} AG {row['all_gathers']} ({row['gathered_bytes_per_step']} B of "
-              f"{row['param_bytes']} B params)  opt/device {row['opt_state_bytes_per_device']} B "
-              f"(plain {row['opt_state_bytes_plain']} B)  dear {row['dear_step_ms']:.2f} ms  "
-              f"wfbp {row['wfbp_step_ms']:.2f} ms  rel diff {gap:.1e}"
-              + (f"  fallbacks {row['fallbacks']}" if row["fallbacks"] else ""), flush=True)
+        print(
+            f"{name:16s} AG {row['all_gathers']} ({row['gathered_bytes_per_step']} B of "
+            f"{row['param_bytes']} B params)  opt/device {row['opt_state_bytes_per_device']} B "
+            f"(plain {row['opt_state_bytes_plain']} B)  dear {row['dear_step_ms']:.2f} ms  "
+            f"wfbp {row['wfbp_step_ms']:.2f} ms  rel diff {gap:.1e}"
+            + (f"  fallbacks {row['fallbacks']}" if row["fallbacks"] else ""),
+            flush=True,
+        )
     return rows
 
 
@@ -127,20 +130,19 @@ def compiled_transformer(target: str) -> dict:
 
     spec = ZOO["transformer"]
     mesh = mesh_for(target)
-    model = nnx.eval_shape(lambda: models.build(spec.name, spec.input_shape, spec.num_outputs,
-                                                **spec.options))
+    model = nnx.eval_shape(lambda: models.build(spec.name, spec.input_shape, spec.num_outputs, **spec.options))
     params, apply_fn = models.pure(model)
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-4, warmup_steps=1000, decay_steps=100_000)
     mask = lambda p: jax.tree.map(lambda a: a.ndim > 1, p)
     tx = optax.adamw(schedule, weight_decay=0.1, mask=mask)
     replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    abstract = lambda tree: jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), tree)
+    abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), tree)
     params = abstract(params)
     opt_state = abstract(jax.eval_shape(tx.init, params))
     rows = spec.batch_per_device * mesh.devices.size
-    batch = tuple(jax.ShapeDtypeStruct((rows,) + tuple(spec.input_shape), jnp.int32, sharding=sharded)
-                  for _ in range(2))
+    batch = tuple(
+        jax.ShapeDtypeStruct((rows,) + tuple(spec.input_shape), jnp.int32, sharding=sharded) for _ in range(2)
+    )
     step = steps.make_step(apply_fn, tx, mesh)
     sched = jaxsched.schedule(step, strategy="dear")
     started = time.perf_counter()
@@ -153,7 +155,9 @@ def compiled_transformer(target: str) -> dict:
         kinds[c.kind] = kinds.get(c.kind, 0) + 1
     param_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(params))
     result = {
-        "target": target, "model": "transformer", "params": sum(math.prod(a.shape) for a in jax.tree.leaves(params)),
+        "target": target,
+        "model": "transformer",
+        "params": sum(math.prod(a.shape) for a in jax.tree.leaves(params)),
         "optimizer": "adamw, warmup + cosine schedule, decay mask on matrices",
         "buckets": len(sched.program.buckets),
         "collectives": kinds,

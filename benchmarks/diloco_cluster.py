@@ -23,6 +23,7 @@ the gradients (else one side dominates). Measured, not simulated.
         python benchmarks/diloco_cluster.py --json benchmarks/results/diloco_cluster.json
     jaxsched cluster down --prefix jxd
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,14 +57,18 @@ from jaxsched.runtime.compress import Quantize  # noqa: E402
 
 H = 10
 rank, nproc = jax.process_index(), jax.process_count()
-mesh = jax.sharding.Mesh(np.array([min((d for d in jax.devices() if d.process_index == p),
-                                       key=lambda d: d.id) for p in range(nproc)]), ("data",))
+mesh = jax.sharding.Mesh(
+    np.array([min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(nproc)]),
+    ("data",),
+)
 sharding = NamedSharding(mesh, P("data"))
 width = args.width
 depth = args.depth
 keys = jax.random.split(jax.random.PRNGKey(0), depth)
-params = {f"layer{i}": {"kernel": jax.random.normal(keys[i], (width, width)) / width ** 0.5,
-                        "bias": jnp.zeros(width)} for i in range(depth)}
+params = {
+    f"layer{i}": {"kernel": jax.random.normal(keys[i], (width, width)) / width**0.5, "bias": jnp.zeros(width)}
+    for i in range(depth)
+}
 n_params = sum(int(np.size(x)) for x in jax.tree.leaves(params))
 tx = optax.sgd(1e-3, momentum=0.9)
 
@@ -81,20 +86,25 @@ def make(reduce: bool):
             grads = lax.pmean(grads, "data")
         updates, s = tx.update(grads, s, p)
         return optax.apply_updates(p, updates), s, {"loss": lax.pmean(loss, "data")}
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    )
 
 
 plain, compute_only = make(True), make(False)
-comm_only = jax.jit(jax.shard_map(lambda g: lax.psum(g, "data"), mesh=mesh, in_specs=P("data"),
-                                  out_specs=P("data"), check_vma=False))
+comm_only = jax.jit(
+    jax.shard_map(lambda g: lax.psum(g, "data"), mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False)
+)
 grads_like = jax.make_array_from_process_local_data(sharding, np.ones((1, n_params), np.float32))
 
 
 def batch_of(rows: int, seed: int):
     rng = np.random.default_rng(seed * nproc + rank)
-    local = (rng.standard_normal((rows, width)).astype(np.float32),
-             rng.standard_normal((rows, width)).astype(np.float32))
+    local = (
+        rng.standard_normal((rows, width)).astype(np.float32),
+        rng.standard_normal((rows, width)).astype(np.float32),
+    )
     return tuple(jax.make_array_from_process_local_data(sharding, a) for a in local)
 
 
@@ -115,13 +125,23 @@ def plot_timelines(timelines: dict, path: Path) -> None:
     for ax, (key, spans) in zip(axes_[:, 0], sorted(timelines.items())):
         for s in spans:
             row = 1 if s["kind"] == "compute" else 0
-            ax.barh(row, (s["done"] - s["started"]) * 1e3, left=s["started"] * 1e3,
-                    color="tab:blue" if row else "tab:orange", edgecolor="black", linewidth=0.3)
+            ax.barh(
+                row,
+                (s["done"] - s["started"]) * 1e3,
+                left=s["started"] * 1e3,
+                color="tab:blue" if row else "tab:orange",
+                edgecolor="black",
+                linewidth=0.3,
+            )
         ax.set_yticks([0, 1], ["comm (spare device)", "compute"])
         sender, arriver = eval(key)  # noqa: S307 (our own repr of a tuple of ints/None)
-        ax.set_title(f"host engine, streaming DiLoCo H={H} F=4 tau=1: step that sends fragment "
-                     f"{sender} and applies fragment {arriver}" if sender is not None else
-                     "host engine, streaming DiLoCo: a step that sends nothing", fontsize=8)
+        ax.set_title(
+            f"host engine, streaming DiLoCo H={H} F=4 tau=1: step that sends fragment "
+            f"{sender} and applies fragment {arriver}"
+            if sender is not None
+            else "host engine, streaming DiLoCo: a step that sends nothing",
+            fontsize=8,
+        )
     axes_[-1, 0].set_xlabel("ms since the step began (measured)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -151,12 +171,13 @@ variants = {
     "wfbp (host engine)": dict(strategy="wfbp", engine="host"),
     "approx k=1 (host engine)": dict(strategy="approx", engine="host", staleness=1),
     "diloco H=10 F=1": dict(strategy="diloco", engine="xla", inner_steps=H),
-    "diloco H=10 F=4 tau=1": dict(strategy="diloco", engine="xla", inner_steps=H, fragments=4,
-                                  overlap_steps=1),
-    "diloco H=10 F=4 tau=1 4-bit": dict(strategy="diloco", engine="xla", inner_steps=H, fragments=4,
-                                        overlap_steps=1, compression=Quantize(bits=4)),
-    "diloco H=10 F=4 tau=1 (host engine)": dict(strategy="diloco", engine="host", inner_steps=H,
-                                                fragments=4, overlap_steps=1),
+    "diloco H=10 F=4 tau=1": dict(strategy="diloco", engine="xla", inner_steps=H, fragments=4, overlap_steps=1),
+    "diloco H=10 F=4 tau=1 4-bit": dict(
+        strategy="diloco", engine="xla", inner_steps=H, fragments=4, overlap_steps=1, compression=Quantize(bits=4)
+    ),
+    "diloco H=10 F=4 tau=1 (host engine)": dict(
+        strategy="diloco", engine="host", inner_steps=H, fragments=4, overlap_steps=1
+    ),
 }
 scheds, states = {}, {}
 for name, options in variants.items():
@@ -196,42 +217,64 @@ for step in range(args.cycles * H):
 # compute) and of one that sends nothing.
 from jaxsched.runtime.engine import HostEngine  # noqa: E402
 
-traced = jaxsched.schedule(plain, strategy="diloco", engine=HostEngine(record_timings=True),
-                           inner_steps=H, fragments=4, overlap_steps=1)
+traced = jaxsched.schedule(
+    plain, strategy="diloco", engine=HostEngine(record_timings=True), inner_steps=H, fragments=4, overlap_steps=1
+)
 st = traced.init(*state0)
 for k in range(2 * H + 3):  # every phase twice: the timeline is a warm call
     st, aux = traced(st, batches[k % 4])
     jax.block_until_ready(aux)
-timelines = {repr(key): [dict(kind=t.kind, name=t.name, dispatched=t.dispatched, started=t.started,
-                              done=t.done) for t in core.timings[-1]]
-             for key, core in traced.program._phase_cores.items() if core.timings}
+timelines = {
+    repr(key): [
+        dict(kind=t.kind, name=t.name, dispatched=t.dispatched, started=t.started, done=t.done)
+        for t in core.timings[-1]
+    ]
+    for key, core in traced.program._phase_cores.items()
+    if core.timings
+}
 every = multihost_utils.process_allgather(np.array([sent[n] / (args.cycles * H) for n in variants]))
 if rank == 0:
     ceiling = statistics.mean(times["compute (ceiling)"])
     base_bytes = float(np.mean(every[:, list(variants).index("allreduce")]))
-    result = {"what": "measured on the emulated cluster (network namespaces + tc); step times "
-                      "are means over whole H-step cycles",
-              "command": "jaxsched launch --hosts 2 --cluster --prefix jxd --cpu-devices 2 "
-                         "-- python benchmarks/diloco_cluster.py",
-              "processes": nproc, "interface": info.interface, "params": n_params,
-              "layers": {"width": width, "depth": depth},
-              "gradient_bytes": 4 * n_params, "batch_per_process": rows, "inner_steps": H,
-              "cycles": args.cycles, "variants": {}, "host_engine_timelines": timelines}
-    print(f"{n_params / 1e6:.1f}M params, {nproc} hosts, batch {rows} per host, interface "
-          f"{info.interface or 'loopback'}")
-    print(f"  {'variant':<30} {'mean ms':>8} {'median ms':>9} {'x ceiling':>9} {'MB sent/step':>12} {'fewer bytes':>11}")
+    result = {
+        "what": "measured on the emulated cluster (network namespaces + tc); step times "
+        "are means over whole H-step cycles",
+        "command": "jaxsched launch --hosts 2 --cluster --prefix jxd --cpu-devices 2 "
+        "-- python benchmarks/diloco_cluster.py",
+        "processes": nproc,
+        "interface": info.interface,
+        "params": n_params,
+        "layers": {"width": width, "depth": depth},
+        "gradient_bytes": 4 * n_params,
+        "batch_per_process": rows,
+        "inner_steps": H,
+        "cycles": args.cycles,
+        "variants": {},
+        "host_engine_timelines": timelines,
+    }
+    print(
+        f"{n_params / 1e6:.1f}M params, {nproc} hosts, batch {rows} per host, interface {info.interface or 'loopback'}"
+    )
+    print(
+        f"  {'variant':<30} {'mean ms':>8} {'median ms':>9} {'x ceiling':>9} {'MB sent/step':>12} {'fewer bytes':>11}"
+    )
     for k, name in enumerate(variants):
         mean = statistics.mean(times[name])
         per_step = float(np.mean(every[:, k]))
-        row = {"mean_step_s": mean, "median_step_s": statistics.median(times[name]),
-               "ratio_to_ceiling": mean / ceiling, "tx_bytes_per_step_per_host": [float(b) for b in every[:, k]],
-               "bytes_reduction_vs_allreduce": (base_bytes / per_step if per_step > 0.01 * base_bytes
-                                                else None),
-               "step_s_all": times[name]}
+        row = {
+            "mean_step_s": mean,
+            "median_step_s": statistics.median(times[name]),
+            "ratio_to_ceiling": mean / ceiling,
+            "tx_bytes_per_step_per_host": [float(b) for b in every[:, k]],
+            "bytes_reduction_vs_allreduce": (base_bytes / per_step if per_step > 0.01 * base_bytes else None),
+            "step_s_all": times[name],
+        }
         result["variants"][name] = row
         fewer = f"{row['bytes_reduction_vs_allreduce']:.1f}x" if row["bytes_reduction_vs_allreduce"] else "-"
-        print(f"  {name:<30} {mean * 1e3:8.1f} {row['median_step_s'] * 1e3:9.1f} "
-              f"{row['ratio_to_ceiling']:9.2f} {per_step / 1e6:12.2f} {fewer:>11}")
+        print(
+            f"  {name:<30} {mean * 1e3:8.1f} {row['median_step_s'] * 1e3:9.1f} "
+            f"{row['ratio_to_ceiling']:9.2f} {per_step / 1e6:12.2f} {fewer:>11}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         plot_timelines(timelines, Path(args.json).with_suffix(".png"))

@@ -13,6 +13,7 @@ are asynchronous, and XLA's estimate of the step and its exposed communication; 
 
 Writes ``benchmarks/results/diloco_compiled.json``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,14 +40,27 @@ def crosses_slices(c) -> bool:
 
 def summarize(rep) -> dict:
     dcn = [c for c in rep.collectives if crosses_slices(c)]
-    return {"estimated_step_s": rep.step_s, "exposed_comm_s": rep.exposed_comm_s,
-            "dcn_bytes": int(sum(c.bytes for c in dcn)),
-            "dcn_collectives": [{"kind": c.kind, "bytes": int(c.bytes), "async": bool(c.is_async),
-                                 "mesh_axes": list(c.mesh_axes), "compute_ops_in_window": c.compute_ops,
-                                 "window_s": None if c.start_s is None else c.end_s - c.start_s,
-                                 "compute_in_window_s": c.compute_s} for c in dcn],
-            "collectives": [{"kind": c.kind, "bytes": int(c.bytes), "async": bool(c.is_async),
-                             "mesh_axes": list(c.mesh_axes)} for c in rep.collectives]}
+    return {
+        "estimated_step_s": rep.step_s,
+        "exposed_comm_s": rep.exposed_comm_s,
+        "dcn_bytes": int(sum(c.bytes for c in dcn)),
+        "dcn_collectives": [
+            {
+                "kind": c.kind,
+                "bytes": int(c.bytes),
+                "async": bool(c.is_async),
+                "mesh_axes": list(c.mesh_axes),
+                "compute_ops_in_window": c.compute_ops,
+                "window_s": None if c.start_s is None else c.end_s - c.start_s,
+                "compute_in_window_s": c.compute_s,
+            }
+            for c in dcn
+        ],
+        "collectives": [
+            {"kind": c.kind, "bytes": int(c.bytes), "async": bool(c.is_async), "mesh_axes": list(c.mesh_axes)}
+            for c in rep.collectives
+        ],
+    }
 
 
 def main() -> None:
@@ -63,22 +77,33 @@ def main() -> None:
     mesh = mesh_for(TARGET, ("dcn", "ici"))
     exp = abstract_experiment(ZOO[args.model], mesh=mesh)
     H = args.inner_steps
-    results = {"what": "XLA's latency-hiding scheduler estimate for compile-only TPU devices, "
-                       "not a measurement", "target": TARGET, "mesh": dict(mesh.shape),
-               "model": exp.description, "inner_steps": H,
-               "command": f"python benchmarks/diloco_compiled.py --model {args.model} "
-                          f"--inner-steps {H}", "variants": {}}
+    results = {
+        "what": "XLA's latency-hiding scheduler estimate for compile-only TPU devices, not a measurement",
+        "target": TARGET,
+        "mesh": dict(mesh.shape),
+        "model": exp.description,
+        "inner_steps": H,
+        "command": f"python benchmarks/diloco_compiled.py --model {args.model} --inner-steps {H}",
+        "variants": {},
+    }
 
     start = time.perf_counter()
     for name in ("allreduce", "wfbp"):
         sched = jaxsched.schedule(exp.step, strategy=name)
         rep = sched.inspect(sched.init(exp.params, exp.opt_state), exp.batch, baseline=False).report
         results["variants"][name] = summarize(rep)
-        print(name, results["variants"][name]["estimated_step_s"], results["variants"][name]["dcn_bytes"],
-              f"({time.perf_counter() - start:.0f} s)", flush=True)
+        print(
+            name,
+            results["variants"][name]["estimated_step_s"],
+            results["variants"][name]["dcn_bytes"],
+            f"({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
 
-    for label, options in (("diloco F=1 tau=0", dict(fragments=1, overlap_steps=0)),
-                           ("diloco F=4 tau=1", dict(fragments=4, overlap_steps=1))):
+    for label, options in (
+        ("diloco F=1 tau=0", dict(fragments=1, overlap_steps=0)),
+        ("diloco F=4 tau=1", dict(fragments=4, overlap_steps=1)),
+    ):
         sched = jaxsched.schedule(exp.step, strategy="diloco", inner_steps=H, **options)
         state = sched.init(exp.params, exp.opt_state)
         sched.lower(state, exp.batch)  # builds the program
@@ -91,16 +116,24 @@ def main() -> None:
             core = program.engine.compile(dataclasses.replace(program.per_device, body=body))
             compiled, schedule = inspect_lib.compile_with_schedule(core.lower(*program.inputs(state, exp.batch)))
             phases[repr(key)] = summarize(inspect_lib.report(compiled, schedule, mesh, label=f"{label} {key}"))
-            print(label, key, phases[repr(key)]["estimated_step_s"], phases[repr(key)]["dcn_bytes"],
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+            print(
+                label,
+                key,
+                phases[repr(key)]["estimated_step_s"],
+                phases[repr(key)]["dcn_bytes"],
+                f"({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
         per_step = [phases[repr(k)] for k in keys]
         steps = [p["estimated_step_s"] for p in per_step]
         exposed = [p["exposed_comm_s"] for p in per_step]
         results["variants"][label] = {
-            "phases": phases, "sync_axes": list(strategy.sync_axes(program.planned)),
+            "phases": phases,
+            "sync_axes": list(strategy.sync_axes(program.planned)),
             "estimated_step_s": None if None in steps else sum(steps) / H,
             "exposed_comm_s": None if None in exposed else sum(exposed) / H,
-            "dcn_bytes": sum(p["dcn_bytes"] for p in per_step) / H}
+            "dcn_bytes": sum(p["dcn_bytes"] for p in per_step) / H,
+        }
     RESULTS.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"{'variant':<20} {'est. step us':>12} {'exposed us':>10} {'dcn MB/step':>12}")

@@ -12,6 +12,7 @@ parameters (``sched.finalize``: replicas averaged) and the mean training loss of
 
     python benchmarks/diloco_convergence.py [--steps 300] [--seeds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,13 +61,16 @@ def run(args) -> dict:
     split = data.synthetic_tokens(n=8192, seq_len=SEQ, vocab_size=VOCAB, seed=0)
     mesh = jax.make_mesh((8,), ("data",))
     tx = optax.adamw(args.lr)
-    results = {"steps": args.steps, "batch_per_replica": args.batch, "replicas": 8,
-               "model": {"name": "transformer", "seq_len": SEQ, "vocab": VOCAB, **MODEL},
-               "inner_optimizer": f"adamw({args.lr})",
-               "outer_optimizer": "sgd(0.7, momentum=0.9, nesterov=True)",
-               "command": "python benchmarks/diloco_convergence.py "
-                          f"--steps {args.steps} --seeds {args.seeds}",
-               "runs": {}}
+    results = {
+        "steps": args.steps,
+        "batch_per_replica": args.batch,
+        "replicas": 8,
+        "model": {"name": "transformer", "seq_len": SEQ, "vocab": VOCAB, **MODEL},
+        "inner_optimizer": f"adamw({args.lr})",
+        "outer_optimizer": "sgd(0.7, momentum=0.9, nesterov=True)",
+        "command": f"python benchmarks/diloco_convergence.py --steps {args.steps} --seeds {args.seeds}",
+        "runs": {},
+    }
     chosen = [c for c in configs() if not args.only or any(o in c[0] for o in args.only)]
     for name, strategy, options in chosen:
         runs = []
@@ -83,16 +87,27 @@ def run(args) -> dict:
                 state, aux = sched(state, batch)
                 losses.append(float(jax.block_until_ready(aux["loss"])))
             final, _ = sched.finalize(state)
-            runs.append({"seed": seed, "test_loss": test_loss(apply_fn, final, split),
-                         "train_loss_last20": float(np.mean(losses[-20:])),
-                         "seconds": time.perf_counter() - start})
-            print(f"{name:<32} seed {seed}: test {runs[-1]['test_loss']:.4f} "
-                  f"train {runs[-1]['train_loss_last20']:.4f} ({runs[-1]['seconds']:.1f} s)", flush=True)
+            runs.append(
+                {
+                    "seed": seed,
+                    "test_loss": test_loss(apply_fn, final, split),
+                    "train_loss_last20": float(np.mean(losses[-20:])),
+                    "seconds": time.perf_counter() - start,
+                }
+            )
+            print(
+                f"{name:<32} seed {seed}: test {runs[-1]['test_loss']:.4f} "
+                f"train {runs[-1]['train_loss_last20']:.4f} ({runs[-1]['seconds']:.1f} s)",
+                flush=True,
+            )
         tests = [r["test_loss"] for r in runs]
-        results["runs"][name] = {"strategy": strategy,
-                                 "options": {k: (repr(v) if k == "compression" else v) for k, v in options.items()},
-                                 "per_seed": runs, "test_loss_mean": float(np.mean(tests)),
-                                 "test_loss_std": float(np.std(tests))}
+        results["runs"][name] = {
+            "strategy": strategy,
+            "options": {k: (repr(v) if k == "compression" else v) for k, v in options.items()},
+            "per_seed": runs,
+            "test_loss_mean": float(np.mean(tests)),
+            "test_loss_std": float(np.std(tests)),
+        }
     base = results["runs"].get("data parallel")
     if base:
         for name, r in results["runs"].items():
@@ -121,8 +136,10 @@ def main() -> None:
     for name, r in results["runs"].items():
         vs = r.get("vs_data_parallel")
         vf = r.get("vs_full_precision")
-        print(f"{name:<32} {r['test_loss_mean']:.4f} ± {r['test_loss_std']:.4f} "
-              f"{'' if vs is None else f'{100 * vs:+.2f}%':>8} {'' if vf is None else f'{100 * vf:+.2f}%':>8}")
+        print(
+            f"{name:<32} {r['test_loss_mean']:.4f} ± {r['test_loss_std']:.4f} "
+            f"{'' if vs is None else f'{100 * vs:+.2f}%':>8} {'' if vf is None else f'{100 * vf:+.2f}%':>8}"
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Run from the repository root: ``.venv/bin/python benchmarks/dispatch_overhead.py
 median of 200 calls, each blocked on after its time is taken, so that at most one step is
 in flight). Writes ``benchmarks/results/dispatch_overhead.json``.
 """
+
 import json
 import os
 import statistics

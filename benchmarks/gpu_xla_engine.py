@@ -32,6 +32,7 @@ With one GPU every gradient collective is a sum over one device: the strategies 
 none (a sum over one device is the identity), so this measures correctness and the
 transform's overhead on a real GPU, not overlap.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -109,8 +110,10 @@ def _mosaic_calls(text: str) -> int:
 
 
 def _ops(text: str) -> dict:
-    return {op: len(re.findall(rf"stablehlo\.{op}\b", text))
-            for op in ("all_reduce", "all_gather", "reduce_scatter", "popcnt", "custom_call")}
+    return {
+        op: len(re.findall(rf"stablehlo\.{op}\b", text))
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "popcnt", "custom_call")
+    }
 
 
 def _median_time(fn, repeats: int = 15) -> float:
@@ -132,9 +135,15 @@ def compressor_one_device(mesh, n: int, compression: str) -> dict:
     g = jax.device_put(jax.random.normal(jax.random.key(0), (n,)), dev)
     for name, coll in (("compressed", parse_compression(compression)), ("psum", Collective())):
         state = jax.device_put(coll.init([bucket])[0], dev)
-        fn = jax.jit(jax.shard_map(lambda g, s, c=coll: c.all_reduce(g, "data", bucket, s),
-                                   mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()),
-                                   check_vma=False))
+        fn = jax.jit(
+            jax.shard_map(
+                lambda g, s, c=coll: c.all_reduce(g, "data", bucket, s),
+                mesh=mesh,
+                in_specs=(P(), P()),
+                out_specs=(P(), P()),
+                check_vma=False,
+            )
+        )
         if name == "compressed":
             text = fn.lower(g, state).as_text()
             out["mosaic_gpu_custom_calls"] = _mosaic_calls(text)
@@ -155,15 +164,12 @@ def cuda_lowering_two_devices(cfg: dict, params, apply_fn, tx, compression: str)
     batch = steps.shard_batch(_batch(dict(cfg, batch=2 * 8), np.random.default_rng(0)), mesh2)
     sched.lower(state, batch)
     program = sched.program
-    text = program.core.trace(*program.inputs(state, batch)).lower(
-        lowering_platforms=("cuda",)).as_text()
-    return {"mosaic_gpu_custom_calls": _mosaic_calls(text), "ops": _ops(text),
-            "buckets": len(program.buckets)}
+    text = program.core.trace(*program.inputs(state, batch)).lower(lowering_platforms=("cuda",)).as_text()
+    return {"mosaic_gpu_custom_calls": _mosaic_calls(text), "ops": _ops(text), "buckets": len(program.buckets)}
 
 
 def run_model(name: str, cfg: dict, args) -> dict:
-    params, apply_fn = models.pure(models.build("mlp", cfg["input_shape"], cfg["classes"],
-                                                hidden=cfg["hidden"]))
+    params, apply_fn = models.pure(models.build("mlp", cfg["input_shape"], cfg["classes"], hidden=cfg["hidden"]))
     n_params = sum(int(np.size(x)) for x in jax.tree.leaves(params))
     tx = optax.adamw(1e-3)
     dev = jax.devices()[0]
@@ -172,9 +178,16 @@ def run_model(name: str, cfg: dict, args) -> dict:
     batches = [steps.shard_batch(_batch(cfg, rng), mesh) for _ in range(4)]
     p0, o0 = steps.place_replicated((params, tx.init(params)), mesh)
     plain = steps.make_step(apply_fn, tx, mesh)
-    result = {"model": name, "params": n_params, "params_mod_256": n_params % 256,
-              "batch": cfg["batch"], "hidden": list(cfg["hidden"]), "classes": cfg["classes"],
-              "input_shape": list(cfg["input_shape"]), "optimizer": "adamw(1e-3)"}
+    result = {
+        "model": name,
+        "params": n_params,
+        "params_mod_256": n_params % 256,
+        "batch": cfg["batch"],
+        "hidden": list(cfg["hidden"]),
+        "classes": cfg["classes"],
+        "input_shape": list(cfg["input_shape"]),
+        "optimizer": "adamw(1e-3)",
+    }
     print(f"== {name}: {n_params} params, batch {cfg['batch']}", flush=True)
 
     def plain_run(state, batch):
@@ -195,11 +208,15 @@ def run_model(name: str, cfg: dict, args) -> dict:
 
     ref_losses, ref_params, plain_state, plain_first = trajectory(plain_run, (p0, o0))
     again_losses, again_params, _, _ = trajectory(plain_run, (p0, o0))
-    result["plain"] = {"first_call_s": plain_first, "final_loss": ref_losses[-1],
-                       "losses": ref_losses,
-                       "rerun_vs_plain": {"loss_max_rel_diff": max(
-                           _rel(a, b) for a, b in zip(again_losses, ref_losses)),
-                           **_compare_params(again_params, ref_params)}}
+    result["plain"] = {
+        "first_call_s": plain_first,
+        "final_loss": ref_losses[-1],
+        "losses": ref_losses,
+        "rerun_vs_plain": {
+            "loss_max_rel_diff": max(_rel(a, b) for a, b in zip(again_losses, ref_losses)),
+            **_compare_params(again_params, ref_params),
+        },
+    }
     runners = {"plain": (plain_run, plain_state)}
     rows = {}
     for vname, spec in VARIANTS.items():
@@ -218,8 +235,7 @@ def run_model(name: str, cfg: dict, args) -> dict:
                 row["exact_expected"] = False
             else:
                 row["exact_expected"] = True
-                row["equal_to_plain"] = bool(row["loss_max_rel_diff"] <= RTOL
-                                             and row["params_max_rel_diff"] <= RTOL)
+                row["equal_to_plain"] = bool(row["loss_max_rel_diff"] <= RTOL and row["params_max_rel_diff"] <= RTOL)
             text = sched.lower(state, batches[0]).as_text()
             row["lowered_ops"] = _ops(text)
             row["mosaic_gpu_custom_calls"] = _mosaic_calls(text)
@@ -230,9 +246,12 @@ def run_model(name: str, cfg: dict, args) -> dict:
             print(f"{vname} FAILED: {row['error']}", flush=True)
             continue
         tag = "" if vname in NOT_EXACT else f" equal={row['equal_to_plain']}"
-        print(f"{vname}: loss diff {row['loss_max_rel_diff']:.2e}, params diff "
-              f"{row['params_max_rel_diff']:.2e}{tag}, mosaic calls "
-              f"{row['mosaic_gpu_custom_calls']}, first call {first:.2f} s", flush=True)
+        print(
+            f"{vname}: loss diff {row['loss_max_rel_diff']:.2e}, params diff "
+            f"{row['params_max_rel_diff']:.2e}{tag}, mosaic calls "
+            f"{row['mosaic_gpu_custom_calls']}, first call {first:.2f} s",
+            flush=True,
+        )
     result["variants"] = rows
 
     # -- step time, interleaved ---------------------------------------------------------
@@ -259,23 +278,35 @@ def run_model(name: str, cfg: dict, args) -> dict:
     timing = {}
     for k in runners:
         mp, mb = statistics.median(piped[k]), statistics.median(blocking[k])
-        timing[k] = {"pipelined_ms": 1e3 * mp, "blocking_ms": 1e3 * mb,
-                     "pipelined_x_plain": mp / base_p, "blocking_x_plain": mb / base_b,
-                     "pipelined_all_ms": [1e3 * t for t in piped[k]]}
-        print(f"  {k:>14}: pipelined {1e3 * mp:8.3f} ms ({mp / base_p:.3f}x)  blocking "
-              f"{1e3 * mb:8.3f} ms ({mb / base_b:.3f}x)", flush=True)
+        timing[k] = {
+            "pipelined_ms": 1e3 * mp,
+            "blocking_ms": 1e3 * mb,
+            "pipelined_x_plain": mp / base_p,
+            "blocking_x_plain": mb / base_b,
+            "pipelined_all_ms": [1e3 * t for t in piped[k]],
+        }
+        print(
+            f"  {k:>14}: pipelined {1e3 * mp:8.3f} ms ({mp / base_p:.3f}x)  blocking "
+            f"{1e3 * mb:8.3f} ms ({mb / base_b:.3f}x)",
+            flush=True,
+        )
     result["step_time"] = timing
 
     # -- the kernel ---------------------------------------------------------------------
-    for key, fn in (("compressor_one_device", lambda: compressor_one_device(
-                        mesh, n_params, VARIANTS["wfbp_topk0.01"]["compression"])),
-                    ("two_device_step_lowered_for_cuda", lambda: cuda_lowering_two_devices(
-                        cfg, params, apply_fn, tx, VARIANTS["wfbp_topk0.01"]["compression"]))):
+    for key, fn in (
+        (
+            "compressor_one_device",
+            lambda: compressor_one_device(mesh, n_params, VARIANTS["wfbp_topk0.01"]["compression"]),
+        ),
+        (
+            "two_device_step_lowered_for_cuda",
+            lambda: cuda_lowering_two_devices(cfg, params, apply_fn, tx, VARIANTS["wfbp_topk0.01"]["compression"]),
+        ),
+    ):
         try:
             result[key] = fn()
         except Exception as err:  # noqa: BLE001
-            result[key] = {"error": f"{type(err).__name__}: {err}",
-                           "traceback": traceback.format_exc()[-3000:]}
+            result[key] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
         print(f"  {key}: {result[key]}", flush=True)
     return result
 
@@ -283,8 +314,7 @@ def run_model(name: str, cfg: dict, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_xla_engine_h100.json"))
-    ap.add_argument("--models", nargs="+", default=["mlp-4x512", "mlp-4x4096"],
-                    choices=sorted(MODELS))
+    ap.add_argument("--models", nargs="+", default=["mlp-4x512", "mlp-4x4096"], choices=sorted(MODELS))
     ap.add_argument("--small", action="store_true", help="only mlp-small, few rounds (CPU check)")
     ap.add_argument("--check-steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=21)
@@ -295,17 +325,24 @@ def main() -> None:
     t0 = time.perf_counter()
     dev = jax.devices()[0]
     out = {
-        "backend": jax.default_backend(), "device": str(dev.device_kind),
-        "devices_in_mesh": 1, "jax": jax.__version__, "machine": platform.machine(),
-        "check_steps": args.check_steps, "rounds": args.rounds, "inner": args.inner,
+        "backend": jax.default_backend(),
+        "device": str(dev.device_kind),
+        "devices_in_mesh": 1,
+        "jax": jax.__version__,
+        "machine": platform.machine(),
+        "check_steps": args.check_steps,
+        "rounds": args.rounds,
+        "inner": args.inner,
         "rtol": RTOL,
-        "note": ("one GPU: every gradient collective is a sum over one device, which the "
-                 "strategies drop (the identity), so this measures correctness and the "
-                 "transform's overhead on a real GPU, not overlap. Float32 with jax's default "
-                 "matmul precision. Step times: medians over interleaved rounds; pipelined = "
-                 "`inner` back-to-back calls then one block_until_ready; blocking = "
-                 "block_until_ready after every call. *_x_plain against the plain step "
-                 "(jit(shard_map)) measured in the same rounds."),
+        "note": (
+            "one GPU: every gradient collective is a sum over one device, which the "
+            "strategies drop (the identity), so this measures correctness and the "
+            "transform's overhead on a real GPU, not overlap. Float32 with jax's default "
+            "matmul precision. Step times: medians over interleaved rounds; pipelined = "
+            "`inner` back-to-back calls then one block_until_ready; blocking = "
+            "block_until_ready after every call. *_x_plain against the plain step "
+            "(jit(shard_map)) measured in the same rounds."
+        ),
         "models": [run_model(m, MODELS[m], args) for m in args.models],
     }
     out["wall_s"] = time.perf_counter() - t0

@@ -22,6 +22,7 @@ Writes benchmarks/results/hierarchical_aot.json. ``--update-docs`` rewrites the 
 between the ``hierarchical`` markers of docs/benchmarks.md from it and from the emulated cluster's
 measurement, benchmarks/results/hierarchical_cluster.json (benchmarks/hierarchical_cluster.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,23 +42,33 @@ BEGIN, END = "<!-- hierarchical:begin -->", "<!-- hierarchical:end -->"
 
 def docs_block(aot: dict, cluster: dict | None) -> str:
     """The README's tables: compiled for TPU (XLA's estimates), and the emulated cluster."""
-    lines = [f"Compiled for `{aot['target']}`, mesh `{aot['mesh']}`, {aot['model']}: XLA's "
-             "estimates for the compiled programs, not measured "
-             f"(`.venv/bin/python benchmarks/hierarchical.py --model {aot['model'].split()[0]}`). "
-             "Cross-slice MB are the bytes per device per step of the collectives that span slices "
-             "and of the DCN send/recv.", "",
-             "| step | cross-slice MB | est. step ms | est. exposed comm ms |", "|---|---|---|---|"]
+    lines = [
+        f"Compiled for `{aot['target']}`, mesh `{aot['mesh']}`, {aot['model']}: XLA's "
+        "estimates for the compiled programs, not measured "
+        f"(`.venv/bin/python benchmarks/hierarchical.py --model {aot['model'].split()[0]}`). "
+        "Cross-slice MB are the bytes per device per step of the collectives that span slices "
+        "and of the DCN send/recv.",
+        "",
+        "| step | cross-slice MB | est. step ms | est. exposed comm ms |",
+        "|---|---|---|---|",
+    ]
     for label, row in aot["rows"].items():
         fmt = lambda v: "-" if v is None else f"{v * 1e3:.2f}"
-        lines.append(f"| {label} | {row['cross_slice_bytes'] / 1e6:.1f} | {fmt(row['step_s'])} | "
-                     f"{fmt(row['exposed_comm_s'])} |")
+        lines.append(
+            f"| {label} | {row['cross_slice_bytes'] / 1e6:.1f} | {fmt(row['step_s'])} | {fmt(row['exposed_comm_s'])} |"
+        )
     if cluster:
-        lines += ["", f"Measured on the emulated cluster ({cluster['processes']} hosts x "
-                  f"{cluster['local_devices']} CPU devices, 1 Gbit/s links, "
-                  f"{cluster['gradient_bytes'] / 1e6:.1f} MB of gradients, median of "
-                  f"{cluster['steps']} interleaved steps, `benchmarks/hierarchical_cluster.py`). "
-                  "Sent MB are what each host's interface sent per step:", "",
-                  "| variant | median step ms | sent per step per host MB |", "|---|---|---|"]
+        lines += [
+            "",
+            f"Measured on the emulated cluster ({cluster['processes']} hosts x "
+            f"{cluster['local_devices']} CPU devices, 1 Gbit/s links, "
+            f"{cluster['gradient_bytes'] / 1e6:.1f} MB of gradients, median of "
+            f"{cluster['steps']} interleaved steps, `benchmarks/hierarchical_cluster.py`). "
+            "Sent MB are what each host's interface sent per step:",
+            "",
+            "| variant | median step ms | sent per step per host MB |",
+            "|---|---|---|",
+        ]
         for label, row in cluster["variants"].items():
             sent = sum(row["tx_bytes_per_step_per_host"]) / len(row["tx_bytes_per_step_per_host"])
             lines.append(f"| {label} | {row['median_step_s'] * 1e3:.1f} | {sent / 1e6:.2f} |")
@@ -81,10 +92,15 @@ def cross_slice_bytes(report) -> int:
 
 
 def summary(report) -> dict:
-    return {"step_s": report.step_s, "exposed_comm_s": report.exposed_comm_s,
-            "cross_slice_bytes": cross_slice_bytes(report),
-            "collectives": [{"kind": c.kind, "bytes": c.bytes, "mesh_axes": list(c.mesh_axes),
-                             "async": c.is_async} for c in report.collectives]}
+    return {
+        "step_s": report.step_s,
+        "exposed_comm_s": report.exposed_comm_s,
+        "cross_slice_bytes": cross_slice_bytes(report),
+        "collectives": [
+            {"kind": c.kind, "bytes": c.bytes, "mesh_axes": list(c.mesh_axes), "async": c.is_async}
+            for c in report.collectives
+        ],
+    }
 
 
 def main(argv=None) -> int:
@@ -93,8 +109,11 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="v5p:2x2x2:slices=2")
     parser.add_argument("--strategies", default="wfbp,dear")
     parser.add_argument("--out", type=Path, default=RESULTS / "hierarchical_aot.json")
-    parser.add_argument("--update-docs", action="store_true",
-                        help="only rewrite the benchmarks page's block from the saved JSON results")
+    parser.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="only rewrite the benchmarks page's block from the saved JSON results",
+    )
     args = parser.parse_args(argv)
     if args.update_docs:
         update_docs()
@@ -114,19 +133,32 @@ def main(argv=None) -> int:
     plain = inspect_lib.inspect_jitted(exp.step, (exp.params, exp.opt_state, exp.batch), mesh)
     rows = {"plain step (XLA defaults)": summary(plain)}
     for name in args.strategies.split(","):
-        for label, options in (("flat", {"collective": Collective()}),
-                               ("hierarchical", {"collective": hierarchy_from_mesh(mesh, ("dcn", "ici"))})):
+        for label, options in (
+            ("flat", {"collective": Collective()}),
+            ("hierarchical", {"collective": hierarchy_from_mesh(mesh, ("dcn", "ici"))}),
+        ):
             sched = jaxsched.schedule(exp.step, strategy=name, **options)
             inspection = sched.inspect(sched.init(exp.params, exp.opt_state), exp.batch, baseline=False)
             chosen = sched.program.strategy.collective
-            rows[f"{name}, {label}"] = dict(summary(inspection.report), collective=repr(chosen)
-                                            if type(chosen) is not Collective else "Collective()")
-            print(f"  {name} {label}: {rows[f'{name}, {label}']['cross_slice_bytes'] / 1e6:.1f} MB "
-                  f"cross-slice, est. step {inspection.report.step_s}", file=sys.stderr)
-    payload = {"what": "XLA's estimates for compiled programs (compile-only devices), not measured",
-               "model": exp.description, "target": args.target, "mesh": dict(mesh.shape),
-               "jax": jax.__version__, "machine": platform.machine(),
-               "seconds_to_compile_all": round(time.perf_counter() - started, 1), "rows": rows}
+            rows[f"{name}, {label}"] = dict(
+                summary(inspection.report),
+                collective=repr(chosen) if type(chosen) is not Collective else "Collective()",
+            )
+            print(
+                f"  {name} {label}: {rows[f'{name}, {label}']['cross_slice_bytes'] / 1e6:.1f} MB "
+                f"cross-slice, est. step {inspection.report.step_s}",
+                file=sys.stderr,
+            )
+    payload = {
+        "what": "XLA's estimates for compiled programs (compile-only devices), not measured",
+        "model": exp.description,
+        "target": args.target,
+        "mesh": dict(mesh.shape),
+        "jax": jax.__version__,
+        "machine": platform.machine(),
+        "seconds_to_compile_all": round(time.perf_counter() - started, 1),
+        "rows": rows,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=1))
     print(f"{'':<28}{'cross-slice MB':>15}{'est. step ms':>14}{'est. exposed ms':>17}")

@@ -22,6 +22,7 @@ every byte that crossed hosts, gloo's framing and TCP included). Measured, not s
 The machine has 2 cores: each process's two devices and gloo share them, so step times
 are the emulated cluster's, not a real one's; the bytes do not depend on that.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,10 +63,8 @@ n_params = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
 
 rng = np.random.default_rng(info.process_id)
 rows = args.batch_per_device * local
-local_batch = (rng.standard_normal((rows, 32, 32, 1)).astype(np.float32),
-               rng.integers(0, 10, rows).astype(np.int32))
-batch = tuple(jax.make_array_from_process_local_data(NamedSharding(mesh, P(axes)), a)
-              for a in local_batch)
+local_batch = (rng.standard_normal((rows, 32, 32, 1)).astype(np.float32), rng.integers(0, 10, rows).astype(np.int32))
+batch = tuple(jax.make_array_from_process_local_data(NamedSharding(mesh, P(axes)), a) for a in local_batch)
 
 
 def tx_bytes() -> int:
@@ -100,21 +99,21 @@ class CommOnly:
     def __init__(self, collective):
         from jaxsched.runtime.collectives import BucketSpec
 
-        spec = BucketSpec(0, n_params, np.dtype(np.float32), mesh.size,
-                          mesh_axes=tuple((a, mesh.shape[a]) for a in axes))
+        spec = BucketSpec(
+            0, n_params, np.dtype(np.float32), mesh.size, mesh_axes=tuple((a, mesh.shape[a]) for a in axes)
+        )
         state = collective.init([spec])[0]
         body = lambda x: collective.all_reduce(x[0], axes, spec, state)[0][None]
-        self.run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
-                                         check_vma=False))
+        self.run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes), check_vma=False))
         self.x = jax.make_array_from_process_local_data(
-            NamedSharding(mesh, P(axes)), np.ones((local, n_params), np.float32))
+            NamedSharding(mesh, P(axes)), np.ones((local, n_params), np.float32)
+        )
 
     def __call__(self):
         return self.run(self.x)
 
 
-variants = {"plain": Plain(), "wfbp, flat": Scheduled(collective=Collective()),
-            "wfbp, hierarchical": Scheduled()}
+variants = {"plain": Plain(), "wfbp, flat": Scheduled(collective=Collective()), "wfbp, hierarchical": Scheduled()}
 for run in variants.values():  # compile and warm up
     jax.block_until_ready(run())
     jax.block_until_ready(run())
@@ -133,28 +132,47 @@ for _ in range(args.steps):
         times[name].append(time.perf_counter() - start)
         sent[name] += tx_bytes() - before
 # the three trajectories agree: same data, same initial state, exact strategies
-final = {name: np.asarray(jax.tree.leaves(v.state if name == "plain" else v.sched.finalize(v.state))[0]
-                          .addressable_shards[0].data) for name, v in variants.items()
-         if not name.startswith("comm only")}
+final = {
+    name: np.asarray(
+        jax.tree.leaves(v.state if name == "plain" else v.sched.finalize(v.state))[0].addressable_shards[0].data
+    )
+    for name, v in variants.items()
+    if not name.startswith("comm only")
+}
 agree = all(np.allclose(final["plain"], f, rtol=1e-4, atol=1e-6) for f in final.values())
-every = jax.experimental.multihost_utils.process_allgather(
-    np.array([sent[name] / args.steps for name in variants]))
+every = jax.experimental.multihost_utils.process_allgather(np.array([sent[name] / args.steps for name in variants]))
 if info.process_id == 0:
-    result = {"what": "measured on the emulated cluster (network namespaces + tc)",
-              "processes": info.num_processes, "local_devices": local, "mesh": dict(mesh.shape),
-              "interface": info.interface, "params": n_params, "gradient_bytes": 4 * n_params,
-              "steps": args.steps, "hierarchical_collective": chosen, "trajectories_agree": agree,
-              "variants": {name: {"median_step_s": statistics.median(times[name]),
-                                  "min_step_s": min(times[name]),
-                                  "tx_bytes_per_step_per_host": [float(b) for b in every[:, k]]}
-                           for k, name in enumerate(variants)}}
-    print(f"{n_params / 1e6:.1f}M params ({4 * n_params / 1e6:.1f} MB of gradients), "
-          f"{info.num_processes} hosts x {local} devices, interface {info.interface or 'loopback'}; "
-          f"hierarchical = {chosen}; trajectories agree: {agree}")
+    result = {
+        "what": "measured on the emulated cluster (network namespaces + tc)",
+        "processes": info.num_processes,
+        "local_devices": local,
+        "mesh": dict(mesh.shape),
+        "interface": info.interface,
+        "params": n_params,
+        "gradient_bytes": 4 * n_params,
+        "steps": args.steps,
+        "hierarchical_collective": chosen,
+        "trajectories_agree": agree,
+        "variants": {
+            name: {
+                "median_step_s": statistics.median(times[name]),
+                "min_step_s": min(times[name]),
+                "tx_bytes_per_step_per_host": [float(b) for b in every[:, k]],
+            }
+            for k, name in enumerate(variants)
+        },
+    }
+    print(
+        f"{n_params / 1e6:.1f}M params ({4 * n_params / 1e6:.1f} MB of gradients), "
+        f"{info.num_processes} hosts x {local} devices, interface {info.interface or 'loopback'}; "
+        f"hierarchical = {chosen}; trajectories agree: {agree}"
+    )
     for name in variants:
         row = result["variants"][name]
-        print(f"  {name:<20} median step {row['median_step_s'] * 1e3:8.1f} ms   sent per step per host "
-              f"{np.mean(row['tx_bytes_per_step_per_host']) / 1e6:8.2f} MB")
+        print(
+            f"  {name:<20} median step {row['median_step_s'] * 1e3:8.1f} ms   sent per step per host "
+            f"{np.mean(row['tx_bytes_per_step_per_host']) / 1e6:8.2f} MB"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 jax.distributed.shutdown()

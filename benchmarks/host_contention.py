@@ -12,6 +12,7 @@ a psum of 8.4M float32 (33.6 MB) over every process's device 1. Medians of 8 rou
 compute alone, the psum alone, and both dispatched together (time until the compute is
 done, and until both are). Rank 0 writes ``benchmarks/results/host_contention.json``.
 """
+
 import json
 import os
 import statistics
@@ -31,13 +32,16 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 rank = jax.process_index()
 cores = sorted(os.sched_getaffinity(0))
 os.sched_setaffinity(0, {cores[rank % len(cores)]})
-spare = [max((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-         for p in range(jax.process_count())]
+spare = [
+    max((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(jax.process_count())
+]
 comm_mesh = jax.sharding.Mesh(np.array(spare), ("data",))
-psum = jax.jit(jax.shard_map(lambda g: lax.psum(g, "data"), mesh=comm_mesh, in_specs=P("data"),
-                             out_specs=P("data"), check_vma=False))
-grads = jax.make_array_from_process_local_data(NamedSharding(comm_mesh, P("data")),
-                                               np.ones((1, 8_400_000), np.float32))
+psum = jax.jit(
+    jax.shard_map(
+        lambda g: lax.psum(g, "data"), mesh=comm_mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False
+    )
+)
+grads = jax.make_array_from_process_local_data(NamedSharding(comm_mesh, P("data")), np.ones((1, 8_400_000), np.float32))
 device = jax.local_devices()[0]
 width = 2048
 x = jax.device_put(np.random.default_rng(rank).standard_normal((224, width)).astype(np.float32), device)

@@ -19,6 +19,7 @@ the same run:
 On CPU, XLA runs collectives synchronously (docs/benchmarks.md): step-time ratios on the
 virtual devices measure the transform's overhead, not overlap.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,15 +52,23 @@ STRATEGIES = ("wfbp", "dear")
 
 
 def _setup(devices: int, per_device: int = PER_DEVICE):
-    params, apply_fn = models.pure(models.build(MODEL["name"], MODEL["input_shape"], MODEL["classes"],
-                                                **MODEL["options"]))
+    params, apply_fn = models.pure(
+        models.build(MODEL["name"], MODEL["input_shape"], MODEL["classes"], **MODEL["options"])
+    )
     tx = optax.adamw(1e-3)
     mesh = jax.make_mesh((devices,), ("data",), (AxisType.Auto,), devices=jax.devices()[:devices])
     rng = np.random.default_rng(0)
     rows = per_device * devices
-    batches = [jax.device_put((rng.standard_normal((rows, *MODEL["input_shape"])).astype(np.float32),
-                               rng.integers(0, MODEL["classes"], rows).astype(np.int32)),
-                              NamedSharding(mesh, P("data"))) for _ in range(4)]
+    batches = [
+        jax.device_put(
+            (
+                rng.standard_normal((rows, *MODEL["input_shape"])).astype(np.float32),
+                rng.integers(0, MODEL["classes"], rows).astype(np.int32),
+            ),
+            NamedSharding(mesh, P("data")),
+        )
+        for _ in range(4)
+    ]
     params = jax.device_put(params, NamedSharding(mesh, P()))
     return params, apply_fn, tx, mesh, batches
 
@@ -88,6 +97,7 @@ def _stepper(step, state):
     def run(batch):
         *box["state"], aux = step(*box["state"], batch)
         return aux
+
     return run
 
 
@@ -97,6 +107,7 @@ def _scheduled(sched, state):
     def run(batch):
         box["state"], aux = sched(box["state"], batch)
         return aux
+
     return run
 
 
@@ -108,9 +119,12 @@ def one_device(n_steps: int, per_device: int) -> dict:
         sched = jaxsched.schedule(step, strategy=strategy)
         runners[strategy] = _scheduled(sched, sched.init(params, tx.init(params)))
     medians = _interleaved(runners, batches, n_steps, f"one device, batch {per_device}")
-    return {"batch": per_device, "step_s": medians,
-            "overhead_s": {s: medians[s] - medians["plain"] for s in STRATEGIES},
-            "ratio_to_plain": {s: medians[s] / medians["plain"] for s in STRATEGIES}}
+    return {
+        "batch": per_device,
+        "step_s": medians,
+        "overhead_s": {s: medians[s] - medians["plain"] for s in STRATEGIES},
+        "ratio_to_plain": {s: medians[s] / medians["plain"] for s in STRATEGIES},
+    }
 
 
 def eight_devices(n_steps: int) -> dict:
@@ -130,11 +144,13 @@ def eight_devices(n_steps: int) -> dict:
             build[f"{strategy}/{form}"] = time.perf_counter() - start
             runners[f"{strategy}/{form}"] = _scheduled(sched, state)
     medians = _interleaved(runners, batches, n_steps, "eight devices")
-    return {"plain_jit_compile_s": plain_compile, "build_s": build,
-            "build_ratio_to_plain_compile": {k: v / plain_compile for k, v in build.items()},
-            "step_s": medians,
-            "jit_over_shard_map": {s: medians[f"{s}/jit"] / medians[f"{s}/shard_map"]
-                                   for s in STRATEGIES}}
+    return {
+        "plain_jit_compile_s": plain_compile,
+        "build_s": build,
+        "build_ratio_to_plain_compile": {k: v / plain_compile for k, v in build.items()},
+        "step_s": medians,
+        "jit_over_shard_map": {s: medians[f"{s}/jit"] / medians[f"{s}/shard_map"] for s in STRATEGIES},
+    }
 
 
 def compiled(target: str) -> dict:
@@ -142,38 +158,50 @@ def compiled(target: str) -> dict:
     from jaxsched.tools.aot.experiment import ModelSpec, abstract_experiment
     from jaxsched.demo.config import OptimizerConfig
 
-    spec = ModelSpec("mlp", (1024,), 1000, {"hidden": (2048,) * 6}, 64,
-                     OptimizerConfig(name="adamw", learning_rate=1e-4))
+    spec = ModelSpec(
+        "mlp", (1024,), 1000, {"hidden": (2048,) * 6}, 64, OptimizerConfig(name="adamw", learning_rate=1e-4)
+    )
     exp = abstract_experiment(spec, target=target, form="jit")
     rows = {}
     for strategy in tqdm(("allreduce", "wfbp"), desc=target, leave=False):
         sched = jaxsched.schedule(exp.step, strategy=strategy, buckets=2048 * 2049 * 4)
-        inspection = sched.inspect(sched.init(exp.params, exp.opt_state), exp.batch,
-                                   baseline=strategy == "allreduce")
+        inspection = sched.inspect(sched.init(exp.params, exp.opt_state), exp.batch, baseline=strategy == "allreduce")
         if strategy == "allreduce":
             base = inspection.baseline
-            rows["plain"] = {"step_us": base.step_s * 1e6 if base.step_s else None,
-                             "exposed_us": base.exposed_comm_s * 1e6 if base.exposed_comm_s is not None else None}
+            rows["plain"] = {
+                "step_us": base.step_s * 1e6 if base.step_s else None,
+                "exposed_us": base.exposed_comm_s * 1e6 if base.exposed_comm_s is not None else None,
+            }
         report = inspection.report
-        rows[strategy] = {"step_us": report.step_s * 1e6 if report.step_s else None,
-                          "exposed_us": report.exposed_comm_s * 1e6 if report.exposed_comm_s is not None else None}
+        rows[strategy] = {
+            "step_us": report.step_s * 1e6 if report.step_s else None,
+            "exposed_us": report.exposed_comm_s * 1e6 if report.exposed_comm_s is not None else None,
+        }
     plain = rows["plain"]["step_us"]
-    return {"model": exp.description, "estimate": "XLA's own schedule estimate, not a measurement",
-            "rows": rows, "wfbp_over_plain": rows["wfbp"]["step_us"] / plain if plain else None}
+    return {
+        "model": exp.description,
+        "estimate": "XLA's own schedule estimate, not a measurement",
+        "rows": rows,
+        "wfbp_over_plain": rows["wfbp"]["step_us"] / plain if plain else None,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--skip-compiled", action="store_true",
-                        help="leave out the GPU/TPU compiles (they need the aot extra)")
+    parser.add_argument(
+        "--skip-compiled", action="store_true", help="leave out the GPU/TPU compiles (they need the aot extra)"
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "jit_steps.json"))
     args = parser.parse_args()
-    result = {"command": "benchmarks/jit_steps.py", "date": time.strftime("%Y-%m-%d"),
-              "machine": f"{platform.machine()}, {jax.local_device_count()} virtual CPU devices",
-              "model": f"mlp {MODEL['options']['hidden']}, {PER_DEVICE} examples per device, adamw",
-              "one_device": [one_device(args.steps, rows) for rows in (PER_DEVICE, 8 * PER_DEVICE)],
-              "eight_devices": eight_devices(args.steps)}
+    result = {
+        "command": "benchmarks/jit_steps.py",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {jax.local_device_count()} virtual CPU devices",
+        "model": f"mlp {MODEL['options']['hidden']}, {PER_DEVICE} examples per device, adamw",
+        "one_device": [one_device(args.steps, rows) for rows in (PER_DEVICE, 8 * PER_DEVICE)],
+        "eight_devices": eight_devices(args.steps),
+    }
     if not args.skip_compiled:
         result["compiled"] = {t: compiled(t) for t in ("h100:1x8x8", "v5p:2x2x2:slices=2")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

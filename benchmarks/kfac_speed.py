@@ -21,6 +21,7 @@ published 10-35%.
 
 Writes ``benchmarks/results/kfac_speed.json``.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,13 +62,17 @@ PUBLISHED = "SPD-KFAC (Shi, Zhang & Li, 2021): 10-35% faster than prior distribu
 
 def measured(args) -> dict:
     mesh = jax.make_mesh((8,), ("data",))
-    params, apply_fn = models.pure(models.MLP(IN_FEATURES, CLASSES, hidden=HIDDEN,
-                                              rngs=__import__("flax").nnx.Rngs(0)))
+    params, apply_fn = models.pure(models.MLP(IN_FEATURES, CLASSES, hidden=HIDDEN, rngs=__import__("flax").nnx.Rngs(0)))
     tx = optax.sgd(0.01)
     rng = np.random.default_rng(0)
-    batch = steps.shard_batch((rng.normal(size=(args.batch, IN_FEATURES)).astype(np.float32),
-                               rng.integers(0, CLASSES, args.batch).astype(np.int32)), mesh)
-    never = 10 ** 9
+    batch = steps.shard_batch(
+        (
+            rng.normal(size=(args.batch, IN_FEATURES)).astype(np.float32),
+            rng.integers(0, CLASSES, args.batch).astype(np.int32),
+        ),
+        mesh,
+    )
+    never = 10**9
     variants = {
         "balanced": dict(placement="balanced", inverse_interval=1),
         "round_robin": dict(placement="round_robin", inverse_interval=1),
@@ -103,8 +108,11 @@ def measured(args) -> dict:
     plans = {m: plan_placement(dims, 8, m, layer_of) for m in ("balanced", "round_robin", "naive")}
     inversion = {m: median[m] - median[f"{m}, no refresh"] for m in ("balanced", "round_robin", "naive")}
     return {
-        "model": f"MLP {IN_FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES}", "devices": 8,
-        "global_batch": args.batch, "steps": args.steps, "factor_dims": dims,
+        "model": f"MLP {IN_FEATURES}-{'-'.join(map(str, HIDDEN))}-{CLASSES}",
+        "devices": 8,
+        "global_batch": args.batch,
+        "steps": args.steps,
+        "factor_dims": dims,
         "median_step_s": median,
         "inversion_s (refresh - no refresh)": inversion,
         "ratios": {
@@ -114,24 +122,31 @@ def measured(args) -> dict:
             "round_robin / balanced (inversion only)": inversion["round_robin"] / inversion["balanced"],
             "after backward / pipelined (step)": median["factors after backward"] / median["pipelined factors"],
         },
-        "plans": {m: {"owners": p, "busiest_worker_n3": max_load(dims, p, 8),
-                      "total_n3": sum(worker_loads(dims, p, 8))} for m, p in plans.items()},
+        "plans": {
+            m: {"owners": p, "busiest_worker_n3": max_load(dims, p, 8), "total_n3": sum(worker_loads(dims, p, 8))}
+            for m, p in plans.items()
+        },
     }
 
 
 def simulated() -> dict:
     """ResNet-50 on 64 V100s over 100 Gb/s InfiniBand: every variant, simulated."""
     net = network_preset("100gbib", 64)
-    out = {"label": "SIMULATED (jaxsched.sim, roofline profiles, ring collectives; not measured)",
-           "model": "resnet50", "device": "v100", "workers": 64, "network": "100gbib",
-           "published": PUBLISHED, "by_inverse_efficiency": {}}
+    out = {
+        "label": "SIMULATED (jaxsched.sim, roofline profiles, ring collectives; not measured)",
+        "model": "resnet50",
+        "device": "v100",
+        "workers": 64,
+        "network": "100gbib",
+        "published": PUBLISHED,
+        "by_inverse_efficiency": {},
+    }
     for eff in (0.02, 0.1, 0.5):
         prof = zoo_profile("resnet50", "v100", kfac=True, inverse_efficiency=eff)
         rows = {"first-order wfbp (no K-FAC)": simulate(prof, net, "wfbp").iteration_s}
         for pipe in (True, False):
             for placement in ("balanced", "round_robin", "naive"):
-                pattern = dataclasses.replace(KFAC_PATTERN, factors_in_backward=pipe,
-                                              inverse_placement=placement)
+                pattern = dataclasses.replace(KFAC_PATTERN, factors_in_backward=pipe, inverse_placement=placement)
                 name = f"{'pipelined' if pipe else 'after backward'}, {placement}"
                 rows[name] = simulate(prof, net, pattern, keep_spans=False).iteration_s
         spd = rows["pipelined, balanced"]
@@ -139,8 +154,11 @@ def simulated() -> dict:
             "iteration_s": rows,
             "inversion_s_one_worker": sum(sum(layer.inverse_s) for layer in prof.layers),
             "factor_s": sum(layer.factor_s for layer in prof.layers),
-            "saving_vs": {name: 1 - spd / t for name, t in rows.items()
-                          if name not in ("pipelined, balanced", "first-order wfbp (no K-FAC)")},
+            "saving_vs": {
+                name: 1 - spd / t
+                for name, t in rows.items()
+                if name not in ("pipelined, balanced", "first-order wfbp (no K-FAC)")
+            },
         }
     return out
 
@@ -154,28 +172,39 @@ def render(results: dict) -> str:
         f"{max(m['factor_dims'])}x{max(m['factor_dims'])}, 8 virtual CPU devices on a 2-core machine, global "
         f"batch {m['global_batch']}, median of {m['steps']} interleaved steps; load average "
         f"{load['loadavg_before'][0]:.1f} before and {load['loadavg_after'][0]:.1f} after: other work shared "
-        "the cores, so read ratios, not seconds; OPENBLAS_NUM_THREADS=1):", "",
+        "the cores, so read ratios, not seconds; OPENBLAS_NUM_THREADS=1):",
+        "",
         "| variant | step (refresh every step) | step (no refresh) | inversion (difference) |",
-        "|---|---|---|---|"]
+        "|---|---|---|---|",
+    ]
     for name in ("balanced", "round_robin", "naive"):
-        lines.append(f"| {name} | {med[name] * 1e3:.0f} ms | {med[name + ', no refresh'] * 1e3:.0f} ms | "
-                     f"{inv[name] * 1e3:.0f} ms |")
-    lines += ["", f"Same run: naive / balanced = **{r['naive / balanced (step, refresh every step)']:.2f}x** per "
-              f"refreshing step ({r['naive / balanced (inversion only)']:.2f}x on the inversion alone); "
-              f"round_robin / balanced = **{r['round_robin / balanced (step, refresh every step)']:.2f}x** "
-              f"({r['round_robin / balanced (inversion only)']:.2f}x on the inversion). Busiest worker's "
-              "n^3 under each plan: " + ", ".join(
-                  f"{k} {v['busiest_worker_n3'] / 1e6:.0f}M" for k, v in m["plans"].items()) + ". "
-              f"The plain first-order step took {med['plain step (no K-FAC)'] * 1e3:.0f} ms.", "",
-              f"Pipelining, same run, inverses not refreshed: factors after backward "
-              f"{med['factors after backward'] * 1e3:.0f} ms, pipelined {med['pipelined factors'] * 1e3:.0f} ms "
-              f"(after / pipelined = {r['after backward / pipelined (step)']:.2f}x).", "",
-              f"**Simulated** ({sim['label']}): ResNet-50, V100 roofline, {sim['workers']} workers, "
-              f"100 Gb/s InfiniBand; factors and inverses refreshed every iteration. Published beside it: "
-              f"{sim['published']}.", "",
-              "| inversion efficiency (assumed) | one worker inverting all | SPD-style (pipelined, balanced) | "
-              "after backward, naive | after backward, round_robin | pipelined, round_robin | first-order wfbp |",
-              "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {name} | {med[name] * 1e3:.0f} ms | {med[name + ', no refresh'] * 1e3:.0f} ms | "
+            f"{inv[name] * 1e3:.0f} ms |"
+        )
+    lines += [
+        "",
+        f"Same run: naive / balanced = **{r['naive / balanced (step, refresh every step)']:.2f}x** per "
+        f"refreshing step ({r['naive / balanced (inversion only)']:.2f}x on the inversion alone); "
+        f"round_robin / balanced = **{r['round_robin / balanced (step, refresh every step)']:.2f}x** "
+        f"({r['round_robin / balanced (inversion only)']:.2f}x on the inversion). Busiest worker's "
+        "n^3 under each plan: "
+        + ", ".join(f"{k} {v['busiest_worker_n3'] / 1e6:.0f}M" for k, v in m["plans"].items())
+        + ". "
+        f"The plain first-order step took {med['plain step (no K-FAC)'] * 1e3:.0f} ms.",
+        "",
+        f"Pipelining, same run, inverses not refreshed: factors after backward "
+        f"{med['factors after backward'] * 1e3:.0f} ms, pipelined {med['pipelined factors'] * 1e3:.0f} ms "
+        f"(after / pipelined = {r['after backward / pipelined (step)']:.2f}x).",
+        "",
+        f"**Simulated** ({sim['label']}): ResNet-50, V100 roofline, {sim['workers']} workers, "
+        f"100 Gb/s InfiniBand; factors and inverses refreshed every iteration. Published beside it: "
+        f"{sim['published']}.",
+        "",
+        "| inversion efficiency (assumed) | one worker inverting all | SPD-style (pipelined, balanced) | "
+        "after backward, naive | after backward, round_robin | pipelined, round_robin | first-order wfbp |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for eff, row in sim["by_inverse_efficiency"].items():
         it, save = row["iteration_s"], row["saving_vs"]
         lines.append(
@@ -183,7 +212,8 @@ def render(results: dict) -> str:
             f"{it['pipelined, balanced'] * 1e3:.0f} ms | {it['after backward, naive'] * 1e3:.0f} ms "
             f"(-{save['after backward, naive']:.0%}) | {it['after backward, round_robin'] * 1e3:.0f} ms "
             f"(-{save['after backward, round_robin']:.0%}) | {it['pipelined, round_robin'] * 1e3:.0f} ms "
-            f"(-{save['pipelined, round_robin']:.1%}) | {it['first-order wfbp (no K-FAC)'] * 1e3:.0f} ms |")
+            f"(-{save['pipelined, round_robin']:.1%}) | {it['first-order wfbp (no K-FAC)'] * 1e3:.0f} ms |"
+        )
     lines.append("")
     lines.append("(-x%: the SPD-style iteration is that much shorter than the variant's.)")
     return "\n".join(lines)
@@ -200,10 +230,15 @@ def main() -> None:
         print(render(results))
         return
     load_before = os.getloadavg()
-    results = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                           "loadavg_before": load_before,
-                           "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS")},
-               "measured": measured(args)}
+    results = {
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "loadavg_before": load_before,
+            "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
+        },
+        "measured": measured(args),
+    }
     results["machine"]["loadavg_after"] = os.getloadavg()
     results["simulated"] = simulated()
     out = ROOT / "benchmarks" / "results" / "kfac_speed.json"
@@ -213,15 +248,26 @@ def main() -> None:
     if doc.exists():
         import re
 
-        text = re.sub(r"(<!-- kfac_speed:start -->\n).*?(<!-- kfac_speed:end -->)",
-                      lambda mt: mt.group(1) + table + "\n" + mt.group(2), doc.read_text(), flags=re.S)
+        text = re.sub(
+            r"(<!-- kfac_speed:start -->\n).*?(<!-- kfac_speed:end -->)",
+            lambda mt: mt.group(1) + table + "\n" + mt.group(2),
+            doc.read_text(),
+            flags=re.S,
+        )
         doc.write_text(text)
     print(table)
-    print(json.dumps({"machine": results["machine"], "ratios": results["measured"]["ratios"],
-                      "median_step_s": results["measured"]["median_step_s"],
-                      "inversion_s": results["measured"]["inversion_s (refresh - no refresh)"],
-                      "simulated": {k: v["saving_vs"] for k, v in
-                                    results["simulated"]["by_inverse_efficiency"].items()}}, indent=1))
+    print(
+        json.dumps(
+            {
+                "machine": results["machine"],
+                "ratios": results["measured"]["ratios"],
+                "median_step_s": results["measured"]["median_step_s"],
+                "inversion_s": results["measured"]["inversion_s (refresh - no refresh)"],
+                "simulated": {k: v["saving_vs"] for k, v in results["simulated"]["by_inverse_efficiency"].items()},
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Measured overlap on an emulated 2-host cluster: see ``jaxsched.tools.bench`` (same options).
 
-    .venv/bin/python benchmarks/overlap.py --hosts 2 --bandwidth 1gbit --steps 20
+.venv/bin/python benchmarks/overlap.py --hosts 2 --bandwidth 1gbit --steps 20
 """
+
 import sys
 
 from jaxsched.tools.cli.cluster import run_bench as main

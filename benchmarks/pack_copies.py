@@ -5,6 +5,7 @@ Run from the repository root: ``.venv/bin/python benchmarks/pack_copies.py``
 ``benchmarks/results/pack_copies.json``. Behind ``Collective.all_reduce_tensors``: the
 plain psum reduces large tensors as they are instead of packing them.
 """
+
 import json
 import os
 import statistics
@@ -40,9 +41,10 @@ def split(scale: float):
     def run(buf):
         out, offset = [], 0
         for x in LEAVES:
-            out.append(buf[offset:offset + x.size].reshape(x.shape) * scale)
+            out.append(buf[offset : offset + x.size].reshape(x.shape) * scale)
             offset += x.size
         return out
+
     return run
 
 

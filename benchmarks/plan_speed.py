@@ -7,6 +7,7 @@ simulator-searched DeAR plan, as medians of several runs on this machine. Writes
 
     python benchmarks/plan_speed.py
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,12 @@ from jaxsched.sim.zoo_profiles import zoo_profile
 
 def random_profile(num: int, seed: int = 0) -> LayerProfile:
     rng = random.Random(seed)
-    return LayerProfile([Layer(f"l{i}", n, 4 * n, rng.uniform(1e-4, 1e-3), rng.uniform(2e-4, 2e-3))
-                         for i, n in enumerate(rng.randint(1, 2_000_000) for _ in range(num))])
+    return LayerProfile(
+        [
+            Layer(f"l{i}", n, 4 * n, rng.uniform(1e-4, 1e-3), rng.uniform(2e-4, 2e-3))
+            for i, n in enumerate(rng.randint(1, 2_000_000) for _ in range(num))
+        ]
+    )
 
 
 def median_seconds(fn, repeats: int) -> float:

@@ -16,6 +16,7 @@ measured). Writes ``benchmarks/results/sim_calibration.json``.
 
     python benchmarks/sim_calibration.py
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,12 +39,16 @@ from jaxsched.plan import profiling as profile
 from jaxsched.demo import steps
 from jaxsched.sim import simulate  # noqa: E402
 
-CASES = [("mlp", {"hidden": (512, 512, 512)}, 64), ("cnn", {"channels": 32}, 16),
-         ("transformer", {"dim": 128, "layers": 4}, 8)]
+CASES = [
+    ("mlp", {"hidden": (512, 512, 512)}, 64),
+    ("cnn", {"channels": 32}, 16),
+    ("transformer", {"dim": 128, "layers": 4}, 8),
+]
 
 
-def measure_step(name: str, options: dict, batch: int, mesh, strategy: str = "allreduce",
-                 steps_count: int = 20) -> float:
+def measure_step(
+    name: str, options: dict, batch: int, mesh, strategy: str = "allreduce", steps_count: int = 20
+) -> float:
     rng = np.random.default_rng(0)
     workers = mesh.shape["data"]
     if name == "transformer":
@@ -85,33 +90,53 @@ def main(rounds: int = 3) -> None:
             per_round = []
             for _ in range(rounds):  # profile and measure back to back, several times: noise
                 network, fit_errors = profile.profile_network(mesh, repeats=7)
-                layers = profile.profile_zoo_model(name, batch=batch, repeats=7, mesh=mesh,
-                                                   optimizer=optax.sgd(0.01), **options)
+                layers = profile.profile_zoo_model(
+                    name, batch=batch, repeats=7, mesh=mesh, optimizer=optax.sgd(0.01), **options
+                )
                 one_bucket = [list(range(len(layers)))]
                 predicted = simulate(layers, network, strategy, one_bucket, shared_stream=True).iteration_s
                 before = simulate(
                     type(layers)([dataclasses.replace(l, update_s=0.0) for l in layers.layers]),
-                    dataclasses.replace(network, copy_s_per_byte=0.0), strategy, one_bucket,
-                    shared_stream=True).iteration_s
+                    dataclasses.replace(network, copy_s_per_byte=0.0),
+                    strategy,
+                    one_bucket,
+                    shared_stream=True,
+                ).iteration_s
                 measured = measure_step(name, options, batch, mesh, strategy)
-                per_round.append({"simulated_s": predicted, "measured_s": measured,
-                                  "relative_error": (predicted - measured) / measured,
-                                  "simulated_before_s": before,
-                                  "relative_error_before": (before - measured) / measured,
-                                  "update_s": layers.update_s, "dispatch_s": network.dispatch_s,
-                                  "copy_s_per_byte": network.copy_s_per_byte,
-                                  "fit_max_relative_error": fit_errors})
+                per_round.append(
+                    {
+                        "simulated_s": predicted,
+                        "measured_s": measured,
+                        "relative_error": (predicted - measured) / measured,
+                        "simulated_before_s": before,
+                        "relative_error_before": (before - measured) / measured,
+                        "update_s": layers.update_s,
+                        "dispatch_s": network.dispatch_s,
+                        "copy_s_per_byte": network.copy_s_per_byte,
+                        "fit_max_relative_error": fit_errors,
+                    }
+                )
             errors = sorted(r["relative_error"] for r in per_round)
-            rows.append({"model": name, "strategy": strategy, "options": options,
-                         "per_device_batch": batch, "params": layers.total_params,
-                         "layers": len(layers), "rounds": per_round,
-                         "median_relative_error": statistics.median(errors),
-                         "median_relative_error_before": statistics.median(
-                             r["relative_error_before"] for r in per_round)})
-            print(f"{name:<12} {strategy:<10} " + "  ".join(
-                f"{r['simulated_s'] * 1e3:6.1f}/{r['measured_s'] * 1e3:6.1f} ms" for r in per_round)
+            rows.append(
+                {
+                    "model": name,
+                    "strategy": strategy,
+                    "options": options,
+                    "per_device_batch": batch,
+                    "params": layers.total_params,
+                    "layers": len(layers),
+                    "rounds": per_round,
+                    "median_relative_error": statistics.median(errors),
+                    "median_relative_error_before": statistics.median(r["relative_error_before"] for r in per_round),
+                }
+            )
+            print(
+                f"{name:<12} {strategy:<10} "
+                + "  ".join(f"{r['simulated_s'] * 1e3:6.1f}/{r['measured_s'] * 1e3:6.1f} ms" for r in per_round)
                 + f"  median error {100 * rows[-1]['median_relative_error']:+.1f}%"
-                f" (before {100 * rows[-1]['median_relative_error_before']:+.1f}%)", flush=True)
+                f" (before {100 * rows[-1]['median_relative_error_before']:+.1f}%)",
+                flush=True,
+            )
     out = Path(__file__).parent / "results" / "sim_calibration.json"
     out.write_text(json.dumps({"rows": rows, "load_average": os.getloadavg()}, indent=1))
     print(f"load average {os.getloadavg()} -> {out}")

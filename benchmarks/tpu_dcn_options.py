@@ -12,6 +12,7 @@ the compiled program, NOT a measurement.
 
 Writes benchmarks/results/tpu_dcn_options.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,10 @@ LARGE = 1_000_000  # bytes: a weight matrix's DCN share, not a bias's
 #: Each candidate, added to jaxsched's TPU options (jaxsched.runtime.engine.xla.TPU_OPTIONS).
 CANDIDATES: dict[str, dict] = {
     "jaxsched's TPU options": {},
-    "data-parallel all-reduce opt": {"xla_tpu_enable_data_parallel_all_reduce_opt": True,
-                                     "xla_tpu_data_parallel_opt_different_sized_ops": True},
+    "data-parallel all-reduce opt": {
+        "xla_tpu_enable_data_parallel_all_reduce_opt": True,
+        "xla_tpu_data_parallel_opt_different_sized_ops": True,
+    },
     "4 concurrent async all-reduces": {"xla_max_concurrent_async_all_reduces": 4},
     "8 concurrent send/recv": {"xla_max_concurrent_send_recv": 8},
     "DCN combiner off": {"xla_tpu_dcn_all_reduce_combiner_threshold_bytes": 0},
@@ -60,31 +63,54 @@ def main() -> int:
     for name in names:
         names.set_postfix(options=name)
         started = time.perf_counter()
-        report = inspect_lib.inspect_jitted(exp.step, (exp.params, exp.opt_state, exp.batch), exp.mesh,
-                                            label=name, compiler_options={**TPU_OPTIONS, **CANDIDATES[name]})
+        report = inspect_lib.inspect_jitted(
+            exp.step,
+            (exp.params, exp.opt_state, exp.batch),
+            exp.mesh,
+            label=name,
+            compiler_options={**TPU_OPTIONS, **CANDIDATES[name]},
+        )
         ici = [c for c in report.collectives if c.kind == "all-reduce"]
         sends = [c for c in report.collectives if c.kind == "send"]
         rows[name] = {
             "options": CANDIDATES[name],
-            "step_s": report.step_s, "exposed_comm_s": report.exposed_comm_s,
+            "step_s": report.step_s,
+            "exposed_comm_s": report.exposed_comm_s,
             "last_ici_phase_done_s": max((c.end_s for c in ici), default=None),
             "first_send_s": min((c.start_s for c in sends), default=None),
             "first_ici_phase_done_s": min((c.end_s for c in ici), default=None),
             # the tensors' shares (a scalar's or a bias's share is a few bytes)
-            "large_sends_start_s": [min((c.start_s for c in sends if c.bytes >= LARGE), default=None),
-                                    max((c.start_s for c in sends if c.bytes >= LARGE), default=None)],
-            "sends": len(sends), "compile_s": round(time.perf_counter() - started, 1)}
+            "large_sends_start_s": [
+                min((c.start_s for c in sends if c.bytes >= LARGE), default=None),
+                max((c.start_s for c in sends if c.bytes >= LARGE), default=None),
+            ],
+            "sends": len(sends),
+            "compile_s": round(time.perf_counter() - started, 1),
+        }
         ms = lambda t: "-" if t is None else f"{t * 1e3:5.2f}"
-        print(f"{name:40s} step {ms(report.step_s)} ms  exposed {ms(report.exposed_comm_s)} ms"
-              f"  ICI phases done {ms(rows[name]['first_ici_phase_done_s'])} to "
-              f"{ms(rows[name]['last_ici_phase_done_s'])} ms, large sends start "
-              f"{ms(rows[name]['large_sends_start_s'][0])} to "
-              f"{ms(rows[name]['large_sends_start_s'][1])} ms", file=sys.stderr)
+        print(
+            f"{name:40s} step {ms(report.step_s)} ms  exposed {ms(report.exposed_comm_s)} ms"
+            f"  ICI phases done {ms(rows[name]['first_ici_phase_done_s'])} to "
+            f"{ms(rows[name]['last_ici_phase_done_s'])} ms, large sends start "
+            f"{ms(rows[name]['large_sends_start_s'][0])} to "
+            f"{ms(rows[name]['large_sends_start_s'][1])} ms",
+            file=sys.stderr,
+        )
     RESULT.parent.mkdir(exist_ok=True)
-    RESULT.write_text(json.dumps({
-        "target": TARGET, "model": exp.description,
-        "estimator": "XLA latency-hiding scheduler estimate for the compiled program (not measured on hardware)",
-        "date": time.strftime("%Y-%m-%d"), "candidates": rows}, indent=1))
+    RESULT.write_text(
+        json.dumps(
+            {
+                "target": TARGET,
+                "model": exp.description,
+                "estimator": (
+                    "XLA latency-hiding scheduler estimate for the compiled program (not measured on hardware)"
+                ),
+                "date": time.strftime("%Y-%m-%d"),
+                "candidates": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {RESULT}")
     return 0
 

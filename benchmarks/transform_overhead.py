@@ -5,6 +5,7 @@ Run: ``.venv/bin/python benchmarks/transform_overhead.py [--steps 30]``. Writes
 measured in the same run. On CPU collectives are synchronous (docs/benchmarks.md), so step-time
 ratios here measure the transform's overhead, not overlap.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,22 @@ from jaxsched.zoo import models  # noqa: E402
 from jaxsched.demo import steps
 
 MODELS = {
-    "mlp-4x512": dict(name="mlp", input_shape=(32, 32, 1), classes=10, options=dict(hidden=(512,) * 4),
-                      per_device=32, int_inputs=False),
-    "transformer-2x128": dict(name="transformer", input_shape=(64,), classes=256,
-                              options=dict(dim=128, heads=4, layers=2), per_device=8, int_inputs=True),
+    "mlp-4x512": dict(
+        name="mlp",
+        input_shape=(32, 32, 1),
+        classes=10,
+        options=dict(hidden=(512,) * 4),
+        per_device=32,
+        int_inputs=False,
+    ),
+    "transformer-2x128": dict(
+        name="transformer",
+        input_shape=(64,),
+        classes=256,
+        options=dict(dim=128, heads=4, layers=2),
+        per_device=8,
+        int_inputs=True,
+    ),
 }
 
 
@@ -50,8 +63,7 @@ def measure(model: str, devices: int, n_steps: int, repeats: int) -> list[dict]:
     """Compile and step times of every strategy; steps are interleaved round-robin so that
     load on the machine affects every strategy alike."""
     spec = MODELS[model]
-    params, apply_fn = models.pure(models.build(spec["name"], spec["input_shape"], spec["classes"],
-                                                **spec["options"]))
+    params, apply_fn = models.pure(models.build(spec["name"], spec["input_shape"], spec["classes"], **spec["options"]))
     tx = optax.adamw(1e-3)
     mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
     rng = np.random.default_rng(0)
@@ -79,9 +91,17 @@ def measure(model: str, devices: int, n_steps: int, repeats: int) -> list[dict]:
             jax.block_until_ready((states[strategy], aux))  # one step in flight (docs/benchmarks.md)
             if i:  # the first call compiles
                 times[strategy].append(time.perf_counter() - start)
-    return [{"model": model, "devices": devices, "strategy": s,
-             "compile_s": statistics.median(compile_s[s]), "step_s": statistics.median(times[s]),
-             "step_s_all": times[s]} for s in STRATEGIES]
+    return [
+        {
+            "model": model,
+            "devices": devices,
+            "strategy": s,
+            "compile_s": statistics.median(compile_s[s]),
+            "step_s": statistics.median(times[s]),
+            "step_s_all": times[s],
+        }
+        for s in STRATEGIES
+    ]
 
 
 def main() -> None:
@@ -95,26 +115,39 @@ def main() -> None:
     for model, devices in tqdm(cases, desc="transform overhead"):
         rows.extend(measure(model, devices, args.steps, args.repeats))
     for row in rows:
-        base = next(r for r in rows if r["model"] == row["model"] and r["devices"] == row["devices"]
-                    and r["strategy"] == "allreduce")
+        base = next(
+            r
+            for r in rows
+            if r["model"] == row["model"] and r["devices"] == row["devices"] and r["strategy"] == "allreduce"
+        )
         row["compile_ratio"] = row["compile_s"] / base["compile_s"]
         row["step_ratio"] = row["step_s"] / base["step_s"]
-    result = {"backend": jax.default_backend(), "machine": platform.machine(), "jax": jax.__version__,
-              "steps": args.steps, "repeats": args.repeats,
-              "note": "medians; ratios against allreduce measured in this run", "rows": rows}
+    result = {
+        "backend": jax.default_backend(),
+        "machine": platform.machine(),
+        "jax": jax.__version__,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "note": "medians; ratios against allreduce measured in this run",
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"{'model':>18} {'dev':>3} {'strategy':>9} {'compile s':>9} {'x plain':>7} {'step ms':>8} {'x plain':>7}")
     for r in rows:
-        print(f"{r['model']:>18} {r['devices']:>3} {r['strategy']:>9} {r['compile_s']:9.2f} "
-              f"{r['compile_ratio']:7.2f} {1e3 * r['step_s']:8.2f} {r['step_ratio']:7.2f}")
+        print(
+            f"{r['model']:>18} {r['devices']:>3} {r['strategy']:>9} {r['compile_s']:9.2f} "
+            f"{r['compile_ratio']:7.2f} {1e3 * r['step_s']:8.2f} {r['step_ratio']:7.2f}"
+        )
     print(f"wrote {args.out}; the README table, from it:")
     names = {"mlp-4x512": "MLP 4x512", "transformer-2x128": "Transformer 2x128"}
     for model, devices in cases:
         pick = {r["strategy"]: r for r in rows if r["model"] == model and r["devices"] == devices}
-        print(f"| {names[model]} | {devices} | {pick['wfbp']['compile_ratio']:.2f} / "
-              f"{pick['dear']['compile_ratio']:.2f} | {pick['wfbp']['step_ratio']:.2f} / "
-              f"{pick['dear']['step_ratio']:.2f} |")
+        print(
+            f"| {names[model]} | {devices} | {pick['wfbp']['compile_ratio']:.2f} / "
+            f"{pick['dear']['compile_ratio']:.2f} | {pick['wfbp']['step_ratio']:.2f} / "
+            f"{pick['dear']['step_ratio']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

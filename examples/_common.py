@@ -6,6 +6,7 @@ Why here and not in each trainer: the trainers (``digits.py``, ``cifar_synthetic
 this module is the same bookkeeping for all three. Options are validated before any
 work starts: a bad value ends the program with exit status 2 and one line naming it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,43 +30,51 @@ EXIT_INTERRUPTED = 130  # what a shell reports for a program stopped by Ctrl-C (
 COMPRESSIONS = "none, topk:DENSITY, gtopk:DENSITY, powersgd:RANK, bf16"
 
 
-
 #: the final loss and train accuracy of a summary are averages over this many last steps
 RECENT_STEPS = 10
 
-def parser(description: str, default_config: str | None, default_out: str
-           ) -> argparse.ArgumentParser:
+
+def parser(description: str, default_config: str | None, default_out: str) -> argparse.ArgumentParser:
     """The options every trainer takes (each may add its own). ``default_config=None``:
     the trainer picks one from the other options (see :func:`parse`)."""
     from jaxsched.strategies import STRATEGIES
 
     p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
-    p.add_argument("--config", default=default_config,
-                   help="TOML experiment config: [model], [data], [optimizer], [train] "
-                        "(jaxsched/config.py); the options below override it")
-    p.add_argument("--strategy", default="dear", choices=list(STRATEGIES),
-                   help="how gradients are communicated")
-    p.add_argument("--buckets", default=None, type=bucket_plan,
-                   help="none (25 MB buckets), a byte threshold, auto (cost-model plan), or "
-                        "an explicit plan: buckets separated by ';', path prefixes by ',' "
-                        "(e.g. 'hidden;head')")
-    p.add_argument("--compression", default=None, type=compression,
-                   help=f"gradient compressor: {COMPRESSIONS}")
-    p.add_argument("--engine", default="auto", type=engine_name,
-                   help="auto, xla or host (jaxsched.runtime.engine)")
+    p.add_argument(
+        "--config",
+        default=default_config,
+        help="TOML experiment config: [model], [data], [optimizer], [train] "
+        "(jaxsched/config.py); the options below override it",
+    )
+    p.add_argument("--strategy", default="dear", choices=list(STRATEGIES), help="how gradients are communicated")
+    p.add_argument(
+        "--buckets",
+        default=None,
+        type=bucket_plan,
+        help="none (25 MB buckets), a byte threshold, auto (cost-model plan), or "
+        "an explicit plan: buckets separated by ';', path prefixes by ',' "
+        "(e.g. 'hidden;head')",
+    )
+    p.add_argument("--compression", default=None, type=compression, help=f"gradient compressor: {COMPRESSIONS}")
+    p.add_argument("--engine", default="auto", type=engine_name, help="auto, xla or host (jaxsched.runtime.engine)")
     p.add_argument("--steps", type=positive_int, help="steps in all (default: train.steps)")
-    p.add_argument("--devices", type=positive_int,
-                   help="devices in the mesh (default: train.devices on one process; one per "
-                        "process under jaxsched launch)")
-    p.add_argument("--batch-size", type=positive_int,
-                   help="global batch (default: data.batch_size)")
+    p.add_argument(
+        "--devices",
+        type=positive_int,
+        help="devices in the mesh (default: train.devices on one process; one per process under jaxsched launch)",
+    )
+    p.add_argument("--batch-size", type=positive_int, help="global batch (default: data.batch_size)")
     p.add_argument("--seed", type=int, help="model init and data order (default: train.seed)")
-    p.add_argument("--out", default=default_out,
-                   help="folder for metrics.jsonl, summary.json, loss.png and checkpoints/")
-    p.add_argument("--checkpoint-every", type=positive_int, default=50,
-                   help="save the scheduled state every N steps (and after the last)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --out/checkpoints")
+    p.add_argument(
+        "--out", default=default_out, help="folder for metrics.jsonl, summary.json, loss.png and checkpoints/"
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        default=50,
+        help="save the scheduled state every N steps (and after the last)",
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out/checkpoints")
     p.add_argument("--no-progress", action="store_true", help="no progress bar or lines")
     return p
 
@@ -102,8 +111,7 @@ def engine_name(text: str) -> str:
     from jaxsched.runtime.engine import engine_names
 
     if text not in engine_names():
-        raise argparse.ArgumentTypeError(f"{text!r} is unknown; choose one of "
-                                         f"{', '.join(engine_names())}")
+        raise argparse.ArgumentTypeError(f"{text!r} is unknown; choose one of {', '.join(engine_names())}")
     return text
 
 
@@ -121,8 +129,11 @@ class Options:
     out: Path
 
 
-def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None,
-          config_for: Callable[[argparse.Namespace], str] | None = None) -> Options:
+def parse(
+    p: argparse.ArgumentParser,
+    argv: Sequence[str] | None = None,
+    config_for: Callable[[argparse.Namespace], str] | None = None,
+) -> Options:
     """Parse and check every option, the config and the output folder; touch no device.
     ``config_for(args)`` names the config when ``--config`` is not given."""
     from jaxsched.runtime.compress import PowerSGD
@@ -141,21 +152,20 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None,
     if devices % processes:
         p.error(f"--devices {devices} is not divisible by the {processes} processes")
     if batch % devices:
-        p.error(f"the global batch {batch} (--batch-size or data.batch_size) is not divisible "
-                f"by --devices {devices}; pick a multiple of {devices}")
+        p.error(
+            f"the global batch {batch} (--batch-size or data.batch_size) is not divisible "
+            f"by --devices {devices}; pick a multiple of {devices}"
+        )
     try:
         make_strategy(args.strategy, collective=args.compression)
     except ValueError as err:
         p.error(f"--strategy {args.strategy} --compression: {err}")
     if isinstance(args.compression, PowerSGD) and args.strategy != "wfbp":
-        p.error(f"--compression powersgd needs whole gradient tensors: use --strategy wfbp, "
-                f"not {args.strategy}")
+        p.error(f"--compression powersgd needs whole gradient tensors: use --strategy wfbp, not {args.strategy}")
     out = Path(args.out)
-    has_checkpoints = (out / "checkpoints").is_dir() and any(
-        c.name.isdigit() for c in (out / "checkpoints").iterdir())
+    has_checkpoints = (out / "checkpoints").is_dir() and any(c.name.isdigit() for c in (out / "checkpoints").iterdir())
     if has_checkpoints and not args.resume:
-        p.error(f"--out {out} already holds checkpoints: pass --resume to continue that run, "
-                "or choose another --out")
+        p.error(f"--out {out} already holds checkpoints: pass --resume to continue that run, or choose another --out")
     steps = args.steps or cfg.train.steps
     seed = cfg.train.seed if args.seed is None else args.seed
     opts = Options(args, cfg, steps, devices, batch, seed, processes, out)
@@ -165,8 +175,10 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None = None,
         changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
         if changed:
             diffs = ", ".join(f"{k} was {before.get(k)!r}, now {now.get(k)!r}" for k in changed)
-            p.error(f"--resume: {diffs}; a run resumes with the settings it started with "
-                    "(only --steps, --engine and --checkpoint-every may change)")
+            p.error(
+                f"--resume: {diffs}; a run resumes with the settings it started with "
+                "(only --steps, --engine and --checkpoint-every may change)"
+            )
     return opts
 
 
@@ -174,14 +186,26 @@ def settings(opts: Options) -> dict[str, Any]:
     """What decides a run's trajectory, as flat ``name: value`` pairs; a resumed run must
     match the ones its first part wrote to ``--out/run.json``."""
     cfg = dataclasses.asdict(opts.cfg)
-    flat = {f"{table}.{key}": value for table in ("model", "data", "optimizer")
-            for key, value in cfg[table].items() if key != "options"}
-    flat.update({f"{table}.{key}": value for table in ("model", "data")
-                 for key, value in cfg[table]["options"].items()})
+    flat = {
+        f"{table}.{key}": value
+        for table in ("model", "data", "optimizer")
+        for key, value in cfg[table].items()
+        if key != "options"
+    }
+    flat.update(
+        {f"{table}.{key}": value for table in ("model", "data") for key, value in cfg[table]["options"].items()}
+    )
     a = opts.args
-    flat.update({"strategy": a.strategy, "buckets": a.buckets, "seed": opts.seed,
-                 "compression": repr(a.compression) if a.compression else None,
-                 "devices": opts.devices, "batch_size": opts.batch_size})
+    flat.update(
+        {
+            "strategy": a.strategy,
+            "buckets": a.buckets,
+            "seed": opts.seed,
+            "compression": repr(a.compression) if a.compression else None,
+            "devices": opts.devices,
+            "batch_size": opts.batch_size,
+        }
+    )
     flat.pop("data.batch_size")
     return json.loads(json.dumps(flat))
 
@@ -205,9 +229,11 @@ def start_devices(opts: Options) -> Any:
     for p in range(jax.process_count()):
         local = sorted((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
         if len(local) < per_process:
-            fail(f"--devices {opts.devices} needs {per_process} devices in process {p}, which "
-                 f"has {len(local)}; set XLA_FLAGS=--xla_force_host_platform_device_count="
-                 f"{per_process} (or jaxsched launch --cpu-devices) or lower --devices")
+            fail(
+                f"--devices {opts.devices} needs {per_process} devices in process {p}, which "
+                f"has {len(local)}; set XLA_FLAGS=--xla_force_host_platform_device_count="
+                f"{per_process} (or jaxsched launch --cpu-devices) or lower --devices"
+            )
         chosen += local[:per_process]
     return jax.sharding.Mesh(np.array(chosen), ("data",))
 
@@ -230,8 +256,7 @@ def check_buckets(plan: Any, params: Any) -> None:
         fail(f"--buckets: {err}")
 
 
-def global_batch(mesh: Any, arrays: Sequence[np.ndarray], batch_size: int, step: int,
-                 seed: int) -> tuple:
+def global_batch(mesh: Any, arrays: Sequence[np.ndarray], batch_size: int, step: int, seed: int) -> tuple:
     """Step ``step``'s batch, a function of ``(seed, step)`` only, on ``mesh``; each process
     reads and places only its own rows (``jax.make_array_from_process_local_data``)."""
     import jax
@@ -241,11 +266,9 @@ def global_batch(mesh: Any, arrays: Sequence[np.ndarray], batch_size: int, step:
 
     idx = batch_indices(len(arrays[0]), batch_size, step, seed)
     share = batch_size // jax.process_count()
-    mine = idx[jax.process_index() * share:(jax.process_index() + 1) * share]
+    mine = idx[jax.process_index() * share : (jax.process_index() + 1) * share]
     sharding = NamedSharding(mesh, P("data"))
-    return tuple(jax.make_array_from_process_local_data(sharding, a[mine],
-                                                        (batch_size, *a.shape[1:]))
-                 for a in arrays)
+    return tuple(jax.make_array_from_process_local_data(sharding, a[mine], (batch_size, *a.shape[1:])) for a in arrays)
 
 
 def host(tree: Any) -> Any:
@@ -310,8 +333,12 @@ class Run:
         if self.stop_requested:
             raise KeyboardInterrupt
         self.stop_requested = True
-        print(f"\n{signal.Signals(signum).name}: stopping after this step (again: at once); "
-              "the last complete checkpoint is kept", file=sys.stderr, flush=True)
+        print(
+            f"\n{signal.Signals(signum).name}: stopping after this step (again: at once); "
+            "the last complete checkpoint is kept",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         for sig, handler in self._previous_handlers.items():
@@ -344,8 +371,12 @@ class Run:
         from jaxsched.core.progress import progress
 
         desc = f"{self.name} from step {self.start}" if self.start else self.name
-        bar = progress(range(self.start, self.opts.steps), desc,
-                       enabled=self.primary and not self.opts.args.no_progress, unit="step")
+        bar = progress(
+            range(self.start, self.opts.steps),
+            desc,
+            enabled=self.primary and not self.opts.args.no_progress,
+            unit="step",
+        )
         self._bar = bar
         for step in bar:
             if self.stop_requested:
@@ -362,8 +393,7 @@ class Run:
             self.step_seconds.append(seconds)
         rate = self.opts.batch_size * self.per_example / seconds
         metrics = {k: float(np.asarray(v.addressable_data(0))) for k, v in aux.items()}
-        row = {"step": step, **metrics,
-               "step_s": seconds, f"{self.unit}_per_s": rate}
+        row = {"step": step, **metrics, "step_s": seconds, f"{self.unit}_per_s": rate}
         self.last_row = row
         self.recent_rows.append(row)
         if self.primary:
@@ -400,25 +430,38 @@ class Run:
         args = self.opts.args
         median = float(np.median(self.step_seconds)) if self.step_seconds else float("nan")
         summary = {
-            "example": self.name, "model": self.opts.cfg.model.name, "strategy": args.strategy,
-            "buckets": args.buckets, "compression": repr(args.compression) if args.compression
-            else None, "engine": args.engine, "devices": self.opts.devices,
+            "example": self.name,
+            "model": self.opts.cfg.model.name,
+            "strategy": args.strategy,
+            "buckets": args.buckets,
+            "compression": repr(args.compression) if args.compression else None,
+            "engine": args.engine,
+            "devices": self.opts.devices,
             "engine_used": sched.program.engine.name,
             "buckets_used": len(sched.program.planned.buckets),
-            "processes": self.opts.processes, "batch_size": self.opts.batch_size,
-            "seed": self.opts.seed, "steps": self.opts.steps, "resumed_from": self.start,
-            "final_loss": self.recent_mean("loss"), "median_step_s": median,
+            "processes": self.opts.processes,
+            "batch_size": self.opts.batch_size,
+            "seed": self.opts.seed,
+            "steps": self.opts.steps,
+            "resumed_from": self.start,
+            "final_loss": self.recent_mean("loss"),
+            "median_step_s": median,
             f"{self.unit}_per_s": self.opts.batch_size * self.per_example / median,
-            "wall_s": time.perf_counter() - self._started, **results,
+            "wall_s": time.perf_counter() - self._started,
+            **results,
             "checkpoint": str(self.checkpoints.directory / str(self.checkpoints.latest_step())),
         }
-        summary = {k: None if isinstance(v, float) and not np.isfinite(v) else v
-                   for k, v in summary.items()}  # no step timed (e.g. resumed at the end)
+        summary = {
+            k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in summary.items()
+        }  # no step timed (e.g. resumed at the end)
         if self.primary:
             (self.opts.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            plot_losses(_read_jsonl(self.metrics_path), self.opts.out / "loss.png",
-                        f"{self.name}: {self.opts.cfg.model.name}, {args.strategy}, "
-                        f"{self.opts.devices} devices", results.get("best_possible_loss"))
+            plot_losses(
+                _read_jsonl(self.metrics_path),
+                self.opts.out / "loss.png",
+                f"{self.name}: {self.opts.cfg.model.name}, {args.strategy}, {self.opts.devices} devices",
+                results.get("best_possible_loss"),
+            )
             width = max(map(len, summary))
             print("\n".join(f"{k:>{width}}  {_fmt(v)}" for k, v in summary.items()))
             print(f"wrote {self.opts.out}/summary.json, metrics.jsonl, loss.png", flush=True)

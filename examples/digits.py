@@ -8,6 +8,7 @@ the local shard, ``lax.pmean`` of the gradients, an optax update inside ``jax.sh
 ``jaxsched.schedule`` reorders its gradient communication. Options, checkpoints, metrics
 and Ctrl-C live in ``_common.py``; ``--help`` lists every option with its default.
 """
+
 from __future__ import annotations
 
 import sys
@@ -23,13 +24,14 @@ CONFIGS = Path(__file__).parent.parent / "configs"
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = _common.parser(__doc__.splitlines()[0], default_config=None, default_out="runs/digits")
-    p.add_argument("--model", choices=("mlp", "cnn"),
-                   help="mlp (the default) or cnn: reads configs/MODEL_digits.toml")
+    p.add_argument("--model", choices=("mlp", "cnn"), help="mlp (the default) or cnn: reads configs/MODEL_digits.toml")
     opts = _common.parse(p, argv, lambda a: str(CONFIGS / f"{a.model or 'mlp'}_digits.toml"))
     cfg, model = opts.cfg, opts.args.model
     if cfg.data.name != "digits" or model not in (None, cfg.model.name):
-        p.error(f"--config {opts.args.config} trains {cfg.model.name!r} on {cfg.data.name!r}, "
-                f"but this trainer reads the digits{' with --model ' + model if model else ''}")
+        p.error(
+            f"--config {opts.args.config} trains {cfg.model.name!r} on {cfg.data.name!r}, "
+            f"but this trainer reads the digits{' with --model ' + model if model else ''}"
+        )
     mesh = _common.start_devices(opts)  # first touch of a device: after validation
 
     import jax
@@ -41,18 +43,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     from jaxsched.demo import steps
 
     split = data.load_digits()
-    net = models.build(cfg.model.name, split.train_x.shape[1:], split.num_classes,
-                       seed=opts.seed, **cfg.model.options)
+    net = models.build(cfg.model.name, split.train_x.shape[1:], split.num_classes, seed=opts.seed, **cfg.model.options)
     params, apply_fn = models.pure(net)
     _common.check_buckets(opts.args.buckets, params)
     tx = steps.make_optimizer(cfg.optimizer)
-    sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy=opts.args.strategy,
-                              buckets=opts.args.buckets, engine=opts.args.engine,
-                              compression=opts.args.compression)
+    sched = jaxsched.schedule(
+        steps.make_step(apply_fn, tx, mesh),
+        strategy=opts.args.strategy,
+        buckets=opts.args.buckets,
+        engine=opts.args.engine,
+        compression=opts.args.compression,
+    )
 
     def batch(step: int) -> tuple:
-        return _common.global_batch(mesh, (split.train_x, split.train_y), opts.batch_size,
-                                    step, opts.seed)
+        return _common.global_batch(mesh, (split.train_x, split.train_y), opts.batch_size, step, opts.seed)
 
     # With an example batch, init returns the scheduled layout: the checkpoint's target.
     state = sched.init(params, tx.init(params), batch(0))
@@ -67,8 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     params, _ = sched.finalize(state)  # ordinary trees (dear: the deferred all-gathers)
     logits = jax.jit(apply_fn)(_common.host(params), split.test_x)
     test_accuracy = float(np.mean(np.argmax(logits, -1) == split.test_y))
-    return run.finish(sched, train_accuracy=run.recent_mean("accuracy"),
-                      test_accuracy=test_accuracy)
+    return run.finish(sched, train_accuracy=run.recent_mean("accuracy"), test_accuracy=test_accuracy)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ the step per device (``jaxsched.core.partition``) and finds the trained leaves
 (``state.params``). Options, checkpoints, metrics and Ctrl-C live
 in ``_common.py``; ``--help`` lists every option with its default.
 """
+
 import sys  # no `from __future__ import annotations`: linen's dataclasses read the annotations
 from pathlib import Path
 from typing import Sequence
@@ -54,17 +55,16 @@ def build_model(name: str, classes: int, options: dict):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = _common.parser(__doc__.splitlines()[0], default_config=None,
-                       default_out="runs/trainstate-digits")
-    p.add_argument("--model", choices=("mlp", "cnn"),
-                   help="mlp (the default) or cnn: reads configs/MODEL_digits.toml")
+    p = _common.parser(__doc__.splitlines()[0], default_config=None, default_out="runs/trainstate-digits")
+    p.add_argument("--model", choices=("mlp", "cnn"), help="mlp (the default) or cnn: reads configs/MODEL_digits.toml")
     opts = _common.parse(p, argv, lambda a: str(CONFIGS / f"{a.model or 'mlp'}_digits.toml"))
     cfg, model_name = opts.cfg, opts.args.model
-    if cfg.data.name != "digits" or cfg.model.name not in ("mlp", "cnn") or \
-            model_name not in (None, cfg.model.name):
-        p.error(f"--config {opts.args.config} trains {cfg.model.name!r} on {cfg.data.name!r}, "
-                f"but this trainer reads the digits with an mlp or cnn"
-                f"{' (--model ' + model_name + ')' if model_name else ''}")
+    if cfg.data.name != "digits" or cfg.model.name not in ("mlp", "cnn") or model_name not in (None, cfg.model.name):
+        p.error(
+            f"--config {opts.args.config} trains {cfg.model.name!r} on {cfg.data.name!r}, "
+            f"but this trainer reads the digits with an mlp or cnn"
+            f"{' (--model ' + model_name + ')' if model_name else ''}"
+        )
     mesh = _common.start_devices(opts)  # first touch of a device: after validation
 
     import jax
@@ -78,8 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     split = data.load_digits()
     model = build_model(cfg.model.name, split.num_classes, cfg.model.options)
     variables = model.init(jax.random.key(opts.seed), split.train_x[:1])
-    state = TrainState.create(apply_fn=model.apply, params=variables["params"],
-                              tx=steps.make_optimizer(cfg.optimizer))
+    state = TrainState.create(apply_fn=model.apply, params=variables["params"], tx=steps.make_optimizer(cfg.optimizer))
     _common.check_buckets(opts.args.buckets, {"params": state.params})  # paths: params/...
 
     @jax.jit
@@ -93,13 +92,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         state = state.apply_gradients(grads=grads)
         return state, {"loss": loss, "accuracy": steps.accuracy(logits, y)}
-    sched = jaxsched.schedule(train_step, strategy=opts.args.strategy,
-                              buckets=opts.args.buckets, engine=opts.args.engine,
-                              compression=opts.args.compression)
+
+    sched = jaxsched.schedule(
+        train_step,
+        strategy=opts.args.strategy,
+        buckets=opts.args.buckets,
+        engine=opts.args.engine,
+        compression=opts.args.compression,
+    )
 
     def batch(step: int) -> tuple:
-        return _common.global_batch(mesh, (split.train_x, split.train_y), opts.batch_size,
-                                    step, opts.seed)
+        return _common.global_batch(mesh, (split.train_x, split.train_y), opts.batch_size, step, opts.seed)
 
     # With an example batch, init splits the state (trained params / the rest) and returns
     # the scheduled layout at once: the checkpoint's target.
@@ -115,8 +118,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     state = sched.finalize(sstate)  # a TrainState again (dear: the deferred all-gathers)
     logits = jax.jit(state.apply_fn)({"params": _common.host(state.params)}, split.test_x)
     test_accuracy = float(np.mean(np.argmax(logits, -1) == split.test_y))
-    return run.finish(sched, train_accuracy=run.recent_mean("accuracy"),
-                      test_accuracy=test_accuracy, trained_steps=int(_common.host(state.step)))
+    return run.finish(
+        sched,
+        train_accuracy=run.recent_mean("accuracy"),
+        test_accuracy=test_accuracy,
+        trained_steps=int(_common.host(state.step)),
+    )
 
 
 if __name__ == "__main__":

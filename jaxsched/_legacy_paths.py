@@ -4,6 +4,7 @@
 module's new home (``jaxsched.strategies.approximation``, ``jaxsched.sim.costmodel``): the
 module object is the same, so ``isinstance`` checks and monkeypatching see one module.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -61,7 +62,7 @@ def _new_name(fullname: str) -> str | None:
     """The new home of ``fullname`` or of a submodule of a moved package."""
     for old, new in MOVED.items():
         if fullname == old or fullname.startswith(old + "."):
-            return new + fullname[len(old):]
+            return new + fullname[len(old) :]
     return None
 
 

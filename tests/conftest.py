@@ -5,6 +5,7 @@ for a TPU and CUDA driver at start-up (and print libtpu's errors) in every proce
 on CPU, and compile for accelerators only through jaxsched.tools.aot's compile-only devices, which
 need no backend: so this process and every subprocess it starts use the CPU backend only.
 """
+
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

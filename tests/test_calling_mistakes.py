@@ -1,5 +1,6 @@
 """Mistakes in calling the API get a TypeError or ValueError that names the mistake and the
 right call, not an error from deep inside JAX."""
+
 from __future__ import annotations
 
 import jax
@@ -30,8 +31,9 @@ def setup():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     key = jax.random.key(0)
     params = {"w": jax.random.normal(key, (4, 2))}
-    batch = jax.device_put((jax.random.normal(key, (16, 4)), jax.random.normal(key, (16, 2))),
-                           NamedSharding(mesh, P("data")))
+    batch = jax.device_put(
+        (jax.random.normal(key, (16, 4)), jax.random.normal(key, (16, 2))), NamedSharding(mesh, P("data"))
+    )
     return params, TX.init(params), batch
 
 

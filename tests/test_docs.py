@@ -1,5 +1,6 @@
 """The README's examples and the docstring examples run as written; the README quotes the
 committed benchmark results."""
+
 import doctest
 import importlib
 import json
@@ -12,28 +13,56 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
+
+
 def _all_modules() -> list[str]:
     import pkgutil
 
     import jaxsched
-    return sorted(m.name for m in pkgutil.walk_packages(jaxsched.__path__, "jaxsched.")
-                  if not m.name.endswith("__main__"))
+
+    return sorted(
+        m.name for m in pkgutil.walk_packages(jaxsched.__path__, "jaxsched.") if not m.name.endswith("__main__")
+    )
 
 
 # The heaviest examples (compiles of collectives over 8 devices) run in `make test-slow`.
-SLOW_EXAMPLES = {"jaxsched.runtime.compress.gtopk", "jaxsched.runtime.kernels.error_feedback",
-                 "jaxsched.integrations.checkpoint", "jaxsched.plan.profiling"}
-MODULES = [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_EXAMPLES else m
-           for m in _all_modules()]
+SLOW_EXAMPLES = {
+    "jaxsched.runtime.compress.gtopk",
+    "jaxsched.runtime.kernels.error_feedback",
+    "jaxsched.integrations.checkpoint",
+    "jaxsched.plan.profiling",
+}
+MODULES = [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_EXAMPLES else m for m in _all_modules()]
 # Packages whose __init__ only re-exports, and modules of argument parsing or rule tables,
 # may have no example; every other module shows one.
-WITHOUT_EXAMPLES = {"jaxsched.core", "jaxsched.runtime", "jaxsched.zoo", "jaxsched.pipeline",
-                    "jaxsched.check", "jaxsched.integrations", "jaxsched.demo", "jaxsched.tools",
-                    "jaxsched._legacy_paths", "jaxsched._version", "jaxsched.tools.cli.bench", "jaxsched.tools.cli", "jaxsched.runtime.collectives", "jaxsched.runtime.engine", "jaxsched.core.rewrite",
-                    "jaxsched.core.rewrite.backward", "jaxsched.core.rewrite.rules", "jaxsched.sim",
-                    "jaxsched.strategies", "jaxsched.plan._common", "jaxsched.tools.cli.simulate",
-                    "jaxsched.tools.cli.train", "jaxsched.tools.cli.cluster", "jaxsched.tools.cli.options",
-                    "jaxsched.tools.cli.verify", "jaxsched.tools.cli.inspection"}
+WITHOUT_EXAMPLES = {
+    "jaxsched.core",
+    "jaxsched.runtime",
+    "jaxsched.zoo",
+    "jaxsched.pipeline",
+    "jaxsched.check",
+    "jaxsched.integrations",
+    "jaxsched.demo",
+    "jaxsched.tools",
+    "jaxsched._legacy_paths",
+    "jaxsched._version",
+    "jaxsched.tools.cli.bench",
+    "jaxsched.tools.cli",
+    "jaxsched.runtime.collectives",
+    "jaxsched.runtime.engine",
+    "jaxsched.core.rewrite",
+    "jaxsched.core.rewrite.backward",
+    "jaxsched.core.rewrite.rules",
+    "jaxsched.sim",
+    "jaxsched.strategies",
+    "jaxsched.plan._common",
+    "jaxsched.tools.cli.simulate",
+    "jaxsched.tools.cli.train",
+    "jaxsched.tools.cli.cluster",
+    "jaxsched.tools.cli.options",
+    "jaxsched.tools.cli.verify",
+    "jaxsched.tools.cli.inspection",
+}
 
 
 def _readme_python_blocks() -> list[str]:
@@ -46,14 +75,14 @@ def test_readme_examples_run_as_written_in_a_fresh_interpreter(tmp_path):
     setting and without XLA_FLAGS: what a user who copies it gets."""
     blocks = _readme_python_blocks()
     assert blocks
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = str(ROOT)  # this checkout's jaxsched, as an editable install gives
     for i, block in enumerate(blocks):
         script = tmp_path / f"readme_{i}.py"
         script.write_text(block)
-        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
         assert done.returncode == 0, f"README python block {i} failed:\n{done.stderr[-3000:]}"
         # nothing on stderr but what the block prints itself: no plugin or driver noise
         assert not done.stderr.strip(), f"README python block {i} wrote to stderr:\n{done.stderr[-3000:]}"
@@ -64,11 +93,14 @@ def test_readme_examples_run_as_written_in_a_fresh_interpreter(tmp_path):
 
 def _readme_overhead_table() -> dict[tuple[str, int], tuple[float, float, float, float]]:
     text = (ROOT / "docs" / "benchmarks.md").read_text()
-    section = text[text.index("## What the transform costs"):text.index("## `jax.jit` steps")]
+    section = text[text.index("## What the transform costs") : text.index("## `jax.jit` steps")]
     rows = {}
     for line in section.splitlines():
-        match = re.match(r"\| (MLP 4x512|Transformer 2x128) \| (\d+) \| ([\d.]+) / ([\d.]+) \| "
-                         r"([\d.]+) / ([\d.]+) \|", line)
+        match = re.match(
+            r"\| (MLP 4x512|Transformer 2x128) \| (\d+) \| ([\d.]+) / ([\d.]+) \| "
+            r"([\d.]+) / ([\d.]+) \|",
+            line,
+        )
         if match:
             model = {"MLP 4x512": "mlp-4x512", "Transformer 2x128": "transformer-2x128"}[match[1]]
             rows[(model, int(match[2]))] = tuple(float(match[i]) for i in range(3, 7))
@@ -93,6 +125,7 @@ def test_docstring_examples(name):
     import sys
 
     import jaxsched  # noqa: F401  (jaxsched.schedule the module is shadowed by the function)
+
     module = sys.modules.get(name) or importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0

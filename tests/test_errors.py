@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the leaf, primitive or source line and what to do.
 Every class here is a row of the README's table of bad inputs, message as quoted there."""
+
 import re
 from pathlib import Path
 
@@ -35,12 +36,12 @@ def _mlp_step(strategy="dear", **options):
 
 def _custom(body, out_specs=(P(), P(), P()), strategy="wfbp"):
     mesh = _mesh()
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=out_specs, check_vma=False))
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=out_specs, check_vma=False))
     sched = jaxsched.schedule(step, strategy=strategy)
     params = {"w": np.ones(3, np.float32)}
-    return sched(sched.init(params, ()), jax.device_put(np.ones((4, 3), np.float32),
-                                                         jax.NamedSharding(mesh, P("data"))))
+    return sched(
+        sched.init(params, ()), jax.device_put(np.ones((4, 3), np.float32), jax.NamedSharding(mesh, P("data")))
+    )
 
 
 def _no_reduction(p, s, x):
@@ -56,6 +57,7 @@ def _foreign_axis(p, s, x):
 def _nested(p, s, x):
     def body(c, _):
         return lax.pmean(jax.grad(lambda q: jnp.sum(q["w"] * x))(c), "data"), None
+
     g, _ = lax.scan(body, p, None, length=1)
     return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
 
@@ -92,11 +94,14 @@ def _grads_over_a_model_axis(_):
         g = lax.pmean(jax.grad(lambda q: jnp.sum(q["w"] * x))(p), ("data", "model"))
         return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    )
     sched = jaxsched.schedule(step, strategy="wfbp")
-    sched(sched.init({"w": np.ones(3, np.float32)}, ()),
-          jax.device_put(np.ones((4, 3), np.float32), jax.NamedSharding(mesh, P("data"))))
+    sched(
+        sched.init({"w": np.ones(3, np.float32)}, ()),
+        jax.device_put(np.ones((4, 3), np.float32), jax.NamedSharding(mesh, P("data"))),
+    )
 
 
 def _kfac_on_model_sharded_params(_):
@@ -105,20 +110,28 @@ def _kfac_on_model_sharded_params(_):
     def body(p, s, x):
         def loss(q):
             return jnp.sum(lax.psum(jnp.tanh(x @ q["w"]), "model"))
+
         g = lax.pmean(jax.grad(loss)(p), "data")
         return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=({"w": P(None, "model")}, P(), P("data")),
-                                 out_specs=({"w": P(None, "model")}, P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=({"w": P(None, "model")}, P(), P("data")),
+            out_specs=({"w": P(None, "model")}, P(), P()),
+            check_vma=False,
+        )
+    )
     sched = jaxsched.schedule(step, strategy="kfac")
     w = jax.device_put(np.ones((3, 4), np.float32), jax.NamedSharding(mesh, P(None, "model")))
-    sched(sched.init({"w": w}, ()),
-          jax.device_put(np.ones((4, 3), np.float32), jax.NamedSharding(mesh, P("data"))))
+    sched(sched.init({"w": w}, ()), jax.device_put(np.ones((4, 3), np.float32), jax.NamedSharding(mesh, P("data"))))
 
 
 def _hierarchical_on_one_axis(_):
     sched, state, batch, _p = _mlp_step("wfbp", collective=jaxsched.runtime.collectives.Hierarchical("ici", "dcn"))
     sched(state, batch)
+
 
 def _jit_with_sharded_params(_):
     mesh = jax.make_mesh((2,), ("data",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
@@ -136,11 +149,9 @@ def _jit_with_sharded_params(_):
 
 def _state_step(body, state):
     mesh = _mesh()
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
-                                 check_vma=False))
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=False))
     sched = jaxsched.schedule(step)
-    return sched(sched.init(state), jax.device_put(np.ones((4, 3), np.float32),
-                                                   jax.NamedSharding(mesh, P("data"))))
+    return sched(sched.init(state), jax.device_put(np.ones((4, 3), np.float32), jax.NamedSharding(mesh, P("data"))))
 
 
 def _extra_output(state, x):
@@ -153,69 +164,130 @@ def _running_mean(state, x):
 
 
 CASES = {
-    "unknown strategy": (lambda _: jaxsched.schedule(lambda *a: a, strategy="deer"),
-                         ValueError, "strategy='deer' is unknown; choose one of"),
-    "not a step": (lambda _: jaxsched.schedule(42), TypeError,
-                   "schedule() needs the user's train step, got int"),
-    "unknown option": (lambda _: jaxsched.schedule(lambda *a: a, strategy="wfbp", layer_profil=None),
-                       TypeError, "schedule() got unknown options ['layer_profil']"),
-    "no gradient reduction": (lambda _: _custom(_no_reduction), jaxsched.UnsupportedStepError,
-                              "the step has no gradient reduction over mesh axis 'data'"),
-    "axis not in the mesh": (lambda _: _custom(_foreign_axis), jaxsched.UnsupportedStepError,
-                             "the step reduces over an axis that is not in its mesh"),
-    "reduction inside a loop": (lambda _: _custom(_nested), jaxsched.UnsupportedStepError,
-                                "the gradients are reduced over 'data' inside a nested scan at"),
-    "outputs in another structure": (lambda _: _custom(_renamed_output), jaxsched.UnsupportedStepError,
-                                     "the step's output params has structure"),
+    "unknown strategy": (
+        lambda _: jaxsched.schedule(lambda *a: a, strategy="deer"),
+        ValueError,
+        "strategy='deer' is unknown; choose one of",
+    ),
+    "not a step": (lambda _: jaxsched.schedule(42), TypeError, "schedule() needs the user's train step, got int"),
+    "unknown option": (
+        lambda _: jaxsched.schedule(lambda *a: a, strategy="wfbp", layer_profil=None),
+        TypeError,
+        "schedule() got unknown options ['layer_profil']",
+    ),
+    "no gradient reduction": (
+        lambda _: _custom(_no_reduction),
+        jaxsched.UnsupportedStepError,
+        "the step has no gradient reduction over mesh axis 'data'",
+    ),
+    "axis not in the mesh": (
+        lambda _: _custom(_foreign_axis),
+        jaxsched.UnsupportedStepError,
+        "the step reduces over an axis that is not in its mesh",
+    ),
+    "reduction inside a loop": (
+        lambda _: _custom(_nested),
+        jaxsched.UnsupportedStepError,
+        "the gradients are reduced over 'data' inside a nested scan at",
+    ),
+    "outputs in another structure": (
+        lambda _: _custom(_renamed_output),
+        jaxsched.UnsupportedStepError,
+        "the step's output params has structure",
+    ),
     "`jax.jit` step with sharded parameters": (
-        _jit_with_sharded_params, jaxsched.UnsupportedStepError,
+        _jit_with_sharded_params,
+        jaxsched.UnsupportedStepError,
         "['w'] is sharded with P('data',): jaxsched schedules jax.jit steps whose parameters and "
-        "optimizer state are replicated (P())"),
-    "step of another arity": (lambda _: jaxsched.schedule(lambda batch: batch).init(1),
-                              TypeError, "the step takes 1 positional argument(s); jaxsched.schedule "
-                              "accepts step(params, opt_state, batch) -> (params, opt_state, aux) or "
-                              "step(state, batch) -> (state, aux)"),
+        "optimizer state are replicated (P())",
+    ),
+    "step of another arity": (
+        lambda _: jaxsched.schedule(lambda batch: batch).init(1),
+        TypeError,
+        "the step takes 1 positional argument(s); jaxsched.schedule "
+        "accepts step(params, opt_state, batch) -> (params, opt_state, aux) or "
+        "step(state, batch) -> (state, aux)",
+    ),
     "output state in another structure": (
         lambda _: _state_step(_extra_output, {"w": np.ones(3, np.float32)}),
-        jaxsched.UnsupportedStepError, "the step's output state has structure"),
+        jaxsched.UnsupportedStepError,
+        "the step's output state has structure",
+    ),
     "state with nothing trained": (
         lambda _: _state_step(_running_mean, {"mean": np.zeros(3, np.float32)}),
-        jaxsched.UnsupportedStepError, "found no trained parameter in the state"),
-    "not (params, opt_state, aux)": (lambda _: _custom(_two_outputs, (P(), P())),
-                                     jaxsched.UnsupportedStepError,
-                                     "the step must return (params, opt_state, aux)"),
-    "unknown bucket path": (lambda _: _mlp_step(buckets=[["hid"]])[0](*_mlp_step(buckets=[["hid"]])[1:3]),
-                            ValueError, "buckets[0] names unknown parameter 'hid'"),
-    "parameter in two buckets": (lambda _: (lambda s, st, b, _p: s(st, b))(
-        *_mlp_step(buckets=[["hidden"], ["hidden/0/bias"], ["head"]])),
-        ValueError, "parameter 'hidden/0/bias' is in buckets[0] and buckets[1]"),
-    "unknown bucket plan": (lambda _: (lambda s, st, b, _p: s(st, b))(*_mlp_step(buckets="fast")),
-                            ValueError, "buckets='fast' is not understood"),
-    "compression on the identity": (lambda _: jaxsched.schedule(lambda *a: a, strategy="allreduce",
-                                                                collective=jaxsched.Collective()),
-                                    ValueError, "strategy 'allreduce' issues no bucket collectives"),
-    "unknown engine": (lambda _: jaxsched.schedule(lambda *a: a, engine="gpu"), ValueError,
-                       "engine='gpu' is unknown; choose one of"),
-    "host engine without a spare device": (lambda _: spare_devices(jax.make_mesh((8,), ("data",))),
-                                           HostEngineError, "process 0 has no local cpu device outside the mesh"),
-    "K-FAC damping <= 0": (lambda _: jaxsched.schedule(lambda *a: a, strategy="kfac", damping=0.0),
-                           ValueError, "damping=0.0 must be a finite number > 0"),
-    "K-FAC inverse interval < 1": (lambda _: jaxsched.schedule(lambda *a: a, strategy="kfac",
-                                                               inverse_interval=0),
-                                   ValueError, "inverse_interval=0 must be an int >= 1"),
-    "K-FAC without a dense or conv layer": (lambda _: _custom(_elementwise, strategy="kfac"),
-                                            jaxsched.UnsupportedStepError,
-                                            "kfac found no dense or convolution layer in the step"),
-    "state leaf of another shape": (_wrong_shape, ValueError,
-                                    "state leaf params/head/bias has shape (3,); expected the user's"),
-    "gradients reduced over a model axis": (_grads_over_a_model_axis, jaxsched.UnsupportedStepError,
-                                            "gradients are reduced over axes ('data', 'model') at"),
-    "K-FAC on a tensor-parallel layer": (_kfac_on_model_sharded_params, jaxsched.UnsupportedStepError,
-                                         "kfac preconditions whole layers, but params/w is sharded over "
-                                         "the model axes ('model',)"),
-    "Hierarchical on other axes": (_hierarchical_on_one_axis, ValueError,
-                                   "Hierarchical(fast='ici', slow='dcn') needs a step whose "
-                                   "data-parallel axes are exactly ('dcn', 'ici')"),
+        jaxsched.UnsupportedStepError,
+        "found no trained parameter in the state",
+    ),
+    "not (params, opt_state, aux)": (
+        lambda _: _custom(_two_outputs, (P(), P())),
+        jaxsched.UnsupportedStepError,
+        "the step must return (params, opt_state, aux)",
+    ),
+    "unknown bucket path": (
+        lambda _: _mlp_step(buckets=[["hid"]])[0](*_mlp_step(buckets=[["hid"]])[1:3]),
+        ValueError,
+        "buckets[0] names unknown parameter 'hid'",
+    ),
+    "parameter in two buckets": (
+        lambda _: (lambda s, st, b, _p: s(st, b))(*_mlp_step(buckets=[["hidden"], ["hidden/0/bias"], ["head"]])),
+        ValueError,
+        "parameter 'hidden/0/bias' is in buckets[0] and buckets[1]",
+    ),
+    "unknown bucket plan": (
+        lambda _: (lambda s, st, b, _p: s(st, b))(*_mlp_step(buckets="fast")),
+        ValueError,
+        "buckets='fast' is not understood",
+    ),
+    "compression on the identity": (
+        lambda _: jaxsched.schedule(lambda *a: a, strategy="allreduce", collective=jaxsched.Collective()),
+        ValueError,
+        "strategy 'allreduce' issues no bucket collectives",
+    ),
+    "unknown engine": (
+        lambda _: jaxsched.schedule(lambda *a: a, engine="gpu"),
+        ValueError,
+        "engine='gpu' is unknown; choose one of",
+    ),
+    "host engine without a spare device": (
+        lambda _: spare_devices(jax.make_mesh((8,), ("data",))),
+        HostEngineError,
+        "process 0 has no local cpu device outside the mesh",
+    ),
+    "K-FAC damping <= 0": (
+        lambda _: jaxsched.schedule(lambda *a: a, strategy="kfac", damping=0.0),
+        ValueError,
+        "damping=0.0 must be a finite number > 0",
+    ),
+    "K-FAC inverse interval < 1": (
+        lambda _: jaxsched.schedule(lambda *a: a, strategy="kfac", inverse_interval=0),
+        ValueError,
+        "inverse_interval=0 must be an int >= 1",
+    ),
+    "K-FAC without a dense or conv layer": (
+        lambda _: _custom(_elementwise, strategy="kfac"),
+        jaxsched.UnsupportedStepError,
+        "kfac found no dense or convolution layer in the step",
+    ),
+    "state leaf of another shape": (
+        _wrong_shape,
+        ValueError,
+        "state leaf params/head/bias has shape (3,); expected the user's",
+    ),
+    "gradients reduced over a model axis": (
+        _grads_over_a_model_axis,
+        jaxsched.UnsupportedStepError,
+        "gradients are reduced over axes ('data', 'model') at",
+    ),
+    "K-FAC on a tensor-parallel layer": (
+        _kfac_on_model_sharded_params,
+        jaxsched.UnsupportedStepError,
+        "kfac preconditions whole layers, but params/w is sharded over the model axes ('model',)",
+    ),
+    "Hierarchical on other axes": (
+        _hierarchical_on_one_axis,
+        ValueError,
+        "Hierarchical(fast='ici', slow='dcn') needs a step whose data-parallel axes are exactly ('dcn', 'ici')",
+    ),
 }
 
 

@@ -5,6 +5,7 @@ it gets it (the README's blocks run in tests/test_docs.py the same way). A block
 cannot run here (it needs a GPU, root or a cluster) is written as ```bash, or follows a
 ``<!-- no-run: reason -->`` comment.
 """
+
 import os
 import re
 import subprocess
@@ -56,15 +57,14 @@ def test_every_no_run_block_says_why():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page,index,code", _runnable_blocks(),
-                         ids=[f"{p}[{i}]" for p, i, _ in _runnable_blocks()])
+@pytest.mark.parametrize("page,index,code", _runnable_blocks(), ids=[f"{p}[{i}]" for p, i, _ in _runnable_blocks()])
 def test_guide_python_blocks_run_as_written_in_a_fresh_interpreter(page, index, code, tmp_path):
     """Without the test suite's device setting and without XLA_FLAGS, as in test_docs.py."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = str(ROOT)  # this checkout's jaxsched, as an editable install gives
     script = tmp_path / f"{Path(page).stem}_{index}.py"
     script.write_text(code)
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, f"{page} python block {index} failed:\n{done.stderr[-3000:]}"

@@ -124,15 +124,20 @@ def test_cnn_with_global_batch_norm_dropout_and_label_smoothing(strategy):
     assert sched.program.captured.gathers == ()
 
 
-@pytest.mark.parametrize("strategy", ["dear", pytest.param("wfbp", marks=pytest.mark.slow),
-                                      pytest.param("allreduce", marks=pytest.mark.slow),
-                                      pytest.param("approx", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "dear",
+        pytest.param("wfbp", marks=pytest.mark.slow),
+        pytest.param("allreduce", marks=pytest.mark.slow),
+        pytest.param("approx", marks=pytest.mark.slow),
+    ],
+)
 def test_transformer_lm_with_masks_global_count_smoothing_clipping_scan_and_remat(strategy):
     mesh = _mesh()
     model, params, tx = js.lm_setup(0)
     batches = [js.place(mesh, b) for b in js.lm_batches(1, 3, 16)]
-    sched = _run_trees(js.lm_step(model, tx), params, tx.init(params), batches, strategy,
-                       **EXACT[strategy])
+    sched = _run_trees(js.lm_step(model, tx), params, tx.init(params), batches, strategy, **EXACT[strategy])
     assert sched.program.fallbacks == [] and sched.program.captured.gathers == ()
     from jaxsched.core.replay import nested_eqns
 
@@ -152,8 +157,7 @@ def test_flax_train_state_step(strategy):
         x, y = batch
 
         def loss_fn(params):
-            logits = state.apply_fn({"params": params, "batch_stats": variables["batch_stats"]}, x,
-                                    train=False)
+            logits = state.apply_fn({"params": params, "batch_stats": variables["batch_stats"]}, x, train=False)
             return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
@@ -389,9 +393,11 @@ def test_sharded_parameters_are_refused_naming_the_leaf_its_spec_and_the_shard_m
     params["w2"] = jax.device_put(params["w2"], NamedSharding(mesh, P("data", None)))
     sched = jaxsched.schedule(js.mlp_step(tx), strategy="dear")
     state = sched.init(params, tx.init(params))
-    with pytest.raises(jaxsched.UnsupportedStepError,
-                       match=r"params\['w2'\] is sharded with P\('data', None\).*shard_map form: "
-                             r"jax.shard_map\(step"):
+    with pytest.raises(
+        jaxsched.UnsupportedStepError,
+        match=r"params\['w2'\] is sharded with P\('data', None\).*shard_map form: "
+        r"jax.shard_map\(step",
+    ):
         sched(state, js.place(mesh, js.mlp_batches(0, 1, 16)[0]))
 
 
@@ -418,8 +424,9 @@ def test_a_shard_map_inside_a_jit_step_is_refused_naming_the_line():
     params = js.mlp_params(0)
     sched = jaxsched.schedule(step, strategy="wfbp")
     state = sched.init(params, tx.init(params))
-    with pytest.raises(jaxsched.UnsupportedStepError,
-                       match=r"cannot run shard_map at .*test_jit_steps.py:\d+.*mixes jax.jit"):
+    with pytest.raises(
+        jaxsched.UnsupportedStepError, match=r"cannot run shard_map at .*test_jit_steps.py:\d+.*mixes jax.jit"
+    ):
         sched(state, js.place(mesh, js.mlp_batches(0, 1, 16)[0]))
 
 
@@ -435,8 +442,12 @@ def test_batches_sharded_over_different_axes_are_refused():
 
 # -- over shapes -------------------------------------------------------------------------------
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(devices=st.sampled_from([1, 2, 4, 8]), rows_per_device=st.integers(1, 3),
-       reduce_axis=st.sampled_from([0, 1, None]), seed=st.integers(0, 2 ** 16))
+@given(
+    devices=st.sampled_from([1, 2, 4, 8]),
+    rows_per_device=st.integers(1, 3),
+    reduce_axis=st.sampled_from([0, 1, None]),
+    seed=st.integers(0, 2**16),
+)
 def test_reductions_over_any_dimension_of_any_batch_size(devices, rows_per_device, reduce_axis, seed):
     """A loss that reduces the batch over axis 0, axis 1 (features, then the batch) or all
     at once, with a per-example weight normalised by its global sum."""
@@ -453,7 +464,7 @@ def test_reductions_over_any_dimension_of_any_batch_size(devices, rows_per_devic
             if reduce_axis is None:
                 return jnp.sum(per) / jnp.sum(w)
             grid = (logits * w[:, None]).sum(axis=reduce_axis)
-            return jnp.sum(per) / jnp.sum(w) + 0.01 * jnp.sum(grid ** 2)
+            return jnp.sum(per) / jnp.sum(w) + 0.01 * jnp.sum(grid**2)
 
         l, g = jax.value_and_grad(loss)(params)
         updates, opt_state = tx.update(g, opt_state, params)
@@ -461,8 +472,9 @@ def test_reductions_over_any_dimension_of_any_batch_size(devices, rows_per_devic
 
     rng = np.random.default_rng(seed)
     params = js.mlp_params(seed % 7)
-    batches = [js.place(mesh, (x, y, rng.uniform(0.1, 1.0, rows).astype(np.float32)))
-               for x, y in js.mlp_batches(seed, 2, rows)]
+    batches = [
+        js.place(mesh, (x, y, rng.uniform(0.1, 1.0, rows).astype(np.float32))) for x, y in js.mlp_batches(seed, 2, rows)
+    ]
     _run_trees(step, params, tx.init(params), batches, "dear")
 
 
@@ -479,16 +491,20 @@ def test_the_jit_step_schedules_as_its_shard_map_twin(strategy):
     params, apply_fn = build("mlp", 0)
     batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", 3, 16, 1)]
     results = {}
-    for form, step in (("jit", steps.make_jit_step(apply_fn, tx)),
-                       ("shard_map", steps.make_step(apply_fn, tx, mesh))):
-        sched = jaxsched.schedule(step, strategy=strategy, buckets=2000,
-                                  compression=compress.TopK(0.3) if strategy == "wfbp" else None)
+    for form, step in (("jit", steps.make_jit_step(apply_fn, tx)), ("shard_map", steps.make_step(apply_fn, tx, mesh))):
+        sched = jaxsched.schedule(
+            step, strategy=strategy, buckets=2000, compression=compress.TopK(0.3) if strategy == "wfbp" else None
+        )
         state = sched.init(_copy(params), tx.init(params))
         for b in batches:
             state, aux = sched(state, b)
         planned = sched.program.planned
-        results[form] = (sched.finalize(state), jax.device_get(aux), len(planned.buckets),
-                         len(planned.analysis.reductions))
+        results[form] = (
+            sched.finalize(state),
+            jax.device_get(aux),
+            len(planned.buckets),
+            len(planned.analysis.reductions),
+        )
     jit, twin = results["jit"], results["shard_map"]
     assert jit[2:] == twin[2:]
     _close(jit[0], twin[0])
@@ -530,8 +546,7 @@ def test_a_jit_step_lowers_and_inspects_for_a_gpu_cluster_ahead_of_time():
     from jaxsched.tools.aot.experiment import ModelSpec, abstract_experiment
     from jaxsched.demo.config import OptimizerConfig
 
-    spec = ModelSpec("mlp", (256,), 10, {"hidden": (256,) * 3}, 64,
-                     OptimizerConfig(name="momentum", learning_rate=0.1))
+    spec = ModelSpec("mlp", (256,), 10, {"hidden": (256,) * 3}, 64, OptimizerConfig(name="momentum", learning_rate=0.1))
     exp = abstract_experiment(spec, target="h100:1x2x4", form="jit")
     sched = jaxsched.schedule(exp.step, strategy="wfbp", buckets=256 * 257 * 4)  # a layer each
     state = sched.init(exp.params, exp.opt_state)
@@ -549,8 +564,7 @@ def test_a_jit_step_inspects_for_a_tpu_pod_ahead_of_time():
     from jaxsched.tools.aot.experiment import ModelSpec, abstract_experiment
     from jaxsched.demo.config import OptimizerConfig
 
-    spec = ModelSpec("mlp", (256,), 10, {"hidden": (256,) * 2}, 16,
-                     OptimizerConfig(name="momentum", learning_rate=0.1))
+    spec = ModelSpec("mlp", (256,), 10, {"hidden": (256,) * 2}, 16, OptimizerConfig(name="momentum", learning_rate=0.1))
     exp = abstract_experiment(spec, target="v5p:2x2x2", form="jit")
     sched = jaxsched.schedule(exp.step, strategy="dear")
     inspection = sched.inspect(sched.init(exp.params, exp.opt_state), exp.batch)
@@ -570,12 +584,20 @@ def test_a_jit_step_on_the_host_engine_across_two_processes(tmp_path):
     from jaxsched.tools import launch as launch_lib
 
     here = Path(__file__).parent
-    env = {"PYTHONPATH": f"{here}{os.pathsep}{here.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "JAX_PLATFORMS": "cpu"}
+    env = {
+        "PYTHONPATH": f"{here}{os.pathsep}{here.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "JAX_PLATFORMS": "cpu",
+    }
     out, log = tmp_path / "report.json", io.StringIO()
-    code = launch_lib.launch(2, [sys.executable, str(SUPPORT_DIR / "host_engine_worker.py"), str(out),
-                                 "--jit", "wfbp", "dear"],
-                             env=env, stdout=log, stderr=log, timeout_s=240, grace_s=2)
+    code = launch_lib.launch(
+        2,
+        [sys.executable, str(SUPPORT_DIR / "host_engine_worker.py"), str(out), "--jit", "wfbp", "dear"],
+        env=env,
+        stdout=log,
+        stderr=log,
+        timeout_s=240,
+        grace_s=2,
+    )
     assert code == 0, log.getvalue()[-4000:]
     report = json.loads(out.read_text())
     for strategy in ("wfbp", "dear"):

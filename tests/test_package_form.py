@@ -1,5 +1,6 @@
 """The package's form: layers that import only downwards, no cycles, argument parsing only in
 the CLI, an explicit public surface per module, and the public API of before still importing."""
+
 from __future__ import annotations
 
 import ast
@@ -13,8 +14,24 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "jaxsched"
 
 #: bottom first: a module may import its own layer and those before it, never one after
-LAYERS = ("_version", "zoo", "sim", "core", "runtime", "plan", "strategies", "check", "pipeline",
-          "_schedule", "integrations", "demo", "tools", "_legacy_paths", "__init__", "__main__")
+LAYERS = (
+    "_version",
+    "zoo",
+    "sim",
+    "core",
+    "runtime",
+    "plan",
+    "strategies",
+    "check",
+    "pipeline",
+    "_schedule",
+    "integrations",
+    "demo",
+    "tools",
+    "_legacy_paths",
+    "__init__",
+    "__main__",
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -68,8 +85,7 @@ def test_every_module_sits_in_a_known_layer():
 
 
 def test_no_module_imports_a_higher_layer():
-    upward = sorted(f"{a} -> {b}" for a, targets in GRAPH.items() for b in targets
-                    if _layer(b) > _layer(a))
+    upward = sorted(f"{a} -> {b}" for a, targets in GRAPH.items() for b in targets if _layer(b) > _layer(a))
     assert not upward, "imports from a lower layer up:\n" + "\n".join(upward)
 
 
@@ -86,7 +102,7 @@ def test_the_import_graph_has_no_cycle():
         stack.append(node)
         for nxt in edges(node):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
+                cycle = stack[stack.index(nxt) :] + [nxt]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)
@@ -99,36 +115,60 @@ def test_the_import_graph_has_no_cycle():
 
 
 def test_argument_parsing_lives_only_in_the_cli():
-    parsers = sorted(n for n, p in MODULES.items() if "argparse" in p.read_text()
-                     and not n.startswith("jaxsched.tools.cli"))
+    parsers = sorted(
+        n for n, p in MODULES.items() if "argparse" in p.read_text() and not n.startswith("jaxsched.tools.cli")
+    )
     assert not parsers, f"argparse outside jaxsched.tools.cli: {parsers}"
 
 
 def test_every_public_module_declares_its_api():
     def declares(path: Path) -> bool:
-        return any(isinstance(node, (ast.Assign, ast.AnnAssign))
-                   and "__all__" in [getattr(t, "id", None) for t in
-                                     (node.targets if isinstance(node, ast.Assign) else [node.target])]
-                   for node in ast.parse(path.read_text()).body)
+        return any(
+            isinstance(node, (ast.Assign, ast.AnnAssign))
+            and "__all__"
+            in [getattr(t, "id", None) for t in (node.targets if isinstance(node, ast.Assign) else [node.target])]
+            for node in ast.parse(path.read_text()).body
+        )
 
-    missing = sorted(n for n, p in MODULES.items() if not n.rpartition(".")[2].startswith("_")
-                     and not declares(p))
+    missing = sorted(n for n, p in MODULES.items() if not n.rpartition(".")[2].startswith("_") and not declares(p))
     assert not missing, f"modules without __all__ (or a leading underscore): {missing}"
 
 
 def test_no_module_is_named_after_a_dependency_or_the_standard_library():
-    taken = set(sys.stdlib_module_names) | {"jax", "jaxlib", "optax", "flax", "numpy", "scipy",
-                                            "orbax", "chex", "matplotlib", "tqdm", "kfac_jax"}
+    taken = set(sys.stdlib_module_names) | {
+        "jax",
+        "jaxlib",
+        "optax",
+        "flax",
+        "numpy",
+        "scipy",
+        "orbax",
+        "chex",
+        "matplotlib",
+        "tqdm",
+        "kfac_jax",
+    }
     clashes = sorted(n for n in MODULES if n.rpartition(".")[2] in taken)
     assert not clashes, f"modules named like another library: {clashes}"
 
 
-@pytest.mark.parametrize("path", ["jaxsched.schedule", "jaxsched.compress.TopK",
-                                  "jaxsched.nnx.schedule", "jaxsched.collectives.Hierarchical",
-                                  "jaxsched.strategies.Strategy", "jaxsched.costmodel.network_preset",
-                                  "jaxsched.optax.staleness_aware", "jaxsched.inspect.Inspection",
-                                  "jaxsched.profile.profile_network", "jaxsched.kfac.KFAC",
-                                  "jaxsched.engine.HostEngine", "jaxsched.sim.simulate"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "jaxsched.schedule",
+        "jaxsched.compress.TopK",
+        "jaxsched.nnx.schedule",
+        "jaxsched.collectives.Hierarchical",
+        "jaxsched.strategies.Strategy",
+        "jaxsched.costmodel.network_preset",
+        "jaxsched.optax.staleness_aware",
+        "jaxsched.inspect.Inspection",
+        "jaxsched.profile.profile_network",
+        "jaxsched.kfac.KFAC",
+        "jaxsched.engine.HostEngine",
+        "jaxsched.sim.simulate",
+    ],
+)
 def test_the_public_paths_of_before_still_import(path):
     module, _, attribute = path.rpartition(".")
     assert hasattr(importlib.import_module(module), attribute)
@@ -142,8 +182,10 @@ def test_every_name_in_all_imports():
 
 
 def test_the_command_line_help_does_not_import_jax():
-    code = ("import sys, jaxsched.tools.cli as cli\n"
-            "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))")
+    code = (
+        "import sys, jaxsched.tools.cli as cli\n"
+        "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if m.startswith('jax'))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

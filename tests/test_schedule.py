@@ -1,4 +1,5 @@
 """jaxsched.schedule: equivalence with the plain step, structure, memory, round trips, errors."""
+
 import re
 import warnings
 
@@ -26,30 +27,34 @@ OPTIMIZERS = {
 
 def _check(model, opt, strategy, devices, api="shard_map", n_steps=20, **kw):
     plain, scheduled, plain_aux, sched_aux, sched = run_both(
-        model, OPTIMIZERS[opt](), strategy, devices, n_steps=n_steps, api=api, **kw)
+        model, OPTIMIZERS[opt](), strategy, devices, n_steps=n_steps, api=api, **kw
+    )
     assert_trees_close(plain, scheduled)
     assert_trees_close(plain_aux, sched_aux)
     return sched
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("wfbp", marks=pytest.mark.slow), "dear"])
-@pytest.mark.parametrize("opt", [o if o in ("adam", "clip+adamw") else pytest.param(o, marks=pytest.mark.slow)
-                                 for o in sorted(OPTIMIZERS)])
+@pytest.mark.parametrize(
+    "opt", [o if o in ("adam", "clip+adamw") else pytest.param(o, marks=pytest.mark.slow) for o in sorted(OPTIMIZERS)]
+)
 def test_every_optimizer_matches_the_plain_step_on_8_devices(strategy, opt):
     sched = _check("mlp", opt, strategy, 8)
     assert sched.program.fallbacks == []  # all of these run on shards without gathering
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("wfbp", marks=pytest.mark.slow), "dear"])
-@pytest.mark.parametrize("model", [pytest.param("cnn", marks=pytest.mark.slow),
-                                   pytest.param("transformer", marks=pytest.mark.slow)])  # the heaviest compiles run in `make test-slow` (CI runs both)
+@pytest.mark.parametrize(
+    "model", [pytest.param("cnn", marks=pytest.mark.slow), pytest.param("transformer", marks=pytest.mark.slow)]
+)  # the heaviest compiles run in `make test-slow` (CI runs both)
 def test_zoo_models_match_the_plain_step(model, strategy):
     _check(model, "clip+adamw", strategy, 8)
 
 
 # 1 and 4 devices run in make test-slow (the make test budget); 2 and 8 in both
-@pytest.mark.parametrize("devices", [pytest.param(1, marks=pytest.mark.slow), 2,
-                                     pytest.param(4, marks=pytest.mark.slow), 8])
+@pytest.mark.parametrize(
+    "devices", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow), 8]
+)
 def test_dear_matches_on_every_device_count(devices):
     _check("mlp", "adam", "dear", devices)
 
@@ -72,8 +77,7 @@ def _running_sum(updates):
 
 
 def test_non_elementwise_optimizer_falls_back_and_says_so_once():
-    tx = optax.chain(optax.scale_by_adam(), optax.stateless(lambda u, p: _running_sum(u)),
-                     optax.scale(-1e-2))
+    tx = optax.chain(optax.scale_by_adam(), optax.stateless(lambda u, p: _running_sum(u)), optax.scale(-1e-2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plain, scheduled, plain_aux, sched_aux, sched = run_both("mlp", tx, "dear", 8, n_steps=10)
@@ -93,8 +97,10 @@ def test_explicit_bucket_plan_and_byte_threshold():
     sched = _check("mlp", "adam", "dear", 8, n_steps=5, buckets=plan)
     assert len(sched.program.buckets) == 3
     # the bucket size an accelerator's combiner is capped at: the largest explicit bucket
-    sizes = [sum(int(np.prod(jax.tree.leaves(params)[i].shape)) * 4 for i in range(len(paths))
-                 if paths[i] in group) for group in plan]
+    sizes = [
+        sum(int(np.prod(jax.tree.leaves(params)[i].shape)) * 4 for i in range(len(paths)) if paths[i] in group)
+        for group in plan
+    ]
     assert sched.program.per_device.bucket_bytes == max(sizes)
     sched = _check("mlp", "adam", "wfbp", 8, n_steps=5, buckets=1)
     assert len(sched.program.buckets) == len(paths)
@@ -108,8 +114,10 @@ def test_bucket_plans_accept_subtree_prefixes():
     sched = _check("mlp", "adam", "dear", 8, n_steps=3, buckets=[["hidden"], ["head"]])
     hidden = {paths.index(p) for p in paths if p.startswith("hidden/")}
     assert [set(b.params) for b in sched.program.buckets] == [set(range(len(paths))) - hidden, hidden]
-    for bad, message in (([["hidden"], ["hidden/0"], ["head"]], "in buckets\\[0\\] and buckets\\[1\\]"),
-                         ([["hid"], ["head"]], "unknown parameter 'hid'.*subtree prefix")):
+    for bad, message in (
+        ([["hidden"], ["hidden/0"], ["head"]], "in buckets\\[0\\] and buckets\\[1\\]"),
+        ([["hid"], ["head"]], "unknown parameter 'hid'.*subtree prefix"),
+    ):
         with pytest.raises(ValueError, match=message):
             _check("mlp", "adam", "wfbp", 8, n_steps=1, buckets=bad)
 
@@ -120,8 +128,11 @@ shapes = st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple)
 
 @pytest.mark.slow  # a heavy compile: runs in `make test-slow` (CI runs both)
 @settings(max_examples=6, deadline=None, derandomize=True)  # same examples in every CI run
-@given(tree_shapes=st.dictionaries(st.sampled_from(list("abcdef")), shapes, min_size=1, max_size=4),
-       devices=st.sampled_from([2, 8]), seed=st.integers(0, 2**16))
+@given(
+    tree_shapes=st.dictionaries(st.sampled_from(list("abcdef")), shapes, min_size=1, max_size=4),
+    devices=st.sampled_from([2, 8]),
+    seed=st.integers(0, 2**16),
+)
 def test_dear_matches_on_random_parameter_trees(tree_shapes, devices, seed):
     rng = np.random.default_rng(seed)
     params = {k: rng.standard_normal(s).astype(np.float32) for k, s in tree_shapes.items()}
@@ -130,13 +141,15 @@ def test_dear_matches_on_random_parameter_trees(tree_shapes, devices, seed):
 
     def body(p, s, x):
         loss = sum(jnp.mean(jnp.sin(leaf * x.mean()) ** 2) for leaf in jax.tree.leaves(p))
-        grads = lax.pmean(jax.grad(lambda q: sum(jnp.mean(jnp.sin(l * x.mean()) ** 2)
-                                                 for l in jax.tree.leaves(q)))(p), "data")
+        grads = lax.pmean(
+            jax.grad(lambda q: sum(jnp.mean(jnp.sin(l * x.mean()) ** 2) for l in jax.tree.leaves(q)))(p), "data"
+        )
         u, s = tx.update(grads, s, p)
         return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    )
     sched = jaxsched.schedule(step, strategy="dear")
     plain = (params, tx.init(params))
     state = sched.init(*plain)
@@ -188,7 +201,7 @@ def _ops(text):
         m = re.search(r'"?stablehlo\.(all_reduce|reduce_scatter|all_gather|dot_general)"?', line)
         if m:
             # The operand type follows the op's region (all_reduce) or sits on its line.
-            sig = re.search(r"\) : \((tensor<[^>]*>)", "\n".join(lines[i:i + 12]))
+            sig = re.search(r"\) : \((tensor<[^>]*>)", "\n".join(lines[i : i + 12]))
             found.append((i, m.group(1), sig.group(1) if sig else ""))
     return found
 
@@ -252,6 +265,7 @@ def test_dear_keeps_one_over_p_of_the_optimizer_state_per_device():
 
 # wfbp's twins of the dear cases above run in `make test-slow` (CI runs both)
 
+
 # -- round trips -----------------------------------------------------------------------------
 @pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "dear"])
 def test_finalize_of_init_is_the_identity(strategy):
@@ -303,8 +317,11 @@ def _mesh(n=2):
 
 def _simple_call(body, n=2, **shard_kw):
     mesh = _mesh(n)
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False, **shard_kw))
+    step = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False, **shard_kw
+        )
+    )
     params = {"w": np.ones((3,), np.float32)}
     sched = jaxsched.schedule(step, strategy="dear")
     state = sched.init(params, optax.sgd(0.1).init(params))
@@ -315,6 +332,7 @@ def test_step_without_gradient_reduction_is_rejected():
     def body(p, s, x):
         g = jax.grad(lambda q: jnp.sum(q["w"] * x))(p)
         return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
+
     sched, state, batch = _simple_call(body)
     with pytest.raises(jaxsched.UnsupportedStepError, match="no gradient reduction over mesh axis 'data'"):
         sched(state, batch)
@@ -324,6 +342,7 @@ def test_reduction_over_an_axis_not_in_the_mesh_is_rejected():
     def body(p, s, x):
         g = lax.pmean(jax.grad(lambda q: jnp.sum(q["w"] * x))(p), "model")
         return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
+
     with pytest.raises(jaxsched.UnsupportedStepError, match="not in its mesh.*model"):
         sched, state, batch = _simple_call(body)
         sched(state, batch)
@@ -333,9 +352,11 @@ def test_outputs_that_do_not_match_the_inputs_are_rejected():
     def body(p, s, x):
         g = lax.pmean(jax.grad(lambda q: jnp.sum(q["w"] * x))(p), "data")
         return {"w": p["w"] - g["w"], "extra": p["w"]}, s, jnp.zeros(())
+
     mesh = _mesh()
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    )
     params = {"w": np.ones((3,), np.float32)}
     sched = jaxsched.schedule(step, strategy="wfbp")
     with pytest.raises(jaxsched.UnsupportedStepError, match="output params has structure"):
@@ -366,8 +387,7 @@ def test_decorator_form():
         return steps.local_step_fn(apply_fn, tx, "data")(p, s, batch)
 
     assert isinstance(step, jaxsched.Scheduled)
-    state, aux = step(step.init(params, tx.init(params)),
-                      steps.shard_batch(next(random_batches("mlp", 1, 4, 0)), mesh))
+    state, aux = step(step.init(params, tx.init(params)), steps.shard_batch(next(random_batches("mlp", 1, 4, 0)), mesh))
     assert np.isfinite(aux["loss"])
 
 
@@ -407,8 +427,7 @@ def test_auto_buckets_split_when_compute_is_long_enough_to_hide_communication():
     # Seconds of compute per layer against a 1 GbE model: overlapping pays, so the
     # optimal wfbp plan sends more than one bucket.
     measured = LayerProfile([Layer(name, 1, 10**8, 1.0, 2.0) for name in ("hidden/0", "hidden/1", "head")])
-    sched = _check("mlp", "sgd", "wfbp", 4, n_steps=3, buckets="auto", layer_profile=measured,
-                   network_profile="1gbe")
+    sched = _check("mlp", "sgd", "wfbp", 4, n_steps=3, buckets="auto", layer_profile=measured, network_profile="1gbe")
     assert len(sched.program.buckets) > 1
     # Buckets follow gradient completion: the head's gradient is ready first.
     params, _ = build("mlp", 0)
@@ -422,8 +441,7 @@ def test_auto_buckets_reject_a_profile_with_other_layer_names():
 
     wrong = LayerProfile([Layer("conv1", 1, 4, 1e-3, 2e-3)])
     with pytest.raises(ValueError, match="no layers named hidden/0"):
-        _check("mlp", "sgd", "wfbp", 2, n_steps=1, buckets="auto", layer_profile=wrong,
-               network_profile="10gbe")
+        _check("mlp", "sgd", "wfbp", 2, n_steps=1, buckets="auto", layer_profile=wrong, network_profile="10gbe")
 
 
 def test_unknown_schedule_option_is_named():
@@ -439,13 +457,16 @@ def test_step_that_closes_over_arrays():
 
     def body(p, s, batch):
         x, y = batch
-        loss_fn = lambda q: jnp.mean(class_weights[y] * optax.softmax_cross_entropy_with_integer_labels(apply_fn(q, x), y))
+        loss_fn = lambda q: jnp.mean(
+            class_weights[y] * optax.softmax_cross_entropy_with_integer_labels(apply_fn(q, x), y)
+        )
         loss, g = jax.value_and_grad(loss_fn)(p)
         u, s = tx.update(lax.pmean(g, "data"), s, p)
         return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    )
     for strategy in ("wfbp", "dear"):
         sched = jaxsched.schedule(step, strategy=strategy)
         plain, state = (params, tx.init(params)), sched.init(params, tx.init(params))
@@ -475,8 +496,9 @@ def test_jitted_loss_and_jitted_reduction_are_inlined_and_scheduled():
         u, s = tx.update(sync(g), s, p)
         return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    )
     sched = jaxsched.schedule(step, strategy="dear", buckets=1)
     plain, state = (params, tx.init(params)), sched.init(params, tx.init(params))
     batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", 5, 8, 4)]
@@ -498,8 +520,10 @@ def test_reduction_inside_a_scan_is_named():
         def micro(carry, xi):
             g = jax.grad(lambda q: jnp.sum(q["w"] * xi))(p)
             return jax.tree.map(lambda a, b: a + lax.pmean(b, "data"), carry, g), None
+
         g, _ = lax.scan(micro, jax.tree.map(jnp.zeros_like, p), x)
         return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
+
     sched, state, batch = _simple_call(body)
     with pytest.raises(jaxsched.UnsupportedStepError, match=r"inside a nested scan at .*test_schedule\.py"):
         sched(state, batch)

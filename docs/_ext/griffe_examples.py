@@ -6,6 +6,7 @@ knows only ``Examples:`` and would render the doctest as Markdown (``>>>`` as qu
 the doctests are untouched. A doctest outside any section (at the docstring's own
 indentation) is fenced as a ``pycon`` code block for the same reason.
 """
+
 from __future__ import annotations
 
 import re

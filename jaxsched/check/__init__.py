@@ -1,4 +1,3 @@
-"""Checking a scheduled step: side-by-side verification and compiled-program inspection.
-"""
+"""Checking a scheduled step: side-by-side verification and compiled-program inspection."""
 
 __all__: list[str] = []

@@ -51,6 +51,7 @@ A hand-written program, with no schedule estimate:
 >>> (r.num_async, r.num_sync, r.step_s)
 (1, 0, None)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,9 +69,20 @@ from jax.sharding import Mesh
 from jaxsched.sim import intervals
 from jaxsched.core.axes import num_slices
 
-__all__ = ["CollectiveWindow", "CompiledReport", "ESTIMATOR", "Inspection", "PLAIN_LABEL",
-           "compile_with_schedule", "describe_mesh", "format_table", "inspect_jitted", "plot",
-           "ratios", "report"]
+__all__ = [
+    "CollectiveWindow",
+    "CompiledReport",
+    "ESTIMATOR",
+    "Inspection",
+    "PLAIN_LABEL",
+    "compile_with_schedule",
+    "describe_mesh",
+    "format_table",
+    "inspect_jitted",
+    "plot",
+    "ratios",
+    "report",
+]
 
 ESTIMATOR = "XLA latency-hiding scheduler estimate for the compiled program (not measured on hardware)"
 
@@ -84,6 +96,7 @@ class CollectiveWindow:
     and ``compute_s`` are 0; on TPU its ``start_s``..``end_s`` can still be the window the
     scheduler had planned before a later pass made it synchronous.
     """
+
     name: str
     kind: str
     bytes: int
@@ -112,6 +125,7 @@ class CompiledReport:
     total 3061 us for a schedule 4164 us long, and 5572 us for one 4032 us long; on TPU
     the wasted cycles barely move between programs), so they are reported, not used.
     """
+
     label: str
     target: str
     platform: str
@@ -136,10 +150,12 @@ class CompiledReport:
         if self.platform == "cpu":
             return "XLA:CPU runs collectives inline and writes no schedule estimate"
         if self.num_async == 0:
-            return ("XLA compiled every collective of this program synchronously and wrote no "
-                    "schedule estimate for it (XLA:TPU writes one only for a program with "
-                    "asynchronous collectives; on GPU its latency-hiding scheduler did not run "
-                    f"for this target); {read}")
+            return (
+                "XLA compiled every collective of this program synchronously and wrote no "
+                "schedule estimate for it (XLA:TPU writes one only for a program with "
+                "asynchronous collectives; on GPU its latency-hiding scheduler did not run "
+                f"for this target); {read}"
+            )
         return f"XLA wrote no schedule estimate for this program on this target; {read}"
 
     @property
@@ -148,22 +164,21 @@ class CompiledReport:
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
-        d["collectives"] = [dict(dataclasses.asdict(c), mesh_axes=list(c.mesh_axes))
-                            for c in self.collectives]
+        d["collectives"] = [dict(dataclasses.asdict(c), mesh_axes=list(c.mesh_axes)) for c in self.collectives]
         d["compute"] = [list(c) for c in self.compute]
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "CompiledReport":
         d = dict(d)
-        d["collectives"] = tuple(CollectiveWindow(**dict(c, mesh_axes=tuple(c["mesh_axes"])))
-                                 for c in d["collectives"])
+        d["collectives"] = tuple(CollectiveWindow(**dict(c, mesh_axes=tuple(c["mesh_axes"]))) for c in d["collectives"])
         d["compute"] = tuple((str(n), float(s), float(e)) for n, s, e in d["compute"])
         return cls(**d)
 
 
 # ---------------------------------------------------------------------------------------
 # Compiling with the schedule dump
+
 
 def compile_with_schedule(lowered, compiler_options: dict | None = None) -> tuple[Any, str | None]:
     """Compile ``lowered`` and return ``(compiled, schedule_text)``.
@@ -191,9 +206,29 @@ def compile_with_schedule(lowered, compiler_options: dict | None = None) -> tupl
 # ---------------------------------------------------------------------------------------
 # HLO text
 
-_DTYPE_BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16,
-               "u16": 16, "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64,
-               "u64": 64, "f64": 64, "c64": 64, "c128": 128, "token": 0, "tf32": 32}
+_DTYPE_BITS = {
+    "pred": 8,
+    "s2": 2,
+    "u2": 2,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "f16": 16,
+    "bf16": 16,
+    "s32": 32,
+    "u32": 32,
+    "f32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+    "token": 0,
+    "tf32": 32,
+}
 _ARRAY_RE = re.compile(r"\b([a-z]+[0-9]*(?:e[0-9]+m[0-9]+[a-z]*)?)\[([0-9,\s]*)\]")
 
 
@@ -279,7 +314,7 @@ def _parse_instr(line: str) -> _Instr | None:
     opcode = m2.group(1)
     k = j + m2.end() - 1
     end = _match_paren(line, k)
-    operands = re.findall(r"%([\w.\-]+)", line[k + 1:end - 1])
+    operands = re.findall(r"%([\w.\-]+)", line[k + 1 : end - 1])
     return _Instr(m.group(2), shape, opcode, operands, line[end:], bool(m.group(1)))
 
 
@@ -327,11 +362,33 @@ def _parse_hlo(text: str) -> _Module:
 # ---------------------------------------------------------------------------------------
 # Classifying instructions
 
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-                "collective-permute", "collective-broadcast")
-_PLUMBING = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "copy",
-             "copy-start", "copy-done", "partition-id", "replica-id", "after-all",
-             "add-dependency", "opt-barrier", "domain", "async-update", "iota"}
+_COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+)
+_PLUMBING = {
+    "parameter",
+    "constant",
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "copy",
+    "copy-start",
+    "copy-done",
+    "partition-id",
+    "replica-id",
+    "after-all",
+    "add-dependency",
+    "opt-barrier",
+    "domain",
+    "async-update",
+    "iota",
+}
 _ASYNC_TARGETS = ("AsyncCollectiveStart", "AsyncCollectiveDone")
 
 
@@ -362,11 +419,13 @@ class _Analyzer:
                 targets.add(t)
                 if t not in _ASYNC_TARGETS:
                     compute = True
-            elif ins.opcode in _COLLECTIVES or ins.opcode.endswith("-start") and \
-                    ins.opcode[:-6] in _COLLECTIVES:
+            elif ins.opcode in _COLLECTIVES or ins.opcode.endswith("-start") and ins.opcode[:-6] in _COLLECTIVES:
                 coll = coll or ins
-            elif ins.opcode not in _PLUMBING and not ins.opcode.endswith("-done") and \
-                    ins.opcode not in ("fusion", "call", "async-start", "async-done"):
+            elif (
+                ins.opcode not in _PLUMBING
+                and not ins.opcode.endswith("-done")
+                and ins.opcode not in ("fusion", "call", "async-start", "async-done")
+            ):
                 compute = True
             for c in ins.calls():
                 t2, c2, comp2 = self.comp_info(c)
@@ -485,6 +544,7 @@ def _list_attr(attrs: str, key: str) -> list[int]:
 # ---------------------------------------------------------------------------------------
 # Replica groups -> mesh axes
 
+
 def _replica_groups(attrs: str) -> list[list[int]] | None:
     """Groups of logical device ids from ``replica_groups=`` (explicit or iota form) or
     ``source_target_pairs=``; [] for ``{}`` (all devices); None when absent."""
@@ -500,7 +560,7 @@ def _replica_groups(attrs: str) -> list[list[int]] | None:
         i = attrs.find(key + "={")
         if i >= 0:
             j = _match_paren(attrs, i + len(key) + 1)
-            body = attrs[i + len(key) + 2:j - 1]
+            body = attrs[i + len(key) + 2 : j - 1]
             return [[int(x) for x in re.findall(r"\d+", g)] for g in re.findall(r"\{([^{}]*)\}", body)]
     return None
 
@@ -666,9 +726,14 @@ def _parse_schedule(text: str) -> _Schedule | None:
             kind = opcode
         shape = _one(ins, "shape", {})
         scalar = shape and not shape.get("dimensions") and not shape.get("tuple_shapes")
-        compute = (not kind and opcode not in _PLUMBING and not opcode.endswith("-start")
-                   and not opcode.endswith("-done") and opcode not in ("async-start", "async-done")
-                   and not (scalar and opcode not in ("fusion", "custom-call")))
+        compute = (
+            not kind
+            and opcode not in _PLUMBING
+            and not opcode.endswith("-start")
+            and not opcode.endswith("-done")
+            and opcode not in ("async-start", "async-done")
+            and not (scalar and opcode not in ("fusion", "custom-call"))
+        )
         operand_ids = ins.get("operand_ids", [])
         op0 = _unquote(_one(by_id.get(operand_ids[0], {}), "name", '""')) if operand_ids else None
         ops.append(_SchedOp(name, opcode, start, end, compute, kind, op0))
@@ -676,12 +741,17 @@ def _parse_schedule(text: str) -> _Schedule | None:
     total = _one(stats, "total_cycles")
     wasted = _one(stats, "total_wasted_cycles")
     cpu = float(_one(entry_sched, "cycles_per_microsecond", 1) or 1)
-    return _Schedule(ops, float(total) if total is not None else None,
-                     float(wasted) if wasted is not None else (0.0 if total is not None else None), cpu)
+    return _Schedule(
+        ops,
+        float(total) if total is not None else None,
+        float(wasted) if wasted is not None else (0.0 if total is not None else None),
+        cpu,
+    )
 
 
 # ---------------------------------------------------------------------------------------
 # The report
+
 
 def _platform(text: str, mesh) -> str:
     if isinstance(mesh, Mesh):
@@ -732,8 +802,9 @@ def _find_start(done: _Instr, entry: dict[str, _Instr], an: _Analyzer, roles: di
     return None
 
 
-def report(compiled_or_hlo_text, schedule_text: str | None, mesh=None, *, label: str,
-           target: str = "") -> CompiledReport:
+def report(
+    compiled_or_hlo_text, schedule_text: str | None, mesh=None, *, label: str, target: str = ""
+) -> CompiledReport:
     """Collectives of a compiled program and XLA's schedule estimate for it.
 
     ``compiled_or_hlo_text``: a ``jax.stages.Compiled`` or its ``as_text()`` (scheduled HLO).
@@ -779,8 +850,11 @@ def report(compiled_or_hlo_text, schedule_text: str | None, mesh=None, *, label:
     s_pairs: list[tuple[int, int, str]] = []
     if sched is not None:
         s_index = {o.name: k for k, o in enumerate(sched.ops)}
-        starts = {o.name: k for k, o in enumerate(sched.ops)
-                  if o.kind and (o.opcode.endswith("-start") or o.opcode in ("send", "recv"))}
+        starts = {
+            o.name: k
+            for k, o in enumerate(sched.ops)
+            if o.kind and (o.opcode.endswith("-start") or o.opcode in ("send", "recv"))
+        }
         for k, o in enumerate(sched.ops):
             if o.kind and o.opcode.endswith("-done") and o.operand0 in starts:
                 s_pairs.append((starts[o.operand0], k, sched.ops[starts[o.operand0]].kind))
@@ -833,7 +907,7 @@ def report(compiled_or_hlo_text, schedule_text: str | None, mesh=None, *, label:
         axes = _mesh_axes(_replica_groups(groups_src.attrs), mesh)
         ops, flops = 0, 0.0
         if is_async and done is not None:
-            for mid in order[pos[ins.name] + 1:pos[done.name]]:
+            for mid in order[pos[ins.name] + 1 : pos[done.name]]:
                 if roles[mid.name][0] == "compute":
                     ops += 1
                     flops += an.flops(mid, mod.entry)
@@ -844,9 +918,12 @@ def report(compiled_or_hlo_text, schedule_text: str | None, mesh=None, *, label:
             end_s = sched.seconds(sched.ops[b].end)
             compute_s = 0.0
             if is_async:
-                compute_s = sched.seconds(sum(o.end - o.start for o in sched.ops[a + 1:b] if o.compute))
-        out.append(CollectiveWindow(ins.name, kind, int(nbytes), axes, bool(is_async), ops,
-                                    float(flops), start_s, end_s, compute_s))
+                compute_s = sched.seconds(sum(o.end - o.start for o in sched.ops[a + 1 : b] if o.compute))
+        out.append(
+            CollectiveWindow(
+                ins.name, kind, int(nbytes), axes, bool(is_async), ops, float(flops), start_s, end_s, compute_s
+            )
+        )
 
     step_s = exposed = total = wasted = None
     compute: tuple = ()
@@ -855,8 +932,7 @@ def report(compiled_or_hlo_text, schedule_text: str | None, mesh=None, *, label:
             total = sched.seconds(sched.step_cycles)
         if sched.wasted_cycles is not None:
             wasted = sched.seconds(sched.wasted_cycles)
-        compute = tuple((o.name, sched.seconds(o.start), sched.seconds(o.end))
-                        for o in sched.ops if o.compute)
+        compute = tuple((o.name, sched.seconds(o.start), sched.seconds(o.end)) for o in sched.ops if o.compute)
         if sched.ops:
             step_s = sched.seconds(max(o.end for o in sched.ops) - min(o.start for o in sched.ops))
             # a collective the final program runs synchronously hides nothing, even where the
@@ -866,12 +942,22 @@ def report(compiled_or_hlo_text, schedule_text: str | None, mesh=None, *, label:
             exposed_parts = intervals.subtract([(w.start_s, w.end_s) for w in timed if w.is_async], hidden_by)
             exposed_parts += [(w.start_s, w.end_s) for w in timed if not w.is_async]
             exposed = intervals.total(intervals.union(exposed_parts))
-    return CompiledReport(label, target, _platform(text, mesh), step_s, exposed, tuple(out), compute,
-                          xla_total_s=total, xla_wasted_s=wasted)
+    return CompiledReport(
+        label,
+        target,
+        _platform(text, mesh),
+        step_s,
+        exposed,
+        tuple(out),
+        compute,
+        xla_total_s=total,
+        xla_wasted_s=wasted,
+    )
 
 
 # ---------------------------------------------------------------------------------------
 # Presenting
+
 
 def _us(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e6:.1f}"
@@ -885,37 +971,55 @@ def _ratio(x: float | None, base: float | None) -> str:
 
 def format_table(reports: Sequence[CompiledReport], baseline: CompiledReport | None = None) -> str:
     """A text table of the reports; times are XLA's estimate, ratios are to ``baseline``."""
-    lines = [f"Times: {ESTIMATOR}. step = the length of XLA's estimated schedule; exposed comm = "
-             "the time in it with a collective in flight and no compute running; XLA's own "
-             "summary statistics (total / wasted cycles) in brackets."]
+    lines = [
+        f"Times: {ESTIMATOR}. step = the length of XLA's estimated schedule; exposed comm = "
+        "the time in it with a collective in flight and no compute running; XLA's own "
+        "summary statistics (total / wasted cycles) in brackets."
+    ]
     for r in reports:
         b_step = baseline.step_s if baseline is not None else None
         b_exp = baseline.exposed_comm_s if baseline is not None else None
         lines.append("")
-        lines.append(f"{r.label} [{r.target or '?'}, {r.platform}]: step {_us(r.step_s)} us"
-                     f"{_ratio(r.step_s, b_step)}, exposed comm {_us(r.exposed_comm_s)} us"
-                     f"{_ratio(r.exposed_comm_s, b_exp)} (XLA estimate); "
-                     f"async {r.num_async}/{len(r.collectives)} collectives"
-                     + (f" [XLA statistics: total {_us(r.xla_total_s)} us, wasted "
-                        f"{_us(r.xla_wasted_s)} us]" if r.xla_total_s is not None else ""))
+        lines.append(
+            f"{r.label} [{r.target or '?'}, {r.platform}]: step {_us(r.step_s)} us"
+            f"{_ratio(r.step_s, b_step)}, exposed comm {_us(r.exposed_comm_s)} us"
+            f"{_ratio(r.exposed_comm_s, b_exp)} (XLA estimate); "
+            f"async {r.num_async}/{len(r.collectives)} collectives"
+            + (
+                f" [XLA statistics: total {_us(r.xla_total_s)} us, wasted {_us(r.xla_wasted_s)} us]"
+                if r.xla_total_s is not None
+                else ""
+            )
+        )
         if r.no_estimate_reason:
             lines.append(f"  no estimate: {r.no_estimate_reason}")
         if not r.collectives:
             lines.append("  (no collectives)")
             continue
-        lines.append(f"  {'kind':<20}{'MB':>9}  {'axes':<12}{'async':<6}{'ops':>5}{'GFLOP':>9}"
-                     f"{'compute us':>12}{'window us':>11}  name")
+        lines.append(
+            f"  {'kind':<20}{'MB':>9}  {'axes':<12}{'async':<6}{'ops':>5}{'GFLOP':>9}"
+            f"{'compute us':>12}{'window us':>11}  name"
+        )
         for c in r.collectives:
             window = None if c.start_s is None or c.end_s is None else c.end_s - c.start_s
-            lines.append(f"  {c.kind:<20}{c.bytes / 1e6:>9.3f}  {','.join(c.mesh_axes) or '-':<12}"
-                         f"{'yes' if c.is_async else 'no':<6}{c.compute_ops:>5}"
-                         f"{c.compute_flops / 1e9:>9.3f}{_us(c.compute_s):>12}{_us(window):>11}  {c.name}")
+            lines.append(
+                f"  {c.kind:<20}{c.bytes / 1e6:>9.3f}  {','.join(c.mesh_axes) or '-':<12}"
+                f"{'yes' if c.is_async else 'no':<6}{c.compute_ops:>5}"
+                f"{c.compute_flops / 1e9:>9.3f}{_us(c.compute_s):>12}{_us(window):>11}  {c.name}"
+            )
     return "\n".join(lines)
 
 
-_KIND_COLORS = {"all-reduce": "tab:blue", "reduce-scatter": "tab:orange", "all-gather": "tab:green",
-                "all-to-all": "tab:purple", "collective-permute": "tab:brown", "send": "tab:pink",
-                "recv": "tab:olive", "ragged-all-to-all": "tab:cyan"}
+_KIND_COLORS = {
+    "all-reduce": "tab:blue",
+    "reduce-scatter": "tab:orange",
+    "all-gather": "tab:green",
+    "all-to-all": "tab:purple",
+    "collective-permute": "tab:brown",
+    "send": "tab:pink",
+    "recv": "tab:olive",
+    "ragged-all-to-all": "tab:cyan",
+}
 
 
 def _streams(windows: list[CollectiveWindow]) -> list[int]:
@@ -950,24 +1054,36 @@ def plot(reports: Sequence[CompiledReport], path: str) -> str:
     kinds = set()
     for ax, r in zip(axes[:, 0], reports):
         timed = [c for c in r.collectives if c.start_s is not None and c.end_s is not None]
-        ax.set_title(f"{r.label} [{r.target or r.platform}]  step {_us(r.step_s)} us, "
-                     f"exposed comm {_us(r.exposed_comm_s)} us", fontsize=9)
+        ax.set_title(
+            f"{r.label} [{r.target or r.platform}]  step {_us(r.step_s)} us, exposed comm {_us(r.exposed_comm_s)} us",
+            fontsize=9,
+        )
         if not r.compute and not timed:
-            ax.text(0.5, 0.5, f"no schedule estimate ({len(r.collectives)} collectives, "
-                    f"{r.num_async} async)", ha="center", va="center", transform=ax.transAxes)
+            ax.text(
+                0.5,
+                0.5,
+                f"no schedule estimate ({len(r.collectives)} collectives, {r.num_async} async)",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
             ax.set_yticks([])
             ax.set_xticks([])
             continue
-        ax.broken_barh([(s * 1e6, max((e - s) * 1e6, 1e-3)) for _, s, e in r.compute], (0, 0.8),
-                       color="0.55")
+        ax.broken_barh([(s * 1e6, max((e - s) * 1e6, 1e-3)) for _, s, e in r.compute], (0, 0.8), color="0.55")
         labels = ["compute"]
         async_w = [c for c in timed if c.is_async]
         rows = _streams(async_w)
         for c, row in zip(async_w, rows):
             kinds.add(c.kind)
-            ax.broken_barh([(c.start_s * 1e6, max((c.end_s - c.start_s) * 1e6, 1e-3))],
-                           (row + 1, 0.8), facecolor=_KIND_COLORS.get(c.kind, "tab:gray"), alpha=0.8,
-                           edgecolor="white", linewidth=0.8)
+            ax.broken_barh(
+                [(c.start_s * 1e6, max((c.end_s - c.start_s) * 1e6, 1e-3))],
+                (row + 1, 0.8),
+                facecolor=_KIND_COLORS.get(c.kind, "tab:gray"),
+                alpha=0.8,
+                edgecolor="white",
+                linewidth=0.8,
+            )
         n_rows = (max(rows) + 1) if rows else 0
         labels += [f"comm {k}" for k in range(n_rows)]
         sync_w = [c for c in timed if not c.is_async]
@@ -975,9 +1091,13 @@ def plot(reports: Sequence[CompiledReport], path: str) -> str:
             y = n_rows + 1
             for c in sync_w:
                 kinds.add(c.kind)
-                ax.broken_barh([(c.start_s * 1e6, max((c.end_s - c.start_s) * 1e6, 1e-3))], (y, 0.8),
-                               facecolor="white", edgecolor=_KIND_COLORS.get(c.kind, "tab:gray"),
-                               hatch="xx")
+                ax.broken_barh(
+                    [(c.start_s * 1e6, max((c.end_s - c.start_s) * 1e6, 1e-3))],
+                    (y, 0.8),
+                    facecolor="white",
+                    edgecolor=_KIND_COLORS.get(c.kind, "tab:gray"),
+                    hatch="xx",
+                )
             labels.append("sync")
         ax.set_yticks([k + 0.4 for k in range(len(labels))], labels, fontsize=8)
         ax.set_xlabel("time (us, XLA estimate)")
@@ -1005,8 +1125,9 @@ def describe_mesh(mesh) -> str:
     return f"{first.platform}: {len(devices)} x {getattr(first, 'device_kind', first.platform)}{where}"
 
 
-def inspect_jitted(fn, args: Sequence[Any], mesh, *, label: str = PLAIN_LABEL,
-                   compiler_options: dict | None = None) -> CompiledReport:
+def inspect_jitted(
+    fn, args: Sequence[Any], mesh, *, label: str = PLAIN_LABEL, compiler_options: dict | None = None
+) -> CompiledReport:
     """Compile ``fn`` (jitted or not) on ``args`` (arrays or ``jax.ShapeDtypeStruct`` with
     shardings) with only ``compiler_options`` (default: XLA's own defaults) and report it.
     This is how a user's step is judged as XLA compiles it alone."""
@@ -1020,11 +1141,14 @@ def inspect_jitted(fn, args: Sequence[Any], mesh, *, label: str = PLAIN_LABEL,
 def ratios(report: CompiledReport, base: CompiledReport | None) -> dict[str, float | None]:
     """``report``'s estimated step and exposed communication over ``base``'s (None where
     either has no estimate)."""
+
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or not b else a / b
 
-    return {"step": ratio(report.step_s, base and base.step_s),
-            "exposed_comm": ratio(report.exposed_comm_s, base and base.exposed_comm_s)}
+    return {
+        "step": ratio(report.step_s, base and base.step_s),
+        "exposed_comm": ratio(report.exposed_comm_s, base and base.exposed_comm_s),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1051,9 +1175,11 @@ class Inspection:
         return plot([r for r in (self.baseline, self.report) if r is not None], path)
 
     def to_json(self) -> dict:
-        return {"report": self.report.to_json(),
-                "baseline": None if self.baseline is None else self.baseline.to_json(),
-                "ratio_to_baseline": self.ratios()}
+        return {
+            "report": self.report.to_json(),
+            "baseline": None if self.baseline is None else self.baseline.to_json(),
+            "ratio_to_baseline": self.ratios(),
+        }
 
     def __str__(self) -> str:
         return self.table()

@@ -39,6 +39,7 @@ Example:
     >>> report.ok, report.first_divergent_step
     (True, None)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["PRECISIONS", "relative_gap", "verify", "VerifyReport"]
+
 
 @dataclasses.dataclass
 class VerifyReport:
@@ -96,22 +98,35 @@ class VerifyReport:
     def __str__(self) -> str:
         chaos = self.baseline_left_rtol
         if self.first_divergent_step is not None:
-            verdict = (f"agree up to step {self.first_divergent_step - 1}; at step "
-                       f"{self.first_divergent_step} a leaf left the tolerance"
-                       + (f" (the rounding baseline left rtol only at step {chaos}: chaos cannot "
-                          "explain it)" if chaos is not None else ""))
+            verdict = (
+                f"agree up to step {self.first_divergent_step - 1}; at step "
+                f"{self.first_divergent_step} a leaf left the tolerance"
+                + (
+                    f" (the rounding baseline left rtol only at step {chaos}: chaos cannot explain it)"
+                    if chaos is not None
+                    else ""
+                )
+            )
         elif chaos is None:
             verdict = f"agree for all {self.steps} steps"
         else:
-            verdict = (f"agree for steps 1-{chaos}, while the rounding baseline stays within rtol; "
-                       f"then training's chaos takes the baseline past rtol (step {chaos}) and the "
-                       f"scheduled run " + (f"at step {self.scheduled_left_rtol}, not clearly earlier"
-                                            if self.scheduled_left_rtol else "stays within it"))
-        lines = [f"jaxsched verify ({self.strategy}, {self.steps} steps, all runs in {self.precision}): "
-                 f"scheduled and plain {verdict} (per step, the largest relative difference over "
-                 f"every leaf against max(rtol {self.rtol:g}, {self.baseline_factor:g} x the same "
-                 "for the plain step from parameters nudged by P roundings))",
-                 f"  {'leaf':<40} {'max rel diff':>13} {'baseline':>10}"]
+            verdict = (
+                f"agree for steps 1-{chaos}, while the rounding baseline stays within rtol; "
+                f"then training's chaos takes the baseline past rtol (step {chaos}) and the "
+                f"scheduled run "
+                + (
+                    f"at step {self.scheduled_left_rtol}, not clearly earlier"
+                    if self.scheduled_left_rtol
+                    else "stays within it"
+                )
+            )
+        lines = [
+            f"jaxsched verify ({self.strategy}, {self.steps} steps, all runs in {self.precision}): "
+            f"scheduled and plain {verdict} (per step, the largest relative difference over "
+            f"every leaf against max(rtol {self.rtol:g}, {self.baseline_factor:g} x the same "
+            "for the plain step from parameters nudged by P roundings))",
+            f"  {'leaf':<40} {'max rel diff':>13} {'baseline':>10}",
+        ]
         order = sorted(self.leaf_gap, key=lambda k: -self.leaf_gap[k])
         for name in order[:12]:
             lines.append(f"  {name:<40} {self.leaf_gap[name]:13.2e} {self.baseline_gap.get(name, 0):10.2e}")
@@ -130,6 +145,7 @@ def _host(x: Any) -> np.ndarray:
         x = jax.random.key_data(x)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
+
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 
@@ -152,6 +168,7 @@ def _nudged(tree: Any, roundings: int) -> Any:
             return x
         x = jnp.nextafter(x, jnp.asarray(jnp.inf, x.dtype))  # at least one rounding, zeros too
         return (x * (1 + roundings * jnp.finfo(x.dtype).eps)).astype(x.dtype)
+
     return jax.tree.map(nudge, tree)
 
 
@@ -163,12 +180,14 @@ def _widened(tree: Any, placed: bool = False) -> Any:
     on the sharding they had (a batch the user placed, a parameter block sharded over a
     model axis). 16-bit leaves (bfloat16 Adam moments) are a precision the step chose and
     may return them in: they stay as they are."""
+
     def widen(x):
         if not (hasattr(x, "dtype") and x.dtype == np.float32):
             return x
         wide = np.asarray(_host(x), np.float64)
         on_mesh = isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding)
         return jax.device_put(wide, x.sharding) if placed and on_mesh else wide
+
     return jax.tree.map(widen, tree)
 
 
@@ -176,6 +195,7 @@ def _without_donation(step: Any) -> Any:
     """``step`` called on copies of its inputs: a step jitted with ``donate_argnums`` deletes
     the buffers it is given, and verify hands the same parameters, optimizer state and
     batches to the plain run, the rounding baseline and the scheduled run."""
+
     def fresh(x: Any) -> Any:
         return jnp.array(x, copy=True) if isinstance(x, jax.Array) else x
 
@@ -185,9 +205,17 @@ def _without_donation(step: Any) -> Any:
     return call
 
 
-def verify(scheduled: Any, state: Any, batches: Iterable[Any], steps: int = 10,
-           rtol: float = 1e-5, baseline_factor: float = 100.0,
-           precision: str = "float64", *, progress: bool = False) -> VerifyReport:
+def verify(
+    scheduled: Any,
+    state: Any,
+    batches: Iterable[Any],
+    steps: int = 10,
+    rtol: float = 1e-5,
+    baseline_factor: float = 100.0,
+    precision: str = "float64",
+    *,
+    progress: bool = False,
+) -> VerifyReport:
     """Run plain, scheduled and the rounding baseline for ``steps`` batches; see the module.
     ``progress`` shows a bar (lines in a log) over the compared steps."""
     if steps < 1:
@@ -202,20 +230,36 @@ def verify(scheduled: Any, state: Any, batches: Iterable[Any], steps: int = 10,
         try:
             with jax.enable_x64(True):
                 # placed leaves keep their sharding: a tensor-parallel block stays sharded
-                return _compare(scheduled.fresh(), _widened(params, placed=True),
-                                _widened(opt_state, placed=True),
-                                [_widened(b, placed=True) for b in batches], rtol, baseline_factor,
-                                "float64", progress)
+                return _compare(
+                    scheduled.fresh(),
+                    _widened(params, placed=True),
+                    _widened(opt_state, placed=True),
+                    [_widened(b, placed=True) for b in batches],
+                    rtol,
+                    baseline_factor,
+                    "float64",
+                    progress,
+                )
         except Exception as err:  # the step pins float32 somewhere, a kernel has no float64...
-            warnings.warn(f"verify could not run the step in float64 ({type(err).__name__}: "
-                          f"{str(err).splitlines()[0][:200]}); comparing in float32, where chaotic "
-                          "training amplifies rounding and the baseline is looser", stacklevel=2)
-    return _compare(scheduled, params, opt_state, batches, rtol, baseline_factor, "float32",
-                    progress)
+            warnings.warn(
+                f"verify could not run the step in float64 ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:200]}); comparing in float32, where chaotic "
+                "training amplifies rounding and the baseline is looser",
+                stacklevel=2,
+            )
+    return _compare(scheduled, params, opt_state, batches, rtol, baseline_factor, "float32", progress)
 
 
-def _compare(scheduled: Any, params: Any, opt_state: Any, batches: list, rtol: float,
-             baseline_factor: float, precision: str, progress: bool = False) -> VerifyReport:
+def _compare(
+    scheduled: Any,
+    params: Any,
+    opt_state: Any,
+    batches: list,
+    rtol: float,
+    baseline_factor: float,
+    precision: str,
+    progress: bool = False,
+) -> VerifyReport:
     from jaxsched.core.progress import progress as progress_bar
 
     steps = len(batches)
@@ -227,20 +271,28 @@ def _compare(scheduled: Any, params: Any, opt_state: Any, batches: list, rtol: f
     baseline_gap: dict[str, float] = {}
     step_gap, step_baseline, first = [], [], None
     sched_left = base_left = None
-    shown = progress_bar(batches, f"verify {getattr(scheduled.strategy, 'name', '')} ({precision})",
-                         enabled=progress, unit="step")
+    shown = progress_bar(
+        batches, f"verify {getattr(scheduled.strategy, 'name', '')} ({precision})", enabled=progress, unit="step"
+    )
     for t, batch in enumerate(shown, start=1):
         *plain, plain_aux = step(*plain, batch)
         *nudged, nudged_aux = step(*nudged, batch)
         sched_state, sched_aux = scheduled.step_batch(sched_state, batch)
         jax.block_until_ready((plain, nudged, sched_state, sched_aux))
         user_sched = scheduled.finalize(sched_state)
-        reference = _named_leaves("params", plain[0]) + _named_leaves("opt_state", plain[1]) + \
-            _named_leaves("aux", plain_aux)
-        got = _named_leaves("params", user_sched[0]) + _named_leaves("opt_state", user_sched[1]) + \
-            _named_leaves("aux", sched_aux)
-        base = _named_leaves("params", nudged[0]) + _named_leaves("opt_state", nudged[1]) + \
-            _named_leaves("aux", nudged_aux)
+        reference = (
+            _named_leaves("params", plain[0]) + _named_leaves("opt_state", plain[1]) + _named_leaves("aux", plain_aux)
+        )
+        got = (
+            _named_leaves("params", user_sched[0])
+            + _named_leaves("opt_state", user_sched[1])
+            + _named_leaves("aux", sched_aux)
+        )
+        base = (
+            _named_leaves("params", nudged[0])
+            + _named_leaves("opt_state", nudged[1])
+            + _named_leaves("aux", nudged_aux)
+        )
         worst = worst_base = 0.0
         for (name, ref), (_, value), (_, b) in zip(reference, got, base, strict=True):
             gap, bgap = relative_gap(value, ref), relative_gap(b, ref)
@@ -258,5 +310,18 @@ def _compare(scheduled: Any, params: Any, opt_state: Any, batches: list, rtol: f
     if first is None and sched_left is not None and base_left is not None and sched_left < base_left / 2:
         first = sched_left  # the scheduled run left rtol clearly before rounding could take it there
     worst_leaf = max(leaf_gap, key=lambda name: leaf_gap[name]) if leaf_gap else ""
-    return VerifyReport(scheduled.strategy.name, steps, rtol, baseline_factor, leaf_gap, baseline_gap,
-                        step_gap, step_baseline, first, worst_leaf, precision, sched_left, base_left)
+    return VerifyReport(
+        scheduled.strategy.name,
+        steps,
+        rtol,
+        baseline_factor,
+        leaf_gap,
+        baseline_gap,
+        step_gap,
+        step_baseline,
+        first,
+        worst_leaf,
+        precision,
+        sched_left,
+        base_left,
+    )

@@ -23,6 +23,7 @@ Example:
     >>> len(a.reductions)
     4
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,16 +62,16 @@ class Reduction:
 @dataclasses.dataclass(frozen=True)
 class Analysis:
     """Attributes:
-      captured: what capture found.
-      reductions: gradient reductions, in body order.
-      backward: indices of backward-region equations, in order.
-      update: indices of update-region equations, in order.
-      varying: body variables whose value differs across devices.
-      first_use: per body invar index, the first backward equation reading it (or None).
-      forward_collectives: reductions over the axis that forward or backward reads (they
-        run where the user wrote them).
-      per_device_outputs: positions among the step's params and opt_state outputs whose new
-        value differs across devices (kept per device, never sharded).
+    captured: what capture found.
+    reductions: gradient reductions, in body order.
+    backward: indices of backward-region equations, in order.
+    update: indices of update-region equations, in order.
+    varying: body variables whose value differs across devices.
+    first_use: per body invar index, the first backward equation reading it (or None).
+    forward_collectives: reductions over the axis that forward or backward reads (they
+      run where the user wrote them).
+    per_device_outputs: positions among the step's params and opt_state outputs whose new
+      value differs across devices (kept per device, never sharded).
     """
 
     captured: CapturedStep
@@ -118,11 +119,14 @@ def analyze(captured: CapturedStep) -> Analysis:
         for o in eqn.outvars:
             producer[o] = i
 
-    candidates = [i for i, eqn in enumerate(body.eqns)
-                  if reduces_over(eqn, axis, SUM_REDUCTIONS)
-                  and any(o in feeds_state for o in eqn.outvars)
-                  # a reduction of an invariant value (e.g. a second pmean) is part of the update
-                  and any(is_var(x) and x in varying for x in eqn.invars)]
+    candidates = [
+        i
+        for i, eqn in enumerate(body.eqns)
+        if reduces_over(eqn, axis, SUM_REDUCTIONS)
+        and any(o in feeds_state for o in eqn.outvars)
+        # a reduction of an invariant value (e.g. a second pmean) is part of the update
+        and any(is_var(x) and x in varying for x in eqn.invars)
+    ]
     # A reduction whose result another reduction's operand needs belongs to forward or
     # backward (synchronized batch norm, a global token count, SAM's first gradient): it
     # stays where it is. Only the last reductions on each path, whose results only the
@@ -146,7 +150,8 @@ def analyze(captured: CapturedStep) -> Analysis:
                 f"but the batch is sharded over {as_axes(axis)} only, so {tuple(extra)} are not "
                 "data-parallel axes; jaxsched schedules gradient reductions over exactly the "
                 "data-parallel axes (reduce the gradients over the axes the batch is sharded "
-                "over, and keep model-axis collectives inside forward and backward)")
+                "over, and keep model-axis collectives inside forward and backward)"
+            )
         reducing_eqns.add(i)
         for pos, (x, o) in enumerate(zip(eqn.invars, eqn.outvars)):
             nbytes = x.aval.size * x.aval.dtype.itemsize
@@ -158,20 +163,29 @@ def analyze(captured: CapturedStep) -> Analysis:
                 f"the gradients are reduced over {axis!r} inside a nested {nested.primitive.name} "
                 f"at {source_line(nested)}; jaxsched rewrites reductions at the top level of the "
                 "shard_map body, so call lax.pmean/psum there rather than inside a separately "
-                "jitted function, scan, cond or loop")
-        partial = sorted({reduction_axes(e) for e in body.eqns
-                          if e.primitive.name in SUM_REDUCTIONS and set(reduction_axes(e)) & data_axes
-                          and any(o in feeds_state for o in e.outvars)})
+                "jitted function, scan, cond or loop"
+            )
+        partial = sorted(
+            {
+                reduction_axes(e)
+                for e in body.eqns
+                if e.primitive.name in SUM_REDUCTIONS
+                and set(reduction_axes(e)) & data_axes
+                and any(o in feeds_state for o in e.outvars)
+            }
+        )
         if len(data_axes) > 1 and partial:
             raise UnsupportedStepError(
                 f"the gradients are reduced over the data-parallel axes {as_axes(axis)} in "
                 f"separate calls (over {', '.join(map(str, partial))}); reduce them in one, "
                 f"lax.pmean(grads, {axis!r}), and pass collective=jaxsched.runtime.collectives."
-                "Hierarchical(fast=..., slow=...) to have it summed level by level")
+                "Hierarchical(fast=..., slow=...) to have it summed level by level"
+            )
         raise UnsupportedStepError(
             f"the step has no gradient reduction over mesh axis {axis!r}: nothing psums or pmeans "
             "device-varying values into the new params or optimizer state. Reduce the gradients "
-            f"with lax.pmean(grads, {axis!r}) (or use check_vma=True so JAX does it in backward)")
+            f"with lax.pmean(grads, {axis!r}) (or use check_vma=True so JAX does it in backward)"
+        )
 
     # Backward region: what the reduced gradients need. Everything else (the optimizer,
     # including its gradient-free parts such as b1 * mu, and metrics) is the update region,
@@ -185,8 +199,7 @@ def analyze(captured: CapturedStep) -> Analysis:
             needed.update(x for x in eqn.invars if is_var(x))
     backward = [i for i in range(len(body.eqns)) if i in in_backward]
     live = live_equations(body)
-    update = [i for i in range(len(body.eqns))
-              if i not in in_backward and i not in reducing_eqns and i in live]
+    update = [i for i in range(len(body.eqns)) if i not in in_backward and i not in reducing_eqns and i in live]
 
     first_use: list[int | None] = [None] * len(body.invars)
     position = {v: k for k, v in enumerate(body.invars)}
@@ -195,10 +208,19 @@ def analyze(captured: CapturedStep) -> Analysis:
             k = position.get(x) if is_var(x) else None
             if k is not None and first_use[k] is None:
                 first_use[k] = i
-    per_device = frozenset(k for k in range(n_state)
-                           if is_var(outvars[captured.outputs[k]]) and outvars[captured.outputs[k]] in varying)
-    return Analysis(captured, tuple(reductions), tuple(backward), tuple(update),
-                    frozenset(varying), tuple(first_use), forward_collectives, per_device)
+    per_device = frozenset(
+        k for k in range(n_state) if is_var(outvars[captured.outputs[k]]) and outvars[captured.outputs[k]] in varying
+    )
+    return Analysis(
+        captured,
+        tuple(reductions),
+        tuple(backward),
+        tuple(update),
+        frozenset(varying),
+        tuple(first_use),
+        forward_collectives,
+        per_device,
+    )
 
 
 def _nested_reduction(jaxpr, axis: str):

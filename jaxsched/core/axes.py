@@ -13,6 +13,7 @@ Example:
     >>> as_axes("data"), axis_size(mesh, ("dcn", "ici")), axis_size(mesh, "ici")
     (('data',), 8, 4)
 """
+
 from __future__ import annotations
 
 import math

@@ -10,6 +10,7 @@ Example:
     >>> param_paths({"dense": {"kernel": 0, "bias": 0}})
     ['dense/bias', 'dense/kernel']
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,16 @@ import numpy as np
 
 from jaxsched.core.analyze import Analysis
 
-__all__ = ["Bucket", "bucket_nbytes", "DEFAULT_BUCKET_BYTES", "is_float", "match_reductions",
-           "param_paths", "plan_buckets", "shape_key"]
+__all__ = [
+    "Bucket",
+    "bucket_nbytes",
+    "DEFAULT_BUCKET_BYTES",
+    "is_float",
+    "match_reductions",
+    "param_paths",
+    "plan_buckets",
+    "shape_key",
+]
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 
@@ -30,8 +39,8 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 @dataclasses.dataclass(frozen=True)
 class Bucket:
     """Attributes:
-      params: parameter leaf indices, in gradient-completion order.
-      reductions: indices into ``Analysis.reductions`` reduced together.
+    params: parameter leaf indices, in gradient-completion order.
+    reductions: indices into ``Analysis.reductions`` reduced together.
     """
 
     params: tuple[int, ...]
@@ -67,7 +76,8 @@ def match_reductions(analysis: Analysis) -> list[int | None]:
     reds = analysis.reductions
     match: list[int | None] = [None] * cap.num_params
     if len(reds) == cap.num_params and all(
-            shapes[i] == (shape_key(r.operand.aval.shape), r.operand.aval.dtype) for i, r in enumerate(reds)):
+        shapes[i] == (shape_key(r.operand.aval.shape), r.operand.aval.dtype) for i, r in enumerate(reds)
+    ):
         return list(range(cap.num_params))
     taken = set()
     for i, shape in enumerate(shapes):
@@ -102,15 +112,14 @@ def plan_buckets(analysis: Analysis, paths: Sequence[str], buckets: Any = None) 
     match = match_reductions(analysis)
     reds = analysis.reductions
     ready = [reds[m].ready_at if m is not None else 10**9 for m in match]
-    order = sorted((i for i in range(cap.num_params) if match[i] is not None),
-                   key=lambda i: (ready[i], -i))
+    order = sorted((i for i in range(cap.num_params) if match[i] is not None), key=lambda i: (ready[i], -i))
     dtype_of = lambda i: cap.body.invars[cap.body_input("params", i)].aval.dtype
-    nbytes = lambda i: int(np.prod(cap.body.invars[cap.body_input("params", i)].aval.shape)) * \
-        np.dtype(dtype_of(i)).itemsize
+    nbytes = (
+        lambda i: int(np.prod(cap.body.invars[cap.body_input("params", i)].aval.shape)) * np.dtype(dtype_of(i)).itemsize
+    )
 
     if isinstance(buckets, (list, tuple)):
-        groups = [[i for i in group if match[i] is not None]
-                  for group in _explicit_groups(buckets, paths)]
+        groups = [[i for i in group if match[i] is not None] for group in _explicit_groups(buckets, paths)]
         groups = [g for g in groups if g]
     else:
         if buckets is None:
@@ -118,8 +127,10 @@ def plan_buckets(analysis: Analysis, paths: Sequence[str], buckets: Any = None) 
         elif isinstance(buckets, int) and not isinstance(buckets, bool) and buckets > 0:
             threshold = buckets
         else:
-            raise ValueError(f"buckets={buckets!r} is not understood; pass None (25 MB), a positive "
-                             "byte threshold, or a list of lists of parameter paths")
+            raise ValueError(
+                f"buckets={buckets!r} is not understood; pass None (25 MB), a positive "
+                "byte threshold, or a list of lists of parameter paths"
+            )
         groups, current, size = [], [], 0
         for i in order:
             if current and (size + nbytes(i) > threshold or dtype_of(i) != dtype_of(current[-1])):
@@ -150,9 +161,11 @@ def plan_buckets(analysis: Analysis, paths: Sequence[str], buckets: Any = None) 
 
 def bucket_nbytes(analysis: Analysis, bucket: Bucket) -> int:
     """Bytes per device that ``bucket``'s collective moves: its reductions' operands."""
-    return sum(int(np.prod(analysis.reductions[j].operand.aval.shape))
-               * np.dtype(analysis.reductions[j].operand.aval.dtype).itemsize
-               for j in bucket.reductions)
+    return sum(
+        int(np.prod(analysis.reductions[j].operand.aval.shape))
+        * np.dtype(analysis.reductions[j].operand.aval.dtype).itemsize
+        for j in bucket.reductions
+    )
 
 
 def _explicit_groups(plan: Sequence[Sequence[Any]], paths: Sequence[str]) -> list[list[int]]:
@@ -165,21 +178,22 @@ def _explicit_groups(plan: Sequence[Sequence[Any]], paths: Sequence[str]) -> lis
         members = []
         for name in group:
             key = (name if isinstance(name, str) else "/".join(map(str, name))).rstrip("/")
-            matched = [index[key]] if key in index else \
-                [i for i, p in enumerate(paths) if p.startswith(key + "/")]
+            matched = [index[key]] if key in index else [i for i, p in enumerate(paths) if p.startswith(key + "/")]
             if not matched:
-                raise ValueError(f"buckets[{b}] names unknown parameter {key!r}; give a path or a "
-                                 f"subtree prefix of one (known paths: {', '.join(paths)})")
+                raise ValueError(
+                    f"buckets[{b}] names unknown parameter {key!r}; give a path or a "
+                    f"subtree prefix of one (known paths: {', '.join(paths)})"
+                )
             for i in matched:
                 if i in seen:
-                    raise ValueError(f"parameter {paths[i]!r} is in buckets[{seen[i]}] and "
-                                     f"buckets[{b}]")
+                    raise ValueError(f"parameter {paths[i]!r} is in buckets[{seen[i]}] and buckets[{b}]")
                 seen[i] = b
                 members.append(i)
         if members:
             groups.append(members)
     missing = [paths[i] for i in range(len(paths)) if i not in seen]
     if missing:
-        raise ValueError(f"the bucket plan leaves out parameters {', '.join(missing)}; every "
-                         "parameter must be in exactly one bucket")
+        raise ValueError(
+            f"the bucket plan leaves out parameters {', '.join(missing)}; every parameter must be in exactly one bucket"
+        )
     return groups

@@ -19,6 +19,7 @@ Example:
     >>> captured.kind, captured.axis_name, captured.num_params
     ('shard_map', 'data', 4)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +34,7 @@ from jaxsched.core import replay
 from jaxsched.core.axes import as_axes, axis_size, spec_axes
 from jaxsched.core.primitives import CALL_PRIMITIVES, REDUCTIONS, VMA_TYPING, reduction_axes
 
-__all__ = ["abstract_leaf", "capture", "CapturedStep", "data_axes", "flatten_calls", "Source",
-           "UnsupportedStepError"]
+__all__ = ["abstract_leaf", "capture", "CapturedStep", "data_axes", "flatten_calls", "Source", "UnsupportedStepError"]
 
 
 class UnsupportedStepError(ValueError):
@@ -121,8 +121,7 @@ def _sub_jaxpr(eqn) -> tuple[Any, tuple]:
     return inner, ()
 
 
-def capture(step: Callable, params: Any, opt_state: Any, batch: Any,
-            fold_invariant_sums: bool = False) -> CapturedStep:
+def capture(step: Callable, params: Any, opt_state: Any, batch: Any, fold_invariant_sums: bool = False) -> CapturedStep:
     """Trace ``step`` on example inputs and locate its shard_map body and mesh axis.
 
     ``fold_invariant_sums``: compute a ``psum`` of a device-invariant value as a product
@@ -132,28 +131,33 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any,
     except NameError as err:  # lax.psum over an axis no mesh binds
         raise UnsupportedStepError(
             f"the step reduces over an axis that is not in its mesh ({err}); reduce gradients "
-            "over the shard_map/pmap axis name") from None
+            "over the shard_map/pmap axis name"
+        ) from None
 
     if not isinstance(out_shape, (tuple, list)) or len(out_shape) != 3:
         raise UnsupportedStepError(
             "the step must return (params, opt_state, aux); it returned "
             f"{type(out_shape).__name__} with structure {jax.tree.structure(out_shape)} (an NNX "
             "train_step(model, optimizer, batch) that updates its objects in place is "
-            "scheduled by jaxsched.integrations.nnx.schedule)")
+            "scheduled by jaxsched.integrations.nnx.schedule)"
+        )
     params_tree = jax.tree.structure(params)
     opt_tree = jax.tree.structure(opt_state)
     for name, tree, out in (("params", params_tree, out_shape[0]), ("opt_state", opt_tree, out_shape[1])):
         if jax.tree.structure(out) != tree:
             raise UnsupportedStepError(
                 f"the step's output {name} has structure {jax.tree.structure(out)} but its input "
-                f"{name} has {tree}; the step must return {name} in the same structure it takes")
+                f"{name} has {tree}; the step must return {name} in the same structure it takes"
+            )
     num_params, num_opt = params_tree.num_leaves, opt_tree.num_leaves
     batch_tree = jax.tree.structure(batch)
     aux_tree = jax.tree.structure(out_shape[2])
 
-    roles = ([Source("params", i) for i in range(num_params)]
-             + [Source("opt_state", i) for i in range(num_opt)]
-             + [Source("batch", i) for i in range(batch_tree.num_leaves)])
+    roles = (
+        [Source("params", i) for i in range(num_params)]
+        + [Source("opt_state", i) for i in range(num_opt)]
+        + [Source("batch", i) for i in range(batch_tree.num_leaves)]
+    )
 
     # Walk through jit wrappers to the shard_map, tracking what feeds every variable.
     jaxpr = closed.jaxpr
@@ -175,11 +179,13 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any,
 
     shard_maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     if not shard_maps:
-        return _capture_global(closed, out_shape, (params, opt_state, batch),
-                               (params_tree, opt_tree, batch_tree, aux_tree))
+        return _capture_global(
+            closed, out_shape, (params, opt_state, batch), (params_tree, opt_tree, batch_tree, aux_tree)
+        )
     if len(jaxpr.eqns) != 1:  # global work beside a shard_map: partitioning names the mix
-        return _capture_global(closed, out_shape, (params, opt_state, batch),
-                               (params_tree, opt_tree, batch_tree, aux_tree))
+        return _capture_global(
+            closed, out_shape, (params, opt_state, batch), (params_tree, opt_tree, batch_tree, aux_tree)
+        )
     eqn = shard_maps[0]
 
     sources, consts = [], []
@@ -194,14 +200,19 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any,
     try:
         outputs = tuple(out_index[v] for v in outs)
     except (KeyError, TypeError):
-        raise UnsupportedStepError(
-            "every output of the step must come out of its shard_map/pmap body") from None
+        raise UnsupportedStepError("every output of the step must come out of its shard_map/pmap body") from None
 
     mesh = eqn.params["mesh"]
     user_body = eqn.params["jaxpr"]
     user_body = user_body.jaxpr if hasattr(user_body, "jaxpr") else user_body
-    body = flatten_calls(user_body, mesh, eqn.params["in_specs"], eqn.params["out_specs"],
-                         [x.aval for x in eqn.invars], fold_invariant_sums)
+    body = flatten_calls(
+        user_body,
+        mesh,
+        eqn.params["in_specs"],
+        eqn.params["out_specs"],
+        [x.aval for x in eqn.invars],
+        fold_invariant_sums,
+    )
     manual = tuple(eqn.params.get("manual_axes", eqn.params.get("newly_manual_axes", mesh.axis_names)))
     axis_name = data_axes(mesh, eqn.params["in_specs"], sources, body)
     for a in as_axes(axis_name):
@@ -209,13 +220,27 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any,
             raise UnsupportedStepError(f"mesh axis {a!r} is not manual in the shard_map")
     kind = "pmap" if _looks_like_pmap(eqn, body) else "shard_map"
     return CapturedStep(
-        kind=kind, body=body, user_body=user_body, sources=tuple(sources), consts=tuple(consts), outputs=outputs,
-        mesh=mesh, axis_name=axis_name, axis_size=axis_size(mesh, axis_name),
-        in_specs=tuple(eqn.params["in_specs"]), out_specs=tuple(eqn.params["out_specs"]),
-        params_tree=params_tree, opt_tree=opt_tree, batch_tree=batch_tree, aux_tree=aux_tree,
-        num_params=num_params, num_opt=num_opt, num_batch=batch_tree.num_leaves,
+        kind=kind,
+        body=body,
+        user_body=user_body,
+        sources=tuple(sources),
+        consts=tuple(consts),
+        outputs=outputs,
+        mesh=mesh,
+        axis_name=axis_name,
+        axis_size=axis_size(mesh, axis_name),
+        in_specs=tuple(eqn.params["in_specs"]),
+        out_specs=tuple(eqn.params["out_specs"]),
+        params_tree=params_tree,
+        opt_tree=opt_tree,
+        batch_tree=batch_tree,
+        aux_tree=aux_tree,
+        num_params=num_params,
+        num_opt=num_opt,
+        num_batch=batch_tree.num_leaves,
         check_vma=bool(eqn.params.get("check_vma", False)),
-        example_inputs=jax.tree.map(abstract_leaf, (params, opt_state, batch)))
+        example_inputs=jax.tree.map(abstract_leaf, (params, opt_state, batch)),
+    )
 
 
 def _leaf_names(role: str, tree: Any) -> list[str]:
@@ -230,34 +255,49 @@ def _capture_global(closed, out_shape: Any, inputs: tuple, trees: tuple) -> Capt
     params, opt_state, batch = inputs
     params_tree, opt_tree, batch_tree, aux_tree = trees
     leaves = jax.tree.leaves(inputs)
-    names = (_leaf_names("params", params) + _leaf_names("opt_state", opt_state)
-             + _leaf_names("batch", batch))
-    roles = (["params"] * params_tree.num_leaves + ["opt_state"] * opt_tree.num_leaves
-             + ["batch"] * batch_tree.num_leaves)
+    names = _leaf_names("params", params) + _leaf_names("opt_state", opt_state) + _leaf_names("batch", batch)
+    roles = (
+        ["params"] * params_tree.num_leaves + ["opt_state"] * opt_tree.num_leaves + ["batch"] * batch_tree.num_leaves
+    )
     n_state = params_tree.num_leaves + opt_tree.num_leaves
     try:
         part = partition.partition(closed, leaves, names, roles, n_state)
     except (partition.PlacementError, partition.PartitionError) as err:
         raise UnsupportedStepError(str(err)) from None
     placement = part.placement
-    sources = [Source(role, i) for role, tree in (("params", params_tree), ("opt_state", opt_tree),
-                                                  ("batch", batch_tree))
-               for i in range(tree.num_leaves)]
+    sources = [
+        Source(role, i)
+        for role, tree in (("params", params_tree), ("opt_state", opt_tree), ("batch", batch_tree))
+        for i in range(tree.num_leaves)
+    ]
     sources += [Source("const", c) for c in range(len(part.const_values))]
     return CapturedStep(
-        kind="jit", body=part.body, user_body=part.body, sources=tuple(sources),
-        consts=part.const_values, outputs=tuple(range(len(closed.jaxpr.outvars))),
-        mesh=placement.mesh, axis_name=placement.axis_name, axis_size=placement.axis_size,
-        in_specs=part.in_specs, out_specs=part.out_specs, params_tree=params_tree,
-        opt_tree=opt_tree, batch_tree=batch_tree, aux_tree=aux_tree,
-        num_params=params_tree.num_leaves, num_opt=opt_tree.num_leaves,
-        num_batch=batch_tree.num_leaves, check_vma=False,
-        example_inputs=jax.tree.map(abstract_leaf, inputs), global_step=closed,
-        gathers=part.gathers)
+        kind="jit",
+        body=part.body,
+        user_body=part.body,
+        sources=tuple(sources),
+        consts=part.const_values,
+        outputs=tuple(range(len(closed.jaxpr.outvars))),
+        mesh=placement.mesh,
+        axis_name=placement.axis_name,
+        axis_size=placement.axis_size,
+        in_specs=part.in_specs,
+        out_specs=part.out_specs,
+        params_tree=params_tree,
+        opt_tree=opt_tree,
+        batch_tree=batch_tree,
+        aux_tree=aux_tree,
+        num_params=params_tree.num_leaves,
+        num_opt=opt_tree.num_leaves,
+        num_batch=batch_tree.num_leaves,
+        check_vma=False,
+        example_inputs=jax.tree.map(abstract_leaf, inputs),
+        global_step=closed,
+        gathers=part.gathers,
+    )
 
 
-def flatten_calls(body, mesh: Mesh, in_specs, out_specs, operand_avals,
-                  fold_invariant_sums: bool = False) -> Any:
+def flatten_calls(body, mesh: Mesh, in_specs, out_specs, operand_avals, fold_invariant_sums: bool = False) -> Any:
     """The body with nested jit and custom_jvp/vjp calls inlined, re-traced as one jaxpr.
 
     A user who jits the loss (or Flax/optax code that jits internally) hides forward and
@@ -268,8 +308,9 @@ def flatten_calls(body, mesh: Mesh, in_specs, out_specs, operand_avals,
     ``fold_invariant_sums``, a ``psum`` of a value every device already holds (a ``pmean``
     on top of the reduction JAX does in backward) becomes a product, not an all-reduce.
     """
-    if body.constvars or not any(e.primitive.name in CALL_PRIMITIVES | VMA_TYPING | {"psum_invariant"}
-                                 for e in body.eqns):
+    if body.constvars or not any(
+        e.primitive.name in CALL_PRIMITIVES | VMA_TYPING | {"psum_invariant"} for e in body.eqns
+    ):
         return body
 
     run = replay.invariant_sums_as_products(dict(mesh.shape)) if fold_invariant_sums else replay.bind
@@ -277,10 +318,11 @@ def flatten_calls(body, mesh: Mesh, in_specs, out_specs, operand_avals,
     def replayed(*args):
         return tuple(replay.eval_inline(body, [], args, run))
 
-    mapped = jax.shard_map(replayed, mesh=mesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs),
-                           check_vma=False)
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
-            for a, spec in zip(operand_avals, in_specs)]
+    mapped = jax.shard_map(replayed, mesh=mesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs), check_vma=False)
+    args = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+        for a, spec in zip(operand_avals, in_specs)
+    ]
     traced = jax.make_jaxpr(mapped)(*args).jaxpr
     (inner,) = [e for e in traced.eqns if e.primitive.name == "shard_map"]
     flat = inner.params["jaxpr"]
@@ -318,13 +360,19 @@ def data_axes(mesh: Mesh, in_specs: Any, sources: Any, body: Any) -> str | tuple
         raise UnsupportedStepError(
             f"the mesh has axes {mesh.axis_names} and the batch is not sharded over any of them, "
             f"so the data-parallel axis is ambiguous (the step reduces over {sorted(reduced)}); "
-            "shard the batch over the data-parallel axes (in_specs P('data') or P(('dcn', 'ici')))")
+            "shard the batch over the data-parallel axes (in_specs P('data') or P(('dcn', 'ici')))"
+        )
     return candidates[0]
 
 
 def _reduction_axes(jaxpr) -> set:
-    return {a for eqn in replay.nested_eqns(jaxpr) if eqn.primitive.name in REDUCTIONS
-            for a in reduction_axes(eqn) if isinstance(a, str)}
+    return {
+        a
+        for eqn in replay.nested_eqns(jaxpr)
+        if eqn.primitive.name in REDUCTIONS
+        for a in reduction_axes(eqn)
+        if isinstance(a, str)
+    }
 
 
 def _looks_like_pmap(eqn, body) -> bool:
@@ -337,5 +385,8 @@ def _looks_like_pmap(eqn, body) -> bool:
         return False
     if any(tuple(v.aval.shape[:1]) != (1,) for v in mapped):
         return False
-    return all(e.primitive.name == "squeeze" and tuple(e.params["dimensions"]) == (0,)
-               for e in body.eqns if any(isinstance(x, jex_core.Var) and x in mapped for x in e.invars))
+    return all(
+        e.primitive.name == "squeeze" and tuple(e.params["dimensions"]) == (0,)
+        for e in body.eqns
+        if any(isinstance(x, jex_core.Var) and x in mapped for x in e.invars)
+    )

@@ -14,6 +14,7 @@ Example:
     >>> layout.chunk_sizes, layout.shard_size
     ((2, 2), 4)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["BucketLayout", "chunk_size", "gather_chunk", "host_chunks", "local_chunk", "pad_flat",
-           "valid_mask"]
+__all__ = ["BucketLayout", "chunk_size", "gather_chunk", "host_chunks", "local_chunk", "pad_flat", "valid_mask"]
 
 
 def chunk_size(shape: Sequence[int], axis_size: int) -> int:
@@ -75,8 +75,9 @@ class BucketLayout:
     # -- whole leaves <-> the (P * shard_size,) bucket buffer -------------------------------
     def pack(self, leaves: Sequence[jax.Array]) -> jax.Array:
         """Full leaves -> the interleaved bucket buffer of ``P * shard_size`` elements."""
-        columns = [pad_flat(leaf, c * self.axis_size).reshape(self.axis_size, c)
-                   for leaf, c in zip(leaves, self.chunk_sizes)]
+        columns = [
+            pad_flat(leaf, c * self.axis_size).reshape(self.axis_size, c) for leaf, c in zip(leaves, self.chunk_sizes)
+        ]
         return jnp.concatenate(columns, axis=1).reshape(-1)
 
     def unpack(self, buffer: jax.Array) -> list[jax.Array]:
@@ -84,14 +85,14 @@ class BucketLayout:
         table = buffer.reshape(self.axis_size, self.shard_size)
         leaves = []
         for shape, c, o in zip(self.shapes, self.chunk_sizes, self.offsets):
-            flat = table[:, o:o + c].reshape(-1)[: math.prod(shape)]
+            flat = table[:, o : o + c].reshape(-1)[: math.prod(shape)]
             leaves.append(flat.reshape(shape))
         return leaves
 
     # -- one device's shard <-> per-leaf chunks ---------------------------------------------
     def split_shard(self, shard: jax.Array) -> list[jax.Array]:
         """This device's bucket shard -> each leaf's flat chunk."""
-        return [shard[o:o + c] for c, o in zip(self.chunk_sizes, self.offsets)]
+        return [shard[o : o + c] for c, o in zip(self.chunk_sizes, self.offsets)]
 
     def join_chunks(self, chunks: Sequence[jax.Array]) -> jax.Array:
         return jnp.concatenate([c.reshape(-1).astype(self.dtype) for c in chunks])

@@ -8,16 +8,23 @@ Example:
     >>> "pjit" in CALL_PRIMITIVES and "psum" in SUM_REDUCTIONS <= REDUCTIONS
     True
 """
+
 from __future__ import annotations
 
 from jaxsched.core.axes import as_axes
 
-__all__ = ["CALL_PRIMITIVES", "COLLECTIVES", "reduces_over", "reduction_axes", "REDUCTIONS",
-           "SUM_REDUCTIONS", "VMA_TYPING"]
+__all__ = [
+    "CALL_PRIMITIVES",
+    "COLLECTIVES",
+    "reduces_over",
+    "reduction_axes",
+    "REDUCTIONS",
+    "SUM_REDUCTIONS",
+    "VMA_TYPING",
+]
 
 #: Calls whose body is a jaxpr that can be inlined (jit, custom derivatives).
-CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
-                             "custom_vjp_call"})
+CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call"})
 #: Sums over mesh axes: what a gradient reduction is made of (``pmean`` is psum then div).
 SUM_REDUCTIONS = frozenset({"psum", "psum_invariant"})
 #: Every reduction over mesh axes.
@@ -25,8 +32,14 @@ REDUCTIONS = SUM_REDUCTIONS | {"pmax", "pmin", "pmax_invariant", "pmin_invariant
 #: ``check_vma`` typing primitives: they change a value's type, not its value.
 VMA_TYPING = frozenset({"pvary"})
 #: Communication the rewritten programs emit: where an engine may cut stages.
-COLLECTIVES = REDUCTIONS | {"all_gather", "all_gather_invariant", "psum_scatter", "reduce_scatter",
-                            "ppermute", "all_to_all"}
+COLLECTIVES = REDUCTIONS | {
+    "all_gather",
+    "all_gather_invariant",
+    "psum_scatter",
+    "reduce_scatter",
+    "ppermute",
+    "all_to_all",
+}
 
 
 def reduction_axes(eqn) -> tuple:

@@ -13,6 +13,7 @@ Example:
     demo: 2/4
     demo: 4/4 done
 """
+
 from __future__ import annotations
 
 import sys
@@ -25,8 +26,7 @@ __all__ = ["LineProgress", "note", "progress"]
 class LineProgress:
     """A tqdm-like iterable that prints ``desc: i/total [postfix]`` every ``every`` items."""
 
-    def __init__(self, iterable: Iterable, desc: str, total: int | None, every: int,
-                 stream: TextIO, unit: str = "it"):
+    def __init__(self, iterable: Iterable, desc: str, total: int | None, every: int, stream: TextIO, unit: str = "it"):
         self.iterable, self.desc, self.total, self.every = iterable, desc, total, max(1, every)
         self.stream, self.unit = stream, unit
         self.postfix = ""
@@ -53,9 +53,17 @@ class LineProgress:
         """Nothing to clean up; present so callers can treat it like a tqdm bar."""
 
 
-def progress(iterable: Iterable, desc: str, *, enabled: bool = True, total: int | None = None,
-             every: int | None = None, stream: TextIO | None = None, unit: str = "it",
-             leave: bool = True) -> Any:
+def progress(
+    iterable: Iterable,
+    desc: str,
+    *,
+    enabled: bool = True,
+    total: int | None = None,
+    every: int | None = None,
+    stream: TextIO | None = None,
+    unit: str = "it",
+    leave: bool = True,
+) -> Any:
     """A tqdm bar on a terminal; on anything else one line per ``every`` items; nothing
     at all when ``enabled`` is false."""
     stream = sys.stderr if stream is None else stream

@@ -14,6 +14,7 @@ Example:
     >>> bool(jnp.isclose(read(env, closed.jaxpr.outvars[0]), 2 * jnp.sin(0.5)))
     True
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,9 +28,20 @@ from jax.extend import source_info_util
 
 from jaxsched.core.primitives import CALL_PRIMITIVES, VMA_TYPING
 
-__all__ = ["at_source", "bind", "eval_inline", "inner_jaxpr", "interpret",
-           "invariant_sums_as_products", "is_var", "live_equations", "nested_eqns", "read", "Run",
-           "source_line"]
+__all__ = [
+    "at_source",
+    "bind",
+    "eval_inline",
+    "inner_jaxpr",
+    "interpret",
+    "invariant_sums_as_products",
+    "is_var",
+    "live_equations",
+    "nested_eqns",
+    "read",
+    "Run",
+    "source_line",
+]
 
 Run = Callable[[Any, list], Sequence[Any]]
 
@@ -57,10 +69,12 @@ def bind(eqn, values: Sequence[Any]) -> list:
 @contextlib.contextmanager
 def at_source(eqn):
     """A context in which new equations carry ``eqn``'s source location, name and context."""
-    with source_info_util.user_context(
-            eqn.source_info.traceback,
-            name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack), \
-            eqn.ctx.manager:
+    with (
+        source_info_util.user_context(
+            eqn.source_info.traceback, name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack
+        ),
+        eqn.ctx.manager,
+    ):
         yield
 
 
@@ -86,8 +100,8 @@ def invariant_sums_as_products(mesh_shape: dict) -> Run:
             axes = eqn.params["axes"]
             named = [a for a in axes if isinstance(a, str)]
             if len(named) == len(axes) and all(
-                    id(v) in marked and marked[id(v)][0] is v and set(named) <= marked[id(v)][1]
-                    for v in values):
+                id(v) in marked and marked[id(v)][0] is v and set(named) <= marked[id(v)][1] for v in values
+            ):
                 size = 1
                 for a in named:
                     size *= mesh_shape[a]
@@ -113,8 +127,13 @@ def read(env: dict, x) -> Any:
     return x.val if isinstance(x, jex_core.Literal) else env[x]
 
 
-def interpret(eqns: Iterable, read_operand: Callable[[Any], Any], write: Callable[[Any, Any], None],
-              run: Run = bind, after: Callable[[Any], None] | None = None) -> None:
+def interpret(
+    eqns: Iterable,
+    read_operand: Callable[[Any], Any],
+    write: Callable[[Any, Any], None],
+    run: Run = bind,
+    after: Callable[[Any], None] | None = None,
+) -> None:
     """The one interpreter loop: ``run`` each equation on its operands, ``write`` its results.
 
     ``read_operand`` may compute a value on first use (a deferred all-gather), ``run`` may

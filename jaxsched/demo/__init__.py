@@ -1,4 +1,3 @@
-"""The demo trainer, its TOML configs and reference training steps.
-"""
+"""The demo trainer, its TOML configs and reference training steps."""
 
 __all__: list[str] = []

@@ -14,6 +14,7 @@ Example:
     >>> parse({"model": {"name": "mlp"}, "data": {"name": "digits"}}).train.devices
     8
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,9 +26,22 @@ from typing import Any, Mapping
 from jaxsched.zoo import data as data_lib
 from jaxsched.zoo import models as models_lib
 
-__all__ = ["APIS", "check_strategies", "Config", "ConfigError", "data_options", "DataConfig",
-           "known_strategies", "load", "model_options", "ModelConfig", "OptimizerConfig",
-           "OPTIMIZERS", "parse", "TrainConfig"]
+__all__ = [
+    "APIS",
+    "check_strategies",
+    "Config",
+    "ConfigError",
+    "data_options",
+    "DataConfig",
+    "known_strategies",
+    "load",
+    "model_options",
+    "ModelConfig",
+    "OptimizerConfig",
+    "OPTIMIZERS",
+    "parse",
+    "TrainConfig",
+]
 
 
 class ConfigError(ValueError):
@@ -107,8 +121,9 @@ def _table(raw: Mapping[str, Any], name: str, where: str) -> dict[str, Any]:
     return dict(value)
 
 
-def _take(table: dict[str, Any], field: str, kind: type | tuple[type, ...], where: str,
-          default: Any = dataclasses.MISSING) -> Any:
+def _take(
+    table: dict[str, Any], field: str, kind: type | tuple[type, ...], where: str, default: Any = dataclasses.MISSING
+) -> Any:
     if field not in table:
         if default is dataclasses.MISSING:
             raise ConfigError(f"{where}: missing required field '{field}'")
@@ -124,14 +139,16 @@ def _take(table: dict[str, Any], field: str, kind: type | tuple[type, ...], wher
 
 def _no_leftovers(table: dict[str, Any], where: str, known: tuple[str, ...]) -> None:
     if table:
-        raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(table))}; "
-                          f"known fields: {', '.join(known)}")
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(table))}; known fields: {', '.join(known)}")
 
 
 def _keyword_options(fn: Any, exclude: tuple[str, ...]) -> tuple[str, ...]:
     """The optional keyword parameters of ``fn``: what a config table may set for it."""
-    return tuple(name for name, p in inspect.signature(fn).parameters.items()
-                 if p.default is not inspect.Parameter.empty and name not in exclude)
+    return tuple(
+        name
+        for name, p in inspect.signature(fn).parameters.items()
+        if p.default is not inspect.Parameter.empty and name not in exclude
+    )
 
 
 def model_options(name: str) -> tuple[str, ...]:
@@ -142,9 +159,12 @@ def model_options(name: str) -> tuple[str, ...]:
 
 def data_options(name: str) -> tuple[str, ...]:
     """Fields ``[data]`` accepts besides ``name`` and ``batch_size`` for data set ``name``."""
-    loaders = {"digits": data_lib.load_digits, "synthetic_images": data_lib.synthetic_images,
-               "synthetic_tokens": data_lib.synthetic_tokens,
-               "synthetic_cifar": data_lib.synthetic_cifar}
+    loaders = {
+        "digits": data_lib.load_digits,
+        "synthetic_images": data_lib.synthetic_images,
+        "synthetic_tokens": data_lib.synthetic_tokens,
+        "synthetic_cifar": data_lib.synthetic_cifar,
+    }
     return _keyword_options(loaders[name], ("seed",))
 
 
@@ -152,30 +172,31 @@ def parse(raw: Mapping[str, Any], source: str = "<dict>") -> Config:
     """Validate a config mapping; every error names the offending field."""
     unknown = set(raw) - {"model", "data", "optimizer", "train"}
     if unknown:
-        raise ConfigError(f"{source}: unknown table(s) {', '.join(sorted(unknown))}; "
-                          "expected model, data, optimizer, train")
+        raise ConfigError(
+            f"{source}: unknown table(s) {', '.join(sorted(unknown))}; expected model, data, optimizer, train"
+        )
 
     model_t = _table(raw, "model", source)
     model_name = _take(model_t, "name", str, f"{source}: model")
     if model_name not in models_lib.MODELS:
-        raise ConfigError(f"{source}: model.name={model_name!r} is unknown; "
-                          f"choose one of {', '.join(models_lib.MODELS)}")
+        raise ConfigError(
+            f"{source}: model.name={model_name!r} is unknown; choose one of {', '.join(models_lib.MODELS)}"
+        )
     known = model_options(model_name)
-    _no_leftovers({k: v for k, v in model_t.items() if k not in known}, f"{source}: model",
-                  ("name", *known))
+    _no_leftovers({k: v for k, v in model_t.items() if k not in known}, f"{source}: model", ("name", *known))
     model = ModelConfig(model_name, model_t)
 
     data_t = _table(raw, "data", source)
     data_name = _take(data_t, "name", str, f"{source}: data")
     if data_name not in data_lib.DATASETS:
-        raise ConfigError(f"{source}: data.name={data_name!r} is unknown; "
-                          f"choose one of {', '.join(data_lib.DATASETS)}")
+        raise ConfigError(f"{source}: data.name={data_name!r} is unknown; choose one of {', '.join(data_lib.DATASETS)}")
     batch_size = _take(data_t, "batch_size", int, f"{source}: data", 128)
     if batch_size <= 0:
         raise ConfigError(f"{source}: data.batch_size must be positive, got {batch_size}")
     known = data_options(data_name)
-    _no_leftovers({k: v for k, v in data_t.items() if k not in known}, f"{source}: data",
-                  ("name", "batch_size", *known))
+    _no_leftovers(
+        {k: v for k, v in data_t.items() if k not in known}, f"{source}: data", ("name", "batch_size", *known)
+    )
     data = DataConfig(data_name, batch_size, data_t)
 
     opt_t = _table(raw, "optimizer", source)
@@ -189,8 +210,9 @@ def parse(raw: Mapping[str, Any], source: str = "<dict>") -> Config:
     )
     _no_leftovers(opt_t, where, tuple(f.name for f in dataclasses.fields(OptimizerConfig)))
     if optimizer.name not in OPTIMIZERS:
-        raise ConfigError(f"{source}: optimizer.name={optimizer.name!r} is unknown; "
-                          f"choose one of {', '.join(OPTIMIZERS)}")
+        raise ConfigError(
+            f"{source}: optimizer.name={optimizer.name!r} is unknown; choose one of {', '.join(OPTIMIZERS)}"
+        )
 
     train_t = _table(raw, "train", source)
     where = f"{source}: train"
@@ -214,8 +236,10 @@ def parse(raw: Mapping[str, Any], source: str = "<dict>") -> Config:
     if train.api not in APIS:
         raise ConfigError(f"{source}: train.api={train.api!r} is unknown; choose one of {', '.join(APIS)}")
     if batch_size % train.devices:
-        raise ConfigError(f"{source}: data.batch_size={batch_size} is not divisible by "
-                          f"train.devices={train.devices}; pick a multiple of {train.devices}")
+        raise ConfigError(
+            f"{source}: data.batch_size={batch_size} is not divisible by "
+            f"train.devices={train.devices}; pick a multiple of {train.devices}"
+        )
     return Config(model, data, optimizer, train, source)
 
 

@@ -17,6 +17,7 @@ Example:
     >>> sorted(aux)
     ['accuracy', 'loss']
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -31,9 +32,22 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxsched.core.axes import axis_size
 from jaxsched.demo.config import OptimizerConfig
 
-__all__ = ["accuracy", "cross_entropy", "global_step_fn", "local_step_fn", "make_jit_step",
-           "make_optimizer", "make_pmap_step", "make_step", "place_replicated", "place_stacked",
-           "replicate", "shard_batch", "split_batch", "Step"]
+__all__ = [
+    "accuracy",
+    "cross_entropy",
+    "global_step_fn",
+    "local_step_fn",
+    "make_jit_step",
+    "make_optimizer",
+    "make_pmap_step",
+    "make_step",
+    "place_replicated",
+    "place_stacked",
+    "replicate",
+    "shard_batch",
+    "split_batch",
+    "Step",
+]
 
 Step = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 
@@ -66,6 +80,7 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
 
 def _loss_and_grads(apply_fn: Callable, params: Any, x: Any, y: Any) -> tuple:
     """Cross-entropy, logits and gradients on the batch this code sees (local or global)."""
+
     def loss_fn(p):
         logits = apply_fn(p, x)
         return cross_entropy(logits, y), logits
@@ -89,13 +104,15 @@ def local_step_fn(apply_fn: Callable, tx: optax.GradientTransformation, axis: st
     return local_step
 
 
-def make_step(apply_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh,
-              axis: str | tuple[str, ...] = "data") -> Step:
+def make_step(
+    apply_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, axis: str | tuple[str, ...] = "data"
+) -> Step:
     """A jitted ``jax.shard_map`` step: replicated params/opt_state, batch sharded on ``axis``
     (one mesh axis, or a tuple such as ``("dcn", "ici")``: data parallel over several)."""
     body = local_step_fn(apply_fn, tx, axis)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis)),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=(P(), P(), P()), check_vma=False)
+    )
 
 
 def global_step_fn(apply_fn: Callable, tx: optax.GradientTransformation) -> Step:
@@ -118,8 +135,9 @@ def make_jit_step(apply_fn: Callable, tx: optax.GradientTransformation) -> Step:
     return jax.jit(global_step_fn(apply_fn, tx))
 
 
-def make_pmap_step(apply_fn: Callable, tx: optax.GradientTransformation, axis: str = "data",
-                   devices: list | None = None) -> Step:
+def make_pmap_step(
+    apply_fn: Callable, tx: optax.GradientTransformation, axis: str = "data", devices: list | None = None
+) -> Step:
     """The same step with ``jax.pmap``: every input carries a leading device axis."""
     return jax.pmap(local_step_fn(apply_fn, tx, axis), axis_name=axis, devices=devices)
 
@@ -130,8 +148,9 @@ def shard_batch(batch: Any, mesh: Mesh, axis: str | tuple[str, ...] = "data") ->
     size = axis_size(mesh, axis)
     for leaf in jax.tree.leaves(batch):
         if leaf.shape[0] % size:
-            raise ValueError(f"batch leading dimension {leaf.shape[0]} is not divisible by the "
-                             f"{size} devices on mesh axis {axis!r}")
+            raise ValueError(
+                f"batch leading dimension {leaf.shape[0]} is not divisible by the {size} devices on mesh axis {axis!r}"
+            )
     return jax.device_put(batch, NamedSharding(mesh, P(axis)))
 
 
@@ -160,9 +179,11 @@ def place_stacked(tree: Any, devices: list | None = None, axis: str = "data") ->
 
 def split_batch(batch: Any, n: int) -> Any:
     """Reshape a global batch to ``(n, batch // n, ...)`` for a pmap step."""
+
     def split(leaf):
         leaf = np.asarray(leaf)
         if leaf.shape[0] % n:
             raise ValueError(f"batch leading dimension {leaf.shape[0]} is not divisible by {n} devices")
         return leaf.reshape(n, leaf.shape[0] // n, *leaf.shape[1:])
+
     return jax.tree.map(split, batch)

@@ -17,6 +17,7 @@ Example:
     >>> trainer.train(cfg, progress=False).steps
     3
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,19 @@ from jaxsched.demo import steps as steps_lib
 from jaxsched.demo.config import Config, ConfigError
 from jaxsched.core.progress import progress as progress_bar
 
-__all__ = ["default_wrap", "devices_for", "Experiment", "experiment", "FINAL_WINDOW", "RunResult",
-           "StepRunner", "summary_table", "train", "train_side_by_side", "verify_config"]
+__all__ = [
+    "default_wrap",
+    "devices_for",
+    "Experiment",
+    "experiment",
+    "FINAL_WINDOW",
+    "RunResult",
+    "StepRunner",
+    "summary_table",
+    "train",
+    "train_side_by_side",
+    "verify_config",
+]
 
 
 class StepRunner(Protocol):
@@ -47,9 +59,9 @@ class StepRunner(Protocol):
     def finalize(self, state: Any) -> tuple[Any, Any]: ...
 
 
-
 #: final loss and train accuracy are averages over this many last steps (batches)
 FINAL_WINDOW = 10
+
 
 def default_wrap(step: steps_lib.Step, strategy: str) -> StepRunner:
     """Schedule ``step`` with ``strategy`` through :func:`jaxsched.schedule`."""
@@ -89,7 +101,8 @@ def devices_for(cfg: Config) -> list:
             f"{cfg.source}: train.devices={cfg.train.devices} but only {len(available)} "
             f"{available[0].platform} device(s) exist; on CPU start with "
             f"jax.config.update('jax_num_cpu_devices', {cfg.train.devices}) "
-            "before JAX is first used (the CLI does this)")
+            "before JAX is first used (the CLI does this)"
+        )
     return available[: cfg.train.devices]
 
 
@@ -116,10 +129,13 @@ def experiment(cfg: Config) -> Experiment:
     n = len(devices)
     split = data_lib.load(cfg.data.name, seed=cfg.train.seed, **cfg.data.options)
     if cfg.data.batch_size > len(split.train_x):
-        raise ConfigError(f"{cfg.source}: data.batch_size={cfg.data.batch_size} exceeds the "
-                          f"{len(split.train_x)} training examples of {cfg.data.name!r}")
-    model = models_lib.build(cfg.model.name, split.train_x.shape[1:], split.num_classes,
-                             seed=cfg.train.seed, **cfg.model.options)
+        raise ConfigError(
+            f"{cfg.source}: data.batch_size={cfg.data.batch_size} exceeds the "
+            f"{len(split.train_x)} training examples of {cfg.data.name!r}"
+        )
+    model = models_lib.build(
+        cfg.model.name, split.train_x.shape[1:], split.num_classes, seed=cfg.train.seed, **cfg.model.options
+    )
     params, apply_fn = models_lib.pure(model)
     tx = steps_lib.make_optimizer(cfg.optimizer)
     opt_state = tx.init(params)
@@ -132,13 +148,18 @@ def experiment(cfg: Config) -> Experiment:
         make_step = lambda: steps_lib.make_pmap_step(apply_fn, tx, devices=devices)
         params, opt_state = steps_lib.place_stacked(steps_lib.replicate((params, opt_state), n), devices)
         place = lambda batch: steps_lib.split_batch(batch, n)
-    batches = lambda: data_lib.batches(split.train_x, split.train_y, cfg.data.batch_size,
-                                       seed=cfg.train.seed)
+    batches = lambda: data_lib.batches(split.train_x, split.train_y, cfg.data.batch_size, seed=cfg.train.seed)
     return Experiment(split, apply_fn, tx, params, opt_state, make_step, place, batches)
 
 
-def verify_config(cfg: Config, strategies: Sequence[str] | None = None, steps: int | None = None,
-                  rtol: float = 1e-5, precision: str = "float64", progress: bool = False) -> list:
+def verify_config(
+    cfg: Config,
+    strategies: Sequence[str] | None = None,
+    steps: int | None = None,
+    rtol: float = 1e-5,
+    precision: str = "float64",
+    progress: bool = False,
+) -> list:
     """``Scheduled.verify`` of every strategy (but the identity) on ``cfg``'s own step and data."""
     from jaxsched._schedule import Scheduled
 
@@ -148,23 +169,41 @@ def verify_config(cfg: Config, strategies: Sequence[str] | None = None, steps: i
     for strategy in strategies or [s for s in cfg.train.strategies if s != "allreduce"]:
         sched = Scheduled(exp.make_step(), strategy=strategy)
         batches = (exp.place(b) for b in exp.batches())
-        reports.append(sched.verify(sched.init(exp.params, exp.opt_state), batches, steps=steps,
-                                    rtol=rtol, precision=precision, progress=progress))
+        reports.append(
+            sched.verify(
+                sched.init(exp.params, exp.opt_state),
+                batches,
+                steps=steps,
+                rtol=rtol,
+                precision=precision,
+                progress=progress,
+            )
+        )
     return reports
 
 
-def train(cfg: Config, strategy: str | None = None, *, progress: bool = True,
-          log_path: str | Path | None = None,
-          wrap: Callable[[steps_lib.Step, str], StepRunner] = default_wrap) -> RunResult:
+def train(
+    cfg: Config,
+    strategy: str | None = None,
+    *,
+    progress: bool = True,
+    log_path: str | Path | None = None,
+    wrap: Callable[[steps_lib.Step, str], StepRunner] = default_wrap,
+) -> RunResult:
     """Train ``cfg`` with one strategy (default: the first in ``train.strategies``)."""
-    return train_side_by_side(cfg, [strategy or cfg.train.strategies[0]], progress=progress,
-                              log_path=log_path, wrap=wrap)[0]
+    return train_side_by_side(
+        cfg, [strategy or cfg.train.strategies[0]], progress=progress, log_path=log_path, wrap=wrap
+    )[0]
 
 
-def train_side_by_side(cfg: Config, strategies: Sequence[str] | None = None, *,
-                       progress: bool = True, log_path: str | Path | None = None,
-                       wrap: Callable[[steps_lib.Step, str], StepRunner] = default_wrap
-                       ) -> list[RunResult]:
+def train_side_by_side(
+    cfg: Config,
+    strategies: Sequence[str] | None = None,
+    *,
+    progress: bool = True,
+    log_path: str | Path | None = None,
+    wrap: Callable[[steps_lib.Step, str], StepRunner] = default_wrap,
+) -> list[RunResult]:
     """Train ``cfg`` once per strategy, in lockstep: every step runs each strategy once on the
     same batch, from the same initial parameters.
 
@@ -184,8 +223,9 @@ def train_side_by_side(cfg: Config, strategies: Sequence[str] | None = None, *,
     accuracies: list[list[float]] = [[] for _ in strategies]
     step_seconds: list[list[float]] = [[] for _ in strategies]
     try:
-        bar = progress_bar(range(cfg.train.steps), f"{cfg.model.name}/{','.join(strategies)}",
-                           enabled=progress, unit="step")
+        bar = progress_bar(
+            range(cfg.train.steps), f"{cfg.model.name}/{','.join(strategies)}", enabled=progress, unit="step"
+        )
         for i in bar:
             batch = place(next(batches))
             for k, (strategy, runner) in enumerate(zip(strategies, runners)):
@@ -199,8 +239,10 @@ def train_side_by_side(cfg: Config, strategies: Sequence[str] | None = None, *,
                 accuracies[k].append(row.get("accuracy", float("nan")))
                 if log and i % cfg.train.log_every == 0:
                     # the first step's time includes compiling
-                    log.write(json.dumps({"strategy": strategy, "step": i, **row,
-                                          "step_s": time.perf_counter() - started}) + "\n")
+                    log.write(
+                        json.dumps({"strategy": strategy, "step": i, **row, "step_s": time.perf_counter() - started})
+                        + "\n"
+                    )
             bar.set_postfix(loss=f"{losses[0][-1]:.4f}")
     finally:
         if log:
@@ -214,25 +256,46 @@ def train_side_by_side(cfg: Config, strategies: Sequence[str] | None = None, *,
         logits = evaluate(final_params, jnp.asarray(split.test_x))
         tail = max(1, min(FINAL_WINDOW, len(losses[k])))
         median_step_s = float(np.median(step_seconds[k])) if step_seconds[k] else float("nan")
-        results.append(RunResult(
-            strategy=strategy, steps=cfg.train.steps, median_step_s=median_step_s,
-            steps_per_s=1.0 / median_step_s if median_step_s > 0 else float("nan"),
-            final_loss=float(np.mean(losses[k][-tail:])),
-            train_accuracy=float(np.mean(accuracies[k][-tail:])),
-            test_accuracy=float(steps_lib.accuracy(logits, jnp.asarray(split.test_y))),
-            losses=losses[k], params=final_params, opt_state=final_opt_state))
+        results.append(
+            RunResult(
+                strategy=strategy,
+                steps=cfg.train.steps,
+                median_step_s=median_step_s,
+                steps_per_s=1.0 / median_step_s if median_step_s > 0 else float("nan"),
+                final_loss=float(np.mean(losses[k][-tail:])),
+                train_accuracy=float(np.mean(accuracies[k][-tail:])),
+                test_accuracy=float(steps_lib.accuracy(logits, jnp.asarray(split.test_y))),
+                losses=losses[k],
+                params=final_params,
+                opt_state=final_opt_state,
+            )
+        )
     return results
 
 
 def summary_table(results: list[RunResult]) -> str:
     """A plain-text table of runs, with each loss trajectory's largest gap to the first run."""
-    header = ["strategy", "steps/s", f"loss (avg last {FINAL_WINDOW})",
-              f"train acc (avg last {FINAL_WINDOW})", "test acc", "max |dloss| vs first"]
+    header = [
+        "strategy",
+        "steps/s",
+        f"loss (avg last {FINAL_WINDOW})",
+        f"train acc (avg last {FINAL_WINDOW})",
+        "test acc",
+        "max |dloss| vs first",
+    ]
     rows = []
     for r in results:
         gap = max(abs(a - b) for a, b in zip(r.losses, results[0].losses))
-        rows.append([r.strategy, f"{r.steps_per_s:.1f}", f"{r.final_loss:.4f}",
-                     f"{r.train_accuracy:.3f}", f"{r.test_accuracy:.3f}", f"{gap:.2e}"])
+        rows.append(
+            [
+                r.strategy,
+                f"{r.steps_per_s:.1f}",
+                f"{r.final_loss:.4f}",
+                f"{r.train_accuracy:.3f}",
+                f"{r.test_accuracy:.3f}",
+                f"{gap:.2e}",
+            ]
+        )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])

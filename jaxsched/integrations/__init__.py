@@ -1,4 +1,3 @@
-"""Adapters to the rest of the JAX ecosystem: Flax NNX, K-FAC, checkpoints.
-"""
+"""Adapters to the rest of the JAX ecosystem: Flax NNX, K-FAC, checkpoints."""
 
 __all__: list[str] = []

@@ -39,6 +39,7 @@ Example:
     >>> same(restore(folder, target), state)
     True
 """
+
 from __future__ import annotations
 
 import math
@@ -69,6 +70,7 @@ def _without_empty(tree: Any) -> Any:
 
 def _with_empty(target: Any, restored: Any) -> Any:
     """``restored`` with ``target``'s zero-size leaves put back."""
+
     def fill(want: Any, got: Any) -> Any:
         if got is None and _is_empty(want):
             sharding = getattr(want, "sharding", None)
@@ -97,8 +99,7 @@ def restore(path: str | Path, target: Any | None = None) -> Any:
     import orbax.checkpoint as ocp
 
     checkpointer = ocp.StandardCheckpointer()
-    restored = checkpointer.restore(Path(path).absolute(),
-                                    None if target is None else _abstract(target))
+    restored = checkpointer.restore(Path(path).absolute(), None if target is None else _abstract(target))
     return restored if target is None else _with_empty(target, restored)
 
 

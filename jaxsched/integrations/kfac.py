@@ -22,6 +22,7 @@ Example:
     >>> plan_placement([65, 16, 17, 10], 2, "balanced")
     (0, 1, 1, 1)
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -42,5 +43,16 @@ def find_layers(step: Callable, params: Any, opt_state: Any, batch: Any) -> Laye
     return match_layers(planned.analysis, planned.paths)
 
 
-__all__ = ["INVERSES", "KFAC", "KFACFallbackWarning", "KFACState", "LayerMatch", "MatchedLayer",
-           "PLACEMENTS", "find_layers", "max_load", "plan_placement", "worker_loads"]
+__all__ = [
+    "INVERSES",
+    "KFAC",
+    "KFACFallbackWarning",
+    "KFACState",
+    "LayerMatch",
+    "MatchedLayer",
+    "PLACEMENTS",
+    "find_layers",
+    "max_load",
+    "plan_placement",
+    "worker_loads",
+]

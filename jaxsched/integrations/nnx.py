@@ -47,6 +47,7 @@ Example:
     >>> int(optimizer.step[...])
     1
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -88,8 +89,10 @@ class _Layout:
 
     def states(self, params: dict, rest: dict) -> tuple[Any, Any]:
         """The pure step's dicts -> fresh ``nnx.State`` objects of params and of the rest."""
-        return (_refill(self.params_template, {0: params} if self.single_owner else params),
-                _refill(self.rest_template, rest))
+        return (
+            _refill(self.params_template, {0: params} if self.single_owner else params),
+            _refill(self.rest_template, rest),
+        )
 
 
 @dataclasses.dataclass
@@ -123,11 +126,12 @@ class NNXScheduled:
     ``program``, ``verify`` and ``lower`` are available).
     """
 
-    def __init__(self, train_step: Callable, strategy: str | Strategy = "dear",
-                 **schedule_options: Any):
+    def __init__(self, train_step: Callable, strategy: str | Strategy = "dear", **schedule_options: Any):
         if not callable(train_step):
-            raise TypeError("jaxsched.integrations.nnx.schedule() needs the NNX train step "
-                            f"train_step(model, optimizer, batch), got {type(train_step).__name__}")
+            raise TypeError(
+                "jaxsched.integrations.nnx.schedule() needs the NNX train step "
+                f"train_step(model, optimizer, batch), got {type(train_step).__name__}"
+            )
         self.train_step = train_step
         self.strategy = strategy
         self.schedule_options = schedule_options
@@ -143,10 +147,13 @@ class NNXScheduled:
         session = self._session_for(graphdef, params, rest)
         if session.state is None or not _same_arrays(_leaves(params, rest), session.written):
             if session.state is not None and _carries_something(session.state):
-                warnings.warn("the model or optimizer was changed outside the scheduled step; "
-                              "starting again from the objects' values (state the strategy "
-                              "carried, such as in-flight gradients or compression residuals, "
-                              "is dropped)", stacklevel=2)
+                warnings.warn(
+                    "the model or optimizer was changed outside the scheduled step; "
+                    "starting again from the objects' values (state the strategy "
+                    "carried, such as in-flight gradients or compression residuals, "
+                    "is dropped)",
+                    stacklevel=2,
+                )
             session.state = session.scheduled.init(*session.layout.pure(params, rest), batch)
             session.written = _leaves(params, rest)
         session.state, aux = session.scheduled(session.state, batch)
@@ -166,12 +173,16 @@ class NNXScheduled:
             return
         graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
         if graphdef != session.layout.graphdef:
-            raise ValueError("finalize() got objects of another structure than the scheduled "
-                             "step was called with; pass the same (model, optimizer, ...)")
+            raise ValueError(
+                "finalize() got objects of another structure than the scheduled "
+                "step was called with; pass the same (model, optimizer, ...)"
+            )
         if not _same_arrays(_leaves(params, rest), session.written):
-            raise ValueError("the objects passed to finalize() were changed since the last "
-                             "scheduled step (or are other objects); finalize the objects you "
-                             "train with, right after training them")
+            raise ValueError(
+                "the objects passed to finalize() were changed since the last "
+                "scheduled step (or are other objects); finalize the objects you "
+                "train with, right after training them"
+            )
         user_params, user_rest = session.scheduled.finalize(session.state)
         self._write_back(session, nodes, user_params, user_rest)
 
@@ -213,21 +224,29 @@ class NNXScheduled:
             count += 1
         nodes, inputs = tuple(args[:count]), tuple(args[count:])
         if not nodes and args:
-            raise TypeError(f"argument 0 of the scheduled NNX step is a {type(args[0]).__name__}, "
-                            "not an NNX object (nnx.Module, nnx.Optimizer, ...); the step takes "
-                            "(model, optimizer, ..., batch): the objects first, then the batch")
+            raise TypeError(
+                f"argument 0 of the scheduled NNX step is a {type(args[0]).__name__}, "
+                "not an NNX object (nnx.Module, nnx.Optimizer, ...); the step takes "
+                "(model, optimizer, ..., batch): the objects first, then the batch"
+            )
         if not nodes or not inputs:
-            raise TypeError(f"the scheduled NNX step takes (model, optimizer, ..., batch): NNX "
-                            f"objects first (nnx.Module, nnx.Optimizer), then the batch; the "
-                            f"{what} got {len(nodes)} NNX object(s) and {len(inputs)} other "
-                            "argument(s)")
+            raise TypeError(
+                f"the scheduled NNX step takes (model, optimizer, ..., batch): NNX "
+                f"objects first (nnx.Module, nnx.Optimizer), then the batch; the "
+                f"{what} got {len(nodes)} NNX object(s) and {len(inputs)} other "
+                "argument(s)"
+            )
         for i, arg in enumerate(inputs):
             if graphlib.is_graph_node(arg):
-                raise TypeError(f"argument {count + i} of the scheduled NNX step is an NNX object "
-                                "after the batch's inputs; pass the objects first")
+                raise TypeError(
+                    f"argument {count + i} of the scheduled NNX step is an NNX object "
+                    "after the batch's inputs; pass the objects first"
+                )
         if self._num_inputs not in (None, len(inputs)):
-            raise TypeError(f"the scheduled NNX step was called with {self._num_inputs} input(s) "
-                            f"after the objects before; the {what} got {len(inputs)}")
+            raise TypeError(
+                f"the scheduled NNX step was called with {self._num_inputs} input(s) "
+                f"after the objects before; the {what} got {len(inputs)}"
+            )
         self._num_inputs = len(inputs)
         return nodes, inputs[0] if len(inputs) == 1 else inputs
 
@@ -236,11 +255,12 @@ class NNXScheduled:
             return self._session
         pure_params = nnx.to_pure_dict(params)
         if not jax.tree.leaves(pure_params):
-            raise ValueError("the objects passed to the scheduled NNX step hold no nnx.Param: "
-                             "nothing to train, so nothing to schedule")
+            raise ValueError(
+                "the objects passed to the scheduled NNX step hold no nnx.Param: "
+                "nothing to train, so nothing to schedule"
+            )
         layout = _Layout(graphdef, params, rest, single_owner=list(pure_params) == [0])
-        self._session = _Session(layout, Scheduled(self._pure_step_for(layout), self.strategy,
-                                                   **self.schedule_options))
+        self._session = _Session(layout, Scheduled(self._pure_step_for(layout), self.strategy, **self.schedule_options))
         return self._session
 
     def _pure_step_for(self, layout: _Layout) -> Callable:
@@ -272,19 +292,34 @@ def _carries_something(state: Any) -> bool:
     return bool(jax.tree.leaves(extra))
 
 
-def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dear",
-             buckets: Any = None, compiler_options: dict[str, Any] | None = None, *,
-             engine: str | Engine = "auto", collective: Collective | None = None,
-             compression: Collective | None = None, **options: Any) -> Any:
+def schedule(
+    train_step: Callable | None = None,
+    strategy: str | Strategy = "dear",
+    buckets: Any = None,
+    compiler_options: dict[str, Any] | None = None,
+    *,
+    engine: str | Engine = "auto",
+    collective: Collective | None = None,
+    compression: Collective | None = None,
+    **options: Any,
+) -> Any:
     """Schedule an NNX ``train_step(model, optimizer, batch)``; arguments as
     :func:`jaxsched.schedule` (also usable as a decorator).
 
     The returned :class:`NNXScheduled` is called like the step. With ``dear`` or ``approx``
     call ``sched.finalize(model, optimizer)`` before reading the objects (module doc).
     """
+
     def wrap(step: Callable) -> NNXScheduled:
-        return NNXScheduled(step, strategy, buckets=buckets, compiler_options=compiler_options,
-                            engine=engine, collective=collective, compression=compression,
-                            **options)
+        return NNXScheduled(
+            step,
+            strategy,
+            buckets=buckets,
+            compiler_options=compiler_options,
+            engine=engine,
+            collective=collective,
+            compression=compression,
+            **options,
+        )
 
     return wrap if train_step is None else wrap(train_step)

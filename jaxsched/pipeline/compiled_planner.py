@@ -15,6 +15,7 @@ Example:
     >>> compiled_estimates_apply("gpu"), compiled_estimates_apply("cpu")
     (True, False)
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,8 +25,17 @@ from typing import Any, Callable, Sequence
 
 from jaxsched.pipeline.program import Program
 
-__all__ = ["BUCKET_CANDIDATES", "DEVICE_DCN_REDUCTION", "ONE_BUCKET", "VARIANTS", "CompiledChoice",
-           "candidates_for", "choose_by_compiling", "compiled_estimates_apply", "spans_slices"]
+__all__ = [
+    "BUCKET_CANDIDATES",
+    "DEVICE_DCN_REDUCTION",
+    "ONE_BUCKET",
+    "VARIANTS",
+    "CompiledChoice",
+    "candidates_for",
+    "choose_by_compiling",
+    "compiled_estimates_apply",
+    "spans_slices",
+]
 
 #: One bucket for every gradient in practice (1 GiB): on a multi-host GPU mesh each
 #: collective pays a latency and XLA:GPU runs one at a time, so one large collective can
@@ -51,8 +61,10 @@ BUCKET_CANDIDATES: dict[str, tuple[Any, ...]] = {"gpu": (None, ONE_BUCKET), "tpu
 #: (TPU pods of several slices only) sums the cross-slice shares on the TPUs rather than
 #: in the hosts' megascale runtime (:data:`DEVICE_DCN_REDUCTION`). Packed buffers stay
 #: synchronous on TPU, so that variant is GPU only.
-VARIANTS: dict[str, tuple[str | None, ...]] = {"gpu": (None, "packed", "xla defaults"),
-                                                "tpu": (None, "xla defaults", "device DCN reduction")}
+VARIANTS: dict[str, tuple[str | None, ...]] = {
+    "gpu": (None, "packed", "xla defaults"),
+    "tpu": (None, "xla defaults", "device DCN reduction"),
+}
 
 #: The options of the ``"device DCN reduction"`` variant. XLA:TPU otherwise hands each
 #: cross-slice share to the megascale runtime as host send/recv pairs, whose receives it
@@ -76,8 +88,7 @@ def spans_slices(mesh: Any) -> bool:
     return mesh is not None and num_slices(mesh.devices.flat) > 1
 
 
-def candidates_for(strategy: Any, platform: str, buckets: Any, *, mesh: Any = None
-                   ) -> list[tuple[Any, Any]]:
+def candidates_for(strategy: Any, platform: str, buckets: Any, *, mesh: Any = None) -> list[tuple[Any, Any]]:
     """(strategy, buckets) pairs to compile: ``strategy`` as given and, for a plain
     collective, each variant of :data:`VARIANTS` (those for several slices only when
     ``mesh`` spans several); each bucket option of :data:`BUCKET_CANDIDATES` when
@@ -87,8 +98,7 @@ def candidates_for(strategy: Any, platform: str, buckets: Any, *, mesh: Any = No
     platform = _platform(platform)
     if not strategy.accepts_collective:
         return [(strategy, None)]
-    options = (BUCKET_CANDIDATES.get(platform, (None,)) if buckets is None or buckets == "auto"
-               else (buckets,))
+    options = BUCKET_CANDIDATES.get(platform, (None,)) if buckets is None or buckets == "auto" else (buckets,)
     variants = [strategy]
     if type(strategy.collective) is Collective and not strategy.collective.forms:
         for name in VARIANTS.get(platform, (None,)):
@@ -114,10 +124,10 @@ def compiled_estimates_apply(platform: str) -> bool:
 @dataclasses.dataclass(frozen=True)
 class CompiledChoice:
     """Attributes:
-      chosen: index of the winning candidate.
-      labels: one label per candidate (``"wfbp, buckets=1073741824"``).
-      estimated_step_s: XLA's estimated step per candidate (None: no estimate).
-      estimated_exposed_s: XLA's estimated exposed communication per candidate.
+    chosen: index of the winning candidate.
+    labels: one label per candidate (``"wfbp, buckets=1073741824"``).
+    estimated_step_s: XLA's estimated step per candidate (None: no estimate).
+    estimated_exposed_s: XLA's estimated exposed communication per candidate.
     """
 
     chosen: int
@@ -129,8 +139,9 @@ class CompiledChoice:
         return dict(zip(self.labels, self.estimated_step_s))
 
 
-def choose_by_compiling(captured: Any, candidates: Sequence[tuple[Any, Any]], engine: Any,
-                        plan_options: dict, plan: Callable[..., Any]) -> CompiledChoice:
+def choose_by_compiling(
+    captured: Any, candidates: Sequence[tuple[Any, Any]], engine: Any, plan_options: dict, plan: Callable[..., Any]
+) -> CompiledChoice:
     """Compile every ``(strategy, buckets)`` candidate for ``captured``'s mesh and return
     which XLA estimates fastest (see the module docstring). ``plan(captured, strategy,
     buckets, engine, plan_options)`` gives each candidate's planned step."""
@@ -141,15 +152,15 @@ def choose_by_compiling(captured: Any, candidates: Sequence[tuple[Any, Any]], en
     labels, steps, exposed = [], [], []
     for strategy, buckets in candidates:
         strategy = strategy.for_mesh(captured)
-        program = Program(plan(captured, strategy, buckets, engine, dict(plan_options)), strategy,
-                          engine)
+        program = Program(plan(captured, strategy, buckets, engine, dict(plan_options)), strategy, engine)
         report = program.inspect(strategy.initial_state(params, opt_state), batch)
         forms = sorted(set(strategy.collective.forms.values()))
-        labels.append(f"{strategy.name}, buckets={buckets}" + "".join(f", {f}" for f in forms)
-                      + (", xla defaults" if strategy.compiler_defaults and strategy.name != "allreduce"
-                         else "")
-                      + (", device DCN reduction" if strategy.compiler_overrides == DEVICE_DCN_REDUCTION
-                         else ""))
+        labels.append(
+            f"{strategy.name}, buckets={buckets}"
+            + "".join(f", {f}" for f in forms)
+            + (", xla defaults" if strategy.compiler_defaults and strategy.name != "allreduce" else "")
+            + (", device DCN reduction" if strategy.compiler_overrides == DEVICE_DCN_REDUCTION else "")
+        )
         steps.append(report.step_s)
         exposed.append(report.exposed_comm_s)
     ranked = [s if s is not None else math.inf for s in steps]

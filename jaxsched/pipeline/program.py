@@ -10,6 +10,7 @@ Example:
     >>> a == abstract_signature((jnp.ones((4, 2)), 2)), a == abstract_signature((jnp.zeros((3, 2)), 1))
     (True, False)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -85,11 +86,17 @@ class Program:
         self.planned, self.strategy, self.engine = planned, strategy, engine
         self.rewritten = rewritten = strategy.rewrite(planned)
         self.per_device = PerDeviceProgram(
-            rewritten.body, planned.mesh, planned.axis_name,
+            rewritten.body,
+            planned.mesh,
+            planned.axis_name,
             tuple(rewritten.state_in_specs) + planned.batch_specs + planned.const_specs,
-            tuple(rewritten.state_out_specs) + planned.aux_specs, rewritten.check_vma,
+            tuple(rewritten.state_out_specs) + planned.aux_specs,
+            rewritten.check_vma,
             rewritten.compiler_defaults or strategy.compiler_defaults,
-            planned.bucket_bytes, dict(strategy.compiler_overrides), rewritten.global_body)
+            planned.bucket_bytes,
+            dict(strategy.compiler_overrides),
+            rewritten.global_body,
+        )
         self.engine = engine.resolve(self.per_device)
         self.core = self.engine.compile(self.per_device)
         self._returned: NamedTuple | None = None  # the state the last run returned
@@ -160,14 +167,16 @@ class Program:
         planned = self.planned
         batch_leaves = jax.tree.leaves(batch)
         if len(batch_leaves) != planned.captured.num_batch:
-            raise ValueError(f"the batch has {len(batch_leaves)} leaves; the step was traced with "
-                             f"{planned.captured.num_batch}")
+            raise ValueError(
+                f"the batch has {len(batch_leaves)} leaves; the step was traced with {planned.captured.num_batch}"
+            )
         if consts is None:
-            consts = [planned.placed(c, s) for c, s in zip(planned.captured.consts,
-                                                           planned.const_specs, strict=True)]
-        return (jax.tree.leaves(converted)
-                + [planned.placed(b, s) for b, s in zip(batch_leaves, planned.batch_specs, strict=True)]
-                + consts)
+            consts = [planned.placed(c, s) for c, s in zip(planned.captured.consts, planned.const_specs, strict=True)]
+        return (
+            jax.tree.leaves(converted)
+            + [planned.placed(b, s) for b, s in zip(batch_leaves, planned.batch_specs, strict=True)]
+            + consts
+        )
 
     def _device_consts(self) -> list:
         """The step's constants on the mesh, placed once: a host array passed on every call
@@ -175,9 +184,11 @@ class Program:
         if self._placed_consts is None:
             planned = self.planned
             self._placed_consts = [
-                jax.device_put(c, planned._sharding(s)) if not isinstance(c, jax.Array) or
-                c.sharding != planned._sharding(s) else c
-                for c, s in zip(planned.captured.consts, planned.const_specs, strict=True)]
+                jax.device_put(c, planned._sharding(s))
+                if not isinstance(c, jax.Array) or c.sharding != planned._sharding(s)
+                else c
+                for c, s in zip(planned.captured.consts, planned.const_specs, strict=True)
+            ]
         return self._placed_consts
 
     def _core_for(self, state: ScheduledState, returned: bool) -> tuple[Callable, int | None]:
@@ -185,8 +196,7 @@ class Program:
         phase_key = getattr(self.strategy, "phase_key", None)
         if phase_key is None:
             return self.core, None
-        step = (self._next_step if returned and self._next_step is not None
-                else self.strategy.host_step(state))
+        step = self._next_step if returned and self._next_step is not None else self.strategy.host_step(state)
         key = phase_key(step)
         if not self._phase_cores:  # the core built from `rewrite` is the representative phase's
             self._phase_cores[phase_key(None)] = self.core
@@ -199,9 +209,11 @@ class Program:
         returned = state is self._returned
         if not returned:  # a state this program returned is in place already
             if is_abstract(state) or is_abstract(batch):
-                raise TypeError("the state or batch is abstract (jax.ShapeDtypeStruct leaves): it "
-                                "can be lowered, compiled and inspected (sched.lower, "
-                                "sched.inspect), not run; pass arrays to run a step")
+                raise TypeError(
+                    "the state or batch is abstract (jax.ShapeDtypeStruct leaves): it "
+                    "can be lowered, compiled and inspected (sched.lower, "
+                    "sched.inspect), not run; pass arrays to run a step"
+                )
             state = self.convert(state)
         leaves, treedef = jax.tree.flatten(state)
         core, step = self._core_for(state, returned)
@@ -210,9 +222,9 @@ class Program:
         self._next_step = None if step is None else step + 1
         if self.keeps_dtypes is None:
             self.keeps_dtypes = all(leaf_dtype(a) == leaf_dtype(b) for a, b in zip(leaves, outs))
-        new_state = jax.tree.unflatten(treedef, outs[:len(leaves)])
+        new_state = jax.tree.unflatten(treedef, outs[: len(leaves)])
         self._returned = new_state
-        return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[len(leaves):])
+        return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[len(leaves) :])
 
     @property
     def returned(self) -> NamedTuple | None:
@@ -228,8 +240,7 @@ class Program:
         if self._state_shapes is None:
             abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template)
             converted = self.convert(self.strategy.initial_state(*abstract))
-            self._state_shapes = [tuple(x.shape) for x in
-                                  jax.tree.leaves((converted.params, converted.opt_state))]
+            self._state_shapes = [tuple(x.shape) for x in jax.tree.leaves((converted.params, converted.opt_state))]
         return self._state_shapes
 
     def lower(self, state: ScheduledState, batch: Any):
@@ -244,9 +255,13 @@ class Program:
         from jaxsched.check import inspection as inspect_lib
 
         compiled, schedule = inspect_lib.compile_with_schedule(self.lower(state, batch))
-        return inspect_lib.report(compiled, schedule, self.planned.mesh,
-                                  label=label or self.strategy.name,
-                                  target=inspect_lib.describe_mesh(self.planned.mesh))
+        return inspect_lib.report(
+            compiled,
+            schedule,
+            self.planned.mesh,
+            label=label or self.strategy.name,
+            target=inspect_lib.describe_mesh(self.planned.mesh),
+        )
 
 
 class ProgramCache:
@@ -260,8 +275,7 @@ class ProgramCache:
 
     def get(self, batch: Any, template: Any = None) -> Program:
         """The program for ``batch`` and a state like ``template`` (``(params, opt_state)``)."""
-        key = (abstract_signature(batch),
-               tuple(leaf_dtype(x) for x in jax.tree.leaves(template)))
+        key = (abstract_signature(batch), tuple(leaf_dtype(x) for x in jax.tree.leaves(template)))
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._build(batch, template)

@@ -24,6 +24,7 @@ Example:
     >>> chosen.strategy.name, len(chosen.planned.buckets)
     ('wfbp', 2)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,12 +32,16 @@ from typing import Any, Sequence
 
 from jaxsched.core.capture import CapturedStep
 from jaxsched.plan import plan_buckets
-from jaxsched.plan.from_step import (auto_bucket_paths, group_paths, step_layer_profile,
-                                     step_network_profile, with_selection_cost)
+from jaxsched.plan.from_step import (
+    auto_bucket_paths,
+    group_paths,
+    step_layer_profile,
+    step_network_profile,
+    with_selection_cost,
+)
 from jaxsched.plan.planned_step import PlannedStep
 from jaxsched.pipeline.program import Program
-from jaxsched.pipeline.compiled_planner import (candidates_for, choose_by_compiling,
-                                                compiled_estimates_apply)
+from jaxsched.pipeline.compiled_planner import candidates_for, choose_by_compiling, compiled_estimates_apply
 from jaxsched.sim import simulate
 from jaxsched.strategies.auto import Auto, AutoChoice
 from jaxsched.strategies.base import Strategy
@@ -58,8 +63,9 @@ class Selection:
     planned: PlannedStep
 
 
-def select(captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any,
-           plan_options: dict | None = None) -> Selection:
+def select(
+    captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any, plan_options: dict | None = None
+) -> Selection:
     """Resolve ``strategy`` and ``buckets`` for ``captured`` on ``engine``.
 
     ``strategy="auto"`` records its choice in ``strategy.last_choice``; ``buckets="auto"`` on
@@ -78,8 +84,9 @@ def select(captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any
     return Selection(strategy, _build_planned(captured, strategy, buckets, engine, plan_options))
 
 
-def build_program(captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any,
-                  plan_options: dict | None = None) -> Program:
+def build_program(
+    captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any, plan_options: dict | None = None
+) -> Program:
     """The program of ``strategy`` for ``captured`` with bucket option ``buckets`` on
     ``engine``: a pure function of the four (and the planning options)."""
     chosen = select(captured, strategy, buckets, engine, plan_options)
@@ -102,65 +109,94 @@ def _is_auto(buckets: Any) -> bool:
     return isinstance(buckets, str) and buckets == "auto"
 
 
-def _build_planned(captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any,
-                   plan_options: dict) -> PlannedStep:
+def _build_planned(
+    captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any, plan_options: dict
+) -> PlannedStep:
     """The frozen plan of a concrete strategy: ``buckets="auto"`` planned here, once."""
     compression = simulated_compression(strategy)
     layer_profile = network_profile = None
     if isinstance(buckets, str):
         if buckets != "auto":
-            raise ValueError(f"buckets={buckets!r} is not understood; the only named plan is "
-                             "'auto' (cost-model planning)")
+            raise ValueError(
+                f"buckets={buckets!r} is not understood; the only named plan is 'auto' (cost-model planning)"
+            )
         probe = PlannedStep(captured)
-        compression = with_selection_cost(compression, strategy.collective
-                                          if compression is not None else None, captured.mesh)
+        compression = with_selection_cost(
+            compression, strategy.collective if compression is not None else None, captured.mesh
+        )
         buckets, layer_profile, network_profile = auto_bucket_paths(
-            probe.analysis, probe.paths, strategy.cost, compression=compression,
+            probe.analysis,
+            probe.paths,
+            strategy.cost,
+            compression=compression,
             engine_costs=None if engine is None else engine.costs(captured.mesh),
-            **plan_options)
-    return PlannedStep(captured, buckets, plan_options, strategy.cost, compression=compression,
-                       engine=engine, layer_profile=layer_profile,
-                       network_profile=network_profile)
+            **plan_options,
+        )
+    return PlannedStep(
+        captured,
+        buckets,
+        plan_options,
+        strategy.cost,
+        compression=compression,
+        engine=engine,
+        layer_profile=layer_profile,
+        network_profile=network_profile,
+    )
 
 
-def _choose_strategy(auto: Auto, captured: CapturedStep, buckets: Any, plan_options: dict,
-                     engine: Any) -> tuple[Strategy, Any]:
+def _choose_strategy(
+    auto: Auto, captured: CapturedStep, buckets: Any, plan_options: dict, engine: Any
+) -> tuple[Strategy, Any]:
     """``auto``'s choice: by XLA's estimate on GPU/TPU, else by the simulator."""
     platform = captured.mesh.devices.flat[0].platform
     if compiled_estimates_apply(platform):
         # every candidate (and, with buckets None or "auto", each bucket option and
         # all-reduce form) compiled for the mesh; allreduce is the user's step as XLA
         # compiles it alone, so the choice is never estimated slower than it
-        pairs = [pair for candidate in auto.candidate_strategies()
-                 for pair in candidates_for(candidate, platform, buckets, mesh=captured.mesh)]
+        pairs = [
+            pair
+            for candidate in auto.candidate_strategies()
+            for pair in candidates_for(candidate, platform, buckets, mesh=captured.mesh)
+        ]
         choice = choose_by_compiling(captured, pairs, engine, plan_options, _build_planned)
         strategy, option = pairs[choice.chosen]
         auto.last_choice = AutoChoice(strategy.name, {}, True, 0.0, option, choice.as_dict())
         return strategy, option
     probe = PlannedStep(captured, None if _is_auto(buckets) else buckets, plan_options)
     costs = engine.costs(captured.mesh)
-    layers, members = step_layer_profile(probe.analysis, probe.paths,
-                                         plan_options.get("layer_profile"))
+    layers, members = step_layer_profile(probe.analysis, probe.paths, plan_options.get("layer_profile"))
     network = step_network_profile(probe.analysis, plan_options.get("network_profile"), costs)
     layer_of = {i: k for k, group in enumerate(members) for i in group}
     results: dict[str, tuple[float, Strategy, Any]] = {}
     for candidate in auto.candidate_strategies():
-        compression = with_selection_cost(simulated_compression(candidate),
-                                          candidate.collective, captured.mesh)
+        compression = with_selection_cost(simulated_compression(candidate), candidate.collective, captured.mesh)
         if buckets is None or _is_auto(buckets):
-            groups = plan_buckets(layers, network, plan_options.get("planner", "optimal"),
-                                  strategy=candidate.cost, compression=compression)
+            groups = plan_buckets(
+                layers,
+                network,
+                plan_options.get("planner", "optimal"),
+                strategy=candidate.cost,
+                compression=compression,
+            )
             option = group_paths(groups, members, probe.paths)
         else:
             option = buckets
             groups = _layer_groups([b.params for b in probe.buckets], layer_of)
-        sim = simulate(layers, network, candidate.cost, groups, compression=compression,
-                       shared_stream=not costs.overlaps, keep_spans=False)
+        sim = simulate(
+            layers,
+            network,
+            candidate.cost,
+            groups,
+            compression=compression,
+            shared_stream=not costs.overlaps,
+            keep_spans=False,
+        )
         results[candidate.name] = (float(sim.iteration_s), candidate, option)
     chosen = min(results, key=lambda n: results[n][0])  # dicts keep order: ties go first
     _, strategy, option = results[chosen]
-    auto.last_choice = AutoChoice(chosen, {n: r[0] for n, r in results.items()},
-                                  costs.overlaps, costs.per_collective_s, option)
+    auto.last_choice = AutoChoice(
+        chosen, {n: r[0] for n, r in results.items()}, costs.overlaps, costs.per_collective_s, option
+    )
     return strategy, option
 
 

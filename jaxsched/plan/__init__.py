@@ -18,6 +18,7 @@ Example:
     ...     for p in PLANNERS)
     True
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -34,18 +35,24 @@ Planner = Callable[..., list[list[int]]]
 #: Planners by name: ``(layers, network, strategy, threshold_bytes=...) -> buckets``.
 PLANNER_REGISTRY: dict[str, Planner] = {
     "per_layer": lambda layers, network, strategy, **_: plan_per_layer(layers),
-    "threshold": lambda layers, network, strategy, threshold_bytes, **_: plan_threshold(
-        layers, threshold_bytes),
+    "threshold": lambda layers, network, strategy, threshold_bytes, **_: plan_threshold(layers, threshold_bytes),
     "mgwfbp": lambda layers, network, strategy, **_: plan_mgwfbp(layers, network, strategy),
     "prophet": lambda layers, network, strategy, **_: plan_prophet(layers, network, strategy),
 }
 PLANNERS = tuple(PLANNER_REGISTRY) + ("optimal",)
 
 
-def plan_buckets(layers: LayerProfile, network: NetworkProfile, planner: str = "threshold",
-                 strategy: str | CommPattern = "wfbp", *,
-                 threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, compression: Any = None,
-                 progress: bool = False, iterations: int = 6) -> list[list[int]]:
+def plan_buckets(
+    layers: LayerProfile,
+    network: NetworkProfile,
+    planner: str = "threshold",
+    strategy: str | CommPattern = "wfbp",
+    *,
+    threshold_bytes: int = DEFAULT_THRESHOLD_BYTES,
+    compression: Any = None,
+    progress: bool = False,
+    iterations: int = 6,
+) -> list[list[int]]:
     """Plan buckets for ``strategy`` (a name or its :class:`CommPattern`) with ``planner``.
 
     ``optimal`` minimises ``jaxsched.sim.simulate(..., strategy, buckets)`` (exactly by DP for
@@ -57,13 +64,18 @@ def plan_buckets(layers: LayerProfile, network: NetworkProfile, planner: str = "
         return PLANNER_REGISTRY[planner](layers, network, strategy, threshold_bytes=threshold_bytes)
     if planner != "optimal":
         raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
-    return _plan_optimal(layers, network, strategy, threshold_bytes, compression, progress,
-                         iterations)
+    return _plan_optimal(layers, network, strategy, threshold_bytes, compression, progress, iterations)
 
 
-def _plan_optimal(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPattern,
-                  threshold_bytes: int, compression: Any, progress: bool,
-                  iterations: int) -> list[list[int]]:
+def _plan_optimal(
+    layers: LayerProfile,
+    network: NetworkProfile,
+    strategy: str | CommPattern,
+    threshold_bytes: int,
+    compression: Any,
+    progress: bool,
+    iterations: int,
+) -> list[list[int]]:
     if strategy == "bytescheduler":
         raise ValueError("bytescheduler partitions tensors itself; plan buckets for another strategy")
     pattern = comm_pattern(strategy)
@@ -71,23 +83,35 @@ def _plan_optimal(layers: LayerProfile, network: NetworkProfile, strategy: str |
         # Nothing overlaps backward (or communication overlaps the whole next step):
         # every extra bucket only adds a start-up cost.
         return [list(range(len(layers)))]
-    if (compression is None and not network.copy_s_per_byte and pattern.in_backward
-            and pattern.collectives() == ("all_reduce",)):
+    if (
+        compression is None
+        and not network.copy_s_per_byte
+        and pattern.in_backward
+        and pattern.collectives() == ("all_reduce",)
+    ):
         return optimal_wfbp(layers, network)[0]  # exact: the DP's model is the simulator's
     # With bucket copies on the compute stream (measured profiles) the DP's model is
     # incomplete: search the simulator, with the DP's plan among the candidates.
     from jaxsched.sim import simulate  # the planner searches the simulator
 
     def evaluate(buckets: list[list[int]]) -> float:
-        return simulate(layers, network, strategy, buckets, iterations=iterations,
-                        compression=compression, keep_spans=False).iteration_s
+        return simulate(
+            layers, network, strategy, buckets, iterations=iterations, compression=compression, keep_spans=False
+        ).iteration_s
 
-    candidates = [plan_buckets(layers, network, p, strategy, threshold_bytes=threshold_bytes)
-                  for p in PLANNER_REGISTRY]
-    candidates += [plan_threshold(layers, 2 ** e) for e in range(16, 32, 2)]
+    candidates = [plan_buckets(layers, network, p, strategy, threshold_bytes=threshold_bytes) for p in PLANNER_REGISTRY]
+    candidates += [plan_threshold(layers, 2**e) for e in range(16, 32, 2)]
     candidates += [optimal_wfbp(layers, network)[0], [list(range(len(layers)))]]
     return search(layers, candidates, evaluate, progress=progress)
 
 
-__all__ = ["DEFAULT_THRESHOLD_BYTES", "PLANNERS", "PLANNER_REGISTRY", "plan_buckets", "plan_mgwfbp", "plan_per_layer",
-           "plan_prophet", "plan_threshold"]
+__all__ = [
+    "DEFAULT_THRESHOLD_BYTES",
+    "PLANNERS",
+    "PLANNER_REGISTRY",
+    "plan_buckets",
+    "plan_mgwfbp",
+    "plan_per_layer",
+    "plan_prophet",
+    "plan_threshold",
+]

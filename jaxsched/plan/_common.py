@@ -1,4 +1,5 @@
 """Shared helpers: backward-order views of a profile and conversion to forward buckets."""
+
 from __future__ import annotations
 
 from typing import Any

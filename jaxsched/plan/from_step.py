@@ -13,6 +13,7 @@ Example:
     >>> layer_names(["hidden/0/bias", "hidden/0/kernel", "head/kernel"])
     ['hidden/0', 'hidden/0', 'head']
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,18 +28,36 @@ from jax.extend import core as jex_core
 
 from jaxsched.core.analyze import Analysis
 from jaxsched.core.axes import as_axes
-from jaxsched.sim.costmodel import (CollectiveCost, CommPattern, Layer, LayerProfile, NetworkProfile,
-                                network_preset)
+from jaxsched.sim.costmodel import CollectiveCost, CommPattern, Layer, LayerProfile, NetworkProfile, network_preset
 from jaxsched.runtime.engine.base import EngineCosts
 from jaxsched.plan import plan_buckets
 
-__all__ = ["auto_bucket_paths", "forward_flops", "group_paths", "layer_names", "local_device",
-           "MATMULS", "measure_flops_per_s", "PASS_THROUGH", "step_layer_profile",
-           "step_network_profile", "with_selection_cost"]
+__all__ = [
+    "auto_bucket_paths",
+    "forward_flops",
+    "group_paths",
+    "layer_names",
+    "local_device",
+    "MATMULS",
+    "measure_flops_per_s",
+    "PASS_THROUGH",
+    "step_layer_profile",
+    "step_network_profile",
+    "with_selection_cost",
+]
 
 MATMULS = ("dot_general", "conv_general_dilated")
-PASS_THROUGH = ("convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
-                "expand_dims", "copy", "copy_p", "pvary")
+PASS_THROUGH = (
+    "convert_element_type",
+    "reshape",
+    "transpose",
+    "broadcast_in_dim",
+    "squeeze",
+    "expand_dims",
+    "copy",
+    "copy_p",
+    "pvary",
+)
 
 
 def layer_names(paths: Sequence[str]) -> list[str]:
@@ -86,12 +105,12 @@ def measure_flops_per_s(device: Any, size: int = 256, repeats: int = 5) -> float
         start = time.perf_counter()
         f(a).block_until_ready()
         times.append(time.perf_counter() - start)
-    return 2.0 * size ** 3 / statistics.median(times)
+    return 2.0 * size**3 / statistics.median(times)
 
 
-def step_layer_profile(analysis: Analysis, paths: Sequence[str],
-                       measured: LayerProfile | None = None,
-                       flops_per_s: float | None = None) -> tuple[LayerProfile, list[list[int]]]:
+def step_layer_profile(
+    analysis: Analysis, paths: Sequence[str], measured: LayerProfile | None = None, flops_per_s: float | None = None
+) -> tuple[LayerProfile, list[list[int]]]:
     """The step's layers in forward order and, per layer, its parameter leaf indices."""
     cap = analysis.captured
     names = layer_names(paths)
@@ -106,8 +125,10 @@ def step_layer_profile(analysis: Analysis, paths: Sequence[str],
         by_name = {layer.name.replace(".", "/"): layer for layer in measured.layers}
         missing = [n for n in order if n not in by_name]
         if missing:
-            raise ValueError(f"layer_profile has no layers named {', '.join(missing)}; its layers "
-                             f"are {', '.join(by_name)} (use '/' or '.' between path parts)")
+            raise ValueError(
+                f"layer_profile has no layers named {', '.join(missing)}; its layers "
+                f"are {', '.join(by_name)} (use '/' or '.' between path parts)"
+            )
         layers = [dataclasses.replace(by_name[n], name=n) for n in order]
         return LayerProfile(layers, {"source": "measured layer profile"}), members
     if flops_per_s is None:
@@ -121,13 +142,13 @@ def step_layer_profile(analysis: Analysis, paths: Sequence[str],
         nbytes = sum(math.prod(avals[i].shape) * avals[i].dtype.itemsize for i in group)
         params = sum(math.prod(avals[i].shape) for i in group)
         layers.append(Layer(name, params, nbytes, f / flops_per_s, 2 * f / flops_per_s))
-    meta = {"source": "static estimate: forward matmul FLOPs over a measured matmul rate",
-            "flops_per_s": flops_per_s}
+    meta = {"source": "static estimate: forward matmul FLOPs over a measured matmul rate", "flops_per_s": flops_per_s}
     return LayerProfile(layers, meta), members
 
 
-def step_network_profile(analysis: Analysis, network_profile: NetworkProfile | str | None = None,
-                         engine_costs: EngineCosts | None = None) -> NetworkProfile:
+def step_network_profile(
+    analysis: Analysis, network_profile: NetworkProfile | str | None = None, engine_costs: EngineCosts | None = None
+) -> NetworkProfile:
     """The network a plan for this step assumes: a preset, a given profile, or one measured on
     the step's mesh (the same on every process), with the engine's fixed cost per collective
     added to every collective's start-up."""
@@ -135,8 +156,7 @@ def step_network_profile(analysis: Analysis, network_profile: NetworkProfile | s
     if isinstance(network_profile, str):
         # a two-level preset: the step's first data axis is the slow one, the rest one node
         first = as_axes(cap.axis_name)[0]
-        network = network_preset(network_profile, cap.axis_size,
-                                 per_node=cap.axis_size // cap.mesh.shape[first])
+        network = network_preset(network_profile, cap.axis_size, per_node=cap.axis_size // cap.mesh.shape[first])
     elif network_profile is None:
         from jaxsched.plan.profiling import agree_on_network, profile_network
 
@@ -145,10 +165,14 @@ def step_network_profile(analysis: Analysis, network_profile: NetworkProfile | s
         network = network_profile
     extra = engine_costs.per_collective_s if engine_costs is not None else 0.0
     if extra:
-        network = dataclasses.replace(network, collectives={
-            name: CollectiveCost(cost.alpha_s + extra, cost.beta_s_per_byte)
-            for name, cost in network.collectives.items()},
-            meta={**network.meta, "engine_per_collective_s": extra})
+        network = dataclasses.replace(
+            network,
+            collectives={
+                name: CollectiveCost(cost.alpha_s + extra, cost.beta_s_per_byte)
+                for name, cost in network.collectives.items()
+            },
+            meta={**network.meta, "engine_per_collective_s": extra},
+        )
     return network
 
 
@@ -159,17 +183,20 @@ def with_selection_cost(compression: Any, compressor: Any, mesh: Any) -> Any:
         return compression
     from jaxsched.plan.profiling import agree_across_processes, measure_selection_s_per_byte
 
-    seconds = float(agree_across_processes(
-        [measure_selection_s_per_byte(compressor, local_device(mesh))])[0])
+    seconds = float(agree_across_processes([measure_selection_s_per_byte(compressor, local_device(mesh))])[0])
     return dataclasses.replace(compression, selection_s_per_byte=seconds)
 
 
-def auto_bucket_paths(analysis: Analysis, paths: Sequence[str], strategy: str | CommPattern,
-                      layer_profile: LayerProfile | None = None,
-                      network_profile: NetworkProfile | str | None = None,
-                      planner: str = "optimal", compression: Any = None,
-                      engine_costs: EngineCosts | None = None
-                      ) -> tuple[list[list[str]], LayerProfile, NetworkProfile]:
+def auto_bucket_paths(
+    analysis: Analysis,
+    paths: Sequence[str],
+    strategy: str | CommPattern,
+    layer_profile: LayerProfile | None = None,
+    network_profile: NetworkProfile | str | None = None,
+    planner: str = "optimal",
+    compression: Any = None,
+    engine_costs: EngineCosts | None = None,
+) -> tuple[list[list[str]], LayerProfile, NetworkProfile]:
     """Plan buckets for ``strategy`` (a name or its pattern) and return them as lists of
     parameter paths. ``engine_costs`` (from the engine that will run the step) adds its
     fixed cost per collective, so a staged engine is not cut finer than pays."""
@@ -179,8 +206,9 @@ def auto_bucket_paths(analysis: Analysis, paths: Sequence[str], strategy: str | 
     return group_paths(groups, members, paths), profile, network
 
 
-def group_paths(groups: Sequence[Sequence[int]], members: Sequence[Sequence[int]],
-                paths: Sequence[str]) -> list[list[str]]:
+def group_paths(
+    groups: Sequence[Sequence[int]], members: Sequence[Sequence[int]], paths: Sequence[str]
+) -> list[list[str]]:
     """A plan's groups of layers as lists of parameter paths (``members``: each layer's
     parameter leaf indices, from :func:`step_layer_profile`)."""
     return [[paths[i] for layer in group for i in members[layer]] for group in groups]

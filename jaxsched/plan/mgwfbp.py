@@ -1,5 +1,6 @@
 """MG-WFBP (Shi, Chu & Li, INFOCOM 2019): merge a layer's gradient into the next one when
 waiting for it costs less than the start-up time that one fewer collective saves."""
+
 from __future__ import annotations
 
 from jaxsched.sim.costmodel import LayerProfile, NetworkProfile
@@ -8,8 +9,7 @@ from jaxsched.plan._common import backward_view, bucket_time, grad_alpha, to_for
 __all__ = ["plan_mgwfbp"]
 
 
-def plan_mgwfbp(layers: LayerProfile, network: NetworkProfile, strategy: str = "wfbp"
-                ) -> list[list[int]]:
+def plan_mgwfbp(layers: LayerProfile, network: NetworkProfile, strategy: str = "wfbp") -> list[list[int]]:
     """Greedy merging in backward order under the single-stream FIFO model.
 
     A bucket whose collective could start at ``s`` (link free and gradients ready) is

@@ -11,6 +11,7 @@ collective)``, the least any partition can). For ``dear`` and compressed strateg
 simulator is searched: exhaustively up to ``EXHAUSTIVE_LAYERS`` layers, otherwise the
 best of every other planner and a threshold sweep, refined by merging neighbours.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -70,9 +71,12 @@ def all_partitions(num_layers: int):
         yield buckets
 
 
-def search(layers: LayerProfile, candidates: list[list[list[int]]],
-           evaluate: Callable[[list[list[int]]], Any], progress: bool = False
-           ) -> list[list[int]]:
+def search(
+    layers: LayerProfile,
+    candidates: list[list[list[int]]],
+    evaluate: Callable[[list[list[int]]], Any],
+    progress: bool = False,
+) -> list[list[int]]:
     """Best of ``candidates`` (exhaustive for small models), then greedy neighbour merges."""
     num = len(layers)
     if num <= EXHAUSTIVE_LAYERS:
@@ -81,6 +85,7 @@ def search(layers: LayerProfile, candidates: list[list[list[int]]],
     iterator = pool.values()
     if progress:
         from jaxsched.core.progress import progress as progress_bar
+
         iterator = progress_bar(list(iterator), "optimal planner", unit="partition", leave=False)
     best, best_time = None, None
     for buckets in iterator:
@@ -92,7 +97,7 @@ def search(layers: LayerProfile, candidates: list[list[list[int]]],
         while improved and len(best) > 1:
             improved = False
             for k in range(len(best) - 1):
-                merged = best[:k] + [best[k] + best[k + 1]] + best[k + 2:]
+                merged = best[:k] + [best[k] + best[k + 1]] + best[k + 2 :]
                 t = evaluate(merged)
                 if t < best_time:
                     best, best_time, improved = merged, t, True

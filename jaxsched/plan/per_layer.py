@@ -1,4 +1,5 @@
 """WFBP (Zhang et al., Poseidon 2017): one collective per layer, issued as soon as it is ready."""
+
 from __future__ import annotations
 
 from jaxsched.sim.costmodel import LayerProfile

@@ -16,6 +16,7 @@ Example:
     >>> planned.paths, len(planned.buckets)
     (['head/bias', 'head/kernel', 'hidden/0/bias', 'hidden/0/kernel'], 1)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,9 +80,11 @@ class PlannedStep:
 
     def __post_init__(self):
         if isinstance(self.buckets_option, str):
-            raise ValueError(f"buckets={self.buckets_option!r} is not understood; the only named "
-                             "plan is 'auto' (cost-model planning), which "
-                             "jaxsched.pipeline.selection.select resolves before planning")
+            raise ValueError(
+                f"buckets={self.buckets_option!r} is not understood; the only named "
+                "plan is 'auto' (cost-model planning), which "
+                "jaxsched.pipeline.selection.select resolves before planning"
+            )
 
     def memo(self, key: Any, build: Callable[[], Any]) -> Any:
         """What a strategy derives from this plan (layouts, templates), computed once."""
@@ -148,8 +151,9 @@ class PlannedStep:
         k = self.captured.body_input(role, index)
         if k < 0:
             name = f"params/{self.paths[index]}" if role == "params" else f"{role}[{index}]"
-            raise UnsupportedStepError(f"{name} never reaches the shard_map body; pass only what "
-                                       "the per-device step reads")
+            raise UnsupportedStepError(
+                f"{name} never reaches the shard_map body; pass only what the per-device step reads"
+            )
         return self.captured.body.invars[k]
 
     def device_stacked(self, role: str, index: int) -> bool:
@@ -180,8 +184,9 @@ class PlannedStep:
         n_state = self.captured.num_params + self.captured.num_opt
         return tuple(self.output_spec(k) for k in range(n_state, len(self.captured.outputs)))
 
-    def body_arguments(self, params: Sequence[Any], opts: Sequence[Any], batch: Sequence[Any],
-                       consts: Sequence[Any]) -> list:
+    def body_arguments(
+        self, params: Sequence[Any], opts: Sequence[Any], batch: Sequence[Any], consts: Sequence[Any]
+    ) -> list:
         """Values for the user's body invars, in order, from leaves of each role."""
         by_role = {"params": params, "opt_state": opts, "batch": batch, "const": consts}
         return [by_role[src.role][src.index] for src in self.captured.sources]

@@ -20,6 +20,7 @@ Example:
     >>> [layer.name for layer in prof.layers]
     ['hidden/0', 'hidden/1', 'head']
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,8 +53,9 @@ def _median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> flo
     return statistics.median(samples)
 
 
-def _with_activation(module: Any, activation: Callable | None = None,
-                     before: Callable | None = None) -> tuple[Any, Callable]:
+def _with_activation(
+    module: Any, activation: Callable | None = None, before: Callable | None = None
+) -> tuple[Any, Callable]:
     params, apply = models.pure(module)
 
     def stage(p, x):
@@ -68,8 +70,10 @@ def zoo_stages(name: str, model: Any) -> list[Stage]:
     relu = jax.nn.relu
     if name == "mlp":
         flatten = lambda x: x.reshape(x.shape[0], -1)
-        stages = [(f"hidden/{i}", *_with_activation(layer, relu, flatten if i == 0 else None))
-                  for i, layer in enumerate(model.hidden)]
+        stages = [
+            (f"hidden/{i}", *_with_activation(layer, relu, flatten if i == 0 else None))
+            for i, layer in enumerate(model.hidden)
+        ]
         return stages + [("head", *_with_activation(model.head))]
     if name == "cnn":
         stages = [("stem", *_with_activation(model.stem, relu))]
@@ -85,8 +89,9 @@ def zoo_stages(name: str, model: Any) -> list[Stage]:
 
         stages = [("embed", {"embed": embed_params, "pos": model.pos[...]}, embedding)]
         stages += [(f"blocks/{i}", *_with_activation(b)) for i, b in enumerate(model.blocks)]
-        return stages + [("norm+head", {"norm": norm_params, "head": head_params},
-                          lambda p, x: head(p["head"], norm(p["norm"], x)))]
+        return stages + [
+            ("norm+head", {"norm": norm_params, "head": head_params}, lambda p, x: head(p["head"], norm(p["norm"], x)))
+        ]
     raise ValueError(f"no stage split for model {name!r}; use one of mlp, cnn, transformer")
 
 
@@ -95,11 +100,19 @@ def _stage_with_loss(fn: Callable, labels: jax.Array) -> Callable:
         logits = fn(p, h)
         y = labels if y is None else y
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[..., None], axis=-1))
+
     return loss_stage
 
 
-def profile_stages(stages: Sequence[Stage], x: jax.Array, labels: jax.Array, repeats: int = 5,
-                   device: Any = None, mesh: Mesh | None = None, axis: str = "data") -> LayerProfile:
+def profile_stages(
+    stages: Sequence[Stage],
+    x: jax.Array,
+    labels: jax.Array,
+    repeats: int = 5,
+    device: Any = None,
+    mesh: Mesh | None = None,
+    axis: str = "data",
+) -> LayerProfile:
     """Time each stage's forward and backward; the last stage ends in the loss.
 
     Without ``mesh``: on one ``device``, backward timed alone (VJP residuals precomputed).
@@ -119,16 +132,21 @@ def profile_stages(stages: Sequence[Stage], x: jax.Array, labels: jax.Array, rep
             fn = _stage_with_loss(fn, labels)
         forward = jax.jit(fn)
         first = index == 0
-        out, vjp_fn = (jax.vjp(lambda p, _x=x, _f=fn: _f(p, _x), params) if first
-                       else jax.vjp(fn, params, x))
+        out, vjp_fn = jax.vjp(lambda p, _x=x, _f=fn: _f(p, _x), params) if first else jax.vjp(fn, params, x)
         cotangent = jnp.ones_like(out)
         backward = jax.jit(lambda vjp, ct: vjp(ct))
         forward_s = _median_seconds(lambda: forward(params, x), repeats)
         backward_s = _median_seconds(lambda: backward(vjp_fn, cotangent), repeats)
         layers.append(_layer(name, params, forward_s, backward_s))
         x = jax.block_until_ready(forward(params, x)) if not last else x
-    return LayerProfile(layers, {"source": "jaxsched.plan.profiling (measured medians, one device)",
-                                 "backend": jax.default_backend(), "repeats": repeats})
+    return LayerProfile(
+        layers,
+        {
+            "source": "jaxsched.plan.profiling (measured medians, one device)",
+            "backend": jax.default_backend(),
+            "repeats": repeats,
+        },
+    )
 
 
 def measure_dispatch(mesh: Mesh | None = None, axis: str = "data", repeats: int = 20) -> float:
@@ -141,15 +159,19 @@ def measure_dispatch(mesh: Mesh | None = None, axis: str = "data", repeats: int 
     if mesh is None:
         program, x = jax.jit(lambda v: v + 1), jnp.zeros((1,), jnp.float32)
     else:
-        program = jax.jit(jax.shard_map(lambda v: v + 1, mesh=mesh, in_specs=P(axis),
-                                        out_specs=P(axis)))
+        program = jax.jit(jax.shard_map(lambda v: v + 1, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
         x = jax.device_put(jnp.zeros((axis_size(mesh, axis),), jnp.float32), NamedSharding(mesh, P(axis)))
     return _median_seconds(lambda: program(x), repeats, warmup=3)
 
 
-def profile_update(layer_params: Sequence[Any], tx: Any, mesh: Mesh | None = None,
-                   axis: str = "data", repeats: int = 5, dispatch_s: float | None = None
-                   ) -> list[float]:
+def profile_update(
+    layer_params: Sequence[Any],
+    tx: Any,
+    mesh: Mesh | None = None,
+    axis: str = "data",
+    repeats: int = 5,
+    dispatch_s: float | None = None,
+) -> list[float]:
     """Seconds of the optimizer update of each layer's parameters (one entry per layer).
 
     ``tx`` is the optax ``GradientTransformation`` the step uses; its update and
@@ -168,8 +190,7 @@ def profile_update(layer_params: Sequence[Any], tx: Any, mesh: Mesh | None = Non
     if mesh is None:
         program, put = jax.jit(update), (lambda tree: jax.device_put(tree, jax.devices()[0]))
     else:
-        program = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), P(), P()),
-                                        out_specs=P(), check_vma=False))
+        program = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(), check_vma=False))
         put = lambda tree: jax.device_put(tree, NamedSharding(mesh, P()))
     if dispatch_s is None:
         dispatch_s = measure_dispatch(mesh, axis)
@@ -189,8 +210,9 @@ def _layer(name: str, params: Any, forward_s: float, backward_s: float) -> Layer
     return Layer(name, count, int(nbytes), forward_s, backward_s)
 
 
-def _profile_stages_on_mesh(stages: Sequence[Stage], x: jax.Array, labels: jax.Array,
-                            repeats: int, mesh: Mesh, axis: str) -> LayerProfile:
+def _profile_stages_on_mesh(
+    stages: Sequence[Stage], x: jax.Array, labels: jax.Array, repeats: int, mesh: Mesh, axis: str
+) -> LayerProfile:
     sharded = NamedSharding(mesh, P(axis))
     x, labels = jax.device_put((x, labels), sharded)
     layers = []
@@ -201,12 +223,11 @@ def _profile_stages_on_mesh(stages: Sequence[Stage], x: jax.Array, labels: jax.A
             loss = _stage_with_loss(fn, labels)
             fn = lambda p, h, y, _loss=loss: _loss(p, h, y)[None]
         else:
-            fn = (lambda p, h, y, _f=fn: _f(p, h))
+            fn = lambda p, h, y, _f=fn: _f(p, h)
         first = index == 0
 
         def both(p, h, y, _fn=fn, _first=first):
-            out, vjp = jax.vjp(lambda q: _fn(q, h, y), p) if _first else \
-                jax.vjp(lambda q, a: _fn(q, a, y), p, h)
+            out, vjp = jax.vjp(lambda q: _fn(q, h, y), p) if _first else jax.vjp(lambda q, a: _fn(q, a, y), p, h)
             return out, vjp(jnp.ones_like(out))
 
         specs = dict(mesh=mesh, in_specs=(P(), P(axis), P(axis)), check_vma=False)
@@ -216,14 +237,28 @@ def _profile_stages_on_mesh(stages: Sequence[Stage], x: jax.Array, labels: jax.A
         total_s = _median_seconds(lambda: forward_backward(params, x, labels), repeats)
         layers.append(_layer(name, params, forward_s, max(total_s - forward_s, 0.0)))
         x = jax.block_until_ready(forward(params, x, labels)) if not last else x
-    return LayerProfile(layers, {"source": "jaxsched.plan.profiling (measured medians, all devices at once)",
-                                 "backend": jax.default_backend(), "repeats": repeats,
-                                 "workers": axis_size(mesh, axis)})
+    return LayerProfile(
+        layers,
+        {
+            "source": "jaxsched.plan.profiling (measured medians, all devices at once)",
+            "backend": jax.default_backend(),
+            "repeats": repeats,
+            "workers": axis_size(mesh, axis),
+        },
+    )
 
 
-def profile_zoo_model(name: str, batch: int = 64, repeats: int = 5, seed: int = 0,
-                      mesh: Mesh | None = None, axis: str = "data", scale_to_whole_step: bool = True,
-                      optimizer: Any = None, **options: Any) -> LayerProfile:
+def profile_zoo_model(
+    name: str,
+    batch: int = 64,
+    repeats: int = 5,
+    seed: int = 0,
+    mesh: Mesh | None = None,
+    axis: str = "data",
+    scale_to_whole_step: bool = True,
+    optimizer: Any = None,
+    **options: Any,
+) -> LayerProfile:
     """Measured layer profile of a ``jaxsched.zoo.models`` zoo model at per-device ``batch``.
 
     With ``mesh``, every device runs at once and the stage times are rescaled to the whole
@@ -248,21 +283,26 @@ def profile_zoo_model(name: str, batch: int = 64, repeats: int = 5, seed: int = 
     meta = {**prof.meta, "model": name, "batch": batch}
     dispatch_s = measure_dispatch(mesh, axis) if (optimizer is not None or mesh is not None) else 0.0
     if mesh is not None and scale_to_whole_step:
-        prof = scale_to_whole_model(prof, stages, jnp.asarray(x), jnp.asarray(labels), mesh, axis,
-                                    repeats, dispatch_s)
+        prof = scale_to_whole_model(prof, stages, jnp.asarray(x), jnp.asarray(labels), mesh, axis, repeats, dispatch_s)
         meta.update(prof.meta)
     layers = prof.layers
     if optimizer is not None:
-        updates = profile_update([params for _, params, _ in stages], optimizer, mesh, axis,
-                                 repeats, dispatch_s)
+        updates = profile_update([params for _, params, _ in stages], optimizer, mesh, axis, repeats, dispatch_s)
         layers = [dataclasses.replace(layer, update_s=u) for layer, u in zip(layers, updates)]
         meta.update(update="measured (optax transform, dispatch subtracted)", dispatch_s=dispatch_s)
     return LayerProfile(layers, meta)
 
 
-def scale_to_whole_model(prof: LayerProfile, stages: Sequence[Stage], x: jax.Array,
-                         labels: jax.Array, mesh: Mesh, axis: str = "data", repeats: int = 5,
-                         dispatch_s: float = 0.0) -> LayerProfile:
+def scale_to_whole_model(
+    prof: LayerProfile,
+    stages: Sequence[Stage],
+    x: jax.Array,
+    labels: jax.Array,
+    mesh: Mesh,
+    axis: str = "data",
+    repeats: int = 5,
+    dispatch_s: float = 0.0,
+) -> LayerProfile:
     """Rescale stage times so forward and backward totals match the whole model run as one
     program (XLA fuses across stage boundaries, and per-stage dispatch adds overhead); the
     per-layer shares stay as measured. ``dispatch_s`` (the cost of launching any program,
@@ -289,6 +329,7 @@ def scale_to_whole_model(prof: LayerProfile, stages: Sequence[Stage], x: jax.Arr
     forward_total_s = _median_seconds(lambda: forward(params, x, labels), repeats)
     backward_s = max(_median_seconds(lambda: both(params, x, labels), repeats) - forward_total_s, 0.0)
     forward_s = max(forward_total_s - dispatch_s, 0.0)
+
     def shares(times: list[float]) -> list[float]:
         # per-stage times all within noise of zero: share by parameter count instead
         total = sum(times)
@@ -299,21 +340,29 @@ def scale_to_whole_model(prof: LayerProfile, stages: Sequence[Stage], x: jax.Arr
 
     f_shares = shares([l.forward_s for l in prof.layers])
     b_shares = shares([l.backward_s for l in prof.layers])
-    layers = [dataclasses.replace(l, forward_s=forward_s * f, backward_s=backward_s * b)
-              for l, f, b in zip(prof.layers, f_shares, b_shares, strict=True)]
-    return LayerProfile(layers, {**prof.meta, "whole_model_forward_s": forward_s,
-                                 "whole_model_backward_s": backward_s,
-                                 "whole_model_dispatch_s": dispatch_s,
-                                 "stage_sum_forward_s": prof.forward_s,
-                                 "stage_sum_backward_s": prof.backward_s})
+    layers = [
+        dataclasses.replace(l, forward_s=forward_s * f, backward_s=backward_s * b)
+        for l, f, b in zip(prof.layers, f_shares, b_shares, strict=True)
+    ]
+    return LayerProfile(
+        layers,
+        {
+            **prof.meta,
+            "whole_model_forward_s": forward_s,
+            "whole_model_backward_s": backward_s,
+            "whole_model_dispatch_s": dispatch_s,
+            "stage_sum_forward_s": prof.forward_s,
+            "stage_sum_backward_s": prof.backward_s,
+        },
+    )
 
 
 def _collective_programs(mesh: Mesh, axis: str) -> dict[str, Callable[[jax.Array], jax.Array]]:
     size = axis_size(mesh, axis)
     ring = [(i, (i + 1) % size) for i in range(size)]
+
     def wrap(body):
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis),
-                                     check_vma=False))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis), check_vma=False))
 
     return {
         "all_reduce": wrap(lambda x: jax.lax.psum(x, axis)),
@@ -343,9 +392,13 @@ def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[Co
     return cost, error
 
 
-def measure_copy(mesh: Mesh | None = None, axis: str = "data",
-                 sizes: Sequence[int] = (1 << 20, 1 << 22), repeats: int = 5,
-                 dispatch_s: float = 0.0) -> float:
+def measure_copy(
+    mesh: Mesh | None = None,
+    axis: str = "data",
+    sizes: Sequence[int] = (1 << 20, 1 << 22),
+    repeats: int = 5,
+    dispatch_s: float = 0.0,
+) -> float:
     """Seconds per byte to pack gradients into a bucket buffer and unpack them again, halved
     (the cost of one direction), on every device of ``mesh`` at once.
 
@@ -367,18 +420,17 @@ def measure_copy(mesh: Mesh | None = None, axis: str = "data",
         def roundtrip(leaves, _b=bucket):
             return _b.unpack(_b.pack([leaf * 1.0 for leaf in leaves]))
 
-        program = jax.jit(jax.shard_map(roundtrip, mesh=mesh, in_specs=P(), out_specs=P(),
-                                        check_vma=False))
-        leaves = jax.device_put([jnp.ones(shape, jnp.float32) for shape in shapes],
-                                NamedSharding(mesh, P()))
+        program = jax.jit(jax.shard_map(roundtrip, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+        leaves = jax.device_put([jnp.ones(shape, jnp.float32) for shape in shapes], NamedSharding(mesh, P()))
         seconds = _median_seconds(lambda: program(leaves), repeats)
         points.append((4 * sum(int(np.prod(shape)) for shape in shapes), max(seconds - dispatch_s, 0.0)))
     cost, _ = fit_alpha_beta(*zip(*points))
     return cost.beta_s_per_byte / 2
 
 
-def measure_selection_s_per_byte(compressor: Any, device: Any = None, elements: int = 1 << 20,
-                                 repeats: int = 5) -> float:
+def measure_selection_s_per_byte(
+    compressor: Any, device: Any = None, elements: int = 1 << 20, repeats: int = 5
+) -> float:
     """Seconds of compute per gradient byte ``compressor`` spends before anything is sent
     (selection, error-feedback residual update), on ``device`` (default: the first local).
 
@@ -394,9 +446,15 @@ def measure_selection_s_per_byte(compressor: Any, device: Any = None, elements: 
 
     def timed(collective: Any) -> float:
         state = collective.init([bucket])[0]
-        fn = jax.jit(jax.shard_map(
-            lambda g, s: collective.all_reduce(g, "measure", bucket, s), mesh=mesh,
-            in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False))
+        fn = jax.jit(
+            jax.shard_map(
+                lambda g, s: collective.all_reduce(g, "measure", bucket, s),
+                mesh=mesh,
+                in_specs=(P(), P()),
+                out_specs=(P(), P()),
+                check_vma=False,
+            )
+        )
         g = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (elements,)), device)
         state = jax.device_put(state, device)
         return _median_seconds(lambda: fn(g, state), repeats)
@@ -407,19 +465,22 @@ def measure_selection_s_per_byte(compressor: Any, device: Any = None, elements: 
 def agree_on_network(network: NetworkProfile) -> NetworkProfile:
     """``network`` with process 0's measured numbers (see :func:`agree_across_processes`)."""
     names = sorted(network.collectives)
-    flat = [x for n in names for x in (network.collectives[n].alpha_s,
-                                       network.collectives[n].beta_s_per_byte)]
+    flat = [x for n in names for x in (network.collectives[n].alpha_s, network.collectives[n].beta_s_per_byte)]
     agreed = agree_across_processes([*flat, network.dispatch_s, network.copy_s_per_byte])
-    collectives = {n: CollectiveCost(float(agreed[2 * i]), float(agreed[2 * i + 1]))
-                   for i, n in enumerate(names)}
-    return dataclasses.replace(network, collectives=collectives, dispatch_s=float(agreed[-2]),
-                               copy_s_per_byte=float(agreed[-1]))
+    collectives = {n: CollectiveCost(float(agreed[2 * i]), float(agreed[2 * i + 1])) for i, n in enumerate(names)}
+    return dataclasses.replace(
+        network, collectives=collectives, dispatch_s=float(agreed[-2]), copy_s_per_byte=float(agreed[-1])
+    )
 
 
-def profile_network(mesh: Mesh | None = None, axis: str = "data",
-                    sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
-                    progress: bool = False, fixed_costs: bool = True
-                    ) -> tuple[NetworkProfile, dict[str, float]]:
+def profile_network(
+    mesh: Mesh | None = None,
+    axis: str = "data",
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = 5,
+    progress: bool = False,
+    fixed_costs: bool = True,
+) -> tuple[NetworkProfile, dict[str, float]]:
     """Measure and fit all-reduce, reduce-scatter, all-gather and ppermute on ``mesh``
     (default: all devices).
 
@@ -438,6 +499,7 @@ def profile_network(mesh: Mesh | None = None, axis: str = "data",
     todo = [(name, size) for name in programs for size in sizes]
     if progress:
         from jaxsched.core.progress import progress as progress_bar
+
         todo = progress_bar(todo, "profiling collectives", leave=False)
     measured: dict[str, list[tuple[int, float]]] = {name: [] for name in programs}
     for name, size in todo:
@@ -452,15 +514,25 @@ def profile_network(mesh: Mesh | None = None, axis: str = "data",
     for name, points in measured.items():
         collectives[name], errors[name] = fit_alpha_beta(*zip(*points))
     copy_s = measure_copy(mesh, axis, repeats=repeats, dispatch_s=dispatch_s) if fixed_costs else 0.0
-    meta = {"source": "jaxsched.plan.profiling (measured medians, least-squares fit)",
-            "backend": jax.default_backend(), "processes": jax.process_count(),
-            "fit_max_relative_error": errors}
-    return NetworkProfile(workers, collectives, meta, dispatch_s=dispatch_s,
-                          copy_s_per_byte=copy_s), errors
+    meta = {
+        "source": "jaxsched.plan.profiling (measured medians, least-squares fit)",
+        "backend": jax.default_backend(),
+        "processes": jax.process_count(),
+        "fit_max_relative_error": errors,
+    }
+    return NetworkProfile(workers, collectives, meta, dispatch_s=dispatch_s, copy_s_per_byte=copy_s), errors
 
 
-__all__ = ["fit_alpha_beta", "measure_copy", "measure_dispatch", "profile_network", "profile_stages", "profile_update",
-           "profile_zoo_model", "zoo_stages"]
+__all__ = [
+    "fit_alpha_beta",
+    "measure_copy",
+    "measure_dispatch",
+    "profile_network",
+    "profile_stages",
+    "profile_update",
+    "profile_zoo_model",
+    "zoo_stages",
+]
 
 
 def psum_programs(count: int, mesh: Mesh, axis: str = "data") -> dict[str, Callable[..., Any]]:
@@ -475,14 +547,12 @@ def psum_programs(count: int, mesh: Mesh, axis: str = "data") -> dict[str, Calla
         return jax.lax.psum(jnp.concatenate([a.reshape(-1) for a in arrays]), axis)
 
     def wrap(body):
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) * count, out_specs=P(),
-                                     check_vma=False))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) * count, out_specs=P(), check_vma=False))
 
     return {"tuple": wrap(tuple_psum), "flat": wrap(flat_psum)}
 
 
-def profile_psum_operands(arrays: Sequence[Any], mesh: Mesh, axis: str = "data",
-                          repeats: int = 50) -> dict[str, float]:
+def profile_psum_operands(arrays: Sequence[Any], mesh: Mesh, axis: str = "data", repeats: int = 50) -> dict[str, float]:
     """Median ms of a tuple ``psum`` of ``arrays`` vs a ``psum`` of their concatenation.
 
     Why: XLA:CPU runs an all-reduce of a tuple as one rendezvous of all device threads

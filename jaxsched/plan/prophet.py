@@ -1,6 +1,7 @@
 """Prophet-style blocks (Cao et al., 2021): use the predicted gradient-ready times and the
 measured link speed; whenever the link frees, send every gradient already waiting as one
 block, so the link never idles while gradients queue and fewer start-ups are paid."""
+
 from __future__ import annotations
 
 from jaxsched.sim.costmodel import LayerProfile, NetworkProfile
@@ -9,8 +10,7 @@ from jaxsched.plan._common import backward_view, bucket_time, to_forward_buckets
 __all__ = ["plan_prophet"]
 
 
-def plan_prophet(layers: LayerProfile, network: NetworkProfile, strategy: str = "wfbp"
-                 ) -> list[list[int]]:
+def plan_prophet(layers: LayerProfile, network: NetworkProfile, strategy: str = "wfbp") -> list[list[int]]:
     """Blocks = the gradients ready when the link becomes free (at least one each).
 
     Example:

@@ -1,4 +1,5 @@
 """Fixed-size fusion buffers, as Horovod tensor fusion and PyTorch DDP buckets do."""
+
 from __future__ import annotations
 
 from jaxsched.sim.costmodel import LayerProfile
@@ -9,8 +10,7 @@ __all__ = ["DEFAULT_THRESHOLD_BYTES", "plan_threshold"]
 DEFAULT_THRESHOLD_BYTES = 25 * 1024 * 1024  # PyTorch DDP bucket_cap_mb=25
 
 
-def plan_threshold(layers: LayerProfile, threshold_bytes: int = DEFAULT_THRESHOLD_BYTES
-                   ) -> list[list[int]]:
+def plan_threshold(layers: LayerProfile, threshold_bytes: int = DEFAULT_THRESHOLD_BYTES) -> list[list[int]]:
     """Fill buckets in gradient-completion (backward) order; close one at ``threshold_bytes``.
 
     Example:

@@ -4,6 +4,7 @@ Example:
     >>> agree_across_processes([1.5, 2.0])  # one process: unchanged
     array([1.5, 2. ])
 """
+
 from __future__ import annotations
 
 from typing import Sequence

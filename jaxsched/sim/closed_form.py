@@ -19,6 +19,7 @@ Example:
     >>> wfbp_time(layers, net) <= allreduce_time(layers, net, [[0], [1]])
     True
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -29,8 +30,9 @@ from jaxsched.sim.core import check_buckets
 __all__ = ["allreduce_time", "wfbp_time"]
 
 
-def _backward_buckets(layers: LayerProfile, network: NetworkProfile,
-                      buckets: Sequence[Sequence[int]]) -> tuple[list[Any], list[Any]]:
+def _backward_buckets(
+    layers: LayerProfile, network: NetworkProfile, buckets: Sequence[Sequence[int]]
+) -> tuple[list[Any], list[Any]]:
     """Ready offsets (from backward start) and costs of each bucket, in backward order."""
     lay = layers.layers
     ready, costs, elapsed = [], [], 0
@@ -42,18 +44,17 @@ def _backward_buckets(layers: LayerProfile, network: NetworkProfile,
     return ready, costs
 
 
-def allreduce_time(layers: LayerProfile, network: NetworkProfile,
-                   buckets: Sequence[Sequence[int]] | None = None) -> Any:
+def allreduce_time(
+    layers: LayerProfile, network: NetworkProfile, buckets: Sequence[Sequence[int]] | None = None
+) -> Any:
     """Iteration time with no overlap: compute, then every bucket's all-reduce, then update."""
     lay = layers.layers
     buckets = buckets if buckets is not None else [list(range(len(lay)))]
     _, costs = _backward_buckets(layers, network, buckets)
-    return sum(l.forward_s for l in lay) + sum(l.backward_s for l in lay) + sum(costs) + \
-        sum(l.update_s for l in lay)
+    return sum(l.forward_s for l in lay) + sum(l.backward_s for l in lay) + sum(costs) + sum(l.update_s for l in lay)
 
 
-def wfbp_time(layers: LayerProfile, network: NetworkProfile,
-              buckets: Sequence[Sequence[int]] | None = None) -> Any:
+def wfbp_time(layers: LayerProfile, network: NetworkProfile, buckets: Sequence[Sequence[int]] | None = None) -> Any:
     """Iteration time of wait-free backpropagation (per-layer buckets by default)."""
     lay = layers.layers
     buckets = buckets if buckets is not None else [[i] for i in range(len(lay))]

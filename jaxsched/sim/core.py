@@ -23,6 +23,7 @@ Example:
     >>> r.bound_s <= r.iteration_s <= simulate(layers, net, "allreduce").iteration_s
     True
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,13 +31,26 @@ import heapq
 import math
 from typing import Any, Sequence
 
-from jaxsched.sim.costmodel import (CommPattern, LayerProfile, NetworkProfile, comm_pattern,
-                                comm_pattern_names)
+from jaxsched.sim.costmodel import CommPattern, LayerProfile, NetworkProfile, comm_pattern, comm_pattern_names
 
-__all__ = ["BYTESCHEDULER", "check_buckets", "comm_slowdown_from_ceiling", "Compression",
-           "COMPRESSIONS", "default_buckets", "gradient_comm_time", "HostCosts", "lower_bound",
-           "MB", "SimResult", "simulate", "SimulationError", "Span", "STRATEGIES",
-           "worker_loads_seconds"]
+__all__ = [
+    "BYTESCHEDULER",
+    "check_buckets",
+    "comm_slowdown_from_ceiling",
+    "Compression",
+    "COMPRESSIONS",
+    "default_buckets",
+    "gradient_comm_time",
+    "HostCosts",
+    "lower_bound",
+    "MB",
+    "SimResult",
+    "simulate",
+    "SimulationError",
+    "Span",
+    "STRATEGIES",
+    "worker_loads_seconds",
+]
 
 #: The priority scheduler the simulator models itself (it is not a bucket pattern).
 BYTESCHEDULER = "bytescheduler"
@@ -46,8 +60,7 @@ class _StrategyNames(Sequence):
     """Every strategy the simulator knows: registered patterns plus ByteScheduler (live)."""
 
     def _names(self) -> tuple[str, ...]:
-        return tuple(n for n in comm_pattern_names()
-                     if not comm_pattern(n).periodic_sync) + (BYTESCHEDULER,)
+        return tuple(n for n in comm_pattern_names() if not comm_pattern(n).periodic_sync) + (BYTESCHEDULER,)
 
     def __getitem__(self, i):
         return self._names()[i]
@@ -85,8 +98,7 @@ class Compression:
 
     def __post_init__(self) -> None:
         if self.kind not in COMPRESSIONS:
-            raise SimulationError(f"compression kind {self.kind!r} is unknown; use one of "
-                                  f"{', '.join(COMPRESSIONS)}")
+            raise SimulationError(f"compression kind {self.kind!r} is unknown; use one of {', '.join(COMPRESSIONS)}")
         if not 0 < self.density <= 1:
             raise SimulationError(f"compression density={self.density} must be in (0, 1]")
 
@@ -117,15 +129,16 @@ class HostCosts:
 
     def __post_init__(self) -> None:
         if self.stage_s < 0 or self.copy_s_per_byte < 0:
-            raise SimulationError(f"HostCosts stage_s={self.stage_s}, copy_s_per_byte="
-                                  f"{self.copy_s_per_byte} must be >= 0")
+            raise SimulationError(
+                f"HostCosts stage_s={self.stage_s}, copy_s_per_byte={self.copy_s_per_byte} must be >= 0"
+            )
         if not self.comm_slowdown >= 1:
-            raise SimulationError(f"HostCosts comm_slowdown={self.comm_slowdown} must be >= 1 "
-                                  "(compute is never faster while bytes move)")
+            raise SimulationError(
+                f"HostCosts comm_slowdown={self.comm_slowdown} must be >= 1 (compute is never faster while bytes move)"
+            )
 
 
-def comm_slowdown_from_ceiling(compute_s: float, comm_s: float, ceiling_s: float,
-                               limit: float = 100.0) -> float:
+def comm_slowdown_from_ceiling(compute_s: float, comm_s: float, ceiling_s: float, limit: float = 100.0) -> float:
     """The compute slow-down while bytes move that explains a measured ceiling.
 
     The ceiling is compute (``compute_s`` alone) and one collective (``comm_s`` alone)
@@ -141,8 +154,7 @@ def comm_slowdown_from_ceiling(compute_s: float, comm_s: float, ceiling_s: float
         1.1111
     """
     if min(compute_s, comm_s, ceiling_s) <= 0:
-        raise SimulationError(f"compute_s={compute_s}, comm_s={comm_s}, ceiling_s={ceiling_s} "
-                              "must all be > 0")
+        raise SimulationError(f"compute_s={compute_s}, comm_s={comm_s}, ceiling_s={ceiling_s} must all be > 0")
     if ceiling_s <= max(compute_s, comm_s):
         return 1.0
     overlapped = compute_s + comm_s - ceiling_s  # compute work done while the collective ran
@@ -184,11 +196,17 @@ class SimResult:
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly numbers (no spans)."""
-        return {"iteration_s": float(self.iteration_s), "buckets": self.buckets,
-                "compute_busy_s": float(self.compute_busy_s), "comm_busy_s": float(self.comm_busy_s),
-                "compute_idle_s": float(self.compute_idle_s), "comm_idle_s": float(self.comm_idle_s),
-                "bound_s": float(self.bound_s), "options": self.options,
-                "gaps": [[float(a), float(b)] for a, b in self.gaps]}
+        return {
+            "iteration_s": float(self.iteration_s),
+            "buckets": self.buckets,
+            "compute_busy_s": float(self.compute_busy_s),
+            "comm_busy_s": float(self.comm_busy_s),
+            "compute_idle_s": float(self.compute_idle_s),
+            "comm_idle_s": float(self.comm_idle_s),
+            "bound_s": float(self.bound_s),
+            "options": self.options,
+            "gaps": [[float(a), float(b)] for a, b in self.gaps],
+        }
 
 
 def check_buckets(buckets: Sequence[Sequence[int]], num_layers: int) -> list[list[int]]:
@@ -198,7 +216,8 @@ def check_buckets(buckets: Sequence[Sequence[int]], num_layers: int) -> list[lis
     if flat != list(range(num_layers)) or any(len(b) == 0 for b in buckets):
         raise SimulationError(
             f"buckets {list(map(list, buckets))[:6]}... must split layers 0..{num_layers - 1} "
-            f"into non-empty contiguous groups in forward order, e.g. [[0, 1], [2, 3]]")
+            f"into non-empty contiguous groups in forward order, e.g. [[0, 1], [2, 3]]"
+        )
     return [list(b) for b in buckets]
 
 
@@ -210,8 +229,7 @@ def default_buckets(strategy: str | CommPattern, num_layers: int) -> list[list[i
     return [[i] for i in range(num_layers)]
 
 
-def gradient_comm_time(network: NetworkProfile, nbytes: Any,
-                       compression: Compression | None = None) -> Any:
+def gradient_comm_time(network: NetworkProfile, nbytes: Any, compression: Compression | None = None) -> Any:
     """Seconds to all-reduce (or sparsely aggregate) ``nbytes`` of gradient."""
     if compression is None:
         return network.time("all_reduce", nbytes)
@@ -224,8 +242,9 @@ def gradient_comm_time(network: NetworkProfile, nbytes: Any,
     return 2 * rounds * network.time("ppermute", 8 * k)
 
 
-def lower_bound(layers: LayerProfile, network: NetworkProfile,
-                compression: Compression | None = None) -> tuple[Any, Any, Any]:
+def lower_bound(
+    layers: LayerProfile, network: NetworkProfile, compression: Compression | None = None
+) -> tuple[Any, Any, Any]:
     """``(bound, compute_min, comm_min)``: no strategy's steady iteration beats ``bound``.
 
     compute_min: all forward and backward, plus the cheapest update (sharded over the
@@ -233,16 +252,18 @@ def lower_bound(layers: LayerProfile, network: NetworkProfile,
     one all-reduce or reduce-scatter + all-gather (alpha >= 0 makes merging never worse).
     """
     total = layers.total_bytes
-    compute_min = sum(l.forward_s + l.backward_s for l in layers.layers) + \
-        _share(sum(l.update_s for l in layers.layers), network.workers)
+    compute_min = sum(l.forward_s + l.backward_s for l in layers.layers) + _share(
+        sum(l.update_s for l in layers.layers), network.workers
+    )
     if network.dispatch_s:  # every strategy launches the step once (kept exact when zero)
         compute_min += network.dispatch_s
     if compression is not None:
         compute_min += compression.selection_s_per_byte * total
         comm_min = gradient_comm_time(network, total, compression)
     else:
-        comm_min = min(network.time("all_reduce", total),
-                       network.time("reduce_scatter", total) + network.time("all_gather", total))
+        comm_min = min(
+            network.time("all_reduce", total), network.time("reduce_scatter", total) + network.time("all_gather", total)
+        )
     return max(compute_min, comm_min), compute_min, comm_min
 
 
@@ -279,10 +300,17 @@ class _Graph:
         return idx
 
 
-def _build(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPattern,
-           buckets: list[list[int]], iterations: int, compression: Compression | None,
-           partition_bytes: int, shared_stream: bool = False,
-           host: HostCosts | None = None) -> _Graph:
+def _build(
+    layers: LayerProfile,
+    network: NetworkProfile,
+    strategy: str | CommPattern,
+    buckets: list[list[int]],
+    iterations: int,
+    compression: Compression | None,
+    partition_bytes: int,
+    shared_stream: bool = False,
+    host: HostCosts | None = None,
+) -> _Graph:
     """The task graph of ``iterations`` iterations (see the table in docs/simulator.md).
 
     Everything but ByteScheduler is read off the strategy's :class:`CommPattern`."""
@@ -319,21 +347,32 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPa
     def from_spare(k: int, n: int, deps: list[int]) -> list[int]:
         if not host.copy_s_per_byte:
             return deps
-        return [graph.add(_Task("compute", f"from spare b{k}", "copy", n,
-                                host.copy_s_per_byte * bucket_bytes[k], deps))]
+        return [
+            graph.add(_Task("compute", f"from spare b{k}", "copy", n, host.copy_s_per_byte * bucket_bytes[k], deps))
+        ]
 
     def grad_collective(k: int, n: int, deps: list[int]) -> int:
         after = to_spare(k, n, copy_task("pack", k, n, deps))
         if compression is not None and compression.selection_s_per_byte:
-            after = [graph.add(_Task("compute", f"compress b{k}", "compress", n,
-                                     compression.selection_s_per_byte * bucket_bytes[k], after))]
+            after = [
+                graph.add(
+                    _Task(
+                        "compute",
+                        f"compress b{k}",
+                        "compress",
+                        n,
+                        compression.selection_s_per_byte * bucket_bytes[k],
+                        after,
+                    )
+                )
+            ]
         if compression is None or pattern.gradient != "all_reduce":
             kind = pattern.gradient
-            return graph.add(_Task("comm", f"{kind} b{k}", kind, n,
-                                   network.time(kind, bucket_bytes[k]), after))
+            return graph.add(_Task("comm", f"{kind} b{k}", kind, n, network.time(kind, bucket_bytes[k]), after))
         kind = compression.kind
-        return graph.add(_Task("comm", f"{kind} b{k}", kind, n,
-                               gradient_comm_time(network, bucket_bytes[k], compression), after))
+        return graph.add(
+            _Task("comm", f"{kind} b{k}", kind, n, gradient_comm_time(network, bucket_bytes[k], compression), after)
+        )
 
     second_order = pattern.factors is not None and any(l.factor_bytes or l.factor_s for l in lay)
     for n in range(iterations):
@@ -346,12 +385,10 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPa
             graph.add(_Task("compute", "dispatch", "dispatch", n, network.dispatch_s, []))
         for i in range(num):
             if priority and n > 0:
-                graph.add(_Task("compute", f"update l{i}", "update", n, lay[i].update_s,
-                                prev_chunks[i]))
+                graph.add(_Task("compute", f"update l{i}", "update", n, lay[i].update_s, prev_chunks[i]))
             deps = []
             if pattern.parameters and n > 0 and i in bucket_lo:
-                deps = copy_task("unpack", bucket_lo[i], n,
-                                 from_spare(bucket_lo[i], n, [prev_gather[bucket_lo[i]]]))
+                deps = copy_task("unpack", bucket_lo[i], n, from_spare(bucket_lo[i], n, [prev_gather[bucket_lo[i]]]))
             graph.add(_Task("compute", f"fwd {lay[i].name}", "forward", n, lay[i].forward_s, deps))
         for i in reversed(range(num)):
             bwd = graph.add(_Task("compute", f"bwd {lay[i].name}", "backward", n, lay[i].backward_s, []))
@@ -368,16 +405,27 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPa
             if priority:
                 pieces = max(1, math.ceil(lay[i].bytes / partition_bytes))
                 sizes = [partition_bytes] * (pieces - 1) + [lay[i].bytes - partition_bytes * (pieces - 1)]
-                chunks[i] = [graph.add(_Task("comm", f"all_reduce l{i}.{c}", "all_reduce", n,
-                                             network.time("all_reduce", size), [bwd], size, (n, i, c)))
-                             for c, size in enumerate(sizes)]
+                chunks[i] = [
+                    graph.add(
+                        _Task(
+                            "comm",
+                            f"all_reduce l{i}.{c}",
+                            "all_reduce",
+                            n,
+                            network.time("all_reduce", size),
+                            [bwd],
+                            size,
+                            (n, i, c),
+                        )
+                    )
+                    for c, size in enumerate(sizes)
+                ]
         if not pattern.in_backward and not priority:
             bwd_end = graph.compute_order[-1]
             comm = [grad_collective(k, n, [bwd_end]) for k in reversed(range(len(buckets)))]
         if second_order:
             bwd_end = graph.compute_order[-1]
-            factor_comm += [_factor_collective(graph, network, pattern, lay[i], n, [bwd_end])
-                            for i, _ in factor_tasks]
+            factor_comm += [_factor_collective(graph, network, pattern, lay[i], n, [bwd_end]) for i, _ in factor_tasks]
             second_order_tail = _inversions(graph, network, pattern, lay, n, factor_comm)
         else:
             second_order_tail = []
@@ -388,18 +436,28 @@ def _build(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPa
             graph.add(_Task("compute", "update (previous step)", "update", n, total_update, back))
         elif pattern.parameters:
             for k in range(len(buckets)):
-                upd = graph.add(_Task("compute", f"update b{k} shard", "update", n,
-                                      _share(bucket_update[k], workers),
-                                      from_spare(k, n, [reduce_of_bucket[k]])))
+                upd = graph.add(
+                    _Task(
+                        "compute",
+                        f"update b{k} shard",
+                        "update",
+                        n,
+                        _share(bucket_update[k], workers),
+                        from_spare(k, n, [reduce_of_bucket[k]]),
+                    )
+                )
                 kind = pattern.parameters
-                prev_gather[k] = graph.add(_Task("comm", f"{kind} b{k}", kind, n,
-                                                 network.time(kind, bucket_bytes[k]),
-                                                 to_spare(k, n, [upd])))
+                prev_gather[k] = graph.add(
+                    _Task("comm", f"{kind} b{k}", kind, n, network.time(kind, bucket_bytes[k]), to_spare(k, n, [upd]))
+                )
         else:
             if copy or host.copy_s_per_byte:  # the update reads the unpacked gradients
                 by_bucket = reduce_of_bucket or {_bucket_of_task(graph, c): c for c in comm}
-                comm = [t for k, c in sorted(by_bucket.items(), reverse=True)
-                        for t in copy_task("unpack", k, n, from_spare(k, n, [c]))]
+                comm = [
+                    t
+                    for k, c in sorted(by_bucket.items(), reverse=True)
+                    for t in copy_task("unpack", k, n, from_spare(k, n, [c]))
+                ]
             graph.add(_Task("compute", "update", "update", n, total_update, comm + second_order_tail))
         prev_comm, prev_chunks = comm, chunks
     return graph
@@ -410,16 +468,19 @@ def _bucket_of_task(graph: _Graph, idx: int) -> int:
     return int(graph.tasks[idx].name.rsplit(" b", 1)[1])
 
 
-def _factor_collective(graph: _Graph, network: NetworkProfile, pattern: CommPattern, layer: Any,
-                       n: int, deps: list[int]) -> int:
+def _factor_collective(
+    graph: _Graph, network: NetworkProfile, pattern: CommPattern, layer: Any, n: int, deps: list[int]
+) -> int:
     """One layer's factor reduction on the comm stream (K-FAC's statistics)."""
     kind = pattern.factors
-    return graph.add(_Task("comm", f"{kind} factors {layer.name}", f"factor {kind}", n,
-                           network.time(kind, layer.factor_bytes), deps))
+    return graph.add(
+        _Task("comm", f"{kind} factors {layer.name}", f"factor {kind}", n, network.time(kind, layer.factor_bytes), deps)
+    )
 
 
-def _inversions(graph: _Graph, network: NetworkProfile, pattern: CommPattern, lay: Sequence[Any],
-                n: int, factor_comm: list[int]) -> list[int]:
+def _inversions(
+    graph: _Graph, network: NetworkProfile, pattern: CommPattern, lay: Sequence[Any], n: int, factor_comm: list[int]
+) -> list[int]:
     """The factor inversions (the busiest worker's share under the pattern's placement) and
     the all-gather that shares them; returns what the update must wait for."""
     from jaxsched.sim.kfac_placement import plan_placement
@@ -428,15 +489,18 @@ def _inversions(graph: _Graph, network: NetworkProfile, pattern: CommPattern, la
     times = [t for layer in lay for t in layer.inverse_s]
     if not dims:
         return factor_comm
-    owners = plan_placement(dims, network.workers, pattern.inverse_placement or "naive",
-                            [i for i, layer in enumerate(lay) for _ in layer.factor_dims])
+    owners = plan_placement(
+        dims,
+        network.workers,
+        pattern.inverse_placement or "naive",
+        [i for i, layer in enumerate(lay) for _ in layer.factor_dims],
+    )
     busiest = max(worker_loads_seconds(times, owners, network.workers))
     inv = graph.add(_Task("compute", "invert factors", "inverse", n, busiest, list(factor_comm)))
     if owners is None or network.workers == 1:
         return [inv]
     nbytes = sum(d * d for d in dims) * 4
-    return [graph.add(_Task("comm", "all_gather inverses", "all_gather", n,
-                            network.time("all_gather", nbytes), [inv]))]
+    return [graph.add(_Task("comm", "all_gather inverses", "all_gather", n, network.time("all_gather", nbytes), [inv]))]
 
 
 def worker_loads_seconds(times: Sequence[Any], owners: Sequence[int] | None, workers: int) -> list[Any]:
@@ -449,8 +513,9 @@ def worker_loads_seconds(times: Sequence[Any], owners: Sequence[int] | None, wor
     return load
 
 
-def _execute(graph: _Graph, priority: bool, merge_cost: Any = None, credit_bytes: Any = 0,
-             comm_slowdown: Any = 1) -> tuple[list[Any], list[Any], list[tuple[list[int], Any, Any]]]:
+def _execute(
+    graph: _Graph, priority: bool, merge_cost: Any = None, credit_bytes: Any = 0, comm_slowdown: Any = 1
+) -> tuple[list[Any], list[Any], list[tuple[list[int], Any, Any]]]:
     """Run the task graph; returns per-task start/end and the comm ops as executed.
 
     With ``comm_slowdown`` s > 1, the running compute task progresses at 1/s of its speed
@@ -558,11 +623,20 @@ def _execute(graph: _Graph, priority: bool, merge_cost: Any = None, credit_bytes
     return start, end, comm_ops
 
 
-def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str | CommPattern,
-             buckets: Sequence[Sequence[int]] | None = None, *, iterations: int = 8,
-             compression: Compression | None = None, partition_bytes: int = 4 * MB,
-             credit_bytes: int | None = None, shared_stream: bool = False,
-             keep_spans: bool = True, host: HostCosts | None = None) -> SimResult:
+def simulate(
+    layers: LayerProfile,
+    network: NetworkProfile,
+    strategy: str | CommPattern,
+    buckets: Sequence[Sequence[int]] | None = None,
+    *,
+    iterations: int = 8,
+    compression: Compression | None = None,
+    partition_bytes: int = 4 * MB,
+    credit_bytes: int | None = None,
+    shared_stream: bool = False,
+    keep_spans: bool = True,
+    host: HostCosts | None = None,
+) -> SimResult:
     """Simulate ``iterations`` iterations of ``strategy`` and report the steady state.
 
     ``buckets`` (forward order) defaults to :func:`default_buckets`; ``bytescheduler``
@@ -574,11 +648,16 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str | Comm
     ``host`` adds the host engine's own costs (:class:`HostCosts`: stage dispatch, copies
     to the spare device, compute slowed while bytes move).
     """
-    if not isinstance(strategy, CommPattern) and strategy in comm_pattern_names() \
-            and comm_pattern(strategy).periodic_sync:
-        raise SimulationError(f"{strategy!r} synchronizes every few steps; simulate it with "
-                              "jaxsched.sim.diloco.simulate_diloco (simulate --strategies "
-                              f"{strategy} --inner-steps H)")
+    if (
+        not isinstance(strategy, CommPattern)
+        and strategy in comm_pattern_names()
+        and comm_pattern(strategy).periodic_sync
+    ):
+        raise SimulationError(
+            f"{strategy!r} synchronizes every few steps; simulate it with "
+            "jaxsched.sim.diloco.simulate_diloco (simulate --strategies "
+            f"{strategy} --inner-steps H)"
+        )
     if not isinstance(strategy, CommPattern) and strategy not in STRATEGIES:
         raise SimulationError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if iterations < 3:
@@ -594,11 +673,11 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str | Comm
     if partition_bytes <= 0:
         raise SimulationError(f"partition_bytes={partition_bytes} must be > 0")
     credit = partition_bytes if credit_bytes is None else credit_bytes
-    graph = _build(layers, network, strategy, buckets, iterations, compression, partition_bytes,
-                   shared_stream, host)
+    graph = _build(layers, network, strategy, buckets, iterations, compression, partition_bytes, shared_stream, host)
     merge = (lambda b: network.time("all_reduce", b)) if priority else None
-    start, end, comm_ops = _execute(graph, priority=priority, merge_cost=merge, credit_bytes=credit,
-                                    comm_slowdown=host.comm_slowdown if host else 1)
+    start, end, comm_ops = _execute(
+        graph, priority=priority, merge_cost=merge, credit_bytes=credit, comm_slowdown=host.comm_slowdown if host else 1
+    )
     tasks = graph.tasks
     first_of_iter: dict[int, Any] = {}
     for idx in graph.compute_order:
@@ -606,10 +685,11 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str | Comm
     warm, last = iterations // 2, iterations - 1
     window = last - warm
     period = (first_of_iter[last] - first_of_iter[warm]) / window
-    compute_busy = sum(tasks[i].duration for i in graph.compute_order
-                       if tasks[i].iteration == warm)
-    comm_busy = sum(op_end - op_start for group, op_start, op_end in comm_ops
-                    if warm <= tasks[group[0]].iteration < last) / window
+    compute_busy = sum(tasks[i].duration for i in graph.compute_order if tasks[i].iteration == warm)
+    comm_busy = (
+        sum(op_end - op_start for group, op_start, op_end in comm_ops if warm <= tasks[group[0]].iteration < last)
+        / window
+    )
     # A stream's busy time per iteration is a hard floor of the steady period; it guards a
     # finite window against a backlog that is still growing (approx, when comm-bound).
     iteration = max(period, compute_busy, comm_busy)
@@ -623,8 +703,10 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str | Comm
             cursor = max(cursor, end[idx])
     spans = []
     if keep_spans:
-        spans = [Span("compute", tasks[i].name, tasks[i].kind, tasks[i].iteration, start[i], end[i])
-                 for i in graph.compute_order]
+        spans = [
+            Span("compute", tasks[i].name, tasks[i].kind, tasks[i].iteration, start[i], end[i])
+            for i in graph.compute_order
+        ]
         for group, op_start, op_end in comm_ops:
             head = tasks[group[0]]
             name = head.name if len(group) == 1 else f"{head.name} +{len(group) - 1} chunks"
@@ -636,6 +718,18 @@ def simulate(layers: LayerProfile, network: NetworkProfile, strategy: str | Comm
         options.update(compression=compression.kind, density=compression.density)
     if host is not None and host != HostCosts():
         options.update(host=dataclasses.asdict(host))
-    return SimResult(strategy, buckets, iteration, compute_busy, comm_busy,
-                     iteration - compute_busy, iteration - comm_busy, bound, compute_min,
-                     comm_min, gaps, spans, options)
+    return SimResult(
+        strategy,
+        buckets,
+        iteration,
+        compute_busy,
+        comm_busy,
+        iteration - compute_busy,
+        iteration - comm_busy,
+        bound,
+        compute_min,
+        comm_min,
+        gaps,
+        spans,
+        options,
+    )

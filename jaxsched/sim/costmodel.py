@@ -15,6 +15,7 @@ Example:
     >>> round(net.time("all_reduce", 4000) * 1e6, 1)  # microseconds
     355.6
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,13 +24,36 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["ALLREDUCE_PATTERN", "APPROX_PATTERN", "CollectiveCost", "COLLECTIVES", "comm_pattern",
-           "comm_pattern_names", "CommPattern", "DEAR_PATTERN", "device_preset", "DEVICE_PRESETS",
-           "DevicePreset", "KFAC_PATTERN", "Layer", "LayerProfile", "LINK_PRESETS", "LinkPreset",
-           "network_preset", "NetworkProfile", "ProfileError", "register_comm_pattern",
-           "REQUIRED_COLLECTIVES", "ring_costs", "roofline_seconds", "SELECTION_PASSES",
-           "topk_selection_s_per_byte", "two_level_network", "unregister_comm_pattern",
-           "WFBP_PATTERN"]
+__all__ = [
+    "ALLREDUCE_PATTERN",
+    "APPROX_PATTERN",
+    "CollectiveCost",
+    "COLLECTIVES",
+    "comm_pattern",
+    "comm_pattern_names",
+    "CommPattern",
+    "DEAR_PATTERN",
+    "device_preset",
+    "DEVICE_PRESETS",
+    "DevicePreset",
+    "KFAC_PATTERN",
+    "Layer",
+    "LayerProfile",
+    "LINK_PRESETS",
+    "LinkPreset",
+    "network_preset",
+    "NetworkProfile",
+    "ProfileError",
+    "register_comm_pattern",
+    "REQUIRED_COLLECTIVES",
+    "ring_costs",
+    "roofline_seconds",
+    "SELECTION_PASSES",
+    "topk_selection_s_per_byte",
+    "two_level_network",
+    "unregister_comm_pattern",
+    "WFBP_PATTERN",
+]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "ppermute", "all_to_all")
 REQUIRED_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
@@ -64,8 +88,10 @@ class Layer:
         object.__setattr__(self, "factor_dims", tuple(self.factor_dims))
         object.__setattr__(self, "inverse_s", tuple(self.inverse_s))
         if len(self.factor_dims) != len(self.inverse_s):
-            raise ProfileError(f"layer {self.name!r}: factor_dims {list(self.factor_dims)} and inverse_s "
-                               f"{list(self.inverse_s)} must have one entry per factor")
+            raise ProfileError(
+                f"layer {self.name!r}: factor_dims {list(self.factor_dims)} and inverse_s "
+                f"{list(self.inverse_s)} must have one entry per factor"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +131,13 @@ class LayerProfile:
 
     def to_dict(self) -> dict[str, Any]:
         second_order = ("factor_bytes", "factor_s", "factor_dims", "inverse_s")
-        return {"layers": [{k: v for k, v in dataclasses.asdict(layer).items()
-                            if k not in second_order or v} for layer in self.layers],
-                "meta": dict(self.meta)}
+        return {
+            "layers": [
+                {k: v for k, v in dataclasses.asdict(layer).items() if k not in second_order or v}
+                for layer in self.layers
+            ],
+            "meta": dict(self.meta),
+        }
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> "LayerProfile":
@@ -121,20 +151,21 @@ class LayerProfile:
         for i, raw in enumerate(raw_layers):
             where = f"{source}: layers[{i}]"
             if not isinstance(raw, Mapping):
-                raise ProfileError(f"{where} must be an object with name, params, bytes, "
-                                   f"forward_s, backward_s")
-            layers.append(Layer(
-                name=_field(raw, "name", str, where),
-                params=_field(raw, "params", int, where),
-                bytes=_field(raw, "bytes", int, where),
-                forward_s=_field(raw, "forward_s", float, where),
-                backward_s=_field(raw, "backward_s", float, where),
-                update_s=_field(raw, "update_s", float, where, default=0.0),
-                factor_bytes=_field(raw, "factor_bytes", int, where, default=0),
-                factor_s=_field(raw, "factor_s", float, where, default=0.0),
-                factor_dims=tuple(int(n) for n in raw.get("factor_dims", ())),
-                inverse_s=tuple(float(t) for t in raw.get("inverse_s", ())),
-            ))
+                raise ProfileError(f"{where} must be an object with name, params, bytes, forward_s, backward_s")
+            layers.append(
+                Layer(
+                    name=_field(raw, "name", str, where),
+                    params=_field(raw, "params", int, where),
+                    bytes=_field(raw, "bytes", int, where),
+                    forward_s=_field(raw, "forward_s", float, where),
+                    backward_s=_field(raw, "backward_s", float, where),
+                    update_s=_field(raw, "update_s", float, where, default=0.0),
+                    factor_bytes=_field(raw, "factor_bytes", int, where, default=0),
+                    factor_s=_field(raw, "factor_s", float, where, default=0.0),
+                    factor_dims=tuple(int(n) for n in raw.get("factor_dims", ())),
+                    inverse_s=tuple(float(t) for t in raw.get("inverse_s", ())),
+                )
+            )
         meta = data.get("meta", {})
         if not isinstance(meta, Mapping):
             raise ProfileError(f"{source}: 'meta' must be an object")
@@ -191,17 +222,21 @@ class NetworkProfile:
         try:
             return self.collectives[collective]
         except KeyError:
-            raise ProfileError(f"network profile has no {collective!r} cost (it has "
-                               f"{', '.join(sorted(self.collectives))}); add it to the JSON "
-                               f"'collectives' object or use a preset") from None
+            raise ProfileError(
+                f"network profile has no {collective!r} cost (it has "
+                f"{', '.join(sorted(self.collectives))}); add it to the JSON "
+                f"'collectives' object or use a preset"
+            ) from None
 
     def time(self, collective: str, nbytes: float) -> float:
         return self.cost(collective).time(nbytes)
 
     def to_dict(self) -> dict[str, Any]:
-        data = {"workers": self.workers,
-                "collectives": {k: dataclasses.asdict(v) for k, v in self.collectives.items()},
-                "meta": dict(self.meta)}
+        data = {
+            "workers": self.workers,
+            "collectives": {k: dataclasses.asdict(v) for k, v in self.collectives.items()},
+            "meta": dict(self.meta),
+        }
         if self.dispatch_s:
             data["dispatch_s"] = self.dispatch_s
         if self.copy_s_per_byte:
@@ -223,16 +258,22 @@ class NetworkProfile:
                 raise ProfileError(f"{where}: unknown collective; use one of {', '.join(COLLECTIVES)}")
             if not isinstance(cost, Mapping):
                 raise ProfileError(f"{where} must be an object with alpha_s and beta_s_per_byte")
-            collectives[name] = CollectiveCost(_field(cost, "alpha_s", float, where),
-                                               _field(cost, "beta_s_per_byte", float, where))
+            collectives[name] = CollectiveCost(
+                _field(cost, "alpha_s", float, where), _field(cost, "beta_s_per_byte", float, where)
+            )
         for name in REQUIRED_COLLECTIVES:
             if name not in collectives:
-                raise ProfileError(f"{source}: collectives.{name} is missing; the simulator "
-                                   f"needs {', '.join(REQUIRED_COLLECTIVES)}")
+                raise ProfileError(
+                    f"{source}: collectives.{name} is missing; the simulator needs {', '.join(REQUIRED_COLLECTIVES)}"
+                )
         meta = data.get("meta", {})
-        return cls(workers, collectives, dict(meta) if isinstance(meta, Mapping) else {},
-                   dispatch_s=_field(data, "dispatch_s", float, source, default=0.0),
-                   copy_s_per_byte=_field(data, "copy_s_per_byte", float, source, default=0.0))
+        return cls(
+            workers,
+            collectives,
+            dict(meta) if isinstance(meta, Mapping) else {},
+            dispatch_s=_field(data, "dispatch_s", float, source, default=0.0),
+            copy_s_per_byte=_field(data, "copy_s_per_byte", float, source, default=0.0),
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1))
@@ -258,15 +299,18 @@ def _field(raw: Mapping, key: str, kind: type, where: str, default: Any = None) 
             return default
         raise ProfileError(f"{where}: field {key!r} is missing")
     value = raw[key]
-    ok = (isinstance(value, str) if kind is str else
-          isinstance(value, int) and not isinstance(value, bool) if kind is int else
-          isinstance(value, (int, float)) and not isinstance(value, bool))
+    ok = (
+        isinstance(value, str)
+        if kind is str
+        else isinstance(value, int) and not isinstance(value, bool)
+        if kind is int
+        else isinstance(value, (int, float)) and not isinstance(value, bool)
+    )
     if not ok:
         raise ProfileError(f"{where}: field {key!r}={value!r} must be {kind.__name__}")
     if kind is not str and (not math.isfinite(value) or value < 0):
         raise ProfileError(f"{where}: field {key!r}={value!r} must be finite and >= 0")
     return float(value) if kind is float else value
-
 
 
 # --------------------------------------------------------------------------- patterns
@@ -314,11 +358,12 @@ class CommPattern:
     def __post_init__(self) -> None:
         for name in (self.gradient, self.parameters, self.factors):
             if name is not None and name not in COLLECTIVES:
-                raise ValueError(f"CommPattern collective {name!r} is unknown; use one of "
-                                 f"{', '.join(COLLECTIVES)}")
+                raise ValueError(f"CommPattern collective {name!r} is unknown; use one of {', '.join(COLLECTIVES)}")
         if self.inverse_placement not in (None, "balanced", "round_robin", "naive"):
-            raise ValueError(f"CommPattern inverse_placement={self.inverse_placement!r} is unknown; "
-                             "use balanced, round_robin or naive")
+            raise ValueError(
+                f"CommPattern inverse_placement={self.inverse_placement!r} is unknown; "
+                "use balanced, round_robin or naive"
+            )
 
     @property
     def sharded_update(self) -> bool:
@@ -347,8 +392,7 @@ def register_comm_pattern(name: str, pattern: CommPattern) -> None:
     name is refused, so two strategies cannot silently share a name.
     """
     if not isinstance(pattern, CommPattern):
-        raise TypeError(f"register_comm_pattern({name!r}) needs a CommPattern, got "
-                        f"{type(pattern).__name__}")
+        raise TypeError(f"register_comm_pattern({name!r}) needs a CommPattern, got {type(pattern).__name__}")
     if _COMM_PATTERNS.get(name, pattern) != pattern:
         raise ValueError(f"a different communication pattern is already registered as {name!r}")
     _COMM_PATTERNS[name] = pattern
@@ -365,8 +409,9 @@ def comm_pattern(name: "str | CommPattern") -> CommPattern:
     try:
         return _COMM_PATTERNS[name]
     except KeyError:
-        raise ValueError(f"no communication pattern is registered for strategy {name!r}; known: "
-                         f"{', '.join(_COMM_PATTERNS)}") from None
+        raise ValueError(
+            f"no communication pattern is registered for strategy {name!r}; known: {', '.join(_COMM_PATTERNS)}"
+        ) from None
 
 
 def comm_pattern_names() -> tuple[str, ...]:
@@ -380,9 +425,15 @@ WFBP_PATTERN = CommPattern()
 DEAR_PATTERN = CommPattern(gradient="reduce_scatter", parameters="all_gather", compressible=False)
 APPROX_PATTERN = CommPattern(delayed_update=True, packs_buckets=False)
 KFAC_PATTERN = CommPattern(compressible=False, factors="all_reduce", inverse_placement="balanced")
-for _name, _pattern in (("allreduce", ALLREDUCE_PATTERN), ("wfbp", WFBP_PATTERN),
-                        ("mgwfbp", WFBP_PATTERN), ("dear", DEAR_PATTERN), ("approx", APPROX_PATTERN)):
+for _name, _pattern in (
+    ("allreduce", ALLREDUCE_PATTERN),
+    ("wfbp", WFBP_PATTERN),
+    ("mgwfbp", WFBP_PATTERN),
+    ("dear", DEAR_PATTERN),
+    ("approx", APPROX_PATTERN),
+):
     register_comm_pattern(_name, _pattern)
+
 
 # --------------------------------------------------------------------------- presets
 @dataclasses.dataclass(frozen=True)
@@ -452,14 +503,15 @@ def _link(name: str) -> LinkPreset:
     try:
         return LINK_PRESETS[name]
     except KeyError:
-        raise ProfileError(f"unknown network preset {name!r}; choose one of "
-                           f"{', '.join(LINK_PRESETS)}, a two-level 'fast+slow' pair of them "
-                           "(e.g. nvlink4+400gbib, ici+dcn), or pass a measured "
-                           "--network-profile") from None
+        raise ProfileError(
+            f"unknown network preset {name!r}; choose one of "
+            f"{', '.join(LINK_PRESETS)}, a two-level 'fast+slow' pair of them "
+            "(e.g. nvlink4+400gbib, ici+dcn), or pass a measured "
+            "--network-profile"
+        ) from None
 
 
-def network_preset(name: str, workers: int, per_node: int | None = None,
-                   hierarchical: bool = True) -> NetworkProfile:
+def network_preset(name: str, workers: int, per_node: int | None = None, hierarchical: bool = True) -> NetworkProfile:
     """A ring-algorithm network profile for a named link preset and worker count.
 
     A name ``"fast+slow"`` (``"nvlink4+400gbib"``, ``"ici+dcn"``) is a two-level network of
@@ -475,16 +527,18 @@ def network_preset(name: str, workers: int, per_node: int | None = None,
     if "+" in name:
         fast, _, slow = name.partition("+")
         if per_node is None or per_node < 1 or workers % per_node:
-            raise ProfileError(f"the two-level network {name!r} needs per_node (devices per "
-                               f"node, --per-node) dividing workers={workers}; got {per_node!r}")
+            raise ProfileError(
+                f"the two-level network {name!r} needs per_node (devices per "
+                f"node, --per-node) dividing workers={workers}; got {per_node!r}"
+            )
         return two_level_network(fast, slow, workers // per_node, per_node, hierarchical)
     link = _link(name)
-    return NetworkProfile(workers, ring_costs(link, workers),
-                          {"preset": name, "source": link.source, "algorithm": "ring"})
+    return NetworkProfile(
+        workers, ring_costs(link, workers), {"preset": name, "source": link.source, "algorithm": "ring"}
+    )
 
 
-def two_level_network(fast: str, slow: str, nodes: int, per_node: int,
-                      hierarchical: bool = True) -> NetworkProfile:
+def two_level_network(fast: str, slow: str, nodes: int, per_node: int, hierarchical: bool = True) -> NetworkProfile:
     """``nodes`` x ``per_node`` devices: ``fast`` links within a node (NVLink, ICI), ``slow``
     links between nodes (InfiniBand, Ethernet, DCN), one slow link per device (rails).
 
@@ -505,14 +559,17 @@ def two_level_network(fast: str, slow: str, nodes: int, per_node: int,
     within, across = ring_costs(f, per_node), ring_costs(s, nodes)
     workers = nodes * per_node
     if hierarchical:
+
         def chain(*parts: tuple[CollectiveCost, float]) -> CollectiveCost:
-            return CollectiveCost(sum(c.alpha_s for c, _ in parts),
-                                  sum(c.beta_s_per_byte * share for c, share in parts))
+            return CollectiveCost(
+                sum(c.alpha_s for c, _ in parts), sum(c.beta_s_per_byte * share for c, share in parts)
+            )
 
         shard = 1.0 / per_node
         collectives = {
-            "all_reduce": chain((within["reduce_scatter"], 1.0), (across["all_reduce"], shard),
-                                (within["all_gather"], 1.0)),
+            "all_reduce": chain(
+                (within["reduce_scatter"], 1.0), (across["all_reduce"], shard), (within["all_gather"], 1.0)
+            ),
             "reduce_scatter": chain((within["reduce_scatter"], 1.0), (across["reduce_scatter"], shard)),
             "all_gather": chain((across["all_gather"], shard), (within["all_gather"], 1.0)),
             "all_to_all": ring_costs(s, workers)["all_to_all"] if nodes > 1 else within["all_to_all"],
@@ -522,9 +579,16 @@ def two_level_network(fast: str, slow: str, nodes: int, per_node: int,
     else:
         collectives = ring_costs(s if nodes > 1 else f, workers)
         algorithm = "flat ring (paced by the slow link)"
-    return NetworkProfile(workers, collectives, {
-        "preset": f"{fast}+{slow}", "source": f"{f.source}; {s.source}", "algorithm": algorithm,
-        "levels": {"fast": fast, "slow": slow, "nodes": nodes, "per_node": per_node}})
+    return NetworkProfile(
+        workers,
+        collectives,
+        {
+            "preset": f"{fast}+{slow}",
+            "source": f"{f.source}; {s.source}",
+            "algorithm": algorithm,
+            "levels": {"fast": fast, "slow": slow, "nodes": nodes, "per_node": per_node},
+        },
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -555,17 +619,14 @@ def device_preset(name: str) -> DevicePreset:
     try:
         return DEVICE_PRESETS[name]
     except KeyError:
-        raise ProfileError(f"unknown device preset {name!r}; choose one of "
-                           f"{', '.join(DEVICE_PRESETS)}") from None
+        raise ProfileError(f"unknown device preset {name!r}; choose one of {', '.join(DEVICE_PRESETS)}") from None
 
 
-def roofline_seconds(flops: float, memory_bytes: float, device: DevicePreset,
-                     efficiency: float = 0.5) -> float:
+def roofline_seconds(flops: float, memory_bytes: float, device: DevicePreset, efficiency: float = 0.5) -> float:
     """Time of a kernel under a roofline, with a sustained fraction ``efficiency`` of peak."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
     return max(flops / device.peak_flops, memory_bytes / device.memory_bytes_per_s) / efficiency
-
 
 
 # Top-k selection as a threshold test is a few elementwise passes over the gradient, not a

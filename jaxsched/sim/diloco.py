@@ -27,6 +27,7 @@ Example:
     >>> streaming.step_s < plain.step_s, streaming.simulated
     (True, True)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,13 +42,13 @@ __all__ = ["DiLoCoSimResult", "simulate_diloco"]
 @dataclasses.dataclass(frozen=True)
 class DiLoCoSimResult:
     """Attributes:
-      step_s: mean simulated seconds per inner step, over whole cycles after the first.
-      inner_s: one inner step alone (compute and fast-link sums).
-      outer_s: one fragment's outer all-reduce on the slow link.
-      slow_bytes_per_step: bytes each device sends over its slow link per step (mean).
-      replicas: replica groups synchronized by the outer all-reduce.
-      options: what was simulated.
-      simulated: always True: these figures come from a model, not a measurement.
+    step_s: mean simulated seconds per inner step, over whole cycles after the first.
+    inner_s: one inner step alone (compute and fast-link sums).
+    outer_s: one fragment's outer all-reduce on the slow link.
+    slow_bytes_per_step: bytes each device sends over its slow link per step (mean).
+    replicas: replica groups synchronized by the outer all-reduce.
+    options: what was simulated.
+    simulated: always True: these figures come from a model, not a measurement.
     """
 
     step_s: float
@@ -70,25 +71,33 @@ def _levels(network: NetworkProfile) -> tuple[NetworkProfile | None, NetworkProf
         return None, network, network.workers, 1
     nodes, per_node = int(levels["nodes"]), int(levels["per_node"])
     fast = network_preset(levels["fast"], per_node)
-    slow = NetworkProfile(nodes, ring_costs(LINK_PRESETS[levels["slow"]], nodes),
-                          {"preset": levels["slow"], "algorithm": "ring"})
+    slow = NetworkProfile(
+        nodes, ring_costs(LINK_PRESETS[levels["slow"]], nodes), {"preset": levels["slow"], "algorithm": "ring"}
+    )
     return fast, slow, nodes, per_node
 
 
-def simulate_diloco(layers: LayerProfile, network: NetworkProfile, inner_steps: int = 50,
-                    fragments: int = 1, overlap_steps: int = 0, outer_bits: int = 32,
-                    block_size: int = 256, cycles: int = 4) -> DiLoCoSimResult:
+def simulate_diloco(
+    layers: LayerProfile,
+    network: NetworkProfile,
+    inner_steps: int = 50,
+    fragments: int = 1,
+    overlap_steps: int = 0,
+    outer_bits: int = 32,
+    block_size: int = 256,
+    cycles: int = 4,
+) -> DiLoCoSimResult:
     """Simulate DiLoCo on ``layers`` over ``network`` (one level: every worker a replica;
     two levels: every node a replica). ``outer_bits`` 32 sends float32 outer gradients;
     4 or 8 the quantized payload of :class:`jaxsched.runtime.compress.Quantize`."""
     from jaxsched.sim.core import SimulationError, simulate
 
     if inner_steps < 1 or fragments < 1 or fragments > inner_steps:
-        raise SimulationError(f"inner_steps={inner_steps}, fragments={fragments}: need "
-                              "1 <= fragments <= inner_steps")
+        raise SimulationError(f"inner_steps={inner_steps}, fragments={fragments}: need 1 <= fragments <= inner_steps")
     if overlap_steps < 0 or overlap_steps * fragments >= inner_steps:
-        raise SimulationError(f"overlap_steps={overlap_steps} must be >= 0 and < inner_steps / "
-                              f"fragments = {inner_steps}/{fragments}")
+        raise SimulationError(
+            f"overlap_steps={overlap_steps} must be >= 0 and < inner_steps / fragments = {inner_steps}/{fragments}"
+        )
     if outer_bits not in (4, 8, 32):
         raise SimulationError(f"outer_bits={outer_bits}: use 32 (float32), 8 or 4")
     fast, slow, replicas, per_node = _levels(network)
@@ -131,6 +140,11 @@ def simulate_diloco(layers: LayerProfile, network: NetworkProfile, inner_steps: 
         elif t + 1 in arrivals:
             clock = max(clock, arrivals.pop(t + 1)) + update
     step = (starts[total_steps] - starts[inner_steps]) / (total_steps - inner_steps)
-    return DiLoCoSimResult(step, inner, outer, sent * fragments / inner_steps if replicas > 1 else 0.0,
-                           replicas, {"inner_steps": inner_steps, "fragments": fragments,
-                                      "overlap_steps": overlap_steps, "outer_bits": outer_bits})
+    return DiLoCoSimResult(
+        step,
+        inner,
+        outer,
+        sent * fragments / inner_steps if replicas > 1 else 0.0,
+        replicas,
+        {"inner_steps": inner_steps, "fragments": fragments, "overlap_steps": overlap_steps, "outer_bits": outer_bits},
+    )

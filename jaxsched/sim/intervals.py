@@ -12,6 +12,7 @@ Example:
     >>> subtract([(0.0, 4.0)], [(1.0, 2.0)])
     [(0.0, 1.0), (2.0, 4.0)]
 """
+
 from __future__ import annotations
 
 __all__ = ["Interval", "overlap", "subtract", "total", "union"]

@@ -22,12 +22,12 @@ Example:
     >>> max_load([512, 64, 64, 64, 64], (0, 1, 1, 1, 1), 2) == 512 ** 3
     True
 """
+
 from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["check_placement", "inversion_cost", "max_load", "PLACEMENTS", "plan_placement",
-           "worker_loads"]
+__all__ = ["check_placement", "inversion_cost", "max_load", "PLACEMENTS", "plan_placement", "worker_loads"]
 
 #: Placement methods, in the order docs and benchmarks list them.
 PLACEMENTS = ("balanced", "round_robin", "naive")
@@ -38,8 +38,9 @@ def inversion_cost(n: int) -> float:
     return float(n) ** 3
 
 
-def plan_placement(dims: Sequence[int], num_workers: int, method: str = "balanced",
-                   layers: Sequence[int] | None = None) -> tuple[int, ...] | None:
+def plan_placement(
+    dims: Sequence[int], num_workers: int, method: str = "balanced", layers: Sequence[int] | None = None
+) -> tuple[int, ...] | None:
     """The worker of each factor (``dims[i]`` is its size), or None for ``naive`` (every
     worker inverts everything).
 

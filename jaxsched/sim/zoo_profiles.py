@@ -14,6 +14,7 @@ Example:
     >>> prof.total_params
     25557032
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,15 @@ PUBLISHED_PARAMS = {
 }
 ZOO_MODELS = tuple(PUBLISHED_PARAMS)
 # Per-device batch (and sequence length) used unless the caller overrides them.
-DEFAULT_BATCH = {"resnet50": 64, "vgg16": 32, "densenet201": 32, "inception_v4": 64,
-                 "bert-base": 32, "bert-large": 8, "gpt2": 8}
+DEFAULT_BATCH = {
+    "resnet50": 64,
+    "vgg16": 32,
+    "densenet201": 32,
+    "inception_v4": 64,
+    "bert-base": 32,
+    "bert-large": 8,
+    "gpt2": 8,
+}
 DEFAULT_SEQ_LEN = {"bert-base": 128, "bert-large": 512, "gpt2": 1024}
 BYTES_PER_VALUE = 4  # fp32 gradients and activations
 
@@ -49,23 +57,41 @@ class ArchLayer:
     factor_dims: tuple[int, ...] = ()  # K-FAC: (input factor, output factor) of convs and linears
 
 
-def _conv(layers: list[ArchLayer], name: str, cin: int, cout: int, kernel: tuple[int, int],
-          h: int, w: int, stride: int = 1, pad: tuple[int, int] = (0, 0), bias: bool = False,
-          bn: bool = True, pre_bn: int = 0) -> tuple[int, int, int]:
+def _conv(
+    layers: list[ArchLayer],
+    name: str,
+    cin: int,
+    cout: int,
+    kernel: tuple[int, int],
+    h: int,
+    w: int,
+    stride: int = 1,
+    pad: tuple[int, int] = (0, 0),
+    bias: bool = False,
+    bn: bool = True,
+    pre_bn: int = 0,
+) -> tuple[int, int, int]:
     """Append a conv (+BN after it, or ``pre_bn`` channels of BN before it); returns C, H, W."""
     kh, kw = kernel
     ho = (h + 2 * pad[0] - kh) // stride + 1
     wo = (w + 2 * pad[1] - kw) // stride + 1
     params = kh * kw * cin * cout + (cout if bias else 0) + (2 * cout if bn else 0) + 2 * pre_bn
-    layers.append(ArchLayer(name, params, kh * kw * cin * cout * ho * wo,
-                            cin * h * w + cout * ho * wo, (kh * kw * cin + (1 if bias else 0), cout)))
+    layers.append(
+        ArchLayer(
+            name,
+            params,
+            kh * kw * cin * cout * ho * wo,
+            cin * h * w + cout * ho * wo,
+            (kh * kw * cin + (1 if bias else 0), cout),
+        )
+    )
     return cout, ho, wo
 
 
-def _linear(layers: list[ArchLayer], name: str, fin: int, fout: int, tokens: int = 1,
-            extra_params: int = 0) -> None:
-    layers.append(ArchLayer(name, fin * fout + fout + extra_params, fin * fout * tokens,
-                            (fin + fout) * tokens, (fin + 1, fout)))
+def _linear(layers: list[ArchLayer], name: str, fin: int, fout: int, tokens: int = 1, extra_params: int = 0) -> None:
+    layers.append(
+        ArchLayer(name, fin * fout + fout + extra_params, fin * fout * tokens, (fin + fout) * tokens, (fin + 1, fout))
+    )
 
 
 def resnet50() -> list[ArchLayer]:
@@ -90,8 +116,7 @@ def resnet50() -> list[ArchLayer]:
 def vgg16() -> list[ArchLayer]:
     layers: list[ArchLayer] = []
     c, h, w = 3, 224, 224
-    for i, v in enumerate([64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M",
-                           512, 512, 512, "M"]):
+    for i, v in enumerate([64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]):
         if v == "M":
             h, w = h // 2, w // 2
         else:
@@ -110,8 +135,7 @@ def densenet201(growth: int = 32, blocks: tuple[int, ...] = (6, 12, 48, 32)) -> 
         for i in range(count):
             prefix = f"denseblock{b + 1}/denselayer{i + 1}"
             _conv(layers, f"{prefix}/conv1", c, 4 * growth, (1, 1), h, w, bn=False, pre_bn=c)
-            _conv(layers, f"{prefix}/conv2", 4 * growth, growth, (3, 3), h, w, 1, (1, 1),
-                  bn=False, pre_bn=4 * growth)
+            _conv(layers, f"{prefix}/conv2", 4 * growth, growth, (3, 3), h, w, 1, (1, 1), bn=False, pre_bn=4 * growth)
             c += growth
         if b < len(blocks) - 1:
             c, h, w = _conv(layers, f"transition{b + 1}", c, c // 2, (1, 1), h, w, bn=False, pre_bn=c)
@@ -185,17 +209,23 @@ def inception_v4(num_classes: int = 1000) -> list[ArchLayer]:
     return layers
 
 
-def _transformer(prefix: str, dim: int, depth: int, seq: int, vocab: int, positions: int,
-                 token_types: int, pooler: bool) -> list[ArchLayer]:
+def _transformer(
+    prefix: str, dim: int, depth: int, seq: int, vocab: int, positions: int, token_types: int, pooler: bool
+) -> list[ArchLayer]:
     """Encoder/decoder stack: embeddings, then per block an attention and an MLP layer."""
-    layers = [ArchLayer("embeddings", (vocab + positions + token_types) * dim + (2 * dim if token_types else 0),
-                        0.0, 2 * dim * seq)]
+    layers = [
+        ArchLayer(
+            "embeddings", (vocab + positions + token_types) * dim + (2 * dim if token_types else 0), 0.0, 2 * dim * seq
+        )
+    ]
     for i in range(depth):
         attention_macs = 4 * dim * dim * seq + 2 * seq * seq * dim  # projections + QK^T, AV
-        layers.append(ArchLayer(f"{prefix}{i}/attention", 4 * dim * dim + 4 * dim + 2 * dim,
-                                attention_macs, 6 * dim * seq))
-        layers.append(ArchLayer(f"{prefix}{i}/mlp", 8 * dim * dim + 5 * dim + 2 * dim,
-                                8 * dim * dim * seq, 10 * dim * seq))
+        layers.append(
+            ArchLayer(f"{prefix}{i}/attention", 4 * dim * dim + 4 * dim + 2 * dim, attention_macs, 6 * dim * seq)
+        )
+        layers.append(
+            ArchLayer(f"{prefix}{i}/mlp", 8 * dim * dim + 5 * dim + 2 * dim, 8 * dim * dim * seq, 10 * dim * seq)
+        )
     if pooler:
         layers.append(ArchLayer("pooler", dim * dim + dim, dim * dim, 2 * dim))
     else:  # GPT-2: final LayerNorm; the tied LM head adds FLOPs, its parameters are wte's
@@ -220,17 +250,22 @@ def architecture(name: str, seq_len: int | None = None) -> list[ArchLayer]:
         return _transformer("encoder.layer", 1024, 24, seq, 30522, 512, 2, pooler=True)
     if name == "gpt2":
         return _transformer("h", 768, 12, seq, 50257, 1024, 0, pooler=False)
-    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(ZOO_MODELS)} "
-                     f"or pass a measured --profile")
+    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(ZOO_MODELS)} or pass a measured --profile")
 
 
 #: Symmetric eigendecomposition with eigenvectors: about 9 n^3 flops (Golub & Van Loan).
 EIGH_FLOPS_PER_CUBE = 9.0
 
 
-def zoo_profile(name: str, device: str | DevicePreset = "v100", batch: int | None = None,
-                seq_len: int | None = None, efficiency: float = 0.5, kfac: bool = False,
-                inverse_efficiency: float = 0.1) -> LayerProfile:
+def zoo_profile(
+    name: str,
+    device: str | DevicePreset = "v100",
+    batch: int | None = None,
+    seq_len: int | None = None,
+    efficiency: float = 0.5,
+    kfac: bool = False,
+    inverse_efficiency: float = 0.1,
+) -> LayerProfile:
     """Layer profile of a published model on a device roofline (``efficiency`` of peak).
 
     Forward: ``2 * MACs * batch`` FLOPs and ``4 * (params + batch * activations)`` bytes;
@@ -259,15 +294,24 @@ def zoo_profile(name: str, device: str | DevicePreset = "v100", batch: int | Non
             squares = sum(n * n for n in arch.factor_dims)
             second = dict(
                 factor_bytes=BYTES_PER_VALUE * squares,
-                factor_s=roofline_seconds(2 * rows * squares,
-                                          BYTES_PER_VALUE * (rows * (d_a + d_g) + squares), dev, efficiency),
+                factor_s=roofline_seconds(
+                    2 * rows * squares, BYTES_PER_VALUE * (rows * (d_a + d_g) + squares), dev, efficiency
+                ),
                 factor_dims=arch.factor_dims,
-                inverse_s=tuple(roofline_seconds(EIGH_FLOPS_PER_CUBE * n ** 3, BYTES_PER_VALUE * n * n, dev,
-                                                 inverse_efficiency) for n in arch.factor_dims))
-        layers.append(Layer(arch.name, arch.params, BYTES_PER_VALUE * arch.params, forward,
-                            backward, update, **second))
-    meta = {"model": name, "device": dev.name, "precision": dev.precision, "batch": batch,
-            "efficiency": efficiency, "source": "jaxsched.sim.zoo_profiles (roofline, not measured)"}
+                inverse_s=tuple(
+                    roofline_seconds(EIGH_FLOPS_PER_CUBE * n**3, BYTES_PER_VALUE * n * n, dev, inverse_efficiency)
+                    for n in arch.factor_dims
+                ),
+            )
+        layers.append(Layer(arch.name, arch.params, BYTES_PER_VALUE * arch.params, forward, backward, update, **second))
+    meta = {
+        "model": name,
+        "device": dev.name,
+        "precision": dev.precision,
+        "batch": batch,
+        "efficiency": efficiency,
+        "source": "jaxsched.sim.zoo_profiles (roofline, not measured)",
+    }
     if kfac:
         meta["kfac"] = {"inverse": f"{EIGH_FLOPS_PER_CUBE:g} n^3 flops", "inverse_efficiency": inverse_efficiency}
     if name in DEFAULT_SEQ_LEN:
@@ -285,5 +329,12 @@ def relative_param_error(name: str) -> float:
     return abs(sum(a.params for a in architecture(name)) - published) / published
 
 
-__all__ = ["EIGH_FLOPS_PER_CUBE", "PUBLISHED_PARAMS", "ZOO_MODELS", "architecture", "forward_gflops",
-           "relative_param_error", "zoo_profile"]
+__all__ = [
+    "EIGH_FLOPS_PER_CUBE",
+    "PUBLISHED_PARAMS",
+    "ZOO_MODELS",
+    "architecture",
+    "forward_gflops",
+    "relative_param_error",
+    "zoo_profile",
+]

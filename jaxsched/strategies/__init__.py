@@ -4,10 +4,16 @@ Adding one is one new module (a :class:`Strategy` subclass with ``name``, ``cost
 state conversions and its rewrite) plus ``@register_strategy``; see
 docs/architecture.md.
 """
-from jaxsched.strategies.base import (BucketReport, RewrittenBody, SchedState, Strategy,
-                                      UserLayoutStrategy)
-from jaxsched.strategies.registry import (STRATEGIES, make_strategy, register_strategy,
-                                          strategy_names, unregister_strategy)
+
+from jaxsched.strategies.base import BucketReport, RewrittenBody, SchedState, Strategy, UserLayoutStrategy
+from jaxsched.strategies.registry import (
+    STRATEGIES,
+    make_strategy,
+    register_strategy,
+    strategy_names,
+    unregister_strategy,
+)
+
 # Built-in strategies register themselves on import.
 from jaxsched.strategies.allreduce import AllReduce  # noqa: E402
 from jaxsched.strategies.wfbp import Wfbp  # noqa: E402
@@ -17,7 +23,24 @@ from jaxsched.strategies.kfac import KFAC  # noqa: E402
 from jaxsched.strategies.auto import Auto, AutoChoice  # noqa: E402
 from jaxsched.strategies.diloco import DiLoCo, DiLoCoState  # noqa: E402
 
-__all__ = ["AllReduce", "Approx", "Auto", "AutoChoice", "BucketReport", "Dear", "DiLoCo", "DiLoCoState", "KFAC", "RewrittenBody", "STRATEGIES",
-           "SchedState", "Strategy",
-           "UserLayoutStrategy", "Wfbp", "make_strategy", "register_strategy", "strategy_names",
-           "unregister_strategy"]
+__all__ = [
+    "AllReduce",
+    "Approx",
+    "Auto",
+    "AutoChoice",
+    "BucketReport",
+    "Dear",
+    "DiLoCo",
+    "DiLoCoState",
+    "KFAC",
+    "RewrittenBody",
+    "STRATEGIES",
+    "SchedState",
+    "Strategy",
+    "UserLayoutStrategy",
+    "Wfbp",
+    "make_strategy",
+    "register_strategy",
+    "strategy_names",
+    "unregister_strategy",
+]

@@ -10,6 +10,7 @@ Example:
     >>> AllReduce.name, AllReduce.cost.in_backward
     ('allreduce', False)
 """
+
 from __future__ import annotations
 
 import dataclasses

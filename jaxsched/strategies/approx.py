@@ -52,6 +52,7 @@ Example:
     (1, 1)
     >>> true_params, opt_state = sched.finalize(state)  # reduces and applies it
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -132,28 +133,27 @@ class Approx(Strategy):
     # means, not a global sum of different local gradients
     folds_invariant_sums = True
 
-    def __init__(self, collective: Collective | None = None, approx_method: str = "local",
-                 staleness: int = 1):
+    def __init__(self, collective: Collective | None = None, approx_method: str = "local", staleness: int = 1):
         super().__init__(collective)
         self.method = check_method(approx_method)
         self.staleness = check_staleness(staleness)
 
     def __repr__(self) -> str:
-        return (f"Approx(approx_method={self.method!r}, staleness={self.staleness}, "
-                f"collective={type(self.collective).__name__})")
+        return (
+            f"Approx(approx_method={self.method!r}, staleness={self.staleness}, "
+            f"collective={type(self.collective).__name__})"
+        )
 
     # -- buckets --------------------------------------------------------------------------
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
         return self.concatenated_gradient_buckets(planned)
 
-    def _reduce_bucket(self, planned: PlannedStep, k: int, grads: Sequence[Any], carried: list
-                       ) -> list:
+    def _reduce_bucket(self, planned: PlannedStep, k: int, grads: Sequence[Any], carried: list) -> list:
         """The psum of one bucket's gradients through the collective, per gradient."""
         if planned.axis_size == 1:  # a sum over one device is the identity
             return list(grads)
         spec = self.collective_buckets_memo(planned)[k]
-        out, carried[k] = self.collective.all_reduce_tensors(grads, planned.axis_name, spec,
-                                                             carried[k])
+        out, carried[k] = self.collective.all_reduce_tensors(grads, planned.axis_name, spec, carried[k])
         return out
 
     def collective_buckets_memo(self, planned: PlannedStep) -> list[BucketSpec]:
@@ -196,8 +196,7 @@ class Approx(Strategy):
         recomputable = {}
         for i in analysis.backward:
             eqn = body.eqns[i]
-            if eqn.primitive.name not in COLLECTIVES and all(not is_var(x) or x in pure
-                                                             for x in eqn.invars):
+            if eqn.primitive.name not in COLLECTIVES and all(not is_var(x) or x in pure for x in eqn.invars):
                 pure.update(eqn.outvars)
                 recomputable.update({o: i for o in eqn.outvars})
         wanted = {x for i in state_eqns for x in body.eqns[i].invars if is_var(x) and x in recomputable}
@@ -226,7 +225,8 @@ class Approx(Strategy):
                         "reduced gradients at the end of step t, so the update may read only "
                         "params, opt_state and the reduced gradients; compute that value from "
                         "them, fold it into the gradients before lax.pmean, or use a synchronous "
-                        "strategy (wfbp, dear, or approx with staleness=0)")
+                        "strategy (wfbp, dear, or approx with staleness=0)"
+                    )
             allowed.update(eqn.outvars)
         for position, v in enumerate(state_outvars):
             if is_var(v) and v not in allowed:
@@ -234,7 +234,8 @@ class Approx(Strategy):
                 raise UnsupportedStepError(
                     f"approx cannot delay this step's update: output {role} leaf {position} is "
                     f"{self._describe(planned, v, producer)}, not a function of params, opt_state "
-                    "and the reduced gradients; use a synchronous strategy (wfbp, dear)")
+                    "and the reduced gradients; use a synchronous strategy (wfbp, dear)"
+                )
         if self.method == "local":
             for i in state_eqns:
                 eqn = body.eqns[i]
@@ -245,7 +246,8 @@ class Approx(Strategy):
                         f"approx_method='local' replays the update on this device's own gradients "
                         f"before forward, but the update communicates ({hit.primitive.name} at "
                         f"{source_line(hit)}), which would put a collective in front of forward; "
-                        "use approx_method='stale' or 'extrapolate'")
+                        "use approx_method='stale' or 'extrapolate'"
+                    )
         return UpdateSplit(tuple(state_eqns), aux_eqns)
 
     @staticmethod
@@ -259,8 +261,15 @@ class Approx(Strategy):
                 return f"batch leaf {src.index}"
         return repr(x)
 
-    def _run_update(self, planned: PlannedStep, params: Sequence, opts: Sequence, reduced: Sequence,
-                    consts: Sequence, env: dict | None = None) -> tuple[list, list, dict]:
+    def _run_update(
+        self,
+        planned: PlannedStep,
+        params: Sequence,
+        opts: Sequence,
+        reduced: Sequence,
+        consts: Sequence,
+        env: dict | None = None,
+    ) -> tuple[list, list, dict]:
         """The state part of the update region on (params, opt_state, reduced gradients)."""
         cap, analysis = planned.captured, planned.analysis
         body = cap.body
@@ -268,10 +277,11 @@ class Approx(Strategy):
         env = {} if env is None else env
         env.update(zip(body.invars, values, strict=True))
         env.update((r.result, g) for r, g in zip(analysis.reductions, reduced, strict=True))
-        interpret((body.eqns[i] for i in self.update_split(planned).state_eqns),
-                  lambda x: read(env, x), env.__setitem__)
-        outs = [read(env, body.outvars[k]) for k in cap.outputs[:cap.num_params + cap.num_opt]]
-        return outs[:cap.num_params], outs[cap.num_params:], env
+        interpret(
+            (body.eqns[i] for i in self.update_split(planned).state_eqns), lambda x: read(env, x), env.__setitem__
+        )
+        outs = [read(env, body.outvars[k]) for k in cap.outputs[: cap.num_params + cap.num_opt]]
+        return outs[: cap.num_params], outs[cap.num_params :], env
 
     # -- state ------------------------------------------------------------------------------
     def initial_state(self, params: Any, opt_state: Any) -> ApproxState:
@@ -279,8 +289,9 @@ class Approx(Strategy):
 
     def pending_template(self, planned: PlannedStep) -> list[jax.ShapeDtypeStruct]:
         """One device's pending gradient per reduction (analysis order)."""
-        return [jax.ShapeDtypeStruct(tuple(r.operand.aval.shape), r.operand.aval.dtype)
-                for r in planned.analysis.reductions]
+        return [
+            jax.ShapeDtypeStruct(tuple(r.operand.aval.shape), r.operand.aval.dtype) for r in planned.analysis.reductions
+        ]
 
     def convert(self, planned: PlannedStep, state: NamedTuple) -> ApproxState:
         cap = planned.captured
@@ -291,18 +302,25 @@ class Approx(Strategy):
         num_pending = getattr(state, "num_pending", 0)
         if pending:
             if len(pending) != self.staleness or any(
-                    [tuple(np.shape(a)) for a in slot] != [(planned.axis_size,) + t.shape for t in template]
-                    for slot in pending):
-                raise ValueError(f"the state's pending gradients do not fit this step with "
-                                 f"staleness={self.staleness}; resume with the strategy options "
-                                 "and step the state was saved with")
+                [tuple(np.shape(a)) for a in slot] != [(planned.axis_size,) + t.shape for t in template]
+                for slot in pending
+            ):
+                raise ValueError(
+                    f"the state's pending gradients do not fit this step with "
+                    f"staleness={self.staleness}; resume with the strategy options "
+                    "and step the state was saved with"
+                )
             pending = tuple(tuple(planned.placed(a, P(planned.axis_name)) for a in slot) for slot in pending)
         elif self.staleness:
             if not abstract and int(np.asarray(num_pending)) != 0:
                 raise ValueError("the state says gradients are pending but holds none")
-            pending = tuple(tuple(planned.zeros((planned.axis_size,) + t.shape, t.dtype,
-                                                P(planned.axis_name), abstract)
-                                  for t in template) for _ in range(self.staleness))
+            pending = tuple(
+                tuple(
+                    planned.zeros((planned.axis_size,) + t.shape, t.dtype, P(planned.axis_name), abstract)
+                    for t in template
+                )
+                for _ in range(self.staleness)
+            )
         previous = ()
         if self.method == "extrapolate" and self.staleness:
             previous = jax.tree.leaves(getattr(state, "previous_params", ()))
@@ -310,13 +328,19 @@ class Approx(Strategy):
                 previous = params  # nothing applied yet: θ_{-1} = θ_0
             previous = [planned.placed(v, planned.input_spec("params", i)) for i, v in enumerate(previous)]
             previous = jax.tree.unflatten(cap.params_tree, previous)
-        num_pending = (planned.zeros((), jnp.int32, P(), abstract=True) if abstract
-                       else planned.placed(jnp.asarray(num_pending, jnp.int32), P()))
-        return ApproxState(jax.tree.unflatten(cap.params_tree, params),
-                           jax.tree.unflatten(cap.opt_tree, opts),
-                           self.collective_state(planned, getattr(state, "collective_state", None),
-                                                 abstract),
-                           pending, num_pending, previous)
+        num_pending = (
+            planned.zeros((), jnp.int32, P(), abstract=True)
+            if abstract
+            else planned.placed(jnp.asarray(num_pending, jnp.int32), P())
+        )
+        return ApproxState(
+            jax.tree.unflatten(cap.params_tree, params),
+            jax.tree.unflatten(cap.opt_tree, opts),
+            self.collective_state(planned, getattr(state, "collective_state", None), abstract),
+            pending,
+            num_pending,
+            previous,
+        )
 
     def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
         """The true parameters and optimizer state: every pending gradient reduced and applied."""
@@ -326,12 +350,17 @@ class Approx(Strategy):
         state = self.convert(planned, state)
         drain = planned.memo(("approx.drain", count), lambda: self._drain_program(planned, count))
         cap = planned.captured
-        outs = drain(*jax.tree.leaves(state.params), *jax.tree.leaves(state.opt_state),
-                     *jax.tree.leaves(state.collective_state),
-                     *[a for slot in state.pending[self.staleness - count:] for a in slot],
-                     *[planned.placed(c, s) for c, s in zip(cap.consts, planned.const_specs, strict=True)])
-        return (jax.tree.unflatten(cap.params_tree, outs[:cap.num_params]),
-                jax.tree.unflatten(cap.opt_tree, outs[cap.num_params:]))
+        outs = drain(
+            *jax.tree.leaves(state.params),
+            *jax.tree.leaves(state.opt_state),
+            *jax.tree.leaves(state.collective_state),
+            *[a for slot in state.pending[self.staleness - count :] for a in slot],
+            *[planned.placed(c, s) for c, s in zip(cap.consts, planned.const_specs, strict=True)],
+        )
+        return (
+            jax.tree.unflatten(cap.params_tree, outs[: cap.num_params]),
+            jax.tree.unflatten(cap.opt_tree, outs[cap.num_params :]),
+        )
 
     def _drain_program(self, planned: PlannedStep, count: int):
         cap = planned.captured
@@ -341,22 +370,25 @@ class Approx(Strategy):
         self.update_split(planned)  # refuse before tracing
 
         def drain(*inputs):
-            params, opts = list(inputs[:n_p]), list(inputs[n_p:n_p + n_o])
-            carried = list(self.local_collective_state(planned, inputs[n_p + n_o:n_p + n_o + n_c]))
-            flat = inputs[n_p + n_o + n_c:n_p + n_o + n_c + count * n_r]
-            consts = inputs[n_p + n_o + n_c + count * n_r:]
+            params, opts = list(inputs[:n_p]), list(inputs[n_p : n_p + n_o])
+            carried = list(self.local_collective_state(planned, inputs[n_p + n_o : n_p + n_o + n_c]))
+            flat = inputs[n_p + n_o + n_c : n_p + n_o + n_c + count * n_r]
+            consts = inputs[n_p + n_o + n_c + count * n_r :]
             for slot in range(count):
-                local = unstack_local(flat[slot * n_r:(slot + 1) * n_r])
+                local = unstack_local(flat[slot * n_r : (slot + 1) * n_r])
                 reduced = self._reduce_all(planned, local, carried)
                 params, opts, _ = self._run_update(planned, params, opts, reduced, consts)
             return tuple(params) + tuple(opts)
 
-        in_specs = (tuple(planned.input_spec("params", i) for i in range(n_p))
-                    + tuple(planned.input_spec("opt_state", j) for j in range(n_o)) + coll_specs
-                    + (P(planned.axis_name),) * (count * n_r) + planned.const_specs)
+        in_specs = (
+            tuple(planned.input_spec("params", i) for i in range(n_p))
+            + tuple(planned.input_spec("opt_state", j) for j in range(n_o))
+            + coll_specs
+            + (P(planned.axis_name),) * (count * n_r)
+            + planned.const_specs
+        )
         out_specs = tuple(planned.output_spec(k) for k in range(n_p + n_o))
-        return jax.jit(jax.shard_map(drain, mesh=planned.mesh, in_specs=in_specs, out_specs=out_specs,
-                                     check_vma=False))
+        return jax.jit(jax.shard_map(drain, mesh=planned.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
 
     # -- rewrite ----------------------------------------------------------------------------
     def rewrite(self, planned: PlannedStep) -> RewrittenBody:
@@ -369,30 +401,36 @@ class Approx(Strategy):
         param_specs = tuple(planned.input_spec("params", i) for i in range(n_p))
         opt_specs = tuple(planned.input_spec("opt_state", j) for j in range(n_o))
         pending_specs = (P(planned.axis_name),) * (k * n_r)
-        specs = (param_specs + opt_specs + coll_specs + pending_specs + (P(),) + param_specs[:n_prev])
+        specs = param_specs + opt_specs + coll_specs + pending_specs + (P(),) + param_specs[:n_prev]
         n_state = len(specs)
         if k:
             self.update_split(planned)  # refuse before tracing
 
         def body(*inputs):
             state, batch, consts = self.split_inputs(planned, inputs, n_state)
-            params, opts = state[:n_p], state[n_p:n_p + n_o]
-            carried = list(self.local_collective_state(planned, state[n_p + n_o:n_p + n_o + n_c]))
-            rest = state[n_p + n_o + n_c:]
+            params, opts = state[:n_p], state[n_p : n_p + n_o]
+            carried = list(self.local_collective_state(planned, state[n_p + n_o : n_p + n_o + n_c]))
+            rest = state[n_p + n_o + n_c :]
             if k == 0:
                 new_params, new_opts, aux = self._synchronous(planned, params, opts, batch, consts, carried)
-                return (new_params + new_opts + self.stacked_collective_leaves(tuple(carried))
-                        + [rest[0]] + aux)
-            slots = [unstack_local(rest[i * n_r:(i + 1) * n_r]) for i in range(k)]
-            num_pending, previous = rest[k * n_r], list(rest[k * n_r + 1:])
+                return new_params + new_opts + self.stacked_collective_leaves(tuple(carried)) + [rest[0]] + aux
+            slots = [unstack_local(rest[i * n_r : (i + 1) * n_r]) for i in range(k)]
+            num_pending, previous = rest[k * n_r], list(rest[k * n_r + 1 :])
             outs = self._delayed(planned, params, opts, slots, num_pending, previous, batch, consts, carried)
             new_params, new_opts, new_local, aux = outs
             arrived = num_pending >= k
             new_slots = [a for slot in slots[1:] for a in stack_local(slot)] + stack_local(new_local)
             new_count = jnp.minimum(num_pending + 1, k).astype(jnp.int32)
             new_previous = select(arrived, params, previous) if n_prev else []
-            return (list(new_params) + list(new_opts) + self.stacked_collective_leaves(tuple(carried))
-                    + new_slots + [new_count] + list(new_previous) + aux)
+            return (
+                list(new_params)
+                + list(new_opts)
+                + self.stacked_collective_leaves(tuple(carried))
+                + new_slots
+                + [new_count]
+                + list(new_previous)
+                + aux
+            )
 
         return RewrittenBody(body, specs, specs, [], False)
 
@@ -404,8 +442,7 @@ class Approx(Strategy):
 
         def emit(bucket) -> None:
             k = planned.buckets.index(bucket)
-            sums = self._reduce_bucket(planned, k, [read(env, reds[j].operand) for j in bucket.reductions],
-                                       carried)
+            sums = self._reduce_bucket(planned, k, [read(env, reds[j].operand) for j in bucket.reductions], carried)
             for j, s in zip(bucket.reductions, sums):
                 env[reds[j].result] = s
 
@@ -413,7 +450,7 @@ class Approx(Strategy):
         interpret((body.eqns[i] for i in analysis.update), lambda x: read(env, x), env.__setitem__)
         outs = [read(env, body.outvars[i]) for i in cap.outputs]
         n_p, n_o = cap.num_params, cap.num_opt
-        return outs[:n_p], outs[n_p:n_p + n_o], outs[n_p + n_o:]
+        return outs[:n_p], outs[n_p : n_p + n_o], outs[n_p + n_o :]
 
     def _delayed(self, planned, params, opts, slots, num_pending, previous, batch, consts, carried):
         cap, analysis = planned.captured, planned.analysis
@@ -428,14 +465,16 @@ class Approx(Strategy):
             p, s, _ = self._run_update(planned, p, s, [g * size for g in grads], consts)
             return p, s
 
-        approx = approximated_point(self.method, self.staleness, list(params), list(opts),
-                                    list(previous), slots, num_pending, local_step)
+        approx = approximated_point(
+            self.method, self.staleness, list(params), list(opts), list(previous), slots, num_pending, local_step
+        )
 
         # 3. forward and backward at θ̃ on this step's batch; nothing reads `reduced`
         env = dict(zip(body.invars, planned.body_arguments(approx, opts, batch, consts), strict=True))
         interpret((body.eqns[i] for i in analysis.backward), lambda x: read(env, x), env.__setitem__)
-        new_local = [jnp.broadcast_to(read(env, r.operand), r.operand.aval.shape).astype(r.operand.aval.dtype)
-                     for r in reds]
+        new_local = [
+            jnp.broadcast_to(read(env, r.operand), r.operand.aval.shape).astype(r.operand.aval.dtype) for r in reds
+        ]
 
         # 4. the update on the true parameters with ḡ_{t-k}; metrics from this step's forward.
         # Until k gradients have arrived it runs on zeros and is discarded. A select, not a
@@ -447,9 +486,8 @@ class Approx(Strategy):
         for v in body.invars:
             update_env.pop(v, None)
         env.update(update_env)
-        interpret((body.eqns[i] for i in self.update_split(planned).aux_eqns),
-                  lambda x: read(env, x), env.__setitem__)
-        aux = [read(env, body.outvars[i]) for i in cap.outputs[cap.num_params + cap.num_opt:]]
+        interpret((body.eqns[i] for i in self.update_split(planned).aux_eqns), lambda x: read(env, x), env.__setitem__)
+        aux = [read(env, body.outvars[i]) for i in cap.outputs[cap.num_params + cap.num_opt :]]
         return new_params, new_opts, new_local, aux
 
 

@@ -43,6 +43,7 @@ Example:
     >>> params.true    # g_0 and g_1 applied, both computed at θ_0 (θ̃_1 = θ_0); g_2 pending
     Array([ 0.6, -1.2], dtype=float32)
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple, Sequence
@@ -102,26 +103,29 @@ def check_transformation(tx: Any, where: str) -> None:
         return
     hint = ""
     if callable(tx):
-        hint = (f" ({getattr(tx, '__name__', type(tx).__name__)} is a function: did you pass "
-                "optax.sgd instead of optax.sgd(learning_rate)?)")
-    raise TypeError(f"{where} needs an optax.GradientTransformation such as optax.sgd(0.1), "
-                    f"got {type(tx).__name__}{hint}")
+        hint = (
+            f" ({getattr(tx, '__name__', type(tx).__name__)} is a function: did you pass "
+            "optax.sgd instead of optax.sgd(learning_rate)?)"
+        )
+    raise TypeError(
+        f"{where} needs an optax.GradientTransformation such as optax.sgd(0.1), got {type(tx).__name__}{hint}"
+    )
 
 
 def check_method(method: Any) -> str:
     if method not in METHODS:
-        raise ValueError(f"approximation method {method!r} is unknown; choose one of "
-                         f"{', '.join(map(repr, METHODS))}")
+        raise ValueError(f"approximation method {method!r} is unknown; choose one of {', '.join(map(repr, METHODS))}")
     return method
 
 
 def check_staleness(staleness: Any) -> int:
     if isinstance(staleness, bool) or not isinstance(staleness, int):
-        raise TypeError(f"staleness must be an int (the number of steps a gradient may lag), "
-                        f"got {type(staleness).__name__} {staleness!r}")
+        raise TypeError(
+            f"staleness must be an int (the number of steps a gradient may lag), "
+            f"got {type(staleness).__name__} {staleness!r}"
+        )
     if staleness < 0:
-        raise ValueError(f"staleness={staleness} is negative; use 0 (synchronous) or more "
-                         "steps of delay")
+        raise ValueError(f"staleness={staleness} is negative; use 0 (synchronous) or more steps of delay")
     return staleness
 
 
@@ -137,9 +141,16 @@ def slot_holds_gradient(slot: int, staleness: int, num_pending: jax.Array) -> ja
     return slot >= staleness - num_pending
 
 
-def approximated_point(method: str, staleness: int, true_params: Any, inner_state: Any,
-                       previous_true: Any, pending: Sequence[Any], num_pending: jax.Array,
-                       local_step: LocalStep) -> Any:
+def approximated_point(
+    method: str,
+    staleness: int,
+    true_params: Any,
+    inner_state: Any,
+    previous_true: Any,
+    pending: Sequence[Any],
+    num_pending: jax.Array,
+    local_step: LocalStep,
+) -> Any:
     """``θ̃``: where the next gradient is computed, given the true parameters ``θ_{t-k}``.
 
     Shared by :func:`approximate` and the ``approx`` strategy, which pass their own
@@ -148,13 +159,13 @@ def approximated_point(method: str, staleness: int, true_params: Any, inner_stat
     if staleness == 0 or method == "stale":
         return true_params
     if method == "extrapolate":
-        return jax.tree.map(lambda p, q: (p + staleness * (p - q)).astype(jnp.result_type(p)),
-                            true_params, previous_true)
+        return jax.tree.map(
+            lambda p, q: (p + staleness * (p - q)).astype(jnp.result_type(p)), true_params, previous_true
+        )
     params, state = true_params, inner_state
     for slot, grads in enumerate(pending):
         holds = slot_holds_gradient(slot, staleness, num_pending)
-        params, state = gated(holds, lambda p, s, g=grads: local_step(p, s, g),
-                              lambda p, s: (p, s), params, state)
+        params, state = gated(holds, lambda p, s, g=grads: local_step(p, s, g), lambda p, s: (p, s), params, state)
     return params
 
 
@@ -166,6 +177,7 @@ def gated(condition: jax.Array, compute: Callable, otherwise: Callable, *operand
     would cost a pass over the parameters and the optimizer state on every step.
     Results keep the dtypes of ``otherwise``'s.
     """
+
     def matched(*args):
         like = jax.eval_shape(otherwise, *args)
         return jax.tree.map(lambda n, o: jnp.asarray(n).astype(o.dtype), compute(*args), like)
@@ -173,8 +185,9 @@ def gated(condition: jax.Array, compute: Callable, otherwise: Callable, *operand
     return lax.cond(condition, matched, otherwise, *operands)
 
 
-def approximate(tx: optax.GradientTransformation, method: str = "local",
-                staleness: int = 1) -> optax.GradientTransformationExtraArgs:
+def approximate(
+    tx: optax.GradientTransformation, method: str = "local", staleness: int = 1
+) -> optax.GradientTransformationExtraArgs:
     """Apply each gradient ``staleness`` steps late and compute gradients at ``θ̃``.
 
     Args:
@@ -201,11 +214,14 @@ def approximate(tx: optax.GradientTransformation, method: str = "local",
         previous = true if method == "extrapolate" and staleness else ()
         return ApproximateState(inner.init(true), zeros, jnp.zeros((), jnp.int32), previous)
 
-    def update_fn(updates: optax.Updates, state: ApproximateState, params: Any = None,
-                  **extra_args: Any) -> tuple[ApproxParams, ApproximateState]:
+    def update_fn(
+        updates: optax.Updates, state: ApproximateState, params: Any = None, **extra_args: Any
+    ) -> tuple[ApproxParams, ApproximateState]:
         if not isinstance(params, ApproxParams):
-            raise TypeError("approximate(...).update needs params=ApproxParams(true=..., approx=...) "
-                            f"(see ApproxParams.init_synced), got {type(params).__name__}")
+            raise TypeError(
+                "approximate(...).update needs params=ApproxParams(true=..., approx=...) "
+                f"(see ApproxParams.init_synced), got {type(params).__name__}"
+            )
         extra_args.setdefault("staleness", staleness)
         if staleness == 0:
             step, inner_state = inner.update(updates, state.inner_state, params.true, **extra_args)
@@ -217,19 +233,16 @@ def approximate(tx: optax.GradientTransformation, method: str = "local",
         step = jax.tree.map(lambda u: jnp.where(arrived, u, jnp.zeros_like(u)), step)
         inner_state = select(arrived, inner_state, state.inner_state)
         true = optax.apply_updates(params.true, step)
-        previous = (select(arrived, params.true, state.previous_true) if method == "extrapolate"
-                    else ())
+        previous = select(arrived, params.true, state.previous_true) if method == "extrapolate" else ()
         num_pending = jnp.minimum(state.num_pending + 1, staleness).astype(jnp.int32)
 
         def local_step(p, s, g):
             u, s = inner.update(g, s, p, **extra_args)
             return optax.apply_updates(p, u), s
 
-        approx = approximated_point(method, staleness, true, inner_state, previous, queue[1:],
-                                    num_pending, local_step)
+        approx = approximated_point(method, staleness, true, inner_state, previous, queue[1:], num_pending, local_step)
         approx_step = jax.tree.map(lambda new, old: new - old, approx, params.approx)
-        return (ApproxParams(step, approx_step),
-                ApproximateState(inner_state, queue[1:], num_pending, previous))
+        return (ApproxParams(step, approx_step), ApproximateState(inner_state, queue[1:], num_pending, previous))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -250,7 +263,10 @@ def _constant(tau: jax.Array) -> jax.Array:
 #: Named rules ``τ -> step scale``. ``inverse`` is Zhang et al. (2016); ``inverse_sqrt`` a
 #: milder variant; ``constant`` switches the rule off (for ablations).
 STALENESS_RULES: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "inverse": _inverse, "inverse_sqrt": _inverse_sqrt, "constant": _constant}
+    "inverse": _inverse,
+    "inverse_sqrt": _inverse_sqrt,
+    "constant": _constant,
+}
 
 
 class StalenessAwareState(NamedTuple):
@@ -263,9 +279,11 @@ class StalenessAwareState(NamedTuple):
     inner_state: optax.OptState
 
 
-def staleness_aware(tx: optax.GradientTransformation,
-                    rule: str | Callable[[jax.Array], jax.Array] = "inverse",
-                    staleness: int | None = None) -> optax.GradientTransformationExtraArgs:
+def staleness_aware(
+    tx: optax.GradientTransformation,
+    rule: str | Callable[[jax.Array], jax.Array] = "inverse",
+    staleness: int | None = None,
+) -> optax.GradientTransformationExtraArgs:
     """Scale ``tx``'s updates by ``rule(τ)``, ``τ`` the staleness of the gradient applied.
 
     Args:
@@ -286,8 +304,10 @@ def staleness_aware(tx: optax.GradientTransformation,
     check_transformation(tx, "staleness_aware()")
     if isinstance(rule, str):
         if rule not in STALENESS_RULES:
-            raise ValueError(f"staleness rule {rule!r} is unknown; choose one of "
-                             f"{', '.join(map(repr, STALENESS_RULES))} or pass a function tau -> scale")
+            raise ValueError(
+                f"staleness rule {rule!r} is unknown; choose one of "
+                f"{', '.join(map(repr, STALENESS_RULES))} or pass a function tau -> scale"
+            )
         rule_fn = STALENESS_RULES[rule]
     elif callable(rule):
         rule_fn = rule
@@ -299,14 +319,17 @@ def staleness_aware(tx: optax.GradientTransformation,
     def init_fn(params: Any) -> StalenessAwareState:
         return StalenessAwareState(inner.init(params))
 
-    def update_fn(updates: optax.Updates, state: StalenessAwareState, params: Any = None,
-                  **extra_args: Any) -> tuple[optax.Updates, StalenessAwareState]:
+    def update_fn(
+        updates: optax.Updates, state: StalenessAwareState, params: Any = None, **extra_args: Any
+    ) -> tuple[optax.Updates, StalenessAwareState]:
         tau = extra_args.get("staleness")
         tau = default if tau is None else tau
         if tau is None:
-            raise ValueError("staleness_aware() does not know the staleness of this gradient: "
-                             "construct it with staleness=k, pass update(..., staleness=k), or "
-                             "wrap it in approximate(...), which passes its own")
+            raise ValueError(
+                "staleness_aware() does not know the staleness of this gradient: "
+                "construct it with staleness=k, pass update(..., staleness=k), or "
+                "wrap it in approximate(...), which passes its own"
+            )
         scale = rule_fn(jnp.asarray(tau))
         updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
         updates = jax.tree.map(lambda u: (u * scale).astype(jnp.result_type(u)), updates)
@@ -315,5 +338,13 @@ def staleness_aware(tx: optax.GradientTransformation,
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-__all__ = ["ApproxParams", "ApproximateState", "METHODS", "STALENESS_RULES", "StalenessAwareState",
-           "approximate", "approximated_point", "staleness_aware"]
+__all__ = [
+    "ApproxParams",
+    "ApproximateState",
+    "METHODS",
+    "STALENESS_RULES",
+    "StalenessAwareState",
+    "approximate",
+    "approximated_point",
+    "staleness_aware",
+]

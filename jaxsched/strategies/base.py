@@ -16,6 +16,7 @@ Example:
     >>> state.collective_state
     ()
 """
+
 from __future__ import annotations
 
 import abc
@@ -28,13 +29,20 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxsched.runtime.collectives.base import (BucketSpec, Collective, stack_local, stacked_zeros,
-                                       unstack_local)
+from jaxsched.runtime.collectives.base import BucketSpec, Collective, stack_local, stacked_zeros, unstack_local
 from jaxsched.sim.costmodel import CommPattern
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
 
-__all__ = ["ScheduledState", "BucketReport", "check_leaf_counts", "placed_user_layout", "RewrittenBody", "SchedState",
-           "Strategy", "UserLayoutStrategy"]
+__all__ = [
+    "ScheduledState",
+    "BucketReport",
+    "check_leaf_counts",
+    "placed_user_layout",
+    "RewrittenBody",
+    "SchedState",
+    "Strategy",
+    "UserLayoutStrategy",
+]
 
 
 class ScheduledState(Protocol):
@@ -145,11 +153,14 @@ class Strategy(abc.ABC):
 
     def __init__(self, collective: Collective | None = None):
         if collective is not None and not self.accepts_collective:
-            raise ValueError(f"strategy {self.name!r} issues no bucket collectives, so it cannot "
-                             f"carry {type(collective).__name__}; use wfbp or dear")
+            raise ValueError(
+                f"strategy {self.name!r} issues no bucket collectives, so it cannot "
+                f"carry {type(collective).__name__}; use wfbp or dear"
+            )
         if collective is not None and not isinstance(collective, Collective):
-            raise TypeError(f"collective must be a jaxsched.runtime.collectives.Collective, got "
-                            f"{type(collective).__name__}")
+            raise TypeError(
+                f"collective must be a jaxsched.runtime.collectives.Collective, got {type(collective).__name__}"
+            )
         self.collective = collective if collective is not None else Collective()
         #: whether the collective is jaxsched's choice (then :meth:`for_mesh` may pick a
         #: hierarchical one), not the user's
@@ -182,17 +193,22 @@ class Strategy(abc.ABC):
     def finalize_untraced(self, state: ScheduledState) -> tuple[Any, Any]:
         """``finalize`` before any step was traced in this process: only a state still in
         the user's layout can be returned; anything carried would be lost, so refuse."""
-        def holds_something(tree: Any) -> bool:
-            return any(np.size(x) > 1 or bool(np.any(np.asarray(x) != 0))
-                       for x in jax.tree.leaves(tree))
 
-        carried = [f for f in getattr(state, "_fields", ()) if f not in ("params", "opt_state")
-                   and holds_something(getattr(state, f))]
+        def holds_something(tree: Any) -> bool:
+            return any(np.size(x) > 1 or bool(np.any(np.asarray(x) != 0)) for x in jax.tree.leaves(tree))
+
+        carried = [
+            f
+            for f in getattr(state, "_fields", ())
+            if f not in ("params", "opt_state") and holds_something(getattr(state, f))
+        ]
         if carried:
-            raise ValueError(f"this {self.name!r} state carries {', '.join(carried)} but no step "
-                             "has been traced in this process, so it cannot be drained; call "
-                             "sched.init(params, opt_state, example_batch) (the checkpoint restore "
-                             "target) or one step first")
+            raise ValueError(
+                f"this {self.name!r} state carries {', '.join(carried)} but no step "
+                "has been traced in this process, so it cannot be drained; call "
+                "sched.init(params, opt_state, example_batch) (the checkpoint restore "
+                "target) or one step first"
+            )
         return state.params, state.opt_state
 
     @abc.abstractmethod
@@ -209,13 +225,29 @@ class Strategy(abc.ABC):
         """The scheduled per-device body."""
 
     # -- helpers for subclasses ---------------------------------------------------------
-    def bucket_specs(self, planned: PlannedStep, sizes: Sequence[int], dtypes: Sequence,
-                     shapes: Sequence[tuple] | None = None, interleaved: bool = False,
-                     op: str = "all_reduce") -> list[BucketSpec]:
+    def bucket_specs(
+        self,
+        planned: PlannedStep,
+        sizes: Sequence[int],
+        dtypes: Sequence,
+        shapes: Sequence[tuple] | None = None,
+        interleaved: bool = False,
+        op: str = "all_reduce",
+    ) -> list[BucketSpec]:
         shapes = shapes if shapes is not None else [()] * len(sizes)
-        return [BucketSpec(k, int(n), np.dtype(d), planned.axis_size, tuple(map(tuple, s)), interleaved,
-                           form=planned.collective_form(op), mesh_axes=planned.data_mesh_axes)
-                for k, (n, d, s) in enumerate(zip(sizes, dtypes, shapes, strict=True))]
+        return [
+            BucketSpec(
+                k,
+                int(n),
+                np.dtype(d),
+                planned.axis_size,
+                tuple(map(tuple, s)),
+                interleaved,
+                form=planned.collective_form(op),
+                mesh_axes=planned.data_mesh_axes,
+            )
+            for k, (n, d, s) in enumerate(zip(sizes, dtypes, shapes, strict=True))
+        ]
 
     def concatenated_gradient_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
         """Each bucket as its gradients flattened and concatenated (one dtype per bucket)."""
@@ -230,8 +262,7 @@ class Strategy(abc.ABC):
 
     def collective_template(self, planned: PlannedStep) -> tuple:
         """One device's carried collective state for each bucket of ``planned``."""
-        return planned.memo("collective.template",
-                            lambda: self.collective.init(self.collective_buckets(planned)))
+        return planned.memo("collective.template", lambda: self.collective.init(self.collective_buckets(planned)))
 
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
         """What the collective is told of each bucket; strategies that bucket override it."""
@@ -247,17 +278,22 @@ class Strategy(abc.ABC):
         if current is None or not jax.tree.leaves(current):
             if abstract:
                 return jax.tree.map(
-                    lambda a: planned.zeros((planned.axis_size,) + tuple(np.shape(a)),
-                                            jax.numpy.result_type(a), spec, abstract=True), template)
+                    lambda a: planned.zeros(
+                        (planned.axis_size,) + tuple(np.shape(a)), jax.numpy.result_type(a), spec, abstract=True
+                    ),
+                    template,
+                )
             current = stacked_zeros(template, planned.axis_size)
         return jax.tree.map(lambda leaf: planned.placed(leaf, spec), current)
 
-    def split_inputs(self, planned: PlannedStep, inputs: Sequence[Any], num_state: int
-                     ) -> tuple[list, list, list]:
+    def split_inputs(self, planned: PlannedStep, inputs: Sequence[Any], num_state: int) -> tuple[list, list, list]:
         """A body's flat inputs as (state leaves, batch leaves, consts)."""
         n_batch = planned.captured.num_batch
-        return (list(inputs[:num_state]), list(inputs[num_state:num_state + n_batch]),
-                list(inputs[num_state + n_batch:]))
+        return (
+            list(inputs[:num_state]),
+            list(inputs[num_state : num_state + n_batch]),
+            list(inputs[num_state + n_batch :]),
+        )
 
     def local_collective_state(self, planned: PlannedStep, leaves: Sequence[Any]) -> Any:
         """Inside the body: this device's collective state, as the collective's tree."""
@@ -284,16 +320,15 @@ class UserLayoutStrategy(Strategy):
 
     def convert(self, planned: PlannedStep, state: ScheduledState) -> SchedState:
         params, opts = placed_user_layout(planned, state)
-        return SchedState(params, opts,
-                          self.collective_state(planned, getattr(state, "collective_state", None),
-                                                is_abstract(state)))
+        return SchedState(
+            params, opts, self.collective_state(planned, getattr(state, "collective_state", None), is_abstract(state))
+        )
 
     def finalize(self, planned: PlannedStep, state: ScheduledState) -> tuple[Any, Any]:
         return state.params, state.opt_state
 
     @abc.abstractmethod
-    def per_device(self, planned: PlannedStep, values: list, collective_state: Any
-                   ) -> tuple[list, Any]:
+    def per_device(self, planned: PlannedStep, values: list, collective_state: Any) -> tuple[list, Any]:
         """Values of the user's body invars -> values of its outvars, new collective state."""
 
     def rewrite(self, planned: PlannedStep) -> RewrittenBody:
@@ -304,18 +339,19 @@ class UserLayoutStrategy(Strategy):
 
         def body(*inputs):
             state, batch, consts = self.split_inputs(planned, inputs, n_state)
-            values = planned.body_arguments(state[:n_p], state[n_p:n_p + n_o], batch, consts)
-            carried = self.local_collective_state(planned, state[n_p + n_o:])
+            values = planned.body_arguments(state[:n_p], state[n_p : n_p + n_o], batch, consts)
+            carried = self.local_collective_state(planned, state[n_p + n_o :])
             outs, carried = self.per_device(planned, values, carried)
             results = [outs[k] for k in cap.outputs]
-            return (results[:n_p + n_o] + self.stacked_collective_leaves(carried)
-                    + results[n_p + n_o:])
+            return results[: n_p + n_o] + self.stacked_collective_leaves(carried) + results[n_p + n_o :]
 
-        in_specs = (tuple(planned.input_spec("params", i) for i in range(n_p))
-                    + tuple(planned.input_spec("opt_state", j) for j in range(n_o)) + coll_specs)
+        in_specs = (
+            tuple(planned.input_spec("params", i) for i in range(n_p))
+            + tuple(planned.input_spec("opt_state", j) for j in range(n_o))
+            + coll_specs
+        )
         out_specs = tuple(planned.output_spec(k) for k in range(n_p + n_o)) + coll_specs
-        return RewrittenBody(body, in_specs, out_specs, [], self.check_vma(planned),
-                             self.compiler_defaults)
+        return RewrittenBody(body, in_specs, out_specs, [], self.check_vma(planned), self.compiler_defaults)
 
     def check_vma(self, planned: PlannedStep) -> bool:
         return False
@@ -335,6 +371,8 @@ def placed_user_layout(planned: PlannedStep, state: ScheduledState) -> tuple[Any
 def check_leaf_counts(planned: PlannedStep, params: Sequence, opts: Sequence) -> None:
     cap = planned.captured
     if len(params) != cap.num_params or len(opts) != cap.num_opt:
-        raise ValueError("the state does not match the step it was traced with: "
-                         f"{len(params)} params / {len(opts)} opt_state leaves, expected "
-                         f"{cap.num_params} / {cap.num_opt}")
+        raise ValueError(
+            "the state does not match the step it was traced with: "
+            f"{len(params)} params / {len(opts)} opt_state leaves, expected "
+            f"{cap.num_params} / {cap.num_opt}"
+        )

@@ -20,6 +20,7 @@ Example:
     >>> Dear.cost.collectives()
     ('reduce_scatter', 'all_gather')
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,7 @@ from jaxsched.plan.planned_step import PlannedStep, is_abstract
 from jaxsched.core.replay import interpret, read
 from jaxsched.core.rewrite.backward import walk_backward
 from jaxsched.core.rewrite.rules import Shard, ShardContext, apply_rule
-from jaxsched.strategies.base import (BucketReport, RewrittenBody, SchedState, Strategy,
-                                      check_leaf_counts)
+from jaxsched.strategies.base import BucketReport, RewrittenBody, SchedState, Strategy, check_leaf_counts
 from jaxsched.strategies.registry import register_strategy
 
 __all__ = ["Dear", "DearLayout"]
@@ -85,8 +85,12 @@ class Dear(Strategy):
         def shardable(role: str, index: int, position: int) -> bool:
             aval = planned.body_invar(role, index).aval
             replicated = cap.kind == "pmap" or all(d is None for d in planned.input_spec(role, index))
-            return (replicated and is_float(aval.dtype) and math.prod(aval.shape) > 1
-                    and position not in analysis.per_device_outputs)
+            return (
+                replicated
+                and is_float(aval.dtype)
+                and math.prod(aval.shape) > 1
+                and position not in analysis.per_device_outputs
+            )
 
         bucketed = {i for b in planned.buckets for i in b.params}
         param_sharded = [i in bucketed and shardable("params", i, i) for i in range(cap.num_params)]
@@ -94,33 +98,51 @@ class Dear(Strategy):
         # it; smaller statistics (adafactor's factored rows and columns) stay whole, so
         # that broadcasting them against a gradient is a local slice, not a gather
         mirrored = _mirrored_params(cap.params_tree, cap.opt_tree)
-        opt_sharded = [shardable("opt_state", j, cap.num_params + j)
-                       and (j not in mirrored or planned.body_invar("opt_state", j).aval.shape
-                            == planned.body_invar("params", mirrored[j]).aval.shape)
-                       for j in range(cap.num_opt)]
+        opt_sharded = [
+            shardable("opt_state", j, cap.num_params + j)
+            and (
+                j not in mirrored
+                or planned.body_invar("opt_state", j).aval.shape == planned.body_invar("params", mirrored[j]).aval.shape
+            )
+            for j in range(cap.num_opt)
+        ]
         p_layouts, gathered, g_layouts = [], [], []
         for b in planned.buckets:
             members = [i for i in b.params if param_sharded[i]]
             avals = [planned.body_invar("params", i).aval for i in members]
             gathered.append(members)
-            p_layouts.append(layout.BucketLayout.of([a.shape for a in avals], [a.dtype for a in avals],
-                                                    size) if avals else None)
+            p_layouts.append(
+                layout.BucketLayout.of([a.shape for a in avals], [a.dtype for a in avals], size) if avals else None
+            )
             ops = [reds[j].operand.aval for j in b.reductions]
-            g_layouts.append(layout.BucketLayout.of([a.shape for a in ops], [a.dtype for a in ops], size)
-                             if ops else None)
+            g_layouts.append(
+                layout.BucketLayout.of([a.shape for a in ops], [a.dtype for a in ops], size) if ops else None
+            )
         return DearLayout(p_layouts, gathered, g_layouts, param_sharded, opt_sharded)
 
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
         lay = self.layout(planned)
         return self.bucket_specs(
-            planned, [g.shard_size * planned.axis_size if g else 0 for g in lay.grads],
+            planned,
+            [g.shard_size * planned.axis_size if g else 0 for g in lay.grads],
             [g.dtype if g else np.float32 for g in lay.grads],
-            [g.shapes if g else () for g in lay.grads], interleaved=True, op="reduce_scatter")
+            [g.shapes if g else () for g in lay.grads],
+            interleaved=True,
+            op="reduce_scatter",
+        )
 
     def _gather_spec(self, planned: PlannedStep, k: int, p_layout) -> BucketSpec:
-        return BucketSpec(k, p_layout.shard_size * planned.axis_size, p_layout.dtype, planned.axis_size,
-                          p_layout.shapes, interleaved=True, kind="parameters",
-                          form=planned.collective_form("all_gather"), mesh_axes=planned.data_mesh_axes)
+        return BucketSpec(
+            k,
+            p_layout.shard_size * planned.axis_size,
+            p_layout.dtype,
+            planned.axis_size,
+            p_layout.shapes,
+            interleaved=True,
+            kind="parameters",
+            form=planned.collective_form("all_gather"),
+            mesh_axes=planned.data_mesh_axes,
+        )
 
     # -- conversions ----------------------------------------------------------------------
     def convert(self, planned: PlannedStep, state: NamedTuple) -> SchedState:
@@ -129,31 +151,54 @@ class Dear(Strategy):
         check_leaf_counts(planned, params, opts)
         lay = self.layout(planned)
         opt_sharded = lay.opt_sharded
-        params = [self._sharded(planned, leaf, planned.body_invar("params", i).aval,
-                                f"params/{planned.paths[i]}", planned.device_stacked("params", i))
-                  if lay.param_sharded[i]
-                  else planned.placed(leaf, planned.input_spec("params", i))
-                  for i, leaf in enumerate(params)]
-        opts = [self._sharded(planned, leaf, planned.body_invar("opt_state", j).aval, f"opt_state[{j}]",
-                              planned.device_stacked("opt_state", j))
-                if opt_sharded[j] else planned.placed(leaf, planned.input_spec("opt_state", j))
-                for j, leaf in enumerate(opts)]
-        return SchedState(jax.tree.unflatten(cap.params_tree, params),
-                          jax.tree.unflatten(cap.opt_tree, opts),
-                          self.collective_state(planned, getattr(state, "collective_state", None),
-                                                is_abstract(state)))
+        params = [
+            self._sharded(
+                planned,
+                leaf,
+                planned.body_invar("params", i).aval,
+                f"params/{planned.paths[i]}",
+                planned.device_stacked("params", i),
+            )
+            if lay.param_sharded[i]
+            else planned.placed(leaf, planned.input_spec("params", i))
+            for i, leaf in enumerate(params)
+        ]
+        opts = [
+            self._sharded(
+                planned,
+                leaf,
+                planned.body_invar("opt_state", j).aval,
+                f"opt_state[{j}]",
+                planned.device_stacked("opt_state", j),
+            )
+            if opt_sharded[j]
+            else planned.placed(leaf, planned.input_spec("opt_state", j))
+            for j, leaf in enumerate(opts)
+        ]
+        return SchedState(
+            jax.tree.unflatten(cap.params_tree, params),
+            jax.tree.unflatten(cap.opt_tree, opts),
+            self.collective_state(planned, getattr(state, "collective_state", None), is_abstract(state)),
+        )
 
     def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
         cap = planned.captured
         lay = self.layout(planned)
         opt_sharded = lay.opt_sharded
-        params = [self._unsharded(planned, leaf, planned.body_invar("params", i).aval,
-                                  planned.device_stacked("params", i))
-                  if lay.param_sharded[i] else leaf
-                  for i, leaf in enumerate(jax.tree.leaves(state.params))]
-        opts = [self._unsharded(planned, leaf, planned.body_invar("opt_state", j).aval,
-                                planned.device_stacked("opt_state", j))
-                if opt_sharded[j] else leaf for j, leaf in enumerate(jax.tree.leaves(state.opt_state))]
+        params = [
+            self._unsharded(planned, leaf, planned.body_invar("params", i).aval, planned.device_stacked("params", i))
+            if lay.param_sharded[i]
+            else leaf
+            for i, leaf in enumerate(jax.tree.leaves(state.params))
+        ]
+        opts = [
+            self._unsharded(
+                planned, leaf, planned.body_invar("opt_state", j).aval, planned.device_stacked("opt_state", j)
+            )
+            if opt_sharded[j]
+            else leaf
+            for j, leaf in enumerate(jax.tree.leaves(state.opt_state))
+        ]
         return jax.tree.unflatten(cap.params_tree, params), jax.tree.unflatten(cap.opt_tree, opts)
 
     @staticmethod
@@ -167,24 +212,26 @@ class Dear(Strategy):
             return leaf
         if isinstance(leaf, jax.ShapeDtypeStruct):  # ahead of time: the layout, no data
             return jax.ShapeDtypeStruct((flat_len,), leaf.dtype, sharding=sharding)
-        expected = ((len(planned.mesh.devices.flat),) + tuple(block.shape[1:])
-                    if stacked else tuple(block.shape))
+        expected = (len(planned.mesh.devices.flat),) + tuple(block.shape[1:]) if stacked else tuple(block.shape)
         shape = tuple(np.shape(leaf))
         if shape != expected and shape != (flat_len,):
-            raise ValueError(f"state leaf {name} has shape {shape}; expected the user's "
-                             f"{expected} or the scheduled ({flat_len},)")
+            raise ValueError(
+                f"state leaf {name} has shape {shape}; expected the user's {expected} or the scheduled ({flat_len},)"
+            )
         if shape == expected:
             user = np.asarray(leaf)
-            flat = layout.host_chunks((user[:1] if stacked else user).reshape(block.shape),
-                                      planned.axis_size)
+            flat = layout.host_chunks((user[:1] if stacked else user).reshape(block.shape), planned.axis_size)
         else:
             flat = np.asarray(leaf)
         return jax.device_put(flat, sharding)
 
     def _unsharded(self, planned: PlannedStep, leaf: Any, block, stacked: bool) -> Any:
         sharding = NamedSharding(planned.mesh, P(planned.axis_name))
-        if not (isinstance(leaf, jax.Array) and leaf.shape == (self._flat_len(planned, block),)
-                and leaf.sharding == sharding):
+        if not (
+            isinstance(leaf, jax.Array)
+            and leaf.shape == (self._flat_len(planned, block),)
+            and leaf.sharding == sharding
+        ):
             return leaf  # still in the user's layout (no step has run yet)
         full = _host_value(leaf)[: math.prod(block.shape)].reshape(block.shape)
         if stacked:
@@ -208,11 +255,14 @@ class Dear(Strategy):
 
         def scheduled_body(*inputs):
             state, batch, consts = self.split_inputs(planned, inputs, n_state)
-            param_chunks, opt_values = state[:n_p], state[n_p:n_p + n_o]
-            carried = list(self.local_collective_state(planned, state[n_p + n_o:]))
+            param_chunks, opt_values = state[:n_p], state[n_p : n_p + n_o]
+            carried = list(self.local_collective_state(planned, state[n_p + n_o :]))
             values = planned.body_arguments([None] * n_p, [None] * n_o, batch, consts)
-            env: dict[Any, Any] = {v: x for v, src, x in zip(body.invars, cap.sources, values, strict=True)
-                                   if src.role in ("batch", "const")}
+            env: dict[Any, Any] = {
+                v: x
+                for v, src, x in zip(body.invars, cap.sources, values, strict=True)
+                if src.role in ("batch", "const")
+            }
             post: dict[Any, Any] = {}
 
             # Parameters: shards for the update, lazily all-gathered for forward.
@@ -230,10 +280,14 @@ class Dear(Strategy):
                             env[param_invar[i]] = param_chunks[i].reshape(param_invar[i].aval.shape)
                         return
                     leaves, carried[k] = self.collective.all_gather_tensors(
-                        [param_chunks[i] for i in lay.gathered[k]], axis,
-                        self._gather_spec(planned, k, lay.params[k]), carried[k])
+                        [param_chunks[i] for i in lay.gathered[k]],
+                        axis,
+                        self._gather_spec(planned, k, lay.params[k]),
+                        carried[k],
+                    )
                     for i, leaf in zip(lay.gathered[k], leaves):
                         env[param_invar[i]] = leaf
+
                 for i in lay.gathered[k]:
                     lazy[param_invar[i]] = gather
             for j, value in enumerate(opt_values):
@@ -284,10 +338,10 @@ class Dear(Strategy):
             ctx.top = None
 
             outs = [read_post(body.outvars[k]) for k in cap.outputs]
-            new_params, new_opt, aux = outs[:n_p], outs[n_p:n_p + n_o], outs[n_p + n_o:]
+            new_params, new_opt, aux = outs[:n_p], outs[n_p : n_p + n_o], outs[n_p + n_o :]
             # every state leaf leaves in the dtype the user's step gives it (which may
             # differ from its input's: the next call then gets a program for it)
-            out_dtype = [body.outvars[k].aval.dtype for k in cap.outputs[:n_p + n_o]]
+            out_dtype = [body.outvars[k].aval.dtype for k in cap.outputs[: n_p + n_o]]
             results = []
             for i in range(n_p):
                 if not lay.param_sharded[i]:
@@ -306,15 +360,19 @@ class Dear(Strategy):
             return results
 
         sharded = P(axis)
-        in_specs = (tuple(sharded if lay.param_sharded[i] else planned.input_spec("params", i)
-                          for i in range(n_p))
-                    + tuple(sharded if lay.opt_sharded[j] else planned.input_spec("opt_state", j)
-                            for j in range(n_o)) + coll_specs)
-        out_specs = (tuple(sharded if lay.param_sharded[i] else planned.output_spec(i) for i in range(n_p))
-                     + tuple(sharded if lay.opt_sharded[j] else planned.output_spec(n_p + j)
-                             for j in range(n_o)) + coll_specs)
-        return RewrittenBody(scheduled_body, in_specs, out_specs, ctx.fallbacks,
-                             bucket_report=lambda: self._bucket_report(planned, ctx))
+        in_specs = (
+            tuple(sharded if lay.param_sharded[i] else planned.input_spec("params", i) for i in range(n_p))
+            + tuple(sharded if lay.opt_sharded[j] else planned.input_spec("opt_state", j) for j in range(n_o))
+            + coll_specs
+        )
+        out_specs = (
+            tuple(sharded if lay.param_sharded[i] else planned.output_spec(i) for i in range(n_p))
+            + tuple(sharded if lay.opt_sharded[j] else planned.output_spec(n_p + j) for j in range(n_o))
+            + coll_specs
+        )
+        return RewrittenBody(
+            scheduled_body, in_specs, out_specs, ctx.fallbacks, bucket_report=lambda: self._bucket_report(planned, ctx)
+        )
 
     def _bucket_report(self, planned: PlannedStep, ctx: ShardContext) -> list[BucketReport]:
         """Per bucket, the fallbacks whose top-level equation reads what the bucket holds:

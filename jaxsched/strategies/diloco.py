@@ -46,6 +46,7 @@ Example:
     4
     >>> params, opt_state = sched.finalize(state)   # the same on every replica
 """
+
 from __future__ import annotations
 
 import math
@@ -119,8 +120,7 @@ def fragment_of_leaves(sizes: Sequence[int], fragments: int) -> tuple[int, ...]:
     """
     n = len(sizes)
     if fragments > n:
-        raise ValueError(f"DiLoCo(fragments={fragments}): the step has only {n} parameter leaves; "
-                         f"use fragments <= {n}")
+        raise ValueError(f"DiLoCo(fragments={fragments}): the step has only {n} parameter leaves; use fragments <= {n}")
     total = float(sum(sizes))
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(sizes, np.float64))])
     starts = [0]
@@ -186,33 +186,50 @@ class DiLoCo(Strategy):
     cost = DILOCO_PATTERN
     folds_invariant_sums = True
 
-    def __init__(self, collective: Collective | None = None, inner_steps: int = 50,
-                 outer: optax.GradientTransformation | None = None, fragments: int = 1,
-                 overlap_steps: int = 0, mixing: float = 0.0, sync_axes: Any = None,
-                 inner_strategy: Any = "wfbp"):
+    def __init__(
+        self,
+        collective: Collective | None = None,
+        inner_steps: int = 50,
+        outer: optax.GradientTransformation | None = None,
+        fragments: int = 1,
+        overlap_steps: int = 0,
+        mixing: float = 0.0,
+        sync_axes: Any = None,
+        inner_strategy: Any = "wfbp",
+    ):
         super().__init__(collective)
         self.inner_steps = _check_int(inner_steps, "inner_steps", 1)
         self.fragments = _check_int(fragments, "fragments", 1)
         self.overlap_steps = _check_int(overlap_steps, "overlap_steps", 0)
         if self.fragments > self.inner_steps:
-            raise ValueError(f"DiLoCo(fragments={fragments}, inner_steps={inner_steps}): each "
-                             "fragment needs its own step in the H-step cycle; use fragments <= "
-                             "inner_steps")
+            raise ValueError(
+                f"DiLoCo(fragments={fragments}, inner_steps={inner_steps}): each "
+                "fragment needs its own step in the H-step cycle; use fragments <= "
+                "inner_steps"
+            )
         if self.overlap_steps * self.fragments >= self.inner_steps:
             raise ValueError(
                 f"DiLoCo(overlap_steps={overlap_steps}): τ must be < inner_steps / fragments = "
                 f"{self.inner_steps}/{self.fragments}, so that a fragment's outer all-reduce "
-                "arrives before the next fragment is sent; lower overlap_steps or raise inner_steps")
-        if isinstance(mixing, bool) or not isinstance(mixing, (int, float, np.floating)) \
-                or not 0.0 <= float(mixing) < 1.0:
-            raise ValueError(f"DiLoCo(mixing={mixing!r}): mixing (α, the weight of the local "
-                             "parameters when the synchronized ones arrive) must be in [0, 1)")
+                "arrives before the next fragment is sent; lower overlap_steps or raise inner_steps"
+            )
+        if (
+            isinstance(mixing, bool)
+            or not isinstance(mixing, (int, float, np.floating))
+            or not 0.0 <= float(mixing) < 1.0
+        ):
+            raise ValueError(
+                f"DiLoCo(mixing={mixing!r}): mixing (α, the weight of the local "
+                "parameters when the synchronized ones arrive) must be in [0, 1)"
+            )
         self.mixing = float(mixing)
         if outer is None:
             outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
         if not (hasattr(outer, "init") and hasattr(outer, "update")):
-            raise TypeError(f"DiLoCo(outer={outer!r}): outer must be an optax "
-                            "GradientTransformation, e.g. optax.sgd(0.7, momentum=0.9, nesterov=True)")
+            raise TypeError(
+                f"DiLoCo(outer={outer!r}): outer must be an optax "
+                "GradientTransformation, e.g. optax.sgd(0.7, momentum=0.9, nesterov=True)"
+            )
         self.outer = outer
         self.sync_axes_option = None if sync_axes is None else as_axes(sync_axes)
         self.inner_strategy = self._check_inner(inner_strategy)
@@ -224,18 +241,23 @@ class DiLoCo(Strategy):
             raise ValueError(
                 f"DiLoCo(inner_strategy={name!r}): {name} shards the optimizer over the data "
                 "axis, but DiLoCo keeps a whole replica of the parameters and optimizer state per "
-                "replica group and synchronizes them itself; use inner_strategy='wfbp'")
+                "replica group and synchronizes them itself; use inner_strategy='wfbp'"
+            )
         if name not in INNER_STRATEGIES:
-            raise ValueError(f"DiLoCo(inner_strategy={name!r}): the inner steps run as "
-                             f"{' or '.join(INNER_STRATEGIES)}; {name!r} cannot be combined with "
-                             "DiLoCo (it delays or reshapes the update)")
+            raise ValueError(
+                f"DiLoCo(inner_strategy={name!r}): the inner steps run as "
+                f"{' or '.join(INNER_STRATEGIES)}; {name!r} cannot be combined with "
+                "DiLoCo (it delays or reshapes the update)"
+            )
         return name
 
     def __repr__(self) -> str:
         sync = None if self.sync_axes_option is None else self.sync_axes_option
-        return (f"DiLoCo(inner_steps={self.inner_steps}, fragments={self.fragments}, "
-                f"overlap_steps={self.overlap_steps}, mixing={self.mixing}, sync_axes={sync}, "
-                f"collective={type(self.collective).__name__})")
+        return (
+            f"DiLoCo(inner_steps={self.inner_steps}, fragments={self.fragments}, "
+            f"overlap_steps={self.overlap_steps}, mixing={self.mixing}, sync_axes={sync}, "
+            f"collective={type(self.collective).__name__})"
+        )
 
     def for_mesh(self, captured: Any) -> "DiLoCo":
         """The outer sum crosses ``sync_axes`` only: no hierarchical collective."""
@@ -251,7 +273,8 @@ class DiLoCo(Strategy):
                 raise ValueError(
                     f"DiLoCo(sync_axes={self.sync_axes_option!r}): {bad or 'no axis'} is not among "
                     f"the step's data axes {data} (the mesh axes its batch is sharded over); pass "
-                    f"some of {data}, e.g. sync_axes={data[0]!r}")
+                    f"some of {data}, e.g. sync_axes={data[0]!r}"
+                )
             return tuple(a for a in data if a in self.sync_axes_option)
         if len(data) < 2:
             return data
@@ -264,10 +287,12 @@ class DiLoCo(Strategy):
 
     def _axes(self, planned: PlannedStep) -> tuple[tuple[str, ...], tuple[str, ...], int]:
         """(sync axes, fast axes, replicas along the sync axes)."""
+
         def build():
             sync = self.sync_axes(planned)
             fast = tuple(a for a in as_axes(planned.axis_name) if a not in sync)
             return sync, fast, math.prod(planned.mesh.shape[a] for a in sync)
+
         return planned.memo("diloco.axes", build)
 
     @staticmethod
@@ -284,11 +309,14 @@ class DiLoCo(Strategy):
         return avals
 
     def _fragments(self, planned: PlannedStep) -> tuple[int, ...]:
-        return planned.memo("diloco.fragments", lambda: fragment_of_leaves(
-            [math.prod(a.shape) for a in self._param_avals(planned)], self.fragments))
+        return planned.memo(
+            "diloco.fragments",
+            lambda: fragment_of_leaves([math.prod(a.shape) for a in self._param_avals(planned)], self.fragments),
+        )
 
     def _outer_groups(self, planned: PlannedStep) -> list[tuple[int, list[int]]]:
         """The outer buckets: (fragment, its param leaf indices of one dtype), in order."""
+
         def build():
             avals, frag = self._param_avals(planned), self._fragments(planned)
             groups = []
@@ -299,6 +327,7 @@ class DiLoCo(Strategy):
                         by_dtype.setdefault(np.dtype(avals[i].dtype), []).append(i)
                 groups.extend((p, leaves) for leaves in by_dtype.values())
             return groups
+
         return planned.memo("diloco.groups", build)
 
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
@@ -317,9 +346,18 @@ class DiLoCo(Strategy):
             if n_fast > 1:  # each leaf's 1/n_fast shard, flat and padded
                 shapes = tuple((-(-math.prod(sh) // n_fast),) for sh in shapes)
                 size = sum(sh[0] for sh in shapes)
-            specs.append(BucketSpec(k, size, np.dtype(avals[leaves[0]].dtype), n_sync, shapes, False,
-                                    form=form,
-                                    mesh_axes=tuple((a, planned.mesh.shape[a]) for a in sync)))
+            specs.append(
+                BucketSpec(
+                    k,
+                    size,
+                    np.dtype(avals[leaves[0]].dtype),
+                    n_sync,
+                    shapes,
+                    False,
+                    form=form,
+                    mesh_axes=tuple((a, planned.mesh.shape[a]) for a in sync),
+                )
+            )
         return specs
 
     def _outer_specs_memo(self, planned: PlannedStep) -> list[BucketSpec]:
@@ -328,18 +366,24 @@ class DiLoCo(Strategy):
     def _outer_treedefs(self, planned: PlannedStep) -> list:
         def build():
             avals, frag = self._param_avals(planned), self._fragments(planned)
-            return [jax.tree.structure(jax.eval_shape(
-                self.outer.init, tuple(avals[i] for i in range(len(frag)) if frag[i] == p)))
-                for p in range(self.fragments)]
+            return [
+                jax.tree.structure(
+                    jax.eval_shape(self.outer.init, tuple(avals[i] for i in range(len(frag)) if frag[i] == p))
+                )
+                for p in range(self.fragments)
+            ]
+
         return planned.memo("diloco.outer_treedefs", build)
 
     # -- checks ---------------------------------------------------------------------------
     def _check_step(self, planned: PlannedStep) -> None:
         cap = planned.captured
         if cap.kind == "pmap":
-            raise UnsupportedStepError("diloco keeps one copy of the parameters per replica on a "
-                                       "leading device axis; write the step with jax.shard_map "
-                                       "(or jax.jit) instead of jax.pmap")
+            raise UnsupportedStepError(
+                "diloco keeps one copy of the parameters per replica on a "
+                "leading device axis; write the step with jax.shard_map "
+                "(or jax.jit) instead of jax.pmap"
+            )
         for role, count in (("params", cap.num_params), ("opt_state", cap.num_opt)):
             for i in range(count):
                 axes = spec_axes(planned.input_spec(role, i))
@@ -348,12 +392,14 @@ class DiLoCo(Strategy):
                     raise UnsupportedStepError(
                         f"diloco needs replicated parameters and optimizer state, but {name} is "
                         f"sharded over {axes}; schedule the step with wfbp, or keep that leaf "
-                        "replicated")
+                        "replicated"
+                    )
         for r in planned.analysis.reductions:
             eqn = cap.body.eqns[r.eqn_index]
             if eqn.primitive.name not in SUM_REDUCTIONS:
-                raise UnsupportedStepError(f"diloco replaces gradient sums, but a gradient reduction "
-                                           f"is {eqn.primitive.name}")
+                raise UnsupportedStepError(
+                    f"diloco replaces gradient sums, but a gradient reduction is {eqn.primitive.name}"
+                )
         self._axes(planned)
 
     # -- state ----------------------------------------------------------------------------
@@ -363,21 +409,22 @@ class DiLoCo(Strategy):
     def _stacked(self, planned: PlannedStep, value: Any) -> Any:
         """One leaf of the user's replicated layout as a stacked leaf (one copy per device)."""
         n, sharding = planned.axis_size, planned._sharding(P(planned.axis_name))
-        return jax.jit(lambda x: jnp.broadcast_to(x, (n,) + tuple(jnp.shape(x))),
-                       out_shardings=sharding)(value)
+        return jax.jit(lambda x: jnp.broadcast_to(x, (n,) + tuple(jnp.shape(x))), out_shardings=sharding)(value)
 
     def _is_stacked(self, planned: PlannedStep, leaves: Sequence[Any], role: str) -> bool:
         if not leaves:
             return False
         want = [tuple(planned.body_invar(role, i).aval.shape) for i in range(len(leaves))]
-        got = [tuple(getattr(x, 'shape', np.shape(x))) for x in leaves]
+        got = [tuple(getattr(x, "shape", np.shape(x))) for x in leaves]
         if got == want:
             return False
         if got == [(planned.axis_size,) + w for w in want]:
             return True
-        raise ValueError(f"the state's {role} do not fit this step: leaf shapes {got}, expected "
-                         f"{want} (user layout) or with a leading axis of {planned.axis_size} "
-                         f"(one copy per device); resume with the step it was saved with")
+        raise ValueError(
+            f"the state's {role} do not fit this step: leaf shapes {got}, expected "
+            f"{want} (user layout) or with a leading axis of {planned.axis_size} "
+            f"(one copy per device); resume with the step it was saved with"
+        )
 
     def convert(self, planned: PlannedStep, state: NamedTuple) -> DiLoCoState:
         self._check_step(planned)
@@ -400,8 +447,9 @@ class DiLoCo(Strategy):
         global_leaves = jax.tree.leaves(getattr(state, "global_params", ()))
         if fresh or not global_leaves:
             if stacked:
-                raise ValueError("a diloco state with per-replica params needs its global_params; "
-                                 "resume from a complete checkpoint")
+                raise ValueError(
+                    "a diloco state with per-replica params needs its global_params; resume from a complete checkpoint"
+                )
             global_leaves = params
         local_params = [stack(x) for x in params]
         local_opts = [stack(x) for x in opts]
@@ -417,51 +465,69 @@ class DiLoCo(Strategy):
             for p in range(self.fragments):
                 mine = tuple(global_leaves[i] for i in range(len(frag)) if frag[i] == p)
                 if abstract:
-                    shapes = jax.eval_shape(self.outer.init, tuple(
-                        jax.ShapeDtypeStruct(x.shape, x.dtype) for x in mine))
-                    outer_state.append(jax.tree.map(
-                        lambda a: planned.zeros(a.shape, a.dtype, P(), abstract=True), shapes))
+                    shapes = jax.eval_shape(
+                        self.outer.init, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in mine)
+                    )
+                    outer_state.append(
+                        jax.tree.map(lambda a: planned.zeros(a.shape, a.dtype, P(), abstract=True), shapes)
+                    )
                 else:
-                    outer_state.append(jax.tree.map(lambda a: planned.placed(a, P()),
-                                                    self.outer.init(mine)))
+                    outer_state.append(jax.tree.map(lambda a: planned.placed(a, P()), self.outer.init(mine)))
             outer_state = tuple(outer_state)
         elif len(outer_state) != self.fragments or any(
-                jax.tree.structure(s) != t for s, t in zip(outer_state, treedefs)):
-            raise ValueError(f"the state's outer_state does not fit fragments={self.fragments} and "
-                             "this outer optimizer; resume with the options it was saved with")
+            jax.tree.structure(s) != t for s, t in zip(outer_state, treedefs)
+        ):
+            raise ValueError(
+                f"the state's outer_state does not fit fragments={self.fragments} and "
+                "this outer optimizer; resume with the options it was saved with"
+            )
         else:
             outer_state = tuple(jax.tree.map(lambda a: planned.placed(a, P()), s) for s in outer_state)
 
         in_flight = tuple(getattr(state, "in_flight", ()) or ())
         if self.overlap_steps >= 2:
             if not in_flight:
-                in_flight = tuple(planned.zeros(tuple(a.shape), a.dtype, P(), abstract)
-                                  for a in self._param_avals(planned))
+                in_flight = tuple(
+                    planned.zeros(tuple(a.shape), a.dtype, P(), abstract) for a in self._param_avals(planned)
+                )
             elif len(in_flight) != cap.num_params:
                 raise ValueError("the state's in_flight does not fit this step")
             else:
                 in_flight = tuple(planned.placed(x, P()) for x in in_flight)
         elif in_flight:
-            raise ValueError(f"the state holds an outer gradient in flight, but overlap_steps="
-                             f"{self.overlap_steps}; resume with the overlap_steps it was saved with")
+            raise ValueError(
+                f"the state holds an outer gradient in flight, but overlap_steps="
+                f"{self.overlap_steps}; resume with the overlap_steps it was saved with"
+            )
 
         step = getattr(state, "step", 0)
-        step = (planned.zeros((), jnp.int32, P(), abstract=True) if abstract
-                else planned.placed(jnp.asarray(step, jnp.int32), P()))
-        return DiLoCoState(jax.tree.unflatten(cap.params_tree, local_params),
-                           jax.tree.unflatten(cap.opt_tree, local_opts),
-                           self.collective_state(planned, getattr(state, "collective_state", None),
-                                                 abstract),
-                           jax.tree.unflatten(cap.params_tree, global_leaves),
-                           outer_state, in_flight, step)
+        step = (
+            planned.zeros((), jnp.int32, P(), abstract=True)
+            if abstract
+            else planned.placed(jnp.asarray(step, jnp.int32), P())
+        )
+        return DiLoCoState(
+            jax.tree.unflatten(cap.params_tree, local_params),
+            jax.tree.unflatten(cap.opt_tree, local_opts),
+            self.collective_state(planned, getattr(state, "collective_state", None), abstract),
+            jax.tree.unflatten(cap.params_tree, global_leaves),
+            outer_state,
+            in_flight,
+            step,
+        )
 
     def finalize_untraced(self, state: NamedTuple) -> tuple[Any, Any]:
-        if (not jax.tree.leaves(getattr(state, "global_params", ()))
-                and not getattr(state, "outer_state", ()) and int(np.asarray(state.step)) == 0):
+        if (
+            not jax.tree.leaves(getattr(state, "global_params", ()))
+            and not getattr(state, "outer_state", ())
+            and int(np.asarray(state.step)) == 0
+        ):
             return state.params, state.opt_state
-        raise ValueError("this 'diloco' state holds per-replica parameters but no step has been "
-                         "traced in this process, so they cannot be averaged; call "
-                         "sched.init(params, opt_state, example_batch) or one step first")
+        raise ValueError(
+            "this 'diloco' state holds per-replica parameters but no step has been "
+            "traced in this process, so they cannot be averaged; call "
+            "sched.init(params, opt_state, example_batch) or one step first"
+        )
 
     def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
         """Parameters synchronized across every replica: a fragment in flight is applied as
@@ -477,11 +543,12 @@ class DiLoCo(Strategy):
             for sent in range(step - self.overlap_steps + 1, step):
                 if self._fragment_at(sent) is not None:
                     in_flight = self._fragment_at(sent)
-        drain = planned.memo(("diloco.finalize", in_flight),
-                             lambda: self._finalize_program(planned, in_flight))
+        drain = planned.memo(("diloco.finalize", in_flight), lambda: self._finalize_program(planned, in_flight))
         outs = drain(*jax.tree.leaves(state))
-        return (jax.tree.unflatten(cap.params_tree, outs[:cap.num_params]),
-                jax.tree.unflatten(cap.opt_tree, outs[cap.num_params:]))
+        return (
+            jax.tree.unflatten(cap.params_tree, outs[: cap.num_params]),
+            jax.tree.unflatten(cap.opt_tree, outs[cap.num_params :]),
+        )
 
     # -- the per-device body ----------------------------------------------------------------
     def _state_specs(self, planned: PlannedStep) -> tuple[tuple[P, ...], dict]:
@@ -492,15 +559,14 @@ class DiLoCo(Strategy):
         n_outer = sum(t.num_leaves for t in self._outer_treedefs(planned))
         n_flight = n_p if self.overlap_steps >= 2 else 0
         counts = dict(params=n_p, opt=n_o, coll=len(coll), glob=n_p, outer=n_outer, flight=n_flight)
-        specs = ((local,) * n_p + (local,) * n_o + coll + (P(),) * n_p + (P(),) * n_outer
-                 + (P(),) * n_flight + (P(),))
+        specs = (local,) * n_p + (local,) * n_o + coll + (P(),) * n_p + (P(),) * n_outer + (P(),) * n_flight + (P(),)
         return specs, counts
 
     @staticmethod
     def _split_state(leaves: Sequence[Any], counts: dict) -> dict:
         out, k = {}, 0
         for name in ("params", "opt", "coll", "glob", "outer", "flight"):
-            out[name] = list(leaves[k:k + counts[name]])
+            out[name] = list(leaves[k : k + counts[name]])
             k += counts[name]
         out["step"] = leaves[k]
         return out
@@ -531,8 +597,9 @@ class DiLoCo(Strategy):
         phase (the first that communicates), for lowering an abstract state."""
         tau = self.overlap_steps
         if step is None:
-            step = next(t for t in range(2 * self.inner_steps + tau + 1)
-                        if any(k is not None for k in self.phase_key(t)))
+            step = next(
+                t for t in range(2 * self.inner_steps + tau + 1) if any(k is not None for k in self.phase_key(t))
+            )
         sender = self._fragment_at(step) if tau >= 1 else None
         arriver = self._fragment_at(step + 1 - tau)
         return sender, arriver
@@ -543,8 +610,7 @@ class DiLoCo(Strategy):
             return None
         return int(np.asarray(jax.device_get(getattr(state, "step", 0))))
 
-    def _reduce_fragment(self, planned: PlannedStep, p: int, local: list, glob: list, carried: list
-                         ) -> dict[int, Any]:
+    def _reduce_fragment(self, planned: PlannedStep, p: int, local: list, glob: list, carried: list) -> dict[int, Any]:
         """The mean over ``sync_axes`` of fragment ``p``'s outer gradients (``glob - local``)."""
         sync, fast, n_sync = self._axes(planned)
         n_fast = math.prod(planned.mesh.shape[a] for a in fast)
@@ -557,8 +623,7 @@ class DiLoCo(Strategy):
             if n_sync == 1:
                 sums = deltas
             elif n_fast == 1:
-                sums, carried[k] = self.collective.all_reduce_tensors(deltas, self._axis(sync),
-                                                                      specs[k], carried[k])
+                sums, carried[k] = self.collective.all_reduce_tensors(deltas, self._axis(sync), specs[k], carried[k])
             else:
                 # this device's shard of each leaf of the (identical within the replica) outer
                 # gradient, summed over the slow axes, then gathered over the fast ones
@@ -567,16 +632,18 @@ class DiLoCo(Strategy):
                 for d, (chunk,) in zip(deltas, specs[k].shapes):
                     flat = jnp.pad(jnp.ravel(d), (0, chunk * n_fast - d.size))
                     shards.append(lax.dynamic_slice_in_dim(flat, index * chunk, chunk))
-                totals, carried[k] = self.collective.all_reduce_tensors(
-                    shards, self._axis(sync), specs[k], carried[k])
-                sums = [lax.all_gather(t, self._axis(fast), tiled=True)[:d.size].reshape(d.shape)
-                        for t, d in zip(totals, deltas)]
+                totals, carried[k] = self.collective.all_reduce_tensors(shards, self._axis(sync), specs[k], carried[k])
+                sums = [
+                    lax.all_gather(t, self._axis(fast), tiled=True)[: d.size].reshape(d.shape)
+                    for t, d in zip(totals, deltas)
+                ]
             for i, s in zip(leaves, sums):
                 out[i] = (s / n_sync).astype(glob[i].dtype)
         return out
 
-    def _apply_fragment(self, planned: PlannedStep, p: int, reduced: dict, local: list, glob: list,
-                        outer: list) -> None:
+    def _apply_fragment(
+        self, planned: PlannedStep, p: int, reduced: dict, local: list, glob: list, outer: list
+    ) -> None:
         """The outer update of fragment ``p`` from its mean outer gradient (in place on lists)."""
         frag = self._fragments(planned)
         mine = [i for i in range(len(frag)) if frag[i] == p]
@@ -587,11 +654,13 @@ class DiLoCo(Strategy):
         for i, g in zip(mine, new):
             g = g.astype(glob[i].dtype)
             glob[i] = g
-            local[i] = g if self.mixing == 0.0 else (
-                self.mixing * local[i] + (1.0 - self.mixing) * g).astype(local[i].dtype)
+            local[i] = (
+                g if self.mixing == 0.0 else (self.mixing * local[i] + (1.0 - self.mixing) * g).astype(local[i].dtype)
+            )
 
-    def _inner_step(self, planned: PlannedStep, params: list, opts: list, batch: list, consts: list
-                    ) -> tuple[list, list, list]:
+    def _inner_step(
+        self, planned: PlannedStep, params: list, opts: list, batch: list, consts: list
+    ) -> tuple[list, list, list]:
         """The user's body with each gradient sum restricted to the fast axes (times the
         replicas along the sync axes, so that a ``pmean`` is the replica's own mean)."""
         cap, analysis = planned.captured, planned.analysis
@@ -618,7 +687,7 @@ class DiLoCo(Strategy):
         interpret((body.eqns[i] for i in analysis.update), lambda x: read(env, x), env.__setitem__)
         outs = [read(env, body.outvars[i]) for i in cap.outputs]
         n_p, n_o = cap.num_params, cap.num_opt
-        return outs[:n_p], outs[n_p:n_p + n_o], outs[n_p + n_o:]
+        return outs[:n_p], outs[n_p : n_p + n_o], outs[n_p + n_o :]
 
     def rewrite(self, planned: PlannedStep) -> RewrittenBody:
         """The program of the representative phase (see :meth:`phase_key`); an engine program
@@ -632,11 +701,17 @@ class DiLoCo(Strategy):
         st = self._split_state(leaves, counts)
         outer, k = [], 0
         for t in self._outer_treedefs(planned):
-            outer.append(jax.tree.unflatten(t, st["outer"][k:k + t.num_leaves]))
+            outer.append(jax.tree.unflatten(t, st["outer"][k : k + t.num_leaves]))
             k += t.num_leaves
-        return dict(local=unstack_local(st["params"]), opts=unstack_local(st["opt"]),
-                    carried=list(self.local_collective_state(planned, st["coll"])),
-                    glob=list(st["glob"]), outer=outer, flight=list(st["flight"]), step=st["step"])
+        return dict(
+            local=unstack_local(st["params"]),
+            opts=unstack_local(st["opt"]),
+            carried=list(self.local_collective_state(planned, st["coll"])),
+            glob=list(st["glob"]),
+            outer=outer,
+            flight=list(st["flight"]),
+            step=st["step"],
+        )
 
     def rewrite_phase(self, planned: PlannedStep, key: tuple):
         """The per-device body of the phase ``key = (sender, arriver)``."""
@@ -669,9 +744,15 @@ class DiLoCo(Strategy):
                     red = {i: v["flight"][i] for i in range(len(frag)) if frag[i] == arriver}
                 self._apply_fragment(planned, arriver, red, local, v["glob"], v["outer"])
             outer_leaves = [x for o in v["outer"] for x in jax.tree.leaves(o)]
-            new_state = (stack_local(local) + stack_local(list(opts))
-                         + self.stacked_collective_leaves(tuple(v["carried"])) + v["glob"]
-                         + outer_leaves + v["flight"] + [(v["step"] + 1).astype(jnp.int32)])
+            new_state = (
+                stack_local(local)
+                + stack_local(list(opts))
+                + self.stacked_collective_leaves(tuple(v["carried"]))
+                + v["glob"]
+                + outer_leaves
+                + v["flight"]
+                + [(v["step"] + 1).astype(jnp.int32)]
+            )
             return new_state + list(aux)
 
         return body
@@ -700,5 +781,4 @@ class DiLoCo(Strategy):
             return tuple(params) + tuple(new_opts)
 
         out_specs = (P(),) * (cap.num_params + cap.num_opt)
-        return jax.jit(jax.shard_map(drain, mesh=planned.mesh, in_specs=specs, out_specs=out_specs,
-                                     check_vma=False))
+        return jax.jit(jax.shard_map(drain, mesh=planned.mesh, in_specs=specs, out_specs=out_specs, check_vma=False))

@@ -39,6 +39,7 @@ Example:
     >>> int(state.step), [tuple(a.shape) for a in state.factors[0]]
     (1, [(65, 65), (16, 16)])
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -94,30 +95,42 @@ class KFACState(NamedTuple):
     factor_updates: Any = 0
 
 
-def check_options(damping: float, factor_interval: int, inverse_interval: int, ema_decay: float,
-                  inverse: str, placement: str, factor_buckets: Any) -> None:
+def check_options(
+    damping: float,
+    factor_interval: int,
+    inverse_interval: int,
+    ema_decay: float,
+    inverse: str,
+    placement: str,
+    factor_buckets: Any,
+) -> None:
     """Refuse bad K-FAC options with a message that says what to pass instead."""
-    if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not math.isfinite(damping) \
-            or damping <= 0:
-        raise ValueError(f"damping={damping!r} must be a finite number > 0: K-FAC adds it to the "
-                         "factors so that they can be inverted; try damping=1e-3")
+    if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not math.isfinite(damping) or damping <= 0:
+        raise ValueError(
+            f"damping={damping!r} must be a finite number > 0: K-FAC adds it to the "
+            "factors so that they can be inverted; try damping=1e-3"
+        )
     for name, value in (("factor_interval", factor_interval), ("inverse_interval", inverse_interval)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             what = "factors are updated" if name == "factor_interval" else "inverses are refreshed"
-            raise ValueError(f"{name}={value!r} must be an int >= 1 ({what} every {name} steps); "
-                             f"use {name}=1 for every step")
+            raise ValueError(
+                f"{name}={value!r} must be an int >= 1 ({what} every {name} steps); use {name}=1 for every step"
+            )
     if not isinstance(ema_decay, (int, float)) or not 0 <= ema_decay < 1:
         raise ValueError(f"ema_decay={ema_decay!r} must be in [0, 1) (0: no averaging)")
     if inverse not in INVERSES:
         raise ValueError(f"inverse={inverse!r} is unknown; choose one of {', '.join(INVERSES)}")
     check_placement(placement)
-    ok = (factor_buckets in ("auto", "per_layer")
-          or (isinstance(factor_buckets, int) and not isinstance(factor_buckets, bool) and factor_buckets > 0)
-          or (isinstance(factor_buckets, (list, tuple))
-              and all(isinstance(g, (list, tuple)) for g in factor_buckets)))
+    ok = (
+        factor_buckets in ("auto", "per_layer")
+        or (isinstance(factor_buckets, int) and not isinstance(factor_buckets, bool) and factor_buckets > 0)
+        or (isinstance(factor_buckets, (list, tuple)) and all(isinstance(g, (list, tuple)) for g in factor_buckets))
+    )
     if not ok:
-        raise ValueError(f"factor_buckets={factor_buckets!r} is not understood; pass 'auto' (cost "
-                         "model), 'per_layer', a byte threshold, or lists of layer names")
+        raise ValueError(
+            f"factor_buckets={factor_buckets!r} is not understood; pass 'auto' (cost "
+            "model), 'per_layer', a byte threshold, or lists of layer names"
+        )
 
 
 @register_strategy
@@ -143,26 +156,36 @@ class KFAC(Strategy):
     name = "kfac"
     cost = KFAC_PATTERN
 
-    def __init__(self, collective: Collective | None = None, damping: float = 1e-3,
-                 factor_interval: int = 1, inverse_interval: int = 10, ema_decay: float = 0.95,
-                 placement: str = "balanced", inverse: str = "eigh", pipeline: bool = True,
-                 factor_buckets: Any = "auto"):
+    def __init__(
+        self,
+        collective: Collective | None = None,
+        damping: float = 1e-3,
+        factor_interval: int = 1,
+        inverse_interval: int = 10,
+        ema_decay: float = 0.95,
+        placement: str = "balanced",
+        inverse: str = "eigh",
+        pipeline: bool = True,
+        factor_buckets: Any = "auto",
+    ):
         super().__init__(collective)
-        check_options(damping, factor_interval, inverse_interval, ema_decay, inverse, placement,
-                      factor_buckets)
+        check_options(damping, factor_interval, inverse_interval, ema_decay, inverse, placement, factor_buckets)
         self.damping, self.factor_interval = float(damping), int(factor_interval)
         self.inverse_interval, self.ema_decay = int(inverse_interval), float(ema_decay)
         self.placement, self.inverse, self.pipeline = placement, inverse, bool(pipeline)
         self.factor_buckets_option = factor_buckets
         self._reported: set[str] = set()
         # the simulator and planners see this instance's variant of the pattern
-        self.cost: CommPattern = dataclasses.replace(KFAC_PATTERN, factors_in_backward=self.pipeline,
-                                        inverse_placement=placement)
+        self.cost: CommPattern = dataclasses.replace(
+            KFAC_PATTERN, factors_in_backward=self.pipeline, inverse_placement=placement
+        )
 
     def __repr__(self) -> str:
-        return (f"KFAC(damping={self.damping}, factor_interval={self.factor_interval}, "
-                f"inverse_interval={self.inverse_interval}, ema_decay={self.ema_decay}, "
-                f"placement={self.placement!r}, inverse={self.inverse!r}, pipeline={self.pipeline})")
+        return (
+            f"KFAC(damping={self.damping}, factor_interval={self.factor_interval}, "
+            f"inverse_interval={self.inverse_interval}, ema_decay={self.ema_decay}, "
+            f"placement={self.placement!r}, inverse={self.inverse!r}, pipeline={self.pipeline})"
+        )
 
     # -- what the step holds -----------------------------------------------------------------
     def layers(self, planned: PlannedStep) -> LayerMatch:
@@ -174,16 +197,21 @@ class KFAC(Strategy):
             raise UnsupportedStepError(
                 "kfac schedules jax.shard_map steps; this is a jax.pmap step, whose parameters "
                 "carry a device axis. Write the same body with jax.shard_map over a mesh "
-                "(jaxsched.demo.steps.make_step shows how)")
-        sharded = {planned.paths[i]: axes for i in range(planned.captured.num_params)
-                   if (axes := planned.model_axes("params", i))}
+                "(jaxsched.demo.steps.make_step shows how)"
+            )
+        sharded = {
+            planned.paths[i]: axes
+            for i in range(planned.captured.num_params)
+            if (axes := planned.model_axes("params", i))
+        }
         if sharded:
             path, axes = next(iter(sharded.items()))
             raise UnsupportedStepError(
                 f"kfac preconditions whole layers, but params/{path} is sharded over the model "
                 f"axes {axes} (and {len(sharded) - 1} more leaves): its Kronecker factors would "
                 "need activations and cotangents from every device of those axes. Schedule "
-                "tensor- or expert-parallel steps with wfbp, dear or approx")
+                "tensor- or expert-parallel steps with wfbp, dear or approx"
+            )
         found = match_layers(planned.analysis, planned.paths)
         if not found.layers:
             raise UnsupportedStepError(
@@ -191,13 +219,17 @@ class KFAC(Strategy):
                 f"{', '.join(planned.paths[:6])}{', ...' if len(planned.paths) > 6 else ''}): K-FAC "
                 "preconditions layers whose weight gradient is a dot_general or "
                 "conv_general_dilated of the layer input and output cotangent; use a plain "
-                "strategy (wfbp, dear) for this model")
+                "strategy (wfbp, dear) for this model"
+            )
         for path in found.unmatched:
             if path not in self._reported:
                 self._reported.add(path)
-                warnings.warn(f"kfac: params/{path} is not part of a dense or convolution layer "
-                              "that K-FAC recognises; it gets the plain gradient",
-                              KFACFallbackWarning, stacklevel=2)
+                warnings.warn(
+                    f"kfac: params/{path} is not part of a dense or convolution layer "
+                    "that K-FAC recognises; it gets the plain gradient",
+                    KFACFallbackWarning,
+                    stacklevel=2,
+                )
         return found
 
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
@@ -216,8 +248,10 @@ class KFAC(Strategy):
 
     def factor_buckets(self, planned: PlannedStep) -> list[list[int]]:
         """Factor buckets as lists of layer indices, in the order they become ready."""
-        return planned.memo("kfac.factor_buckets", lambda: plan_factor_buckets(
-            planned, self.layers(planned).layers, self.factor_buckets_option))
+        return planned.memo(
+            "kfac.factor_buckets",
+            lambda: plan_factor_buckets(planned, self.layers(planned).layers, self.factor_buckets_option),
+        )
 
     def placement_plan(self, planned: PlannedStep) -> tuple[int, ...] | None:
         """Worker of each factor ``[A_0, G_0, A_1, G_1, ...]`` (None: every worker inverts all)."""
@@ -229,8 +263,7 @@ class KFAC(Strategy):
 
     # -- state -------------------------------------------------------------------------------
     def initial_state(self, params: Any, opt_state: Any) -> KFACState:
-        return KFACState(params, opt_state, (), (), (), zero_count(params, opt_state),
-                         zero_count(params, opt_state))
+        return KFACState(params, opt_state, (), (), (), zero_count(params, opt_state), zero_count(params, opt_state))
 
     def convert(self, planned: PlannedStep, state: NamedTuple) -> KFACState:
         params, opts = placed_user_layout(planned, state)
@@ -240,23 +273,31 @@ class KFAC(Strategy):
         def filled(given: Any, what: str) -> tuple:
             given = tuple(given or ())
             if not given:
-                return tuple(tuple(planned.zeros(t.shape, t.dtype, P(), abstract) for t in pair)
-                             for pair in templates)
-            if [tuple(tuple(np.shape(a)) for a in pair) for pair in given] != \
-                    [tuple(t.shape for t in pair) for pair in templates]:
-                raise ValueError(f"the state's K-FAC {what} do not fit this step's layers "
-                                 f"({[l.name for l in self.layers(planned).layers]}); resume with "
-                                 "the step the state was saved with")
+                return tuple(tuple(planned.zeros(t.shape, t.dtype, P(), abstract) for t in pair) for pair in templates)
+            if [tuple(tuple(np.shape(a)) for a in pair) for pair in given] != [
+                tuple(t.shape for t in pair) for pair in templates
+            ]:
+                raise ValueError(
+                    f"the state's K-FAC {what} do not fit this step's layers "
+                    f"({[l.name for l in self.layers(planned).layers]}); resume with "
+                    "the step the state was saved with"
+                )
             return tuple(tuple(planned.placed(a, P()) for a in pair) for pair in given)
 
-        scalar = lambda v: (planned.zeros((), jnp.int32, P(), abstract=True) if abstract
-                            else planned.placed(jnp.asarray(v, jnp.int32), P()))
-        return KFACState(params, opts,
-                         self.collective_state(planned, getattr(state, "collective_state", None),
-                                               abstract),
-                         filled(getattr(state, "factors", ()), "factors"),
-                         filled(getattr(state, "inverses", ()), "inverses"),
-                         scalar(getattr(state, "step", 0)), scalar(getattr(state, "factor_updates", 0)))
+        scalar = lambda v: (
+            planned.zeros((), jnp.int32, P(), abstract=True)
+            if abstract
+            else planned.placed(jnp.asarray(v, jnp.int32), P())
+        )
+        return KFACState(
+            params,
+            opts,
+            self.collective_state(planned, getattr(state, "collective_state", None), abstract),
+            filled(getattr(state, "factors", ()), "factors"),
+            filled(getattr(state, "inverses", ()), "inverses"),
+            scalar(getattr(state, "step", 0)),
+            scalar(getattr(state, "factor_updates", 0)),
+        )
 
     def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
         return state.params, state.opt_state
@@ -280,18 +321,24 @@ class KFAC(Strategy):
 
         def body(*inputs):
             state, batch, consts = self.split_inputs(planned, inputs, n_state)
-            params, opts = state[:n_p], state[n_p:n_p + n_o]
-            carried = list(self.local_collective_state(planned, state[n_p + n_o:n_p + n_o + n_c]))
-            rest = state[n_p + n_o + n_c:]
+            params, opts = state[:n_p], state[n_p : n_p + n_o]
+            carried = list(self.local_collective_state(planned, state[n_p + n_o : n_p + n_o + n_c]))
+            rest = state[n_p + n_o + n_c :]
             factors = [(rest[2 * i], rest[2 * i + 1]) for i in range(n_l)]
             inverses = [(rest[2 * n_l + 2 * i], rest[2 * n_l + 2 * i + 1]) for i in range(n_l)]
             step, count = rest[4 * n_l], rest[4 * n_l + 1]
-            outs, factors, inverses, count = self._step(planned, params, opts, batch, consts, carried,
-                                                       factors, inverses, step, count)
+            outs, factors, inverses, count = self._step(
+                planned, params, opts, batch, consts, carried, factors, inverses, step, count
+            )
             results = [outs[k] for k in cap.outputs]
-            return (results[:n_p + n_o] + self.stacked_collective_leaves(tuple(carried))
-                    + [a for pair in factors for a in pair] + [a for pair in inverses for a in pair]
-                    + [step + 1, count] + results[n_p + n_o:])
+            return (
+                results[: n_p + n_o]
+                + self.stacked_collective_leaves(tuple(carried))
+                + [a for pair in factors for a in pair]
+                + [a for pair in inverses for a in pair]
+                + [step + 1, count]
+                + results[n_p + n_o :]
+            )
 
         return RewrittenBody(body, specs, specs, [], False)
 
@@ -322,15 +369,17 @@ class KFAC(Strategy):
             old = [factors[i] for i in group]
 
             def compute():
-                local = [local_factors(layers[i], a, g, self.factor_dtype(planned, layers[i]))
-                         for i, (a, g) in zip(group, inputs)]
+                local = [
+                    local_factors(layers[i], a, g, self.factor_dtype(planned, layers[i]))
+                    for i, (a, g) in zip(group, inputs)
+                ]
                 flat = [m for pair in local for m in pair]
                 if planned.axis_size > 1:
                     buf = jnp.concatenate([jnp.ravel(m) for m in flat])
                     buf = lax.psum(buf, axis) / planned.axis_size
                     out, offset = [], 0
                     for m in flat:
-                        out.append(buf[offset:offset + m.size].reshape(m.shape))
+                        out.append(buf[offset : offset + m.size].reshape(m.shape))
                         offset += m.size
                     flat = out
                 ema = [decay * o + (1 - decay) * m for o, m in zip([m for pair in old for m in pair], flat)]
@@ -358,8 +407,7 @@ class KFAC(Strategy):
                         emit_factors(group)
 
         after()
-        interpret((body.eqns[i] for i in analysis.backward), lambda x: read(env, x), env.__setitem__,
-                  after=after)
+        interpret((body.eqns[i] for i in analysis.backward), lambda x: read(env, x), env.__setitem__, after=after)
         for group in pending_factors:  # pipeline=False: every factor bucket after backward
             emit_factors(group)
         if pending_grads:
@@ -367,8 +415,11 @@ class KFAC(Strategy):
         count = count + 1 if update is None else count + update.astype(count.dtype)
 
         refresh = step % self.inverse_interval == 0
-        flat_inv = lax.cond(refresh, lambda: tuple(self._inverses(planned, new_factors)),
-                            lambda: tuple(m for pair in inverses for m in pair))
+        flat_inv = lax.cond(
+            refresh,
+            lambda: tuple(self._inverses(planned, new_factors)),
+            lambda: tuple(m for pair in inverses for m in pair),
+        )
         new_inverses = [(flat_inv[2 * i], flat_inv[2 * i + 1]) for i in range(len(layers))]
 
         for layer, (a_inv, g_inv) in zip(layers, new_inverses):
@@ -404,6 +455,7 @@ class KFAC(Strategy):
                 parts = [jnp.ravel(damped_inverse(mats[b], damps[b], self.inverse)) for b in blocks]
                 used = sum(p.size for p in parts)
                 return jnp.concatenate(parts + [jnp.zeros((length - used,), dtype)])
+
             return run
 
         local = lax.switch(lax.axis_index(planned.axis_name), [branch(blocks) for blocks in mine])
@@ -413,7 +465,7 @@ class KFAC(Strategy):
             offset = 0
             for b in blocks:
                 n = mats[b].shape[0]
-                out[b] = gathered[worker, offset:offset + n * n].reshape(n, n)
+                out[b] = gathered[worker, offset : offset + n * n].reshape(n, n)
                 offset += n * n
         return out
 
@@ -424,8 +476,14 @@ def local_factors(layer: MatchedLayer, x: jax.Array, g: jax.Array, dtype) -> tup
     p = layer.params
     if layer.kind == "conv":
         patches = lax.conv_general_dilated_patches(
-            x, p["filter_shape"], p["window_strides"], p["padding"], p["lhs_dilation"],
-            p["rhs_dilation"], p["dimension_numbers"])
+            x,
+            p["filter_shape"],
+            p["window_strides"],
+            p["padding"],
+            p["lhs_dilation"],
+            p["rhs_dilation"],
+            p["dimension_numbers"],
+        )
         a = jnp.moveaxis(patches, p["dimension_numbers"].out_spec[1], -1)
     else:
         a = x
@@ -479,8 +537,9 @@ def kernel_from_matrix(layer: MatchedLayer, m: jax.Array, shape: tuple[int, ...]
     return jnp.transpose(blocked, np.argsort(perm))
 
 
-def precondition(layer: MatchedLayer, grad_w: jax.Array, grad_b: jax.Array | None,
-                 a_inv: jax.Array, g_inv: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+def precondition(
+    layer: MatchedLayer, grad_w: jax.Array, grad_b: jax.Array | None, a_inv: jax.Array, g_inv: jax.Array
+) -> tuple[jax.Array, jax.Array | None]:
     """``A_inv [grad_w; grad_b] G_inv``, back in the kernel's and bias's shapes."""
     dtype = a_inv.dtype
     v = kernel_matrix(layer, grad_w).astype(dtype)
@@ -500,8 +559,7 @@ def factor_bytes(layer: MatchedLayer, itemsize: int = 4) -> int:
     return sum(n * n for n in layer.dims) * itemsize
 
 
-def plan_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], option: Any
-                        ) -> list[list[int]]:
+def plan_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], option: Any) -> list[list[int]]:
     """Factor buckets (lists of layer indices) in the order their cotangents appear."""
     order = sorted(range(len(layers)), key=lambda i: layers[i].grad_eqn)
     if planned.axis_size == 1:
@@ -523,8 +581,9 @@ def plan_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], op
         for k, group in enumerate(option):
             unknown = [n for n in group if n not in names]
             if unknown:
-                raise ValueError(f"factor_buckets[{k}] names {unknown}, not a K-FAC layer; the "
-                                 f"layers are {', '.join(names)}")
+                raise ValueError(
+                    f"factor_buckets[{k}] names {unknown}, not a K-FAC layer; the layers are {', '.join(names)}"
+                )
             groups.append(sorted((names[n] for n in group), key=order.index))
         covered = sorted(i for g in groups for i in g)
         if covered != list(range(len(layers))):
@@ -533,8 +592,7 @@ def plan_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], op
     return auto_factor_buckets(planned, layers, order)
 
 
-def auto_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], order: list[int]
-                        ) -> list[list[int]]:
+def auto_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], order: list[int]) -> list[list[int]]:
     """MG-WFBP merging of factor all-reduces against the cost model (see :class:`KFAC`)."""
     from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
     from jaxsched.plan import plan_buckets
@@ -555,13 +613,30 @@ def auto_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], or
         rows = layer.params["rows"]
         flops = 2.0 * rows * layer.dims[0] * layer.dims[1]
         factor_flops = 2.0 * rows * sum(n * n for n in layer.dims)
-        profile.append(Layer(layer.name, sum(n * n for n in layer.dims), factor_bytes(layer),
-                             flops / rate, (2 * flops + factor_flops) / rate))
+        profile.append(
+            Layer(
+                layer.name,
+                sum(n * n for n in layer.dims),
+                factor_bytes(layer),
+                flops / rate,
+                (2 * flops + factor_flops) / rate,
+            )
+        )
     groups = plan_buckets(LayerProfile(profile), network, "mgwfbp", "wfbp")
     # forward-order groups of profile positions -> readiness-order groups of layer indices
     buckets = [[forward_order[k] for k in reversed(group)] for group in reversed(groups)]
     return buckets
 
 
-__all__ = ["INVERSES", "KFAC", "KFACFallbackWarning", "KFACState", "check_options", "damped_inverse",
-           "damped_terms", "local_factors", "plan_factor_buckets", "precondition"]
+__all__ = [
+    "INVERSES",
+    "KFAC",
+    "KFACFallbackWarning",
+    "KFACState",
+    "check_options",
+    "damped_inverse",
+    "damped_terms",
+    "local_factors",
+    "plan_factor_buckets",
+    "precondition",
+]

@@ -6,6 +6,7 @@ Example:
     >>> make_strategy("wfbp").name
     'wfbp'
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -13,8 +14,7 @@ from typing import Any
 
 from jaxsched.sim.costmodel import register_comm_pattern, unregister_comm_pattern
 
-__all__ = ["make_strategy", "register_strategy", "STRATEGIES", "strategy_names", "StrategyNames",
-           "unregister_strategy"]
+__all__ = ["make_strategy", "register_strategy", "STRATEGIES", "strategy_names", "StrategyNames", "unregister_strategy"]
 
 _STRATEGIES: dict[str, type] = {}
 
@@ -31,8 +31,9 @@ def register_strategy(cls: type) -> type:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{cls.__name__} needs a non-empty class attribute 'name'")
     if name in _STRATEGIES:
-        raise ValueError(f"a strategy named {name!r} is already registered "
-                         f"({_STRATEGIES[name].__qualname__}); choose another name")
+        raise ValueError(
+            f"a strategy named {name!r} is already registered ({_STRATEGIES[name].__qualname__}); choose another name"
+        )
     register_comm_pattern(name, cls.cost)
     _STRATEGIES[name] = cls
     return cls
@@ -56,8 +57,9 @@ def make_strategy(strategy: Any, collective: Any = None, **options: Any):
     if isinstance(strategy, Strategy):
         if options or collective is not None:
             given = sorted(options) + (["collective"] if collective is not None else [])
-            raise TypeError(f"options {given} go to the strategy's constructor when a "
-                            f"Strategy instance ({strategy!r}) is passed")
+            raise TypeError(
+                f"options {given} go to the strategy's constructor when a Strategy instance ({strategy!r}) is passed"
+            )
         return strategy
     if isinstance(strategy, type) and issubclass(strategy, Strategy):
         raise TypeError(f"pass an instance ({strategy.__name__}()) or a registered name, not the class")

@@ -10,6 +10,7 @@ Example:
     >>> Wfbp.cost.collectives()
     ('all_reduce',)
 """
+
 from __future__ import annotations
 
 from typing import Any

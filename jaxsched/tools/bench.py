@@ -33,6 +33,7 @@ Example (the arithmetic of the report):
     >>> round(overlap_efficiency(plain=1.0, step=0.7, bound=0.5), 6)
     0.6
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,10 +50,29 @@ from typing import Any, Callable, Sequence
 
 from jaxsched.sim import intervals
 
-__all__ = ["bench_figure", "calibrate_batch", "Calibration", "calibration_text", "CEILING_TARGETS",
-           "chart_path", "COMPRESSORS", "format_report", "host_costs_of", "miss_reason",
-           "missed_target", "overlap_efficiency", "parse_compression", "plot", "RESULTS_DIR", "run",
-           "simulated", "speedups_withheld", "summarize", "time_breakdown", "worker"]
+__all__ = [
+    "bench_figure",
+    "calibrate_batch",
+    "Calibration",
+    "calibration_text",
+    "CEILING_TARGETS",
+    "chart_path",
+    "COMPRESSORS",
+    "format_report",
+    "host_costs_of",
+    "miss_reason",
+    "missed_target",
+    "overlap_efficiency",
+    "parse_compression",
+    "plot",
+    "RESULTS_DIR",
+    "run",
+    "simulated",
+    "speedups_withheld",
+    "summarize",
+    "time_breakdown",
+    "worker",
+]
 
 WIDTH, DEPTH = 2048, 2  # the issue's set-up; --depth 8 --width 1024 sends the same bytes
 RESULTS_DIR = Path("benchmarks/results")
@@ -82,6 +102,7 @@ def parse_compression(text: str | None):
             return compress.PowerSGD(rank=int(arg or 4))
         if kind == "bf16":
             import jax.numpy as jnp
+
             return compress.Cast(jnp.bfloat16)
     except ValueError as err:
         raise ValueError(f"--compression {text!r}: {err}") from None
@@ -107,15 +128,28 @@ class Calibration:
     reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"target_ratio": 1.0, "achieved_ratio": self.compute_s / self.comm_s,
-                "error": self.error, "tolerance": self.tolerance, "converged": self.converged,
-                "batch": self.batch, "reason": self.reason,
-                "probes": [{"batch": b, "compute_s": c, "comm_s": m} for b, c, m in self.probes]}
+        return {
+            "target_ratio": 1.0,
+            "achieved_ratio": self.compute_s / self.comm_s,
+            "error": self.error,
+            "tolerance": self.tolerance,
+            "converged": self.converged,
+            "batch": self.batch,
+            "reason": self.reason,
+            "probes": [{"batch": b, "compute_s": c, "comm_s": m} for b, c, m in self.probes],
+        }
 
 
-def calibrate_batch(measure: Callable[[int], tuple[float, float]], start: int, *,
-                    tolerance: float = 0.10, max_probes: int = 6, multiple: int = 8,
-                    max_batch: int = 1 << 16, max_growth: float = 16.0) -> Calibration:
+def calibrate_batch(
+    measure: Callable[[int], tuple[float, float]],
+    start: int,
+    *,
+    tolerance: float = 0.10,
+    max_probes: int = 6,
+    multiple: int = 8,
+    max_batch: int = 1 << 16,
+    max_growth: float = 16.0,
+) -> Calibration:
     """Find a batch whose compute-only time is within ``tolerance`` of comm-only time.
 
     Why iterate: compute time is ``fixed + per_row * batch``, and at small batches the fixed
@@ -139,8 +173,9 @@ def calibrate_batch(measure: Callable[[int], tuple[float, float]], start: int, *
         (True, True, True)
     """
     if start < 1 or multiple < 1 or max_probes < 1:
-        raise ValueError(f"calibrate_batch: start={start}, multiple={multiple}, max_probes={max_probes} "
-                         "must all be >= 1")
+        raise ValueError(
+            f"calibrate_batch: start={start}, multiple={multiple}, max_probes={max_probes} must all be >= 1"
+        )
     lo_b, hi_b = multiple, max(multiple, max_batch // multiple * multiple)
 
     def snap(x: float) -> int:
@@ -152,8 +187,10 @@ def calibrate_batch(measure: Callable[[int], tuple[float, float]], start: int, *
     while True:
         compute_s, comm_s = measure(batch)
         if not (compute_s > 0 and comm_s > 0):
-            raise ValueError(f"calibrate_batch: measure({batch}) returned compute {compute_s!r}, "
-                             f"comm {comm_s!r}; both must be positive seconds")
+            raise ValueError(
+                f"calibrate_batch: measure({batch}) returned compute {compute_s!r}, "
+                f"comm {comm_s!r}; both must be positive seconds"
+            )
         probes.append((batch, float(compute_s), float(comm_s)))
         if abs(compute_s / comm_s - 1) <= tolerance:
             break
@@ -180,8 +217,11 @@ def calibrate_batch(measure: Callable[[int], tuple[float, float]], start: int, *
             x = min(max(x, x_last / max_growth), x_last * max_growth)
         nxt = snap(x)
         if nxt in (b for b, _, _ in probes):
-            reason = (f"the batch bound [{lo_b}, {hi_b}] was reached" if nxt in (lo_b, hi_b) else
-                      f"batches are multiples of {multiple}: no untried batch is closer to the target")
+            reason = (
+                f"the batch bound [{lo_b}, {hi_b}] was reached"
+                if nxt in (lo_b, hi_b)
+                else f"batches are multiples of {multiple}: no untried batch is closer to the target"
+            )
             break
         batch = nxt
     best = min(probes, key=lambda p: abs(math.log(p[1] / p[2])))
@@ -191,8 +231,10 @@ def calibrate_batch(measure: Callable[[int], tuple[float, float]], start: int, *
         reason = None
     else:
         side = "above" if error > 0 else "below"
-        reason = (f"compute stays {side} comm ({best[1] * 1e3:.0f} ms against {best[2] * 1e3:.0f} ms "
-                  f"at batch {best[0]}): {reason}")
+        reason = (
+            f"compute stays {side} comm ({best[1] * 1e3:.0f} ms against {best[2] * 1e3:.0f} ms "
+            f"at batch {best[0]}): {reason}"
+        )
     return Calibration(best[0], best[1], best[2], error, probes, converged, tolerance, reason)
 
 
@@ -224,14 +266,15 @@ def worker(args: Any) -> int:
     from jaxsched.runtime.engine.host import spare_devices
 
     rank, nproc = jax.process_index(), jax.process_count()
-    mesh_devices = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-                    for p in range(nproc)]
+    mesh_devices = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(nproc)]
     mesh = jax.sharding.Mesh(np.array(mesh_devices), ("data",))
     batch_sharding = NamedSharding(mesh, P("data"))
     width, depth = args.width, args.depth
     keys = jax.random.split(jax.random.PRNGKey(0), depth)
-    params = {f"layer{i}": {"kernel": jax.random.normal(keys[i], (width, width)) / width ** 0.5,
-                            "bias": jnp.zeros(width)} for i in range(depth)}
+    params = {
+        f"layer{i}": {"kernel": jax.random.normal(keys[i], (width, width)) / width**0.5, "bias": jnp.zeros(width)}
+        for i in range(depth)
+    }
     tx = optax.sgd(1e-3, momentum=0.9)
 
     def loss_fn(p, x, y):
@@ -249,34 +292,44 @@ def worker(args: Any) -> int:
                 updates, s = tx.update(grads, s, p)
                 p = optax.apply_updates(p, updates)
             return p, s, {"loss": lax.pmean(loss, "data")}
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                     out_specs=(P(), P(), P()), check_vma=False))
+
+        return jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+        )
 
     plain, compute_only = make(True), make(False)
+
     def psum_over(on_mesh):
-        return jax.jit(jax.shard_map(lambda g: lax.psum(g, "data"), mesh=on_mesh, in_specs=P("data"),
-                                     out_specs=P("data"), check_vma=False))
+        return jax.jit(
+            jax.shard_map(
+                lambda g: lax.psum(g, "data"), mesh=on_mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False
+            )
+        )
 
     comm_only = psum_over(mesh)  # also takes the gradient-shaped tree (comm_tree below)
     n_grads = sum(np.size(l) for l in jax.tree.leaves(params))
-    grads_like = jax.make_array_from_process_local_data(
-        batch_sharding, np.ones((1, n_grads), np.float32))
+    grads_like = jax.make_array_from_process_local_data(batch_sharding, np.ones((1, n_grads), np.float32))
     # The user's pmean reduces the gradient tree leaf by leaf (16 psums, half of them tiny):
     # on gloo that costs more than one psum of the same bytes, so it is measured too.
-    grads_tree = jax.tree.map(lambda leaf: jax.make_array_from_process_local_data(
-        batch_sharding, np.ones((1,) + leaf.shape, np.float32)), params)
+    grads_tree = jax.tree.map(
+        lambda leaf: jax.make_array_from_process_local_data(batch_sharding, np.ones((1,) + leaf.shape, np.float32)),
+        params,
+    )
     # The ceiling: compute-only and the psum on the spare devices, as raw programs dispatched
     # together. No schedule can beat it here: it is what the machine gives when both run at
     # once (gloo and the kernel's network work share each host's core with compute).
     spare_mesh = jax.sharding.Mesh(np.array(spare_devices(mesh)), ("data",))
     spare_comm = psum_over(spare_mesh)
     spare_grads = jax.make_array_from_process_local_data(
-        NamedSharding(spare_mesh, P("data")), np.ones((1, n_grads), np.float32))
+        NamedSharding(spare_mesh, P("data")), np.ones((1, n_grads), np.float32)
+    )
 
     def batch_of(rows: int, seed: int):
         rng = np.random.default_rng(seed * nproc + rank)
-        local = (rng.standard_normal((rows, width)).astype(np.float32),
-                 rng.standard_normal((rows, width)).astype(np.float32))
+        local = (
+            rng.standard_normal((rows, width)).astype(np.float32),
+            rng.standard_normal((rows, width)).astype(np.float32),
+        )
         return tuple(jax.make_array_from_process_local_data(batch_sharding, a) for a in local)
 
     def timed(fn, *a) -> float:
@@ -301,24 +354,37 @@ def worker(args: Any) -> int:
     # dear's pair: a reduce-scatter and an all-gather of the same bytes. On gloo they cost
     # more than one all-reduce, not the half each a ring model gives them.
     padded = -(-n_grads // nproc) * nproc
-    rs_ag = jax.jit(jax.shard_map(
-        lambda g: lax.all_gather(lax.psum_scatter(g[0], "data", tiled=True), "data", tiled=True)[None],
-        mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
-    rs_ag_s = median_time(rs_ag, jax.make_array_from_process_local_data(
-        batch_sharding, np.ones((1, padded), np.float32)))
-    host_costs = {"stage_s": float(stage_s), "copy_s_per_byte": copy_s / (4 * n_grads),
-                  "reduce_scatter_all_gather_s": float(rs_ag_s),
-                  "source": "measured: jaxsched.runtime.engine.host.measure_stage_overhead; device_put of "
-                            f"{4 * n_grads} bytes to the spare device; a reduce-scatter then an "
-                            "all-gather of the gradient bytes"}
+    rs_ag = jax.jit(
+        jax.shard_map(
+            lambda g: lax.all_gather(lax.psum_scatter(g[0], "data", tiled=True), "data", tiled=True)[None],
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P("data"),
+            check_vma=False,
+        )
+    )
+    rs_ag_s = median_time(
+        rs_ag, jax.make_array_from_process_local_data(batch_sharding, np.ones((1, padded), np.float32))
+    )
+    host_costs = {
+        "stage_s": float(stage_s),
+        "copy_s_per_byte": copy_s / (4 * n_grads),
+        "reduce_scatter_all_gather_s": float(rs_ag_s),
+        "source": "measured: jaxsched.runtime.engine.host.measure_stage_overhead; device_put of "
+        f"{4 * n_grads} bytes to the spare device; a reduce-scatter then an "
+        "all-gather of the gradient bytes",
+    }
     rows = args.batch
     calibration: dict[str, Any] = {"explicit_batch": True, "batch": rows}
     from jaxsched.core.progress import note, progress
 
     lead = rank == 0 and not getattr(args, "no_progress", False)
-    note(f"bench: calibrating the batch (compute-only close to comm-only, at most "
-         f"{args.calibration_probes} probes)" if args.batch is None else
-         f"bench: batch {args.batch} per process", enabled=lead)
+    note(
+        f"bench: calibrating the batch (compute-only close to comm-only, at most {args.calibration_probes} probes)"
+        if args.batch is None
+        else f"bench: batch {args.batch} per process",
+        enabled=lead,
+    )
     if rows is None:  # calibrate: compute-only close to comm-only
 
         def measure(probe: int) -> tuple[float, float]:
@@ -329,13 +395,18 @@ def worker(args: Any) -> int:
             both = multihost_utils.broadcast_one_to_all(np.array([compute_probe, comm_probe]))
             return float(both[0]), float(both[1])
 
-        cal = calibrate_batch(measure, args.calibration_start, tolerance=args.calibration_tolerance,
-                              max_probes=args.calibration_probes, multiple=8, max_batch=16384)
+        cal = calibrate_batch(
+            measure,
+            args.calibration_start,
+            tolerance=args.calibration_tolerance,
+            max_probes=args.calibration_probes,
+            multiple=8,
+            max_batch=16384,
+        )
         rows, calibration = cal.batch, cal.to_dict()
     batches = [batch_of(rows, s) for s in range(4)]
 
-    variants: dict[str, Any] = {"plain": lambda st, b: plain(*st, b),
-                                "compute": lambda st, b: compute_only(*st, b)}
+    variants: dict[str, Any] = {"plain": lambda st, b: plain(*st, b), "compute": lambda st, b: compute_only(*st, b)}
     states = {"plain": state0, "compute": state0}
     scheds = {}
     missing = []
@@ -344,12 +415,12 @@ def worker(args: Any) -> int:
         if base not in _schedule.STRATEGIES:
             missing.append(name)
             continue
-        sched = _schedule.schedule(plain, strategy=base, engine="host", buckets=args.buckets,
-                                  compression=parse_compression(compression))
+        sched = _schedule.schedule(
+            plain, strategy=base, engine="host", buckets=args.buckets, compression=parse_compression(compression)
+        )
         scheds[name] = sched
         states[name] = sched.init(*state0)
-    times: dict[str, list[float]] = {name: [] for name in ["plain", "compute", "comm", "comm_tree",
-                                                           "ceiling", *scheds]}
+    times: dict[str, list[float]] = {name: [] for name in ["plain", "compute", "comm", "comm_tree", "ceiling", *scheds]}
     losses: dict[str, list[float]] = {name: [] for name in ["plain", *scheds]}
 
     def run_one(name: str, b) -> float:
@@ -378,8 +449,7 @@ def worker(args: Any) -> int:
     for warm in range(2):
         for name in times:
             run_one(name, batches[warm % len(batches)])
-    note(f"bench: batch {rows}; {args.steps} measured steps of {len(times)} variants, interleaved",
-         enabled=lead)
+    note(f"bench: batch {rows}; {args.steps} measured steps of {len(times)} variants, interleaved", enabled=lead)
     for step in progress(range(args.steps), "bench steps", enabled=lead, unit="step"):
         for name in times:
             times[name].append(run_one(name, batches[step % len(batches)]))
@@ -388,21 +458,36 @@ def worker(args: Any) -> int:
     timelines = {}
     for name, sched in scheds.items():
         base, _, compression = name.partition("+")
-        traced = _schedule.schedule(plain, strategy=base, engine=HostEngine(record_timings=True),
-                                   buckets=args.buckets, compression=parse_compression(compression))
+        traced = _schedule.schedule(
+            plain,
+            strategy=base,
+            engine=HostEngine(record_timings=True),
+            buckets=args.buckets,
+            compression=parse_compression(compression),
+        )
         st = traced.init(*state0)
         for b in batches[:3]:
             st, aux = traced(st, b)
             jax.block_until_ready(aux)
-        timelines[name] = [dict(kind=t.kind, name=t.name, dispatched=t.dispatched, started=t.started,
-                                done=t.done) for t in traced.program.core.timings[-1]]
+        timelines[name] = [
+            dict(kind=t.kind, name=t.name, dispatched=t.dispatched, started=t.started, done=t.done)
+            for t in traced.program.core.timings[-1]
+        ]
     if rank == 0:
         med = {k: statistics.median(v) for k, v in times.items()}
-        report = {"processes": nproc, "batch_per_process": rows, "steps": args.steps,
-                  "calibration": calibration, "host_costs": host_costs,
-                  "step_s_all": times, "median_s": med, "losses": losses, "timelines": timelines,
-                  "missing": missing,
-                  "layers": {"width": width, "depth": depth, "params": int(sum(np.size(l) for l in jax.tree.leaves(params)))}}
+        report = {
+            "processes": nproc,
+            "batch_per_process": rows,
+            "steps": args.steps,
+            "calibration": calibration,
+            "host_costs": host_costs,
+            "step_s_all": times,
+            "median_s": med,
+            "losses": losses,
+            "timelines": timelines,
+            "missing": missing,
+            "layers": {"width": width, "depth": depth, "params": int(sum(np.size(l) for l in jax.tree.leaves(params)))},
+        }
         Path(args.raw_out).write_text(json.dumps(report))
     return 0
 
@@ -416,9 +501,11 @@ def speedups_withheld(calibration: dict[str, Any] | None) -> str | None:
     and every strategy looks like the plain step (or better only by noise)."""
     if not calibration or calibration.get("explicit_batch") or calibration.get("converged"):
         return None
-    return (f"calibration did not converge: compute/comm = {calibration['achieved_ratio']:.2f} "
-            f"at batch {calibration['batch']}, outside 1 +- {calibration['tolerance']:.0%} "
-            f"({calibration.get('reason')}); pass --batch to measure anyway")
+    return (
+        f"calibration did not converge: compute/comm = {calibration['achieved_ratio']:.2f} "
+        f"at batch {calibration['batch']}, outside 1 +- {calibration['tolerance']:.0%} "
+        f"({calibration.get('reason')}); pass --batch to measure anyway"
+    )
 
 
 def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) -> dict[str, Any]:
@@ -427,13 +514,22 @@ def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) ->
     compute_s, comm_s, plain_s = med["compute"], med["comm"], med["plain"]
     bound = max(compute_s, comm_s)
     ceiling = med.get("ceiling")
-    result: dict[str, Any] = {"compute_s": compute_s, "comm_s": comm_s, "bound_s": bound,
-                              "ceiling_s": ceiling, "comm_tree_s": med.get("comm_tree"),
-                              "plain_s": plain_s, "bandwidth": bandwidth,
-                              "processes": raw["processes"], "batch_per_process": raw["batch_per_process"],
-                              "steps": raw["steps"], "layers": raw.get("layers", {}),
-                              "calibration": raw.get("calibration"),
-                              "host_costs": raw.get("host_costs"), "strategies": {}}
+    result: dict[str, Any] = {
+        "compute_s": compute_s,
+        "comm_s": comm_s,
+        "bound_s": bound,
+        "ceiling_s": ceiling,
+        "comm_tree_s": med.get("comm_tree"),
+        "plain_s": plain_s,
+        "bandwidth": bandwidth,
+        "processes": raw["processes"],
+        "batch_per_process": raw["batch_per_process"],
+        "steps": raw["steps"],
+        "layers": raw.get("layers", {}),
+        "calibration": raw.get("calibration"),
+        "host_costs": raw.get("host_costs"),
+        "strategies": {},
+    }
     withheld = speedups_withheld(raw.get("calibration"))
     result["speedups_withheld"] = withheld
     # the machine drifts between the calibration probes and the measured steps: say by how much
@@ -444,7 +540,8 @@ def summarize(raw: dict[str, Any], strategies: Sequence[str], bandwidth: str) ->
             continue
         step = med[name]
         result["strategies"][name] = {
-            "step_s": step, "speedup": None if withheld else plain_s / step,
+            "step_s": step,
+            "speedup": None if withheld else plain_s / step,
             "ratio_to_bound": step / bound,
             "ratio_to_ceiling": step / ceiling if ceiling else None,
             "overlap_efficiency": None if withheld else overlap_efficiency(plain_s, step, bound),
@@ -482,9 +579,13 @@ def time_breakdown(spans: Sequence[dict[str, Any]]) -> dict[str, float]:
     end = max((x["done"] for x in spans), default=0.0)
     both = intervals.overlap(compute, comm)
     busy = intervals.total(compute) + intervals.total(comm) - both
-    return {"step_s": end - start, "compute_alone_s": intervals.total(compute) - both,
-            "comm_alone_s": intervals.total(comm) - both, "overlapped_s": both,
-            "idle_s": max(0.0, (end - start) - busy)}
+    return {
+        "step_s": end - start,
+        "compute_alone_s": intervals.total(compute) - both,
+        "comm_alone_s": intervals.total(comm) - both,
+        "overlapped_s": both,
+        "idle_s": max(0.0, (end - start) - busy),
+    }
 
 
 def missed_target(name: str, row: dict[str, Any], strategies: dict[str, Any]) -> str | None:
@@ -495,8 +596,10 @@ def missed_target(name: str, row: dict[str, Any], strategies: dict[str, Any]) ->
         return f"target <= {target:.2f}x the ceiling missed ({row['ratio_to_ceiling']:.2f}x)"
     if name == "dear" and "allreduce" in strategies and not strategies["allreduce"].get("missing"):
         if row["step_s"] > strategies["allreduce"]["step_s"]:
-            return (f"target: no slower than allreduce, missed "
-                    f"({row['step_s'] * 1e3:.0f} against {strategies['allreduce']['step_s'] * 1e3:.0f} ms)")
+            return (
+                f"target: no slower than allreduce, missed "
+                f"({row['step_s'] * 1e3:.0f} against {strategies['allreduce']['step_s'] * 1e3:.0f} ms)"
+            )
     return None
 
 
@@ -510,9 +613,11 @@ def miss_reason(breakdown: dict[str, float], compute_s: float) -> str:
         'compute ran 500 ms against 250 ms alone (2.00x, slowed while bytes moved), comm exposed 0 ms, neither 0 ms'
     """
     ran = breakdown["compute_alone_s"] + breakdown["overlapped_s"]
-    return (f"compute ran {ran * 1e3:.0f} ms against {compute_s * 1e3:.0f} ms alone "
-            f"({ran / compute_s:.2f}x, slowed while bytes moved), comm exposed "
-            f"{breakdown['comm_alone_s'] * 1e3:.0f} ms, neither {breakdown['idle_s'] * 1e3:.0f} ms")
+    return (
+        f"compute ran {ran * 1e3:.0f} ms against {compute_s * 1e3:.0f} ms alone "
+        f"({ran / compute_s:.2f}x, slowed while bytes moved), comm exposed "
+        f"{breakdown['comm_alone_s'] * 1e3:.0f} ms, neither {breakdown['idle_s'] * 1e3:.0f} ms"
+    )
 
 
 def host_costs_of(result: dict[str, Any]):
@@ -528,8 +633,7 @@ def host_costs_of(result: dict[str, Any]):
     slowdown = 1.0
     if result.get("ceiling_s"):
         slowdown = comm_slowdown_from_ceiling(result["compute_s"], result["comm_s"], result["ceiling_s"])
-    return HostCosts(stage_s=measured["stage_s"], copy_s_per_byte=measured["copy_s_per_byte"],
-                     comm_slowdown=slowdown)
+    return HostCosts(stage_s=measured["stage_s"], copy_s_per_byte=measured["copy_s_per_byte"], comm_slowdown=slowdown)
 
 
 def simulated(result: dict[str, Any], strategies: Sequence[str]):
@@ -544,19 +648,25 @@ def simulated(result: dict[str, Any], strategies: Sequence[str]):
     depth = result.get("layers", {}).get("depth", DEPTH)
     per_layer = result["compute_s"] / depth
     nbytes = (width * width + width) * 4
-    layers = LayerProfile([Layer(f"layer{i}", width * width + width, nbytes, per_layer / 3,
-                                 2 * per_layer / 3) for i in range(depth)],
-                          {"source": "measured compute-only step split 1:2 forward:backward"})
+    layers = LayerProfile(
+        [Layer(f"layer{i}", width * width + width, nbytes, per_layer / 3, 2 * per_layer / 3) for i in range(depth)],
+        {"source": "measured compute-only step split 1:2 forward:backward"},
+    )
     beta = result["comm_s"] / (depth * nbytes)
     # reduce-scatter and all-gather: half each of the measured pair when bench timed it
     # (on gloo the pair costs more than one all-reduce), else half an all-reduce each
     pair_s = (result.get("host_costs") or {}).get("reduce_scatter_all_gather_s")
     half = (pair_s / 2 / (depth * nbytes)) if pair_s else beta * 0.5
-    costs = {"all_reduce": CollectiveCost(0.0, beta), "reduce_scatter": CollectiveCost(0.0, half),
-             "all_gather": CollectiveCost(0.0, half)}
-    network = NetworkProfile(result["processes"], costs,
-                             {"source": "measured comm-only psum" + (" and reduce-scatter + all-gather"
-                                                                     if pair_s else "")})
+    costs = {
+        "all_reduce": CollectiveCost(0.0, beta),
+        "reduce_scatter": CollectiveCost(0.0, half),
+        "all_gather": CollectiveCost(0.0, half),
+    }
+    network = NetworkProfile(
+        result["processes"],
+        costs,
+        {"source": "measured comm-only psum" + (" and reduce-scatter + all-gather" if pair_s else "")},
+    )
     sims = {}
     for name in strategies:
         if result["strategies"].get(name, {}).get("missing"):
@@ -616,21 +726,31 @@ def bench_figure(raw: dict[str, Any], result: dict[str, Any], sims: dict):
                 mine = [x for x in spans if x["kind"] == kind]
                 for s in mine:
                     width = s["done"] - s["started"]
-                    ax.barh(row, width, left=s["started"], height=0.6, color=colors[kind],
-                            edgecolor="black", linewidth=0.8)
+                    ax.barh(
+                        row, width, left=s["started"], height=0.6, color=colors[kind], edgecolor="black", linewidth=0.8
+                    )
                     if width > 0.05 * end:
-                        ax.text(s["started"] + width / 2, row, s["name"], ha="center", va="center",
-                                fontsize=6.5, color="white", clip_on=True)
+                        ax.text(
+                            s["started"] + width / 2,
+                            row,
+                            s["name"],
+                            ha="center",
+                            va="center",
+                            fontsize=6.5,
+                            color="white",
+                            clip_on=True,
+                        )
                 ax.plot([s["dispatched"] for s in mine], [row - 0.4] * len(mine), "k|", markersize=6)
             row_result = result["strategies"][name]
             measured = row_result["step_s"]
-            title = (f"{name}: MEASURED stages of one step (ticks: dispatch; median step "
-                     f"{measured * 1e3:.0f} ms)")
+            title = f"{name}: MEASURED stages of one step (ticks: dispatch; median step {measured * 1e3:.0f} ms)"
             parts = time_breakdown(spans)
-            where = (f"this step {parts['step_s'] * 1e3:.0f} ms: compute alone "
-                     f"{parts['compute_alone_s'] * 1e3:.0f}, comm alone (exposed) "
-                     f"{parts['comm_alone_s'] * 1e3:.0f}, overlapped {parts['overlapped_s'] * 1e3:.0f}, "
-                     f"neither {parts['idle_s'] * 1e3:.0f} ms")
+            where = (
+                f"this step {parts['step_s'] * 1e3:.0f} ms: compute alone "
+                f"{parts['compute_alone_s'] * 1e3:.0f}, comm alone (exposed) "
+                f"{parts['comm_alone_s'] * 1e3:.0f}, overlapped {parts['overlapped_s'] * 1e3:.0f}, "
+                f"neither {parts['idle_s'] * 1e3:.0f} ms"
+            )
             missed = missed_target(name, row_result, result["strategies"])
             if missed:
                 where = f"{missed}\n{where}\nwhy: {miss_reason(parts, result['compute_s'])}"
@@ -643,18 +763,37 @@ def bench_figure(raw: dict[str, Any], result: dict[str, Any], sims: dict):
             for s in steady:
                 row = 0 if s.stream == "compute" else 1
                 width = float(s.end - s.start)
-                ax.barh(row, width, left=float(s.start) - t0, height=0.6,
-                        color=colors["compute" if row == 0 else "comm"], edgecolor="black", linewidth=0.5)
+                ax.barh(
+                    row,
+                    width,
+                    left=float(s.start) - t0,
+                    height=0.6,
+                    color=colors["compute" if row == 0 else "comm"],
+                    edgecolor="black",
+                    linewidth=0.5,
+                )
                 if width > 0.05 * end:
-                    ax.text(float(s.start) - t0 + width / 2, row, _sim_label(s.name), ha="center",
-                            va="center", fontsize=6.5, color="white", clip_on=True)
-            ax.set_title(f"{name}: SIMULATED for the measured costs (iteration "
-                         f"{float(sim.iteration_s) * 1e3:.0f} ms)", fontsize=9)
+                    ax.text(
+                        float(s.start) - t0 + width / 2,
+                        row,
+                        _sim_label(s.name),
+                        ha="center",
+                        va="center",
+                        fontsize=6.5,
+                        color="white",
+                        clip_on=True,
+                    )
+            ax.set_title(
+                f"{name}: SIMULATED for the measured costs (iteration {float(sim.iteration_s) * 1e3:.0f} ms)",
+                fontsize=9,
+            )
         ax.set_yticks([0, 1], ["compute", "comm"])
     axes[-1].set_xlabel("seconds")
-    fig.suptitle(f"{_model_text(result)}, {result['processes']} hosts, {result['bandwidth']} links, "
-                 f"batch {result['batch_per_process']}"
-                 f"/process; compute {result['compute_s'] * 1e3:.0f} ms, comm {result['comm_s'] * 1e3:.0f} ms")
+    fig.suptitle(
+        f"{_model_text(result)}, {result['processes']} hosts, {result['bandwidth']} links, "
+        f"batch {result['batch_per_process']}"
+        f"/process; compute {result['compute_s'] * 1e3:.0f} ms, comm {result['comm_s'] * 1e3:.0f} ms"
+    )
     fig.tight_layout()
     return fig
 
@@ -675,25 +814,46 @@ def run(args: Any) -> int:
         strategies += [f"{s}+{args.compression}" for s in strategies if s in ("wfbp", "dear")]
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = Path(tmp) / "raw.json"
-        worker = [sys.executable, "-m", "jaxsched.tools.cli.bench", "--worker", "--raw-out", str(raw_path),
-                  "--steps", str(args.steps), "--worker-strategies", ",".join(strategies),
-                  "--depth", str(args.depth), "--width", str(args.width)]
+        worker = [
+            sys.executable,
+            "-m",
+            "jaxsched.tools.cli.bench",
+            "--worker",
+            "--raw-out",
+            str(raw_path),
+            "--steps",
+            str(args.steps),
+            "--worker-strategies",
+            ",".join(strategies),
+            "--depth",
+            str(args.depth),
+            "--width",
+            str(args.width),
+        ]
         if args.batch:
             worker += ["--batch", str(args.batch)]
-        worker += ["--calibration-start", str(args.calibration_start), "--calibration-tolerance",
-                   str(args.calibration_tolerance), "--calibration-probes", str(args.calibration_probes)]
+        worker += [
+            "--calibration-start",
+            str(args.calibration_start),
+            "--calibration-tolerance",
+            str(args.calibration_tolerance),
+            "--calibration-probes",
+            str(args.calibration_probes),
+        ]
         if args.buckets:
             worker += ["--buckets", str(args.buckets)]
         if not args.no_pin:
             worker += ["--pin"]
-        env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                              os.environ.get("PYTHONPATH", "")])}
+        env = {
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])
+        }
         if args.no_cluster:
             code = launch_lib.launch(args.hosts, worker, env=env, timeout_s=args.timeout, verbose=False)
         else:
             with cluster_lib.Cluster.up(args.hosts, args.bandwidth, prefix=args.prefix) as cluster:
-                code = launch_lib.launch(args.hosts, worker, cluster=cluster, env=env,
-                                         timeout_s=args.timeout, verbose=False)
+                code = launch_lib.launch(
+                    args.hosts, worker, cluster=cluster, env=env, timeout_s=args.timeout, verbose=False
+                )
         if code != 0:
             print(f"jaxsched bench: the benchmark processes failed (exit status {code})", file=sys.stderr)
             return code
@@ -704,9 +864,13 @@ def run(args: Any) -> int:
     host = host_costs_of(result)
     if host is not None:
         result["host_costs"]["comm_slowdown"] = host.comm_slowdown
-    result["simulated"] = {n: {"iteration_s": float(s.iteration_s),
-                               "error_vs_measured": float(s.iteration_s) / result["strategies"][n]["step_s"] - 1}
-                           for n, s in sims.items()}
+    result["simulated"] = {
+        n: {
+            "iteration_s": float(s.iteration_s),
+            "error_vs_measured": float(s.iteration_s) / result["strategies"][n]["step_s"] - 1,
+        }
+        for n, s in sims.items()
+    }
     result["date"] = time.strftime("%Y-%m-%d %H:%M")
     print(format_report(result))
     if args.json:
@@ -728,21 +892,28 @@ def _model_text(result: dict[str, Any]) -> str:
 
 
 def format_report(result: dict[str, Any]) -> str:
-    lines = [f"{_model_text(result)}, {result['processes']} hosts, {result['bandwidth']}, "
-             f"batch {result['batch_per_process']} per "
-             f"process, medians of {result['steps']} interleaved steps (MEASURED)",
-             f"  compute only {result['compute_s'] * 1e3:7.1f} ms   comm only {result['comm_s'] * 1e3:7.1f} ms"
-             f"   bound {result['bound_s'] * 1e3:7.1f} ms   plain step {result['plain_s'] * 1e3:7.1f} ms",
-             (f"  comm of the gradient tree leaf by leaf, as the plain step's pmean "
-              f"{result['comm_tree_s'] * 1e3:7.1f} ms" if result.get("comm_tree_s") else
-              "  comm of the gradient tree: not measured"),
-             "  ceiling (compute and comm dispatched together as raw programs) "
-             + (f"{result['ceiling_s'] * 1e3:7.1f} ms = {result['plain_s'] / result['ceiling_s']:.2f}x "
-                "the plain step" if result.get("ceiling_s") else "not measured"),
-             calibration_text(result.get("calibration"), result.get("measured_ratio")),
-             *([f"  SPEED-UPS WITHHELD: {result['speedups_withheld']}"] if result.get("speedups_withheld") else []),
-             f"  {'strategy':<10} {'step ms':>8} {'speedup':>8} {'x bound':>8} {'x ceiling':>9} "
-             f"{'overlap eff':>12} {'sim ms':>8}"]
+    lines = [
+        f"{_model_text(result)}, {result['processes']} hosts, {result['bandwidth']}, "
+        f"batch {result['batch_per_process']} per "
+        f"process, medians of {result['steps']} interleaved steps (MEASURED)",
+        f"  compute only {result['compute_s'] * 1e3:7.1f} ms   comm only {result['comm_s'] * 1e3:7.1f} ms"
+        f"   bound {result['bound_s'] * 1e3:7.1f} ms   plain step {result['plain_s'] * 1e3:7.1f} ms",
+        (
+            f"  comm of the gradient tree leaf by leaf, as the plain step's pmean {result['comm_tree_s'] * 1e3:7.1f} ms"
+            if result.get("comm_tree_s")
+            else "  comm of the gradient tree: not measured"
+        ),
+        "  ceiling (compute and comm dispatched together as raw programs) "
+        + (
+            f"{result['ceiling_s'] * 1e3:7.1f} ms = {result['plain_s'] / result['ceiling_s']:.2f}x the plain step"
+            if result.get("ceiling_s")
+            else "not measured"
+        ),
+        calibration_text(result.get("calibration"), result.get("measured_ratio")),
+        *([f"  SPEED-UPS WITHHELD: {result['speedups_withheld']}"] if result.get("speedups_withheld") else []),
+        f"  {'strategy':<10} {'step ms':>8} {'speedup':>8} {'x bound':>8} {'x ceiling':>9} "
+        f"{'overlap eff':>12} {'sim ms':>8}",
+    ]
     for name, r in result["strategies"].items():
         if r.get("missing"):
             lines.append(f"  {name:<10} missing (not a registered strategy yet)")
@@ -753,12 +924,15 @@ def format_report(result: dict[str, Any]) -> str:
         ceiling_txt = f"{ceiling:9.2f}" if ceiling else f"{'-':>9}"
         speedup = f"{r['speedup']:8.2f}" if r.get("speedup") is not None else f"{'-':>8}"
         eff = f"{r['overlap_efficiency']:12.2f}" if r.get("overlap_efficiency") is not None else f"{'-':>12}"
-        lines.append(f"  {name:<10} {r['step_s'] * 1e3:8.1f} {speedup} {r['ratio_to_bound']:8.2f} "
-                     f"{ceiling_txt} {eff} {sim_txt}")
+        lines.append(
+            f"  {name:<10} {r['step_s'] * 1e3:8.1f} {speedup} {r['ratio_to_bound']:8.2f} {ceiling_txt} {eff} {sim_txt}"
+        )
     for name, r in result["strategies"].items():
         if r.get("missed_target"):
-            lines.append(f"  {name}: {r['missed_target']}"
-                         + (f"; measured: {r['missed_because']}" if r.get("missed_because") else ""))
+            lines.append(
+                f"  {name}: {r['missed_target']}"
+                + (f"; measured: {r['missed_because']}" if r.get("missed_because") else "")
+            )
     return "\n".join(lines)
 
 
@@ -769,11 +943,13 @@ def calibration_text(calibration: dict[str, Any] | None, measured_ratio: float |
         return "  calibration: not recorded"
     if calibration.get("explicit_batch"):
         return f"  calibration: none (--batch {calibration['batch']} given)"
-    probes = ", ".join(f"{p['batch']}: {p['compute_s'] * 1e3:.1f}/{p['comm_s'] * 1e3:.1f} ms"
-                       for p in calibration["probes"])
+    probes = ", ".join(
+        f"{p['batch']}: {p['compute_s'] * 1e3:.1f}/{p['comm_s'] * 1e3:.1f} ms" for p in calibration["probes"]
+    )
     state = "converged" if calibration["converged"] else "NOT CONVERGED"
-    return (f"  calibration {state}: compute/comm {calibration['achieved_ratio']:.2f} (target 1, "
-            f"error {calibration['error']:+.1%}, tolerance {calibration['tolerance']:.0%}) after "
-            f"{len(calibration['probes'])} probes (batch: compute/comm) {probes}"
-            + (f"; in the measured steps compute/comm {measured_ratio:.2f}"
-               if measured_ratio is not None else ""))
+    return (
+        f"  calibration {state}: compute/comm {calibration['achieved_ratio']:.2f} (target 1, "
+        f"error {calibration['error']:+.1%}, tolerance {calibration['tolerance']:.0%}) after "
+        f"{len(calibration['probes'])} probes (batch: compute/comm) {probes}"
+        + (f"; in the measured steps compute/comm {measured_ratio:.2f}" if measured_ratio is not None else "")
+    )

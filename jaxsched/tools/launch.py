@@ -31,6 +31,7 @@ Shell (until ``jaxsched launch`` is wired into the CLI)::
     jaxsched launch --hosts 2 -- python train.py --steps 10
     jaxsched launch --hosts 2 --cluster --bandwidth 1gbit -- python train.py
 """
+
 from __future__ import annotations
 
 import os
@@ -45,12 +46,32 @@ import threading
 import time
 from typing import IO, Mapping, NamedTuple, Sequence
 
-__all__ = ["bind_gloo", "DEFAULT_GRACE_S", "ENV_COORDINATOR", "ENV_CPU_DEVICES", "ENV_HEARTBEAT",
-           "ENV_INIT_TIMEOUT", "ENV_INTERFACE", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID",
-           "ENV_SHUTDOWN_TIMEOUT", "exit_now", "free_port", "GLOO_CHATTER", "GLOO_FACTORY",
-           "GLOO_FACTORY_SIGNATURE", "GlooBindingError", "initialize", "launch",
-           "LAUNCH_HEARTBEAT_TIMEOUT_S", "LAUNCH_INIT_TIMEOUT_S", "LAUNCH_SHUTDOWN_TIMEOUT_S",
-           "LaunchError", "make_gloo_collectives", "ProcessInfo"]
+__all__ = [
+    "bind_gloo",
+    "DEFAULT_GRACE_S",
+    "ENV_COORDINATOR",
+    "ENV_CPU_DEVICES",
+    "ENV_HEARTBEAT",
+    "ENV_INIT_TIMEOUT",
+    "ENV_INTERFACE",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "ENV_SHUTDOWN_TIMEOUT",
+    "exit_now",
+    "free_port",
+    "GLOO_CHATTER",
+    "GLOO_FACTORY",
+    "GLOO_FACTORY_SIGNATURE",
+    "GlooBindingError",
+    "initialize",
+    "launch",
+    "LAUNCH_HEARTBEAT_TIMEOUT_S",
+    "LAUNCH_INIT_TIMEOUT_S",
+    "LAUNCH_SHUTDOWN_TIMEOUT_S",
+    "LaunchError",
+    "make_gloo_collectives",
+    "ProcessInfo",
+]
 
 ENV_COORDINATOR = "JAXSCHED_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXSCHED_NUM_PROCESSES"
@@ -79,7 +100,8 @@ DEFAULT_GRACE_S = 5.0
 GLOO_FACTORY = "jax._src.lib._jax.make_gloo_tcp_collectives"
 GLOO_FACTORY_SIGNATURE = (
     "make_gloo_tcp_collectives(distributed_client: jaxlib._jax.DistributedRuntimeClient, "
-    "hostname: str | None = None, interface: str | None = None) -> jaxlib._jax.CpuCollectives")
+    "hostname: str | None = None, interface: str | None = None) -> jaxlib._jax.CpuCollectives"
+)
 
 
 class GlooBindingError(RuntimeError):
@@ -91,46 +113,48 @@ def _gloo_factory():
     try:
         from jax._src.lib import _jax
     except ImportError as err:  # pragma: no cover - jax layout changed
-        raise GlooBindingError(f"cannot import jax._src.lib._jax ({err}); jaxsched binds gloo "
-                               f"to an interface through {GLOO_FACTORY}, verified on jax 0.10.2"
-                               ) from err
+        raise GlooBindingError(
+            f"cannot import jax._src.lib._jax ({err}); jaxsched binds gloo "
+            f"to an interface through {GLOO_FACTORY}, verified on jax 0.10.2"
+        ) from err
     factory = getattr(_jax, "make_gloo_tcp_collectives", None)
     doc = (getattr(factory, "__doc__", None) or "").strip().splitlines()
     found = doc[0] if doc else "<missing>"
     if factory is None or found != GLOO_FACTORY_SIGNATURE:
         import jax
+
         raise GlooBindingError(
             f"jaxsched binds gloo to a network interface through the private {GLOO_FACTORY}, "
             f"verified on jax 0.10.2 with signature\n  {GLOO_FACTORY_SIGNATURE}\n"
             f"but jax {jax.__version__} has\n  {found}\n"
             "Update jaxsched.tools.launch.make_gloo_collectives for this jax, or run without an "
-            "interface (processes on one network namespace need none).")
+            "interface (processes on one network namespace need none)."
+        )
     return factory
 
 
-def make_gloo_collectives(distributed_client, *, interface: str | None = None,
-                          hostname: str | None = None):
+def make_gloo_collectives(distributed_client, *, interface: str | None = None, hostname: str | None = None):
     """gloo TCP collectives over ``interface`` (e.g. ``eth0``) or ``hostname``'s address.
 
     The only call into ``jax._src.lib._jax.make_gloo_tcp_collectives`` in jaxsched; its
     signature is checked against :data:`GLOO_FACTORY_SIGNATURE` and a mismatch raises
     :class:`GlooBindingError` instead of failing somewhere inside jaxlib.
     """
-    return _gloo_factory()(distributed_client=distributed_client, hostname=hostname,
-                           interface=interface)
+    return _gloo_factory()(distributed_client=distributed_client, hostname=hostname, interface=interface)
 
 
 def _check_cpu_client_factory():
     from jax._src import xla_bridge
     import inspect
+
     make = getattr(xla_bridge, "make_cpu_client", None)
     register = getattr(xla_bridge, "register_backend_factory", None)
-    if make is None or register is None or \
-            "collectives" not in inspect.signature(make).parameters:
+    if make is None or register is None or "collectives" not in inspect.signature(make).parameters:
         raise GlooBindingError(
             "jaxsched replaces jax's CPU backend factory with one whose gloo collectives are "
             "bound to an interface: it needs jax._src.xla_bridge.make_cpu_client(collectives=...) "
-            "and register_backend_factory, as in jax 0.10.2, and this jax differs")
+            "and register_backend_factory, as in jax 0.10.2, and this jax differs"
+        )
     return xla_bridge
 
 
@@ -142,17 +166,18 @@ def bind_gloo(interface: str) -> None:
     the same ``make_cpu_client``, passing collectives from :func:`make_gloo_collectives`.
     """
     from jax._src import config as jax_config, distributed
+
     xla_bridge = _check_cpu_client_factory()
     _gloo_factory()  # fail now, not when the backend is created
     if xla_bridge.backends_are_initialized():
-        raise RuntimeError("bind_gloo must run before JAX creates its backends (before "
-                           "jax.devices() or any computation)")
+        raise RuntimeError(
+            "bind_gloo must run before JAX creates its backends (before jax.devices() or any computation)"
+        )
     if distributed.global_state.client is None:
         raise RuntimeError("bind_gloo needs jax.distributed.initialize() to have run first")
     impl = jax_config.cpu_collectives_implementation.value
     if impl != "gloo":
-        raise RuntimeError(f"bind_gloo binds gloo, but jax_cpu_collectives_implementation is "
-                           f"{impl!r}")
+        raise RuntimeError(f"bind_gloo binds gloo, but jax_cpu_collectives_implementation is {impl!r}")
 
     def make_cpu_client():
         collectives = make_gloo_collectives(distributed.global_state.client, interface=interface)
@@ -163,11 +188,12 @@ def bind_gloo(interface: str) -> None:
 
 # --- in the training script --------------------------------------------------------------
 
+
 class ProcessInfo(NamedTuple):
     process_id: int
     num_processes: int
-    coordinator_address: str | None   # None when single-process
-    interface: str | None             # gloo's interface, None when jax chose
+    coordinator_address: str | None  # None when single-process
+    interface: str | None  # gloo's interface, None when jax chose
 
 
 def _env_int(name: str, value: int | float | None, default: int | None) -> int | None:
@@ -182,10 +208,16 @@ def _env_int(name: str, value: int | float | None, default: int | None) -> int |
         raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
-def initialize(*, cpu_devices: int | None = None, interface: str | None = None,
-               heartbeat_timeout_s: int | None = None, initialization_timeout_s: int | None = None,
-               shutdown_timeout_s: int | None = None,
-               allow_single_process: bool = False, fail_fast: bool = True) -> ProcessInfo:
+def initialize(
+    *,
+    cpu_devices: int | None = None,
+    interface: str | None = None,
+    heartbeat_timeout_s: int | None = None,
+    initialization_timeout_s: int | None = None,
+    shutdown_timeout_s: int | None = None,
+    allow_single_process: bool = False,
+    fail_fast: bool = True,
+) -> ProcessInfo:
     """``jax.distributed.initialize`` for a process started by :func:`launch` or a real cluster.
 
     - Under ``jaxsched launch`` (``JAXSCHED_*`` variables set): initialize with the given
@@ -210,9 +242,11 @@ def initialize(*, cpu_devices: int | None = None, interface: str | None = None,
     if cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
     timeouts = {}
-    for key, env, arg in (("initialization_timeout", ENV_INIT_TIMEOUT, initialization_timeout_s),
-                          ("heartbeat_timeout_seconds", ENV_HEARTBEAT, heartbeat_timeout_s),
-                          ("shutdown_timeout_seconds", ENV_SHUTDOWN_TIMEOUT, shutdown_timeout_s)):
+    for key, env, arg in (
+        ("initialization_timeout", ENV_INIT_TIMEOUT, initialization_timeout_s),
+        ("heartbeat_timeout_seconds", ENV_HEARTBEAT, heartbeat_timeout_s),
+        ("shutdown_timeout_seconds", ENV_SHUTDOWN_TIMEOUT, shutdown_timeout_s),
+    ):
         value = _env_int(env, arg, None)
         if value is not None:
             timeouts[key] = value  # else jax's default
@@ -222,14 +256,20 @@ def initialize(*, cpu_devices: int | None = None, interface: str | None = None,
     if present:
         missing = [v for v in _LAUNCH_VARS if v not in present]
         if missing:
-            raise RuntimeError(f"{', '.join(present)} set but {', '.join(missing)} missing: "
-                               "start the processes with jaxsched launch, or set all three")
+            raise RuntimeError(
+                f"{', '.join(present)} set but {', '.join(missing)} missing: "
+                "start the processes with jaxsched launch, or set all three"
+            )
         coordinator = os.environ[ENV_COORDINATOR]
         num = _env_int(ENV_NUM_PROCESSES, None, None)
         pid = _env_int(ENV_PROCESS_ID, None, None)
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
-                                   process_id=pid, cluster_detection_method="deactivate",
-                                   **timeouts)
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num,
+            process_id=pid,
+            cluster_detection_method="deactivate",
+            **timeouts,
+        )
     else:
         coordinator = None
         try:
@@ -243,8 +283,10 @@ def initialize(*, cpu_devices: int | None = None, interface: str | None = None,
                 "jaxsched.tools.launch.initialize: no JAXSCHED_* variables and no cluster detected "
                 f"by jax.distributed.initialize() ({err}). Start the script with `jaxsched "
                 "launch --hosts N -- python ...`, under srun/mpirun/a TPU pod, or pass "
-                "allow_single_process=True") from err
+                "allow_single_process=True"
+            ) from err
         from jax._src import distributed
+
         num, pid = distributed.global_state.num_processes, distributed.global_state.process_id
         coordinator = distributed.global_state.coordinator_address
     if interface:
@@ -280,6 +322,7 @@ def _install_fail_fast() -> None:
 
 
 # --- the launcher ------------------------------------------------------------------------
+
 
 class LaunchError(RuntimeError):
     """The processes could not be started."""
@@ -317,8 +360,7 @@ def _describe(returncode: int) -> str:
 GLOO_CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 
-def _pump(stream: IO[bytes], out: IO[str], tag: str, lock: threading.Lock,
-          drop: re.Pattern | None = None) -> None:
+def _pump(stream: IO[bytes], out: IO[str], tag: str, lock: threading.Lock, drop: re.Pattern | None = None) -> None:
     """Copy ``stream`` to ``out`` line by line, each line prefixed with ``tag``; lines that
     ``drop`` matches are left out."""
     try:
@@ -345,14 +387,24 @@ def _raise_terminated(signum, frame):
     raise _Terminated(signum)
 
 
-def launch(hosts: int, command: Sequence[str], *, cluster=None, port: int | None = None,
-           cpu_devices: int | None = None, env: Mapping[str, str] | None = None,
-           heartbeat_timeout_s: int = LAUNCH_HEARTBEAT_TIMEOUT_S,
-           initialization_timeout_s: int = LAUNCH_INIT_TIMEOUT_S,
-           shutdown_timeout_s: int = LAUNCH_SHUTDOWN_TIMEOUT_S,
-           grace_s: float = DEFAULT_GRACE_S, timeout_s: float | None = None,
-           prefix_output: bool = True, stdout: IO[str] | None = None,
-           stderr: IO[str] | None = None, verbose: bool = True) -> int:
+def launch(
+    hosts: int,
+    command: Sequence[str],
+    *,
+    cluster=None,
+    port: int | None = None,
+    cpu_devices: int | None = None,
+    env: Mapping[str, str] | None = None,
+    heartbeat_timeout_s: int = LAUNCH_HEARTBEAT_TIMEOUT_S,
+    initialization_timeout_s: int = LAUNCH_INIT_TIMEOUT_S,
+    shutdown_timeout_s: int = LAUNCH_SHUTDOWN_TIMEOUT_S,
+    grace_s: float = DEFAULT_GRACE_S,
+    timeout_s: float | None = None,
+    prefix_output: bool = True,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    verbose: bool = True,
+) -> int:
     """Run ``command`` as ``hosts`` processes; returns 0, or the first failing exit status.
 
     Each process gets the ``JAXSCHED_*`` variables (module docstring) and, with ``cluster``
@@ -370,17 +422,21 @@ def launch(hosts: int, command: Sequence[str], *, cluster=None, port: int | None
     if not command:
         raise ValueError("no command to launch: give it after `--`, e.g. -- python train.py")
     if cluster is not None and len(cluster.hosts) < hosts:
-        raise ValueError(f"hosts={hosts} but the cluster {cluster.prefix!r} has "
-                         f"{len(cluster.hosts)} hosts")
+        raise ValueError(f"hosts={hosts} but the cluster {cluster.prefix!r} has {len(cluster.hosts)} hosts")
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     port = port or free_port()
     coordinator = f"{cluster.hosts[0].address if cluster is not None else '127.0.0.1'}:{port}"
-    base = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1",
-            ENV_COORDINATOR: coordinator, ENV_NUM_PROCESSES: str(hosts),
-            ENV_HEARTBEAT: str(heartbeat_timeout_s),
-            ENV_INIT_TIMEOUT: str(initialization_timeout_s),
-            ENV_SHUTDOWN_TIMEOUT: str(shutdown_timeout_s)}
+    base = {
+        **os.environ,
+        **(env or {}),
+        "PYTHONUNBUFFERED": "1",
+        ENV_COORDINATOR: coordinator,
+        ENV_NUM_PROCESSES: str(hosts),
+        ENV_HEARTBEAT: str(heartbeat_timeout_s),
+        ENV_INIT_TIMEOUT: str(initialization_timeout_s),
+        ENV_SHUTDOWN_TIMEOUT: str(shutdown_timeout_s),
+    }
     if cpu_devices is not None:
         base[ENV_CPU_DEVICES] = str(cpu_devices)
 
@@ -405,9 +461,14 @@ def launch(hosts: int, command: Sequence[str], *, cluster=None, port: int | None
                     proc_env[ENV_INTERFACE] = host.interface
                     argv = host.exec_prefix() + command
                 try:
-                    p = subprocess.Popen(argv, env=proc_env, stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         start_new_session=True)
+                    p = subprocess.Popen(
+                        argv,
+                        env=proc_env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        start_new_session=True,
+                    )
                 except OSError as e:
                     raise LaunchError(f"cannot start {shlex.join(argv)}: {e}") from e
                 procs.append(p)
@@ -456,15 +517,21 @@ def _watch(procs: list[subprocess.Popen], note, timeout_s: float | None) -> int:
         done += 1
         if code != 0:
             others = [r for r, q in enumerate(procs) if q.poll() is None]
-            note(f"process {rank} {_describe(code)}"
-                 + (f"; stopping process{'es' if len(others) > 1 else ''} "
-                    f"{', '.join(map(str, others))}" if others else ""))
+            note(
+                f"process {rank} {_describe(code)}"
+                + (
+                    f"; stopping process{'es' if len(others) > 1 else ''} {', '.join(map(str, others))}"
+                    if others
+                    else ""
+                )
+            )
             return _exit_status(code)
     return 0
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float, note) -> None:
     """SIGTERM every running process group, SIGKILL what is left after ``grace_s``."""
+
     def signal_all(sig: int) -> None:
         for p in procs:
             if p.poll() is None:

@@ -6,14 +6,24 @@ Example:
     >>> split.train_x.shape, split.test_x.shape
     ((1438, 8, 8, 1), (359, 8, 8, 1))
 """
+
 from __future__ import annotations
 
 from typing import Iterator, NamedTuple
 
 import numpy as np
 
-__all__ = ["batch_indices", "batches", "DATASETS", "load", "load_digits", "Split",
-           "synthetic_cifar", "synthetic_images", "synthetic_tokens"]
+__all__ = [
+    "batch_indices",
+    "batches",
+    "DATASETS",
+    "load",
+    "load_digits",
+    "Split",
+    "synthetic_cifar",
+    "synthetic_images",
+    "synthetic_tokens",
+]
 
 
 class Split(NamedTuple):
@@ -45,8 +55,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Split:
     return Split(x[train], y[train], x[test], y[test], 10)
 
 
-def synthetic_images(n: int = 4096, shape: tuple[int, ...] = (8, 8, 1), num_classes: int = 10,
-                     seed: int = 0) -> Split:
+def synthetic_images(n: int = 4096, shape: tuple[int, ...] = (8, 8, 1), num_classes: int = 10, seed: int = 0) -> Split:
     """Gaussian images labelled by a random linear teacher, so they are learnable."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, *shape), dtype=np.float32)
@@ -70,8 +79,7 @@ def synthetic_tokens(n: int = 2048, seq_len: int = 32, vocab_size: int = 64, see
     return Split(x[:cut], y[:cut], x[cut:], y[cut:], vocab_size)
 
 
-def synthetic_cifar(n: int = 4096, num_classes: int = 10, size: int = 32, noise: float = 0.5,
-                    seed: int = 0) -> Split:
+def synthetic_cifar(n: int = 4096, num_classes: int = 10, size: int = 32, noise: float = 0.5, seed: int = 0) -> Split:
     """CIFAR-shaped images (``size x size x 3``): each class a coloured grating of its own
     orientation and frequency, at a random phase, under Gaussian noise.
 
@@ -81,7 +89,7 @@ def synthetic_cifar(n: int = 4096, num_classes: int = 10, size: int = 32, noise:
     """
     rng = np.random.default_rng(seed)
     angle = rng.uniform(0, np.pi, num_classes)
-    freq = rng.uniform(0.2, 0.8, num_classes)       # radians per pixel
+    freq = rng.uniform(0.2, 0.8, num_classes)  # radians per pixel
     colour = rng.uniform(-1, 1, (num_classes, 3))
     y = rng.integers(0, num_classes, n).astype(np.int32)
     phase = rng.uniform(0, 2 * np.pi, n)
@@ -99,8 +107,12 @@ DATASETS = ("digits", "synthetic_images", "synthetic_tokens", "synthetic_cifar")
 
 def load(name: str, seed: int = 0, **options) -> Split:
     """Load a data set by name."""
-    loaders = {"digits": load_digits, "synthetic_images": synthetic_images,
-               "synthetic_tokens": synthetic_tokens, "synthetic_cifar": synthetic_cifar}
+    loaders = {
+        "digits": load_digits,
+        "synthetic_images": synthetic_images,
+        "synthetic_tokens": synthetic_tokens,
+        "synthetic_cifar": synthetic_cifar,
+    }
     if name not in loaders:
         raise ValueError(f"unknown data set {name!r}; choose one of {', '.join(DATASETS)}")
     return loaders[name](seed=seed, **options)
@@ -114,7 +126,7 @@ def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int = 0) -> Ite
     while True:
         order = rng.permutation(len(x))
         for start in range(0, len(x) - batch_size + 1, batch_size):
-            idx = order[start:start + batch_size]
+            idx = order[start : start + batch_size]
             yield x[idx], y[idx]
 
 
@@ -136,4 +148,4 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int = 0) -> np.ndarr
     per_epoch = n // batch_size
     epoch, k = divmod(step, per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(n)
-    return order[k * batch_size:(k + 1) * batch_size]
+    return order[k * batch_size : (k + 1) * batch_size]

@@ -12,6 +12,7 @@ Example:
     >>> apply_fn(params, jnp.ones((2, 64))).shape
     (2, 10)
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -20,8 +21,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["ApplyFn", "build", "CNN", "MLP", "MODELS", "Params", "pure", "ResidualBlock",
-           "TransformerBlock", "TransformerLM"]
+__all__ = [
+    "ApplyFn",
+    "build",
+    "CNN",
+    "MLP",
+    "MODELS",
+    "Params",
+    "pure",
+    "ResidualBlock",
+    "TransformerBlock",
+    "TransformerLM",
+]
 
 Params = Any
 ApplyFn = Callable[[Params, jax.Array], jax.Array]
@@ -30,8 +41,7 @@ ApplyFn = Callable[[Params, jax.Array], jax.Array]
 class MLP(nnx.Module):
     """Fully connected classifier; flattens any input shape after the batch axis."""
 
-    def __init__(self, in_features: int, num_classes: int, hidden: Sequence[int] = (128, 128),
-                 *, rngs: nnx.Rngs):
+    def __init__(self, in_features: int, num_classes: int, hidden: Sequence[int] = (128, 128), *, rngs: nnx.Rngs):
         sizes = [in_features, *hidden]
         self.hidden = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
         self.head = nnx.Linear(sizes[-1], num_classes, rngs=rngs)
@@ -57,8 +67,7 @@ class ResidualBlock(nnx.Module):
 class CNN(nnx.Module):
     """Small residual CNN for NHWC images."""
 
-    def __init__(self, in_channels: int, num_classes: int, channels: int = 16, blocks: int = 2,
-                 *, rngs: nnx.Rngs):
+    def __init__(self, in_channels: int, num_classes: int, channels: int = 16, blocks: int = 2, *, rngs: nnx.Rngs):
         self.stem = nnx.Conv(in_channels, channels, (3, 3), rngs=rngs)
         self.blocks = nnx.List([ResidualBlock(channels, rngs=rngs) for _ in range(blocks)])
         self.head = nnx.Linear(channels, num_classes, rngs=rngs)
@@ -101,8 +110,9 @@ class TransformerBlock(nnx.Module):
 class TransformerLM(nnx.Module):
     """Small decoder-only language model; returns next-token logits."""
 
-    def __init__(self, vocab_size: int, seq_len: int, dim: int = 64, heads: int = 4,
-                 layers: int = 2, *, rngs: nnx.Rngs):
+    def __init__(
+        self, vocab_size: int, seq_len: int, dim: int = 64, heads: int = 4, layers: int = 2, *, rngs: nnx.Rngs
+    ):
         self.embed = nnx.Embed(vocab_size, dim, rngs=rngs)
         self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (seq_len, dim)))
         self.blocks = nnx.List([TransformerBlock(dim, heads, rngs=rngs) for _ in range(layers)])
@@ -132,8 +142,7 @@ def pure(model: nnx.Module) -> tuple[Params, ApplyFn]:
 MODELS = ("mlp", "cnn", "transformer")
 
 
-def build(name: str, input_shape: tuple[int, ...], num_outputs: int, seed: int = 0,
-          **options: Any) -> nnx.Module:
+def build(name: str, input_shape: tuple[int, ...], num_outputs: int, seed: int = 0, **options: Any) -> nnx.Module:
     """Build a zoo model by name for inputs of ``input_shape`` (without the batch axis).
 
     For ``transformer`` the input shape is ``(seq_len,)`` and ``num_outputs`` the vocabulary.

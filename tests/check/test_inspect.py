@@ -3,6 +3,7 @@
 Hand-written programs check the arithmetic exactly; real programs (H100 compile-only devices
 in-process, committed TPU v5p output, a TPU compile in a subprocess) check that the parser
 understands what the compilers actually write."""
+
 import doctest
 import gzip
 import json
@@ -37,9 +38,9 @@ def _read(name: str) -> str:
 # ---------------------------------------------------------------------------------------
 # (1) hand-made program and schedule with a known answer
 
+
 def test_handmade_program_and_schedule_give_the_known_answer():
-    r = ins.report(_read("handmade.hlo"), _read("handmade.schedule.txt"), None,
-                   label="hand", target="none")
+    r = ins.report(_read("handmade.hlo"), _read("handmade.schedule.txt"), None, label="hand", target="none")
     assert r.label == "hand" and r.target == "none"
     assert len(r.collectives) == 1
     w = r.collectives[0]
@@ -151,6 +152,7 @@ def test_sync_collectives_tuples_and_wrapped_async_forms():
 # ---------------------------------------------------------------------------------------
 # (3) mesh axes from replica groups
 
+
 def test_replica_group_forms():
     assert ins._replica_groups("replica_groups={{0,4},{1,5}}, x=1") == [[0, 4], [1, 5]]
     assert ins._replica_groups("replica_groups=[2,4]<=[8], dimensions={0}") == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -160,18 +162,22 @@ def test_replica_group_forms():
     assert ins._replica_groups("to_apply=%s") is None
 
 
-@pytest.mark.parametrize("groups, axes", [
-    ("{{0,4},{1,5},{2,6},{3,7}}", ("a",)),
-    ("[2,4]<=[8]", ("b",)),
-    ("[4,2]<=[2,4]T(1,0)", ("a",)),
-    ("{{0,1},{2,3},{4,5},{6,7}}", ("b",)),
-    ("{{0,1,2,3,4,5,6,7}}", ("a", "b")),
-    ("{}", ("a", "b")),
-])
+@pytest.mark.parametrize(
+    "groups, axes",
+    [
+        ("{{0,4},{1,5},{2,6},{3,7}}", ("a",)),
+        ("[2,4]<=[8]", ("b",)),
+        ("[4,2]<=[2,4]T(1,0)", ("a",)),
+        ("{{0,1},{2,3},{4,5},{6,7}}", ("b",)),
+        ("{{0,1,2,3,4,5,6,7}}", ("a", "b")),
+        ("{}", ("a", "b")),
+    ],
+)
 def test_mesh_axes_on_a_two_axis_mesh(groups, axes):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
-    text = FORMS.replace("replica_groups={{0,1,2,3}}, to_apply=%sum\n  %ars",
-                         f"replica_groups={groups}, to_apply=%sum\n  %ars")
+    text = FORMS.replace(
+        "replica_groups={{0,1,2,3}}, to_apply=%sum\n  %ars", f"replica_groups={groups}, to_apply=%sum\n  %ars"
+    )
     r = ins.report(text, None, mesh, label="m")
     assert r.collectives[0].mesh_axes == axes
     assert r.collectives[2].mesh_axes == ("b",)  # permute pairs 0->1->2->3->0 move along b
@@ -188,8 +194,7 @@ def test_replica_group_ids_are_positions_in_the_mesh_not_device_ids():
         g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w[0]) @ w[1]))(w)
         return [lax.psum(g[0], "a"), lax.psum(g[1], "b")]
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(("a", "b"))), out_specs=P(),
-                              check_vma=False))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(("a", "b"))), out_specs=P(), check_vma=False))
     w = [jnp.ones((64, 64)), jnp.ones((64, 32))]
     x = jax.device_put(jnp.ones((32, 64)), NamedSharding(mesh, P(("a", "b"))))
     compiled, schedule = ins.compile_with_schedule(f.lower(w, x))
@@ -208,14 +213,18 @@ def test_replica_group_ids_are_positions_in_the_mesh_not_device_ids():
 # ---------------------------------------------------------------------------------------
 # (4) real GPU compiles on compile-only H100 devices
 
+
 def _h100_devices(topology: str = "1x2x4"):
-    pytest.importorskip("jax_plugins.xla_cuda12", reason="jax-cuda12-plugin is not installed "
-                        "(needed to compile for compile-only H100 devices)")
+    pytest.importorskip(
+        "jax_plugins.xla_cuda12",
+        reason="jax-cuda12-plugin is not installed (needed to compile for compile-only H100 devices)",
+    )
     from jax.experimental import topologies
 
     # installed, the plugin must build the topology: a failure here is a failure
     return topologies.get_topology_desc(
-        "h100", "cuda", target_config=(DATA / "h100.pbtxt").read_text(), topology=topology).devices
+        "h100", "cuda", target_config=(DATA / "h100.pbtxt").read_text(), topology=topology
+    ).devices
 
 
 def _mlp_step(mesh, layers: int, reduce):
@@ -226,13 +235,13 @@ def _mlp_step(mesh, layers: int, reduce):
             h = x
             for wi in w:
                 h = jnp.tanh(h @ wi)
-            return jnp.sum(h ** 2)
+            return jnp.sum(h**2)
+
         g = jax.grad(loss)(w)
         return [wi - 0.1 * gi for wi, gi in zip(w, reduce(g))]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(axes)), out_specs=P(), check_vma=False))
-    w = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P()))
-         for _ in range(layers)]
+    w = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P())) for _ in range(layers)]
     x = jax.ShapeDtypeStruct((8 * 256, 1024), jnp.float32, sharding=NamedSharding(mesh, P(axes)))
     return f.trace(w, x).lower()
 
@@ -251,8 +260,7 @@ def test_h100_two_layer_step_with_per_leaf_psums():
     assert 0 < plain.exposed_comm_s < plain.step_s
 
     # without combining, each gradient's all-reduce is async; the first overlaps backward
-    compiled, schedule = ins.compile_with_schedule(
-        lowered, {"xla_gpu_all_reduce_combine_threshold_bytes": 1})
+    compiled, schedule = ins.compile_with_schedule(lowered, {"xla_gpu_all_reduce_combine_threshold_bytes": 1})
     r = ins.report(compiled, schedule, mesh, label="per-leaf", target="h100:1x2x4")
     text = compiled.as_text()
     assert text.count("all-reduce-start(") == 2 and r.num_async == 2 and r.num_sync == 0
@@ -271,8 +279,7 @@ def test_h100_two_layer_step_with_per_leaf_psums():
 def test_h100_two_axis_mesh_axes():
     mesh = Mesh(np.array(_h100_devices()).reshape(2, 4), ("a", "b"))
     lowered = _mlp_step(mesh, 2, lambda g: [lax.psum(g[0], "a"), lax.psum(g[1], "b")])
-    compiled, schedule = ins.compile_with_schedule(
-        lowered, {"xla_gpu_all_reduce_combine_threshold_bytes": 1})
+    compiled, schedule = ins.compile_with_schedule(lowered, {"xla_gpu_all_reduce_combine_threshold_bytes": 1})
     r = ins.report(compiled, schedule, mesh, label="2d")
     assert sorted(c.mesh_axes for c in r.collectives) == [("a",), ("b",)]
 
@@ -280,13 +287,15 @@ def test_h100_two_axis_mesh_axes():
 # ---------------------------------------------------------------------------------------
 # TPU: committed compiler output (fast) and a real compile (slow)
 
+
 def test_tpu_async_collective_fusion_all_reduce():
     r = ins.report(_read("v5p_ar.hlo.gz"), _read("v5p_ar.schedule.txt.gz"), None, label="v5p")
     assert r.platform == "tpu"
     assert [(c.name, c.kind, c.is_async) for c in r.collectives] == [
         ("async-collective-start", "all-reduce", True),
         ("async-collective-start.1", "all-reduce", True),
-        ("all-reduce.26", "all-reduce", False)]  # the last gradient's cannot overlap
+        ("all-reduce.26", "all-reduce", False),
+    ]  # the last gradient's cannot overlap
     assert [c.bytes for c in r.collectives] == [1024 * 1024 * 4] * 3
     mm = 2 * 256 * 1024 * 1024  # one backward matmul per device
     assert [c.compute_ops for c in r.collectives] == [2, 1, 0]  # fused continuation fusions
@@ -297,8 +306,9 @@ def test_tpu_async_collective_fusion_all_reduce():
     first, second, last = r.collectives
     assert first.start_s == pytest.approx(54801.300765189575 / cpu * 1e-6)
     assert first.end_s == pytest.approx(107221.74015101354 / cpu * 1e-6)
-    assert first.compute_s == pytest.approx((94432.878970109014 - 79649.017789204489
-                                             + 107220.74015101354 - 94432.878970109014) / cpu * 1e-6)
+    assert first.compute_s == pytest.approx(
+        (94432.878970109014 - 79649.017789204489 + 107220.74015101354 - 94432.878970109014) / cpu * 1e-6
+    )
     assert second.start_s == pytest.approx(107221.74015101354 / cpu * 1e-6)
     assert last.start_s == pytest.approx(159642.1795368375 / cpu * 1e-6)
     assert last.compute_s == 0.0
@@ -314,8 +324,9 @@ def test_tpu_async_all_gather_fusions_and_sync_default():
     r = ins.report(_read("v5p_fsdp.hlo.gz"), _read("v5p_fsdp.schedule.txt.gz"), None, label="fsdp")
     kinds = [(c.kind, c.is_async, c.bytes) for c in r.collectives]
     ag = 1024 * 1024 * 2  # bf16 all-gathered weights
-    assert kinds == [("all-gather", False, ag)] * 2 + [("all-gather", True, ag)] * 2 + \
-        [("all-reduce", True, 1024 * 1024 * 4)] * 3 + [("all-reduce", False, 1024 * 1024 * 4)]
+    assert kinds == [("all-gather", False, ag)] * 2 + [("all-gather", True, ag)] * 2 + [
+        ("all-reduce", True, 1024 * 1024 * 4)
+    ] * 3 + [("all-reduce", False, 1024 * 1024 * 4)]
     assert all(c.compute_ops >= 1 and c.compute_flops > 0 for c in r.collectives if c.is_async)
     assert all(c.start_s is not None and c.compute_s is not None for c in r.collectives)
     starts = [c.start_s for c in r.collectives if c.is_async]
@@ -368,8 +379,9 @@ def test_tpu_v5p_real_compile(tmp_path):
     script = tmp_path / "tpu.py"
     script.write_text(TPU_SCRIPT)
     env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_ACCELERATOR_TYPE="v4-16")
-    done = subprocess.run([sys.executable, str(script), str(ROOT)], capture_output=True, text=True,
-                          timeout=600, env=env)
+    done = subprocess.run(
+        [sys.executable, str(script), str(ROOT)], capture_output=True, text=True, timeout=600, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     line = [l for l in done.stdout.splitlines() if l.startswith("JSON")][-1]
     out = {k: ins.CompiledReport.from_json(v) for k, v in json.loads(line[4:]).items()}
@@ -377,8 +389,7 @@ def test_tpu_v5p_real_compile(tmp_path):
     assert a.platform == d.platform == "tpu"
     assert a.num_async == 2 and a.num_sync == 1
     assert all(c.kind == "all-reduce" and c.mesh_axes == ("data",) for c in a.collectives)
-    assert all(c.compute_ops >= 1 and c.compute_flops > 0 and c.compute_s > 0
-               for c in a.collectives if c.is_async)
+    assert all(c.compute_ops >= 1 and c.compute_flops > 0 and c.compute_s > 0 for c in a.collectives if c.is_async)
     assert 0 < a.exposed_comm_s < a.step_s
     assert d.step_s is None  # no schedule file with default options
     assert [(c.kind, c.is_async, c.bytes) for c in d.collectives] == [("all-reduce", False, 3 * 1024 * 1024 * 4)]
@@ -387,9 +398,9 @@ def test_tpu_v5p_real_compile(tmp_path):
 # ---------------------------------------------------------------------------------------
 # (6) presenting
 
+
 def _reports():
-    a = ins.report(_read("v5p_ar.hlo.gz"), _read("v5p_ar.schedule.txt.gz"), None, label="async",
-                   target="v5p:2x2x2")
+    a = ins.report(_read("v5p_ar.hlo.gz"), _read("v5p_ar.schedule.txt.gz"), None, label="async", target="v5p:2x2x2")
     h = ins.report(_read("handmade.hlo"), _read("handmade.schedule.txt"), None, label="hand")
     d = ins.report(_read("v5p_default.hlo.gz"), None, None, label="default")
     return a, h, d
@@ -423,4 +434,5 @@ def test_plot_writes_a_png(tmp_path):
 def test_streams_put_overlapping_windows_on_separate_rows():
     def w(s, e):
         return ins.CollectiveWindow("x", "all-reduce", 1, (), True, 0, 0.0, s, e, 0.0)
+
     assert ins._streams([w(0, 10), w(5, 15), w(10, 20), w(12, 13)]) == [0, 1, 0, 2]

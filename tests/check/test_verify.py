@@ -1,5 +1,6 @@
 """Scheduled.verify: plain against scheduled on the user's data, judged against a rounding
 baseline; a defect is caught at the step it appears."""
+
 import jax
 import optax
 import pytest
@@ -129,8 +130,7 @@ def test_verify_on_the_chaotic_cnn_digits_config_passes_dear_and_fails_bfloat16(
     for report in trainer.verify_config(cfg, ["wfbp", "dear"], steps=300):
         assert report.ok and report.precision == "float64", str(report)
     exp = trainer.experiment(cfg)
-    sched = jaxsched.schedule(exp.make_step(), strategy="wfbp",
-                              compression=jaxsched.runtime.compress.Cast("bfloat16"))
+    sched = jaxsched.schedule(exp.make_step(), strategy="wfbp", compression=jaxsched.runtime.compress.Cast("bfloat16"))
     batches = (exp.place(b) for b in exp.batches())
     bf16 = sched.verify(sched.init(exp.params, exp.opt_state), batches, steps=20)
     assert not bf16.ok and bf16.first_divergent_step <= 2, str(bf16)

@@ -4,6 +4,7 @@ Every exact strategy must equal the user's plain step (rtol 1e-5, fresh random i
 2-D meshes: ``('data', 'model')`` with a tensor-parallel MLP, and ``('dcn', 'ici')`` data
 parallel over both axes, with and without ``check_vma``.
 """
+
 from __future__ import annotations
 
 import jax
@@ -26,8 +27,14 @@ from support.equivalence import assert_trees_close
 from support.mesh_steps import run_plain_and_scheduled, tensor_parallel_mlp, two_level_step
 from support.toolchains import needs_gpu, needs_tpu
 
-EXACT = [("allreduce", {}), ("wfbp", {}), ("wfbp", {"buckets": 1}), ("dear", {}),
-         ("dear", {"buckets": 1}), ("approx", {"staleness": 0, "buckets": 1})]
+EXACT = [
+    ("allreduce", {}),
+    ("wfbp", {}),
+    ("wfbp", {"buckets": 1}),
+    ("dear", {}),
+    ("dear", {"buckets": 1}),
+    ("approx", {"staleness": 0, "buckets": 1}),
+]
 #: what `make test` runs; `make test-slow` runs every strategy on every mesh
 FAST = {("wfbp", False), ("dear", True), ("approx", False)}
 
@@ -40,8 +47,16 @@ def _matrix(meshes):
             for check_vma in (False, True):
                 fast = (strategy, check_vma) in FAST and mesh == meshes[0] and "buckets" in options
                 marks = () if fast else (pytest.mark.slow,)
-                cases.append(pytest.param(mesh, strategy, options, check_vma, marks=marks,
-                                          id=f"{mesh[0]}x{mesh[1]}-{strategy}-{options}-vma{check_vma}"))
+                cases.append(
+                    pytest.param(
+                        mesh,
+                        strategy,
+                        options,
+                        check_vma,
+                        marks=marks,
+                        id=f"{mesh[0]}x{mesh[1]}-{strategy}-{options}-vma{check_vma}",
+                    )
+                )
     return cases
 
 
@@ -66,9 +81,15 @@ def test_data_parallel_over_two_axes(mesh, strategy, options, check_vma):
     assert sched.program.captured.axis_size == mesh[0] * mesh[1]
 
 
-@pytest.mark.parametrize("strategy,options", [
-    pytest.param("wfbp", {}, marks=pytest.mark.slow), pytest.param("dear", {}, marks=pytest.mark.slow),
-    ("dear", {"buckets": 1}), pytest.param("approx", {"staleness": 0, "buckets": 1}, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "strategy,options",
+    [
+        pytest.param("wfbp", {}, marks=pytest.mark.slow),
+        pytest.param("dear", {}, marks=pytest.mark.slow),
+        ("dear", {"buckets": 1}),
+        pytest.param("approx", {"staleness": 0, "buckets": 1}, marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize("axes", [("dcn", "ici"), ("ici", "dcn")])
 def test_hierarchical_collective_is_exact(strategy, options, axes):
     made = two_level_step(2, 4, axes=("dcn", "ici"))
@@ -94,8 +115,11 @@ def test_dear_updates_a_tensor_parallel_block_sharded_over_data():
 
 
 def _hier_case(axes, fast_size, slow_size, n):
-    mesh = jax.make_mesh((slow_size, fast_size) if axes[0] == "dcn" else (fast_size, slow_size), axes,
-                         devices=jax.devices()[:fast_size * slow_size])
+    mesh = jax.make_mesh(
+        (slow_size, fast_size) if axes[0] == "dcn" else (fast_size, slow_size),
+        axes,
+        devices=jax.devices()[: fast_size * slow_size],
+    )
     mesh_axes = tuple((a, mesh.shape[a]) for a in axes)
     return mesh, mesh_axes
 
@@ -116,8 +140,14 @@ def test_hierarchical_matches_the_flat_collectives(axes, fast_size, slow_size):
         rs, _ = hier.reduce_scatter(x, axes, spec, state)
         ag, _ = hier.all_gather(flat_rs, axes, spec, state)
         ar, _ = hier.all_reduce(x[:-1], axes, odd, odd_state)
-        return (rs[None], flat_rs[None], ag[None], lax.all_gather(flat_rs, axes, tiled=True)[None],
-                ar[None], lax.psum(x[:-1], axes)[None])
+        return (
+            rs[None],
+            flat_rs[None],
+            ag[None],
+            lax.all_gather(flat_rs, axes, tiled=True)[None],
+            ar[None],
+            lax.psum(x[:-1], axes)[None],
+        )
 
     f = jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes), check_vma=False)
     x = np.random.default_rng(p).standard_normal(p * p * chunk).astype(np.float32)
@@ -129,15 +159,19 @@ def test_hierarchical_matches_the_flat_collectives(axes, fast_size, slow_size):
 
 def test_compression_only_on_the_slow_axis():
     # density 1: every entry crosses the slow axis, so the sum is exact
-    _check(two_level_step(2, 4), "wfbp",
-           {"compression": Hierarchical("ici", "dcn", slow_collective=TopK(1.0, selection="exact"))})
+    _check(
+        two_level_step(2, 4),
+        "wfbp",
+        {"compression": Hierarchical("ici", "dcn", slow_collective=TopK(1.0, selection="exact"))},
+    )
     step, params, opt_state, batches = two_level_step(2, 4)
-    sched = jaxsched.schedule(step, strategy="wfbp", buckets=10**9,
-                              compression=Hierarchical("ici", "dcn", slow_collective=TopK(0.1)))
+    sched = jaxsched.schedule(
+        step, strategy="wfbp", buckets=10**9, compression=Hierarchical("ici", "dcn", slow_collective=TopK(0.1))
+    )
     state, _ = sched(sched.init(params, opt_state), next(batches(1)))
     # each device's residual is its fast group's quarter of the bucket
     size = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(params))
-    (own, _), = sched.program.strategy.collective_template(sched.program.planned)
+    ((own, _),) = sched.program.strategy.collective_template(sched.program.planned)
     assert own.residual.shape == (-(-size // 4),)
     sent = bytes_sent(state)  # only the slow axis's sparse payload: about 10% of the quarter
     assert sent.shape == (8,) and 0 < sent.max() < 0.25 * 8 * own.residual.shape[0]
@@ -160,20 +194,27 @@ def test_a_gradient_reduction_over_a_model_axis_says_which_axes():
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, ()
 
-    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    )
     sched = jaxsched.schedule(step, strategy="wfbp")
     batch = jax.device_put(jnp.ones((8, 3)), jax.NamedSharding(mesh, P("data")))
-    with pytest.raises(UnsupportedStepError, match=r"reduced over axes \('data', 'model'\).*"
-                                                   r"\('model',\) are not data-parallel axes"):
+    with pytest.raises(
+        UnsupportedStepError,
+        match=r"reduced over axes \('data', 'model'\).*"
+        r"\('model',\) are not data-parallel axes",
+    ):
         sched(sched.init(params, tx.init(params)), batch)
 
 
 def test_hierarchical_refuses_a_step_on_other_axes():
     from support.equivalence import run_both
 
-    with pytest.raises(ValueError, match=r"needs a step whose data-parallel axes are exactly "
-                                         r"\('dcn', 'ici'\).*this step's are \('data',\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs a step whose data-parallel axes are exactly "
+        r"\('dcn', 'ici'\).*this step's are \('data',\)",
+    ):
         run_both("mlp", optax.sgd(0.1), "wfbp", 4, n_steps=1, collective=Hierarchical("ici", "dcn"))
 
 
@@ -213,8 +254,12 @@ def test_the_mesh_names_the_slow_axis():
 
 @pytest.mark.slow
 @settings(max_examples=8, deadline=None, derandomize=True)  # the same meshes in every CI run
-@given(first=st.sampled_from([1, 2, 4]), second=st.sampled_from([1, 2, 4]),
-       strategy=st.sampled_from(["wfbp", "dear"]), tensor_parallel=st.booleans())
+@given(
+    first=st.sampled_from([1, 2, 4]),
+    second=st.sampled_from([1, 2, 4]),
+    strategy=st.sampled_from(["wfbp", "dear"]),
+    tensor_parallel=st.booleans(),
+)
 def test_any_mesh_shape_within_eight_devices(first, second, strategy, tensor_parallel):
     if first * second > 8:
         return
@@ -238,21 +283,24 @@ def test_a_trainstate_step_over_two_axes_with_the_hierarchy():
             return nn.Dense(3)(nn.relu(nn.Dense(16)(x)))
 
     model = Mlp()
-    start = train_state.TrainState.create(apply_fn=model.apply, tx=optax.adam(1e-2),
-                                          params=model.init(jax.random.key(0), jnp.ones((1, 5)))["params"])
+    start = train_state.TrainState.create(
+        apply_fn=model.apply, tx=optax.adam(1e-2), params=model.init(jax.random.key(0), jnp.ones((1, 5)))["params"]
+    )
 
     def local(state, batch):
         x, y = batch
-        loss, grads = jax.value_and_grad(
-            lambda p: jnp.mean((state.apply_fn({"params": p}, x) - y) ** 2))(state.params)
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((state.apply_fn({"params": p}, x) - y) ** 2))(state.params)
         return state.apply_gradients(grads=lax.pmean(grads, axes)), lax.pmean(loss, axes)
 
-    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(axes)), out_specs=(P(), P()),
-                                 check_vma=False))
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(axes)), out_specs=(P(), P()), check_vma=False))
     rng = np.random.default_rng(3)
-    batches = [jax.device_put((rng.standard_normal((16, 5)).astype(np.float32),
-                               rng.standard_normal((16, 3)).astype(np.float32)),
-                              jax.NamedSharding(mesh, P(axes))) for _ in range(3)]
+    batches = [
+        jax.device_put(
+            (rng.standard_normal((16, 5)).astype(np.float32), rng.standard_normal((16, 3)).astype(np.float32)),
+            jax.NamedSharding(mesh, P(axes)),
+        )
+        for _ in range(3)
+    ]
     plain = start
     for b in batches:
         plain, _ = step(plain, b)
@@ -283,13 +331,19 @@ def test_a_sum_level_by_level_by_hand_is_refused_with_what_to_write():
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, ()
 
-    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(("dcn", "ici"))),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P(), P(("dcn", "ici"))), out_specs=(P(), P(), P()), check_vma=False
+        )
+    )
     sched = jaxsched.schedule(step, strategy="wfbp")
     params = {"w": jnp.ones((3, 2))}
     batch = jax.device_put(jnp.ones((8, 3)), jax.NamedSharding(mesh, P(("dcn", "ici"))))
-    with pytest.raises(UnsupportedStepError, match=r"in separate calls \(over \('dcn',\), \('ici',\)\); "
-                                                   r"reduce them in one, lax.pmean\(grads, \('dcn', 'ici'\)\)"):
+    with pytest.raises(
+        UnsupportedStepError,
+        match=r"in separate calls \(over \('dcn',\), \('ici',\)\); "
+        r"reduce them in one, lax.pmean\(grads, \('dcn', 'ici'\)\)",
+    ):
         sched(sched.init(params, tx.init(params)), batch)
 
 
@@ -300,5 +354,8 @@ def test_a_full_density_compressor_on_the_slow_axis_is_exact(strategy, options, 
     from jaxsched.runtime.compress import GlobalTopK
 
     slow_collective = GlobalTopK(1.0) if slow_collective == "gtopk" else slow_collective
-    _check(two_level_step(2, 4), strategy,
-           dict(options, compression=Hierarchical("ici", "dcn", slow_collective=slow_collective)))
+    _check(
+        two_level_step(2, 4),
+        strategy,
+        dict(options, compression=Hierarchical("ici", "dcn", slow_collective=slow_collective)),
+    )

@@ -1,5 +1,6 @@
 """Shard rules one by one: a function run on chunks (``eval_sharded``) equals it on full
 tensors, with no fallback, on shapes that do not divide by the number of devices."""
+
 import warnings
 
 import jax
@@ -27,8 +28,7 @@ def _on_shards(fn, *full):
         outs = eval_sharded(ctx, closed.jaxpr, shards, closed.consts)
         return tuple(ctx.to_full(o) for o in outs)
 
-    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) * len(full),
-                                out_specs=P(), check_vma=False))
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) * len(full), out_specs=P(), check_vma=False))
     placed = [jax.device_put(a, NamedSharding(mesh, P())) for a in full]
     with warnings.catch_warnings():
         warnings.simplefilter("error", FallbackWarning)
@@ -37,7 +37,7 @@ def _on_shards(fn, *full):
 
 
 FUNCTIONS = {
-    "row sums": lambda x: jnp.sum(x ** 2, axis=1),
+    "row sums": lambda x: jnp.sum(x**2, axis=1),
     "column means": lambda x: jnp.mean(x, axis=0),
     "row max": lambda x: jnp.max(x, axis=1),
     "column min": lambda x: jnp.min(x, axis=0),
@@ -45,12 +45,12 @@ FUNCTIONS = {
     "all finite": lambda x: jnp.all(jnp.isfinite(x)),
     "any nan": lambda x: jnp.any(jnp.isnan(x)),
     "zero nans": lambda x: jnp.where(jnp.isnan(x), 0.0, x),
-    "cond on a global norm": lambda x: lax.cond(jnp.sum(x ** 2) > 1.0, lambda a: a * 2.0, lambda a: a - 1.0, x),
+    "cond on a global norm": lambda x: lax.cond(jnp.sum(x**2) > 1.0, lambda a: a * 2.0, lambda a: a - 1.0, x),
     "fori_loop": lambda x: lax.fori_loop(0, 3, lambda i, a: a * 0.5 + jnp.float32(i), x),
-    "scan with a full input": lambda x: lax.scan(lambda c, t: (c * t + 1.0, jnp.sum(c)), x,
-                                                 jnp.arange(3.0))[0],
+    "scan with a full input": lambda x: lax.scan(lambda c, t: (c * t + 1.0, jnp.sum(c)), x, jnp.arange(3.0))[0],
     "scan growing a sharded carry": lambda x: lax.fori_loop(
-        0, 2, lambda i, c: (c[0] + x, c[1] + 1.0), (jnp.zeros(SHAPE), 0.0))[0],
+        0, 2, lambda i, c: (c[0] + x, c[1] + 1.0), (jnp.zeros(SHAPE), 0.0)
+    )[0],
     "switch": lambda x: lax.switch(jnp.int32(jnp.sum(x) > 0), [lambda a: a, lambda a: jnp.sqrt(jnp.abs(a))], x),
 }
 

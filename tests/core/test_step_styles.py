@@ -1,5 +1,6 @@
 """Steps as people write them: each strategy is exact (rtol 1e-5) against the plain step on
 fresh random inputs, or refuses with an error naming the cause. Never wrong numbers."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,15 +20,17 @@ TX = optax.adam(1e-2)
 
 def _params(seed):
     rng = np.random.default_rng(seed)
-    return {"dense": {"kernel": rng.standard_normal((6, 5)).astype(np.float32) * 0.3,
-                      "bias": np.zeros(5, np.float32)},
-            "head": {"kernel": rng.standard_normal((5, 3)).astype(np.float32) * 0.3}}
+    return {
+        "dense": {"kernel": rng.standard_normal((6, 5)).astype(np.float32) * 0.3, "bias": np.zeros(5, np.float32)},
+        "head": {"kernel": rng.standard_normal((5, 3)).astype(np.float32) * 0.3},
+    }
 
 
 def _batches(seed, n=5, rows=8):
     rng = np.random.default_rng(seed)
-    return [(rng.standard_normal((rows, 6)).astype(np.float32),
-             rng.integers(0, 3, rows).astype(np.int32)) for _ in range(n)]
+    return [
+        (rng.standard_normal((rows, 6)).astype(np.float32), rng.integers(0, 3, rows).astype(np.int32)) for _ in range(n)
+    ]
 
 
 def _xent(logits, y):
@@ -58,8 +61,11 @@ def _run(step, state, batches, place, strategy):
 
 def _shard_map_step(body, state_specs=(P(), P())):
     mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(*state_specs, P("data")),
-                                 out_specs=(*state_specs, P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(*state_specs, P("data")), out_specs=(*state_specs, P()), check_vma=False
+        )
+    )
     place = lambda b: jax.device_put(b, jax.NamedSharding(mesh, P("data")))
     return step, place, mesh
 
@@ -98,7 +104,7 @@ def _sam_body(p, s, batch):
     x, y = batch
     loss_fn = lambda q: _xent(_forward(q, x), y)
     g = lax.pmean(jax.grad(loss_fn)(p), "data")
-    norm = jnp.sqrt(sum(jnp.sum(v ** 2) for v in jax.tree.leaves(g)))
+    norm = jnp.sqrt(sum(jnp.sum(v**2) for v in jax.tree.leaves(g)))
     perturbed = jax.tree.map(lambda a, b: a + 0.05 * b / (norm + 1e-12), p, g)
     loss, g2 = jax.value_and_grad(loss_fn)(perturbed)
     g2 = lax.pmean(g2, "data")
@@ -107,8 +113,7 @@ def _sam_body(p, s, batch):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("body", [_syncbn_body, _token_count_body, _sam_body],
-                         ids=["syncbn", "token_count", "sam"])
+@pytest.mark.parametrize("body", [_syncbn_body, _token_count_body, _sam_body], ids=["syncbn", "token_count", "sam"])
 def test_collectives_in_forward_stay_where_they_are(body, strategy):
     step, place, _ = _shard_map_step(body)
     params = _params(0)
@@ -159,8 +164,9 @@ def test_per_device_bn_statistics_in_pmap_state_stay_per_device(strategy):
     devices = jax.devices()[:DEVICES]
     step = jax.pmap(_bn_stats_body, axis_name="data", devices=devices)
     params = _params(0)
-    state = jax.tree.map(lambda a: np.stack([np.asarray(a)] * DEVICES),
-                         (params, (TX.init(params), np.zeros(5, np.float32))))
+    state = jax.tree.map(
+        lambda a: np.stack([np.asarray(a)] * DEVICES), (params, (TX.init(params), np.zeros(5, np.float32)))
+    )
     place = lambda b: jax.tree.map(lambda a: a.reshape(DEVICES, -1, *a.shape[1:]), b)
     _run(step, state, _batches(4), place, strategy)
 
@@ -191,8 +197,9 @@ def test_a_typed_key_and_an_integer_counter_pass_through(strategy):
         st, _ = sched(st, place(b))
     got = sched.finalize(st)
     assert jnp.array_equal(jax.random.key_data(got[0]["key"]), jax.random.key_data(plain[0]["key"]))
-    assert_trees_close({k: v for k, v in plain[0].items() if k != "key"},
-                       {k: v for k, v in got[0].items() if k != "key"})
+    assert_trees_close(
+        {k: v for k, v in plain[0].items() if k != "key"}, {k: v for k, v in got[0].items() if k != "key"}
+    )
     assert_trees_close(plain[1], got[1])
 
 
@@ -212,6 +219,5 @@ def _sharded_key_body(p, s, batch):
 def test_a_state_leaf_with_a_sharded_spec_keeps_its_spec(strategy):
     step, place, mesh = _shard_map_step(_sharded_key_body, state_specs=((P(), P("data")), P()))
     weights = _params(0)
-    keys = jax.device_put(jax.random.split(jax.random.PRNGKey(0), DEVICES),
-                          jax.NamedSharding(mesh, P("data")))
+    keys = jax.device_put(jax.random.split(jax.random.PRNGKey(0), DEVICES), jax.NamedSharding(mesh, P("data")))
     _run(step, ((weights, keys), TX.init(weights)), _batches(6), place, strategy)

@@ -4,6 +4,7 @@ survive Ctrl-C with a loadable checkpoint, and run across processes.
 The fast tests call each trainer's ``main(argv)`` in this process (8 virtual CPU devices
 from conftest.py) on tiny configs; the slow ones start real processes.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -33,13 +34,13 @@ def _load(name: str):
 
 TINY = {  # a few seconds each: small models, 2 devices
     "digits": '[model]\nname = "mlp"\nhidden = [32]\n[data]\nname = "digits"\nbatch_size = 32\n'
-              '[optimizer]\nname = "adam"\nlearning_rate = 3e-3\n[train]\nsteps = 4\ndevices = 2\n',
+    '[optimizer]\nname = "adam"\nlearning_rate = 3e-3\n[train]\nsteps = 4\ndevices = 2\n',
     "cifar_synthetic": '[model]\nname = "cnn"\nchannels = 4\nblocks = 1\n[data]\n'
-                       'name = "synthetic_cifar"\nbatch_size = 8\nn = 64\n[train]\nsteps = 3\n'
-                       'devices = 2\n',
+    'name = "synthetic_cifar"\nbatch_size = 8\nn = 64\n[train]\nsteps = 3\n'
+    "devices = 2\n",
     "tiny_lm": '[model]\nname = "transformer"\ndim = 16\nheads = 2\nlayers = 1\n[data]\n'
-               'name = "synthetic_tokens"\nbatch_size = 8\nn = 64\nseq_len = 8\nvocab_size = 16\n'
-               '[train]\nsteps = 3\ndevices = 2\n',
+    'name = "synthetic_tokens"\nbatch_size = 8\nn = 64\nseq_len = 8\nvocab_size = 16\n'
+    "[train]\nsteps = 3\ndevices = 2\n",
 }
 TINY["trainstate_digits"] = TINY["digits"]
 
@@ -51,8 +52,7 @@ def _tiny(tmp_path: Path, name: str) -> str:
 
 
 def _run(name: str, tmp_path: Path, *args: str, out: str = "out") -> dict:
-    code = _load(name).main(["--config", _tiny(tmp_path, name), "--out", str(tmp_path / out),
-                             "--no-progress", *args])
+    code = _load(name).main(["--config", _tiny(tmp_path, name), "--out", str(tmp_path / out), "--no-progress", *args])
     assert code == 0
     return json.loads((tmp_path / out / "summary.json").read_text())
 
@@ -63,10 +63,12 @@ def _rows(path: Path) -> list[dict]:
 
 # Scheduled strategies whose programs compile quickly here; tiny_lm's dear and wfbp
 # programs take longer to compile and run in the slow README test.
-RUNS = {"digits": ["--strategy", "dear", "--compression", "topk:0.1", "--buckets", "hidden;head"],
-        "cifar_synthetic": ["--strategy", "wfbp", "--buckets", "2000"],
-        "tiny_lm": ["--strategy", "allreduce"],
-        "trainstate_digits": ["--strategy", "wfbp", "--buckets", "params/Dense_0;params/Dense_1"]}
+RUNS = {
+    "digits": ["--strategy", "dear", "--compression", "topk:0.1", "--buckets", "hidden;head"],
+    "cifar_synthetic": ["--strategy", "wfbp", "--buckets", "2000"],
+    "tiny_lm": ["--strategy", "allreduce"],
+    "trainstate_digits": ["--strategy", "wfbp", "--buckets", "params/Dense_0;params/Dense_1"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +79,16 @@ def digits_run(tmp_path_factory) -> Path:
     return tmp
 
 
-@pytest.mark.parametrize("name", ["digits", pytest.param("cifar_synthetic", marks=pytest.mark.slow),
-                                  pytest.param("tiny_lm", marks=pytest.mark.slow),
-                                  pytest.param("trainstate_digits", marks=pytest.mark.slow)])
-def test_each_trainer_runs_and_writes_metrics_summary_plot_and_checkpoints(
-        request, tmp_path, name):
+@pytest.mark.parametrize(
+    "name",
+    [
+        "digits",
+        pytest.param("cifar_synthetic", marks=pytest.mark.slow),
+        pytest.param("tiny_lm", marks=pytest.mark.slow),
+        pytest.param("trainstate_digits", marks=pytest.mark.slow),
+    ],
+)
+def test_each_trainer_runs_and_writes_metrics_summary_plot_and_checkpoints(request, tmp_path, name):
     if name == "digits":
         tmp_path = request.getfixturevalue("digits_run")
     else:
@@ -102,16 +109,19 @@ def test_each_trainer_runs_and_writes_metrics_summary_plot_and_checkpoints(
         assert summary["buckets_used"] == 2 and summary["trained_steps"] == summary["steps"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--strategy", "dearr"], "argument --strategy: invalid choice: 'dearr'"),
-    (["--strategy", "allreduce", "--compression", "topk:0.01"], "cannot carry TopK"),
-    (["--strategy", "dear", "--compression", "powersgd:2"], "use --strategy wfbp"),
-    (["--compression", "zip"], "--compression 'zip': use one of"),
-    (["--engine", "gpu"], "argument --engine: 'gpu' is unknown"),
-    (["--devices", "3"], "not divisible by --devices 3"),
-    (["--buckets", "hidden;;head"], "has an empty bucket"),
-    (["--config", "nope.toml"], "config file 'nope.toml' does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--strategy", "dearr"], "argument --strategy: invalid choice: 'dearr'"),
+        (["--strategy", "allreduce", "--compression", "topk:0.01"], "cannot carry TopK"),
+        (["--strategy", "dear", "--compression", "powersgd:2"], "use --strategy wfbp"),
+        (["--compression", "zip"], "--compression 'zip': use one of"),
+        (["--engine", "gpu"], "argument --engine: 'gpu' is unknown"),
+        (["--devices", "3"], "not divisible by --devices 3"),
+        (["--buckets", "hidden;;head"], "has an empty bucket"),
+        (["--config", "nope.toml"], "config file 'nope.toml' does not exist"),
+    ],
+)
 def test_bad_options_fail_at_once_naming_the_option(tmp_path, capsys, args, message):
     started = time.perf_counter()
     with pytest.raises(SystemExit) as exit_info:
@@ -130,14 +140,16 @@ def test_an_unknown_bucket_path_is_named_before_training(tmp_path, capsys):
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
-def test_a_second_run_into_the_same_folder_needs_resume_and_the_same_settings(digits_run,
-                                                                              capsys):
-    for args, message in ((["--steps", "6"], "pass --resume"),
-                          (["--resume", "--seed", "3"], "seed was 0, now 3"),
-                          (["--resume", "--strategy", "wfbp"], "strategy was 'dear', now 'wfbp'")):
+def test_a_second_run_into_the_same_folder_needs_resume_and_the_same_settings(digits_run, capsys):
+    for args, message in (
+        (["--steps", "6"], "pass --resume"),
+        (["--resume", "--seed", "3"], "seed was 0, now 3"),
+        (["--resume", "--strategy", "wfbp"], "strategy was 'dear', now 'wfbp'"),
+    ):
         with pytest.raises(SystemExit) as exit_info:
-            _load("digits").main(["--config", _tiny(digits_run, "digits"), "--out",
-                                  str(digits_run / "out"), *RUNS["digits"], *args])
+            _load("digits").main(
+                ["--config", _tiny(digits_run, "digits"), "--out", str(digits_run / "out"), *RUNS["digits"], *args]
+            )
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
 
@@ -150,8 +162,12 @@ def test_digits_dear_reaches_the_same_accuracy_as_allreduce(tmp_path):
     summaries = {}
     for strategy in ("allreduce", "dear"):
         out = tmp_path / strategy
-        assert digits.main(["--config", str(config), "--strategy", strategy, "--steps", "100",
-                            "--out", str(out), "--no-progress"]) == 0
+        assert (
+            digits.main(
+                ["--config", str(config), "--strategy", strategy, "--steps", "100", "--out", str(out), "--no-progress"]
+            )
+            == 0
+        )
         summaries[strategy] = json.loads((out / "summary.json").read_text())
     plain, dear = summaries["allreduce"], summaries["dear"]
     assert plain["test_accuracy"] > 0.9
@@ -186,8 +202,7 @@ def _state(out: Path, step: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, extra", [("dear", []), ("allreduce", []),
-                                             ("wfbp", ["--compression", "topk:0.05"])])
+@pytest.mark.parametrize("strategy, extra", [("dear", []), ("allreduce", []), ("wfbp", ["--compression", "topk:0.05"])])
 def test_train_10_save_restore_train_10_equals_train_20(tmp_path, strategy, extra):
     args = ["--strategy", strategy, "--checkpoint-every", "10", *extra]
     _run("digits", tmp_path, *args, "--steps", "10", out="split")
@@ -217,9 +232,23 @@ def test_sigint_leaves_the_last_complete_checkpoint_loadable(tmp_path):
     config = tmp_path / "digits.toml"
     config.write_text(TINY["digits"])
     proc = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / "digits.py"), "--config", str(config), "--steps",
-         "100000", "--checkpoint-every", "5", "--out", str(out)],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            str(EXAMPLES / "digits.py"),
+            "--config",
+            str(config),
+            "--steps",
+            "100000",
+            "--checkpoint-every",
+            "5",
+            "--out",
+            str(out),
+        ],
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not (out / "checkpoints" / "10").is_dir():  # a complete one, and saving goes on
@@ -237,8 +266,12 @@ def test_sigint_leaves_the_last_complete_checkpoint_loadable(tmp_path):
     assert latest >= 10 and f"last complete checkpoint: step {latest}" in stdout
     # Loadable into the scheduled layout, and the run continues from it.
     digits = _load("digits")
-    assert digits.main(["--config", str(config), "--steps", str(latest + 2), "--resume",
-                        "--out", str(out), "--no-progress"]) == 0
+    assert (
+        digits.main(
+            ["--config", str(config), "--steps", str(latest + 2), "--resume", "--out", str(out), "--no-progress"]
+        )
+        == 0
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from"] == latest
     assert [r["step"] for r in _rows(out / "metrics.jsonl")] == list(range(latest + 2))
@@ -253,10 +286,31 @@ def test_two_processes_under_jaxsched_launch_resume_and_match_one_process(tmp_pa
 
     def launch(*args: str) -> subprocess.CompletedProcess:
         done = subprocess.run(
-            [sys.executable, "-m", "jaxsched", "launch", "--hosts", "2", "--cpu-devices", "2",
-             "--timeout", "300", "--", sys.executable, str(EXAMPLES / "digits.py"), "--config",
-             str(config), "--out", str(tmp_path / "two"), *args],
-            env=_env(), capture_output=True, text=True, timeout=360)
+            [
+                sys.executable,
+                "-m",
+                "jaxsched",
+                "launch",
+                "--hosts",
+                "2",
+                "--cpu-devices",
+                "2",
+                "--timeout",
+                "300",
+                "--",
+                sys.executable,
+                str(EXAMPLES / "digits.py"),
+                "--config",
+                str(config),
+                "--out",
+                str(tmp_path / "two"),
+                *args,
+            ],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=360,
+        )
         assert done.returncode == 0, done.stderr[-4000:]
         return done
 
@@ -269,19 +323,25 @@ def test_two_processes_under_jaxsched_launch_resume_and_match_one_process(tmp_pa
     assert two["processes"] == 2 and two["devices"] == 2 and two["engine_used"] == "host"
     assert two["resumed_from"] == 3
     one = _run("digits", tmp_path, "--steps", "6", "--devices", "2", out="one")
-    np.testing.assert_allclose([r["loss"] for r in _rows(tmp_path / "two" / "metrics.jsonl")],
-                               [r["loss"] for r in _rows(tmp_path / "one" / "metrics.jsonl")],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        [r["loss"] for r in _rows(tmp_path / "two" / "metrics.jsonl")],
+        [r["loss"] for r in _rows(tmp_path / "one" / "metrics.jsonl")],
+        rtol=1e-5,
+    )
     assert two["test_accuracy"] == pytest.approx(one["test_accuracy"], abs=1 / 359)
 
 
 def _readme_example_commands() -> list[str]:
     text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Examples"):]
-    section = section[:section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    section = text[text.index("## Examples") :]
+    section = section[: section.index("\n## ", 1)] if "\n## " in section[1:] else section
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
-    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()
-            if line.strip() and not line.startswith("#")]
+    return [
+        line.split("  #")[0].strip()
+        for block in blocks
+        for line in block.splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
 
 
 @pytest.mark.slow
@@ -293,6 +353,7 @@ def test_readme_example_commands_run_as_written(tmp_path):
     for name in ("examples", "configs", ".venv"):
         (tmp_path / name).symlink_to(ROOT / name)
     for command in commands:
-        done = subprocess.run(command, shell=True, cwd=tmp_path, env=_env(), capture_output=True,
-                              text=True, timeout=600)
+        done = subprocess.run(
+            command, shell=True, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600
+        )
         assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"

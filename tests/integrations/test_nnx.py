@@ -4,6 +4,7 @@ Every test runs the user's NNX step unscheduled on one copy of the objects and s
 another, on fresh random batches, and compares every variable of the model and optimizer
 (parameters, optimizer state and step, RNG streams, BatchNorm statistics, custom variables).
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,18 +60,19 @@ def nnx_shard_map_step(mesh):
     @nnx.shard_map(mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P())
     def train_step(model, optimizer, batch):
         return update(model, optimizer, *batch)
+
     return train_step
 
 
 def jax_shard_map_step(mesh):
     @functools.partial(jax.jit, static_argnums=0)
     def per_device_step(graphdef, state, batch):
-        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")),
-                           out_specs=(P(), P()))
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
         def per_device(state, batch):
             m, o = nnx.merge(graphdef, state)
             loss = update(m, o, *batch)
             return nnx.state((m, o)), loss
+
         return per_device(state, batch)
 
     def train_step(model, optimizer, batch):
@@ -78,6 +80,7 @@ def jax_shard_map_step(mesh):
         state, loss = per_device_step(graphdef, state, batch)
         nnx.update((model, optimizer), state)
         return loss
+
     return train_step
 
 
@@ -85,6 +88,7 @@ def nnx_pmap_step(devices):
     @nnx.pmap(in_axes=(None, None, 0), out_axes=None, axis_name="data", devices=devices)
     def train_step(model, optimizer, batch):
         return update(model, optimizer, *batch)
+
     return train_step
 
 
@@ -104,8 +108,7 @@ def bn_objects(seed: int = 0, dtype=jnp.float32):
 def bn_batches(n: int, seed: int, dtype=np.float32):
     rng = np.random.default_rng(seed)
     for _ in range(n):
-        yield (rng.standard_normal((2 * DEVICES, 12)).astype(dtype),
-               rng.integers(0, 4, 2 * DEVICES).astype(np.int32))
+        yield (rng.standard_normal((2 * DEVICES, 12)).astype(dtype), rng.integers(0, 4, 2 * DEVICES).astype(np.int32))
 
 
 def flat_values(*objects) -> dict:
@@ -122,8 +125,9 @@ def flat_values(*objects) -> dict:
 def assert_same_state(expected: dict, actual: dict, rtol: float = 1e-5):
     assert expected.keys() == actual.keys()
     for path in expected:
-        np.testing.assert_allclose(actual[path], expected[path], rtol=rtol, atol=1e-6,
-                                   err_msg=f"variable {'/'.join(map(str, path))}")
+        np.testing.assert_allclose(
+            actual[path], expected[path], rtol=rtol, atol=1e-6, err_msg=f"variable {'/'.join(map(str, path))}"
+        )
 
 
 def run_pair(make_objects, make_step, batches, strategy, finalize_every=None, **options):
@@ -149,13 +153,13 @@ def run_pair(make_objects, make_step, batches, strategy, finalize_every=None, **
 def _zoo_case(name, strategy):
     mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
     batches = [steps.shard_batch(b, mesh) for b in random_batches(name, STEPS, 2 * DEVICES, seed=3)]
-    _, scheduled = run_pair(lambda: zoo_objects(name), lambda: nnx_shard_map_step(mesh), batches,
-                            strategy)
+    _, scheduled = run_pair(lambda: zoo_objects(name), lambda: nnx_shard_map_step(mesh), batches, strategy)
     assert scheduled.scheduled.program.strategy.name == strategy
 
 
-@pytest.mark.parametrize("name", ["mlp", pytest.param("cnn", marks=pytest.mark.slow),
-                                  pytest.param("transformer", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name", ["mlp", pytest.param("cnn", marks=pytest.mark.slow), pytest.param("transformer", marks=pytest.mark.slow)]
+)
 def test_zoo_models_match_the_unscheduled_nnx_step_with_dear(name):
     _zoo_case(name, "dear")
 
@@ -190,9 +194,14 @@ def _bn_case_x64(style, strategy):
     assert plain[(1, "step")] == STEPS
 
 
-@pytest.mark.parametrize("style", ["nnx_shard_map",
-                                   pytest.param("jax_shard_map", marks=pytest.mark.slow),
-                                   pytest.param("nnx_pmap", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "style",
+    [
+        "nnx_shard_map",
+        pytest.param("jax_shard_map", marks=pytest.mark.slow),
+        pytest.param("nnx_pmap", marks=pytest.mark.slow),
+    ],
+)
 def test_rng_batchnorm_and_custom_variables_pass_through_dear(style):
     _bn_case(style, "dear")
 
@@ -210,8 +219,9 @@ def test_user_layout_strategies_keep_the_objects_up_to_date_after_every_step(str
     plain_step = nnx_shard_map_step(mesh)
     # auto's choice depends on what it measures: keep its candidates to user-layout ones
     options = {"candidates": ("allreduce", "wfbp")} if strategy == "auto" else {}
-    sched = jaxsched.integrations.nnx.schedule(nnx_shard_map_step(mesh), strategy=strategy,
-                                  buckets=[["l1"], ["bn", "l2"]], **options)  # subtree prefixes
+    sched = jaxsched.integrations.nnx.schedule(
+        nnx_shard_map_step(mesh), strategy=strategy, buckets=[["l1"], ["bn", "l2"]], **options
+    )  # subtree prefixes
     for batch in bn_batches(4, seed=8):
         batch = steps.shard_batch(batch, mesh)
         plain_step(*plain_objects, batch)
@@ -283,11 +293,13 @@ def test_approx_local_on_an_nnx_step_equals_it_on_the_functional_step():
     model, optimizer = zoo_objects("mlp", tx=optax.sgd(0.1, momentum=0.9))
     params, apply_fn = models.pure(zoo_objects("mlp")[0])
     tx = optax.sgd(0.1 * DEVICES, momentum=0.9)
-    functional = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="approx",
-                                   approx_method="local", staleness=1)
+    functional = jaxsched.schedule(
+        steps.make_step(apply_fn, tx, mesh), strategy="approx", approx_method="local", staleness=1
+    )
     state = functional.init(params, tx.init(params))
-    sched = jaxsched.integrations.nnx.schedule(nnx_shard_map_step(mesh), strategy="approx",
-                                  approx_method="local", staleness=1)
+    sched = jaxsched.integrations.nnx.schedule(
+        nnx_shard_map_step(mesh), strategy="approx", approx_method="local", staleness=1
+    )
     for batch in batches:
         state, _ = functional(state, batch)
         sched(model, optimizer, batch)

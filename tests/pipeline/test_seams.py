@@ -1,5 +1,6 @@
 """The three seams: a strategy, a collective and an engine defined outside the package plug
 in through the public registries; programs are cached per batch signature."""
+
 import ast
 from pathlib import Path
 
@@ -34,8 +35,7 @@ class Bf16AllReduce(UserLayoutStrategy):
         def run(eqn, operands):
             if id(eqn) not in reducing:
                 return replay.bind(eqn, operands)
-            return [lax.psum(x.astype(jnp.bfloat16), planned.axis_name).astype(x.dtype)
-                    for x in operands]
+            return [lax.psum(x.astype(jnp.bfloat16), planned.axis_name).astype(x.dtype) for x in operands]
 
         return replay.eval_inline(body, [], values, run=run), collective_state
 
@@ -51,13 +51,15 @@ def _bf16_reference_step(apply_fn, tx, mesh):
     def body(params, opt_state, batch):
         x, y = batch
         loss, grads = jax.value_and_grad(lambda p: steps.cross_entropy(apply_fn(p, x), y))(params)
-        grads = jax.tree.map(lambda g: lax.psum(g.astype(jnp.bfloat16), "data").astype(g.dtype)
-                             / lax.axis_size("data"), grads)
+        grads = jax.tree.map(
+            lambda g: lax.psum(g.astype(jnp.bfloat16), "data").astype(g.dtype) / lax.axis_size("data"), grads
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": lax.pmean(loss, "data")}
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    )
 
 
 def test_a_strategy_defined_outside_the_package_registers_and_runs_exactly(toy_strategy):
@@ -78,8 +80,10 @@ def test_a_strategy_defined_outside_the_package_registers_and_runs_exactly(toy_s
         jax.block_until_ready(state)
     assert_trees_close(sched.finalize(state), tuple(ref))
     # and it really reduced in bf16: the float32 step ends elsewhere
-    gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in
-              zip(jax.tree.leaves(full[0]), jax.tree.leaves(sched.finalize(state)[0])))
+    gap = max(
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(full[0]), jax.tree.leaves(sched.finalize(state)[0]))
+    )
     assert gap > 1e-6
     # the simulator knows it by name through its cost description
     layers = jaxsched.LayerProfile([jaxsched.Layer("l", 10, 40, 1e-3, 2e-3)])
@@ -92,6 +96,7 @@ def test_the_registry_refuses_a_taken_name_and_unknown_names(toy_strategy):
 
     class Other(Bf16AllReduce):
         name = "dear"
+
     with pytest.raises(ValueError, match="'dear' is already registered"):
         register_strategy(Other)
     with pytest.raises(ValueError, match="strategy='deer' is unknown.*dear"):
@@ -125,8 +130,9 @@ class CountingCollective(jaxsched.CollectiveWrapper):
         return out, self._count(state, 2)
 
 
-@pytest.mark.parametrize("strategy, expected", [pytest.param("wfbp", [5, 0, 0], marks=pytest.mark.slow),
-                                                ("dear", [0, 5, 5])])
+@pytest.mark.parametrize(
+    "strategy, expected", [pytest.param("wfbp", [5, 0, 0], marks=pytest.mark.slow), ("dear", [0, 5, 5])]
+)
 def test_a_collective_wrapper_carries_per_device_state_through_any_strategy(strategy, expected):
     params, apply_fn = build("mlp", 0)
     tx = optax.adam(1e-2)
@@ -153,8 +159,10 @@ def test_allreduce_cannot_carry_a_collective():
         jaxsched.schedule(lambda *a: a, strategy="allreduce", collective=CountingCollective())
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("allreduce", marks=pytest.mark.slow),
-                                      pytest.param("wfbp", marks=pytest.mark.slow), "dear"])
+@pytest.mark.parametrize(
+    "strategy",
+    [pytest.param("allreduce", marks=pytest.mark.slow), pytest.param("wfbp", marks=pytest.mark.slow), "dear"],
+)
 def test_each_batch_shape_gets_its_own_program_and_matches_the_plain_step(strategy):
     params, apply_fn = build("mlp", 0)
     tx = optax.adamw(1e-2)
@@ -214,8 +222,18 @@ def _string_comparisons(path: Path) -> set[str]:
 def test_the_pipeline_compares_against_no_strategy_name():
     # "auto" is also the value of buckets= and engine=, which the pipeline does compare
     names = (set(jaxsched.STRATEGIES) | {"approx", "mgwfbp"}) - {"auto"}
-    for module in ("_schedule.py", "pipeline/program.py", "pipeline/selection.py", "plan/planned_step.py", "runtime/engine/base.py", "runtime/engine/xla.py",
-                   "plan/__init__.py", "plan/_common.py", "plan/from_step.py", "sim/core.py"):
+    for module in (
+        "_schedule.py",
+        "pipeline/program.py",
+        "pipeline/selection.py",
+        "plan/planned_step.py",
+        "runtime/engine/base.py",
+        "runtime/engine/xla.py",
+        "plan/__init__.py",
+        "plan/_common.py",
+        "plan/from_step.py",
+        "sim/core.py",
+    ):
         assert not _string_comparisons(ROOT / "jaxsched" / module) & names, module
 
 
@@ -231,12 +249,12 @@ def test_all_reduce_tensors_sums_each_tensor_whatever_its_size(wrapped):
     shapes = [(big,), (3, 5), (2,), (big // 8 + 1, 8), ()]
     tensors = [rng.standard_normal((4,) + s).astype(np.float32) for s in shapes]
     collective = CollectiveWrapper() if wrapped else Collective()
-    spec = BucketSpec(index=0, size=sum(int(np.prod(s)) for s in shapes), dtype=np.dtype("float32"),
-                      axis_size=4, shapes=tuple(shapes))
+    spec = BucketSpec(
+        index=0, size=sum(int(np.prod(s)) for s in shapes), dtype=np.dtype("float32"), axis_size=4, shapes=tuple(shapes)
+    )
 
     def body(*blocks):
-        sums, _ = collective.all_reduce_tensors([b[0] for b in blocks], "data", spec,
-                                                collective.init([spec])[0])
+        sums, _ = collective.all_reduce_tensors([b[0] for b in blocks], "data", spec, collective.init([spec])[0])
         return [s[None] for s in sums]
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
@@ -245,7 +263,6 @@ def test_all_reduce_tensors_sums_each_tensor_whatever_its_size(wrapped):
     for t, out in zip(tensors, outs, strict=True):
         assert out.shape == t.shape and out.dtype == t.dtype
         np.testing.assert_allclose(np.asarray(out)[0], t.sum(0), rtol=1e-5, atol=1e-5)
-    psums = [e for e in replay.nested_eqns(jax.make_jaxpr(f)(*placed).jaxpr)
-             if e.primitive.name == "psum"]
+    psums = [e for e in replay.nested_eqns(jax.make_jaxpr(f)(*placed).jaxpr) if e.primitive.name == "psum"]
     # plain: two large tensors as they are + one buffer for the three small ones; wrapped: one
     assert len(psums) == (1 if wrapped else 3)

@@ -3,6 +3,7 @@ dict and a ``flax.struct`` dataclass state. Every strategy against the plain ste
 random inputs (rtol 1e-5), with and without ``check_vma``, on 8 and 2 devices; leaves that
 are not trained pass through as the plain step moves them; lazy and eager ``init``,
 ``finalize`` to the same type, checkpoints, ``verify``, and the errors."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,9 +48,13 @@ def _train_state(seed=0, tx=TX):
 def _batches(mesh, n=3, seed=1):
     rows = 2 * mesh.size
     rng = np.random.default_rng(seed)
-    return [jax.device_put((rng.standard_normal((rows, FEATURES)).astype(np.float32),
-                            rng.integers(0, CLASSES, rows).astype(np.int32)),
-                           NamedSharding(mesh, P("data"))) for _ in range(n)]
+    return [
+        jax.device_put(
+            (rng.standard_normal((rows, FEATURES)).astype(np.float32), rng.integers(0, CLASSES, rows).astype(np.int32)),
+            NamedSharding(mesh, P("data")),
+        )
+        for _ in range(n)
+    ]
 
 
 def _xent(logits, y):
@@ -66,16 +71,17 @@ def _train_state_step(mesh, check_vma=False):
 
     def body(state, batch):
         x, y = batch
+
         def loss_fn(params):
             logits = state.apply_fn({"params": params}, x)
             return _xent(logits, y), logits
+
         (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         state = state.apply_gradients(grads=_grads(grads, check_vma, n))
         accuracy = jnp.mean(jnp.argmax(logits, -1) == y)
         return state, {"loss": lax.pmean(loss, "data"), "accuracy": lax.pmean(accuracy, "data")}
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
-                                 check_vma=check_vma))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=check_vma))
 
 
 def _plain(step, state, batches):
@@ -108,11 +114,19 @@ def _assert_same(got, want):
 
 
 # -- TrainState: every strategy is the plain step ---------------------------------------------
-EXACT = {"allreduce": {}, "wfbp": {"buckets": 200}, "dear": {"buckets": 200},
-         "approx": {"staleness": 0, "buckets": 200}, "auto": {}}
-CASES = [pytest.param(strategy, check_vma, devices,
-                      marks=[pytest.mark.slow] if devices == 2 or strategy == "auto" else [])
-         for devices in (8, 2) for check_vma in (False, True) for strategy in EXACT]
+EXACT = {
+    "allreduce": {},
+    "wfbp": {"buckets": 200},
+    "dear": {"buckets": 200},
+    "approx": {"staleness": 0, "buckets": 200},
+    "auto": {},
+}
+CASES = [
+    pytest.param(strategy, check_vma, devices, marks=[pytest.mark.slow] if devices == 2 or strategy == "auto" else [])
+    for devices in (8, 2)
+    for check_vma in (False, True)
+    for strategy in EXACT
+]
 
 
 @pytest.mark.parametrize("strategy, check_vma, devices", CASES)
@@ -125,27 +139,37 @@ def test_train_state_step_equals_the_plain_step(strategy, check_vma, devices):
     sstate, sched_aux = _scheduled(sched, sched.init(state), batches)
     _assert_same(sched.finalize(sstate), plain)
     assert_trees_close(sched_aux, plain_aux)
-    assert sorted(sched.program.planned.paths) == ["params/Dense_0/bias", "params/Dense_0/kernel",
-                                                   "params/Dense_1/bias", "params/Dense_1/kernel"]
+    assert sorted(sched.program.planned.paths) == [
+        "params/Dense_0/bias",
+        "params/Dense_0/kernel",
+        "params/Dense_1/bias",
+        "params/Dense_1/kernel",
+    ]
     if strategy in ("wfbp", "dear"):
         assert len(sched.program.buckets) > 1
 
 
 def _params_form_step(mesh, tx=TX):
     """The same training as _train_state_step, written as step(params, opt_state, batch)."""
+
     def body(params, opt_state, batch):
         x, y = batch
         loss, grads = jax.value_and_grad(lambda p: _xent(MODEL.apply({"params": p}, x), y))(params)
         updates, opt_state = tx.update(lax.pmean(grads, "data"), opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": lax.pmean(loss, "data")}
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    )
 
 
-@pytest.mark.parametrize("strategy, options", [
-    ("approx", {"staleness": 1, "approx_method": "local"}),
-    pytest.param("kfac", {"damping": 1e-2, "inverse_interval": 2}, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "strategy, options",
+    [
+        ("approx", {"staleness": 1, "approx_method": "local"}),
+        pytest.param("kfac", {"damping": 1e-2, "inverse_interval": 2}, marks=pytest.mark.slow),
+    ],
+)
 def test_inexact_strategies_run_as_on_the_params_form(strategy, options):
     """approx with staleness and kfac change the numbers by design: the state form gives
     what the same training written as step(params, opt_state, batch) gives."""
@@ -166,8 +190,12 @@ def test_inexact_strategies_run_as_on_the_params_form(strategy, options):
 # -- dict and dataclass states: what is not trained passes through -----------------------------
 def _dict_state(seed=0):
     params = _variables(seed)
-    return {"params": params, "opt_state": TX.init(params), "step": jnp.zeros((), jnp.int32),
-            "rng": jax.random.key(seed)}
+    return {
+        "params": params,
+        "opt_state": TX.init(params),
+        "step": jnp.zeros((), jnp.int32),
+        "rng": jax.random.key(seed),
+    }
 
 
 def _dict_step(mesh):
@@ -175,15 +203,19 @@ def _dict_step(mesh):
         x, y = batch
         rng, dropout = jax.random.split(state["rng"])
         keep = jax.random.bernoulli(dropout, 0.8, x.shape)
-        loss, grads = jax.value_and_grad(
-            lambda p: _xent(MODEL.apply({"params": p}, jnp.where(keep, x / 0.8, 0)), y))(state["params"])
+        loss, grads = jax.value_and_grad(lambda p: _xent(MODEL.apply({"params": p}, jnp.where(keep, x / 0.8, 0)), y))(
+            state["params"]
+        )
         updates, opt_state = TX.update(lax.pmean(grads, "data"), state["opt_state"], state["params"])
-        new = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state,
-               "step": state["step"] + 1, "rng": rng}
+        new = {
+            "params": optax.apply_updates(state["params"], updates),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+            "rng": rng,
+        }
         return new, lax.pmean(loss, "data")
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
-                                 check_vma=False))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=False))
 
 
 @struct.dataclass
@@ -191,30 +223,41 @@ class Trainer:
     params: dict
     opt_state: optax.OptState
     step: jax.Array
-    rng: jax.Array           # returned unchanged
-    temperature: jax.Array   # read by forward, never updated
-    loss_ema: jax.Array      # an average of the pmean'ed loss: updated, but not trained
+    rng: jax.Array  # returned unchanged
+    temperature: jax.Array  # read by forward, never updated
+    loss_ema: jax.Array  # an average of the pmean'ed loss: updated, but not trained
     apply_fn: callable = struct.field(pytree_node=False)
 
 
 def _dataclass_state(seed=0):
     params = _variables(seed)
-    return Trainer(params, TX.init(params), jnp.zeros((), jnp.int32), jax.random.key(seed),
-                   jnp.asarray(1.5, jnp.float32), jnp.zeros((), jnp.float32), MODEL.apply)
+    return Trainer(
+        params,
+        TX.init(params),
+        jnp.zeros((), jnp.int32),
+        jax.random.key(seed),
+        jnp.asarray(1.5, jnp.float32),
+        jnp.zeros((), jnp.float32),
+        MODEL.apply,
+    )
 
 
 def _dataclass_step(mesh):
     def body(state, batch):
         x, y = batch
-        loss, grads = jax.value_and_grad(
-            lambda p: _xent(state.apply_fn({"params": p}, x) / state.temperature, y))(state.params)
+        loss, grads = jax.value_and_grad(lambda p: _xent(state.apply_fn({"params": p}, x) / state.temperature, y))(
+            state.params
+        )
         updates, opt_state = TX.update(lax.pmean(grads, "data"), state.opt_state, state.params)
         loss = lax.pmean(loss, "data")
-        return state.replace(params=optax.apply_updates(state.params, updates), opt_state=opt_state,
-                             step=state.step + 1, loss_ema=0.9 * state.loss_ema + 0.1 * loss), loss
+        return state.replace(
+            params=optax.apply_updates(state.params, updates),
+            opt_state=opt_state,
+            step=state.step + 1,
+            loss_ema=0.9 * state.loss_ema + 0.1 * loss,
+        ), loss
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
-                                 check_vma=False))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=False))
 
 
 STATES = {"dict": (_dict_state, _dict_step), "dataclass": (_dataclass_state, _dataclass_step)}
@@ -231,8 +274,12 @@ def test_dict_and_dataclass_states_train_only_their_parameters(kind, strategy):
     sstate, sched_aux = _scheduled(sched, sched.init(state), batches)
     _assert_same(sched.finalize(sstate), plain)
     assert_trees_close(sched_aux, plain_aux)
-    assert sorted(sched.program.planned.paths) == ["params/Dense_0/bias", "params/Dense_0/kernel",
-                                                   "params/Dense_1/bias", "params/Dense_1/kernel"]
+    assert sorted(sched.program.planned.paths) == [
+        "params/Dense_0/bias",
+        "params/Dense_0/kernel",
+        "params/Dense_1/bias",
+        "params/Dense_1/kernel",
+    ]
     rest = sched.program.captured.opt_tree  # the rest: every other leaf, by path
     names = sorted(jax.tree_util.tree_unflatten(rest, range(rest.num_leaves)))
     assert "step" in names and "rng" in names and "opt_state/0/mu/Dense_0/kernel" in names
@@ -268,15 +315,16 @@ def test_a_pmap_train_state_step():
 
     def body(state, batch):
         x, y = batch
-        loss, grads = jax.value_and_grad(
-            lambda p: _xent(state.apply_fn({"params": p}, x), y))(state.params)
+        loss, grads = jax.value_and_grad(lambda p: _xent(state.apply_fn({"params": p}, x), y))(state.params)
         return state.apply_gradients(grads=lax.pmean(grads, "data")), lax.pmean(loss, "data")
 
     step = jax.pmap(body, axis_name="data", devices=devices)
     state = jax.tree.map(lambda a: np.stack([np.asarray(a)] * n), _train_state())
     rng = np.random.default_rng(5)
-    batches = [(rng.standard_normal((n, 2, FEATURES)).astype(np.float32),
-                rng.integers(0, CLASSES, (n, 2)).astype(np.int32)) for _ in range(3)]
+    batches = [
+        (rng.standard_normal((n, 2, FEATURES)).astype(np.float32), rng.integers(0, CLASSES, (n, 2)).astype(np.int32))
+        for _ in range(3)
+    ]
     plain, plain_aux = _plain(step, state, batches)
     sched = jaxsched.schedule(step, strategy="dear", buckets=200)
     sstate, sched_aux = _scheduled(sched, sched.init(state), batches)
@@ -317,16 +365,16 @@ def test_an_output_state_of_another_structure_names_both():
 
     def body(state, batch):
         x, y = batch
-        grads = lax.pmean(jax.grad(lambda p: _xent(MODEL.apply({"params": p}, x), y))(state["params"]),
-                          "data")
+        grads = lax.pmean(jax.grad(lambda p: _xent(MODEL.apply({"params": p}, x), y))(state["params"]), "data")
         params = jax.tree.map(lambda p, g: p - 0.1 * g, state["params"], grads)
         return {"params": params, "extra": jnp.zeros(())}, jnp.zeros(())
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
-                                 check_vma=False))
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=False))
     sched = jaxsched.schedule(step)
-    with pytest.raises(jaxsched.UnsupportedStepError,
-                       match=r"the step's output state has structure .*'extra'.* but its input state has"):
+    with pytest.raises(
+        jaxsched.UnsupportedStepError,
+        match=r"the step's output state has structure .*'extra'.* but its input state has",
+    ):
         sched(sched.init({"params": _variables(0)}), _batches(mesh, n=1)[0])
 
 
@@ -337,11 +385,12 @@ def test_a_state_with_nothing_trained_names_each_leaf():
         x, _ = batch
         return {"mean": 0.5 * state["mean"] + lax.pmean(x.mean(0), "data")}, jnp.zeros(())
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
-                                 check_vma=False))
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=False))
     sched = jaxsched.schedule(step)
-    with pytest.raises(jaxsched.UnsupportedStepError,
-                       match=r"found no trained parameter in the state.*mean \(forward and backward never"):
+    with pytest.raises(
+        jaxsched.UnsupportedStepError,
+        match=r"found no trained parameter in the state.*mean \(forward and backward never",
+    ):
         sched.init({"mean": jnp.zeros(FEATURES)}, _batches(mesh, n=1)[0])
 
 
@@ -381,6 +430,9 @@ def test_the_form_is_read_from_the_step_signature_and_else_from_init():
     assert step_form(lambda *a: 0, 1, True) == "state"
     assert step_form(lambda *a: 0, 2, False) == "trees"  # as before: (params, opt_state)
     assert step_form(lambda *a: 0, 3, False) == "trees"
-    jitted = jax.jit(jax.shard_map(lambda state, batch: (state, batch), mesh=_mesh(2),
-                                   in_specs=(P(), P("data")), out_specs=(P(), P())))
+    jitted = jax.jit(
+        jax.shard_map(
+            lambda state, batch: (state, batch), mesh=_mesh(2), in_specs=(P(), P("data")), out_specs=(P(), P())
+        )
+    )
     assert step_form(jitted, 2, False) == "state"

@@ -1,4 +1,5 @@
 """Planners: optimal == brute force, optimal never worse, planner shapes."""
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,10 @@ def test_optimal_equals_brute_force_for_dear_and_approx(seed):
     rng = random.Random(50 + seed)
     layers, net = random_layers(rng, rng.randint(1, 7)), random_network(rng)
     for strategy in ("dear", "approx"):
-        best = min(simulate(layers, net, strategy, b, iterations=6, keep_spans=False).iteration_s
-                   for b in all_partitions(len(layers)))
+        best = min(
+            simulate(layers, net, strategy, b, iterations=6, keep_spans=False).iteration_s
+            for b in all_partitions(len(layers))
+        )
         planned = plan_buckets(layers, net, "optimal", strategy=strategy)
         got = simulate(layers, net, strategy, planned, iterations=6).iteration_s
         assert math.isclose(got, best, rel_tol=1e-12), strategy
@@ -40,11 +43,13 @@ def test_optimal_is_never_worse_than_any_planner(seed):
     rng = random.Random(100 + seed)
     layers, net = random_layers(rng, rng.randint(1, 40)), random_network(rng)
     for strategy in ("wfbp", "dear", "approx"):
-        optimal = simulate(layers, net, strategy, plan_buckets(layers, net, "optimal", strategy),
-                           iterations=6).iteration_s
+        optimal = simulate(
+            layers, net, strategy, plan_buckets(layers, net, "optimal", strategy), iterations=6
+        ).iteration_s
         for planner in PLANNERS:
-            other = simulate(layers, net, strategy, plan_buckets(layers, net, planner, strategy),
-                             iterations=6).iteration_s
+            other = simulate(
+                layers, net, strategy, plan_buckets(layers, net, planner, strategy), iterations=6
+            ).iteration_s
             assert optimal <= other * (1 + 1e-12), (strategy, planner)
 
 
@@ -59,8 +64,7 @@ def test_every_planner_returns_a_forward_order_partition(planner):
 def test_threshold_closes_buckets_in_backward_order():
     layers = LayerProfile([Layer(str(i), 1, size, 1e-3, 1e-3) for i, size in enumerate([5, 5, 5, 30, 5])])
     # backward: 4 (5B), 3 (30B) -> 35 >= 20 closes; then 2, 1, 0.
-    assert plan_buckets(layers, network_preset("10gbe", 4), "threshold", threshold_bytes=20) == \
-        [[0, 1, 2], [3, 4]]
+    assert plan_buckets(layers, network_preset("10gbe", 4), "threshold", threshold_bytes=20) == [[0, 1, 2], [3, 4]]
 
 
 def test_mgwfbp_merges_only_when_latency_dominates():

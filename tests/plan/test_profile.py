@@ -1,4 +1,5 @@
 """Profilers: fits, measured layer and network profiles, and the profile -> simulate path."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,9 @@ def test_fit_recovers_alpha_beta_and_keeps_alpha_nonnegative():
     assert cost.alpha_s >= 0 and cost.beta_s_per_byte > 0 and error > 0
 
 
-@pytest.mark.parametrize("name", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)])  # the heaviest compiles run in `make test-slow` (CI runs both)
+@pytest.mark.parametrize(
+    "name", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)]
+)  # the heaviest compiles run in `make test-slow` (CI runs both)
 def test_layer_profile_of_zoo_model(name):
     prof = profile_zoo_model(name, batch=8, repeats=2)
     shape, outputs = ((32,), 64) if name == "transformer" else ((8, 8, 1), 10)
@@ -56,8 +59,7 @@ def test_update_is_measured_and_scales_with_parameter_count():
     small, big = {"w": np.ones((1 << 12,), np.float32)}, {"w": np.ones((1 << 20,), np.float32)}
     dispatch = measure_dispatch(mesh)
     assert dispatch > 0
-    seconds = profile_update([small, big, {}], optax.sgd(0.1, momentum=0.9), mesh, repeats=5,
-                             dispatch_s=dispatch)
+    seconds = profile_update([small, big, {}], optax.sgd(0.1, momentum=0.9), mesh, repeats=5, dispatch_s=dispatch)
     assert seconds[1] > 0 and seconds[2] == 0
     assert seconds[1] > 4 * seconds[0]  # 256x the parameters; the update is memory-bound
 
@@ -66,14 +68,50 @@ def test_profile_cli_output_feeds_simulate(tmp_path, capsys):
     # Output folders that do not exist yet are created.
     layers, network = tmp_path / "profiles" / "l.json", tmp_path / "net" / "deeper" / "n.json"
     out = tmp_path / "results" / "o.json"
-    assert main(["profile", "--model", "mlp", "--batch", "8", "--repeats", "2", "--out", str(layers),
-                 "--network-out", str(network), "--optimizer", "adam", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                "--model",
+                "mlp",
+                "--batch",
+                "8",
+                "--repeats",
+                "2",
+                "--out",
+                str(layers),
+                "--network-out",
+                str(network),
+                "--optimizer",
+                "adam",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "fit error" in printed and "update" in printed
     assert all(layer.update_s >= 0 for layer in LayerProfile.load(layers).layers)
     assert NetworkProfile.load(network).workers == 8
-    assert main(["simulate", "--profile", str(layers), "--network-profile", str(network),
-                 "--strategies", "allreduce,wfbp,dear", "--planner", "optimal", "--json", str(out), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--profile",
+                str(layers),
+                "--network-profile",
+                str(network),
+                "--strategies",
+                "allreduce,wfbp,dear",
+                "--planner",
+                "optimal",
+                "--json",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     # One bucket is among the partitions the optimal planner considers, so WFBP cannot lose
     # by more than packing and unpacking its bucket buffers (which the allreduce step skips).
@@ -121,8 +159,16 @@ def test_network_profile_across_two_processes(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(MULTI_PROCESS_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), port], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(i), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
     outputs = [p.communicate(timeout=120) for p in procs]
     for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-2000:]

@@ -1,6 +1,7 @@
 """Gradient compression through the collective seam: TopK, GlobalTopK, PowerSGD,
 Cast; exactness at full density/rank, error feedback, gTop-k against brute force, bytes,
 checkpoints and bad input."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,8 +30,7 @@ def _put(x, mesh):
     return jax.device_put(x, jax.NamedSharding(mesh, P("data")))
 
 
-def _run_collective(compressor, grads, residuals=None, op="all_reduce", shapes=None,
-                    kind="gradients"):
+def _run_collective(compressor, grads, residuals=None, op="all_reduce", shapes=None, kind="gradients"):
     """Runs one compressed reduction of per-device buffers ``grads`` (P, n); returns
     (result per device (P, ...), this bucket's new own state, stacked per device)."""
     num, n = grads.shape
@@ -50,8 +50,9 @@ def _run_collective(compressor, grads, residuals=None, op="all_reduce", shapes=N
         out, (new, _) = getattr(compressor, op)(g[0], "data", spec, (mine, inner))
         return (out[None],) + tuple(x[None] for x in jax.tree.leaves(new))
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"),) * (1 + len(leaves)),
-                              out_specs=P("data"), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P("data"),) * (1 + len(leaves)), out_specs=P("data"), check_vma=False)
+    )
     out, *new = f(_put(grads, mesh), *[_put(s, mesh) for s in stacked])
     return np.asarray(out), jax.tree.unflatten(treedef, [np.asarray(x) for x in new])
 
@@ -65,14 +66,20 @@ def test_topk_error_feedback_conserves_mass_exactly(selection):
     topk = TopK(density=0.01, selection=selection)
     spec = BucketSpec(0, 4096, jnp.dtype("float32"), 8)
     mesh = _mesh(8)
-    select = jax.jit(jax.shard_map(lambda g, r: _select_flat(topk, spec, g[0], r[0]), mesh=mesh,
-                                   in_specs=P("data"), out_specs=P("data"), check_vma=False))
+    select = jax.jit(
+        jax.shard_map(
+            lambda g, r: _select_flat(topk, spec, g[0], r[0]),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P("data"),
+            check_vma=False,
+        )
+    )
     all_values, all_indices, all_new = (np.asarray(x) for x in select(_put(grads, mesh), _put(residuals, mesh)))
     for d in range(8):
         values, indices, new_res = all_values[d], all_indices[d], all_new[d]
         sent = np.asarray(kernels.densify(values, indices, (4096,)))
-        np.testing.assert_array_equal(sent + np.asarray(new_res).reshape(-1),
-                                      residuals[d] + grads[d])
+        np.testing.assert_array_equal(sent + np.asarray(new_res).reshape(-1), residuals[d] + grads[d])
         assert 20 <= np.count_nonzero(sent) <= 62  # about k = 41
 
 
@@ -191,13 +198,20 @@ def test_reduce_scatter_returns_this_devices_shard_of_the_compressed_sum():
 
 # -- density 1.0 / full rank give the dense step --------------------------------------------------
 @pytest.mark.parametrize("strategy", ["wfbp", "dear"])
-@pytest.mark.parametrize("compression", [pytest.param(TopK(1.0, selection="exact"), marks=pytest.mark.slow),
-                                         TopK(1.0), pytest.param(GlobalTopK(1.0), marks=pytest.mark.slow)],
-                         ids=["topk_exact", "topk_threshold", "gtopk"])  # the heaviest compiles run in `make test-slow` (CI runs both)
+@pytest.mark.parametrize(
+    "compression",
+    [
+        pytest.param(TopK(1.0, selection="exact"), marks=pytest.mark.slow),
+        TopK(1.0),
+        pytest.param(GlobalTopK(1.0), marks=pytest.mark.slow),
+    ],
+    ids=["topk_exact", "topk_threshold", "gtopk"],
+)  # the heaviest compiles run in `make test-slow` (CI runs both)
 @pytest.mark.slow  # compiles collectives over several devices: make test-slow
 def test_full_density_gives_the_dense_trajectory(strategy, compression):
     plain, sched, plain_aux, sched_aux, _ = run_both(
-        "mlp", optax.adam(1e-2), strategy, 8, n_steps=8, buckets=2000, compression=compression)
+        "mlp", optax.adam(1e-2), strategy, 8, n_steps=8, buckets=2000, compression=compression
+    )
     assert_trees_close(sched, plain, rtol=1e-5, atol=1e-6)
     assert_trees_close(sched_aux, plain_aux, rtol=1e-5, atol=1e-6)
 
@@ -206,8 +220,8 @@ def test_full_density_gives_the_dense_trajectory(strategy, compression):
 @pytest.mark.parametrize("devices", [4])
 def test_powersgd_at_full_rank_gives_the_dense_step(devices):
     plain, sched, plain_aux, sched_aux, s = run_both(
-        "mlp", optax.sgd(0.1, momentum=0.9), "wfbp", devices, n_steps=8, buckets=2000,
-        compression=PowerSGD(rank=64))
+        "mlp", optax.sgd(0.1, momentum=0.9), "wfbp", devices, n_steps=8, buckets=2000, compression=PowerSGD(rank=64)
+    )
     assert_trees_close(sched, plain, rtol=1e-4, atol=1e-5)
     assert_trees_close(sched_aux, plain_aux, rtol=1e-4, atol=1e-5)
 
@@ -215,10 +229,9 @@ def test_powersgd_at_full_rank_gives_the_dense_step(devices):
 @pytest.mark.slow  # a heavy compile: runs in `make test-slow` (CI runs both)
 def test_powersgd_at_low_rank_is_lossy_but_trains():
     plain, sched, plain_aux, sched_aux, s = run_both(
-        "mlp", optax.sgd(0.1, momentum=0.9), "wfbp", 4, n_steps=8, buckets=2000,
-        compression=PowerSGD(rank=1))
-    gap = max(float(np.max(np.abs(a - b))) for a, b in
-              zip(jax.tree.leaves(plain[0]), jax.tree.leaves(sched[0])))
+        "mlp", optax.sgd(0.1, momentum=0.9), "wfbp", 4, n_steps=8, buckets=2000, compression=PowerSGD(rank=1)
+    )
+    gap = max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(plain[0]), jax.tree.leaves(sched[0])))
     assert gap > 1e-4
     assert all(np.isfinite(a["loss"]) for a in sched_aux)
 
@@ -227,13 +240,15 @@ def _bf16_reference_step(apply_fn, tx, mesh):
     def body(params, opt_state, batch):
         x, y = batch
         loss, grads = jax.value_and_grad(lambda p: steps.cross_entropy(apply_fn(p, x), y))(params)
-        grads = jax.tree.map(lambda g: lax.psum(g.astype(jnp.bfloat16), "data").astype(g.dtype)
-                             / lax.axis_size("data"), grads)
+        grads = jax.tree.map(
+            lambda g: lax.psum(g.astype(jnp.bfloat16), "data").astype(g.dtype) / lax.axis_size("data"), grads
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": lax.pmean(loss, "data")}
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+    return jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    )
 
 
 @pytest.mark.slow  # compiles collectives over several devices: make test-slow
@@ -253,16 +268,17 @@ def test_cast_to_bfloat16_equals_a_handwritten_bfloat16_step(strategy):
         *full, _ = user_step(*full, batch)
         jax.block_until_ready(state)
     assert_trees_close(sched.finalize(state), tuple(ref))
-    gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in
-              zip(jax.tree.leaves(full[0]), jax.tree.leaves(sched.finalize(state)[0])))
+    gap = max(
+        float(jnp.max(jnp.abs(a - b)))
+        for a, b in zip(jax.tree.leaves(full[0]), jax.tree.leaves(sched.finalize(state)[0]))
+    )
     assert gap > 1e-6  # and it really reduced in bf16
 
 
 # -- carried state: checkpoints, bytes ---------------------------------------------------------
 @pytest.mark.slow  # compiles collectives over several devices: make test-slow
 @pytest.mark.parametrize("strategy, compression", [("dear", TopK(0.05)), ("wfbp", PowerSGD(rank=2))])
-def test_residuals_round_trip_through_an_orbax_checkpoint_and_resume_identically(
-        tmp_path, strategy, compression):
+def test_residuals_round_trip_through_an_orbax_checkpoint_and_resume_identically(tmp_path, strategy, compression):
     import orbax.checkpoint as ocp
 
     params, apply_fn = build("mlp", 0)
@@ -288,16 +304,13 @@ def test_residuals_round_trip_through_an_orbax_checkpoint_and_resume_identically
     resumed = jaxsched.schedule(step, strategy=strategy, compression=compression)
     template = resumed.init(params, tx.init(params), batches[0])
     assert jax.tree.structure(template) == jax.tree.structure(state)
-    restored = checkpointer.restore(tmp_path / "ckpt", jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                                                                    template))
+    restored = checkpointer.restore(tmp_path / "ckpt", jax.tree.map(ocp.utils.to_shape_dtype_struct, template))
     for b in batches[3:]:
         restored, _ = resumed(restored, b)
         jax.block_until_ready(restored)
-    for a, b in zip(jax.tree.leaves(sched.finalize(uninterrupted)),
-                    jax.tree.leaves(resumed.finalize(restored))):
+    for a, b in zip(jax.tree.leaves(sched.finalize(uninterrupted)), jax.tree.leaves(resumed.finalize(restored))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    for a, b in zip(jax.tree.leaves(uninterrupted.collective_state),
-                    jax.tree.leaves(restored.collective_state)):
+    for a, b in zip(jax.tree.leaves(uninterrupted.collective_state), jax.tree.leaves(restored.collective_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -305,8 +318,9 @@ def _one_step(compression, devices=8, strategy="wfbp", buckets=2000):
     params, apply_fn = build("mlp", 0)
     tx = optax.sgd(0.1)
     mesh = _mesh(devices)
-    sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy=strategy,
-                              compression=compression, buckets=buckets)
+    sched = jaxsched.schedule(
+        steps.make_step(apply_fn, tx, mesh), strategy=strategy, compression=compression, buckets=buckets
+    )
     state = sched.init(params, tx.init(params))
     assert bytes_sent(state).size == 0  # nothing traced yet
     state, _ = sched(state, steps.shard_batch(next(random_batches("mlp", 1, 2 * devices, 0)), mesh))
@@ -361,16 +375,19 @@ def test_parameter_all_gathers_and_reductions_stay_exact():
 
 
 # -- bad input -------------------------------------------------------------------------------
-@pytest.mark.parametrize("make, message", [
-    (lambda: TopK(density=0.0), r"TopK\(density=0.0\): density must be in \(0, 1\]"),
-    (lambda: TopK(density=1.5), r"density must be in \(0, 1\]"),
-    (lambda: GlobalTopK(density=-0.1), r"GlobalTopK\(density=-0.1\)"),
-    (lambda: TopK(density="dense"), "density must be a number"),
-    (lambda: TopK(selection="sorted"), r"selection='sorted'.*'threshold', 'exact'"),
-    (lambda: PowerSGD(rank=0), r"rank must be an int >= 1"),
-    (lambda: PowerSGD(rank=2.5), r"rank must be an int >= 1"),
-    (lambda: Cast(jnp.int8), "needs a floating dtype"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: TopK(density=0.0), r"TopK\(density=0.0\): density must be in \(0, 1\]"),
+        (lambda: TopK(density=1.5), r"density must be in \(0, 1\]"),
+        (lambda: GlobalTopK(density=-0.1), r"GlobalTopK\(density=-0.1\)"),
+        (lambda: TopK(density="dense"), "density must be a number"),
+        (lambda: TopK(selection="sorted"), r"selection='sorted'.*'threshold', 'exact'"),
+        (lambda: PowerSGD(rank=0), r"rank must be an int >= 1"),
+        (lambda: PowerSGD(rank=2.5), r"rank must be an int >= 1"),
+        (lambda: Cast(jnp.int8), "needs a floating dtype"),
+    ],
+)
 def test_bad_construction_arguments_are_refused_at_construction(make, message):
     with pytest.raises((ValueError, TypeError), match=message):
         make()
@@ -383,8 +400,11 @@ def test_a_non_float_gradient_bucket_is_refused_naming_bucket_and_dtype(comp):
 
 
 def test_compression_with_a_strategy_that_cannot_carry_it_is_refused():
-    with pytest.raises(ValueError, match=r"strategy 'allreduce' issues no bucket collectives, so it "
-                                         r"cannot carry TopK; use wfbp or dear"):
+    with pytest.raises(
+        ValueError,
+        match=r"strategy 'allreduce' issues no bucket collectives, so it "
+        r"cannot carry TopK; use wfbp or dear",
+    ):
         jaxsched.schedule(lambda *a: a, strategy="allreduce", compression=TopK())
 
 
@@ -403,8 +423,10 @@ def _selected_per_bucket(compressor, sizes, devices=2):
     grads = [rng.standard_normal((devices, n)).astype(np.float32) for n in sizes]
 
     def body(*gs):
-        return tuple(compressor.all_reduce(g[0], "data", spec, state)[1][0].bytes_sent[None]
-                     for g, spec, state in zip(gs, specs, states))
+        return tuple(
+            compressor.all_reduce(g[0], "data", spec, state)[1][0].bytes_sent[None]
+            for g, spec, state in zip(gs, specs, states)
+        )
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
     return [int(np.asarray(b)[0]) // 8 for b in f(*[_put(g, mesh) for g in grads])]
@@ -434,8 +456,7 @@ def test_bad_per_bucket_densities_name_the_bucket():
 def test_the_planner_merges_buckets_against_the_compressed_collective():
     from jaxsched.plan import plan_buckets
 
-    layers = jaxsched.LayerProfile([jaxsched.Layer(f"l{i}", 250_000, 1_000_000, 2e-3, 4e-3)
-                                    for i in range(6)])
+    layers = jaxsched.LayerProfile([jaxsched.Layer(f"l{i}", 250_000, 1_000_000, 2e-3, 4e-3) for i in range(6)])
     network = jaxsched.network_preset("1gbe", 32)
     topk = TopK(0.01)
     assert topk.sim_compression() == jaxsched.sim.Compression("topk", 0.01)
@@ -449,6 +470,7 @@ def test_the_planner_merges_buckets_against_the_compressed_collective():
 
     def time(plan):
         return jaxsched.simulate(layers, network, "wfbp", plan, compression=compression).iteration_s
+
     assert time(compressed_plan) <= time(dense_plan)
     assert time(compressed_plan) < 0.97 * time([[i] for i in range(6)])
     with pytest.raises(ValueError, match="one density for every bucket"):
@@ -492,9 +514,14 @@ def test_auto_buckets_plan_against_the_compressed_collective(monkeypatch):
         params, apply_fn = build("mlp", 0)
         tx = optax.sgd(0.1)
         mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
-        sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="wfbp", buckets="auto",
-                                  compression=compression, layer_profile=measured,
-                                  network_profile=network_preset("1gbe", 4))
+        sched = jaxsched.schedule(
+            steps.make_step(apply_fn, tx, mesh),
+            strategy="wfbp",
+            buckets="auto",
+            compression=compression,
+            layer_profile=measured,
+            network_profile=network_preset("1gbe", 4),
+        )
         batch = steps.shard_batch(next(random_batches("mlp", 1, 8, 0)), mesh)
         state, aux = sched(sched.init(params, tx.init(params)), batch)
         assert np.isfinite(float(aux["loss"]))

@@ -1,6 +1,7 @@
 """Deep Gradient Compression's options on TopK and GlobalTopK: warm-up tiers and
 their bytes, momentum correction with factor masking against a NumPy reference, local
 clipping, exactness at full density, checkpoints mid-warm-up, and bad input."""
+
 import re
 
 import jax
@@ -36,16 +37,14 @@ class _Collective:
         self.spec = BucketSpec(0, n, jnp.dtype("float32"), devices, shapes=((n,),))
         own, self.inner = compressor.init([self.spec])[0]
         leaves, self.treedef = jax.tree.flatten(own)
-        self.state = [_put(np.broadcast_to(np.asarray(x), (devices,) + np.shape(x)).copy(), self.mesh)
-                      for x in leaves]
+        self.state = [_put(np.broadcast_to(np.asarray(x), (devices,) + np.shape(x)).copy(), self.mesh) for x in leaves]
 
         def body(g, *state):
             mine = jax.tree.unflatten(self.treedef, [s[0] for s in state])
             out, (new, _) = compressor.all_reduce(g[0], "data", self.spec, (mine, self.inner))
             return (out[None],) + tuple(x[None] for x in jax.tree.leaves(new))
 
-        self.fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P("data"),
-                                        out_specs=P("data"), check_vma=False))
+        self.fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False))
 
     def __call__(self, grads):
         out, *self.state = self.fn(_put(grads, self.mesh), *self.state)
@@ -75,8 +74,7 @@ def test_warmup_decays_exponentially_in_tiers_to_the_target_density():
     assert topk.sim_compression(step=0).density == 0.25
     assert topk.sim_compression(steps=300).density == pytest.approx(topk.mean_density(300))
     assert TopK(0.01).density_levels() == (0.01,) and TopK(0.01).mean_density(50) == 0.01
-    assert TopK(0.01, warmup_steps=10, warmup_tiers=5).density_levels()[1] == pytest.approx(
-        0.25 * 0.04 ** 0.2)
+    assert TopK(0.01, warmup_steps=10, warmup_tiers=5).density_levels()[1] == pytest.approx(0.25 * 0.04**0.2)
     assert len(TopK(0.01, warmup_steps=2, warmup_tiers=5).density_levels()) == 3  # at most one per step
     assert GlobalTopK(0.5, warmup_steps=10).density_levels() == (0.5,)  # 25 % is sparser: no warm-up
     # a density per bucket: each bucket decays from the same start to its own target
@@ -87,25 +85,33 @@ def test_warmup_decays_exponentially_in_tiers_to_the_target_density():
         lags.density_at(0)
     from jaxsched.pipeline.selection import simulated_compression
     from jaxsched.strategies import make_strategy
+
     assert simulated_compression(make_strategy("wfbp", collective=topk)).density == 0.01
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: TopK(0.01, warmup_steps=-1), r"TopK\(warmup_steps=-1\): warmup_steps must be an int >= 0"),
-    (lambda: TopK(0.01, warmup_steps=2.5), r"warmup_steps must be an int >= 0"),
-    (lambda: GlobalTopK(0.1, warmup_steps=10, warmup_density=0.05),
-     r"GlobalTopK\(density=0.1, warmup_density=0.05\).*give warmup_density >= density"),
-    (lambda: TopK(0.01, warmup_steps=10, warmup_density=1.5), r"warmup_density must be in \(0, 1\]"),
-    (lambda: TopK(0.01, warmup_density=0.3), r"warmup_steps=0 turns it off; give warmup_steps > 0"),
-    (lambda: TopK(0.01, warmup_steps=10, warmup_tiers=0), r"warmup_tiers must be an int >= 1"),
-    (lambda: TopK(0.01, momentum=1.0), r"TopK\(momentum=1.0\): momentum must be in \[0, 1\).*optax.sgd"),
-    (lambda: TopK(0.01, momentum=-0.1), r"momentum must be in \[0, 1\)"),
-    (lambda: TopK(0.01, momentum="high"), r"momentum must be a number"),
-    (lambda: GlobalTopK(0.01, error_feedback=False, momentum=0.9),
-     r"GlobalTopK\(momentum=0.9, error_feedback=False\).*use error_feedback=True, or momentum=0"),
-    (lambda: TopK(0.01, clip_norm=0.0), r"TopK\(clip_norm=0.0\): clip_norm must be a finite number > 0"),
-    (lambda: TopK(0.01, clip_norm=True), r"clip_norm must be a number > 0, or None"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: TopK(0.01, warmup_steps=-1), r"TopK\(warmup_steps=-1\): warmup_steps must be an int >= 0"),
+        (lambda: TopK(0.01, warmup_steps=2.5), r"warmup_steps must be an int >= 0"),
+        (
+            lambda: GlobalTopK(0.1, warmup_steps=10, warmup_density=0.05),
+            r"GlobalTopK\(density=0.1, warmup_density=0.05\).*give warmup_density >= density",
+        ),
+        (lambda: TopK(0.01, warmup_steps=10, warmup_density=1.5), r"warmup_density must be in \(0, 1\]"),
+        (lambda: TopK(0.01, warmup_density=0.3), r"warmup_steps=0 turns it off; give warmup_steps > 0"),
+        (lambda: TopK(0.01, warmup_steps=10, warmup_tiers=0), r"warmup_tiers must be an int >= 1"),
+        (lambda: TopK(0.01, momentum=1.0), r"TopK\(momentum=1.0\): momentum must be in \[0, 1\).*optax.sgd"),
+        (lambda: TopK(0.01, momentum=-0.1), r"momentum must be in \[0, 1\)"),
+        (lambda: TopK(0.01, momentum="high"), r"momentum must be a number"),
+        (
+            lambda: GlobalTopK(0.01, error_feedback=False, momentum=0.9),
+            r"GlobalTopK\(momentum=0.9, error_feedback=False\).*use error_feedback=True, or momentum=0",
+        ),
+        (lambda: TopK(0.01, clip_norm=0.0), r"TopK\(clip_norm=0.0\): clip_norm must be a finite number > 0"),
+        (lambda: TopK(0.01, clip_norm=True), r"clip_norm must be a number > 0, or None"),
+    ],
+)
 def test_bad_dgc_options_are_refused_at_construction_naming_the_argument(make, message):
     with pytest.raises((ValueError, TypeError), match=message):
         make()
@@ -117,7 +123,8 @@ def test_existing_positional_arguments_keep_their_meaning():
     assert GlobalTopK(0.05, False).error_feedback is False
     assert repr(TopK(0.01, warmup_steps=50, momentum=0.9)) == (
         "TopK(density=0.01, error_feedback=True, warmup_steps=50, warmup_density=0.25, "
-        "momentum=0.9, selection='threshold')")
+        "momentum=0.9, selection='threshold')"
+    )
     with pytest.raises(TypeError):
         TopK(0.01, True, "exact", 0, None, 100)  # the new options are keyword-only
 
@@ -204,8 +211,7 @@ def test_momentum_correction_matches_a_numpy_reference(kind, clip_norm):
     else:
         comp = GlobalTopK(k / n, momentum=m, clip_norm=clip_norm)
     run = _Collective(comp, devices, n)
-    totals, residual, velocity = _reference(grads, k, m, global_topk=kind == "gtopk",
-                                            clip_norm=clip_norm)
+    totals, residual, velocity = _reference(grads, k, m, global_topk=kind == "gtopk", clip_norm=clip_norm)
     for g, expected in zip(grads, totals):
         out = run(g)
         for d in range(devices):
@@ -235,27 +241,37 @@ def test_clipping_bounds_each_devices_contribution():
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("compression, tx", [
-    pytest.param(TopK(1.0), optax.sgd(0.1, momentum=0.9), marks=SLOW),
-    pytest.param(TopK(1.0, warmup_steps=4), optax.sgd(0.1, momentum=0.9), marks=SLOW),
-    (TopK(1.0, selection="exact", momentum=0.9), optax.sgd(0.1)),  # masking clears the velocity
-    pytest.param(GlobalTopK(1.0, warmup_steps=4, momentum=0.9), optax.sgd(0.1), marks=SLOW),
-    # a warm-up tier at density 1 goes through lax.switch inside the scheduled step
-    (TopK(0.02, selection="exact", warmup_steps=12, warmup_density=1.0, warmup_tiers=1),
-     optax.sgd(0.1, momentum=0.9)),
-], ids=["topk", "topk_warmup", "topk_momentum", "gtopk_warmup_momentum", "topk_dense_tier"])
+@pytest.mark.parametrize(
+    "compression, tx",
+    [
+        pytest.param(TopK(1.0), optax.sgd(0.1, momentum=0.9), marks=SLOW),
+        pytest.param(TopK(1.0, warmup_steps=4), optax.sgd(0.1, momentum=0.9), marks=SLOW),
+        (TopK(1.0, selection="exact", momentum=0.9), optax.sgd(0.1)),  # masking clears the velocity
+        pytest.param(GlobalTopK(1.0, warmup_steps=4, momentum=0.9), optax.sgd(0.1), marks=SLOW),
+        # a warm-up tier at density 1 goes through lax.switch inside the scheduled step
+        (
+            TopK(0.02, selection="exact", warmup_steps=12, warmup_density=1.0, warmup_tiers=1),
+            optax.sgd(0.1, momentum=0.9),
+        ),
+    ],
+    ids=["topk", "topk_warmup", "topk_momentum", "gtopk_warmup_momentum", "topk_dense_tier"],
+)
 def test_full_density_is_the_dense_step(compression, tx):
-    plain, sched, plain_aux, sched_aux, s = run_both("mlp", tx, "wfbp", 8, n_steps=6, buckets=2000,
-                                                     compression=compression)
+    plain, sched, plain_aux, sched_aux, s = run_both(
+        "mlp", tx, "wfbp", 8, n_steps=6, buckets=2000, compression=compression
+    )
     assert_trees_close(sched, plain, rtol=1e-5, atol=1e-6)
     assert_trees_close(sched_aux, plain_aux, rtol=1e-5, atol=1e-6)
 
 
 @SLOW
-@pytest.mark.parametrize("strategy, compression", [
-    ("wfbp", TopK(0.05, warmup_steps=4, warmup_tiers=2, momentum=0.9)),
-    ("dear", GlobalTopK(0.05, warmup_steps=4, warmup_tiers=2, momentum=0.9)),
-])
+@pytest.mark.parametrize(
+    "strategy, compression",
+    [
+        ("wfbp", TopK(0.05, warmup_steps=4, warmup_tiers=2, momentum=0.9)),
+        ("dear", GlobalTopK(0.05, warmup_steps=4, warmup_tiers=2, momentum=0.9)),
+    ],
+)
 def test_a_checkpoint_mid_warmup_resumes_bit_identically(tmp_path, strategy, compression):
     params, apply_fn = build("mlp", 0)
     tx = optax.sgd(0.05)

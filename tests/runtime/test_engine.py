@@ -1,4 +1,5 @@
 """The xla engine: per-function compiler options, and lowering for GPU and TPU from a CPU host."""
+
 import jax
 import optax
 import pytest
@@ -13,8 +14,7 @@ def _scheduled(strategy, compiler_options=None, devices=2):
     params, apply_fn = build("mlp", 0)
     tx = optax.adam(1e-2)
     mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
-    sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy=strategy,
-                              compiler_options=compiler_options)
+    sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy=strategy, compiler_options=compiler_options)
     state = sched.init(params, tx.init(params))
     batch = steps.shard_batch(next(random_batches("mlp", 1, 2 * devices, 0)), mesh)
     return sched, state, batch

@@ -1,4 +1,5 @@
 """The host engine: stages cut at collectives, dispatched over two local devices per process."""
+
 import io
 import json
 import os
@@ -22,8 +23,10 @@ from support.equivalence import build, random_batches
 from support import SUPPORT_DIR
 
 HERE = Path(__file__).parent
-CHILD_ENV = {"PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-             "JAX_PLATFORMS": "cpu"}
+CHILD_ENV = {
+    "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    "JAX_PLATFORMS": "cpu",
+}
 
 
 def _one_device_program(body, in_specs, out_specs):
@@ -34,7 +37,7 @@ def _one_device_program(body, in_specs, out_specs):
 def test_stages_alternate_at_collectives_and_keep_only_what_later_stages_read():
     def body(x, w):
         h = jnp.tanh(x @ w)
-        s = lax.psum(h, "data")          # collective 1
+        s = lax.psum(h, "data")  # collective 1
         g = lax.all_gather(s * 2, "data", tiled=True)  # collective 2 reads compute after 1
         return (g.sum() + x.sum(),)
 
@@ -42,7 +45,10 @@ def test_stages_alternate_at_collectives_and_keep_only_what_later_stages_read():
     jaxpr = program.jaxpr(jax.ShapeDtypeStruct((4, 3), jnp.float32), jax.ShapeDtypeStruct((3, 3), jnp.float32))
     stages = cut_stages(jaxpr)
     assert [s.kind for s in stages] == ["compute", "comm", "compute", "comm", "compute", "compute"]
-    assert [s.name for s in stages if s.kind == "comm"] == ["psum (48 B)", "all_gather (48 B)"]  # under 1 kB: not buckets
+    assert [s.name for s in stages if s.kind == "comm"] == [
+        "psum (48 B)",
+        "all_gather (48 B)",
+    ]  # under 1 kB: not buckets
     x = jaxpr.invars[0]
     # x.sum() waits for no collective: it is dispatched before the work that needs the gather
     assert x in stages[0].inputs and x in stages[-2].inputs and x not in stages[-1].inputs
@@ -104,6 +110,7 @@ def test_host_engine_refuses_meshes_it_cannot_stage():
 
     def looped(x):
         return (lax.fori_loop(0, 2, lambda i, c: lax.psum(c, "data"), x),)
+
     _, program = _one_device_program(looped, (P("data"),), (P("data"),))
     with pytest.raises(HostEngineError, match="psum inside scan at .*test_host_engine.py.*top level"):
         HostEngine().compile(program)(jax.device_put(jnp.ones(2), jax.devices()[0]))
@@ -124,12 +131,18 @@ def test_two_processes_host_engine_equals_xla_engine_for_every_strategy(tmp_path
     out = tmp_path / "report.json"
     strategies = STAGEABLE()
     log = io.StringIO()
-    code = launch_lib.launch(2, [sys.executable, str(SUPPORT_DIR / "host_engine_worker.py"), str(out), *strategies],
-                             env=CHILD_ENV, stdout=log, stderr=log, timeout_s=240, grace_s=2)
+    code = launch_lib.launch(
+        2,
+        [sys.executable, str(SUPPORT_DIR / "host_engine_worker.py"), str(out), *strategies],
+        env=CHILD_ENV,
+        stdout=log,
+        stderr=log,
+        timeout_s=240,
+        grace_s=2,
+    )
     assert code == 0, log.getvalue()[-4000:]
     report = json.loads(out.read_text())
     for strategy in strategies:
         assert report[strategy]["params_rel_gap"] < 1e-5, (strategy, report[strategy])
-        np.testing.assert_allclose(report[strategy]["losses"]["host"], report[strategy]["losses"]["xla"],
-                                   rtol=1e-5)
+        np.testing.assert_allclose(report[strategy]["losses"]["host"], report[strategy]["losses"]["xla"], rtol=1e-5)
         assert report[f"{strategy}_stages"].count("comm") >= 1

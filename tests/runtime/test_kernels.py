@@ -3,6 +3,7 @@
 The Pallas kernel runs under the interpreter here (CPU); on a machine with a Hopper GPU
 the same tests also run the compiled kernel (``implementation="pallas"``).
 """
+
 import doctest
 import re
 
@@ -17,8 +18,7 @@ from jaxsched.runtime.kernels import error_feedback as ef
 
 def _hopper() -> bool:
     try:
-        return all(int(str(d.compute_capability).split(".")[0]) >= 9
-                   for d in jax.devices("cuda"))
+        return all(int(str(d.compute_capability).split(".")[0]) >= 9 for d in jax.devices("cuda"))
     except (RuntimeError, ValueError, AttributeError):
         return False
 
@@ -146,8 +146,7 @@ def test_estimated_threshold_lands_near_k(n, density, rng):
     k = kernels.selection_size(n, density)
     counts = []
     for seed in range(4):
-        t = kernels.estimate_threshold(g, density, jax.random.key(int(rng.integers(2**31))),
-                                       residual=r)
+        t = kernels.estimate_threshold(g, density, jax.random.key(int(rng.integers(2**31))), residual=r)
         counts.append(int(np.sum(acc >= float(t))))
     rel = np.abs(np.array(counts) / k - 1)
     # default sample: about 400 hits, relative spread about 5 %
@@ -184,8 +183,9 @@ def test_compact_matches_flatnonzero(n, capacity, rng):
 def test_threshold_path_conserves_mass_and_reports_count(impl, rng):
     n, density = 20_000, 0.01
     g, r = _inputs(rng, n, jnp.float32)
-    out = jax.jit(lambda g, r, key: kernels.threshold_error_feedback(
-        g, r, density, key, implementation=impl))(g, r, jax.random.key(3))
+    out = jax.jit(lambda g, r, key: kernels.threshold_error_feedback(g, r, density, key, implementation=impl))(
+        g, r, jax.random.key(3)
+    )
     k = kernels.selection_size(n, density)
     assert out.values.shape == (kernels.default_capacity(n, density),)
     assert 0.7 * k < int(out.count) < 1.3 * k and int(out.overflow) == 0
@@ -226,34 +226,56 @@ def test_density_one_sends_everything(rng):
     np.testing.assert_array_equal(np.asarray(out.values), np.asarray(r + g))
 
 
-@pytest.mark.parametrize("call,error,words", [
-    (lambda: kernels.fused_error_feedback(jnp.arange(4), jnp.zeros(4), 1.0),
-     TypeError, ["grad", "floating", "int32"]),
-    (lambda: kernels.error_feedback_reference(jnp.zeros(4), jnp.zeros(4, jnp.int8), 1.0),
-     TypeError, ["residual", "int8"]),
-    (lambda: kernels.fused_error_feedback(jnp.zeros(4), jnp.zeros(5), 1.0),
-     ValueError, ["shape", "(4,)", "(5,)"]),
-    (lambda: kernels.fused_error_feedback(jnp.zeros(4), jnp.zeros(4, jnp.bfloat16), 1.0),
-     TypeError, ["dtype", "float32", "bfloat16"]),
-    (lambda: kernels.threshold_error_feedback(jnp.zeros(4), jnp.zeros(4), 0.0, jax.random.key(0)),
-     ValueError, ["density", "(0, 1]", "0.0"]),
-    (lambda: kernels.estimate_threshold(jnp.zeros(4), 1.5, jax.random.key(0)),
-     ValueError, ["density", "(0, 1]", "1.5"]),
-    (lambda: kernels.estimate_threshold(jnp.zeros(4), -0.1, jax.random.key(0)),
-     ValueError, ["density", "-0.1"]),
-    (lambda: kernels.estimate_threshold(jnp.arange(4), 0.1, jax.random.key(0)),
-     TypeError, ["x", "floating"]),
-    (lambda: kernels.fused_error_feedback(jnp.zeros(4), jnp.zeros(4), 1.0, implementation="cuda"),
-     ValueError, ["implementation", "'cuda'"]),
-    (lambda: kernels.error_feedback_pallas(jnp.zeros(4), jnp.zeros(4), 1.0, block_rows=512),
-     ValueError, ["block_rows", "256"]),
-    (lambda: kernels.fused_error_feedback(jnp.zeros(4), jnp.zeros(4), jnp.ones(2)),
-     ValueError, ["threshold", "scalar"]),
-    (lambda: kernels.exact_topk_error_feedback(jnp.zeros(4), jnp.zeros(4), 5),
-     ValueError, ["k", "[1, 4]"]),
-    (lambda: kernels.compact(jnp.zeros(4), jnp.zeros(4), 0),
-     ValueError, ["capacity"]),
-])
+@pytest.mark.parametrize(
+    "call,error,words",
+    [
+        (
+            lambda: kernels.fused_error_feedback(jnp.arange(4), jnp.zeros(4), 1.0),
+            TypeError,
+            ["grad", "floating", "int32"],
+        ),
+        (
+            lambda: kernels.error_feedback_reference(jnp.zeros(4), jnp.zeros(4, jnp.int8), 1.0),
+            TypeError,
+            ["residual", "int8"],
+        ),
+        (lambda: kernels.fused_error_feedback(jnp.zeros(4), jnp.zeros(5), 1.0), ValueError, ["shape", "(4,)", "(5,)"]),
+        (
+            lambda: kernels.fused_error_feedback(jnp.zeros(4), jnp.zeros(4, jnp.bfloat16), 1.0),
+            TypeError,
+            ["dtype", "float32", "bfloat16"],
+        ),
+        (
+            lambda: kernels.threshold_error_feedback(jnp.zeros(4), jnp.zeros(4), 0.0, jax.random.key(0)),
+            ValueError,
+            ["density", "(0, 1]", "0.0"],
+        ),
+        (
+            lambda: kernels.estimate_threshold(jnp.zeros(4), 1.5, jax.random.key(0)),
+            ValueError,
+            ["density", "(0, 1]", "1.5"],
+        ),
+        (lambda: kernels.estimate_threshold(jnp.zeros(4), -0.1, jax.random.key(0)), ValueError, ["density", "-0.1"]),
+        (lambda: kernels.estimate_threshold(jnp.arange(4), 0.1, jax.random.key(0)), TypeError, ["x", "floating"]),
+        (
+            lambda: kernels.fused_error_feedback(jnp.zeros(4), jnp.zeros(4), 1.0, implementation="cuda"),
+            ValueError,
+            ["implementation", "'cuda'"],
+        ),
+        (
+            lambda: kernels.error_feedback_pallas(jnp.zeros(4), jnp.zeros(4), 1.0, block_rows=512),
+            ValueError,
+            ["block_rows", "256"],
+        ),
+        (
+            lambda: kernels.fused_error_feedback(jnp.zeros(4), jnp.zeros(4), jnp.ones(2)),
+            ValueError,
+            ["threshold", "scalar"],
+        ),
+        (lambda: kernels.exact_topk_error_feedback(jnp.zeros(4), jnp.zeros(4), 5), ValueError, ["k", "[1, 4]"]),
+        (lambda: kernels.compact(jnp.zeros(4), jnp.zeros(4), 0), ValueError, ["capacity"]),
+    ],
+)
 def test_bad_input_names_the_problem(call, error, words):
     with pytest.raises(error) as info:
         call()

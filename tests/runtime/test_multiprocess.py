@@ -1,4 +1,5 @@
 """The scheduled step across 2 processes (jax.distributed over gloo) equals 2 devices in one."""
+
 import os
 import socket
 import subprocess
@@ -27,11 +28,17 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_processes_match_one_process_with_two_devices(tmp_path):
     port, out = _free_port(), tmp_path / "params.npz"
-    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, str(SUPPORT_DIR / "multiprocess_worker.py"), str(port), str(r), str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "JAX_PLATFORMS": "cpu"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SUPPORT_DIR / "multiprocess_worker.py"), str(port), str(r), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     logs = []
     try:
         for p in procs:

@@ -1,19 +1,28 @@
 """Cost model: JSON round trips, errors that name the field, presets, zoo parameter counts."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from jaxsched.sim.costmodel import (DEVICE_PRESETS, LINK_PRESETS, CollectiveCost, Layer, LayerProfile,
-                                NetworkProfile, ProfileError, device_preset, network_preset,
-                                roofline_seconds)
+from jaxsched.sim.costmodel import (
+    DEVICE_PRESETS,
+    LINK_PRESETS,
+    CollectiveCost,
+    Layer,
+    LayerProfile,
+    NetworkProfile,
+    ProfileError,
+    device_preset,
+    network_preset,
+    roofline_seconds,
+)
 from jaxsched.sim.zoo_profiles import PUBLISHED_PARAMS, ZOO_MODELS, architecture, forward_gflops, zoo_profile
 
 
 def test_layer_profile_round_trips(tmp_path):
-    prof = LayerProfile([Layer("a", 3, 12, 1e-3, 2e-3, 1e-4), Layer("b", 5, 20, 2e-3, 4e-3)],
-                        {"model": "x"})
+    prof = LayerProfile([Layer("a", 3, 12, 1e-3, 2e-3, 1e-4), Layer("b", 5, 20, 2e-3, 4e-3)], {"model": "x"})
     path = tmp_path / "layers.json"
     prof.save(path)
     assert LayerProfile.load(path) == prof
@@ -21,14 +30,23 @@ def test_layer_profile_round_trips(tmp_path):
 
 def test_minimal_schema_from_the_issue_is_readable(tmp_path):
     path = tmp_path / "layers.json"
-    path.write_text(json.dumps({"layers": [{"name": "fc", "params": 10, "bytes": 40,
-                                            "forward_s": 0.001, "backward_s": 0.002}]}))
+    path.write_text(
+        json.dumps({"layers": [{"name": "fc", "params": 10, "bytes": 40, "forward_s": 0.001, "backward_s": 0.002}]})
+    )
     prof = LayerProfile.load(path)
     assert prof.layers[0].update_s == 0.0 and prof.total_bytes == 40
     net_path = tmp_path / "net.json"
-    net_path.write_text(json.dumps({"workers": 4, "collectives": {
-        name: {"alpha_s": 1e-5, "beta_s_per_byte": 1e-9}
-        for name in ("all_reduce", "reduce_scatter", "all_gather")}}))
+    net_path.write_text(
+        json.dumps(
+            {
+                "workers": 4,
+                "collectives": {
+                    name: {"alpha_s": 1e-5, "beta_s_per_byte": 1e-9}
+                    for name in ("all_reduce", "reduce_scatter", "all_gather")
+                },
+            }
+        )
+    )
     net = NetworkProfile.load(net_path)
     assert net.time("all_reduce", 1000) == pytest.approx(1e-5 + 1e-6)
 
@@ -39,12 +57,15 @@ def test_network_profile_round_trips(tmp_path):
     assert NetworkProfile.load(tmp_path / "n.json") == net
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d["layers"][1].pop("backward_s"), r"layers\[1\]: field 'backward_s' is missing"),
-    (lambda d: d["layers"][0].update(params="ten"), r"layers\[0\]: field 'params'='ten' must be int"),
-    (lambda d: d["layers"][0].update(forward_s=-1.0), r"layers\[0\]: field 'forward_s'=-1.0 must be"),
-    (lambda d: d.update(layers=[]), r"'layers' must be a non-empty list"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d["layers"][1].pop("backward_s"), r"layers\[1\]: field 'backward_s' is missing"),
+        (lambda d: d["layers"][0].update(params="ten"), r"layers\[0\]: field 'params'='ten' must be int"),
+        (lambda d: d["layers"][0].update(forward_s=-1.0), r"layers\[0\]: field 'forward_s'=-1.0 must be"),
+        (lambda d: d.update(layers=[]), r"'layers' must be a non-empty list"),
+    ],
+)
 def test_bad_layer_json_names_file_and_field(tmp_path, mutate, message):
     data = LayerProfile([Layer("a", 1, 4, 1e-3, 1e-3), Layer("b", 1, 4, 1e-3, 1e-3)]).to_dict()
     mutate(data)
@@ -154,10 +175,12 @@ def test_two_level_network_hand_computed():
     across = 2 * 7 * s.latency_s + 2 * 7 / 8 * (nbytes / 8) / s.bandwidth_bytes_per_s
     assert net.time("all_reduce", nbytes) == pytest.approx(2 * within + across)
     assert net.time("reduce_scatter", nbytes) == pytest.approx(
-        within + 7 * s.latency_s + 7 / 8 * (nbytes / 8) / s.bandwidth_bytes_per_s)
+        within + 7 * s.latency_s + 7 / 8 * (nbytes / 8) / s.bandwidth_bytes_per_s
+    )
     flat = two_level_network("nvlink4", "400gbib", nodes=8, per_node=8, hierarchical=False)
     assert flat.time("all_reduce", nbytes) == pytest.approx(
-        2 * 63 * s.latency_s + 2 * 63 / 64 * nbytes / s.bandwidth_bytes_per_s)
+        2 * 63 * s.latency_s + 2 * 63 / 64 * nbytes / s.bandwidth_bytes_per_s
+    )
     # the hierarchy sends 1/8 of the bytes over the slow links (and NVLink is 9x faster)
     assert net.time("all_reduce", nbytes) < 0.25 * flat.time("all_reduce", nbytes)
     assert net.workers == 64 and net.meta["levels"]["per_node"] == 8

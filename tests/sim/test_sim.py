@@ -1,4 +1,5 @@
 """Simulator: closed forms, lower bound, determinism, timelines."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,7 @@ from fractions import Fraction
 import pytest
 
 from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
-from jaxsched.sim import (STRATEGIES, Compression, SimulationError, allreduce_time, lower_bound,
-                          simulate, wfbp_time)
+from jaxsched.sim import STRATEGIES, Compression, SimulationError, allreduce_time, lower_bound, simulate, wfbp_time
 from jaxsched.sim.timeline import chrome_trace, save_gantt_png
 from support.profiles import random_layers, random_network
 
@@ -42,8 +42,7 @@ def test_closed_forms_hold_in_floats(seed):
     rng = random.Random(100 + seed)
     layers, net = random_layers(rng, rng.randint(1, 60)), random_network(rng)
     assert math.isclose(simulate(layers, net, "wfbp").iteration_s, wfbp_time(layers, net), rel_tol=1e-12)
-    assert math.isclose(simulate(layers, net, "allreduce").iteration_s, allreduce_time(layers, net),
-                        rel_tol=1e-12)
+    assert math.isclose(simulate(layers, net, "allreduce").iteration_s, allreduce_time(layers, net), rel_tol=1e-12)
 
 
 def test_wfbp_closed_form_by_hand():
@@ -62,14 +61,21 @@ def test_no_strategy_beats_the_lower_bound(seed):
     layers, net = random_layers(rng, rng.randint(1, 15), exact=True), random_network(rng, exact=True)
     buckets = _random_buckets(rng, len(layers))
     for strategy in STRATEGIES:
-        result = simulate(layers, net, strategy, buckets if strategy != "allreduce" else None,
-                          partition_bytes=rng.choice([1 << 16, 1 << 20, 1 << 24]))
+        result = simulate(
+            layers,
+            net,
+            strategy,
+            buckets if strategy != "allreduce" else None,
+            partition_bytes=rng.choice([1 << 16, 1 << 20, 1 << 24]),
+        )
         assert result.iteration_s >= result.bound_s, strategy
         assert result.compute_busy_s >= result.compute_min_s
         assert result.comm_busy_s >= result.comm_min_s, strategy
-    compression = Compression(rng.choice(["topk", "gtopk"]),
-                              rng.choice([Fraction(1, 1000), Fraction(1, 100), Fraction(1, 2)]),
-                              selection_s_per_byte=Fraction(1, 10**11))
+    compression = Compression(
+        rng.choice(["topk", "gtopk"]),
+        rng.choice([Fraction(1, 1000), Fraction(1, 100), Fraction(1, 2)]),
+        selection_s_per_byte=Fraction(1, 10**11),
+    )
     for strategy in ("allreduce", "wfbp", "approx"):
         result = simulate(layers, net, strategy, compression=compression)
         assert result.iteration_s >= result.bound_s
@@ -122,8 +128,10 @@ def test_compression_cuts_communication():
         sparse = simulate(layers, net, "wfbp", compression=Compression(kind, 0.001))
         assert sparse.comm_busy_s < dense.comm_busy_s / 10
     # gTop-k's log P rounds beat top-k's all-gather of P * k elements at 32 workers.
-    assert (simulate(layers, net, "wfbp", compression=Compression("gtopk", 0.01)).comm_busy_s
-            < simulate(layers, net, "wfbp", compression=Compression("topk", 0.01)).comm_busy_s)
+    assert (
+        simulate(layers, net, "wfbp", compression=Compression("gtopk", 0.01)).comm_busy_s
+        < simulate(layers, net, "wfbp", compression=Compression("topk", 0.01)).comm_busy_s
+    )
 
 
 def test_lower_bound_uses_cheapest_collective():
@@ -131,8 +139,9 @@ def test_lower_bound_uses_cheapest_collective():
     net = network_preset("100gbib", 8)
     bound, compute_min, comm_min = lower_bound(layers, net)
     assert compute_min == pytest.approx(2e-3 + 8e-3 / 8)
-    assert comm_min == pytest.approx(min(net.time("all_reduce", 4e6),
-                                         net.time("reduce_scatter", 4e6) + net.time("all_gather", 4e6)))
+    assert comm_min == pytest.approx(
+        min(net.time("all_reduce", 4e6), net.time("reduce_scatter", 4e6) + net.time("all_gather", 4e6))
+    )
     assert bound == max(compute_min, comm_min)
 
 
@@ -160,16 +169,20 @@ _times = st.fractions(min_value=0, max_value=10, max_denominator=1000)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(_times, _times, _times, st.integers(0, 10**8)), min_size=1, max_size=8),
-       st.fractions(min_value=0, max_value=1, max_denominator=1000),
-       st.fractions(min_value=0, max_value=Fraction(1, 10**6), max_denominator=10**9),
-       st.integers(1, 64), st.sampled_from(STRATEGIES))
+@given(
+    st.lists(st.tuples(_times, _times, _times, st.integers(0, 10**8)), min_size=1, max_size=8),
+    st.fractions(min_value=0, max_value=1, max_denominator=1000),
+    st.fractions(min_value=0, max_value=Fraction(1, 10**6), max_denominator=10**9),
+    st.integers(1, 64),
+    st.sampled_from(STRATEGIES),
+)
 def test_bound_and_closed_forms_hold_for_any_profile(rows, alpha, beta, workers, strategy):
     from jaxsched.sim.costmodel import CollectiveCost, NetworkProfile
 
     layers = LayerProfile([Layer(f"l{i}", b // 4, b, f, bw, u) for i, (f, bw, u, b) in enumerate(rows)])
-    net = NetworkProfile(workers, {k: CollectiveCost(alpha, beta) for k in
-                                   ("all_reduce", "reduce_scatter", "all_gather", "ppermute")})
+    net = NetworkProfile(
+        workers, {k: CollectiveCost(alpha, beta) for k in ("all_reduce", "reduce_scatter", "all_gather", "ppermute")}
+    )
     result = simulate(layers, net, strategy, partition_bytes=1 << 22)
     assert result.iteration_s >= result.bound_s
     if strategy == "wfbp":
@@ -188,8 +201,7 @@ def test_shared_stream_serialises_everything(seed):
     assert shared.iteration_s == allreduce_time(layers, net, buckets)
     for strategy in STRATEGIES:
         both = simulate(layers, net, strategy, buckets if strategy != "bytescheduler" else None)
-        one = simulate(layers, net, strategy, buckets if strategy != "bytescheduler" else None,
-                       shared_stream=True)
+        one = simulate(layers, net, strategy, buckets if strategy != "bytescheduler" else None, shared_stream=True)
         assert one.iteration_s >= both.iteration_s
         assert one.iteration_s == one.compute_busy_s and one.comm_busy_s == 0
 
@@ -213,8 +225,10 @@ def test_dispatch_cost_is_added_exactly_once_per_iteration(seed):
     # two streams: launching the step still delays the compute stream by exactly that much
     # when compute dominates (no collective waits)
     compute_bound = dataclasses.replace(net, collectives={k: type(c)(0, 0) for k, c in net.collectives.items()})
-    assert (simulate(layers, dataclasses.replace(compute_bound, dispatch_s=dispatch), "wfbp").iteration_s
-            - simulate(layers, compute_bound, "wfbp").iteration_s) == dispatch
+    assert (
+        simulate(layers, dataclasses.replace(compute_bound, dispatch_s=dispatch), "wfbp").iteration_s
+        - simulate(layers, compute_bound, "wfbp").iteration_s
+    ) == dispatch
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -233,5 +247,7 @@ def test_bucket_copies_cost_pack_and_unpack_of_every_bucketed_byte(seed):
         kinds = [s.kind for s in more.spans if s.iteration == 4]
         assert kinds.count("pack") == kinds.count("unpack") == len(buckets)
     for strategy in ("allreduce", "approx"):  # no bucket buffers in these programs
-        assert (simulate(layers, with_copy, strategy, buckets, shared_stream=True).iteration_s
-                == simulate(layers, net, strategy, buckets, shared_stream=True).iteration_s)
+        assert (
+            simulate(layers, with_copy, strategy, buckets, shared_stream=True).iteration_s
+            == simulate(layers, net, strategy, buckets, shared_stream=True).iteration_s
+        )

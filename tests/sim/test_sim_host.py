@@ -1,4 +1,5 @@
 """The simulator's host-engine terms against a two-layer case computed by hand."""
+
 from __future__ import annotations
 
 from fractions import Fraction as F
@@ -55,8 +56,7 @@ def test_each_host_term_only_slows_a_strategy_down():
     layers, network = _case()
     for strategy in ("allreduce", "wfbp", "dear", "approx"):
         base = simulate(layers, network, strategy).iteration_s
-        for host in (HostCosts(stage_s=F(1, 2)), HostCosts(copy_s_per_byte=F(1, 8)),
-                     HostCosts(comm_slowdown=F(3, 2))):
+        for host in (HostCosts(stage_s=F(1, 2)), HostCosts(copy_s_per_byte=F(1, 8)), HostCosts(comm_slowdown=F(3, 2))):
             assert simulate(layers, network, strategy, host=host).iteration_s >= base, (strategy, host)
 
 

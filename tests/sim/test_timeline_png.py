@@ -1,5 +1,6 @@
 """The Gantt chart shows what a person needs to read a plan: one bar per bucket, iterations,
 distinct colours per task kind, a title naming the set-up."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,6 +1,7 @@
 """``approx``: the optax wrappers against hand-written recurrences, the strategy against an
 independent data-parallel reference, its program's independence of the collective, and
 what it refuses."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,7 +121,7 @@ def test_staleness_aware_scales_the_step_by_one_over_tau():
         tx = staleness_aware(optax.sgd(1.0), staleness=tau)
         updates, _ = tx.update(jnp.ones(2), tx.init(jnp.zeros(2)))
         np.testing.assert_allclose(updates, -scale * np.ones(2))
-    tx = staleness_aware(optax.sgd(1.0), rule=lambda tau: 0.5 ** tau)
+    tx = staleness_aware(optax.sgd(1.0), rule=lambda tau: 0.5**tau)
     updates, _ = jax.jit(tx.update, static_argnames=())(jnp.ones(2), tx.init(jnp.zeros(2)), staleness=2)
     np.testing.assert_allclose(updates, -0.25 * np.ones(2))
 
@@ -151,6 +152,7 @@ def data_parallel_reference(apply_fn, tx, params, batches, method, k, devices):
     """The recurrence with per-device gradients, written with vmap over devices (no
     shard_map, no jaxsched): returns the true params and opt_state after every gradient
     has been applied, and the true params after each step."""
+
     def local_grad(p, x, y):
         return jax.grad(lambda q: steps.cross_entropy(apply_fn(q, x), y))(p)
 
@@ -181,21 +183,23 @@ def data_parallel_reference(apply_fn, tx, params, batches, method, k, devices):
             opts.append(s)
         after.append(thetas[-1])
     p, s = thetas[-1], opts[-1]
-    for g in local[len(thetas) - 1:]:  # what finalize drains
+    for g in local[len(thetas) - 1 :]:  # what finalize drains
         p, s = update(p, s, mean(g))
     return (p, s), after
 
 
-@pytest.mark.parametrize("method, k", [("stale", 1), ("local", 1), ("extrapolate", 1),
-                                       ("local", 2), ("extrapolate", 3)])
+@pytest.mark.parametrize(
+    "method, k", [("stale", 1), ("local", 1), ("extrapolate", 1), ("local", 2), ("extrapolate", 3)]
+)
 def test_the_strategy_runs_the_recurrence_and_finalize_drains_it(method, k):
     devices, n_steps = 8, 6
     params, apply_fn = build("mlp", 0)
     tx = optax.sgd(0.05, momentum=0.9)
     mesh = jax.make_mesh((devices,), ("data",))
     batches = list(random_batches("mlp", n_steps, 2 * devices, seed=4))
-    sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="approx",
-                              approx_method=method, staleness=k, buckets=2000)
+    sched = jaxsched.schedule(
+        steps.make_step(apply_fn, tx, mesh), strategy="approx", approx_method=method, staleness=k, buckets=2000
+    )
     state = sched.init(params, tx.init(params))
     final, after = data_parallel_reference(apply_fn, tx, params, batches, method, k, devices)
     for t, batch in enumerate(batches):
@@ -211,8 +215,9 @@ def test_the_strategy_runs_the_recurrence_and_finalize_drains_it(method, k):
 @pytest.mark.parametrize("api", ["shard_map", "pmap"])
 def test_staleness_zero_equals_allreduce(api):
     tx = optax.adam(1e-2)
-    plain, scheduled, plain_aux, sched_aux, sched = run_both("mlp", tx, "approx", 8, n_steps=8, api=api,
-                                                             staleness=0, buckets=1000)
+    plain, scheduled, plain_aux, sched_aux, sched = run_both(
+        "mlp", tx, "approx", 8, n_steps=8, api=api, staleness=0, buckets=1000
+    )
     assert_trees_close(scheduled, plain, rtol=1e-5)
     assert_trees_close(sched_aux, plain_aux, rtol=1e-5)
     assert len(sched.program.buckets) > 1
@@ -229,8 +234,9 @@ def test_forward_and_backward_never_read_the_collective(method):
     tx = optax.adam(1e-3)
     mesh = jax.make_mesh((8,), ("data",))
     batch = steps.shard_batch(next(random_batches("cnn", 1, 16, 0)), mesh)
-    sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="approx",
-                              approx_method=method, staleness=1, buckets=300)
+    sched = jaxsched.schedule(
+        steps.make_step(apply_fn, tx, mesh), strategy="approx", approx_method=method, staleness=1, buckets=300
+    )
     state, _ = sched(sched.init(params, tx.init(params)), batch)
     jaxpr = _per_device_jaxpr(sched, state, batch)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
@@ -253,10 +259,11 @@ def test_forward_and_backward_never_read_the_collective(method):
                 from_pending.update(eqn.outvars)
     # per bucket, one psum per large pending gradient and one for its small ones together
     assert len(sched.program.buckets) > 1
-    assert len(sched.program.buckets) <= len(reductions) <= sum(
-        len(b.reductions) for b in sched.program.buckets)
+    assert len(sched.program.buckets) <= len(reductions) <= sum(len(b.reductions) for b in sched.program.buckets)
     # each is issued before any forward work: only slicing/packing of its operands precedes it
-    first_compute = next(i for i, e in enumerate(jaxpr.eqns) if e.primitive.name in ("dot_general", "conv_general_dilated"))
+    first_compute = next(
+        i for i, e in enumerate(jaxpr.eqns) if e.primitive.name in ("dot_general", "conv_general_dilated")
+    )
     assert all(jaxpr.eqns.index(r) < first_compute for r in reductions)
 
     # nothing of forward or backward is downstream of them
@@ -270,7 +277,7 @@ def test_forward_and_backward_never_read_the_collective(method):
     assert not {"conv_general_dilated", "dot_general"} & set(downstream)
     loss_out = jaxpr.outvars[n_state:]  # aux: loss and accuracy of this step's forward
     assert loss_out and not any(v in tainted for v in loss_out)
-    assert all(v in tainted for v in jaxpr.outvars[:len(jax.tree.leaves(state.params))])  # the update does
+    assert all(v in tainted for v in jaxpr.outvars[: len(jax.tree.leaves(state.params))])  # the update does
     # and the lowered program has exactly these all-reduces plus the two metric pmeans
     text = sched.lower(state, batch).as_text()
     assert text.count("all_reduce") >= len(reductions)
@@ -291,8 +298,9 @@ def _step_with(update_from_loss=False, second_pmean=False, tx=optax.sgd(0.1)):
             updates = lax.pmean(updates, "data")
         return optax.apply_updates(params, updates), opt_state, {"loss": lax.pmean(loss, "data")}
 
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    )
     batch = steps.shard_batch(next(random_batches("mlp", 1, 8, 0)), mesh)
     return step, params, tx.init(params), batch
 
@@ -300,9 +308,11 @@ def _step_with(update_from_loss=False, second_pmean=False, tx=optax.sgd(0.1)):
 def test_an_update_that_reads_forward_is_refused_naming_the_equation():
     step, params, opt_state, batch = _step_with(update_from_loss=True)
     sched = jaxsched.schedule(step, strategy="approx", approx_method="stale")
-    with pytest.raises(jaxsched.UnsupportedStepError,
-                       match=r"approx cannot delay.*feeds the new params/opt_state and reads the "
-                             r"result of .* at .*\(forward/backward\).*staleness=0"):
+    with pytest.raises(
+        jaxsched.UnsupportedStepError,
+        match=r"approx cannot delay.*feeds the new params/opt_state and reads the "
+        r"result of .* at .*\(forward/backward\).*staleness=0",
+    ):
         sched(sched.init(params, opt_state), batch)
     # synchronous approx runs it
     sync = jaxsched.schedule(step, strategy="approx", staleness=0)
@@ -344,8 +354,9 @@ def test_a_collective_wrapper_carries_through_and_changes_no_number():
     batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", 3, 8, 2)]
     results = []
     for collective in (None, CountingCollective()):
-        sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="approx",
-                                  collective=collective, buckets=1)
+        sched = jaxsched.schedule(
+            steps.make_step(apply_fn, tx, mesh), strategy="approx", collective=collective, buckets=1
+        )
         state = sched.init(params, tx.init(params))
         for batch in batches:
             state, _ = sched(state, batch)

@@ -1,5 +1,6 @@
 """strategy="auto": picks the exact strategy the simulator predicts fastest for the step on
 the engine that runs it, and the chosen program is exact."""
+
 from __future__ import annotations
 
 import jax
@@ -14,8 +15,7 @@ from jaxsched.runtime.engine import EngineCosts, XlaEngine
 from support.equivalence import build, random_batches
 
 # The test MLP's layers, made heavy: 40 MB of gradients each, 50/100 ms forward/backward.
-HEAVY = LayerProfile([Layer(name, 10**7, 4 * 10**7, 0.05, 0.10)
-                      for name in ("hidden/0", "hidden/1", "head")])
+HEAVY = LayerProfile([Layer(name, 10**7, 4 * 10**7, 0.05, 0.10) for name in ("hidden/0", "hidden/1", "head")])
 
 
 class OverlappingXla(XlaEngine):
@@ -35,8 +35,9 @@ def _run(engine, n_steps=3, **options):
     mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
     step = steps.make_step(apply_fn, tx, mesh)
     batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", n_steps, 16, 4)]
-    sched = jaxsched.schedule(step, strategy="auto", engine=engine, layer_profile=HEAVY,
-                              network_profile="1gbe", **options)
+    sched = jaxsched.schedule(
+        step, strategy="auto", engine=engine, layer_profile=HEAVY, network_profile="1gbe", **options
+    )
     state, plain = sched.init(params, tx.init(params)), (params, tx.init(params))
     for b in batches:
         state, aux = sched(state, b)

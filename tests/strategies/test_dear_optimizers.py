@@ -1,6 +1,7 @@
 """``dear`` on the optimizers and steps people use: the update on shards, one all-gather per
 bucket, only the reductions an optimizer needs by its nature, optimizer state at 1/P, and
 the plain step's numbers. A rule that cannot be exact falls back and says so."""
+
 import functools
 import warnings
 
@@ -20,10 +21,21 @@ import support.optimizer_zoo as zoo
 
 # optimizers that stayed on shards before the rules for control flow, boolean and partial
 # reductions: in the slow suite, to keep `make test` short
-SLOW = {"adam", "nadamw", "lion", "lamb", "sgd_nesterov", "rmsprop", "masked", "schedule_free",
-        "zero_nans", "clip_adam"}
-ON_SHARDS = [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name
-             for name in zoo.OPTIMIZERS if name != "muon"]
+SLOW = {
+    "adam",
+    "nadamw",
+    "lion",
+    "lamb",
+    "sgd_nesterov",
+    "rmsprop",
+    "masked",
+    "schedule_free",
+    "zero_nans",
+    "clip_adam",
+}
+ON_SHARDS = [
+    pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in zoo.OPTIMIZERS if name != "muon"
+]
 
 
 @pytest.mark.parametrize("name", ON_SHARDS)
@@ -63,8 +75,9 @@ def _mesh(n=8):
 def _check(local, params, opt_state, n_steps=2, check_vma=False, **options):
     """Plain and dear of a shard_map ``local(params, opt_state, batch)``; what dear did."""
     mesh = _mesh()
-    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")),
-                                 out_specs=(P(), P(), P()), check_vma=check_vma))
+    step = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=check_vma)
+    )
     batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", n_steps, 16, 1)]
     plain = (params, opt_state)
     for b in batches:
@@ -108,7 +121,8 @@ def test_dead_forward_code_in_the_update_region_is_not_cut():
     def local(p, s, batch):
         x, y = batch
         loss, g = jax.value_and_grad(
-            lambda q: optax.softmax_cross_entropy_with_integer_labels(apply_fn(q, x), y).mean())(p)
+            lambda q: optax.softmax_cross_entropy_with_integer_labels(apply_fn(q, x), y).mean()
+        )(p)
         u, s = tx.update(lax.pmean(g, "data"), s, p)
         new = optax.apply_updates(p, u)
         _unused = apply_fn(new, x)  # a forward nobody reads
@@ -126,7 +140,8 @@ def test_check_vma_step_stays_on_shards():
     def local(p, s, batch):
         x, y = batch
         loss, g = jax.value_and_grad(
-            lambda q: optax.softmax_cross_entropy_with_integer_labels(apply_fn(q, x), y).mean())(p)
+            lambda q: optax.softmax_cross_entropy_with_integer_labels(apply_fn(q, x), y).mean()
+        )(p)
         g = jax.tree.map(lambda t: t / 8, g)
         u, s = tx.update(g, s, p)
         return optax.apply_updates(p, u), s, lax.pmean(loss, "data")
@@ -141,8 +156,7 @@ def test_dynamic_scale_is_not_trained_and_its_finite_check_is_one_scalar_reducti
     scalar collective."""
     params, apply_fn = build("mlp", 0)
     tx = optax.sgd(0.1, momentum=0.9)
-    state = {"params": params, "opt": tx.init(params), "scale": DynamicScale(growth_interval=2),
-             "ema": params}
+    state = {"params": params, "opt": tx.init(params), "scale": DynamicScale(growth_interval=2), "ema": params}
 
     def body(state, batch):
         x, y = batch
@@ -153,12 +167,10 @@ def test_dynamic_scale_is_not_trained_and_its_finite_check_is_one_scalar_reducti
         keep = functools.partial(jnp.where, is_fin)
         new = jax.tree.map(keep, new, state["params"])
         ema = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, state["ema"], new)
-        return {"params": new, "opt": jax.tree.map(keep, opt, state["opt"]), "scale": scale,
-                "ema": ema}, loss
+        return {"params": new, "opt": jax.tree.map(keep, opt, state["opt"]), "scale": scale, "ema": ema}, loss
 
     mesh = _mesh()
-    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
-                                 check_vma=False))
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=False))
     batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", 2, 16, 1)]
     plain = state
     for b in batches:
@@ -187,8 +199,7 @@ def _reversed_rows(updates):
 def test_bucket_report_names_the_bucket_whose_update_fell_back():
     params, apply_fn = build("mlp", 0)
     only_head = lambda p: {k: jax.tree.map(lambda _: k == "head", v) for k, v in p.items()}
-    tx = optax.chain(optax.masked(optax.stateless(lambda u, p: _reversed_rows(u)), only_head),
-                     optax.sgd(0.1))
+    tx = optax.chain(optax.masked(optax.stateless(lambda u, p: _reversed_rows(u)), only_head), optax.sgd(0.1))
     mesh = _mesh()
     step = steps.make_step(apply_fn, tx, mesh)
     batch = steps.shard_batch(next(random_batches("mlp", 1, 16, 1)), mesh)
@@ -217,9 +228,12 @@ def test_jmp_style_loss_scaling_checks_finiteness_with_one_scalar_reduction():
         u, new_inner = tx.update(g, inner, p)
         select = lambda new, old: jax.tree.map(lambda a, b: lax.select(finite, a, b), new, old)
         new_scale = jnp.where(finite, scale, scale / 2)
-        return (select(optax.apply_updates(p, u), p), (select(new_inner, inner), new_scale),
-                lax.pmean(loss, "data") / scale)
+        return (
+            select(optax.apply_updates(p, u), p),
+            (select(new_inner, inner), new_scale),
+            lax.pmean(loss, "data") / scale,
+        )
 
-    _, found = _check(local, params, (tx.init(params), jnp.float32(2.0 ** 8)))
+    _, found = _check(local, params, (tx.init(params), jnp.float32(2.0**8)))
     assert len(found["all_gather"]) == len(found["reduce_scatter"]) == 1
     assert set(found["all_reduce"]) == {1}

@@ -5,6 +5,7 @@ Every result is checked against an independent reference: the plain data-paralle
 hand-written jnp simulation of the streaming algorithm on a tiny model, one replica at a
 time on one device.
 """
+
 from __future__ import annotations
 
 import jax
@@ -45,7 +46,8 @@ def _one_axis_step(tx, devices=8):
 def test_h1_equals_data_parallel_sgd_on_one_data_axis():
     made = _one_axis_step(optax.sgd(LR))
     plain, scheduled, plain_aux, sched_aux, _ = run_plain_and_scheduled(
-        made, "diloco", steps=4, inner_steps=1, outer=optax.sgd(1.0))
+        made, "diloco", steps=4, inner_steps=1, outer=optax.sgd(1.0)
+    )
     assert_trees_close(scheduled, plain, rtol=1e-5)
     assert_trees_close(sched_aux, plain_aux, rtol=1e-5)
 
@@ -54,7 +56,8 @@ def test_h1_equals_data_parallel_sgd_on_one_data_axis():
 def test_h1_equals_data_parallel_sgd_on_two_data_axes(sync_axes):
     made = two_level_step(2, 4, tx=optax.sgd(LR))
     plain, scheduled, plain_aux, sched_aux, sched = run_plain_and_scheduled(
-        made, "diloco", steps=3, inner_steps=1, outer=optax.sgd(1.0), sync_axes=sync_axes)
+        made, "diloco", steps=3, inner_steps=1, outer=optax.sgd(1.0), sync_axes=sync_axes
+    )
     assert_trees_close(scheduled, plain, rtol=1e-5)
     assert_trees_close(sched_aux, plain_aux, rtol=1e-5)
     expected = ("dcn",) if sync_axes is None else tuple(np.atleast_1d(sync_axes))
@@ -65,8 +68,7 @@ def test_h1_equals_data_parallel_sgd_with_implicit_reductions_and_jit_steps():
     """check_vma=True (JAX sums the gradients in backward) and a jax.jit step on global
     arrays (jaxsched partitions it): the sums are found and restricted the same way."""
     made = two_level_step(2, 4, tx=optax.sgd(LR), check_vma=True)
-    plain, scheduled, *_ = run_plain_and_scheduled(made, "diloco", steps=3, inner_steps=1,
-                                                   outer=optax.sgd(1.0))
+    plain, scheduled, *_ = run_plain_and_scheduled(made, "diloco", steps=3, inner_steps=1, outer=optax.sgd(1.0))
     assert_trees_close(scheduled, plain, rtol=1e-5)
     params, apply_fn = build("mlp", 0)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -77,8 +79,12 @@ def test_h1_equals_data_parallel_sgd_with_implicit_reductions_and_jit_steps():
             yield steps.shard_batch((jnp.asarray(x), jnp.asarray(y)), mesh)
 
     plain, scheduled, *_ = run_plain_and_scheduled(
-        (steps.make_jit_step(apply_fn, tx), params, tx.init(params), batches), "diloco", steps=3,
-        inner_steps=1, outer=optax.sgd(1.0))
+        (steps.make_jit_step(apply_fn, tx), params, tx.init(params), batches),
+        "diloco",
+        steps=3,
+        inner_steps=1,
+        outer=optax.sgd(1.0),
+    )
     assert_trees_close(scheduled, plain, rtol=1e-5)
 
 
@@ -95,7 +101,7 @@ def test_without_communication_replicas_drift_apart_until_they_sync():
     assert not np.allclose(w[0], w[1])  # replicas trained on different data
     state, _ = sched(state, data[2])
     w = np.asarray(jax.tree.leaves(state.params)[-1])
-    assert (w == w[:1]).all()            # synchronized after H steps
+    assert (w == w[:1]).all()  # synchronized after H steps
     final, _ = sched.finalize(state)
     for got, want in zip(jax.tree.leaves(final), jax.tree.leaves(state.global_params)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -107,9 +113,11 @@ DIN, DOUT = 4, 3
 
 def _tiny(mesh, axes, inner_tx):
     rng = np.random.default_rng(0)
-    params = {"W": jnp.asarray(rng.standard_normal((DIN, DOUT)) * 0.5, jnp.float32),
-              "b": jnp.asarray(rng.standard_normal(DOUT) * 0.1, jnp.float32),
-              "s": jnp.ones(DOUT, jnp.float32)}
+    params = {
+        "W": jnp.asarray(rng.standard_normal((DIN, DOUT)) * 0.5, jnp.float32),
+        "b": jnp.asarray(rng.standard_normal(DOUT) * 0.1, jnp.float32),
+        "s": jnp.ones(DOUT, jnp.float32),
+    }
 
     def loss_fn(p, x, y):
         return jnp.mean(((x @ p["W"] + p["b"]) * p["s"] - y) ** 2)
@@ -121,8 +129,9 @@ def _tiny(mesh, axes, inner_tx):
         updates, o = inner_tx.update(g, o, p)
         return optax.apply_updates(p, updates), o, lax.pmean(loss, axes)
 
-    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(axes)),
-                                 out_specs=(P(), P(), P()), check_vma=False))
+    step = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(axes)), out_specs=(P(), P(), P()), check_vma=False)
+    )
     return step, params, loss_fn
 
 
@@ -137,8 +146,7 @@ def _reference(params, loss_fn, inner_tx, outer_tx, batches, replicas, H, F, tau
     in_flight = {}  # send time -> (fragment, mean outer gradient)
 
     def mean_delta(p):
-        return {k: sum(glob[k] - local[r][k] for r in range(replicas)) / replicas
-                for k in keys if frag[k] == p}
+        return {k: sum(glob[k] - local[r][k] for r in range(replicas)) / replicas for k in keys if frag[k] == p}
 
     def apply(p, delta):
         part = {k: glob[k] for k in delta}
@@ -171,12 +179,15 @@ def _reference(params, loss_fn, inner_tx, outer_tx, batches, replicas, H, F, tau
     return final, glob
 
 
-@pytest.mark.parametrize("mesh_shape,H,F,tau,alpha,n_steps", [
-    ((8,), 3, 1, 0, 0.0, 7),
-    ((8,), 4, 2, 1, 0.0, 9),
-    ((8,), 6, 2, 2, 0.3, 10),      # ends with a fragment in flight
-    ((2, 4), 4, 2, 1, 0.0, 9),     # sync over 'dcn', inner sums over 'ici'
-])
+@pytest.mark.parametrize(
+    "mesh_shape,H,F,tau,alpha,n_steps",
+    [
+        ((8,), 3, 1, 0, 0.0, 7),
+        ((8,), 4, 2, 1, 0.0, 9),
+        ((8,), 6, 2, 2, 0.3, 10),  # ends with a fragment in flight
+        ((2, 4), 4, 2, 1, 0.0, 9),  # sync over 'dcn', inner sums over 'ici'
+    ],
+)
 def test_streaming_diloco_matches_a_hand_written_reference(mesh_shape, H, F, tau, alpha, n_steps):
     axes = ("data",) if len(mesh_shape) == 1 else ("dcn", "ici")
     mesh = jax.make_mesh(mesh_shape, axes, devices=jax.devices()[:8])
@@ -188,14 +199,16 @@ def test_streaming_diloco_matches_a_hand_written_reference(mesh_shape, H, F, tau
     assert fragment_of_leaves([12, 3, 3], 2) == (0, 1, 1)
     frag = {"W": 0, "b": F - 1, "s": F - 1}
     rng = np.random.default_rng(3)
-    host = [(rng.standard_normal((16, DIN)).astype(np.float32),
-             rng.standard_normal((16, DOUT)).astype(np.float32)) for _ in range(n_steps)]
+    host = [
+        (rng.standard_normal((16, DIN)).astype(np.float32), rng.standard_normal((16, DOUT)).astype(np.float32))
+        for _ in range(n_steps)
+    ]
     replicas = mesh_shape[0]
-    want, want_glob = _reference(params, loss_fn, inner_tx, outer_tx, host, replicas, H, F, tau,
-                                 alpha, frag)
+    want, want_glob = _reference(params, loss_fn, inner_tx, outer_tx, host, replicas, H, F, tau, alpha, frag)
 
-    sched = jaxsched.schedule(step, strategy="diloco", inner_steps=H, fragments=F,
-                              overlap_steps=tau, mixing=alpha, outer=outer_tx)
+    sched = jaxsched.schedule(
+        step, strategy="diloco", inner_steps=H, fragments=F, overlap_steps=tau, mixing=alpha, outer=outer_tx
+    )
     state = sched.init(params, inner_tx.init(params))
     for b in host:
         state, _ = sched(state, jax.device_put(b, NamedSharding(mesh, P(axis))))
@@ -238,8 +251,11 @@ def test_quantized_sum_with_error_feedback_tracks_the_exact_sum():
         total, (own, _) = q.all_reduce(g[0], "data", spec, (q.init_own(spec)._replace(residual=residual[0]), ()))
         return total, own.residual[None], own.bytes_sent[None]
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("data"),) * 3,
-                              out_specs=(P(), P("data"), P("data")), check_vma=False))
+    f = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=(P(), P("data"), P("data")), check_vma=False
+        )
+    )
     rng = np.random.default_rng(1)
     put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, P("data")))  # noqa: E731
     residual, sent = put(np.zeros((4, 200), np.float32)), put(np.zeros((4,), np.int32))
@@ -271,8 +287,9 @@ def test_quantized_outer_update_is_within_one_quantization_step(bits):
     for name, comp in (("full", None), ("quant", Quantize(bits=bits, block_size=64))):
         # H=2, τ=1: the outer gradients of the first sync are sent at the start of the
         # third step, from the local parameters the state holds after two
-        sched = jaxsched.schedule(step, strategy="diloco", inner_steps=2, overlap_steps=1,
-                                  outer=optax.sgd(1.0), compression=comp)
+        sched = jaxsched.schedule(
+            step, strategy="diloco", inner_steps=2, overlap_steps=1, outer=optax.sgd(1.0), compression=comp
+        )
         state = sched.init(params, opt_state)
         for b in data[:2]:
             state, _ = sched(state, b)
@@ -284,23 +301,28 @@ def test_quantized_outer_update_is_within_one_quantization_step(bits):
     for a, b in zip(jax.tree.leaves(before_full.params), jax.tree.leaves(before_q.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the outer gradients every replica sends, and the largest quantization step among them
-    deltas = [np.asarray(g)[None] - np.asarray(loc) for g, loc in
-              zip(jax.tree.leaves(before_full.global_params), jax.tree.leaves(before_full.params))]
+    deltas = [
+        np.asarray(g)[None] - np.asarray(loc)
+        for g, loc in zip(jax.tree.leaves(before_full.global_params), jax.tree.leaves(before_full.params))
+    ]
     q_step = max(np.abs(d).max() for d in deltas) / qmax
-    diffs = [np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in
-             zip(jax.tree.leaves(after_full.global_params), jax.tree.leaves(after_q.global_params))]
+    diffs = [
+        np.abs(np.asarray(a) - np.asarray(b)).max()
+        for a, b in zip(jax.tree.leaves(after_full.global_params), jax.tree.leaves(after_q.global_params))
+    ]
     assert max(diffs) <= q_step, (diffs, q_step)
     assert max(diffs) > 0  # the outer gradients really were rounded
-    assert (bytes_sent(after_q) == Quantize(bits=bits, block_size=64).payload_bytes(
-        sum(p.size for p in jax.tree.leaves(params)))).all()
+    assert (
+        bytes_sent(after_q)
+        == Quantize(bits=bits, block_size=64).payload_bytes(sum(p.size for p in jax.tree.leaves(params)))
+    ).all()
 
 
 def test_quantized_outer_sum_is_the_same_on_every_device_of_a_two_level_mesh():
     """With fast axes each device quantizes and sends its shard of every leaf over 'dcn';
     after the gather every device holds the same synchronized parameters."""
     step, params, opt_state, batches = two_level_step(2, 4, tx=optax.sgd(LR))
-    sched = jaxsched.schedule(step, strategy="diloco", inner_steps=2,
-                              compression=Quantize(bits=4, block_size=16))
+    sched = jaxsched.schedule(step, strategy="diloco", inner_steps=2, compression=Quantize(bits=4, block_size=16))
     state = sched.init(params, opt_state)
     for b in batches(2):
         state, _ = jax.block_until_ready(sched(state, b))
@@ -314,14 +336,17 @@ def test_quantized_outer_sum_is_the_same_on_every_device_of_a_two_level_mesh():
 
 
 # -- bad input --------------------------------------------------------------------------------
-@pytest.mark.parametrize("options,match", [
-    ({"inner_steps": 0}, "inner_steps"),
-    ({"inner_steps": 4, "fragments": 2, "overlap_steps": 2}, "overlap_steps"),
-    ({"inner_steps": 4, "fragments": 5}, "fragments"),
-    ({"mixing": 1.0}, "mixing"),
-    ({"inner_strategy": "dear"}, "dear shards the optimizer"),
-    ({"inner_strategy": "approx"}, "inner_strategy"),
-])
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"inner_steps": 0}, "inner_steps"),
+        ({"inner_steps": 4, "fragments": 2, "overlap_steps": 2}, "overlap_steps"),
+        ({"inner_steps": 4, "fragments": 5}, "fragments"),
+        ({"mixing": 1.0}, "mixing"),
+        ({"inner_strategy": "dear"}, "dear shards the optimizer"),
+        ({"inner_strategy": "approx"}, "inner_strategy"),
+    ],
+)
 def test_bad_options_are_refused_with_the_argument_named(options, match):
     with pytest.raises(ValueError, match=match):
         DiLoCo(**options)
@@ -380,8 +405,7 @@ def test_simulated_diloco_step_time():
     compute = layers.forward_s + layers.backward_s + layers.update_s
     h1 = simulate_diloco(layers, net, inner_steps=1)
     # H=1, τ=0: every step is the compute, one all-reduce of every byte, the outer update
-    assert h1.step_s == pytest.approx(compute + net.time("all_reduce", layers.total_bytes)
-                                      + layers.update_s)
+    assert h1.step_s == pytest.approx(compute + net.time("all_reduce", layers.total_bytes) + layers.update_s)
     h10 = simulate_diloco(layers, net, inner_steps=10)
     assert h10.step_s == pytest.approx(compute + (h1.step_s - compute) / 10)
     # with τ=1 and a fragment's all-reduce shorter than a step, nothing is exposed
@@ -397,8 +421,10 @@ def test_simulated_diloco_step_time():
 
 # -- the host engine (two processes) ---------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [{"inner_steps": 4, "fragments": 2, "overlap_steps": 1},
-                                     {"inner_steps": 6, "fragments": 2, "overlap_steps": 2}])
+@pytest.mark.parametrize(
+    "options",
+    [{"inner_steps": 4, "fragments": 2, "overlap_steps": 1}, {"inner_steps": 6, "fragments": 2, "overlap_steps": 2}],
+)
 def test_two_processes_host_engine_equals_xla_engine(tmp_path, options):
     """Every phase is its own program with the outer all-reduce at its top level, so the
     host engine stages it (a comm stage) beside the inner step's compute."""
@@ -406,19 +432,27 @@ def test_two_processes_host_engine_equals_xla_engine(tmp_path, options):
     import json
     import os
     import sys
-    from pathlib import Path
 
     from jaxsched.tools import launch as launch_lib
 
     from support import SUPPORT_DIR
 
     out = tmp_path / "report.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(SUPPORT_DIR.parent.parent), str(SUPPORT_DIR.parent)]))
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(SUPPORT_DIR.parent.parent), str(SUPPORT_DIR.parent)]),
+    )
     log = io.StringIO()
-    code = launch_lib.launch(2, [sys.executable, str(SUPPORT_DIR / "diloco_host_worker.py"), str(out),
-                                 json.dumps(options)], env=env, stdout=log, stderr=log,
-                             timeout_s=300, grace_s=2)
+    code = launch_lib.launch(
+        2,
+        [sys.executable, str(SUPPORT_DIR / "diloco_host_worker.py"), str(out), json.dumps(options)],
+        env=env,
+        stdout=log,
+        stderr=log,
+        timeout_s=300,
+        grace_s=2,
+    )
     assert code == 0, log.getvalue()[-4000:]
     report = json.loads(out.read_text())
     assert report["params_rel_gap"] < 1e-4, report
@@ -427,8 +461,9 @@ def test_two_processes_host_engine_equals_xla_engine(tmp_path, options):
 
     # phases that send (τ >= 1: the send is the first thing of the step's program)
     synced = [k for k in report["stages"] if ast.literal_eval(k)[0] is not None]
-    assert synced and all(report["stages"][k].count("comm") > report["stages"]["(None, None)"].count("comm")
-                          for k in synced)
+    assert synced and all(
+        report["stages"][k].count("comm") > report["stages"]["(None, None)"].count("comm") for k in synced
+    )
 
 
 # -- the guide quotes the committed results ------------------------------------------------------
@@ -444,8 +479,7 @@ def test_the_guide_quotes_the_committed_benchmark_results():
         label = name.replace("tau=1", "τ=1")
         row = re.search(rf"^\| {re.escape(label)} \| ([\d.]+) ± ([\d.]+) \|", guide, re.M)
         assert row, name
-        assert (float(row[1]), float(row[2])) == (round(run["test_loss_mean"], 4),
-                                                  round(run["test_loss_std"], 4)), name
+        assert (float(row[1]), float(row[2])) == (round(run["test_loss_mean"], 4), round(run["test_loss_std"], 4)), name
     cluster = json.loads((root / "benchmarks/results/diloco_cluster.json").read_text())
     quoted = [float(x) for x in re.findall(r"^\| [^|]+ \| ([\d.]+) \| [\d.]+ \| [\d.]+ \|", guide, re.M)]
     measured = [round(v["mean_step_s"] * 1e3, 1) for v in cluster["variants"].values()]
@@ -462,10 +496,30 @@ def test_simulate_command_reports_diloco_as_simulated(tmp_path, capsys):
     layers = LayerProfile([Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(6)])
     layers.save(tmp_path / "layers.json")
     out = tmp_path / "out.json"
-    code = main(["simulate", "--profile", str(tmp_path / "layers.json"), "--workers", "8",
-                 "--network", "10gbe", "--strategy", "allreduce,diloco", "--inner-steps", "10",
-                 "--fragments", "2", "--overlap-steps", "1", "--outer-bits", "4", "--json", str(out),
-                 "--no-progress"])
+    code = main(
+        [
+            "simulate",
+            "--profile",
+            str(tmp_path / "layers.json"),
+            "--workers",
+            "8",
+            "--network",
+            "10gbe",
+            "--strategy",
+            "allreduce,diloco",
+            "--inner-steps",
+            "10",
+            "--fragments",
+            "2",
+            "--overlap-steps",
+            "1",
+            "--outer-bits",
+            "4",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     table = capsys.readouterr().out
     assert "SIMULATED" in table and "diloco" in table

@@ -1,6 +1,7 @@
 """A step that returns a state leaf in another dtype than it took (adam with
 ``mu_dtype=bfloat16`` on a float32 optimizer state): every strategy gets a program for the
 new dtypes, as ``jax.jit`` traces again, and stays equal to the plain step."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,8 +20,7 @@ def _bf16_moments_step(devices: int = 4, widen_moments: bool = True):
     tx = optax.adam(1e-2, mu_dtype=jnp.bfloat16)
     opt_state = tx.init(params)
     if widen_moments:  # as verify, or a checkpoint in float32, hands it over
-        opt_state = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x,
-                                 opt_state)
+        opt_state = jax.tree.map(lambda x: x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x, opt_state)
     mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
     batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", 3, 2 * devices, 1)]
     return steps.make_step(apply_fn, tx, mesh), params, opt_state, batches

@@ -8,6 +8,7 @@ Modes:
   raise           rank 1 raises after jax.distributed starts; the others block in a psum
   psum [MB REPS]  psum of (rank + 1) over every process; prints the sum (and timings with MB)
 """
+
 import sys as _sys
 from pathlib import Path as _Path
 
@@ -43,8 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 assert jax.process_index() == info.process_id == rank, (jax.process_index(), info, rank)
 n = info.num_processes
 mesh = jax.make_mesh((n,), ("x",), devices=jax.devices())
-psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"),
-                             out_specs=P("x")))
+psum = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
 sharding = NamedSharding(mesh, P("x"))
 
 
@@ -76,9 +76,12 @@ if mode == "psum":
             t = time.perf_counter()
             jax.block_until_ready(psum(x))
             times.append(time.perf_counter() - t)
-        print(f"psum of {mb:g} MB float32 over {n} processes: "
-              f"median {np.median(times) * 1e3:.0f} ms (min {min(times) * 1e3:.0f}, "
-              f"max {max(times) * 1e3:.0f}, {reps} reps)", flush=True)
+        print(
+            f"psum of {mb:g} MB float32 over {n} processes: "
+            f"median {np.median(times) * 1e3:.0f} ms (min {min(times) * 1e3:.0f}, "
+            f"max {max(times) * 1e3:.0f}, {reps} reps)",
+            flush=True,
+        )
     jax.distributed.shutdown()
     sys.exit(0)
 sys.exit(f"unknown mode {mode}")

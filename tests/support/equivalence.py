@@ -1,4 +1,5 @@
 """Shared helpers: run the plain step and a scheduled one side by side on fresh random data."""
+
 from __future__ import annotations
 
 import jax
@@ -10,8 +11,11 @@ from jaxsched.zoo import models
 from jaxsched.demo import steps
 
 MODEL_INPUTS = {"mlp": ((8, 8, 1), 10), "cnn": ((8, 8, 1), 10), "transformer": ((8,), 16)}
-MODEL_OPTIONS = {"mlp": {"hidden": (13, 7)}, "cnn": {"channels": 4, "blocks": 1},
-                 "transformer": {"dim": 16, "heads": 2, "layers": 1}}
+MODEL_OPTIONS = {
+    "mlp": {"hidden": (13, 7)},
+    "cnn": {"channels": 4, "blocks": 1},
+    "transformer": {"dim": 16, "heads": 2, "layers": 1},
+}
 
 
 def random_batches(model: str, n_steps: int, batch: int, seed: int):
@@ -32,9 +36,18 @@ def build(model: str, seed: int):
     return models.pure(models.build(model, shape, classes, seed=seed, **MODEL_OPTIONS[model]))
 
 
-def run_both(model: str, tx: optax.GradientTransformation, strategy: str, devices: int,
-             n_steps: int = 20, api: str = "shard_map", seed: int = 0, buckets=None,
-             batch_per_device: int = 2, **options):
+def run_both(
+    model: str,
+    tx: optax.GradientTransformation,
+    strategy: str,
+    devices: int,
+    n_steps: int = 20,
+    api: str = "shard_map",
+    seed: int = 0,
+    buckets=None,
+    batch_per_device: int = 2,
+    **options,
+):
     """Returns ((plain params, plain opt), (scheduled params, opt), plain auxes, scheduled auxes)."""
     params, apply_fn = build(model, seed)
     opt_state = tx.init(params)

@@ -8,6 +8,7 @@ of every process; the host engine runs collectives on device 1. For every strate
 xla engine and the host engine run the same batches; rank 0 writes the largest relative
 difference of the finalized params and of the losses.
 """
+
 import sys as _sys
 from pathlib import Path as _Path
 
@@ -32,8 +33,7 @@ out, strategies = sys.argv[1], sys.argv[2:]
 jit_form = "--jit" in strategies
 strategies = [s for s in strategies if s != "--jit"]
 rank = jax.process_index()
-devices = [d for d in jax.devices() if d.id == min(e.id for e in jax.devices()
-                                                   if e.process_index == d.process_index)]
+devices = [d for d in jax.devices() if d.id == min(e.id for e in jax.devices() if e.process_index == d.process_index)]
 mesh = jax.sharding.Mesh(np.array(devices), ("data",))
 sharding = NamedSharding(mesh, P("data"))
 params, apply_fn = build("mlp", 0)
@@ -41,7 +41,7 @@ tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
 step = steps.make_jit_step(apply_fn, tx) if jit_form else steps.make_step(apply_fn, tx, mesh)
 batches = []
 for x, y in random_batches("mlp", 4, 8, 3):
-    local = (x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+    local = (x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4])
     batches.append(jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), local))
 
 report = {}
@@ -62,4 +62,3 @@ for strategy in strategies:
 if rank == 0:
     with open(out, "w") as f:
         json.dump(report, f)
-

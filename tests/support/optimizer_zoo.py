@@ -4,6 +4,7 @@ of each: fallbacks, collectives in the lowered program, optimizer state per devi
 
 Shared by ``tests/test_dear_optimizers.py`` and ``benchmarks/dear_optimizers.py``.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -23,8 +24,7 @@ SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_s
 
 def decay_mask(params: Any) -> Any:
     """Weight decay on kernels only (the usual mask: no decay of biases)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: jax.tree_util.keystr(path).endswith("['kernel']"), params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: jax.tree_util.keystr(path).endswith("['kernel']"), params)
 
 
 def _muon() -> optax.GradientTransformation:
@@ -33,11 +33,10 @@ def _muon() -> optax.GradientTransformation:
 
 def _frozen_head() -> optax.GradientTransformation:
     """big_vision's shape: a labelled chain, frozen leaves set to zero, decay on the rest."""
-    labels = lambda p: {k: jax.tree.map(lambda _: "frozen" if k == "head" else "trained", v)
-                        for k, v in p.items()}
+    labels = lambda p: {k: jax.tree.map(lambda _: "frozen" if k == "head" else "trained", v) for k, v in p.items()}
     return optax.multi_transform(
-        {"trained": optax.adamw(SCHEDULE, weight_decay=1e-2, mask=decay_mask),
-         "frozen": optax.set_to_zero()}, labels)
+        {"trained": optax.adamw(SCHEDULE, weight_decay=1e-2, mask=decay_mask), "frozen": optax.set_to_zero()}, labels
+    )
 
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
@@ -51,8 +50,7 @@ OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adafactor": lambda: optax.adafactor(SCHEDULE, min_dim_size_to_factor=4),
     "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(SCHEDULE)),
     "multi_steps": lambda: optax.MultiSteps(optax.adam(SCHEDULE), every_k_schedule=2),
-    "masked": lambda: optax.chain(optax.masked(optax.add_decayed_weights(1e-2), decay_mask),
-                                  optax.adam(SCHEDULE)),
+    "masked": lambda: optax.chain(optax.masked(optax.add_decayed_weights(1e-2), decay_mask), optax.adam(SCHEDULE)),
     "frozen": _frozen_head,
     "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(SCHEDULE), max_consecutive_errors=3),
     "zero_nans": lambda: optax.chain(optax.zero_nans(), optax.adam(SCHEDULE)),
@@ -96,7 +94,10 @@ def run(name: str, strategy: str = "dear", devices: int = 8, n_steps: int = 3, *
         jax.block_until_ready(state)
         text = sched.lower(state, batches[0]).as_text()
     return {
-        "sched": sched, "state": state, "plain": jax.device_get(plain), "batches": batches,
+        "sched": sched,
+        "state": state,
+        "plain": jax.device_get(plain),
+        "batches": batches,
         "got": jax.device_get(sched.finalize(state)),
         "fallbacks": [str(w.message) for w in caught if issubclass(w.category, jaxsched.FallbackWarning)],
         "collectives": collectives(text),

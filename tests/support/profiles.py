@@ -1,4 +1,5 @@
 """Random profiles shared by the simulator and planner tests."""
+
 from __future__ import annotations
 
 import random
@@ -7,9 +8,9 @@ from fractions import Fraction
 from jaxsched.sim.costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
 
 
-def random_layers(rng: random.Random, num: int, exact: bool = False,
-                  with_update: bool = True) -> LayerProfile:
+def random_layers(rng: random.Random, num: int, exact: bool = False, with_update: bool = True) -> LayerProfile:
     """Times in [0.1, 10] ms (Fractions when ``exact``), sizes 0..40 MB incl. empty layers."""
+
     def seconds():
         return Fraction(rng.randint(1, 100), 10_000) if exact else rng.uniform(1e-4, 1e-2)
 
@@ -26,8 +27,7 @@ def random_network(rng: random.Random, exact: bool = False) -> NetworkProfile:
     costs = {}
     for name in ("all_reduce", "reduce_scatter", "all_gather", "ppermute"):
         if exact:
-            costs[name] = CollectiveCost(Fraction(rng.randint(0, 50), 10_000),
-                                         Fraction(1, rng.randint(10**8, 10**10)))
+            costs[name] = CollectiveCost(Fraction(rng.randint(0, 50), 10_000), Fraction(1, rng.randint(10**8, 10**10)))
         else:
             costs[name] = CollectiveCost(rng.uniform(0, 5e-3), 1 / rng.uniform(1e8, 1e10))
     return NetworkProfile(rng.choice([2, 3, 8, 64]), costs)

@@ -5,6 +5,7 @@ separate environment (.venv-aot) so that plain CPU runs never load the GPU and T
 only a checkout without it skips, with a reason that names the missing module and the
 extra; a device that cannot be built where the extra is installed fails the test.
 """
+
 import pytest
 
 import jaxsched.tools.aot

@@ -4,6 +4,7 @@ The structure checked here is the compiled, scheduled program's (jaxsched.check.
 lowering: which collectives XLA kept async and what compute it put in their windows.
 Without the `aot` extra these tests skip, naming it; `make test` installs it.
 """
+
 import importlib.util
 import subprocess
 import sys
@@ -33,15 +34,22 @@ def _experiment(target: str, layers: int = LAYERS, width: int = WIDTH, per_devic
     from jaxsched.tools.aot.experiment import ModelSpec, abstract_experiment
     from jaxsched.demo.config import OptimizerConfig
 
-    spec = ModelSpec("mlp", (width,), 10, {"hidden": (width,) * layers}, per_device,
-                     OptimizerConfig(name="momentum", learning_rate=0.1))
+    spec = ModelSpec(
+        "mlp",
+        (width,),
+        10,
+        {"hidden": (width,) * layers},
+        per_device,
+        OptimizerConfig(name="momentum", learning_rate=0.1),
+    )
     return abstract_experiment(spec, target=target)
 
 
 def _per_layer(exp):
     paths = jaxsched.core.bucketing.param_paths(exp.params)
-    return [[p for p in paths if p.startswith(f"hidden/{i}/")] for i in range(LAYERS)] + \
-        [[p for p in paths if p.startswith("head/")]]
+    return [[p for p in paths if p.startswith(f"hidden/{i}/")] for i in range(LAYERS)] + [
+        [p for p in paths if p.startswith("head/")]
+    ]
 
 
 def _inspect(exp, strategy, **options):
@@ -66,8 +74,7 @@ def test_unknown_target_and_bad_topology_say_what_to_write():
 
 def test_a_missing_toolchain_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "libtpu" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
     reason = jaxsched.tools.aot.toolchain_missing("tpu")
     assert "jaxsched[aot]" in reason and "libtpu" in reason
     jaxsched.tools.aot._tpu_devices.cache_clear()
@@ -76,9 +83,10 @@ def test_a_missing_toolchain_names_the_extra(monkeypatch):
 
 
 @needs_gpu
-@pytest.mark.parametrize("strategy", ["wfbp", "approx",
-                                      pytest.param("allreduce", marks=pytest.mark.slow),
-                                      pytest.param("dear", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "strategy",
+    ["wfbp", "approx", pytest.param("allreduce", marks=pytest.mark.slow), pytest.param("dear", marks=pytest.mark.slow)],
+)
 def test_init_and_lower_are_abstract_on_compile_only_devices(strategy):
     exp = _experiment("h100:1x2x4")
     sched = jaxsched.schedule(exp.step, strategy=strategy)
@@ -106,8 +114,9 @@ def test_devices_are_cached_and_describe_the_cluster():
 def test_allreduce_is_the_users_step_as_xla_compiles_it_alone():
     inspection = _inspect(_experiment("h100:1x2x4"), "allreduce")
     report, plain = inspection.report, inspection.baseline
-    assert [(w.kind, w.bytes, w.is_async) for w in report.collectives] == \
-        [(w.kind, w.bytes, w.is_async) for w in plain.collectives]
+    assert [(w.kind, w.bytes, w.is_async) for w in report.collectives] == [
+        (w.kind, w.bytes, w.is_async) for w in plain.collectives
+    ]
     assert report.step_s == pytest.approx(plain.step_s)
 
 
@@ -151,8 +160,10 @@ def test_default_buckets_are_not_estimated_slower_than_the_plain_step_on_a_multi
     small it is slower, and ``buckets="auto"`` / ``strategy="auto"`` see that.)"""
     exp = _experiment("h100:1x8x8", layers=8, width=256, per_device=64)
     inspection = _inspect(exp, strategy)
-    assert inspection.report.step_s <= 1.05 * inspection.baseline.step_s, \
-        (inspection.report.step_s, inspection.baseline.step_s)
+    assert inspection.report.step_s <= 1.05 * inspection.baseline.step_s, (
+        inspection.report.step_s,
+        inspection.baseline.step_s,
+    )
 
 
 @needs_gpu
@@ -200,21 +211,32 @@ def test_compiled_planner_candidates_per_platform():
     from jaxsched.strategies import make_strategy
 
     def described(platform, mesh=None):
-        return sorted((dict(v.collective.forms).get("all_reduce", "engine"), v.compiler_defaults,
-                       bool(v.compiler_overrides), b or 0)
-                      for v, b in candidates_for(make_strategy("approx"), platform, "auto", mesh=mesh))
+        return sorted(
+            (
+                dict(v.collective.forms).get("all_reduce", "engine"),
+                v.compiler_defaults,
+                bool(v.compiler_overrides),
+                b or 0,
+            )
+            for v, b in candidates_for(make_strategy("approx"), platform, "auto", mesh=mesh)
+        )
 
-    assert described("gpu") == sorted((form, defaults, False, b) for form, defaults in
-                                      [("engine", False), ("packed", False), ("engine", True)]
-                                      for b in (0, ONE_BUCKET))
+    assert described("gpu") == sorted(
+        (form, defaults, False, b)
+        for form, defaults in [("engine", False), ("packed", False), ("engine", True)]
+        for b in (0, ONE_BUCKET)
+    )
     one_slice = SimpleNamespace(devices=np.array([SimpleNamespace(slice_index=0)] * 8))
     two_slices = SimpleNamespace(devices=np.array([SimpleNamespace(slice_index=i // 8) for i in range(16)]))
-    assert described("tpu") == described("tpu", one_slice) == [("engine", False, False, 0),
-                                                              ("engine", True, False, 0)]
-    assert described("tpu", two_slices) == [("engine", False, False, 0), ("engine", False, True, 0),
-                                            ("engine", True, False, 0)]
-    variant = [v for v, _ in candidates_for(make_strategy("approx"), "tpu", "auto", mesh=two_slices)
-               if v.compiler_overrides]
+    assert described("tpu") == described("tpu", one_slice) == [("engine", False, False, 0), ("engine", True, False, 0)]
+    assert described("tpu", two_slices) == [
+        ("engine", False, False, 0),
+        ("engine", False, True, 0),
+        ("engine", True, False, 0),
+    ]
+    variant = [
+        v for v, _ in candidates_for(make_strategy("approx"), "tpu", "auto", mesh=two_slices) if v.compiler_overrides
+    ]
     assert variant[0].compiler_overrides == DEVICE_DCN_REDUCTION
     assert make_strategy("approx").compiler_overrides == {}  # the variant is a copy
     identity = make_strategy("allreduce")  # the user's step: no collective to vary
@@ -276,18 +298,23 @@ def test_the_device_dcn_reduction_variant_keeps_cross_slice_sums_off_the_hosts()
 
 
 # -- the new collective forms are exact on CPU --------------------------------------------
-@pytest.mark.parametrize("strategy,form", [
-    ("wfbp", "per_tensor"), ("dear", "per_tensor"),
-    pytest.param("wfbp", "packed", marks=pytest.mark.slow),
-    pytest.param("approx", "packed", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "strategy,form",
+    [
+        ("wfbp", "per_tensor"),
+        ("dear", "per_tensor"),
+        pytest.param("wfbp", "packed", marks=pytest.mark.slow),
+        pytest.param("approx", "packed", marks=pytest.mark.slow),
+    ],
+)
 def test_collective_forms_give_the_plain_steps_numbers(strategy, form):
     from support.equivalence import run_both
 
     forms = {"all_reduce": form, "reduce_scatter": form, "all_gather": form}
     options = {"staleness": 0} if strategy == "approx" else {}
     plain, scheduled, plain_aux, sched_aux, _ = run_both(
-        "mlp", optax.adam(1e-2), strategy, devices=4, n_steps=6,
-        collective=Collective(forms=forms), **options)
+        "mlp", optax.adam(1e-2), strategy, devices=4, n_steps=6, collective=Collective(forms=forms), **options
+    )
     assert_trees_close(plain, scheduled)
     np.testing.assert_allclose([a["loss"] for a in sched_aux], [a["loss"] for a in plain_aux], rtol=1e-5)
 
@@ -305,9 +332,27 @@ def test_collective_forms_are_validated():
 def test_inspect_command_writes_json_and_png(tmp_path):
     out, png = tmp_path / "out.json", tmp_path / "out.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxsched", "inspect", "--config", "configs/tiny_lm.toml",
-         "--target", "h100:1x2x4", "--strategies", "allreduce,wfbp", "--json", str(out),
-         "--png", str(png), "--no-progress"], capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "jaxsched",
+            "inspect",
+            "--config",
+            "configs/tiny_lm.toml",
+            "--target",
+            "h100:1x2x4",
+            "--strategies",
+            "allreduce,wfbp",
+            "--json",
+            str(out),
+            "--png",
+            str(png),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
 
@@ -319,8 +364,12 @@ def test_inspect_command_writes_json_and_png(tmp_path):
 
 
 def test_inspect_command_rejects_a_bad_target_in_one_line():
-    proc = subprocess.run([sys.executable, "-m", "jaxsched", "inspect", "--model", "mlp",
-                           "--target", "h100"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxsched", "inspect", "--model", "mlp", "--target", "h100"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "TARGET:TOPOLOGY" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -346,8 +395,10 @@ def test_nnx_steps_lower_and_inspect_ahead_of_time():
         return jax.lax.pmean(loss, "data")
 
     sharded = NamedSharding(mesh, P("data"))
-    batch = (jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=sharded),
-             jax.ShapeDtypeStruct((16,), jnp.int32, sharding=sharded))
+    batch = (
+        jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=sharded),
+        jax.ShapeDtypeStruct((16,), jnp.int32, sharding=sharded),
+    )
     sched = jaxsched.integrations.nnx.schedule(train_step, strategy="dear")
     assert "reduce-scatter" in sched.lower(model, optimizer, batch).compile().as_text()
     inspection = sched.inspect(model, optimizer, batch)

@@ -1,6 +1,7 @@
 """`jaxsched bench` end to end on loopback (2 processes): the report's shape, the Gantt
 chart written where asked (never into the committed results unless --save), and bad
 options refused in one line before any work. Speed is not asserted here."""
+
 from __future__ import annotations
 
 import json
@@ -20,10 +21,39 @@ def test_bench_reports_every_strategy(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(
-        [sys.executable, "-m", "jaxsched", "bench", "--no-cluster", "--hosts", "2", "--steps", "2",
-         "--depth", "3", "--width", "32", "--batch", "16", "--strategies", "allreduce,wfbp",
-         "--json", str(out), "--png", str(png), "--out", str(results), "--timeout", "300"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
+        [
+            sys.executable,
+            "-m",
+            "jaxsched",
+            "bench",
+            "--no-cluster",
+            "--hosts",
+            "2",
+            "--steps",
+            "2",
+            "--depth",
+            "3",
+            "--width",
+            "32",
+            "--batch",
+            "16",
+            "--strategies",
+            "allreduce,wfbp",
+            "--json",
+            str(out),
+            "--png",
+            str(png),
+            "--out",
+            str(results),
+            "--timeout",
+            "300",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=400,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert {"compute_s", "comm_s", "bound_s", "ceiling_s", "strategies"} <= report.keys()
@@ -33,19 +63,22 @@ def test_bench_reports_every_strategy(tmp_path):
         row = report["strategies"][name]
         assert row["step_s"] > 0 and row["speedup"] > 0
         assert row["ratio_to_ceiling"] == pytest.approx(row["step_s"] / report["ceiling_s"])
-        assert row["max_loss_gap_to_plain"] < 1e-4   # the host engine computes the plain step
+        assert row["max_loss_gap_to_plain"] < 1e-4  # the host engine computes the plain step
     assert "3x32 tanh MLP" in done.stdout
     assert png.stat().st_size > 10_000
     assert [p.name for p in results.iterdir()] == ["overlap.jsonl"]
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--strategies", "allreduce,deer"], "'deer' is unknown"),
-    (["--steps", "-1"], "-1 must be positive"),
-    (["--hosts", "1"], "at least 2"),
-    (["--compression", "zip"], "--compression 'zip'"),
-    (["--out", "README.md"], "is a file"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--strategies", "allreduce,deer"], "'deer' is unknown"),
+        (["--steps", "-1"], "-1 must be positive"),
+        (["--hosts", "1"], "at least 2"),
+        (["--compression", "zip"], "--compression 'zip'"),
+        (["--out", "README.md"], "is a file"),
+    ],
+)
 def test_bench_refuses_bad_options_in_one_line_before_any_work(argv, message, capsys):
     from jaxsched.tools.cli import main
 
@@ -59,6 +92,7 @@ def _curve(fixed_s, per_row_s, comm_s, calls):
     def measure(batch):
         calls.append(batch)
         return fixed_s + per_row_s * batch, comm_s
+
     return measure
 
 
@@ -98,10 +132,15 @@ def test_calibration_refuses_bad_measurements():
 
 
 def _raw(calibration):
-    return {"median_s": {"compute": 0.09, "comm": 0.29, "plain": 0.38, "ceiling": 0.3, "comm_tree": 0.3,
-                         "wfbp": 0.37},
-            "processes": 2, "batch_per_process": 144, "steps": 3, "layers": {"width": 1024, "depth": 8},
-            "losses": {"plain": [1.0], "wfbp": [1.0]}, "calibration": calibration}
+    return {
+        "median_s": {"compute": 0.09, "comm": 0.29, "plain": 0.38, "ceiling": 0.3, "comm_tree": 0.3, "wfbp": 0.37},
+        "processes": 2,
+        "batch_per_process": 144,
+        "steps": 3,
+        "layers": {"width": 1024, "depth": 8},
+        "losses": {"plain": [1.0], "wfbp": [1.0]},
+        "calibration": calibration,
+    }
 
 
 def test_speedups_are_withheld_when_calibration_failed():
@@ -132,10 +171,12 @@ def test_bench_chart_labels_stages_and_draws_no_empty_panel():
     raw = _raw({"explicit_batch": True, "batch": 144})
     raw["median_s"]["wfbp+topk:0.01"] = 0.36
     raw["losses"]["wfbp+topk:0.01"] = [1.0]
-    spans = [dict(kind="compute", name="fwd layer0..layer7 + bwd layer7", dispatched=0.0, started=0.0, done=0.15),
-             dict(kind="comm", name="psum bucket 0 (4.2 MB)", dispatched=0.15, started=0.15, done=0.2),
-             dict(kind="compute", name="bwd layer6", dispatched=0.15, started=0.15, done=0.19),
-             dict(kind="compute", name="update", dispatched=0.2, started=0.2, done=0.3)]
+    spans = [
+        dict(kind="compute", name="fwd layer0..layer7 + bwd layer7", dispatched=0.0, started=0.0, done=0.15),
+        dict(kind="comm", name="psum bucket 0 (4.2 MB)", dispatched=0.15, started=0.15, done=0.2),
+        dict(kind="compute", name="bwd layer6", dispatched=0.15, started=0.15, done=0.19),
+        dict(kind="compute", name="update", dispatched=0.2, started=0.2, done=0.3),
+    ]
     raw["timelines"] = {"wfbp": spans, "wfbp+topk:0.01": spans}
     result = summarize(raw, ["wfbp", "wfbp+topk:0.01"], "1gbit")
     sims = simulated(result, ["wfbp", "wfbp+topk:0.01"])
@@ -169,7 +210,7 @@ def test_host_engine_names_stages_by_what_they_run():
         for i in range(2):
             with jax.named_scope(f"layer{i}"):
                 x = jnp.tanh(x @ w[i])
-        return jnp.sum(x ** 2)
+        return jnp.sum(x**2)
 
     def body(w, x):
         value, g = jax.value_and_grad(loss)(w, x)
@@ -206,12 +247,15 @@ def test_the_simulated_column_prices_dears_pair_as_measured():
 def test_the_chart_says_where_a_step_lost_and_which_target_it_missed():
     from jaxsched.tools.bench import bench_figure, format_report, missed_target, simulated, summarize, time_breakdown
 
-    spans = [dict(kind="compute", name="fwd", dispatched=0.0, started=0.0, done=0.2),
-             dict(kind="comm", name="psum bucket 0", dispatched=0.1, started=0.1, done=0.4),
-             dict(kind="compute", name="update", dispatched=0.4, started=0.45, done=0.5)]
+    spans = [
+        dict(kind="compute", name="fwd", dispatched=0.0, started=0.0, done=0.2),
+        dict(kind="comm", name="psum bucket 0", dispatched=0.1, started=0.1, done=0.4),
+        dict(kind="compute", name="update", dispatched=0.4, started=0.45, done=0.5),
+    ]
     parts = time_breakdown(spans)
-    assert parts == pytest.approx({"step_s": 0.5, "compute_alone_s": 0.15, "comm_alone_s": 0.2,
-                                   "overlapped_s": 0.1, "idle_s": 0.05})
+    assert parts == pytest.approx(
+        {"step_s": 0.5, "compute_alone_s": 0.15, "comm_alone_s": 0.2, "overlapped_s": 0.1, "idle_s": 0.05}
+    )
     raw = _raw({"explicit_batch": True, "batch": 144})
     raw["timelines"] = {"wfbp": spans}
     result = summarize(raw, ["wfbp"], "1gbit")  # 0.37 s against a 0.3 s ceiling: 1.23x
@@ -220,14 +264,14 @@ def test_the_chart_says_where_a_step_lost_and_which_target_it_missed():
     raw["median_s"]["wfbp"] = 0.45  # 1.5x the ceiling
     result = summarize(raw, ["wfbp"], "1gbit")
     assert "target <= 1.25x the ceiling missed (1.50x)" in missed_target(
-        "wfbp", result["strategies"]["wfbp"], result["strategies"])
+        "wfbp", result["strategies"]["wfbp"], result["strategies"]
+    )
     fig = bench_figure(raw, result, simulated(result, ["wfbp"]))
     title = fig.axes[0].get_title()
     assert "missed" in title and "comm alone (exposed) 200" in title
     # the measured reason beside the miss: compute ran 250 ms (150 alone + 100 overlapped)
     row = result["strategies"]["wfbp"]
-    assert row["missed_because"].startswith(
-        f"compute ran 250 ms against {result['compute_s'] * 1e3:.0f} ms alone"), row
+    assert row["missed_because"].startswith(f"compute ran 250 ms against {result['compute_s'] * 1e3:.0f} ms alone"), row
     assert "why: compute ran 250 ms" in title
     assert "measured: compute ran 250 ms" in format_report(result)
 

@@ -1,4 +1,5 @@
 """The command line: options checked before any work, defaults shown, layering, progress."""
+
 from __future__ import annotations
 
 import subprocess
@@ -19,48 +20,58 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def no_training(monkeypatch):
     """Fail the test if any training starts."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("training started before the options were checked")
+
     monkeypatch.setattr(trainer, "train_side_by_side", refuse)
     monkeypatch.setattr(trainer, "train", refuse)
 
 
 def test_unknown_strategy_fails_before_training_naming_value_and_choices(no_training, capsys, tmp_path):
     log = tmp_path / "runs" / "x.jsonl"
-    code = main(["train", "--config", "configs/mlp_digits.toml", "--strategies", "allreduce,dearr",
-                 "--log", str(log)])
+    code = main(["train", "--config", "configs/mlp_digits.toml", "--strategies", "allreduce,dearr", "--log", str(log)])
     assert code == 2
     err = capsys.readouterr().err
     assert "--strategies: 'dearr' is unknown; choose from allreduce, wfbp, dear" in err
     assert not log.parent.exists()  # nothing ran, nothing was written
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["simulate", "--workers", "8"], "one of the arguments --model --profile is required"),
-    (["profile"], "the following arguments are required: --model"),
-    (["simulate", "--model", "vgg16", "--workers", "0"], "--workers: 0 must be positive"),
-    (["simulate", "--model", "vgg16", "--density", "2"], "--density: 2.0 must be in (0, 1]"),
-    (["simulate", "--profile", "no/such/layers.json"], "file 'no/such/layers.json' does not exist"),
-    (["profile", "--model", "mlp", "--devices", "many"], "--devices: 'many' is not an integer"),
-    (["train", "--config", "configs/mlp_digits.toml", "--strategies", ","], "no names in ','"),
-    (["verify", "--config", "configs/mlp_digits.toml", "--steps", "-1"], "--steps: -1 must be positive"),
-    (["verify", "--config", "configs/mlp_digits.toml", "--precision", "half"], "invalid choice: 'half'"),
-    (["inspect", "--model", "mlp", "--target", "h100"], "TARGET:TOPOLOGY"),
-    (["inspect", "--model", "resnet", "--target", "h100:1x2x4"], "'resnet' is not a zoo model"),
-    (["launch", "--hosts", "0", "--", "true"], "--hosts: 0 must be positive"),
-    (["launch", "--hosts", "2", "--port", "70000", "--", "true"], "70000 is not a port"),
-    (["launch", "--hosts", "2", "--grace", "-1", "--", "true"], "--grace: -1.0 must be positive"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["simulate", "--workers", "8"], "one of the arguments --model --profile is required"),
+        (["profile"], "the following arguments are required: --model"),
+        (["simulate", "--model", "vgg16", "--workers", "0"], "--workers: 0 must be positive"),
+        (["simulate", "--model", "vgg16", "--density", "2"], "--density: 2.0 must be in (0, 1]"),
+        (["simulate", "--profile", "no/such/layers.json"], "file 'no/such/layers.json' does not exist"),
+        (["profile", "--model", "mlp", "--devices", "many"], "--devices: 'many' is not an integer"),
+        (["train", "--config", "configs/mlp_digits.toml", "--strategies", ","], "no names in ','"),
+        (["verify", "--config", "configs/mlp_digits.toml", "--steps", "-1"], "--steps: -1 must be positive"),
+        (["verify", "--config", "configs/mlp_digits.toml", "--precision", "half"], "invalid choice: 'half'"),
+        (["inspect", "--model", "mlp", "--target", "h100"], "TARGET:TOPOLOGY"),
+        (["inspect", "--model", "resnet", "--target", "h100:1x2x4"], "'resnet' is not a zoo model"),
+        (["launch", "--hosts", "0", "--", "true"], "--hosts: 0 must be positive"),
+        (["launch", "--hosts", "2", "--port", "70000", "--", "true"], "70000 is not a port"),
+        (["launch", "--hosts", "2", "--grace", "-1", "--", "true"], "--grace: -1.0 must be positive"),
+    ],
+)
 def test_bad_options_fail_at_parse_time(argv, message, no_training, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command,shown", [
-    ("simulate", ["(default: 8)", "(default: 10gbe)", "(default: allreduce,wfbp,mgwfbp,bytescheduler,dear,approx)"]),
-    ("profile", ["(default: 64)", "(default: layers.json)", "(default: none)"]),
-    ("demo", ["(default: runs/demo.jsonl)"]),
-])
+@pytest.mark.parametrize(
+    "command,shown",
+    [
+        (
+            "simulate",
+            ["(default: 8)", "(default: 10gbe)", "(default: allreduce,wfbp,mgwfbp,bytescheduler,dear,approx)"],
+        ),
+        ("profile", ["(default: 64)", "(default: layers.json)", "(default: none)"]),
+        ("demo", ["(default: runs/demo.jsonl)"]),
+    ],
+)
 def test_help_shows_defaults(command, shown, capsys):
     assert main([command, "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
@@ -100,31 +111,46 @@ def test_every_subcommand_module_registers_through_one_function():
         for command, sub_parser in sub.choices.items():
             assert callable(sub_parser.get_default("run")), (name, command)
     assert set(cli.build_parser()._subparsers._group_actions[0].choices) == {
-        "train", "demo", "verify", "simulate", "profile", "cluster", "launch", "bench", "inspect"}
+        "train",
+        "demo",
+        "verify",
+        "simulate",
+        "profile",
+        "cluster",
+        "launch",
+        "bench",
+        "inspect",
+    }
 
 
 def test_sim_and_plan_do_not_import_the_cli():
     """Layering: the simulator and planners run without the command line."""
-    code = ("import sys, jaxsched.sim, jaxsched.plan, jaxsched.sim.timeline; "
-            "bad = [m for m in sys.modules if m.startswith('jaxsched.tools.cli')]; "
-            "assert not bad, bad; import jaxsched.tools.cli; print('ok')")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    code = (
+        "import sys, jaxsched.sim, jaxsched.plan, jaxsched.sim.timeline; "
+        "bad = [m for m in sys.modules if m.startswith('jaxsched.tools.cli')]; "
+        "assert not bad, bad; import jaxsched.tools.cli; print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_python_dash_m_jaxsched_runs_the_cli():
-    done = subprocess.run([sys.executable, "-m", "jaxsched", "--help"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxsched", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0
     for command in ("train", "demo", "simulate", "profile"):
         assert command in done.stdout
 
 
 def _tiny(api: str = "shard_map", **train):
-    return config.parse({"model": {"name": "mlp", "hidden": [16]},
-                         "data": {"name": "digits", "batch_size": 32},
-                         "train": {"steps": 30, "devices": 8, "api": api, **train}})
+    return config.parse(
+        {
+            "model": {"name": "mlp", "hidden": [16]},
+            "data": {"name": "digits", "batch_size": 32},
+            "train": {"steps": 30, "devices": 8, "api": api, **train},
+        }
+    )
 
 
 def test_progress_in_a_log_is_a_few_lines_not_redraws(capsys):
@@ -143,7 +169,8 @@ def test_the_plain_step_compiles_only_on_its_first_call(api):
     compiles_per_call: list[int] = []
     compiling = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda event, *_, **__: compiling.append(event) if event.endswith("backend_compile_duration") else None)
+        lambda event, *_, **__: compiling.append(event) if event.endswith("backend_compile_duration") else None
+    )
 
     def counting_wrap(step, strategy):
         runner = trainer.default_wrap(step, strategy)
@@ -176,8 +203,7 @@ def test_launch_drops_gloo_chatter_unless_verbose():
 
     from jaxsched.tools.launch import GLOO_CHATTER, _pump
 
-    text = (b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer "
-            b"ranks is : 1\nloss 0.5\n")
+    text = b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\nloss 0.5\n"
     for drop, expected in ((GLOO_CHATTER, "[0] loss 0.5\n"), (None, "[0] " + text.decode().replace("\n", "\n[0] ", 1))):
         out = io.StringIO()
         _pump(io.BytesIO(text), out, "[0] ", threading.Lock(), drop)

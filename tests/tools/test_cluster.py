@@ -3,6 +3,7 @@
 Multi-process tests start at most 2 processes, each with 1 CPU device. Tests that create
 network namespaces need root and are skipped without it.
 """
+
 import io
 import os
 import subprocess
@@ -21,11 +22,10 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent
 WORKER = str(SUPPORT_DIR / "cluster_worker.py")
 # The worker must import this checkout's jaxsched, whatever the venv has installed.
-CHILD_ENV = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-             "JAX_PLATFORMS": "cpu"}
+CHILD_ENV = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "JAX_PLATFORMS": "cpu"}
 needs_root = pytest.mark.skipif(
-    not cluster_lib._have_net_admin(),
-    reason="creating network namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN)")
+    not cluster_lib._have_net_admin(), reason="creating network namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN)"
+)
 
 
 def _launch(mode, *args, hosts=2, **kwargs):
@@ -34,12 +34,14 @@ def _launch(mode, *args, hosts=2, **kwargs):
     kwargs.setdefault("timeout_s", 120)
     env = {**CHILD_ENV, **kwargs.pop("env", {})}
     t = time.monotonic()
-    code = launch_lib.launch(hosts, [sys.executable, WORKER, mode, *map(str, args)], env=env,
-                             stdout=out, stderr=err, **kwargs)
+    code = launch_lib.launch(
+        hosts, [sys.executable, WORKER, mode, *map(str, args)], env=env, stdout=out, stderr=err, **kwargs
+    )
     return code, out.getvalue(), err.getvalue(), time.monotonic() - t
 
 
 # --- the pinned private gloo factory ---------------------------------------------------------
+
 
 def test_gloo_factory_signature_is_the_pinned_one():
     from jax._src.lib import _jax
@@ -64,9 +66,18 @@ def test_a_changed_gloo_factory_fails_clearly(monkeypatch):
 
 # --- validation and privileges (no root needed) ----------------------------------------------
 
-@pytest.mark.parametrize("text,bits", [("1gbit", 10**9), ("500mbit", 5 * 10**8),
-                                       ("1.5GBIT", 15 * 10**8), ("100kbit", 10**5),
-                                       ("none", None), (None, None)])
+
+@pytest.mark.parametrize(
+    "text,bits",
+    [
+        ("1gbit", 10**9),
+        ("500mbit", 5 * 10**8),
+        ("1.5GBIT", 15 * 10**8),
+        ("100kbit", 10**5),
+        ("none", None),
+        (None, None),
+    ],
+)
 def test_bandwidth_parses(text, bits):
     assert cluster_lib.parse_bandwidth(text) == bits
 
@@ -96,8 +107,7 @@ def test_bad_bandwidth_refused_before_anything_is_created(monkeypatch):
 def test_cluster_refuses_clearly_without_root(monkeypatch, capsys):
     monkeypatch.setattr(cluster_lib, "_have_net_admin", lambda: False)
     monkeypatch.setattr(cluster_lib, "_run", lambda *a, **k: pytest.fail("ran a command"))
-    with pytest.raises(cluster_lib.NotPrivilegedError,
-                       match=r"needs root \(CAP_NET_ADMIN and CAP_SYS_ADMIN\)"):
+    with pytest.raises(cluster_lib.NotPrivilegedError, match=r"needs root \(CAP_NET_ADMIN and CAP_SYS_ADMIN\)"):
         cluster_lib.Cluster.up(2, "1gbit")
     assert cli.run_cluster(["up", "--hosts", "2", "--bandwidth", "1gbit"]) == 1
     assert "needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN)" in capsys.readouterr().err
@@ -140,6 +150,7 @@ def test_subcommands_plug_into_a_parent_parser(capsys, monkeypatch):
 
 # --- initialize(): launcher variables, else jax's own cluster detection ----------------------
 
+
 @pytest.fixture
 def fake_distributed(monkeypatch):
     import jax
@@ -158,9 +169,15 @@ def test_initialize_uses_the_launcher_variables(fake_distributed, monkeypatch):
     monkeypatch.setenv(launch_lib.ENV_HEARTBEAT, "20")
     info = launch_lib.initialize(fail_fast=False)
     assert info == launch_lib.ProcessInfo(1, 2, "10.199.0.1:4321", None)
-    assert fake_distributed == [dict(coordinator_address="10.199.0.1:4321", num_processes=2,
-                                     process_id=1, cluster_detection_method="deactivate",
-                                     heartbeat_timeout_seconds=20)]
+    assert fake_distributed == [
+        dict(
+            coordinator_address="10.199.0.1:4321",
+            num_processes=2,
+            process_id=1,
+            cluster_detection_method="deactivate",
+            heartbeat_timeout_seconds=20,
+        )
+    ]
 
 
 def test_initialize_falls_back_to_jax_cluster_detection(fake_distributed):
@@ -178,25 +195,25 @@ def test_initialize_without_launcher_or_cluster(monkeypatch, fake_distributed):
     monkeypatch.setattr(jax.distributed, "initialize", nothing_detected)
     with pytest.raises(RuntimeError, match="no JAXSCHED_\\* variables and no cluster detected"):
         launch_lib.initialize(fail_fast=False)
-    assert launch_lib.initialize(fail_fast=False, allow_single_process=True) == \
-        launch_lib.ProcessInfo(0, 1, None, None)
+    assert launch_lib.initialize(fail_fast=False, allow_single_process=True) == launch_lib.ProcessInfo(0, 1, None, None)
 
 
 @pytest.mark.slow
 def test_real_jax_without_any_cluster_runs_single_process_only_when_allowed():
     # In a fresh process (this one's backend exists already): pins the error jax raises when
     # it detects no cluster, which initialize() recognises.
-    code = ("import jaxsched.tools.launch as l\n"
-            "try:\n    l.initialize(fail_fast=False)\n"
-            "except RuntimeError as e:\n    print('refused:', e)\n"
-            "print(l.initialize(fail_fast=False, allow_single_process=True))\n")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("JAXSCHED_", "SLURM_", "OMPI_", "KUBERNETES_"))}
-    out = subprocess.run([sys.executable, "-c", code], env={**env, **CHILD_ENV}, timeout=120,
-                         capture_output=True, text=True)
+    code = (
+        "import jaxsched.tools.launch as l\n"
+        "try:\n    l.initialize(fail_fast=False)\n"
+        "except RuntimeError as e:\n    print('refused:', e)\n"
+        "print(l.initialize(fail_fast=False, allow_single_process=True))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAXSCHED_", "SLURM_", "OMPI_", "KUBERNETES_"))}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**env, **CHILD_ENV}, timeout=120, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
-    assert "refused: jaxsched.tools.launch.initialize: no JAXSCHED_* variables and no cluster" \
-        in out.stdout
+    assert "refused: jaxsched.tools.launch.initialize: no JAXSCHED_* variables and no cluster" in out.stdout
     assert "ProcessInfo(process_id=0, num_processes=1, coordinator_address=None" in out.stdout
 
 
@@ -208,6 +225,7 @@ def test_initialize_refuses_partial_launcher_variables(fake_distributed, monkeyp
 
 
 # --- the launcher, over loopback -------------------------------------------------------------
+
 
 def test_output_is_prefixed_by_rank():
     code, out, err, _ = _launch("echo")
@@ -289,8 +307,7 @@ def test_cluster_up_attach_down(no_leftovers):
         assert [h.namespace for h in c.hosts] == [f"{PREFIX}-h0", f"{PREFIX}-h1"]
         assert [h.address for h in c.hosts] == ["10.199.0.1", "10.199.0.2"]
         for ns, dev in [(f"{PREFIX}-h0", "eth0"), (f"{PREFIX}-sw", "p1")]:
-            qdisc = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev],
-                                   capture_output=True, text=True).stdout
+            qdisc = subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
             assert "tbf" in qdisc and "rate 500Mbit" in qdisc, qdisc
         attached = cluster_lib.Cluster.attach(PREFIX)
         assert attached.hosts == c.hosts and attached.bandwidth == 5 * 10**8
@@ -305,8 +322,9 @@ def test_cluster_up_attach_down(no_leftovers):
 
 @needs_root
 def test_a_failed_set_up_leaves_nothing(monkeypatch, no_leftovers):
-    monkeypatch.setattr(cluster_lib, "_tbf", lambda ns, dev, bits: ["tc", "-n", ns, "qdisc",
-                                                                     "add", "dev", dev, "bogus"])
+    monkeypatch.setattr(
+        cluster_lib, "_tbf", lambda ns, dev, bits: ["tc", "-n", ns, "qdisc", "add", "dev", dev, "bogus"]
+    )
     with pytest.raises(cluster_lib.ClusterError, match="bogus"):
         cluster_lib.Cluster.up(2, "1gbit", prefix=PREFIX)
     assert cluster_lib.list_namespaces(PREFIX) == []

@@ -1,4 +1,5 @@
 """``jaxsched simulate`` end to end: table, JSON, trace, PNG, errors."""
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,30 @@ from jaxsched.sim import simulate
 def test_simulate_writes_json_trace_and_png(tmp_path, capsys):
     # Output folders that do not exist yet are created.
     out, trace, png = tmp_path / "a" / "out.json", tmp_path / "b" / "t.trace.json", tmp_path / "c" / "d" / "g.png"
-    code = main(["simulate", "--model", "resnet50", "--workers", "64", "--network", "10gbe",
-                 "--device", "v100", "--strategies", "allreduce,wfbp,mgwfbp,bytescheduler,dear,approx",
-                 "--planner", "optimal", "--json", str(out), "--trace", str(trace), "--png", str(png),
-                 "--no-progress"])
+    code = main(
+        [
+            "simulate",
+            "--model",
+            "resnet50",
+            "--workers",
+            "64",
+            "--network",
+            "10gbe",
+            "--device",
+            "v100",
+            "--strategies",
+            "allreduce,wfbp,mgwfbp,bytescheduler,dear,approx",
+            "--planner",
+            "optimal",
+            "--json",
+            str(out),
+            "--trace",
+            str(trace),
+            "--png",
+            str(png),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     table = capsys.readouterr().out
     assert "SIMULATED" in table and "speedup" in table and "% of bound" in table
@@ -38,9 +59,25 @@ def test_simulate_a_user_profile_matches_the_library(tmp_path):
     layers.save(tmp_path / "layers.json")
     net.save(tmp_path / "net.json")
     out = tmp_path / "out.json"
-    assert main(["simulate", "--profile", str(tmp_path / "layers.json"), "--network-profile",
-                 str(tmp_path / "net.json"), "--strategies", "allreduce,wfbp,wfbp+gtopk",
-                 "--planner", "per_layer", "--json", str(out), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--profile",
+                str(tmp_path / "layers.json"),
+                "--network-profile",
+                str(tmp_path / "net.json"),
+                "--strategies",
+                "allreduce,wfbp,wfbp+gtopk",
+                "--planner",
+                "per_layer",
+                "--json",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     assert data["strategies"]["wfbp"]["iteration_s"] == simulate(layers, net, "wfbp").iteration_s
     assert data["strategies"]["wfbp+gtopk"]["options"]["compression"] == "gtopk"
@@ -66,9 +103,27 @@ def test_simulate_a_two_level_cluster_hierarchical_and_flat(tmp_path):
     out = {}
     for name, extra in (("hier", []), ("flat", ["--flat"])):
         path = tmp_path / f"{name}.json"
-        assert main(["simulate", "--model", "resnet50", "--workers", "64", "--network",
-                     "nvlink4+400gbib", "--per-node", "8", "--device", "h100", "--strategies",
-                     "allreduce", "--no-progress", "--json", str(path)] + extra) in (0, None)
+        assert main(
+            [
+                "simulate",
+                "--model",
+                "resnet50",
+                "--workers",
+                "64",
+                "--network",
+                "nvlink4+400gbib",
+                "--per-node",
+                "8",
+                "--device",
+                "h100",
+                "--strategies",
+                "allreduce",
+                "--no-progress",
+                "--json",
+                str(path),
+            ]
+            + extra
+        ) in (0, None)
         out[name] = json.loads(path.read_text())
     assert out["hier"]["simulated"] is True
     hier, flat = (out[k]["strategies"]["allreduce"]["iteration_s"] for k in ("hier", "flat"))

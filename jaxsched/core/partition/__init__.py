@@ -24,6 +24,7 @@ Example:
     >>> [e.primitive.name for e in part.body.eqns if e.primitive.name == "psum"]
     ['psum']
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,8 +70,9 @@ def _spec(kind: Kind, axis_name: Any, rank: int) -> P:
     return P(*([None] * kind.dim + [axis_name] + [None] * (rank - kind.dim - 1)))
 
 
-def partition(closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequence[str],
-              num_state_outputs: int) -> Partitioned:
+def partition(
+    closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequence[str], num_state_outputs: int
+) -> Partitioned:
     """The per-device form of the global step traced as ``closed`` on flat ``leaves``.
 
     The first ``num_state_outputs`` outputs (the new parameters and optimizer state) come
@@ -82,8 +84,7 @@ def partition(closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequen
     partitioner = Partitioner(ctx, rules.TABLE)
     jaxpr = closed.jaxpr
     natural = partitioner.plan(jaxpr, placement.kinds).out_kinds
-    out_kinds = tuple(REPLICATED if (k.partial or i < num_state_outputs) else k
-                      for i, k in enumerate(natural))
+    out_kinds = tuple(REPLICATED if (k.partial or i < num_state_outputs) else k for i, k in enumerate(natural))
     plan = partitioner.plan(jaxpr, placement.kinds, out_kinds)
     n_in = len(jaxpr.invars)
 
@@ -92,15 +93,17 @@ def partition(closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequen
 
     consts = tuple(closed.consts)
     in_specs = placement.specs + (P(),) * len(consts)
-    out_specs = tuple(_spec(k, placement.axis_name, len(v.aval.shape))
-                      for k, v in zip(out_kinds, jaxpr.outvars))
+    out_specs = tuple(_spec(k, placement.axis_name, len(v.aval.shape)) for k, v in zip(out_kinds, jaxpr.outvars))
     mesh = placement.mesh
-    args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))
-            for v, spec in zip(jaxpr.invars, placement.specs)]
-    args += [jax.ShapeDtypeStruct(jax.numpy.shape(c), jax.numpy.result_type(c),
-                                  sharding=NamedSharding(mesh, P())) for c in consts]
-    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                           check_vma=False)
+    args = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))
+        for v, spec in zip(jaxpr.invars, placement.specs)
+    ]
+    args += [
+        jax.ShapeDtypeStruct(jax.numpy.shape(c), jax.numpy.result_type(c), sharding=NamedSharding(mesh, P()))
+        for c in consts
+    ]
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
     body, hoisted = _body_of(jax.make_jaxpr(mapped)(*args), len(args))
     consts += tuple(hoisted)
     in_specs += (P(),) * len(hoisted)
@@ -113,8 +116,10 @@ def _inlined(closed, placement: Placement):
     ``jax.random.bernoulli``'s own ``jit`` is read by the layer outside it, and only then can
     the draw be planned as this device's block."""
     mesh = placement.mesh
-    args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))
-            for v, spec in zip(closed.jaxpr.invars, placement.specs)]
+    args = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))
+        for v, spec in zip(closed.jaxpr.invars, placement.specs)
+    ]
     inlined = jax.make_jaxpr(lambda *a: replay.eval_inline(closed.jaxpr, closed.consts, a))(*args)
     return inlined.replace(jaxpr=_without_dead_code(inlined.jaxpr))
 

@@ -20,6 +20,7 @@ Example:
     >>> Partitioner(AxisContext("data", 4), rules.TABLE).plan(closed.jaxpr, [REPLICATED, sharded(0)]).out_kinds
     (S(0),)
 """
+
 from __future__ import annotations
 
 import functools
@@ -80,8 +81,7 @@ def call_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         return p.run(sub, consts, values)
 
     if eqn.primitive.name in REMAT:  # keep jax.checkpoint: the per-device body rematerializes too
-        run = jax.checkpoint(run, prevent_cse=eqn.params.get("prevent_cse", True),
-                             policy=eqn.params.get("policy"))
+        run = jax.checkpoint(run, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy"))
     return EqnPlan(tuple(inputs), sub.out_kinds, lambda values: list(run(*values)))
 
 
@@ -90,7 +90,7 @@ def _widen(p: Partitioner, plan_body, carry: list[Kind]) -> tuple[list[Kind], Ja
     outputs are the new carry)."""
     for _ in range(MAX_WIDENINGS):
         sub = plan_body(carry)
-        out = sub.out_kinds[:len(carry)]
+        out = sub.out_kinds[: len(carry)]
         widened = [join(c, o) for c, o in zip(carry, out)]
         if widened == carry:
             return carry, sub
@@ -104,9 +104,9 @@ def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     closed = params["jaxpr"]
     n_consts, n_carry = params["num_consts"], params["num_carry"]
     entry = _entry_kinds(kinds, single)
-    consts, carry = entry[:n_consts], entry[n_consts:n_consts + n_carry]
+    consts, carry = entry[:n_consts], entry[n_consts : n_consts + n_carry]
     xs_outer, xs_inner = [], []
-    for k in entry[n_consts + n_carry:]:
+    for k in entry[n_consts + n_carry :]:
         if k.dim == 0:  # scanning over the sharded dimension itself: every step needs the whole
             p.gathered(eqn, "scans over the sharded (batch) dimension")
             k = REPLICATED
@@ -123,15 +123,16 @@ def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
 
     def emit(values: list) -> list:
         const_vals = values[:n_consts]
-        init = values[n_consts:n_consts + n_carry]
-        xs = values[n_consts + n_carry:]
+        init = values[n_consts : n_consts + n_carry]
+        xs = values[n_consts + n_carry :]
 
         def step(c, x):
             outs = p.run(body, closed.consts, [*const_vals, *c, *x])
             return outs[:n_carry], outs[n_carry:]
 
-        final, ys = lax.scan(step, list(init), list(xs), length=params["length"],
-                             reverse=params["reverse"], unroll=params["unroll"])
+        final, ys = lax.scan(
+            step, list(init), list(xs), length=params["length"], reverse=params["reverse"], unroll=params["unroll"]
+        )
         return [*final, *ys]
 
     return EqnPlan(tuple(consts + carry + xs_outer), tuple(carry + ys_outer), emit)
@@ -142,7 +143,7 @@ def while_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     cond, body = params["cond_jaxpr"], params["body_jaxpr"]
     nc, nb = params["cond_nconsts"], params["body_nconsts"]
     entry = _entry_kinds(kinds, single)
-    cond_consts, body_consts, carry = entry[:nc], entry[nc:nc + nb], entry[nc + nb:]
+    cond_consts, body_consts, carry = entry[:nc], entry[nc : nc + nb], entry[nc + nb :]
     cond_consts = [REPLICATED if k.partial else k for k in cond_consts]
 
     def plan_body(carry_kinds: list[Kind], out_kinds: Any = None) -> JaxprPlan:
@@ -153,10 +154,14 @@ def while_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     cond_plan = p.plan(cond.jaxpr, cond_consts + carry, [REPLICATED])
 
     def emit(values: list) -> list:
-        cvals, bvals, init = values[:nc], values[nc:nc + nb], values[nc + nb:]
-        return list(lax.while_loop(
-            lambda c: p.run(cond_plan, cond.consts, [*cvals, *c])[0],
-            lambda c: p.run(body_plan, body.consts, [*bvals, *c]), list(init)))
+        cvals, bvals, init = values[:nc], values[nc : nc + nb], values[nc + nb :]
+        return list(
+            lax.while_loop(
+                lambda c: p.run(cond_plan, cond.consts, [*cvals, *c])[0],
+                lambda c: p.run(body_plan, body.consts, [*bvals, *c]),
+                list(init),
+            )
+        )
 
     return EqnPlan(tuple(cond_consts + body_consts + carry), tuple(carry), emit)
 
@@ -170,8 +175,7 @@ def cond_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
 
     def emit(values: list) -> list:
         index, ops = values[0], values[1:]
-        fns = [lambda *a, b=b, plan=plan: p.run(plan, b.consts, a)
-               for b, plan in zip(branches, plans)]
+        fns = [lambda *a, b=b, plan=plan: p.run(plan, b.consts, a) for b, plan in zip(branches, plans)]
         return list(lax.switch(index, fns, *ops))
 
     return EqnPlan((REPLICATED, *operands), tuple(outs), emit)

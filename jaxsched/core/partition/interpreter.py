@@ -18,6 +18,7 @@ Example:
     >>> p.plan(closed.jaxpr, [REPLICATED, sharded(0)]).out_kinds
     (Pt,)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -103,8 +104,7 @@ class Partitioner:
         self.trying = False  # planning hypothetically (narrowing): record nothing
 
     # -- planning ---------------------------------------------------------------------------
-    def plan(self, jaxpr, in_kinds: Sequence[Kind], out_kinds: Sequence[Kind] | None = None
-             ) -> JaxprPlan:
+    def plan(self, jaxpr, in_kinds: Sequence[Kind], out_kinds: Sequence[Kind] | None = None) -> JaxprPlan:
         """The plan of ``jaxpr`` for inputs of ``in_kinds`` (constvars are replicated); with
         ``out_kinds`` the outputs are converted to those kinds."""
         rule_for = self.rules.rule_for
@@ -124,8 +124,9 @@ class Partitioner:
             single = [isinstance(x, jex_core.Var) and uses.get(x, 0) == 1 for x in eqn.invars]
             plan = rule_for(eqn)(self, eqn, operand_kinds, single)
             if len(plan.inputs) != len(eqn.invars) or len(plan.outputs) != len(eqn.outvars):
-                raise AssertionError(f"rule for {eqn.primitive.name} planned {len(plan.inputs)} "
-                                     f"inputs / {len(plan.outputs)} outputs")
+                raise AssertionError(
+                    f"rule for {eqn.primitive.name} planned {len(plan.inputs)} inputs / {len(plan.outputs)} outputs"
+                )
             kinds.update(zip(eqn.outvars, plan.outputs))
             self._track_zeros(eqn)
             plans.append(plan)
@@ -189,8 +190,11 @@ class Partitioner:
 
     def _track_zeros(self, eqn) -> None:
         name = eqn.primitive.name
-        if name in ("broadcast_in_dim", "convert_element_type", "reshape", "copy", "copy_p") \
-                and eqn.invars and self.is_zero(eqn.invars[0]):
+        if (
+            name in ("broadcast_in_dim", "convert_element_type", "reshape", "copy", "copy_p")
+            and eqn.invars
+            and self.is_zero(eqn.invars[0])
+        ):
             self.zeros.update(eqn.outvars)
 
     def where(self, eqn) -> str:
@@ -213,14 +217,16 @@ class Partitioner:
         if key in self.gathers:
             return
         self.gathers.append(key)
-        warnings.warn(f"jaxsched: {key[0]} at {key[1]} {why}; its batch-sharded operands are "
-                      f"all-gathered over {self.ctx.axis_name!r} so that it runs on the whole "
-                      "batch (exact, but every device then computes it in full)", GatherWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"jaxsched: {key[0]} at {key[1]} {why}; its batch-sharded operands are "
+            f"all-gathered over {self.ctx.axis_name!r} so that it runs on the whole "
+            "batch (exact, but every device then computes it in full)",
+            GatherWarning,
+            stacklevel=2,
+        )
 
     def refuse(self, eqn, why: str) -> PartitionError:
-        return PartitionError(f"jaxsched cannot run {eqn.primitive.name} at {self.where(eqn)} "
-                              f"per device: {why}")
+        return PartitionError(f"jaxsched cannot run {eqn.primitive.name} at {self.where(eqn)} per device: {why}")
 
     # -- running ----------------------------------------------------------------------------
     def run(self, plan: JaxprPlan, consts: Sequence[Any], args: Sequence[Any]) -> list:
@@ -232,8 +238,7 @@ class Partitioner:
 
         def read(x: Any, want: Kind) -> Any:
             if isinstance(x, jex_core.Literal):
-                return x.val if want.is_replicated else \
-                    self.ctx.convert(x.val, REPLICATED, want, x.aval.shape)
+                return x.val if want.is_replicated else self.ctx.convert(x.val, REPLICATED, want, x.aval.shape)
             have = plan.kinds[x]
             if have == want or (want.partial and have.is_replicated and x in self.zeros):
                 return env[x]

@@ -20,6 +20,7 @@ Example:
     >>> join(REPLICATED, sharded(1)), join(sharded(0), sharded(1)), join(REPLICATED, PARTIAL)
     (S(1), R, Pt)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,7 +80,7 @@ def local_shape(shape: Sequence[int], kind: Kind, axis_size: int) -> tuple[int, 
     shape = tuple(shape)
     if kind.dim is None:
         return shape
-    return shape[:kind.dim] + (shape[kind.dim] // axis_size,) + shape[kind.dim + 1:]
+    return shape[: kind.dim] + (shape[kind.dim] // axis_size,) + shape[kind.dim + 1 :]
 
 
 @dataclasses.dataclass(frozen=True)

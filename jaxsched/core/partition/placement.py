@@ -18,6 +18,7 @@ Example:
     >>> placed.axis_name, placed.specs
     ('data', (P(), P('data',)))
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,9 +34,11 @@ from jaxsched.core.partition.kinds import Kind, REPLICATED, sharded
 __all__ = ["Placement", "PlacementError", "read_placement"]
 
 #: The forms jaxsched schedules, for refusals.
-SHARD_MAP_FORM = ("jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P('data')), out_specs=P()) "
-                  "with lax.pmean(grads, 'data') inside, and the parameter blocks passed with "
-                  "their model-axis specs")
+SHARD_MAP_FORM = (
+    "jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P('data')), out_specs=P()) "
+    "with lax.pmean(grads, 'data') inside, and the parameter blocks passed with "
+    "their model-axis specs"
+)
 
 
 class PlacementError(ValueError):
@@ -45,10 +48,10 @@ class PlacementError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Attributes:
-      mesh: the concrete mesh every input lives on.
-      axis_name: the data axes (one name, or a tuple in the order the batch spec names them).
-      specs: per flat input leaf, its ``PartitionSpec``.
-      kinds: per flat input leaf, what one device holds of it.
+    mesh: the concrete mesh every input lives on.
+    axis_name: the data axes (one name, or a tuple in the order the batch spec names them).
+    specs: per flat input leaf, its ``PartitionSpec``.
+    kinds: per flat input leaf, what one device holds of it.
     """
 
     mesh: Mesh
@@ -64,8 +67,11 @@ class Placement:
 def _top_shardings(closed) -> list:
     """``jax.jit(..., in_shardings=...)`` of the step, when its jaxpr is that one call."""
     jaxpr = closed.jaxpr
-    if len(jaxpr.eqns) == 1 and "in_shardings" in jaxpr.eqns[0].params \
-            and list(jaxpr.eqns[0].invars) == list(jaxpr.invars):
+    if (
+        len(jaxpr.eqns) == 1
+        and "in_shardings" in jaxpr.eqns[0].params
+        and list(jaxpr.eqns[0].invars) == list(jaxpr.invars)
+    ):
         return list(jaxpr.eqns[0].params["in_shardings"])
     return [None] * len(jaxpr.invars)
 
@@ -92,8 +98,10 @@ def _concrete_mesh(shardings: Sequence[Any]) -> Mesh | None:
         devices = {frozenset(m.devices.flat) for m in meshes}
         shapes = {tuple(m.shape.items()) for m in meshes}
         if len(devices) > 1 or len(shapes) > 1:
-            raise PlacementError(f"the step's inputs live on different meshes ({meshes[0]} and "
-                                 f"{meshes[1]}); place every input on one mesh")
+            raise PlacementError(
+                f"the step's inputs live on different meshes ({meshes[0]} and "
+                f"{meshes[1]}); place every input on one mesh"
+            )
     if meshes:
         return meshes[0]
     try:
@@ -114,7 +122,8 @@ def _single_device_mesh(shardings: Sequence[Any], leaves: Sequence[Any]) -> Mesh
         raise PlacementError(
             "the step's inputs are spread over several devices without a NamedSharding; place the "
             "batch with jax.device_put(batch, NamedSharding(mesh, P('data'))) and the parameters "
-            "with P()")
+            "with P()"
+        )
     device = devices.pop() if devices else jax.devices()[0]
     return Mesh(np.array([device]), ("data",))
 
@@ -128,29 +137,30 @@ def _spec_of(sharding: Any) -> P:
         return sharding.spec
     if isinstance(sharding, jax.sharding.SingleDeviceSharding) or sharding.is_fully_replicated:
         return P()
-    raise PlacementError(f"an input has a {type(sharding).__name__}; jaxsched reads placements "
-                         "from NamedSharding (jax.sharding.NamedSharding(mesh, PartitionSpec(...)))")
+    raise PlacementError(
+        f"an input has a {type(sharding).__name__}; jaxsched reads placements "
+        "from NamedSharding (jax.sharding.NamedSharding(mesh, PartitionSpec(...)))"
+    )
 
 
 def _sharded_dims(spec: P) -> list[tuple[int, tuple[str, ...]]]:
-    return [(d, as_axes(entry)) for d, entry in enumerate(spec) if entry is not None
-            and as_axes(entry)]
+    return [(d, as_axes(entry)) for d, entry in enumerate(spec) if entry is not None and as_axes(entry)]
 
 
-def read_placement(closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequence[str]
-                   ) -> Placement:
+def read_placement(closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequence[str]) -> Placement:
     """The placement of the step traced as ``closed`` on flat input ``leaves`` (named
     ``names``, of role ``"params"``, ``"opt_state"`` or ``"batch"``). Raises
     :class:`PlacementError` naming the first leaf that is not data parallel."""
     given = _top_shardings(closed)
-    shardings = [_sharding_of(g, leaf, v.aval) for g, leaf, v in
-                 zip(given, leaves, closed.jaxpr.invars, strict=True)]
+    shardings = [_sharding_of(g, leaf, v.aval) for g, leaf, v in zip(given, leaves, closed.jaxpr.invars, strict=True)]
     mesh = _concrete_mesh(shardings)
     if mesh is None:
         if any(isinstance(s, P) for s in shardings):
-            raise PlacementError("the step's inputs carry PartitionSpecs of an Explicit mesh, but "
-                                 "no concrete mesh is known; place them with NamedSharding or call "
-                                 "the step under jax.set_mesh(mesh)")
+            raise PlacementError(
+                "the step's inputs carry PartitionSpecs of an Explicit mesh, but "
+                "no concrete mesh is known; place them with NamedSharding or call "
+                "the step under jax.set_mesh(mesh)"
+            )
         mesh = _single_device_mesh(shardings, leaves)
         specs = [P()] * len(leaves)
     else:
@@ -165,23 +175,29 @@ def read_placement(closed, leaves: Sequence[Any], names: Sequence[str], roles: S
                     f"{name} is sharded with {spec}: jaxsched schedules jax.jit steps whose "
                     "parameters and optimizer state are replicated (P()) and whose batch is "
                     "sharded over the data axes. A step with sharded parameters (FSDP, tensor "
-                    f"parallelism) is scheduled in the shard_map form: {SHARD_MAP_FORM}")
+                    f"parallelism) is scheduled in the shard_map form: {SHARD_MAP_FORM}"
+                )
             continue
         if len(dims) > 1:
-            raise PlacementError(f"{name} is sharded over several dimensions ({spec}); jaxsched "
-                                 "shards each batch leaf over the data axes along one dimension")
+            raise PlacementError(
+                f"{name} is sharded over several dimensions ({spec}); jaxsched "
+                "shards each batch leaf over the data axes along one dimension"
+            )
         for _, axes in dims:
             if data is None:
                 data = axes
             elif axes != data:
-                raise PlacementError(f"{name} is sharded over {axes}, other batch leaves over "
-                                     f"{data}; shard every batch leaf over the same data axes")
+                raise PlacementError(
+                    f"{name} is sharded over {axes}, other batch leaves over "
+                    f"{data}; shard every batch leaf over the same data axes"
+                )
     if data is None:
         if mesh.devices.size > 1:
             raise PlacementError(
                 f"no batch leaf is sharded over the mesh {dict(mesh.shape)}, so the data-parallel "
                 "axis is unknown; place the batch with jax.device_put(batch, NamedSharding(mesh, "
-                "P('data')))")
+                "P('data')))"
+            )
         data = (mesh.axis_names[0],)
     axis_name: AxisName = data[0] if len(data) == 1 else data
     size = axis_size(mesh, axis_name)
@@ -192,8 +208,10 @@ def read_placement(closed, leaves: Sequence[Any], names: Sequence[str], roles: S
         if role == "batch" and dims:
             d = dims[0][0]
             if len(shape) <= d or shape[d] % size:
-                raise PlacementError(f"{name} has shape {tuple(shape)}, whose dimension {d} does not "
-                                     f"split evenly over the {size} devices of {axis_name!r}")
+                raise PlacementError(
+                    f"{name} has shape {tuple(shape)}, whose dimension {d} does not "
+                    f"split evenly over the {size} devices of {axis_name!r}"
+                )
             kinds.append(sharded(d))
             final_specs.append(spec)
         elif role == "batch" and size == 1 and len(shape) >= 1:

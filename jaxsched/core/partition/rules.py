@@ -24,6 +24,7 @@ Example:
     >>> "dot_general" in RULES and "scan" not in RULES  # loops: control_flow.CONTROL_RULES
     True
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -37,8 +38,17 @@ from jaxsched.core.partition.interpreter import EqnPlan, Partitioner, RuleTable
 from jaxsched.core.partition.kinds import Kind, PARTIAL, REPLICATED, local_shape, sharded
 from jax.extend import source_info_util
 
-__all__ = ["NARROW", "RULES", "Rule", "TABLE", "bind_local", "moving_rule", "narrow_rule_for", "replicated_rule",
-           "rule_for"]
+__all__ = [
+    "NARROW",
+    "RULES",
+    "Rule",
+    "TABLE",
+    "bind_local",
+    "moving_rule",
+    "narrow_rule_for",
+    "replicated_rule",
+    "rule_for",
+]
 
 Rule = Callable[[Partitioner, Any, list, list], EqnPlan]
 
@@ -57,14 +67,15 @@ def bind_local(eqn, values: Sequence[Any], **updates: Any) -> list:
     # the user's source line, not the equation's context: that holds the global (Explicit)
     # mesh, and these equations run inside the per-device body's manual one
     with source_info_util.user_context(
-            eqn.source_info.traceback,
-            name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack):
+        eqn.source_info.traceback, name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack
+    ):
         out = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(params))
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def _plan(eqn, inputs: Sequence[Kind], outputs: Sequence[Kind],
-          emit: Callable[[list], Sequence[Any]] | None = None) -> EqnPlan:
+def _plan(
+    eqn, inputs: Sequence[Kind], outputs: Sequence[Kind], emit: Callable[[list], Sequence[Any]] | None = None
+) -> EqnPlan:
     return EqnPlan(tuple(inputs), tuple(outputs), emit or (lambda values: bind_local(eqn, values)))
 
 
@@ -72,8 +83,9 @@ def _shape(x) -> tuple[int, ...]:
     return tuple(x.aval.shape)
 
 
-def replicated_rule(p: Partitioner, eqn, kinds: list, single: list,
-                    why: str = "has no per-device rule for a batch-sharded operand") -> EqnPlan:
+def replicated_rule(
+    p: Partitioner, eqn, kinds: list, single: list, why: str = "has no per-device rule for a batch-sharded operand"
+) -> EqnPlan:
     """Run on whole values: gather blocks, reduce partial sums (the exact fallback)."""
     if any(k.dim is not None for k in kinds):
         p.gathered(eqn, why)
@@ -103,7 +115,8 @@ def _partial_inputs(p: Partitioner, eqn, kinds: list, positions: Sequence[int]) 
 
 
 # -- elementwise --------------------------------------------------------------------------
-ELEMENTWISE = frozenset("""
+ELEMENTWISE = frozenset(
+    """
 abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp
 clz conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1
 floor ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt max min mul
@@ -111,14 +124,20 @@ ne neg nextafter not or polygamma population_count pow real reduce_precision rem
 select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
 stop_gradient sub tan tanh xor zeta threefry2x32 random_fold_in random_wrap random_unwrap
 random_split random_bits random_seed random_clone
-""".split())
+""".split()
+)
 
 #: Elementwise primitives linear in the operands at these positions (the others must be
 #: replicated): a partial sum goes through them unreduced.
 LINEAR_IN: dict[str, Callable[[int], tuple]] = {
-    "add": lambda n: tuple(range(n)), "add_any": lambda n: tuple(range(n)),
-    "sub": lambda n: tuple(range(n)), "neg": lambda n: (0,), "copy": lambda n: (0,),
-    "copy_p": lambda n: (0,), "real": lambda n: (0,), "imag": lambda n: (0,),
+    "add": lambda n: tuple(range(n)),
+    "add_any": lambda n: tuple(range(n)),
+    "sub": lambda n: tuple(range(n)),
+    "neg": lambda n: (0,),
+    "copy": lambda n: (0,),
+    "copy_p": lambda n: (0,),
+    "real": lambda n: (0,),
+    "imag": lambda n: (0,),
     "conj": lambda n: (0,),
 }
 
@@ -227,6 +246,7 @@ def moving_rule(new_dim: Callable[[Any, int], int]) -> Rule:
     """A linear one-operand operation that moves dimensions around (transpose, squeeze): a
     block of dimension ``d`` becomes a block of ``new_dim(eqn, d)``; a partial sum stays one
     when this is its only use."""
+
     def rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         (k,) = kinds
         if k.partial:
@@ -235,6 +255,7 @@ def moving_rule(new_dim: Callable[[Any, int], int]) -> Rule:
         if k.dim is None:
             return _plan(eqn, [REPLICATED], [REPLICATED])
         return _plan(eqn, [k], [sharded(new_dim(eqn, k.dim))])
+
     return rule
 
 
@@ -242,8 +263,15 @@ transpose_rule = moving_rule(lambda eqn, d: tuple(eqn.params["permutation"]).ind
 squeeze_rule = moving_rule(lambda eqn, d: d - sum(1 for a in eqn.params["dimensions"] if a < d))
 
 
-def _keep_along(p: Partitioner, eqn, kinds: list, single: list, untouched: Callable[[int], bool],
-                emit_for: Callable[[Kind], Callable] | None = None, linear: bool = False) -> EqnPlan:
+def _keep_along(
+    p: Partitioner,
+    eqn,
+    kinds: list,
+    single: list,
+    untouched: Callable[[int], bool],
+    emit_for: Callable[[Kind], Callable] | None = None,
+    linear: bool = False,
+) -> EqnPlan:
     """A one-operand operation that works along some dimensions only: a block of a dimension
     it leaves alone (``untouched(d)``) stays a block of the same dimension."""
     k = kinds[0]
@@ -260,8 +288,9 @@ def _keep_along(p: Partitioner, eqn, kinds: list, single: list, untouched: Calla
     return _plan(eqn, [k] + rest, [k] * len(eqn.outvars), emit)
 
 
-def _shared_block(p: Partitioner, eqn, kinds: list, single: list, untouched: Callable[[int], bool],
-                  why: str) -> EqnPlan:
+def _shared_block(
+    p: Partitioner, eqn, kinds: list, single: list, untouched: Callable[[int], bool], why: str
+) -> EqnPlan:
     """Several operands of one rank that work together along some dimensions (a sort of
     several keys, pooling and its gradients): a block of a dimension they leave alone
     (``untouched(d)``) stays a block in every operand of that rank and in every result."""
@@ -287,7 +316,7 @@ def slice_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         return start[d] == 0 and limit[d] == shape[d] and strides[d] == 1
 
     def emit_for(k: Kind):
-        local = tuple(limit)[:k.dim] + (shape[k.dim] // p.ctx.axis_size,) + tuple(limit)[k.dim + 1:]
+        local = tuple(limit)[: k.dim] + (shape[k.dim] // p.ctx.axis_size,) + tuple(limit)[k.dim + 1 :]
         return lambda v: bind_local(eqn, v, limit_indices=local)
 
     return _keep_along(p, eqn, kinds, single, untouched, emit_for, linear=True)
@@ -308,13 +337,16 @@ def rev_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
 def along_axis_rule(param: str, linear: bool = False) -> Rule:
     """Operations along the axes named by ``param`` (cumsum, sort, split, top_k): a block of
     another dimension stays a block."""
+
     def rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         axis = eqn.params[param]
         axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
         if len(kinds) > 1:  # sort of several same-shaped operands
-            return _shared_block(p, eqn, kinds, single, lambda d: d not in axes,
-                                 "works along the sharded (batch) dimension")
+            return _shared_block(
+                p, eqn, kinds, single, lambda d: d not in axes, "works along the sharded (batch) dimension"
+            )
         return _keep_along(p, eqn, kinds, single, lambda d: d not in axes, linear=linear)
+
     return rule
 
 
@@ -326,6 +358,7 @@ def top_k_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
 def trailing_rule(trailing: Callable[[Any], int]) -> Rule:
     """Operations on the last ``trailing(eqn)`` dimensions (linear algebra, FFT): leading
     dimensions are batch dimensions and keep their blocks."""
+
     def rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         rank = len(_shape(eqn.invars[0]))
         dims = {k.dim for k in kinds if k.dim is not None}
@@ -334,8 +367,10 @@ def trailing_rule(trailing: Callable[[Any], int]) -> Rule:
         d = dims.pop()
         if d >= rank - trailing(eqn):
             return replicated_rule(p, eqn, kinds, single, "works along the sharded (batch) dimension")
-        return _plan(eqn, [sharded(d) if len(_shape(x)) > d else REPLICATED for x in eqn.invars],
-                     [sharded(d)] * len(eqn.outvars))
+        return _plan(
+            eqn, [sharded(d) if len(_shape(x)) > d else REPLICATED for x in eqn.invars], [sharded(d)] * len(eqn.outvars)
+        )
+
     return rule
 
 
@@ -365,6 +400,7 @@ def identity_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
 def _reduce_rule(finish: Callable[[Partitioner, Any], Any] | None, linear: bool = False) -> Rule:
     """``reduce_*`` over ``axes``: over the sharded dimension a local reduction, then a partial
     sum (``linear``) or ``finish`` (a ``pmax``, ``pmin``); None: gather instead."""
+
     def rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         (k,) = kinds
         axes = tuple(eqn.params["axes"])
@@ -381,6 +417,7 @@ def _reduce_rule(finish: Callable[[Partitioner, Any], Any] | None, linear: bool 
         if finish is None:
             return replicated_rule(p, eqn, kinds, single, "reduces over the sharded (batch) dimension")
         return _plan(eqn, [k], [REPLICATED], lambda v: [finish(p, bind_local(eqn, v)[0])])
+
     return rule
 
 
@@ -389,6 +426,7 @@ def _as_int_then(collective: Callable) -> Callable[[Partitioner, Any], Any]:
         if value.dtype == jnp.bool_:
             return collective(value.astype(jnp.int32), p.ctx.axis_name).astype(jnp.bool_)
         return collective(value, p.ctx.axis_name)
+
     return finish
 
 
@@ -396,8 +434,11 @@ def _argminmax_keep(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     (k,) = kinds
     axes = tuple(eqn.params["axes"])
     if k.dim is None or k.dim in axes:
-        return replicated_rule(p, eqn, kinds, single, "reduces over the sharded (batch) dimension") \
-            if k.dim is not None else _plan(eqn, [REPLICATED], [REPLICATED])
+        return (
+            replicated_rule(p, eqn, kinds, single, "reduces over the sharded (batch) dimension")
+            if k.dim is not None
+            else _plan(eqn, [REPLICATED], [REPLICATED])
+        )
     return _plan(eqn, [k], [sharded(k.dim - sum(1 for a in axes if a < k.dim))])
 
 
@@ -456,7 +497,7 @@ def conv_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         return replicated_rule(p, eqn, kinds, single)
     if lhs.dim == lhs_spec[0] and rhs.is_replicated and batch_groups == 1:
         return _plan(eqn, [lhs, REPLICATED], [sharded(out_spec[0])])
-    if (lhs.dim == lhs_spec[1] and rhs.dim == rhs_spec[1] and groups == 1):
+    if lhs.dim == lhs_spec[1] and rhs.dim == rhs_spec[1] and groups == 1:
         return _plan(eqn, [lhs, rhs], [PARTIAL])  # a kernel gradient: contracts the batch
     if lhs.dim is None and rhs.dim is None:
         return _plan(eqn, [REPLICATED, REPLICATED], [REPLICATED])
@@ -492,13 +533,18 @@ def gather_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
             return _plan(eqn, [sharded(d), indices], [sharded(batch_out[i])])
     if operand.dim is not None and indices.dim is None:
         d = operand.dim
-        window = [a for a in range(len(op_shape))
-                  if a not in dn.collapsed_slice_dims and a not in dn.operand_batching_dims]
+        window = [
+            a for a in range(len(op_shape)) if a not in dn.collapsed_slice_dims and a not in dn.operand_batching_dims
+        ]
         sizes = tuple(eqn.params["slice_sizes"])
         if d in window and d not in dn.start_index_map and sizes[d] == op_shape[d]:
-            local = sizes[:d] + (op_shape[d] // p.ctx.axis_size,) + sizes[d + 1:]
-            return _plan(eqn, [operand, REPLICATED], [sharded(dn.offset_dims[window.index(d)])],
-                         lambda v: bind_local(eqn, v, slice_sizes=local))
+            local = sizes[:d] + (op_shape[d] // p.ctx.axis_size,) + sizes[d + 1 :]
+            return _plan(
+                eqn,
+                [operand, REPLICATED],
+                [sharded(dn.offset_dims[window.index(d)])],
+                lambda v: bind_local(eqn, v, slice_sizes=local),
+            )
     if operand.dim is None and indices.dim is None:
         return _plan(eqn, [REPLICATED, REPLICATED], [REPLICATED])
     return replicated_rule(p, eqn, kinds, single, "gathers rows across the sharded (batch) dimension")
@@ -513,23 +559,30 @@ def scatter_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     is_add = eqn.primitive.name == "scatter-add" or eqn.primitive.name == "scatter_add"
     extra = [REPLICATED] * (len(kinds) - 3)
     upd_scatter = [d for d in range(upd_rank) if d not in dn.update_window_dims]
-    if is_add and indices.is_replicated and (updates.partial or p.is_zero(eqn.invars[2])) \
-            and _partial_ok(p, eqn, kinds, single, (0, 2)):
+    if (
+        is_add
+        and indices.is_replicated
+        and (updates.partial or p.is_zero(eqn.invars[2]))
+        and _partial_ok(p, eqn, kinds, single, (0, 2))
+    ):
         return _plan(eqn, _partial_inputs(p, eqn, kinds, (0, 2))[:3] + extra, [PARTIAL])
     if any(k.partial for k in kinds):
         return replicated_rule(p, eqn, kinds, single)
     # rows of the operand scattered into by the same device's rows (take_along_axis)
     batch_pairs = list(zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims))
     for d, i in batch_pairs:
-        if operand.dim in (None, d) and indices.dim in (None, i) and \
-                (operand.dim == d or indices.dim == i or updates.dim is not None) and \
-                i < idx_rank - 1 and op_shape[d] % p.ctx.axis_size == 0:
+        if (
+            operand.dim in (None, d)
+            and indices.dim in (None, i)
+            and (operand.dim == d or indices.dim == i or updates.dim is not None)
+            and i < idx_rank - 1
+            and op_shape[d] % p.ctx.axis_size == 0
+        ):
             u = upd_scatter[i]
             if updates.dim in (None, u):
                 return _plan(eqn, [sharded(d), sharded(i), sharded(u)] + extra, [sharded(d)])
     # a whole window dimension of the operand, filled by the same dimension of the updates
-    window = [a for a in range(len(op_shape))
-              if a not in dn.inserted_window_dims and a not in dn.operand_batching_dims]
+    window = [a for a in range(len(op_shape)) if a not in dn.inserted_window_dims and a not in dn.operand_batching_dims]
     if indices.is_replicated and (operand.dim is not None or updates.dim is not None):
         d = operand.dim if operand.dim is not None else None
         if d is None and updates.dim in dn.update_window_dims:
@@ -539,8 +592,14 @@ def scatter_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
             if _shape(eqn.invars[2])[u] == op_shape[d] and updates.dim in (None, u):
                 return _plan(eqn, [sharded(d), REPLICATED, sharded(u)] + extra, [sharded(d)])
     # per-example rows added into a replicated table (an embedding's gradient)
-    if is_add and operand.dim is None and indices.dim is not None and indices.dim < idx_rank - 1 \
-            and updates.dim in (None, upd_scatter[indices.dim]) and not batch_pairs:
+    if (
+        is_add
+        and operand.dim is None
+        and indices.dim is not None
+        and indices.dim < idx_rank - 1
+        and updates.dim in (None, upd_scatter[indices.dim])
+        and not batch_pairs
+    ):
         return _plan(eqn, [PARTIAL, indices, sharded(upd_scatter[indices.dim])] + extra, [PARTIAL])
     if all(k.is_replicated for k in kinds):
         return _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED])
@@ -552,7 +611,7 @@ def dynamic_slice_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPla
     sizes = tuple(eqn.params["slice_sizes"])
 
     def emit_for(k: Kind):
-        local = sizes[:k.dim] + (shape[k.dim] // p.ctx.axis_size,) + sizes[k.dim + 1:]
+        local = sizes[: k.dim] + (shape[k.dim] // p.ctx.axis_size,) + sizes[k.dim + 1 :]
         return lambda v: bind_local(eqn, v, slice_sizes=local)
 
     return _keep_along(p, eqn, kinds, single, lambda d: sizes[d] == shape[d], emit_for, linear=True)
@@ -562,8 +621,11 @@ def dynamic_update_slice_rule(p: Partitioner, eqn, kinds: list, single: list) ->
     operand, update = kinds[:2]
     rest = [REPLICATED] * (len(kinds) - 2)
     op_shape, up_shape = _shape(eqn.invars[0]), _shape(eqn.invars[1])
-    if (operand.partial or update.partial) and _partial_ok(p, eqn, kinds, single, (0, 1)) \
-            and all(k.is_replicated for k in kinds[2:]):
+    if (
+        (operand.partial or update.partial)
+        and _partial_ok(p, eqn, kinds, single, (0, 1))
+        and all(k.is_replicated for k in kinds[2:])
+    ):
         return _plan(eqn, _partial_inputs(p, eqn, kinds, (0, 1))[:2] + rest, [PARTIAL])
     dims = {k.dim for k in (operand, update) if k.dim is not None}
     if len(dims) == 1 and not (operand.partial or update.partial):
@@ -586,11 +648,9 @@ def window_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     win_dil = params.get("window_dilation", (1,) * n) or (1,) * n
 
     def untouched(d: int) -> bool:
-        return window[d] == 1 and strides[d] == 1 and tuple(padding[d]) == (0, 0) \
-            and base[d] == 1 and win_dil[d] == 1
+        return window[d] == 1 and strides[d] == 1 and tuple(padding[d]) == (0, 0) and base[d] == 1 and win_dil[d] == 1
 
-    return _shared_block(p, eqn, kinds, single, untouched,
-                         "pools across the sharded (batch) dimension")
+    return _shared_block(p, eqn, kinds, single, untouched, "pools across the sharded (batch) dimension")
 
 
 def bitcast_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
@@ -609,7 +669,7 @@ def random_bits_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         return _plan(eqn, [REPLICATED], [REPLICATED])
     key_rank = len(_shape(eqn.invars[0]))
     shape = tuple(eqn.params["shape"])
-    local = shape[:k.dim] + (shape[k.dim] // p.ctx.axis_size,) + shape[k.dim + 1:]
+    local = shape[: k.dim] + (shape[k.dim] // p.ctx.axis_size,) + shape[k.dim + 1 :]
     if k.dim < key_rank:
         return _plan(eqn, [k], [k], lambda v: bind_local(eqn, v, shape=local))
     return replicated_rule(p, eqn, kinds, single)
@@ -620,94 +680,107 @@ def refuse_rule(why: str) -> Rule:
         if _all_replicated(kinds) and eqn.primitive.name != "shard_map":
             return _plan(eqn, list(kinds), [REPLICATED] * len(eqn.outvars))
         raise p.refuse(eqn, why)
+
     return rule
 
 
 RULES: dict[str, Rule] = {name: elementwise_rule for name in ELEMENTWISE}
-RULES.update({
-    "random_bits": random_bits_rule,
-    "broadcast_in_dim": broadcast_in_dim_rule,
-    "reshape": reshape_rule,
-    "expand_dims": reshape_rule,
-    "transpose": transpose_rule,
-    "squeeze": squeeze_rule,
-    "slice": slice_rule,
-    "pad": pad_rule,
-    "rev": rev_rule,
-    "concatenate": concatenate_rule,
-    "iota": iota_like_rule,
-    "bitcast_convert_type": bitcast_rule,
-    "reduce_sum": _reduce_rule(None, linear=True),
-    "reduce_max": _reduce_rule(lambda p, v: lax.pmax(v, p.ctx.axis_name)),
-    "reduce_min": _reduce_rule(lambda p, v: lax.pmin(v, p.ctx.axis_name)),
-    "reduce_and": _reduce_rule(_as_int_then(lax.pmin)),
-    "reduce_or": _reduce_rule(_as_int_then(lax.pmax)),
-    "reduce_prod": _reduce_rule(None),
-    "reduce_xor": _reduce_rule(None),
-    "argmax": _argminmax_keep,
-    "argmin": _argminmax_keep,
-    "dot_general": dot_general_rule,
-    "conv_general_dilated": conv_rule,
-    "gather": gather_rule,
-    "scatter-add": scatter_rule,
-    "scatter_add": scatter_rule,
-    "scatter": scatter_rule,
-    "scatter-mul": scatter_rule,
-    "scatter_mul": scatter_rule,
-    "scatter-min": scatter_rule,
-    "scatter_min": scatter_rule,
-    "scatter-max": scatter_rule,
-    "scatter_max": scatter_rule,
-    "dynamic_slice": dynamic_slice_rule,
-    "dynamic_update_slice": dynamic_update_slice_rule,
-    "cumsum": along_axis_rule("axis", linear=True),
-    "cumprod": along_axis_rule("axis"),
-    "cummax": along_axis_rule("axis"),
-    "cummin": along_axis_rule("axis"),
-    "cumlogsumexp": along_axis_rule("axis"),
-    "sort": along_axis_rule("dimension"),
-    "split": along_axis_rule("axis", linear=True),
-    "top_k": top_k_rule,
-    "approx_top_k": along_axis_rule("reduction_dimension"),
-    "reduce_window_sum": window_rule,
-    "reduce_window_max": window_rule,
-    "reduce_window_min": window_rule,
-    "reduce_window": window_rule,
-    "select_and_scatter_add": window_rule,
-    "select_and_gather_add": window_rule,
-    "cholesky": trailing_rule(lambda e: 2),
-    "triangular_solve": trailing_rule(lambda e: 2),
-    "lu": trailing_rule(lambda e: 2),
-    "qr": trailing_rule(lambda e: 2),
-    "eigh": trailing_rule(lambda e: 2),
-    "svd": trailing_rule(lambda e: 2),
-    "fft": trailing_rule(lambda e: len(e.params["fft_lengths"])),
-    "reshard": identity_rule,
-    "sharding_constraint": identity_rule,
-    "mesh_cast": identity_rule,
-    "pvary": identity_rule,
-    "shard_map": refuse_rule(
-        "the step mixes jax.jit shardings with a jax.shard_map inside; write the whole per-device "
-        "step as one jax.shard_map over the mesh (the form jaxsched schedules as written), or "
-        "leave the inner shard_map out"),
-})
+RULES.update(
+    {
+        "random_bits": random_bits_rule,
+        "broadcast_in_dim": broadcast_in_dim_rule,
+        "reshape": reshape_rule,
+        "expand_dims": reshape_rule,
+        "transpose": transpose_rule,
+        "squeeze": squeeze_rule,
+        "slice": slice_rule,
+        "pad": pad_rule,
+        "rev": rev_rule,
+        "concatenate": concatenate_rule,
+        "iota": iota_like_rule,
+        "bitcast_convert_type": bitcast_rule,
+        "reduce_sum": _reduce_rule(None, linear=True),
+        "reduce_max": _reduce_rule(lambda p, v: lax.pmax(v, p.ctx.axis_name)),
+        "reduce_min": _reduce_rule(lambda p, v: lax.pmin(v, p.ctx.axis_name)),
+        "reduce_and": _reduce_rule(_as_int_then(lax.pmin)),
+        "reduce_or": _reduce_rule(_as_int_then(lax.pmax)),
+        "reduce_prod": _reduce_rule(None),
+        "reduce_xor": _reduce_rule(None),
+        "argmax": _argminmax_keep,
+        "argmin": _argminmax_keep,
+        "dot_general": dot_general_rule,
+        "conv_general_dilated": conv_rule,
+        "gather": gather_rule,
+        "scatter-add": scatter_rule,
+        "scatter_add": scatter_rule,
+        "scatter": scatter_rule,
+        "scatter-mul": scatter_rule,
+        "scatter_mul": scatter_rule,
+        "scatter-min": scatter_rule,
+        "scatter_min": scatter_rule,
+        "scatter-max": scatter_rule,
+        "scatter_max": scatter_rule,
+        "dynamic_slice": dynamic_slice_rule,
+        "dynamic_update_slice": dynamic_update_slice_rule,
+        "cumsum": along_axis_rule("axis", linear=True),
+        "cumprod": along_axis_rule("axis"),
+        "cummax": along_axis_rule("axis"),
+        "cummin": along_axis_rule("axis"),
+        "cumlogsumexp": along_axis_rule("axis"),
+        "sort": along_axis_rule("dimension"),
+        "split": along_axis_rule("axis", linear=True),
+        "top_k": top_k_rule,
+        "approx_top_k": along_axis_rule("reduction_dimension"),
+        "reduce_window_sum": window_rule,
+        "reduce_window_max": window_rule,
+        "reduce_window_min": window_rule,
+        "reduce_window": window_rule,
+        "select_and_scatter_add": window_rule,
+        "select_and_gather_add": window_rule,
+        "cholesky": trailing_rule(lambda e: 2),
+        "triangular_solve": trailing_rule(lambda e: 2),
+        "lu": trailing_rule(lambda e: 2),
+        "qr": trailing_rule(lambda e: 2),
+        "eigh": trailing_rule(lambda e: 2),
+        "svd": trailing_rule(lambda e: 2),
+        "fft": trailing_rule(lambda e: len(e.params["fft_lengths"])),
+        "reshard": identity_rule,
+        "sharding_constraint": identity_rule,
+        "mesh_cast": identity_rule,
+        "pvary": identity_rule,
+        "shard_map": refuse_rule(
+            "the step mixes jax.jit shardings with a jax.shard_map inside; write the whole per-device "
+            "step as one jax.shard_map over the mesh (the form jaxsched schedules as written), or "
+            "leave the inner shard_map out"
+        ),
+    }
+)
 
 
 # -- narrowing: replicated producers that compute only the block their readers want -----------
 NarrowRule = Callable[[Partitioner, Any, int], "EqnPlan | None"]
 
 #: Elementwise primitives whose operands and result share a shape (random keys do not).
-NARROWABLE_ELEMENTWISE = ELEMENTWISE - {"threefry2x32", "random_fold_in", "random_wrap",
-                                        "random_unwrap", "random_split", "random_bits",
-                                        "random_seed", "random_clone"}
+NARROWABLE_ELEMENTWISE = ELEMENTWISE - {
+    "threefry2x32",
+    "random_fold_in",
+    "random_wrap",
+    "random_unwrap",
+    "random_split",
+    "random_bits",
+    "random_seed",
+    "random_clone",
+}
 
 
 def _narrow_elementwise(p: Partitioner, eqn, d: int) -> EqnPlan | None:
     out_shape = _shape(eqn.outvars[0])
     if not p.ctx.can_shard(out_shape, d):
         return None
-    wanted = [sharded(d) if len(_shape(x)) == len(out_shape) and _shape(x)[d] == out_shape[d]
-              else REPLICATED for x in eqn.invars]
+    wanted = [
+        sharded(d) if len(_shape(x)) == len(out_shape) and _shape(x)[d] == out_shape[d] else REPLICATED
+        for x in eqn.invars
+    ]
     return _plan(eqn, wanted, [sharded(d)])
 
 
@@ -755,14 +828,18 @@ def _narrow_random_bits(p: Partitioner, eqn, d: int) -> EqnPlan | None:
     key = eqn.invars[0].aval
     shape = tuple(eqn.params["shape"])
     bit_width = eqn.params["bit_width"]
-    if (key.shape != () or not jax.config.jax_threefry_partitionable
-            or not p.ctx.can_shard(shape, d) or bit_width not in (8, 16, 32, 64)
-            or int(np.prod(shape)) >= 2 ** 32):
+    if (
+        key.shape != ()
+        or not jax.config.jax_threefry_partitionable
+        or not p.ctx.can_shard(shape, d)
+        or bit_width not in (8, 16, 32, 64)
+        or int(np.prod(shape)) >= 2**32
+    ):
         return None
     if getattr(getattr(key.dtype, "_impl", None), "name", None) != "threefry2x32":
         return None  # another PRNG (rbg): its bits do not follow this counter layout
     local = local_shape(shape, sharded(d), p.ctx.axis_size)
-    strides = [int(np.prod(shape[k + 1:])) for k in range(len(shape))]
+    strides = [int(np.prod(shape[k + 1 :])) for k in range(len(shape))]
 
     def emit(values: list) -> list:
         data = jax.random.key_data(values[0])
@@ -781,8 +858,14 @@ def _narrow_random_bits(p: Partitioner, eqn, d: int) -> EqnPlan | None:
 
 
 NARROW: dict[str, NarrowRule] = {name: _narrow_elementwise for name in NARROWABLE_ELEMENTWISE}
-NARROW.update({"bitcast_convert_type": _narrow_bitcast, "broadcast_in_dim": _narrow_broadcast,
-               "iota": _narrow_iota, "random_bits": _narrow_random_bits})
+NARROW.update(
+    {
+        "bitcast_convert_type": _narrow_bitcast,
+        "broadcast_in_dim": _narrow_broadcast,
+        "iota": _narrow_iota,
+        "random_bits": _narrow_random_bits,
+    }
+)
 
 
 def _narrow_by_search(p: Partitioner, eqn, d: int) -> EqnPlan | None:
@@ -812,8 +895,12 @@ def narrow_rule_for(eqn) -> NarrowRule | None:
     name = eqn.primitive.name
     if name in NARROW:
         return NARROW[name]
-    if name in RULES and RULES[name] not in (identity_rule,) and \
-            name not in ELEMENTWISE - NARROWABLE_ELEMENTWISE and name != "shard_map":
+    if (
+        name in RULES
+        and RULES[name] not in (identity_rule,)
+        and name not in ELEMENTWISE - NARROWABLE_ELEMENTWISE
+        and name != "shard_map"
+    ):
         return _narrow_by_search
     return None
 

@@ -5,6 +5,7 @@ all-gather emitted just before their first use), and after each equation every b
 whose gradients are now all computed gets its collective emitted at once: this is what
 places communication inside backward, in the order gradients complete.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -18,8 +19,13 @@ from jaxsched.core.replay import interpret, read
 __all__ = ["walk_backward"]
 
 
-def walk_backward(analysis: Analysis, env: dict, lazy: dict[Any, Callable[[], None]],
-                  buckets: Sequence[Bucket], emit: Callable[[Bucket], None]) -> None:
+def walk_backward(
+    analysis: Analysis,
+    env: dict,
+    lazy: dict[Any, Callable[[], None]],
+    buckets: Sequence[Bucket],
+    emit: Callable[[Bucket], None],
+) -> None:
     """Replay the backward region; ``lazy[var]()`` fills ``env`` the first time ``var`` is read."""
     body = analysis.captured.body
     reds = analysis.reductions

@@ -29,6 +29,7 @@ Example:
     >>> [(l.name, l.kind, l.dims) for l in found.layers], found.unmatched
     ([('hidden/0', 'dense', (5, 3)), ('head', 'dense', (4, 2))], ())
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +43,9 @@ from jaxsched.core.replay import is_var
 __all__ = ["LayerMatch", "match_layers", "MatchedLayer", "PASS_THROUGH"]
 
 #: Equations that move or cast a value without changing what it holds.
-PASS_THROUGH = frozenset({"reshape", "transpose", "convert_element_type", "copy", "copy_p",
-                          "squeeze", "expand_dims", "broadcast_in_dim"})
+PASS_THROUGH = frozenset(
+    {"reshape", "transpose", "convert_element_type", "copy", "copy_p", "squeeze", "expand_dims", "broadcast_in_dim"}
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +82,8 @@ class MatchedLayer:
 @dataclasses.dataclass(frozen=True)
 class LayerMatch:
     """Attributes:
-      layers: the matched layers, in forward order of their kernels' first use.
-      unmatched: paths of parameters with a gradient reduction that no layer covers.
+    layers: the matched layers, in forward order of their kernels' first use.
+    unmatched: paths of parameters with a gradient reduction that no layer covers.
     """
 
     layers: tuple[MatchedLayer, ...]
@@ -138,10 +140,21 @@ def match_layers(analysis: Analysis, paths: Sequence[str]) -> LayerMatch:
         if j_b is not None:
             used.add(j_b)
         path = paths[kernel]
-        layers.append(MatchedLayer(
-            name=path.rsplit("/", 1)[0] if "/" in path else path, kind="dense" if name == "dot_general" else "conv",
-            kernel=kernel, bias=bias, kernel_reduction=j_w, bias_reduction=j_b, inputs=x, cotangent=g,
-            grad_eqn=grad_eqn, dims=(d_in + (1 if bias is not None else 0), d_out), params=params))
+        layers.append(
+            MatchedLayer(
+                name=path.rsplit("/", 1)[0] if "/" in path else path,
+                kind="dense" if name == "dot_general" else "conv",
+                kernel=kernel,
+                bias=bias,
+                kernel_reduction=j_w,
+                bias_reduction=j_b,
+                inputs=x,
+                cotangent=g,
+                grad_eqn=grad_eqn,
+                dims=(d_in + (1 if bias is not None else 0), d_out),
+                params=params,
+            )
+        )
     unmatched = tuple(paths[p] for p, j in sorted(reduction_of_param.items()) if j not in used)
     return LayerMatch(tuple(layers), unmatched)
 
@@ -160,8 +173,7 @@ def _origin(x: Any, producer: dict, body) -> int | None:
 
 def _sums_unit_axes(eqn) -> bool:
     """A ``reduce_sum`` over axes of size 1 only (a reshape in disguise)."""
-    return eqn.primitive.name == "reduce_sum" and all(
-        eqn.invars[0].aval.shape[a] == 1 for a in eqn.params["axes"])
+    return eqn.primitive.name == "reduce_sum" and all(eqn.invars[0].aval.shape[a] == 1 for a in eqn.params["axes"])
 
 
 def _dense(fwd, bwd, x, w):
@@ -187,8 +199,12 @@ def _dense(fwd, bwd, x, w):
     if len(g_free) != 1 or g.aval.shape[g_free[0]] != d_out:
         return None
     batch = x.aval.shape[0]
-    return g, d_in, d_out, {"in_axis": in_axis, "out_axis": g_free[0], "batch": batch,
-                            "rows": math.prod(x.aval.shape[:-1])}
+    return (
+        g,
+        d_in,
+        d_out,
+        {"in_axis": in_axis, "out_axis": g_free[0], "batch": batch, "rows": math.prod(x.aval.shape[:-1])},
+    )
 
 
 def _conv(fwd, bwd, x, w):
@@ -207,21 +223,31 @@ def _conv(fwd, bwd, x, w):
     if not is_var(g) or g.aval.shape[out_axis] != d_out:
         return None
     rows = math.prod(d for k, d in enumerate(g.aval.shape) if k != out_axis)
-    return g, d_in, d_out, {
-        "out_axis": out_axis, "batch": x.aval.shape[dn.lhs_spec[0]], "rows": rows,
-        "filter_shape": filter_shape, "window_strides": p["window_strides"], "padding": p["padding"],
-        "lhs_dilation": p["lhs_dilation"], "rhs_dilation": p["rhs_dilation"], "dimension_numbers": dn,
-        "precision": p.get("precision")}
+    return (
+        g,
+        d_in,
+        d_out,
+        {
+            "out_axis": out_axis,
+            "batch": x.aval.shape[dn.lhs_spec[0]],
+            "rows": rows,
+            "filter_shape": filter_shape,
+            "window_strides": p["window_strides"],
+            "padding": p["padding"],
+            "lhs_dilation": p["lhs_dilation"],
+            "rhs_dilation": p["rhs_dilation"],
+            "dimension_numbers": dn,
+            "precision": p.get("precision"),
+        },
+    )
 
 
-def _bias_reduction(analysis: Analysis, g, d_out: int, producer: dict, body, out_axis: int,
-                    by_eqn: dict) -> int | None:
+def _bias_reduction(analysis: Analysis, g, d_out: int, producer: dict, body, out_axis: int, by_eqn: dict) -> int | None:
     """The reduction whose operand is ``reduce_sum(g)`` over every axis but ``out_axis``."""
     want = tuple(d for d in range(len(g.aval.shape)) if d != out_axis)
     for i, js in by_eqn.items():
         eqn = body.eqns[i]
-        if eqn.primitive.name == "reduce_sum" and eqn.invars[0] is g and \
-                tuple(sorted(eqn.params["axes"])) == want:
+        if eqn.primitive.name == "reduce_sum" and eqn.invars[0] is g and tuple(sorted(eqn.params["axes"])) == want:
             for j in js:
                 if tuple(analysis.reductions[j].operand.aval.shape) == (d_out,):
                     return j

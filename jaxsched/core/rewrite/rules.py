@@ -18,6 +18,7 @@ Anything else gathers its sharded operands (one all-gather each) and runs unchan
 full tensors: DeAR's lazy update, applied only where it is needed. That fallback is
 reported once per primitive and source line.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,10 +38,26 @@ from jaxsched.core.replay import bind as _bind
 from jaxsched.core.replay import at_source, eval_inline, is_var, source_line
 from jaxsched.core.replay import inner_jaxpr as _inner_jaxpr
 
-__all__ = ["apply_rule", "broadcast_in_dim_rule", "call_rule", "cond_rule", "ELEMENTWISE",
-           "elementwise_rule", "eval_sharded", "FallbackWarning", "full_rule", "identity_rule",
-           "psum_rule", "reshape_rule", "RESHAPES", "Rule", "RULES", "scan_rule", "Shard",
-           "ShardContext"]
+__all__ = [
+    "apply_rule",
+    "broadcast_in_dim_rule",
+    "call_rule",
+    "cond_rule",
+    "ELEMENTWISE",
+    "elementwise_rule",
+    "eval_sharded",
+    "FallbackWarning",
+    "full_rule",
+    "identity_rule",
+    "psum_rule",
+    "reshape_rule",
+    "RESHAPES",
+    "Rule",
+    "RULES",
+    "scan_rule",
+    "Shard",
+    "ShardContext",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,24 +121,31 @@ class ShardContext:
         if key not in self.reported:
             self.reported.add(key)
             self.fallbacks.append(key)
-            warnings.warn(f"jaxsched: {eqn.primitive.name} at {key[1]} cannot run on shards "
-                          f"({reason}); its sharded operands are all-gathered and it runs on full "
-                          "tensors (DeAR's lazy update)", FallbackWarning, stacklevel=2)
+            warnings.warn(
+                f"jaxsched: {eqn.primitive.name} at {key[1]} cannot run on shards "
+                f"({reason}); its sharded operands are all-gathered and it runs on full "
+                "tensors (DeAR's lazy update)",
+                FallbackWarning,
+                stacklevel=2,
+            )
 
 
 Rule = Callable[[ShardContext, Any, list], list]
 
-ELEMENTWISE = frozenset("""
+ELEMENTWISE = frozenset(
+    """
 abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
 copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite
 le lgamma digamma log log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision
 rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh xor
-""".split())
+""".split()
+)
 RESHAPES = frozenset({"reshape", "squeeze", "expand_dims"})
 
 
-def full_rule(ctx: ShardContext, eqn, values: list,
-              reason: str = "no shard rule for this primitive or these shapes") -> list:
+def full_rule(
+    ctx: ShardContext, eqn, values: list, reason: str = "no shard rule for this primitive or these shapes"
+) -> list:
     """Gather what is sharded, run the primitive unchanged."""
     if any(isinstance(v, Shard) and v.full is None for v in values):
         ctx.report(eqn, reason)
@@ -154,12 +178,12 @@ def broadcast_in_dim_rule(ctx: ShardContext, eqn, values: list) -> list:
     return full_rule(ctx, eqn, values)
 
 
-def _reduce_rule(local: Callable, collective: Callable, identity: Callable,
-                 segment: Callable | None = None) -> Rule:
+def _reduce_rule(local: Callable, collective: Callable, identity: Callable, segment: Callable | None = None) -> Rule:
     """A reduction over every axis: a local reduction of the chunk (padding masked with the
     identity) and one scalar collective. Over some axes (adafactor's row and column sums),
     with ``segment``: each chunk element added into its output position, a partial result
     the size of the output, and one collective of that size; never a gather of the input."""
+
     def rule(ctx: ShardContext, eqn, values: list) -> list:
         (value,) = values
         if value.full is not None:  # already whole here (a parameter gathered for forward)
@@ -176,6 +200,7 @@ def _reduce_rule(local: Callable, collective: Callable, identity: Callable,
         position = _output_position(ctx, value.shape, axes)
         partial = segment(chunk, position, num_segments=math.prod(out_shape))
         return [collective(partial.reshape(out_shape).astype(out_dtype), ctx.axis_name)]
+
     return rule
 
 
@@ -187,7 +212,7 @@ def _output_position(ctx: ShardContext, shape: tuple[int, ...], axes: tuple[int,
     position = jnp.zeros_like(flat)
     for k, dim in enumerate(shape):
         if k not in axes:
-            coordinate = flat // math.prod(shape[k + 1:]) % dim
+            coordinate = flat // math.prod(shape[k + 1 :]) % dim
             position = position * dim + coordinate
     return position
 
@@ -208,8 +233,7 @@ def _highest(dtype):
 def psum_rule(ctx: ShardContext, eqn, values: list) -> list:
     """A user's psum in the update region: of an invariant value it is a multiply by P."""
     data_axes = as_axes(ctx.axis_name)
-    if (not set(data_axes) <= set(_axes(eqn))
-            or any(x in ctx.varying for x in eqn.invars if is_var(x))):
+    if not set(data_axes) <= set(_axes(eqn)) or any(x in ctx.varying for x in eqn.invars if is_var(x)):
         return full_rule(ctx, eqn, values)
     factor = ctx.axis_size * math.prod(_axis_size(a) for a in _axes(eqn) if a not in data_axes)
     out = []
@@ -251,8 +275,11 @@ def cond_rule(ctx: ShardContext, eqn, values: list) -> list:
             if seen is not None:  # first pass: which outputs this branch keeps sharded
                 seen.append([isinstance(o, Shard) for o in outs])
                 return [o.chunk if isinstance(o, Shard) else o for o in outs]
-            return [jnp.asarray(ctx.to_chunk(o, a.shape) if sh else ctx.to_full(o), a.dtype)
-                    for o, a, sh in zip(outs, avals, sharded)]
+            return [
+                jnp.asarray(ctx.to_chunk(o, a.shape) if sh else ctx.to_full(o), a.dtype)
+                for o, a, sh in zip(outs, avals, sharded)
+            ]
+
         return run
 
     seen: list = []
@@ -275,11 +302,11 @@ def scan_rule(ctx: ShardContext, eqn, values: list) -> list:
     are gathered; both say so."""
     p = eqn.params
     nc, nk = p["num_consts"], p["num_carry"]
-    consts, init, xs = values[:nc], values[nc:nc + nk], values[nc + nk:]
+    consts, init, xs = values[:nc], values[nc : nc + nk], values[nc + nk :]
     if any(isinstance(v, Shard) for v in xs) or p.get("_split_transpose"):
         return full_rule(ctx, eqn, values)
     closed = p["jaxpr"]
-    carry_avals = [v.aval for v in closed.jaxpr.invars[nc:nc + nk]]
+    carry_avals = [v.aval for v in closed.jaxpr.invars[nc : nc + nk]]
     kinds = [isinstance(v, Shard) and len(a.shape) > 0 for v, a in zip(init, carry_avals)]
 
     def body(kinds: Sequence[bool], seen: list | None = None) -> Callable:
@@ -291,16 +318,21 @@ def scan_rule(ctx: ShardContext, eqn, values: list) -> list:
                 seen.append([isinstance(o, Shard) for o in new])
             if any(isinstance(y, Shard) and y.full is None for y in ys):
                 ctx.report(eqn, "a per-iteration output is sharded")
-            new = [jnp.asarray(ctx.to_chunk(o, a.shape) if k else ctx.to_full(o), a.dtype)
-                   for o, a, k in zip(new, carry_avals, kinds)]
+            new = [
+                jnp.asarray(ctx.to_chunk(o, a.shape) if k else ctx.to_full(o), a.dtype)
+                for o, a, k in zip(new, carry_avals, kinds)
+            ]
             return new, [ctx.to_full(y) for y in ys]
+
         return run
 
     def start(kinds: Sequence[bool], final: bool = False) -> list:
         if final and any(isinstance(v, Shard) and v.full is None and not k for v, k in zip(init, kinds)):
             ctx.report(eqn, "the loop body needs a sharded carry whole")
-        return [jnp.asarray(ctx.to_chunk(v, a.shape) if k else ctx.to_full(v), a.dtype)
-                for v, a, k in zip(init, carry_avals, kinds)]
+        return [
+            jnp.asarray(ctx.to_chunk(v, a.shape) if k else ctx.to_full(v), a.dtype)
+            for v, a, k in zip(init, carry_avals, kinds)
+        ]
 
     x_slice = [jax.ShapeDtypeStruct(tuple(np.shape(x))[1:], jnp.result_type(x)) for x in xs]
     dropped: set = set()
@@ -321,14 +353,13 @@ def scan_rule(ctx: ShardContext, eqn, values: list) -> list:
     finally:
         ctx.probing = probe
     if inside:  # the body gathers something in every iteration: gather it once, before
-        return full_rule(ctx, eqn, values, f"its body needs a sharded value whole ({inside[0][0]} "
-                                           f"at {inside[0][1]})")
+        return full_rule(ctx, eqn, values, f"its body needs a sharded value whole ({inside[0][0]} at {inside[0][1]})")
     init_values = start(kinds, final=True)
     with at_source(eqn):
-        carry, ys = lax.scan(body(kinds), init_values, list(xs), length=p["length"],
-                             reverse=p["reverse"], unroll=p["unroll"])
-    return [Shard(c, tuple(a.shape)) if k else c
-            for c, a, k in zip(carry, carry_avals, kinds)] + list(ys)
+        carry, ys = lax.scan(
+            body(kinds), init_values, list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
+        )
+    return [Shard(c, tuple(a.shape)) if k else c for c, a, k in zip(carry, carry_avals, kinds)] + list(ys)
 
 
 def _axes(eqn) -> tuple:
@@ -342,19 +373,19 @@ def _axis_size(name) -> int:
 
 RULES: dict[str, Rule] = {name: elementwise_rule for name in ELEMENTWISE}
 RULES.update({name: reshape_rule for name in RESHAPES})
-RULES.update({
-    "broadcast_in_dim": broadcast_in_dim_rule,
-    "reduce_sum": _reduce_rule(jnp.sum, lax.psum, lambda d: jnp.zeros((), d), jax.ops.segment_sum),
-    "reduce_max": _reduce_rule(jnp.max, lax.pmax, lambda d: jnp.asarray(_lowest(d), d),
-                               jax.ops.segment_max),
-    "reduce_min": _reduce_rule(jnp.min, lax.pmin, lambda d: jnp.asarray(_highest(d), d),
-                               jax.ops.segment_min),
-    # the finite checks of loss scaling (DynamicScale, apply_if_finite) and zero_nans
-    "reduce_and": _reduce_rule(jnp.all, _all_devices(lax.pmin), lambda d: jnp.ones((), d)),
-    "reduce_or": _reduce_rule(jnp.any, _all_devices(lax.pmax), lambda d: jnp.zeros((), d)),
-    "psum": psum_rule,
-    "psum_invariant": psum_rule,
-})
+RULES.update(
+    {
+        "broadcast_in_dim": broadcast_in_dim_rule,
+        "reduce_sum": _reduce_rule(jnp.sum, lax.psum, lambda d: jnp.zeros((), d), jax.ops.segment_sum),
+        "reduce_max": _reduce_rule(jnp.max, lax.pmax, lambda d: jnp.asarray(_lowest(d), d), jax.ops.segment_max),
+        "reduce_min": _reduce_rule(jnp.min, lax.pmin, lambda d: jnp.asarray(_highest(d), d), jax.ops.segment_min),
+        # the finite checks of loss scaling (DynamicScale, apply_if_finite) and zero_nans
+        "reduce_and": _reduce_rule(jnp.all, _all_devices(lax.pmin), lambda d: jnp.ones((), d)),
+        "reduce_or": _reduce_rule(jnp.any, _all_devices(lax.pmax), lambda d: jnp.zeros((), d)),
+        "psum": psum_rule,
+        "psum_invariant": psum_rule,
+    }
+)
 RULES["cond"] = cond_rule
 RULES["scan"] = scan_rule
 RULES.update({name: identity_rule for name in VMA_TYPING})

@@ -23,6 +23,7 @@ Example:
     >>> [float(v) for v in f(x)]
     [4.0, 6.0, 8.0, 10.0]
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,8 +34,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["BucketSpec", "Collective", "CollectiveWrapper", "FORMS", "OPERATIONS",
-           "PlainCollective", "SMALL_TENSOR_BYTES", "stack_local", "stacked_zeros", "unstack_local"]
+__all__ = [
+    "BucketSpec",
+    "Collective",
+    "CollectiveWrapper",
+    "FORMS",
+    "OPERATIONS",
+    "PlainCollective",
+    "SMALL_TENSOR_BYTES",
+    "stack_local",
+    "stacked_zeros",
+    "unstack_local",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,12 +130,12 @@ class Collective:
         """One device's carried state for each bucket (arrays without a device axis)."""
         return tuple(() for _ in buckets)
 
-    def all_reduce(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, state: Any
-                   ) -> tuple[jax.Array, Any]:
+    def all_reduce(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, state: Any) -> tuple[jax.Array, Any]:
         return lax.psum(buffer, axis_name), state
 
-    def all_reduce_tensors(self, tensors: Sequence[jax.Array], axis_name: str, bucket: BucketSpec,
-                           state: Any) -> tuple[list[jax.Array], Any]:
+    def all_reduce_tensors(
+        self, tensors: Sequence[jax.Array], axis_name: str, bucket: BucketSpec, state: Any
+    ) -> tuple[list[jax.Array], Any]:
         """One bucket's tensors summed over ``axis_name``, each in its own shape and dtype.
 
         The plain psum sends large tensors as they are: packing them into one buffer and
@@ -148,8 +159,9 @@ class Collective:
             # 5 ms after a large one), and copying them is cheap.
             large = [i for i in range(len(tensors)) if i not in small]
             small_tensors = [tensors[i] for i in small]
-            sums = (list(lax.psum(tuple(tensors[i] for i in large), axis_name))
-                    + _split(lax.psum(_pack(small_tensors, bucket.dtype), axis_name), small_tensors))
+            sums = list(lax.psum(tuple(tensors[i] for i in large), axis_name)) + _split(
+                lax.psum(_pack(small_tensors, bucket.dtype), axis_name), small_tensors
+            )
             out = list(tensors)
             for i, total in zip(large + small, sums, strict=True):
                 out[i] = total
@@ -157,8 +169,9 @@ class Collective:
         total, state = self.all_reduce(_pack(tensors, bucket.dtype), axis_name, bucket, state)
         return _split(total, tensors), state
 
-    def reduce_scatter_tensors(self, tensors: Sequence[jax.Array], axis_name: str,
-                               bucket: BucketSpec, state: Any) -> tuple[list[jax.Array], Any]:
+    def reduce_scatter_tensors(
+        self, tensors: Sequence[jax.Array], axis_name: str, bucket: BucketSpec, state: Any
+    ) -> tuple[list[jax.Array], Any]:
         """One bucket's full tensors in; out, this device's flat chunk of each sum
         (:func:`jaxsched.core.layout.chunk_size` elements, as :class:`~jaxsched.core.layout.BucketLayout`
         cuts it).
@@ -172,8 +185,10 @@ class Collective:
         from jaxsched.core.layout import BucketLayout, pad_flat
 
         layout = BucketLayout.of(bucket.shapes, [bucket.dtype] * len(bucket.shapes), bucket.axis_size)
-        if (self.form("reduce_scatter", bucket) == "per_tensor"
-                and type(self).reduce_scatter is Collective.reduce_scatter):
+        if (
+            self.form("reduce_scatter", bucket) == "per_tensor"
+            and type(self).reduce_scatter is Collective.reduce_scatter
+        ):
             p = bucket.axis_size
             chunks = []
             for t, c in zip(tensors, layout.chunk_sizes, strict=True):
@@ -186,15 +201,15 @@ class Collective:
         shard, state = self.reduce_scatter(layout.pack(tensors), axis_name, bucket, state)
         return layout.split_shard(shard), state
 
-    def all_gather_tensors(self, chunks: Sequence[jax.Array], axis_name: str, bucket: BucketSpec,
-                           state: Any) -> tuple[list[jax.Array], Any]:
+    def all_gather_tensors(
+        self, chunks: Sequence[jax.Array], axis_name: str, bucket: BucketSpec, state: Any
+    ) -> tuple[list[jax.Array], Any]:
         """Each tensor's flat chunk on this device in; the full tensors (``bucket.shapes``)
         out. The inverse of :meth:`reduce_scatter_tensors`, with the same two forms."""
         from jaxsched.core.layout import BucketLayout
 
         layout = BucketLayout.of(bucket.shapes, [bucket.dtype] * len(bucket.shapes), bucket.axis_size)
-        if (self.form("all_gather", bucket) == "per_tensor"
-                and type(self).all_gather is Collective.all_gather):
+        if self.form("all_gather", bucket) == "per_tensor" and type(self).all_gather is Collective.all_gather:
             p = bucket.axis_size
             full = []
             for chunk, shape in zip(chunks, layout.shapes, strict=True):
@@ -203,18 +218,18 @@ class Collective:
                     full.append(lax.all_gather(block, axis_name, axis=0, tiled=True))
                 else:
                     flat = lax.all_gather(chunk, axis_name, tiled=True)
-                    full.append(flat[:int(np.prod(shape))].reshape(shape))
+                    full.append(flat[: int(np.prod(shape))].reshape(shape))
             return full, state
         gathered, state = self.all_gather(layout.join_chunks(chunks), axis_name, bucket, state)
         return layout.unpack(gathered), state
 
-    def reduce_scatter(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, state: Any
-                       ) -> tuple[jax.Array, Any]:
+    def reduce_scatter(
+        self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, state: Any
+    ) -> tuple[jax.Array, Any]:
         """The full buffer in, this device's ``1/P`` slice of the sum out."""
         return lax.psum_scatter(buffer, axis_name, scatter_dimension=0, tiled=True), state
 
-    def all_gather(self, shard: jax.Array, axis_name: str, bucket: BucketSpec, state: Any
-                   ) -> tuple[jax.Array, Any]:
+    def all_gather(self, shard: jax.Array, axis_name: str, bucket: BucketSpec, state: Any) -> tuple[jax.Array, Any]:
         """Every device's shard in, the concatenated full buffer out."""
         return lax.all_gather(shard, axis_name, tiled=True), state
 
@@ -237,7 +252,7 @@ def _split(flat: jax.Array, like: Sequence[Any]) -> list[jax.Array]:
     out, offset = [], 0
     for t in like:
         size = int(np.prod(np.shape(t)))
-        out.append(flat[offset:offset + size].reshape(np.shape(t)).astype(jnp.result_type(t)))
+        out.append(flat[offset : offset + size].reshape(np.shape(t)).astype(jnp.result_type(t)))
         offset += size
     return out
 
@@ -257,8 +272,7 @@ class CollectiveWrapper(Collective):
         return ()
 
     def init(self, buckets: Sequence[BucketSpec]) -> tuple:
-        return tuple((self.init_own(b), s) for b, s in zip(buckets, self.inner.init(buckets),
-                                                            strict=True))
+        return tuple((self.init_own(b), s) for b, s in zip(buckets, self.inner.init(buckets), strict=True))
 
     def all_reduce(self, buffer, axis_name, bucket, state):
         own, inner = state
@@ -278,9 +292,12 @@ class CollectiveWrapper(Collective):
 
 def stacked_zeros(template: Any, axis_size: int) -> Any:
     """Every device's copy of a per-device state template, on a leading device axis."""
-    return jax.tree.map(lambda a: jnp.zeros((axis_size,) + tuple(np.shape(a)), jnp.asarray(a).dtype)
-                        if not isinstance(a, jax.ShapeDtypeStruct)
-                        else jnp.zeros((axis_size,) + tuple(a.shape), a.dtype), template)
+    return jax.tree.map(
+        lambda a: jnp.zeros((axis_size,) + tuple(np.shape(a)), jnp.asarray(a).dtype)
+        if not isinstance(a, jax.ShapeDtypeStruct)
+        else jnp.zeros((axis_size,) + tuple(a.shape), a.dtype),
+        template,
+    )
 
 
 def unstack_local(leaves: Sequence[jax.Array]) -> list[jax.Array]:

@@ -30,6 +30,7 @@ Example:
     >>> f(x).tolist()    # [0+3+6+9, 1+4+7+10, 2+5+8+11]
     [18.0, 22.0, 26.0]
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,28 +60,34 @@ class Hierarchical(Collective):
         state (residuals, ``bytes_sent``) is carried per bucket and counts slow traffic.
     """
 
-    def __init__(self, fast: str | Sequence[str] = "ici", slow: str | Sequence[str] = "dcn",
-                 slow_collective: Collective | None = None):
+    def __init__(
+        self,
+        fast: str | Sequence[str] = "ici",
+        slow: str | Sequence[str] = "dcn",
+        slow_collective: Collective | None = None,
+    ):
         super().__init__()
         self.fast, self.slow = as_axes(fast), as_axes(slow)
         for name, axes in (("fast", self.fast), ("slow", self.slow)):
             if not axes or not all(isinstance(a, str) and a for a in axes):
-                raise TypeError(f"Hierarchical({name}={axes!r}): give a mesh axis name or a "
-                                "tuple of names")
+                raise TypeError(f"Hierarchical({name}={axes!r}): give a mesh axis name or a tuple of names")
         if set(self.fast) & set(self.slow):
-            raise ValueError(f"Hierarchical: axes {sorted(set(self.fast) & set(self.slow))} are "
-                             "both fast and slow; each data-parallel axis is one or the other")
+            raise ValueError(
+                f"Hierarchical: axes {sorted(set(self.fast) & set(self.slow))} are "
+                "both fast and slow; each data-parallel axis is one or the other"
+            )
         if slow_collective is not None and not isinstance(slow_collective, Collective):
-            raise TypeError(f"Hierarchical(slow_collective=...) must be a jaxsched Collective "
-                            f"(e.g. jaxsched.runtime.compress.TopK(0.01)), got {type(slow_collective).__name__}")
+            raise TypeError(
+                f"Hierarchical(slow_collective=...) must be a jaxsched Collective "
+                f"(e.g. jaxsched.runtime.compress.TopK(0.01)), got {type(slow_collective).__name__}"
+            )
         self.slow_collective = slow_collective if slow_collective is not None else Collective()
         self.exact = self.slow_collective.exact
 
     def __repr__(self) -> str:
         fast = self.fast[0] if len(self.fast) == 1 else self.fast
         slow = self.slow[0] if len(self.slow) == 1 else self.slow
-        inner = ("" if type(self.slow_collective) is Collective
-                 else f", slow_collective={self.slow_collective!r}")
+        inner = "" if type(self.slow_collective) is Collective else f", slow_collective={self.slow_collective!r}"
         return f"Hierarchical(fast={fast!r}, slow={slow!r}{inner})"
 
     # -- the two levels -------------------------------------------------------------------
@@ -90,7 +97,8 @@ class Hierarchical(Collective):
             data = tuple(sizes) or "one axis (unknown here)"
             raise ValueError(
                 f"{self!r} needs a step whose data-parallel axes are exactly "
-                f"{self.slow + self.fast} (its batch sharded over them); this step's are {data}")
+                f"{self.slow + self.fast} (its batch sharded over them); this step's are {data}"
+            )
         return math.prod(sizes[a] for a in self.fast), math.prod(sizes[a] for a in self.slow)
 
     def _axis(self, axes: tuple) -> Any:
@@ -101,16 +109,24 @@ class Hierarchical(Collective):
         fast, slow = self._sizes(bucket)
         shard = -(-bucket.size // fast)  # all-reduce buffers are padded to a multiple of fast
         sizes = dict(bucket.mesh_axes)
-        return dataclasses.replace(bucket, size=shard, axis_size=slow, shapes=((shard,),), form="packed",
-                                   mesh_axes=tuple((a, sizes[a]) for a in self.slow))
+        return dataclasses.replace(
+            bucket,
+            size=shard,
+            axis_size=slow,
+            shapes=((shard,),),
+            form="packed",
+            mesh_axes=tuple((a, sizes[a]) for a in self.slow),
+        )
 
     def init(self, buckets: Sequence[BucketSpec]) -> tuple:
         return tuple(self.slow_collective.init([self.slow_bucket(b) for b in buckets]))
 
     def _check_axis(self, axis_name: Any) -> None:
         if set(as_axes(axis_name)) != set(self.fast + self.slow):
-            raise ValueError(f"{self!r} was asked to reduce over {axis_name!r}; it reduces over "
-                             f"the data-parallel axes {self.slow + self.fast}")
+            raise ValueError(
+                f"{self!r} was asked to reduce over {axis_name!r}; it reduces over "
+                f"the data-parallel axes {self.slow + self.fast}"
+            )
 
     def all_reduce(self, buffer, axis_name, bucket, state):
         self._check_axis(axis_name)
@@ -118,8 +134,7 @@ class Hierarchical(Collective):
         n = buffer.shape[0]
         padded = jnp.pad(buffer, (0, -n % fast))
         shard = lax.psum_scatter(padded, self._axis(self.fast), scatter_dimension=0, tiled=True)
-        shard, state = self.slow_collective.all_reduce(shard, self._axis(self.slow),
-                                                        self.slow_bucket(bucket), state)
+        shard, state = self.slow_collective.all_reduce(shard, self._axis(self.slow), self.slow_bucket(bucket), state)
         full = lax.all_gather(shard, self._axis(self.fast), tiled=True)
         return full[:n], state
 
@@ -128,8 +143,7 @@ class Hierarchical(Collective):
         of the slow ones among them."""
         order = list(as_axes(axis_name))
         sizes = dict(bucket.mesh_axes)
-        return ([sizes[a] for a in order], [order.index(a) for a in self.fast],
-                [order.index(a) for a in self.slow])
+        return ([sizes[a] for a in order], [order.index(a) for a in self.fast], [order.index(a) for a in self.slow])
 
     def reduce_scatter(self, buffer, axis_name, bucket, state):
         """The slice a tiled ``psum_scatter`` over ``axis_name`` gives this device."""
@@ -141,8 +155,7 @@ class Hierarchical(Collective):
         grid = buffer.reshape(tuple(dims) + (chunk,))
         grid = jnp.transpose(grid, fast_pos + slow_pos + [len(dims)]).reshape(-1)
         shard = lax.psum_scatter(grid, self._axis(self.fast), scatter_dimension=0, tiled=True)
-        return self.slow_collective.reduce_scatter(shard, self._axis(self.slow),
-                                                   self.slow_bucket(bucket), state)
+        return self.slow_collective.reduce_scatter(shard, self._axis(self.slow), self.slow_bucket(bucket), state)
 
     def all_gather(self, shard, axis_name, bucket, state):
         """Every device's slice in ``axis_name``'s order, as a tiled ``all_gather`` over it."""
@@ -165,11 +178,11 @@ def slow_axes(mesh: Any, axes: Any) -> tuple[str, ...]:
     process (the network between hosts; GPUs of one host share NVLink)."""
     devices = mesh.devices
     slices = np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0, otypes=[np.int64])(devices)
-    level = (slices if np.unique(slices).size > 1 else
-             np.vectorize(lambda d: d.process_index, otypes=[np.int64])(devices))
+    level = (
+        slices if np.unique(slices).size > 1 else np.vectorize(lambda d: d.process_index, otypes=[np.int64])(devices)
+    )
     names = list(mesh.axis_names)
-    return tuple(a for a in as_axes(axes)
-                 if np.any(level != np.take(level, [0], axis=names.index(a))))
+    return tuple(a for a in as_axes(axes) if np.any(level != np.take(level, [0], axis=names.index(a))))
 
 
 def hierarchy_from_mesh(mesh: Any, axes: Any) -> Hierarchical | None:

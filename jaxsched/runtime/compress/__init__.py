@@ -31,6 +31,7 @@ Example:
     >>> sent.shape, bool((sent < dense / 4).all())
     ((2,), True)
 """
+
 from jaxsched.runtime.compress.base import Compressor, bytes_sent
 from jaxsched.runtime.compress.cast import Cast, CastState
 from jaxsched.runtime.compress.dgc import Sparsifier
@@ -39,5 +40,18 @@ from jaxsched.runtime.compress.powersgd import PowerSGD, PowerSGDState
 from jaxsched.runtime.compress.quantize import Quantize, QuantizeState
 from jaxsched.runtime.compress.topk import TopK, TopKState
 
-__all__ = ["Cast", "CastState", "Compressor", "GlobalTopK", "GlobalTopKState", "PowerSGD",
-           "PowerSGDState", "Quantize", "QuantizeState", "Sparsifier", "TopK", "TopKState", "bytes_sent"]
+__all__ = [
+    "Cast",
+    "CastState",
+    "Compressor",
+    "GlobalTopK",
+    "GlobalTopKState",
+    "PowerSGD",
+    "PowerSGDState",
+    "Quantize",
+    "QuantizeState",
+    "Sparsifier",
+    "TopK",
+    "TopKState",
+    "bytes_sent",
+]

@@ -24,6 +24,7 @@ Example:
     ...
     TypeError: TopK compresses floating gradients, but bucket 3 (shapes ()) has dtype int32; ...
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence, Union
@@ -35,8 +36,16 @@ from jax import lax
 
 from jaxsched.runtime.collectives.base import BucketSpec, Collective, CollectiveWrapper
 
-__all__ = ["Compressor", "Density", "bytes_sent", "bucket_density", "check_density",
-           "check_density_spec", "check_gradient_bucket", "shard_of"]
+__all__ = [
+    "Compressor",
+    "Density",
+    "bytes_sent",
+    "bucket_density",
+    "check_density",
+    "check_density_spec",
+    "check_gradient_bucket",
+    "shard_of",
+]
 
 #: A compressor's density: one float for every bucket, a sequence with one float per
 #: bucket (in plan order), or a function of the :class:`BucketSpec` (layer-wise adaptive
@@ -53,8 +62,10 @@ def check_density(density: Any, owner: str) -> float:
     except (TypeError, ValueError):
         raise TypeError(f"{owner}(density={density!r}): density must be a number in (0, 1]") from None
     if not 0.0 < value <= 1.0:
-        raise ValueError(f"{owner}(density={density!r}): density must be in (0, 1] (the fraction "
-                         f"of each bucket's entries sent per step, e.g. 0.01)")
+        raise ValueError(
+            f"{owner}(density={density!r}): density must be in (0, 1] (the fraction "
+            f"of each bucket's entries sent per step, e.g. 0.01)"
+        )
     return value
 
 
@@ -84,13 +95,17 @@ def bucket_density(density: Any, bucket: BucketSpec, owner: str) -> float:
         try:
             return check_density(value, owner)
         except (TypeError, ValueError):
-            raise ValueError(f"{owner}: the density function gave {value!r} for bucket "
-                             f"{bucket.index} (shapes {bucket.shapes}); it must return a "
-                             f"number in (0, 1]") from None
+            raise ValueError(
+                f"{owner}: the density function gave {value!r} for bucket "
+                f"{bucket.index} (shapes {bucket.shapes}); it must return a "
+                f"number in (0, 1]"
+            ) from None
     if isinstance(density, tuple):
         if bucket.index >= len(density):
-            raise ValueError(f"{owner}: {len(density)} densities given, but the plan has bucket "
-                             f"{bucket.index}; give one per bucket (see sched.program.buckets)")
+            raise ValueError(
+                f"{owner}: {len(density)} densities given, but the plan has bucket "
+                f"{bucket.index}; give one per bucket (see sched.program.buckets)"
+            )
         return density[bucket.index]
     return density
 
@@ -98,10 +113,12 @@ def bucket_density(density: Any, bucket: BucketSpec, owner: str) -> float:
 def check_gradient_bucket(bucket: BucketSpec, owner: str) -> None:
     """Refuse a gradient bucket a lossy compressor cannot handle (non-floating)."""
     if not jnp.issubdtype(bucket.dtype, jnp.floating):
-        raise TypeError(f"{owner} compresses floating gradients, but bucket {bucket.index} "
-                        f"(shapes {bucket.shapes}) has dtype {np.dtype(bucket.dtype).name}; "
-                        f"keep integer leaves out of the differentiated params, or schedule "
-                        f"without compression")
+        raise TypeError(
+            f"{owner} compresses floating gradients, but bucket {bucket.index} "
+            f"(shapes {bucket.shapes}) has dtype {np.dtype(bucket.dtype).name}; "
+            f"keep integer leaves out of the differentiated params, or schedule "
+            f"without compression"
+        )
 
 
 def shard_of(total: jax.Array, axis_name: str, bucket: BucketSpec) -> jax.Array:
@@ -134,8 +151,9 @@ class Compressor(CollectiveWrapper):
         if self.sim_kind is None:
             raise ValueError(f"{type(self).__name__}: the simulator does not model it")
         if not isinstance(self.density, float):
-            raise ValueError(f"{type(self).__name__}: the simulator models one density for every "
-                             f"bucket; got {self.density!r}")
+            raise ValueError(
+                f"{type(self).__name__}: the simulator models one density for every bucket; got {self.density!r}"
+            )
         return Compression(self.sim_kind, self.density, selection_s_per_byte)
 
     def density_of(self, bucket: BucketSpec) -> float:
@@ -154,8 +172,7 @@ class Compressor(CollectiveWrapper):
                 check_gradient_bucket(bucket, type(self).__name__)
         return super().init(buckets)
 
-    def compress_sum(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, own: Any
-                     ) -> tuple[jax.Array, Any]:
+    def compress_sum(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, own: Any) -> tuple[jax.Array, Any]:
         raise NotImplementedError
 
     def all_reduce(self, buffer, axis_name, bucket, state):
@@ -198,9 +215,11 @@ def bytes_sent(state: Any) -> np.ndarray:
     [16, 32]
     """
     tree = getattr(state, "collective_state", state)
-    counters = [np.asarray(jax.device_get(node.bytes_sent), np.int64)
-                for node in jax.tree.leaves(tree, is_leaf=_has_bytes_counter)
-                if _has_bytes_counter(node)]
+    counters = [
+        np.asarray(jax.device_get(node.bytes_sent), np.int64)
+        for node in jax.tree.leaves(tree, is_leaf=_has_bytes_counter)
+        if _has_bytes_counter(node)
+    ]
     if not counters:
         return np.zeros((0,), np.int64)
     return np.sum(np.stack([c.reshape(c.shape[:1] or (1,)) for c in counters]), axis=0)

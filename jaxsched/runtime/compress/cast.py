@@ -19,6 +19,7 @@ Example:
     >>> f(g).tolist()   # 1.001 is not a bfloat16
     [2.0, 1.0]
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -35,7 +36,7 @@ __all__ = ["Cast", "CastState"]
 
 class CastState(NamedTuple):
     """Attributes:
-      bytes_sent: int32, bytes of the narrow buffer this device reduced in its last step.
+    bytes_sent: int32, bytes of the narrow buffer this device reduced in its last step.
     """
 
     bytes_sent: jax.Array
@@ -56,8 +57,10 @@ class Cast(Compressor):
         except TypeError:
             raise TypeError(f"Cast(dtype={dtype!r}): not a dtype; use e.g. jnp.bfloat16") from None
         if not jnp.issubdtype(self.dtype, jnp.floating):
-            raise TypeError(f"Cast(dtype={self.dtype.name}): reducing gradients needs a floating "
-                            f"dtype, e.g. jnp.bfloat16 or jnp.float16")
+            raise TypeError(
+                f"Cast(dtype={self.dtype.name}): reducing gradients needs a floating "
+                f"dtype, e.g. jnp.bfloat16 or jnp.float16"
+            )
 
     def __repr__(self) -> str:
         return f"Cast({self.dtype.name})"
@@ -79,7 +82,7 @@ class Cast(Compressor):
         if not self.compresses(bucket):
             return super().reduce_scatter(buffer, axis_name, bucket, state)
         check_gradient_bucket(bucket, "Cast")
-        shard = lax.psum_scatter(buffer.astype(self.dtype), axis_name, scatter_dimension=0,
-                                 tiled=True).astype(buffer.dtype)
+        shard = lax.psum_scatter(buffer.astype(self.dtype), axis_name, scatter_dimension=0, tiled=True).astype(
+            buffer.dtype
+        )
         return shard, (self._sent(bucket), state[1])
-

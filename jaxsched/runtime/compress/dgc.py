@@ -50,6 +50,7 @@ Example:
     >>> topk.sim_compression().density, round(topk.sim_compression(steps=300).density, 4)
     (0.01, 0.0435)
 """
+
 from __future__ import annotations
 
 import math
@@ -122,58 +123,85 @@ class Sparsifier(Compressor):
         most ``clip_norm`` before accumulating it.
     """
 
-    def __init__(self, density: Density = 0.01, error_feedback: bool = True,
-                 inner: Collective | None = None, *, warmup_steps: int = 0,
-                 warmup_density: float | None = None, warmup_tiers: int | None = None,
-                 momentum: float = 0.0, clip_norm: float | None = None):
+    def __init__(
+        self,
+        density: Density = 0.01,
+        error_feedback: bool = True,
+        inner: Collective | None = None,
+        *,
+        warmup_steps: int = 0,
+        warmup_density: float | None = None,
+        warmup_tiers: int | None = None,
+        momentum: float = 0.0,
+        clip_norm: float | None = None,
+    ):
         super().__init__(inner)
         owner = type(self).__name__
         self.density = check_density_spec(density, owner)
         self.error_feedback = bool(error_feedback)
-        self.warmup_steps = _count(warmup_steps, owner, "warmup_steps",
-                                   "an int >= 0 (the steps over which the density decays to "
-                                   "`density`; 0 turns warm-up off)", 0)
+        self.warmup_steps = _count(
+            warmup_steps,
+            owner,
+            "warmup_steps",
+            "an int >= 0 (the steps over which the density decays to `density`; 0 turns warm-up off)",
+            0,
+        )
         if warmup_density is not None:
             start = _number(warmup_density, owner, "warmup_density", "a number in (0, 1]")
             if not 0.0 < start <= 1.0:
-                raise ValueError(f"{owner}(warmup_density={warmup_density!r}): warmup_density "
-                                 f"must be in (0, 1] (the density of the first warm-up step, "
-                                 f"e.g. {DEFAULT_WARMUP_DENSITY})")
+                raise ValueError(
+                    f"{owner}(warmup_density={warmup_density!r}): warmup_density "
+                    f"must be in (0, 1] (the density of the first warm-up step, "
+                    f"e.g. {DEFAULT_WARMUP_DENSITY})"
+                )
             if isinstance(self.density, float) and start < self.density:
-                raise ValueError(f"{owner}(density={self.density}, warmup_density={start}): the "
-                                 f"warm-up must start at least as dense as it ends; give "
-                                 f"warmup_density >= density")
+                raise ValueError(
+                    f"{owner}(density={self.density}, warmup_density={start}): the "
+                    f"warm-up must start at least as dense as it ends; give "
+                    f"warmup_density >= density"
+                )
             warmup_density = start
         if warmup_tiers is not None:
-            warmup_tiers = _count(warmup_tiers, owner, "warmup_tiers",
-                                  "an int >= 1 (the density levels of the warm-up), or None", 1)
+            warmup_tiers = _count(
+                warmup_tiers, owner, "warmup_tiers", "an int >= 1 (the density levels of the warm-up), or None", 1
+            )
         if self.warmup_steps == 0 and (warmup_density is not None or warmup_tiers is not None):
-            raise ValueError(f"{owner}: warmup_density and warmup_tiers shape a warm-up, but "
-                             f"warmup_steps=0 turns it off; give warmup_steps > 0 (e.g. 100)")
+            raise ValueError(
+                f"{owner}: warmup_density and warmup_tiers shape a warm-up, but "
+                f"warmup_steps=0 turns it off; give warmup_steps > 0 (e.g. 100)"
+            )
         self.warmup_density = warmup_density
         self.warmup_tiers = warmup_tiers
         self.momentum = _number(momentum, owner, "momentum", "a number in [0, 1)")
         if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"{owner}(momentum={momentum!r}): momentum must be in [0, 1) (DGC "
-                             f"uses 0.9, with an optimizer without momentum such as "
-                             f"optax.sgd(lr)); 0 turns momentum correction off")
+            raise ValueError(
+                f"{owner}(momentum={momentum!r}): momentum must be in [0, 1) (DGC "
+                f"uses 0.9, with an optimizer without momentum such as "
+                f"optax.sgd(lr)); 0 turns momentum correction off"
+            )
         if self.momentum and not self.error_feedback:
-            raise ValueError(f"{owner}(momentum={self.momentum}, error_feedback=False): momentum "
-                             f"correction accumulates the velocity in the error-feedback "
-                             f"residual; use error_feedback=True, or momentum=0")
+            raise ValueError(
+                f"{owner}(momentum={self.momentum}, error_feedback=False): momentum "
+                f"correction accumulates the velocity in the error-feedback "
+                f"residual; use error_feedback=True, or momentum=0"
+            )
         if clip_norm is not None:
             clip_norm = _number(clip_norm, owner, "clip_norm", "a number > 0, or None")
             if not clip_norm > 0 or not math.isfinite(clip_norm):
-                raise ValueError(f"{owner}(clip_norm={clip_norm!r}): clip_norm must be a finite "
-                                 f"number > 0 (the largest L2 norm of a device's local gradient "
-                                 f"per bucket), or None for no clipping")
+                raise ValueError(
+                    f"{owner}(clip_norm={clip_norm!r}): clip_norm must be a finite "
+                    f"number > 0 (the largest L2 norm of a device's local gradient "
+                    f"per bucket), or None for no clipping"
+                )
         self.clip_norm = clip_norm
 
     def _options_repr(self) -> str:
         parts = [f"density={self.density}", f"error_feedback={self.error_feedback}"]
         if self.warmup_steps:
-            parts += [f"warmup_steps={self.warmup_steps}",
-                      f"warmup_density={self.warmup_density or DEFAULT_WARMUP_DENSITY}"]
+            parts += [
+                f"warmup_steps={self.warmup_steps}",
+                f"warmup_density={self.warmup_density or DEFAULT_WARMUP_DENSITY}",
+            ]
         if self.warmup_tiers is not None:
             parts.append(f"warmup_tiers={self.warmup_tiers}")
         if self.momentum:
@@ -188,8 +216,9 @@ class Sparsifier(Compressor):
         if bucket is not None:
             return self.density_of(bucket)
         if not isinstance(self.density, float):
-            raise ValueError(f"{type(self).__name__}: the density differs per bucket "
-                             f"({self.density!r}); pass the bucket")
+            raise ValueError(
+                f"{type(self).__name__}: the density differs per bucket ({self.density!r}); pass the bucket"
+            )
         return self.density
 
     def density_levels(self, bucket: BucketSpec | None = None) -> tuple[float, ...]:
@@ -199,8 +228,7 @@ class Sparsifier(Compressor):
         start = max(target, self.warmup_density or DEFAULT_WARMUP_DENSITY)
         if not self.warmup_steps or start <= target:
             return (target,)
-        tiers = self.warmup_tiers or max(1, math.ceil(math.log(start / target) / math.log(TIER_FACTOR)
-                                                      - 1e-9))
+        tiers = self.warmup_tiers or max(1, math.ceil(math.log(start / target) / math.log(TIER_FACTOR) - 1e-9))
         tiers = min(tiers, self.warmup_steps)
         return tuple(start * (target / start) ** (j / tiers) for j in range(tiers)) + (target,)
 
@@ -230,8 +258,7 @@ class Sparsifier(Compressor):
         tiers = tiers // max(self.warmup_steps, 1)
         return float(np.mean(np.asarray(levels)[tiers]))
 
-    def sim_compression(self, selection_s_per_byte: float = 0.0, *, step: int | None = None,
-                        steps: int | None = None):
+    def sim_compression(self, selection_s_per_byte: float = 0.0, *, step: int | None = None, steps: int | None = None):
         """This compressor as the simulator and the bucket planner model it
         (:class:`jaxsched.sim.Compression`, one density for every bucket).
 
@@ -245,14 +272,19 @@ class Sparsifier(Compressor):
         if step is not None and steps is not None:
             raise ValueError("give step= (one step) or steps= (the mean over a run), not both")
         if not isinstance(self.density, float):
-            raise ValueError(f"{type(self).__name__}: the simulator models one density for every "
-                             f"bucket; got {self.density!r}")
-        density = (self.density_at(step) if step is not None
-                   else self.mean_density(steps) if steps is not None else self.density)
+            raise ValueError(
+                f"{type(self).__name__}: the simulator models one density for every bucket; got {self.density!r}"
+            )
+        density = (
+            self.density_at(step)
+            if step is not None
+            else self.mean_density(steps)
+            if steps is not None
+            else self.density
+        )
         return Compression(self.sim_kind, density, selection_s_per_byte)
 
-    def at_scheduled_density(self, step: jax.Array, bucket: BucketSpec,
-                             exchange: Callable[[float], T]) -> T:
+    def at_scheduled_density(self, step: jax.Array, bucket: BucketSpec, exchange: Callable[[float], T]) -> T:
         """``exchange(density)`` at this step's density: one ``lax.switch`` branch per level
         of :meth:`density_levels` (no switch without warm-up)."""
         levels = self.density_levels(bucket)

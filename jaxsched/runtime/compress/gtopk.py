@@ -57,6 +57,7 @@ Example:
     >>> residual.tolist()
     [[0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -4.0]]
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -117,8 +118,9 @@ def exchange_rounds(num_devices: int) -> list[tuple[str, list[tuple[int, int]]]]
     return rounds
 
 
-def merge_top_k(values_a: jax.Array, indices_a: jax.Array, values_b: jax.Array,
-                indices_b: jax.Array, k: int, sentinel: int) -> tuple[jax.Array, jax.Array]:
+def merge_top_k(
+    values_a: jax.Array, indices_a: jax.Array, values_b: jax.Array, indices_b: jax.Array, k: int, sentinel: int
+) -> tuple[jax.Array, jax.Array]:
     """The top ``k`` by magnitude of the sum of two sparse vectors.
 
     Each input holds distinct indices, except slots at ``sentinel`` (out of range, value
@@ -132,8 +134,9 @@ def merge_top_k(values_a: jax.Array, indices_a: jax.Array, values_b: jax.Array,
     >>> v.tolist(), i.tolist()
     ([5.0, -4.0], [1, 7])
     """
-    indices, values = lax.sort((jnp.concatenate([indices_a, indices_b]),
-                                jnp.concatenate([values_a, values_b])), num_keys=1)
+    indices, values = lax.sort(
+        (jnp.concatenate([indices_a, indices_b]), jnp.concatenate([values_a, values_b])), num_keys=1
+    )
     same = indices[:-1] == indices[1:]
     zero = jnp.zeros((), values.dtype)
     values = values + jnp.concatenate([jnp.where(same, values[1:], zero), zero[None]])
@@ -164,11 +167,13 @@ class GlobalTopK(Sparsifier):
 
     def init_own(self, bucket: BucketSpec) -> GlobalTopKState:
         zero = jnp.zeros((), jnp.int32)
-        return GlobalTopKState(jnp.zeros((self.residual_size(bucket),), bucket.dtype), zero, zero,
-                               zero, self.init_velocity(bucket))
+        return GlobalTopKState(
+            jnp.zeros((self.residual_size(bucket),), bucket.dtype), zero, zero, zero, self.init_velocity(bucket)
+        )
 
-    def global_indices(self, acc: jax.Array, axis_name: str, bucket: BucketSpec,
-                       density: float | None = None) -> tuple[jax.Array, jax.Array]:
+    def global_indices(
+        self, acc: jax.Array, axis_name: str, bucket: BucketSpec, density: float | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         """The ``k`` indices every device agrees on (``n`` marks an empty slot), and how
         many messages this device sent to find them, at ``density`` (default: the density
         after warm-up)."""
@@ -215,13 +220,12 @@ class GlobalTopK(Sparsifier):
             summed = lax.psum(acc.at[indices].get(mode="fill", fill_value=0), axis_name)
             total = jnp.zeros_like(acc).at[indices].add(summed, mode="drop")
             k = indices.shape[0]
-            new_residual = (acc.at[indices].set(jnp.zeros((), acc.dtype), mode="drop")
-                            if self.error_feedback else own.residual)
+            new_residual = (
+                acc.at[indices].set(jnp.zeros((), acc.dtype), mode="drop") if self.error_feedback else own.residual
+            )
             sent = (messages * (k * (itemsize + 4)) + k * itemsize).astype(jnp.int32)
             mask = sent_mask(indices, jnp.asarray(k), bucket.size) if self.momentum else None
             return total, new_residual, sent, messages, mask
 
-        total, new_residual, sent, messages, mask = self.at_scheduled_density(
-            own.step, bucket, exchange)
-        return total, GlobalTopKState(new_residual, sent, messages, own.step + 1,
-                                      self.mask_velocity(velocity, mask))
+        total, new_residual, sent, messages, mask = self.at_scheduled_density(own.step, bucket, exchange)
+        return total, GlobalTopKState(new_residual, sent, messages, own.step + 1, self.mask_velocity(velocity, mask))

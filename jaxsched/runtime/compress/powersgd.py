@@ -43,6 +43,7 @@ Example:
     >>> [round(float(v), 4) for v in f(jax.device_put(g, jax.NamedSharding(mesh, P("data"))))]
     [1.0, 2.0, 2.0, 4.0, 1.0, 1.0]
 """
+
 from __future__ import annotations
 
 import math
@@ -105,12 +106,13 @@ class PowerSGD(Compressor):
       inner: the collective uncompressed operations (parameter all-gathers) go through.
     """
 
-    def __init__(self, rank: int = 4, error_feedback: bool = True, seed: int = 0,
-                 inner: Collective | None = None):
+    def __init__(self, rank: int = 4, error_feedback: bool = True, seed: int = 0, inner: Collective | None = None):
         super().__init__(inner)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"PowerSGD(rank={rank!r}): rank must be an int >= 1 (the rank of "
-                             f"each gradient matrix's approximation, e.g. 4)")
+            raise ValueError(
+                f"PowerSGD(rank={rank!r}): rank must be an int >= 1 (the rank of "
+                f"each gradient matrix's approximation, e.g. 4)"
+            )
         self.rank = rank
         self.error_feedback = bool(error_feedback)
         self.seed = int(seed)
@@ -124,17 +126,19 @@ class PowerSGD(Compressor):
             raise ValueError(
                 f"PowerSGD needs each gradient tensor whole, but bucket {bucket.index} "
                 f"(shapes {bucket.shapes}) arrives in the interleaved shard layout of a "
-                f"reduce-scatter (strategy 'dear'); use strategy='wfbp' with PowerSGD")
+                f"reduce-scatter (strategy 'dear'); use strategy='wfbp' with PowerSGD"
+            )
         sizes = [math.prod(s) for s in bucket.shapes]
         if sum(sizes) != bucket.size:
-            raise ValueError(f"PowerSGD: bucket {bucket.index} has {bucket.size} elements but its "
-                             f"shapes {bucket.shapes} hold {sum(sizes)}; the strategy must "
-                             f"describe every tensor in BucketSpec.shapes")
+            raise ValueError(
+                f"PowerSGD: bucket {bucket.index} has {bucket.size} elements but its "
+                f"shapes {bucket.shapes} hold {sum(sizes)}; the strategy must "
+                f"describe every tensor in BucketSpec.shapes"
+            )
         offsets = [0]
         for s in sizes:
             offsets.append(offsets[-1] + s)
-        return [(o, s, matrix_view(shape, self.rank))
-                for o, s, shape in zip(offsets, sizes, bucket.shapes)]
+        return [(o, s, matrix_view(shape, self.rank)) for o, s, shape in zip(offsets, sizes, bucket.shapes)]
 
     def init_own(self, bucket: BucketSpec) -> PowerSGDState:
         zero = jnp.zeros((), jnp.int32)
@@ -142,36 +146,37 @@ class PowerSGD(Compressor):
             return PowerSGDState(jnp.zeros((0,), bucket.dtype), jnp.zeros((0,), bucket.dtype), zero)
         q_size = sum(v[1] * v[2] for _, _, v in self._segments(bucket) if v)
         res_size = bucket.size if self.error_feedback else 0
-        return PowerSGDState(jnp.zeros((res_size,), bucket.dtype),
-                             jnp.zeros((q_size,), bucket.dtype), zero)
+        return PowerSGDState(jnp.zeros((res_size,), bucket.dtype), jnp.zeros((q_size,), bucket.dtype), zero)
 
     def compress_sum(self, buffer, axis_name, bucket, own):
         segments = self._segments(bucket)
         dtype = buffer.dtype
         acc = buffer + own.residual if self.error_feedback else buffer
-        fresh = jax.random.normal(jax.random.fold_in(jax.random.key(self.seed), bucket.index),
-                                  own.q.shape, dtype)
+        fresh = jax.random.normal(jax.random.fold_in(jax.random.key(self.seed), bucket.index), own.q.shape, dtype)
         q_all = jnp.where(jnp.all(own.q == 0), fresh, own.q)
 
         matrices, qs, vectors, q_offset = [], [], [], 0
         for offset, size, view in segments:
-            piece = acc[offset:offset + size]
+            piece = acc[offset : offset + size]
             if view is None:
                 vectors.append(piece)
                 continue
             n, m, r = view
             matrices.append(piece.reshape(n, m))
-            qs.append(q_all[q_offset:q_offset + m * r].reshape(m, r))
+            qs.append(q_all[q_offset : q_offset + m * r].reshape(m, r))
             q_offset += m * r
 
         # First all-reduce: every P factor and the uncompressed vectors together.
         p_local = [mat @ q for mat, q in zip(matrices, qs)]
-        first = jnp.concatenate([p.reshape(-1) for p in p_local] + vectors) if (p_local or vectors) \
+        first = (
+            jnp.concatenate([p.reshape(-1) for p in p_local] + vectors)
+            if (p_local or vectors)
             else jnp.zeros((0,), dtype)
+        )
         first = lax.psum(first, axis_name)
         ps, cursor = [], 0
         for p in p_local:
-            ps.append(_orthonormal(first[cursor:cursor + p.size].reshape(p.shape)))
+            ps.append(_orthonormal(first[cursor : cursor + p.size].reshape(p.shape)))
             cursor += p.size
         vector_sums = first[cursor:]
 
@@ -185,13 +190,13 @@ class PowerSGD(Compressor):
         pieces, residuals, cursor_q, cursor_v, k = [], [], 0, 0, 0
         for offset, size, view in segments:
             if view is None:
-                pieces.append(vector_sums[cursor_v:cursor_v + size])
+                pieces.append(vector_sums[cursor_v : cursor_v + size])
                 residuals.append(jnp.zeros((size,), dtype))
                 cursor_v += size
                 continue
             n, m, r = view
             p, q_mine = ps[k], q_local[k]
-            q_total = q_sum[cursor_q:cursor_q + m * r].reshape(m, r)
+            q_total = q_sum[cursor_q : cursor_q + m * r].reshape(m, r)
             pieces.append((p @ q_total.T).reshape(-1))
             residuals.append((matrices[k] - p @ q_mine.T).reshape(-1))
             cursor_q += m * r

@@ -29,6 +29,7 @@ Example:
     >>> [round(v, 3) for v in f(g).tolist()]
     [2.0, 0.0, 0.252, 0.0]
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -46,9 +47,9 @@ __all__ = ["Quantize", "QuantizeState", "dequantize", "quantize"]
 
 class QuantizeState(NamedTuple):
     """Attributes:
-      residual: float32 ``(size,)``, this device's rounding error not yet sent (error
-        feedback); ``(0,)`` without error feedback.
-      bytes_sent: int32, bytes of codes and scales this device sent in its last round.
+    residual: float32 ``(size,)``, this device's rounding error not yet sent (error
+      feedback); ``(0,)`` without error feedback.
+    bytes_sent: int32, bytes of codes and scales this device sent in its last round.
     """
 
     residual: jax.Array
@@ -101,21 +102,27 @@ class Quantize(Compressor):
       inner: the collective uncompressed operations (parameter all-gathers) go through.
     """
 
-    def __init__(self, bits: int = 4, block_size: int = 256, error_feedback: bool = True,
-                 inner: Collective | None = None):
+    def __init__(
+        self, bits: int = 4, block_size: int = 256, error_feedback: bool = True, inner: Collective | None = None
+    ):
         super().__init__(inner)
         if isinstance(bits, bool) or bits not in (4, 8):
             raise ValueError(f"Quantize(bits={bits!r}): bits must be 4 or 8")
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
-                or block_size < 2 or block_size % 2:
-            raise ValueError(f"Quantize(block_size={block_size!r}): block_size must be an even int "
-                             ">= 2 (elements sharing one scale, e.g. 256)")
+        if (
+            isinstance(block_size, bool)
+            or not isinstance(block_size, (int, np.integer))
+            or block_size < 2
+            or block_size % 2
+        ):
+            raise ValueError(
+                f"Quantize(block_size={block_size!r}): block_size must be an even int "
+                ">= 2 (elements sharing one scale, e.g. 256)"
+            )
         self.bits, self.block_size = int(bits), int(block_size)
         self.error_feedback = bool(error_feedback)
 
     def __repr__(self) -> str:
-        return (f"Quantize(bits={self.bits}, block_size={self.block_size}, "
-                f"error_feedback={self.error_feedback})")
+        return f"Quantize(bits={self.bits}, block_size={self.block_size}, error_feedback={self.error_feedback})"
 
     def payload_bytes(self, size: int) -> int:
         """Bytes one device sends for a buffer of ``size`` elements."""
@@ -126,19 +133,20 @@ class Quantize(Compressor):
         size = bucket.size if self.error_feedback and self.compresses(bucket) else 0
         return QuantizeState(jnp.zeros((size,), jnp.float32), jnp.zeros((), jnp.int32))
 
-    def compress_sum(self, buffer: jax.Array, axis_name: Any, bucket: BucketSpec, own: QuantizeState
-                     ) -> tuple[jax.Array, QuantizeState]:
+    def compress_sum(
+        self, buffer: jax.Array, axis_name: Any, bucket: BucketSpec, own: QuantizeState
+    ) -> tuple[jax.Array, QuantizeState]:
         x = buffer.astype(jnp.float32)
         if self.error_feedback:
             x = x + own.residual
         codes, scales = quantize(x, self.bits, self.block_size)
         residual = (x - dequantize(codes, scales, x.shape[0])) if self.error_feedback else own.residual
         payload = _pack4(codes) if self.bits == 4 else codes
-        every_codes = lax.all_gather(payload, axis_name)      # (P, blocks, block or block/2)
-        every_scales = lax.all_gather(scales, axis_name)      # (P, blocks)
+        every_codes = lax.all_gather(payload, axis_name)  # (P, blocks, block or block/2)
+        every_scales = lax.all_gather(scales, axis_name)  # (P, blocks)
         if self.bits == 4:
             every_codes = jax.vmap(_unpack4)(every_codes)
-        values = dequantize(every_codes, every_scales, x.shape[0])   # (P, size)
+        values = dequantize(every_codes, every_scales, x.shape[0])  # (P, size)
         total = values[0]
         for k in range(1, values.shape[0]):  # one order on every device: the same sum everywhere
             total = total + values[k]

@@ -48,6 +48,7 @@ Example:
     >>> sent.tolist()            # 2 entries x (4 value bytes + 4 index bytes) per device
     [16, 16]
 """
+
 from __future__ import annotations
 
 from typing import Literal, NamedTuple
@@ -107,17 +108,32 @@ class TopK(Sparsifier):
 
     sim_kind = "topk"
 
-    def __init__(self, density: Density = 0.01, error_feedback: bool = True,
-                 selection: Selection = "threshold", seed: int = 0,
-                 inner: Collective | None = None, *, warmup_steps: int = 0,
-                 warmup_density: float | None = None, warmup_tiers: int | None = None,
-                 momentum: float = 0.0, clip_norm: float | None = None):
-        super().__init__(density, error_feedback, inner, warmup_steps=warmup_steps,
-                         warmup_density=warmup_density, warmup_tiers=warmup_tiers,
-                         momentum=momentum, clip_norm=clip_norm)
+    def __init__(
+        self,
+        density: Density = 0.01,
+        error_feedback: bool = True,
+        selection: Selection = "threshold",
+        seed: int = 0,
+        inner: Collective | None = None,
+        *,
+        warmup_steps: int = 0,
+        warmup_density: float | None = None,
+        warmup_tiers: int | None = None,
+        momentum: float = 0.0,
+        clip_norm: float | None = None,
+    ):
+        super().__init__(
+            density,
+            error_feedback,
+            inner,
+            warmup_steps=warmup_steps,
+            warmup_density=warmup_density,
+            warmup_tiers=warmup_tiers,
+            momentum=momentum,
+            clip_norm=clip_norm,
+        )
         if selection not in SELECTIONS:
-            raise ValueError(f"TopK(selection={selection!r}) is unknown; use one of "
-                             f"{', '.join(map(repr, SELECTIONS))}")
+            raise ValueError(f"TopK(selection={selection!r}) is unknown; use one of {', '.join(map(repr, SELECTIONS))}")
         self.selection = selection
         self.seed = int(seed)
 
@@ -126,8 +142,9 @@ class TopK(Sparsifier):
 
     def init_own(self, bucket: BucketSpec) -> TopKState:
         zero = jnp.zeros((), jnp.int32)
-        return TopKState(jnp.zeros((self.residual_size(bucket),), bucket.dtype), zero, zero, zero,
-                         self.init_velocity(bucket))
+        return TopKState(
+            jnp.zeros((self.residual_size(bucket),), bucket.dtype), zero, zero, zero, self.init_velocity(bucket)
+        )
 
     def capacity(self, bucket: BucketSpec, density: float | None = None) -> int:
         """Slots per device in the all-gather at ``density`` (default: the density after
@@ -137,19 +154,18 @@ class TopK(Sparsifier):
             return kernels.selection_size(bucket.size, density)
         return kernels.default_capacity(bucket.size, density)
 
-    def select(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, own: TopKState,
-               density: float | None = None) -> kernels.SparseGradient:
+    def select(
+        self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, own: TopKState, density: float | None = None
+    ) -> kernels.SparseGradient:
         """This device's ``(values, indices)`` and new residual (error feedback applied), at
         ``density`` (default: the density after warm-up)."""
         density = self.density_of(bucket) if density is None else density
         residual = own.residual if self.error_feedback else jnp.zeros_like(buffer)
         if self.selection == "exact":
-            return kernels.exact_topk_error_feedback(
-                buffer, residual, kernels.selection_size(bucket.size, density))
+            return kernels.exact_topk_error_feedback(buffer, residual, kernels.selection_size(bucket.size, density))
         key = jax.random.fold_in(jax.random.key(self.seed), own.step)
         key = jax.random.fold_in(jax.random.fold_in(key, bucket.index), lax.axis_index(axis_name))
-        return kernels.threshold_error_feedback(buffer, residual, density, key,
-                                                capacity=self.capacity(bucket, density))
+        return kernels.threshold_error_feedback(buffer, residual, density, key, capacity=self.capacity(bucket, density))
 
     def compress_sum(self, buffer, axis_name, bucket, own):
         grad, velocity = self.accumulate(buffer, own.velocity)
@@ -165,5 +181,4 @@ class TopK(Sparsifier):
         total, new_residual, count, sent = self.at_scheduled_density(own.step, bucket, exchange)
         entry_bytes = jnp.dtype(buffer.dtype).itemsize + 4
         residual = new_residual if self.error_feedback else own.residual
-        return total, TopKState(residual, count * entry_bytes, count, own.step + 1,
-                                self.mask_velocity(velocity, sent))
+        return total, TopKState(residual, count * entry_bytes, count, own.step + 1, self.mask_velocity(velocity, sent))

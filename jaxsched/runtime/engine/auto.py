@@ -8,6 +8,7 @@ Example:
     >>> AutoEngine(compiler_options={}).name
     'auto'
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -18,6 +18,7 @@ Example:
     >>> [float(v) for v in run(x)[0]]
     [3.0]
 """
+
 from __future__ import annotations
 
 import abc
@@ -28,8 +29,7 @@ import jax
 from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-__all__ = ["Engine", "engine_names", "EngineCosts", "make_engine", "PerDeviceProgram",
-           "register_engine"]
+__all__ = ["Engine", "engine_names", "EngineCosts", "make_engine", "PerDeviceProgram", "register_engine"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +67,13 @@ class PerDeviceProgram:
 
     def mapped(self) -> Callable[..., tuple]:
         """The body as a ``shard_map`` over the mesh (not jitted)."""
+
         def flat_body(*args):
             return tuple(self.body(*args))
 
-        return jax.shard_map(flat_body, mesh=self.mesh, in_specs=self.in_specs,
-                             out_specs=self.out_specs, check_vma=self.check_vma)
+        return jax.shard_map(
+            flat_body, mesh=self.mesh, in_specs=self.in_specs, out_specs=self.out_specs, check_vma=self.check_vma
+        )
 
     def jaxpr(self, *global_args: Any):
         """The per-device jaxpr for these global (abstract or concrete) inputs: its collective
@@ -81,15 +83,16 @@ class PerDeviceProgram:
     def jaxpr_and_operands(self, *global_args: Any) -> tuple[Any, list]:
         """The per-device jaxpr and, per invar, where its value comes from: ``("arg", i)``
         (the program's input ``i``) or ``("const", value)`` (an array the body closed over)."""
-        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, spec))
-                 for a, spec in zip(global_args, self.in_specs, strict=True)]
+        avals = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, spec))
+            for a, spec in zip(global_args, self.in_specs, strict=True)
+        ]
         closed = jax.make_jaxpr(self.mapped())(*avals)
         outer = closed.jaxpr
         (eqn,) = [e for e in outer.eqns if e.primitive.name == "shard_map"]
         origin = {v: ("arg", i) for i, v in enumerate(outer.invars)}
         origin.update({v: ("const", c) for v, c in zip(outer.constvars, closed.consts)})
-        operands = [("const", x.val) if isinstance(x, jex_core.Literal) else origin[x]
-                    for x in eqn.invars]
+        operands = [("const", x.val) if isinstance(x, jex_core.Literal) else origin[x] for x in eqn.invars]
         inner = eqn.params["jaxpr"]
         return (inner.jaxpr if hasattr(inner, "jaxpr") else inner), operands
 
@@ -159,8 +162,10 @@ def make_engine(engine: str | Engine, **options: Any) -> Engine:
     """An engine from its registered name and options, or an instance as given."""
     if isinstance(engine, Engine):
         if options:
-            raise TypeError(f"engine options {sorted(options)} go to the engine's constructor "
-                            f"when an Engine instance ({type(engine).__name__}) is passed")
+            raise TypeError(
+                f"engine options {sorted(options)} go to the engine's constructor "
+                f"when an Engine instance ({type(engine).__name__}) is passed"
+            )
         return engine
     if engine not in _ENGINES:
         raise ValueError(f"engine={engine!r} is unknown; choose one of {', '.join(_ENGINES)}")

@@ -40,6 +40,7 @@ Example (one process: the collective stages run on the spare device, trivially):
     >>> [stage.kind for stage in run.stages]
     ['compute', 'comm', 'compute']
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,10 +60,23 @@ from jaxsched.core import replay
 from jaxsched.runtime.engine.base import Engine, EngineCosts, PerDeviceProgram, register_engine
 from jaxsched.core.primitives import CALL_PRIMITIVES, COLLECTIVES
 
-__all__ = ["BALLAST_ELEMENTS", "BUCKET_MIN_BYTES", "cut_stages", "describe_comm_stage",
-           "describe_compute_stage", "HEAVY_PRIMITIVES", "host_engine_applies", "HostEngine",
-           "HostEngineError", "LAYOUT_PRIMITIVES", "measure_stage_overhead", "spare_devices",
-           "Stage", "StagedProgram", "StageTiming"]
+__all__ = [
+    "BALLAST_ELEMENTS",
+    "BUCKET_MIN_BYTES",
+    "cut_stages",
+    "describe_comm_stage",
+    "describe_compute_stage",
+    "HEAVY_PRIMITIVES",
+    "host_engine_applies",
+    "HostEngine",
+    "HostEngineError",
+    "LAYOUT_PRIMITIVES",
+    "measure_stage_overhead",
+    "spare_devices",
+    "Stage",
+    "StagedProgram",
+    "StageTiming",
+]
 
 #: Elements of the ballast each stage sums: above XLA:CPU's inline-execution estimate.
 BALLAST_ELEMENTS = 4096
@@ -118,14 +132,18 @@ def spare_devices(mesh: Mesh) -> list:
     used = set(mesh.devices.flat)
     spares = []
     for device in mesh.devices.flat:
-        candidates = [d for d in jax.devices() if d.process_index == device.process_index
-                      and d not in used and d.platform == device.platform]
+        candidates = [
+            d
+            for d in jax.devices()
+            if d.process_index == device.process_index and d not in used and d.platform == device.platform
+        ]
         if not candidates:
             raise HostEngineError(
                 f"process {device.process_index} has no local {device.platform} device outside "
                 "the mesh for collectives; give every process two CPU devices "
                 "(jax.config.update('jax_num_cpu_devices', 2), or jaxsched launch --cpu-devices 2) "
-                "and build the mesh from one device per process")
+                "and build the mesh from one device per process"
+            )
         spares.append(min(candidates, key=lambda d: d.id))
     return spares
 
@@ -178,7 +196,8 @@ def cut_stages(jaxpr) -> list[Stage]:
                 raise HostEngineError(
                     f"{inner[0].primitive.name} inside {eqn.primitive.name} at "
                     f"{replay.source_line(eqn)}: the host engine stages collectives at the top "
-                    "level of the program only; use engine='xla' for this step")
+                    "level of the program only; use engine='xla' for this step"
+                )
     eqns = jaxpr.eqns
     producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
     # The last collective (in dispatch order) each equation waits for, through any chain.
@@ -189,8 +208,9 @@ def cut_stages(jaxpr) -> list[Stage]:
             waits_for.append(position)
             position += 1
         else:
-            waits_for.append(max((waits_for[producer[v]] for v in eqn.invars
-                                  if replay.is_var(v) and v in producer), default=-1))
+            waits_for.append(
+                max((waits_for[producer[v]] for v in eqn.invars if replay.is_var(v) and v in producer), default=-1)
+            )
     placed: set[int] = set()
     groups: list[tuple[str, list]] = []
 
@@ -241,8 +261,13 @@ def cut_stages(jaxpr) -> list[Stage]:
         outputs = [v for eqn in exported for v in eqn.outvars if v in read_later[k]]
         if kind == "comm":
             prim = exported[-1].primitive.name
-            ordinal = sum(1 for s in stages if s.kind == "comm" and s.eqns[-1].primitive.name == prim
-                          and _comm_bytes(s.eqns[-1]) >= BUCKET_MIN_BYTES)
+            ordinal = sum(
+                1
+                for s in stages
+                if s.kind == "comm"
+                and s.eqns[-1].primitive.name == prim
+                and _comm_bytes(s.eqns[-1]) >= BUCKET_MIN_BYTES
+            )
             name = describe_comm_stage(exported, ordinal)
         else:
             name = describe_compute_stage(eqns, k)
@@ -298,8 +323,11 @@ BUCKET_MIN_BYTES = 1024
 
 
 def _comm_bytes(eqn: Any) -> int:
-    return sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
-               for v in eqn.invars if hasattr(v, "aval") and hasattr(v.aval, "shape"))
+    return sum(
+        int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
+        for v in eqn.invars
+        if hasattr(v, "aval") and hasattr(v.aval, "shape")
+    )
 
 
 def describe_comm_stage(eqns: Sequence[Any], ordinal: int) -> str:
@@ -354,8 +382,7 @@ def measure_stage_overhead(mesh: Mesh, axis: str, repeats: int = 9) -> float:
     must call it at the same point (the psum is a real collective).
     """
     spec = (P(axis),)
-    staged = StagedProgram(PerDeviceProgram(lambda x: (lax.psum(x * 2.0, axis) * 3.0,), mesh, axis,
-                                            spec, spec))
+    staged = StagedProgram(PerDeviceProgram(lambda x: (lax.psum(x * 2.0, axis) * 3.0,), mesh, axis, spec, spec))
     plain = StagedProgram(PerDeviceProgram(lambda x: (x * 2.0 * 3.0,), mesh, axis, spec, spec))
     host = np.ones((mesh.devices.size, 8), np.float32)
     x = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P(axis)), lambda i: host[i])
@@ -386,15 +413,18 @@ class StagedProgram:
         self.timings: list[list[StageTiming]] = []
         mesh, axis = program.mesh, program.axis_name
         if isinstance(axis, tuple) or mesh.devices.size != mesh.shape[axis]:
-            raise HostEngineError(f"the host engine runs meshes with one data-parallel axis and no "
-                                  f"other; this step's data-parallel axis is {axis!r} on a mesh "
-                                  f"with axes {dict(mesh.shape)}; run it with engine='xla'")
+            raise HostEngineError(
+                f"the host engine runs meshes with one data-parallel axis and no "
+                f"other; this step's data-parallel axis is {axis!r} on a mesh "
+                f"with axes {dict(mesh.shape)}; run it with engine='xla'"
+            )
         local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
         if len(local) != 1:
             raise HostEngineError(
                 f"the host engine needs exactly one mesh device per process; process "
                 f"{jax.process_index()} has {len(local)}. On one machine, start one process per "
-                "mesh device (jaxsched launch)")
+                "mesh device (jaxsched launch)"
+            )
         self.device = local[0]
         self.rank = list(mesh.devices.flat).index(self.device)
         spares = spare_devices(mesh)
@@ -412,7 +442,8 @@ class StagedProgram:
             stage.fn = self._comm_fn(stage) if stage.kind == "comm" else self._compute_fn(stage)
         self._ballast = jax.device_put(jnp.zeros(BALLAST_ELEMENTS, jnp.float32), self.device)
         self._comm_ballast = self._global_comm(
-            jax.device_put(jnp.zeros((1, BALLAST_ELEMENTS), jnp.float32), self.comm_device))
+            jax.device_put(jnp.zeros((1, BALLAST_ELEMENTS), jnp.float32), self.comm_device)
+        )
 
     def _compute_fn(self, stage: Stage) -> Callable:
         rank = self.rank
@@ -437,9 +468,13 @@ class StagedProgram:
             replay.interpret(stage.eqns, lambda x: replay.read(env, x), env.__setitem__)
             return [_to_block(env[v]) for v in stage.outputs], jnp.sum(ballast)
 
-        mapped = jax.shard_map(per_device, mesh=self.comm_mesh,
-                               in_specs=(P(axis),) * (len(stage.inputs) + 1),
-                               out_specs=([P(axis)] * len(stage.outputs), P()), check_vma=False)
+        mapped = jax.shard_map(
+            per_device,
+            mesh=self.comm_mesh,
+            in_specs=(P(axis),) * (len(stage.inputs) + 1),
+            out_specs=([P(axis)] * len(stage.outputs), P()),
+            check_vma=False,
+        )
         return jax.jit(mapped)
 
     # -- running ----------------------------------------------------------------------------
@@ -456,7 +491,9 @@ class StagedProgram:
         shape = tuple(local_block.shape)
         return jax.make_array_from_single_device_arrays(
             (self.comm_mesh.devices.size * shape[0],) + shape[1:],
-            NamedSharding(self.comm_mesh, P(self.program.axis_name)), [local_block])
+            NamedSharding(self.comm_mesh, P(self.program.axis_name)),
+            [local_block],
+        )
 
     def _run(self, args: Sequence[Any]) -> tuple:
         env: dict[Any, Any] = {}
@@ -479,8 +516,10 @@ class StagedProgram:
                 outs = [o.addressable_data(0) for o in outs]
                 comm_blocks.update(zip(stage.outputs, outs, strict=True))
             timeline.add(stage, outs)
-        results = tuple(self._global_output(self._on_compute(var, env, comm_blocks), spec)
-                        for var, spec in zip(self.jaxpr.outvars, self.program.out_specs, strict=True))
+        results = tuple(
+            self._global_output(self._on_compute(var, env, comm_blocks), spec)
+            for var, spec in zip(self.jaxpr.outvars, self.program.out_specs, strict=True)
+        )
         if self.record_timings:
             self.timings.append(timeline.finish())
         return results
@@ -510,8 +549,10 @@ class StagedProgram:
         return jax.make_array_from_single_device_arrays(tuple(shape), NamedSharding(mesh, spec), [local])
 
     def lower(self, *args: Any):
-        raise HostEngineError("the host engine runs a sequence of stage programs, not one lowered "
-                              "program; inspect `.stages` after a call, or lower with engine='xla'")
+        raise HostEngineError(
+            "the host engine runs a sequence of stage programs, not one lowered "
+            "program; inspect `.stages` after a call, or lower with engine='xla'"
+        )
 
     trace = lower
 

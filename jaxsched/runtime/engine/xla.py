@@ -29,6 +29,7 @@ Example:
     >>> compiler_options_for("cpu")
     {}
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -39,8 +40,7 @@ from jax.sharding import NamedSharding
 from jaxsched.core import axes
 from jaxsched.runtime.engine.base import Engine, PerDeviceProgram, register_engine
 
-__all__ = ["collective_form_for", "COLLECTIVE_FORMS", "compiler_options_for", "GPU_OPTIONS",
-           "TPU_OPTIONS", "XlaEngine"]
+__all__ = ["collective_form_for", "COLLECTIVE_FORMS", "compiler_options_for", "GPU_OPTIONS", "TPU_OPTIONS", "XlaEngine"]
 
 GPU_OPTIONS: dict[str, Any] = {
     "xla_gpu_enable_latency_hiding_scheduler": True,
@@ -73,9 +73,12 @@ def compiler_options_for(platform: str, bucket_bytes: int = 0, axis_size: int = 
     devices counts ``bucket_bytes / axis_size``."""
     if platform in ("gpu", "cuda", "rocm"):
         bucket_bytes = int(bucket_bytes)
-        return {**GPU_OPTIONS, "xla_gpu_all_reduce_combine_threshold_bytes": bucket_bytes,
-                "xla_gpu_all_gather_combine_threshold_bytes": bucket_bytes,
-                "xla_gpu_reduce_scatter_combine_threshold_bytes": bucket_bytes // max(1, axis_size)}
+        return {
+            **GPU_OPTIONS,
+            "xla_gpu_all_reduce_combine_threshold_bytes": bucket_bytes,
+            "xla_gpu_all_gather_combine_threshold_bytes": bucket_bytes,
+            "xla_gpu_reduce_scatter_combine_threshold_bytes": bucket_bytes // max(1, axis_size),
+        }
     if platform == "tpu":
         return dict(TPU_OPTIONS)
     return {}
@@ -107,8 +110,9 @@ class XlaEngine(Engine):
 
     def __init__(self, compiler_options: dict[str, Any] | None = None):
         if compiler_options is not None and not isinstance(compiler_options, dict):
-            raise TypeError(f"compiler_options must be a dict of XLA option names to values, got "
-                            f"{type(compiler_options).__name__}")
+            raise TypeError(
+                f"compiler_options must be a dict of XLA option names to values, got {type(compiler_options).__name__}"
+            )
         self.compiler_options = compiler_options
 
     def collective_form(self, mesh, op: str) -> str:
@@ -121,18 +125,23 @@ class XlaEngine(Engine):
         elif program.compiler_defaults:
             options = {}
         else:
-            options = compiler_options_for(platform, program.bucket_bytes,
-                                           axes.axis_size(program.mesh, program.axis_name))
+            options = compiler_options_for(
+                platform, program.bucket_bytes, axes.axis_size(program.mesh, program.axis_name)
+            )
         if self.compiler_options is None:
             options = {**options, **program.compiler_overrides}
         if program.global_body is not None:
+
             def whole(*args):
                 return tuple(program.global_body(*args))
 
             sharding = lambda spec: NamedSharding(program.mesh, spec)
-            return jax.jit(whole, in_shardings=tuple(map(sharding, program.in_specs)),
-                           out_shardings=tuple(map(sharding, program.out_specs)),
-                           compiler_options=options or None)
+            return jax.jit(
+                whole,
+                in_shardings=tuple(map(sharding, program.in_specs)),
+                out_shardings=tuple(map(sharding, program.out_specs)),
+                compiler_options=options or None,
+            )
         return jax.jit(program.mapped(), compiler_options=options or None)
 
 

@@ -7,6 +7,7 @@ Public API (see :mod:`jaxsched.runtime.kernels.error_feedback` for the design):
 >>> kernels.fused_error_feedback(jnp.array([2.0, 0.1]), jnp.zeros(2), 1.0).count.item()
 1
 """
+
 from jaxsched.runtime.kernels.error_feedback import (
     BLOCK_COLS,
     ErrorFeedback,
@@ -24,4 +25,19 @@ from jaxsched.runtime.kernels.error_feedback import (
     threshold_error_feedback,
 )
 
-__all__ = ["BLOCK_COLS", "ErrorFeedback", "SparseGradient", "compact", "default_capacity", "default_sample_size", "densify", "error_feedback_pallas", "error_feedback_reference", "estimate_threshold", "exact_topk_error_feedback", "fused_error_feedback", "selection_size", "threshold_error_feedback"]
+__all__ = [
+    "BLOCK_COLS",
+    "ErrorFeedback",
+    "SparseGradient",
+    "compact",
+    "default_capacity",
+    "default_sample_size",
+    "densify",
+    "error_feedback_pallas",
+    "error_feedback_reference",
+    "estimate_threshold",
+    "exact_topk_error_feedback",
+    "fused_error_feedback",
+    "selection_size",
+    "threshold_error_feedback",
+]

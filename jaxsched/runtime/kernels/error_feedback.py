@@ -80,6 +80,7 @@ Example:
     >>> bool(jnp.array_equal(sent + new_residual, residual + grad))
     True
 """
+
 from __future__ import annotations
 
 import functools
@@ -158,11 +159,11 @@ class SparseGradient(NamedTuple):
 
 # ----------------------------------------------------------------------------- checks
 
+
 def _check_float(x, name: str) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{name} must have a floating dtype (float32, bfloat16, ...), "
-                        f"got {x.dtype}")
+        raise TypeError(f"{name} must have a floating dtype (float32, bfloat16, ...), got {x.dtype}")
     return x
 
 
@@ -170,11 +171,13 @@ def _check_pair(grad, residual) -> tuple[jax.Array, jax.Array]:
     grad = _check_float(grad, "grad")
     residual = _check_float(residual, "residual")
     if grad.shape != residual.shape:
-        raise ValueError(f"grad and residual must have the same shape, got grad "
-                         f"{grad.shape} and residual {residual.shape}")
+        raise ValueError(
+            f"grad and residual must have the same shape, got grad {grad.shape} and residual {residual.shape}"
+        )
     if grad.dtype != residual.dtype:
-        raise TypeError(f"grad and residual must have the same dtype, got grad "
-                        f"{grad.dtype} and residual {residual.dtype}")
+        raise TypeError(
+            f"grad and residual must have the same dtype, got grad {grad.dtype} and residual {residual.dtype}"
+        )
     return grad, residual
 
 
@@ -231,6 +234,7 @@ def default_capacity(n: int, density: float) -> int:
 
 # -------------------------------------------------------------------------- reference
 
+
 @jax.jit
 def error_feedback_reference(grad, residual, threshold) -> ErrorFeedback:
     """Error feedback in plain jnp (the definition, and the path used off GPU).
@@ -253,14 +257,13 @@ def error_feedback_reference(grad, residual, threshold) -> ErrorFeedback:
     acc = residual + grad
     mask = jnp.abs(acc) >= t
     zero = jnp.zeros_like(acc)
-    return ErrorFeedback(jnp.where(mask, acc, zero), jnp.where(mask, zero, acc),
-                         jnp.sum(mask, dtype=jnp.int32))
+    return ErrorFeedback(jnp.where(mask, acc, zero), jnp.where(mask, zero, acc), jnp.sum(mask, dtype=jnp.int32))
 
 
 # ----------------------------------------------------------------------------- kernel
 
-def _ef_block(thr, g_ref, r_ref, sent_ref, res_ref, cnt_ref, *, block_index, n: int,
-              block_rows: int, mosaic: bool):
+
+def _ef_block(thr, g_ref, r_ref, sent_ref, res_ref, cnt_ref, *, block_index, n: int, block_rows: int, mosaic: bool):
     """One ``(block_rows, 256)`` block: accumulate, test, select, update, count."""
     acc = r_ref[...] + g_ref[...]
     mask = jnp.abs(acc) >= thr
@@ -270,6 +273,7 @@ def _ef_block(thr, g_ref, r_ref, sent_ref, res_ref, cnt_ref, *, block_index, n: 
     shape = (block_rows, BLOCK_COLS)
     if mosaic:
         from jax.experimental.pallas import mosaic_gpu as plgpu
+
         # The layout a plain load of the block has (8-byte vectors per thread).
         layout = plgpu.Layout.WG_STRIDED(shape, vec_size=8 // acc.dtype.itemsize)
         row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout)
@@ -295,20 +299,19 @@ def _call_mosaic(t, g2, r2, *, n: int, block_rows: int):
         thr = thr_ref[0]
 
         def step(_, g_s, r_s, sent_s, res_s, cnt_s):
-            _ef_block(thr, g_s, r_s, sent_s, res_s, cnt_s, block_index=b, n=n,
-                      block_rows=block_rows, mosaic=True)
+            _ef_block(thr, g_s, r_s, sent_s, res_s, cnt_s, block_index=b, n=n, block_rows=block_rows, mosaic=True)
 
         spec = plgpu.BlockSpec((block_rows, BLOCK_COLS), lambda _: (b, 0))
         count_spec = plgpu.BlockSpec((1, 128), lambda _: (b, 0))
-        plgpu.emit_pipeline(step, grid=(1,), in_specs=[spec, spec],
-                            out_specs=[spec, spec, count_spec])(
-            g_ref, r_ref, sent_ref, res_ref, cnt_ref)
+        plgpu.emit_pipeline(step, grid=(1,), in_specs=[spec, spec], out_specs=[spec, spec, count_spec])(
+            g_ref, r_ref, sent_ref, res_ref, cnt_ref
+        )
 
     out_shape = [jax.ShapeDtypeStruct((rows, BLOCK_COLS), dtype)] * 2 + [
-        jax.ShapeDtypeStruct((nblocks, 128), jnp.int32)]
+        jax.ShapeDtypeStruct((nblocks, 128), jnp.int32)
+    ]
     # out_type (out_shape was removed from plgpu.kernel in jax 0.11)
-    return plgpu.kernel(body, out_type=out_shape, grid=(nblocks,),
-                        grid_names=("block",))(t, g2, r2)
+    return plgpu.kernel(body, out_type=out_shape, grid=(nblocks,), grid_names=("block",))(t, g2, r2)
 
 
 def _call_interpret(t, g2, r2, *, n: int, block_rows: int):
@@ -320,35 +323,52 @@ def _call_interpret(t, g2, r2, *, n: int, block_rows: int):
     nblocks = -(-rows // block_rows)
 
     def kernel(thr_ref, g_ref, r_ref, sent_ref, res_ref, cnt_ref):
-        _ef_block(thr_ref[0], g_ref, r_ref, sent_ref, res_ref, cnt_ref,
-                  block_index=pl.program_id(0), n=n, block_rows=block_rows, mosaic=False)
+        _ef_block(
+            thr_ref[0],
+            g_ref,
+            r_ref,
+            sent_ref,
+            res_ref,
+            cnt_ref,
+            block_index=pl.program_id(0),
+            n=n,
+            block_rows=block_rows,
+            mosaic=False,
+        )
 
     spec = pl.BlockSpec((block_rows, BLOCK_COLS), lambda i: (i, 0))
     return pl.pallas_call(
-        kernel, grid=(nblocks,),
+        kernel,
+        grid=(nblocks,),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY), spec, spec],
         out_specs=[spec, spec, pl.BlockSpec((1, 128), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((rows, BLOCK_COLS), dtype)] * 2
         + [jax.ShapeDtypeStruct((nblocks, 128), jnp.int32)],
-        interpret=True, name="error_feedback",
+        interpret=True,
+        name="error_feedback",
     )(t, g2, r2)
 
 
 def _check_block_rows(block_rows: int, dtype) -> None:
     if not isinstance(block_rows, (int, np.integer)) or not 1 <= block_rows <= 256:
-        raise ValueError(f"block_rows must be an int in [1, 256] (Mosaic GPU copies at "
-                         f"most 256 elements per dimension), got {block_rows!r}")
+        raise ValueError(
+            f"block_rows must be an int in [1, 256] (Mosaic GPU copies at "
+            f"most 256 elements per dimension), got {block_rows!r}"
+        )
     # A warpgroup (128 threads) loads 8 bytes per thread per step.
     per_step = 128 * (8 // jnp.dtype(dtype).itemsize)
     if (block_rows * BLOCK_COLS) % per_step:
-        raise ValueError(f"block_rows={block_rows} gives a block of "
-                         f"{block_rows * BLOCK_COLS} elements, not a multiple of "
-                         f"{per_step} for dtype {jnp.dtype(dtype).name}")
+        raise ValueError(
+            f"block_rows={block_rows} gives a block of "
+            f"{block_rows * BLOCK_COLS} elements, not a multiple of "
+            f"{per_step} for dtype {jnp.dtype(dtype).name}"
+        )
 
 
 @functools.partial(jax.jit, static_argnames=("block_rows", "interpret"))
-def error_feedback_pallas(grad, residual, threshold, *, block_rows: int = DEFAULT_BLOCK_ROWS,
-                          interpret: bool = False) -> ErrorFeedback:
+def error_feedback_pallas(
+    grad, residual, threshold, *, block_rows: int = DEFAULT_BLOCK_ROWS, interpret: bool = False
+) -> ErrorFeedback:
     """Error feedback as one Pallas (Mosaic GPU) kernel pass.
 
     The flattened gradient is viewed as ``(rows, 256)`` (padded when 256 does not divide
@@ -375,8 +395,7 @@ def error_feedback_pallas(grad, residual, threshold, *, block_rows: int = DEFAUL
     if n == 0:
         return error_feedback_reference(grad, residual, threshold)
     if n >= 2**31 - BLOCK_COLS * block_rows:
-        raise ValueError(f"gradient of {n} elements is too large for int32 indexing; "
-                         "split it into buckets")
+        raise ValueError(f"gradient of {n} elements is too large for int32 indexing; split it into buckets")
     t = _threshold_scalar(threshold, dtype).reshape(1)
     rows = -(-n // BLOCK_COLS)
     pad = rows * BLOCK_COLS - n
@@ -399,6 +418,7 @@ def error_feedback_pallas(grad, residual, threshold, *, block_rows: int = DEFAUL
 
 # --------------------------------------------------------------------------- dispatch
 
+
 def _mosaic_gpu_usable() -> bool:
     """Whether a CUDA lowering should use the Mosaic GPU kernel: yes when every local
     CUDA device is Hopper or newer (sm_90+), and when there is no local CUDA device
@@ -419,16 +439,16 @@ def _mosaic_gpu_usable() -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("implementation", "block_rows"))
-def fused_error_feedback(grad, residual, threshold, *,
-                         implementation: Implementation | None = None,
-                         block_rows: int = DEFAULT_BLOCK_ROWS) -> ErrorFeedback:
+def fused_error_feedback(
+    grad, residual, threshold, *, implementation: Implementation | None = None, block_rows: int = DEFAULT_BLOCK_ROWS
+) -> ErrorFeedback:
     """Error feedback through the fastest implementation for the platform.
 
     With ``implementation=None`` the choice is made when the computation is lowered
     (``lax.platform_dependent``), so it follows the device the inputs live on and works
     inside ``jit``: the Pallas kernel for CUDA (Hopper or newer) when 256 divides the
-    gradient's size, the jnp reference otherwise and on CPU, TPU and ROCm. ``"pallas"``, ``"jnp"`` or ``"interpret"`` (the kernel under the
-    Pallas interpreter) force one.
+    gradient's size, the jnp reference otherwise and on CPU, TPU and ROCm. ``"pallas"``,
+    ``"jnp"`` or ``"interpret"`` (the kernel under the Pallas interpreter) force one.
 
     >>> import jax.numpy as jnp
     >>> out = fused_error_feedback(jnp.array([3.0, 0.5]), jnp.zeros(2), 1.0)
@@ -441,11 +461,9 @@ def fused_error_feedback(grad, residual, threshold, *,
     if implementation == "pallas":
         return error_feedback_pallas(grad, residual, threshold, block_rows=block_rows)
     if implementation == "interpret":
-        return error_feedback_pallas(grad, residual, threshold, block_rows=block_rows,
-                                     interpret=True)
+        return error_feedback_pallas(grad, residual, threshold, block_rows=block_rows, interpret=True)
     if implementation is not None:
-        raise ValueError(f"implementation must be None, 'pallas', 'jnp' or 'interpret', "
-                         f"got {implementation!r}")
+        raise ValueError(f"implementation must be None, 'pallas', 'jnp' or 'interpret', got {implementation!r}")
     t = _threshold_scalar(threshold, grad.dtype)
     ref = lambda g, r, t: tuple(error_feedback_reference(g, r, t))  # noqa: E731
     if grad.size % BLOCK_COLS or not _mosaic_gpu_usable():
@@ -453,15 +471,18 @@ def fused_error_feedback(grad, residual, threshold, *,
         # (H100: 10M float32 took 0.19 ms with the pad, XLA's fusion 0.08 ms).
         return ErrorFeedback(*ref(grad, residual, t))
     kern = lambda g, r, t: tuple(  # noqa: E731
-        error_feedback_pallas(g, r, t, block_rows=block_rows))
+        error_feedback_pallas(g, r, t, block_rows=block_rows)
+    )
     return ErrorFeedback(*lax.platform_dependent(grad, residual, t, cuda=kern, default=ref))
 
 
 # -------------------------------------------------------------------------- threshold
 
+
 @functools.partial(jax.jit, static_argnames=("density", "sample_size"))
-def estimate_threshold(x, density: float, key: jax.Array, *, sample_size: int | None = None,
-                       residual=None) -> jax.Array:
+def estimate_threshold(
+    x, density: float, key: jax.Array, *, sample_size: int | None = None, residual=None
+) -> jax.Array:
     """A magnitude threshold that about ``density * x.size`` elements of ``x`` reach.
 
     Draws ``sample_size`` positions uniformly (with replacement) and returns the
@@ -523,12 +544,13 @@ def _quantile_of_row_maxima(mags: jax.Array, density: float) -> jax.Array:
     """
     row = max(1, round(1.0 / density))
     rows = max(1, mags.size // row)
-    maxima = jnp.sort(jnp.max(mags[:rows * row].reshape(rows, row), axis=1))
+    maxima = jnp.sort(jnp.max(mags[: rows * row].reshape(rows, row), axis=1))
     position = min(rows - 1, int((1.0 - density) ** row * rows))
     return maxima[position]
 
 
 # ------------------------------------------------------------------------- compaction
+
 
 def _pack_bits(mask: jax.Array) -> jax.Array:
     n = mask.shape[0]
@@ -620,11 +642,18 @@ def densify(values, indices, shape) -> jax.Array:
 
 # ----------------------------------------------------------------------- whole paths
 
-@functools.partial(jax.jit, static_argnames=("density", "capacity", "sample_size",
-                                              "implementation"))
-def threshold_error_feedback(grad, residual, density: float, key: jax.Array, *,
-                             capacity: int | None = None, sample_size: int | None = None,
-                             implementation: Implementation | None = None) -> SparseGradient:
+
+@functools.partial(jax.jit, static_argnames=("density", "capacity", "sample_size", "implementation"))
+def threshold_error_feedback(
+    grad,
+    residual,
+    density: float,
+    key: jax.Array,
+    *,
+    capacity: int | None = None,
+    sample_size: int | None = None,
+    implementation: Implementation | None = None,
+) -> SparseGradient:
     """Sparsify ``residual + grad`` to about ``density`` of its entries, with error feedback.
 
     Sampled threshold (:func:`estimate_threshold`), fused error feedback
@@ -653,8 +682,7 @@ def threshold_error_feedback(grad, residual, density: float, key: jax.Array, *,
     n = grad.size
     capacity = default_capacity(n, density) if capacity is None else capacity
     t = estimate_threshold(grad, density, key, sample_size=sample_size, residual=residual)
-    sent, new_residual, _ = fused_error_feedback(grad, residual, t,
-                                                 implementation=implementation)
+    sent, new_residual, _ = fused_error_feedback(grad, residual, t, implementation=implementation)
     return compact(sent, new_residual, capacity)._replace(threshold=t)
 
 
@@ -676,5 +704,4 @@ def exact_topk_error_feedback(grad, residual, k: int) -> SparseGradient:
     idx = idx.astype(jnp.int32)
     values = acc[idx]
     new_residual = acc.at[idx].set(jnp.zeros((), acc.dtype)).reshape(grad.shape)
-    return SparseGradient(values, idx, jnp.asarray(k, jnp.int32), jnp.zeros((), jnp.int32),
-                          new_residual)
+    return SparseGradient(values, idx, jnp.asarray(k, jnp.int32), jnp.zeros((), jnp.int32), new_residual)

@@ -25,6 +25,7 @@ Example (needs the ``aot`` extra):
     (8, 'gpu')
     >>> mesh = jax.sharding.Mesh(np.array(devs), ("data",))   # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,17 +35,26 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AotUnavailableError", "GPU_TARGETS", "TPU_TARGETS", "devices", "parse_target",
-           "target_config", "toolchain_missing"]
+__all__ = [
+    "AotUnavailableError",
+    "GPU_TARGETS",
+    "TPU_TARGETS",
+    "devices",
+    "parse_target",
+    "target_config",
+    "toolchain_missing",
+]
 
 #: GPU models with a shipped target description (``targets/<name>.pbtxt``).
 GPU_TARGETS = tuple(sorted(p.stem for p in (Path(__file__).parent / "targets").glob("*.pbtxt")))
 #: TPU generations libtpu compiles for (the topology string is libtpu's).
 TPU_TARGETS = ("v4", "v5e", "v5p", "v6e")
 
-_EXTRA_HINT = ("install the optional extra, best in an environment of its own (its CUDA plugin and "
-               "libtpu print load errors on CPU runs): pip install 'jaxsched[aot]'; in a checkout, "
-               "`make aot` builds .venv-aot, then run .venv-aot/bin/jaxsched inspect ...")
+_EXTRA_HINT = (
+    "install the optional extra, best in an environment of its own (its CUDA plugin and "
+    "libtpu print load errors on CPU runs): pip install 'jaxsched[aot]'; in a checkout, "
+    "`make aot` builds .venv-aot, then run .venv-aot/bin/jaxsched inspect ..."
+)
 
 
 class AotUnavailableError(RuntimeError):
@@ -57,8 +67,10 @@ def toolchain_missing(platform: str) -> str | None:
     modules = {"gpu": ("jax_cuda12_plugin", "jax_plugins"), "tpu": ("libtpu",)}[platform]
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
-        return (f"the {platform.upper()} compile-only toolchain is missing ({', '.join(missing)} "
-                f"not importable); {_EXTRA_HINT}")
+        return (
+            f"the {platform.upper()} compile-only toolchain is missing ({', '.join(missing)} "
+            f"not importable); {_EXTRA_HINT}"
+        )
     return None
 
 
@@ -71,8 +83,7 @@ def parse_target(spec: str) -> tuple[str, str, int]:
     """
     parts = spec.split(":")
     if len(parts) not in (2, 3) or not all(parts):
-        raise ValueError(f"target {spec!r}: write TARGET:TOPOLOGY[:slices=N], e.g. h100:1x2x4 or "
-                         "v5p:2x2x2:slices=2")
+        raise ValueError(f"target {spec!r}: write TARGET:TOPOLOGY[:slices=N], e.g. h100:1x2x4 or v5p:2x2x2:slices=2")
     slices = 1
     if len(parts) == 3:
         match = re.fullmatch(r"slices=(\d+)", parts[2])
@@ -86,8 +97,7 @@ def target_config(name: str) -> str:
     """The shipped GPU target description (a ``GpuTargetConfigProto`` in text form)."""
     path = Path(__file__).parent / "targets" / f"{name}.pbtxt"
     if not path.exists():
-        raise AotUnavailableError(f"no GPU target description for {name!r}; shipped: "
-                                  f"{', '.join(GPU_TARGETS)}")
+        raise AotUnavailableError(f"no GPU target description for {name!r}; shipped: {', '.join(GPU_TARGETS)}")
     return path.read_text()
 
 
@@ -111,15 +121,17 @@ def devices(target: str, topology: str, *, slices: int = 1) -> list:
         if not match:
             raise ValueError(f"GPU topology {topology!r}: write SLICESxHOSTSxGPUS, e.g. 1x2x4")
         if slices != 1 and int(match.group(1)) != slices:
-            raise ValueError(f"GPU topology {topology!r} already says {match.group(1)} slice(s); "
-                             f"slices={slices} disagrees")
+            raise ValueError(
+                f"GPU topology {topology!r} already says {match.group(1)} slice(s); slices={slices} disagrees"
+            )
         return list(_gpu_devices(target, topology))
     if target in TPU_TARGETS:
         if not re.fullmatch(r"\d+(x\d+)+", topology):
             raise ValueError(f"TPU topology {topology!r}: write chips per dimension, e.g. 2x2x2")
         return list(_tpu_devices(target, topology, slices))
-    raise AotUnavailableError(f"unknown target {target!r}; GPU: {', '.join(GPU_TARGETS)}; "
-                              f"TPU: {', '.join(TPU_TARGETS)}")
+    raise AotUnavailableError(
+        f"unknown target {target!r}; GPU: {', '.join(GPU_TARGETS)}; TPU: {', '.join(TPU_TARGETS)}"
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,16 +146,16 @@ def _gpu_devices(target: str, topology: str) -> tuple:
     from jax.experimental import topologies
 
     try:
-        desc = topologies.get_topology_desc(target, "cuda", target_config=target_config(target),
-                                            topology=topology)
+        desc = topologies.get_topology_desc(target, "cuda", target_config=target_config(target), topology=topology)
     except Exception as err:  # the plugin reports what it cannot build
         hint = _EXTRA_HINT
         if "not implemented for cuda" in str(err):
-            hint = ("the CUDA plugin did not register: JAX had already started and checked for a "
-                    "CUDA runtime; call jaxsched.tools.aot.devices before anything else uses JAX, or set "
-                    "JAX_PLATFORMS=cpu (or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) before starting Python")
-        raise AotUnavailableError(f"could not make compile-only {target} devices {topology}: "
-                                  f"{err}; {hint}") from None
+            hint = (
+                "the CUDA plugin did not register: JAX had already started and checked for a "
+                "CUDA runtime; call jaxsched.tools.aot.devices before anything else uses JAX, or set "
+                "JAX_PLATFORMS=cpu (or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) before starting Python"
+            )
+        raise AotUnavailableError(f"could not make compile-only {target} devices {topology}: {err}; {hint}") from None
     return tuple(desc.devices)
 
 
@@ -161,9 +173,7 @@ def _tpu_devices(target: str, topology: str, slices: int) -> tuple:
     if slices > 1:
         options["num_slices"] = slices
     try:
-        desc = topologies.get_topology_desc(platform="tpu", topology_name=f"{target}:{topology}",
-                                            **options)
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=f"{target}:{topology}", **options)
     except Exception as err:
-        raise AotUnavailableError(f"libtpu could not make {target}:{topology} x{slices} slices: "
-                                  f"{err}") from None
+        raise AotUnavailableError(f"libtpu could not make {target}:{topology} x{slices} slices: {err}") from None
     return tuple(desc.devices)

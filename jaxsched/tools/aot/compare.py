@@ -18,6 +18,7 @@ Example (on CPU devices XLA writes no estimate, so only the structure shows; use
     >>> comparison.reports[0].collectives[0].kind, comparison.reports[0].step_s
     ('all-reduce', None)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,17 +68,20 @@ class Comparison:
         return inspect_lib.plot(self._all(), path)
 
     def to_json(self) -> dict[str, Any]:
-        return {"target": self.target, "model": self.description,
-                "estimator": self.baseline.estimator,
-                "baseline": self.baseline.to_json(),
-                "reference": self.ratio_base.label,
-                "reference_report": None if self.reference is None else self.reference.to_json(),
-                "strategies": {r.label: dict(r.to_json(), ratio_to_reference=self.ratios(r))
-                               for r in self.reports}}
+        return {
+            "target": self.target,
+            "model": self.description,
+            "estimator": self.baseline.estimator,
+            "baseline": self.baseline.to_json(),
+            "reference": self.ratio_base.label,
+            "reference_report": None if self.reference is None else self.reference.to_json(),
+            "strategies": {r.label: dict(r.to_json(), ratio_to_reference=self.ratios(r)) for r in self.reports},
+        }
 
 
-def compare_strategies(experiment: Any, strategies: Sequence[str], *, target: str = "",
-                       progress: bool = False, **schedule_options: Any) -> Comparison:
+def compare_strategies(
+    experiment: Any, strategies: Sequence[str], *, target: str = "", progress: bool = False, **schedule_options: Any
+) -> Comparison:
     """Compile ``experiment`` (an :class:`~jaxsched.tools.aot.experiment.AbstractExperiment` or
     anything with ``step``, ``params``, ``opt_state``, ``batch``, ``mesh``) under each
     strategy and the plain step; ``schedule_options`` go to :func:`jaxsched.schedule`."""
@@ -89,8 +93,12 @@ def compare_strategies(experiment: Any, strategies: Sequence[str], *, target: st
     names = progress_lines(list(strategies), f"compiling for {target or 'the mesh'}", enabled=progress)
     for k, name in enumerate(names, start=1):
         names.set_postfix(strategy=name)
-        note(f"compiling {name} ({k}/{len(strategies)}) for {target or 'the mesh'}"
-             + (" and the plain step" if baseline is None else "") + "...", enabled=progress)
+        note(
+            f"compiling {name} ({k}/{len(strategies)}) for {target or 'the mesh'}"
+            + (" and the plain step" if baseline is None else "")
+            + "...",
+            enabled=progress,
+        )
         sched = schedule(experiment.step, strategy=name, **schedule_options)
         state = sched.init(experiment.params, experiment.opt_state)
         inspection = sched.inspect(state, experiment.batch, baseline=baseline is None)
@@ -98,8 +106,7 @@ def compare_strategies(experiment: Any, strategies: Sequence[str], *, target: st
         reports.append(dataclasses.replace(inspection.report, target=target or inspection.report.target))
     args = (experiment.params, experiment.opt_state, experiment.batch)
     if baseline is None:
-        baseline = inspect_lib.inspect_jitted(experiment.step, args, experiment.mesh,
-                                              label=inspect_lib.PLAIN_LABEL)
+        baseline = inspect_lib.inspect_jitted(experiment.step, args, experiment.mesh, label=inspect_lib.PLAIN_LABEL)
     baseline = dataclasses.replace(baseline, target=target or baseline.target)
     reference = None
     platform = experiment.mesh.devices.flat[0].platform
@@ -107,8 +114,13 @@ def compare_strategies(experiment: Any, strategies: Sequence[str], *, target: st
         from jaxsched.runtime.engine.xla import compiler_options_for
 
         reference = inspect_lib.inspect_jitted(
-            experiment.step, args, experiment.mesh, label=f"plain (jaxsched's {platform} options)",
-            compiler_options=compiler_options_for(platform))
+            experiment.step,
+            args,
+            experiment.mesh,
+            label=f"plain (jaxsched's {platform} options)",
+            compiler_options=compiler_options_for(platform),
+        )
         reference = dataclasses.replace(reference, target=baseline.target)
-    return Comparison(target or baseline.target, getattr(experiment, "description", ""), baseline,
-                      tuple(reports), reference)
+    return Comparison(
+        target or baseline.target, getattr(experiment, "description", ""), baseline, tuple(reports), reference
+    )

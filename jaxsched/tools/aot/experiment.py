@@ -11,6 +11,7 @@ Example (any mesh works; ``target="h100:1x2x4"`` needs the ``aot`` extra):
     >>> exp.num_params, type(exp.params["head"]["bias"]).__name__, exp.batch[0].shape
     (46, 'ShapeDtypeStruct', (64, 8))
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,8 +61,9 @@ ZOO: dict[str, ModelSpec] = {
     # 8 residual blocks of 3x3 convolutions at 256 channels on 32x32 images: 9.5M parameters
     "cnn": ModelSpec("cnn", (32, 32, 3), 100, {"channels": 256, "blocks": 8}, batch_per_device=32),
     # decoder-only, 12 blocks of width 1024, 32k vocabulary: 218M parameters
-    "transformer": ModelSpec("transformer", (512,), 32000, {"dim": 1024, "heads": 16, "layers": 12},
-                             batch_per_device=8),
+    "transformer": ModelSpec(
+        "transformer", (512,), 32000, {"dim": 1024, "heads": 16, "layers": 12}, batch_per_device=8
+    ),
 }
 
 
@@ -108,13 +110,13 @@ def mesh_for(target: str, axis: str | tuple[str, str] = "data") -> Mesh:
     devices = np.array(aot.devices(name, topology, slices=slices))
     if isinstance(axis, str):
         return Mesh(devices, (axis,))
-    outer = num_slices(devices.flat) if slices > 1 else \
-        len({d.process_index for d in devices})
+    outer = num_slices(devices.flat) if slices > 1 else len({d.process_index for d in devices})
     return Mesh(devices.reshape(outer, -1), tuple(axis))
 
 
-def abstract_experiment(spec: ModelSpec, *, target: str | None = None, mesh: Mesh | None = None,
-                        form: str = "shard_map") -> AbstractExperiment:
+def abstract_experiment(
+    spec: ModelSpec, *, target: str | None = None, mesh: Mesh | None = None, form: str = "shard_map"
+) -> AbstractExperiment:
     """The step of ``spec`` on ``mesh`` (or the compile-only mesh of ``target``), abstract;
     ``form="jit"`` writes it as ``jax.jit`` on global arrays (:func:`jaxsched.demo.steps.make_jit_step`)
     rather than as a ``shard_map``."""
@@ -124,13 +126,13 @@ def abstract_experiment(spec: ModelSpec, *, target: str | None = None, mesh: Mes
         raise ValueError(f"form={form!r}; choose 'shard_map' or 'jit'")
     mesh = mesh if mesh is not None else mesh_for(target)
     axis = _mesh_axis(mesh)
-    model = nnx.eval_shape(lambda: models.build(spec.name, spec.input_shape, spec.num_outputs,
-                                                **spec.options))
+    model = nnx.eval_shape(lambda: models.build(spec.name, spec.input_shape, spec.num_outputs, **spec.options))
     params, apply_fn = models.pure(model)
     tx = steps.make_optimizer(spec.optimizer)
     replicated = NamedSharding(mesh, P())
     as_abstract = lambda tree, sharding: jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
+    )
     params = as_abstract(params, replicated)
     opt_state = as_abstract(jax.eval_shape(tx.init, params), replicated)
     n = mesh.devices.size
@@ -138,11 +140,14 @@ def abstract_experiment(spec: ModelSpec, *, target: str | None = None, mesh: Mes
     sharded = NamedSharding(mesh, P(axis))
     x_dtype = jnp.int32 if spec.name == "transformer" else jnp.float32
     y_shape = (rows,) + ((spec.input_shape[0],) if spec.name == "transformer" else ())
-    batch = (jax.ShapeDtypeStruct((rows,) + tuple(spec.input_shape), x_dtype, sharding=sharded),
-             jax.ShapeDtypeStruct(y_shape, jnp.int32, sharding=sharded))
+    batch = (
+        jax.ShapeDtypeStruct((rows,) + tuple(spec.input_shape), x_dtype, sharding=sharded),
+        jax.ShapeDtypeStruct(y_shape, jnp.int32, sharding=sharded),
+    )
     size = sum(math.prod(a.shape) for a in jax.tree.leaves(params))
-    description = (f"{spec.name} {size / 1e6:.1f}M params, {spec.batch_per_device} examples per "
-                   f"device, {spec.optimizer.name}")
+    description = (
+        f"{spec.name} {size / 1e6:.1f}M params, {spec.batch_per_device} examples per device, {spec.optimizer.name}"
+    )
     step = steps.make_jit_step(apply_fn, tx) if form == "jit" else steps.make_step(apply_fn, tx, mesh, axis)
     return AbstractExperiment(step, params, opt_state, batch, mesh, description)
 
@@ -157,8 +162,16 @@ def from_config(cfg: Config, *, target: str) -> AbstractExperiment:
     n = mesh.devices.size
     split = data_lib.load(cfg.data.name, seed=cfg.train.seed, **cfg.data.options)
     if cfg.data.batch_size % n:
-        raise ConfigError(f"{cfg.source}: data.batch_size={cfg.data.batch_size} does not split "
-                          f"over the {n} devices of {target}; choose a multiple of {n}")
-    spec = ModelSpec(cfg.model.name, tuple(split.train_x.shape[1:]), split.num_classes,
-                     dict(cfg.model.options), cfg.data.batch_size // n, cfg.optimizer)
+        raise ConfigError(
+            f"{cfg.source}: data.batch_size={cfg.data.batch_size} does not split "
+            f"over the {n} devices of {target}; choose a multiple of {n}"
+        )
+    spec = ModelSpec(
+        cfg.model.name,
+        tuple(split.train_x.shape[1:]),
+        split.num_classes,
+        dict(cfg.model.options),
+        cfg.data.batch_size // n,
+        cfg.optimizer,
+    )
     return abstract_experiment(spec, mesh=mesh)

@@ -14,6 +14,7 @@ Each module in :data:`COMMAND_MODULES` has ``register(subparsers)``, which adds 
 subcommands and sets ``run=`` on each; a new subcommand is one more module in that list.
 Every option is checked while the command line is parsed, before any work starts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,13 @@ from typing import Sequence
 
 from jaxsched.tools.cli.options import CommandError, request_cpu_devices
 
-COMMAND_MODULES = ("jaxsched.tools.cli.train", "jaxsched.tools.cli.verify", "jaxsched.tools.cli.simulate",
-                   "jaxsched.tools.cli.cluster", "jaxsched.tools.cli.inspection")
+COMMAND_MODULES = (
+    "jaxsched.tools.cli.train",
+    "jaxsched.tools.cli.verify",
+    "jaxsched.tools.cli.simulate",
+    "jaxsched.tools.cli.cluster",
+    "jaxsched.tools.cli.inspection",
+)
 
 __all__ = ["COMMAND_MODULES", "CommandError", "build_parser", "main", "request_cpu_devices"]
 
@@ -32,7 +38,8 @@ __all__ = ["COMMAND_MODULES", "CommandError", "build_parser", "main", "request_c
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line, every subcommand registered."""
     parser = argparse.ArgumentParser(
-        prog="jaxsched", description="Scheduled gradient communication for data-parallel JAX training.")
+        prog="jaxsched", description="Scheduled gradient communication for data-parallel JAX training."
+    )
     parser.add_argument("--version", action="version", version=_version())
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:

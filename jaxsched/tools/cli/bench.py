@@ -1,4 +1,5 @@
 """Entry point of one ``jaxsched bench`` process: ``python -m jaxsched.tools.cli.bench``."""
+
 from __future__ import annotations
 
 import sys

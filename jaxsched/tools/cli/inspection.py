@@ -2,12 +2,14 @@
 and show what the compiler scheduled, beside the user's step as XLA compiles it alone.
 
 Examples:
-    jaxsched inspect --config configs/tiny_lm.toml --target h100:1x2x4 --strategies allreduce,wfbp,dear,approx --json out.json --png out.png
+    jaxsched inspect --config configs/tiny_lm.toml --target h100:1x2x4 \
+        --strategies allreduce,wfbp,dear,approx --json runs/out.json --png runs/out.png
     jaxsched inspect --model transformer --target v5p:2x2x2:slices=2 --strategies wfbp,approx
 
 Every time printed is XLA's latency-hiding-scheduler estimate for the compiled program,
 not a measurement. Needs the `aot` extra: pip install 'jaxsched[aot]'.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +28,9 @@ def _target(text: str) -> str:
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
     if name not in GPU_TARGETS + TPU_TARGETS:
-        raise argparse.ArgumentTypeError(f"unknown target {name!r}; GPU: {', '.join(GPU_TARGETS)}; "
-                                         f"TPU: {', '.join(TPU_TARGETS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown target {name!r}; GPU: {', '.join(GPU_TARGETS)}; TPU: {', '.join(TPU_TARGETS)}"
+        )
     return text
 
 
@@ -42,18 +45,31 @@ def _zoo_model(text: str) -> str:
 def register(subparsers: argparse._SubParsersAction) -> None:
     from jaxsched.tools.cli.train import _strategy_names
 
-    parser = add_command(subparsers, "inspect", "compile strategies for a GPU/TPU cluster and report "
-                         "XLA's schedule (async collectives, exposed communication)",
-                         __doc__.split("\n\n", 1)[1])
+    parser = add_command(
+        subparsers,
+        "inspect",
+        "compile strategies for a GPU/TPU cluster and report XLA's schedule (async collectives, exposed communication)",
+        __doc__.split("\n\n", 1)[1],
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--config", type=existing_file, help="TOML file, e.g. configs/tiny_lm.toml")
-    source.add_argument("--model", type=_zoo_model, help="a zoo model at a realistic size: mlp, "
-                        "cnn or transformer (jaxsched.tools.aot.experiment.ZOO)")
-    parser.add_argument("--target", type=_target, default="h100:1x2x4",
-                        help="TARGET:TOPOLOGY[:slices=N]: h100:1x2x4 (slices x hosts x GPUs), "
-                             "v5p:2x2x2:slices=2")
-    parser.add_argument("--strategies", type=name_list(_strategy_names), default="allreduce,wfbp,dear,approx",
-                        help="comma-separated strategies to compile")
+    source.add_argument(
+        "--model",
+        type=_zoo_model,
+        help="a zoo model at a realistic size: mlp, cnn or transformer (jaxsched.tools.aot.experiment.ZOO)",
+    )
+    parser.add_argument(
+        "--target",
+        type=_target,
+        default="h100:1x2x4",
+        help="TARGET:TOPOLOGY[:slices=N]: h100:1x2x4 (slices x hosts x GPUs), v5p:2x2x2:slices=2",
+    )
+    parser.add_argument(
+        "--strategies",
+        type=name_list(_strategy_names),
+        default="allreduce,wfbp,dear,approx",
+        help="comma-separated strategies to compile",
+    )
     parser.add_argument("--json", type=output_path, help="write the reports as JSON here")
     parser.add_argument("--png", type=output_path, help="draw the compiled schedules here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -79,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
             exp = experiment.abstract_experiment(experiment.ZOO[args.model], target=args.target)
     except aot.AotUnavailableError as err:
         raise CommandError(str(err)) from None
-    comparison = compare.compare_strategies(exp, strategies, target=args.target,
-                                                progress=not args.no_progress)
+    comparison = compare.compare_strategies(exp, strategies, target=args.target, progress=not args.no_progress)
     print(f"{exp.description} on {args.target} ({exp.mesh.devices.size} devices)")
     print(comparison.table())
     if args.json:
@@ -90,4 +105,3 @@ def run(args: argparse.Namespace) -> int:
     if args.png:
         print(f"schedules: {comparison.plot(str(prepare_output(args.png)))}")
     return 0
-

@@ -4,15 +4,27 @@ paths whose folders are created, and the CPU device request.
 Why validate in the option types: argparse then rejects a bad value before any work
 starts, naming the option, the value and what is allowed.
 """
+
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 from typing import Callable, Sequence
 
-__all__ = ["add_command", "CommandError", "existing_file", "fraction", "HelpFormatter", "name_list",
-           "output_dir", "output_path", "positive_float", "positive_int", "prepare_output",
-           "request_cpu_devices"]
+__all__ = [
+    "add_command",
+    "CommandError",
+    "existing_file",
+    "fraction",
+    "HelpFormatter",
+    "name_list",
+    "output_dir",
+    "output_path",
+    "positive_float",
+    "positive_int",
+    "prepare_output",
+    "request_cpu_devices",
+]
 
 
 class CommandError(ValueError):
@@ -29,11 +41,11 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
-def add_command(subparsers: argparse._SubParsersAction, name: str, help: str,
-                description: str | None = None) -> argparse.ArgumentParser:
+def add_command(
+    subparsers: argparse._SubParsersAction, name: str, help: str, description: str | None = None
+) -> argparse.ArgumentParser:
     """A subcommand parser whose help shows defaults."""
-    return subparsers.add_parser(name, help=help, description=description or help,
-                                 formatter_class=HelpFormatter)
+    return subparsers.add_parser(name, help=help, description=description or help, formatter_class=HelpFormatter)
 
 
 def request_cpu_devices(n: int) -> None:
@@ -80,8 +92,9 @@ def existing_file(text: str) -> str:
     return text
 
 
-def name_list(choices: Callable[[], Sequence[str]], check: Callable[[str], None] | None = None
-              ) -> Callable[[str], list[str]]:
+def name_list(
+    choices: Callable[[], Sequence[str]], check: Callable[[str], None] | None = None
+) -> Callable[[str], list[str]]:
     """An option type for comma-separated names, each one of ``choices()`` (looked up
     when parsing, so a registry can grow), or accepted by ``check`` if given."""
 
@@ -121,9 +134,11 @@ def _check_writable(folder: Path, text: str) -> None:
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as err:
-        raise argparse.ArgumentTypeError(f"{text!r} cannot be written ({err.strerror}: "
-                                         f"{err.filename or folder}); choose a path under a "
-                                         "folder you can write, e.g. runs/") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} cannot be written ({err.strerror}: "
+            f"{err.filename or folder}); choose a path under a "
+            "folder you can write, e.g. runs/"
+        ) from None
 
 
 def output_dir(text: str) -> str:
