@@ -12,6 +12,7 @@ from jaxsched.engine import Engine, register_engine
 from jaxsched.partition import GatherWarning
 from jaxsched.rewrite.rules import FallbackWarning
 from jaxsched.schedule import STRATEGIES, SchedState, Scheduled
+from jaxsched.replan import Replan, ReplanAgreementError
 from jaxsched.schedule import schedule  # noqa: E402  (the function shadows the module name)
 from jaxsched.strategies import Strategy, register_strategy
 from jaxsched.sim import simulate
@@ -32,6 +33,8 @@ __all__ = [
     "Layer",
     "LayerProfile",
     "NetworkProfile",
+    "Replan",
+    "ReplanAgreementError",
     "RunResult",
     "STRATEGIES",
     "SchedState",

@@ -27,6 +27,8 @@ from jaxsched.capture import abstract_leaf, capture
 from jaxsched.collectives.base import Collective
 from jaxsched.engine import Engine, make_engine
 from jaxsched.program import Program, ProgramCache, build_program, retyped
+from jaxsched.replan import (Replan, Replanner, SwitchRecord, as_replan, program_buckets,
+                             resolved_key)
 from jaxsched.state_step import STATE, StateForm, UnsplitState, inputs_of, step_form, with_inputs
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
 
@@ -41,7 +43,7 @@ class Scheduled:
     def __init__(self, step: Callable, strategy: str | Strategy = "dear", buckets: Any = None,
                  compiler_options: dict[str, Any] | None = None, *, engine: str | Engine = "auto",
                  collective: Collective | None = None, compression: Collective | None = None,
-                 **options: Any):
+                 replan: str | Replan | None = None, **options: Any):
         if not callable(step):
             raise TypeError(f"schedule() needs the user's train step, got {type(step).__name__}")
         if collective is not None and compression is not None:
@@ -62,8 +64,15 @@ class Scheduled:
                             f"options are {', '.join(PLAN_OPTIONS)}") from None
         engine_options = {} if compiler_options is None else {"compiler_options": compiler_options}
         self.engine: Engine = make_engine(engine, **engine_options)
+        self.replan_options = as_replan(replan)
+        if self.replan_options is not None and buckets is None:
+            buckets = "auto"  # re-planning plans; so does the first plan
         self.buckets_option = buckets
         self.plan_options = plan_options
+        #: monitors the network and switches plans (None without ``replan=``)
+        self._replanner = (None if self.replan_options is None else
+                           Replanner(self.replan_options, getattr(step, "__name__", "step")))
+        self._plans: dict[Any, ProgramCache] = {}  # one program cache per bucket plan
         self._template: tuple[Any, Any] | None = None
         self._programs = ProgramCache(self._build)
         self._pending_state: NamedTuple | None = None
@@ -116,7 +125,35 @@ class Scheduled:
         tuple of a step's extra inputs and its batch), as ``verify`` and adapters call it."""
         if self._state_form_for(state):
             return self._state_form(state, batch)
+        if self._replanner is not None:
+            return self._replanner.step(state, batch, self._run, lambda: self._programs.last,
+                                        self._use_buckets)
+        return self._run(state, batch)
+
+    def _run(self, state: NamedTuple, batch: Any) -> Any:
         return self._program_for(state, batch).run(state, batch)
+
+    def replan(self, network: Any = None) -> SwitchRecord | None:
+        """Re-plan the buckets now for ``network`` (a :class:`~jaxsched.costmodel.NetworkProfile`
+        or a preset name such as ``"1gbe"``), or for the network measured while training when
+        none is given; the step switches at its next call. Returns the pending switch, or
+        None when the plan for that network is the current one. Needs ``replan=`` and one
+        step run; every process calls it at the same step (:mod:`jaxsched.replan`)."""
+        if self._state_form is not None and self._state_form.inner is not None:
+            return self._state_form.inner.replan(network)
+        if self._replanner is None:
+            raise ValueError("sched.replan() needs a schedule made with replan='auto' or "
+                             "replan=jaxsched.Replan(...)")
+        if self._programs.last is None:
+            raise RuntimeError("sched.replan() needs the step traced first: call it once")
+        return self._replanner.request(self._programs.last, network)
+
+    @property
+    def replans(self) -> list[SwitchRecord]:
+        """Every switch of plan so far (:class:`~jaxsched.replan.SwitchRecord`), oldest first."""
+        if self._state_form is not None and self._state_form.inner is not None:
+            return self._state_form.inner.replans
+        return [] if self._replanner is None else list(self._replanner.records)
 
     def finalize(self, state: NamedTuple) -> tuple[Any, Any]:
         """Back to ordinary ``(params, opt_state)``, or the user's state object for a
@@ -237,17 +274,34 @@ class Scheduled:
             return program
         return self._programs.get(batch, retyped(self._template, (state.params, state.opt_state)))
 
-    def _build(self, batch: Any, template: Any) -> Program:
+    def _build(self, batch: Any, template: Any, buckets: Any = None) -> Program:
         captured = capture(self.traced_step, template[0], template[1], batch,
                            self.strategy.folds_invariant_sums)
-        return build_program(captured, self.strategy, self.buckets_option, self.engine,
+        return build_program(captured, self.strategy,
+                             self.buckets_option if buckets is None else buckets, self.engine,
                              self.plan_options)
+
+    def _use_buckets(self, buckets: Any) -> bool:
+        """Run the explicit plan ``buckets`` from the next call on, with its own program
+        cache (kept, so that returning to a plan compiles nothing); returns whether that
+        plan had been compiled before."""
+        current = self._programs.last
+        self._plans.setdefault(resolved_key(current.planned, program_buckets(current)),
+                               self._programs)
+        key = resolved_key(current.planned, buckets)
+        reused = key in self._plans
+        if not reused:
+            self._plans[key] = ProgramCache(functools.partial(self._build,
+                                                              buckets=[list(b) for b in buckets]))
+        self._programs = self._plans[key]
+        return reused
 
 
 def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dear",
              buckets: Any = None, compiler_options: dict[str, Any] | None = None, *,
              engine: str | Engine = "auto", collective: Collective | None = None,
-             compression: Collective | None = None, **options: Any) -> Any:
+             compression: Collective | None = None, replan: str | Replan | None = None,
+             **options: Any) -> Any:
     """Schedule the gradient communication of a data-parallel ``train_step``.
 
     Args:
@@ -275,6 +329,11 @@ def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dea
         name (``jaxsched.engine.engine_names()``) or an :class:`~jaxsched.engine.Engine`.
       collective: a :class:`~jaxsched.collectives.Collective` that the strategy sends its
         buckets through; ``compression=`` is the same for compressors.
+      replan: ``None`` (plan once), ``"auto"`` or a :class:`~jaxsched.replan.Replan`: measure
+        the network while training and switch to a new bucket plan when it drifted
+        (:mod:`jaxsched.replan`; ``sched.replan(network=...)`` switches on demand,
+        ``sched.replans`` lists the switches). Plans with ``buckets="auto"`` unless
+        ``buckets`` is given.
       options: the strategy's own options (passed to its constructor) and, with
         ``buckets="auto"``, the planning options above.
 
@@ -283,6 +342,7 @@ def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dea
     """
     def wrap(step: Callable) -> Scheduled:
         return Scheduled(step, strategy, buckets, compiler_options, engine=engine,
-                         collective=collective, compression=compression, **options)
+                         collective=collective, compression=compression, replan=replan,
+                         **options)
 
     return wrap if train_step is None else wrap(train_step)

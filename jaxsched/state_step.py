@@ -363,7 +363,8 @@ class StateForm:
             owner = self.owner
             self.layout = find_layout(self.step, state, batch)
             self.inner = Scheduled(self.layout.pure_step(self.step), owner.strategy,
-                                   owner.buckets_option, engine=owner.engine, **owner.plan_options)
+                                   owner.buckets_option, engine=owner.engine,
+                                   replan=owner.replan_options, **owner.plan_options)
         return self.inner
 
     def scheduled_state(self, sstate: Any, batch: Any) -> tuple["Scheduled", Any]:
