@@ -515,7 +515,7 @@ class Replanner:
 
         def predict(g: list[list[int]]) -> float:
             return float(simulate(profile, planning, pattern, g, iterations=6,
-                                  compression=planned.compression, keep_spans=False).iteration)
+                                  compression=planned.compression, keep_spans=False).iteration_s)
 
         before = predict(bucket_groups(old_paths, members, planned.paths))
         after = predict(groups)

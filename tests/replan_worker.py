@@ -1,0 +1,67 @@
+"""One process of the two-process re-planning tests:
+``python replan_worker.py PORT RANK OUT STRATEGY MODE``.
+
+MODE ``switch``: 30 steps with a forced switch of plan before step 10; rank 0 writes the
+finalized params and the bucket counts before and after. MODE ``lost`` / ``corrupt``:
+monitoring every 5 steps, with rank 1's agreement message dropped or garbled; the process
+must exit with a ReplanAgreementError, not hang.
+"""
+import sys
+
+import jax
+
+port, rank, out, strategy, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+jax.config.update("jax_num_cpu_devices", 1)
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank,
+                           initialization_timeout=60)
+
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxsched  # noqa: E402
+from jaxsched import steps  # noqa: E402
+from jaxsched.replan import KeyValueStore  # noqa: E402
+from replan_model import (batches, bandwidth_bound, latency_bound, layer_profile, leaves,  # noqa: E402
+                          optimizer, tanh_mlp)
+
+
+class FaultyStore(KeyValueStore):
+    """The real store, except that this process's own messages are dropped or garbled."""
+
+    def __init__(self, fault: str):
+        super().__init__()
+        self.fault = fault
+
+    def set(self, key: str, value: str) -> None:
+        if self.fault == "corrupt":
+            super().set(key, value[: len(value) // 2])
+        # "lost": nothing is sent
+
+
+params, apply = tanh_mlp()
+tx = optimizer()
+mesh = jax.make_mesh((2,), ("data",))
+step = steps.make_step(apply, tx, mesh)
+options = jaxsched.Replan(every=1000) if mode == "switch" else jaxsched.Replan(every=5, timeout_s=5)
+sched = jaxsched.schedule(step, strategy=strategy, replan=options, layer_profile=layer_profile(),
+                          network_profile=latency_bound(2))
+if mode != "switch" and rank == 1:
+    sched._replanner.store = FaultyStore(mode)
+state = sched.init(params, tx.init(params))
+sharding = NamedSharding(mesh, P("data"))
+counts = []
+for n, (x, y) in enumerate(batches(30, 8)):
+    if mode == "switch" and n == 10:
+        counts.append(len(sched.program.buckets))
+        assert sched.replan(network=bandwidth_bound(2)) is not None
+    local = (x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+    batch = jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), local)
+    state, aux = sched(state, batch)
+    jax.block_until_ready(aux)
+    if mode == "switch" and n == 10:
+        counts.append(len(sched.program.buckets))
+final_params, _ = sched.finalize(state)
+if rank == 0:
+    np.savez(out, *leaves(final_params), counts=np.asarray(counts),
+             steps=np.asarray([r.step for r in sched.replans]))
+jax.distributed.shutdown()
