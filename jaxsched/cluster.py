@@ -17,9 +17,10 @@ Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and the ``ip``/``tc`` tools. Python
         cluster.hosts[1].namespace, cluster.hosts[1].address, cluster.hosts[1].interface
     # torn down here, also on an exception, Ctrl-C or SIGTERM
 
-Shell (until ``jaxsched cluster`` is wired into the CLI)::
+Shell (``jaxsched cluster ...`` runs the same)::
 
     python -m jaxsched.cluster up --hosts 2 --bandwidth 1gbit
+    python -m jaxsched.cluster set --bandwidth 100mbit   # while a job runs: every link
     python -m jaxsched.cluster status
     python -m jaxsched.cluster down        # also removes what a crashed run left behind
 """
@@ -219,6 +220,72 @@ def _signals_raise() -> Iterator[None]:
             signal.signal(s, h)
 
 
+_DELAY_RE = re.compile(r"^(\d+(?:\.\d+)?)(us|ms|s)$")
+
+
+def parse_delay(delay: str | None) -> float | None:
+    """``"5ms"`` -> 0.005 seconds; ``None``, ``"0"`` or ``"none"`` -> None (no added delay).
+
+    Example:
+        >>> parse_delay("5ms"), parse_delay("250us"), parse_delay("0")
+        (0.005, 0.00025, None)
+    """
+    if delay is None or str(delay).strip().lower() in _UNSHAPED:
+        return None
+    m = _DELAY_RE.match(str(delay).strip().lower())
+    if not m:
+        raise ValueError(f"delay {delay!r} is not a time like '5ms', '250us' or '0.1s'")
+    seconds = float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
+    return seconds or None
+
+
+def set_links(prefix: str = DEFAULT_PREFIX, bandwidth: str | None = None,
+              delay: str | None = None) -> "Cluster":
+    """Change every link of the running cluster ``prefix`` in place: both ends shaped to
+    ``bandwidth`` (``"none"``: unshaped), and ``delay`` added one way at each end.
+
+    Processes keep running and their TCP connections stay up: the qdiscs are replaced, not
+    the links, so a job sees its network change between two packets (what a benchmark of
+    re-planning needs). Delay needs the kernel's ``netem`` qdisc; where it is missing the
+    call refuses before it changes anything.
+    """
+    bits = parse_bandwidth(bandwidth)
+    seconds = parse_delay(delay)
+    cluster = Cluster.attach(prefix)
+    switch = f"{prefix}-sw"
+    ends = [(h.namespace, h.interface) for h in cluster.hosts]
+    ends += [(switch, f"p{h.rank}") for h in cluster.hosts]
+    if seconds is not None:
+        _check_netem(switch)
+    for namespace, device in ends:
+        if bits is None and seconds is None:
+            _run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"], check=False)
+            continue
+        if seconds is None:
+            _run(_tbf(namespace, device, bits))
+            continue
+        # netem delays (and, with a rate, shapes) one direction at this end: half the delay
+        # each way would need both; a one-way delay at every end adds ``delay`` per direction
+        netem = ["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", "netem",
+                 "delay", f"{seconds * 1e6:.0f}us"]
+        _run(netem + ([] if bits is None else ["rate", f"{bits}bit"]))
+    return Cluster(prefix, cluster.hosts, bits, owned=False)
+
+
+def _check_netem(namespace: str) -> None:
+    """Refuse, naming why, when the kernel cannot add delay (no ``sch_netem``)."""
+    probe = f"jxdelay{os.getpid() % 10000}"
+    _run(["ip", "-n", namespace, "link", "add", probe, "type", "veth", "peer", "name", probe + "p"])
+    try:
+        proc = _run(["tc", "-n", namespace, "qdisc", "add", "dev", probe, "root", "netem",
+                     "delay", "1ms"], check=False)
+    finally:
+        _run(["ip", "-n", namespace, "link", "delete", probe], check=False)
+    if proc.returncode != 0:
+        raise ClusterError("this kernel has no netem qdisc (sch_netem), so delay cannot be "
+                           f"emulated here; bandwidth can (tc said: {proc.stderr.strip()})")
+
+
 def _tbf(namespace: str, device: str, bits_per_s: int) -> list[str]:
     # burst: at least one 64 KiB GSO segment plus a frame, or 1 ms of traffic at this rate.
     burst = max(64 * 1024 + 1514, bits_per_s // 8 // 1000)
@@ -346,7 +413,8 @@ class Cluster:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``up``/``down``/``status`` to ``parser`` (the ``jaxsched cluster`` subcommand)."""
-    sub = parser.add_subparsers(dest="cluster_command", required=True, metavar="{up,down,status}")
+    sub = parser.add_subparsers(dest="cluster_command", required=True,
+                                metavar="{up,set,down,status}")
     up = sub.add_parser("up", help="create an emulated cluster (root)")
     up.add_argument("--hosts", type=int, required=True, help="number of hosts (>= 2)")
     up.add_argument("--bandwidth", default="1gbit",
@@ -354,10 +422,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "(default 1gbit)")
     up.add_argument("--subnet", default=DEFAULT_SUBNET,
                     help=f"private /24 (default {DEFAULT_SUBNET})")
+    set_ = sub.add_parser("set", help="change the links of a running cluster (root); jobs keep "
+                          "running")
+    set_.add_argument("--bandwidth", required=True,
+                      help="new rate of every link, each way: e.g. 100mbit; 'none' for unshaped")
+    set_.add_argument("--delay", default=None,
+                      help="added one-way delay per link end, e.g. 5ms (needs the netem qdisc)")
     down = sub.add_parser("down",
                           help="remove the emulated cluster and anything a crashed run left")
     status = sub.add_parser("status", help="show the emulated cluster, if one is up")
-    for p in (up, down, status):
+    for p in (up, set_, down, status):
         p.add_argument("--prefix", default=DEFAULT_PREFIX,
                        help=f"namespace name prefix (default {DEFAULT_PREFIX})")
 
@@ -375,6 +449,12 @@ def main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
             print(cluster.describe())
             print(f"take it down with: jaxsched cluster down"
                   + ("" if args.prefix == DEFAULT_PREFIX else f" --prefix {args.prefix}"))
+            return 0
+        if args.cluster_command == "set":
+            require_privileges()
+            cluster = set_links(args.prefix, args.bandwidth, args.delay)
+            print(f"cluster {cluster.prefix!r}: links now {format_bandwidth(cluster.bandwidth)} each way"
+                  + (f", {args.delay} added delay" if parse_delay(args.delay) else ""))
             return 0
         if args.cluster_command == "down":
             require_privileges()

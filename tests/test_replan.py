@@ -247,3 +247,34 @@ def test_two_processes_fail_loudly_when_the_agreement_message_is_lost(tmp_path, 
     for p, log in zip(procs, logs):
         assert p.returncode not in (0, None), log[-2000:]
         assert "ReplanAgreementError" in log, log[-2000:]
+
+
+# -- changing the emulated cluster's links while it runs ---------------------------------------
+
+def test_delay_parses():
+    from jaxsched.cluster import parse_delay
+
+    assert parse_delay("5ms") == 0.005 and parse_delay(None) is None and parse_delay("none") is None
+    with pytest.raises(ValueError, match="'5 parsecs'"):
+        parse_delay("5 parsecs")
+
+
+def _have_net_admin() -> bool:
+    from jaxsched import cluster
+
+    return cluster._have_net_admin()
+
+
+@pytest.mark.skipif(not _have_net_admin(), reason="network namespaces and tc need root")
+def test_cluster_set_changes_the_links_of_a_running_cluster(capsys):
+    from jaxsched import cluster
+
+    with cluster.Cluster.up(2, "1gbit", prefix="jxrt", subnet="10.197.1.0/24") as up:
+        assert cluster.main(["set", "--bandwidth", "100mbit", "--prefix", "jxrt"]) == 0
+        assert cluster.Cluster.attach("jxrt").bandwidth == 100_000_000
+        assert "100mbit" in capsys.readouterr().out
+        assert cluster.set_links("jxrt", "none").bandwidth is None
+        assert cluster.Cluster.attach("jxrt").bandwidth is None
+        assert cluster.main(["set", "--bandwidth", "fast", "--prefix", "jxrt"]) == 2
+        assert up.hosts[1].address == "10.197.1.2"
+    assert not cluster.list_namespaces("jxrt")
