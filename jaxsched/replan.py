@@ -359,9 +359,10 @@ def probe_programs(mesh: Any, axis: Any, names: Sequence[str]) -> dict[str, Call
 
 
 def probe(programs: Mapping[str, Callable], mesh: Any, axis: Any, workers: int,
-          sizes: Sequence[int], repeats: int) -> dict[str, dict[int, list[float]]]:
-    """Seconds of each probe collective at each size (full-tensor bytes), ``repeats`` each.
-    Every process must call it at the same step (they are collectives)."""
+          sizes: Sequence[int], repeats: int, warm: bool = True) -> dict[str, dict[int, list[float]]]:
+    """Seconds of each probe collective at each size (full-tensor bytes), ``repeats`` each,
+    after one untimed call when ``warm`` (the first time: compiles it). Every process must
+    call it at the same step (they are collectives)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     sharding = NamedSharding(mesh, P(axis))
@@ -373,7 +374,8 @@ def probe(programs: Mapping[str, Callable], mesh: Any, axis: Any, workers: int,
             shape = (workers, elements // workers) if name == "all_gather" else (workers, elements)
             host = np.ones(shape, np.float32)
             x = jax.make_array_from_callback(shape, sharding, lambda index, _h=host: _h[index])
-            jax.block_until_ready(program(x))  # compiled once; warms the connection
+            if warm:
+                jax.block_until_ready(program(x))
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
@@ -549,11 +551,12 @@ class Replanner:
 
     def _probe(self, program: Any) -> dict:
         planned = program.planned
-        if self._probes is None:
+        first = self._probes is None
+        if first:
             self._probes = probe_programs(planned.mesh, planned.axis_name,
                                           program.strategy.cost.collectives())
         return probe(self._probes, planned.mesh, planned.axis_name, planned.axis_size,
-                     self.options.probe_bytes, self.options.repeats)
+                     self.options.probe_bytes, self.options.repeats, warm=first)
 
     def _basis_for(self, program: Any) -> NetworkProfile:
         if self._basis is None:
