@@ -213,6 +213,7 @@ if rank == 0:
         r["benchmark_step"] = r["step"] - offset
         r["old_buckets"] = [list(x) for x in r["old_buckets"]]
         r["new_buckets"] = [list(x) for x in r["new_buckets"]]
+    decisions = [{**d._asdict(), "benchmark_step": d.step - offset} for d in replan.replan_decisions]
     rows_out = []
     for (lo, hi, bandwidth), bound in zip(phases, bounds):
         med = {n: statistics.median(times[n][lo:hi]) for n in times}
@@ -224,6 +225,7 @@ if rank == 0:
                "static_vs_ceiling": med["static"] / bound["ceiling_s"],
                "replan_vs_ceiling": med["replan"] / bound["ceiling_s"],
                "replans": [r["benchmark_step"] for r in switches],
+               "monitor_s": sum(d["seconds"] for d in decisions if lo <= d["benchmark_step"] < hi),
                "static_total_s": sum(times["static"][lo:hi]),
                "replan_total_s": sum(times["replan"][lo:hi])}
         if switches and after < hi:
@@ -243,7 +245,7 @@ if rank == 0:
               "model": {"width": width, "depth": depth, "gradient_bytes": int(4 * n_grads)},
               "replan_options": str(options), "first_plan": first_plan,
               "planned_network": network_profile.to_dict(),
-              "phases": rows_out, "replans": records, "step_s": times}
+              "phases": rows_out, "replans": records, "decisions": decisions, "step_s": times}
     text = json.dumps(report, indent=1, default=float)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -252,6 +254,9 @@ if rank == 0:
         print(f"steps {row['steps']} {row['bandwidth']}: static {row['static_median_s'] * 1e3:.0f} ms, "
               f"replan {row['replan_median_s'] * 1e3:.0f} ms, ceiling {row['ceiling_s'] * 1e3:.0f} ms, "
               f"replans at {row['replans']}")
+    for d in decisions:
+        print(f"decision at step {d['benchmark_step']}: drift {d['drift']:.2f}, predicted gain "
+              f"{d['predicted_gain']}, switched {d['switched']}, {d['seconds'] * 1e3:.0f} ms")
     for r in records:
         print(f"replan at step {r['benchmark_step']}: {len(r['old_buckets'])} -> {len(r['new_buckets'])} "
               f"buckets, predicted gain {r['predicted_gain']:.1%}, first step {r['first_step_s']:.2f} s, "

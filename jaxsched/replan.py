@@ -48,7 +48,7 @@ import numpy as np
 
 from jaxsched.costmodel import CollectiveCost, LayerProfile, NetworkProfile
 
-__all__ = ["KeyValueStore", "Replan", "ReplanAgreementError", "Replanner", "SwitchRecord",
+__all__ = ["Decision", "KeyValueStore", "Replan", "ReplanAgreementError", "Replanner", "SwitchRecord",
            "as_replan", "bucket_groups", "drift_between", "fit_window", "measured_network",
            "update_window", "without_engine_costs"]
 
@@ -152,6 +152,25 @@ class SwitchRecord(NamedTuple):
     predicted_gain: float
     reused: bool = False
     first_step_s: float | None = None
+
+
+class Decision(NamedTuple):
+    """One decision point of the monitor (``sched.replan_decisions``).
+
+    Attributes:
+      step: steps run when it was taken.
+      drift: the measured drift (see :func:`drift_between`).
+      predicted_gain: the simulator's gain of the re-planned buckets (None: drift below the
+        threshold, the planner did not run; 0 when it chose the current plan).
+      switched: whether a switch was scheduled for the next step.
+      seconds: wall time of the decision: the probe, the agreement and any planning.
+    """
+
+    step: int
+    drift: float
+    predicted_gain: float | None
+    switched: bool
+    seconds: float
 
 
 class ReplanAgreementError(RuntimeError):
@@ -431,6 +450,7 @@ class Replanner:
         self.tag = tag                      # names this schedule's agreement messages
         self.steps = 0                      # steps run
         self.records: list[SwitchRecord] = []
+        self.decisions: list[Decision] = []
         self.window: dict = {}
         self.store: Any = None              # the key-value store (set on first use)
         self._round = 0
@@ -439,6 +459,7 @@ class Replanner:
         self._layers: tuple[LayerProfile, list[list[int]]] | None = None
         self._probes: dict[str, Callable] | None = None
         self._timing: SwitchRecord | None = None
+        self._last_gain: float | None = None
 
     # -- what the schedule calls -------------------------------------------------------------
     def step(self, state: Any, batch: Any, run: Callable, program: Callable, use: Callable) -> Any:
@@ -451,6 +472,8 @@ class Replanner:
         start = time.perf_counter()
         out = run(state, batch)
         current = program()
+        if self.steps == 0:
+            refuse_per_bucket_state(current)
         if self._timing is not None:
             jax.block_until_ready(out)
             self.records.append(self._timing._replace(first_step_s=time.perf_counter() - start))
@@ -487,6 +510,7 @@ class Replanner:
 
     # -- measuring and deciding --------------------------------------------------------------
     def measure_and_decide(self, program: Any) -> SwitchRecord | None:
+        start = time.perf_counter()
         self.window = update_window(self.window, self._probe(program), self.options.window,
                                     self.options.drift)
         costs = self._agreed(program, fit_window(self.window), "measured")
@@ -494,9 +518,14 @@ class Replanner:
         measured = measured_network(basis, costs)
         names = [n for n in program.strategy.cost.collectives() if n in costs]
         drift = drift_between(basis, measured, names, _mean_bucket_bytes(program))
-        if drift <= self.options.drift:
-            return None
-        return self._consider(program, measured, "measured", "measured", drift, self.options.min_gain)
+        record, gain = None, None
+        if drift > self.options.drift:
+            record = self._consider(program, measured, "measured", "measured", drift,
+                                    self.options.min_gain)
+            gain = self._last_gain
+        self.decisions.append(Decision(self.steps, drift, gain, record is not None,
+                                       time.perf_counter() - start))
+        return record
 
     def _consider(self, program: Any, network: Any, label: str, reason: str, drift: float,
                   min_gain: float | None) -> SwitchRecord | None:
@@ -522,6 +551,7 @@ class Replanner:
         before = predict(bucket_groups(old_paths, members, planned.paths))
         after = predict(groups)
         gain = 1.0 - after / before if before > 0 else 0.0
+        self._last_gain = 0.0 if new == old else gain
         # the plan now stands for this network (switching or not): drift is measured from it
         self._basis = without_engine_costs(planning)
         if new == old or (min_gain is not None and gain < min_gain):
@@ -578,6 +608,17 @@ class Replanner:
             measured = planned.layer_profile or planned.plan_options.get("layer_profile")
             self._layers = step_layer_profile(planned.analysis, planned.paths, measured)
         return self._layers
+
+
+def refuse_per_bucket_state(program: Any) -> None:
+    """Refuse a collective that carries state per bucket (error-feedback residuals, low-rank
+    factors): a new plan cuts the gradients differently, and carrying that state across
+    would be wrong numbers, so re-planning is refused rather than done approximately."""
+    template = program.strategy.collective_template(program.planned)
+    if jax.tree.leaves(template):
+        raise ValueError(f"replan= cannot be used with {type(program.strategy.collective).__name__}: "
+                         "it carries state per bucket, which a new bucket plan would not match; "
+                         "schedule this step without replan=, or with a stateless collective")
 
 
 def _mean_bucket_bytes(program: Any) -> float:

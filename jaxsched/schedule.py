@@ -155,6 +155,14 @@ class Scheduled:
             return self._state_form.inner.replans
         return [] if self._replanner is None else list(self._replanner.records)
 
+    @property
+    def replan_decisions(self) -> list:
+        """Every decision point of the monitor (:class:`~jaxsched.replan.Decision`: measured
+        drift, predicted gain, whether it switched, what the measurement cost)."""
+        if self._state_form is not None and self._state_form.inner is not None:
+            return self._state_form.inner.replan_decisions
+        return [] if self._replanner is None else list(self._replanner.decisions)
+
     def finalize(self, state: NamedTuple) -> tuple[Any, Any]:
         """Back to ordinary ``(params, opt_state)``, or the user's state object for a
         ``step(state, batch)`` (performs pending all-gathers)."""

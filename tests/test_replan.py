@@ -101,6 +101,16 @@ def test_switch_at_step_10_is_exact_and_switching_back_reuses_the_program(strate
     assert_trees_close(_plain(step, params, tx, mesh, 30, 16), sched.finalize(state))
 
 
+def test_replan_refuses_a_collective_with_state_per_bucket():
+    mesh, params, tx, step = _setup(2)
+    sched = jaxsched.schedule(step, strategy="wfbp", replan="auto", layer_profile=layer_profile(),
+                              network_profile=latency_bound(2),
+                              compression=jaxsched.compress.TopK(0.5))
+    state = sched.init(params, tx.init(params))
+    with pytest.raises(ValueError, match="carries state per bucket"):
+        sched(state, steps.shard_batch(next(batches(1, 4)), mesh))
+
+
 def test_replan_for_the_current_network_changes_nothing():
     mesh, params, tx, step = _setup(2)
     sched = jaxsched.schedule(step, strategy="wfbp", replan=Replan(every=1000),
@@ -129,6 +139,10 @@ def test_measured_drift_switches_at_a_decision_point():
     assert 0 <= alpha < 0.1 and beta > 0  # measured here, not the assumed 1 s
     assert records[0].drift > options.drift
     assert len(records[0].new_buckets) > len(records[0].old_buckets)
+    decisions = sched.replan_decisions
+    assert [d.step for d in decisions] == [4, 8] and decisions[0].switched
+    assert decisions[0].drift == records[0].drift and decisions[0].seconds > 0
+    assert decisions[0].predicted_gain == records[0].predicted_gain
     assert_trees_close(_plain(step, params, tx, mesh, 10, 16), sched.finalize(state))
 
 
