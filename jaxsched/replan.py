@@ -7,9 +7,10 @@ scheduled step keeps measuring the network and switches to a new plan when it dr
 * **measured**: every ``every`` steps, once the step's outputs are ready (the network is
   idle), every process times a small *probe*: each collective the strategy sends (``wfbp``:
   all-reduce; ``dear``: reduce-scatter and all-gather) at two sizes, ``repeats`` times, on
-  the step's own mesh. α and β are fitted per collective from the medians of a sliding
-  window of the last ``window`` samples per size (a window is restarted when the newest
-  round disagrees with it by more than ``drift``, so a step change is followed at once).
+  the step's own mesh. Each measurement keeps the fastest of its ``repeats`` timings per size
+  (load on a shared host only adds time); α and β are fitted per collective through the
+  medians of a sliding window of the last ``window`` measurements (restarted when the
+  newest disagrees with it by more than ``drift``, so a step change is followed at once).
 * **agreed**: the processes exchange their estimates through jax.distributed's key-value
   store and all take the slowest (largest α and β): every process computes the same
   decision from the same numbers, so all switch at the same step. A message that does not
@@ -27,7 +28,7 @@ scheduled step keeps measuring the network and switches to a new plan when it dr
 
 Example:
     >>> Replan(every=20, drift=0.3)
-    Replan(every=20, drift=0.3, min_gain=0.05, window=6, repeats=3, probe_bytes=(262144, 2097152), timeout_s=120.0)
+    Replan(every=20, drift=0.3, min_gain=0.05, window=3, repeats=3, probe_bytes=(4096, 2097152), timeout_s=120.0)
     >>> Replan(every=0)
     Traceback (most recent call last):
     ...
@@ -63,19 +64,19 @@ class Replan:
         which the planner runs again.
       min_gain: the simulator's predicted relative step-time gain the new plan must reach
         before the step switches to it.
-      window: samples per probe size kept in the sliding window (``repeats`` per
-        measurement).
-      repeats: timings of each probe collective per measurement.
-      probe_bytes: the two probe sizes, bytes per collective (the fit needs two).
+      window: measurements kept in the sliding window.
+      repeats: timings of each probe collective per measurement (the fastest is kept).
+      probe_bytes: the two probe sizes, bytes per collective: a small one that costs about
+        α, a large one that costs mostly β.
       timeout_s: how long a process waits for the others' estimates before it raises.
     """
 
     every: int = 50
     drift: float = 0.2
     min_gain: float = 0.05
-    window: int = 6
+    window: int = 3
     repeats: int = 3
-    probe_bytes: tuple[int, int] = (1 << 18, 1 << 21)
+    probe_bytes: tuple[int, int] = (1 << 12, 1 << 21)
     timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
@@ -96,8 +97,8 @@ class Replan:
             raise bad("min_gain", "a number in [0, 1) (predicted relative gain, e.g. 0.05)")
         if not is_int(self.repeats) or self.repeats < 1:
             raise bad("repeats", "an int >= 1")
-        if not is_int(self.window) or self.window < self.repeats:
-            raise bad("window", f"an int >= repeats ({self.repeats})")
+        if not is_int(self.window) or self.window < 1:
+            raise bad("window", "an int >= 1 (measurements kept)")
         sizes = tuple(self.probe_bytes) if isinstance(self.probe_bytes, (tuple, list)) else ()
         if len(sizes) != 2 or not all(is_int(s) and s >= 64 for s in sizes) or sizes[0] >= sizes[1]:
             raise bad("probe_bytes", "two increasing sizes in bytes, each >= 64")
@@ -184,25 +185,26 @@ Samples = Mapping[str, Mapping[int, Sequence[float]]]  # collective -> bytes -> 
 
 
 def update_window(window: Samples, new: Samples, size: int, drift: float) -> dict:
-    """The sliding window after a measurement: the last ``size`` samples per collective and
-    probe size; a collective's samples restart from ``new`` alone when the median of ``new``
-    differs from the window's by more than ``drift`` at any size (a step change).
+    """The sliding window after a measurement ``new`` (per collective and probe size, its
+    timings): each size keeps the fastest timing of each of the last ``size`` measurements;
+    a collective's window restarts from ``new`` alone when it differs from the window's
+    median by more than ``drift`` at every size (a step change, not one noisy size).
 
-    >>> w = update_window({}, {"all_reduce": {8: [1.0, 1.0]}}, 4, 0.2)
-    >>> update_window(w, {"all_reduce": {8: [1.1]}}, 4, 0.2)["all_reduce"][8]
-    [1.0, 1.0, 1.1]
-    >>> update_window(w, {"all_reduce": {8: [3.0]}}, 4, 0.2)["all_reduce"][8]
+    >>> w = update_window({}, {"all_reduce": {8: [1.0, 1.2]}}, 3, 0.2)
+    >>> update_window(w, {"all_reduce": {8: [1.1, 1.5]}}, 3, 0.2)["all_reduce"][8]
+    [1.0, 1.1]
+    >>> update_window(w, {"all_reduce": {8: [3.0, 3.1]}}, 3, 0.2)["all_reduce"][8]
     [3.0]
     """
     out: dict = {}
     for name, sizes in new.items():
         old = window.get(name, {})
-        jumped = any(nbytes in old and old[nbytes] and
-                     abs(statistics.median(times) / statistics.median(old[nbytes]) - 1) > drift
-                     for nbytes, times in sizes.items())
-        out[name] = {nbytes: (list(times) if jumped else
-                              (list(old.get(nbytes, [])) + list(times)))[-size:]
-                     for nbytes, times in sizes.items()}
+        fastest = {nbytes: min(times) for nbytes, times in sizes.items() if times}
+        jumped = bool(fastest) and all(
+            old.get(nbytes) and abs(t / statistics.median(old[nbytes]) - 1) > drift
+            for nbytes, t in fastest.items())
+        out[name] = {nbytes: ([t] if jumped else list(old.get(nbytes, [])) + [t])[-size:]
+                     for nbytes, t in fastest.items()}
     return out
 
 
