@@ -130,8 +130,9 @@ class SwitchRecord(NamedTuple):
       step: the number of steps run before the new plan's first step.
       reason: ``"measured"`` (drift seen by the monitor) or ``"requested"`` (``sched.replan``).
       network: what the new plan was made for: ``"measured"`` or the preset's name.
-      alpha_s, beta_s_per_byte: per collective the strategy sends, the α-β the plan was made
-        for (``{"all_reduce": (alpha_s, beta_s_per_byte)}``).
+      alpha_beta: per collective the strategy sends, the network's α-β the new plan was made
+        for, measured or given (``{"all_reduce": (alpha_s, beta_s_per_byte)}``; the engine's
+        fixed cost per collective, which planning adds to α, is not included).
       drift: the measured drift that triggered it (0 for a requested switch without a measurement).
       old_buckets, new_buckets: the plans, as lists of parameter paths.
       predicted_old_s, predicted_new_s: the simulator's step time of each plan on that network.
@@ -320,6 +321,11 @@ class KeyValueStore:
     def get(self, key: str, timeout_s: float) -> str:
         return self.client.blocking_key_value_get(key, int(timeout_s * 1000))
 
+    def count(self, key: str) -> int:
+        """1, 2, ... on successive calls with ``key`` (this process's own counter in the
+        store): schedules made in the same order on every process get the same number."""
+        return int(self.client.key_value_increment(key, 1))
+
 
 def agree(store: Any, prefix: str, round_: int, message: Mapping[str, Any], processes: int,
           process: int, timeout_s: float) -> list[dict]:
@@ -456,6 +462,7 @@ class Replanner:
         self.window: dict = {}
         self.store: Any = None              # the key-value store (set on first use)
         self._round = 0
+        self._prefix: str | None = None     # this schedule's messages in the store
         self._pending: tuple[tuple, SwitchRecord] | None = None
         self._basis: NetworkProfile | None = None   # the network the current plan assumes
         self._layers: tuple[LayerProfile, list[list[int]]] | None = None
@@ -558,7 +565,7 @@ class Replanner:
         self._basis = without_engine_costs(planning)
         if new == old or (min_gain is not None and gain < min_gain):
             return None
-        alpha_beta = {n: (planning.cost(n).alpha_s, planning.cost(n).beta_s_per_byte)
+        alpha_beta = {n: (self._basis.cost(n).alpha_s, self._basis.cost(n).beta_s_per_byte)
                       for n in pattern.collectives()}
         record = SwitchRecord(self.steps, reason, label, alpha_beta, drift,
                               tuple(map(tuple, old_paths)), tuple(map(tuple, new_paths)),
@@ -573,11 +580,15 @@ class Replanner:
             return dict(costs)
         if self.store is None:
             self.store = KeyValueStore()
+        if self._prefix is None:  # two schedules of one step must not share messages
+            pid = jax.process_index()
+            self._prefix = (f"jaxsched/replan/{self.tag}/"
+                            f"{self.store.count(f'jaxsched/replan/{self.tag}/schedules/{pid}')}")
         self._round += 1
         message = {"step": self.steps, "kind": kind,
                    "plan": _digest(plan_key(program_buckets(program))),
                    "costs": {n: [c.alpha_s, c.beta_s_per_byte] for n, c in costs.items()}}
-        received = agree(self.store, f"jaxsched/replan/{self.tag}", self._round, message,
+        received = agree(self.store, self._prefix, self._round, message,
                          jax.process_count(), jax.process_index(), self.options.timeout_s)
         return slowest([{n: tuple(v) for n, v in m["costs"].items()} for m in received])
 
