@@ -33,10 +33,83 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import jaxsched.launch
+
+#: the replanned schedule's first call is a warm-up: its call ``n`` is benchmark step ``n - 2``
+WARM_UP_CALLS = 1
+
+
+def summarize(report: dict) -> dict:
+    """Per phase and per switch, what the raw step times say (adds ``phases`` to ``report``).
+
+    A decision taken after the replanned schedule's call ``d.step`` follows benchmark step
+    ``d.step - 1 - WARM_UP_CALLS``; a switch record's ``step`` counts the calls before the
+    new plan's first one, so that first step is benchmark step ``step - WARM_UP_CALLS``.
+    Each switch's measured gain is taken over the steps it ran after its first one (which
+    traces and compiles) and before the next switch, against the static plan's same steps.
+    """
+    times, out = report["step_s"], []
+    for d in report["decisions"]:
+        d["after_benchmark_step"] = d["step"] - 1 - WARM_UP_CALLS
+    firsts = [r["step"] - WARM_UP_CALLS for r in report["replans"]]
+    for k, r in enumerate(report["replans"]):
+        first = firsts[k]
+        end = firsts[k + 1] if k + 1 < len(firsts) else len(times["replan"])
+        r["first_benchmark_step"] = first
+        seg = (first + 1, end)
+        if seg[1] - seg[0] >= 5:
+            s_med = statistics.median(times["static"][seg[0]:seg[1]])
+            r_med = statistics.median(times["replan"][seg[0]:seg[1]])
+            r.update({"measured_over": list(seg), "static_median_s": s_med, "replan_median_s": r_med,
+                      "measured_gain": 1 - r_med / s_med})
+    for (lo, hi, bandwidth), bound in zip(report["phase_steps"], report["bounds"]):
+        med = {n: statistics.median(times[n][lo:hi]) for n in times}
+        switches = [r for r in report["replans"] if lo <= r["first_benchmark_step"] < hi]
+        for r in switches:
+            r["first_step_over_phase_median_s"] = r["first_step_s"] - med["replan"]
+        out.append({"steps": [lo, hi], "bandwidth": bandwidth, "static_median_s": med["static"],
+                    "replan_median_s": med["replan"], **bound,
+                    "replan_vs_static": med["replan"] / med["static"],
+                    "static_vs_ceiling": med["static"] / bound["ceiling_s"],
+                    "replan_vs_ceiling": med["replan"] / bound["ceiling_s"],
+                    "replans": [r["first_benchmark_step"] for r in switches],
+                    "monitor_s": sum(d["seconds"] for d in report["decisions"]
+                                     if lo <= d["after_benchmark_step"] < hi),
+                    "static_total_s": sum(times["static"][lo:hi]),
+                    "replan_total_s": sum(times["replan"][lo:hi])})
+    report["phases"] = out
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = [report["command"], "phase | link | static median | replan median | ceiling | "
+             "static total | replan total | monitoring | switches (first step)"]
+    for row in report["phases"]:
+        lines.append(f"{row['steps'][0]}-{row['steps'][1] - 1} | {row['bandwidth']} | "
+                     f"{row['static_median_s'] * 1e3:.0f} ms | {row['replan_median_s'] * 1e3:.0f} ms | "
+                     f"{row['ceiling_s'] * 1e3:.0f} ms | {row['static_total_s']:.1f} s | "
+                     f"{row['replan_total_s']:.1f} s | {row['monitor_s']:.2f} s | {row['replans']}")
+    for d in report["decisions"]:
+        gain = "-" if d["predicted_gain"] is None else f"{d['predicted_gain']:.1%}"
+        lines.append(f"decision after step {d['after_benchmark_step']}: drift {d['drift']:.2f}, "
+                     f"predicted gain {gain}, switched {d['switched']}, {d['seconds'] * 1e3:.0f} ms")
+    for r in report["replans"]:
+        measured = f", measured {r['measured_gain']:.1%} over steps {r['measured_over']}" \
+            if "measured_gain" in r else ""
+        lines.append(f"switch, first step {r['first_benchmark_step']}: {len(r['old_buckets'])} -> "
+                     f"{len(r['new_buckets'])} buckets, predicted gain {r['predicted_gain']:.1%}"
+                     f"{measured}; first step {r['first_step_s']:.2f} s (reused={r['reused']})")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__" and "--summarize" in sys.argv:  # re-read a saved result, no cluster
+    saved = json.loads(Path(sys.argv[sys.argv.index("--summarize") + 1]).read_text())
+    print(format_report(summarize(saved)))
+    sys.exit(0)
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=300)
@@ -52,6 +125,7 @@ parser.add_argument("--every", type=int, default=None, help="Replan(every=...); 
 parser.add_argument("--min-gain", type=float, default=None, help="Replan(min_gain=...)")
 parser.add_argument("--no-pin", action="store_true", help="do not pin each process to a core")
 parser.add_argument("--json", help="write the result here (rank 0)")
+parser.add_argument("--summarize", metavar="JSON", help="print the report of a saved result and exit")
 args = parser.parse_args()
 
 if not args.no_pin:  # before JAX starts its thread pools, so that every thread inherits the core
@@ -207,57 +281,20 @@ for lo, hi, bandwidth in phases:
 set_links(args.fast)
 
 if rank == 0:
-    offset = 1  # the replanner's warm-up step
-    records = [r._asdict() for r in replan.replans]
-    for r in records:
-        r["benchmark_step"] = r["step"] - offset
-        r["old_buckets"] = [list(x) for x in r["old_buckets"]]
-        r["new_buckets"] = [list(x) for x in r["new_buckets"]]
-    decisions = [{**d._asdict(), "benchmark_step": d.step - offset} for d in replan.replan_decisions]
-    rows_out = []
-    for (lo, hi, bandwidth), bound in zip(phases, bounds):
-        med = {n: statistics.median(times[n][lo:hi]) for n in times}
-        switches = [r for r in records if lo <= r["benchmark_step"] < hi]
-        after = max([lo] + [r["benchmark_step"] + 1 for r in switches])
-        row = {"steps": [lo, hi], "bandwidth": bandwidth, "static_median_s": med["static"],
-               "replan_median_s": med["replan"], **bound,
-               "replan_vs_static": med["replan"] / med["static"],
-               "static_vs_ceiling": med["static"] / bound["ceiling_s"],
-               "replan_vs_ceiling": med["replan"] / bound["ceiling_s"],
-               "replans": [r["benchmark_step"] for r in switches],
-               "monitor_s": sum(d["seconds"] for d in decisions if lo <= d["benchmark_step"] < hi),
-               "static_total_s": sum(times["static"][lo:hi]),
-               "replan_total_s": sum(times["replan"][lo:hi])}
-        if switches and after < hi:
-            s_after = statistics.median(times["static"][after:hi])
-            r_after = statistics.median(times["replan"][after:hi])
-            row.update({"after_last_switch": [after, hi], "static_after_s": s_after,
-                        "replan_after_s": r_after, "measured_gain_after": 1 - r_after / s_after,
-                        "predicted_gain": switches[-1]["predicted_gain"]})
-        for r in switches:
-            r["first_step_over_phase_median_s"] = r["first_step_s"] - med["replan"]
-        rows_out.append(row)
     report = {"command": "jaxsched launch --hosts 2 --cluster --prefix jxr --cpu-devices 2 -- python "
                          "benchmarks/replan_cluster.py " + " ".join(
                              f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                             if v is not None and k not in ("json", "no_pin")),
+                             if v is not None and k not in ("json", "no_pin", "summarize")),
               "processes": nproc, "batch_per_process": rows, "calibration": calibration,
               "model": {"width": width, "depth": depth, "gradient_bytes": int(4 * n_grads)},
               "replan_options": str(options), "first_plan": first_plan,
               "planned_network": network_profile.to_dict(),
-              "phases": rows_out, "replans": records, "decisions": decisions, "step_s": times}
-    text = json.dumps(report, indent=1, default=float)
+              "phase_steps": [[lo, hi, bw] for lo, hi, bw in phases], "bounds": bounds,
+              "replans": [{**r._asdict(), "old_buckets": [list(x) for x in r.old_buckets],
+                           "new_buckets": [list(x) for x in r.new_buckets]} for r in replan.replans],
+              "decisions": [d._asdict() for d in replan.replan_decisions], "step_s": times}
+    summarize(report)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text)
-    for row in rows_out:
-        print(f"steps {row['steps']} {row['bandwidth']}: static {row['static_median_s'] * 1e3:.0f} ms, "
-              f"replan {row['replan_median_s'] * 1e3:.0f} ms, ceiling {row['ceiling_s'] * 1e3:.0f} ms, "
-              f"replans at {row['replans']}")
-    for d in decisions:
-        print(f"decision at step {d['benchmark_step']}: drift {d['drift']:.2f}, predicted gain "
-              f"{d['predicted_gain']}, switched {d['switched']}, {d['seconds'] * 1e3:.0f} ms")
-    for r in records:
-        print(f"replan at step {r['benchmark_step']}: {len(r['old_buckets'])} -> {len(r['new_buckets'])} "
-              f"buckets, predicted gain {r['predicted_gain']:.1%}, first step {r['first_step_s']:.2f} s, "
-              f"reused={r['reused']}")
+        Path(args.json).write_text(json.dumps(report, indent=1, default=float))
+    print(format_report(report))
