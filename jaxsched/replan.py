@@ -28,7 +28,7 @@ scheduled step keeps measuring the network and switches to a new plan when it dr
 
 Example:
     >>> Replan(every=20, drift=0.3)
-    Replan(every=20, drift=0.3, min_gain=0.05, window=3, repeats=3, probe_bytes=(4096, 2097152), timeout_s=120.0)
+    Replan(every=20, drift=0.3, min_gain=0.05, window=3, repeats=3, probe_bytes=(4096, 2097152), timeout_s=120.0, monitor='auto')
     >>> Replan(every=0)
     Traceback (most recent call last):
     ...
@@ -54,6 +54,9 @@ __all__ = ["Decision", "KeyValueStore", "Replan", "ReplanAgreementError", "Repla
            "update_window", "without_engine_costs"]
 
 
+MONITORS = ("auto", "probe", "stages")
+
+
 @dataclasses.dataclass(frozen=True)
 class Replan:
     """When and how a scheduled step re-plans its buckets while it trains.
@@ -69,6 +72,10 @@ class Replan:
       probe_bytes: the two probe sizes, bytes per collective: a small one that costs about
         α, a large one that costs mostly β.
       timeout_s: how long a process waits for the others' estimates before it raises.
+      monitor: where measurements come from: ``"probe"`` (probe collectives, any engine),
+        ``"stages"`` (the host engine's own collective stages, timed on the ``repeats``
+        steps before each decision point: no extra traffic) or ``"auto"`` (stages on the
+        host engine, the probe elsewhere).
     """
 
     every: int = 50
@@ -78,6 +85,7 @@ class Replan:
     repeats: int = 3
     probe_bytes: tuple[int, int] = (1 << 12, 1 << 21)
     timeout_s: float = 120.0
+    monitor: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(field: str, why: str) -> ValueError:
@@ -105,6 +113,8 @@ class Replan:
         object.__setattr__(self, "probe_bytes", (int(sizes[0]), int(sizes[1])))
         if not is_num(self.timeout_s) or self.timeout_s <= 0:
             raise bad("timeout_s", "a number of seconds > 0")
+        if self.monitor not in MONITORS:
+            raise bad("monitor", f"one of {', '.join(map(repr, MONITORS))}")
         object.__setattr__(self, "timeout_s", float(self.timeout_s))
 
 
@@ -202,7 +212,8 @@ def update_window(window: Samples, new: Samples, size: int, drift: float) -> dic
         old = window.get(name, {})
         fastest = {nbytes: min(times) for nbytes, times in sizes.items() if times}
         jumped = bool(fastest) and all(
-            old.get(nbytes) and abs(t / statistics.median(old[nbytes]) - 1) > drift
+            old.get(nbytes) and statistics.median(old[nbytes]) > 0
+            and abs(t / statistics.median(old[nbytes]) - 1) > drift
             for nbytes, t in fastest.items())
         out[name] = {nbytes: ([t] if jumped else list(old.get(nbytes, [])) + [t])[-size:]
                      for nbytes, t in fastest.items()}
@@ -370,6 +381,78 @@ def slowest(estimates: Sequence[Mapping[str, Sequence[float]]]) -> dict[str, Col
                               max(e[n][1] for e in estimates if n in e)) for n in names}
 
 
+# -- the host engine's stages ----------------------------------------------------------------
+
+#: collective primitives of a communication stage, as the cost model names them
+STAGE_COLLECTIVES = {"psum": "all_reduce", "psum_invariant": "all_reduce",
+                     "reduce_scatter": "reduce_scatter", "psum_scatter": "reduce_scatter",
+                     "all_gather": "all_gather", "all_gather_invariant": "all_gather"}
+
+
+def stage_samples(stages: Sequence[Any], timings: Sequence[Any], min_bytes: int = 1024
+                  ) -> dict[str, dict[int, list[float]]]:
+    """Seconds each bucket collective of one staged step took (``done - started`` of its
+    stage, :class:`jaxsched.engine.host.StageTiming`), per collective and bytes; statistics
+    smaller than ``min_bytes`` (a loss's pmean) are left out."""
+    out: dict[str, dict[int, list[float]]] = {}
+    for stage, timing in zip(stages, timings, strict=True):
+        if stage.kind != "comm":
+            continue
+        eqn = stage.eqns[-1]
+        name = STAGE_COLLECTIVES.get(eqn.primitive.name)
+        nbytes = sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
+                     for v in eqn.invars if hasattr(v, "aval") and hasattr(v.aval, "shape"))
+        seconds = timing.done - timing.started
+        if name is None or nbytes < min_bytes or seconds <= 0:  # 0: no resolution, no sample
+            continue
+        out.setdefault(name, {}).setdefault(nbytes, []).append(seconds)
+    return out
+
+
+def merge_samples(a: Samples, b: Samples) -> dict:
+    out = {n: {k: list(v) for k, v in sizes.items()} for n, sizes in a.items()}
+    for n, sizes in b.items():
+        for k, v in sizes.items():
+            out.setdefault(n, {}).setdefault(k, []).extend(v)
+    return out
+
+
+def fit_or_scale(window: Samples, reference: Mapping[str, CollectiveCost]) -> dict[str, CollectiveCost]:
+    """α-β per collective from ``window``: fitted where it holds two sizes or more, else
+    (one bucket size) ``reference``'s α with β through the one median."""
+    costs = fit_window(window)
+    for name, sizes in window.items():
+        if name in costs or not sizes or name not in reference:
+            continue
+        nbytes, times = max(sizes.items())
+        alpha = reference[name].alpha_s
+        costs[name] = CollectiveCost(alpha, max(0.0, statistics.median(times) - alpha) / nbytes)
+    return costs
+
+
+def relative_network(basis: NetworkProfile, reference: Mapping[str, CollectiveCost],
+                     now: Mapping[str, CollectiveCost]) -> NetworkProfile:
+    """``basis`` moved as the measurements moved since ``reference``: β scaled by the ratio,
+    α shifted by the difference (a method that times more than the collective, such as a
+    stage's copies, is compared with itself, not with the profile ``basis`` came from).
+
+    >>> from jaxsched.costmodel import network_preset
+    >>> net = relative_network(network_preset("1gbe", 2), {"all_reduce": CollectiveCost(1e-3, 1e-8)},
+    ...                        {"all_reduce": CollectiveCost(1e-3, 1e-7)})
+    >>> round(net.cost("all_reduce").beta_s_per_byte / network_preset("1gbe", 2).cost("all_reduce").beta_s_per_byte)
+    10
+    """
+    moved = {}
+    for name, cost in now.items():
+        if name not in reference or name not in basis.collectives:
+            continue
+        ref, base = reference[name], basis.collectives[name]
+        ratio = cost.beta_s_per_byte / ref.beta_s_per_byte if ref.beta_s_per_byte > 0 else 1.0
+        moved[name] = CollectiveCost(max(0.0, base.alpha_s + cost.alpha_s - ref.alpha_s),
+                                     base.beta_s_per_byte * ratio)
+    return measured_network(basis, moved)
+
+
 # -- the probe -------------------------------------------------------------------------------
 
 def probe_programs(mesh: Any, axis: Any, names: Sequence[str]) -> dict[str, Callable]:
@@ -462,6 +545,9 @@ class Replanner:
         self.window: dict = {}
         self.store: Any = None              # the key-value store (set on first use)
         self._round = 0
+        self._stages = False                # whether the host engine's stages are timed
+        self._stage_window: dict = {}       # stage timings since the last decision
+        self._reference: dict | None = None  # stage-timed α-β the current basis stands for
         self._prefix: str | None = None     # this schedule's messages in the store
         self._pending: tuple[tuple, SwitchRecord] | None = None
         self._basis: NetworkProfile | None = None   # the network the current plan assumes
@@ -483,15 +569,36 @@ class Replanner:
         current = program()
         if self.steps == 0:
             refuse_per_bucket_state(current)
+            self._stages = self._use_stages(current)
         if self._timing is not None:
             jax.block_until_ready(out)
             self.records.append(self._timing._replace(first_step_s=time.perf_counter() - start))
             self._timing = None
         self.steps += 1
+        if self._stages:
+            self._collect_stages(current)
         if self.steps % self.options.every == 0:
             jax.block_until_ready(out)  # probe an idle network, one multi-device call in flight
             self.measure_and_decide(current)
         return out
+
+    def _use_stages(self, program: Any) -> bool:
+        staged = hasattr(program.core, "record_timings") and hasattr(program.core, "stages")
+        if self.options.monitor == "stages" and not staged:
+            raise ValueError("Replan(monitor='stages') times the host engine's collective stages; "
+                             f"this step runs on the {program.engine.name!r} engine: use "
+                             "monitor='probe' (or 'auto')")
+        return staged and self.options.monitor in ("auto", "stages")
+
+    def _collect_stages(self, program: Any) -> None:
+        """Keep the stage timings of the step that ran; time the next one if it is among the
+        ``repeats`` steps before a decision point (timing costs a thread per stage)."""
+        core = program.core
+        while core.timings:
+            self._stage_window = merge_samples(self._stage_window,
+                                               stage_samples(core.stages, core.timings.pop(0)))
+        left = self.options.every - self.steps % self.options.every
+        core.record_timings = left <= self.options.repeats
 
     def request(self, program: Any, network: Any = None) -> SwitchRecord | None:
         """Plan now for ``network`` (a :class:`NetworkProfile` or preset name; None: the
@@ -520,11 +627,21 @@ class Replanner:
     # -- measuring and deciding --------------------------------------------------------------
     def measure_and_decide(self, program: Any) -> SwitchRecord | None:
         start = time.perf_counter()
-        self.window = update_window(self.window, self._probe(program), self.options.window,
-                                    self.options.drift)
-        costs = self._agreed(program, fit_window(self.window), "measured")
+        if self._stages:
+            new, self._stage_window = self._stage_window, {}
+            if not new:  # a switch just happened: this plan's stages were not timed yet
+                return None
+        else:
+            new = self._probe(program)
+        self.window = update_window(self.window, new, self.options.window, self.options.drift)
         basis = self._basis_for(program)
-        measured = measured_network(basis, costs)
+        costs = self._agreed(program, fit_or_scale(self.window, basis.collectives), "measured")
+        if self._stages:  # compared with themselves: the first measurement is the reference
+            if self._reference is None:
+                self._reference = costs
+            measured = relative_network(basis, self._reference, costs)
+        else:
+            measured = measured_network(basis, costs)
         names = [n for n in program.strategy.cost.collectives() if n in costs]
         drift = drift_between(basis, measured, names, _mean_bucket_bytes(program))
         record, gain = None, None
@@ -532,6 +649,8 @@ class Replanner:
             record = self._consider(program, measured, "measured", "measured", drift,
                                     self.options.min_gain)
             gain = self._last_gain
+            if self._stages:  # the agreed numbers the new basis stands for
+                self._reference = costs
         self.decisions.append(Decision(self.steps, drift, gain, record is not None,
                                        time.perf_counter() - start))
         return record
@@ -563,6 +682,7 @@ class Replanner:
         self._last_gain = 0.0 if new == old else gain
         # the plan now stands for this network (switching or not): drift is measured from it
         self._basis = without_engine_costs(planning)
+        self._reference = None  # stage timings: the next measurement is the new reference
         if new == old or (min_gain is not None and gain < min_gain):
             return None
         alpha_beta = {n: (self._basis.cost(n).alpha_s, self._basis.cost(n).beta_s_per_byte)

@@ -2,7 +2,9 @@
 ``python replan_worker.py PORT RANK OUT STRATEGY MODE``.
 
 MODE ``switch``: 30 steps with a forced switch of plan before step 10; rank 0 writes the
-finalized params and the bucket counts before and after. MODE ``lost`` / ``corrupt``:
+finalized params and the bucket counts before and after. MODE ``stages``: the same on the
+host engine (two local devices per process), monitored from its stage timings every 8
+steps. MODE ``lost`` / ``corrupt``:
 monitoring every 5 steps, with rank 1's agreement message dropped or garbled; the process
 must exit with a ReplanAgreementError, not hang.
 """
@@ -11,7 +13,7 @@ import sys
 import jax
 
 port, rank, out, strategy, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-jax.config.update("jax_num_cpu_devices", 1)
+jax.config.update("jax_num_cpu_devices", 2 if mode == "stages" else 1)
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank,
                            initialization_timeout=60)
 
@@ -40,28 +42,35 @@ class FaultyStore(KeyValueStore):
 
 params, apply = tanh_mlp()
 tx = optimizer()
-mesh = jax.make_mesh((2,), ("data",))
+mesh_devices = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+                for p in range(2)]  # one device per process; the spare one carries collectives
+mesh = jax.sharding.Mesh(np.array(mesh_devices), ("data",))
 step = steps.make_step(apply, tx, mesh)
-options = jaxsched.Replan(every=1000) if mode == "switch" else jaxsched.Replan(every=5, timeout_s=5)
+options = {"switch": jaxsched.Replan(every=1000),
+           "stages": jaxsched.Replan(every=8, monitor="stages", min_gain=0.5)}.get(
+               mode, jaxsched.Replan(every=5, timeout_s=5))
 sched = jaxsched.schedule(step, strategy=strategy, replan=options, layer_profile=layer_profile(),
                           network_profile=latency_bound(2))
-if mode != "switch" and rank == 1:
+if mode in ("lost", "corrupt") and rank == 1:
     sched._replanner.store = FaultyStore(mode)
 state = sched.init(params, tx.init(params))
 sharding = NamedSharding(mesh, P("data"))
 counts = []
 for n, (x, y) in enumerate(batches(30, 8)):
-    if mode == "switch" and n == 10:
+    if mode in ("switch", "stages") and n == 10:
         counts.append(len(sched.program.buckets))
         assert sched.replan(network=bandwidth_bound(2)) is not None
     local = (x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
     batch = jax.tree.map(lambda a: jax.make_array_from_process_local_data(sharding, a), local)
     state, aux = sched(state, batch)
     jax.block_until_ready(aux)
-    if mode == "switch" and n == 10:
+    if mode in ("switch", "stages") and n == 10:
         counts.append(len(sched.program.buckets))
+if mode == "stages":
+    assert sched.program.engine.name == "host", sched.program.engine
 final_params, _ = sched.finalize(state)
 if rank == 0:
     np.savez(out, *leaves(final_params), counts=np.asarray(counts),
-             steps=np.asarray([r.step for r in sched.replans]))
+             steps=np.asarray([r.step for r in sched.replans]),
+             decisions=np.asarray([d.step for d in sched.replan_decisions]))
 jax.distributed.shutdown()

@@ -15,8 +15,8 @@ import jaxsched
 from jaxsched import steps
 from jaxsched.costmodel import network_preset
 from jaxsched.replan import (Replan, ReplanAgreementError, agree, as_replan, bucket_groups,
-                             drift_between, fit_window, measured_network, plan_key, slowest,
-                             update_window)
+                             drift_between, fit_or_scale, fit_window, measured_network, plan_key,
+                             slowest, stage_samples, update_window)
 from equivalence import assert_trees_close
 from replan_model import (bandwidth_bound, batches, latency_bound, layer_profile, leaves, optimizer,
                           tanh_mlp)
@@ -31,7 +31,7 @@ HERE = Path(__file__).parent
     ({"drift": float("nan")}, "drift"), ({"min_gain": 1.0}, "min_gain"),
     ({"min_gain": -0.1}, "min_gain"), ({"window": 0}, "window"),
     ({"probe_bytes": (4096,)}, "probe_bytes"), ({"probe_bytes": (8192, 4096)}, "probe_bytes"),
-    ({"timeout_s": 0}, "timeout_s"), ({"every": True}, "every")])
+    ({"timeout_s": 0}, "timeout_s"), ({"every": True}, "every"), ({"monitor": "psychic"}, "monitor")])
 def test_replan_refuses_bad_fields(kwargs, field):
     with pytest.raises(ValueError, match=f"Replan\\({field}="):
         Replan(**kwargs)
@@ -164,6 +164,36 @@ def test_window_fit_and_drift():
     assert bucket_groups([["l1/w"], ["l0/w", "l0/b"]], [[0, 1], [2]], ["l0/b", "l0/w", "l1/w"]) == [[0], [1]]
 
 
+def test_stage_timings_become_samples():
+    """The host engine's stage timings, as the monitor reads them: bucket collectives only."""
+    from types import SimpleNamespace as NS
+    from jaxsched.engine.host import StageTiming
+
+    def eqn(prim, *shapes):
+        return NS(primitive=NS(name=prim), invars=[NS(aval=NS(shape=s, dtype=np.float32)) for s in shapes])
+
+    stages = [NS(kind="compute", eqns=[eqn("dot_general", (4, 4))]),
+              NS(kind="comm", eqns=[eqn("psum", (1000,))]),
+              NS(kind="comm", eqns=[eqn("psum", (3,))]),  # a loss: not a bucket
+              NS(kind="comm", eqns=[eqn("reshape", (10, 100)), eqn("reduce_scatter", (2000,))])]
+    timings = [StageTiming(s.kind, "", 0.0, start, end) for s, (start, end) in
+               zip(stages, [(0, 1), (1.0, 1.5), (1.5, 1.6), (2.0, 2.25)])]
+    assert stage_samples(stages, timings) == {"all_reduce": {4000: [0.5]}, "reduce_scatter": {8000: [0.25]}}
+    reference = network_preset("1gbe", 2).collectives
+    cost = fit_or_scale({"all_reduce": {4000: [0.5]}}, reference)["all_reduce"]  # one size: β only
+    assert cost.alpha_s == reference["all_reduce"].alpha_s
+    assert cost.alpha_s + cost.beta_s_per_byte * 4000 == pytest.approx(0.5)
+
+
+def test_stage_monitor_needs_the_host_engine():
+    mesh, params, tx, step = _setup(2)
+    sched = jaxsched.schedule(step, strategy="wfbp", replan=Replan(monitor="stages"),
+                              layer_profile=layer_profile(), network_profile=latency_bound(2))
+    state = sched.init(params, tx.init(params))
+    with pytest.raises(ValueError, match="monitor='probe'"):
+        sched(state, steps.shard_batch(next(batches(1, 4)), mesh))
+
+
 # -- agreement -------------------------------------------------------------------------------
 
 class DictStore:
@@ -249,6 +279,22 @@ def test_two_processes_switch_at_step_10_exactly(tmp_path, strategy):
     got = np.load(out)
     before, after = got["counts"]
     assert after > before and list(got["steps"]) == [10]
+    mesh, params, tx, step = _setup(2)
+    expected = leaves(_plain(step, params, tx, mesh, 30, 8)[0])
+    for k, leaf in enumerate(expected):
+        np.testing.assert_allclose(got[f"arr_{k}"], leaf, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_processes_on_the_host_engine_time_its_stages_and_stay_exact(tmp_path):
+    """Each process with a spare device: the host engine runs the step, and the monitor
+    reads its collective stages (no probe); a forced switch at step 10 stays exact."""
+    procs, logs, out = _two_processes(tmp_path, "wfbp", "stages")
+    assert all(p.returncode == 0 for p in procs), "\n---\n".join(logs)[-4000:]
+    got = np.load(out)
+    before, after = got["counts"]
+    assert after > before and 10 in list(got["steps"])
+    assert list(got["decisions"]) == [8, 16, 24]  # a decision every 8 steps, from stage timings
     mesh, params, tx, step = _setup(2)
     expected = leaves(_plain(step, params, tx, mesh, 30, 8)[0])
     for k, leaf in enumerate(expected):
