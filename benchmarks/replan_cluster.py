@@ -288,6 +288,7 @@ if rank == 0:
               "processes": nproc, "batch_per_process": rows, "calibration": calibration,
               "model": {"width": width, "depth": depth, "gradient_bytes": int(4 * n_grads)},
               "replan_options": str(options), "first_plan": first_plan,
+              "monitor": "stages" if replan._replanner._stages else "probe",
               "planned_network": network_profile.to_dict(),
               "phase_steps": [[lo, hi, bw] for lo, hi, bw in phases], "bounds": bounds,
               "replans": [{**r._asdict(), "old_buckets": [list(x) for x in r.old_buckets],

@@ -51,7 +51,8 @@ from jaxsched.costmodel import CollectiveCost, LayerProfile, NetworkProfile
 
 __all__ = ["Decision", "KeyValueStore", "Replan", "ReplanAgreementError", "Replanner", "SwitchRecord",
            "as_replan", "bucket_groups", "drift_between", "fit_window", "measured_network",
-           "update_window", "without_engine_costs"]
+           "scaled_network", "stage_samples", "update_window", "window_ratio",
+           "without_engine_costs"]
 
 
 MONITORS = ("auto", "probe", "stages")
@@ -195,9 +196,11 @@ class ReplanAgreementError(RuntimeError):
 Samples = Mapping[str, Mapping[int, Sequence[float]]]  # collective -> bytes -> seconds
 
 
-def update_window(window: Samples, new: Samples, size: int, drift: float) -> dict:
+def update_window(window: Samples, new: Samples, size: int, drift: float,
+                  reduce: Callable[[Sequence[float]], float] = min) -> dict:
     """The sliding window after a measurement ``new`` (per collective and probe size, its
-    timings): each size keeps the fastest timing of each of the last ``size`` measurements;
+    timings): each size keeps the fastest timing (``reduce``) of each of the last ``size``
+    measurements;
     a collective's window restarts from ``new`` alone when it differs from the window's
     median by more than ``drift`` at every size (a step change, not one noisy size).
 
@@ -210,7 +213,7 @@ def update_window(window: Samples, new: Samples, size: int, drift: float) -> dic
     out: dict = {}
     for name, sizes in new.items():
         old = window.get(name, {})
-        fastest = {nbytes: min(times) for nbytes, times in sizes.items() if times}
+        fastest = {nbytes: reduce(times) for nbytes, times in sizes.items() if times}
         jumped = bool(fastest) and all(
             old.get(nbytes) and statistics.median(old[nbytes]) > 0
             and abs(t / statistics.median(old[nbytes]) - 1) > drift
@@ -389,11 +392,12 @@ STAGE_COLLECTIVES = {"psum": "all_reduce", "psum_invariant": "all_reduce",
                      "all_gather": "all_gather", "all_gather_invariant": "all_gather"}
 
 
-def stage_samples(stages: Sequence[Any], timings: Sequence[Any], min_bytes: int = 1024
+def stage_samples(stages: Sequence[Any], timings: Sequence[Any], min_bytes: int = 1 << 16
                   ) -> dict[str, dict[int, list[float]]]:
-    """Seconds each bucket collective of one staged step took (``done - started`` of its
-    stage, :class:`jaxsched.engine.host.StageTiming`), per collective and bytes; statistics
-    smaller than ``min_bytes`` (a loss's pmean) are left out."""
+    """Seconds each large collective of one staged step took (``done - started`` of its
+    stage, :class:`jaxsched.engine.host.StageTiming`), per collective and bytes. Collectives
+    smaller than ``min_bytes`` are left out: their time is mostly start-up and the timing
+    thread's wake-up, not the network's bandwidth (a loss's pmean, packed biases)."""
     out: dict[str, dict[int, list[float]]] = {}
     for stage, timing in zip(stages, timings, strict=True):
         if stage.kind != "comm":
@@ -417,40 +421,34 @@ def merge_samples(a: Samples, b: Samples) -> dict:
     return out
 
 
-def fit_or_scale(window: Samples, reference: Mapping[str, CollectiveCost]) -> dict[str, CollectiveCost]:
-    """α-β per collective from ``window``: fitted where it holds two sizes or more, else
-    (one bucket size) ``reference``'s α with β through the one median."""
-    costs = fit_window(window)
-    for name, sizes in window.items():
-        if name in costs or not sizes or name not in reference:
-            continue
-        nbytes, times = max(sizes.items())
-        alpha = reference[name].alpha_s
-        costs[name] = CollectiveCost(alpha, max(0.0, statistics.median(times) - alpha) / nbytes)
-    return costs
+def window_ratio(reference: Samples, now: Samples) -> dict[str, float]:
+    """Per collective, how much longer the same bucket sizes take now than in ``reference``:
+    the sum of their medians now over the sum then (sizes in both windows only).
+
+    >>> window_ratio({"all_reduce": {8: [1.0], 16: [2.0]}}, {"all_reduce": {16: [20.0, 20.0]}})
+    {'all_reduce': 10.0}
+    """
+    ratios = {}
+    for name, sizes in now.items():
+        common = [n for n in sizes if sizes[n] and reference.get(name, {}).get(n)]
+        before = sum(statistics.median(reference[name][n]) for n in common)
+        if common and before > 0:
+            ratios[name] = sum(statistics.median(sizes[n]) for n in common) / before
+    return ratios
 
 
-def relative_network(basis: NetworkProfile, reference: Mapping[str, CollectiveCost],
-                     now: Mapping[str, CollectiveCost]) -> NetworkProfile:
-    """``basis`` moved as the measurements moved since ``reference``: β scaled by the ratio,
-    α shifted by the difference (a method that times more than the collective, such as a
-    stage's copies, is compared with itself, not with the profile ``basis`` came from).
+def scaled_network(basis: NetworkProfile, ratios: Mapping[str, float]) -> NetworkProfile:
+    """``basis`` with each collective's β multiplied by its ratio (α kept: a stage's time of a
+    large bucket says little about it); collectives without a ratio scale by their mean.
 
     >>> from jaxsched.costmodel import network_preset
-    >>> net = relative_network(network_preset("1gbe", 2), {"all_reduce": CollectiveCost(1e-3, 1e-8)},
-    ...                        {"all_reduce": CollectiveCost(1e-3, 1e-7)})
+    >>> net = scaled_network(network_preset("1gbe", 2), {"all_reduce": 10.0})
     >>> round(net.cost("all_reduce").beta_s_per_byte / network_preset("1gbe", 2).cost("all_reduce").beta_s_per_byte)
     10
     """
-    moved = {}
-    for name, cost in now.items():
-        if name not in reference or name not in basis.collectives:
-            continue
-        ref, base = reference[name], basis.collectives[name]
-        ratio = cost.beta_s_per_byte / ref.beta_s_per_byte if ref.beta_s_per_byte > 0 else 1.0
-        moved[name] = CollectiveCost(max(0.0, base.alpha_s + cost.alpha_s - ref.alpha_s),
-                                     base.beta_s_per_byte * ratio)
-    return measured_network(basis, moved)
+    costs = {n: CollectiveCost(basis.collectives[n].alpha_s, basis.collectives[n].beta_s_per_byte * r)
+             for n, r in ratios.items() if n in basis.collectives}
+    return measured_network(basis, costs)
 
 
 # -- the probe -------------------------------------------------------------------------------
@@ -547,7 +545,7 @@ class Replanner:
         self._round = 0
         self._stages = False                # whether the host engine's stages are timed
         self._stage_window: dict = {}       # stage timings since the last decision
-        self._reference: dict | None = None  # stage-timed α-β the current basis stands for
+        self._reference: dict | None = None  # the stage timings the current basis stands for
         self._prefix: str | None = None     # this schedule's messages in the store
         self._pending: tuple[tuple, SwitchRecord] | None = None
         self._basis: NetworkProfile | None = None   # the network the current plan assumes
@@ -606,11 +604,17 @@ class Replanner:
         next step boundary. Returns the pending switch, or None when the plan would not
         change. Every process must call it at the same step, as it calls the step."""
         if network is None:
-            if not self.window:
-                self.window = update_window({}, self._probe(program), self.options.window,
-                                            self.options.drift)
-            costs = self._agreed(program, fit_window(self.window), "request")
-            target, label = measured_network(self._basis_for(program), costs), "measured"
+            basis = self._basis_for(program)
+            if self._stages and self.window and self._reference is not None:
+                ratios = window_ratio(self._reference, self.window)
+                costs = self._agreed(program, {n: CollectiveCost(0.0, r) for n, r in ratios.items()},
+                                     "request")
+                target = scaled_network(basis, {n: c.beta_s_per_byte for n, c in costs.items()})
+            else:  # nothing measured the way the plan's network was: probe now
+                probed = update_window({}, self._probe(program), self.options.window,
+                                       self.options.drift)
+                target = measured_network(basis, self._agreed(program, fit_window(probed), "request"))
+            label = "measured"
         elif isinstance(network, str):
             target, label = network, network
         elif isinstance(network, NetworkProfile):
@@ -633,14 +637,20 @@ class Replanner:
                 return None
         else:
             new = self._probe(program)
-        self.window = update_window(self.window, new, self.options.window, self.options.drift)
         basis = self._basis_for(program)
-        costs = self._agreed(program, fit_or_scale(self.window, basis.collectives), "measured")
         if self._stages:  # compared with themselves: the first measurement is the reference
-            if self._reference is None:
-                self._reference = costs
-            measured = relative_network(basis, self._reference, costs)
+            self.window = update_window(self.window, new, self.options.window, self.options.drift,
+                                        statistics.median)
+            ratios = window_ratio(self._reference or {}, self.window)
+            if not ratios:  # the first measurement, or no size in common with the reference
+                self._reference, ratios = self.window, {n: 1.0 for n in self.window}
+            # agreed like α-β: the largest ratio of any process (carried as β)
+            costs = self._agreed(program, {n: CollectiveCost(0.0, r) for n, r in ratios.items()},
+                                 "measured")
+            measured = scaled_network(basis, {n: c.beta_s_per_byte for n, c in costs.items()})
         else:
+            self.window = update_window(self.window, new, self.options.window, self.options.drift)
+            costs = self._agreed(program, fit_window(self.window), "measured")
             measured = measured_network(basis, costs)
         names = [n for n in program.strategy.cost.collectives() if n in costs]
         drift = drift_between(basis, measured, names, _mean_bucket_bytes(program))
@@ -649,8 +659,8 @@ class Replanner:
             record = self._consider(program, measured, "measured", "measured", drift,
                                     self.options.min_gain)
             gain = self._last_gain
-            if self._stages:  # the agreed numbers the new basis stands for
-                self._reference = costs
+            if self._stages:  # the timings the new basis stands for
+                self._reference = self.window
         self.decisions.append(Decision(self.steps, drift, gain, record is not None,
                                        time.perf_counter() - start))
         return record

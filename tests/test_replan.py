@@ -15,7 +15,7 @@ import jaxsched
 from jaxsched import steps
 from jaxsched.costmodel import network_preset
 from jaxsched.replan import (Replan, ReplanAgreementError, agree, as_replan, bucket_groups,
-                             drift_between, fit_or_scale, fit_window, measured_network, plan_key,
+                             drift_between, fit_window, measured_network, plan_key,
                              slowest, stage_samples, update_window)
 from equivalence import assert_trees_close
 from replan_model import (bandwidth_bound, batches, latency_bound, layer_profile, leaves, optimizer,
@@ -111,6 +111,22 @@ def test_replan_refuses_a_collective_with_state_per_bucket():
         sched(state, steps.shard_batch(next(batches(1, 4)), mesh))
 
 
+def test_replan_without_a_network_plans_for_the_measured_one():
+    mesh, params, tx, step = _setup(2)
+    sched = jaxsched.schedule(step, strategy="wfbp", replan=Replan(every=1000),
+                              layer_profile=layer_profile(), network_profile=latency_bound(2))
+    state = sched.init(params, tx.init(params))
+    data = [steps.shard_batch(b, mesh) for b in batches(2, 4)]
+    state, _ = sched(state, data[0])
+    pending = sched.replan()  # probes now: far below the assumed 1 s per collective
+    assert pending is not None and pending.network == "measured" and pending.reason == "requested"
+    assert pending.alpha_beta["all_reduce"][0] < 0.1
+    state, _ = sched(state, data[1])
+    assert [r.step for r in sched.replans] == [1]
+    assert plan_key(sched.replans[0].new_buckets) == plan_key(
+        [[sched.program.planned.paths[i] for i in b.params] for b in sched.program.buckets])
+
+
 def test_replan_for_the_current_network_changes_nothing():
     mesh, params, tx, step = _setup(2)
     sched = jaxsched.schedule(step, strategy="wfbp", replan=Replan(every=1000),
@@ -165,24 +181,30 @@ def test_window_fit_and_drift():
 
 
 def test_stage_timings_become_samples():
-    """The host engine's stage timings, as the monitor reads them: bucket collectives only."""
+    """The host engine's stage timings, as the monitor reads them: large collectives only,
+    compared with the reference window by the ratio of their times."""
     from types import SimpleNamespace as NS
     from jaxsched.engine.host import StageTiming
+    from jaxsched.replan import scaled_network, window_ratio
 
     def eqn(prim, *shapes):
         return NS(primitive=NS(name=prim), invars=[NS(aval=NS(shape=s, dtype=np.float32)) for s in shapes])
 
     stages = [NS(kind="compute", eqns=[eqn("dot_general", (4, 4))]),
-              NS(kind="comm", eqns=[eqn("psum", (1000,))]),
+              NS(kind="comm", eqns=[eqn("psum", (100_000,))]),
               NS(kind="comm", eqns=[eqn("psum", (3,))]),  # a loss: not a bucket
-              NS(kind="comm", eqns=[eqn("reshape", (10, 100)), eqn("reduce_scatter", (2000,))])]
+              NS(kind="comm", eqns=[eqn("reshape", (10, 20_000)), eqn("reduce_scatter", (200_000,))]),
+              NS(kind="comm", eqns=[eqn("psum", (50_000,))])]  # no time resolved: no sample
     timings = [StageTiming(s.kind, "", 0.0, start, end) for s, (start, end) in
-               zip(stages, [(0, 1), (1.0, 1.5), (1.5, 1.6), (2.0, 2.25)])]
-    assert stage_samples(stages, timings) == {"all_reduce": {4000: [0.5]}, "reduce_scatter": {8000: [0.25]}}
-    reference = network_preset("1gbe", 2).collectives
-    cost = fit_or_scale({"all_reduce": {4000: [0.5]}}, reference)["all_reduce"]  # one size: β only
-    assert cost.alpha_s == reference["all_reduce"].alpha_s
-    assert cost.alpha_s + cost.beta_s_per_byte * 4000 == pytest.approx(0.5)
+               zip(stages, [(0, 1), (1.0, 1.5), (1.5, 1.6), (2.0, 2.25), (3.0, 3.0)])]
+    samples = stage_samples(stages, timings)
+    assert samples == {"all_reduce": {400_000: [0.5]}, "reduce_scatter": {800_000: [0.25]}}
+    slower = {"all_reduce": {400_000: [4.0, 6.0]}}
+    assert window_ratio(samples, slower) == {"all_reduce": 10.0}
+    basis = network_preset("1gbe", 2)
+    net = scaled_network(basis, window_ratio(samples, slower))
+    assert net.cost("all_reduce").beta_s_per_byte == pytest.approx(10 * basis.cost("all_reduce").beta_s_per_byte)
+    assert net.cost("all_reduce").alpha_s == basis.cost("all_reduce").alpha_s
 
 
 def test_stage_monitor_needs_the_host_engine():
