@@ -200,9 +200,9 @@ def update_window(window: Samples, new: Samples, size: int, drift: float,
                   reduce: Callable[[Sequence[float]], float] = min) -> dict:
     """The sliding window after a measurement ``new`` (per collective and probe size, its
     timings): each size keeps the fastest timing (``reduce``) of each of the last ``size``
-    measurements;
-    a collective's window restarts from ``new`` alone when it differs from the window's
-    median by more than ``drift`` at every size (a step change, not one noisy size).
+    measurements; a collective's window restarts from ``new`` alone when at every size it lies
+    outside the window's range by more than ``drift`` (a step change, not noise, which the
+    range already spans).
 
     >>> w = update_window({}, {"all_reduce": {8: [1.0, 1.2]}}, 3, 0.2)
     >>> update_window(w, {"all_reduce": {8: [1.1, 1.5]}}, 3, 0.2)["all_reduce"][8]
@@ -215,8 +215,8 @@ def update_window(window: Samples, new: Samples, size: int, drift: float,
         old = window.get(name, {})
         fastest = {nbytes: reduce(times) for nbytes, times in sizes.items() if times}
         jumped = bool(fastest) and all(
-            old.get(nbytes) and statistics.median(old[nbytes]) > 0
-            and abs(t / statistics.median(old[nbytes]) - 1) > drift
+            old.get(nbytes) and (t > max(old[nbytes]) * (1 + drift)
+                                 or t * (1 + drift) < min(old[nbytes]))
             for nbytes, t in fastest.items())
         out[name] = {nbytes: ([t] if jumped else list(old.get(nbytes, [])) + [t])[-size:]
                      for nbytes, t in fastest.items()}
