@@ -180,8 +180,11 @@ def make(reduce: bool):
 
 step, compute_only = make(True), make(False)
 n_grads = sum(np.size(leaf) for leaf in jax.tree.leaves(params))
-psum = lambda m: jax.jit(jax.shard_map(lambda g: lax.psum(g, "data"), mesh=m, in_specs=P("data"),
-                                       out_specs=P("data"), check_vma=False))
+def psum(m):
+    return jax.jit(jax.shard_map(lambda g: lax.psum(g, "data"), mesh=m, in_specs=P("data"),
+                                 out_specs=P("data"), check_vma=False))
+
+
 comm_only, spare_comm = psum(mesh), psum(spare_mesh)
 grads_like = jax.make_array_from_process_local_data(batch_sharding, np.ones((1, n_grads), np.float32))
 spare_grads = jax.make_array_from_process_local_data(NamedSharding(spare_mesh, P("data")),
@@ -257,7 +260,9 @@ def run(name: str, b) -> float:
 
 
 def ceiling(b) -> dict:
-    both = lambda: (spare_comm(spare_grads), compute_only(*state0, b))
+    def both():
+        return spare_comm(spare_grads), compute_only(*state0, b)
+
     return {"ceiling_s": median_time(both, repeats=3),
             "compute_s": median_time(compute_only, *state0, b, repeats=3),
             "comm_s": median_time(comm_only, grads_like, repeats=3)}

@@ -4,13 +4,15 @@ A bucket plan is optimal for one α-β network. When the links change under a ru
 (a neighbour's traffic, a degraded link), the optimum moves. With ``replan=`` the
 scheduled step keeps measuring the network and switches to a new plan when it drifted:
 
-* **measured**: every ``every`` steps, once the step's outputs are ready (the network is
-  idle), every process times a small *probe*: each collective the strategy sends (``wfbp``:
+* **measured**: every ``every`` steps is a decision point. On the host engine its own
+  collective stages are timed on the ``repeats`` steps before it (no extra traffic); the
+  times of the same large collectives, against those measured when the plan was made, scale
+  the plan's β. Elsewhere (or with ``monitor="probe"``), once the step's outputs are ready,
+  every process times a small *probe*: each collective the strategy sends (``wfbp``:
   all-reduce; ``dear``: reduce-scatter and all-gather) at two sizes, ``repeats`` times, on
-  the step's own mesh. Each measurement keeps the fastest of its ``repeats`` timings per size
-  (load on a shared host only adds time); α and β are fitted per collective through the
-  medians of a sliding window of the last ``window`` measurements (restarted when the
-  newest disagrees with it by more than ``drift``, so a step change is followed at once).
+  the step's own mesh, and α and β are fitted per collective. Either way the estimate is the
+  median of a sliding window of the last ``window`` measurements, restarted when the newest
+  leaves the window's range by more than ``drift`` (a step change is followed at once).
 * **agreed**: the processes exchange their estimates through jax.distributed's key-value
   store and all take the slowest (largest α and β): every process computes the same
   decision from the same numbers, so all switch at the same step. A message that does not
@@ -24,7 +26,9 @@ scheduled step keeps measuring the network and switches to a new plan when it dr
 * **switched**: at the next step boundary. Programs are cached per plan, so a network that
   alternates recompiles nothing after each plan's first use. The state is carried as it
   is: every built-in strategy's state layout is independent of the buckets (``dear``
-  shards each leaf flat, not each bucket), which :meth:`Replanner.carry` checks.
+  shards each leaf flat, not each bucket), so the new program's ``convert`` takes it
+  unchanged; a collective that carries state per bucket is refused
+  (:func:`refuse_per_bucket_state`).
 
 Example:
     >>> Replan(every=20, drift=0.3)
@@ -49,7 +53,7 @@ import numpy as np
 
 from jaxsched.costmodel import CollectiveCost, LayerProfile, NetworkProfile
 
-__all__ = ["Decision", "KeyValueStore", "Replan", "ReplanAgreementError", "Replanner", "SwitchRecord",
+__all__ = ["Decision", "KeyValueStore", "refuse_per_bucket_state", "Replan", "ReplanAgreementError", "Replanner", "SwitchRecord",
            "as_replan", "bucket_groups", "drift_between", "fit_window", "measured_network",
            "scaled_network", "stage_samples", "update_window", "window_ratio",
            "without_engine_costs"]
