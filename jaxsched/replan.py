@@ -396,7 +396,26 @@ STAGE_COLLECTIVES = {"psum": "all_reduce", "psum_invariant": "all_reduce",
                      "all_gather": "all_gather", "all_gather_invariant": "all_gather"}
 
 
-def stage_samples(stages: Sequence[Any], timings: Sequence[Any], min_bytes: int = 1 << 16
+#: collectives smaller than this are left out of the stage monitor when larger ones exist
+STAGE_MIN_BYTES = 1 << 16
+
+
+def stage_bytes(stage: Any) -> int:
+    """Bytes the collective of a communication stage sends (its operands)."""
+    eqn = stage.eqns[-1]
+    return sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
+               for v in eqn.invars if hasattr(v, "aval") and hasattr(v.aval, "shape"))
+
+
+def stage_threshold(stages: Sequence[Any]) -> int:
+    """The smallest collective the stage monitor reads: :data:`STAGE_MIN_BYTES`, or the
+    largest collective's size when none is that large (a small model)."""
+    sizes = [stage_bytes(s) for s in stages
+             if s.kind == "comm" and s.eqns[-1].primitive.name in STAGE_COLLECTIVES]
+    return min(STAGE_MIN_BYTES, max(sizes, default=STAGE_MIN_BYTES))
+
+
+def stage_samples(stages: Sequence[Any], timings: Sequence[Any], min_bytes: int = STAGE_MIN_BYTES
                   ) -> dict[str, dict[int, list[float]]]:
     """Seconds each large collective of one staged step took (``done - started`` of its
     stage, :class:`jaxsched.engine.host.StageTiming`), per collective and bytes. Collectives
@@ -406,10 +425,8 @@ def stage_samples(stages: Sequence[Any], timings: Sequence[Any], min_bytes: int 
     for stage, timing in zip(stages, timings, strict=True):
         if stage.kind != "comm":
             continue
-        eqn = stage.eqns[-1]
-        name = STAGE_COLLECTIVES.get(eqn.primitive.name)
-        nbytes = sum(int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
-                     for v in eqn.invars if hasattr(v, "aval") and hasattr(v.aval, "shape"))
+        name = STAGE_COLLECTIVES.get(stage.eqns[-1].primitive.name)
+        nbytes = stage_bytes(stage)
         seconds = timing.done - timing.started
         if name is None or nbytes < min_bytes or seconds <= 0:  # 0: no resolution, no sample
             continue
@@ -597,8 +614,9 @@ class Replanner:
         ``repeats`` steps before a decision point (timing costs a thread per stage)."""
         core = program.core
         while core.timings:
-            self._stage_window = merge_samples(self._stage_window,
-                                               stage_samples(core.stages, core.timings.pop(0)))
+            self._stage_window = merge_samples(
+                self._stage_window,
+                stage_samples(core.stages, core.timings.pop(0), stage_threshold(core.stages)))
         left = self.options.every - self.steps % self.options.every
         core.record_timings = left <= self.options.repeats
 
@@ -609,8 +627,10 @@ class Replanner:
         change. Every process must call it at the same step, as it calls the step."""
         if network is None:
             basis = self._basis_for(program)
-            if self._stages and self.window and self._reference is not None:
-                ratios = window_ratio(self._reference, self.window)
+            # the same branch on every process: what it decides by (decisions taken, not
+            # what this process happened to measure) is the same everywhere
+            if self._stages and self.decisions:
+                ratios = window_ratio(self._reference or {}, self.window)
                 costs = self._agreed(program, {n: CollectiveCost(0.0, r) for n, r in ratios.items()},
                                      "request")
                 target = scaled_network(basis, {n: c.beta_s_per_byte for n, c in costs.items()})
@@ -635,25 +655,26 @@ class Replanner:
     # -- measuring and deciding --------------------------------------------------------------
     def measure_and_decide(self, program: Any) -> SwitchRecord | None:
         start = time.perf_counter()
-        if self._stages:
-            new, self._stage_window = self._stage_window, {}
-            if not new:  # a switch just happened: this plan's stages were not timed yet
-                return None
-        else:
-            new = self._probe(program)
         basis = self._basis_for(program)
         if self._stages:  # compared with themselves: the first measurement is the reference
-            self.window = update_window(self.window, new, self.options.window, self.options.drift,
-                                        statistics.median)
-            ratios = window_ratio(self._reference or {}, self.window)
-            if not ratios:  # the first measurement, or no size in common with the reference
-                self._reference, ratios = self.window, {n: 1.0 for n in self.window}
+            # Every process takes part in the agreement below whatever it measured (nothing,
+            # right after a switch or when no stage was resolved): skipping it on one process
+            # only would put the processes out of step.
+            new, self._stage_window = self._stage_window, {}
+            ratios: dict[str, float] = {}
+            if new:
+                self.window = update_window(self.window, new, self.options.window,
+                                            self.options.drift, statistics.median)
+                ratios = window_ratio(self._reference or {}, self.window)
+                if not ratios:  # the first measurement, or no size in common with the reference
+                    self._reference, ratios = self.window, {n: 1.0 for n in self.window}
             # agreed like α-β: the largest ratio of any process (carried as β)
             costs = self._agreed(program, {n: CollectiveCost(0.0, r) for n, r in ratios.items()},
                                  "measured")
             measured = scaled_network(basis, {n: c.beta_s_per_byte for n, c in costs.items()})
         else:
-            self.window = update_window(self.window, new, self.options.window, self.options.drift)
+            self.window = update_window(self.window, self._probe(program), self.options.window,
+                                        self.options.drift)
             costs = self._agreed(program, fit_window(self.window), "measured")
             measured = measured_network(basis, costs)
         names = [n for n in program.strategy.cost.collectives() if n in costs]
@@ -740,10 +761,13 @@ class Replanner:
             planned = program.planned
             if planned.network_profile is not None:
                 self._basis = without_engine_costs(planned.network_profile)
-            else:  # a plan the user gave: its network is the first one measured
-                costs = fit_window(self.window)
+            else:  # a plan the user gave: its network is the first one probed (every process
+                # gets here at the same decision point: the probe is collective)
                 from jaxsched.costmodel import network_preset
 
+                probed = update_window({}, self._probe(program), self.options.window,
+                                       self.options.drift)
+                costs = self._agreed(program, fit_window(probed), "basis")
                 self._basis = measured_network(network_preset("1gbe", planned.axis_size), costs)
         return self._basis
 
