@@ -8,6 +8,7 @@ Example:
     >>> sorted(jaxsched.STRATEGIES)[:3]
     ['allreduce', 'approx', 'auto']
 """
+
 from __future__ import annotations
 
 import importlib
@@ -30,6 +31,8 @@ _EXPORTS: dict[str, str] = {
     "Layer": "jaxsched.sim.costmodel",
     "LayerProfile": "jaxsched.sim.costmodel",
     "NetworkProfile": "jaxsched.sim.costmodel",
+    "Replan": "jaxsched.pipeline.replan",
+    "ReplanAgreementError": "jaxsched.pipeline.replan",
     "RunResult": "jaxsched.demo.trainer",
     "STRATEGIES": "jaxsched._schedule",
     "SchedState": "jaxsched._schedule",
@@ -67,6 +70,8 @@ __all__ = [
     "Layer",
     "LayerProfile",
     "NetworkProfile",
+    "Replan",
+    "ReplanAgreementError",
     "RunResult",
     "STRATEGIES",
     "SchedState",
@@ -119,6 +124,7 @@ if TYPE_CHECKING:  # what static tools (type checkers, the API reference) read
     from jaxsched.demo.trainer import RunResult, train
     from jaxsched.integrations import kfac, nnx
     from jaxsched.plan import plan_buckets
+    from jaxsched.pipeline.replan import Replan, ReplanAgreementError
     from jaxsched.plan.profiling import profile_network, profile_zoo_model
     from jaxsched.runtime import compress
     from jaxsched.runtime.collectives import Collective, CollectiveWrapper

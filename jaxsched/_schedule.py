@@ -15,6 +15,7 @@ Example:
     >>> jax.tree.structure(new_params) == jax.tree.structure(params)
     True
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,6 +31,7 @@ from jaxsched.core.bucketing import param_paths
 from jaxsched.pipeline.program import Program, ProgramCache, retyped
 from jaxsched.pipeline.selection import build_program
 from jaxsched.pipeline.state_step import STATE, StateForm, UnsplitState, inputs_of, step_form, with_inputs
+from jaxsched.pipeline.replan import Replan, Replanner, SwitchRecord, as_replan, program_buckets, resolved_key
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
 from jaxsched.strategies.base import ScheduledState
 
@@ -41,32 +43,50 @@ __all__ = ["STRATEGIES", "SchedState", "Scheduled", "schedule"]
 class Scheduled:
     """A scheduled training step: ``init``, ``__call__``, ``finalize`` (see :func:`schedule`)."""
 
-    def __init__(self, step: Callable, strategy: str | Strategy = "dear", buckets: Any = None,
-                 compiler_options: dict[str, Any] | None = None, *, engine: str | Engine = "auto",
-                 collective: Collective | None = None, compression: Collective | None = None,
-                 **options: Any):
+    def __init__(
+        self,
+        step: Callable,
+        strategy: str | Strategy = "dear",
+        buckets: Any = None,
+        compiler_options: dict[str, Any] | None = None,
+        *,
+        engine: str | Engine = "auto",
+        collective: Collective | None = None,
+        compression: Collective | None = None,
+        replan: str | Replan | None = None,
+        **options: Any,
+    ):
         if not callable(step):
             raise TypeError(f"schedule() needs the user's train step, got {type(step).__name__}")
         if collective is not None and compression is not None:
-            raise TypeError("pass compression= or collective= (a compressor is a collective "
-                            "wrapper), not both")
+            raise TypeError("pass compression= or collective= (a compressor is a collective wrapper), not both")
         plan_options = {k: v for k, v in options.items() if k in PLAN_OPTIONS}
         strategy_options = {k: v for k, v in options.items() if k not in PLAN_OPTIONS}
         self.step = step
         try:
             self.strategy: Strategy = make_strategy(
-                strategy, collective=compression if collective is None else collective,
-                **strategy_options)
+                strategy, collective=compression if collective is None else collective, **strategy_options
+            )
         except TypeError as err:
             if not strategy_options:
                 raise
-            raise TypeError(f"schedule() got unknown options {sorted(strategy_options)}: neither "
-                            f"strategy {strategy!r} takes them ({err}) nor buckets='auto', whose "
-                            f"options are {', '.join(PLAN_OPTIONS)}") from None
+            raise TypeError(
+                f"schedule() got unknown options {sorted(strategy_options)}: neither "
+                f"strategy {strategy!r} takes them ({err}) nor buckets='auto', whose "
+                f"options are {', '.join(PLAN_OPTIONS)}"
+            ) from None
         engine_options = {} if compiler_options is None else {"compiler_options": compiler_options}
         self.engine: Engine = make_engine(engine, **engine_options)
+        self.replan_options = as_replan(replan)
+        if self.replan_options is not None and buckets is None:
+            buckets = "auto"  # re-planning plans; so does the first plan
         self.buckets_option = buckets
         self.plan_options = plan_options
+        #: monitors the network and switches plans (None without ``replan=``)
+        self._replanner = (
+            None if self.replan_options is None else Replanner(self.replan_options, getattr(step, "__name__", "step"))
+        )
+        self._plans: dict[Any, ProgramCache] = {}  # one program cache per bucket plan
         self._template: tuple[Any, Any] | None = None
         self._programs = ProgramCache(self._build)
         self._pending_state: ScheduledState | None = None
@@ -88,9 +108,11 @@ class Scheduled:
         """
         form = step_form(self.step, len(args), batch is not None)
         if self._form not in (None, form):
-            raise TypeError(f"this schedule was initialized in the {self._form} form "
-                            f"({'init(state)' if self._form == STATE else 'init(params, opt_state)'})"
-                            f"; sched.init got the {form} form's arguments")
+            raise TypeError(
+                f"this schedule was initialized in the {self._form} form "
+                f"({'init(state)' if self._form == STATE else 'init(params, opt_state)'})"
+                f"; sched.init got the {form} form's arguments"
+            )
         self._form = form
         if self._num_inputs is None:
             self._num_inputs = inputs_of(self.step, 1 if form == STATE else 2)
@@ -119,7 +141,41 @@ class Scheduled:
         tuple of a step's extra inputs and its batch), as ``verify`` and adapters call it."""
         if (form := self._state_form_for(state)) is not None:
             return form(state, batch)
+        if self._replanner is not None:
+            return self._replanner.step(state, batch, self._run, lambda: self._programs.last, self._use_buckets)
+        return self._run(state, batch)
+
+    def _run(self, state: ScheduledState, batch: Any) -> Any:
         return self._program_for(state, batch).run(state, batch)
+
+    def replan(self, network: Any = None) -> SwitchRecord | None:
+        """Re-plan the buckets now for ``network`` (a :class:`~jaxsched.sim.costmodel.NetworkProfile`
+        or a preset name such as ``"1gbe"``), or for the network measured while training when
+        none is given; the step switches at its next call. Returns the pending switch, or
+        None when the plan for that network is the current one. Needs ``replan=`` and one
+        step run; every process calls it at the same step (:mod:`jaxsched.pipeline.replan`)."""
+        if self._state_form is not None and self._state_form.inner is not None:
+            return self._state_form.inner.replan(network)
+        if self._replanner is None:
+            raise ValueError("sched.replan() needs a schedule made with replan='auto' or replan=jaxsched.Replan(...)")
+        if self._programs.last is None:
+            raise RuntimeError("sched.replan() needs the step traced first: call it once")
+        return self._replanner.request(self._programs.last, network)
+
+    @property
+    def replans(self) -> list[SwitchRecord]:
+        """Every switch of plan so far (:class:`~jaxsched.pipeline.replan.SwitchRecord`), oldest first."""
+        if self._state_form is not None and self._state_form.inner is not None:
+            return self._state_form.inner.replans
+        return [] if self._replanner is None else list(self._replanner.records)
+
+    @property
+    def replan_decisions(self) -> list:
+        """Every decision point of the monitor (:class:`~jaxsched.pipeline.replan.Decision`: measured
+        drift, predicted gain, whether it switched, what the measurement cost)."""
+        if self._state_form is not None and self._state_form.inner is not None:
+            return self._state_form.inner.replan_decisions
+        return [] if self._replanner is None else list(self._replanner.decisions)
 
     def finalize(self, state: ScheduledState) -> tuple[Any, Any]:
         """Back to ordinary ``(params, opt_state)``, or the user's state object for a
@@ -160,24 +216,39 @@ class Scheduled:
         if baseline:
             assert self._template is not None  # set by the program's build
             params, opt_state = self._template
-            plain = inspect_lib.inspect_jitted(self.traced_step, (params, opt_state, batch),
-                                               program.planned.mesh, label=inspect_lib.PLAIN_LABEL)
+            plain = inspect_lib.inspect_jitted(
+                self.traced_step, (params, opt_state, batch), program.planned.mesh, label=inspect_lib.PLAIN_LABEL
+            )
         return inspect_lib.Inspection(report, plain)
 
     def fresh(self) -> "Scheduled":
         """A new schedule of the same step with the same options and no traced programs
-        (``verify`` traces the step again in float64 with it)."""
-        return self.with_step(self.step)
+        (``verify`` traces the step again in float64 with it; it plans once, never re-plans)."""
+        return Scheduled(self.step, self.strategy, self.buckets_option, engine=self.engine, **self.plan_options)
 
     def with_step(self, step: Callable) -> "Scheduled":
         """A new schedule of ``step`` with this one's options (the state-form adapter
         schedules the pure step it splits off the user's)."""
-        return Scheduled(step, self.strategy, self.buckets_option, engine=self.engine,
-                         **self.plan_options)
+        return Scheduled(
+            step,
+            self.strategy,
+            self.buckets_option,
+            engine=self.engine,
+            replan=self.replan_options,
+            **self.plan_options,
+        )
 
-    def verify(self, state: ScheduledState, batches: Any, steps: int = 10, rtol: float = 1e-5,
-               baseline_factor: float = 100.0, precision: str = "float64", *,
-               progress: bool = False):
+    def verify(
+        self,
+        state: ScheduledState,
+        batches: Any,
+        steps: int = 10,
+        rtol: float = 1e-5,
+        baseline_factor: float = 100.0,
+        precision: str = "float64",
+        *,
+        progress: bool = False,
+    ):
         """Run the plain step and this scheduled step side by side on ``batches``.
 
         Returns a :class:`jaxsched.check.verify.VerifyReport`: per leaf the largest relative
@@ -191,10 +262,8 @@ class Scheduled:
         if (form := self._state_form_for(state)) is not None:
             batches = list(itertools.islice(iter(batches), steps))
             inner, state = form.scheduled_state(state, batches[0] if batches else None)
-            return inner.verify(state, batches, steps, rtol, baseline_factor, precision,
-                                progress=progress)
-        return verify(self, state, batches, steps, rtol, baseline_factor, precision,
-                      progress=progress)
+            return inner.verify(state, batches, steps, rtol, baseline_factor, precision, progress=progress)
+        return verify(self, state, batches, steps, rtol, baseline_factor, precision, progress=progress)
 
     @property
     def program(self) -> Program:
@@ -224,13 +293,15 @@ class Scheduled:
         """The inputs after the state as the one batch pytree the pipeline traces."""
         check_scheduled_state(state, "sched(state, batch)", num_arguments=1 + len(inputs))
         if not inputs:
-            raise TypeError("sched(state, batch) got no batch; call it as the step is called, "
-                            "state first, then the step's inputs")
+            raise TypeError(
+                "sched(state, batch) got no batch; call it as the step is called, state first, then the step's inputs"
+            )
         expected = self._num_inputs if self._num_inputs is not None else len(inputs)
         if len(inputs) != expected:
-            raise TypeError(f"the scheduled step got {len(inputs)} input(s) after the state; the "
-                            f"step takes {expected} (call sched(state, "
-                            + ", ".join(["input"] * (expected - 1) + ["batch"]) + "))")
+            raise TypeError(
+                f"the scheduled step got {len(inputs)} input(s) after the state; the "
+                f"step takes {expected} (call sched(state, " + ", ".join(["input"] * (expected - 1) + ["batch"]) + "))"
+            )
         self._num_inputs = expected
         return inputs[0] if expected == 1 else tuple(inputs)
 
@@ -250,26 +321,54 @@ class Scheduled:
         check_state_fits(program, self._template, state)
         return program
 
-    def _build(self, batch: Any, template: Any) -> Program:
+    def _build(self, batch: Any, template: Any, buckets: Any = None) -> Program:
         try:
-            captured = capture(self.traced_step, template[0], template[1], batch,
-                               self.strategy.folds_invariant_sums)
+            captured = capture(self.traced_step, template[0], template[1], batch, self.strategy.folds_invariant_sums)
         except TypeError as err:
-            integer = [path for path, leaf in zip(param_paths(template[0]), jax.tree.leaves(template[0]))
-                       if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)]
+            integer = [
+                path
+                for path, leaf in zip(param_paths(template[0]), jax.tree.leaves(template[0]))
+                if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)
+            ]
             if "grad requires real" not in str(err) or not integer:
                 raise
-            raise TypeError(f"the step differentiates params with integer leaves ({', '.join(integer[:3])}"
-                            f"{', ...' if len(integer) > 3 else ''}): are sched.init's arguments "
-                            "swapped? Call sched.init(params, opt_state), params first") from err
-        return build_program(captured, self.strategy, self.buckets_option, self.engine,
-                             self.plan_options)
+            raise TypeError(
+                f"the step differentiates params with integer leaves ({', '.join(integer[:3])}"
+                f"{', ...' if len(integer) > 3 else ''}): are sched.init's arguments "
+                "swapped? Call sched.init(params, opt_state), params first"
+            ) from err
+        return build_program(
+            captured, self.strategy, self.buckets_option if buckets is None else buckets, self.engine, self.plan_options
+        )
+
+    def _use_buckets(self, buckets: Any) -> bool:
+        """Run the explicit plan ``buckets`` from the next call on, with its own program
+        cache (kept, so that returning to a plan compiles nothing); returns whether that
+        plan had been compiled before."""
+        current = self._programs.last
+        if current is None:
+            raise RuntimeError("a plan can only be switched after the step has run once")
+        self._plans.setdefault(resolved_key(current.planned, program_buckets(current)), self._programs)
+        key = resolved_key(current.planned, buckets)
+        reused = key in self._plans
+        if not reused:
+            self._plans[key] = ProgramCache(functools.partial(self._build, buckets=[list(b) for b in buckets]))
+        self._programs = self._plans[key]
+        return reused
 
 
-def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dear",
-             buckets: Any = None, compiler_options: dict[str, Any] | None = None, *,
-             engine: str | Engine = "auto", collective: Collective | None = None,
-             compression: Collective | None = None, **options: Any) -> Any:
+def schedule(
+    train_step: Callable | None = None,
+    strategy: str | Strategy = "dear",
+    buckets: Any = None,
+    compiler_options: dict[str, Any] | None = None,
+    *,
+    engine: str | Engine = "auto",
+    collective: Collective | None = None,
+    compression: Collective | None = None,
+    replan: str | Replan | None = None,
+    **options: Any,
+) -> Any:
     """Schedule the gradient communication of a data-parallel ``train_step``.
 
     Args:
@@ -297,15 +396,30 @@ def schedule(train_step: Callable | None = None, strategy: str | Strategy = "dea
         name (``jaxsched.runtime.engine.engine_names()``) or an :class:`~jaxsched.runtime.engine.Engine`.
       collective: a :class:`~jaxsched.runtime.collectives.Collective` that the strategy sends its
         buckets through; ``compression=`` is the same for compressors.
+      replan: ``None`` (plan once), ``"auto"`` or a :class:`~jaxsched.replan.Replan`: measure
+        the network while training and switch to a new bucket plan when it drifted
+        (:mod:`jaxsched.replan`; ``sched.replan(network=...)`` switches on demand,
+        ``sched.replans`` lists the switches). Plans with ``buckets="auto"`` unless
+        ``buckets`` is given.
       options: the strategy's own options (passed to its constructor) and, with
         ``buckets="auto"``, the planning options above.
 
     The step is traced once per abstract batch signature (structure, shapes, dtypes,
     shardings): a smaller last batch gets its own program.
     """
+
     def wrap(step: Callable) -> Scheduled:
-        return Scheduled(step, strategy, buckets, compiler_options, engine=engine,
-                         collective=collective, compression=compression, **options)
+        return Scheduled(
+            step,
+            strategy,
+            buckets,
+            compiler_options,
+            engine=engine,
+            collective=collective,
+            compression=compression,
+            replan=replan,
+            **options,
+        )
 
     return wrap if train_step is None else wrap(train_step)
 
@@ -319,14 +433,15 @@ def check_scheduled_state(state: Any, call: str, num_arguments: int = 1) -> None
         return
     hint = ""
     if num_arguments == 3:
-        hint = ("; sched(params, opt_state, batch) is the plain step's call, the scheduled step "
-                "carries its own state")
+        hint = "; sched(params, opt_state, batch) is the plain step's call, the scheduled step carries its own state"
     elif isinstance(state, tuple) and len(state) == 2:
         hint = "; (params, opt_state) as a tuple is the user's trees, not the scheduled state"
-    raise TypeError(f"{call} got a {type(state).__name__} where the state sched.init returns "
-                    f"belongs{hint}. Call state = sched.init(params, opt_state) once "
-                    "(sched.init(state) for a step(state, batch)), then state, aux = "
-                    "sched(state, batch), and params, opt_state = sched.finalize(state) at the end")
+    raise TypeError(
+        f"{call} got a {type(state).__name__} where the state sched.init returns "
+        f"belongs{hint}. Call state = sched.init(params, opt_state) once "
+        "(sched.init(state) for a step(state, batch)), then state, aux = "
+        "sched(state, batch), and params, opt_state = sched.finalize(state) at the end"
+    )
 
 
 def check_state_fits(program: Program, template: Any, state: Any) -> None:
@@ -334,11 +449,13 @@ def check_state_fits(program: Program, template: Any, state: Any) -> None:
     before JAX fails on it with a sharding error that names no leaf."""
     trees = (state.params, state.opt_state)
     if jax.tree.structure(trees) != jax.tree.structure(template):  # type: ignore[operator]
-        raise ValueError("this state's trees differ from the ones this schedule was initialized "
-                         f"with ({jax.tree.structure(trees)} against "
-                         f"{jax.tree.structure(template)}): was it made by another schedule? "
-                         "Pass the state this schedule's init returned, or finalize the other "
-                         "schedule's state and init this one with the result")
+        raise ValueError(
+            "this state's trees differ from the ones this schedule was initialized "
+            f"with ({jax.tree.structure(trees)} against "
+            f"{jax.tree.structure(template)}): was it made by another schedule? "
+            "Pass the state this schedule's init returned, or finalize the other "
+            "schedule's state and init this one with the result"
+        )
     user = [tuple(x.shape) for x in jax.tree.leaves(template)]
     got = [tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(trees)]
     if got == user:
@@ -346,8 +463,7 @@ def check_state_fits(program: Program, template: Any, state: Any) -> None:
     scheduled = program.state_shapes(template)
     if got == scheduled:
         return
-    paths = [("params/" if p.startswith("0") else "opt_state/") + p.partition("/")[2]
-             for p in param_paths(trees)]
+    paths = [("params/" if p.startswith("0") else "opt_state/") + p.partition("/")[2] for p in param_paths(trees)]
     for path, have, want_user, want_scheduled in zip(paths, got, user, scheduled):
         if have not in (want_user, want_scheduled):
             raise ValueError(
@@ -355,4 +471,5 @@ def check_state_fits(program: Program, template: Any, state: Any) -> None:
                 f"scheduled {want_scheduled} ({program.strategy.name} layout). Does the state come "
                 "from another schedule (another strategy or buckets) or another model? Pass the "
                 "state this schedule's init returned, or finalize the other schedule's state with "
-                "that schedule and init this one with the result")
+                "that schedule and init this one with the result"
+            )

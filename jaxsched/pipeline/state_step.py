@@ -61,6 +61,7 @@ Example:
     >>> type(new_state).__name__, int(new_state.step)
     ('TrainState', 1)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -74,13 +75,24 @@ from jaxsched.core.analyze import analyze
 from jaxsched.core.bucketing import is_float, param_paths, shape_key
 from jaxsched.core.capture import UnsupportedStepError, capture
 
-__all__ = ["SIGNATURES", "StateForm", "StateLayout", "UnsplitState", "find_layout", "inputs_of",
-           "returns_aux", "step_form", "with_inputs"]
+__all__ = [
+    "SIGNATURES",
+    "StateForm",
+    "StateLayout",
+    "UnsplitState",
+    "find_layout",
+    "inputs_of",
+    "returns_aux",
+    "step_form",
+    "with_inputs",
+]
 
 #: the two step forms jaxsched.schedule accepts, as error messages state them
-SIGNATURES = ("step(params, opt_state, batch) -> (params, opt_state, aux) or "
-              "step(state, batch) -> (state, aux) (or -> state), with any extra inputs (a key, "
-              "a constant) between the state and the batch")
+SIGNATURES = (
+    "step(params, opt_state, batch) -> (params, opt_state, aux) or "
+    "step(state, batch) -> (state, aux) (or -> state), with any extra inputs (a key, "
+    "a constant) between the state and the batch"
+)
 STATE, TREES = "state", "trees"
 
 
@@ -106,8 +118,12 @@ def positional_arity(step: Callable) -> int | None:
             return None
         if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
             continue
-        return sum(1 for p in parameters if p.default is inspect.Parameter.empty and p.kind in
-                   (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+        return sum(
+            1
+            for p in parameters
+            if p.default is inspect.Parameter.empty
+            and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        )
     return None
 
 
@@ -117,8 +133,7 @@ def step_form(step: Callable, n_args: int, batch_keyword: bool) -> str:
     stating both accepted signatures, for anything else."""
     arity = positional_arity(step)
     if arity is not None and arity < 2:
-        raise TypeError(f"the step takes {arity} positional argument(s); jaxsched.schedule "
-                        f"accepts {SIGNATURES}")
+        raise TypeError(f"the step takes {arity} positional argument(s); jaxsched.schedule accepts {SIGNATURES}")
     if n_args == 1:
         form = STATE  # init(state): a step(state, *inputs, batch), whatever its arity
     elif n_args == 3 and not batch_keyword:
@@ -129,12 +144,19 @@ def step_form(step: Callable, n_args: int, batch_keyword: bool) -> str:
         form = None
     if form is None or (arity == 2 and form == TREES):
         takes = {2: "(state, batch)", 3: "(params, opt_state, batch)"}.get(arity)
-        init = {2: "sched.init(state) or sched.init(state, batch)",
-                3: "sched.init(params, opt_state) or sched.init(params, opt_state, batch)"}
-        raise TypeError(f"sched.init got {n_args} positional argument(s)"
-                        + (" and batch=" if batch_keyword else "")
-                        + (f", but the step takes {takes}: call {init[arity]}" if takes else
-                           f"; it takes the first arguments of the step, which is {SIGNATURES}"))
+        init = {
+            2: "sched.init(state) or sched.init(state, batch)",
+            3: "sched.init(params, opt_state) or sched.init(params, opt_state, batch)",
+        }
+        raise TypeError(
+            f"sched.init got {n_args} positional argument(s)"
+            + (" and batch=" if batch_keyword else "")
+            + (
+                f", but the step takes {takes}: call {init[arity]}"
+                if takes
+                else f"; it takes the first arguments of the step, which is {SIGNATURES}"
+            )
+        )
     return form
 
 
@@ -158,20 +180,21 @@ class StateLayout:
         """The user's state -> (trained leaves, every other leaf), dicts keyed by path."""
         leaves, treedef = jax.tree.flatten(state)
         if treedef != self.treedef:
-            raise ValueError(f"{what} has structure {treedef}, but the step was traced with a "
-                             f"state of structure {self.treedef}")
+            raise ValueError(
+                f"{what} has structure {treedef}, but the step was traced with a state of structure {self.treedef}"
+            )
         params = {n: x for n, x, t in zip(self.names, leaves, self.trained) if t}
         rest = {n: x for n, x, t in zip(self.names, leaves, self.trained) if not t}
         return params, rest
 
     def join(self, params: dict, rest: dict) -> Any:
         """The two dicts -> the user's state object."""
-        return jax.tree.unflatten(self.treedef, [(params if t else rest)[n]
-                                                 for n, t in zip(self.names, self.trained)])
+        return jax.tree.unflatten(self.treedef, [(params if t else rest)[n] for n, t in zip(self.names, self.trained)])
 
     def pure_step(self, step: Callable, observe: Callable[[Any], None] | None = None) -> Callable:
         """``step(state, batch) -> (state, aux)`` as ``(params, rest, batch) -> (params, rest,
         aux)``, the form the scheduling pipeline takes (``observe`` sees each raw output)."""
+
         def pure_step(params: dict, rest: dict, batch: Any):
             out = step(self.join(params, rest), batch)
             if observe is not None:
@@ -218,11 +241,13 @@ def _state_and_aux(out: Any, treedef: Any) -> tuple[Any, Any]:
     if not isinstance(out, (tuple, list)) or len(out) != 2:
         raise UnsupportedStepError(
             "a step(state, batch) must return (state, aux) or the state alone; it returned "
-            f"{type(out).__name__} with structure {jax.tree.structure(out)}")
+            f"{type(out).__name__} with structure {jax.tree.structure(out)}"
+        )
     if jax.tree.structure(out[0]) != treedef:
         raise UnsupportedStepError(
             f"the step's output state has structure {jax.tree.structure(out[0])} but its input "
-            f"state has {treedef}; the step must return its state in the same structure it takes")
+            f"state has {treedef}; the step must return its state in the same structure it takes"
+        )
     return out[0], out[1]
 
 
@@ -249,16 +274,15 @@ def find_layout(step: Callable, state: Any, batch: Any) -> StateLayout:
     analysis = analyze(captured)
     reaches_varying, from_reduction, from_itself = _dependencies(captured, analysis)
     # the captured step's params are a dict: their leaf order is jax's order of its keys
-    position = {path[0].key: i for i, (path, _) in
-                enumerate(jax.tree_util.tree_flatten_with_path(all_params)[0])}
+    position = {path[0].key: i for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(all_params)[0])}
     trained = []
     for name, leaf in zip(names, leaves):
         i = position[name]
-        trained.append(is_float(_dtype(leaf)) and reaches_varying[i]
-                       and from_reduction[i] and from_itself[i])
+        trained.append(is_float(_dtype(leaf)) and reaches_varying[i] and from_reduction[i] and from_itself[i])
     if not any(trained):
-        raise UnsupportedStepError(_nothing_trained(names, leaves, position, reaches_varying,
-                                                    from_reduction, from_itself, captured.axis_name))
+        raise UnsupportedStepError(
+            _nothing_trained(names, leaves, position, reaches_varying, from_reduction, from_itself, captured.axis_name)
+        )
     return StateLayout(treedef, names, tuple(trained), has_aux)
 
 
@@ -305,31 +329,38 @@ def _dependencies(captured: Any, analysis: Any) -> tuple[list[bool], list[bool],
     n = captured.num_params
     outs = [body.outvars[captured.outputs[i]] for i in range(n)]
     reaches_varying = [bool(varying_bits >> i & 1) for i in range(n)]
-    shape_of = {src.index: shape_key(v.aval.shape) for v, src in zip(body.invars, captured.sources)
-                if src.role == "params"}
-    own_gradient = [sum(1 << j for j, r in enumerate(reds)
-                        if shape_key(r.operand.aval.shape) == shape_of.get(i)) for i in range(n)]
-    from_reduction = [is_var(o) and bool(reduced.get(o, 0) & own_gradient[i])
-                      for i, o in enumerate(outs)]
+    shape_of = {
+        src.index: shape_key(v.aval.shape) for v, src in zip(body.invars, captured.sources) if src.role == "params"
+    }
+    own_gradient = [
+        sum(1 << j for j, r in enumerate(reds) if shape_key(r.operand.aval.shape) == shape_of.get(i)) for i in range(n)
+    ]
+    from_reduction = [is_var(o) and bool(reduced.get(o, 0) & own_gradient[i]) for i, o in enumerate(outs)]
     from_itself = [is_var(o) and bool(leaves_of.get(o, 0) >> i & 1) for i, o in enumerate(outs)]
     return reaches_varying, from_reduction, from_itself
 
 
-def _nothing_trained(names, leaves, position, reaches_varying, from_reduction, from_itself,
-                     axis: str) -> str:
+def _nothing_trained(names, leaves, position, reaches_varying, from_reduction, from_itself, axis: str) -> str:
     rows = []
     for name, leaf in zip(names, leaves):
         i = position[name]
-        why = ("not a float" if not is_float(_dtype(leaf)) else
-               "forward and backward never combine it with the batch" if not reaches_varying[i] else
-               f"its new value does not come from the reduction over {axis!r} of a gradient of its shape"
-               if not from_reduction[i] else "its new value is only the reduction's result")
+        why = (
+            "not a float"
+            if not is_float(_dtype(leaf))
+            else "forward and backward never combine it with the batch"
+            if not reaches_varying[i]
+            else f"its new value does not come from the reduction over {axis!r} of a gradient of its shape"
+            if not from_reduction[i]
+            else "its new value is only the reduction's result"
+        )
         rows.append(f"{name} ({why})")
     shown = ", ".join(rows[:8]) + (f", ... {len(rows) - 8} more" if len(rows) > 8 else "")
-    return ("found no trained parameter in the state: a trained leaf is a float that forward "
-            "and backward read and whose new value is computed from its old value and a "
-            f"gradient reduced over {axis!r} (lax.pmean(grads, {axis!r})); the state's leaves: "
-            f"{shown}")
+    return (
+        "found no trained parameter in the state: a trained leaf is a float that forward "
+        "and backward read and whose new value is computed from its old value and a "
+        f"gradient reduced over {axis!r} (lax.pmean(grads, {axis!r})); the state's leaves: "
+        f"{shown}"
+    )
 
 
 class StateForm:
@@ -365,9 +396,11 @@ class StateForm:
             inner = self.inner_for(sstate.state, batch)
             return inner, inner.init(*self.layout.split(sstate.state))
         if self.inner is None:
-            raise ValueError("this scheduled state comes from another schedule (or a checkpoint) "
-                             "but this one has not split a state yet; call sched.init(state, "
-                             "example_batch) first (the checkpoint restore target)")
+            raise ValueError(
+                "this scheduled state comes from another schedule (or a checkpoint) "
+                "but this one has not split a state yet; call sched.init(state, "
+                "example_batch) first (the checkpoint restore target)"
+            )
         return self.inner, sstate
 
     def __call__(self, sstate: Any, batch: Any) -> Any:
@@ -384,6 +417,8 @@ class StateForm:
         if isinstance(sstate, UnsplitState):
             return sstate.state
         if self.inner is None:
-            raise ValueError("finalize got a scheduled state, but this schedule has not split a "
-                             "state yet; call sched.init(state, example_batch) first")
+            raise ValueError(
+                "finalize got a scheduled state, but this schedule has not split a "
+                "state yet; call sched.init(state, example_batch) first"
+            )
         return self.layout.join(*self.inner.finalize(sstate))

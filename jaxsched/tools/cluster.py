@@ -17,12 +17,14 @@ Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and the ``ip``/``tc`` tools. Python
         cluster.hosts[1].namespace, cluster.hosts[1].address, cluster.hosts[1].interface
     # torn down here, also on an exception, Ctrl-C or SIGTERM
 
-Shell (until ``jaxsched cluster`` is wired into the CLI)::
+Shell (``jaxsched cluster ...`` runs the same)::
 
     jaxsched cluster up --hosts 2 --bandwidth 1gbit
     jaxsched cluster status
     jaxsched cluster down        # also removes what a crashed run left behind
+    jaxsched cluster set --bandwidth 100mbit   # while a job runs: every link
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,9 +38,25 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-__all__ = ["BRIDGE", "Cluster", "ClusterError", "DEFAULT_PREFIX", "DEFAULT_SUBNET",
-           "format_bandwidth", "Host", "INTERFACE", "list_namespaces", "MAX_HOSTS",
-           "NotPrivilegedError", "parse_bandwidth", "require_privileges", "TBF_LATENCY", "teardown"]
+__all__ = [
+    "BRIDGE",
+    "Cluster",
+    "ClusterError",
+    "DEFAULT_PREFIX",
+    "DEFAULT_SUBNET",
+    "format_bandwidth",
+    "Host",
+    "INTERFACE",
+    "list_namespaces",
+    "MAX_HOSTS",
+    "NotPrivilegedError",
+    "parse_bandwidth",
+    "parse_delay",
+    "require_privileges",
+    "set_links",
+    "TBF_LATENCY",
+    "teardown",
+]
 
 DEFAULT_PREFIX = "jxs"
 DEFAULT_SUBNET = "10.199.0.0/24"
@@ -66,10 +84,11 @@ class NotPrivilegedError(ClusterError):
 @dataclass(frozen=True)
 class Host:
     """One emulated host: run a process in it with ``ip netns exec {namespace} ...``."""
+
     rank: int
     namespace: str
-    address: str      # private IPv4 address, reachable only from the cluster's namespaces
-    interface: str    # the host's only link (bind gloo to it: jaxsched.tools.launch.initialize)
+    address: str  # private IPv4 address, reachable only from the cluster's namespaces
+    interface: str  # the host's only link (bind gloo to it: jaxsched.tools.launch.initialize)
 
     def exec_prefix(self) -> list[str]:
         """The argv prefix that runs a command inside this host's namespace."""
@@ -93,8 +112,10 @@ def parse_bandwidth(bandwidth: str | None) -> int | None:
         return None
     m = _RATE_RE.match(text)
     if not m:
-        raise ValueError(f"bandwidth {bandwidth!r} is not a rate like '1gbit', '500mbit' or "
-                         f"'100kbit' (units bit, kbit, mbit, gbit, tbit; 'none' for unshaped)")
+        raise ValueError(
+            f"bandwidth {bandwidth!r} is not a rate like '1gbit', '500mbit' or "
+            f"'100kbit' (units bit, kbit, mbit, gbit, tbit; 'none' for unshaped)"
+        )
     bits = float(m.group(1)) * _RATE_SCALE[m.group(2)]
     if bits < 8000:
         raise ValueError(f"bandwidth {bandwidth!r} is below tc's useful minimum of 8kbit")
@@ -121,8 +142,9 @@ def _validate_hosts(hosts: int) -> int:
 
 def _validate_prefix(prefix: str) -> str:
     if not _PREFIX_RE.match(prefix or ""):
-        raise ValueError(f"prefix {prefix!r}: use lowercase letters, digits and '-', starting "
-                         "with a letter, at most 20 characters")
+        raise ValueError(
+            f"prefix {prefix!r}: use lowercase letters, digits and '-', starting with a letter, at most 20 characters"
+        )
     return prefix
 
 
@@ -156,18 +178,21 @@ def require_privileges() -> None:
         raise NotPrivilegedError(
             "an emulated cluster needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network "
             "namespaces and shape links with tc; run as root (e.g. sudo), or run without "
-            "--cluster to use loopback")
+            "--cluster to use loopback"
+        )
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         raise ClusterError(f"{' and '.join(missing)} not found: install iproute2")
 
 
 def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL
+    )
     if check and proc.returncode != 0:
-        raise ClusterError(f"`{' '.join(argv)}` failed ({proc.returncode}): "
-                           f"{proc.stderr.strip() or proc.stdout.strip()}")
+        raise ClusterError(
+            f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}"
+        )
     return proc
 
 
@@ -221,31 +246,124 @@ def _signals_raise() -> Iterator[None]:
             signal.signal(s, h)
 
 
+_DELAY_RE = re.compile(r"^(\d+(?:\.\d+)?)(us|ms|s)$")
+
+
+def parse_delay(delay: str | None) -> float | None:
+    """``"5ms"`` -> 0.005 seconds; ``None``, ``"0"`` or ``"none"`` -> None (no added delay).
+
+    Example:
+        >>> parse_delay("5ms"), parse_delay("250us"), parse_delay("0")
+        (0.005, 0.00025, None)
+    """
+    if delay is None or str(delay).strip().lower() in _UNSHAPED:
+        return None
+    m = _DELAY_RE.match(str(delay).strip().lower())
+    if not m:
+        raise ValueError(f"delay {delay!r} is not a time like '5ms', '250us' or '0.1s'")
+    seconds = float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
+    return seconds or None
+
+
+def set_links(prefix: str = DEFAULT_PREFIX, bandwidth: str | None = None, delay: str | None = None) -> "Cluster":
+    """Change every link of the running cluster ``prefix`` in place: both ends shaped to
+    ``bandwidth`` (``"none"``: unshaped), and ``delay`` added one way at each end.
+
+    Processes keep running and their TCP connections stay up: the qdiscs are replaced, not
+    the links, so a job sees its network change between two packets (what a benchmark of
+    re-planning needs). Delay needs the kernel's ``netem`` qdisc; where it is missing the
+    call refuses before it changes anything.
+    """
+    bits = parse_bandwidth(bandwidth)
+    seconds = parse_delay(delay)
+    cluster = Cluster.attach(prefix)
+    switch = f"{prefix}-sw"
+    ends = [(h.namespace, h.interface) for h in cluster.hosts]
+    ends += [(switch, f"p{h.rank}") for h in cluster.hosts]
+    if seconds is not None:
+        _check_netem(switch)
+    for namespace, device in ends:
+        if bits is None and seconds is None:
+            _run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"], check=False)
+            continue
+        if seconds is None:
+            _run(_tbf(namespace, device, bits))
+            continue
+        # netem delays (and, with a rate, shapes) one direction at this end: half the delay
+        # each way would need both; a one-way delay at every end adds ``delay`` per direction
+        netem = [
+            "tc",
+            "-n",
+            namespace,
+            "qdisc",
+            "replace",
+            "dev",
+            device,
+            "root",
+            "netem",
+            "delay",
+            f"{seconds * 1e6:.0f}us",
+        ]
+        _run(netem + ([] if bits is None else ["rate", f"{bits}bit"]))
+    return Cluster(prefix, cluster.hosts, bits, owned=False)
+
+
+def _check_netem(namespace: str) -> None:
+    """Refuse, naming why, when the kernel cannot add delay (no ``sch_netem``)."""
+    probe = f"jxdelay{os.getpid() % 10000}"
+    _run(["ip", "-n", namespace, "link", "add", probe, "type", "veth", "peer", "name", probe + "p"])
+    try:
+        proc = _run(["tc", "-n", namespace, "qdisc", "add", "dev", probe, "root", "netem", "delay", "1ms"], check=False)
+    finally:
+        _run(["ip", "-n", namespace, "link", "delete", probe], check=False)
+    if proc.returncode != 0:
+        raise ClusterError(
+            "this kernel has no netem qdisc (sch_netem), so delay cannot be "
+            f"emulated here; bandwidth can (tc said: {proc.stderr.strip()})"
+        )
+
+
 def _tbf(namespace: str, device: str, bits_per_s: int) -> list[str]:
     # burst: at least one 64 KiB GSO segment plus a frame, or 1 ms of traffic at this rate.
     burst = max(64 * 1024 + 1514, bits_per_s // 8 // 1000)
-    return ["tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", "tbf",
-            "rate", f"{bits_per_s}bit", "burst", str(burst), "latency", TBF_LATENCY]
+    return [
+        "tc",
+        "-n",
+        namespace,
+        "qdisc",
+        "replace",
+        "dev",
+        device,
+        "root",
+        "tbf",
+        "rate",
+        f"{bits_per_s}bit",
+        "burst",
+        str(burst),
+        "latency",
+        TBF_LATENCY,
+    ]
 
 
 class Cluster:
     """An emulated cluster of network namespaces. Build one with :meth:`up` or :meth:`attach`."""
 
-    def __init__(self, prefix: str, hosts: Sequence[Host], bandwidth: int | None,
-                 owned: bool = True):
+    def __init__(self, prefix: str, hosts: Sequence[Host], bandwidth: int | None, owned: bool = True):
         self.prefix = prefix
         self.hosts: tuple[Host, ...] = tuple(hosts)
-        self.bandwidth = bandwidth          # bits/s on every link end, None when unshaped
-        self.owned = owned                  # whether __exit__ tears it down
+        self.bandwidth = bandwidth  # bits/s on every link end, None when unshaped
+        self.owned = owned  # whether __exit__ tears it down
         self._signal_guard: contextlib.ExitStack | None = None
 
     def __repr__(self) -> str:
-        return (f"Cluster(prefix={self.prefix!r}, hosts={len(self.hosts)}, "
-                f"bandwidth={format_bandwidth(self.bandwidth)!r})")
+        return (
+            f"Cluster(prefix={self.prefix!r}, hosts={len(self.hosts)}, bandwidth={format_bandwidth(self.bandwidth)!r})"
+        )
 
     @classmethod
-    def up(cls, hosts: int, bandwidth: str | None = "1gbit", *, prefix: str = DEFAULT_PREFIX,
-           subnet: str = DEFAULT_SUBNET) -> "Cluster":
+    def up(
+        cls, hosts: int, bandwidth: str | None = "1gbit", *, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET
+    ) -> "Cluster":
         """Create ``hosts`` namespaces joined by a bridge, links shaped to ``bandwidth``.
 
         Refuses if a cluster with this prefix exists already (``Cluster.attach`` uses it,
@@ -259,9 +377,11 @@ class Cluster:
         require_privileges()
         existing = list_namespaces(prefix)
         if existing:
-            raise ClusterError(f"a cluster with prefix {prefix!r} exists already "
-                               f"({', '.join(existing)}); take it down first "
-                               f"(`jaxsched cluster down --prefix {prefix}`)")
+            raise ClusterError(
+                f"a cluster with prefix {prefix!r} exists already "
+                f"({', '.join(existing)}); take it down first "
+                f"(`jaxsched cluster down --prefix {prefix}`)"
+            )
         addresses = list(net.hosts())
         switch = f"{prefix}-sw"
         members = [Host(i, f"{prefix}-h{i}", str(addresses[i]), INTERFACE) for i in range(hosts)]
@@ -275,13 +395,27 @@ class Cluster:
                     _run(["ip", "netns", "add", h.namespace])
                     # Both ends are created directly inside their namespaces: nothing appears
                     # in the machine's own namespace, even for a moment.
-                    _run(["ip", "link", "add", h.interface, "netns", h.namespace, "type", "veth",
-                          "peer", "name", port, "netns", switch])
+                    _run(
+                        [
+                            "ip",
+                            "link",
+                            "add",
+                            h.interface,
+                            "netns",
+                            h.namespace,
+                            "type",
+                            "veth",
+                            "peer",
+                            "name",
+                            port,
+                            "netns",
+                            switch,
+                        ]
+                    )
                     _run(["ip", "-n", switch, "link", "set", port, "master", BRIDGE])
                     _run(["ip", "-n", switch, "link", "set", port, "up"])
                     _run(["ip", "-n", h.namespace, "link", "set", "lo", "up"])
-                    _run(["ip", "-n", h.namespace, "addr", "add", f"{h.address}/24",
-                          "dev", h.interface])
+                    _run(["ip", "-n", h.namespace, "addr", "add", f"{h.address}/24", "dev", h.interface])
                     _run(["ip", "-n", h.namespace, "link", "set", h.interface, "up"])
                     if bits is not None:
                         _run(_tbf(h.namespace, h.interface, bits))
@@ -299,13 +433,14 @@ class Cluster:
         """
         names = [n for n in list_namespaces(prefix) if n != f"{prefix}-sw"]
         if not names:
-            raise ClusterError(f"no cluster with prefix {prefix!r} is up "
-                               f"(`jaxsched cluster up --hosts N`)")
+            raise ClusterError(f"no cluster with prefix {prefix!r} is up (`jaxsched cluster up --hosts N`)")
         hosts, bits = [], None
         for rank, ns in enumerate(names):
             if ns != f"{prefix}-h{rank}":
-                raise ClusterError(f"cluster {prefix!r} is incomplete: expected {prefix}-h{rank}, "
-                                   f"found {ns}; take it down and bring it up again")
+                raise ClusterError(
+                    f"cluster {prefix!r} is incomplete: expected {prefix}-h{rank}, "
+                    f"found {ns}; take it down and bring it up again"
+                )
             out = _run(["ip", "-n", ns, "-o", "-4", "addr", "show", "dev", INTERFACE]).stdout
             m = re.search(r"inet (\d+\.\d+\.\d+\.\d+)/", out)
             if not m:
@@ -314,8 +449,7 @@ class Cluster:
             qd = _run(["tc", "-n", ns, "qdisc", "show", "dev", INTERFACE]).stdout
             r = re.search(r"tbf .*?rate (\d+(?:\.\d+)?)([KMGT]?)bit", qd)
             if r:
-                bits = int(float(r.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9,
-                                                 "T": 10**12}[r.group(2)])
+                bits = int(float(r.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}[r.group(2)])
         return cls(prefix, hosts, bits, owned=False)
 
     def down(self) -> list[str]:
@@ -337,8 +471,9 @@ class Cluster:
                 self._signal_guard = None
 
     def describe(self) -> str:
-        lines = [f"cluster {self.prefix!r}: {len(self.hosts)} hosts, "
-                 f"links {format_bandwidth(self.bandwidth)} each way, bridge in {self.prefix}-sw"]
-        lines += [f"  host {h.rank}: namespace {h.namespace}, {h.interface} {h.address}"
-                  for h in self.hosts]
+        lines = [
+            f"cluster {self.prefix!r}: {len(self.hosts)} hosts, "
+            f"links {format_bandwidth(self.bandwidth)} each way, bridge in {self.prefix}-sw"
+        ]
+        lines += [f"  host {h.rank}: namespace {h.namespace}, {h.interface} {h.address}" for h in self.hosts]
         return "\n".join(lines)
