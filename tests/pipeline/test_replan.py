@@ -422,13 +422,14 @@ def _have_net_admin() -> bool:
 @pytest.mark.skipif(not _have_net_admin(), reason="network namespaces and tc need root")
 def test_cluster_set_changes_the_links_of_a_running_cluster(capsys):
     from jaxsched.tools import cluster
+    from jaxsched.tools.cli.cluster import run_cluster
 
     with cluster.Cluster.up(2, "1gbit", prefix="jxrt", subnet="10.197.1.0/24") as up:
-        assert cluster.main(["set", "--bandwidth", "100mbit", "--prefix", "jxrt"]) == 0
+        assert run_cluster(["set", "--bandwidth", "100mbit", "--prefix", "jxrt"]) == 0
         assert cluster.Cluster.attach("jxrt").bandwidth == 100_000_000
         assert "100mbit" in capsys.readouterr().out
         assert cluster.set_links("jxrt", "none").bandwidth is None
         assert cluster.Cluster.attach("jxrt").bandwidth is None
-        assert cluster.main(["set", "--bandwidth", "fast", "--prefix", "jxrt"]) == 2
+        assert run_cluster(["set", "--bandwidth", "fast", "--prefix", "jxrt"]) == 2
         assert up.hosts[1].address == "10.197.1.2"
     assert not cluster.list_namespaces("jxrt")
