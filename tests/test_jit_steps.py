@@ -112,7 +112,10 @@ def test_the_gradient_sums_are_the_reductions_the_strategies_schedule():
     assert analysis.forward_collectives == ()
 
 
-@pytest.mark.parametrize("strategy", ["wfbp", "dear", pytest.param("allreduce", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "strategy",
+    ["dear", pytest.param("wfbp", marks=pytest.mark.slow), pytest.param("allreduce", marks=pytest.mark.slow)],
+)
 def test_cnn_with_global_batch_norm_dropout_and_label_smoothing(strategy):
     mesh = _mesh()
     state, model, tx = js.cnn_state(0)

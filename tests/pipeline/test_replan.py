@@ -184,6 +184,7 @@ def test_replan_for_the_current_network_changes_nothing():
         sched.replan(network=3)
 
 
+@pytest.mark.slow  # forty measured steps: make test-slow
 def test_measured_drift_switches_at_a_decision_point():
     """Planned for a start-up cost of 1 s per collective; the probe measures this machine's
     (far smaller), so the first decision re-plans, and the result stays exact."""

@@ -363,6 +363,7 @@ def test_sync_axes_must_be_data_axes():
 
 
 # -- state ------------------------------------------------------------------------------------
+@pytest.mark.slow  # two schedules and an orbax round trip: make test-slow
 def test_checkpoint_round_trip_continues_identically(tmp_path):
     from jaxsched.integrations import checkpoint
 
