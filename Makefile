@@ -43,11 +43,11 @@ demo: $(STAMP)
 # `make test-slow` in CI); the tests that compile for GPU and TPU run in the aot environment.
 test: $(STAMP) $(AOT_STAMP)
 	$(PY) -m pytest -n 2 -q -m "not slow and not aot" tests
-	$(AOT_PY) -m pytest -n 2 -q -m "aot and not slow" tests
+	JAXSCHED_REQUIRE_TOOLCHAINS=1 $(AOT_PY) -m pytest -n 2 -q -m "aot and not slow" tests
 
 test-slow: $(STAMP) $(AOT_STAMP)
 	$(PY) -m pytest -n 2 -q -m "slow and not aot" tests
-	$(AOT_PY) -m pytest -n 2 -q -m "slow and aot" tests
+	JAXSCHED_REQUIRE_TOOLCHAINS=1 $(AOT_PY) -m pytest -n 2 -q -m "slow and aot" tests
 
 # The documentation site (guides and the API reference from the docstrings), warnings as errors.
 docs: $(DEV_STAMP)
