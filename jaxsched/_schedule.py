@@ -23,6 +23,7 @@ import itertools
 from typing import Any, Callable, NamedTuple
 
 import jax
+import numpy as np
 
 from jaxsched.core.capture import abstract_leaf, capture
 from jaxsched.runtime.collectives.base import Collective
@@ -30,7 +31,17 @@ from jaxsched.runtime.engine import Engine, make_engine
 from jaxsched.core.bucketing import param_paths
 from jaxsched.pipeline.program import Program, ProgramCache, retyped
 from jaxsched.pipeline.selection import build_program
-from jaxsched.pipeline.state_step import STATE, StateForm, UnsplitState, inputs_of, step_form, with_inputs
+from jaxsched.pipeline.state_step import (
+    STATE,
+    TREES,
+    OutputCount,
+    StateForm,
+    UnsplitState,
+    inputs_of,
+    step_form,
+    with_inputs,
+    with_outputs,
+)
 from jaxsched.pipeline.replan import Replan, Replanner, SwitchRecord, as_replan, program_buckets, resolved_key
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
 from jaxsched.strategies.base import ScheduledState
@@ -93,20 +104,29 @@ class Scheduled:
         self._form: str | None = None  # "trees" or "state": decided by the first init
         self._state_form: StateForm | None = None  # a step(state, batch) delegates to it
         self._num_inputs: int | None = None  # the batch and the extra inputs before it
+        self._outputs = OutputCount()  # what a step(params, opt_state, ...) returns after its state
+        self._fixed_form: str | None = None  # set by an adapter that knows its step's form
         functools.update_wrapper(self, step, updated=())
 
     # -- public API -----------------------------------------------------------------------
     def init(self, *args: Any, batch: Any = None) -> NamedTuple:
         """Ordinary trees in, scheduled state out: ``init(params, opt_state[, batch])`` for a
         ``step(params, opt_state, batch)``, ``init(state[, batch])`` for a ``step(state,
-        batch)`` (:mod:`jaxsched.pipeline.state_step` says how the form is told apart).
+        batch)``, and the step's other inputs before the batch where it takes some
+        (``init(state, rng, batch)`` for a ``step(state, rng, batch)``).
+        :mod:`jaxsched.pipeline.state_step` says how the form is read from the arguments.
 
-        Without ``batch`` the leaves keep the user's layout until the first step converts
-        them (the step can only be traced once a batch is known). With an example
-        ``batch`` the state comes back in its scheduled layout at once, which is what a
-        checkpoint restore needs as its target.
+        Without the step's inputs the leaves keep the user's layout until the first step
+        converts them (the step can only be traced once a batch is known). With all of them
+        (an example batch last, or as ``batch=``) the state comes back in its scheduled layout
+        at once, which is what a checkpoint restore needs as its target.
         """
-        form = step_form(self.step, len(args), batch is not None)
+        if not args:
+            raise TypeError(
+                "sched.init() got no arguments; call sched.init(params, opt_state) for a "
+                "step(params, opt_state, batch), or sched.init(state) for a step(state, batch)"
+            )
+        form = self._fixed_form or step_form(self.step, args, batch is not None)
         if self._form not in (None, form):
             raise TypeError(
                 f"this schedule was initialized in the {self._form} form "
@@ -114,14 +134,36 @@ class Scheduled:
                 f"; sched.init got the {form} form's arguments"
             )
         self._form = form
+        state_args = 1 if form == STATE else 2
         if self._num_inputs is None:
-            self._num_inputs = inputs_of(self.step, 1 if form == STATE else 2)
+            self._num_inputs = inputs_of(self.step, state_args)
+        example = self._example_inputs(args[state_args:], batch)
         if form == STATE:
             self._state_form = self._state_form or StateForm(self)
-            return self._state_form.init(args[0], args[1] if len(args) == 2 else batch)
-        params, opt_state = args[:2]
-        batch = args[2] if len(args) == 3 else batch
-        return self._init_trees(params, opt_state, batch)
+            return self._state_form.init(args[0], example)
+        return self._init_trees(args[0], args[1], example)
+
+    def _example_inputs(self, given: tuple, batch: Any) -> Any:
+        """The step's inputs after the state given to ``init`` as the pipeline's one batch
+        pytree, or None when the batch is not among them."""
+        given = tuple(given) + (() if batch is None else (batch,))
+        if not given:
+            return None
+        expected = self._num_inputs if self._num_inputs is not None else len(given)
+        if len(given) > expected:
+            raise TypeError(
+                f"sched.init got {len(given)} input(s) after the state; the step takes {expected} "
+                "(its extra inputs, then the batch)"
+            )
+        if len(given) < expected:
+            if batch is not None:
+                raise TypeError(
+                    f"sched.init got batch= and {len(given) - 1} other input(s); the step takes "
+                    f"{expected} inputs after its state: pass the ones before the batch too"
+                )
+            return None  # the extra inputs alone (a key): the first call splits the state
+        self._num_inputs = expected
+        return given[0] if expected == 1 else tuple(given)
 
     def _init_trees(self, params: Any, opt_state: Any, batch: Any) -> NamedTuple:
         self._template = jax.tree.map(abstract_leaf, (params, opt_state))
@@ -133,8 +175,12 @@ class Scheduled:
     def __call__(self, state: ScheduledState, *inputs: Any) -> Any:
         """One training step: ``sched(state, batch)`` (or ``sched(state, key, batch)`` for a
         step with extra inputs); returns the new state and the step's aux, as the plain step
-        would (the state alone for a step that returns only its state)."""
-        return self.step_batch(state, self._batch_of(inputs, state))
+        would (the state alone for a step that returns only its state, and ``(state, key,
+        aux)`` for a step that returns an output per input)."""
+        result = self.step_batch(state, self._batch_of(inputs, state))
+        if self._state_form_for(state) is not None:
+            return result  # the adapter returns what the user's step returns
+        return self._outputs.returned(*result)
 
     def step_batch(self, state: ScheduledState, batch: Any) -> Any:
         """One step with the step's inputs after the state as one pytree (``batch``, or the
@@ -186,7 +232,8 @@ class Scheduled:
         if self._programs.last is None:  # never traced here: only a state in the user's layout
             return self.strategy.finalize_untraced(state)
         check_state_fits(self._programs.last, self._template, state)
-        return self._programs.last.finalize(state)
+        program = self._programs.last
+        return check_finalized(program, self._template, program.finalize(state))
 
     def lower(self, state: ScheduledState, batch: Any):
         """The lowered scheduled program (StableHLO), e.g. to inspect where collectives sit."""
@@ -224,12 +271,14 @@ class Scheduled:
     def fresh(self) -> "Scheduled":
         """A new schedule of the same step with the same options and no traced programs
         (``verify`` traces the step again in float64 with it; it plans once, never re-plans)."""
-        return Scheduled(self.step, self.strategy, self.buckets_option, engine=self.engine, **self.plan_options)
+        fresh = Scheduled(self.step, self.strategy, self.buckets_option, engine=self.engine, **self.plan_options)
+        fresh._fixed_form = self._fixed_form
+        return fresh
 
     def with_step(self, step: Callable) -> "Scheduled":
         """A new schedule of ``step`` with this one's options (the state-form adapter
         schedules the pure step it splits off the user's)."""
-        return Scheduled(
+        inner = Scheduled(
             step,
             self.strategy,
             self.buckets_option,
@@ -237,6 +286,8 @@ class Scheduled:
             replan=self.replan_options,
             **self.plan_options,
         )
+        inner._fixed_form = TREES  # the adapter's pure step(params, rest, batch)
+        return inner
 
     def verify(
         self,
@@ -286,7 +337,8 @@ class Scheduled:
         """The user's step with its inputs after the state in one tuple, as the pipeline
         traces it (the step itself when it takes only a batch)."""
         state_args = 1 if self._form == STATE else 2
-        return with_inputs(self.step, self._num_inputs or 1, state_args)
+        step = with_inputs(self.step, self._num_inputs or 1, state_args)
+        return step if self._form == STATE else with_outputs(step, self._outputs, self._num_inputs or 1)
 
     # -- internals -------------------------------------------------------------------------
     def _batch_of(self, inputs: tuple, state: Any) -> Any:
@@ -473,3 +525,45 @@ def check_state_fits(program: Program, template: Any, state: Any) -> None:
                 "state this schedule's init returned, or finalize the other schedule's state with "
                 "that schedule and init this one with the result"
             )
+
+
+def check_finalized(program: Program, template: Any, trees: tuple[Any, Any]) -> tuple[Any, Any]:
+    """``finalize``'s ``(params, opt_state)`` as the plain step returns them: every leaf in the
+    shape and dtype the step gives it, and on the mesh with the sharding the step's output has.
+
+    A leaf in another shape or dtype is a defect of the strategy's layout, refused with the
+    leaf's path rather than handed back; a leaf on the host or on an equivalent but
+    differently written sharding is placed as the plain step's output is."""
+    captured, planned = program.captured, program.planned
+    want = captured.state_outputs
+    leaves, treedef = jax.tree.flatten(trees)
+    if not want or treedef != jax.tree.structure((template[0], template[1])):
+        return trees
+    names = ["params/" + p for p in param_paths(trees[0])] + ["opt_state/" + p for p in param_paths(trees[1])]
+    fixed = []
+    for k, (name, leaf, expected) in enumerate(zip(names, leaves, want, strict=True)):
+        shape, dtype = tuple(jax.numpy.shape(leaf)), jax.numpy.result_type(leaf)
+        if shape != tuple(expected.shape) or dtype != expected.dtype:
+            raise AssertionError(
+                f"jaxsched: {program.strategy.name}'s finalize gave {name} as {dtype}{list(shape)}, where the "
+                f"plain step returns {expected.dtype}{list(expected.shape)}; this is a bug in jaxsched, "
+                "please report it. Run the step unscheduled (strategy='allreduce') meanwhile"
+            )
+        if captured.kind != "pmap":
+            leaf = _placed_as_output(leaf, jax.sharding.NamedSharding(planned.mesh, planned.output_spec(k)))
+        fixed.append(leaf)
+    return jax.tree.unflatten(treedef, fixed)
+
+
+def _placed_as_output(leaf: Any, sharding: jax.sharding.NamedSharding) -> Any:
+    """``leaf`` on ``sharding``: left alone where it is there already (under any spec that lays
+    it out the same), placed from the host value (every process holds it whole) otherwise."""
+    if isinstance(leaf, jax.Array):
+        if leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+            return leaf
+        if leaf.is_fully_addressable == sharding.is_fully_addressable:
+            return jax.device_put(leaf, sharding)  # across processes too: a resharding program
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    value = np.asarray(leaf)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])

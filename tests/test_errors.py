@@ -72,8 +72,8 @@ def _elementwise(p, s, x):
     return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), s, jnp.zeros(())
 
 
-def _two_outputs(p, s, x):
-    return p, s
+def _one_output(p, s, x):
+    return p
 
 
 def _wrong_shape(_):
@@ -129,7 +129,9 @@ def _kfac_on_model_sharded_params(_):
 
 
 def _hierarchical_on_one_axis(_):
-    sched, state, batch, _p = _mlp_step("wfbp", collective=jaxsched.runtime.collectives.Hierarchical("ici", "dcn"))
+    from jaxsched.runtime.collectives import Hierarchical
+
+    sched, state, batch, _p = _mlp_step("wfbp", collective=Hierarchical("ici", "dcn"))
     sched(state, batch)
 
 
@@ -193,7 +195,7 @@ CASES = {
     "outputs in another structure": (
         lambda _: _custom(_renamed_output),
         jaxsched.UnsupportedStepError,
-        "the step's output params has structure",
+        "the step's output params differs from its input params: it has extra leaves v and no leaves w",
     ),
     "`jax.jit` step with sharded parameters": (
         _jit_with_sharded_params,
@@ -211,7 +213,7 @@ CASES = {
     "output state in another structure": (
         lambda _: _state_step(_extra_output, {"w": np.ones(3, np.float32)}),
         jaxsched.UnsupportedStepError,
-        "the step's output state has structure",
+        "the step's output state differs from its input state",
     ),
     "state with nothing trained": (
         lambda _: _state_step(_running_mean, {"mean": np.zeros(3, np.float32)}),
@@ -219,9 +221,10 @@ CASES = {
         "found no trained parameter in the state",
     ),
     "not (params, opt_state, aux)": (
-        lambda _: _custom(_two_outputs, (P(), P())),
+        lambda _: _custom(_one_output, P()),
         jaxsched.UnsupportedStepError,
-        "the step must return (params, opt_state, aux)",
+        "the step returned 1 output (dict of 1 leaf); a step(params, opt_state, batch) returns "
+        "(params, opt_state, aux), or (params, opt_state) alone",
     ),
     "unknown bucket path": (
         lambda _: _mlp_step(buckets=[["hid"]])[0](*_mlp_step(buckets=[["hid"]])[1:3]),

@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched.core import replay
 from jaxsched.core.axes import as_axes, axis_size, spec_axes
+from jaxsched.core.describe import describe_outputs, difference
 from jaxsched.core.primitives import CALL_PRIMITIVES, REDUCTIONS, VMA_TYPING, reduction_axes
 
 __all__ = ["abstract_leaf", "capture", "CapturedStep", "data_axes", "flatten_calls", "Source", "UnsupportedStepError"]
@@ -77,6 +78,9 @@ class CapturedStep:
       gathers: for a ``jax.jit`` step, ``(primitive, source line)`` of every operation that
         mixes examples across the batch and so runs on the gathered batch
         (:class:`jaxsched.core.partition.GatherWarning`).
+      state_outputs: the shape and dtype of every new params and opt_state leaf the plain
+        step returns (``jax.ShapeDtypeStruct``, flat, params first): what ``finalize`` must
+        give back.
     """
 
     kind: str
@@ -101,6 +105,7 @@ class CapturedStep:
     example_inputs: Any = None
     global_step: Any = None
     gathers: tuple = ()
+    state_outputs: tuple = ()
 
     def body_input(self, role: str, index: int) -> int:
         """Position of the body invar fed by leaf ``index`` of ``role``, or -1."""
@@ -135,19 +140,26 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any, fold_invari
         ) from None
 
     if not isinstance(out_shape, (tuple, list)) or len(out_shape) != 3:
+        hint = ""
+        if out_shape is None or not jax.tree.leaves(out_shape):
+            hint = (
+                " (an NNX train_step(model, optimizer, batch) that updates its objects in place is "
+                "scheduled by jaxsched.integrations.nnx.schedule)"
+            )
         raise UnsupportedStepError(
-            "the step must return (params, opt_state, aux); it returned "
-            f"{type(out_shape).__name__} with structure {jax.tree.structure(out_shape)} (an NNX "
-            "train_step(model, optimizer, batch) that updates its objects in place is "
-            "scheduled by jaxsched.integrations.nnx.schedule)"
+            f"the step must return (params, opt_state, aux); it returned {describe_outputs(out_shape)}{hint}"
         )
     params_tree = jax.tree.structure(params)
     opt_tree = jax.tree.structure(opt_state)
-    for name, tree, out in (("params", params_tree, out_shape[0]), ("opt_state", opt_tree, out_shape[1])):
+    for name, tree, given, out in (
+        ("params", params_tree, params, out_shape[0]),
+        ("opt_state", opt_tree, opt_state, out_shape[1]),
+    ):
         if jax.tree.structure(out) != tree:
             raise UnsupportedStepError(
-                f"the step's output {name} has structure {jax.tree.structure(out)} but its input "
-                f"{name} has {tree}; the step must return {name} in the same structure it takes"
+                f"the step's output {name} differs from its input {name}: it has "
+                f"{difference(given, out)}; the step must return {name} in the same structure it "
+                f"takes (it returned {describe_outputs(out_shape)})"
             )
     num_params, num_opt = params_tree.num_leaves, opt_tree.num_leaves
     batch_tree = jax.tree.structure(batch)
@@ -240,7 +252,12 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any, fold_invari
         num_batch=batch_tree.num_leaves,
         check_vma=bool(eqn.params.get("check_vma", False)),
         example_inputs=jax.tree.map(abstract_leaf, (params, opt_state, batch)),
+        state_outputs=_state_outputs(out_shape),
     )
+
+
+def _state_outputs(out_shape: Any) -> tuple:
+    return tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves((out_shape[0], out_shape[1])))
 
 
 def _leaf_names(role: str, tree: Any) -> list[str]:
@@ -294,6 +311,7 @@ def _capture_global(closed, out_shape: Any, inputs: tuple, trees: tuple) -> Capt
         example_inputs=jax.tree.map(abstract_leaf, inputs),
         global_step=closed,
         gathers=part.gathers,
+        state_outputs=_state_outputs(out_shape),
     )
 
 

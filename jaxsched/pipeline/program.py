@@ -108,6 +108,7 @@ class Program:
         self.keeps_dtypes: bool | None = None
         self._placed_consts: list | None = None
         self._state_shapes: list | None = None
+        self._checked_returned = False
 
     # what users and tests inspect ----------------------------------------------------------
     @property
@@ -223,8 +224,26 @@ class Program:
         if self.keeps_dtypes is None:
             self.keeps_dtypes = all(leaf_dtype(a) == leaf_dtype(b) for a, b in zip(leaves, outs))
         new_state = jax.tree.unflatten(treedef, outs[: len(leaves)])
+        if not self._checked_returned:
+            self._check_returned(new_state)
         self._returned = new_state
         return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[len(leaves) :])
+
+    def _check_returned(self, state: NamedTuple) -> None:
+        """Once per program: a strategy that keeps the user's layout returns every params and
+        opt_state leaf in the shape and dtype the plain step returns it (never another)."""
+        self._checked_returned = True
+        want = self.captured.state_outputs
+        if not self.strategy.keeps_user_layout or not want:
+            return
+        got = jax.tree.leaves((state.params, state.opt_state))
+        for k, (leaf, expected) in enumerate(zip(got, want, strict=True)):
+            if tuple(leaf.shape) != tuple(expected.shape) or leaf.dtype != expected.dtype:
+                raise AssertionError(
+                    f"jaxsched: {self.strategy.name} returned state leaf {k} as {leaf.dtype}{list(leaf.shape)}, "
+                    f"where the plain step returns {expected.dtype}{list(expected.shape)}; this is a bug "
+                    "in jaxsched, please report it"
+                )
 
     @property
     def returned(self) -> NamedTuple | None:

@@ -6,11 +6,20 @@ a dict of your own. :func:`jaxsched.schedule` accepts such a step as it accepts
 ``train_step(params, opt_state, batch) -> (params, opt_state, aux)``; this module is the
 adapter between the two forms.
 
-**Which form.** ``sched.init`` decides, at its first call: one positional argument
-(``sched.init(state)``, or ``sched.init(state, batch=example)``) is the state form, three
-(``params, opt_state, batch``) the params form; with two, the state form if the step takes
-exactly two positional arguments (``step(state, batch)``, read with ``inspect.signature``),
-else ``(params, opt_state)``.
+**Which form.** ``sched.init`` decides at its first call, from what its arguments are
+(:func:`step_form`): a first argument that holds both parameters and optimizer state (a
+Flax ``TrainState``, a dict or dataclass with ``params`` and ``opt_state`` fields), a single
+argument, or a second argument that is a PRNG key (an input of the step, as in
+``step(state, rng, batch)``) is the state form; a second argument that is an optimizer
+state (optax's states, or a tree with a subtree shaped like the parameters) is the params
+form. Only when the arguments do not say does the step's signature decide (two positional
+arguments: ``step(state, batch)``), and a warning says which form was read. Arguments after
+the state are the step's inputs: given all of them (the batch last), the state is split at
+once.
+
+**What the step returns.** After its state, a step returns its aux, or nothing, or one
+output per input in the order the inputs come (``step(state, rng, batch) -> (state, rng,
+metrics)``, as EasyLM writes it): the scheduled step returns the same.
 
 **Which leaves are trained.** The state's leaves are named by their path (``params/Dense_0
 /kernel``, ``opt_state/0/mu/Dense_0/kernel``, ``step``), as bucket plans, ``verify`` and
@@ -66,25 +75,34 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable, NamedTuple
+import warnings
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
+import numpy as np
 from jax.extend import core as jex_core
 
 from jaxsched.core.analyze import analyze
 from jaxsched.core.bucketing import is_float, param_paths, shape_key
 from jaxsched.core.capture import UnsupportedStepError, capture
+from jaxsched.core.describe import describe, describe_outputs, difference
 
 __all__ = [
+    "FormWarning",
+    "OutputCount",
     "SIGNATURES",
     "StateForm",
     "StateLayout",
     "UnsplitState",
     "find_layout",
     "inputs_of",
+    "looks_like_key",
+    "looks_like_opt_state",
+    "looks_like_state",
     "returns_aux",
     "step_form",
     "with_inputs",
+    "with_outputs",
 ]
 
 #: the two step forms jaxsched.schedule accepts, as error messages state them
@@ -94,6 +112,12 @@ SIGNATURES = (
     "a constant) between the state and the batch"
 )
 STATE, TREES = "state", "trees"
+#: fields by which a state object is known (Flax's TrainState, EasyLM's, dicts of the same)
+STATE_FIELDS = frozenset({"opt_state", "tx", "optimizer", "opt"})
+
+
+class FormWarning(UserWarning):
+    """``sched.init``'s arguments fit both step forms; the warning says which was read."""
 
 
 class UnsplitState(NamedTuple):
@@ -127,26 +151,83 @@ def positional_arity(step: Callable) -> int | None:
     return None
 
 
-def step_form(step: Callable, n_args: int, batch_keyword: bool) -> str:
-    """``"state"`` or ``"trees"`` for ``sched.init`` called with ``n_args`` positional
-    arguments (and ``batch=`` or not); the rule is in the module doc. Raises TypeError,
-    stating both accepted signatures, for anything else."""
+def _field_names(x: Any) -> frozenset:
+    if isinstance(x, Mapping):
+        return frozenset(str(k) for k in x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return frozenset(f.name for f in dataclasses.fields(x))
+    return frozenset(getattr(x, "_fields", ()))
+
+
+def looks_like_state(x: Any) -> bool:
+    """Whether ``x`` holds parameters and optimizer state together: a Flax ``TrainState``, or
+    a dict, dataclass or NamedTuple with a ``params`` field beside ``opt_state`` (or ``tx``)."""
+    names = _field_names(x)
+    return "params" in names and bool(names & STATE_FIELDS)
+
+
+def looks_like_key(x: Any) -> bool:
+    """Whether ``x`` is a PRNG key (typed, or raw ``uint32[..., 2]``), or a batch of them."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return np.dtype(dtype) == np.uint32 and tuple(np.shape(x))[-1:] == (2,)
+
+
+def looks_like_opt_state(x: Any, params: Any) -> bool:
+    """Whether ``x`` is an optimizer state for ``params``: empty, one of optax's states, or a
+    tree with a subtree of the parameters' structure (per-parameter moments)."""
+    if not jax.tree.leaves(x):
+        return True
+    nodes = jax.tree.leaves(x, is_leaf=lambda t: type(t).__module__.startswith("optax"))
+    if any(type(t).__module__.startswith("optax") for t in nodes):
+        return True
+    structure = jax.tree.structure(params)
+    if structure.num_leaves < 1 or structure.num_leaves == 1 and structure == jax.tree.structure(0):
+        return False
+    like = lambda t: not isinstance(t, (int, float)) and jax.tree.structure(t) == structure
+    return any(like(t) for t in jax.tree.leaves(x, is_leaf=like))
+
+
+def step_form(step: Callable, args: tuple, batch_keyword: bool) -> str:
+    """``"state"`` or ``"trees"`` for ``sched.init(*args)`` (and ``batch=`` or not), read from
+    what the arguments are (module doc), else from the step's signature. Raises TypeError,
+    stating both accepted signatures, for a call that fits neither."""
     arity = positional_arity(step)
     if arity is not None and arity < 2:
         raise TypeError(f"the step takes {arity} positional argument(s); jaxsched.schedule accepts {SIGNATURES}")
-    if n_args == 1:
+    n_args = len(args)
+    form = None
+    if n_args >= 1 and looks_like_state(args[0]):
+        form = STATE
+    elif n_args == 1:
         form = STATE  # init(state): a step(state, *inputs, batch), whatever its arity
-    elif n_args == 3 and not batch_keyword:
+    elif n_args >= 2 and looks_like_key(args[1]):
+        form = STATE  # init(state, rng, ...): the key is an input of the step
+    elif n_args >= 2 and looks_like_opt_state(args[1], args[0]):
         form = TREES
     elif n_args == 2:
         form = STATE if arity == 2 and not batch_keyword else TREES
-    else:
-        form = None
-    if form is None or (arity == 2 and form == TREES):
-        takes = {2: "(state, batch)", 3: "(params, opt_state, batch)"}.get(arity)
+        if arity not in (None, 2) and not batch_keyword:
+            warnings.warn(
+                f"sched.init got 2 arguments ({describe(args[0])}, {describe(args[1])}) for a step of "
+                f"{arity} positional arguments, and they fit both forms; jaxsched read them as "
+                "(params, opt_state). If the first is the whole state and the second an input of "
+                "the step, call sched.init(state) and pass the inputs to each call",
+                FormWarning,
+                stacklevel=3,
+            )
+    elif n_args == 3 and not batch_keyword:
+        form = TREES
+    state_args = 1 if form == STATE else 2
+    limit = arity if arity is not None else 3
+    if form is None or n_args + batch_keyword > max(limit, state_args + 1) or (arity == 2 and form == TREES):
+        takes = {2: "(state, batch)", 3: "(params, opt_state, batch) or (state, input, batch)"}.get(arity)
         init = {
             2: "sched.init(state) or sched.init(state, batch)",
-            3: "sched.init(params, opt_state) or sched.init(params, opt_state, batch)",
+            3: "sched.init(params, opt_state[, batch]) or sched.init(state[, input, batch])",
         }
         raise TypeError(
             f"sched.init got {n_args} positional argument(s)"
@@ -168,13 +249,21 @@ class StateLayout:
       treedef: the state's tree structure (static fields included).
       names: every leaf's path, in tree order.
       trained: per leaf, whether it is a trained parameter.
-      has_aux: whether the step returns ``(state, aux)`` (False: the state alone).
+      outputs: how many outputs the step returns after its state: 0 (the state alone), 1
+        (its aux), or one per input (``(state, rng, metrics)``).
+      inputs: how many inputs the step takes after its state (the batch and those before it).
     """
 
     treedef: Any
     names: tuple[str, ...]
     trained: tuple[bool, ...]
-    has_aux: bool = True
+    outputs: int = 1
+    inputs: int = 1
+
+    @property
+    def has_aux(self) -> bool:
+        """Whether the step returns anything beside its state."""
+        return self.outputs > 0
 
     def split(self, state: Any, what: str = "the state") -> tuple[dict, dict]:
         """The user's state -> (trained leaves, every other leaf), dicts keyed by path."""
@@ -199,8 +288,8 @@ class StateLayout:
             out = step(self.join(params, rest), batch)
             if observe is not None:
                 observe(out)
-            new_state, aux = _state_and_aux(out, self.treedef)
-            return (*self.split(new_state), aux)
+            new_state, rest_out = _state_and_rest(out, self.treedef, self.inputs)
+            return (*self.split(new_state), _as_aux(rest_out))
 
         pure_step.__name__ = getattr(step, "__name__", "train_step")
         pure_step.__wrapped__ = step  # as jaxsched.integrations.nnx: tools that unwrap find the user's step
@@ -229,26 +318,89 @@ def with_inputs(step: Callable, num_inputs: int, state_args: int) -> Callable:
     return on_inputs
 
 
+class OutputCount:
+    """How many outputs a ``step(params, opt_state, ...)`` returns after its state, recorded
+    when it is traced (:func:`with_outputs`).
+
+    Attributes:
+      count: 0 (params and opt_state only), 1 (an aux), more (one output per input); None
+        before the step was traced.
+    """
+
+    def __init__(self) -> None:
+        self.count: int | None = None
+
+    def returned(self, state: Any, aux: Any) -> Any:
+        """What the scheduled call returns for the pipeline's ``(state, aux)``: as the step does."""
+        if self.count == 0:
+            return state
+        if self.count is not None and self.count > 1:
+            return (state, *aux)
+        return state, aux
+
+
+def with_outputs(step: Callable, record: OutputCount, inputs: int = 1) -> Callable:
+    """``step(params, opt_state, ...) -> (params, opt_state, *rest)`` as the pipeline's
+    ``(params, opt_state, aux)``: ``rest`` of one output is the aux, of several their tuple,
+    of none ``None``; the count is kept in ``record``."""
+
+    def three_outputs(*args):
+        out = step(*args)
+        if not isinstance(out, (tuple, list)) or len(out) < 2 or len(out) - 2 not in _counts(inputs):
+            raise UnsupportedStepError(
+                f"the step returned {describe_outputs(out)}; a step(params, opt_state, batch) returns "
+                "(params, opt_state, aux), or (params, opt_state) alone, or one output per input "
+                "after them ((params, opt_state, rng, aux) for a step(params, opt_state, rng, batch))"
+            )
+        record.count = len(out) - 2
+        return out[0], out[1], _as_aux(tuple(out[2:]))
+
+    three_outputs.__name__ = getattr(step, "__name__", "train_step")
+    three_outputs.__wrapped__ = step
+    return three_outputs
+
+
+def _as_aux(rest: tuple) -> Any:
+    """The outputs after the state as the pipeline's one aux tree."""
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
 def returns_aux(out: Any, treedef: Any) -> bool:
     """Whether a ``step(state, batch)`` output is ``(state, aux)`` rather than the state alone
     (JAX's own examples return only the new parameters)."""
     return jax.tree.structure(out) != treedef
 
 
-def _state_and_aux(out: Any, treedef: Any) -> tuple[Any, Any]:
+def _counts(inputs: int) -> tuple[int, ...]:
+    """How many outputs a step may return after its state: none, its aux, one per input."""
+    return tuple(sorted({0, 1, inputs}))
+
+
+def _state_and_rest(out: Any, treedef: Any, inputs: int = 1) -> tuple[Any, tuple]:
+    """A ``step(state, ...)``'s output as its new state and the outputs after it."""
     if not returns_aux(out, treedef):
-        return out, None
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        return out, ()
+    if not isinstance(out, (tuple, list)) or len(out) < 2 or len(out) - 1 not in _counts(inputs):
         raise UnsupportedStepError(
-            "a step(state, batch) must return (state, aux) or the state alone; it returned "
-            f"{type(out).__name__} with structure {jax.tree.structure(out)}"
+            f"the step returned {describe_outputs(out)}; a step(state, batch) returns (state, aux) or "
+            "the state alone, and a step(state, rng, batch) may return (state, rng, aux): one output "
+            f"per input after the state (this step takes {inputs} input(s) after its state)"
         )
     if jax.tree.structure(out[0]) != treedef:
+        taken = jax.tree.unflatten(treedef, [0] * treedef.num_leaves)
         raise UnsupportedStepError(
-            f"the step's output state has structure {jax.tree.structure(out[0])} but its input "
-            f"state has {treedef}; the step must return its state in the same structure it takes"
+            f"the step's output state differs from its input state: it returned {describe_outputs(out)}, "
+            f"and the first has {difference(taken, out[0])} of the state it takes (a {describe(taken)}). "
+            "The step must return its state in the structure it takes, followed by its aux"
         )
-    return out[0], out[1]
+    return out[0], tuple(out[1:])
+
+
+def output_count(out: Any, treedef: Any, inputs: int = 1) -> int:
+    """How many outputs a ``step(state, ...)`` returned after its state."""
+    return len(_state_and_rest(out, treedef, inputs)[1])
 
 
 def leaf_names(state: Any) -> tuple[str, ...]:
@@ -260,17 +412,17 @@ def leaf_names(state: Any) -> tuple[str, ...]:
     return tuple(jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0])
 
 
-def find_layout(step: Callable, state: Any, batch: Any) -> StateLayout:
+def find_layout(step: Callable, state: Any, batch: Any, inputs: int = 1) -> StateLayout:
     """Trace ``step(state, batch)`` and decide which leaves are trained (module doc)."""
     leaves, treedef = jax.tree.flatten(state)
     if not leaves:
         raise UnsupportedStepError(f"the state {treedef} has no leaves: nothing to train")
     names = leaf_names(state)
-    everything = StateLayout(treedef, names, (True,) * len(names))
+    everything = StateLayout(treedef, names, (True,) * len(names), inputs=inputs)
     all_params, _ = everything.split(state)
     outputs: list = []
     captured = capture(everything.pure_step(step, outputs.append), all_params, {}, batch)
-    has_aux = returns_aux(outputs[0], treedef)
+    n_outputs = output_count(outputs[0], treedef, inputs)
     analysis = analyze(captured)
     reaches_varying, from_reduction, from_itself = _dependencies(captured, analysis)
     # the captured step's params are a dict: their leaf order is jax's order of its keys
@@ -283,7 +435,7 @@ def find_layout(step: Callable, state: Any, batch: Any) -> StateLayout:
         raise UnsupportedStepError(
             _nothing_trained(names, leaves, position, reaches_varying, from_reduction, from_itself, captured.axis_name)
         )
-    return StateLayout(treedef, names, tuple(trained), has_aux)
+    return StateLayout(treedef, names, tuple(trained), n_outputs, inputs)
 
 
 def _dtype(leaf: Any) -> Any:
@@ -386,7 +538,7 @@ class StateForm:
     def inner_for(self, state: Any, batch: Any) -> Any:
         """The scheduled pure step, splitting the state on first use."""
         if self.layout is None:
-            self.layout = find_layout(self.step, state, batch)
+            self.layout = find_layout(self.step, state, batch, self.owner._num_inputs or 1)
             self.inner = self.owner.with_step(self.layout.pure_step(self.step))
         return self.inner
 
@@ -405,8 +557,10 @@ class StateForm:
 
     def __call__(self, sstate: Any, batch: Any) -> Any:
         inner, sstate = self.scheduled_state(sstate, batch)
-        sstate, aux = inner(sstate, batch)
-        return (sstate, aux) if self.layout.has_aux else sstate
+        sstate, aux = inner.step_batch(sstate, batch)
+        if self.layout.outputs == 0:
+            return sstate
+        return (sstate, *aux) if self.layout.outputs > 1 else (sstate, aux)
 
     def scheduled(self, sstate: Any, batch: Any, method: str, **options: Any) -> Any:
         """``inner.<method>(sstate, batch)`` (``lower``, ``inspect``) on the scheduled state."""

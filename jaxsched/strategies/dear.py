@@ -208,7 +208,7 @@ class Dear(Strategy):
     def _sharded(self, planned: PlannedStep, leaf: Any, block, name: str, stacked: bool) -> jax.Array:
         flat_len = self._flat_len(planned, block)
         sharding = NamedSharding(planned.mesh, P(planned.axis_name))
-        if isinstance(leaf, jax.Array) and leaf.shape == (flat_len,) and leaf.sharding == sharding:
+        if isinstance(leaf, jax.Array) and leaf.shape == (flat_len,) and leaf.sharding.is_equivalent_to(sharding, 1):
             return leaf
         if isinstance(leaf, jax.ShapeDtypeStruct):  # ahead of time: the layout, no data
             return jax.ShapeDtypeStruct((flat_len,), leaf.dtype, sharding=sharding)
@@ -226,13 +226,19 @@ class Dear(Strategy):
         return jax.device_put(flat, sharding)
 
     def _unsharded(self, planned: PlannedStep, leaf: Any, block, stacked: bool) -> Any:
-        sharding = NamedSharding(planned.mesh, P(planned.axis_name))
-        if not (
-            isinstance(leaf, jax.Array)
-            and leaf.shape == (self._flat_len(planned, block),)
-            and leaf.sharding == sharding
-        ):
+        """A leaf in the user's layout again. Told apart by shape, never by sharding: XLA may
+        hand back an equivalent sharding under another spec (a size-1 mesh axis dropped)."""
+        flat_len = self._flat_len(planned, block)
+        user_shape = (len(planned.mesh.devices.flat),) + tuple(block.shape[1:]) if stacked else tuple(block.shape)
+        shape = tuple(np.shape(leaf))
+        flat = shape == (flat_len,) and isinstance(leaf, jax.Array) and not leaf.sharding.is_fully_replicated
+        if shape == user_shape and not flat:
             return leaf  # still in the user's layout (no step has run yet)
+        if shape != (flat_len,):
+            raise ValueError(
+                f"a sharded state leaf has shape {shape}; expected the user's {user_shape} or "
+                f"dear's flat ({flat_len},): was the state made by another schedule?"
+            )
         full = _host_value(leaf)[: math.prod(block.shape)].reshape(block.shape)
         if stacked:
             full = np.repeat(full, len(planned.mesh.devices.flat), axis=0)

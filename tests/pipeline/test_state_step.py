@@ -373,7 +373,7 @@ def test_an_output_state_of_another_structure_names_both():
     sched = jaxsched.schedule(step)
     with pytest.raises(
         jaxsched.UnsupportedStepError,
-        match=r"the step's output state has structure .*'extra'.* but its input state has",
+        match=r"the step's output state differs from its input state: .*has extra leaves extra of",
     ):
         sched(sched.init({"params": _variables(0)}), _batches(mesh, n=1)[0])
 
@@ -418,21 +418,98 @@ def test_extra_inputs_before_the_batch_are_read_from_the_signature():
 def step_form_of(step, n_args):
     from jaxsched.pipeline.state_step import step_form
 
-    return step_form(step, n_args, False)
+    return step_form(step, (0,) * n_args, False)
 
 
 def test_the_form_is_read_from_the_step_signature_and_else_from_init():
     from jaxsched.pipeline.state_step import step_form
 
-    assert step_form(lambda state, batch: 0, 2, False) == "state"
-    assert step_form(lambda params, opt_state, batch: 0, 2, False) == "trees"
-    assert step_form(lambda *a: 0, 1, False) == "state"
-    assert step_form(lambda *a: 0, 1, True) == "state"
-    assert step_form(lambda *a: 0, 2, False) == "trees"  # as before: (params, opt_state)
-    assert step_form(lambda *a: 0, 3, False) == "trees"
+    assert step_form(lambda state, batch: 0, (0, 0), False) == "state"
+    assert step_form(lambda params, opt_state, batch: 0, (0, 0), False) == "trees"
+    assert step_form(lambda *a: 0, (0,), False) == "state"
+    assert step_form(lambda *a: 0, (0,), True) == "state"
+    assert step_form(lambda *a: 0, (0, 0), False) == "trees"  # as before: (params, opt_state)
+    assert step_form(lambda *a: 0, (0, 0, 0), False) == "trees"
     jitted = jax.jit(
         jax.shard_map(
             lambda state, batch: (state, batch), mesh=_mesh(2), in_specs=(P(), P("data")), out_specs=(P(), P())
         )
     )
-    assert step_form(jitted, 2, False) == "state"
+    assert step_form(jitted, (0, 0), False) == "state"
+
+
+def test_the_form_is_read_from_what_the_arguments_are():
+    """EasyLM's step(train_state, rng, batch): a TrainState first, a key second, is the state
+    form whatever the count, never (params=TrainState, opt_state=rng)."""
+    from jaxsched.pipeline.state_step import step_form
+
+    state, rng = _train_state(), jax.random.key(0)
+    easylm = lambda train_state, rng, batch: None
+    assert step_form(easylm, (state, rng), False) == "state"
+    assert step_form(easylm, (state, rng, _batches(_mesh(2), n=1)[0]), False) == "state"
+    assert step_form(easylm, (state.params, rng), False) == "state"  # a key is an input
+    assert step_form(easylm, (state.params, state.opt_state), False) == "trees"
+    assert step_form(lambda p, o, b: 0, ({"w": jnp.ones(2)}, {"w": jnp.zeros(2)}), False) == "trees"
+    with pytest.warns(UserWarning, match=r"fit both forms; jaxsched read them as \(params, opt_state\)"):
+        assert step_form(lambda p, o, b: 0, ({"w": jnp.ones(2)}, jnp.ones(3)), False) == "trees"
+
+
+def _easylm_step(mesh):
+    """EasyLM's train_step as written: (train_state, rng, batch) -> (train_state, rng, metrics),
+    the batch placed replicated and split inside the step, dropout from the carried key."""
+
+    def train_step(train_state, rng, batch):
+        rng, dropout = jax.random.split(rng)
+        x, y = batch
+        keep = jax.random.bernoulli(dropout, 0.9, x.shape)
+
+        def loss_fn(params):
+            logits = train_state.apply_fn({"params": params}, jnp.where(keep, x / 0.9, 0))
+            return _xent(logits, y)
+
+        loss, grads = jax.value_and_grad(loss_fn)(train_state.params)
+        return train_state.apply_gradients(grads=grads), rng, {"loss": loss}
+
+    return jax.jit(train_step)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "dear"])
+def test_a_step_that_carries_its_key_out_returns_what_the_plain_step_does(strategy):
+    """EasyLM's mesh ('dp', 'fsdp', 'mp') = (8, 1, 1), the batch over ('dp', 'fsdp'):
+    sched(state, rng, batch) returns (state, rng, metrics); every leaf comes back in the
+    plain step's shape, dtype and sharding."""
+    mesh = jax.make_mesh((8, 1, 1), ("dp", "fsdp", "mp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    step = _easylm_step(mesh)
+    rng, state = jax.random.key(3), _train_state(seed=4)
+    batches = [
+        jax.device_put(b, jax.NamedSharding(mesh, P(("dp", "fsdp")))) for b in _batches(_mesh(8), n=3, seed=5)
+    ]
+    plain, plain_rng, plain_aux = state, rng, []
+    for b in batches:
+        plain, plain_rng, aux = step(plain, plain_rng, b)
+        plain_aux.append(aux)
+    sched = jaxsched.schedule(step, strategy=strategy)
+    sstate, srng, sched_aux = sched.init(state, rng), rng, []
+    for b in batches:
+        sstate, srng, aux = sched(sstate, srng, b)
+        sched_aux.append(aux)
+    got = sched.finalize(sstate)
+    assert type(got) is TrainState
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(plain)):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        if isinstance(b, jax.Array) and isinstance(a, jax.Array):
+            assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    _assert_same(got, plain)
+    assert_trees_close(sched_aux, plain_aux)
+    np.testing.assert_array_equal(jax.random.key_data(srng), jax.random.key_data(plain_rng))
+
+
+def test_a_step_that_returns_the_wrong_outputs_gets_a_short_message():
+    mesh = _mesh(2)
+    step = jax.jit(lambda state, rng, batch: (state, rng, {"loss": 0.0}, 7))
+    sched = jaxsched.schedule(step)
+    with pytest.raises(jaxsched.UnsupportedStepError) as err:
+        sched(sched.init(_train_state()), jax.random.key(0), _batches(mesh, n=1)[0])
+    message = str(err.value).split("\n")[0]
+    assert "PyTreeDef" not in message and len(message) < 400
+    assert "4 outputs (TrainState of" in message
