@@ -33,7 +33,7 @@ from jax.extend import core as jex_core
 
 from jaxsched.core.capture import CapturedStep, UnsupportedStepError
 from jaxsched.core.axes import as_axes, spec_axes
-from jaxsched.core.primitives import REDUCTIONS, SUM_REDUCTIONS, reduces_over, reduction_axes
+from jaxsched.core.primitives import REDUCTIONS, SCATTER_REDUCTIONS, SUM_REDUCTIONS, reduces_over, reduction_axes
 from jaxsched.core.replay import is_var, live_equations, nested_eqns, source_line
 
 __all__ = ["Analysis", "analyze", "Reduction"]
@@ -43,12 +43,22 @@ __all__ = ["Analysis", "analyze", "Reduction"]
 class Reduction:
     """One reduced gradient: operand ``operand_pos`` of body equation ``eqn_index``.
 
+    Most gradients are summed whole over the data axes (a ``psum``). The gradient of a
+    parameter sharded over data axes (FSDP) is reduce-scattered into the parameter's block
+    over those axes (``scatter_dim``, ``scatter_axes``), then summed over the other data axes
+    (``sum_axes``: HSDP's replica axis; none for FSDP over every data axis).
+
     Attributes:
       eqn_index: the reducing equation in the body.
       operand_pos: which of its operands (a psum may reduce several at once).
-      operand, result: the body variables before and after the reduction.
+      operand, result: the body variables before and after the reduction (after the sum over
+        ``sum_axes`` for a scattered gradient).
       ready_at: index of the backward equation that computes the operand (-1: a body input).
       nbytes: bytes of the full gradient.
+      scatter_dim, scatter_axes: the block's dimension and mesh axes of a reduce-scattered
+        gradient (None and ``()`` for a psum).
+      sum_axes: the mesh axes the (scattered) gradient is summed over; None: every data axis.
+      then_index: the body equation of that sum after a reduce-scatter (None: there is none).
     """
 
     eqn_index: int
@@ -57,6 +67,20 @@ class Reduction:
     result: Any
     ready_at: int
     nbytes: int
+    scatter_dim: int | None = None
+    scatter_axes: tuple[str, ...] = ()
+    sum_axes: tuple[str, ...] | None = None
+    then_index: int | None = None
+
+    @property
+    def scattered(self) -> bool:
+        """Whether the gradient is reduce-scattered into a parameter block (FSDP)."""
+        return self.scatter_dim is not None
+
+    @property
+    def form(self) -> tuple:
+        """What a bucket of reductions must share to travel together."""
+        return (self.scatter_axes, self.sum_axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +143,13 @@ def analyze(captured: CapturedStep) -> Analysis:
         for o in eqn.outvars:
             producer[o] = i
 
+    # A reduce-scatter over data axes into a block, then (HSDP) a psum over the others: one
+    # gradient reduction of a sharded parameter, the two equations together.
+    then_sum = _sums_after_scatters(body, data_axes)
     candidates = [
         i
         for i, eqn in enumerate(body.eqns)
-        if reduces_over(eqn, axis, SUM_REDUCTIONS)
+        if (reduces_over(eqn, axis, SUM_REDUCTIONS) or i in then_sum)
         and any(o in feeds_state for o in eqn.outvars)
         # a reduction of an invariant value (e.g. a second pmean) is part of the update
         and any(is_var(x) and x in varying for x in eqn.invars)
@@ -142,6 +169,26 @@ def analyze(captured: CapturedStep) -> Analysis:
     for i in candidates:
         eqn = body.eqns[i]
         if i in upstream:
+            continue
+        if i in then_sum:
+            j = then_sum[i]
+            reducing_eqns.update({i} if j is None else {i, j})
+            x, o = eqn.invars[0], eqn.outvars[0] if j is None else body.eqns[j].outvars[0]
+            sum_axes = () if j is None else tuple(reduction_axes(body.eqns[j]))
+            reductions.append(
+                Reduction(
+                    i,
+                    0,
+                    x,
+                    o,
+                    producer.get(x, -1),
+                    x.aval.size * x.aval.dtype.itemsize,
+                    int(eqn.params["scatter_dimension"]),
+                    tuple(reduction_axes(eqn)),
+                    sum_axes,
+                    j,
+                )
+            )
             continue
         if set(reduction_axes(eqn)) != data_axes:
             extra = [a for a in reduction_axes(eqn) if a not in data_axes]
@@ -221,6 +268,32 @@ def analyze(captured: CapturedStep) -> Analysis:
         forward_collectives,
         per_device,
     )
+
+
+def _sums_after_scatters(body, data_axes: set) -> dict[int, int | None]:
+    """Tiled reduce-scatters over some data axes whose result is then summed over the other
+    data axes (or over none, when they span them all): scatter equation -> sum equation."""
+    uses: dict = {}
+    for i, eqn in enumerate(body.eqns):
+        for x in eqn.invars:
+            if is_var(x):
+                uses.setdefault(x, []).append(i)
+    found: dict[int, int | None] = {}
+    for i, eqn in enumerate(body.eqns):
+        if eqn.primitive.name not in SCATTER_REDUCTIONS or not eqn.params.get("tiled", False):
+            continue
+        axes = set(reduction_axes(eqn))
+        if not axes <= data_axes or len(eqn.invars) != 1:
+            continue
+        if axes == data_axes:
+            found[i] = None
+            continue
+        readers = uses.get(eqn.outvars[0], [])
+        if len(readers) == 1:
+            then = body.eqns[readers[0]]
+            if then.primitive.name in SUM_REDUCTIONS and set(reduction_axes(then)) == data_axes - axes:
+                found[i] = readers[0]
+    return found
 
 
 def _nested_reduction(jaxpr, axis: str):

@@ -75,14 +75,15 @@ def match_reductions(analysis: Analysis) -> list[int | None]:
         shapes.append((shape_key(aval.shape), aval.dtype) if trainable else None)
     reds = analysis.reductions
     match: list[int | None] = [None] * cap.num_params
+    # a parameter's reduced gradient has its shape (a sharded parameter's: its block's)
     if len(reds) == cap.num_params and all(
-        shapes[i] == (shape_key(r.operand.aval.shape), r.operand.aval.dtype) for i, r in enumerate(reds)
+        shapes[i] == (shape_key(r.result.aval.shape), r.operand.aval.dtype) for i, r in enumerate(reds)
     ):
         return list(range(cap.num_params))
     taken = set()
     for i, shape in enumerate(shapes):
         for j, r in enumerate(reds):
-            if j not in taken and shape is not None and shape_key(r.operand.aval.shape) == shape[0]:
+            if j not in taken and shape is not None and shape_key(r.result.aval.shape) == shape[0]:
                 match[i] = j
                 taken.add(j)
                 break
@@ -143,11 +144,13 @@ def plan_buckets(analysis: Analysis, paths: Sequence[str], buckets: Any = None) 
 
     result = []
     grad_dtype = lambda i: np.dtype(reds[match[i]].operand.aval.dtype) if match[i] is not None else None
+    form = lambda i: reds[match[i]].form if match[i] is not None else None
     for group in groups:
-        # Split by dtype (of the parameter and of its gradient): one collective moves one dtype.
+        # Split by dtype (of the parameter and of its gradient): one collective moves one
+        # dtype; and by form: gradients scattered into parameter blocks travel apart.
         by_dtype: dict = {}
         for i in group:
-            by_dtype.setdefault((np.dtype(dtype_of(i)), grad_dtype(i)), []).append(i)
+            by_dtype.setdefault((np.dtype(dtype_of(i)), grad_dtype(i), form(i)), []).append(i)
         for members in by_dtype.values():
             result.append(Bucket(tuple(members), tuple(match[i] for i in members if match[i] is not None)))
     matched = {m for m in match if m is not None}

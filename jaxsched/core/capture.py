@@ -81,6 +81,10 @@ class CapturedStep:
       state_outputs: the shape and dtype of every new params and opt_state leaf the plain
         step returns (``jax.ShapeDtypeStruct``, flat, params first): what ``finalize`` must
         give back.
+      manual_axes: the mesh axes the body is manual over: None for every axis; the data axes
+        of a ``jax.jit`` step whose mesh has model axes, which XLA partitions inside the body
+        (``in_specs``/``out_specs`` then name both; a ``shard_map`` takes them restricted,
+        :func:`jaxsched.core.partition.manual_shard_map`).
     """
 
     kind: str
@@ -106,6 +110,7 @@ class CapturedStep:
     global_step: Any = None
     gathers: tuple = ()
     state_outputs: tuple = ()
+    manual_axes: tuple[str, ...] | None = None
 
     def body_input(self, role: str, index: int) -> int:
         """Position of the body invar fed by leaf ``index`` of ``role``, or -1."""
@@ -312,6 +317,7 @@ def _capture_global(closed, out_shape: Any, inputs: tuple, trees: tuple) -> Capt
         global_step=closed,
         gathers=part.gathers,
         state_outputs=_state_outputs(out_shape),
+        manual_axes=placement.manual_axes,
     )
 
 

@@ -15,6 +15,7 @@ from jaxsched.core.axes import as_axes
 
 __all__ = [
     "CALL_PRIMITIVES",
+    "SCATTER_REDUCTIONS",
     "COLLECTIVES",
     "reduces_over",
     "reduction_axes",
@@ -29,6 +30,8 @@ CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_
 SUM_REDUCTIONS = frozenset({"psum", "psum_invariant"})
 #: Every reduction over mesh axes.
 REDUCTIONS = SUM_REDUCTIONS | {"pmax", "pmin", "pmax_invariant", "pmin_invariant"}
+#: Sums over mesh axes that leave each device a block: an FSDP parameter's gradient reduction.
+SCATTER_REDUCTIONS = frozenset({"reduce_scatter", "psum_scatter"})
 #: ``check_vma`` typing primitives: they change a value's type, not its value.
 VMA_TYPING = frozenset({"pvary"})
 #: Communication the rewritten programs emit: where an engine may cut stages.

@@ -96,6 +96,7 @@ class Program:
             planned.bucket_bytes,
             dict(strategy.compiler_overrides),
             rewritten.global_body,
+            planned.captured.manual_axes,
         )
         self.engine = engine.resolve(self.per_device)
         self.core = self.engine.compile(self.per_device)

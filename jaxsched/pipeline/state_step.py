@@ -485,7 +485,7 @@ def _dependencies(captured: Any, analysis: Any) -> tuple[list[bool], list[bool],
         src.index: shape_key(v.aval.shape) for v, src in zip(body.invars, captured.sources) if src.role == "params"
     }
     own_gradient = [
-        sum(1 << j for j, r in enumerate(reds) if shape_key(r.operand.aval.shape) == shape_of.get(i)) for i in range(n)
+        sum(1 << j for j, r in enumerate(reds) if shape_key(r.result.aval.shape) == shape_of.get(i)) for i in range(n)
     ]
     from_reduction = [is_var(o) and bool(reduced.get(o, 0) & own_gradient[i]) for i, o in enumerate(outs)]
     from_itself = [is_var(o) and bool(leaves_of.get(o, 0) >> i & 1) for i, o in enumerate(outs)]

@@ -34,6 +34,9 @@ from jaxsched.sim.costmodel import CommPattern
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
 
 __all__ = [
+    "bucket_sum_axes",
+    "reduce_gradients",
+    "scatter_block",
     "ScheduledState",
     "BucketReport",
     "check_leaf_counts",
@@ -250,15 +253,18 @@ class Strategy(abc.ABC):
         ]
 
     def concatenated_gradient_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
-        """Each bucket as its gradients flattened and concatenated (one dtype per bucket)."""
+        """Each bucket as the gradients its all-reduce sums, flattened and concatenated (one
+        dtype per bucket): whole gradients over the data axes, or the blocks of sharded
+        parameters over the data axes they are not sharded over (HSDP's replica axis)."""
         reds = planned.analysis.reductions
         sizes, dtypes, shapes = [], [], []
         for bucket in planned.buckets:
-            ops = [reds[j].operand.aval for j in bucket.reductions]
+            ops = [(reds[j].result if reds[j].scattered else reds[j].operand).aval for j in bucket.reductions]
             dtypes.append(ops[0].dtype if ops else np.float32)
             sizes.append(sum(math.prod(a.shape) for a in ops))
             shapes.append([a.shape for a in ops])
-        return self.bucket_specs(planned, sizes, dtypes, [tuple(s) for s in shapes])
+        specs = self.bucket_specs(planned, sizes, dtypes, [tuple(s) for s in shapes])
+        return [_over_sum_axes(planned, spec, bucket) for spec, bucket in zip(specs, planned.buckets, strict=True)]
 
     def collective_template(self, planned: PlannedStep) -> tuple:
         """One device's carried collective state for each bucket of ``planned``."""
@@ -307,6 +313,49 @@ class Strategy(abc.ABC):
     def collective_state_specs(self, planned: PlannedStep) -> tuple[P, ...]:
         n = len(jax.tree.leaves(self.collective_template(planned)))
         return (P(planned.axis_name),) * n
+
+
+def bucket_sum_axes(planned: PlannedStep, bucket: Any) -> tuple[str, ...] | None:
+    """The mesh axes a bucket's all-reduce sums over: the data axes (None), those a sharded
+    parameter's block is not split over (HSDP's replica axis), or none (``()``: FSDP over
+    every data axis, whose reduce-scatter is the whole reduction)."""
+    reds = [planned.analysis.reductions[j] for j in bucket.reductions]
+    return reds[0].sum_axes if reds and reds[0].scattered else None
+
+
+def _over_sum_axes(planned: PlannedStep, spec: BucketSpec, bucket: Any) -> BucketSpec:
+    axes = bucket_sum_axes(planned, bucket)
+    if axes is None:
+        return spec
+    sizes = tuple((a, int(planned.mesh.shape[a])) for a in axes)
+    return dataclasses.replace(spec, axis_size=math.prod(n for _, n in sizes), mesh_axes=sizes)
+
+
+def reduce_gradients(
+    collective: Collective, planned: PlannedStep, bucket: Any, grads: Sequence[Any], spec: BucketSpec, state: Any
+) -> tuple[list, Any]:
+    """One bucket's gradients summed as the user's step sums them: all-reduced over the data
+    axes through ``collective``; or, for parameters sharded over data axes, reduce-scattered
+    into their blocks and those summed over the remaining data axes through ``collective``
+    (compression and hierarchy apply to that sum, HSDP's replica axis)."""
+    reds = [planned.analysis.reductions[j] for j in bucket.reductions]
+    if not reds or not reds[0].scattered:
+        if planned.axis_size == 1:  # a sum over one device is the identity
+            return list(grads), state
+        return collective.all_reduce_tensors(list(grads), planned.axis_name, spec, state)
+    blocks = [scatter_block(g, r) for g, r in zip(grads, reds, strict=True)]
+    axes = reds[0].sum_axes
+    if not axes:
+        return blocks, state
+    return collective.all_reduce_tensors(blocks, axes[0] if len(axes) == 1 else tuple(axes), spec, state)
+
+
+def scatter_block(gradient: Any, reduction: Any) -> Any:
+    """A gradient reduce-scattered into its parameter's block (the sum over the block's axes)."""
+    axes = reduction.scatter_axes
+    return jax.lax.psum_scatter(
+        gradient, axes[0] if len(axes) == 1 else tuple(axes), scatter_dimension=reduction.scatter_dim, tiled=True
+    )
 
 
 class UserLayoutStrategy(Strategy):

@@ -41,7 +41,14 @@ from jaxsched.plan.planned_step import PlannedStep, is_abstract
 from jaxsched.core.replay import interpret, read
 from jaxsched.core.rewrite.backward import walk_backward
 from jaxsched.core.rewrite.rules import Shard, ShardContext, apply_rule
-from jaxsched.strategies.base import BucketReport, RewrittenBody, SchedState, Strategy, check_leaf_counts
+from jaxsched.strategies.base import (
+    BucketReport,
+    RewrittenBody,
+    SchedState,
+    Strategy,
+    check_leaf_counts,
+    reduce_gradients,
+)
 from jaxsched.strategies.registry import register_strategy
 
 __all__ = ["Dear", "DearLayout"]
@@ -115,14 +122,17 @@ class Dear(Strategy):
                 layout.BucketLayout.of([a.shape for a in avals], [a.dtype for a in avals], size) if avals else None
             )
             ops = [reds[j].operand.aval for j in b.reductions]
+            scattered = any(reds[j].scattered for j in b.reductions)  # blocks of sharded parameters
             g_layouts.append(
-                layout.BucketLayout.of([a.shape for a in ops], [a.dtype for a in ops], size) if ops else None
+                layout.BucketLayout.of([a.shape for a in ops], [a.dtype for a in ops], size)
+                if ops and not scattered
+                else None
             )
         return DearLayout(p_layouts, gathered, g_layouts, param_sharded, opt_sharded)
 
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
         lay = self.layout(planned)
-        return self.bucket_specs(
+        specs = self.bucket_specs(
             planned,
             [g.shard_size * planned.axis_size if g else 0 for g in lay.grads],
             [g.dtype if g else np.float32 for g in lay.grads],
@@ -130,6 +140,10 @@ class Dear(Strategy):
             interleaved=True,
             op="reduce_scatter",
         )
+        # a bucket of sharded parameters' gradients: its blocks are already what the update
+        # runs on (ZeRO-3 as the user laid it out); it travels as wfbp's would
+        summed = self.concatenated_gradient_buckets(planned)
+        return [summed[k] if _scattered(planned, b) else spec for k, (spec, b) in enumerate(zip(specs, planned.buckets))]
 
     def _gather_spec(self, planned: PlannedStep, k: int, p_layout) -> BucketSpec:
         return BucketSpec(
@@ -308,6 +322,11 @@ class Dear(Strategy):
             def emit(bucket) -> None:
                 k = buckets.index(bucket)
                 grads = [read(env, reds[j].operand) for j in bucket.reductions]
+                if _scattered(planned, bucket):
+                    blocks, carried[k] = reduce_gradients(self.collective, planned, bucket, grads, specs[k], carried[k])
+                    for j, total in zip(bucket.reductions, blocks):
+                        post[reds[j].result] = total
+                    return
                 if not bucket.params:
                     # no parameter's gradient (a global example count, a loss summed with
                     # the gradients): the update keeps no shard of it, so it is summed whole
@@ -409,6 +428,11 @@ class Dear(Strategy):
             found = tuple(dict.fromkeys(key for key, top in ctx.sites if reads.get(id(top), 0) >> k & 1))
             report.append(BucketReport(k, tuple(planned.paths[i] for i in b.params), not found, found))
         return report
+
+
+def _scattered(planned: PlannedStep, bucket: Any) -> bool:
+    """Whether ``bucket`` holds gradients of parameters sharded over data axes (FSDP)."""
+    return any(planned.analysis.reductions[j].scattered for j in bucket.reductions)
 
 
 def _mirrored_params(params_tree: Any, opt_tree: Any) -> dict[int, int]:

@@ -21,7 +21,7 @@ from jaxsched.sim.costmodel import WFBP_PATTERN
 from jaxsched.plan.planned_step import PlannedStep
 from jaxsched.core.replay import interpret, read
 from jaxsched.core.rewrite.backward import walk_backward
-from jaxsched.strategies.base import UserLayoutStrategy
+from jaxsched.strategies.base import UserLayoutStrategy, reduce_gradients
 from jaxsched.strategies.registry import register_strategy
 
 __all__ = ["Wfbp"]
@@ -39,7 +39,7 @@ class Wfbp(UserLayoutStrategy):
 
     def per_device(self, planned: PlannedStep, values: list, collective_state: Any):
         analysis, buckets = planned.analysis, planned.buckets
-        body, axis = planned.captured.body, planned.axis_name
+        body = planned.captured.body
         reds = analysis.reductions
         specs = self.collective_buckets(planned)
         carried = list(collective_state)
@@ -48,11 +48,7 @@ class Wfbp(UserLayoutStrategy):
         def emit(bucket) -> None:
             k = buckets.index(bucket)
             grads = [read(env, reds[j].operand) for j in bucket.reductions]
-            if planned.axis_size == 1:  # a sum over one device is the identity
-                for j, g in zip(bucket.reductions, grads):
-                    env[reds[j].result] = g
-                return
-            sums, carried[k] = self.collective.all_reduce_tensors(grads, axis, specs[k], carried[k])
+            sums, carried[k] = reduce_gradients(self.collective, planned, bucket, grads, specs[k], carried[k])
             for j, total in zip(bucket.reductions, sums):
                 env[reds[j].result] = total
 

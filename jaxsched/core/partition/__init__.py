@@ -36,11 +36,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsched.core import replay
 from jaxsched.core.partition.interpreter import GatherWarning, Partitioner, PartitionError
-from jaxsched.core.partition import rules
+from jaxsched.core.partition.table import TABLE
 from jaxsched.core.partition.kinds import AxisContext, Kind, REPLICATED
-from jaxsched.core.partition.placement import Placement, PlacementError, read_placement
+from jaxsched.core.partition.placement import Placement, PlacementError, manual_spec, read_placement
 
-__all__ = ["GatherWarning", "PartitionError", "Partitioned", "PlacementError", "partition"]
+__all__ = ["GatherWarning", "PartitionError", "Partitioned", "PlacementError", "manual_shard_map", "partition"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,8 @@ class Partitioned:
         jaxpr's constants; outputs the step's flat outputs.
       placement: the mesh, data axes and input specs.
       const_values: the global jaxpr's constants (replicated inputs of ``body``).
-      in_specs, out_specs: the ``shard_map`` specs of ``body``.
+      in_specs, out_specs: the specs of ``body``'s inputs and outputs over the whole mesh (a
+        ``shard_map`` manual over ``placement.manual_axes`` takes them restricted to those).
       gathers: ``(primitive, source line)`` of operations that gather the batch.
     """
 
@@ -67,7 +68,8 @@ class Partitioned:
 def _spec(kind: Kind, axis_name: Any, rank: int) -> P:
     if kind.dim is None:
         return P()
-    return P(*([None] * kind.dim + [axis_name] + [None] * (rank - kind.dim - 1)))
+    axes = axis_name if kind.over is None else (kind.over[0] if len(kind.over) == 1 else kind.over)
+    return P(*([None] * kind.dim + [axes] + [None] * (rank - kind.dim - 1)))
 
 
 def partition(
@@ -75,16 +77,23 @@ def partition(
 ) -> Partitioned:
     """The per-device form of the global step traced as ``closed`` on flat ``leaves``.
 
-    The first ``num_state_outputs`` outputs (the new parameters and optimizer state) come
-    out replicated; the others (aux) as the step computes them: replicated, or blocks of
-    the batch."""
+    The first ``num_state_outputs`` outputs (the new parameters and optimizer state, in the
+    order of the first inputs) come out as their inputs came in: replicated, or the blocks
+    of a sharded parameter; the others (aux) as the step computes them: replicated, or
+    blocks of the batch."""
     placement = read_placement(closed, leaves, names, roles)
     closed = _inlined(closed, placement)
-    ctx = AxisContext(placement.axis_name, placement.axis_size)
-    partitioner = Partitioner(ctx, rules.TABLE)
+    model = () if placement.manual_axes is None else tuple(
+        a for a in placement.mesh.axis_names if a not in placement.manual_axes
+    )
+    ctx = AxisContext(placement.axis_name, placement.axis_size, placement.axis_sizes, model)
+    partitioner = Partitioner(ctx, TABLE)
     jaxpr = closed.jaxpr
     natural = partitioner.plan(jaxpr, placement.kinds).out_kinds
-    out_kinds = tuple(REPLICATED if (k.partial or i < num_state_outputs) else k for i, k in enumerate(natural))
+    out_kinds = tuple(
+        placement.kinds[i] if i < num_state_outputs else REPLICATED if k.partial or k.is_block else k
+        for i, k in enumerate(natural)
+    )
     plan = partitioner.plan(jaxpr, placement.kinds, out_kinds)
     n_in = len(jaxpr.invars)
 
@@ -93,8 +102,11 @@ def partition(
 
     consts = tuple(closed.consts)
     in_specs = placement.specs + (P(),) * len(consts)
-    out_specs = tuple(_spec(k, placement.axis_name, len(v.aval.shape)) for k, v in zip(out_kinds, jaxpr.outvars))
-    mesh = placement.mesh
+    out_specs = tuple(
+        placement.specs[i] if i < num_state_outputs else _spec(k, placement.axis_name, len(v.aval.shape))
+        for i, (k, v) in enumerate(zip(out_kinds, jaxpr.outvars))
+    )
+    mesh, manual = placement.mesh, placement.manual_axes
     args = [
         jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=NamedSharding(mesh, spec))
         for v, spec in zip(jaxpr.invars, placement.specs)
@@ -103,11 +115,25 @@ def partition(
         jax.ShapeDtypeStruct(jax.numpy.shape(c), jax.numpy.result_type(c), sharding=NamedSharding(mesh, P()))
         for c in consts
     ]
-    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    mapped = manual_shard_map(per_device, mesh, in_specs, out_specs, manual)
     body, hoisted = _body_of(jax.make_jaxpr(mapped)(*args), len(args))
     consts += tuple(hoisted)
     in_specs += (P(),) * len(hoisted)
     return Partitioned(body, placement, consts, in_specs, out_specs, tuple(partitioner.gathers))
+
+
+def manual_shard_map(fn, mesh, in_specs: Sequence[P], out_specs: Sequence[P], manual: Any, check_vma: bool = False):
+    """``jax.shard_map`` of ``fn`` manual over ``manual`` (None: every mesh axis), its specs
+    given over the whole mesh and restricted here to the manual axes."""
+    options = {} if manual is None else {"axis_names": frozenset(manual)}
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=tuple(manual_spec(s, manual) for s in in_specs),
+        out_specs=tuple(manual_spec(s, manual) for s in out_specs),
+        check_vma=check_vma,
+        **options,
+    )
 
 
 def _inlined(closed, placement: Placement):

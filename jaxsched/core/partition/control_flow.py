@@ -16,8 +16,8 @@ Example:
     >>> def f(ws, x):  # a scan over stacked layers of a batch-sharded activation
     ...     return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
     >>> closed = jax.make_jaxpr(f)(jnp.ones((3, 4, 4)), jnp.ones((8, 4)))
-    >>> from jaxsched.core.partition import rules
-    >>> Partitioner(AxisContext("data", 4), rules.TABLE).plan(closed.jaxpr, [REPLICATED, sharded(0)]).out_kinds
+    >>> from jaxsched.core.partition.table import TABLE
+    >>> Partitioner(AxisContext("data", 4), TABLE).plan(closed.jaxpr, [REPLICATED, sharded(0)]).out_kinds
     (S(0),)
 """
 
@@ -31,7 +31,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jaxsched.core.partition.interpreter import EqnPlan, JaxprPlan, Partitioner
-from jaxsched.core.partition.kinds import Kind, REPLICATED, join, sharded
+from jaxsched.core.partition.kinds import Kind, REPLICATED, join
 from jaxsched.core.primitives import CALL_PRIMITIVES
 
 __all__ = ["CONTROL_RULES", "call_rule", "is_call"]
@@ -108,10 +108,11 @@ def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     xs_outer, xs_inner = [], []
     for k in entry[n_consts + n_carry :]:
         if k.dim == 0:  # scanning over the sharded dimension itself: every step needs the whole
-            p.gathered(eqn, "scans over the sharded (batch) dimension")
+            if not k.is_block:
+                p.gathered(eqn, "scans over the sharded (batch) dimension")
             k = REPLICATED
         xs_outer.append(k)
-        xs_inner.append(sharded(k.dim - 1) if k.dim is not None else k)
+        xs_inner.append(k.moved(k.dim - 1) if k.dim is not None else k)
 
     def plan_body(carry_kinds: list[Kind], out_kinds: Any = None) -> JaxprPlan:
         return p.plan(closed.jaxpr, consts + list(carry_kinds) + xs_inner, out_kinds)
@@ -119,7 +120,7 @@ def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     carry, natural = _widen(p, plan_body, carry)
     ys_inner = list(natural.out_kinds[n_carry:])
     body = plan_body(carry, carry + ys_inner)
-    ys_outer = [sharded(k.dim + 1) if k.dim is not None else k for k in ys_inner]
+    ys_outer = [k.moved(k.dim + 1) if k.dim is not None else k for k in ys_inner]
 
     def emit(values: list) -> list:
         const_vals = values[:n_consts]

@@ -13,8 +13,8 @@ Example:
     >>> import jax, jax.numpy as jnp
     >>> from jaxsched.core.partition.kinds import AxisContext, sharded, REPLICATED
     >>> closed = jax.make_jaxpr(lambda w, x: jnp.sum(x @ w))(jnp.ones((3, 2)), jnp.ones((8, 3)))
-    >>> from jaxsched.core.partition import rules
-    >>> p = Partitioner(AxisContext("data", 4), rules.TABLE)
+    >>> from jaxsched.core.partition.table import TABLE
+    >>> p = Partitioner(AxisContext("data", 4), TABLE)
     >>> p.plan(closed.jaxpr, [REPLICATED, sharded(0)]).out_kinds
     (Pt,)
 """
@@ -73,17 +73,24 @@ class JaxprPlan:
 
 @dataclasses.dataclass(frozen=True)
 class RuleTable:
-    """Where the partitioner finds its rules (:data:`jaxsched.core.partition.rules.TABLE`):
+    """Where the partitioner finds its rules (:data:`jaxsched.core.partition.TABLE`):
     passed in, so that the interpreter knows no rule and the rules may use the interpreter.
 
     Attributes:
       rule_for: ``eqn -> rule``: how an equation is planned.
       narrow_rule_for: ``eqn -> narrowing rule or None``: how a replicated producer computes
         only the block its readers want.
+      block_rule_for: ``eqn -> rule or None``: the rule of an equation that reads a parameter
+        block or a partial sum over some data axes; None: such operands are gathered
+        (summed) first and the equation's own rule runs on whole values.
+      hints_for: ``(jaxpr, out_kinds) -> {variable: kind}``: values that will meet a
+        parameter block, which their block rule then computes as that block.
     """
 
     rule_for: Callable[[Any], Callable]
     narrow_rule_for: Callable[[Any], Callable | None]
+    block_rule_for: Callable[[Any], Callable | None] = lambda eqn: None
+    hints_for: Callable[[Any, Any], dict] = lambda jaxpr, out_kinds: {}
 
 
 class Partitioner:
@@ -102,12 +109,21 @@ class Partitioner:
         self.zeros: set = set()
         self.callers: list = []  # the call equations being planned, outermost first
         self.trying = False  # planning hypothetically (narrowing): record nothing
+        self.hints: dict = {}  # of the jaxpr being planned (RuleTable.hints_for)
 
     # -- planning ---------------------------------------------------------------------------
     def plan(self, jaxpr, in_kinds: Sequence[Kind], out_kinds: Sequence[Kind] | None = None) -> JaxprPlan:
         """The plan of ``jaxpr`` for inputs of ``in_kinds`` (constvars are replicated); with
         ``out_kinds`` the outputs are converted to those kinds."""
+        saved, self.hints = self.hints, self.rules.hints_for(jaxpr, out_kinds)
+        try:
+            return self._plan(jaxpr, in_kinds, out_kinds)
+        finally:
+            self.hints = saved
+
+    def _plan(self, jaxpr, in_kinds: Sequence[Kind], out_kinds: Sequence[Kind] | None) -> JaxprPlan:
         rule_for = self.rules.rule_for
+        hints = self.hints
         kinds: dict = {v: REPLICATED for v in jaxpr.constvars}
         kinds.update(zip(jaxpr.invars, in_kinds, strict=True))
         uses: dict = {}
@@ -122,7 +138,16 @@ class Partitioner:
         for eqn in jaxpr.eqns:
             operand_kinds = [self.kind_of(kinds, x) for x in eqn.invars]
             single = [isinstance(x, jex_core.Var) and uses.get(x, 0) == 1 for x in eqn.invars]
-            plan = rule_for(eqn)(self, eqn, operand_kinds, single)
+            rule = rule_for(eqn)
+            special = any(k.is_special for k in operand_kinds)
+            hinted = bool(hints) and any(isinstance(x, jex_core.Var) and x in hints for x in (*eqn.outvars, *eqn.invars))
+            if special or hinted:
+                block_rule = self.rules.block_rule_for(eqn)
+                if block_rule is not None:
+                    rule = block_rule
+                elif special:  # FSDP's gather before use: the rule sees whole values
+                    operand_kinds = [REPLICATED if k.is_special else k for k in operand_kinds]
+            plan = rule(self, eqn, operand_kinds, single)
             if len(plan.inputs) != len(eqn.invars) or len(plan.outputs) != len(eqn.outvars):
                 raise AssertionError(
                     f"rule for {eqn.primitive.name} planned {len(plan.inputs)} inputs / {len(plan.outputs)} outputs"
@@ -165,7 +190,7 @@ class Partitioner:
                 continue
             (wanted,) = tally
             rule = narrow_rule_for(eqn)
-            if wanted.dim is None or wanted.partial or rule is None:
+            if wanted.dim is None or wanted.partial or wanted.is_special or rule is None:
                 continue
             narrowed = rule(self, eqn, wanted.dim)
             if narrowed is None:

@@ -1,22 +1,31 @@
 """Where a ``jax.jit`` step's inputs live: the mesh, the data axes, each leaf's spec.
 
-Data parallelism written with shardings keeps parameters and optimizer state replicated
-(``P()``) and shards each batch leaf's leading (or another) dimension over one or several
-mesh axes: those are the data axes. The placement of an input is read, in this order,
-from the ``in_shardings`` given to ``jax.jit``, from the array's own sharding, and from
-its abstract value under an ``Explicit`` mesh; the mesh from those shardings, or from
-``jax.set_mesh``. Leaves on one device (or plain NumPy arrays, with no mesh anywhere) run
-on a one-device mesh.
+The **data axes** are the mesh axes the batch is split over (the axes of each batch leaf's
+first sharded dimension). Every other mesh axis of size above one is a **model axis**
+(tensor or expert parallelism): its sharding stays XLA's to partition, inside a
+``shard_map`` manual over the data axes only. Mesh axes of size one shard nothing and are
+dropped from every spec: ``P('fsdp', 'tensor')`` on a mesh where both are 1 is replicated.
+
+A parameter or optimizer-state leaf may be sharded over data axes along one dimension:
+FSDP (over every data axis) or HSDP (over some, replicated over the others). It becomes a
+parameter block (:func:`~jaxsched.core.partition.kinds.block`), gathered where a rule needs it
+whole and updated as a block; its model axes stay as the user placed them.
+
+The placement of an input is read, in this order, from the ``in_shardings`` given to
+``jax.jit``, from the array's own sharding, and from its abstract value under an
+``Explicit`` mesh; the mesh from those shardings, or from ``jax.set_mesh``. Leaves on one
+device (or plain NumPy arrays, with no mesh anywhere) run on a one-device mesh.
 
 Example:
     >>> import jax, numpy as np
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((2,), ("data",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
     >>> x = jax.device_put(np.ones((4, 3), np.float32), NamedSharding(mesh, P("data")))
-    >>> closed = jax.make_jaxpr(lambda w, x: x @ w)(np.ones((3, 2), np.float32), x)
-    >>> placed = read_placement(closed, [np.ones((3, 2)), x], ["params/w", "batch[0]"], ["params", "batch"])
-    >>> placed.axis_name, placed.specs
-    ('data', (P(), P('data',)))
+    >>> closed = jax.make_jaxpr(lambda w, x: x @ w)(np.ones((4, 2), np.float32), x)
+    >>> w = jax.device_put(np.ones((4, 2), np.float32), NamedSharding(mesh, P("data")))
+    >>> placed = read_placement(closed, [w, x], ["params/w", "batch[0]"], ["params", "batch"])
+    >>> placed.axis_name, placed.specs, placed.kinds
+    ('data', (P('data',), P('data',)), (B(0:data), S(0)))
 """
 
 from __future__ import annotations
@@ -29,16 +38,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched.core.axes import AxisName, as_axes, axis_size
-from jaxsched.core.partition.kinds import Kind, REPLICATED, sharded
+from jaxsched.core.partition.kinds import Kind, REPLICATED, block, sharded
 
-__all__ = ["Placement", "PlacementError", "read_placement"]
-
-#: The forms jaxsched schedules, for refusals.
-SHARD_MAP_FORM = (
-    "jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P('data')), out_specs=P()) "
-    "with lax.pmean(grads, 'data') inside, and the parameter blocks passed with "
-    "their model-axis specs"
-)
+__all__ = ["Placement", "PlacementError", "manual_spec", "read_placement", "without_unit_axes"]
 
 
 class PlacementError(ValueError):
@@ -50,18 +52,51 @@ class Placement:
     """Attributes:
     mesh: the concrete mesh every input lives on.
     axis_name: the data axes (one name, or a tuple in the order the batch spec names them).
-    specs: per flat input leaf, its ``PartitionSpec``.
-    kinds: per flat input leaf, what one device holds of it.
+    specs: per flat input leaf, its ``PartitionSpec`` (data and model axes; size-1 axes dropped).
+    kinds: per flat input leaf, what one device holds of it along the data axes.
+    manual_axes: the axes the per-device program is manual over: the data axes when the mesh
+      has model axes (above size one), else None (every axis, as a plain ``shard_map``).
     """
 
     mesh: Mesh
     axis_name: AxisName
     specs: tuple[P, ...]
     kinds: tuple[Kind, ...]
+    manual_axes: tuple[str, ...] | None = None
 
     @property
     def axis_size(self) -> int:
         return axis_size(self.mesh, self.axis_name)
+
+    @property
+    def axis_sizes(self) -> tuple[tuple[str, int], ...]:
+        return tuple((a, int(self.mesh.shape[a])) for a in as_axes(self.axis_name))
+
+
+def without_unit_axes(spec: P, mesh: Mesh) -> P:
+    """``spec`` without the mesh axes of size one (they shard nothing), trailing Nones dropped."""
+    entries = []
+    for entry in spec:
+        axes = tuple(a for a in as_axes(entry) if entry is not None and mesh.shape[a] > 1) if entry is not None else ()
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def manual_spec(spec: P, manual: Any) -> P:
+    """``spec`` restricted to the ``manual`` axes (None: every axis): what a ``shard_map``
+    manual over those axes takes; the other axes are XLA's to partition."""
+    if manual is None:
+        return spec
+    keep = set(manual)
+    entries = []
+    for entry in spec:
+        axes = tuple(a for a in as_axes(entry) if a in keep) if entry is not None else ()
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def _top_shardings(closed) -> list:
@@ -147,6 +182,55 @@ def _sharded_dims(spec: P) -> list[tuple[int, tuple[str, ...]]]:
     return [(d, as_axes(entry)) for d, entry in enumerate(spec) if entry is not None and as_axes(entry)]
 
 
+def _data_axes(names, roles, specs) -> tuple[str, ...] | None:
+    """The axes of each batch leaf's first sharded dimension; they must agree."""
+    data: tuple[str, ...] | None = None
+    for name, role, spec in zip(names, roles, specs):
+        dims = _sharded_dims(spec)
+        if role != "batch" or not dims:
+            continue
+        axes = dims[0][1]
+        if data is None:
+            data = axes
+        elif axes != data:
+            raise PlacementError(
+                f"{name} is sharded over {axes}, other batch leaves over "
+                f"{data}; shard every batch leaf's batch dimension over the same data axes"
+            )
+    return data
+
+
+def _leaf_kind(name: str, role: str, shape: tuple, spec: P, data: tuple[str, ...], mesh: Mesh) -> Kind:
+    """What one device holds of a state leaf: replicated over the data axes, or a block."""
+    in_data = [(d, tuple(a for a in axes if a in data)) for d, axes in _sharded_dims(spec)]
+    in_data = [(d, axes) for d, axes in in_data if axes]
+    if not in_data:
+        return REPLICATED
+    if len(in_data) > 1:
+        raise PlacementError(
+            f"{name} is sharded with {spec}: over the data axes {data} along "
+            f"{len(in_data)} dimensions; jaxsched splits a parameter over the data axes along one "
+            "dimension (FSDP): shard one dimension over them and keep the others replicated or on "
+            "model axes"
+        )
+    d, axes = in_data[0]
+    mixed = [a for a in as_axes(spec[d]) if a not in data]
+    if mixed:
+        raise PlacementError(
+            f"{name} is sharded with {spec}: its dimension {d} mixes the data axes {axes} with "
+            f"the model axes {tuple(mixed)}; shard a dimension over data axes or over model "
+            "axes, not both"
+        )
+    size = axis_size(mesh, axes)
+    if d >= len(shape) or shape[d] % size:
+        raise PlacementError(
+            f"{name} has shape {tuple(shape)} and is sharded with {spec}: its dimension {d} does "
+            f"not split evenly over the {size} devices of {axes if len(axes) > 1 else axes[0]!r}. "
+            f"Pad that dimension to a multiple of {size}, or shard another dimension (or none)"
+        )
+    return block(d, axes)
+
+
 def read_placement(closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequence[str]) -> Placement:
     """The placement of the step traced as ``closed`` on flat input ``leaves`` (named
     ``names``, of role ``"params"``, ``"opt_state"`` or ``"batch"``). Raises
@@ -164,60 +248,51 @@ def read_placement(closed, leaves: Sequence[Any], names: Sequence[str], roles: S
         mesh = _single_device_mesh(shardings, leaves)
         specs = [P()] * len(leaves)
     else:
-        specs = [_spec_of(s) for s in shardings]
+        specs = [without_unit_axes(_spec_of(s), mesh) for s in shardings]
 
-    data: tuple[str, ...] | None = None
-    for name, role, spec in zip(names, roles, specs):
-        dims = _sharded_dims(spec)
-        if role != "batch":
-            if dims:
-                raise PlacementError(
-                    f"{name} is sharded with {spec}: jaxsched schedules jax.jit steps whose "
-                    "parameters and optimizer state are replicated (P()) and whose batch is "
-                    "sharded over the data axes. A step with sharded parameters (FSDP, tensor "
-                    f"parallelism) is scheduled in the shard_map form: {SHARD_MAP_FORM}"
-                )
-            continue
-        if len(dims) > 1:
-            raise PlacementError(
-                f"{name} is sharded over several dimensions ({spec}); jaxsched "
-                "shards each batch leaf over the data axes along one dimension"
-            )
-        for _, axes in dims:
-            if data is None:
-                data = axes
-            elif axes != data:
-                raise PlacementError(
-                    f"{name} is sharded over {axes}, other batch leaves over "
-                    f"{data}; shard every batch leaf over the same data axes"
-                )
+    data = _data_axes(names, roles, specs)
     if data is None:
         if mesh.devices.size > 1:
             raise PlacementError(
                 f"no batch leaf is sharded over the mesh {dict(mesh.shape)}, so the data-parallel "
                 "axis is unknown; place the batch with jax.device_put(batch, NamedSharding(mesh, "
-                "P('data')))"
+                f"P({mesh.axis_names[0]!r}))) over the axes it is split over"
             )
         data = (mesh.axis_names[0],)
     axis_name: AxisName = data[0] if len(data) == 1 else data
     size = axis_size(mesh, axis_name)
+    model = tuple(a for a in mesh.axis_names if a not in data and mesh.shape[a] > 1)
     kinds, final_specs = [], []
     for name, leaf, role, spec in zip(names, leaves, roles, specs):
         dims = _sharded_dims(spec)
-        shape = np.shape(leaf)
-        if role == "batch" and dims:
+        shape = tuple(np.shape(leaf))
+        if role == "batch" and dims and dims[0][1] == data:
             d = dims[0][0]
             if len(shape) <= d or shape[d] % size:
                 raise PlacementError(
                     f"{name} has shape {tuple(shape)}, whose dimension {d} does not "
                     f"split evenly over the {size} devices of {axis_name!r}"
                 )
+            if any(a in data for _, axes in dims[1:] for a in axes):
+                raise PlacementError(
+                    f"{name} is sharded with {spec}: the data axes {data} appear on more than "
+                    "its batch dimension; shard one dimension of each batch leaf over them"
+                )
             kinds.append(sharded(d))
             final_specs.append(spec)
-        elif role == "batch" and size == 1 and len(shape) >= 1:
+        elif role == "batch" and size == 1 and len(shape) >= 1 and not dims:
             kinds.append(sharded(0))  # one device: a block is the whole leaf
             final_specs.append(P(axis_name))
-        else:
+        elif role == "batch":
+            if any(a in data for _, axes in dims for a in axes):
+                raise PlacementError(
+                    f"{name} is sharded with {spec}, other batch leaves over {data} along their "
+                    "batch dimension; shard every batch leaf's batch dimension over the same data axes"
+                )
             kinds.append(REPLICATED)
-            final_specs.append(P())
-    return Placement(mesh, axis_name, tuple(final_specs), tuple(kinds))
+            final_specs.append(spec)
+        else:
+            kinds.append(_leaf_kind(name, role, shape, spec, data, mesh))
+            final_specs.append(spec)
+    manual = tuple(data) if model else None
+    return Placement(mesh, axis_name, tuple(final_specs), tuple(kinds), manual)

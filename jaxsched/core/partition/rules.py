@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 
 from jaxsched.core.partition.control_flow import CONTROL_RULES, call_rule, is_call
-from jaxsched.core.partition.interpreter import EqnPlan, Partitioner, RuleTable
+from jaxsched.core.partition.interpreter import EqnPlan, Partitioner
 from jaxsched.core.partition.kinds import Kind, PARTIAL, REPLICATED, local_shape, sharded
 from jax.extend import source_info_util
 
@@ -42,7 +42,6 @@ __all__ = [
     "NARROW",
     "RULES",
     "Rule",
-    "TABLE",
     "bind_local",
     "moving_rule",
     "narrow_rule_for",
@@ -392,8 +391,24 @@ def iota_like_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
 
 
 def identity_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
-    """Placement annotations (``reshard``, sharding constraints): per device they are no-ops."""
-    return _plan(eqn, list(kinds), list(kinds), lambda values: list(values))
+    """Placement annotations (``reshard``, sharding constraints): along the data axes they are
+    no-ops per device. Along model axes (tensor parallelism, which stays XLA's to partition) a
+    sharding constraint is kept, on those axes only, so that XLA lays out the layer as the
+    user asked."""
+    model = set(p.ctx.model_axes)
+    spec = getattr(eqn.params.get("sharding"), "spec", None)
+    if eqn.primitive.name != "sharding_constraint" or not model or spec is None:
+        return _plan(eqn, list(kinds), list(kinds), lambda values: list(values))
+    entries = []
+    for entry in spec:
+        axes = () if entry is None else tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a in model)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    if not any(e is not None for e in entries):
+        return _plan(eqn, list(kinds), list(kinds), lambda values: list(values))
+    from jax.sharding import PartitionSpec
+
+    kept = PartitionSpec(*entries)
+    return _plan(eqn, list(kinds), list(kinds), lambda values: [lax.with_sharding_constraint(v, kept) for v in values])
 
 
 # -- reductions ----------------------------------------------------------------------------
@@ -917,6 +932,3 @@ def rule_for(eqn) -> Rule:
         return call_rule
     return replicated_rule
 
-
-#: The rule table the partitioner is built with.
-TABLE = RuleTable(rule_for=rule_for, narrow_rule_for=narrow_rule_for)

@@ -29,7 +29,9 @@ class AutoEngine(Engine):
         self.xla = XlaEngine(compiler_options)
 
     def resolve(self, program: PerDeviceProgram) -> Engine:
-        return HostEngine() if host_engine_applies(program.mesh) else self.xla
+        if program.manual_axes is None and host_engine_applies(program.mesh):
+            return HostEngine()
+        return self.xla
 
     def collective_form(self, mesh, op: str) -> str:
         return (HostEngine() if host_engine_applies(mesh) else self.xla).collective_form(mesh, op)

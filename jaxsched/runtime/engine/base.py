@@ -29,6 +29,8 @@ import jax
 from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsched.core.partition import manual_shard_map
+
 __all__ = ["Engine", "engine_names", "EngineCosts", "make_engine", "PerDeviceProgram", "register_engine"]
 
 
@@ -52,6 +54,8 @@ class PerDeviceProgram:
         set or XLA's defaults); ignored when the user passed ``compiler_options``.
       global_body: the same computation on global arrays (a ``jax.jit`` step run as the
         user wrote it), for engines that compile whole programs; None otherwise.
+      manual_axes: the axes the body is manual over (None: every mesh axis); the specs name
+        every axis and are restricted to these for the ``shard_map``.
     """
 
     body: Callable[..., Sequence[Any]]
@@ -64,16 +68,22 @@ class PerDeviceProgram:
     bucket_bytes: int = 0
     compiler_overrides: dict = dataclasses.field(default_factory=dict)
     global_body: Callable[..., Sequence[Any]] | None = None
+    manual_axes: tuple[str, ...] | None = None
 
     def mapped(self) -> Callable[..., tuple]:
-        """The body as a ``shard_map`` over the mesh (not jitted)."""
+        """The body as a ``shard_map`` over the mesh (not jitted), manual over ``manual_axes``."""
 
         def flat_body(*args):
             return tuple(self.body(*args))
 
-        return jax.shard_map(
-            flat_body, mesh=self.mesh, in_specs=self.in_specs, out_specs=self.out_specs, check_vma=self.check_vma
-        )
+        return manual_shard_map(flat_body, self.mesh, self.in_specs, self.out_specs, self.manual_axes, self.check_vma)
+
+    def out_shardings(self) -> tuple[NamedSharding, ...] | None:
+        """Where the outputs go when the body leaves some axes to XLA (model axes): as the
+        specs name them on every axis, never where XLA's propagation would put them."""
+        if self.manual_axes is None:
+            return None
+        return tuple(NamedSharding(self.mesh, spec) for spec in self.out_specs)
 
     def jaxpr(self, *global_args: Any):
         """The per-device jaxpr for these global (abstract or concrete) inputs: its collective

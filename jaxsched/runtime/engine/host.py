@@ -358,6 +358,12 @@ class HostEngine(Engine):
         self._costs: dict[Any, EngineCosts] = {}
 
     def compile(self, program: PerDeviceProgram) -> "StagedProgram":
+        if program.manual_axes is not None:
+            raise HostEngineError(
+                "the host engine stages data-parallel programs whose every mesh axis is a data "
+                f"axis; this one leaves the model axes of its mesh {dict(program.mesh.shape)} to XLA "
+                "(tensor parallelism): use engine='xla'"
+            )
         return StagedProgram(program, self.record_timings)
 
     def costs(self, mesh: Mesh) -> EngineCosts:

@@ -142,7 +142,7 @@ class XlaEngine(Engine):
                 out_shardings=tuple(map(sharding, program.out_specs)),
                 compiler_options=options or None,
             )
-        return jax.jit(program.mapped(), compiler_options=options or None)
+        return jax.jit(program.mapped(), out_shardings=program.out_shardings(), compiler_options=options or None)
 
 
 register_engine("xla", XlaEngine)

@@ -1,0 +1,284 @@
+"""Rules for parameter blocks: what the optimizer runs on an FSDP parameter, kept a block.
+
+A parameter (or optimizer-state leaf) sharded over data axes enters the per-device program as
+its block (:func:`~jaxsched.core.partition.kinds.block`). Forward and backward read it through
+rules that do not know blocks, so the interpreter gathers it first: FSDP's all-gather before
+use. The update reads it through the rules here, which keep it a block:
+
+* **elementwise** operations run on blocks; a replicated operand is sliced to the same block
+  (no traffic) and a gradient that is still a partial sum over the data axes is
+  reduce-scattered into it (the gradient reduction of an FSDP parameter);
+* **reductions** over the block's dimension become a local reduction and a partial sum over
+  the block's axes (a global norm), or a ``pmax``/``pmin`` over them;
+* **shape** operations that keep the block's dimension whole keep the block (reshapes,
+  transposes, broadcasts, slices along other dimensions).
+
+So that a gradient is reduce-scattered rather than all-reduced and sliced, planning first
+marks which values will meet a block (:func:`block_hints`, from the outputs back through
+elementwise operations): an elementwise operation on those is planned as a block too.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxsched.core.partition.interpreter import Partitioner
+    >>> from jaxsched.core.partition.kinds import AxisContext, PARTIAL, block
+    >>> from jaxsched.core.partition.table import TABLE
+    >>> step = lambda w, g: w - 0.1 * g  # an SGD update of a block from a gradient sum
+    >>> closed = jax.make_jaxpr(step)(jnp.ones((8, 3)), jnp.ones((8, 3)))
+    >>> ctx = AxisContext("fsdp", 4, (("fsdp", 4),))
+    >>> plan = Partitioner(ctx, TABLE).plan(closed.jaxpr, [block(0, "fsdp"), PARTIAL], [block(0, "fsdp")])
+    >>> [p.inputs for p in plan.eqns]  # the gradient is reduce-scattered into the block
+    [(R, B(0:fsdp)), (B(0:fsdp), B(0:fsdp))]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jax import lax
+from jax.extend import core as jex_core
+
+from jaxsched.core.partition import rules
+from jaxsched.core.partition.control_flow import CONTROL_RULES, is_call
+from jaxsched.core.partition.interpreter import EqnPlan, Partitioner
+from jaxsched.core.partition.kinds import Kind, REPLICATED, block
+from jaxsched.core.partition.rules import _plan, _shape, bind_local
+
+__all__ = ["BLOCK_RULES", "block_hints", "block_rule_for"]
+
+
+def _gathered(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    """The equation's own rule on whole values: blocks gathered, partial sums summed."""
+    return rules.rule_for(eqn)(p, eqn, [REPLICATED if k.is_special else k for k in kinds], single)
+
+
+def _target(p: Partitioner, eqn, kinds: list) -> Kind | None:
+    """The block an elementwise equation runs on: that of a block operand, or of a hint on
+    its result or on one of its operands; None when there is none or they disagree."""
+    found = {k for k in kinds if k.is_block}
+    hints = getattr(p, "hints", {})
+    for x in list(eqn.outvars) + [x for x in eqn.invars if isinstance(x, jex_core.Var)]:
+        if x in hints:
+            found.add(hints[x])
+    return found.pop() if len(found) == 1 else None
+
+
+def elementwise_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    out_shape = _shape(eqn.outvars[0])
+    if any(k.dim is not None and k.over is None for k in kinds):
+        return _gathered(p, eqn, kinds, single)  # beside the batch's blocks: gather the parameter
+    if not any(k.is_special for k in kinds):  # reached through a hint only
+        linear = any(k.partial for k in kinds) and rules._linear_positions(p, eqn, kinds, single) is not None
+        if linear or all(k.is_replicated for k in kinds):
+            # a partial sum whose only use is linear stays one, to be reduce-scattered once
+            # where it meets the block; replicated values stay whole for their other readers
+            return rules.rule_for(eqn)(p, eqn, kinds, single)
+    target = _target(p, eqn, kinds)
+    if target is None or target.dim >= len(out_shape):
+        if any(k.is_block for k in kinds):
+            return _gathered(p, eqn, kinds, single)
+        if not any(k.is_special for k in kinds):
+            return rules.rule_for(eqn)(p, eqn, kinds, single)
+        return _partial_elementwise(p, eqn, kinds, single)
+    d = target.dim
+    wanted = [
+        target if len(_shape(x)) == len(out_shape) and _shape(x)[d] == out_shape[d] else REPLICATED
+        for x in eqn.invars
+    ]
+    outs = [target if len(_shape(o)) > d and _shape(o)[d] == out_shape[d] else REPLICATED for o in eqn.outvars]
+    return _plan(eqn, wanted, outs)
+
+
+def _partial_elementwise(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    """No block in sight, a partial sum over some data axes: it stays one through linear
+    operations where it is their only use (a global norm's terms add up unreduced)."""
+    partials = {k for k in kinds if k.partial}
+    positions = rules._linear_positions(p, eqn, kinds, single) if len(partials) == 1 else None
+    if positions is None:
+        return _gathered(p, eqn, kinds, single)
+    (common,) = partials
+    wanted = [common if k == rules.PARTIAL else k for k in rules._partial_inputs(p, eqn, kinds, positions)]
+    return _plan(eqn, wanted, [common] * len(eqn.outvars))
+
+
+def _reduce_rule(finish: str | None) -> Any:
+    """``reduce_*`` of a block: over its dimension a local reduction, then a partial sum over
+    its axes (``finish`` None) or a ``pmax``/``pmin`` of the local result; over other
+    dimensions the block stays one."""
+
+    def rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+        (k,) = kinds
+        axes = tuple(eqn.params["axes"])
+        if k.partial:
+            if finish is None and single[0]:
+                return _plan(eqn, [k], [k])
+            return _plan(eqn, [REPLICATED], [REPLICATED])
+        if k.dim not in axes:
+            return _plan(eqn, [k], [k.moved(k.dim - sum(1 for a in axes if a < k.dim))])
+        if finish is None:
+            return _plan(eqn, [k], [p.ctx.normalized(Kind(partial=True, over=k.over))])
+        collective = {"pmax": lax.pmax, "pmin": lax.pmin}[finish]
+        over = tuple(k.over)
+
+        def emit(values: list) -> list:
+            (local,) = bind_local(eqn, values)
+            if local.dtype == bool:
+                return [collective(local.astype("int32"), over).astype(bool)]
+            return [collective(local, over)]
+
+        return _plan(eqn, [k], [REPLICATED], emit)
+
+    return rule
+
+
+def _keep_dim(p: Partitioner, eqn, kinds: list, single: list, new_dim: int | None, emit=None) -> EqnPlan:
+    """A one-operand shape operation: the block moves to ``new_dim`` (None: it cannot stay a
+    block); a partial sum goes through where this is its only use."""
+    k = kinds[0]
+    rest = [REPLICATED] * (len(kinds) - 1)
+    if k.partial:
+        kind = k if single[0] and all(r.is_replicated for r in kinds[1:]) else REPLICATED
+        return _plan(eqn, [kind] + rest, [kind] * len(eqn.outvars))
+    if new_dim is None or any(r.is_special for r in kinds[1:]):
+        return _gathered(p, eqn, kinds, single)
+    return _plan(eqn, [k] + rest, [k.moved(new_dim)] * len(eqn.outvars), emit)
+
+
+def broadcast_in_dim_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    k = kinds[0]
+    shape = tuple(eqn.params["shape"])
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    if len(kinds) != 1 or not k.is_block:
+        return _keep_dim(p, eqn, kinds, single, None)
+    if _shape(eqn.invars[0])[k.dim] != shape[dims[k.dim]]:
+        return _gathered(p, eqn, kinds, single)
+    e = dims[k.dim]
+    size = p.ctx.split_size(k)
+    local = shape[:e] + (shape[e] // size,) + shape[e + 1 :]
+    return _keep_dim(p, eqn, kinds, single, e, lambda v: bind_local(eqn, v, shape=local))
+
+
+def reshape_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    k = kinds[0]
+    out_shape = _shape(eqn.outvars[0])
+    if len(kinds) != 1 or eqn.params.get("dimensions") not in (None, ()) or not k.is_block:
+        return _keep_dim(p, eqn, kinds, single, None if not k.partial else 0)
+    size = p.ctx.split_size(k)
+    e = rules.reshaped_dim(_shape(eqn.invars[0]), out_shape, k.dim, size)
+    if e is None:
+        return _gathered(p, eqn, kinds, single)
+    local = out_shape[:e] + (out_shape[e] // size,) + out_shape[e + 1 :]
+    if eqn.primitive.name == "reshape":
+        return _keep_dim(p, eqn, kinds, single, e, lambda v: bind_local(eqn, v, new_sizes=local))
+    return _keep_dim(p, eqn, kinds, single, e, lambda v: [lax.reshape(v[0], local)])
+
+
+def transpose_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    k = kinds[0]
+    new = tuple(eqn.params["permutation"]).index(k.dim) if k.is_block else None
+    return _keep_dim(p, eqn, kinds, single, new)
+
+
+def squeeze_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    k = kinds[0]
+    dims = tuple(eqn.params["dimensions"])
+    new = k.dim - sum(1 for a in dims if a < k.dim) if k.is_block and k.dim not in dims else None
+    return _keep_dim(p, eqn, kinds, single, new)
+
+
+def dynamic_slice_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    """A slice along other dimensions (a layer of a stacked block) keeps the block."""
+    k = kinds[0]
+    shape = _shape(eqn.invars[0])
+    sizes = tuple(eqn.params["slice_sizes"])
+    if not k.is_block or sizes[k.dim] != shape[k.dim]:
+        return _keep_dim(p, eqn, kinds, single, None)
+    local = sizes[: k.dim] + (shape[k.dim] // p.ctx.split_size(k),) + sizes[k.dim + 1 :]
+    return _keep_dim(p, eqn, kinds, single, k.dim, lambda v: bind_local(eqn, v, slice_sizes=local))
+
+
+def slice_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    k = kinds[0]
+    shape = _shape(eqn.invars[0])
+    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    strides = eqn.params["strides"] or (1,) * len(shape)
+    if not k.is_block or (start[k.dim], limit[k.dim], strides[k.dim]) != (0, shape[k.dim], 1):
+        return _keep_dim(p, eqn, kinds, single, None)
+    local = tuple(limit)[: k.dim] + (shape[k.dim] // p.ctx.split_size(k),) + tuple(limit)[k.dim + 1 :]
+    return _keep_dim(p, eqn, kinds, single, k.dim, lambda v: bind_local(eqn, v, limit_indices=local))
+
+
+def identity_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    return rules.identity_rule(p, eqn, kinds, single)
+
+
+#: Rules for equations that read a block or a partial sum over some data axes, by primitive.
+BLOCK_RULES: dict[str, Any] = {name: elementwise_rule for name in rules.NARROWABLE_ELEMENTWISE}
+BLOCK_RULES.update(
+    {
+        "reduce_sum": _reduce_rule(None),
+        "reduce_max": _reduce_rule("pmax"),
+        "reduce_min": _reduce_rule("pmin"),
+        "reduce_and": _reduce_rule("pmin"),
+        "reduce_or": _reduce_rule("pmax"),
+        "broadcast_in_dim": broadcast_in_dim_rule,
+        "reshape": reshape_rule,
+        "expand_dims": reshape_rule,
+        "transpose": transpose_rule,
+        "squeeze": squeeze_rule,
+        "dynamic_slice": dynamic_slice_rule,
+        "slice": slice_rule,
+        "reshard": identity_rule,
+        "sharding_constraint": identity_rule,
+        "mesh_cast": identity_rule,
+        "pvary": identity_rule,
+    }
+)
+
+
+def block_rule_for(eqn) -> Any:
+    """The block rule of ``eqn``; calls and control flow plan their bodies with the blocks as
+    they are; None: the operands are gathered first."""
+    name = eqn.primitive.name
+    if name in BLOCK_RULES:
+        return BLOCK_RULES[name]
+    if name in CONTROL_RULES:
+        return CONTROL_RULES[name]
+    if is_call(eqn):
+        return rules.rule_for(eqn)
+    return None
+
+
+def block_hints(jaxpr, out_kinds: Sequence[Kind] | None) -> dict:
+    """Which values will meet a parameter block of the outputs: from each output wanted as a
+    block back through the elementwise equations that compute it, every full-shaped operand
+    is marked with that block (two different blocks: unmarked)."""
+    hints: dict = {}
+    conflicting: set = set()
+
+    def mark(x: Any, kind: Kind) -> None:
+        if not isinstance(x, jex_core.Var) or x in conflicting:
+            return
+        if x in hints and hints[x] != kind:
+            conflicting.add(x)
+            del hints[x]
+            return
+        hints[x] = kind
+
+    if out_kinds is None:
+        return hints
+    for x, k in zip(jaxpr.outvars, out_kinds):
+        if k.is_block:
+            mark(x, k)
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.primitive.name not in BLOCK_RULES or BLOCK_RULES[eqn.primitive.name] is not elementwise_rule:
+            continue
+        marked = [hints[o] for o in eqn.outvars if o in hints]
+        if len(marked) != 1:
+            continue
+        kind = marked[0]
+        out_shape = _shape(eqn.outvars[0])
+        for x in eqn.invars:
+            shape = tuple(x.aval.shape)
+            if len(shape) == len(out_shape) and kind.dim < len(shape) and shape[kind.dim] == out_shape[kind.dim]:
+                mark(x, kind)
+    return hints
