@@ -146,13 +146,15 @@ def analyze(captured: CapturedStep) -> Analysis:
     # A reduce-scatter over data axes into a block, then (HSDP) a psum over the others: one
     # gradient reduction of a sharded parameter, the two equations together.
     then_sum = _sums_after_scatters(body, data_axes)
+    from_data = _varying_with_the_data(captured, body, axis, then_sum)
     candidates = [
         i
         for i, eqn in enumerate(body.eqns)
         if (reduces_over(eqn, axis, SUM_REDUCTIONS) or i in then_sum)
         and any(o in feeds_state for o in eqn.outvars)
-        # a reduction of an invariant value (e.g. a second pmean) is part of the update
-        and any(is_var(x) and x in varying for x in eqn.invars)
+        # a reduction of an invariant value (e.g. a second pmean) is part of the update, and
+        # so is a sum of parameter blocks (a global norm of FSDP's reduced gradients)
+        and any(is_var(x) and x in from_data for x in eqn.invars)
     ]
     # A reduction whose result another reduction's operand needs belongs to forward or
     # backward (synchronized batch norm, a global token count, SAM's first gradient): it
@@ -268,6 +270,29 @@ def analyze(captured: CapturedStep) -> Analysis:
         forward_collectives,
         per_device,
     )
+
+
+def _varying_with_the_data(captured: CapturedStep, body, axis: Any, scatters: dict) -> set:
+    """Values that differ across devices because of the data each device sees (the batch, its
+    position): what a gradient reduction sums. Unlike device-varying values in general, a
+    ``jax.jit`` step's parameter blocks do not count (they differ by position in the
+    parameter, not by data), and reductions and reduce-scatters end the dependence."""
+    data_axes = set(as_axes(axis))
+    found = set()
+    for v, src, spec in zip(body.invars, captured.sources, captured.in_specs):
+        sharded = any(a in data_axes for a in spec_axes(spec))
+        if src.role == "batch" or (sharded and captured.kind not in ("pmap", "jit")):
+            found.add(v)
+    ends = set(scatters) | {j for j in scatters.values() if j is not None}
+    # a device's position seeds its data in a per-device step (a key folded with it); in a
+    # partitioned jax.jit step it only selects the block a device holds of a whole value
+    position = captured.kind != "jit"
+    for i, eqn in enumerate(body.eqns):
+        if i in ends or reduces_over(eqn, axis, REDUCTIONS):
+            continue
+        if (position and eqn.primitive.name == "axis_index") or any(is_var(x) and x in found for x in eqn.invars):
+            found.update(eqn.outvars)
+    return found
 
 
 def _sums_after_scatters(body, data_axes: set) -> dict[int, int | None]:
