@@ -124,9 +124,16 @@ def partition(
 
 def manual_shard_map(fn, mesh, in_specs: Sequence[P], out_specs: Sequence[P], manual: Any, check_vma: bool = False):
     """``jax.shard_map`` of ``fn`` manual over ``manual`` (None: every mesh axis), its specs
-    given over the whole mesh and restricted here to the manual axes."""
+    given over the whole mesh and restricted here to the manual axes.
+
+    The axes left to XLA are ``Auto`` inside, whatever the mesh's axis types: an ``Explicit``
+    mesh's placement annotations become sharding constraints on them (the rules of
+    :mod:`.rules`), so that the body needs no sharding in its types."""
     options = {} if manual is None else {"axis_names": frozenset(manual)}
-    return jax.shard_map(
+    explicit = manual is not None and any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    if explicit:
+        mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+    mapped = jax.shard_map(
         fn,
         mesh=mesh,
         in_specs=tuple(manual_spec(s, manual) for s in in_specs),
@@ -134,6 +141,14 @@ def manual_shard_map(fn, mesh, in_specs: Sequence[P], out_specs: Sequence[P], ma
         check_vma=check_vma,
         **options,
     )
+    if not explicit:
+        return mapped
+
+    def on_auto_mesh(*args):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # the user's may be set
+            return mapped(*args)
+
+    return on_auto_mesh
 
 
 def _inlined(closed, placement: Placement):

@@ -55,13 +55,36 @@ Rule = Callable[[Partitioner, Any, list, list], EqnPlan]
 SHARDING_PARAMS = ("sharding", "out_sharding")
 
 
+def local_sharding(sharding: Any) -> Any:
+    """A placement parameter as it reads inside the per-device body: on an ``Explicit`` mesh
+    whose model axes the body leaves to XLA, its spec on those axes (the data axes are manual
+    there); None everywhere else, where per device it places nothing."""
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return None
+    import jax
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    free = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit}
+    if not free:
+        return None
+    entries = []
+    for entry in spec:
+        axes = () if entry is None else tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a in free)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries))
+
+
 def bind_local(eqn, values: Sequence[Any], **updates: Any) -> list:
-    """Bind ``eqn``'s primitive on local values, its placement parameters dropped and
-    ``updates`` (local shapes) applied, at the user's source line."""
+    """Bind ``eqn``'s primitive on local values, its placement parameters restricted to the
+    body's model axes (:func:`local_sharding`) and ``updates`` (local shapes) applied, at the
+    user's source line."""
     params = dict(eqn.params)
     for name in SHARDING_PARAMS:
         if name in params:
-            params[name] = None
+            params[name] = local_sharding(params[name])
     params.update(updates)
     # the user's source line, not the equation's context: that holds the global (Explicit)
     # mesh, and these equations run inside the per-device body's manual one
@@ -392,12 +415,13 @@ def iota_like_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
 
 def identity_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     """Placement annotations (``reshard``, sharding constraints): along the data axes they are
-    no-ops per device. Along model axes (tensor parallelism, which stays XLA's to partition) a
-    sharding constraint is kept, on those axes only, so that XLA lays out the layer as the
-    user asked."""
+    no-ops per device. Along model axes (tensor parallelism, which stays XLA's to partition,
+    ``Auto`` inside the body) both become a sharding constraint on those axes only, so that XLA
+    lays out the layer as the user asked."""
     model = set(p.ctx.model_axes)
-    spec = getattr(eqn.params.get("sharding"), "spec", None)
-    if eqn.primitive.name != "sharding_constraint" or not model or spec is None:
+    sharding = eqn.params.get("dst_sharding" if eqn.primitive.name == "reshard" else "sharding")
+    spec = getattr(sharding, "spec", None)
+    if eqn.primitive.name not in ("sharding_constraint", "reshard") or not model or spec is None:
         return _plan(eqn, list(kinds), list(kinds), lambda values: list(values))
     entries = []
     for entry in spec:
