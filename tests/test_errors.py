@@ -136,17 +136,15 @@ def _hierarchical_on_one_axis(_):
 
 
 def _jit_with_sharded_params(_):
-    mesh = jax.make_mesh((2,), ("data",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
-    rows = jax.NamedSharding(mesh, P("data"))
-
-    def step(state, x):  # FSDP written with shardings: the parameter itself is split
-        g = jax.grad(lambda w: jnp.mean((x * w) ** 2))(state["w"])
+    def step(state, x):  # a parameter split over both data axes, along two dimensions
+        g = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(state["w"])
         return {"w": state["w"] - 0.1 * g}, jnp.zeros(())
 
-    step = jax.jit(step)
-    sched = jaxsched.schedule(step)
-    w = jax.device_put(np.ones(8, np.float32), rows)
-    sched(sched.init({"w": w}), jax.device_put(np.ones((4, 8), np.float32), rows))
+    mesh = jax.make_mesh((2, 2), ("data", "fsdp"), (jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[:4])
+    sched = jaxsched.schedule(jax.jit(step))
+    w = jax.device_put(np.ones((4, 2), np.float32), jax.NamedSharding(mesh, P("data", "fsdp")))
+    x = jax.device_put(np.ones((4, 4), np.float32), jax.NamedSharding(mesh, P(("data", "fsdp"))))
+    sched(sched.init({"w": w}), x)
 
 
 def _state_step(body, state):
@@ -197,11 +195,11 @@ CASES = {
         jaxsched.UnsupportedStepError,
         "the step's output params differs from its input params: it has extra leaves v and no leaves w",
     ),
-    "`jax.jit` step with sharded parameters": (
+    "parameter split over the data axes twice": (
         _jit_with_sharded_params,
         jaxsched.UnsupportedStepError,
-        "['w'] is sharded with P('data',): jaxsched schedules jax.jit steps whose parameters and "
-        "optimizer state are replicated (P())",
+        "params['w'] is sharded with P('data', 'fsdp'): over the data axes ('data', 'fsdp') along 2 "
+        "dimensions; jaxsched splits a parameter over the data axes along one dimension (FSDP)",
     ),
     "step of another arity": (
         lambda _: jaxsched.schedule(lambda batch: batch).init(1),

@@ -392,20 +392,6 @@ def test_mixup_roll_sort_top_k_and_cumsum_over_the_batch_are_gathered_exactly():
 
 
 # -- refusals ----------------------------------------------------------------------------------
-def test_sharded_parameters_are_refused_naming_the_leaf_its_spec_and_the_shard_map_form():
-    mesh, tx = _mesh(), optax.sgd(0.1)
-    params = js.mlp_params(0)
-    params["w2"] = jax.device_put(params["w2"], NamedSharding(mesh, P("data", None)))
-    sched = jaxsched.schedule(js.mlp_step(tx), strategy="dear")
-    state = sched.init(params, tx.init(params))
-    with pytest.raises(
-        jaxsched.UnsupportedStepError,
-        match=r"params\['w2'\] is sharded with P\('data', None\).*shard_map form: "
-        r"jax.shard_map\(step",
-    ):
-        sched(state, js.place(mesh, js.mlp_batches(0, 1, 16)[0]))
-
-
 def test_an_unsharded_batch_on_a_mesh_is_refused():
     mesh, tx = _mesh(), optax.sgd(0.1)
     params = js.replicated(mesh, js.mlp_params(0))

@@ -26,8 +26,8 @@ Example:
     >>> closed = jax.make_jaxpr(step)(jnp.ones((8, 3)), jnp.ones((8, 3)))
     >>> ctx = AxisContext("fsdp", 4, (("fsdp", 4),))
     >>> plan = Partitioner(ctx, TABLE).plan(closed.jaxpr, [block(0, "fsdp"), PARTIAL], [block(0, "fsdp")])
-    >>> [p.inputs for p in plan.eqns]  # the gradient is reduce-scattered into the block
-    [(R, B(0:fsdp)), (B(0:fsdp), B(0:fsdp))]
+    >>> [p.inputs for p in plan.eqns]  # the scaled sum is reduce-scattered into the block
+    [(R, Pt), (B(0:fsdp), B(0:fsdp))]
 """
 
 from __future__ import annotations

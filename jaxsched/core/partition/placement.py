@@ -20,7 +20,7 @@ Example:
     >>> import jax, numpy as np
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> mesh = jax.make_mesh((2,), ("data",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
-    >>> x = jax.device_put(np.ones((4, 3), np.float32), NamedSharding(mesh, P("data")))
+    >>> x = jax.device_put(np.ones((4, 4), np.float32), NamedSharding(mesh, P("data")))
     >>> closed = jax.make_jaxpr(lambda w, x: x @ w)(np.ones((4, 2), np.float32), x)
     >>> w = jax.device_put(np.ones((4, 2), np.float32), NamedSharding(mesh, P("data")))
     >>> placed = read_placement(closed, [w, x], ["params/w", "batch[0]"], ["params", "batch"])
