@@ -56,6 +56,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -72,7 +73,7 @@ from jaxsched.plan.planned_step import PlannedStep, is_abstract, zero_count
 from jaxsched.core.primitives import COLLECTIVES
 from jaxsched.core.replay import interpret, is_var, nested_eqns, read, source_line
 from jaxsched.core.rewrite.backward import walk_backward
-from jaxsched.strategies.base import RewrittenBody, Strategy, placed_user_layout
+from jaxsched.strategies.base import RewrittenBody, Strategy, placed_user_layout, reduce_gradients, scatter_block
 from jaxsched.strategies.registry import register_strategy
 
 __all__ = ["Approx", "ApproxState", "nested_eqns_of", "UpdateSplit"]
@@ -148,12 +149,14 @@ class Approx(Strategy):
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
         return self.concatenated_gradient_buckets(planned)
 
-    def _reduce_bucket(self, planned: PlannedStep, k: int, grads: Sequence[Any], carried: list) -> list:
-        """The psum of one bucket's gradients through the collective, per gradient."""
-        if planned.axis_size == 1:  # a sum over one device is the identity
-            return list(grads)
+    def _reduce_bucket(
+        self, planned: PlannedStep, k: int, grads: Sequence[Any], carried: list, scattered: bool = False
+    ) -> list:
+        """The sum of one bucket's gradients through the collective, per gradient (a sharded
+        parameter's: into its block; ``scattered``: from its block, over the replica axes)."""
         spec = self.collective_buckets_memo(planned)[k]
-        out, carried[k] = self.collective.all_reduce_tensors(grads, planned.axis_name, spec, carried[k])
+        bucket = planned.buckets[k]
+        out, carried[k] = reduce_gradients(self.collective, planned, bucket, grads, spec, carried[k], scattered=scattered)
         return out
 
     def collective_buckets_memo(self, planned: PlannedStep) -> list[BucketSpec]:
@@ -165,7 +168,7 @@ class Approx(Strategy):
         for k, bucket in enumerate(planned.buckets):
             if not bucket.reductions:
                 continue
-            sums = self._reduce_bucket(planned, k, [local[j] for j in bucket.reductions], carried)
+            sums = self._reduce_bucket(planned, k, [local[j] for j in bucket.reductions], carried, scattered=True)
             for j, s in zip(bucket.reductions, sums):
                 reduced[j] = s
         return reduced
@@ -288,9 +291,12 @@ class Approx(Strategy):
         return ApproxState(params, opt_state, (), (), zero_count(params, opt_state), ())
 
     def pending_template(self, planned: PlannedStep) -> list[jax.ShapeDtypeStruct]:
-        """One device's pending gradient per reduction (analysis order)."""
+        """One device's pending gradient per reduction (analysis order): a sharded parameter's
+        is its block, reduce-scattered in its own step; only its sum over the replica axes
+        waits."""
         return [
-            jax.ShapeDtypeStruct(tuple(r.operand.aval.shape), r.operand.aval.dtype) for r in planned.analysis.reductions
+            jax.ShapeDtypeStruct(tuple((r.result if r.scattered else r.operand).aval.shape), r.operand.aval.dtype)
+            for r in planned.analysis.reductions
         ]
 
     def convert(self, planned: PlannedStep, state: NamedTuple) -> ApproxState:
@@ -460,9 +466,12 @@ class Approx(Strategy):
         # 1. the oldest pending gradients' reduction, first in the program
         reduced = self._reduce_all(planned, slots[0], carried)
 
-        # 2. θ̃: the local estimate of a psum is this device's gradient times the axis size
+        # 2. θ̃: the local estimate of a psum is this device's gradient times the axis size (of
+        # a sharded parameter's block: the block times the size of the axes it is summed over)
+        factors = [size if not r.scattered else math.prod(planned.mesh.shape[a] for a in r.sum_axes) for r in reds]
+
         def local_step(p, s, grads):
-            p, s, _ = self._run_update(planned, p, s, [g * size for g in grads], consts)
+            p, s, _ = self._run_update(planned, p, s, [g * f for g, f in zip(grads, factors)], consts)
             return p, s
 
         approx = approximated_point(
@@ -475,6 +484,7 @@ class Approx(Strategy):
         new_local = [
             jnp.broadcast_to(read(env, r.operand), r.operand.aval.shape).astype(r.operand.aval.dtype) for r in reds
         ]
+        new_local = [scatter_block(g, r) if r.scattered else g for g, r in zip(new_local, reds)]
 
         # 4. the update on the true parameters with ḡ_{t-k}; metrics from this step's forward.
         # Until k gradients have arrived it runs on zeros and is discarded. A select, not a

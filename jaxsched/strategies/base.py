@@ -332,18 +332,26 @@ def _over_sum_axes(planned: PlannedStep, spec: BucketSpec, bucket: Any) -> Bucke
 
 
 def reduce_gradients(
-    collective: Collective, planned: PlannedStep, bucket: Any, grads: Sequence[Any], spec: BucketSpec, state: Any
+    collective: Collective,
+    planned: PlannedStep,
+    bucket: Any,
+    grads: Sequence[Any],
+    spec: BucketSpec,
+    state: Any,
+    *,
+    scattered: bool = False,
 ) -> tuple[list, Any]:
     """One bucket's gradients summed as the user's step sums them: all-reduced over the data
     axes through ``collective``; or, for parameters sharded over data axes, reduce-scattered
     into their blocks and those summed over the remaining data axes through ``collective``
-    (compression and hierarchy apply to that sum, HSDP's replica axis)."""
+    (compression and hierarchy apply to that sum, HSDP's replica axis). ``scattered``: the
+    gradients of sharded parameters are their blocks already (:func:`scatter_block`)."""
     reds = [planned.analysis.reductions[j] for j in bucket.reductions]
     if not reds or not reds[0].scattered:
         if planned.axis_size == 1:  # a sum over one device is the identity
             return list(grads), state
         return collective.all_reduce_tensors(list(grads), planned.axis_name, spec, state)
-    blocks = [scatter_block(g, r) for g, r in zip(grads, reds, strict=True)]
+    blocks = list(grads) if scattered else [scatter_block(g, r) for g, r in zip(grads, reds, strict=True)]
     axes = reds[0].sum_axes
     if not axes:
         return blocks, state

@@ -53,6 +53,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxsched.core.axes import as_axes, spec_axes
 from jaxsched.core.capture import UnsupportedStepError
 from jaxsched.runtime.collectives.base import BucketSpec, Collective
 from jaxsched.sim.costmodel import KFAC_PATTERN, CommPattern
@@ -211,6 +212,20 @@ class KFAC(Strategy):
                 f"axes {axes} (and {len(sharded) - 1} more leaves): its Kronecker factors would "
                 "need activations and cotangents from every device of those axes. Schedule "
                 "tensor- or expert-parallel steps with wfbp, dear or approx"
+            )
+        data = set(as_axes(planned.axis_name))
+        blocks = {
+            planned.paths[i]: axes
+            for i in range(planned.captured.num_params)
+            if (axes := tuple(a for a in spec_axes(planned.input_spec("params", i)) if a in data))
+        }
+        if blocks:
+            path, axes = next(iter(blocks.items()))
+            raise UnsupportedStepError(
+                f"kfac preconditions whole layers, but params/{path} is sharded over {axes}, a data "
+                f"axis (FSDP; and {len(blocks) - 1} more leaves): its Kronecker factors and their "
+                "inverses would be as large as the layer on every device. Schedule FSDP and HSDP "
+                "steps with wfbp, dear or approx, or keep the parameters replicated for kfac"
             )
         found = match_layers(planned.analysis, planned.paths)
         if not found.layers:

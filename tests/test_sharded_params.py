@@ -1,0 +1,190 @@
+"""`jax.jit` steps whose parameters are sharded (FSDP, HSDP, tensor parallelism): every exact
+strategy equals the plain jit step on fresh random inputs (rtol 1e-5), returns every leaf with
+the user's sharding, and keeps no more state per device than the plain step; what cannot be
+made exact is refused by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxsched
+import support.sharded_steps as ss
+from jaxsched.core.axes import as_axes
+
+EXACT = {"allreduce": {}, "wfbp": {}, "dear": {}}
+
+
+def _copy(tree):
+    return jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else np.array(a), tree)
+
+
+def _assert_like_plain(got, want, rtol=1e-5, atol=1e-6):
+    """Same structure, and per leaf the same shape, dtype, sharding and (within rtol) values."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        if isinstance(b, jax.Array) and len(b.sharding.device_set) > 1:
+            assert isinstance(a, jax.Array) and a.sharding.is_equivalent_to(b.sharding, b.ndim), (a.sharding, b.sharding)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+def _run(step, params, opt_state, batches, strategy, mesh_context=None, **options):
+    """Plain and scheduled side by side; returns the schedule, its last state and both ends."""
+    import contextlib
+
+    with mesh_context or contextlib.nullcontext():
+        plain, plain_aux = (_copy(params), _copy(opt_state)), []
+        for b in batches:
+            *plain, aux = step(*plain, b)
+            plain_aux.append(jax.device_get(aux))
+        sched = jaxsched.schedule(step, strategy=strategy, **options)
+        state, sched_aux = sched.init(_copy(params), _copy(opt_state)), []
+        for b in batches:
+            state, aux = sched(state, b)
+            sched_aux.append(jax.device_get(jax.block_until_ready(aux)))
+        final = sched.finalize(state)
+    _assert_like_plain(final, tuple(plain))
+    for a, b in zip(jax.tree.leaves(sched_aux), jax.tree.leaves(plain_aux)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    return sched, state, tuple(plain)
+
+
+def _mlp_case(layout_name, tx, seed, dropout=False):
+    layout = ss.LAYOUTS[layout_name]
+    mesh = layout.mesh()
+    params = ss.place(mesh, ss.params_for(seed), layout.params)
+    batches = ss.batches(mesh, layout.batch, 3, seed + 1)
+    if dropout:
+        keys = [jax.random.key(seed + k) for k in range(3)]
+        batches = [(x, y, k) for (x, y), k in zip(batches, keys)]
+    return layout, mesh, params, tx.init(params), batches
+
+
+CASES = [
+    pytest.param(layout, strategy, marks=[pytest.mark.slow] if layout in ("tensor", "unit_axes") else [])
+    for layout in ("fsdp", "hsdp", "tensor", "tensor_explicit", "tensor_fsdp", "unit_axes")
+    for strategy in EXACT
+]
+
+
+@pytest.mark.parametrize("layout_name, strategy", CASES)
+def test_sharded_parameters_equal_the_plain_jit_step(layout_name, strategy):
+    """adamw behind a global-norm clip: the norm of parameter blocks sums over the data axes."""
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
+    seed = hash(layout_name) % 1000
+    layout, mesh, params, opt_state, batches = _mlp_case(layout_name, tx, seed)
+    step = ss.mlp_step(tx, layout, mesh)
+    sched, state, plain = _run(step, params, opt_state, batches, strategy, layout.context(mesh))
+    # FSDP keeps what it is for: no more state on a device than the plain step holds
+    assert ss.state_bytes((state.params, state.opt_state)) <= ss.state_bytes(plain)
+    captured = sched.program.captured
+    assert captured.kind == "jit"
+    batch_axes = set(as_axes(layout.batch[0]))
+    assert set(as_axes(captured.axis_name)) == {a for a in batch_axes if mesh.shape[a] > 1}
+
+
+def test_fsdp_gradients_are_reduce_scattered_in_backward_under_wfbp():
+    tx = optax.adamw(1e-2)
+    layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 3)
+    sched, _, _ = _run(ss.mlp_step(tx, layout, mesh), params, opt_state, batches, "wfbp")
+    analysis = sched.program.planned.analysis
+    scattered = sorted((r.scatter_axes, tuple(r.result.aval.shape)) for r in analysis.reductions if r.scattered)
+    assert scattered == [(("fsdp",), (2, 32)), (("fsdp",), (4, 8))]  # w1 and w2: their blocks
+    # the scheduled program issues them in backward, bucketed, before the update
+    jaxpr = sched.program.per_device.jaxpr(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves((params, opt_state, batches[0]))])
+    names = [e.primitive.name for e in jaxpr.eqns]
+    assert names.count("reduce_scatter") == 2 and "all_gather" in names
+
+
+def test_hsdp_sums_the_blocks_over_the_replica_axis_only():
+    tx = optax.sgd(0.1, momentum=0.9)
+    layout, mesh, params, opt_state, batches = _mlp_case("hsdp", tx, 5)
+    sched, _, _ = _run(ss.mlp_step(tx, layout, mesh), params, opt_state, batches, "wfbp")
+    forms = {(r.scatter_axes, r.sum_axes) for r in sched.program.planned.analysis.reductions}
+    assert forms == {((), None), (("fsdp",), ("data",))}
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear", pytest.param("allreduce", marks=pytest.mark.slow)])
+def test_a_scanned_rematerialised_fsdp_stack(strategy):
+    mesh = ss.LAYOUTS["fsdp"].mesh()
+    tx = optax.adamw(1e-2)
+    params = ss.scanned_params(mesh, seed=7)
+    batches = ss.batches(mesh, P("fsdp"), 3, 8)
+    sched, state, plain = _run(ss.scanned_step(tx), params, tx.init(params), batches, strategy)
+    from jaxsched.core.replay import nested_eqns
+
+    kept = {e.primitive.name for e in nested_eqns(sched.program.captured.body)}
+    assert {"scan", "remat2"} <= kept
+    assert ss.state_bytes((state.params, state.opt_state)) <= ss.state_bytes(plain)
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_dropout_bits_match_the_plain_step_on_sharded_parameters(strategy):
+    tx = optax.adam(1e-2)
+    layout, mesh, params, opt_state, batches = _mlp_case("hsdp", tx, 11, dropout=True)
+    _run(ss.mlp_step(tx, layout, mesh, dropout=True), params, opt_state, batches, strategy)
+
+
+def test_in_shardings_place_the_parameters_when_the_arrays_do_not():
+    layout = ss.LAYOUTS["fsdp"]
+    mesh = layout.mesh()
+    tx = optax.sgd(0.1)
+    host = ss.params_for(13)
+    placed = ss.place(mesh, host, layout.params)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.params)
+    opt_shardings = jax.tree.map(lambda a: a.sharding, tx.init(placed))
+    step = ss.mlp_step(tx, layout, mesh)
+    jitted = jax.jit(step.__wrapped__ if hasattr(step, "__wrapped__") else step, in_shardings=(shardings, opt_shardings, NamedSharding(mesh, layout.batch)))
+    batches = ss.batches(mesh, layout.batch, 2, 14)
+    plain = jitted(placed, tx.init(placed), batches[0])
+    sched = jaxsched.schedule(jitted, strategy="wfbp")
+    state, _ = sched(sched.init(host, tx.init(host)), batches[0])
+    got = sched.finalize(state)
+    _assert_like_plain(got, (plain[0], plain[1]))
+    assert sched.program.planned.captured.in_specs[:3] == (P(), P("fsdp"), P("fsdp"))  # b1, w1, w2
+
+
+@pytest.mark.parametrize("strategy, options", [("approx", {"staleness": 0}), ("auto", {})])
+def test_the_other_exact_strategies_run_fsdp_steps(strategy, options):
+    tx = optax.adam(1e-2)
+    layout, mesh, params, opt_state, batches = _mlp_case("hsdp", tx, 17)
+    _run(ss.mlp_step(tx, layout, mesh), params, opt_state, batches, strategy, **options)
+
+
+# -- refusals ------------------------------------------------------------------------------
+def _refused(layout, params_specs, match):
+    mesh = layout.mesh()
+    tx = optax.sgd(0.1)
+    params = ss.place(mesh, ss.params_for(0), params_specs)
+    sched = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy="wfbp")
+    with pytest.raises(jaxsched.UnsupportedStepError, match=match):
+        sched(sched.init(params, tx.init(params)), ss.batches(mesh, layout.batch, 1, 0)[0])
+
+
+def test_a_parameter_split_over_the_data_axes_along_two_dimensions_is_refused():
+    layout = ss.LAYOUTS["hsdp"]
+    _refused(
+        layout,
+        {"w1": P("data", "fsdp"), "b1": P(), "w2": P()},
+        r"params\['w1'\] is sharded with P\('data', 'fsdp'\): over the data axes \('data', 'fsdp'\) along 2 dimensions",
+    )
+
+
+def test_a_dimension_over_data_and_model_axes_is_refused():
+    layout = ss.LAYOUTS["tensor"]
+    _refused(
+        layout,
+        {"w1": P(("data", "tensor"), None), "b1": P(), "w2": P()},
+        r"params\['w1'\] is sharded with P\(\('data', 'tensor'\),\): its dimension 0 mixes the data axes",
+    )
+
+
+def test_kfac_refuses_sharded_parameters_by_name():
+    tx = optax.sgd(0.1)
+    layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 1)
+    sched = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy="kfac")
+    with pytest.raises(jaxsched.UnsupportedStepError, match=r"kfac .*params/w1.*sharded over \('fsdp',\)"):
+        sched(sched.init(params, opt_state), batches[0])
