@@ -188,3 +188,35 @@ def test_kfac_refuses_sharded_parameters_by_name():
     sched = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy="kfac")
     with pytest.raises(jaxsched.UnsupportedStepError, match=r"kfac .*params/w1.*sharded over \('fsdp',\)"):
         sched(sched.init(params, opt_state), batches[0])
+
+
+# -- DiLoCo across 'data' with FSDP inside each replica -------------------------------------
+@pytest.mark.parametrize("options", [{}, pytest.param({"fragments": 2, "overlap_steps": 1}, marks=pytest.mark.slow)])
+def test_diloco_over_the_replica_axis_leaves_the_inner_fsdp_step_untouched(options):
+    """H=1 with outer SGD at lr 1 (or fragments applied one step late, H=4) and momentum-free
+    inner SGD: with H=1 exactly data-parallel SGD over every device; the parameters keep
+    their FSDP blocks through the replicas, the synchronization and finalize."""
+    tx = optax.sgd(0.1)
+    layout, mesh, params, opt_state, batches = _mlp_case("hsdp", tx, 19)
+    step = ss.mlp_step(tx, layout, mesh)
+    if not options:
+        _run(step, params, opt_state, batches, "diloco", sync_axes=("data",), inner_steps=1, outer=optax.sgd(1.0))
+        return
+    sched = jaxsched.schedule(
+        step, strategy="diloco", sync_axes="data", inner_steps=4, outer=optax.sgd(1.0), **options
+    )
+    state = sched.init(_copy(params), _copy(opt_state))
+    for b in batches * 3:
+        state, _ = sched(state, b)
+    got, _ = sched.finalize(state)
+    for name, spec in layout.params.items():
+        assert got[name].sharding.is_equivalent_to(NamedSharding(mesh, spec), got[name].ndim)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(got))
+
+
+def test_diloco_refuses_a_parameter_split_over_the_synchronised_axis():
+    tx = optax.sgd(0.1)
+    layout, mesh, params, opt_state, batches = _mlp_case("hsdp", tx, 1)
+    sched = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy="diloco", sync_axes="fsdp", inner_steps=2)
+    with pytest.raises(jaxsched.UnsupportedStepError, match=r"params/w1 is sharded over \('fsdp',\), one of them"):
+        sched(sched.init(params, opt_state), batches[0])

@@ -67,7 +67,7 @@ from jaxsched.plan.planned_step import PlannedStep, is_abstract
 from jaxsched.core.primitives import SUM_REDUCTIONS, reduction_axes
 from jaxsched.core.replay import interpret, read
 from jaxsched.core.rewrite.backward import walk_backward
-from jaxsched.strategies.base import RewrittenBody, Strategy, check_leaf_counts
+from jaxsched.strategies.base import RewrittenBody, Strategy, check_leaf_counts, scatter_block
 from jaxsched.strategies.registry import register_strategy
 
 __all__ = ["DiLoCo", "DiLoCoState", "DILOCO_PATTERN", "fragment_of_leaves", "sync_schedule"]
@@ -299,6 +299,35 @@ class DiLoCo(Strategy):
     def _axis(axes: tuple[str, ...]) -> Any:
         return axes[0] if len(axes) == 1 else axes
 
+    # -- parameter blocks (FSDP inside a replica) ---------------------------------------------
+    def _block_axes(self, planned: PlannedStep, role: str, i: int) -> tuple[str, ...]:
+        """The data axes leaf ``i`` of ``role`` is split over (FSDP inside a replica; empty
+        for a replicated leaf)."""
+        data = set(as_axes(planned.axis_name))
+        return tuple(a for a in spec_axes(planned.input_spec(role, i)) if a in data)
+
+    def _is_block(self, planned: PlannedStep, i: int) -> bool:
+        return bool(self._block_axes(planned, "params", i))
+
+    def _global_spec(self, planned: PlannedStep, role: str, i: int) -> P:
+        """Where the synchronized copy of a leaf lives: as the user placed it."""
+        return planned.input_spec(role, i)
+
+    def _local_spec(self, planned: PlannedStep, role: str, i: int) -> P:
+        """The per-replica copies of a leaf: one per device on a leading axis over the data
+        axes, the leaf's model axes kept on its own dimensions."""
+        data = set(as_axes(planned.axis_name))
+        entries = []
+        for entry in planned.input_spec(role, i):
+            axes = () if entry is None else tuple(a for a in as_axes(entry) if a not in data)
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return P(planned.axis_name, *entries)
+
+    def _user_shapes(self, planned: PlannedStep, role: str) -> list[tuple[int, ...]]:
+        """The global shapes of the user's leaves of ``role``."""
+        params, opts, _ = planned.captured.example_inputs
+        return [tuple(x.shape) for x in jax.tree.leaves(params if role == "params" else opts)]
+
     # -- fragments and outer buckets -------------------------------------------------------
     def _param_avals(self, planned: PlannedStep) -> list[jax.ShapeDtypeStruct]:
         cap = planned.captured
@@ -324,7 +353,8 @@ class DiLoCo(Strategy):
                 by_dtype: dict = {}
                 for i, f in enumerate(frag):
                     if f == p:
-                        by_dtype.setdefault(np.dtype(avals[i].dtype), []).append(i)
+                        key = (np.dtype(avals[i].dtype), self._is_block(planned, i))
+                        by_dtype.setdefault(key, []).append(i)
                 groups.extend((p, leaves) for leaves in by_dtype.values())
             return groups
 
@@ -343,7 +373,7 @@ class DiLoCo(Strategy):
         for k, (_, leaves) in enumerate(self._outer_groups(planned)):
             shapes = tuple(tuple(avals[i].shape) for i in leaves)
             size = sum(math.prod(s) for s in shapes)
-            if n_fast > 1:  # each leaf's 1/n_fast shard, flat and padded
+            if n_fast > 1 and not self._is_block(planned, leaves[0]):  # each leaf's 1/n_fast shard, flat and padded
                 shapes = tuple((-(-math.prod(sh) // n_fast),) for sh in shapes)
                 size = sum(sh[0] for sh in shapes)
             specs.append(
@@ -384,42 +414,51 @@ class DiLoCo(Strategy):
                 "leading device axis; write the step with jax.shard_map "
                 "(or jax.jit) instead of jax.pmap"
             )
+        sync, _, _ = self._axes(planned)
         for role, count in (("params", cap.num_params), ("opt_state", cap.num_opt)):
             for i in range(count):
-                axes = spec_axes(planned.input_spec(role, i))
-                if axes:
+                over_sync = [a for a in self._block_axes(planned, role, i) if a in sync]
+                if over_sync:
                     name = f"params/{planned.paths[i]}" if role == "params" else f"opt_state[{i}]"
                     raise UnsupportedStepError(
-                        f"diloco needs replicated parameters and optimizer state, but {name} is "
-                        f"sharded over {axes}; schedule the step with wfbp, or keep that leaf "
-                        "replicated"
+                        f"diloco keeps a whole replica of the parameters per group of devices along "
+                        f"sync_axes {sync}, but {name} is sharded over {tuple(over_sync)}, one of "
+                        "them; shard it over the other data axes only (FSDP inside a replica, "
+                        "HSDP), or synchronize other axes (sync_axes=...)"
                     )
         for r in planned.analysis.reductions:
             eqn = cap.body.eqns[r.eqn_index]
-            if eqn.primitive.name not in SUM_REDUCTIONS:
+            if eqn.primitive.name not in SUM_REDUCTIONS and not r.scattered:
                 raise UnsupportedStepError(
                     f"diloco replaces gradient sums, but a gradient reduction is {eqn.primitive.name}"
                 )
-        self._axes(planned)
 
     # -- state ----------------------------------------------------------------------------
     def initial_state(self, params: Any, opt_state: Any) -> DiLoCoState:
         return DiLoCoState(params, opt_state, (), (), (), (), 0)
 
-    def _stacked(self, planned: PlannedStep, value: Any) -> Any:
-        """One leaf of the user's replicated layout as a stacked leaf (one copy per device)."""
-        n, sharding = planned.axis_size, planned._sharding(P(planned.axis_name))
-        return jax.jit(lambda x: jnp.broadcast_to(x, (n,) + tuple(jnp.shape(x))), out_shardings=sharding)(value)
+    def _stacked(self, planned: PlannedStep, value: Any, role: str, i: int) -> Any:
+        """One leaf of the user's layout as a stacked leaf: one copy per device, each device's
+        its own block of a leaf sharded over the data axes."""
+        from jaxsched.core.partition import manual_shard_map
+
+        spec = planned.input_spec(role, i)
+        value = planned.placed(value, spec)
+        stack = manual_shard_map(
+            lambda x: (x[None],), planned.mesh, (spec,), (self._local_spec(planned, role, i),), planned.captured.manual_axes
+        )
+        return jax.jit(stack)(value)[0]
 
     def _is_stacked(self, planned: PlannedStep, leaves: Sequence[Any], role: str) -> bool:
         if not leaves:
             return False
-        want = [tuple(planned.body_invar(role, i).aval.shape) for i in range(len(leaves))]
+        local = [tuple(planned.body_invar(role, i).aval.shape) for i in range(len(leaves))]
         got = [tuple(getattr(x, "shape", np.shape(x))) for x in leaves]
-        if got == want:
+        if got == self._user_shapes(planned, role):
             return False
-        if got == [(planned.axis_size,) + w for w in want]:
+        if got == [(planned.axis_size,) + w for w in local]:
             return True
+        want = self._user_shapes(planned, role)
         raise ValueError(
             f"the state's {role} do not fit this step: leaf shapes {got}, expected "
             f"{want} (user layout) or with a leading axis of {planned.axis_size} "
@@ -436,13 +475,14 @@ class DiLoCo(Strategy):
         if self._is_stacked(planned, opts, "opt_state") != stacked and opts:
             raise ValueError("the state's params and opt_state are in different layouts")
         fresh = not stacked
-        spec = P(planned.axis_name)
 
-        def stack(x):
+        def stack(x, role, i):
+            spec = self._local_spec(planned, role, i)
             if abstract:
-                shape = tuple(x.shape) if stacked else (planned.axis_size,) + tuple(x.shape)
+                local = tuple(planned.body_invar(role, i).aval.shape)
+                shape = tuple(x.shape) if stacked else (planned.axis_size,) + local
                 return planned.zeros(shape, x.dtype, spec, abstract=True)
-            return planned.placed(x, spec) if stacked else self._stacked(planned, x)
+            return planned.placed(x, spec) if stacked else self._stacked(planned, x, role, i)
 
         global_leaves = jax.tree.leaves(getattr(state, "global_params", ()))
         if fresh or not global_leaves:
@@ -451,11 +491,12 @@ class DiLoCo(Strategy):
                     "a diloco state with per-replica params needs its global_params; resume from a complete checkpoint"
                 )
             global_leaves = params
-        local_params = [stack(x) for x in params]
-        local_opts = [stack(x) for x in opts]
-        global_leaves = [planned.placed(x, P()) for x in global_leaves]
+        local_params = [stack(x, "params", i) for i, x in enumerate(params)]
+        local_opts = [stack(x, "opt_state", j) for j, x in enumerate(opts)]
         if len(global_leaves) != cap.num_params:
             raise ValueError("the state's global_params do not match the step's params")
+        global_leaves = [planned.placed(x, self._global_spec(planned, "params", i)) for i, x in enumerate(global_leaves)]
+        outer_specs = self._outer_state_specs(planned)
 
         outer_state = tuple(getattr(state, "outer_state", ()) or ())
         frag = self._fragments(planned)
@@ -469,10 +510,22 @@ class DiLoCo(Strategy):
                         self.outer.init, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in mine)
                     )
                     outer_state.append(
-                        jax.tree.map(lambda a: planned.zeros(a.shape, a.dtype, P(), abstract=True), shapes)
+                        jax.tree.unflatten(
+                            jax.tree.structure(shapes),
+                            [
+                                planned.zeros(a.shape, a.dtype, spec, abstract=True)
+                                for a, spec in zip(jax.tree.leaves(shapes), outer_specs[p])
+                            ],
+                        )
                     )
                 else:
-                    outer_state.append(jax.tree.map(lambda a: planned.placed(a, P()), self.outer.init(mine)))
+                    fresh_state = self.outer.init(mine)
+                    outer_state.append(
+                        jax.tree.unflatten(
+                            jax.tree.structure(fresh_state),
+                            [planned.placed(a, spec) for a, spec in zip(jax.tree.leaves(fresh_state), outer_specs[p])],
+                        )
+                    )
             outer_state = tuple(outer_state)
         elif len(outer_state) != self.fragments or any(
             jax.tree.structure(s) != t for s, t in zip(outer_state, treedefs)
@@ -482,18 +535,25 @@ class DiLoCo(Strategy):
                 "this outer optimizer; resume with the options it was saved with"
             )
         else:
-            outer_state = tuple(jax.tree.map(lambda a: planned.placed(a, P()), s) for s in outer_state)
+            outer_state = tuple(
+                jax.tree.unflatten(
+                    jax.tree.structure(o), [planned.placed(a, spec) for a, spec in zip(jax.tree.leaves(o), specs)]
+                )
+                for o, specs in zip(outer_state, outer_specs)
+            )
 
         in_flight = tuple(getattr(state, "in_flight", ()) or ())
         if self.overlap_steps >= 2:
+            flight_specs = [self._global_spec(planned, "params", i) for i in range(cap.num_params)]
             if not in_flight:
                 in_flight = tuple(
-                    planned.zeros(tuple(a.shape), a.dtype, P(), abstract) for a in self._param_avals(planned)
+                    planned.zeros(shape, a.dtype, spec, abstract)
+                    for shape, a, spec in zip(self._user_shapes(planned, "params"), self._param_avals(planned), flight_specs)
                 )
             elif len(in_flight) != cap.num_params:
                 raise ValueError("the state's in_flight does not fit this step")
             else:
-                in_flight = tuple(planned.placed(x, P()) for x in in_flight)
+                in_flight = tuple(planned.placed(x, spec) for x, spec in zip(in_flight, flight_specs))
         elif in_flight:
             raise ValueError(
                 f"the state holds an outer gradient in flight, but overlap_steps="
@@ -559,8 +619,46 @@ class DiLoCo(Strategy):
         n_outer = sum(t.num_leaves for t in self._outer_treedefs(planned))
         n_flight = n_p if self.overlap_steps >= 2 else 0
         counts = dict(params=n_p, opt=n_o, coll=len(coll), glob=n_p, outer=n_outer, flight=n_flight)
-        specs = (local,) * n_p + (local,) * n_o + coll + (P(),) * n_p + (P(),) * n_outer + (P(),) * n_flight + (P(),)
+        glob = tuple(self._global_spec(planned, "params", i) for i in range(n_p))
+        specs = (
+            tuple(self._local_spec(planned, "params", i) for i in range(n_p))
+            + tuple(self._local_spec(planned, "opt_state", j) for j in range(n_o))
+            + coll
+            + glob
+            + tuple(spec for specs in self._outer_state_specs(planned) for spec in specs)
+            + glob[:n_flight]
+            + (P(),)
+        )
         return specs, counts
+
+    def _outer_state_specs(self, planned: PlannedStep) -> list[tuple[P, ...]]:
+        """Per fragment, the spec of each outer-state leaf: that of the parameter it mirrors
+        (a momentum of an FSDP parameter is a block too), else replicated."""
+
+        def build():
+            frag = self._fragments(planned)
+            params_shapes = self._user_shapes(planned, "params")
+            out = []
+            for p in range(self.fragments):
+                mine = [i for i in range(len(frag)) if frag[i] == p]
+                avals = tuple(jax.ShapeDtypeStruct(params_shapes[i], self._param_avals(planned)[i].dtype) for i in mine)
+                shapes = jax.eval_shape(self.outer.init, avals)
+                structure = jax.tree.structure(avals)
+                specs = jax.tree.map(lambda _: P(), shapes)
+                like = lambda t: not isinstance(t, P) and jax.tree.structure(t) == structure
+                # leaves inside a subtree shaped like the fragment's parameters mirror them
+                marked = jax.tree.map(
+                    lambda sub: tuple(self._global_spec(planned, "params", i) for i in mine) if like(sub) else sub,
+                    jax.tree.map(lambda _: P(), shapes),
+                    is_leaf=lambda t: like(t),
+                )
+                specs = tuple(
+                    leaf for leaf in jax.tree.leaves(marked, is_leaf=lambda t: isinstance(t, P))
+                )
+                out.append(specs)
+            return out
+
+        return planned.memo("diloco.outer_specs", build)
 
     @staticmethod
     def _split_state(leaves: Sequence[Any], counts: dict) -> dict:
@@ -622,7 +720,7 @@ class DiLoCo(Strategy):
             deltas = [glob[i] - local[i] for i in leaves]
             if n_sync == 1:
                 sums = deltas
-            elif n_fast == 1:
+            elif n_fast == 1 or self._is_block(planned, leaves[0]):  # a block: this device's own
                 sums, carried[k] = self.collective.all_reduce_tensors(deltas, self._axis(sync), specs[k], carried[k])
             else:
                 # this device's shard of each leaf of the (identical within the replica) outer
@@ -671,12 +769,18 @@ class DiLoCo(Strategy):
         def emit(bucket) -> None:
             groups: dict = {}
             for j in bucket.reductions:
-                axes = reduction_axes(body.eqns[reds[j].eqn_index])
+                r = reds[j]
+                axes = r.sum_axes if r.scattered else reduction_axes(body.eqns[r.eqn_index])
                 fast = tuple(a for a in axes if a not in sync)
                 factor = math.prod(planned.mesh.shape[a] for a in axes if a in sync)
                 groups.setdefault((fast, factor), []).append(j)
             for (fast, factor), js in groups.items():
-                grads = [read(env, reds[j].operand) for j in js]
+                # a sharded parameter's gradient is reduce-scattered into its block over the
+                # fast axes it is split over, as the user's step does inside a replica
+                grads = [
+                    scatter_block(read(env, reds[j].operand), reds[j]) if reds[j].scattered else read(env, reds[j].operand)
+                    for j in js
+                ]
                 sums = list(lax.psum(tuple(grads), self._axis(fast))) if fast else grads
                 for j, s in zip(js, sums):
                     aval = reds[j].result.aval
@@ -764,21 +868,37 @@ class DiLoCo(Strategy):
         frag = self._fragments(planned)
         data, n = planned.axis_name, planned.axis_size
 
+        sync, _, n_sync = self._axes(planned)
+        # a block differs across the axes it is split over: it is averaged over the replicas
+        # only (the sync axes); a whole leaf is the same on a replica's devices
+        over = [
+            (self._axis(sync), n_sync) if self._block_axes(planned, "params", i) else (data, n)
+            for i in range(cap.num_params)
+        ]
+        opt_over = [
+            self._axis(sync) if self._block_axes(planned, "opt_state", j) else data for j in range(cap.num_opt)
+        ]
+        opt_count = [n_sync if self._block_axes(planned, "opt_state", j) else n for j in range(cap.num_opt)]
+
         def drain(*leaves):
             v = self._unpack(planned, leaves)
             local, glob = v["local"], v["glob"]
             if in_flight is not None:
                 red = {i: v["flight"][i] for i in range(len(frag)) if frag[i] == in_flight}
                 self._apply_fragment(planned, in_flight, red, local, glob, v["outer"])
-            params = [(g + lax.psum(x - g, data) / n).astype(g.dtype) for x, g in zip(local, glob)]
+            params = [(g + lax.psum(x - g, axes) / count).astype(g.dtype) for x, g, (axes, count) in zip(local, glob, over)]
             new_opts = []
-            for o in v["opts"]:
+            for o, axes, count in zip(v["opts"], opt_over, opt_count):
                 if jnp.issubdtype(o.dtype, jnp.floating):
-                    same = lax.pmax(o, data) == lax.pmin(o, data)
-                    new_opts.append(jnp.where(same, o, (lax.psum(o, data) / n).astype(o.dtype)))
+                    same = lax.pmax(o, axes) == lax.pmin(o, axes)
+                    new_opts.append(jnp.where(same, o, (lax.psum(o, axes) / count).astype(o.dtype)))
                 else:
-                    new_opts.append(lax.pmax(o, data))
+                    new_opts.append(lax.pmax(o, axes))
             return tuple(params) + tuple(new_opts)
 
-        out_specs = (P(),) * (cap.num_params + cap.num_opt)
-        return jax.jit(jax.shard_map(drain, mesh=planned.mesh, in_specs=specs, out_specs=out_specs, check_vma=False))
+        from jaxsched.core.partition import manual_shard_map
+
+        out_specs = tuple(planned.input_spec("params", i) for i in range(cap.num_params)) + tuple(
+            planned.input_spec("opt_state", j) for j in range(cap.num_opt)
+        )
+        return jax.jit(manual_shard_map(drain, planned.mesh, specs, out_specs, cap.manual_axes))
