@@ -220,3 +220,46 @@ def test_diloco_refuses_a_parameter_split_over_the_synchronised_axis():
     sched = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy="diloco", sync_axes="fsdp", inner_steps=2)
     with pytest.raises(jaxsched.UnsupportedStepError, match=r"params/w1 is sharded over \('fsdp',\), one of them"):
         sched(sched.init(params, opt_state), batches[0])
+
+
+# -- everything else works on these steps ------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_verify_passes_on_an_hsdp_step(strategy):
+    tx = optax.adamw(1e-2)
+    layout, mesh, params, opt_state, batches = _mlp_case("hsdp", tx, 23)
+    sched = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy=strategy)
+    report = sched.verify(sched.init(params, opt_state), batches, steps=3)
+    assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_a_checkpoint_of_the_sharded_state_restores_and_continues_equal(strategy, tmp_path):
+    from jaxsched.integrations.checkpoint import restore, save
+
+    tx = optax.adam(1e-2)
+    layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 29)
+    batches = batches + ss.batches(mesh, layout.batch, 1, 30)
+    step = ss.mlp_step(tx, layout, mesh)
+    sched = jaxsched.schedule(step, strategy=strategy)
+    straight = sched.init(_copy(params), _copy(opt_state))
+    for b in batches:
+        straight, _ = sched(straight, b)
+    half = sched.init(_copy(params), _copy(opt_state))
+    for b in batches[:2]:
+        half, _ = sched(half, b)
+    save(tmp_path / "ckpt", half)
+    resumed_sched = jaxsched.schedule(step, strategy=strategy)
+    resumed = restore(tmp_path / "ckpt", resumed_sched.init(params, opt_state, batches[0]))
+    for leaf in jax.tree.leaves(resumed.params):  # restored as the blocks they were saved as
+        assert len(leaf.sharding.device_set) == 8
+    for b in batches[2:]:
+        resumed, _ = resumed_sched(resumed, b)
+    for a, b in zip(jax.tree.leaves(resumed_sched.finalize(resumed)), jax.tree.leaves(sched.finalize(straight))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_replan_on_an_fsdp_step_keeps_the_numbers():
+    tx = optax.sgd(0.1)
+    layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 31)
+    sched, _, _ = _run(ss.mlp_step(tx, layout, mesh), params, opt_state, batches, "wfbp", replan="auto")
+    assert sched.replan("1gbe") is None or sched.replans is not None

@@ -341,13 +341,18 @@ def bucket_groups(
     for layer in members:
         votes = [where[paths[i]] for i in layer if paths[i] in where]
         owner.append(max(set(votes), key=votes.count) if votes else None)
-    groups: dict[int, list[int]] = {}
+    # contiguous runs of layers of one bucket (a bucket split by dtype or by how its
+    # gradients are reduced may hold layers apart: each run is one group)
+    groups: list[list[int]] = []
     last = None
     for layer, k in enumerate(owner):
         k = last if k is None else k
-        last = k if k is not None else last
-        groups.setdefault(k if k is not None else -1, []).append(layer)
-    return sorted((sorted(g) for g in groups.values()), key=lambda g: g[0])
+        if groups and k == last:
+            groups[-1].append(layer)
+        else:
+            groups.append([layer])
+        last = k
+    return groups
 
 
 # -- agreement -------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import optax
 import pytest
 
 import jaxsched
+import jaxsched.runtime.compress  # noqa: F401  (attribute access below)
 from jaxsched.core import replay
 from jaxsched.demo import steps
 from jaxsched.strategies import UserLayoutStrategy, register_strategy, unregister_strategy

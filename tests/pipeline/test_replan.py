@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import jaxsched
+import jaxsched.runtime.compress  # noqa: F401  (attribute access below)
 from jaxsched.demo import steps
 from jaxsched.sim.costmodel import network_preset
 from jaxsched.pipeline.replan import (

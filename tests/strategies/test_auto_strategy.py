@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jaxsched
+import jaxsched.runtime.compress  # noqa: F401  (attribute access below)
 from jaxsched.demo import steps
 from jaxsched.sim.costmodel import Layer, LayerProfile
 from jaxsched.runtime.engine import EngineCosts, XlaEngine
