@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxsched
 import support.sharded_steps as ss
 from jaxsched.core.axes import as_axes
+from support.toolchains import needs_gpu, needs_tpu
 
 EXACT = {"allreduce": {}, "wfbp": {}, "dear": {}}
 
@@ -263,3 +264,62 @@ def test_replan_on_an_fsdp_step_keeps_the_numbers():
     layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 31)
     sched, _, _ = _run(ss.mlp_step(tx, layout, mesh), params, opt_state, batches, "wfbp", replan="auto")
     assert sched.replan("1gbe") is None or sched.replans is not None
+
+
+# -- ahead of time, for clusters we do not have ----------------------------------------------
+def _abstract_fsdp(target: str, hsdp: bool):
+    """An FSDP (or HSDP) step of 4 dense layers on compile-only devices, every input abstract."""
+    import jaxsched.tools.aot as aot
+    from jax.sharding import Mesh
+
+    platform, topology = target.split(":")
+    devices = np.array(aot.devices(platform, topology))
+    mesh = Mesh(devices.reshape(2, -1), ("data", "fsdp")) if hsdp else Mesh(devices, ("fsdp",))
+    batch_spec = P(("data", "fsdp")) if hsdp else P("fsdp")
+    width, layers = 256, 4
+    tx = optax.adamw(1e-3)
+
+    def sharded(a):
+        spec = P("fsdp", None) if a.ndim == 2 else P()
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, spec))
+
+    params = {f"w{i}": sharded(jax.ShapeDtypeStruct((width, width), jnp.float32)) for i in range(layers)}
+    opt_state = jax.tree.map(sharded, jax.eval_shape(tx.init, params))
+    batch = jax.ShapeDtypeStruct((16 * devices.size, width), jnp.float32, sharding=NamedSharding(mesh, batch_spec))
+
+    @jax.jit
+    def step(params, opt_state, x):
+        def loss(p):
+            h = x
+            for i in range(layers):
+                h = jnp.tanh(h @ p[f"w{i}"])
+            return jnp.mean(h**2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": value}
+
+    return step, params, opt_state, batch
+
+
+@needs_gpu
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_an_fsdp_step_lowers_and_inspects_for_a_gpu_cluster(strategy):
+    step, params, opt_state, batch = _abstract_fsdp("h100:1x2x4", hsdp=False)
+    sched = jaxsched.schedule(step, strategy=strategy)
+    state = sched.init(params, opt_state)
+    assert "reduce_scatter" in sched.lower(state, batch).as_text()
+    inspection = sched.inspect(state, batch)
+    kinds = {w.kind for w in inspection.report.collectives}
+    assert {"all-gather", "reduce-scatter"} <= kinds, kinds
+    assert inspection.report.step_s is not None and inspection.baseline.step_s is not None
+
+
+@needs_tpu
+@pytest.mark.slow
+def test_an_hsdp_step_inspects_for_a_tpu_pod():
+    step, params, opt_state, batch = _abstract_fsdp("v5p:2x2x2", hsdp=True)
+    sched = jaxsched.schedule(step, strategy="wfbp")
+    inspection = sched.inspect(sched.init(params, opt_state), batch)
+    kinds = {w.kind for w in inspection.report.collectives}
+    assert {"all-gather", "reduce-scatter"} <= kinds, kinds
