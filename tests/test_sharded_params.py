@@ -323,3 +323,62 @@ def test_an_hsdp_step_inspects_for_a_tpu_pod():
     inspection = sched.inspect(sched.init(params, opt_state), batch)
     kinds = {w.kind for w in inspection.report.collectives}
     assert {"all-gather", "reduce-scatter"} <= kinds, kinds
+
+
+def test_a_state_step_refusal_names_the_leaf_by_its_place_in_the_state():
+    """A TrainState's optimizer moment is named as the state holds it, not as a parameter."""
+    from flax.training.train_state import TrainState
+
+    layout = ss.LAYOUTS["hsdp"]
+    mesh = layout.mesh()
+    tx = optax.adam(1e-2)
+    params = ss.place(mesh, ss.params_for(0), {"w1": P(), "b1": P(), "w2": P()})
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+    mu = state.opt_state[0].mu
+    bad = jax.device_put(mu["w1"], NamedSharding(mesh, P("data", "fsdp")))
+    state = state.replace(opt_state=(state.opt_state[0]._replace(mu={**mu, "w1": bad}), *state.opt_state[1:]))
+
+    @jax.jit
+    def step(state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2))(
+            state.params
+        )
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    sched = jaxsched.schedule(step, strategy="wfbp")
+    with pytest.raises(jaxsched.UnsupportedStepError, match=r"^opt_state/0/mu/w1 is sharded with P\('data', 'fsdp'\)"):
+        sched(sched.init(state), ss.batches(mesh, layout.batch, 1, 0)[0])
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_a_train_state_step_with_fsdp_parameters(strategy):
+    from flax.training.train_state import TrainState
+
+    layout = ss.LAYOUTS["fsdp"]
+    mesh = layout.mesh()
+    tx = optax.adamw(1e-2)
+    params = ss.place(mesh, ss.params_for(37), layout.params)
+    state = TrainState.create(apply_fn=None, params=params, tx=tx)
+
+    @jax.jit
+    def step(state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2))(
+            state.params
+        )
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    batches = ss.batches(mesh, layout.batch, 3, 38)
+    plain = _copy(state)
+    for b in batches:
+        plain, _ = step(plain, b)
+    sched = jaxsched.schedule(step, strategy=strategy)
+    sstate = sched.init(_copy(state))
+    for b in batches:
+        sstate, _ = sched(sstate, b)
+    got = sched.finalize(sstate)
+    assert type(got) is TrainState and int(got.step) == 3
+    _assert_like_plain(got.params, plain.params)
+    _assert_like_plain(got.opt_state, plain.opt_state)
+    assert sorted(sched.program.planned.paths) == ["params/b1", "params/w1", "params/w2"]

@@ -96,6 +96,8 @@ class Analysis:
       run where the user wrote them).
     per_device_outputs: positions among the step's params and opt_state outputs whose new
       value differs across devices (kept per device, never sharded).
+    data_varying: body variables that differ across devices because of the data each sees
+      (the batch; not a parameter block, which differs by position): what gradients are.
     """
 
     captured: CapturedStep
@@ -106,6 +108,7 @@ class Analysis:
     first_use: tuple[int | None, ...]
     forward_collectives: tuple[int, ...] = ()
     per_device_outputs: frozenset = frozenset()
+    data_varying: frozenset = frozenset()
 
 
 def analyze(captured: CapturedStep) -> Analysis:
@@ -269,6 +272,7 @@ def analyze(captured: CapturedStep) -> Analysis:
         tuple(first_use),
         forward_collectives,
         per_device,
+        frozenset(from_data),
     )
 
 

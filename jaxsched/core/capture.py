@@ -197,11 +197,19 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any, fold_invari
     shard_maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     if not shard_maps:
         return _capture_global(
-            closed, out_shape, (params, opt_state, batch), (params_tree, opt_tree, batch_tree, aux_tree)
+            closed,
+            out_shape,
+            (params, opt_state, batch),
+            (params_tree, opt_tree, batch_tree, aux_tree),
+            _names_state_paths(step),
         )
     if len(jaxpr.eqns) != 1:  # global work beside a shard_map: partitioning names the mix
         return _capture_global(
-            closed, out_shape, (params, opt_state, batch), (params_tree, opt_tree, batch_tree, aux_tree)
+            closed,
+            out_shape,
+            (params, opt_state, batch),
+            (params_tree, opt_tree, batch_tree, aux_tree),
+            _names_state_paths(step),
         )
     eqn = shard_maps[0]
 
@@ -265,19 +273,40 @@ def _state_outputs(out_shape: Any) -> tuple:
     return tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves((out_shape[0], out_shape[1])))
 
 
-def _leaf_names(role: str, tree: Any) -> list[str]:
+#: Set on a step whose params and opt_state are dicts keyed by the paths of the user's state
+#: (the state-form adapter's pure step): its leaves are named by those paths.
+STATE_PATHS_ATTRIBUTE = "jaxsched_state_paths"
+
+
+def _leaf_names(role: str, tree: Any, state_paths: bool = False) -> list[str]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    if state_paths and role != "batch":
+        return [str(getattr(path[0], "key", path[0])) for path, _ in flat]
     return [role + jax.tree_util.keystr(path) for path, _ in flat]
 
 
-def _capture_global(closed, out_shape: Any, inputs: tuple, trees: tuple) -> CapturedStep:
+def _names_state_paths(step: Callable) -> bool:
+    """Whether ``step`` (or a function it wraps) is marked with :data:`STATE_PATHS_ATTRIBUTE`."""
+    seen = 0
+    while step is not None and seen < 16:
+        if getattr(step, STATE_PATHS_ATTRIBUTE, False):
+            return True
+        step, seen = getattr(step, "__wrapped__", None), seen + 1
+    return False
+
+
+def _capture_global(closed, out_shape: Any, inputs: tuple, trees: tuple, state_paths: bool = False) -> CapturedStep:
     """A step on global arrays (``jax.jit`` with shardings), partitioned per device."""
     from jaxsched.core import partition
 
     params, opt_state, batch = inputs
     params_tree, opt_tree, batch_tree, aux_tree = trees
     leaves = jax.tree.leaves(inputs)
-    names = _leaf_names("params", params) + _leaf_names("opt_state", opt_state) + _leaf_names("batch", batch)
+    names = (
+        _leaf_names("params", params, state_paths)
+        + _leaf_names("opt_state", opt_state, state_paths)
+        + _leaf_names("batch", batch)
+    )
     roles = (
         ["params"] * params_tree.num_leaves + ["opt_state"] * opt_tree.num_leaves + ["batch"] * batch_tree.num_leaves
     )

@@ -84,7 +84,7 @@ from jax.extend import core as jex_core
 
 from jaxsched.core.analyze import analyze
 from jaxsched.core.bucketing import is_float, param_paths, shape_key
-from jaxsched.core.capture import UnsupportedStepError, capture
+from jaxsched.core.capture import STATE_PATHS_ATTRIBUTE, UnsupportedStepError, capture
 from jaxsched.core.describe import describe, describe_outputs, difference
 
 __all__ = [
@@ -293,6 +293,7 @@ class StateLayout:
 
         pure_step.__name__ = getattr(step, "__name__", "train_step")
         pure_step.__wrapped__ = step  # as jaxsched.integrations.nnx: tools that unwrap find the user's step
+        setattr(pure_step, STATE_PATHS_ATTRIBUTE, True)  # messages name leaves by their state path
         return pure_step
 
 
@@ -476,7 +477,7 @@ def _dependencies(captured: Any, analysis: Any) -> tuple[list[bool], list[bool],
             if red_bits:
                 reduced[o] = red_bits
     varying_bits = 0
-    for v in analysis.varying:
+    for v in analysis.data_varying:
         varying_bits |= leaves_of.get(v, 0)
     n = captured.num_params
     outs = [body.outvars[captured.outputs[i]] for i in range(n)]
