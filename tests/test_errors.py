@@ -198,7 +198,7 @@ CASES = {
     "parameter split over the data axes twice": (
         _jit_with_sharded_params,
         jaxsched.UnsupportedStepError,
-        "params['w'] is sharded with P('data', 'fsdp'): over the data axes ('data', 'fsdp') along 2 "
+        "state/w is sharded with P('data', 'fsdp'): over the data axes ('data', 'fsdp') along 2 "
         "dimensions; jaxsched splits a parameter over the data axes along one dimension (FSDP)",
     ),
     "step of another arity": (

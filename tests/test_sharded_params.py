@@ -347,7 +347,7 @@ def test_a_state_step_refusal_names_the_leaf_by_its_place_in_the_state():
         return state.apply_gradients(grads=grads), {"loss": loss}
 
     sched = jaxsched.schedule(step, strategy="wfbp")
-    with pytest.raises(jaxsched.UnsupportedStepError, match=r"^opt_state/0/mu/w1 is sharded with P\('data', 'fsdp'\)"):
+    with pytest.raises(jaxsched.UnsupportedStepError, match=r"^state/opt_state/0/mu/w1 is sharded with P\('data', 'fsdp'\)"):
         sched(sched.init(state), ss.batches(mesh, layout.batch, 1, 0)[0])
 
 

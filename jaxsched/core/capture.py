@@ -281,7 +281,7 @@ STATE_PATHS_ATTRIBUTE = "jaxsched_state_paths"
 def _leaf_names(role: str, tree: Any, state_paths: bool = False) -> list[str]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     if state_paths and role != "batch":
-        return [str(getattr(path[0], "key", path[0])) for path, _ in flat]
+        return ["state/" + str(getattr(path[0], "key", path[0])) for path, _ in flat]
     return [role + jax.tree_util.keystr(path) for path, _ in flat]
 
 
