@@ -473,7 +473,7 @@ def _easylm_step(mesh):
     return jax.jit(train_step)
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "dear"])
+@pytest.mark.parametrize("strategy", ["dear", pytest.param("wfbp", marks=pytest.mark.slow), "allreduce"])
 def test_a_step_that_carries_its_key_out_returns_what_the_plain_step_does(strategy):
     """EasyLM's mesh ('dp', 'fsdp', 'mp') = (8, 1, 1), the batch over ('dp', 'fsdp'):
     sched(state, rng, batch) returns (state, rng, metrics); every leaf comes back in the
