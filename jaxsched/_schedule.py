@@ -426,8 +426,11 @@ def schedule(
     Args:
       train_step: ``(params, opt_state, batch) -> (params, opt_state, aux)``, or ``(state,
         batch) -> (state, aux)`` over any pytree state (a Flax ``TrainState``, a dataclass, a
-        dict; :mod:`jaxsched.pipeline.state_step`), whose body is a ``jax.shard_map`` over a mesh axis
-        (jitted or not) or a ``jax.pmap``, reducing the gradients with
+        dict; :mod:`jaxsched.pipeline.state_step`), with any inputs (a key) before the batch.
+        Either a ``jax.jit`` step on global arrays, the batch split over the data axes and
+        the parameters replicated or sharded (FSDP, HSDP, tensor parallelism;
+        :mod:`jaxsched.core.partition`), or a per-device body written with ``jax.shard_map``
+        (jitted or not) or ``jax.pmap`` that reduces its gradients with
         ``lax.pmean``/``lax.psum`` (or implicitly via ``check_vma``).
         Omit it to use ``schedule`` as a decorator: ``@jaxsched.schedule(strategy="wfbp")``.
       strategy: a registered name (``jaxsched.STRATEGIES``: ``allreduce``, the step
@@ -540,8 +543,9 @@ def check_finalized(program: Program, template: Any, trees: tuple[Any, Any]) -> 
     if not want or treedef != jax.tree.structure((template[0], template[1])):
         return trees
     names = ["params/" + p for p in param_paths(trees[0])] + ["opt_state/" + p for p in param_paths(trees[1])]
+    given = [getattr(t, "sharding", None) for t in jax.tree.leaves((template[0], template[1]))]
     fixed = []
-    for k, (name, leaf, expected) in enumerate(zip(names, leaves, want, strict=True)):
+    for k, (name, leaf, expected, placed) in enumerate(zip(names, leaves, want, given, strict=True)):
         shape, dtype = tuple(jax.numpy.shape(leaf)), jax.numpy.result_type(leaf)
         if shape != tuple(expected.shape) or dtype != expected.dtype:
             raise AssertionError(
@@ -550,7 +554,10 @@ def check_finalized(program: Program, template: Any, trees: tuple[Any, Any]) -> 
                 "please report it. Run the step unscheduled (strategy='allreduce') meanwhile"
             )
         if captured.kind != "pmap":
-            leaf = _placed_as_output(leaf, jax.sharding.NamedSharding(planned.mesh, planned.output_spec(k)))
+            target = jax.sharding.NamedSharding(planned.mesh, planned.output_spec(k))
+            if isinstance(placed, jax.sharding.NamedSharding) and placed.is_equivalent_to(target, len(shape)):
+                target = placed  # the user's own sharding, spelled as the user spelled it
+            leaf = _placed_as_output(leaf, target)
         fixed.append(leaf)
     return jax.tree.unflatten(treedef, fixed)
 
@@ -559,8 +566,10 @@ def _placed_as_output(leaf: Any, sharding: jax.sharding.NamedSharding) -> Any:
     """``leaf`` on ``sharding``: left alone where it is there already (under any spec that lays
     it out the same), placed from the host value (every process holds it whole) otherwise."""
     if isinstance(leaf, jax.Array):
-        if leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+        if leaf.sharding == sharding:
             return leaf
+        if leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+            return jax.device_put(leaf, sharding)  # the same layout: no data moves
         if leaf.is_fully_addressable == sharding.is_fully_addressable:
             return jax.device_put(leaf, sharding)  # across processes too: a resharding program
     if isinstance(leaf, jax.ShapeDtypeStruct):

@@ -12,6 +12,13 @@ complete; those ``psum``s of gradients are the reductions every strategy schedul
 the others (a loss averaged over the global batch, a global token count, batch-norm
 statistics) stay where they are.
 
+Parameters may be sharded too (:mod:`.placement`). A parameter sharded over data axes is a
+block (:mod:`.blocks`): gathered where forward or backward reads it whole, its gradient
+reduce-scattered into the block (then summed over the other data axes, HSDP's replica
+axis): FSDP as XLA runs it, with its reductions made explicit for the strategies. Model
+axes (tensor parallelism) are left to XLA: the body is manual over the data axes only
+(:func:`manual_shard_map`).
+
 Example:
     >>> import jax, jax.numpy as jnp, numpy as np
     >>> from jax.sharding import NamedSharding, PartitionSpec as P
