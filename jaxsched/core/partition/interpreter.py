@@ -261,19 +261,21 @@ class Partitioner:
         env.update(zip(jaxpr.invars, args, strict=True))
         converted: dict = {}
 
-        def read(x: Any, want: Kind) -> Any:
+        def read(x: Any, want: Kind, site: int = -1) -> Any:
             if isinstance(x, jex_core.Literal):
                 return x.val if want.is_replicated else self.ctx.convert(x.val, REPLICATED, want, x.aval.shape)
             have = plan.kinds[x]
             if have == want or (want.partial and have.is_replicated and x in self.zeros):
                 return env[x]
-            key = (x, want)
+            # a parameter block is gathered where it is read, once per reading equation (as
+            # FSDP does: forward's gathered weight is not kept alive until backward)
+            key = (x, want, site if have.is_block and not want.is_block else -1)
             if key not in converted:
                 converted[key] = self.ctx.convert(env[x], have, want, x.aval.shape)
             return converted[key]
 
-        for eqn, eqn_plan in zip(jaxpr.eqns, plan.eqns, strict=True):
-            values = [read(x, k) for x, k in zip(eqn.invars, eqn_plan.inputs, strict=True)]
+        for site, (eqn, eqn_plan) in enumerate(zip(jaxpr.eqns, plan.eqns, strict=True)):
+            values = [read(x, k, site) for x, k in zip(eqn.invars, eqn_plan.inputs, strict=True)]
             results = eqn_plan.emit(values)
             env.update(zip(eqn.outvars, results, strict=True))
         return [read(x, k) for x, k in zip(jaxpr.outvars, plan.out_kinds, strict=True)]
