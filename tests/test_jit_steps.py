@@ -206,7 +206,7 @@ def test_nnx_step_as_the_flax_guide_writes_it(strategy):
         batches = [js.place(mesh, b) for b in js.mlp_batches(5, 3, 16)]
         model, optimizer = _nnx_model()
         sched_model, sched_optimizer = _nnx_model()
-        sched = jaxsched.integrations.nnx.schedule(train_step, strategy=strategy)
+        sched = jaxsched.nnx.schedule(train_step, strategy=strategy)
         for x, y in batches:
             loss = train_step(model, optimizer, x, y)
             sched_loss = sched(sched_model, sched_optimizer, x, y)

@@ -396,3 +396,16 @@ def test_a_train_state_step_with_fsdp_parameters(strategy):
     _assert_like_plain(got.params, plain.params)
     _assert_like_plain(got.opt_state, plain.opt_state)
     assert sorted(sched.program.planned.paths) == ["params/b1", "params/w1", "params/w2"]
+
+
+def test_dear_shards_the_hsdp_update_over_the_replica_axis():
+    """On HSDP dear reduce-scatters each block over "data" and keeps the parameters and the
+    moments as chunks of the blocks over it: less state per device than the plain step."""
+    tx = optax.adamw(1e-2)
+    layout, mesh, params, opt_state, batches = _mlp_case("hsdp", tx, 41)
+    sched, state, plain = _run(ss.mlp_step(tx, layout, mesh), params, opt_state, batches, "dear")
+    w1 = state.params["w1"]
+    assert w1.ndim == 1 and w1.sharding.spec == P(("fsdp", "data"))  # each fsdp block, chunked over data
+    mu_w1 = state.opt_state[0].mu["w1"]
+    assert mu_w1.sharding.spec == P(("fsdp", "data"))
+    assert ss.state_bytes((state.params, state.opt_state)) < 0.6 * ss.state_bytes(plain)

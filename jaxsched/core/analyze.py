@@ -98,6 +98,10 @@ class Analysis:
       value differs across devices (kept per device, never sharded).
     data_varying: body variables that differ across devices because of the data each sees
       (the batch; not a parameter block, which differs by position): what gradients are.
+    varying_axes: per device-varying body variable, the data axes it differs across (a
+      parameter block of HSDP differs across the axes it is split over, the same along the
+      replica axis; a gradient reduce-scattered into it, once summed over the replica axis,
+      too): a chunk along the other axes is a chunk of one tensor.
     """
 
     captured: CapturedStep
@@ -109,6 +113,7 @@ class Analysis:
     forward_collectives: tuple[int, ...] = ()
     per_device_outputs: frozenset = frozenset()
     data_varying: frozenset = frozenset()
+    varying_axes: dict = dataclasses.field(default_factory=dict)
 
 
 def analyze(captured: CapturedStep) -> Analysis:
@@ -260,9 +265,20 @@ def analyze(captured: CapturedStep) -> Analysis:
             k = position.get(x) if is_var(x) else None
             if k is not None and first_use[k] is None:
                 first_use[k] = i
-    per_device = frozenset(
-        k for k in range(n_state) if is_var(outvars[captured.outputs[k]]) and outvars[captured.outputs[k]] in varying
-    )
+    across = _varying_axes(captured, body, axis)
+
+    def differs(k: int) -> bool:
+        out = outvars[captured.outputs[k]]
+        if not is_var(out):
+            return False
+        if captured.kind != "jit":
+            return out in varying
+        # a jax.jit step's state leaf sharded over data axes differs across them by layout
+        # (a parameter block): per device only if it differs across others too
+        spec = captured.out_specs[captured.outputs[k]]
+        return bool(across.get(out, frozenset()) - set(spec_axes(spec)))
+
+    per_device = frozenset(k for k in range(n_state) if differs(k))
     return Analysis(
         captured,
         tuple(reductions),
@@ -273,7 +289,41 @@ def analyze(captured: CapturedStep) -> Analysis:
         forward_collectives,
         per_device,
         frozenset(from_data),
+        across,
     )
+
+
+def _varying_axes(captured: CapturedStep, body, axis: Any) -> dict:
+    """The data axes each body variable differs across (only those that differ): seeded by the
+    batch (every data axis), a sharded input (the data axes of its spec; a ``shard_map``
+    step's state is per device over them all) and ``axis_index``; a sum, maximum or gather
+    over axes removes them, a reduce-scatter over axes adds them."""
+    data = tuple(as_axes(axis))
+    found: dict = {}
+    for v, src, spec in zip(body.invars, captured.sources, captured.in_specs):
+        on = tuple(a for a in spec_axes(spec) if a in data)
+        if src.role == "batch":
+            found[v] = frozenset(data)
+        elif on and captured.kind == "jit":
+            found[v] = frozenset(on)
+        elif on and captured.kind != "pmap":
+            found[v] = frozenset(data)
+    removes = REDUCTIONS | {"all_gather", "all_gather_invariant"}
+    for eqn in body.eqns:
+        name = eqn.primitive.name
+        axes = frozenset(a for a in reduction_axes(eqn) if a in data) if (name in removes or name in SCATTER_REDUCTIONS) else frozenset()
+        if name == "axis_index":
+            out = frozenset(a for a in as_axes(eqn.params.get("axis_name", ())) if a in data)
+        else:
+            out = frozenset().union(*(found.get(x, frozenset()) for x in eqn.invars if is_var(x)))
+            if name in removes:
+                out = out - axes
+            elif name in SCATTER_REDUCTIONS:
+                out = out | axes
+        if out:
+            for o in eqn.outvars:
+                found[o] = out
+    return found
 
 
 def _varying_with_the_data(captured: CapturedStep, body, axis: Any, scatters: dict) -> set:

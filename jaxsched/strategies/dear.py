@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -34,7 +35,8 @@ from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxsched.core import layout
-from jaxsched.core.bucketing import is_float
+from jaxsched.core.axes import as_axes
+from jaxsched.core.bucketing import is_float, match_reductions
 from jaxsched.runtime.collectives.base import BucketSpec
 from jaxsched.sim.costmodel import DEAR_PATTERN
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
@@ -48,6 +50,7 @@ from jaxsched.strategies.base import (
     Strategy,
     check_leaf_counts,
     reduce_gradients,
+    scatter_block,
 )
 from jaxsched.strategies.registry import register_strategy
 
@@ -65,6 +68,9 @@ class DearLayout(NamedTuple):
         that are not (typed keys, integers, scalars, per-device state, leaves with a
         non-replicated spec, parameters without a reduced gradient, optimizer state whose
         shape is no sharded parameter's) keep the user's layout and spec, whole.
+      param_chunking, opt_chunking: per leaf, how its flat shards are spread
+        (:class:`Chunking`), None for a leaf kept whole.
+      bucket_chunking: per bucket, the chunking of its gradients and parameters.
     """
 
     params: list
@@ -72,6 +78,45 @@ class DearLayout(NamedTuple):
     grads: list
     param_sharded: list
     opt_sharded: list
+    param_chunking: list = []
+    opt_chunking: list = []
+    bucket_chunking: list = []
+
+
+class Chunking(NamedTuple):
+    """How a leaf's flat shards are spread over the mesh.
+
+    Attributes:
+      axes: the mesh axes a tensor's flat chunks are spread over: the data axes for a
+        replicated parameter; for an HSDP parameter, the replica axes its block is summed
+        over (the update shards over them too).
+      size: devices along ``axes``.
+      block_axes, block_dim, blocks: the data axes, the dimension and the number of blocks
+        the user split an HSDP parameter over (``()``, None and 1 for a replicated one): each
+        block is chunked on its own.
+    """
+
+    axes: tuple[str, ...]
+    size: int
+    block_axes: tuple[str, ...] = ()
+    block_dim: int | None = None
+    blocks: int = 1
+
+    @property
+    def axis(self) -> Any:
+        return self.axes[0] if len(self.axes) == 1 else self.axes
+
+    def spec(self) -> P:
+        """The flat global array's spec: blocks major, then the chunks of each."""
+        axes = tuple(self.block_axes) + tuple(self.axes)
+        return P(axes[0] if len(axes) == 1 else axes)
+
+    def shard(self, chunk: Any, shape: tuple) -> Shard:
+        """This device's chunk as the update region's :class:`Shard` (over the context's data
+        axes unless it is an HSDP block's, chunked over the replica axes)."""
+        if not self.block_axes:
+            return Shard(chunk, tuple(shape))
+        return Shard(chunk, tuple(shape), None, self.axis, self.size)
 
 
 @register_strategy
@@ -87,75 +132,128 @@ class Dear(Strategy):
 
     def _layout(self, planned: PlannedStep) -> DearLayout:
         cap, analysis = planned.captured, planned.analysis
-        reds, size = analysis.reductions, planned.axis_size
+        reds = analysis.reductions
+        data = Chunking(tuple(as_axes(planned.axis_name)), planned.axis_size)
 
-        def shardable(role: str, index: int, position: int) -> bool:
+        def chunkable(role: str, index: int, position: int) -> bool:
             aval = planned.body_invar(role, index).aval
-            replicated = cap.kind == "pmap" or all(d is None for d in planned.input_spec(role, index))
-            return (
-                replicated
-                and is_float(aval.dtype)
-                and math.prod(aval.shape) > 1
-                and position not in analysis.per_device_outputs
-            )
+            return is_float(aval.dtype) and math.prod(aval.shape) > 1 and position not in analysis.per_device_outputs
 
+        def replicated(role: str, index: int) -> bool:
+            return cap.kind == "pmap" or all(d is None for d in planned.input_spec(role, index))
+
+        def block_chunking(role: str, index: int, reduction: Any) -> Chunking | None:
+            """An HSDP block summed over replica axes: chunked over them, block by block."""
+            if reduction is None or not reduction.scattered or not reduction.sum_axes:
+                return None
+            spec = planned.input_spec(role, index)
+            on = [(d, tuple(as_axes(e))) for d, e in enumerate(spec) if e is not None]
+            if len(on) != 1 or on[0][1] != tuple(reduction.scatter_axes):
+                return None
+            d, axes = on[0]
+            size = math.prod(planned.mesh.shape[a] for a in reduction.sum_axes)
+            blocks = math.prod(planned.mesh.shape[a] for a in axes)
+            return Chunking(tuple(reduction.sum_axes), size, axes, d, blocks)
+
+        reduction_of = dict(zip(range(cap.num_params), match_reductions(analysis)))
         bucketed = {i for b in planned.buckets for i in b.params}
-        param_sharded = [i in bucketed and shardable("params", i, i) for i in range(cap.num_params)]
+        param_chunking: list = []
+        for i in range(cap.num_params):
+            j = reduction_of.get(i)
+            red = reds[j] if j is not None else None
+            if i not in bucketed or not chunkable("params", i, i):
+                param_chunking.append(None)
+            elif replicated("params", i) and (red is None or not red.scattered):
+                param_chunking.append(data)
+            else:
+                param_chunking.append(block_chunking("params", i, red))
         # optimizer state that mirrors a parameter (moments, accumulators) is sharded like
         # it; smaller statistics (adafactor's factored rows and columns) stay whole, so
         # that broadcasting them against a gradient is a local slice, not a gather
         mirrored = _mirrored_params(cap.params_tree, cap.opt_tree)
-        opt_sharded = [
-            shardable("opt_state", j, cap.num_params + j)
-            and (
-                j not in mirrored
-                or planned.body_invar("opt_state", j).aval.shape == planned.body_invar("params", mirrored[j]).aval.shape
+        opt_chunking: list = []
+        for j in range(cap.num_opt):
+            i = mirrored.get(j)
+            same_shape = i is not None and (
+                planned.body_invar("opt_state", j).aval.shape == planned.body_invar("params", i).aval.shape
             )
-            for j in range(cap.num_opt)
-        ]
-        p_layouts, gathered, g_layouts = [], [], []
+            if not chunkable("opt_state", j, cap.num_params + j) or (i is not None and not same_shape):
+                opt_chunking.append(None)
+            elif replicated("opt_state", j):
+                opt_chunking.append(data)
+            elif i is not None and param_chunking[i] is not None and param_chunking[i].block_axes:
+                same_spec = planned.input_spec("opt_state", j) == planned.input_spec("params", i)
+                opt_chunking.append(param_chunking[i] if same_spec else None)
+            else:
+                opt_chunking.append(None)
+        p_layouts, gathered, g_layouts, bucket_chunking = [], [], [], []
         for b in planned.buckets:
-            members = [i for i in b.params if param_sharded[i]]
+            scattered = any(reds[j].scattered for j in b.reductions)  # blocks of sharded parameters
+            first = reds[b.reductions[0]] if b.reductions else None
+            chunking = block_chunking("params", b.params[0], first) if (scattered and b.params) else None
+            chunking = chunking if scattered else data
+            bucket_chunking.append(chunking)
+            size = chunking.size if chunking is not None else planned.axis_size
+            members = [
+                i
+                for i in b.params
+                if param_chunking[i] is not None
+                and chunking is not None
+                and param_chunking[i][:2] == chunking[:2]  # chunked over the bucket's axes
+            ]
             avals = [planned.body_invar("params", i).aval for i in members]
             gathered.append(members)
             p_layouts.append(
                 layout.BucketLayout.of([a.shape for a in avals], [a.dtype for a in avals], size) if avals else None
             )
-            ops = [reds[j].operand.aval for j in b.reductions]
-            scattered = any(reds[j].scattered for j in b.reductions)  # blocks of sharded parameters
+            # a block's gradient is reduce-scattered into it first: what the bucket chunks
+            ops = [(reds[j].result if reds[j].scattered else reds[j].operand).aval for j in b.reductions]
             g_layouts.append(
                 layout.BucketLayout.of([a.shape for a in ops], [a.dtype for a in ops], size)
-                if ops and not scattered
+                if ops and chunking is not None
                 else None
             )
-        return DearLayout(p_layouts, gathered, g_layouts, param_sharded, opt_sharded)
+        param_sharded = [c is not None for c in param_chunking]
+        opt_sharded = [c is not None for c in opt_chunking]
+        return DearLayout(
+            p_layouts, gathered, g_layouts, param_sharded, opt_sharded, param_chunking, opt_chunking, bucket_chunking
+        )
 
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
         lay = self.layout(planned)
         specs = self.bucket_specs(
             planned,
-            [g.shard_size * planned.axis_size if g else 0 for g in lay.grads],
+            [g.shard_size * g.axis_size if g else 0 for g in lay.grads],
             [g.dtype if g else np.float32 for g in lay.grads],
             [g.shapes if g else () for g in lay.grads],
             interleaved=True,
             op="reduce_scatter",
         )
-        # a bucket of sharded parameters' gradients: its blocks are already what the update
+        # a bucket of FSDP blocks summed over no other axis: the blocks are what the update
         # runs on (ZeRO-3 as the user laid it out); it travels as wfbp's would
         summed = self.concatenated_gradient_buckets(planned)
-        return [summed[k] if _scattered(planned, b) else spec for k, (spec, b) in enumerate(zip(specs, planned.buckets))]
+        out = []
+        for k, (spec, chunking) in enumerate(zip(specs, lay.bucket_chunking)):
+            if chunking is None:
+                out.append(summed[k])
+            elif chunking.block_axes:  # HSDP: chunked over the replica axes
+                out.append(dataclasses.replace(spec, axis_size=chunking.size, mesh_axes=_mesh_axes(planned, chunking)))
+            else:
+                out.append(spec)
+        return out
 
     def _gather_spec(self, planned: PlannedStep, k: int, p_layout) -> BucketSpec:
+        chunking = self.layout(planned).bucket_chunking[k]
         return BucketSpec(
             k,
-            p_layout.shard_size * planned.axis_size,
+            p_layout.shard_size * chunking.size,
             p_layout.dtype,
-            planned.axis_size,
+            chunking.size,
             p_layout.shapes,
             interleaved=True,
             kind="parameters",
             form=planned.collective_form("all_gather"),
-            mesh_axes=planned.data_mesh_axes,
+            mesh_axes=_mesh_axes(planned, chunking),
         )
 
     # -- conversions ----------------------------------------------------------------------
@@ -164,28 +262,15 @@ class Dear(Strategy):
         params, opts = jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state)
         check_leaf_counts(planned, params, opts)
         lay = self.layout(planned)
-        opt_sharded = lay.opt_sharded
         params = [
-            self._sharded(
-                planned,
-                leaf,
-                planned.body_invar("params", i).aval,
-                f"params/{planned.paths[i]}",
-                planned.device_stacked("params", i),
-            )
+            self._sharded(planned, leaf, "params", i, lay.param_chunking[i])
             if lay.param_sharded[i]
             else planned.placed(leaf, planned.input_spec("params", i))
             for i, leaf in enumerate(params)
         ]
         opts = [
-            self._sharded(
-                planned,
-                leaf,
-                planned.body_invar("opt_state", j).aval,
-                f"opt_state[{j}]",
-                planned.device_stacked("opt_state", j),
-            )
-            if opt_sharded[j]
+            self._sharded(planned, leaf, "opt_state", j, lay.opt_chunking[j])
+            if lay.opt_sharded[j]
             else planned.placed(leaf, planned.input_spec("opt_state", j))
             for j, leaf in enumerate(opts)
         ]
@@ -198,52 +283,63 @@ class Dear(Strategy):
     def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
         cap = planned.captured
         lay = self.layout(planned)
-        opt_sharded = lay.opt_sharded
         params = [
-            self._unsharded(planned, leaf, planned.body_invar("params", i).aval, planned.device_stacked("params", i))
-            if lay.param_sharded[i]
-            else leaf
+            self._unsharded(planned, leaf, "params", i, lay.param_chunking[i]) if lay.param_sharded[i] else leaf
             for i, leaf in enumerate(jax.tree.leaves(state.params))
         ]
         opts = [
-            self._unsharded(
-                planned, leaf, planned.body_invar("opt_state", j).aval, planned.device_stacked("opt_state", j)
-            )
-            if opt_sharded[j]
-            else leaf
+            self._unsharded(planned, leaf, "opt_state", j, lay.opt_chunking[j]) if lay.opt_sharded[j] else leaf
             for j, leaf in enumerate(jax.tree.leaves(state.opt_state))
         ]
         return jax.tree.unflatten(cap.params_tree, params), jax.tree.unflatten(cap.opt_tree, opts)
 
     @staticmethod
-    def _flat_len(planned: PlannedStep, block) -> int:
-        return layout.chunk_size(block.shape, planned.axis_size) * planned.axis_size
+    def _flat_len(block: Any, chunking: Chunking) -> int:
+        """The flat global array's length: per block, the padded chunks of every device."""
+        return layout.chunk_size(block.shape, chunking.size) * chunking.size * chunking.blocks
 
-    def _sharded(self, planned: PlannedStep, leaf: Any, block, name: str, stacked: bool) -> jax.Array:
-        flat_len = self._flat_len(planned, block)
-        sharding = NamedSharding(planned.mesh, P(planned.axis_name))
+    @staticmethod
+    def _user_shape(planned: PlannedStep, block: Any, chunking: Chunking, stacked: bool) -> tuple[int, ...]:
+        if stacked:
+            return (len(planned.mesh.devices.flat),) + tuple(block.shape[1:])
+        shape = list(block.shape)
+        if chunking.block_dim is not None:
+            shape[chunking.block_dim] *= chunking.blocks
+        return tuple(shape)
+
+    def _sharded(self, planned: PlannedStep, leaf: Any, role: str, index: int, chunking: Chunking) -> jax.Array:
+        block = planned.body_invar(role, index).aval
+        stacked = planned.device_stacked(role, index)
+        name = f"params/{planned.paths[index]}" if role == "params" else f"opt_state[{index}]"
+        flat_len = self._flat_len(block, chunking)
+        sharding = NamedSharding(planned.mesh, chunking.spec())
         if isinstance(leaf, jax.Array) and leaf.shape == (flat_len,) and leaf.sharding.is_equivalent_to(sharding, 1):
-            return leaf
+            # the same layout; an Explicit mesh types it by its spec, so spell it as the program does
+            return leaf if leaf.sharding == sharding else jax.device_put(leaf, sharding)
         if isinstance(leaf, jax.ShapeDtypeStruct):  # ahead of time: the layout, no data
             return jax.ShapeDtypeStruct((flat_len,), leaf.dtype, sharding=sharding)
-        expected = (len(planned.mesh.devices.flat),) + tuple(block.shape[1:]) if stacked else tuple(block.shape)
+        expected = self._user_shape(planned, block, chunking, stacked)
         shape = tuple(np.shape(leaf))
         if shape != expected and shape != (flat_len,):
             raise ValueError(
                 f"state leaf {name} has shape {shape}; expected the user's {expected} or the scheduled ({flat_len},)"
             )
         if shape == expected:
-            user = np.asarray(leaf)
-            flat = layout.host_chunks((user[:1] if stacked else user).reshape(block.shape), planned.axis_size)
+            user = _host_value(leaf)
+            user = (user[:1] if stacked else user).reshape(expected if not stacked else block.shape)
+            blocks = np.split(user, chunking.blocks, axis=chunking.block_dim) if chunking.block_dim is not None else [user]
+            flat = np.concatenate([layout.host_chunks(b, chunking.size) for b in blocks])
         else:
-            flat = np.asarray(leaf)
-        return jax.device_put(flat, sharding)
+            flat = _host_value(leaf)
+        return jax.make_array_from_callback(flat.shape, sharding, lambda at: flat[at])
 
-    def _unsharded(self, planned: PlannedStep, leaf: Any, block, stacked: bool) -> Any:
+    def _unsharded(self, planned: PlannedStep, leaf: Any, role: str, index: int, chunking: Chunking) -> Any:
         """A leaf in the user's layout again. Told apart by shape, never by sharding: XLA may
         hand back an equivalent sharding under another spec (a size-1 mesh axis dropped)."""
-        flat_len = self._flat_len(planned, block)
-        user_shape = (len(planned.mesh.devices.flat),) + tuple(block.shape[1:]) if stacked else tuple(block.shape)
+        block = planned.body_invar(role, index).aval
+        stacked = planned.device_stacked(role, index)
+        flat_len = self._flat_len(block, chunking)
+        user_shape = self._user_shape(planned, block, chunking, stacked)
         shape = tuple(np.shape(leaf))
         flat = shape == (flat_len,) and isinstance(leaf, jax.Array) and not leaf.sharding.is_fully_replicated
         if shape == user_shape and not flat:
@@ -253,7 +349,9 @@ class Dear(Strategy):
                 f"a sharded state leaf has shape {shape}; expected the user's {user_shape} or "
                 f"dear's flat ({flat_len},): was the state made by another schedule?"
             )
-        full = _host_value(leaf)[: math.prod(block.shape)].reshape(block.shape)
+        rows = _host_value(leaf).reshape(chunking.blocks, -1)[:, : math.prod(block.shape)]
+        blocks = [row.reshape(block.shape) for row in rows]
+        full = np.concatenate(blocks, axis=chunking.block_dim) if chunking.block_dim is not None else blocks[0]
         if stacked:
             full = np.repeat(full, len(planned.mesh.devices.flat), axis=0)
         return full
@@ -271,7 +369,8 @@ class Dear(Strategy):
         param_buckets = [k for k in range(len(buckets)) if lay.gathered[k]]
         param_invar = {i: planned.body_invar("params", i) for i in range(n_p)}
         opt_invar = {j: planned.body_invar("opt_state", j) for j in range(n_o)}
-        ctx = ShardContext(axis, size, analysis.varying)
+        ctx = ShardContext(axis, size, analysis.varying_axes)
+        param_chunking, opt_chunking = lay.param_chunking, lay.opt_chunking
 
         def scheduled_body(*inputs):
             state, batch, consts = self.split_inputs(planned, inputs, n_state)
@@ -289,19 +388,20 @@ class Dear(Strategy):
             lazy = {}
             for i in range(n_p):
                 if lay.param_sharded[i]:
-                    post[param_invar[i]] = Shard(param_chunks[i], tuple(param_invar[i].aval.shape))
+                    post[param_invar[i]] = param_chunking[i].shard(param_chunks[i], param_invar[i].aval.shape)
                 else:
                     env[param_invar[i]] = param_chunks[i]  # whole, in the user's layout
             for k in param_buckets:
 
                 def gather(k=k):
-                    if size == 1:  # one device: the chunk is the whole flattened leaf
+                    chunking = lay.bucket_chunking[k]
+                    if chunking.size == 1:  # one device: the chunk is the whole flattened leaf
                         for i in lay.gathered[k]:
                             env[param_invar[i]] = param_chunks[i].reshape(param_invar[i].aval.shape)
                         return
                     leaves, carried[k] = self.collective.all_gather_tensors(
                         [param_chunks[i] for i in lay.gathered[k]],
-                        axis,
+                        chunking.axis,
                         self._gather_spec(planned, k, lay.params[k]),
                         carried[k],
                     )
@@ -313,7 +413,7 @@ class Dear(Strategy):
             for j, value in enumerate(opt_values):
                 var = opt_invar[j]
                 if lay.opt_sharded[j]:
-                    shard = Shard(value, tuple(var.aval.shape))
+                    shard = opt_chunking[j].shard(value, var.aval.shape)
                     post[var] = shard
                     lazy[var] = lambda var=var, shard=shard: env.__setitem__(var, ctx.to_full(shard))
                 else:
@@ -322,10 +422,21 @@ class Dear(Strategy):
             def emit(bucket) -> None:
                 k = buckets.index(bucket)
                 grads = [read(env, reds[j].operand) for j in bucket.reductions]
-                if _scattered(planned, bucket):
+                chunking = lay.bucket_chunking[k]
+                if _scattered(planned, bucket) and (chunking is None or not bucket.params):
                     blocks, carried[k] = reduce_gradients(self.collective, planned, bucket, grads, specs[k], carried[k])
                     for j, total in zip(bucket.reductions, blocks):
                         post[reds[j].result] = total
+                    return
+                if _scattered(planned, bucket):
+                    # HSDP: each gradient reduce-scattered into its block, then the blocks
+                    # reduce-scattered over the replica axes: the update shards over them too
+                    blocks = [scatter_block(g, reds[j]) for g, j in zip(grads, bucket.reductions)]
+                    chunks, carried[k] = self.collective.reduce_scatter_tensors(
+                        blocks, chunking.axis, specs[k], carried[k]
+                    )
+                    for j, chunk in zip(bucket.reductions, chunks):
+                        post[reds[j].result] = chunking.shard(chunk, reds[j].result.aval.shape)
                     return
                 if not bucket.params:
                     # no parameter's gradient (a global example count, a loss summed with
@@ -349,7 +460,7 @@ class Dear(Strategy):
                 if x in post:
                     value = post[x]
                     if isinstance(value, Shard) and value.full is None and x in env:
-                        return Shard(value.chunk, value.shape, env[x])  # gathered for forward
+                        return dataclasses.replace(value, full=env[x])  # gathered for forward
                     return value
                 if x not in env and x in lazy:
                     lazy.pop(x)()
@@ -372,11 +483,13 @@ class Dear(Strategy):
                 if not lay.param_sharded[i]:
                     results.append(ctx.to_full(new_params[i]))
                     continue
-                chunk = ctx.to_chunk(new_params[i], param_invar[i].aval.shape)
+                like = param_chunking[i].shard(param_chunks[i], param_invar[i].aval.shape)
+                chunk = ctx.to_chunk(new_params[i], param_invar[i].aval.shape, like)
                 results.append(jnp.broadcast_to(chunk, param_chunks[i].shape).astype(out_dtype[i]))
             for j, value in enumerate(new_opt):
                 if lay.opt_sharded[j]:
-                    chunk = ctx.to_chunk(value, opt_invar[j].aval.shape)
+                    like = opt_chunking[j].shard(opt_values[j], opt_invar[j].aval.shape)
+                    chunk = ctx.to_chunk(value, opt_invar[j].aval.shape, like)
                     results.append(jnp.broadcast_to(chunk, opt_values[j].shape).astype(out_dtype[n_p + j]))
                 else:
                     results.append(_as_dtype(ctx.to_full(value), out_dtype[n_p + j]))
@@ -384,15 +497,16 @@ class Dear(Strategy):
             results += [ctx.to_full(a) for a in aux]
             return results
 
-        sharded = P(axis)
+        param_specs = tuple(c.spec() if c is not None else None for c in param_chunking)
+        opt_specs = tuple(c.spec() if c is not None else None for c in opt_chunking)
         in_specs = (
-            tuple(sharded if lay.param_sharded[i] else planned.input_spec("params", i) for i in range(n_p))
-            + tuple(sharded if lay.opt_sharded[j] else planned.input_spec("opt_state", j) for j in range(n_o))
+            tuple(param_specs[i] or planned.input_spec("params", i) for i in range(n_p))
+            + tuple(opt_specs[j] or planned.input_spec("opt_state", j) for j in range(n_o))
             + coll_specs
         )
         out_specs = (
-            tuple(sharded if lay.param_sharded[i] else planned.output_spec(i) for i in range(n_p))
-            + tuple(sharded if lay.opt_sharded[j] else planned.output_spec(n_p + j) for j in range(n_o))
+            tuple(param_specs[i] or planned.output_spec(i) for i in range(n_p))
+            + tuple(opt_specs[j] or planned.output_spec(n_p + j) for j in range(n_o))
             + coll_specs
         )
         return RewrittenBody(
@@ -428,6 +542,10 @@ class Dear(Strategy):
             found = tuple(dict.fromkeys(key for key, top in ctx.sites if reads.get(id(top), 0) >> k & 1))
             report.append(BucketReport(k, tuple(planned.paths[i] for i in b.params), not found, found))
         return report
+
+
+def _mesh_axes(planned: PlannedStep, chunking: Chunking) -> tuple[tuple[str, int], ...]:
+    return tuple((a, int(planned.mesh.shape[a])) for a in chunking.axes)
 
 
 def _scattered(planned: PlannedStep, bucket: Any) -> bool:

@@ -62,19 +62,29 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """This device's flat chunk of a device-invariant tensor of ``shape``.
+    """This device's flat chunk of a tensor of ``shape`` that is the same on every device of
+    the axes it is chunked over.
 
     ``full`` is the whole tensor when the program already holds it (a parameter gathered
-    for forward), so a rule that needs it costs no second all-gather.
+    for forward), so a rule that needs it costs no second all-gather. ``axes`` and ``size``
+    name the mesh axes the chunks are spread over and how many devices they span (None and
+    0: the context's data axes); an HSDP parameter block is chunked over the replica axes
+    only, its blocks differing across the others.
     """
 
     chunk: jax.Array
     shape: tuple[int, ...]
     full: Any = None
+    axes: Any = None
+    size: int = 0
 
     @property
     def dtype(self):
         return self.chunk.dtype
+
+    def with_chunk(self, chunk: jax.Array, shape: Sequence[int] | None = None) -> "Shard":
+        """Another chunk over the same axes (of a tensor of ``shape``, default this one's)."""
+        return Shard(chunk, tuple(self.shape if shape is None else shape), None, self.axes, self.size)
 
 
 class FallbackWarning(UserWarning):
@@ -83,11 +93,12 @@ class FallbackWarning(UserWarning):
 
 @dataclasses.dataclass
 class ShardContext:
-    """What rules need: the axis, which variables are device-varying, and a warn-once log."""
+    """What rules need: the axis, which variables are device-varying (a set: across every
+    data axis; a dict: variable -> the data axes it differs across), and a warn-once log."""
 
     axis_name: str | tuple[str, ...]
     axis_size: int
-    varying: frozenset = frozenset()
+    varying: Any = frozenset()
     reported: set = dataclasses.field(default_factory=set)
     fallbacks: list = dataclasses.field(default_factory=list)
     #: the top-level equation being run (nested calls and branches report under it)
@@ -97,20 +108,35 @@ class ShardContext:
     #: while a rule traces a body only to see what it does, what would fall back there
     probing: list | None = None
 
+    def axes_of(self, shard: "Shard | None") -> Any:
+        """The mesh axes ``shard``'s chunks are spread over (the data axes by default)."""
+        return self.axis_name if shard is None or shard.axes is None else shard.axes
+
+    def size_of(self, shard: "Shard | None") -> int:
+        return self.axis_size if shard is None or not shard.size else shard.size
+
+    def varies(self, x: Any, shard: "Shard | None" = None) -> bool:
+        """Whether variable ``x`` differs across the devices ``shard``'s chunks are spread over."""
+        if isinstance(self.varying, dict):
+            across = self.varying.get(x)
+            return bool(across) and bool(set(across) & set(as_axes(self.axes_of(shard))))
+        return x in self.varying
+
     def to_full(self, value: Any) -> Any:
         if isinstance(value, Shard):
             if value.full is not None:
                 return value.full
-            return layout.gather_chunk(value.chunk, value.shape, self.axis_name)
+            return layout.gather_chunk(value.chunk, value.shape, self.axes_of(value))
         return value
 
-    def to_chunk(self, value: Any, shape: Sequence[int]) -> jax.Array:
+    def to_chunk(self, value: Any, shape: Sequence[int], like: "Shard | None" = None) -> jax.Array:
+        """``value``'s chunk (a full value sliced locally, over ``like``'s axes)."""
         if isinstance(value, Shard):
             return value.chunk
         value = jnp.asarray(value)
         if value.ndim == 0:
             return value
-        return layout.local_chunk(jnp.broadcast_to(value, shape), self.axis_name, self.axis_size)
+        return layout.local_chunk(jnp.broadcast_to(value, shape), self.axes_of(like), self.size_of(like))
 
     def report(self, eqn, reason: str) -> None:
         key = (eqn.primitive.name, source_line(eqn))
@@ -154,10 +180,12 @@ def full_rule(
 
 def elementwise_rule(ctx: ShardContext, eqn, values: list) -> list:
     shape = tuple(eqn.outvars[0].aval.shape)
-    if any(isinstance(v, Shard) and v.shape != shape for v in values):
+    shards = [v for v in values if isinstance(v, Shard)]
+    if any(v.shape != shape or (v.axes, v.size) != (shards[0].axes, shards[0].size) for v in shards):
         return full_rule(ctx, eqn, values)
-    chunks = [ctx.to_chunk(v, shape) for v in values]
-    return [Shard(out, tuple(o.aval.shape)) for out, o in zip(_bind(eqn, chunks), eqn.outvars)]
+    like = shards[0]
+    chunks = [ctx.to_chunk(v, shape, like) for v in values]
+    return [like.with_chunk(out, o.aval.shape) for out, o in zip(_bind(eqn, chunks), eqn.outvars)]
 
 
 def reshape_rule(ctx: ShardContext, eqn, values: list) -> list:
@@ -167,14 +195,14 @@ def reshape_rule(ctx: ShardContext, eqn, values: list) -> list:
     transposes = eqn.primitive.name == "reshape" and eqn.params.get("dimensions") not in (None, ())
     if value is None or len(values) != 1 or transposes:
         return full_rule(ctx, eqn, values)
-    return [Shard(value.chunk, tuple(eqn.outvars[0].aval.shape))]
+    return [value.with_chunk(value.chunk, eqn.outvars[0].aval.shape)]
 
 
 def broadcast_in_dim_rule(ctx: ShardContext, eqn, values: list) -> list:
     operand = values[0]
     out_shape = tuple(eqn.outvars[0].aval.shape)
     if len(values) == 1 and math.prod(operand.shape) == math.prod(out_shape):
-        return [Shard(operand.chunk, out_shape)]  # only inserts unit dimensions
+        return [operand.with_chunk(operand.chunk, out_shape)]  # only inserts unit dimensions
     return full_rule(ctx, eqn, values)
 
 
@@ -189,26 +217,28 @@ def _reduce_rule(local: Callable, collective: Callable, identity: Callable, segm
         if value.full is not None:  # already whole here (a parameter gathered for forward)
             return _bind(eqn, [value.full])
         axes = tuple(sorted(eqn.params["axes"]))
-        mask = layout.valid_mask(value.shape, ctx.axis_name, ctx.axis_size)
+        over, size = ctx.axes_of(value), ctx.size_of(value)
+        mask = layout.valid_mask(value.shape, over, size)
         chunk = jnp.where(mask, value.chunk, identity(value.chunk.dtype))
         out_dtype = eqn.outvars[0].aval.dtype
         if axes == tuple(range(len(value.shape))):
-            return [collective(local(chunk).astype(out_dtype), ctx.axis_name)]
+            return [collective(local(chunk).astype(out_dtype), over)]
         if segment is None:
             return full_rule(ctx, eqn, values)
         out_shape = tuple(d for k, d in enumerate(value.shape) if k not in axes)
-        position = _output_position(ctx, value.shape, axes)
+        position = _output_position(value.shape, axes, over, size)
         partial = segment(chunk, position, num_segments=math.prod(out_shape))
-        return [collective(partial.reshape(out_shape).astype(out_dtype), ctx.axis_name)]
+        return [collective(partial.reshape(out_shape).astype(out_dtype), over)]
 
     return rule
 
 
-def _output_position(ctx: ShardContext, shape: tuple[int, ...], axes: tuple[int, ...]) -> jax.Array:
-    """For each element of this device's chunk of a tensor of ``shape``, its flat position
-    in the result of reducing ``axes`` (padding maps to position 0, masked by the caller)."""
-    c = layout.chunk_size(shape, ctx.axis_size)
-    flat = jnp.minimum(lax.axis_index(ctx.axis_name) * c + jnp.arange(c), math.prod(shape) - 1)
+def _output_position(shape: tuple[int, ...], axes: tuple[int, ...], over: Any, size: int) -> jax.Array:
+    """For each element of this device's chunk (over mesh axes ``over``, ``size`` devices) of a
+    tensor of ``shape``, its flat position in the result of reducing ``axes`` (padding maps
+    to position 0, masked by the caller)."""
+    c = layout.chunk_size(shape, size)
+    flat = jnp.minimum(lax.axis_index(over) * c + jnp.arange(c), math.prod(shape) - 1)
     position = jnp.zeros_like(flat)
     for k, dim in enumerate(shape):
         if k not in axes:
@@ -233,13 +263,13 @@ def _highest(dtype):
 def psum_rule(ctx: ShardContext, eqn, values: list) -> list:
     """A user's psum in the update region: of an invariant value it is a multiply by P."""
     data_axes = as_axes(ctx.axis_name)
-    if not set(data_axes) <= set(_axes(eqn)) or any(x in ctx.varying for x in eqn.invars if is_var(x)):
+    if not set(data_axes) <= set(_axes(eqn)) or any(ctx.varies(x) for x in eqn.invars if is_var(x)):
         return full_rule(ctx, eqn, values)
     factor = ctx.axis_size * math.prod(_axis_size(a) for a in _axes(eqn) if a not in data_axes)
     out = []
     for v in values:
         scale = lambda a: a * jnp.asarray(factor, a.dtype)
-        out.append(Shard(scale(v.chunk), v.shape) if isinstance(v, Shard) else scale(v))
+        out.append(v.with_chunk(scale(v.chunk)) if isinstance(v, Shard) else scale(v))
     return out
 
 
@@ -264,19 +294,23 @@ def cond_rule(ctx: ShardContext, eqn, values: list) -> list:
     index, *operands = values
     if isinstance(index, Shard):
         return full_rule(ctx, eqn, values)
-    shapes = [v.shape if isinstance(v, Shard) else None for v in operands]
+    shards = [v for v in operands if isinstance(v, Shard)]
+    if any((v.axes, v.size) != (shards[0].axes, shards[0].size) for v in shards):
+        return full_rule(ctx, eqn, values, "its operands are chunked over different axes")
+    like = shards[0] if shards else None
+    templates = [v if isinstance(v, Shard) else None for v in operands]
     flat = [v.chunk if isinstance(v, Shard) else v for v in operands]
     avals = [o.aval for o in eqn.outvars]
 
     def branch(closed, sharded: Sequence[bool] | None = None, seen: list | None = None) -> Callable:
         def run(*args):
-            inner = [Shard(a, s) if s is not None else a for a, s in zip(args, shapes)]
+            inner = [t.with_chunk(a) if t is not None else a for a, t in zip(args, templates)]
             outs = eval_sharded(ctx, closed.jaxpr, inner, closed.consts)
             if seen is not None:  # first pass: which outputs this branch keeps sharded
                 seen.append([isinstance(o, Shard) for o in outs])
                 return [o.chunk if isinstance(o, Shard) else o for o in outs]
             return [
-                jnp.asarray(ctx.to_chunk(o, a.shape) if sh else ctx.to_full(o), a.dtype)
+                jnp.asarray(ctx.to_chunk(o, a.shape, like) if sh else ctx.to_full(o), a.dtype)
                 for o, a, sh in zip(outs, avals, sharded)
             ]
 
@@ -288,7 +322,12 @@ def cond_rule(ctx: ShardContext, eqn, values: list) -> list:
     sharded = [len(a.shape) > 0 and any(s[k] for s in seen) for k, a in enumerate(avals)]
     with at_source(eqn):
         outs = lax.switch(index, [branch(c, sharded) for c in eqn.params["branches"]], *flat)
-    return [Shard(o, tuple(a.shape)) if sh else o for o, a, sh in zip(outs, avals, sharded)]
+    return [_shard_like(like, o, a.shape) if sh else o for o, a, sh in zip(outs, avals, sharded)]
+
+
+def _shard_like(like: "Shard | None", chunk: jax.Array, shape: Sequence[int]) -> Shard:
+    """A chunk over ``like``'s axes (the data axes without one)."""
+    return like.with_chunk(chunk, shape) if like is not None else Shard(chunk, tuple(shape))
 
 
 def scan_rule(ctx: ShardContext, eqn, values: list) -> list:
@@ -308,10 +347,14 @@ def scan_rule(ctx: ShardContext, eqn, values: list) -> list:
     closed = p["jaxpr"]
     carry_avals = [v.aval for v in closed.jaxpr.invars[nc : nc + nk]]
     kinds = [isinstance(v, Shard) and len(a.shape) > 0 for v, a in zip(init, carry_avals)]
+    shards = [v for v in list(consts) + list(init) if isinstance(v, Shard)]
+    if any((v.axes, v.size) != (shards[0].axes, shards[0].size) for v in shards):
+        return full_rule(ctx, eqn, values, "its operands are chunked over different axes")
+    like = shards[0] if shards else None
 
     def body(kinds: Sequence[bool], seen: list | None = None) -> Callable:
         def run(carry, x):
-            inner = [Shard(c, tuple(a.shape)) if k else c for c, a, k in zip(carry, carry_avals, kinds)]
+            inner = [_shard_like(like, c, a.shape) if k else c for c, a, k in zip(carry, carry_avals, kinds)]
             outs = eval_sharded(ctx, closed.jaxpr, list(consts) + inner + list(x), closed.consts)
             new, ys = outs[:nk], outs[nk:]
             if seen is not None:
@@ -319,7 +362,7 @@ def scan_rule(ctx: ShardContext, eqn, values: list) -> list:
             if any(isinstance(y, Shard) and y.full is None for y in ys):
                 ctx.report(eqn, "a per-iteration output is sharded")
             new = [
-                jnp.asarray(ctx.to_chunk(o, a.shape) if k else ctx.to_full(o), a.dtype)
+                jnp.asarray(ctx.to_chunk(o, a.shape, like) if k else ctx.to_full(o), a.dtype)
                 for o, a, k in zip(new, carry_avals, kinds)
             ]
             return new, [ctx.to_full(y) for y in ys]
@@ -330,7 +373,7 @@ def scan_rule(ctx: ShardContext, eqn, values: list) -> list:
         if final and any(isinstance(v, Shard) and v.full is None and not k for v, k in zip(init, kinds)):
             ctx.report(eqn, "the loop body needs a sharded carry whole")
         return [
-            jnp.asarray(ctx.to_chunk(v, a.shape) if k else ctx.to_full(v), a.dtype)
+            jnp.asarray(ctx.to_chunk(v, a.shape, like) if k else ctx.to_full(v), a.dtype)
             for v, a, k in zip(init, carry_avals, kinds)
         ]
 
@@ -359,7 +402,7 @@ def scan_rule(ctx: ShardContext, eqn, values: list) -> list:
         carry, ys = lax.scan(
             body(kinds), init_values, list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"]
         )
-    return [Shard(c, tuple(a.shape)) if k else c for c, a, k in zip(carry, carry_avals, kinds)] + list(ys)
+    return [_shard_like(like, c, a.shape) if k else c for c, a, k in zip(carry, carry_avals, kinds)] + list(ys)
 
 
 def _axes(eqn) -> tuple:
@@ -394,9 +437,10 @@ RULES.update({name: call_rule for name in CALL_PRIMITIVES})
 
 def apply_rule(ctx: ShardContext, eqn, values: list) -> list:
     """Run one equation: unchanged if nothing is sharded, else by its rule."""
-    if not any(isinstance(v, Shard) for v in values):
+    shards = [v for v in values if isinstance(v, Shard)]
+    if not shards:
         return _bind(eqn, values)
-    if any(x in ctx.varying for x in eqn.invars if is_var(x)):
+    if any(ctx.varies(x, shard) for x in eqn.invars if is_var(x) for shard in shards):
         # Chunks of device-varying tensors are not chunks of one tensor: stay exact.
         return full_rule(ctx, eqn, values)
     return RULES.get(eqn.primitive.name, full_rule)(ctx, eqn, values)
