@@ -83,7 +83,10 @@ def setup(layout: str, seed: int = 0):
     rows = PER_DEVICE * mesh.size
     batches = [
         jax.device_put(
-            (rng.standard_normal((rows, WIDTH)).astype(np.float32), rng.standard_normal((rows, WIDTH)).astype(np.float32)),
+            (
+                rng.standard_normal((rows, WIDTH)).astype(np.float32),
+                rng.standard_normal((rows, WIDTH)).astype(np.float32),
+            ),
             NamedSharding(mesh, batch_spec),
         )
         for _ in range(4)
@@ -210,7 +213,8 @@ def main() -> None:
     for layout, r in results["layouts"].items():
         plain = r["plain"]
         print(
-            f"{layout}: plain {plain['median_step_s'] * 1e3:.1f} ms, state {plain['state_bytes_per_device'] / 1e6:.2f} MB, "
+            f"{layout}: plain {plain['median_step_s'] * 1e3:.1f} ms, "
+            f"state {plain['state_bytes_per_device'] / 1e6:.2f} MB, "
             f"peak {plain['compiled'].get('peak_bytes', 0) / 1e6:.2f} MB"
         )
         kinds = lambda c: ", ".join(f"{v['count']} {k}" for k, v in c.items())

@@ -540,7 +540,7 @@ def check_finalized(program: Program, template: Any, trees: tuple[Any, Any]) -> 
     captured, planned = program.captured, program.planned
     want = captured.state_outputs
     leaves, treedef = jax.tree.flatten(trees)
-    if not want or treedef != jax.tree.structure((template[0], template[1])):
+    if not want or treedef != jax.tree.structure((template[0], template[1])):  # type: ignore[operator]
         return trees
     names = ["params/" + p for p in param_paths(trees[0])] + ["opt_state/" + p for p in param_paths(trees[1])]
     given = [getattr(t, "sharding", None) for t in jax.tree.leaves((template[0], template[1]))]

@@ -359,7 +359,9 @@ def test_outputs_that_do_not_match_the_inputs_are_rejected():
     )
     params = {"w": np.ones((3,), np.float32)}
     sched = jaxsched.schedule(step, strategy="wfbp")
-    with pytest.raises(jaxsched.UnsupportedStepError, match="output params differs from its input params: it has extra leaves extra;"):
+    with pytest.raises(
+        jaxsched.UnsupportedStepError, match="output params differs from its input params: it has extra leaves extra;"
+    ):
         sched(sched.init(params, ()), steps.shard_batch(np.ones((4, 3), np.float32), mesh))
 
 

@@ -28,7 +28,10 @@ def _assert_like_plain(got, want, rtol=1e-5, atol=1e-6):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert (a.shape, a.dtype) == (b.shape, b.dtype)
         if isinstance(b, jax.Array) and len(b.sharding.device_set) > 1:
-            assert isinstance(a, jax.Array) and a.sharding.is_equivalent_to(b.sharding, b.ndim), (a.sharding, b.sharding)
+            assert isinstance(a, jax.Array) and a.sharding.is_equivalent_to(b.sharding, b.ndim), (
+                a.sharding,
+                b.sharding,
+            )
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
 
 
@@ -98,7 +101,9 @@ def test_fsdp_gradients_are_reduce_scattered_in_backward_under_wfbp():
     scattered = sorted((r.scatter_axes, tuple(r.result.aval.shape)) for r in analysis.reductions if r.scattered)
     assert scattered == [(("fsdp",), (2, 32)), (("fsdp",), (4, 8))]  # w1 and w2: their blocks
     # the scheduled program issues them in backward, bucketed, before the update
-    jaxpr = sched.program.per_device.jaxpr(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves((params, opt_state, batches[0]))])
+    jaxpr = sched.program.per_device.jaxpr(
+        *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves((params, opt_state, batches[0]))]
+    )
     names = [e.primitive.name for e in jaxpr.eqns]
     assert names.count("reduce_scatter") == 2 and "all_gather" in names
 
@@ -141,7 +146,10 @@ def test_in_shardings_place_the_parameters_when_the_arrays_do_not():
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), layout.params)
     opt_shardings = jax.tree.map(lambda a: a.sharding, tx.init(placed))
     step = ss.mlp_step(tx, layout, mesh)
-    jitted = jax.jit(step.__wrapped__ if hasattr(step, "__wrapped__") else step, in_shardings=(shardings, opt_shardings, NamedSharding(mesh, layout.batch)))
+    jitted = jax.jit(
+        step.__wrapped__ if hasattr(step, "__wrapped__") else step,
+        in_shardings=(shardings, opt_shardings, NamedSharding(mesh, layout.batch)),
+    )
     batches = ss.batches(mesh, layout.batch, 2, 14)
     plain = jitted(placed, tx.init(placed), batches[0])
     sched = jaxsched.schedule(jitted, strategy="wfbp")
@@ -151,7 +159,9 @@ def test_in_shardings_place_the_parameters_when_the_arrays_do_not():
     assert sched.program.planned.captured.in_specs[:3] == (P(), P("fsdp"), P("fsdp"))  # b1, w1, w2
 
 
-@pytest.mark.parametrize("strategy, options", [("approx", {"staleness": 0}), pytest.param("auto", {}, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "strategy, options", [("approx", {"staleness": 0}), pytest.param("auto", {}, marks=pytest.mark.slow)]
+)
 def test_the_other_exact_strategies_run_fsdp_steps(strategy, options):
     tx = optax.adam(1e-2)
     layout, mesh, params, opt_state, batches = _mlp_case("hsdp", tx, 17)
@@ -206,9 +216,7 @@ def test_diloco_over_the_replica_axis_leaves_the_inner_fsdp_step_untouched(optio
     if not options:
         _run(step, params, opt_state, batches, "diloco", sync_axes=("data",), inner_steps=1, outer=optax.sgd(1.0))
         return
-    sched = jaxsched.schedule(
-        step, strategy="diloco", sync_axes="data", inner_steps=4, outer=optax.sgd(1.0), **options
-    )
+    sched = jaxsched.schedule(step, strategy="diloco", sync_axes="data", inner_steps=4, outer=optax.sgd(1.0), **options)
     state = sched.init(_copy(params), _copy(opt_state))
     for b in batches * 3:
         state, _ = sched(state, b)
@@ -361,7 +369,9 @@ def test_a_state_step_refusal_names_the_leaf_by_its_place_in_the_state():
         return state.apply_gradients(grads=grads), {"loss": loss}
 
     sched = jaxsched.schedule(step, strategy="wfbp")
-    with pytest.raises(jaxsched.UnsupportedStepError, match=r"^state/opt_state/0/mu/w1 is sharded with P\('data', 'fsdp'\)"):
+    with pytest.raises(
+        jaxsched.UnsupportedStepError, match=r"^state/opt_state/0/mu/w1 is sharded with P\('data', 'fsdp'\)"
+    ):
         sched(sched.init(state), ss.batches(mesh, layout.batch, 1, 0)[0])
 
 

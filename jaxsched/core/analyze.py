@@ -311,7 +311,11 @@ def _varying_axes(captured: CapturedStep, body, axis: Any) -> dict:
     removes = REDUCTIONS | {"all_gather", "all_gather_invariant"}
     for eqn in body.eqns:
         name = eqn.primitive.name
-        axes = frozenset(a for a in reduction_axes(eqn) if a in data) if (name in removes or name in SCATTER_REDUCTIONS) else frozenset()
+        axes = (
+            frozenset(a for a in reduction_axes(eqn) if a in data)
+            if (name in removes or name in SCATTER_REDUCTIONS)
+            else frozenset()
+        )
         if name == "axis_index":
             out = frozenset(a for a in as_axes(eqn.params.get("axis_name", ())) if a in data)
         else:

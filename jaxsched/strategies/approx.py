@@ -156,7 +156,9 @@ class Approx(Strategy):
         parameter's: into its block; ``scattered``: from its block, over the replica axes)."""
         spec = self.collective_buckets_memo(planned)[k]
         bucket = planned.buckets[k]
-        out, carried[k] = reduce_gradients(self.collective, planned, bucket, grads, spec, carried[k], scattered=scattered)
+        out, carried[k] = reduce_gradients(
+            self.collective, planned, bucket, grads, spec, carried[k], scattered=scattered
+        )
         return out
 
     def collective_buckets_memo(self, planned: PlannedStep) -> list[BucketSpec]:

@@ -327,7 +327,9 @@ class Dear(Strategy):
         if shape == expected:
             user = _host_value(leaf)
             user = (user[:1] if stacked else user).reshape(expected if not stacked else block.shape)
-            blocks = np.split(user, chunking.blocks, axis=chunking.block_dim) if chunking.block_dim is not None else [user]
+            blocks = (
+                np.split(user, chunking.blocks, axis=chunking.block_dim) if chunking.block_dim is not None else [user]
+            )
             flat = np.concatenate([layout.host_chunks(b, chunking.size) for b in blocks])
         else:
             flat = _host_value(leaf)

@@ -445,7 +445,11 @@ class DiLoCo(Strategy):
         spec = planned.input_spec(role, i)
         value = planned.placed(value, spec)
         stack = manual_shard_map(
-            lambda x: (x[None],), planned.mesh, (spec,), (self._local_spec(planned, role, i),), planned.captured.manual_axes
+            lambda x: (x[None],),
+            planned.mesh,
+            (spec,),
+            (self._local_spec(planned, role, i),),
+            planned.captured.manual_axes,
         )
         return jax.jit(stack)(value)[0]
 
@@ -495,7 +499,9 @@ class DiLoCo(Strategy):
         local_opts = [stack(x, "opt_state", j) for j, x in enumerate(opts)]
         if len(global_leaves) != cap.num_params:
             raise ValueError("the state's global_params do not match the step's params")
-        global_leaves = [planned.placed(x, self._global_spec(planned, "params", i)) for i, x in enumerate(global_leaves)]
+        global_leaves = [
+            planned.placed(x, self._global_spec(planned, "params", i)) for i, x in enumerate(global_leaves)
+        ]
         outer_specs = self._outer_state_specs(planned)
 
         outer_state = tuple(getattr(state, "outer_state", ()) or ())
@@ -548,7 +554,9 @@ class DiLoCo(Strategy):
             if not in_flight:
                 in_flight = tuple(
                     planned.zeros(shape, a.dtype, spec, abstract)
-                    for shape, a, spec in zip(self._user_shapes(planned, "params"), self._param_avals(planned), flight_specs)
+                    for shape, a, spec in zip(
+                        self._user_shapes(planned, "params"), self._param_avals(planned), flight_specs
+                    )
                 )
             elif len(in_flight) != cap.num_params:
                 raise ValueError("the state's in_flight does not fit this step")
@@ -613,7 +621,6 @@ class DiLoCo(Strategy):
     # -- the per-device body ----------------------------------------------------------------
     def _state_specs(self, planned: PlannedStep) -> tuple[tuple[P, ...], dict]:
         cap = planned.captured
-        local = P(planned.axis_name)
         n_p, n_o = cap.num_params, cap.num_opt
         coll = self.collective_state_specs(planned)
         n_outer = sum(t.num_leaves for t in self._outer_treedefs(planned))
@@ -652,9 +659,7 @@ class DiLoCo(Strategy):
                     jax.tree.map(lambda _: P(), shapes),
                     is_leaf=lambda t: like(t),
                 )
-                specs = tuple(
-                    leaf for leaf in jax.tree.leaves(marked, is_leaf=lambda t: isinstance(t, P))
-                )
+                specs = tuple(leaf for leaf in jax.tree.leaves(marked, is_leaf=lambda t: isinstance(t, P)))
                 out.append(specs)
             return out
 
@@ -778,7 +783,9 @@ class DiLoCo(Strategy):
                 # a sharded parameter's gradient is reduce-scattered into its block over the
                 # fast axes it is split over, as the user's step does inside a replica
                 grads = [
-                    scatter_block(read(env, reds[j].operand), reds[j]) if reds[j].scattered else read(env, reds[j].operand)
+                    scatter_block(read(env, reds[j].operand), reds[j])
+                    if reds[j].scattered
+                    else read(env, reds[j].operand)
                     for j in js
                 ]
                 sums = list(lax.psum(tuple(grads), self._axis(fast))) if fast else grads
@@ -875,9 +882,7 @@ class DiLoCo(Strategy):
             (self._axis(sync), n_sync) if self._block_axes(planned, "params", i) else (data, n)
             for i in range(cap.num_params)
         ]
-        opt_over = [
-            self._axis(sync) if self._block_axes(planned, "opt_state", j) else data for j in range(cap.num_opt)
-        ]
+        opt_over = [self._axis(sync) if self._block_axes(planned, "opt_state", j) else data for j in range(cap.num_opt)]
         opt_count = [n_sync if self._block_axes(planned, "opt_state", j) else n for j in range(cap.num_opt)]
 
         def drain(*leaves):
@@ -886,7 +891,9 @@ class DiLoCo(Strategy):
             if in_flight is not None:
                 red = {i: v["flight"][i] for i in range(len(frag)) if frag[i] == in_flight}
                 self._apply_fragment(planned, in_flight, red, local, glob, v["outer"])
-            params = [(g + lax.psum(x - g, axes) / count).astype(g.dtype) for x, g, (axes, count) in zip(local, glob, over)]
+            params = [
+                (g + lax.psum(x - g, axes) / count).astype(g.dtype) for x, g, (axes, count) in zip(local, glob, over)
+            ]
             new_opts = []
             for o, axes, count in zip(v["opts"], opt_over, opt_count):
                 if jnp.issubdtype(o.dtype, jnp.floating):

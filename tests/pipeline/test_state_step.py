@@ -481,9 +481,7 @@ def test_a_step_that_carries_its_key_out_returns_what_the_plain_step_does(strate
     mesh = jax.make_mesh((8, 1, 1), ("dp", "fsdp", "mp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
     step = _easylm_step(mesh)
     rng, state = jax.random.key(3), _train_state(seed=4)
-    batches = [
-        jax.device_put(b, jax.NamedSharding(mesh, P(("dp", "fsdp")))) for b in _batches(_mesh(8), n=3, seed=5)
-    ]
+    batches = [jax.device_put(b, jax.NamedSharding(mesh, P(("dp", "fsdp")))) for b in _batches(_mesh(8), n=3, seed=5)]
     plain, plain_rng, plain_aux = state, rng, []
     for b in batches:
         plain, plain_rng, aux = step(plain, plain_rng, b)

@@ -90,8 +90,10 @@ def partition(
     blocks of the batch."""
     placement = read_placement(closed, leaves, names, roles)
     closed = _inlined(closed, placement)
-    model = () if placement.manual_axes is None else tuple(
-        a for a in placement.mesh.axis_names if a not in placement.manual_axes
+    model = (
+        ()
+        if placement.manual_axes is None
+        else tuple(a for a in placement.mesh.axis_names if a not in placement.manual_axes)
     )
     ctx = AxisContext(placement.axis_name, placement.axis_size, placement.axis_sizes, model)
     partitioner = Partitioner(ctx, TABLE)
@@ -139,7 +141,9 @@ def manual_shard_map(fn, mesh, in_specs: Sequence[P], out_specs: Sequence[P], ma
     options = {} if manual is None else {"axis_names": frozenset(manual)}
     explicit = manual is not None and any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types)
     if explicit:
-        mesh = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
+        mesh = jax.sharding.Mesh(
+            mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+        )
     mapped = jax.shard_map(
         fn,
         mesh=mesh,

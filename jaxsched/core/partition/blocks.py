@@ -40,7 +40,7 @@ from jax.extend import core as jex_core
 from jaxsched.core.partition import rules
 from jaxsched.core.partition.control_flow import CONTROL_RULES, is_call
 from jaxsched.core.partition.interpreter import EqnPlan, Partitioner
-from jaxsched.core.partition.kinds import Kind, REPLICATED, block
+from jaxsched.core.partition.kinds import Kind, REPLICATED
 from jaxsched.core.partition.rules import _plan, _shape, bind_local
 
 __all__ = ["BLOCK_RULES", "block_hints", "block_rule_for"]
@@ -81,8 +81,7 @@ def elementwise_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         return _partial_elementwise(p, eqn, kinds, single)
     d = target.dim
     wanted = [
-        target if len(_shape(x)) == len(out_shape) and _shape(x)[d] == out_shape[d] else REPLICATED
-        for x in eqn.invars
+        target if len(_shape(x)) == len(out_shape) and _shape(x)[d] == out_shape[d] else REPLICATED for x in eqn.invars
     ]
     outs = [target if len(_shape(o)) > d and _shape(o)[d] == out_shape[d] else REPLICATED for o in eqn.outvars]
     return _plan(eqn, wanted, outs)

@@ -140,7 +140,9 @@ class Partitioner:
             single = [isinstance(x, jex_core.Var) and uses.get(x, 0) == 1 for x in eqn.invars]
             rule = rule_for(eqn)
             special = any(k.is_special for k in operand_kinds)
-            hinted = bool(hints) and any(isinstance(x, jex_core.Var) and x in hints for x in (*eqn.outvars, *eqn.invars))
+            hinted = bool(hints) and any(
+                isinstance(x, jex_core.Var) and x in hints for x in (*eqn.outvars, *eqn.invars)
+            )
             if special or hinted:
                 block_rule = self.rules.block_rule_for(eqn)
                 if block_rule is not None:

@@ -425,7 +425,9 @@ def identity_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         return _plan(eqn, list(kinds), list(kinds), lambda values: list(values))
     entries = []
     for entry in spec:
-        axes = () if entry is None else tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a in model)
+        axes = (
+            () if entry is None else tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a in model)
+        )
         entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     if not any(e is not None for e in entries):
         return _plan(eqn, list(kinds), list(kinds), lambda values: list(values))
@@ -955,4 +957,3 @@ def rule_for(eqn) -> Rule:
     if is_call(eqn):
         return call_rule
     return replicated_rule
-

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsched.core.axes import AxisName
+
 __all__ = [
     "BucketSpec",
     "Collective",
@@ -130,11 +132,13 @@ class Collective:
         """One device's carried state for each bucket (arrays without a device axis)."""
         return tuple(() for _ in buckets)
 
-    def all_reduce(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, state: Any) -> tuple[jax.Array, Any]:
+    def all_reduce(
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: Any
+    ) -> tuple[jax.Array, Any]:
         return lax.psum(buffer, axis_name), state
 
     def all_reduce_tensors(
-        self, tensors: Sequence[jax.Array], axis_name: str, bucket: BucketSpec, state: Any
+        self, tensors: Sequence[jax.Array], axis_name: AxisName, bucket: BucketSpec, state: Any
     ) -> tuple[list[jax.Array], Any]:
         """One bucket's tensors summed over ``axis_name``, each in its own shape and dtype.
 
@@ -170,7 +174,7 @@ class Collective:
         return _split(total, tensors), state
 
     def reduce_scatter_tensors(
-        self, tensors: Sequence[jax.Array], axis_name: str, bucket: BucketSpec, state: Any
+        self, tensors: Sequence[jax.Array], axis_name: AxisName, bucket: BucketSpec, state: Any
     ) -> tuple[list[jax.Array], Any]:
         """One bucket's full tensors in; out, this device's flat chunk of each sum
         (:func:`jaxsched.core.layout.chunk_size` elements, as :class:`~jaxsched.core.layout.BucketLayout`
@@ -202,7 +206,7 @@ class Collective:
         return layout.split_shard(shard), state
 
     def all_gather_tensors(
-        self, chunks: Sequence[jax.Array], axis_name: str, bucket: BucketSpec, state: Any
+        self, chunks: Sequence[jax.Array], axis_name: AxisName, bucket: BucketSpec, state: Any
     ) -> tuple[list[jax.Array], Any]:
         """Each tensor's flat chunk on this device in; the full tensors (``bucket.shapes``)
         out. The inverse of :meth:`reduce_scatter_tensors`, with the same two forms."""
@@ -224,12 +228,14 @@ class Collective:
         return layout.unpack(gathered), state
 
     def reduce_scatter(
-        self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, state: Any
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: Any
     ) -> tuple[jax.Array, Any]:
         """The full buffer in, this device's ``1/P`` slice of the sum out."""
         return lax.psum_scatter(buffer, axis_name, scatter_dimension=0, tiled=True), state
 
-    def all_gather(self, shard: jax.Array, axis_name: str, bucket: BucketSpec, state: Any) -> tuple[jax.Array, Any]:
+    def all_gather(
+        self, shard: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: Any
+    ) -> tuple[jax.Array, Any]:
         """Every device's shard in, the concatenated full buffer out."""
         return lax.all_gather(shard, axis_name, tiled=True), state
 
