@@ -419,3 +419,29 @@ def test_dear_shards_the_hsdp_update_over_the_replica_axis():
     mu_w1 = state.opt_state[0].mu["w1"]
     assert mu_w1.sharding.spec == P(("fsdp", "data"))
     assert ss.state_bytes((state.params, state.opt_state)) < 0.6 * ss.state_bytes(plain)
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_hsdp_replica_sum_goes_through_the_hierarchy_and_compression(strategy):
+    """The sum over the replica axis is the bucket collective's: a Hierarchical(fast, slow)
+    sums an HSDP block over the slow axis alone (exact); a cast to bfloat16 sends the blocks
+    over "data" in bfloat16 and nothing else."""
+    from jaxsched.runtime.collectives import Hierarchical
+    from jaxsched.runtime.compress import Cast
+
+    tx = optax.sgd(0.1)
+    layout, mesh, params, opt_state, batches = _mlp_case("hsdp", tx, 43)
+    step = ss.mlp_step(tx, layout, mesh)
+    _run(step, params, opt_state, batches, strategy, collective=Hierarchical("fsdp", "data"))
+    sched = jaxsched.schedule(step, strategy=strategy, compression=Cast("bfloat16"))
+    state = sched.init(params, opt_state)
+    state, _ = sched(state, batches[0])
+    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves((state, batches[0]))]
+    jaxpr = sched.program.per_device.jaxpr(*abstract)
+    over_data = [
+        e.invars[0].aval.dtype
+        for e in jaxpr.eqns
+        if e.primitive.name in ("psum", "reduce_scatter")
+        and tuple(e.params.get("axes", e.params.get("axis_name"))) == ("data",)
+    ]
+    assert over_data and all(d == jnp.bfloat16 for d in over_data)

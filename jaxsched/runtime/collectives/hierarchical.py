@@ -92,14 +92,21 @@ class Hierarchical(Collective):
 
     # -- the two levels -------------------------------------------------------------------
     def _sizes(self, bucket: BucketSpec) -> tuple[int, int]:
+        """Devices along the fast and the slow axes the bucket crosses. A bucket may cross
+        some of them only: an HSDP parameter block, reduce-scattered over the fast axes in
+        backward already, is summed over the slow ones alone."""
         sizes = dict(bucket.mesh_axes)
-        if set(sizes) != set(self.fast + self.slow):
+        if not sizes or not set(sizes) <= set(self.fast + self.slow):
             data = tuple(sizes) or "one axis (unknown here)"
             raise ValueError(
                 f"{self!r} needs a step whose data-parallel axes are exactly "
                 f"{self.slow + self.fast} (its batch sharded over them); this step's are {data}"
             )
-        return math.prod(sizes[a] for a in self.fast), math.prod(sizes[a] for a in self.slow)
+        return math.prod(sizes.get(a, 1) for a in self.fast), math.prod(sizes.get(a, 1) for a in self.slow)
+
+    def _present(self, axes: tuple, bucket: BucketSpec) -> tuple:
+        sizes = dict(bucket.mesh_axes)
+        return tuple(a for a in axes if a in sizes)
 
     def _axis(self, axes: tuple) -> Any:
         return axes[0] if len(axes) == 1 else axes
@@ -115,14 +122,14 @@ class Hierarchical(Collective):
             axis_size=slow,
             shapes=((shard,),),
             form="packed",
-            mesh_axes=tuple((a, sizes[a]) for a in self.slow),
+            mesh_axes=tuple((a, sizes[a]) for a in self.slow if a in sizes),
         )
 
     def init(self, buckets: Sequence[BucketSpec]) -> tuple:
         return tuple(self.slow_collective.init([self.slow_bucket(b) for b in buckets]))
 
     def _check_axis(self, axis_name: Any) -> None:
-        if set(as_axes(axis_name)) != set(self.fast + self.slow):
+        if not set(as_axes(axis_name)) <= set(self.fast + self.slow):
             raise ValueError(
                 f"{self!r} was asked to reduce over {axis_name!r}; it reduces over "
                 f"the data-parallel axes {self.slow + self.fast}"
@@ -131,6 +138,11 @@ class Hierarchical(Collective):
     def all_reduce(self, buffer, axis_name, bucket, state):
         self._check_axis(axis_name)
         fast, _ = self._sizes(bucket)
+        fast_axes, slow_axes_ = self._present(self.fast, bucket), self._present(self.slow, bucket)
+        if not fast_axes:  # over the slow axes only (an HSDP block): the slow level alone
+            return self.slow_collective.all_reduce(buffer, self._axis(slow_axes_), self.slow_bucket(bucket), state)
+        if not slow_axes_:
+            return lax.psum(buffer, self._axis(fast_axes)), state
         n = buffer.shape[0]
         padded = jnp.pad(buffer, (0, -n % fast))
         shard = lax.psum_scatter(padded, self._axis(self.fast), scatter_dimension=0, tiled=True)
@@ -148,6 +160,8 @@ class Hierarchical(Collective):
     def reduce_scatter(self, buffer, axis_name, bucket, state):
         """The slice a tiled ``psum_scatter`` over ``axis_name`` gives this device."""
         self._check_axis(axis_name)
+        if not self._present(self.fast, bucket):  # over the slow axes only (an HSDP block)
+            return self.slow_collective.reduce_scatter(buffer, axis_name, self.slow_bucket(bucket), state)
         dims, fast_pos, slow_pos = self._grid(axis_name, bucket)
         chunk = buffer.shape[0] // math.prod(dims)
         # slices are numbered row-major over axis_name; put the fast axes first so that the
@@ -160,6 +174,8 @@ class Hierarchical(Collective):
     def all_gather(self, shard, axis_name, bucket, state):
         """Every device's slice in ``axis_name``'s order, as a tiled ``all_gather`` over it."""
         self._check_axis(axis_name)
+        if not self._present(self.fast, bucket):  # over the slow axes only (an HSDP block)
+            return self.slow_collective.all_gather(shard, axis_name, self.slow_bucket(bucket), state)
         dims, fast_pos, slow_pos = self._grid(axis_name, bucket)
         chunk = shard.shape[0]
         group = lax.all_gather(shard, self._axis(self.slow), tiled=True)
