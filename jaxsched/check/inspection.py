@@ -119,6 +119,11 @@ class CompiledReport:
     is in flight and no compute runs, counting the whole window of a collective that the
     final program runs synchronously.
 
+    A while loop (a ``lax.scan`` over layers) is one instruction in the entry's schedule;
+    XLA schedules its body on its own, and the body runs its trip count times: ``step_s`` and
+    ``exposed_comm_s`` count every iteration, and ``loops`` lists each loop as ``(name,
+    trips, seconds, exposed seconds)`` of all its iterations.
+
     XLA also writes summary statistics, kept as ``xla_total_s`` (``total_cycles``) and
     ``xla_wasted_s`` (``total_wasted_cycles``). They come from a separate pass and disagree
     with the schedule's own times, in both directions (a 126M-parameter MLP on H100:
@@ -136,6 +141,7 @@ class CompiledReport:
     estimator: str = ESTIMATOR
     xla_total_s: float | None = None
     xla_wasted_s: float | None = None
+    loops: tuple[tuple[str, int, float, float], ...] = ()
 
     @property
     def num_async(self) -> int:
@@ -173,6 +179,7 @@ class CompiledReport:
         d = dict(d)
         d["collectives"] = tuple(CollectiveWindow(**dict(c, mesh_axes=tuple(c["mesh_axes"]))) for c in d["collectives"])
         d["compute"] = tuple((str(n), float(s), float(e)) for n, s, e in d["compute"])
+        d["loops"] = tuple((str(n), int(t), float(s), float(x)) for n, t, s, x in d.get("loops", ()))
         return cls(**d)
 
 
@@ -667,9 +674,28 @@ class _Schedule:
     step_cycles: float | None
     wasted_cycles: float | None
     cycles_per_us: float
+    #: the schedules of the other computations (while-loop bodies), by computation name
+    others: dict = dataclasses.field(default_factory=dict)
 
     def seconds(self, cycles: float) -> float:
         return cycles / self.cycles_per_us * 1e-6
+
+    def totals(self) -> tuple[float, float]:
+        """This computation's length and the time in it a collective is in flight while no
+        compute runs (seconds), from its ops alone."""
+        if not self.ops:
+            return 0.0, 0.0
+        step = self.seconds(max(o.end for o in self.ops) - min(o.start for o in self.ops))
+        starts = {o.name: o for o in self.ops if o.kind and (o.opcode.endswith("-start") or o.opcode == "async-start")}
+        windows = [
+            (self.seconds(starts[o.operand0].start), self.seconds(o.end))
+            for o in self.ops
+            if o.kind and o.opcode.endswith("-done") and o.operand0 in starts
+        ]
+        sync = [(self.seconds(o.start), self.seconds(o.end)) for o in self.ops if o.kind and o.opcode == o.kind]
+        compute = [(self.seconds(o.start), self.seconds(o.end)) for o in self.ops if o.compute]
+        exposed = intervals.subtract(windows, compute) + sync
+        return step, intervals.total(intervals.union(exposed))
 
 
 def _parse_schedule(text: str) -> _Schedule | None:
@@ -698,6 +724,8 @@ def _parse_schedule(text: str) -> _Schedule | None:
     if entry_sched is None:
         entry_sched = max(scheds, key=lambda s: (("scheduler_statistics" in s), len(s.get("instructions", []))))
 
+    name_of_id = {_one(c, "id"): _unquote(_one(c, "name", '""')) for c in comps}
+
     def coll_of(ins: dict) -> str | None:
         for cid in ins.get("called_computation_ids", []):
             for sub in comp_by_id.get(cid, {}).get("instructions", []):
@@ -707,8 +735,7 @@ def _parse_schedule(text: str) -> _Schedule | None:
                     return base
         return None
 
-    ops = []
-    for si in entry_sched.get("instructions", []):
+    def op_of(si: dict) -> _SchedOp:
         ins = by_id.get(_one(si, "id"), {})
         name = _unquote(_one(ins, "name", '""'))
         opcode = _unquote(_one(ins, "opcode", '""'))
@@ -732,21 +759,51 @@ def _parse_schedule(text: str) -> _Schedule | None:
             and not opcode.endswith("-start")
             and not opcode.endswith("-done")
             and opcode not in ("async-start", "async-done")
+            and opcode != "while"
             and not (scalar and opcode not in ("fusion", "custom-call"))
         )
         operand_ids = ins.get("operand_ids", [])
         op0 = _unquote(_one(by_id.get(operand_ids[0], {}), "name", '""')) if operand_ids else None
-        ops.append(_SchedOp(name, opcode, start, end, compute, kind, op0))
-    stats = _one(entry_sched, "scheduler_statistics", {})
-    total = _one(stats, "total_cycles")
-    wasted = _one(stats, "total_wasted_cycles")
-    cpu = float(_one(entry_sched, "cycles_per_microsecond", 1) or 1)
-    return _Schedule(
-        ops,
-        float(total) if total is not None else None,
-        float(wasted) if wasted is not None else (0.0 if total is not None else None),
-        cpu,
-    )
+        return _SchedOp(name, opcode, start, end, compute, kind, op0)
+
+    def schedule_of(sched: dict) -> _Schedule:
+        stats = _one(sched, "scheduler_statistics", {})
+        total = _one(stats, "total_cycles")
+        wasted = _one(stats, "total_wasted_cycles")
+        return _Schedule(
+            [op_of(si) for si in sched.get("instructions", [])],
+            float(total) if total is not None else None,
+            float(wasted) if wasted is not None else (0.0 if total is not None else None),
+            float(_one(sched, "cycles_per_microsecond", 1) or 1),
+        )
+
+    entry = schedule_of(entry_sched)
+    entry.others = {
+        name_of_id.get(_one(sc, "computation_id"), ""): schedule_of(sc) for sc in scheds if sc is not entry_sched
+    }
+    return entry
+
+
+def _loop_costs(mod: "_Module", comp: str, sched: "_Schedule", depth: int = 0) -> list[tuple[str, int, float, float]]:
+    """The while loops of computation ``comp`` whose bodies XLA scheduled on their own (a
+    ``lax.scan`` over layers): per loop, ``(name, trips, seconds, exposed seconds)`` of all
+    its iterations together, nested loops included. XLA's estimate for the computation
+    counts a loop as one instruction; its body runs ``trips`` times."""
+    loops = []
+    for ins in mod.computations.get(comp, []):
+        if ins.opcode != "while" or depth > 8:
+            continue
+        body = re.search(r"body=%?([\w.\-]+)", ins.attrs)
+        trips = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', ins.attrs)
+        if body is None or trips is None or body.group(1) not in sched.others:
+            continue
+        inner = sched.others[body.group(1)]
+        step, exposed = inner.totals()
+        for _, _, nested_s, nested_exposed in _loop_costs(mod, body.group(1), sched, depth + 1):
+            step, exposed = step + nested_s, exposed + nested_exposed
+        n = int(trips.group(1))
+        loops.append((ins.name, n, n * step, n * exposed))
+    return loops
 
 
 # ---------------------------------------------------------------------------------------
@@ -942,6 +999,15 @@ def report(
             exposed_parts = intervals.subtract([(w.start_s, w.end_s) for w in timed if w.is_async], hidden_by)
             exposed_parts += [(w.start_s, w.end_s) for w in timed if not w.is_async]
             exposed = intervals.total(intervals.union(exposed_parts))
+        loops = tuple(_loop_costs(mod, mod.entry, sched))
+        if loops and step_s is not None and exposed is not None:
+            # a loop counts in the entry's schedule as one instruction; its iterations as
+            # many times its body's own schedule
+            own = {o.name: sched.seconds(o.end - o.start) for o in sched.ops}
+            step_s += sum(seconds - own.get(name, 0.0) for name, _, seconds, _ in loops)
+            exposed += sum(hidden for _, _, _, hidden in loops)
+    else:
+        loops = ()
     return CompiledReport(
         label,
         target,
@@ -952,6 +1018,7 @@ def report(
         compute,
         xla_total_s=total,
         xla_wasted_s=wasted,
+        loops=loops,
     )
 
 

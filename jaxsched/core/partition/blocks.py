@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
@@ -269,15 +270,76 @@ def block_hints(jaxpr, out_kinds: Sequence[Kind] | None) -> dict:
         if k.is_block:
             mark(x, k)
     for eqn in reversed(jaxpr.eqns):
-        if eqn.primitive.name not in BLOCK_RULES or BLOCK_RULES[eqn.primitive.name] is not elementwise_rule:
-            continue
         marked = [hints[o] for o in eqn.outvars if o in hints]
         if len(marked) != 1:
             continue
         kind = marked[0]
         out_shape = _shape(eqn.outvars[0])
-        for x in eqn.invars:
-            shape = tuple(x.aval.shape)
-            if len(shape) == len(out_shape) and kind.dim < len(shape) and shape[kind.dim] == out_shape[kind.dim]:
-                mark(x, kind)
+        name = eqn.primitive.name
+        if name in BLOCK_RULES and BLOCK_RULES[name] is elementwise_rule:
+            for x in eqn.invars:
+                shape = tuple(x.aval.shape)
+                if len(shape) == len(out_shape) and kind.dim < len(shape) and shape[kind.dim] == out_shape[kind.dim]:
+                    mark(x, kind)
+        elif name in HINT_THROUGH:
+            # a layer's gradient padded, reshaped or transposed into a stacked one: the
+            # layer's gradient meets the block too (reduce-scattered in its own layer)
+            moved = HINT_THROUGH[name](eqn, kind.dim)
+            if moved is not None:
+                mark(eqn.invars[0], kind.moved(moved))
     return hints
+
+
+def _through_pad(eqn, d: int) -> int | None:
+    config = eqn.params["padding_config"]
+    return d if tuple(config[d]) == (0, 0, 0) else None
+
+
+def _through_reshape(eqn, d: int) -> int | None:
+    if eqn.params.get("dimensions") not in (None, ()):
+        return None
+    in_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    # the operand dimension that carries output dimension d whole (unit dimensions aside)
+    prefix = int(np.prod(out_shape[:d]))
+    acc = 1
+    for e, size in enumerate(in_shape):
+        if acc == prefix and size == out_shape[d]:
+            return e
+        acc *= size
+    return None
+
+
+def _through_broadcast(eqn, d: int) -> int | None:
+    dims = tuple(eqn.params["broadcast_dimensions"])
+    if d not in dims or len(eqn.invars) != 1:
+        return None
+    e = dims.index(d)
+    return e if _shape(eqn.invars[0])[e] == _shape(eqn.outvars[0])[d] else None
+
+
+#: Shape operations a hint passes back through: output dimension -> operand dimension.
+HINT_THROUGH: dict[str, Any] = {
+    "pad": _through_pad,
+    "reshape": _through_reshape,
+    "expand_dims": _through_reshape,
+    "squeeze": _through_reshape,
+    "broadcast_in_dim": _through_broadcast,
+    "transpose": lambda eqn, d: tuple(eqn.params["permutation"])[d],
+}
+
+
+def pad_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    """A layer's gradient padded into a stacked gradient that meets a stacked block: the
+    layer's gradient is reduce-scattered into its block first, then padded locally."""
+    k, value = kinds
+    hint = p.hints.get(eqn.outvars[0])
+    config = eqn.params["padding_config"]
+    target = hint if hint is not None and hint.is_block else (k if k.is_block else None)
+    if target is None or tuple(config[target.dim]) != (0, 0, 0) or value.is_special:
+        return _gathered(p, eqn, kinds, single)
+    if k.dim is not None and k.over is None:  # the batch's block
+        return _gathered(p, eqn, kinds, single)
+    return _plan(eqn, [target, REPLICATED], [target])
+
+
+BLOCK_RULES["pad"] = pad_rule

@@ -81,8 +81,31 @@ def call_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         return p.run(sub, consts, values)
 
     if eqn.primitive.name in REMAT:  # keep jax.checkpoint: the per-device body rematerializes too
-        run = jax.checkpoint(run, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy"))
+        run = _rematerialized(eqn, run)
     return EqnPlan(tuple(inputs), sub.out_kinds, lambda values: list(run(*values)))
+
+
+def _rematerialized(eqn, run: Any) -> Any:
+    """``run`` as the checkpoint ``eqn`` is: recomputed, and, where ``eqn`` is backward's
+    recomputation (``differentiated``), behind an optimization barrier on the operands
+    ``prevent_cse`` names, as JAX lowers it. ``jax.checkpoint`` of an undifferentiated
+    function lowers to no barrier, and XLA would then merge the recomputation with forward
+    (and a parameter's gather inside it with forward's gather), keeping every layer's
+    activations and gathered weights alive until backward."""
+    prevent_cse = eqn.params.get("prevent_cse", True)
+    checkpointed = jax.checkpoint(run, prevent_cse=prevent_cse, policy=eqn.params.get("policy"))
+    if not eqn.params.get("differentiated", False):
+        return checkpointed
+
+    def behind_barrier(*values):
+        guard = prevent_cse if isinstance(prevent_cse, tuple) else (bool(prevent_cse),) * len(values)
+        kept = [v for v, g in zip(values, guard) if g]
+        if kept:
+            kept = list(lax.optimization_barrier(tuple(kept)))
+        it = iter(kept)
+        return checkpointed(*[next(it) if g else v for v, g in zip(values, guard)])
+
+    return behind_barrier
 
 
 def _widen(p: Partitioner, plan_body, carry: list[Kind]) -> tuple[list[Kind], JaxprPlan]:
@@ -117,8 +140,15 @@ def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     def plan_body(carry_kinds: list[Kind], out_kinds: Any = None) -> JaxprPlan:
         return p.plan(closed.jaxpr, consts + list(carry_kinds) + xs_inner, out_kinds)
 
+    outer_hints = dict(p.hints)  # the enclosing jaxpr's (planning the body replaces them)
     carry, natural = _widen(p, plan_body, carry)
     ys_inner = list(natural.out_kinds[n_carry:])
+    for k, (kind, out) in enumerate(zip(ys_inner, eqn.outvars[n_carry:])):
+        # a per-iteration partial sum (a layer's weight gradient) whose stack meets a parameter
+        # block after the loop is reduce-scattered into the layer's block in its iteration
+        hint = outer_hints.get(out)
+        if kind.partial and hint is not None and hint.is_block and hint.dim >= 1:
+            ys_inner[k] = hint.moved(hint.dim - 1)
     body = plan_body(carry, carry + ys_inner)
     ys_outer = [k.moved(k.dim + 1) if k.dim is not None else k for k in ys_inner]
 

@@ -270,7 +270,8 @@ class Partitioner:
             if have == want or (want.partial and have.is_replicated and x in self.zeros):
                 return env[x]
             # a parameter block is gathered where it is read, once per reading equation (as
-            # FSDP does: forward's gathered weight is not kept alive until backward)
+            # FSDP does: XLA's scheduler places each gather, and a rematerialised layer's
+            # gather, behind the checkpoint's barrier, is not merged into forward's)
             key = (x, want, site if have.is_block and not want.is_block else -1)
             if key not in converted:
                 converted[key] = self.ctx.convert(env[x], have, want, x.aval.shape)
