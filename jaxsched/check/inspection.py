@@ -122,7 +122,9 @@ class CompiledReport:
     A while loop (a ``lax.scan`` over layers) is one instruction in the entry's schedule;
     XLA schedules its body on its own, and the body runs its trip count times: ``step_s`` and
     ``exposed_comm_s`` count every iteration, and ``loops`` lists each loop as ``(name,
-    trips, seconds, exposed seconds)`` of all its iterations.
+    trips, seconds, exposed seconds)`` of all its iterations. ``peak_gathered_bytes`` is the
+    most all-gathered data alive at once in the schedule (each gather from its start to its
+    last reader): FSDP's gathered parameters, what a bound on prefetching keeps small.
 
     XLA also writes summary statistics, kept as ``xla_total_s`` (``total_cycles``) and
     ``xla_wasted_s`` (``total_wasted_cycles``). They come from a separate pass and disagree
@@ -142,6 +144,7 @@ class CompiledReport:
     xla_total_s: float | None = None
     xla_wasted_s: float | None = None
     loops: tuple[tuple[str, int, float, float], ...] = ()
+    peak_gathered_bytes: int | None = None
 
     @property
     def num_async(self) -> int:
@@ -784,6 +787,51 @@ def _parse_schedule(text: str) -> _Schedule | None:
     return entry
 
 
+def _live_gathered(mod: "_Module", comp: str, sched: "_Schedule") -> tuple[int, int]:
+    """The most bytes of all-gathered values alive at once in computation ``comp`` (from each
+    gather's start to the end of its last reader, in XLA's schedule), and how many gathers
+    that is: what FSDP's gathered parameters cost in memory beyond the blocks."""
+    if sched is None or not sched.ops:
+        return 0, 0
+    timing = {o.name: (o.start, o.end) for o in sched.ops}
+    instrs = mod.computations.get(comp, [])
+    by_name = {i.name: i for i in instrs}
+    readers: dict[str, list[str]] = {}
+    for ins in instrs:
+        for x in ins.operands:
+            readers.setdefault(x, []).append(ins.name)
+    plumbing = {"get-tuple-element", "bitcast", "copy", "tuple"}
+
+    def last_read(name: str, depth: int = 0) -> float:
+        end = timing.get(name, (0.0, 0.0))[1]
+        for r in readers.get(name, []):
+            ins = by_name.get(r)
+            if ins is not None and ins.opcode in plumbing and depth < 6:
+                end = max(end, last_read(r, depth + 1))
+            else:
+                end = max(end, timing.get(r, (0.0, 0.0))[1])
+        return end
+
+    spans = []
+    for ins in instrs:
+        base = ins.opcode[:-5] if ins.opcode.endswith("-done") else ins.opcode
+        if base != "all-gather" or ins.opcode == "all-gather-start":
+            continue
+        start_name = ins.operands[0] if ins.opcode.endswith("-done") and ins.operands else ins.name
+        begin = timing.get(start_name, timing.get(ins.name, (None, None)))[0]
+        if begin is None:
+            continue
+        spans.append((begin, last_read(ins.name), _shape_bytes(ins.shape)))
+    events = sorted([(a, b) for a, _, b in spans] + [(e, -b) for _, e, b in spans], key=lambda t: (t[0], t[1]))
+    live = peak = count = peak_count = 0
+    for _, delta in events:
+        live += delta
+        count += 1 if delta > 0 else -1
+        if live > peak:
+            peak, peak_count = live, count
+    return peak, peak_count
+
+
 def _loop_costs(mod: "_Module", comp: str, sched: "_Schedule", depth: int = 0) -> list[tuple[str, int, float, float]]:
     """The while loops of computation ``comp`` whose bodies XLA scheduled on their own (a
     ``lax.scan`` over layers): per loop, ``(name, trips, seconds, exposed seconds)`` of all
@@ -1000,6 +1048,10 @@ def report(
             exposed_parts += [(w.start_s, w.end_s) for w in timed if not w.is_async]
             exposed = intervals.total(intervals.union(exposed_parts))
         loops = tuple(_loop_costs(mod, mod.entry, sched))
+        gathered = [_live_gathered(mod, mod.entry, sched)]
+        for comp, body in sched.others.items():
+            gathered.append(_live_gathered(mod, comp, body))
+        peak_gathered = max(g[0] for g in gathered)
         if loops and step_s is not None and exposed is not None:
             # a loop counts in the entry's schedule as one instruction; its iterations as
             # many times its body's own schedule
@@ -1007,7 +1059,7 @@ def report(
             step_s += sum(seconds - own.get(name, 0.0) for name, _, seconds, _ in loops)
             exposed += sum(hidden for _, _, _, hidden in loops)
     else:
-        loops = ()
+        loops, peak_gathered = (), None
     return CompiledReport(
         label,
         target,
@@ -1019,6 +1071,7 @@ def report(
         xla_total_s=total,
         xla_wasted_s=wasted,
         loops=loops,
+        peak_gathered_bytes=peak_gathered,
     )
 
 

@@ -97,6 +97,7 @@ class Program:
             dict(strategy.compiler_overrides),
             rewritten.global_body,
             planned.captured.manual_axes,
+            planned.pattern.gathers_ahead is not None,
         )
         self.engine = engine.resolve(self.per_device)
         self.core = self.engine.compile(self.per_device)

@@ -43,10 +43,11 @@ from jaxsched.plan.planned_step import PlannedStep
 from jaxsched.pipeline.program import Program
 from jaxsched.pipeline.compiled_planner import candidates_for, choose_by_compiling, compiled_estimates_apply
 from jaxsched.sim import simulate
+from jaxsched.sim.costmodel import CommPattern, fsdp_pattern
 from jaxsched.strategies.auto import Auto, AutoChoice
 from jaxsched.strategies.base import Strategy
 
-__all__ = ["Selection", "build_program", "select", "simulated_compression"]
+__all__ = ["Selection", "build_program", "select", "simulated_compression", "step_pattern"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,11 +110,26 @@ def _is_auto(buckets: Any) -> bool:
     return isinstance(buckets, str) and buckets == "auto"
 
 
+def step_pattern(captured: CapturedStep, pattern: CommPattern) -> CommPattern:
+    """What a strategy of ``pattern`` sends on ``captured``: on a step whose parameters are
+    sharded over the data axes (FSDP), each layer's gathers and its reduce-scatters
+    (:func:`jaxsched.sim.costmodel.fsdp_pattern`)."""
+    from jaxsched.core.axes import as_axes, spec_axes
+
+    data = set(as_axes(captured.axis_name))
+    blocks = any(
+        src.role == "params" and set(spec_axes(spec)) & data and captured.kind == "jit"
+        for src, spec in zip(captured.sources, captured.in_specs)
+    )
+    return fsdp_pattern(pattern) if blocks else pattern
+
+
 def _build_planned(
     captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any, plan_options: dict
 ) -> PlannedStep:
     """The frozen plan of a concrete strategy: ``buckets="auto"`` planned here, once."""
-    compression = simulated_compression(strategy)
+    pattern = step_pattern(captured, strategy.cost)
+    compression = simulated_compression(strategy) if pattern.gathers_ahead is None else None
     layer_profile = network_profile = None
     if isinstance(buckets, str):
         if buckets != "auto":
@@ -127,7 +143,7 @@ def _build_planned(
         buckets, layer_profile, network_profile = auto_bucket_paths(
             probe.analysis,
             probe.paths,
-            strategy.cost,
+            pattern,
             compression=compression,
             engine_costs=None if engine is None else engine.costs(captured.mesh),
             **plan_options,
@@ -136,7 +152,7 @@ def _build_planned(
         captured,
         buckets,
         plan_options,
-        strategy.cost,
+        pattern,
         compression=compression,
         engine=engine,
         layer_profile=layer_profile,
@@ -170,12 +186,15 @@ def _choose_strategy(
     results: dict[str, tuple[float, Strategy, Any]] = {}
     for candidate in auto.candidate_strategies():
         compression = with_selection_cost(simulated_compression(candidate), candidate.collective, captured.mesh)
+        pattern = step_pattern(captured, candidate.cost)
+        if pattern.gathers_ahead is not None:
+            compression = None  # FSDP's reduce-scatters carry no compressor
         if buckets is None or _is_auto(buckets):
             groups = plan_buckets(
                 layers,
                 network,
                 plan_options.get("planner", "optimal"),
-                strategy=candidate.cost,
+                strategy=pattern,
                 compression=compression,
             )
             option = group_paths(groups, members, probe.paths)
@@ -185,7 +204,7 @@ def _choose_strategy(
         sim = simulate(
             layers,
             network,
-            candidate.cost,
+            pattern,
             groups,
             compression=compression,
             shared_stream=not costs.overlaps,

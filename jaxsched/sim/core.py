@@ -375,6 +375,8 @@ def _build(
         )
 
     second_order = pattern.factors is not None and any(l.factor_bytes or l.factor_s for l in lay)
+    fsdp = pattern.gathers_ahead is not None
+    prev_updates: list[int] = []  # fsdp: the previous iteration's updates, before its gathers
     for n in range(iterations):
         comm: list[int] = []
         factor_comm: list[int] = []
@@ -383,15 +385,27 @@ def _build(
         chunks: dict[int, list[int]] = {}
         if network.dispatch_s:  # the step program is launched once per iteration
             graph.add(_Task("compute", "dispatch", "dispatch", n, network.dispatch_s, []))
+        forward_tasks: list[int] = []
         for i in range(num):
             if priority and n > 0:
                 graph.add(_Task("compute", f"update l{i}", "update", n, lay[i].update_s, prev_chunks[i]))
             deps = []
             if pattern.parameters and n > 0 and i in bucket_lo:
                 deps = copy_task("unpack", bucket_lo[i], n, from_spare(bucket_lo[i], n, [prev_gather[bucket_lo[i]]]))
-            graph.add(_Task("compute", f"fwd {lay[i].name}", "forward", n, lay[i].forward_s, deps))
+            if fsdp:  # the layer's shards gathered, issued gathers_ahead layers ahead
+                ahead = i - pattern.gathers_ahead - 1
+                after = [forward_tasks[ahead]] if ahead >= 0 else list(prev_updates)
+                deps = deps + [_gather(graph, network, lay[i], f"gather fwd {lay[i].name}", n, after)]
+            forward_tasks.append(graph.add(_Task("compute", f"fwd {lay[i].name}", "forward", n, lay[i].forward_s, deps)))
+        backward_tasks: dict[int, int] = {}
         for i in reversed(range(num)):
-            bwd = graph.add(_Task("compute", f"bwd {lay[i].name}", "backward", n, lay[i].backward_s, []))
+            deps = []
+            if fsdp:  # gathered again for backward (FSDP frees them after forward)
+                ahead = i + pattern.gathers_ahead + 1
+                after = [backward_tasks[ahead]] if ahead < num else [forward_tasks[-1]]
+                deps = [_gather(graph, network, lay[i], f"gather bwd {lay[i].name}", n, after)]
+            bwd = graph.add(_Task("compute", f"bwd {lay[i].name}", "backward", n, lay[i].backward_s, deps))
+            backward_tasks[i] = bwd
             if second_order and (lay[i].factor_bytes or lay[i].factor_s):
                 fac = graph.add(_Task("compute", f"factors {lay[i].name}", "factors", n, lay[i].factor_s, []))
                 if pattern.factors_in_backward:
@@ -434,6 +448,21 @@ def _build(
         elif pattern.delayed_update:
             back = [t for c in prev_comm for t in from_spare(_bucket_of_task(graph, c), n, [c])]
             graph.add(_Task("compute", "update (previous step)", "update", n, total_update, back))
+        elif fsdp:  # each bucket's update on its shards, once its reduce-scatter is done
+            prev_updates = [
+                graph.add(
+                    _Task(
+                        "compute",
+                        f"update b{k} shard",
+                        "update",
+                        n,
+                        _share(bucket_update[k], workers),
+                        from_spare(k, n, [reduce_of_bucket[k]]),
+                    )
+                )
+                for k in range(len(buckets))
+                if k in reduce_of_bucket
+            ]
         elif pattern.parameters:
             for k in range(len(buckets)):
                 upd = graph.add(
@@ -461,6 +490,11 @@ def _build(
             graph.add(_Task("compute", "update", "update", n, total_update, comm + second_order_tail))
         prev_comm, prev_chunks = comm, chunks
     return graph
+
+
+def _gather(graph: _Graph, network: NetworkProfile, layer: Any, name: str, n: int, deps: list[int]) -> int:
+    """FSDP's all-gather of one layer's parameters (their whole size on every worker)."""
+    return graph.add(_Task("comm", name, "all_gather", n, network.time("all_gather", layer.bytes), deps, layer.bytes))
 
 
 def _bucket_of_task(graph: _Graph, idx: int) -> int:

@@ -36,6 +36,8 @@ __all__ = [
     "device_preset",
     "DEVICE_PRESETS",
     "DevicePreset",
+    "FSDP_PATTERN",
+    "fsdp_pattern",
     "KFAC_PATTERN",
     "Layer",
     "LayerProfile",
@@ -342,6 +344,11 @@ class CommPattern:
       periodic_sync: the gradient collective crosses only the fast axes, and the slow ones
         are synchronized every few steps (DiLoCo): the per-step simulator does not model
         that, :mod:`jaxsched.sim.diloco` does.
+      gathers_ahead: FSDP: the parameters are kept as shards, and each layer's are
+        all-gathered before its forward and again before its backward, issued this many
+        layers ahead (the prefetch distance; at most ``gathers_ahead + 1`` gathered layers
+        alive). The gradient collective (``reduce_scatter``) leaves each worker its shard and
+        the update runs on it. None: the parameters are replicated.
     """
 
     gradient: str = "all_reduce"
@@ -354,11 +361,14 @@ class CommPattern:
     factors_in_backward: bool = True
     inverse_placement: str | None = None
     periodic_sync: bool = False
+    gathers_ahead: int | None = None
 
     def __post_init__(self) -> None:
         for name in (self.gradient, self.parameters, self.factors):
             if name is not None and name not in COLLECTIVES:
                 raise ValueError(f"CommPattern collective {name!r} is unknown; use one of {', '.join(COLLECTIVES)}")
+        if self.gathers_ahead is not None and (not isinstance(self.gathers_ahead, int) or self.gathers_ahead < 0):
+            raise ValueError(f"CommPattern gathers_ahead={self.gathers_ahead!r} must be an int >= 0 (or None)")
         if self.inverse_placement not in (None, "balanced", "round_robin", "naive"):
             raise ValueError(
                 f"CommPattern inverse_placement={self.inverse_placement!r} is unknown; "
@@ -367,7 +377,7 @@ class CommPattern:
 
     @property
     def sharded_update(self) -> bool:
-        return self.parameters is not None
+        return self.parameters is not None or self.gathers_ahead is not None
 
     def collectives(self) -> tuple[str, ...]:
         """Every collective one bucket costs, in issue order."""
@@ -425,14 +435,27 @@ WFBP_PATTERN = CommPattern()
 DEAR_PATTERN = CommPattern(gradient="reduce_scatter", parameters="all_gather", compressible=False)
 APPROX_PATTERN = CommPattern(delayed_update=True, packs_buckets=False)
 KFAC_PATTERN = CommPattern(compressible=False, factors="all_reduce", inverse_placement="balanced")
+#: FSDP (ZeRO-3): each layer gathered one layer ahead in forward and in backward, each
+#: bucket's gradients reduce-scattered in backward, the update on shards.
+FSDP_PATTERN = CommPattern(gradient="reduce_scatter", gathers_ahead=1, packs_buckets=False, compressible=False)
 for _name, _pattern in (
     ("allreduce", ALLREDUCE_PATTERN),
     ("wfbp", WFBP_PATTERN),
     ("mgwfbp", WFBP_PATTERN),
     ("dear", DEAR_PATTERN),
     ("approx", APPROX_PATTERN),
+    ("fsdp", FSDP_PATTERN),
 ):
     register_comm_pattern(_name, _pattern)
+
+
+def fsdp_pattern(pattern: CommPattern, gathers_ahead: int = 1) -> CommPattern:
+    """What ``pattern`` sends on a step whose parameters are sharded over the data axes (FSDP):
+    its gradients reduce-scattered into the shards, each layer gathered ``gathers_ahead``
+    layers ahead of its forward and its backward."""
+    return dataclasses.replace(
+        pattern, gradient="reduce_scatter", parameters=None, gathers_ahead=gathers_ahead, compressible=False
+    )
 
 
 # --------------------------------------------------------------------------- presets

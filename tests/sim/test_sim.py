@@ -251,3 +251,54 @@ def test_bucket_copies_cost_pack_and_unpack_of_every_bucketed_byte(seed):
             simulate(layers, with_copy, strategy, buckets, shared_stream=True).iteration_s
             == simulate(layers, net, strategy, buckets, shared_stream=True).iteration_s
         )
+
+
+# -- FSDP: per-layer gathers with a prefetch distance -----------------------------------------
+def _fsdp(gathers_ahead):
+    import dataclasses
+
+    from jaxsched.sim.costmodel import FSDP_PATTERN
+
+    return dataclasses.replace(FSDP_PATTERN, gathers_ahead=gathers_ahead)
+
+
+@pytest.mark.parametrize("preset", ["1gbe", "10gbe", "100gbib"])
+def test_fsdp_gathers_every_layer_twice_and_prefetching_hides_them(preset):
+    """Each layer's parameters are gathered before its forward and before its backward, and
+    each bucket's gradients reduce-scattered; gathering one layer ahead overlaps them with the
+    layer before, so it is never slower than gathering on demand, and with compute per layer
+    longer than a gather it hides them."""
+    layers = LayerProfile([Layer(f"l{i}", 10**6, 4 * 10**6, 4e-3, 8e-3) for i in range(6)])
+    net = network_preset(preset, 8)
+    on_demand = simulate(layers, net, _fsdp(0))
+    ahead = simulate(layers, net, _fsdp(1))
+    gathers = [s for s in ahead.spans if s.kind == "all_gather" and s.iteration == 3]
+    assert len(gathers) == 2 * 6
+    assert sum(s.kind == "reduce_scatter" and s.iteration == 3 for s in ahead.spans) == len(ahead.buckets)
+    assert ahead.iteration_s <= on_demand.iteration_s + 1e-12
+    gather_s = net.time("all_gather", 4 * 10**6)
+    if gather_s < 4e-3:  # fits in a layer's forward: only the first gather of each pass shows
+        assert ahead.iteration_s < on_demand.iteration_s
+    assert ahead.iteration_s >= ahead.bound_s - 1e-12
+
+
+def test_fsdp_keeps_at_most_the_prefetch_distance_plus_one_layers_gathered():
+    layers = LayerProfile([Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(8)])
+    net = network_preset("100gbib", 8)
+    for ahead in (0, 1, 2):
+        result = simulate(layers, net, _fsdp(ahead))
+        forward = {s.name.split()[-1]: s for s in result.spans if s.iteration == 4 and s.kind == "forward"}
+        gathers = [s for s in result.spans if s.iteration == 4 and s.name.startswith("gather fwd")]
+        # a layer's gathered parameters live from its gather's start to its forward's end
+        lives = [(g.start, forward[g.name.split()[-1]].end) for g in gathers]
+        for t, _ in lives:
+            assert sum(a <= t < b for a, b in lives) <= ahead + 1
+
+
+def test_the_fsdp_pattern_is_a_strategy_the_simulator_and_the_planners_know():
+    from jaxsched.plan import plan_buckets
+
+    assert "fsdp" in STRATEGIES
+    layers = LayerProfile([Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(6)])
+    groups = plan_buckets(layers, network_preset("10gbe", 8), "optimal", strategy=_fsdp(1))
+    assert sorted(i for g in groups for i in g) == list(range(6))

@@ -56,6 +56,8 @@ class PerDeviceProgram:
         user wrote it), for engines that compile whole programs; None otherwise.
       manual_axes: the axes the body is manual over (None: every mesh axis); the specs name
         every axis and are restricted to these for the ``shard_map``.
+      gathers_parameters: the body all-gathers parameter blocks where it uses them (FSDP): a
+        compiler that combines collectives may want to combine those more.
     """
 
     body: Callable[..., Sequence[Any]]
@@ -69,6 +71,7 @@ class PerDeviceProgram:
     compiler_overrides: dict = dataclasses.field(default_factory=dict)
     global_body: Callable[..., Sequence[Any]] | None = None
     manual_axes: tuple[str, ...] | None = None
+    gathers_parameters: bool = False
 
     def mapped(self) -> Callable[..., tuple]:
         """The body as a ``shard_map`` over the mesh (not jitted), manual over ``manual_axes``."""

@@ -61,7 +61,13 @@ DEFAULT_WORKERS = 8
 DEFAULT_STRATEGIES = "allreduce,wfbp,mgwfbp,bytescheduler,dear,approx"
 # Planner each strategy uses unless --planner overrides it (allreduce is the fixed reference:
 # one bucket; bytescheduler partitions tensors itself).
-DEFAULT_PLANNER = {"wfbp": "per_layer", "mgwfbp": "mgwfbp", "dear": "threshold", "approx": "threshold"}
+DEFAULT_PLANNER = {
+    "wfbp": "per_layer",
+    "mgwfbp": "mgwfbp",
+    "dear": "threshold",
+    "approx": "threshold",
+    "fsdp": "per_layer",  # gathers per layer; each layer's reduce-scatter as its backward ends
+}
 PLANNERS = ("per_layer", "threshold", "mgwfbp", "prophet", "optimal")
 PROFILE_MODELS = ("mlp", "cnn", "transformer")
 OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")
@@ -327,7 +333,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         if base == "allreduce":
             planner, buckets = "one bucket", [list(range(len(layers)))]
         else:
-            planner = args.planner or DEFAULT_PLANNER[base]
+            planner = args.planner or DEFAULT_PLANNER.get(base, "threshold")
             buckets = plan_buckets(
                 layers,
                 network,
