@@ -99,7 +99,7 @@ def row(label: str, report, compiled, seconds: float) -> dict:
         "exposed_us": None if report.exposed_comm_s is None else report.exposed_comm_s * 1e6,
         "memory": memory(compiled),
         "peak_gathered_bytes": report.peak_gathered_bytes,
-        "loops": [list(loop) for loop in report.loops],
+        "loops": [loop._asdict() for loop in report.loops],
         "compile_s": seconds,
     }
 
@@ -130,7 +130,7 @@ def measure(target: str, scan: bool) -> dict:
     mesh, kind = mesh_for(target)
     config = stacked_lm.StackedLM(scan=scan, remat=True)
     tx = optax.adamw(1e-4)
-    step = stacked_lm.make_step(config, tx)
+    step = stacked_lm.make_step(config, tx, mesh)
     args = stacked_lm.abstract(config, mesh, tx, ROWS_PER_DEVICE[kind])
     rows = [plain_row(step, args, mesh, "plain", None)]
     rows.append(plain_row(step, args, mesh, "plain + MaxText flags", MAXTEXT_FLAGS[kind]))

@@ -61,7 +61,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 from jax.sharding import Mesh
@@ -74,6 +74,7 @@ __all__ = [
     "CompiledReport",
     "ESTIMATOR",
     "Inspection",
+    "LoopCost",
     "PLAIN_LABEL",
     "compile_with_schedule",
     "describe_mesh",
@@ -109,6 +110,26 @@ class CollectiveWindow:
     compute_s: float | None
 
 
+class LoopCost(NamedTuple):
+    """A while loop of the compiled program (a ``lax.scan`` over layers), all iterations.
+
+    Attributes:
+      name: the loop's HLO instruction.
+      trips: its trip count (iterations XLA peeled or unrolled are not among them).
+      seconds: XLA's estimate of all its iterations.
+      exposed_s: communication in them that no compute hides.
+      peak_gathered_bytes: the most all-gathered bytes alive at once within one iteration
+        (a double-buffered layer stack: the next layer's weights, while the current layer's
+        arrive through the loop's carry).
+    """
+
+    name: str
+    trips: int
+    seconds: float
+    exposed_s: float
+    peak_gathered_bytes: int = 0
+
+
 @dataclasses.dataclass(frozen=True)
 class CompiledReport:
     """A compiled program's collectives and XLA's estimate of its step and exposed comm.
@@ -121,10 +142,12 @@ class CompiledReport:
 
     A while loop (a ``lax.scan`` over layers) is one instruction in the entry's schedule;
     XLA schedules its body on its own, and the body runs its trip count times: ``step_s`` and
-    ``exposed_comm_s`` count every iteration, and ``loops`` lists each loop as ``(name,
-    trips, seconds, exposed seconds)`` of all its iterations. ``peak_gathered_bytes`` is the
+    ``exposed_comm_s`` count every iteration, and ``loops`` lists each loop
+    (:class:`LoopCost`). ``peak_gathered_bytes`` is the
     most all-gathered data alive at once in the schedule (each gather from its start to its
     last reader): FSDP's gathered parameters, what a bound on prefetching keeps small.
+    ``peak_memory_bytes`` is XLA's memory analysis per device (arguments + outputs +
+    temporaries - aliased), None where the backend has none.
 
     XLA also writes summary statistics, kept as ``xla_total_s`` (``total_cycles``) and
     ``xla_wasted_s`` (``total_wasted_cycles``). They come from a separate pass and disagree
@@ -143,8 +166,9 @@ class CompiledReport:
     estimator: str = ESTIMATOR
     xla_total_s: float | None = None
     xla_wasted_s: float | None = None
-    loops: tuple[tuple[str, int, float, float], ...] = ()
+    loops: tuple[LoopCost, ...] = ()
     peak_gathered_bytes: int | None = None
+    peak_memory_bytes: int | None = None
 
     @property
     def num_async(self) -> int:
@@ -182,7 +206,7 @@ class CompiledReport:
         d = dict(d)
         d["collectives"] = tuple(CollectiveWindow(**dict(c, mesh_axes=tuple(c["mesh_axes"]))) for c in d["collectives"])
         d["compute"] = tuple((str(n), float(s), float(e)) for n, s, e in d["compute"])
-        d["loops"] = tuple((str(n), int(t), float(s), float(x)) for n, t, s, x in d.get("loops", ()))
+        d["loops"] = tuple(LoopCost(*loop) for loop in d.get("loops", ()))
         return cls(**d)
 
 
@@ -789,8 +813,9 @@ def _parse_schedule(text: str) -> _Schedule | None:
 
 def _live_gathered(mod: "_Module", comp: str, sched: "_Schedule") -> tuple[int, int]:
     """The most bytes of all-gathered values alive at once in computation ``comp`` (from each
-    gather's start to the end of its last reader, in XLA's schedule), and how many gathers
-    that is: what FSDP's gathered parameters cost in memory beyond the blocks."""
+    gather's start to the end of its last reader, in XLA's schedule), and how many gathered
+    arrays that is: what FSDP's gathered parameters cost in memory beyond the blocks. A gather
+    XLA combined from several is counted per element, each freed after its own last reader."""
     if sched is None or not sched.ops:
         return 0, 0
     timing = {o.name: (o.start, o.end) for o in sched.ops}
@@ -812,6 +837,24 @@ def _live_gathered(mod: "_Module", comp: str, sched: "_Schedule") -> tuple[int, 
                 end = max(end, timing.get(r, (0.0, 0.0))[1])
         return end
 
+    def elements(ins: _Instr) -> list[tuple[float, int]]:
+        """``(last read, bytes)`` of each gathered array ``ins`` holds."""
+        parts = _shape_leaves(ins.shape)
+        picked: dict[int, float] = {}
+        whole = timing.get(ins.name, (0.0, 0.0))[1]
+        for r in readers.get(ins.name, []):
+            reader = by_name.get(r)
+            index = re.search(r"index=(\d+)", reader.attrs) if reader is not None else None
+            if reader is not None and reader.opcode == "get-tuple-element" and index and len(parts) > 1:
+                i = int(index.group(1))
+                picked[i] = max(picked.get(i, 0.0), last_read(r))
+            else:  # read whole: every element lives as long as that reader
+                whole = max(whole, last_read(ins.name))
+        return [
+            (max(whole, picked.get(i, 0.0)), math.prod(dims) * _dtype_bits(dt) // 8)
+            for i, (dt, dims) in enumerate(parts)
+        ]
+
     spans = []
     for ins in instrs:
         base = ins.opcode[:-5] if ins.opcode.endswith("-done") else ins.opcode
@@ -821,7 +864,7 @@ def _live_gathered(mod: "_Module", comp: str, sched: "_Schedule") -> tuple[int, 
         begin = timing.get(start_name, timing.get(ins.name, (None, None)))[0]
         if begin is None:
             continue
-        spans.append((begin, last_read(ins.name), _shape_bytes(ins.shape)))
+        spans += [(begin, end, nbytes) for end, nbytes in elements(ins)]
     events = sorted([(a, b) for a, _, b in spans] + [(e, -b) for _, e, b in spans], key=lambda t: (t[0], t[1]))
     live = peak = count = peak_count = 0
     for _, delta in events:
@@ -832,11 +875,10 @@ def _live_gathered(mod: "_Module", comp: str, sched: "_Schedule") -> tuple[int, 
     return peak, peak_count
 
 
-def _loop_costs(mod: "_Module", comp: str, sched: "_Schedule", depth: int = 0) -> list[tuple[str, int, float, float]]:
+def _loop_costs(mod: "_Module", comp: str, sched: "_Schedule", depth: int = 0) -> list[LoopCost]:
     """The while loops of computation ``comp`` whose bodies XLA scheduled on their own (a
-    ``lax.scan`` over layers): per loop, ``(name, trips, seconds, exposed seconds)`` of all
-    its iterations together, nested loops included. XLA's estimate for the computation
-    counts a loop as one instruction; its body runs ``trips`` times."""
+    ``lax.scan`` over layers), nested loops counted in their parents. XLA's estimate for the
+    computation counts a loop as one instruction; its body runs ``trips`` times."""
     loops = []
     for ins in mod.computations.get(comp, []):
         if ins.opcode != "while" or depth > 8:
@@ -847,10 +889,12 @@ def _loop_costs(mod: "_Module", comp: str, sched: "_Schedule", depth: int = 0) -
             continue
         inner = sched.others[body.group(1)]
         step, exposed = inner.totals()
-        for _, _, nested_s, nested_exposed in _loop_costs(mod, body.group(1), sched, depth + 1):
-            step, exposed = step + nested_s, exposed + nested_exposed
+        gathered = _live_gathered(mod, body.group(1), inner)[0]
+        for nested in _loop_costs(mod, body.group(1), sched, depth + 1):
+            step, exposed = step + nested.seconds, exposed + nested.exposed_s
+            gathered = max(gathered, nested.peak_gathered_bytes)
         n = int(trips.group(1))
-        loops.append((ins.name, n, n * step, n * exposed))
+        loops.append(LoopCost(ins.name, n, n * step, n * exposed, gathered))
     return loops
 
 
@@ -1056,8 +1100,8 @@ def report(
             # a loop counts in the entry's schedule as one instruction; its iterations as
             # many times its body's own schedule
             own = {o.name: sched.seconds(o.end - o.start) for o in sched.ops}
-            step_s += sum(seconds - own.get(name, 0.0) for name, _, seconds, _ in loops)
-            exposed += sum(hidden for _, _, _, hidden in loops)
+            step_s += sum(loop.seconds - own.get(loop.name, 0.0) for loop in loops)
+            exposed += sum(loop.exposed_s for loop in loops)
     else:
         loops, peak_gathered = (), None
     return CompiledReport(
@@ -1072,6 +1116,21 @@ def report(
         xla_wasted_s=wasted,
         loops=loops,
         peak_gathered_bytes=peak_gathered,
+        peak_memory_bytes=None if isinstance(compiled_or_hlo_text, str) else _peak_memory(compiled_or_hlo_text),
+    )
+
+
+def _peak_memory(compiled: Any) -> int | None:
+    """Per-device peak from XLA's memory analysis: arguments, outputs and temporaries, less
+    what outputs alias (donated arguments)."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # backends without the analysis
+        return None
+    if m is None:
+        return None
+    return int(
+        m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
     )
 
 
@@ -1113,6 +1172,18 @@ def format_table(reports: Sequence[CompiledReport], baseline: CompiledReport | N
         )
         if r.no_estimate_reason:
             lines.append(f"  no estimate: {r.no_estimate_reason}")
+        memory = [
+            f"{what} {value / 1e6:.1f} MB"
+            for what, value in (("peak memory", r.peak_memory_bytes), ("peak gathered", r.peak_gathered_bytes))
+            if value
+        ]
+        if memory:
+            lines.append("  per device: " + ", ".join(memory))
+        for loop in r.loops:
+            lines.append(
+                f"  loop {loop.name}: {loop.trips} iterations, {_us(loop.seconds)} us, exposed comm "
+                f"{_us(loop.exposed_s)} us, gathered per iteration {loop.peak_gathered_bytes / 1e6:.1f} MB"
+            )
         if not r.collectives:
             lines.append("  (no collectives)")
             continue

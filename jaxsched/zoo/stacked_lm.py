@@ -12,7 +12,7 @@ Example:
     >>> params["layers"]["w1"].shape, params["layers"]["w1"].sharding.spec
     ((2, 16, 32), P(None, 'fsdp', None))
     >>> tx = optax.adamw(1e-3)
-    >>> step = make_step(config, tx)
+    >>> step = make_step(config, tx, mesh)
     >>> batch = synthetic_batch(config, mesh, rows=4, seed=1)
     >>> params, opt_state, aux = step(params, tx.init(params), batch)
     >>> bool(aux["loss"] > 0)
@@ -148,23 +148,37 @@ def _rms(x: jax.Array, scale: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * scale
 
 
-def layer(config: StackedLM, h: jax.Array, p: dict) -> jax.Array:
+def _batch_constraint(mesh: Mesh | None) -> Callable[[jax.Array], jax.Array]:
+    """Activations kept split over the data axes, as MaxText's logical constraints keep them:
+    without it XLA's propagation may split them like the weights that touch them, and then
+    replicate whole tensors to undo it."""
+    if mesh is None:
+        return lambda x: x
+    sharding = NamedSharding(mesh, batch_spec(mesh))
+    return lambda x: jax.lax.with_sharding_constraint(x, sharding)
+
+
+def layer(config: StackedLM, h: jax.Array, p: dict, mesh: Mesh | None = None) -> jax.Array:
     """One pre-norm decoder layer: causal attention, then a GELU feed-forward."""
+    constrain = _batch_constraint(mesh)
+    h = constrain(h)
     rows, seq, dim = h.shape
     heads = config.heads
     x = _rms(h, p["ln1"])
     q, k, v = jnp.split(x @ p["wqkv"], 3, -1)
-    split = lambda t: t.reshape(rows, seq, heads, dim // heads)
+    split = lambda t: constrain(t.reshape(rows, seq, heads, dim // heads))
     scores = jnp.einsum("bthd,bshd->bhts", split(q), split(k)) / np.sqrt(dim // heads)
     scores = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, -1e9)
+    scores = constrain(scores)
     attended = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, -1), split(v)).reshape(rows, seq, dim)
-    h = h + attended @ p["wo"]
-    return h + jax.nn.gelu(_rms(h, p["ln2"]) @ p["w1"]) @ p["w2"]
+    h = constrain(h + attended @ p["wo"])
+    return constrain(h + jax.nn.gelu(constrain(_rms(h, p["ln2"]) @ p["w1"])) @ p["w2"])
 
 
-def loss(config: StackedLM, params: dict, tokens: jax.Array, targets: jax.Array) -> jax.Array:
-    h = params["embed"][tokens]
-    body: Callable = lambda h, p: (layer(config, h, p), None)
+def loss(config: StackedLM, params: dict, tokens: jax.Array, targets: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+    constrain = _batch_constraint(mesh)
+    h = constrain(params["embed"][tokens])
+    body: Callable = lambda h, p: (layer(config, h, p, mesh), None)
     if config.remat:
         body = jax.checkpoint(body)
     if config.scan:
@@ -172,17 +186,19 @@ def loss(config: StackedLM, params: dict, tokens: jax.Array, targets: jax.Array)
     else:
         for i in range(config.layers):
             h, _ = body(h, jax.tree.map(lambda a: a[i], params["layers"]))
-    logits = _rms(h, params["ln_f"]) @ params["embed"].T
+    logits = constrain(_rms(h, params["ln_f"]) @ params["embed"].T)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def make_step(config: StackedLM, tx: optax.GradientTransformation) -> Callable:
-    """The training step as MaxText's is written: ``jax.jit`` on global arrays, no collective."""
+def make_step(config: StackedLM, tx: optax.GradientTransformation, mesh: Mesh | None = None) -> Callable:
+    """The training step as MaxText's is written: ``jax.jit`` on global arrays, no collective.
+    Given the ``mesh``, activations are constrained to the batch's split (MaxText's logical
+    activation constraints); without it XLA propagates shardings as it likes."""
 
     @jax.jit
     def train_step(params, opt_state, batch):
         tokens, targets = batch
-        value, grads = jax.value_and_grad(lambda p: loss(config, p, tokens, targets))(params)
+        value, grads = jax.value_and_grad(lambda p: loss(config, p, tokens, targets, mesh))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": value}
 

@@ -358,3 +358,25 @@ def test_readme_example_commands_run_as_written(tmp_path):
             command, shell=True, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600
         )
         assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+
+
+def test_fsdp_lm_trains_hsdp_and_matches_the_plain_step(tmp_path):
+    """The MaxText-style trainer: a scanned, rematerialised stack, FSDP in each of 2 slices."""
+    code = _load("fsdp_lm").main(
+        ["--steps", "8", "--check-steps", "3", "--layers", "2", "--dim", "32", "--out", str(tmp_path), "--no-progress"]
+    )
+    assert code == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["mesh"] == {"data": 2, "fsdp": 4}
+    assert summary["max_relative_loss_difference_to_plain_step"] < 1e-5
+    assert summary["final_loss"] < summary["first_loss"] - 0.5  # it learns the chain
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--devices", "8", "--slices", "3"], "not divisible by --slices"), (["--dim", "30"], "divisible by the 4 FSDP")],
+)
+def test_fsdp_lm_refuses_bad_options_first(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        _load("fsdp_lm").main([*args, "--out", str(tmp_path)])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

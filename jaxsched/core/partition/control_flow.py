@@ -27,6 +27,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
 
@@ -151,6 +152,38 @@ def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
             ys_inner[k] = hint.moved(hint.dim - 1)
     body = plan_body(carry, carry + ys_inner)
     ys_outer = [k.moved(k.dim + 1) if k.dim is not None else k for k in ys_inner]
+    prefetch = _prefetched(p, natural, xs_inner, params["length"])
+    if prefetch:
+        swapped = [REPLICATED if k in prefetch else kind for k, kind in enumerate(xs_inner)]
+        body = p.plan(closed.jaxpr, consts + list(carry) + swapped, carry + ys_inner)
+        emit = _double_buffered(p, eqn, body, prefetch, xs_inner)
+    else:
+        emit = _scan_emit(p, eqn, body)
+    return EqnPlan(tuple(consts + carry + xs_outer), tuple(carry + ys_outer), emit)
+
+
+def _prefetched(p: Partitioner, natural: JaxprPlan, xs_inner: list[Kind], length: int) -> frozenset[int]:
+    """The scanned parameter blocks (a layer stack's weights, FSDP) whose next slice is
+    gathered during the current iteration: those that the body reads whole, so that handing
+    it the gathered slice changes nothing else in its plan. A block the body uses as a block
+    (a per-layer update) is left as it is."""
+    blocks = [k for k, kind in enumerate(xs_inner) if kind.is_block]
+    if not blocks or length < 2:
+        return frozenset()
+    swapped = [REPLICATED if k in blocks else kind for k, kind in enumerate(xs_inner)]
+    saved, p.trying = p.trying, True
+    try:
+        trial = p.plan(natural.jaxpr, list(natural.in_kinds[: len(natural.in_kinds) - len(xs_inner)]) + swapped)
+    finally:
+        p.trying = saved
+    if trial.out_kinds != natural.out_kinds:
+        return frozenset()
+    return frozenset(blocks)
+
+
+def _scan_emit(p: Partitioner, eqn, body: JaxprPlan) -> Any:
+    params = eqn.params
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
 
     def emit(values: list) -> list:
         const_vals = values[:n_consts]
@@ -158,7 +191,7 @@ def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         xs = values[n_consts + n_carry :]
 
         def step(c, x):
-            outs = p.run(body, closed.consts, [*const_vals, *c, *x])
+            outs = p.run(body, params["jaxpr"].consts, [*const_vals, *c, *x])
             return outs[:n_carry], outs[n_carry:]
 
         final, ys = lax.scan(
@@ -166,7 +199,51 @@ def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         )
         return [*final, *ys]
 
-    return EqnPlan(tuple(consts + carry + xs_outer), tuple(carry + ys_outer), emit)
+    return emit
+
+
+def _double_buffered(p: Partitioner, eqn, body: JaxprPlan, prefetch: frozenset[int], xs_inner: list[Kind]) -> Any:
+    """The scan with its layer weights double-buffered: the carry holds the current layer's
+    gathered weights while the iteration gathers the next layer's, which nothing in the
+    iteration waits for, so the gather runs under the layer's compute (prefetch distance one:
+    two layers gathered at once)."""
+    params = eqn.params
+    n_consts, n_carry, length, reverse = params["num_consts"], params["num_carry"], params["length"], params["reverse"]
+    order = sorted(prefetch)
+    shapes = {k: eqn.invars[n_consts + n_carry + k].aval.shape[1:] for k in order}
+
+    def gather(k: int, block: Any) -> Any:
+        return p.ctx.convert(block, xs_inner[k], REPLICATED, shapes[k])
+
+    def emit(values: list) -> list:
+        const_vals = values[:n_consts]
+        init = values[n_consts : n_consts + n_carry]
+        xs = values[n_consts + n_carry :]
+        first = length - 1 if reverse else 0
+        stacks = [xs[k] for k in order]  # read in place (a shifted copy would cost a stack)
+
+        def step(state, x):
+            c, current, index = state
+            # the slice the next iteration runs on; the last iteration fetches its own again,
+            # unused, which keeps the loop whole (its outputs stacked by the scan itself)
+            coming = jnp.clip(index - 1 if reverse else index + 1, 0, length - 1)
+            gathered = [
+                gather(k, lax.dynamic_index_in_dim(stack, coming, 0, keepdims=False)) for k, stack in zip(order, stacks)
+            ]
+            x = list(x)
+            for k, whole in zip(order, current):
+                x[k] = whole
+            outs = p.run(body, params["jaxpr"].consts, [*const_vals, *c, *x])
+            return (outs[:n_carry], gathered, coming), outs[n_carry:]
+
+        current = [gather(k, xs[k][first]) for k in order]
+        start = jnp.asarray(first, jnp.int32)
+        (final, _, _), ys = lax.scan(
+            step, (list(init), current, start), list(xs), length=length, reverse=reverse, unroll=params["unroll"]
+        )
+        return [*final, *ys]
+
+    return emit
 
 
 def while_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
