@@ -170,13 +170,14 @@ def main() -> None:
         results["cases"].append(measure(target, scan))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
+    nan = float("nan")
     for case in results["cases"]:
         print(f"{case['target']} {case['layers']} (XLA's estimates, not measured):")
         for r in case["rows"]:
             mem = r["memory"].get("peak_bytes")
             print(
-                f"  {r['label']:24s} step {r['step_us'] or float('nan'):9.0f} us ({r['step_vs_plain'] or float('nan'):.2f}x)"
-                f"  exposed {r['exposed_us'] or float('nan'):8.0f} us ({r['exposed_vs_plain'] or float('nan'):.2f}x)"
+                f"  {r['label']:24s} step {r['step_us'] or nan:9.0f} us ({r['step_vs_plain'] or nan:.2f}x)"
+                f"  exposed {r['exposed_us'] or nan:8.0f} us ({r['exposed_vs_plain'] or nan:.2f}x)"
                 f"  peak {(mem or 0) / 1e6:8.1f} MB  gathered {(r['peak_gathered_bytes'] or 0) / 1e6:6.1f} MB"
                 + (f"  [chose {r['chose']}]" if "chose" in r else "")
             )

@@ -67,7 +67,6 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def compile_for(args: argparse.Namespace) -> int:
     """XLA's estimate for a cluster: the scheduled step against the plain one."""
-    import jax
     import numpy as np
     import optax
     from jax.sharding import Mesh

@@ -1129,9 +1129,7 @@ def _peak_memory(compiled: Any) -> int | None:
         return None
     if m is None:
         return None
-    return int(
-        m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    )
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
 # ---------------------------------------------------------------------------------------

@@ -396,7 +396,9 @@ def _build(
                 ahead = i - pattern.gathers_ahead - 1
                 after = [forward_tasks[ahead]] if ahead >= 0 else list(prev_updates)
                 deps = deps + [_gather(graph, network, lay[i], f"gather fwd {lay[i].name}", n, after)]
-            forward_tasks.append(graph.add(_Task("compute", f"fwd {lay[i].name}", "forward", n, lay[i].forward_s, deps)))
+            forward_tasks.append(
+                graph.add(_Task("compute", f"fwd {lay[i].name}", "forward", n, lay[i].forward_s, deps))
+            )
         backward_tasks: dict[int, int] = {}
         for i in reversed(range(num)):
             deps = []

@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -127,7 +127,9 @@ def abstract(config: StackedLM, mesh: Mesh, tx: optax.GradientTransformation, ro
     )
     by_shape = {tuple(a.shape): a.sharding for a in jax.tree.leaves(params)}
     opt_state = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=by_shape.get(tuple(a.shape), NamedSharding(mesh, P()))),
+        lambda a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=by_shape.get(tuple(a.shape), NamedSharding(mesh, P()))
+        ),
         jax.eval_shape(tx.init, params),
     )
     rows = rows_per_device * mesh.devices.size
