@@ -3,6 +3,8 @@ plain jit step, each layer's gradient is reduce-scattered in its own layer, a sc
 double-buffered (the next layer gathered during the current one), and, compiled for GPU
 clusters (XLA's estimates), the gathers overlap compute within the memory bound."""
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -77,6 +79,25 @@ def test_each_layers_gradient_is_reduce_scattered_in_its_own_layer(scan):
     assert not any(
         e.primitive.name == "reduce_scatter" and tuple(e.outvars[0].aval.shape) == stacked for e in body.eqns
     )
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_no_per_device_value_spans_the_global_batch(scan):
+    """A causal mask broadcast to the batch's shape, built outside the layer and read inside
+    its rematerialised body (or a scan's loop-invariant operand), is computed as the device's
+    rows: a per-device program holding a global-batch tensor would cost memory that FSDP is
+    there to save."""
+    mesh = _mesh()
+    config = stacked_lm.StackedLM(**SMALL, scan=scan, remat=True)
+    tx = optax.sgd(0.1)
+    params = stacked_lm.init(config, mesh)
+    rows = 24  # 3 per device: no other dimension of the model has this size
+    batch = stacked_lm.synthetic_batch(config, mesh, rows=rows)
+    sched = jaxsched.schedule(stacked_lm.make_step(config, tx, mesh), strategy="wfbp")
+    lowered = sched.lower(sched.init(params, tx.init(params)), batch).as_text()
+    inputs = {f"tensor<{rows}x{config.seq}xi32>"}  # the step's own global-batch arguments
+    whole = set(re.findall(rf"tensor<{rows}x[0-9x]*\w+>", lowered)) - inputs
+    assert not whole, whole
 
 
 def _compiled(target: str, scan: bool, strategy: str):

@@ -69,12 +69,15 @@ def _entry_kinds(kinds: list, single: list) -> list[Kind]:
     return [REPLICATED if k.partial and not s else k for k, s in zip(kinds, single)]
 
 
-def call_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def call_rule(p: Partitioner, eqn, kinds: list, single: list, out_kinds: Any = None) -> EqnPlan:
     jaxpr, consts = _inner(eqn)
     inputs = _entry_kinds(kinds, single)
     p.callers.append(eqn)
     try:
-        sub = p.plan(jaxpr, inputs)
+        sub = p.plan(jaxpr, inputs, out_kinds)
+        demanded = _demanded(sub, inputs)
+        if demanded != inputs:  # whole operands used as blocks inside: sliced at the call
+            inputs, sub = demanded, p.plan(jaxpr, demanded, out_kinds)
     finally:
         p.callers.pop()
 
@@ -83,7 +86,34 @@ def call_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
 
     if eqn.primitive.name in REMAT:  # keep jax.checkpoint: the per-device body rematerializes too
         run = _rematerialized(eqn, run)
-    return EqnPlan(tuple(inputs), sub.out_kinds, lambda values: list(run(*values)))
+    return EqnPlan(
+        tuple(inputs),
+        sub.out_kinds,
+        lambda values: list(run(*values)),
+        with_outputs=lambda wanted: call_rule(p, eqn, kinds, single, tuple(wanted)),
+    )
+
+
+def _demanded(sub: JaxprPlan, inputs: list[Kind]) -> list[Kind]:
+    """The call's operand kinds, with each whole operand that every reader inside wants as
+    one block asked for as that block: its producer outside can then compute just the block
+    (a causal mask broadcast to the batch's shape, read inside the transposed ``where``)."""
+    wants: dict = {}
+    for e, plan in zip(sub.jaxpr.eqns, sub.eqns):
+        for x, kind in zip(e.invars, plan.inputs):
+            if isinstance(x, jex_core.Var):
+                wants.setdefault(x, set()).add(kind)
+    for x, kind in zip(sub.jaxpr.outvars, sub.out_kinds):
+        if isinstance(x, jex_core.Var):
+            wants.setdefault(x, set()).add(kind)
+    demanded = list(inputs)
+    for i, (x, kind) in enumerate(zip(sub.jaxpr.invars, inputs)):
+        wanted = wants.get(x, set())
+        if kind.is_replicated and len(wanted) == 1:
+            (only,) = wanted
+            if only.dim is not None and not only.partial and not only.is_special:
+                demanded[i] = only
+    return demanded
 
 
 def _rematerialized(eqn, run: Any) -> Any:
@@ -143,6 +173,10 @@ def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
 
     outer_hints = dict(p.hints)  # the enclosing jaxpr's (planning the body replaces them)
     carry, natural = _widen(p, plan_body, carry)
+    demanded = _demanded(natural, consts + list(carry) + xs_inner)[:n_consts]
+    if demanded != consts:  # loop-invariant whole values the body reads as blocks
+        consts = demanded
+        carry, natural = _widen(p, plan_body, carry)
     ys_inner = list(natural.out_kinds[n_carry:])
     for k, (kind, out) in enumerate(zip(ys_inner, eqn.outvars[n_carry:])):
         # a per-iteration partial sum (a layer's weight gradient) whose stack meets a parameter

@@ -57,6 +57,10 @@ class EqnPlan:
     inputs: tuple[Kind, ...]
     outputs: tuple[Kind, ...]
     emit: Callable[[list], Sequence[Any]]
+    #: for a call: its plan with the results returned in the given kinds, so that a value
+    #: computed whole inside it (a mask broadcast to the batch's shape) is computed as the
+    #: block its readers outside want
+    with_outputs: Callable[[Sequence[Kind]], "EqnPlan"] | None = None
 
 
 @dataclasses.dataclass
@@ -185,6 +189,9 @@ class Partitioner:
             want(x, k, 1)
         for index in range(len(plans) - 1, -1, -1):
             eqn, plan = jaxpr.eqns[index], plans[index]
+            if plan.with_outputs is not None:
+                self._narrow_call(eqn, index, plans, kinds, wants, want)
+                continue
             if len(eqn.outvars) != 1 or not all(k.is_replicated for k in plan.inputs + plan.outputs):
                 continue
             tally = {k: n for k, n in wants.get(eqn.outvars[0], {}).items() if n}
@@ -202,6 +209,28 @@ class Partitioner:
             for x, old, new in zip(eqn.invars, plan.inputs, narrowed.inputs):
                 want(x, old, -1)
                 want(x, new, 1)
+
+    def _narrow_call(self, eqn, index: int, plans: list, kinds: dict, wants: dict, want: Callable) -> None:
+        """A call's whole results that every reader outside wants as one block are returned
+        as that block, computed as such inside the call."""
+        plan = plans[index]
+        outputs = list(plan.outputs)
+        for k, (x, kind) in enumerate(zip(eqn.outvars, plan.outputs)):
+            tally = {w: n for w, n in wants.get(x, {}).items() if n}
+            if not kind.is_replicated or len(tally) != 1:
+                continue
+            (wanted,) = tally
+            if wanted.dim is not None and not wanted.partial and not wanted.is_special:
+                outputs[k] = wanted
+        if outputs == list(plan.outputs):
+            return
+        narrowed = plan.with_outputs(outputs)
+        plans[index] = narrowed
+        for x, kind in zip(eqn.outvars, narrowed.outputs):
+            kinds[x] = kind
+        for x, old, new in zip(eqn.invars, plan.inputs, narrowed.inputs):
+            want(x, old, -1)
+            want(x, new, 1)
 
     @staticmethod
     def kind_of(kinds: dict, x: Any) -> Kind:
