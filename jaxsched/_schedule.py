@@ -25,6 +25,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import numpy as np
 
+from jaxsched.core import static_leaves
 from jaxsched.core.capture import abstract_leaf, capture
 from jaxsched.runtime.collectives.base import Collective
 from jaxsched.runtime.engine import Engine, make_engine
@@ -73,7 +74,9 @@ class Scheduled:
             raise TypeError("pass compression= or collective= (a compressor is a collective wrapper), not both")
         plan_options = {k: v for k, v in options.items() if k in PLAN_OPTIONS}
         strategy_options = {k: v for k, v in options.items() if k not in PLAN_OPTIONS}
-        self.step = step
+        #: the user's step, taking and returning its non-array leaves (an Equinox model's
+        #: functions) as static tree structure (:mod:`jaxsched.core.static_leaves`)
+        self.step = static_leaves.through(step)
         try:
             self.strategy: Strategy = make_strategy(
                 strategy, collective=compression if collective is None else collective, **strategy_options
@@ -121,6 +124,7 @@ class Scheduled:
         (an example batch last, or as ``batch=``) the state comes back in its scheduled layout
         at once, which is what a checkpoint restore needs as its target.
         """
+        args, batch = self._marked(args), self._marked(batch)
         if not args:
             raise TypeError(
                 "sched.init() got no arguments; call sched.init(params, opt_state) for a "
@@ -177,10 +181,13 @@ class Scheduled:
         step with extra inputs); returns the new state and the step's aux, as the plain step
         would (the state alone for a step that returns only its state, and ``(state, key,
         aux)`` for a step that returns an output per input)."""
-        result = self.step_batch(state, self._batch_of(inputs, state))
-        if self._state_form_for(state) is not None:
-            return result  # the adapter returns what the user's step returns
-        return self._outputs.returned(*result)
+        result = self.step_batch(state, self._batch_of(self._marked(inputs), state))
+        if self._state_form_for(state) is None:
+            new_state, aux = result
+            return self._outputs.returned(new_state, static_leaves.unmark(aux) if self._has_static() else aux)
+        if type(result) is tuple and self._has_static():  # the outputs after the state
+            return (result[0], *static_leaves.unmark(result[1:]))
+        return result  # the adapter returns what the user's step returns
 
     def step_batch(self, state: ScheduledState, batch: Any) -> Any:
         """One step with the step's inputs after the state as one pytree (``batch``, or the
@@ -228,15 +235,16 @@ class Scheduled:
         ``step(state, batch)`` (performs pending all-gathers)."""
         check_scheduled_state(state, "sched.finalize(state)")
         if (form := self._state_form_for(state)) is not None:
-            return form.finalize(state)
+            return static_leaves.unmark(form.finalize(state))
         if self._programs.last is None:  # never traced here: only a state in the user's layout
-            return self.strategy.finalize_untraced(state)
+            return static_leaves.unmark(self.strategy.finalize_untraced(state))
         check_state_fits(self._programs.last, self._template, state)
         program = self._programs.last
-        return check_finalized(program, self._template, program.finalize(state))
+        return static_leaves.unmark(check_finalized(program, self._template, program.finalize(state)))
 
     def lower(self, state: ScheduledState, batch: Any):
         """The lowered scheduled program (StableHLO), e.g. to inspect where collectives sit."""
+        batch = self._marked(batch)
         if (form := self._state_form_for(state)) is not None:
             return form.scheduled(state, batch, "lower")
         return self._program_for(state, batch).lower(state, batch)
@@ -255,6 +263,7 @@ class Scheduled:
         """
         from jaxsched.check import inspection as inspect_lib
 
+        batch = self._marked(batch)
         if (form := self._state_form_for(state)) is not None:
             return form.scheduled(state, batch, "inspect", baseline=baseline)
         program = self._program_for(state, batch)
@@ -310,6 +319,7 @@ class Scheduled:
         """
         from jaxsched.check.verify import verify
 
+        batches = map(self._marked, batches)
         if (form := self._state_form_for(state)) is not None:
             batches = list(itertools.islice(iter(batches), steps))
             inner, state = form.scheduled_state(state, batches[0] if batches else None)
@@ -341,6 +351,17 @@ class Scheduled:
         return step if self._form == STATE else with_outputs(step, self._outputs, self._num_inputs or 1)
 
     # -- internals -------------------------------------------------------------------------
+    def _marked(self, tree: Any) -> Any:
+        """``tree`` with its non-array leaves as static structure, as the step treats them."""
+        marked = static_leaves.mark(tree, scalars_static=self.step.scalars_static)
+        if marked is not tree:
+            self._statics_seen = True
+        return marked
+
+    def _has_static(self) -> bool:
+        """Whether an input or an output of the step has held a static leaf so far."""
+        return getattr(self, "_statics_seen", False) or self.step.saw_static
+
     def _batch_of(self, inputs: tuple, state: Any) -> Any:
         """The inputs after the state as the one batch pytree the pipeline traces."""
         check_scheduled_state(state, "sched(state, batch)", num_arguments=1 + len(inputs))

@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsched.core import static_leaves
+
 __all__ = ["PRECISIONS", "relative_gap", "verify", "VerifyReport"]
 
 
@@ -205,6 +207,12 @@ def _without_donation(step: Any) -> Any:
     return call
 
 
+def _finalized(scheduled: Any, state: Any) -> Any:
+    """``finalize``'s trees with their non-array leaves as static structure, as the traced
+    step takes and returns them (:mod:`jaxsched.core.static_leaves`)."""
+    return static_leaves.mark(scheduled.finalize(state), scalars_static=scheduled.step.scalars_static)
+
+
 def verify(
     scheduled: Any,
     state: Any,
@@ -225,7 +233,7 @@ def verify(
     batches = list(itertools.islice(iter(batches), steps))
     if len(batches) < steps:
         raise ValueError(f"verify needs {steps} batches, got {len(batches)}")
-    params, opt_state = scheduled.finalize(state)
+    params, opt_state = _finalized(scheduled, state)
     if precision == "float64":
         try:
             with jax.enable_x64(True):
@@ -279,7 +287,7 @@ def _compare(
         *nudged, nudged_aux = step(*nudged, batch)
         sched_state, sched_aux = scheduled.step_batch(sched_state, batch)
         jax.block_until_ready((plain, nudged, sched_state, sched_aux))
-        user_sched = scheduled.finalize(sched_state)
+        user_sched = _finalized(scheduled, sched_state)
         reference = (
             _named_leaves("params", plain[0]) + _named_leaves("opt_state", plain[1]) + _named_leaves("aux", plain_aux)
         )

@@ -380,3 +380,20 @@ def test_fsdp_lm_refuses_bad_options_first(tmp_path, capsys, args, message):
     with pytest.raises(SystemExit) as exc:
         _load("fsdp_lm").main([*args, "--out", str(tmp_path)])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_equinox_digits_trains_equinoxs_own_step_and_matches_it(tmp_path):
+    """Equinox's data-parallel example as written (filter_jit, filter_shard, a sharding
+    argument, activation functions as leaves), scheduled."""
+    code = _load("equinox_digits").main(["--steps", "30", "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["model"] == "MLP"
+    assert summary["max_relative_loss_difference_to_plain_step"] < 1e-5
+    assert summary["final_loss"] < summary["first_loss"] - 0.5  # it learns the digits
+
+
+def test_equinox_digits_refuses_bad_options_first(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _load("equinox_digits").main(["--batch-size", "60", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "not divisible by --devices" in capsys.readouterr().err
