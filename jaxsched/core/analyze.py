@@ -215,6 +215,8 @@ def analyze(captured: CapturedStep) -> Analysis:
             reductions.append(Reduction(i, pos, x, o, producer.get(x, -1), nbytes))
     if not reductions:
         nested = _nested_reduction(body, axis)
+        if captured.kind == "jit":
+            raise UnsupportedStepError(_no_top_level_reduction(captured, nested))
         if nested is not None:
             raise UnsupportedStepError(
                 f"the gradients are reduced over {axis!r} inside a nested {nested.primitive.name} "
@@ -290,6 +292,33 @@ def analyze(captured: CapturedStep) -> Analysis:
         per_device,
         frozenset(from_data),
         across,
+    )
+
+
+def _no_top_level_reduction(captured: CapturedStep, nested: Any) -> str:
+    """Why a ``jax.jit`` step has no gradient reduction to schedule, and what to do: the
+    reductions are jaxsched's own (the partitioner places them), so the user cannot move them."""
+    axis = captured.axis_name
+    if nested is not None:
+        where = (
+            f"the per-device program sums the gradients over {axis!r} inside a "
+            f"{nested.primitive.name} (a loop or branch of the step reads each gradient whole "
+            "there)"
+        )
+    elif captured.gathers:
+        shown = ", ".join(f"{name} at {line}" for name, line in captured.gathers[:3])
+        more = f" and {len(captured.gathers) - 3} more" if len(captured.gathers) > 3 else ""
+        where = (
+            f"the batch is gathered before the gradients are computed ({shown}{more}: see the "
+            "GatherWarnings), so every device computes the whole gradient and no sum over "
+            f"{axis!r} is left"
+        )
+    else:
+        where = f"no gradient of the new params or optimizer state depends on the batch split over {axis!r}"
+    return (
+        f"jaxsched found no gradient reduction to schedule in this jax.jit step: {where}. "
+        "Run it unchanged with strategy='allreduce' meanwhile, and check that the batch is "
+        f"sharded over {axis!r} where the step computes the loss"
     )
 
 

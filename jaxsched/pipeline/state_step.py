@@ -86,6 +86,7 @@ from jaxsched.core.analyze import analyze
 from jaxsched.core.bucketing import is_float, param_paths, shape_key
 from jaxsched.core.capture import STATE_PATHS_ATTRIBUTE, UnsupportedStepError, capture
 from jaxsched.core.describe import describe, describe_outputs, difference
+from jaxsched.core.static_leaves import MarkedStep
 
 __all__ = [
     "FormWarning",
@@ -135,11 +136,12 @@ def positional_arity(step: Callable) -> int | None:
     """How many positional arguments ``step`` requires, or None if its signature does not
     say (``*args``, or no signature). A wrapper's own signature is read first (jaxsched's
     NNX adapter), then the function it wraps (``jax.jit``, ``jax.shard_map``, ``jax.pmap``)."""
+    step = step.step if isinstance(step, MarkedStep) else step  # jaxsched's own wrapper: the user's step
     for follow in (False, True):
         try:
             parameters = inspect.signature(step, follow_wrapped=follow).parameters.values()
-        except (TypeError, ValueError):
-            return None
+        except (TypeError, ValueError):  # a callable object (eqx.filter_jit's): what it wraps says
+            continue
         if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
             continue
         return sum(

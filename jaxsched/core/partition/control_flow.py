@@ -32,7 +32,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jaxsched.core.partition.interpreter import EqnPlan, JaxprPlan, Partitioner
-from jaxsched.core.partition.kinds import Kind, REPLICATED, join
+from jaxsched.core.partition.kinds import PARTIAL, Kind, REPLICATED, join, sharded
 from jaxsched.core.primitives import CALL_PRIMITIVES
 
 __all__ = ["CONTROL_RULES", "call_rule", "is_call"]
@@ -153,6 +153,23 @@ def _widen(p: Partitioner, plan_body, carry: list[Kind]) -> tuple[list[Kind], Ja
     return carry, plan_body(carry)
 
 
+def _summed_carries(plan_body, carry: list[Kind], sub: JaxprPlan, first: int) -> tuple[list[Kind], JaxprPlan]:
+    """Carries kept as partial sums across the loop: an accumulator of per-iteration partial
+    sums (gradient accumulation over microbatches: ``acc + grad``) is reduced once, after the
+    loop, instead of in every iteration. A carry is kept partial when, so planned, it comes
+    out partial and every reader inside takes it as it is (no sum inside the loop)."""
+    for k, kind in enumerate(carry):
+        if not kind.is_replicated or not sub.out_kinds[k].is_replicated:
+            continue
+        trial_kinds = carry[:k] + [PARTIAL] + carry[k + 1 :]
+        trial = plan_body(trial_kinds)
+        if trial.out_kinds[k] == PARTIAL and _wanted_as(trial, trial.jaxpr.invars[first + k]) <= {PARTIAL}:
+            fixed = [join(c, o) for c, o in zip(trial_kinds, trial.out_kinds[: len(carry)])]
+            if fixed == trial_kinds:
+                carry, sub = trial_kinds, trial
+    return carry, sub
+
+
 def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     params = eqn.params
     closed = params["jaxpr"]
@@ -160,7 +177,9 @@ def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     entry = _entry_kinds(kinds, single)
     consts, carry = entry[:n_consts], entry[n_consts : n_consts + n_carry]
     xs_outer, xs_inner = [], []
-    for k in entry[n_consts + n_carry :]:
+    for k, x in zip(entry[n_consts + n_carry :], eqn.invars[n_consts + n_carry :]):
+        if k == sharded(0) and p.ctx.can_shard(x.aval.shape, 1):
+            k = sharded(1)  # microbatches held whole by each device: swapped for their rows
         if k.dim == 0:  # scanning over the sharded dimension itself: every step needs the whole
             if not k.is_block:
                 p.gathered(eqn, "scans over the sharded (batch) dimension")
@@ -173,6 +192,7 @@ def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
 
     outer_hints = dict(p.hints)  # the enclosing jaxpr's (planning the body replaces them)
     carry, natural = _widen(p, plan_body, carry)
+    carry, natural = _summed_carries(plan_body, carry, natural, n_consts)
     demanded = _demanded(natural, consts + list(carry) + xs_inner)[:n_consts]
     if demanded != consts:  # loop-invariant whole values the body reads as blocks
         consts = demanded
@@ -308,9 +328,29 @@ def while_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     return EqnPlan(tuple(cond_consts + body_consts + carry), tuple(carry), emit)
 
 
+def _wanted_as(sub: JaxprPlan, var: Any) -> set[Kind]:
+    """The kinds the readers of ``var`` inside a planned jaxpr take it in (and its kind as an
+    output, where it is one)."""
+    wanted = {
+        kind
+        for e, plan in zip(sub.jaxpr.eqns, sub.eqns)
+        for x, kind in zip(e.invars, plan.inputs)
+        if isinstance(x, jex_core.Var) and x == var
+    }
+    wanted.update(kind for x, kind in zip(sub.jaxpr.outvars, sub.out_kinds) if isinstance(x, jex_core.Var) and x == var)
+    return wanted
+
+
 def cond_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     branches = eqn.params["branches"]
     operands = _entry_kinds(kinds[1:], single[1:])
+    # a partial sum that a branch reduces (optax.MultiSteps' update on the gradient) is
+    # reduced before the cond, at the top level, where the strategies schedule reductions
+    trial = [p.plan(b.jaxpr, operands) for b in branches]
+    operands = [
+        REPLICATED if k.partial and any(_wanted_as(t, t.jaxpr.invars[i]) - {k} for t in trial) else k
+        for i, k in enumerate(operands)
+    ]
     natural = [p.plan(b.jaxpr, operands).out_kinds for b in branches]
     outs = [functools.reduce(join, ks) for ks in zip(*natural)]
     plans = [p.plan(b.jaxpr, operands, outs) for b in branches]

@@ -205,6 +205,8 @@ class AxisContext:
             return self.scatter(value, have, want, shape)
         if have.dim is not None and have.dim == want.dim and self._axes_of(have) == self._axes_of(want):
             return value  # a parameter block over the data axes is laid out as the batch's
+        if have.dim is not None and have.over is None and want.over is None:  # blocks of another dimension
+            return lax.all_to_all(value, self.axis_name, split_axis=want.dim, concat_axis=have.dim, tiled=True)
         return self.block(self.replicate(value, have), want.dim, shape, want.over)
 
     def _axes_of(self, kind: Kind) -> tuple[str, ...]:

@@ -35,7 +35,7 @@ from jax import lax
 
 from jaxsched.core.partition.control_flow import CONTROL_RULES, call_rule, is_call
 from jaxsched.core.partition.interpreter import EqnPlan, Partitioner
-from jaxsched.core.partition.kinds import Kind, PARTIAL, REPLICATED, local_shape, sharded
+from jaxsched.core.partition.kinds import AxisContext, Kind, PARTIAL, REPLICATED, local_shape, sharded
 from jax.extend import source_info_util
 
 __all__ = [
@@ -246,6 +246,31 @@ def reshaped_dim(in_shape: Sequence[int], out_shape: Sequence[int], d: int, axis
     return None
 
 
+def microbatch_rows(in_shape: Sequence[int], out_shape: Sequence[int], d: int, axis_size: int) -> int | None:
+    """For a reshape that splits the sharded dimension ``d`` into ``(microbatches, rows)``,
+    as gradient accumulation splits a batch, the output dimension of the rows, when it
+    splits into ``axis_size`` blocks; None for any other reshape."""
+    in_shape, out_shape = tuple(in_shape), tuple(out_shape)
+    if len(out_shape) != len(in_shape) + 1 or out_shape[:d] != in_shape[:d] or out_shape[d + 2 :] != in_shape[d + 1 :]:
+        return None
+    microbatches, rows = out_shape[d], out_shape[d + 1]
+    if microbatches < 2 or microbatches * rows != in_shape[d] or rows % axis_size:
+        return None
+    return d + 1
+
+
+def _as_microbatches(ctx: AxisContext, value: Any, d: int, out_shape: Sequence[int]) -> Any:
+    """This device's rows of every microbatch, from its block of the batch: each microbatch
+    holds the rows it holds in the plain step (row ``i * rows + j`` of the batch is row ``j``
+    of microbatch ``i``), split over the devices as the batch was. The microbatches do not
+    fall on device boundaries here (fewer of them than devices, or not a multiple), so the
+    batch is gathered and sliced: a block of a batch of tokens is small beside the
+    activations. (A multiple of the device count keeps whole microbatches on each device,
+    :func:`reshaped_dim`, and a scan over them swaps them for rows by one all-to-all.)"""
+    whole = ctx.replicate(value, sharded(d)).reshape(tuple(out_shape))
+    return ctx.block(whole, d + 1, out_shape)
+
+
 def reshape_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     (k,) = kinds[:1]
     out_shape = _shape(eqn.outvars[0])
@@ -256,6 +281,12 @@ def reshape_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     if k.dim is None:
         return _plan(eqn, [REPLICATED], [REPLICATED])
     e = reshaped_dim(_shape(eqn.invars[0]), out_shape, k.dim, p.ctx.axis_size)
+    if (
+        e is None
+        and k.over is None
+        and (rows := microbatch_rows(_shape(eqn.invars[0]), out_shape, k.dim, p.ctx.axis_size))
+    ):
+        return _plan(eqn, [k], [sharded(rows)], lambda v: [_as_microbatches(p.ctx, v[0], k.dim, out_shape)])
     if e is None:
         return replicated_rule(p, eqn, kinds, single, "reshapes across the sharded dimension")
     local = local_shape(out_shape, sharded(e), p.ctx.axis_size)
