@@ -2,6 +2,8 @@
 replicated, the batch placed with NamedSharding, no shard_map): each exact strategy equals the
 plain jit step on fresh random inputs (rtol 1e-5), or the step is refused by name."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -611,3 +613,40 @@ def test_verify_a_step_with_an_extra_input():
     batches = [(np.float32(0.5), js.place(mesh, b)) for b in js.mlp_batches(16, 2, 16)]
     report = sched.verify(sched.init(params, tx.init(params)), batches, steps=2)
     assert report.ok, str(report)
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear", "allreduce"])
+@pytest.mark.parametrize("layout", ["easylm", "two_data_axes"])
+def test_a_batch_split_inside_the_step_with_a_sharding_constraint(strategy, layout):
+    """EasyLM passes its batch replicated and splits it in the step with
+    ``with_sharding_constraint(batch, P(('dp', 'fsdp')))``: the data axes are read from there
+    (size-one axes are not data axes), and each device computes only its rows."""
+    if layout == "easylm":
+        mesh = _mesh((8, 1, 1), ("dp", "fsdp", "mp"))  # its data-parallel mesh: model axes of size 1
+        param_spec, data = P("fsdp", "mp"), ("dp",)
+    else:
+        mesh = _mesh((4, 2), ("dp", "fsdp"))
+        param_spec, data = P(), ("dp", "fsdp")
+    tx = optax.adamw(1e-2)
+    base = js.mlp_step(tx)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        batch = jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, P(("dp", "fsdp"))))
+        return base(params, opt_state, batch)
+
+    params = {
+        k: jax.device_put(v, NamedSharding(mesh, param_spec if v.ndim == 2 else P()))
+        for k, v in js.mlp_params(np.random.randint(1 << 20)).items()
+    }
+    whole = NamedSharding(mesh, P())
+    batches = [jax.device_put(b, whole) for b in js.mlp_batches(np.random.randint(1 << 20), 3, 16)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxsched.GatherWarning)
+        sched = _run_trees(step, params, tx.init(params), batches, strategy)
+    captured = sched.program.captured
+    assert tuple(jaxsched.core.axes.as_axes(captured.axis_name)) == data
+    if strategy != "allreduce":  # the loss runs on this device's rows: 16 / 8
+        assert any(e.primitive.name == "dot_general" and e.invars[0].aval.shape[0] == 2 for e in captured.body.eqns), (
+            captured.body
+        )

@@ -153,12 +153,15 @@ class AxisContext:
       axis_sizes: ``(name, size)`` of every data axis (for blocks over some of them).
       model_axes: the mesh axes XLA partitions inside the per-device program (tensor or
         expert parallel, above size one); empty when the program is manual over every axis.
+      split_inside: the step splits its batch itself, with a sharding constraint over the data
+        axes: such a constraint on a whole value makes it this device's block there.
     """
 
     axis_name: AxisName
     axis_size: int
     axis_sizes: tuple[tuple[str, int], ...] = ()
     model_axes: tuple[str, ...] = ()
+    split_inside: bool = False
 
     @property
     def axes(self) -> tuple[str, ...]:

@@ -35,10 +35,12 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched.core.axes import AxisName, as_axes, axis_size
 from jaxsched.core.partition.kinds import Kind, REPLICATED, block, sharded
+from jaxsched.core.replay import nested_eqns
 
 __all__ = ["Placement", "PlacementError", "manual_spec", "read_placement", "without_unit_axes"]
 
@@ -51,6 +53,8 @@ class PlacementError(ValueError):
 class Placement:
     """Attributes:
     mesh: the concrete mesh every input lives on.
+    split_inside: whether the data axes were read from a sharding constraint inside the
+      step, the batch arriving whole.
     axis_name: the data axes (one name, or a tuple in the order the batch spec names them).
     specs: per flat input leaf, its ``PartitionSpec`` (data and model axes; size-1 axes dropped).
     kinds: per flat input leaf, what one device holds of it along the data axes.
@@ -63,6 +67,9 @@ class Placement:
     specs: tuple[P, ...]
     kinds: tuple[Kind, ...]
     manual_axes: tuple[str, ...] | None = None
+    #: the batch comes in whole and the step splits it with a sharding constraint (EasyLM's
+    #: ``with_sharding_constraint(batch, P(('dp', 'fsdp')))``), which names the data axes
+    split_inside: bool = False
 
     @property
     def axis_size(self) -> int:
@@ -200,6 +207,14 @@ def _data_axes(names, roles, specs) -> tuple[str, ...] | None:
     return data
 
 
+def _what(name: str, role: str) -> str:
+    """What a state leaf is, for messages: its role, or (a state-form step's leaf, every one in
+    the role of a parameter) its path's."""
+    if role == "opt_state" or "opt_state" in name.split("/")[:2] or name.startswith("opt_state"):
+        return "an optimizer-state leaf"
+    return "a parameter"
+
+
 def _leaf_kind(name: str, role: str, shape: tuple, spec: P, data: tuple[str, ...], mesh: Mesh) -> Kind:
     """What one device holds of a state leaf: replicated over the data axes, or a block."""
     in_data = [(d, tuple(a for a in axes if a in data)) for d, axes in _sharded_dims(spec)]
@@ -209,7 +224,7 @@ def _leaf_kind(name: str, role: str, shape: tuple, spec: P, data: tuple[str, ...
     if len(in_data) > 1:
         raise PlacementError(
             f"{name} is sharded with {spec}: over the data axes {data} along "
-            f"{len(in_data)} dimensions; jaxsched splits a parameter over the data axes along one "
+            f"{len(in_data)} dimensions; jaxsched splits {_what(name, role)} over the data axes along one "
             "dimension (FSDP): shard one dimension over them and keep the others replicated or on "
             "model axes"
         )
@@ -251,6 +266,10 @@ def read_placement(closed, leaves: Sequence[Any], names: Sequence[str], roles: S
         specs = [without_unit_axes(_spec_of(s), mesh) for s in shardings]
 
     data = _data_axes(names, roles, specs)
+    split_inside = False
+    if data is None and mesh.devices.size > 1:
+        data = constrained_data_axes(closed, roles, mesh)
+        split_inside = data is not None
     if data is None:
         if mesh.devices.size > 1:
             raise PlacementError(
@@ -295,4 +314,40 @@ def read_placement(closed, leaves: Sequence[Any], names: Sequence[str], roles: S
             kinds.append(_leaf_kind(name, role, shape, spec, data, mesh))
             final_specs.append(spec)
     manual = tuple(data) if model else None
-    return Placement(mesh, axis_name, tuple(final_specs), tuple(kinds), manual)
+    return Placement(mesh, axis_name, tuple(final_specs), tuple(kinds), manual, split_inside)
+
+
+def constraint_spec(eqn: Any, mesh: Mesh) -> P | None:
+    """The ``PartitionSpec`` a ``with_sharding_constraint`` or ``reshard`` equation places its
+    operand with (size-one axes dropped), or None for any other equation."""
+    if eqn.primitive.name not in ("sharding_constraint", "reshard"):
+        return None
+    sharding = eqn.params.get("dst_sharding" if eqn.primitive.name == "reshard" else "sharding")
+    spec = getattr(sharding, "spec", sharding if isinstance(sharding, P) else None)
+    if spec is None:
+        return None
+    try:
+        return without_unit_axes(spec, mesh)
+    except KeyError:  # an axis of another mesh
+        return None
+
+
+def constrained_data_axes(closed: Any, roles: Sequence[str], mesh: Mesh) -> tuple[str, ...] | None:
+    """The data axes of a step that splits its batch itself: the axes the first sharding
+    constraint on a value computed from the batch splits its leading dimension over (a
+    constraint on any value, where none is on the batch's)."""
+    derived = {v for v, role in zip(closed.jaxpr.invars, roles) if role == "batch"}
+    fallback = None
+    for eqn in closed.jaxpr.eqns:
+        if any(isinstance(x, jex_core.Var) and x in derived for x in eqn.invars):
+            derived.update(eqn.outvars)
+        spec = constraint_spec(eqn, mesh)
+        dims = _sharded_dims(spec) if spec is not None else []
+        if dims and dims[0][0] == 0 and eqn.invars[0] in derived:
+            return dims[0][1]
+    for eqn in nested_eqns(closed.jaxpr):
+        spec = constraint_spec(eqn, mesh)
+        dims = _sharded_dims(spec) if spec is not None else []
+        if dims and dims[0][0] == 0:
+            fallback = fallback or dims[0][1]
+    return fallback

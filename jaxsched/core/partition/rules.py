@@ -444,6 +444,27 @@ def iota_like_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     return _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED] * len(eqn.outvars))
 
 
+def _split_by_constraint(p: Partitioner, eqn, kinds: list, spec: Any) -> EqnPlan | None:
+    """A whole value that the step places split over the data axes (its batch, passed
+    replicated and split inside, as EasyLM does): from here on this device's block, a slice
+    without traffic, exactly the rows XLA's partitioner gives it."""
+    if spec is None or len(kinds) != 1 or not kinds[0].is_replicated:
+        return None
+    data = set(p.ctx.axes)
+    for d, entry in enumerate(spec):
+        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None)
+        axes = tuple(a for a in axes if a in data or a in p.ctx.model_axes)
+        if not axes:
+            continue
+        if tuple(a for a in axes if a in data) != tuple(p.ctx.axes) or len(axes) != len(p.ctx.axes):
+            return None
+        shape = _shape(eqn.invars[0])
+        if not p.ctx.can_shard(shape, d):
+            return None
+        return _plan(eqn, [REPLICATED], [sharded(d)], lambda values: [p.ctx.block(values[0], d, shape)])
+    return None
+
+
 def identity_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     """Placement annotations (``reshard``, sharding constraints): along the data axes they are
     no-ops per device. Along model axes (tensor parallelism, which stays XLA's to partition,
@@ -452,6 +473,8 @@ def identity_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     model = set(p.ctx.model_axes)
     sharding = eqn.params.get("dst_sharding" if eqn.primitive.name == "reshard" else "sharding")
     spec = getattr(sharding, "spec", None)
+    if p.ctx.split_inside and (split := _split_by_constraint(p, eqn, kinds, spec)) is not None:
+        return split
     if eqn.primitive.name not in ("sharding_constraint", "reshard") or not model or spec is None:
         return _plan(eqn, list(kinds), list(kinds), lambda values: list(values))
     entries = []
