@@ -34,6 +34,7 @@ import numpy as np
 from jax import lax
 
 from jaxsched.core.partition.control_flow import CONTROL_RULES, call_rule, is_call
+from jaxsched.core.replay import eval_inline
 from jaxsched.core.partition.interpreter import EqnPlan, Partitioner
 from jaxsched.core.partition.kinds import AxisContext, Kind, PARTIAL, REPLICATED, local_shape, sharded
 from jax.extend import source_info_util
@@ -465,6 +466,47 @@ def _split_by_constraint(p: Partitioner, eqn, kinds: list, spec: Any) -> EqnPlan
     return None
 
 
+def _spec_kind(p: Partitioner, spec: Any, mesh: Any) -> Kind | None:
+    """What one device holds of an inner ``shard_map``'s operand or result of ``spec``: the
+    whole value (no data axis), its block of one dimension over exactly the data axes, or
+    None for any other layout (a model axis, or some of the data axes)."""
+    dims = []
+    for d, entry in enumerate(spec):
+        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None)
+        axes = tuple(a for a in axes if mesh.shape[a] > 1)
+        if axes:
+            dims.append((d, axes))
+    if not dims:
+        return REPLICATED
+    if len(dims) == 1 and dims[0][1] == tuple(p.ctx.axes):
+        return sharded(dims[0][0])
+    return None
+
+
+def shard_map_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    """A ``jax.shard_map`` inside a ``jax.jit`` step, manual over the data axes (big_vision
+    writes its mixup so): its body is per device already, so it runs as written on this
+    device's blocks (each operand converted to the block its ``in_specs`` name)."""
+    mesh = eqn.params["mesh"]
+    manual = set(eqn.params.get("manual_axes", mesh.axis_names))
+    manual = {a for a in manual if mesh.shape[a] > 1}
+    ins = [_spec_kind(p, spec, mesh) for spec in eqn.params["in_specs"]]
+    outs = [_spec_kind(p, spec, mesh) for spec in eqn.params["out_specs"]]
+    if manual != set(p.ctx.axes) or any(k is None for k in ins + outs):
+        raise p.refuse(
+            eqn,
+            f"it is manual over {sorted(manual)} with in_specs {tuple(eqn.params['in_specs'])} and "
+            f"out_specs {tuple(eqn.params['out_specs'])}; inside a jax.jit step jaxsched runs a "
+            f"shard_map that is manual over exactly the data axes {tuple(p.ctx.axes)} and splits "
+            "each operand over all of them or none. Write the whole per-device step as one "
+            "jax.shard_map (the form jaxsched schedules as written), or the inner part as "
+            "jax.numpy on global arrays",
+        )
+    body = eqn.params["jaxpr"]
+    body = body.jaxpr if hasattr(body, "jaxpr") else body
+    return _plan(eqn, ins, outs, lambda values: eval_inline(body, [], values))
+
+
 def identity_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     """Placement annotations (``reshard``, sharding constraints): along the data axes they are
     no-ops per device. Along model axes (tensor parallelism, which stays XLA's to partition,
@@ -843,11 +885,7 @@ RULES.update(
         "sharding_constraint": identity_rule,
         "mesh_cast": identity_rule,
         "pvary": identity_rule,
-        "shard_map": refuse_rule(
-            "the step mixes jax.jit shardings with a jax.shard_map inside; write the whole per-device "
-            "step as one jax.shard_map over the mesh (the form jaxsched schedules as written), or "
-            "leave the inner shard_map out"
-        ),
+        "shard_map": shard_map_rule,
     }
 )
 
