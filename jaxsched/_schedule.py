@@ -313,7 +313,7 @@ class Scheduled:
 
         Returns a :class:`jaxsched.check.verify.VerifyReport`: per leaf the largest relative
         difference, the rounding baseline it is judged against, and the first step at
-        which a leaf left the tolerance (``print(report)`` shows a table). By default every
+        which each leaf left its tolerance, or that it is chaotic (``print(report)`` shows a table). By default every
         run is made in float64, where rounding cannot pass for a defect
         (:mod:`jaxsched.check.verify`); ``precision="float32"`` compares the step as it trains.
         """
