@@ -272,11 +272,15 @@ class Partitioner:
         key = (eqn.primitive.name, self.where(eqn))
         if key in self.gathers:
             return
+        warned = any(name == key[0] for name, _ in self.gathers)  # once per primitive: not per layer
         self.gathers.append(key)
+        if warned:
+            return
         warnings.warn(
             f"jaxsched: {key[0]} at {key[1]} {why}; its batch-sharded operands are "
             f"all-gathered over {self.ctx.axis_name!r} so that it runs on the whole "
-            "batch (exact, but every device then computes it in full)",
+            "batch (exact, but every device then computes it in full). Every other "
+            f"{key[0]} of the step that does the same is gathered too, without another warning",
             GatherWarning,
             stacklevel=2,
         )

@@ -141,7 +141,7 @@ def _partial_inputs(p: Partitioner, eqn, kinds: list, positions: Sequence[int]) 
 ELEMENTWISE = frozenset(
     """
 abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp
-clz conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1
+clz complex conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1
 floor ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt max min mul
 ne neg nextafter not or polygamma population_count pow real reduce_precision rem round rsqrt
 select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
@@ -161,6 +161,7 @@ LINEAR_IN: dict[str, Callable[[int], tuple]] = {
     "copy_p": lambda n: (0,),
     "real": lambda n: (0,),
     "imag": lambda n: (0,),
+    "complex": lambda n: tuple(range(n)),  # re + i im: a sum of complex terms, both parts summed
     "conj": lambda n: (0,),
 }
 
@@ -439,6 +440,36 @@ def concatenate_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     if dims or d == axis or any(k.partial for k in kinds):
         return replicated_rule(p, eqn, kinds, single, "concatenates along the sharded (batch) dimension")
     return _plan(eqn, [sharded(d)] * len(kinds), [sharded(d)])
+
+
+def stack_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    """``jnp.stack`` (the transpose of unstacking): same-shaped operands stacked along a new
+    ``axis``; their blocks of one dimension are a block of the result, the dimension shifted
+    past the new axis."""
+    axis = eqn.params["axis"]
+    if any(k.partial for k in kinds) and _partial_ok(p, eqn, kinds, single, range(len(kinds))):
+        return _plan(eqn, _partial_inputs(p, eqn, kinds, range(len(kinds))), [PARTIAL])
+    dims = {k.dim for k in kinds if k.dim is not None}
+    if not dims or len(dims) > 1 or any(k.partial or k.is_special for k in kinds):
+        return replicated_rule(p, eqn, kinds, single)
+    d = dims.pop()
+    return _plan(eqn, [sharded(d)] * len(kinds), [sharded(d if d < axis else d + 1)])
+
+
+def unstack_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    """``jnp.unstack`` along ``axis``: a block of another dimension is a block of every slice
+    (the dimension shifted down past the removed axis); a partial sum stays one."""
+    axis = eqn.params["axis"]
+    k = kinds[0]
+    if k.partial:
+        kind = PARTIAL if single[0] else REPLICATED
+        return _plan(eqn, [kind], [kind] * len(eqn.outvars))
+    if k.dim is None or k.is_special:
+        return replicated_rule(p, eqn, kinds, single)
+    if k.dim == axis:
+        return replicated_rule(p, eqn, kinds, single, "unstacks along the sharded (batch) dimension")
+    out = sharded(k.dim if k.dim < axis else k.dim - 1)
+    return _plan(eqn, [k], [out] * len(eqn.outvars))
 
 
 def iota_like_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
@@ -834,6 +865,8 @@ RULES.update(
         "pad": pad_rule,
         "rev": rev_rule,
         "concatenate": concatenate_rule,
+        "stack": stack_rule,
+        "unstack": unstack_rule,
         "iota": iota_like_rule,
         "bitcast_convert_type": bitcast_rule,
         "reduce_sum": _reduce_rule(None, linear=True),
