@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 
-from jaxsched.runtime.collectives.base import BucketSpec
+from jaxsched.runtime.collectives.base import SMALL_TENSOR_BYTES, BucketSpec, nbytes
 from jaxsched.sim.costmodel import WFBP_PATTERN
 from jaxsched.plan.planned_step import PlannedStep
 from jaxsched.core.replay import interpret, read
@@ -44,14 +45,49 @@ class Wfbp(UserLayoutStrategy):
         specs = self.collective_buckets(planned)
         carried = list(collective_state)
         env = dict(zip(body.invars, values, strict=True))
+        # A bucket of small all-reduced gradients that a backward loop returns (a scanned
+        # model's stacked norm scales and biases) is pure latency, and issued at the loop's
+        # exit it opens an async window that XLA's latency-hiding scheduler fills with the
+        # head's independent backward (the unembedding's weight gradient), moving it past the
+        # loop: its input, the logits' gradient, then stays alive through the whole backward
+        # loop. Such a bucket waits for the next bucket's gradients (an optimization barrier:
+        # the same values, only ordered) and is reduced with it.
+        loops = [body.eqns[i] for i in analysis.backward if body.eqns[i].primitive.name in ("scan", "while")]
+        from_loop = {v for eqn in loops for v in eqn.outvars}
+        held: list = []  # (bucket, gradients) waiting for the next bucket
 
-        def emit(bucket) -> None:
+        def reduce(bucket, grads) -> None:
             k = buckets.index(bucket)
-            grads = [read(env, reds[j].operand) for j in bucket.reductions]
-            sums, carried[k] = reduce_gradients(self.collective, planned, bucket, grads, specs[k], carried[k])
+            sums, carried[k] = reduce_gradients(self.collective, planned, bucket, list(grads), specs[k], carried[k])
             for j, total in zip(bucket.reductions, sums):
                 env[reds[j].result] = total
 
+        def emit(bucket) -> None:
+            grads = [read(env, reds[j].operand) for j in bucket.reductions]
+            if _latency_only(bucket, grads, reds, from_loop):
+                held.append((bucket, grads))
+                return
+            if held:
+                waiting, grads = jax.lax.optimization_barrier(([g for _, gs in held for g in gs], grads))
+                at = 0
+                for b, gs in held:
+                    reduce(b, waiting[at : at + len(gs)])
+                    at += len(gs)
+                held.clear()
+            reduce(bucket, grads)
+
         walk_backward(analysis, env, {}, buckets, emit)
+        for b, gs in held:  # no bucket after them: reduced as they are
+            reduce(b, gs)
         interpret((body.eqns[i] for i in analysis.update), lambda x: read(env, x), env.__setitem__)
         return [read(env, x) for x in body.outvars], tuple(carried)
+
+
+def _latency_only(bucket, grads, reds, from_loop) -> bool:
+    """An all-reduced bucket of small tensors (one packed buffer) of which a backward loop
+    returns a gradient."""
+    return (
+        not any(reds[j].scattered for j in bucket.reductions)
+        and all(nbytes(g) <= SMALL_TENSOR_BYTES for g in grads)
+        and any(reds[j].operand in from_loop for j in bucket.reductions)
+    )

@@ -44,6 +44,7 @@ __all__ = [
     "OPERATIONS",
     "PlainCollective",
     "SMALL_TENSOR_BYTES",
+    "nbytes",
     "stack_local",
     "stacked_zeros",
     "unstack_local",
@@ -156,7 +157,7 @@ class Collective:
         if type(self).all_reduce is Collective.all_reduce and form != "packed":
             if form == "per_tensor":
                 return [lax.psum(t, axis_name) for t in tensors], state
-            small = [i for i, t in enumerate(tensors) if _nbytes(t) <= SMALL_TENSOR_BYTES]
+            small = [i for i, t in enumerate(tensors) if nbytes(t) <= SMALL_TENSOR_BYTES]
             if len(small) < 2:
                 return list(lax.psum(tuple(tensors), axis_name)), state
             # Small tensors travel in one buffer: each psum pays a start-up (on gloo about
@@ -246,7 +247,8 @@ PlainCollective = Collective
 SMALL_TENSOR_BYTES = 64 * 1024
 
 
-def _nbytes(t: Any) -> int:
+def nbytes(t: Any) -> int:
+    """The bytes of one tensor (an array or a tracer)."""
     return int(np.prod(np.shape(t))) * jnp.dtype(jnp.result_type(t)).itemsize
 
 
