@@ -17,7 +17,7 @@ import pytest
 import jaxsched
 from jaxsched.core.replay import nested_eqns
 
-EXACT = ["wfbp", "dear", "allreduce"]
+EXACT = ["wfbp", "dear", pytest.param("allreduce", marks=pytest.mark.slow)]
 
 
 def _mesh():

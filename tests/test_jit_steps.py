@@ -403,7 +403,7 @@ def test_an_unsharded_batch_on_a_mesh_is_refused():
         sched(state, js.place(mesh, js.mlp_batches(0, 1, 16)[0], P()))
 
 
-@pytest.mark.parametrize("strategy", ["wfbp", "dear", "allreduce"])
+@pytest.mark.parametrize("strategy", ["wfbp", "dear", pytest.param("allreduce", marks=pytest.mark.slow)])
 def test_a_shard_map_over_the_data_axis_inside_a_jit_step(strategy):
     """big_vision's train.py mixes its batch in a jax.shard_map inside the jit step: the body
     is per device already and runs as written on each device's rows (a rolled copy of the
@@ -641,7 +641,7 @@ def test_verify_a_step_with_an_extra_input():
     assert report.ok, str(report)
 
 
-@pytest.mark.parametrize("strategy", ["wfbp", "dear", "allreduce"])
+@pytest.mark.parametrize("strategy", ["wfbp", "dear", pytest.param("allreduce", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("layout", ["easylm", "two_data_axes"])
 def test_a_batch_split_inside_the_step_with_a_sharding_constraint(strategy, layout):
     """EasyLM passes its batch replicated and splits it in the step with

@@ -14,7 +14,7 @@ import pytest
 
 import jaxsched
 
-EXACT = ["wfbp", "dear", "allreduce"]
+EXACT = ["wfbp", "dear", pytest.param("allreduce", marks=pytest.mark.slow)]
 
 
 def _mesh():
