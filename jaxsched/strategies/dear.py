@@ -40,6 +40,7 @@ from jaxsched.core.bucketing import is_float, match_reductions
 from jaxsched.runtime.collectives.base import BucketSpec
 from jaxsched.sim.costmodel import DEAR_PATTERN
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
+from jaxsched.core.rewrite.pending_sums import PendingSum, PendingSums
 from jaxsched.core.replay import interpret, read
 from jaxsched.core.rewrite.backward import walk_backward
 from jaxsched.core.rewrite.rules import Shard, ShardContext, apply_rule
@@ -468,14 +469,26 @@ class Dear(Strategy):
                     lazy.pop(x)()
                 return read(env, x)
 
+            sums = PendingSums()  # global norms' per-leaf sums: one all-reduce, not one each
+
             def run(eqn, vals):
                 ctx.top = eqn  # what a fallback inside it is attributed to (bucket_report)
-                return apply_rule(ctx, eqn, vals)
+                if any(isinstance(v, PendingSum) for v in vals):
+                    summed = sums.linear(eqn.primitive.name, vals, eqn.params)
+                    if summed is not None:
+                        return [summed]
+                    vals = sums.resolve(vals)
+                # only a top-level sum is deferred (never one inside a loop's or branch's body)
+                ctx.sums = sums if eqn.primitive.name == "reduce_sum" else None
+                try:
+                    return apply_rule(ctx, eqn, vals)
+                finally:
+                    ctx.sums = None
 
             interpret((body.eqns[i] for i in analysis.update), read_post, post.__setitem__, run=run)
             ctx.top = None
 
-            outs = [read_post(body.outvars[k]) for k in cap.outputs]
+            outs = sums.resolve([read_post(body.outvars[k]) for k in cap.outputs])
             new_params, new_opt, aux = outs[:n_p], outs[n_p : n_p + n_o], outs[n_p + n_o :]
             # every state leaf leaves in the dtype the user's step gives it (which may
             # differ from its input's: the next call then gets a program for it)

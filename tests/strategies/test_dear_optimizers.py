@@ -188,6 +188,38 @@ def test_dynamic_scale_is_not_trained_and_its_finite_check_is_one_scalar_reducti
     assert_trees_close(jax.device_get(sched.finalize(s)), jax.device_get(plain), rtol=1e-5, atol=1e-6)
 
 
+def test_global_norm_clipping_on_shards_is_one_scalar_all_reduce():
+    """clip_by_global_norm sums each leaf's squares on its shard: the per-leaf sums over
+    devices are batched into one all-reduce (there was one per leaf), with the plain step's
+    numbers up to rounding."""
+    params, apply_fn = build("transformer", 0)
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3))
+    mesh = _mesh()
+
+    def body(params, opt_state, batch):
+        x, y = batch
+        loss_fn = lambda q: optax.softmax_cross_entropy_with_integer_labels(apply_fn(q, x), y).mean()
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        u, opt_state = tx.update(lax.pmean(g, "data"), opt_state, params)
+        return optax.apply_updates(params, u), opt_state, lax.pmean(loss, "data")
+
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    )
+    batches = [steps.shard_batch(b, mesh) for b in random_batches("transformer", 3, 16, 1)]
+    plain = (params, tx.init(params))
+    for b in batches:
+        *plain, _ = step(*plain, b)
+    sched = jaxsched.schedule(step, strategy="dear")
+    s = sched.init(params, tx.init(params))
+    for b in batches:
+        s, _ = sched(s, b)
+    found = collectives(sched.lower(s, batches[0]).as_text())
+    scalars = [n for n in found["all_reduce"] if n <= len(jax.tree.leaves(params))]
+    assert len(jax.tree.leaves(params)) > 10 and len(scalars) <= 2, found["all_reduce"]
+    assert_trees_close(jax.device_get(sched.finalize(s)), jax.device_get(tuple(plain)), rtol=1e-5, atol=1e-6)
+
+
 def zoo_paths(params):
     return jaxsched.core.bucketing.param_paths(params)
 

@@ -107,6 +107,9 @@ class ShardContext:
     sites: list = dataclasses.field(default_factory=list)
     #: while a rule traces a body only to see what it does, what would fall back there
     probing: list | None = None
+    #: where a scalar sum over devices is deferred and batched with the others
+    #: (:mod:`jaxsched.core.rewrite.pending_sums`); None: each is reduced at once
+    sums: Any = None
 
     def axes_of(self, shard: "Shard | None") -> Any:
         """The mesh axes ``shard``'s chunks are spread over (the data axes by default)."""
@@ -222,6 +225,8 @@ def _reduce_rule(local: Callable, collective: Callable, identity: Callable, segm
         chunk = jnp.where(mask, value.chunk, identity(value.chunk.dtype))
         out_dtype = eqn.outvars[0].aval.dtype
         if axes == tuple(range(len(value.shape))):
+            if collective is lax.psum and ctx.sums is not None:
+                return [ctx.sums.defer(local(chunk).astype(out_dtype), over)]
             return [collective(local(chunk).astype(out_dtype), over)]
         if segment is None:
             return full_rule(ctx, eqn, values)
