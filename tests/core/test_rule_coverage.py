@@ -133,7 +133,7 @@ def test_every_primitive_has_a_per_device_rule(name, step, args):
     assert not missing, f"{name}: no per-device rule for {missing}"
 
 
-@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+@pytest.mark.parametrize("strategy", ["wfbp", pytest.param("dear", marks=pytest.mark.slow)])
 def test_the_lm_operations_run_per_device_and_equal_the_plain_step(strategy):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     tx = optax.sgd(0.05, momentum=0.9)  # linear in the gradient: rounding stays rounding

@@ -382,6 +382,7 @@ def test_fsdp_lm_refuses_bad_options_first(tmp_path, capsys, args, message):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_equinox_digits_trains_equinoxs_own_step_and_matches_it(tmp_path):
     """Equinox's data-parallel example as written (filter_jit, filter_shard, a sharding
     argument, activation functions as leaves), scheduled."""

@@ -188,6 +188,7 @@ def test_dynamic_scale_is_not_trained_and_its_finite_check_is_one_scalar_reducti
     assert_trees_close(jax.device_get(sched.finalize(s)), jax.device_get(plain), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_global_norm_clipping_on_shards_is_one_scalar_all_reduce():
     """clip_by_global_norm sums each leaf's squares on its shard: the per-leaf sums over
     devices are batched into one all-reduce (there was one per leaf), with the plain step's
