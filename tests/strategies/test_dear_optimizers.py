@@ -46,12 +46,13 @@ def test_optimizer_runs_its_update_on_shards(name):
     found = run["collectives"]
     # one all-gather and one reduce-scatter per bucket, each of the whole bucket
     assert len(found["all_gather"]) == len(found["reduce_scatter"]) == run["buckets"] == 1
-    # all-reduces only of what the optimizer needs by its nature: scalars (a global norm,
-    # a finite check, the loss), adafactor's row and column sums; nothing gradient-sized
+    # all-reduces only of what the optimizer needs by its nature: scalars (a global norm's
+    # per-leaf sums, batched into one vector; a finite check, the loss), adafactor's row and
+    # column sums; nothing gradient-sized
     if name == "adafactor":
         assert sum(found["all_reduce"]) < run["param_elements"] // 4
     else:
-        assert set(found["all_reduce"]) == {1}
+        assert max(found["all_reduce"]) <= len(jax.tree.leaves(run["plain"])), found["all_reduce"]
     padding = 4 * run["devices"] * len(jax.tree.leaves(run["plain"][1]))
     if name != "adafactor":  # adafactor's factored statistics are small and stay whole
         assert run["opt_bytes_per_device"] <= run["opt_bytes_plain"] / run["devices"] + padding
