@@ -210,6 +210,14 @@ def settings(opts: Options) -> dict[str, Any]:
     return json.loads(json.dumps(flat))
 
 
+def ask_for_cpu_devices(count: int) -> None:
+    """Ask XLA for ``count`` virtual CPU devices, unless ``XLA_FLAGS`` already says how many
+    (it must be set before JAX's first use)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
 def start_devices(opts: Options) -> Any:
     """Join the other processes (under ``jaxsched launch``) or ask for ``--devices`` virtual
     CPU devices, then return the mesh: the first ``devices / processes`` local devices of
@@ -220,10 +228,7 @@ def start_devices(opts: Options) -> Any:
     if os.environ.get(launch.ENV_PROCESS_ID):
         launch.initialize()
     elif not xla_bridge.backends_are_initialized():
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:  # must precede JAX's first use
-            count = f"--xla_force_host_platform_device_count={opts.devices}"
-            os.environ["XLA_FLAGS"] = f"{flags} {count}".strip()
+        ask_for_cpu_devices(opts.devices)
     per_process = opts.devices // jax.process_count()
     chosen = []
     for p in range(jax.process_count()):

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
+
+sys.path.insert(0, str(Path(__file__).parent))  # _common, when run from anywhere
+import _common  # noqa: E402
 
 STRATEGIES = ("wfbp", "dear", "allreduce", "auto")
 
@@ -47,9 +49,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def train(args: argparse.Namespace) -> int:
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:  # before JAX's first use
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
+    _common.ask_for_cpu_devices(args.devices)  # before JAX's first use
     import equinox as eqx
     import jax
     import jax.numpy as jnp
