@@ -445,38 +445,29 @@ def _build(
             second_order_tail = _inversions(graph, network, pattern, lay, n, factor_comm)
         else:
             second_order_tail = []
+
+        def shard_update(k: int, n: int = n) -> Any:
+            """Bucket ``k``'s update on this worker's shards, once its reduce-scatter is done."""
+            task = _Task(
+                "compute",
+                f"update b{k} shard",
+                "update",
+                n,
+                _share(bucket_update[k], workers),
+                from_spare(k, n, [reduce_of_bucket[k]]),
+            )
+            return graph.add(task)
+
         if priority:
             pass  # each layer's update waits for its own chunks (next iteration, above)
         elif pattern.delayed_update:
             back = [t for c in prev_comm for t in from_spare(_bucket_of_task(graph, c), n, [c])]
             graph.add(_Task("compute", "update (previous step)", "update", n, total_update, back))
         elif fsdp:  # each bucket's update on its shards, once its reduce-scatter is done
-            prev_updates = [
-                graph.add(
-                    _Task(
-                        "compute",
-                        f"update b{k} shard",
-                        "update",
-                        n,
-                        _share(bucket_update[k], workers),
-                        from_spare(k, n, [reduce_of_bucket[k]]),
-                    )
-                )
-                for k in range(len(buckets))
-                if k in reduce_of_bucket
-            ]
+            prev_updates = [shard_update(k) for k in range(len(buckets)) if k in reduce_of_bucket]
         elif pattern.parameters:
             for k in range(len(buckets)):
-                upd = graph.add(
-                    _Task(
-                        "compute",
-                        f"update b{k} shard",
-                        "update",
-                        n,
-                        _share(bucket_update[k], workers),
-                        from_spare(k, n, [reduce_of_bucket[k]]),
-                    )
-                )
+                upd = shard_update(k)
                 kind = pattern.parameters
                 prev_gather[k] = graph.add(
                     _Task("comm", f"{kind} b{k}", kind, n, network.time(kind, bucket_bytes[k]), to_spare(k, n, [upd]))
