@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxsched
 import support.sharded_steps as ss
 from jaxsched.core.axes import as_axes
+from support.hlo_counts import collectives
 from support.toolchains import needs_gpu, needs_tpu
 
 EXACT = {"allreduce": {}, "wfbp": {}, "dear": {}}
@@ -166,6 +167,23 @@ def test_the_other_exact_strategies_run_fsdp_steps(strategy, options):
     tx = optax.adam(1e-2)
     layout, mesh, params, opt_state, batches = _mlp_case("hsdp", tx, 17)
     _run(ss.mlp_step(tx, layout, mesh), params, opt_state, batches, strategy, **options)
+
+
+@pytest.mark.parametrize("optimizer, levels", [("clip", 1), ("lamb", 2)])
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_the_norms_of_parameter_blocks_are_one_all_reduce_per_level(strategy, optimizer, levels):
+    """A global-norm clip sums each block's squares over the data axes, LAMB each leaf's two
+    norms (the second masked by the first): independent sums go in one all-reduce, so a
+    step holds one scalar vector per level of dependent sums, plus the loss."""
+    tx = {
+        "clip": optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-2)),
+        "lamb": optax.lamb(1e-2),
+    }[optimizer]
+    layout, mesh, params, opt_state, batches = _mlp_case("hsdp", tx, 23)
+    sched, state, _ = _run(ss.mlp_step(tx, layout, mesh), params, opt_state, batches, strategy)
+    text = sched.lower(state, batches[0]).as_text()
+    scalars = [n for n in collectives(text)["all_reduce"] if n < ss.HIDDEN]
+    assert len(scalars) <= levels + 1, scalars
 
 
 # -- refusals ------------------------------------------------------------------------------

@@ -72,6 +72,7 @@ from jaxsched.strategies.approximation import approximated_point, check_method, 
 from jaxsched.plan.planned_step import PlannedStep, is_abstract, zero_count
 from jaxsched.core.primitives import COLLECTIVES
 from jaxsched.core.replay import interpret, is_var, nested_eqns, read, source_line
+from jaxsched.core.rewrite.pending_sums import interpret_batching_sums
 from jaxsched.core.rewrite.backward import walk_backward
 from jaxsched.strategies.base import RewrittenBody, Strategy, placed_user_layout, reduce_gradients, scatter_block
 from jaxsched.strategies.registry import register_strategy
@@ -282,9 +283,8 @@ class Approx(Strategy):
         env = {} if env is None else env
         env.update(zip(body.invars, values, strict=True))
         env.update((r.result, g) for r, g in zip(analysis.reductions, reduced, strict=True))
-        interpret(
-            (body.eqns[i] for i in self.update_split(planned).state_eqns), lambda x: read(env, x), env.__setitem__
-        )
+        state_eqns = [body.eqns[i] for i in self.update_split(planned).state_eqns]
+        interpret_batching_sums(state_eqns, lambda x: read(env, x), env.__setitem__)
         outs = [read(env, body.outvars[k]) for k in cap.outputs[: cap.num_params + cap.num_opt]]
         return outs[: cap.num_params], outs[cap.num_params :], env
 
@@ -455,7 +455,7 @@ class Approx(Strategy):
                 env[reds[j].result] = s
 
         walk_backward(analysis, env, {}, planned.buckets, emit)
-        interpret((body.eqns[i] for i in analysis.update), lambda x: read(env, x), env.__setitem__)
+        interpret_batching_sums([body.eqns[i] for i in analysis.update], lambda x: read(env, x), env.__setitem__)
         outs = [read(env, body.outvars[i]) for i in cap.outputs]
         n_p, n_o = cap.num_params, cap.num_opt
         return outs[:n_p], outs[n_p : n_p + n_o], outs[n_p + n_o :]

@@ -40,8 +40,8 @@ from jaxsched.core.bucketing import is_float, match_reductions
 from jaxsched.runtime.collectives.base import BucketSpec
 from jaxsched.sim.costmodel import DEAR_PATTERN
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
-from jaxsched.core.rewrite.pending_sums import PendingSum, PendingSums
-from jaxsched.core.replay import interpret, read
+from jaxsched.core.rewrite.pending_sums import PendingSums, interpret_batching_sums
+from jaxsched.core.replay import read
 from jaxsched.core.rewrite.backward import walk_backward
 from jaxsched.core.rewrite.rules import Shard, ShardContext, apply_rule
 from jaxsched.strategies.base import (
@@ -473,11 +473,6 @@ class Dear(Strategy):
 
             def run(eqn, vals):
                 ctx.top = eqn  # what a fallback inside it is attributed to (bucket_report)
-                if any(isinstance(v, PendingSum) for v in vals):
-                    summed = sums.linear(eqn.primitive.name, vals, eqn.params)
-                    if summed is not None:
-                        return [summed]
-                    vals = sums.resolve(vals)
                 # only a top-level sum is deferred (never one inside a loop's or branch's body)
                 ctx.sums = sums if eqn.primitive.name == "reduce_sum" else None
                 try:
@@ -485,10 +480,11 @@ class Dear(Strategy):
                 finally:
                     ctx.sums = None
 
-            interpret((body.eqns[i] for i in analysis.update), read_post, post.__setitem__, run=run)
+            update = [body.eqns[i] for i in analysis.update]
+            interpret_batching_sums(update, read_post, post.__setitem__, run=run, sums=sums)
             ctx.top = None
 
-            outs = sums.resolve([read_post(body.outvars[k]) for k in cap.outputs])
+            outs = [read_post(body.outvars[k]) for k in cap.outputs]
             new_params, new_opt, aux = outs[:n_p], outs[n_p : n_p + n_o], outs[n_p + n_o :]
             # every state leaf leaves in the dtype the user's step gives it (which may
             # differ from its input's: the next call then gets a program for it)

@@ -65,7 +65,8 @@ from jaxsched.runtime.collectives.base import BucketSpec, Collective, stack_loca
 from jaxsched.sim.costmodel import CommPattern
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
 from jaxsched.core.primitives import SUM_REDUCTIONS, reduction_axes
-from jaxsched.core.replay import interpret, read
+from jaxsched.core.replay import read
+from jaxsched.core.rewrite.pending_sums import interpret_batching_sums
 from jaxsched.core.rewrite.backward import walk_backward
 from jaxsched.strategies.base import RewrittenBody, Strategy, check_leaf_counts, scatter_block
 from jaxsched.strategies.registry import register_strategy
@@ -795,7 +796,7 @@ class DiLoCo(Strategy):
                     env[reds[j].result] = jnp.broadcast_to(value, aval.shape).astype(aval.dtype)
 
         walk_backward(analysis, env, {}, planned.buckets, emit)
-        interpret((body.eqns[i] for i in analysis.update), lambda x: read(env, x), env.__setitem__)
+        interpret_batching_sums([body.eqns[i] for i in analysis.update], lambda x: read(env, x), env.__setitem__)
         outs = [read(env, body.outvars[i]) for i in cap.outputs]
         n_p, n_o = cap.num_params, cap.num_opt
         return outs[:n_p], outs[n_p : n_p + n_o], outs[n_p + n_o :]

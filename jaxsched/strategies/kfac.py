@@ -60,6 +60,7 @@ from jaxsched.sim.costmodel import KFAC_PATTERN, CommPattern
 from jaxsched.sim.kfac_placement import check_placement, plan_placement
 from jaxsched.plan.planned_step import PlannedStep, is_abstract, zero_count
 from jaxsched.core.replay import interpret, is_var, read
+from jaxsched.core.rewrite.pending_sums import interpret_batching_sums
 from jaxsched.core.rewrite.layers import LayerMatch, MatchedLayer, match_layers
 from jaxsched.strategies.base import RewrittenBody, Strategy, placed_user_layout
 from jaxsched.strategies.registry import register_strategy
@@ -446,7 +447,7 @@ class KFAC(Strategy):
             env[kernel_red.result] = new_w
             if bias_red is not None:
                 env[bias_red.result] = new_b
-        interpret((body.eqns[i] for i in analysis.update), lambda x: read(env, x), env.__setitem__)
+        interpret_batching_sums([body.eqns[i] for i in analysis.update], lambda x: read(env, x), env.__setitem__)
         return [read(env, x) for x in body.outvars], new_factors, new_inverses, count
 
     def _inverses(self, planned: PlannedStep, factors: Sequence[tuple]) -> list:

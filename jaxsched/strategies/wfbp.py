@@ -20,7 +20,8 @@ import jax
 from jaxsched.runtime.collectives.base import SMALL_TENSOR_BYTES, BucketSpec, nbytes
 from jaxsched.sim.costmodel import WFBP_PATTERN
 from jaxsched.plan.planned_step import PlannedStep
-from jaxsched.core.replay import interpret, read
+from jaxsched.core.replay import read
+from jaxsched.core.rewrite.pending_sums import interpret_batching_sums
 from jaxsched.core.rewrite.backward import walk_backward
 from jaxsched.strategies.base import UserLayoutStrategy, reduce_gradients
 from jaxsched.strategies.registry import register_strategy
@@ -79,7 +80,7 @@ class Wfbp(UserLayoutStrategy):
         walk_backward(analysis, env, {}, buckets, emit)
         for b, gs in held:  # no bucket after them: reduced as they are
             reduce(b, gs)
-        interpret((body.eqns[i] for i in analysis.update), lambda x: read(env, x), env.__setitem__)
+        interpret_batching_sums([body.eqns[i] for i in analysis.update], lambda x: read(env, x), env.__setitem__)
         return [read(env, x) for x in body.outvars], tuple(carried)
 
 

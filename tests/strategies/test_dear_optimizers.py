@@ -222,6 +222,38 @@ def test_global_norm_clipping_on_shards_is_one_scalar_all_reduce():
     assert_trees_close(jax.device_get(sched.finalize(s)), jax.device_get(tuple(plain)), rtol=1e-5, atol=1e-6)
 
 
+def test_lamb_trust_ratios_on_shards_are_one_all_reduce_per_norm_level():
+    """LAMB's trust ratio reads each leaf's two norms, the second masked by the first: the
+    first norms of every leaf go in one all-reduce, the second in another (there were two
+    per leaf and norm)."""
+    params, apply_fn = build("mlp", 0)
+    tx = optax.lamb(1e-2)
+    mesh = _mesh()
+
+    def body(params, opt_state, batch):
+        x, y = batch
+        loss_fn = lambda q: optax.softmax_cross_entropy_with_integer_labels(apply_fn(q, x), y).mean()
+        loss, g = jax.value_and_grad(loss_fn)(params)
+        u, opt_state = tx.update(lax.pmean(g, "data"), opt_state, params)
+        return optax.apply_updates(params, u), opt_state, lax.pmean(loss, "data")
+
+    step = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
+    )
+    batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", 3, 16, 5)]
+    plain = (params, tx.init(params))
+    for b in batches:
+        *plain, _ = step(*plain, b)
+    sched = jaxsched.schedule(step, strategy="dear")
+    s = sched.init(params, tx.init(params))
+    for b in batches:
+        s, _ = sched(s, b)
+    leaves = len(jax.tree.leaves(params))
+    scalars = [n for n in collectives(sched.lower(s, batches[0]).as_text())["all_reduce"] if n <= 4 * leaves]
+    assert len(scalars) <= 3, scalars  # two levels of norms and the loss
+    assert_trees_close(jax.device_get(sched.finalize(s)), jax.device_get(tuple(plain)), rtol=1e-5, atol=1e-6)
+
+
 def zoo_paths(params):
     return jaxsched.core.bucketing.param_paths(params)
 
