@@ -76,9 +76,14 @@ __all__ = [
     "Inspection",
     "LoopCost",
     "PLAIN_LABEL",
+    "ESTIMATE_FROM_INSTRUCTIONS",
+    "ESTIMATE_FROM_SCHEDULE",
     "compile_with_schedule",
     "describe_mesh",
+    "estimate_from_instruction_costs",
+    "format_options",
     "format_table",
+    "inspect_lowered",
     "inspect_jitted",
     "plot",
     "ratios",
@@ -86,6 +91,12 @@ __all__ = [
 ]
 
 ESTIMATOR = "XLA latency-hiding scheduler estimate for the compiled program (not measured on hardware)"
+
+#: ``CompiledReport.estimate_source`` of a report timed by XLA's latency-hiding schedule.
+ESTIMATE_FROM_SCHEDULE = "schedule"
+#: ``CompiledReport.estimate_source`` of a report XLA wrote no schedule for, timed from
+#: XLA's cost of each instruction (:func:`estimate_from_instruction_costs`).
+ESTIMATE_FROM_INSTRUCTIONS = "instruction costs"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +165,14 @@ class CompiledReport:
     with the schedule's own times, in both directions (a 126M-parameter MLP on H100:
     total 3061 us for a schedule 4164 us long, and 5572 us for one 4032 us long; on TPU
     the wasted cycles barely move between programs), so they are reported, not used.
+
+    ``estimate_source`` says where ``step_s`` and ``exposed_comm_s`` come from:
+    ``"schedule"`` (:data:`ESTIMATE_FROM_SCHEDULE`, the above), ``"instruction costs"``
+    (:data:`ESTIMATE_FROM_INSTRUCTIONS`: XLA wrote no schedule, as XLA:TPU does not for a
+    single slice with its default options, and the step is XLA's cost of each instruction
+    added up; see :func:`estimate_from_instruction_costs`), or None (no estimate:
+    :attr:`no_estimate_reason` says why). ``compiler_options`` are the XLA options the
+    program was compiled with (``{}``: XLA's defaults), as passed to the compiler.
     """
 
     label: str
@@ -169,6 +188,8 @@ class CompiledReport:
     loops: tuple[LoopCost, ...] = ()
     peak_gathered_bytes: int | None = None
     peak_memory_bytes: int | None = None
+    estimate_source: str | None = None
+    compiler_options: dict = dataclasses.field(default_factory=dict)
 
     @property
     def num_async(self) -> int:
@@ -580,8 +601,35 @@ def _list_attr(attrs: str, key: str) -> list[int]:
 
 
 def _replica_groups(attrs: str) -> list[list[int]] | None:
-    """Groups of logical device ids from ``replica_groups=`` (explicit or iota form) or
-    ``source_target_pairs=``; [] for ``{}`` (all devices); None when absent."""
+    """Groups of logical device ids from ``replica_groups=`` (explicit, iota or mesh-axes
+    form) or ``source_target_pairs=``; [] for ``{}`` (all devices); None when absent.
+
+    The mesh-axes form (XLA:TPU, a ``jax.jit`` step): ``mesh['axis_0'=8,'axis_1'=1]
+    {'axis_0'}`` groups the devices of a row-major mesh that differ along the named axes.
+
+    >>> _replica_groups("replica_groups=mesh['a'=2,'b'=2] {'b'}, to_apply=%add")
+    [[0, 1], [2, 3]]
+    """
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:\s*<=\[([\d,]+)\](?:T\(([\d,]+)\))?)?\s*\{([^{}]*)\}", attrs)
+    if m:
+        axes = re.findall(r"'([^']+)'\s*=\s*(\d+)", m.group(1))
+        reduced = re.findall(r"'([^']+)'", m.group(4))
+        names = [n for n, _ in axes]
+        if not axes or any(r not in names for r in reduced):
+            return None  # sub-axes or a form not known here
+        sizes = [int(x) for _, x in axes]
+        if m.group(2):
+            ids = np.arange(math.prod(int(x) for x in m.group(2).split(",")))
+            ids = ids.reshape([int(x) for x in m.group(2).split(",")])
+            if m.group(3):
+                ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+            ids = ids.reshape(sizes)
+        else:
+            ids = np.arange(math.prod(sizes)).reshape(sizes)
+        kept = [k for k, n in enumerate(names) if n not in reduced]
+        moved = [k for k, n in enumerate(names) if n in reduced]
+        width = math.prod(sizes[k] for k in moved)
+        return ids.transpose(kept + moved).reshape(-1, width).tolist()
     m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
     if m:
         shape = [int(x) for x in m.group(1).split(",")]
@@ -952,14 +1000,23 @@ def _find_start(done: _Instr, entry: dict[str, _Instr], an: _Analyzer, roles: di
 
 
 def report(
-    compiled_or_hlo_text, schedule_text: str | None, mesh=None, *, label: str, target: str = ""
+    compiled_or_hlo_text,
+    schedule_text: str | None,
+    mesh=None,
+    *,
+    label: str,
+    target: str = "",
+    compiler_options: dict | None = None,
 ) -> CompiledReport:
     """Collectives of a compiled program and XLA's schedule estimate for it.
 
     ``compiled_or_hlo_text``: a ``jax.stages.Compiled`` or its ``as_text()`` (scheduled HLO).
     ``schedule_text``: from :func:`compile_with_schedule` (None: no times). ``mesh``: a
     ``Mesh`` or ``AbstractMesh`` that maps replica groups (logical ids = positions in
-    ``mesh.devices.flat``) to axis names; None gives ``mesh_axes=()``.
+    ``mesh.devices.flat``) to axis names; None gives ``mesh_axes=()``. ``compiler_options``:
+    what the program was compiled with, kept in the report (None: XLA's defaults).
+    Without a schedule the report has no times; :func:`estimate_from_instruction_costs`
+    adds an estimate where XLA costs each instruction.
     """
     text = compiled_or_hlo_text if isinstance(compiled_or_hlo_text, str) else compiled_or_hlo_text.as_text()
     mod = _parse_hlo(text)
@@ -1117,6 +1174,8 @@ def report(
         loops=loops,
         peak_gathered_bytes=peak_gathered,
         peak_memory_bytes=None if isinstance(compiled_or_hlo_text, str) else _peak_memory(compiled_or_hlo_text),
+        estimate_source=ESTIMATE_FROM_SCHEDULE if step_s is not None else None,
+        compiler_options=dict(compiler_options or {}),
     )
 
 
@@ -1133,6 +1192,200 @@ def _peak_memory(compiled: Any) -> int | None:
 
 
 # ---------------------------------------------------------------------------------------
+# Without a schedule: XLA's cost of each instruction
+
+_CYCLES_RE = re.compile(r'"estimated_cycles"\s*:\s*"?([0-9.]+)')
+
+
+def _instruction_cycles(mod: _Module, an: _Analyzer, comp: str, depth: int = 0) -> tuple[float, int, bool]:
+    """XLA's estimated cycles of the instructions of ``comp`` run one after another (a while
+    loop's body times its known trip count), how many instructions had a cost, and whether
+    a loop body holds a collective (which the caller cannot price)."""
+    total, costed, loop_collective = 0.0, 0, False
+    for ins in mod.computations.get(comp, []):
+        if ins.opcode == "while":
+            body = re.search(r"body=%?([\w.\-]+)", ins.attrs)
+            trips = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', ins.attrs)
+            if body is None or trips is None or depth > 8:
+                loop_collective = True  # an unknown number of iterations: no estimate
+                continue
+            inner = mod.computations.get(body.group(1), [])
+            if any(an.role(i)[0] in ("sync", "start", "done") for i in inner):
+                loop_collective = True
+            cycles, k, nested = _instruction_cycles(mod, an, body.group(1), depth + 1)
+            total += int(trips.group(1)) * cycles
+            costed += k
+            loop_collective = loop_collective or nested
+            continue
+        if an.role(ins)[0] in ("sync", "start", "done"):
+            continue  # collectives are priced on their own
+        m = _CYCLES_RE.search(ins.attrs)
+        if m:
+            total += float(m.group(1))
+            costed += 1
+    return total, costed, loop_collective
+
+
+_PROBES: dict = {}
+_PROBE_MIN_BYTES = 4096
+
+
+def _probe_collective(mesh, kind: str, nbytes: int, axes: tuple[str, ...]) -> tuple[float | None, float | None]:
+    """``(seconds, cycles_per_us)``: XLA's latency-hiding scheduler's time for one ``kind``
+    collective of ``nbytes`` per device (its result) over ``axes`` of ``mesh``, compiled
+    alone as one flat float32 array with the engine's TPU options (XLA writes a schedule
+    only for a program with asynchronous collectives), and the clock that schedule counts
+    cycles in. ``(None, None)`` where it cannot be compiled or timed. Cached per mesh.
+
+    XLA:TPU keeps an all-reduce of less than 4 KiB synchronous even with those options (no
+    schedule; measured on v5p): a smaller collective is priced as one of 4 KiB, about
+    0.03 us there."""
+    key = (mesh, kind, int(nbytes), tuple(axes))
+    if key in _PROBES:
+        return _PROBES[key]
+    result: tuple[float | None, float | None] = (None, None)
+    try:
+        import jax
+        import jax.numpy as jnp
+        from jax import lax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from jaxsched.runtime.engine.xla import TPU_OPTIONS
+
+        n = math.prod(mesh.shape[a] for a in axes)
+        axis = axes[0] if len(axes) == 1 else tuple(axes)
+        elems = max(_PROBE_MIN_BYTES, int(nbytes)) // 4 + (int(nbytes) % 4 > 0)
+        if kind == "all-reduce":
+            shape, in_spec, out_spec, body = (elems,), P(), P(), lambda x: lax.psum(x, axis)
+        elif kind == "all-gather":
+            shape, in_spec, out_spec = (-(-elems // n) * n,), P(axis), P()
+            body = lambda x: lax.all_gather(x, axis, tiled=True)
+        elif kind == "reduce-scatter":
+            shape, in_spec, out_spec = (elems * n,), P(), P(axis)
+            body = lambda x: lax.psum_scatter(x, axis, tiled=True)
+        elif kind == "all-to-all":
+            shape, in_spec, out_spec = (-(-elems // n) * n * n,), P(axis), P(axis)
+            body = lambda x: lax.all_to_all(x, axis, 0, 0, tiled=True)
+        elif kind == "collective-permute" and len(axes) == 1:
+            shape, in_spec, out_spec = (elems,), P(), P()
+            body = lambda x: lax.ppermute(x, axis, [(i, (i + 1) % n) for i in range(n)])
+        else:
+            _PROBES[key] = result
+            return result
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(in_spec,), out_specs=out_spec, check_vma=False))
+        arg = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, in_spec))
+        compiled, schedule = compile_with_schedule(fn.trace(arg).lower(), TPU_OPTIONS)
+        sched = _parse_schedule(schedule) if schedule else None
+        if sched is not None:
+            probe = report(compiled, schedule, mesh, label="probe")
+            windows = [w for w in probe.collectives if w.kind == kind and w.start_s is not None]
+            if windows:
+                result = (max(w.end_s - w.start_s for w in windows), sched.cycles_per_us)
+    except Exception:  # a collective this probe cannot build or XLA cannot compile
+        result = (None, None)
+    _PROBES[key] = result
+    return result
+
+
+def estimate_from_instruction_costs(
+    rep: CompiledReport,
+    compiled_or_hlo_text,
+    mesh=None,
+    *,
+    cycles_per_us: float | None = None,
+    collective_seconds=None,
+) -> CompiledReport:
+    """``rep`` with an estimated step where XLA wrote no schedule, from XLA's cost of each
+    instruction (``estimate_source="instruction costs"``); ``rep`` unchanged where it has a
+    schedule estimate already or the costs are missing.
+
+    XLA:TPU writes its cost of every fusion into the compiled HLO (``estimated_cycles`` in
+    its ``backend_config``) even when its latency-hiding scheduler does not run (a single
+    slice with the default options). The compute is those costs added up in program order
+    (a while loop's body times its trip count); each collective is priced by XLA's
+    latency estimator on a program of that collective alone (the same kind, bytes and mesh
+    axes, as one flat array; ``collective_seconds(kind, bytes, axes)`` replaces that
+    probe). Nothing overlaps: a synchronous collective adds its whole time, an
+    asynchronous one what the costed compute in its window does not cover. No estimate
+    (``rep`` returned) where a collective cannot be priced, a loop holds a collective, or
+    the program carries no instruction costs (XLA:GPU and XLA:CPU write none).
+
+    ``cycles_per_us`` is the chip's clock (None: read from the probe's schedule)."""
+    if rep.step_s is not None:
+        return rep
+    text = compiled_or_hlo_text if isinstance(compiled_or_hlo_text, str) else compiled_or_hlo_text.as_text()
+    mod = _parse_hlo(text)
+    an = _Analyzer(mod)
+    cycles, costed, loop_collective = _instruction_cycles(mod, an, mod.entry)
+    if costed == 0 or loop_collective:
+        return rep
+    probing = collective_seconds is None
+    if probing and not isinstance(mesh, Mesh):
+        return rep
+    clock = cycles_per_us
+
+    def price(kind: str, nbytes: int, axes: tuple[str, ...]) -> float | None:
+        nonlocal clock
+        if not probing:
+            return collective_seconds(kind, nbytes, axes)
+        seconds, cpu = _probe_collective(mesh, kind, nbytes, axes)
+        clock = clock or cpu
+        return seconds
+
+    comm: list[float] = []
+    for w in rep.collectives:
+        seconds = price(w.kind, w.bytes, w.mesh_axes) if w.mesh_axes else None
+        if seconds is None:
+            return rep
+        comm.append(seconds)
+    if clock is None and probing:  # no collective to read the clock from: a small one
+        clock = _probe_collective(mesh, "all-reduce", _PROBE_MIN_BYTES, (mesh.axis_names[0],))[1]
+    if not clock:
+        return rep
+
+    # compute in each async window (by XLA's costs) hides that much of its collective
+    order = mod.computations[mod.entry]
+    pos = {i.name: k for k, i in enumerate(order)}
+    entry = {i.name: i for i in order}
+    roles = {i.name: an.role(i) for i in order}
+    done_of = {}
+    for ins in order:
+        if roles[ins.name][0] == "done":
+            st = _find_start(ins, entry, an, roles)
+            if st is not None:
+                done_of.setdefault(st.name, ins)
+    exposed = 0.0
+    for w, seconds in zip(rep.collectives, comm):
+        done = done_of.get(w.name)
+        if w.is_async and done is not None and w.name in pos:
+            inside = order[pos[w.name] + 1 : pos[done.name]]
+            hidden = sum(
+                float(m.group(1)) for i in inside if roles[i.name][0] == "compute" and (m := _CYCLES_RE.search(i.attrs))
+            )
+            seconds = max(0.0, seconds - hidden / clock * 1e-6)
+        exposed += seconds
+    compute_s = cycles / clock * 1e-6
+    return dataclasses.replace(
+        rep, step_s=compute_s + exposed, exposed_comm_s=exposed, estimate_source=ESTIMATE_FROM_INSTRUCTIONS
+    )
+
+
+def inspect_lowered(
+    lowered, mesh, *, label: str, target: str = "", compiler_options: dict | None = None, estimate: bool = True
+) -> CompiledReport:
+    """Compile ``lowered`` with ``compiler_options`` (None: XLA's defaults; options that
+    ``jax.jit(..., compiler_options=...)`` put in ``lowered`` apply too, so passing the same
+    again changes nothing) and report it, the options recorded in the report; with
+    ``estimate``, where XLA writes no schedule, estimate its step from XLA's instruction
+    costs (:func:`estimate_from_instruction_costs`)."""
+    compiled, schedule = compile_with_schedule(lowered, compiler_options)
+    rep = report(compiled, schedule, mesh, label=label, target=target, compiler_options=compiler_options)
+    if estimate and rep.step_s is None and rep.platform != "cpu":
+        rep = estimate_from_instruction_costs(rep, compiled, mesh)
+    return rep
+
+
+# ---------------------------------------------------------------------------------------
 # Presenting
 
 
@@ -1140,10 +1393,25 @@ def _us(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e6:.1f}"
 
 
-def _ratio(x: float | None, base: float | None) -> str:
+def _ratio(x: float | None, base: float | None, mixed: bool = False) -> str:
     if x is None or base is None or base == 0:
         return ""
-    return f" ({x / base:.2f}x)"
+    return f" ({x / base:.2f}x{' against an estimate from instruction costs' if mixed else ''})"
+
+
+#: How each ``estimate_source`` is named in a report's summary.
+_SOURCE_TEXT = {
+    ESTIMATE_FROM_SCHEDULE: "XLA estimate",
+    ESTIMATE_FROM_INSTRUCTIONS: "estimated from XLA's instruction costs: no schedule, nothing overlapped",
+    None: "no estimate",
+}
+
+
+def format_options(options: dict) -> str:
+    """``"XLA defaults"``, or ``"name=value, ..."`` in name order."""
+    if not options:
+        return "XLA defaults"
+    return ", ".join(f"{k}={v}" for k, v in sorted(options.items()))
 
 
 def format_table(reports: Sequence[CompiledReport], baseline: CompiledReport | None = None) -> str:
@@ -1153,14 +1421,26 @@ def format_table(reports: Sequence[CompiledReport], baseline: CompiledReport | N
         "the time in it with a collective in flight and no compute running; XLA's own "
         "summary statistics (total / wasted cycles) in brackets."
     ]
+    if any(r.estimate_source == ESTIMATE_FROM_INSTRUCTIONS for r in reports):
+        lines.append(
+            "Where XLA wrote no schedule, step = XLA's cost of each instruction added up, and every "
+            "collective's cost (XLA's latency estimate for it alone) counted as exposed, less "
+            "the compute in the window of an asynchronous one."
+        )
     for r in reports:
         b_step = baseline.step_s if baseline is not None else None
         b_exp = baseline.exposed_comm_s if baseline is not None else None
+        mixed = (
+            baseline is not None
+            and baseline is not r
+            and ESTIMATE_FROM_INSTRUCTIONS in (r.estimate_source, baseline.estimate_source)
+            and r.estimate_source != baseline.estimate_source
+        )
         lines.append("")
         lines.append(
             f"{r.label} [{r.target or '?'}, {r.platform}]: step {_us(r.step_s)} us"
-            f"{_ratio(r.step_s, b_step)}, exposed comm {_us(r.exposed_comm_s)} us"
-            f"{_ratio(r.exposed_comm_s, b_exp)} (XLA estimate); "
+            f"{_ratio(r.step_s, b_step, mixed)}, exposed comm {_us(r.exposed_comm_s)} us"
+            f"{_ratio(r.exposed_comm_s, b_exp, mixed)} ({_SOURCE_TEXT.get(r.estimate_source, r.estimate_source)}); "
             f"async {r.num_async}/{len(r.collectives)} collectives"
             + (
                 f" [XLA statistics: total {_us(r.xla_total_s)} us, wasted {_us(r.xla_wasted_s)} us]"
@@ -1170,6 +1450,7 @@ def format_table(reports: Sequence[CompiledReport], baseline: CompiledReport | N
         )
         if r.no_estimate_reason:
             lines.append(f"  no estimate: {r.no_estimate_reason}")
+        lines.append(f"  compiler options: {format_options(r.compiler_options)}")
         memory = [
             f"{what} {value / 1e6:.1f} MB"
             for what, value in (("peak memory", r.peak_memory_bytes), ("peak gathered", r.peak_gathered_bytes))
@@ -1251,7 +1532,8 @@ def plot(reports: Sequence[CompiledReport], path: str) -> str:
             ax.text(
                 0.5,
                 0.5,
-                f"no schedule estimate ({len(r.collectives)} collectives, {r.num_async} async)",
+                f"no schedule estimate ({len(r.collectives)} collectives, {r.num_async} async)"
+                + ("; step from XLA's instruction costs" if r.estimate_source == ESTIMATE_FROM_INSTRUCTIONS else ""),
                 ha="center",
                 va="center",
                 transform=ax.transAxes,
@@ -1315,16 +1597,30 @@ def describe_mesh(mesh) -> str:
 
 
 def inspect_jitted(
-    fn, args: Sequence[Any], mesh, *, label: str = PLAIN_LABEL, compiler_options: dict | None = None
+    fn,
+    args: Sequence[Any],
+    mesh,
+    *,
+    label: str = PLAIN_LABEL,
+    compiler_options: dict | None = None,
+    estimate: bool = True,
 ) -> CompiledReport:
     """Compile ``fn`` (jitted or not) on ``args`` (arrays or ``jax.ShapeDtypeStruct`` with
     shardings) with only ``compiler_options`` (default: XLA's own defaults) and report it.
-    This is how a user's step is judged as XLA compiles it alone."""
+    This is how a user's step is judged as XLA compiles it alone. Where XLA writes no
+    schedule (XLA:TPU on one slice with its defaults), ``estimate`` adds an estimate from
+    XLA's instruction costs (:func:`estimate_from_instruction_costs`)."""
     import jax
 
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
-    compiled, schedule = compile_with_schedule(jitted.trace(*args).lower(), compiler_options)
-    return report(compiled, schedule, mesh, label=label, target=describe_mesh(mesh))
+    return inspect_lowered(
+        jitted.trace(*args).lower(),
+        mesh,
+        label=label,
+        target=describe_mesh(mesh),
+        compiler_options=compiler_options,
+        estimate=estimate,
+    )
 
 
 def ratios(report: CompiledReport, base: CompiledReport | None) -> dict[str, float | None]:
@@ -1345,9 +1641,12 @@ class Inspection:
     """What ``Scheduled.inspect`` returns.
 
     Attributes:
-      report: the scheduled step as compiled (the engine's per-target options).
+      report: the scheduled step as compiled (the engine's per-target options, in
+        ``report.compiler_options``).
       baseline: the user's step unchanged, compiled with XLA's default options (None when
-        not asked for).
+        not asked for). Where XLA writes no schedule for it (XLA:TPU on one slice), its
+        estimate comes from XLA's instruction costs (``baseline.estimate_source``), and
+        :meth:`ratios` compare the two kinds of estimate.
     """
 
     report: CompiledReport
@@ -1358,7 +1657,9 @@ class Inspection:
         return ratios(self.report, self.baseline)
 
     def table(self) -> str:
-        return format_table([self.report], baseline=self.baseline)
+        """The baseline (when there is one) and the scheduled step, ratios to the baseline."""
+        shown = [self.report] if self.baseline is None else [self.baseline, self.report]
+        return format_table(shown, baseline=self.baseline)
 
     def plot(self, path: str) -> str:
         return plot([r for r in (self.baseline, self.report) if r is not None], path)

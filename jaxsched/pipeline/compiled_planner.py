@@ -153,7 +153,8 @@ def choose_by_compiling(
     for strategy, buckets in candidates:
         strategy = strategy.for_mesh(captured)
         program = Program(plan(captured, strategy, buckets, engine, dict(plan_options)), strategy, engine)
-        report = program.inspect(strategy.initial_state(params, opt_state), batch)
+        # schedule estimates only: one from instruction costs is not comparable with them
+        report = program.inspect(strategy.initial_state(params, opt_state), batch, estimate=False)
         forms = sorted(set(strategy.collective.forms.values()))
         labels.append(
             f"{strategy.name}, buckets={buckets}"

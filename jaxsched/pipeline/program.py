@@ -270,18 +270,26 @@ class Program:
         converted = self.convert(state)
         return self._core_for(converted, False)[0].lower(*self._inputs(converted, batch))
 
-    def inspect(self, state: ScheduledState, batch: Any, label: str | None = None):
+    @property
+    def compiler_options(self) -> dict[str, Any]:
+        """The XLA options the engine compiles this program with (``{}``: XLA's defaults)."""
+        options_for = getattr(self.engine, "options_for", None)
+        return {} if options_for is None else options_for(self.per_device)
+
+    def inspect(self, state: ScheduledState, batch: Any, label: str | None = None, *, estimate: bool = True):
         """Compile for the mesh's devices and read the scheduled program and XLA's estimate
-        (a :class:`jaxsched.check.inspection.CompiledReport`)."""
+        (a :class:`jaxsched.check.inspection.CompiledReport`, with the options it was
+        compiled with). ``estimate``: where XLA writes no schedule, estimate the step from
+        XLA's instruction costs (which compiles a probe program per collective)."""
         from jaxsched.check import inspection as inspect_lib
 
-        compiled, schedule = inspect_lib.compile_with_schedule(self.lower(state, batch))
-        return inspect_lib.report(
-            compiled,
-            schedule,
+        return inspect_lib.inspect_lowered(
+            self.lower(state, batch),
             self.planned.mesh,
             label=label or self.strategy.name,
             target=inspect_lib.describe_mesh(self.planned.mesh),
+            compiler_options=self.compiler_options,
+            estimate=estimate,
         )
 
 

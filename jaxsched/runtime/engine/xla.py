@@ -160,7 +160,8 @@ class XlaEngine(Engine):
     def collective_form(self, mesh, op: str) -> str:
         return collective_form_for(mesh.devices.flat[0].platform, op)
 
-    def compile(self, program: PerDeviceProgram) -> Callable[..., tuple]:
+    def options_for(self, program: PerDeviceProgram) -> dict[str, Any]:
+        """The XLA options :meth:`compile` passes for ``program`` (``{}``: XLA's defaults)."""
         platform = program.mesh.devices.flat[0].platform
         if self.compiler_options is not None:
             options = self.compiler_options
@@ -176,6 +177,10 @@ class XlaEngine(Engine):
             )
         if self.compiler_options is None:
             options = {**options, **program.compiler_overrides}
+        return dict(options)
+
+    def compile(self, program: PerDeviceProgram) -> Callable[..., tuple]:
+        options = self.options_for(program)
         if program.global_body is not None:
 
             def whole(*args):

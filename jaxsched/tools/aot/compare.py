@@ -39,9 +39,10 @@ class Comparison:
       baseline: the plain step's report (XLA's default options).
       reports: one per strategy, in the order asked.
       reference: what ratios are taken against: the baseline, or, where XLA writes no
-        estimate for it (XLA:TPU with default options runs every collective synchronously
-        and writes no schedule), the plain step compiled with the engine's options for
-        the platform, labelled as such.
+        schedule for it (XLA:TPU with default options runs every collective synchronously
+        and writes no schedule; the baseline's estimate then comes from XLA's instruction
+        costs, not comparable with a schedule's), the plain step compiled with the
+        engine's options for the platform, labelled as such.
     """
 
     target: str
@@ -110,7 +111,7 @@ def compare_strategies(
     baseline = dataclasses.replace(baseline, target=target or baseline.target)
     reference = None
     platform = experiment.mesh.devices.flat[0].platform
-    if baseline.step_s is None and platform != "cpu":
+    if baseline.estimate_source != inspect_lib.ESTIMATE_FROM_SCHEDULE and platform != "cpu":
         from jaxsched.runtime.engine.xla import compiler_options_for
 
         reference = inspect_lib.inspect_jitted(
