@@ -1228,6 +1228,8 @@ def _instruction_cycles(mod: _Module, an: _Analyzer, comp: str, depth: int = 0) 
 
 _PROBES: dict = {}
 _PROBE_MIN_BYTES = 4096
+#: the largest collective priced as a larger one where XLA keeps it synchronous
+_PROBE_MAX_SMALL_BYTES = 1 << 20
 
 
 def _probe_collective(mesh, kind: str, nbytes: int, axes: tuple[str, ...]) -> tuple[float | None, float | None]:
@@ -1239,7 +1241,8 @@ def _probe_collective(mesh, kind: str, nbytes: int, axes: tuple[str, ...]) -> tu
 
     XLA:TPU keeps an all-reduce of less than 4 KiB synchronous even with those options (no
     schedule; measured on v5p): a smaller collective is priced as one of 4 KiB, about
-    0.03 us there."""
+    0.03 us there. Other small collectives it keeps synchronous (a 10 KiB all-gather on
+    v5p) are priced as the smallest larger one it makes async, up to 1 MiB."""
     key = (mesh, kind, int(nbytes), tuple(axes))
     if key in _PROBES:
         return _PROBES[key]
@@ -1283,6 +1286,10 @@ def _probe_collective(mesh, kind: str, nbytes: int, axes: tuple[str, ...]) -> tu
                 result = (max(w.end_s - w.start_s for w in windows), sched.cycles_per_us)
     except Exception:  # a collective this probe cannot build or XLA cannot compile
         result = (None, None)
+    if result[0] is None and _PROBE_MIN_BYTES <= nbytes < _PROBE_MAX_SMALL_BYTES:
+        # XLA:TPU keeps small collectives synchronous (no schedule to read): priced as
+        # the smallest larger one it makes async, an upper bound
+        result = _probe_collective(mesh, kind, max(4 * int(nbytes), 64 * 1024), axes)
     _PROBES[key] = result
     return result
 

@@ -8,8 +8,9 @@ own estimate of it can, and compiling needs no accelerator (:mod:`jaxsched.tools
 
 A candidate is a (strategy, bucket option) pair. Each is built into a program, compiled
 for the step's mesh, and read by :mod:`jaxsched.check.inspection`; the smallest estimated step
-wins, ties to the earlier candidate. A candidate XLA gives no estimate for (XLA:TPU writes
-none for a program without async collectives) ranks after every estimated one.
+wins, ties to the earlier candidate. Where XLA writes a schedule for some candidates and not
+for others (XLA:TPU writes none for a program without async collectives), all are judged by
+XLA's instruction costs instead; a candidate with no estimate at all ranks last.
 
 Example:
     >>> compiled_estimates_apply("gpu"), compiled_estimates_apply("cpu")
@@ -144,17 +145,27 @@ def choose_by_compiling(
 ) -> CompiledChoice:
     """Compile every ``(strategy, buckets)`` candidate for ``captured``'s mesh and return
     which XLA estimates fastest (see the module docstring). ``plan(captured, strategy,
-    buckets, engine, plan_options)`` gives each candidate's planned step."""
+    buckets, engine, plan_options)`` gives each candidate's planned step.
+
+    Every candidate is judged by the same estimate: XLA's schedule where it wrote one for
+    each, else XLA's instruction costs for all (a single TPU slice writes no schedule for a
+    program without async collectives, the plain step's among them; ranked last, it could
+    never be chosen where it is fastest)."""
+    from jaxsched.check import inspection as inspect_lib
 
     if captured.example_inputs is None:
         raise ValueError("the captured step carries no example inputs to compile with")
     params, opt_state, batch = captured.example_inputs
-    labels, steps, exposed = [], [], []
+    labels, reports, compiled = [], [], []
     for strategy, buckets in candidates:
         strategy = strategy.for_mesh(captured)
         program = Program(plan(captured, strategy, buckets, engine, dict(plan_options)), strategy, engine)
-        # schedule estimates only: one from instruction costs is not comparable with them
-        report = program.inspect(strategy.initial_state(params, opt_state), batch, estimate=False)
+        lowered = program.lower(strategy.initial_state(params, opt_state), batch)
+        options = program.compiler_options
+        binary, schedule = inspect_lib.compile_with_schedule(lowered, options)
+        mesh = program.planned.mesh
+        reports.append(inspect_lib.report(binary, schedule, mesh, label=strategy.name, compiler_options=options))
+        compiled.append((binary, mesh))
         forms = sorted(set(strategy.collective.forms.values()))
         labels.append(
             f"{strategy.name}, buckets={buckets}"
@@ -162,8 +173,14 @@ def choose_by_compiling(
             + (", xla defaults" if strategy.compiler_defaults and strategy.name != "allreduce" else "")
             + (", device DCN reduction" if strategy.compiler_overrides == DEVICE_DCN_REDUCTION else "")
         )
-        steps.append(report.step_s)
-        exposed.append(report.exposed_comm_s)
+    if any(r.step_s is None for r in reports) and any(r.step_s is not None for r in reports):
+        by_costs = [
+            inspect_lib.estimate_from_instruction_costs(dataclasses.replace(r, step_s=None), binary, mesh)
+            for r, (binary, mesh) in zip(reports, compiled)
+        ]
+        if all(r.step_s is not None for r in by_costs):
+            reports = by_costs
+    steps = [r.step_s for r in reports]
     ranked = [s if s is not None else math.inf for s in steps]
     chosen = min(range(len(ranked)), key=lambda i: (ranked[i], i))
-    return CompiledChoice(chosen, tuple(labels), tuple(steps), tuple(exposed))
+    return CompiledChoice(chosen, tuple(labels), tuple(steps), tuple(r.exposed_comm_s for r in reports))

@@ -201,6 +201,24 @@ def test_auto_is_never_estimated_slower_than_the_plain_step_on_gpu():
     assert inspection.report.step_s <= inspection.baseline.step_s
 
 
+@needs_tpu
+@pytest.mark.slow
+def test_auto_on_one_tpu_slice_judges_every_candidate_by_the_same_estimate():
+    """XLA:TPU writes no schedule for the plain step on one slice: every candidate is then
+    judged by XLA's instruction costs, the plain step among them, and the choice is the
+    smallest of those."""
+    exp = _experiment("v5p:2x2x2", layers=2)
+    sched = jaxsched.schedule(exp.step, strategy="auto")
+    sched.init(exp.params, exp.opt_state)
+    sched.inspect(sched.init(exp.params, exp.opt_state), exp.batch, baseline=False)
+    choice = sched.strategy.last_choice
+    estimates = choice.estimated_s
+    assert estimates and all(v is not None for v in estimates.values()), estimates
+    assert "allreduce, buckets=None" in estimates
+    best = min(estimates, key=estimates.get)
+    assert choice.chosen == best.split(",")[0]
+
+
 def test_compiled_planner_candidates_per_platform():
     """GPU: the engine's options, packed, XLA's defaults, each at 25 MB and in one bucket;
     TPU: the engine's options and XLA's defaults (bucket size changes nothing per tensor),

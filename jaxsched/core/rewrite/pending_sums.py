@@ -97,12 +97,22 @@ class PendingSums:
         if eqn.primitive.name != "psum" or eqn.params.get("axis_index_groups") is not None:
             return None
         more = _key(eqn.params["axes"])
-        fits = lambda v: is_pending(v) and v.local is not None and not set(more) & set(_key(v.axes))
-        if not values or not all(fits(v) for v in values):
+        fits = lambda v: is_pending(v) and v.local is not None and v.compute is None
+        if not values or not all(fits(v) and not set(more) & set(_key(v.axes)) for v in values):
             return None
         for v in values:
-            v.absorbed = True
+            v.absorbed = True  # read alone (rarely), it is reduced alone
         return [self.defer(v.local, _key(v.axes) + more) for v in values]
+
+    def reshape(self, value: Any, shape: tuple) -> PendingSum | None:
+        """A sum in another one-element shape (``keepdims=True``) as a sum itself, so that a
+        ``psum`` over more axes can widen it; the sum it came from reads its total."""
+        if not (is_pending(value) and value.local is not None and math.prod(shape) == 1):
+            return None
+        view = self.defer(jnp.reshape(value.local, shape), value.axes)
+        value.absorbed = True
+        value.compute = lambda: jnp.reshape(self.value(view), jnp.shape(value.local))
+        return view
 
     def resolve(self, values: Sequence[Any]) -> list:
         """``values`` with every pending one replaced by its value: all waiting sums
@@ -117,16 +127,13 @@ class PendingSums:
         if not isinstance(v, PendingSum):
             return v
         if v.total is None:
-            if v.compute is not None:
-                v.total = v.compute()
-            else:
-                v.total = lax.psum(v.local, v.axes)
+            v.total = v.compute() if v.compute is not None else lax.psum(v.local, v.axes)
         return v.total
 
     def flush(self) -> None:
         groups: dict = {}
         for pending in self.waiting:
-            if pending.total is None and not pending.absorbed:
+            if pending.total is None and not pending.absorbed and pending.compute is None:
                 groups.setdefault((_key(pending.axes), jnp.result_type(pending.local)), []).append(pending)
         for members in groups.values():
             axes = members[0].axes
@@ -158,6 +165,10 @@ def interpret_batching_sums(
         if widened is not None:
             return widened
         if any(is_pending(v) for v in values):
+            if eqn.primitive.name in _RESHAPES and eqn.primitive.name != "convert_element_type":
+                reshaped = sums.reshape(values[0], tuple(eqn.outvars[0].aval.shape))
+                if reshaped is not None:
+                    return [reshaped]
             if _scalar_only(eqn, values):
                 return sums.later(lambda *known: run(eqn, list(known)), values, len(eqn.outvars))
             values = sums.resolve(values)
