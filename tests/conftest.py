@@ -7,6 +7,9 @@ need no backend: so this process and every subprocess it starts use the CPU back
 """
 
 import os
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -14,3 +17,19 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.devices()  # create the CPU client before numpy/scipy BLAS runs (docs/benchmarks.md, rendezvous hazard)
+
+
+#: Checks heavy enough that ``make test`` (every test not marked slow, on 2 cores) would pass
+#: 5 minutes with them (tests/heavy_tests.txt, by node id): most have a lighter sibling there
+#: (another strategy, model or size); all run with the slow tests in ``make test-slow`` and CI.
+HEAVY = frozenset(
+    line.strip()
+    for line in (Path(__file__).parent / "heavy_tests.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in HEAVY:
+            item.add_marker(pytest.mark.slow)
