@@ -252,13 +252,17 @@ def test_compiled_planner_candidates_per_platform():
         ("engine", False, True, 0),
         ("engine", True, False, 0),
     ]
+    # the plain step twice: as XLA compiles it alone, and under the engine's options
+    plain = candidates_for(make_strategy("allreduce"), "gpu", "auto")
+    assert [v.compiler_defaults for v, _ in plain] == [True, False]
+    assert make_strategy("allreduce").compiler_defaults  # the variant is a copy
     variant = [
         v for v, _ in candidates_for(make_strategy("approx"), "tpu", "auto", mesh=two_slices) if v.compiler_overrides
     ]
     assert variant[0].compiler_overrides == DEVICE_DCN_REDUCTION
     assert make_strategy("approx").compiler_overrides == {}  # the variant is a copy
-    identity = make_strategy("allreduce")  # the user's step: no collective to vary
-    assert len(candidates_for(identity, "tpu", "auto", mesh=two_slices)) == 1
+    identity = make_strategy("allreduce")  # the user's step: no collective to vary, only its options
+    assert [v.compiler_defaults for v, _ in candidates_for(identity, "tpu", "auto", mesh=two_slices)] == [True, False]
 
 
 # -- TPU (XLA:TPU, v5p 2x2x2) ---------------------------------------------------------------
