@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxsched.runtime.collectives.base import BucketSpec, Collective, stack_local, stacked_zeros, unstack_local
+from jaxsched.runtime.collectives.torus import scatter_lanes, scatter_stages
 from jaxsched.sim.costmodel import CommPattern
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
 
@@ -238,6 +239,9 @@ class Strategy(abc.ABC):
         op: str = "all_reduce",
     ) -> list[BucketSpec]:
         shapes = shapes if shapes is not None else [()] * len(sizes)
+        scatters = op == "reduce_scatter"
+        stages = scatter_stages(planned.mesh, planned.axis_name) if scatters else ()
+        lanes = scatter_lanes(planned.mesh) if scatters else 0
         return [
             BucketSpec(
                 k,
@@ -248,6 +252,8 @@ class Strategy(abc.ABC):
                 interleaved,
                 form=planned.collective_form(op),
                 mesh_axes=planned.data_mesh_axes,
+                scatter_stages=stages,
+                scatter_lanes=lanes,
             )
             for k, (n, d, s) in enumerate(zip(sizes, dtypes, shapes, strict=True))
         ]

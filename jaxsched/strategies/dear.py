@@ -38,6 +38,7 @@ from jaxsched.core import layout
 from jaxsched.core.axes import as_axes
 from jaxsched.core.bucketing import is_float, match_reductions
 from jaxsched.runtime.collectives.base import BucketSpec
+from jaxsched.runtime.collectives.torus import scatter_stages
 from jaxsched.sim.costmodel import DEAR_PATTERN
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
 from jaxsched.core.rewrite.pending_sums import PendingSums, interpret_batching_sums
@@ -238,7 +239,14 @@ class Dear(Strategy):
             if chunking is None:
                 out.append(summed[k])
             elif chunking.block_axes:  # HSDP: chunked over the replica axes
-                out.append(dataclasses.replace(spec, axis_size=chunking.size, mesh_axes=_mesh_axes(planned, chunking)))
+                out.append(
+                    dataclasses.replace(
+                        spec,
+                        axis_size=chunking.size,
+                        mesh_axes=_mesh_axes(planned, chunking),
+                        scatter_stages=scatter_stages(planned.mesh, chunking.axes),
+                    )
+                )
             else:
                 out.append(spec)
         return out

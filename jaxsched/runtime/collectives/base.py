@@ -45,6 +45,7 @@ __all__ = [
     "PlainCollective",
     "SMALL_TENSOR_BYTES",
     "nbytes",
+    "psum_scatter",
     "stack_local",
     "stacked_zeros",
     "unstack_local",
@@ -75,6 +76,14 @@ class BucketSpec:
       mesh_axes: the data-parallel mesh axes the bucket crosses, ``(name, size)`` each, in
         the order of the step's data axis (empty when not known): a hierarchical
         collective splits the sum by them.
+      scatter_stages: empty, or the ``axis_index_groups`` of each stage a reduce-scatter of
+        the bucket runs in (:func:`jaxsched.runtime.collectives.torus.scatter_stages`):
+        XLA:TPU turns one reduce-scatter over a 3-D group of chips into an all-reduce of
+        the whole buffer, and keeps two over smaller groups that leave every device the
+        same slice.
+      scatter_lanes: 0, or the row length a flat (1-D) buffer is reduce-scattered as: a
+        1-D reduce-scatter becomes an all-reduce of the whole buffer on TPU (any group),
+        rows of 128 stay a reduce-scatter. Used where a device's slice is whole rows.
     """
 
     index: int
@@ -86,6 +95,8 @@ class BucketSpec:
     kind: str = "gradients"
     form: str = "mixed"
     mesh_axes: tuple[tuple[str, int], ...] = ()
+    scatter_stages: tuple = ()
+    scatter_lanes: int = 0
 
 
 #: How a bucket's tensors travel: ``"mixed"``, large tensors as they are and small ones
@@ -198,9 +209,9 @@ class Collective:
             chunks = []
             for t, c in zip(tensors, layout.chunk_sizes, strict=True):
                 if np.ndim(t) >= 1 and np.shape(t)[0] % p == 0:
-                    part = lax.psum_scatter(t, axis_name, scatter_dimension=0, tiled=True)
+                    part = psum_scatter(t, axis_name, bucket)
                 else:
-                    part = lax.psum_scatter(pad_flat(t, c * p), axis_name, tiled=True)
+                    part = psum_scatter(pad_flat(t, c * p), axis_name, bucket)
                 chunks.append(part.reshape(-1))
             return chunks, state
         shard, state = self.reduce_scatter(layout.pack(tensors), axis_name, bucket, state)
@@ -232,7 +243,7 @@ class Collective:
         self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: Any
     ) -> tuple[jax.Array, Any]:
         """The full buffer in, this device's ``1/P`` slice of the sum out."""
-        return lax.psum_scatter(buffer, axis_name, scatter_dimension=0, tiled=True), state
+        return psum_scatter(buffer, axis_name, bucket), state
 
     def all_gather(
         self, shard: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: Any
@@ -242,6 +253,26 @@ class Collective:
 
 
 PlainCollective = Collective
+
+
+def psum_scatter(x: jax.Array, axis_name: AxisName, bucket: BucketSpec) -> jax.Array:
+    """Tiled ``psum_scatter`` of ``x`` along its leading dimension: this device's ``1/P`` of
+    the sum, in the form the target keeps a reduce-scatter in (:class:`BucketSpec`): a flat
+    buffer as rows of ``bucket.scatter_lanes``, in the stages ``bucket.scatter_stages``
+    names (one reduce-scatter if none, or for a tensor of at most :data:`SMALL_TENSOR_BYTES`:
+    XLA:TPU makes an all-reduce of so few rows anyway, and one costs less than two). Every
+    form hands each device the same slice."""
+    lanes, flat = bucket.scatter_lanes, np.ndim(x) == 1
+    rows = flat and lanes > 0 and np.shape(x)[0] % (bucket.axis_size * lanes) == 0
+    if rows:
+        x = x.reshape(-1, lanes)
+    stages = bucket.scatter_stages if nbytes(x) > SMALL_TENSOR_BYTES else ()
+    if not stages:
+        x = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
+    for groups in stages:
+        x = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True, axis_index_groups=[list(g) for g in groups])
+    return x.reshape(-1) if rows else x
+
 
 #: Tensors up to this size that share a bucket go through the plain psum in one buffer.
 SMALL_TENSOR_BYTES = 64 * 1024

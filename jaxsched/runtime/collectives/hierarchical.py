@@ -123,6 +123,7 @@ class Hierarchical(Collective):
             shapes=((shard,),),
             form="packed",
             mesh_axes=tuple((a, sizes[a]) for a in self.slow if a in sizes),
+            scatter_stages=(),  # the bucket's stages index the whole data axis, not the slow one
         )
 
     def init(self, buckets: Sequence[BucketSpec]) -> tuple:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsched.runtime.collectives.base import BucketSpec, Collective
+from jaxsched.runtime.collectives.base import BucketSpec, Collective, psum_scatter
 from jaxsched.runtime.compress.base import Compressor, check_gradient_bucket
 
 __all__ = ["Cast", "CastState"]
@@ -82,7 +82,5 @@ class Cast(Compressor):
         if not self.compresses(bucket):
             return super().reduce_scatter(buffer, axis_name, bucket, state)
         check_gradient_bucket(bucket, "Cast")
-        shard = lax.psum_scatter(buffer.astype(self.dtype), axis_name, scatter_dimension=0, tiled=True).astype(
-            buffer.dtype
-        )
+        shard = psum_scatter(buffer.astype(self.dtype), axis_name, bucket).astype(buffer.dtype)
         return shard, (self._sent(bucket), state[1])
