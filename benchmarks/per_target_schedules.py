@@ -63,7 +63,7 @@ def _row(report, baseline=None, options_baseline=None) -> dict:
     return row
 
 
-def run_case(case: str) -> dict:
+def run_case(case: str, strategies=STRATEGIES) -> dict:
     import jaxsched
     from jaxsched.check import inspection as inspect_lib
     from jaxsched.tools.aot.experiment import abstract_experiment
@@ -74,7 +74,7 @@ def run_case(case: str) -> dict:
     args = (exp.params, exp.opt_state, exp.batch)
     plain = inspect_lib.inspect_jitted(exp.step, args, exp.mesh, label="plain, XLA defaults")
     rows, options, same = {}, None, None
-    for name in STRATEGIES:
+    for name in strategies:
         print(f"  {case}: {name}", file=sys.stderr, flush=True)
         sched = jaxsched.schedule(exp.step, strategy=name)
         inspection = sched.inspect(sched.init(exp.params, exp.opt_state), exp.batch, baseline=False)
@@ -106,11 +106,12 @@ def run_case(case: str) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), help="model@target")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES))
     args = parser.parse_args(argv)
     RESULTS.mkdir(exist_ok=True)
     results = json.loads(JSON_PATH.read_text()) if JSON_PATH.exists() else {}
     for case in args.cases:
-        results[case] = run_case(case)
+        results[case] = run_case(case, tuple(args.strategies))
         JSON_PATH.write_text(json.dumps(results, indent=1))
         entry = results[case]
         base = entry["plain_defaults"]

@@ -1286,6 +1286,13 @@ def _probe_collective(mesh, kind: str, nbytes: int, axes: tuple[str, ...]) -> tu
                 result = (max(w.end_s - w.start_s for w in windows), sched.cycles_per_us)
     except Exception:  # a collective this probe cannot build or XLA cannot compile
         result = (None, None)
+    if result[0] is None and kind == "reduce-scatter":
+        # XLA:TPU decomposes a reduce-scatter over a 3-D block of chips into an all-reduce
+        # (no reduce-scatter to read): priced as half an all-reduce of its input, the
+        # traffic of a ring reduce-scatter
+        n = math.prod(mesh.shape[a] for a in axes)
+        whole, clock = _probe_collective(mesh, "all-reduce", int(nbytes) * n, axes)
+        result = (None if whole is None else whole / 2, clock)
     if result[0] is None and _PROBE_MIN_BYTES <= nbytes < _PROBE_MAX_SMALL_BYTES:
         # XLA:TPU keeps small collectives synchronous (no schedule to read): priced as
         # the smallest larger one it makes async, an upper bound
