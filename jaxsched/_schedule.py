@@ -181,6 +181,10 @@ class Scheduled:
         step with extra inputs); returns the new state and the step's aux, as the plain step
         would (the state alone for a step that returns only its state, and ``(state, key,
         aux)`` for a step that returns an output per input)."""
+        if self._direct() and len(inputs) == self._num_inputs:
+            result = self._run_again(state, inputs[0] if len(inputs) == 1 else inputs)
+            if result is not None:
+                return self._outputs.returned(*result)
         result = self.step_batch(state, self._batch_of(self._marked(inputs), state))
         if self._state_form_for(state) is None:
             new_state, aux = result
@@ -199,7 +203,25 @@ class Scheduled:
         return self._run(state, batch)
 
     def _run(self, state: ScheduledState, batch: Any) -> Any:
+        result = self._run_again(state, batch)
+        if result is not None:
+            return result
         return self._program_for(state, batch).run(state, batch)
+
+    def _run_again(self, state: ScheduledState, batch: Any) -> tuple[Any, Any] | None:
+        """The step when ``state`` is what the last program returned and ``batch`` has the
+        signature that program checked (:meth:`Program.run_again`), else None: a training
+        loop's call skips the checks its first call of that signature made."""
+        program = self._programs.last
+        if program is None or state is not program.returned:
+            return None
+        return program.run_again(batch)
+
+    def _direct(self) -> bool:
+        """Whether a call may go straight to :meth:`_run_again`: a ``step(params, opt_state,
+        ...)`` without re-planning, whose inputs and outputs have held no static leaf (which
+        would need marking)."""
+        return self._state_form is None and self._replanner is None and not self._has_static()
 
     def replan(self, network: Any = None) -> SwitchRecord | None:
         """Re-plan the buckets now for ``network`` (a :class:`~jaxsched.sim.costmodel.NetworkProfile`
@@ -387,9 +409,6 @@ class Scheduled:
     def _program_for(self, state: ScheduledState, batch: Any) -> Program:
         if self._template is None:
             self._template = (state.params, state.opt_state)
-        program = self._programs.again(state, batch)
-        if program is not None:
-            return program
         program = self._programs.get(batch, retyped(self._template, (state.params, state.opt_state)))
         check_state_fits(program, self._template, state)
         return program

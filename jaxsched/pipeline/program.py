@@ -111,6 +111,14 @@ class Program:
         self._placed_consts: list | None = None
         self._state_shapes: list | None = None
         self._checked_returned = False
+        #: the returned state's leaves and structure, so that the next step does not flatten it
+        self._returned_leaves: list = []
+        self._state_treedef: Any = None
+        #: the batch signature :meth:`run_again` accepts: structure, per leaf (type, shape,
+        #: dtype, sharding), and per leaf None (goes in as given) or the spec it is placed on
+        self._batch_treedef: Any = None
+        self._batch_keys: list | None = None
+        self._batch_places: list = []
 
     # what users and tests inspect ----------------------------------------------------------
     @property
@@ -209,27 +217,88 @@ class Program:
         return self._phase_cores[key], step
 
     def run(self, state: ScheduledState, batch: Any) -> tuple[NamedTuple, Any]:
+        """One step, every input checked; the batch's signature is learnt for :meth:`run_again`."""
         returned = state is self._returned
-        if not returned:  # a state this program returned is in place already
+        batch_leaves, batch_treedef = jax.tree.flatten(batch)
+        if not returned or any(isinstance(b, jax.ShapeDtypeStruct) for b in batch_leaves):
             if is_abstract(state) or is_abstract(batch):
                 raise TypeError(
                     "the state or batch is abstract (jax.ShapeDtypeStruct leaves): it "
                     "can be lowered, compiled and inspected (sched.lower, "
                     "sched.inspect), not run; pass arrays to run a step"
                 )
+        if returned:  # a state this program returned is in place already
+            leaves, treedef = self._returned_leaves, self._state_treedef
+        else:
             state = self.convert(state)
-        leaves, treedef = jax.tree.flatten(state)
+            leaves, treedef = jax.tree.flatten(state)
+        planned = self.planned
+        if len(batch_leaves) != planned.captured.num_batch:
+            raise ValueError(
+                f"the batch has {len(batch_leaves)} leaves; the step was traced with {planned.captured.num_batch}"
+            )
+        placed = [planned.placed(b, s) for b, s in zip(batch_leaves, planned.batch_specs, strict=True)]
+        if self._batch_keys is None:
+            self._learn_batch(batch_leaves, batch_treedef, placed)
+        return self._execute(state, leaves, treedef, placed, returned)
+
+    def run_again(self, batch: Any) -> tuple[NamedTuple, Any] | None:
+        """The step from the state the last run returned, for a batch of the signature
+        :meth:`run` learnt (None for any other: :meth:`run` then checks it).
+
+        A training loop's call: the state is this program's own output, flat already, and
+        the batch's structure, shapes, dtypes and shardings were checked and its placement
+        decided when its signature was first seen, so that what remains per call is one
+        flatten of the batch and a comparison of its leaves, as ``jax.jit`` dispatches."""
+        keys = self._batch_keys
+        if keys is None or not self.keeps_dtypes:
+            return None
+        batch_leaves, batch_treedef = jax.tree.flatten(batch)
+        if batch_treedef != self._batch_treedef or len(batch_leaves) != len(keys):
+            return None
+        for leaf, (kind, shape, dtype, sharding) in zip(batch_leaves, keys):
+            if type(leaf) is not kind or leaf.shape != shape or leaf.dtype != dtype:
+                return None
+            if sharding is not None and leaf.sharding != sharding:
+                return None
+        planned = self.planned
+        placed = [b if s is None else planned.placed(b, s) for b, s in zip(batch_leaves, self._batch_places)]
+        return self._execute(self._returned, self._returned_leaves, self._state_treedef, placed, True)
+
+    def _learn_batch(self, leaves: list, treedef: Any, placed: list) -> None:
+        """Remember the batch signature :meth:`run_again` accepts (``jax.Array`` and NumPy
+        leaves only) and, per leaf, whether it goes in as given (None) or is placed on every
+        call (its spec: a host array, or one on another sharding)."""
+        keys = []
+        for leaf in leaves:
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+                keys.append((type(leaf), leaf.shape, leaf.dtype, leaf.sharding))
+            elif type(leaf) is np.ndarray:
+                keys.append((np.ndarray, leaf.shape, leaf.dtype, None))
+            else:
+                return  # a Python scalar, a NumPy scalar: the checked path every call
+        self._batch_treedef, self._batch_keys = treedef, keys
+        self._batch_places = [
+            None if given is put else spec for given, put, spec in zip(leaves, placed, self.planned.batch_specs)
+        ]
+
+    def _execute(
+        self, state: NamedTuple, leaves: list, treedef: Any, batch_leaves: list, returned: bool
+    ) -> tuple[NamedTuple, Any]:
+        """Run the compiled core on the state's ``leaves`` and the placed batch leaves."""
         core, step = self._core_for(state, returned)
         self.core = core
-        outs = core(*self._inputs(state, batch, self._device_consts()))
+        outs = core(*leaves, *batch_leaves, *self._device_consts())
         self._next_step = None if step is None else step + 1
         if self.keeps_dtypes is None:
             self.keeps_dtypes = all(leaf_dtype(a) == leaf_dtype(b) for a, b in zip(leaves, outs))
-        new_state = jax.tree.unflatten(treedef, outs[: len(leaves)])
+        n = len(leaves)
+        new_leaves = list(outs[:n])
+        new_state = jax.tree.unflatten(treedef, new_leaves)
         if not self._checked_returned:
             self._check_returned(new_state)
-        self._returned = new_state
-        return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[len(leaves) :])
+        self._returned, self._returned_leaves, self._state_treedef = new_state, new_leaves, treedef
+        return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[n:])
 
     def _check_returned(self, state: NamedTuple) -> None:
         """Once per program: a strategy that keeps the user's layout returns every params and
@@ -308,17 +377,8 @@ class ProgramCache:
         program = self._programs.get(key)
         if program is None:
             program = self._programs[key] = self._build(batch, template)
-        self.last, self._last_key = program, key
+        self.last = program
         return program
-
-    def again(self, state: Any, batch: Any) -> Program | None:
-        """The last program when ``state`` is what it returned, in the dtypes it took, and
-        ``batch`` has the last batch's signature: the usual call in a training loop, which
-        then skips reading the state's dtypes."""
-        last = self.last
-        if last is None or state is not last.returned or not last.keeps_dtypes:
-            return None
-        return last if abstract_signature(batch) == self._last_key[0] else None
 
     def __len__(self) -> int:
         return len(self._programs)

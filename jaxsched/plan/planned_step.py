@@ -33,7 +33,7 @@ from jaxsched.core.bucketing import DEFAULT_BUCKET_BYTES, Bucket, bucket_nbytes,
 from jaxsched.core.capture import CapturedStep, UnsupportedStepError
 from jaxsched.sim.costmodel import CommPattern, LayerProfile, NetworkProfile, WFBP_PATTERN
 
-__all__ = ["is_abstract", "PlannedStep", "REPLICATED", "zero_count"]
+__all__ = ["is_abstract", "PlannedStep", "REPLICATED", "takes_as_is", "zero_count"]
 
 REPLICATED = P()
 
@@ -42,6 +42,18 @@ def is_abstract(tree: Any) -> bool:
     """Whether ``tree`` holds abstract leaves (``jax.ShapeDtypeStruct``): a state or batch
     described for ahead-of-time compilation, not data."""
     return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(tree))
+
+
+def takes_as_is(current: jax.sharding.Sharding, sharding: NamedSharding, ndim: int) -> bool:
+    """Whether an array on ``current`` goes into a program that wants ``sharding`` without
+    being placed: the same layout on the same devices (a one-device mesh's batch on its
+    device), and no other mesh for the program to trace it with. ``jax.device_put`` would
+    copy it on every call for nothing."""
+    if current == sharding:
+        return True
+    if isinstance(current, NamedSharding) and current.mesh != sharding.mesh:
+        return False
+    return current.is_equivalent_to(sharding, ndim)
 
 
 def zero_count(*trees: Any) -> Any:
@@ -220,6 +232,6 @@ class PlannedStep:
         if all(dim is None for dim in spec) and current.device_set == self._mesh_devices:
             return value  # replicated and on the mesh
         sharding = self._sharding(spec)
-        if current == sharding:
+        if takes_as_is(current, sharding, value.ndim):
             return value
         return jax.device_put(value, sharding)

@@ -266,3 +266,33 @@ def test_all_reduce_tensors_sums_each_tensor_whatever_its_size(wrapped):
     psums = [e for e in replay.nested_eqns(jax.make_jaxpr(f)(*placed).jaxpr) if e.primitive.name == "psum"]
     # plain: two large tensors as they are + one buffer for the three small ones; wrapped: one
     assert len(psums) == (1 if wrapped else 3)
+
+
+def test_a_known_signature_skips_the_checks_and_a_new_one_is_checked(monkeypatch):
+    """The training loop's call (state the last step returned, batch of a known signature)
+    runs without the checked path; a batch of a new signature, or a bad one, still takes it."""
+    from jaxsched.pipeline.program import Program
+
+    tx = optax.sgd(0.1)
+    params = {"w": jnp.ones((4, 2))}
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        grads = jax.grad(lambda p: jnp.mean((batch @ p["w"]) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jnp.sum(grads["w"])
+
+    sched = jaxsched.schedule(step, strategy="wfbp")
+    checked = []
+    run = Program.run
+    monkeypatch.setattr(Program, "run", lambda self, *a: checked.append(1) or run(self, *a))
+    state = sched.init(params, tx.init(params))
+    state, _ = sched(state, jnp.ones((8, 4)))
+    assert len(checked) == 1
+    for _ in range(3):
+        state, _ = sched(state, jnp.ones((8, 4)))
+    assert len(checked) == 1  # validated and flattened once per signature
+    state, _ = sched(state, jnp.ones((6, 4)))  # a new signature: checked, its own program
+    assert len(checked) == 2 and sched.num_programs == 2
+    with pytest.raises(TypeError):  # a bad batch still meets the checked path's errors
+        sched(state, (jnp.ones((6, 4)), jnp.ones(6)))
