@@ -355,6 +355,43 @@ def test_an_fsdp_step_lowers_and_inspects_for_a_gpu_cluster(strategy):
     assert inspection.report.step_s is not None and inspection.baseline.step_s is not None
 
 
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_block_gradients_scattered_in_two_stages_equal_the_plain_step(strategy, monkeypatch):
+    """The stages a TPU torus gets (a reduce-scatter over pairs, then over fours) hand each
+    device the block one reduce-scatter would: forced on 8 CPU devices, every leaf equals
+    the plain step's."""
+    import jaxsched.strategies.base as strategy_base
+
+    stages = (((0, 4), (1, 5), (2, 6), (3, 7)), ((0, 1, 2, 3), (4, 5, 6, 7)))
+    monkeypatch.setattr(strategy_base, "scatter_stages", lambda mesh, axes: stages)
+    monkeypatch.setattr(strategy_base, "SMALL_TENSOR_BYTES", 0)
+    tx = optax.adamw(1e-2)
+    layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 29)
+    sched, state, _ = _run(ss.mlp_step(tx, layout, mesh), params, opt_state, batches, strategy)
+    text = sched.lower(state, batches[0]).as_text()
+    assert text.count("reduce_scatter") >= 4  # w1 and w2, two stages each
+
+
+@needs_tpu
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_fsdp_gradients_stay_reduce_scatters_on_a_3d_tpu_slice(strategy):
+    """Over all 8 chips of a v5p 2x2x2 slice XLA:TPU decomposes one reduce-scatter into an
+    all-reduce of the whole gradient; each block's gradient goes in two stages (a line, then
+    a plane of chips), which it keeps."""
+    import re
+
+    step, params, opt_state, batch = _abstract_fsdp("v5p:2x2x2", hsdp=False)
+    sched = jaxsched.schedule(step, strategy=strategy)
+    text = sched.lower(sched.init(params, opt_state), batch).compile().as_text()
+    found = []
+    for match in re.finditer(r"= (\(.*?\)|\S+) (all-reduce|reduce-scatter)(?:-start)?\(", text):
+        for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", match.group(1)):
+            found.append((match.group(2), int(np.prod([int(d) for d in dims.split(",") if d]))))
+    whole = 256 * 256  # a layer's weight
+    assert not [n for kind, n in found if kind == "all-reduce" and n >= whole // 8], found
+    assert len([n for kind, n in found if kind == "reduce-scatter" and n == whole // 8]) >= 4, found
+
+
 @needs_tpu
 @pytest.mark.slow
 def test_an_hsdp_step_inspects_for_a_tpu_pod():

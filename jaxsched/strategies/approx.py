@@ -486,7 +486,7 @@ class Approx(Strategy):
         new_local = [
             jnp.broadcast_to(read(env, r.operand), r.operand.aval.shape).astype(r.operand.aval.dtype) for r in reds
         ]
-        new_local = [scatter_block(g, r) if r.scattered else g for g, r in zip(new_local, reds)]
+        new_local = [scatter_block(g, r, planned.mesh) if r.scattered else g for g, r in zip(new_local, reds)]
 
         # 4. the update on the true parameters with ḡ_{t-k}; metrics from this step's forward.
         # Until k gradients have arrived it runs on zeros and is discarded. A select, not a

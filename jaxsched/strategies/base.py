@@ -29,7 +29,15 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxsched.runtime.collectives.base import BucketSpec, Collective, stack_local, stacked_zeros, unstack_local
+from jaxsched.runtime.collectives.base import (
+    SMALL_TENSOR_BYTES,
+    BucketSpec,
+    Collective,
+    nbytes,
+    stack_local,
+    stacked_zeros,
+    unstack_local,
+)
 from jaxsched.runtime.collectives.torus import scatter_lanes, scatter_stages
 from jaxsched.sim.costmodel import CommPattern
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
@@ -357,19 +365,33 @@ def reduce_gradients(
         if planned.axis_size == 1:  # a sum over one device is the identity
             return list(grads), state
         return collective.all_reduce_tensors(list(grads), planned.axis_name, spec, state)
-    blocks = list(grads) if scattered else [scatter_block(g, r) for g, r in zip(grads, reds, strict=True)]
+    mesh = planned.mesh
+    blocks = list(grads) if scattered else [scatter_block(g, r, mesh) for g, r in zip(grads, reds, strict=True)]
     axes = reds[0].sum_axes
     if not axes:
         return blocks, state
     return collective.all_reduce_tensors(blocks, axes[0] if len(axes) == 1 else tuple(axes), spec, state)
 
 
-def scatter_block(gradient: Any, reduction: Any) -> Any:
-    """A gradient reduce-scattered into its parameter's block (the sum over the block's axes)."""
+def scatter_block(gradient: Any, reduction: Any, mesh: Any = None) -> Any:
+    """A gradient reduce-scattered into its parameter's block (the sum over the block's axes).
+
+    On a TPU torus where one reduce-scatter over the block's axes would span a 3-D block of
+    chips (XLA:TPU then decomposes it into an all-reduce of the whole gradient), it runs in
+    the two stages :func:`~jaxsched.runtime.collectives.torus.scatter_stages` gives for
+    ``mesh``: each device ends with the same block."""
     axes = reduction.scatter_axes
-    return jax.lax.psum_scatter(
-        gradient, axes[0] if len(axes) == 1 else tuple(axes), scatter_dimension=reduction.scatter_dim, tiled=True
-    )
+    name = axes[0] if len(axes) == 1 else tuple(axes)
+    dim = reduction.scatter_dim
+    big = nbytes(gradient) > SMALL_TENSOR_BYTES
+    stages = scatter_stages(mesh, axes) if mesh is not None and big else ()
+    if not stages:
+        return jax.lax.psum_scatter(gradient, name, scatter_dimension=dim, tiled=True)
+    for groups in stages:
+        gradient = jax.lax.psum_scatter(
+            gradient, name, scatter_dimension=dim, tiled=True, axis_index_groups=[list(g) for g in groups]
+        )
+    return gradient
 
 
 class UserLayoutStrategy(Strategy):

@@ -442,7 +442,7 @@ class Dear(Strategy):
                 if _scattered(planned, bucket):
                     # HSDP: each gradient reduce-scattered into its block, then the blocks
                     # reduce-scattered over the replica axes: the update shards over them too
-                    blocks = [scatter_block(g, reds[j]) for g, j in zip(grads, bucket.reductions)]
+                    blocks = [scatter_block(g, reds[j], planned.mesh) for g, j in zip(grads, bucket.reductions)]
                     chunks, carried[k] = self.collective.reduce_scatter_tensors(
                         blocks, chunking.axis, specs[k], carried[k]
                     )

@@ -784,7 +784,7 @@ class DiLoCo(Strategy):
                 # a sharded parameter's gradient is reduce-scattered into its block over the
                 # fast axes it is split over, as the user's step does inside a replica
                 grads = [
-                    scatter_block(read(env, reds[j].operand), reds[j])
+                    scatter_block(read(env, reds[j].operand), reds[j], planned.mesh)
                     if reds[j].scattered
                     else read(env, reds[j].operand)
                     for j in js
