@@ -7,7 +7,8 @@ per phase (which fragment is sent at the start, which arrives at the end); each 
 compiled and read here, and the estimated step is their mean over an H-step cycle. For
 every program: the bytes of the collectives that cross slices (``dcn``), which of them
 are asynchronous, and XLA's estimate of the step and its exposed communication; beside it
-``wfbp`` (jaxsched's TPU options) and the plain step as XLA compiles it by default.
+``wfbp`` (jaxsched's TPU options) and the plain step as XLA compiles it by default, and each
+variant's ratio to the inner step alone (the phase that neither sends nor receives).
 
     python benchmarks/diloco_compiled.py [--model mlp] [--inner-steps 10]
 
@@ -134,13 +135,25 @@ def main() -> None:
             "exposed_comm_s": None if None in exposed else sum(exposed) / H,
             "dcn_bytes": sum(p["dcn_bytes"] for p in per_step) / H,
         }
+    # the inner step alone: a phase that neither sends nor receives a fragment
+    alone = results["variants"]["diloco F=4 tau=1"]["phases"].get(repr((None, None)))
+    if alone is not None:
+        results["inner_step_alone"] = alone
+        for v in results["variants"].values():
+            if v["estimated_step_s"] is not None and alone["estimated_step_s"]:
+                v["vs_inner_step_alone"] = v["estimated_step_s"] / alone["estimated_step_s"]
     RESULTS.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
-    print(f"{'variant':<20} {'est. step us':>12} {'exposed us':>10} {'dcn MB/step':>12}")
-    for name, v in results["variants"].items():
+    print(f"{'variant':<20} {'est. step us':>12} {'exposed us':>10} {'dcn MB/step':>12} {'x inner step':>12}")
+    rows = dict(results["variants"])
+    if alone is not None:
+        rows["inner step alone"] = alone
+    for name, v in rows.items():
         step = "-" if v["estimated_step_s"] is None else f"{v['estimated_step_s'] * 1e6:.0f}"
         exp_ = "-" if v["exposed_comm_s"] is None else f"{v['exposed_comm_s'] * 1e6:.0f}"
-        print(f"{name:<20} {step:>12} {exp_:>10} {v['dcn_bytes'] / 1e6:>12.2f}")
+        ratio = v.get("vs_inner_step_alone")
+        ratio = "-" if ratio is None else f"{ratio:.2f}"
+        print(f"{name:<20} {step:>12} {exp_:>10} {v['dcn_bytes'] / 1e6:>12.2f} {ratio:>12}")
 
 
 if __name__ == "__main__":
