@@ -7,7 +7,7 @@ for the compiled program (its latency-hiding schedule, or, where XLA:TPU writes 
 instruction costs: the ``source`` of each row), NOT a measurement; every ratio is to a
 baseline compiled in the same run.
 
-Cases (issue 39): an MLP of 8 layers of 1024 (ReLU; sgd with momentum, 512 rows per
+Cases: an MLP of 8 layers of 1024 (ReLU; sgd with momentum, 512 rows per
 device) on ``h100:1x2x4`` and ``v5p:2x2x2``; the zoo Transformer (12 blocks of 1024, 218M
 parameters) on ``h100:1x8x8``.
 

@@ -189,13 +189,10 @@ def test_dynamic_scale_is_not_trained_and_its_finite_check_is_one_scalar_reducti
     assert_trees_close(jax.device_get(sched.finalize(s)), jax.device_get(plain), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
-def test_global_norm_clipping_on_shards_is_one_scalar_all_reduce():
-    """clip_by_global_norm sums each leaf's squares on its shard: the per-leaf sums over
-    devices are batched into one all-reduce (there was one per leaf), with the plain step's
-    numbers up to rounding."""
-    params, apply_fn = build("transformer", 0)
-    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3))
+def _pmean_step_under_dear(model, tx, seed):
+    """A shard_map step that pmeans its gradients, run 3 steps plain and under dear:
+    ``(params, plain end state, schedule, its state, batches)``."""
+    params, apply_fn = build(model, 0)
     mesh = _mesh()
 
     def body(params, opt_state, batch):
@@ -208,7 +205,7 @@ def test_global_norm_clipping_on_shards_is_one_scalar_all_reduce():
     step = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
     )
-    batches = [steps.shard_batch(b, mesh) for b in random_batches("transformer", 3, 16, 1)]
+    batches = [steps.shard_batch(b, mesh) for b in random_batches(model, 3, 16, seed)]
     plain = (params, tx.init(params))
     for b in batches:
         *plain, _ = step(*plain, b)
@@ -216,6 +213,17 @@ def test_global_norm_clipping_on_shards_is_one_scalar_all_reduce():
     s = sched.init(params, tx.init(params))
     for b in batches:
         s, _ = sched(s, b)
+    return params, plain, sched, s, batches
+
+
+@pytest.mark.slow
+def test_global_norm_clipping_on_shards_is_one_scalar_all_reduce():
+    """clip_by_global_norm sums each leaf's squares on its shard: the per-leaf sums over
+    devices are batched into one all-reduce (there was one per leaf), with the plain step's
+    numbers up to rounding."""
+    params, plain, sched, s, batches = _pmean_step_under_dear(
+        "transformer", optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3)), seed=1
+    )
     found = collectives(sched.lower(s, batches[0]).as_text())
     scalars = [n for n in found["all_reduce"] if n <= len(jax.tree.leaves(params))]
     assert len(jax.tree.leaves(params)) > 10 and len(scalars) <= 2, found["all_reduce"]
@@ -226,28 +234,7 @@ def test_lamb_trust_ratios_on_shards_are_one_all_reduce_per_norm_level():
     """LAMB's trust ratio reads each leaf's two norms, the second masked by the first: the
     first norms of every leaf go in one all-reduce, the second in another (there were two
     per leaf and norm)."""
-    params, apply_fn = build("mlp", 0)
-    tx = optax.lamb(1e-2)
-    mesh = _mesh()
-
-    def body(params, opt_state, batch):
-        x, y = batch
-        loss_fn = lambda q: optax.softmax_cross_entropy_with_integer_labels(apply_fn(q, x), y).mean()
-        loss, g = jax.value_and_grad(loss_fn)(params)
-        u, opt_state = tx.update(lax.pmean(g, "data"), opt_state, params)
-        return optax.apply_updates(params, u), opt_state, lax.pmean(loss, "data")
-
-    step = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()), check_vma=False)
-    )
-    batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", 3, 16, 5)]
-    plain = (params, tx.init(params))
-    for b in batches:
-        *plain, _ = step(*plain, b)
-    sched = jaxsched.schedule(step, strategy="dear")
-    s = sched.init(params, tx.init(params))
-    for b in batches:
-        s, _ = sched(s, b)
+    params, plain, sched, s, batches = _pmean_step_under_dear("mlp", optax.lamb(1e-2), seed=5)
     leaves = len(jax.tree.leaves(params))
     scalars = [n for n in collectives(sched.lower(s, batches[0]).as_text())["all_reduce"] if n <= 4 * leaves]
     assert len(scalars) <= 3, scalars  # two levels of norms and the loss
