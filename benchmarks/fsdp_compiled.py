@@ -4,7 +4,7 @@ against the plain `jax.jit` step, as XLA estimates them.
 Run: ``.venv-aot/bin/python benchmarks/fsdp_compiled.py [--targets h100:1x8x8 v5p:2x2x2:slices=2]``
 (needs the ``aot`` extra; about 10 minutes). Writes ``benchmarks/results/fsdp_compiled.json``.
 
-The model is :class:`jaxsched.zoo.stacked_lm.StackedLM` (8 layers of 1024, MLP 4096,
+The model is `jaxsched.zoo.stacked_lm.StackedLM` (8 layers of 1024, MLP 4096,
 vocabulary 8192, sequence 512, adamw), written as MaxText writes it: its layers stacked,
 scanned with ``jax.checkpoint`` or unrolled, every weight ``P(None, "fsdp", None)``. On
 ``h100:1x8x8`` it is FSDP over the 64 GPUs; on two ``v5p:2x2x2`` slices it is HSDP, FSDP over

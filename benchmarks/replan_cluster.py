@@ -5,7 +5,7 @@ compute on one, collectives on the other), ``--steps`` steps of a tanh MLP under
 
 * steps ``[0, a)`` at ``--fast``, ``[a, b)`` at ``--slow``, ``[b, steps)`` at ``--fast`` again
   (``--change-at a,b``); rank 0 changes every link itself between two steps
-  (:func:`jaxsched.tools.cluster.set_links`), both processes waiting for each other around it;
+  (`jaxsched.tools.cluster.set_links`), both processes waiting for each other around it;
 * ``static``: planned once (``buckets="auto"``) for the network measured at the start;
 * ``replan``: the same first plan (the same layer and network profiles are handed to it),
   with ``replan=`` (``"auto"`` unless ``--every`` is given): it probes the network every

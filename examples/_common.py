@@ -1,4 +1,4 @@
-"""Plumbing shared by the example trainers: options, devices, and a :class:`Run` that owns
+"""Plumbing shared by the example trainers: options, devices, and a `Run` that owns
 checkpoints, metrics, progress, Ctrl-C, the summary and the loss curve.
 
 Why here and not in each trainer: the trainers (``digits.py``, ``cifar_synthetic.py``,
@@ -36,7 +36,7 @@ RECENT_STEPS = 10
 
 def parser(description: str, default_config: str | None, default_out: str) -> argparse.ArgumentParser:
     """The options every trainer takes (each may add its own). ``default_config=None``:
-    the trainer picks one from the other options (see :func:`parse`)."""
+    the trainer picks one from the other options (see `parse`)."""
     from jaxsched.strategies import STRATEGIES
 
     p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
@@ -96,7 +96,7 @@ def bucket_plan(text: str) -> Any:
 
 
 def compression(text: str) -> Any:
-    """``--compression``: a :mod:`jaxsched.runtime.compress` compressor, or None for ``none``."""
+    """``--compression``: a `jaxsched.runtime.compress` compressor, or None for ``none``."""
     if text in ("none", ""):
         return None
     from jaxsched.tools.bench import parse_compression
@@ -424,7 +424,7 @@ class Run:
         return EXIT_INTERRUPTED
 
     def recent_mean(self, key: str) -> float | None:
-        """The average of ``key`` over the last :data:`RECENT_STEPS` steps: what the
+        """The average of ``key`` over the last `RECENT_STEPS` steps: what the
         summary reports as the final loss and train accuracy, as ``jaxsched train`` does."""
         values = [r[key] for r in self.recent_rows if key in r]
         return float(np.mean(values)) if values else None
@@ -475,7 +475,7 @@ class Run:
 
 def script(main: Any) -> int:
     """Run a trainer's ``main()``; Ctrl-C before training starts (while compiling) ends it
-    quietly with status 130 (during training, :class:`Run` handles it)."""
+    quietly with status 130 (during training, `Run` handles it)."""
     try:
         return main()
     except KeyboardInterrupt:

@@ -81,7 +81,7 @@ class _AliasLoader(importlib.abc.Loader):
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder):
-    """Finds only the names in :data:`MOVED` (and their submodules); defers everything else."""
+    """Finds only the names in `MOVED` (and their submodules); defers everything else."""
 
     def find_spec(self, fullname, path=None, target=None):
         new = _new_name(fullname)

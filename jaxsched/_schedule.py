@@ -53,7 +53,7 @@ __all__ = ["STRATEGIES", "SchedState", "Scheduled", "schedule"]
 
 
 class Scheduled:
-    """A scheduled training step: ``init``, ``__call__``, ``finalize`` (see :func:`schedule`)."""
+    """A scheduled training step: ``init``, ``__call__``, ``finalize`` (see `schedule`)."""
 
     def __init__(
         self,
@@ -75,7 +75,7 @@ class Scheduled:
         plan_options = {k: v for k, v in options.items() if k in PLAN_OPTIONS}
         strategy_options = {k: v for k, v in options.items() if k not in PLAN_OPTIONS}
         #: the user's step, taking and returning its non-array leaves (an Equinox model's
-        #: functions) as static tree structure (:mod:`jaxsched.core.static_leaves`)
+        #: functions) as static tree structure (`jaxsched.core.static_leaves`)
         self.step = static_leaves.through(step)
         try:
             self.strategy: Strategy = make_strategy(
@@ -117,7 +117,7 @@ class Scheduled:
         ``step(params, opt_state, batch)``, ``init(state[, batch])`` for a ``step(state,
         batch)``, and the step's other inputs before the batch where it takes some
         (``init(state, rng, batch)`` for a ``step(state, rng, batch)``).
-        :mod:`jaxsched.pipeline.state_step` says how the form is read from the arguments.
+        `jaxsched.pipeline.state_step` says how the form is read from the arguments.
 
         Without the step's inputs the leaves keep the user's layout until the first step
         converts them (the step can only be traced once a batch is known). With all of them
@@ -210,7 +210,7 @@ class Scheduled:
 
     def _run_again(self, state: ScheduledState, batch: Any) -> tuple[Any, Any] | None:
         """The step when ``state`` is what the last program returned and ``batch`` has the
-        signature that program checked (:meth:`Program.run_again`), else None: a training
+        signature that program checked (`Program.run_again`), else None: a training
         loop's call skips the checks its first call of that signature made."""
         program = self._programs.last
         if program is None or state is not program.returned:
@@ -218,17 +218,17 @@ class Scheduled:
         return program.run_again(batch)
 
     def _direct(self) -> bool:
-        """Whether a call may go straight to :meth:`_run_again`: a ``step(params, opt_state,
+        """Whether a call may go straight to `_run_again`: a ``step(params, opt_state,
         ...)`` without re-planning, whose inputs and outputs have held no static leaf (which
         would need marking)."""
         return self._state_form is None and self._replanner is None and not self._has_static()
 
     def replan(self, network: Any = None) -> SwitchRecord | None:
-        """Re-plan the buckets now for ``network`` (a :class:`~jaxsched.sim.costmodel.NetworkProfile`
+        """Re-plan the buckets now for ``network`` (a `NetworkProfile`
         or a preset name such as ``"1gbe"``), or for the network measured while training when
         none is given; the step switches at its next call. Returns the pending switch, or
         None when the plan for that network is the current one. Needs ``replan=`` and one
-        step run; every process calls it at the same step (:mod:`jaxsched.pipeline.replan`)."""
+        step run; every process calls it at the same step (`jaxsched.pipeline.replan`)."""
         if self._state_form is not None and self._state_form.inner is not None:
             return self._state_form.inner.replan(network)
         if self._replanner is None:
@@ -239,14 +239,14 @@ class Scheduled:
 
     @property
     def replans(self) -> list[SwitchRecord]:
-        """Every switch of plan so far (:class:`~jaxsched.pipeline.replan.SwitchRecord`), oldest first."""
+        """Every switch of plan so far (`SwitchRecord`), oldest first."""
         if self._state_form is not None and self._state_form.inner is not None:
             return self._state_form.inner.replans
         return [] if self._replanner is None else list(self._replanner.records)
 
     @property
     def replan_decisions(self) -> list:
-        """Every decision point of the monitor (:class:`~jaxsched.pipeline.replan.Decision`: measured
+        """Every decision point of the monitor (`Decision`: measured
         drift, predicted gain, whether it switched, what the measurement cost)."""
         if self._state_form is not None and self._state_form.inner is not None:
             return self._state_form.inner.replan_decisions
@@ -274,11 +274,11 @@ class Scheduled:
     def inspect(self, state: ScheduledState, batch: Any, *, baseline: bool = True):
         """Compile this step for its mesh's devices and read what the compiler scheduled.
 
-        Works ahead of time: with a mesh over compile-only devices (:func:`jaxsched.tools.aot.devices`)
+        Works ahead of time: with a mesh over compile-only devices (`jaxsched.tools.aot.devices`)
         and abstract ``state`` / ``batch`` (``jax.ShapeDtypeStruct`` leaves with shardings,
         ``state`` from ``sched.init``), nothing touches a device. Returns a
-        :class:`jaxsched.check.inspection.Inspection`: the scheduled step's
-        :class:`~jaxsched.check.inspection.CompiledReport` (every collective, async or not, the compute
+        `jaxsched.check.inspection.Inspection`: the scheduled step's
+        `CompiledReport` (every collective, async or not, the compute
         in its window, XLA's estimated step and exposed communication) and, with
         ``baseline``, the same for the user's step unchanged as XLA compiles it with its
         default options, the peer every strategy is compared with.
@@ -333,11 +333,11 @@ class Scheduled:
     ):
         """Run the plain step and this scheduled step side by side on ``batches``.
 
-        Returns a :class:`jaxsched.check.verify.VerifyReport`: per leaf the largest relative
+        Returns a `jaxsched.check.verify.VerifyReport`: per leaf the largest relative
         difference, the rounding baseline it is judged against, and the first step at
         which each leaf left its tolerance, or that it is chaotic (``print(report)`` shows a table). By default every
         run is made in float64, where rounding cannot pass for a defect
-        (:mod:`jaxsched.check.verify`); ``precision="float32"`` compares the step as it trains.
+        (`jaxsched.check.verify`); ``precision="float32"`` compares the step as it trains.
         """
         from jaxsched.check.verify import verify
 
@@ -466,34 +466,34 @@ def schedule(
     Args:
       train_step: ``(params, opt_state, batch) -> (params, opt_state, aux)``, or ``(state,
         batch) -> (state, aux)`` over any pytree state (a Flax ``TrainState``, a dataclass, a
-        dict; :mod:`jaxsched.pipeline.state_step`), with any inputs (a key) before the batch.
+        dict; `jaxsched.pipeline.state_step`), with any inputs (a key) before the batch.
         Either a ``jax.jit`` step on global arrays, the batch split over the data axes and
         the parameters replicated or sharded (FSDP, HSDP, tensor parallelism;
-        :mod:`jaxsched.core.partition`), or a per-device body written with ``jax.shard_map``
+        `jaxsched.core.partition`), or a per-device body written with ``jax.shard_map``
         (jitted or not) or ``jax.pmap`` that reduces its gradients with
         ``lax.pmean``/``lax.psum`` (or implicitly via ``check_vma``).
         Omit it to use ``schedule`` as a decorator: ``@jaxsched.schedule(strategy="wfbp")``.
       strategy: a registered name (``jaxsched.STRATEGIES``: ``allreduce``, the step
         unchanged; ``wfbp``, one all-reduce per bucket in backward; ``dear``,
         reduce-scatter in backward, sharded update, all-gather deferred to the next
-        forward) or a :class:`~jaxsched.strategies.Strategy` instance.
+        forward) or a `Strategy` instance.
       buckets: ``None`` (25 MB threshold in gradient-completion order), a byte threshold,
         an explicit plan (a list of lists of parameter paths such as ``"head/kernel"``), or
-        ``"auto"``: planned against the simulator (:mod:`jaxsched.plan.from_step`), with
-        options ``layer_profile`` (a measured :class:`~jaxsched.sim.costmodel.LayerProfile`),
+        ``"auto"``: planned against the simulator (`jaxsched.plan.from_step`), with
+        options ``layer_profile`` (a measured `LayerProfile`),
         ``network_profile`` (a profile or preset name; default: measured on the mesh) and
         ``planner`` (default ``"optimal"``).
       compiler_options: options of the ``xla`` engine: per-function XLA options; by
-        default the platform's set from :mod:`jaxsched.runtime.engine.xla` (latency-hiding
+        default the platform's set from `jaxsched.runtime.engine.xla` (latency-hiding
         scheduler on, combiners off, on GPU).
       engine: ``"auto"`` (the host engine on multi-process CPU meshes with a spare local
         device per process, else ``"xla"``), ``"xla"``, ``"host"``, another registered
-        name (``jaxsched.runtime.engine.engine_names()``) or an :class:`~jaxsched.runtime.engine.Engine`.
-      collective: a :class:`~jaxsched.runtime.collectives.Collective` that the strategy sends its
+        name (``jaxsched.runtime.engine.engine_names()``) or an `Engine`.
+      collective: a `Collective` that the strategy sends its
         buckets through; ``compression=`` is the same for compressors.
-      replan: ``None`` (plan once), ``"auto"`` or a :class:`~jaxsched.replan.Replan`: measure
+      replan: ``None`` (plan once), ``"auto"`` or a `Replan`: measure
         the network while training and switch to a new bucket plan when it drifted
-        (:mod:`jaxsched.replan`; ``sched.replan(network=...)`` switches on demand,
+        (`jaxsched.replan`; ``sched.replan(network=...)`` switches on demand,
         ``sched.replans`` lists the switches). Plans with ``buckets="auto"`` unless
         ``buckets`` is given.
       options: the strategy's own options (passed to its constructor) and, with

@@ -95,7 +95,7 @@ ESTIMATOR = "XLA latency-hiding scheduler estimate for the compiled program (not
 #: ``CompiledReport.estimate_source`` of a report timed by XLA's latency-hiding schedule.
 ESTIMATE_FROM_SCHEDULE = "schedule"
 #: ``CompiledReport.estimate_source`` of a report XLA wrote no schedule for, timed from
-#: XLA's cost of each instruction (:func:`estimate_from_instruction_costs`).
+#: XLA's cost of each instruction (`estimate_from_instruction_costs`).
 ESTIMATE_FROM_INSTRUCTIONS = "instruction costs"
 
 
@@ -154,7 +154,7 @@ class CompiledReport:
     A while loop (a ``lax.scan`` over layers) is one instruction in the entry's schedule;
     XLA schedules its body on its own, and the body runs its trip count times: ``step_s`` and
     ``exposed_comm_s`` count every iteration, and ``loops`` lists each loop
-    (:class:`LoopCost`). ``peak_gathered_bytes`` is the
+    (`LoopCost`). ``peak_gathered_bytes`` is the
     most all-gathered data alive at once in the schedule (each gather from its start to its
     last reader): FSDP's gathered parameters, what a bound on prefetching keeps small.
     ``peak_memory_bytes`` is XLA's memory analysis per device (arguments + outputs +
@@ -167,11 +167,11 @@ class CompiledReport:
     the wasted cycles barely move between programs), so they are reported, not used.
 
     ``estimate_source`` says where ``step_s`` and ``exposed_comm_s`` come from:
-    ``"schedule"`` (:data:`ESTIMATE_FROM_SCHEDULE`, the above), ``"instruction costs"``
-    (:data:`ESTIMATE_FROM_INSTRUCTIONS`: XLA wrote no schedule, as XLA:TPU does not for a
+    ``"schedule"`` (`ESTIMATE_FROM_SCHEDULE`, the above), ``"instruction costs"``
+    (`ESTIMATE_FROM_INSTRUCTIONS`: XLA wrote no schedule, as XLA:TPU does not for a
     single slice with its default options, and the step is XLA's cost of each instruction
-    added up; see :func:`estimate_from_instruction_costs`), or None (no estimate:
-    :attr:`no_estimate_reason` says why). ``compiler_options`` are the XLA options the
+    added up; see `estimate_from_instruction_costs`), or None (no estimate:
+    `no_estimate_reason` says why). ``compiler_options`` are the XLA options the
     program was compiled with (``{}``: XLA's defaults), as passed to the compiler.
     """
 
@@ -1011,11 +1011,11 @@ def report(
     """Collectives of a compiled program and XLA's schedule estimate for it.
 
     ``compiled_or_hlo_text``: a ``jax.stages.Compiled`` or its ``as_text()`` (scheduled HLO).
-    ``schedule_text``: from :func:`compile_with_schedule` (None: no times). ``mesh``: a
+    ``schedule_text``: from `compile_with_schedule` (None: no times). ``mesh``: a
     ``Mesh`` or ``AbstractMesh`` that maps replica groups (logical ids = positions in
     ``mesh.devices.flat``) to axis names; None gives ``mesh_axes=()``. ``compiler_options``:
     what the program was compiled with, kept in the report (None: XLA's defaults).
-    Without a schedule the report has no times; :func:`estimate_from_instruction_costs`
+    Without a schedule the report has no times; `estimate_from_instruction_costs`
     adds an estimate where XLA costs each instruction.
     """
     text = compiled_or_hlo_text if isinstance(compiled_or_hlo_text, str) else compiled_or_hlo_text.as_text()
@@ -1391,7 +1391,7 @@ def inspect_lowered(
     ``jax.jit(..., compiler_options=...)`` put in ``lowered`` apply too, so passing the same
     again changes nothing) and report it, the options recorded in the report; with
     ``estimate``, where XLA writes no schedule, estimate its step from XLA's instruction
-    costs (:func:`estimate_from_instruction_costs`)."""
+    costs (`estimate_from_instruction_costs`)."""
     compiled, schedule = compile_with_schedule(lowered, compiler_options)
     rep = report(compiled, schedule, mesh, label=label, target=target, compiler_options=compiler_options)
     if estimate and rep.step_s is None and rep.platform != "cpu":
@@ -1623,7 +1623,7 @@ def inspect_jitted(
     shardings) with only ``compiler_options`` (default: XLA's own defaults) and report it.
     This is how a user's step is judged as XLA compiles it alone. Where XLA writes no
     schedule (XLA:TPU on one slice with its defaults), ``estimate`` adds an estimate from
-    XLA's instruction costs (:func:`estimate_from_instruction_costs`)."""
+    XLA's instruction costs (`estimate_from_instruction_costs`)."""
     import jax
 
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
@@ -1660,7 +1660,7 @@ class Inspection:
       baseline: the user's step unchanged, compiled with XLA's default options (None when
         not asked for). Where XLA writes no schedule for it (XLA:TPU on one slice), its
         estimate comes from XLA's instruction costs (``baseline.estimate_source``), and
-        :meth:`ratios` compare the two kinds of estimate.
+        `ratios` compare the two kinds of estimate.
     """
 
     report: CompiledReport

@@ -246,7 +246,7 @@ def _summary(err: BaseException, limit: int = 400) -> str:
 
 def _finalized(scheduled: Any, state: Any) -> Any:
     """``finalize``'s trees with their non-array leaves as static structure, as the traced
-    step takes and returns them (:mod:`jaxsched.core.static_leaves`)."""
+    step takes and returns them (`jaxsched.core.static_leaves`)."""
     return static_leaves.mark(scheduled.finalize(state), scalars_static=scheduled.step.scalars_static)
 
 

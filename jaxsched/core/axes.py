@@ -1,7 +1,7 @@
 """Data-parallel axes: one mesh axis, or several (slices and chips, hosts and local devices).
 
 A step's data-parallel axis is what its batch is sharded over
-(:func:`jaxsched.core.capture.data_axes`): a mesh axis name such as ``"data"``, or a tuple such
+(`jaxsched.core.capture.data_axes`): a mesh axis name such as ``"data"``, or a tuple such
 as ``("dcn", "ici")`` when data parallelism spans two levels of the network. JAX's
 collectives accept either (``lax.psum(x, ("dcn", "ici"))`` sums over both; a tiled
 ``psum_scatter`` over the tuple hands device ``dcn * n_ici + ici`` its slice), so most of

@@ -4,7 +4,7 @@ A bucket pairs parameter leaves with their gradient reductions, in order of grad
 completion (the order backward produces them). ``buckets=None`` fills buckets up to
 25 MB; an int is a byte threshold; a list of lists of parameter paths, or subtree
 prefixes of them (``"hidden"`` for every ``hidden/...`` leaf), is an explicit plan.
-Buckets never mix dtypes. (Cost-model planners live in :mod:`jaxsched.plan`.)
+Buckets never mix dtypes. (Cost-model planners live in `jaxsched.plan`.)
 
 Example:
     >>> param_paths({"dense": {"kernel": 0, "bias": 0}})

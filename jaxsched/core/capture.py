@@ -3,7 +3,7 @@
 A step is ``(params, opt_state, batch) -> (params, opt_state, aux)`` whose work happens
 inside one ``shard_map`` (a jitted ``jax.shard_map`` or a ``jax.pmap``, which JAX 0.10
 traces to the same thing), or a ``jax.jit`` step (or plain function) on global arrays whose
-batch is sharded over mesh axes: :mod:`jaxsched.core.partition` turns that one into the
+batch is sharded over mesh axes: `jaxsched.core.partition` turns that one into the
 per-device body. Capture records the body jaxpr, the mesh, the specs, and which body input
 is which leaf of params / opt_state / batch. Nothing here rewrites.
 
@@ -65,26 +65,26 @@ class CapturedStep:
       outputs: for every flat output of the step, the body outvar index that produces it.
       mesh, axis_name, axis_size: where the data-parallel axis lives: ``axis_name`` is one
         mesh axis or a tuple of them (data parallel over several, e.g. slices and chips;
-        :func:`data_axes`), ``axis_size`` the number of devices along it.
+        `data_axes`), ``axis_size`` the number of devices along it.
       in_specs, out_specs: the shard_map specs of the body inputs and outputs.
       params_tree, opt_tree, batch_tree, aux_tree: tree structures of the step's pytrees.
       num_params, num_opt, num_batch: leaf counts of those trees.
       check_vma: whether the user's shard_map checked varying-manual-axes types.
       example_inputs: ``(params, opt_state, batch)`` as ``jax.ShapeDtypeStruct`` trees (with
         the shardings of placed arrays): enough to lower and compile the step again, e.g.
-        to choose a strategy by XLA's estimate (:mod:`jaxsched.pipeline.compiled_planner`).
+        to choose a strategy by XLA's estimate (`jaxsched.pipeline.compiled_planner`).
       global_step: for a ``jax.jit`` step (``kind == "jit"``), its global jaxpr as traced,
         which the identity strategy runs unchanged; None otherwise.
       gathers: for a ``jax.jit`` step, ``(primitive, source line)`` of every operation that
         mixes examples across the batch and so runs on the gathered batch
-        (:class:`jaxsched.core.partition.GatherWarning`).
+        (`jaxsched.core.partition.GatherWarning`).
       state_outputs: the shape and dtype of every new params and opt_state leaf the plain
         step returns (``jax.ShapeDtypeStruct``, flat, params first): what ``finalize`` must
         give back.
       manual_axes: the mesh axes the body is manual over: None for every axis; the data axes
         of a ``jax.jit`` step whose mesh has model axes, which XLA partitions inside the body
         (``in_specs``/``out_specs`` then name both; a ``shard_map`` takes them restricted,
-        :func:`jaxsched.core.partition.manual_shard_map`).
+        `jaxsched.core.partition.manual_shard_map`).
     """
 
     kind: str
@@ -135,7 +135,7 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any, fold_invari
     """Trace ``step`` on example inputs and locate its shard_map body and mesh axis.
 
     ``fold_invariant_sums``: compute a ``psum`` of a device-invariant value as a product
-    (see :func:`flatten_calls`)."""
+    (see `flatten_calls`)."""
     try:
         closed, out_shape = jax.make_jaxpr(step, return_shape=True)(params, opt_state, batch)
     except NameError as err:  # lax.psum over an axis no mesh binds
@@ -286,7 +286,7 @@ def _leaf_names(role: str, tree: Any, state_paths: bool = False) -> list[str]:
 
 
 def _names_state_paths(step: Callable) -> bool:
-    """Whether ``step`` (or a function it wraps) is marked with :data:`STATE_PATHS_ATTRIBUTE`."""
+    """Whether ``step`` (or a function it wraps) is marked with `STATE_PATHS_ATTRIBUTE`."""
     seen = 0
     while step is not None and seen < 16:
         if getattr(step, STATE_PATHS_ATTRIBUTE, False):
@@ -357,7 +357,7 @@ def flatten_calls(body, mesh: Mesh, in_specs, out_specs, operand_avals, fold_inv
     backward inside one call equation, whose gradients all appear at once when it
     returns; inlined, each gradient appears where backward computes it, so buckets can
     be reduced while backward continues. ``check_vma`` typing (``pvary``,
-    ``psum_invariant``) is translated on the way (:mod:`jaxsched.core.replay`). With
+    ``psum_invariant``) is translated on the way (`jaxsched.core.replay`). With
     ``fold_invariant_sums``, a ``psum`` of a value every device already holds (a ``pmean``
     on top of the reduction JAX does in backward) becomes a product, not an all-reduce.
     """

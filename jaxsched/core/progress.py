@@ -1,7 +1,7 @@
 """Progress that suits where it goes: a live bar on a terminal, a few plain lines in a log.
 
 Why: a tqdm bar redraws with carriage returns; sent to a file or a CI log, a 300-step run
-left 80 KB of redraws. When stderr is not a TTY, :func:`progress` prints one line every
+left 80 KB of redraws. When stderr is not a TTY, `progress` prints one line every
 ``every`` items (default: about ten lines per run) and a last line when done.
 
 Example:

@@ -79,7 +79,7 @@ def at_source(eqn):
 
 
 def invariant_sums_as_products(mesh_shape: dict) -> Run:
-    """A ``run`` for :func:`eval_inline` that computes ``psum`` of a device-invariant value
+    """A ``run`` for `eval_inline` that computes ``psum`` of a device-invariant value
     as a product, without communication.
 
     Under ``check_vma``, ``lax.psum`` of a value that is the same on every device (a

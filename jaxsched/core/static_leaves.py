@@ -3,11 +3,11 @@
 An Equinox model is a pytree whose leaves include its activation functions; Equinox's own
 data-parallel step passes a ``jax.sharding.Sharding`` as an argument. ``jax.jit`` cannot
 trace such leaves and ``eqx.filter_jit`` treats them as static, which jaxsched does too:
-before anything is traced each one is wrapped in a :class:`Static` node, a pytree node
+before anything is traced each one is wrapped in a `Static` node, a pytree node
 with no children that carries the value in its tree structure. Every flatten inside
 jaxsched then sees arrays only; a different static value is a different structure (a new
 program, as ``filter_jit`` retraces); the step itself is called with the values restored
-(:func:`through`).
+(`through`).
 
 Which leaves are static follows the step: under ``eqx.filter_jit`` every leaf that is not
 an array (Python scalars too, as ``eqx.is_array`` decides); otherwise only the leaves
@@ -103,14 +103,14 @@ def _static(x: Any, scalars: bool) -> bool:
 
 
 def mark(tree: Any, *, scalars_static: bool) -> Any:
-    """``tree`` with each static leaf wrapped in :class:`Static` (arrays are left as they are)."""
+    """``tree`` with each static leaf wrapped in `Static` (arrays are left as they are)."""
     if not any(_static(x, scalars_static) for x in jax.tree.leaves(tree)):
         return tree
     return jax.tree.map(lambda x: Static(x) if _static(x, scalars_static) else x, tree)
 
 
 def unmark(tree: Any) -> Any:
-    """``tree`` with its :class:`Static` nodes replaced by their values."""
+    """``tree`` with its `Static` nodes replaced by their values."""
     is_static = lambda x: isinstance(x, Static)
     if not any(is_static(x) for x in jax.tree.leaves(tree, is_leaf=is_static)):
         return tree
@@ -128,7 +128,7 @@ class MarkedStep:
 
     Attributes:
       step: the user's step.
-      scalars_static: whether Python scalars are static for it (:func:`scalars_static`).
+      scalars_static: whether Python scalars are static for it (`scalars_static`).
       saw_static: whether an output has held a static leaf so far.
     """
 
@@ -147,5 +147,5 @@ class MarkedStep:
 
 
 def through(step: Callable) -> MarkedStep:
-    """``step`` as a :class:`MarkedStep` (itself when it is one already)."""
+    """``step`` as a `MarkedStep` (itself when it is one already)."""
     return step if isinstance(step, MarkedStep) else MarkedStep(step)

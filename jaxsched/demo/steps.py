@@ -117,7 +117,7 @@ def make_step(
 
 def global_step_fn(apply_fn: Callable, tx: optax.GradientTransformation) -> Step:
     """The same step on global arrays, as the JAX sharding tutorial writes it: no collective
-    anywhere; the batch's placement tells XLA (and :mod:`jaxsched.core.partition`) where to sum."""
+    anywhere; the batch's placement tells XLA (and `jaxsched.core.partition`) where to sum."""
 
     def step(params, opt_state, batch):
         x, y = batch
@@ -131,7 +131,7 @@ def global_step_fn(apply_fn: Callable, tx: optax.GradientTransformation) -> Step
 
 def make_jit_step(apply_fn: Callable, tx: optax.GradientTransformation) -> Step:
     """The step as ``jax.jit`` on global arrays: parameters replicated, the batch placed with
-    :func:`shard_batch`; XLA's partitioner adds the gradient sums."""
+    `shard_batch`; XLA's partitioner adds the gradient sums."""
     return jax.jit(global_step_fn(apply_fn, tx))
 
 
@@ -171,7 +171,7 @@ def place_replicated(tree: Any, mesh: Mesh) -> Any:
 
 def place_stacked(tree: Any, devices: list | None = None, axis: str = "data") -> Any:
     """Put stacked leaves (leading device axis) one slice per device, as a ``jax.pmap`` step
-    returns them, so that the step compiles once (see :func:`place_replicated`)."""
+    returns them, so that the step compiles once (see `place_replicated`)."""
     devices = list(devices if devices is not None else jax.devices())
     mesh = Mesh(np.array(devices), (axis,))  # pmap's outputs live on an Auto-typed mesh
     return jax.device_put(tree, NamedSharding(mesh, P(axis)))

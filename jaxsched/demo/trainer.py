@@ -2,7 +2,7 @@
 
 The step is pluggable: the trainer builds the user's plain step and hands it to a
 ``wrap(step, strategy)`` callable that returns an object with ``init``, ``__call__``
-and ``finalize`` (by default :func:`jaxsched.schedule`; ``allreduce`` is the plain step).
+and ``finalize`` (by default `jaxsched.schedule`; ``allreduce`` is the plain step).
 Only one multi-device step is kept in flight: with 8 virtual CPU devices on 2 cores,
 steps queued unblocked deadlocked in a collective rendezvous (docs/benchmarks.md).
 The initial state is placed on the mesh exactly as the step returns it, so the step
@@ -64,7 +64,7 @@ FINAL_WINDOW = 10
 
 
 def default_wrap(step: steps_lib.Step, strategy: str) -> StepRunner:
-    """Schedule ``step`` with ``strategy`` through :func:`jaxsched.schedule`."""
+    """Schedule ``step`` with ``strategy`` through `jaxsched.schedule`."""
     from jaxsched._schedule import STRATEGIES, Scheduled
 
     if strategy not in STRATEGIES:

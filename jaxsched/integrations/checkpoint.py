@@ -7,8 +7,8 @@ layout, with its shardings: ``sched.init(params, opt_state, example_batch)`` giv
 Orbax writes each checkpoint into a temporary folder and renames it when complete, so a
 save that is interrupted (Ctrl-C, a killed process) never replaces the last complete one.
 
-- :func:`save` / :func:`restore`: one checkpoint in one folder, synchronously.
-- :class:`Checkpoints`: numbered checkpoints in a folder (``save(step, state)`` in the
+- `save` / `restore`: one checkpoint in one folder, synchronously.
+- `Checkpoints`: numbered checkpoints in a folder (``save(step, state)`` in the
   background, ``latest_step()``, ``restore(target)``, ``wait()``), keeping the last few.
 
 Every process of a multi-process run must make the same calls (orbax coordinates them).
@@ -108,7 +108,7 @@ class Checkpoints:
     ``max_to_keep`` kept.
 
     Why a class: the background save must be waited for before the process exits
-    (:meth:`wait`, :meth:`close`, or use it as a context manager); until a save completes,
+    (`wait`, `close`, or use it as a context manager); until a save completes,
     the previous checkpoint is the latest one on disk.
     """
 

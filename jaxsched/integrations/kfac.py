@@ -1,10 +1,10 @@
 """``jaxsched.integrations.kfac``: K-FAC for the dense and convolution layers of an ordinary step.
 
-The preconditioner is a strategy (:class:`KFAC`, registered as ``"kfac"``): wrap the step
+The preconditioner is a strategy (`KFAC`, registered as ``"kfac"``): wrap the step
 you already have, and its reduced gradients are preconditioned before your optax update.
-Layers are found in the step's jaxpr (:func:`find_layers`); factor all-reduces are
+Layers are found in the step's jaxpr (`find_layers`); factor all-reduces are
 bucketed and issued in backward; inversions are placed across workers
-(:func:`plan_placement`). See docs/kfac.md for the conventions and measured numbers.
+(`plan_placement`). See docs/kfac.md for the conventions and measured numbers.
 
 Example:
     >>> import jax, optax

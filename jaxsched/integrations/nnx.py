@@ -1,14 +1,14 @@
 """``jaxsched.integrations.nnx``: schedule a training step written the Flax NNX way.
 
 NNX users write ``train_step(model, optimizer, batch)``: it mutates the model and the
-``nnx.Optimizer`` in place and returns metrics. :func:`schedule` wraps such a step:
+``nnx.Optimizer`` in place and returns metrics. `schedule` wraps such a step:
 
 * the step may be an ``nnx.shard_map`` (usually under ``nnx.jit``), an ``nnx.pmap``, or any
   function that runs ``jax.shard_map`` over ``nnx.split``/``nnx.merge`` state;
 * gradients are reduced with ``lax.pmean``/``psum`` inside it, as usual.
 
 The adapter turns the step into the pure ``(params, rest, batch) -> (params, rest, aux)``
-form that :func:`jaxsched.schedule` schedules. ``params`` are the ``nnx.Param`` variables;
+form that `jaxsched.schedule` schedules. ``params`` are the ``nnx.Param`` variables;
 ``rest`` is everything else the objects hold (optimizer state and step counter, RNG
 streams, BatchNorm statistics, any other ``nnx.Variable``), so non-parameter state flows
 through the step exactly as the unscheduled step would move it.
@@ -121,8 +121,8 @@ def _leaves(*states: Any) -> tuple:
 class NNXScheduled:
     """A scheduled NNX step: ``sched(model, optimizer, batch)`` and ``sched.finalize(...)``.
 
-    Build it with :func:`schedule`. Attributes: ``train_step`` (the user's step) and, after
-    the first call, ``scheduled`` (the underlying :class:`jaxsched.Scheduled`, whose
+    Build it with `schedule`. Attributes: ``train_step`` (the user's step) and, after
+    the first call, ``scheduled`` (the underlying `jaxsched.Scheduled`, whose
     ``program``, ``verify`` and ``lower`` are available).
     """
 
@@ -191,13 +191,13 @@ class NNXScheduled:
 
         Ahead of time: objects built under ``nnx.eval_shape`` (abstract variables) and a
         batch of ``jax.ShapeDtypeStruct`` leaves lower on compile-only devices
-        (:mod:`jaxsched.tools.aot`) without touching one. The objects are not changed.
+        (`jaxsched.tools.aot`) without touching one. The objects are not changed.
         """
         session, state, batch = self._abstract_call(args, "lower")
         return session.scheduled.lower(state, batch)
 
     def inspect(self, *args: Any, baseline: bool = True):
-        """Compile and read the scheduled step (see :meth:`jaxsched.Scheduled.inspect`) for
+        """Compile and read the scheduled step (see `jaxsched.Scheduled.inspect`) for
         ``(model, optimizer, ..., batch)``, concrete or abstract; the objects are not changed."""
         session, state, batch = self._abstract_call(args, "inspect")
         return session.scheduled.inspect(state, batch, baseline=baseline)
@@ -304,9 +304,9 @@ def schedule(
     **options: Any,
 ) -> Any:
     """Schedule an NNX ``train_step(model, optimizer, batch)``; arguments as
-    :func:`jaxsched.schedule` (also usable as a decorator).
+    `jaxsched.schedule` (also usable as a decorator).
 
-    The returned :class:`NNXScheduled` is called like the step. With ``dear`` or ``approx``
+    The returned `NNXScheduled` is called like the step. With ``dear`` or ``approx``
     call ``sched.finalize(model, optimizer)`` before reading the objects (module doc).
     """
 

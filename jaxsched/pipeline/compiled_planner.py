@@ -4,10 +4,10 @@ Why: on an accelerator the compiler decides what overlaps. XLA:GPU's latency-hid
 scheduler already overlaps the plain step's all-reduce on its own, and XLA:TPU merges or
 keeps collectives depending on their shapes (docs/accelerators.md), so a simulator of an
 idealized overlap cannot rank strategies there. The compiled program and the scheduler's
-own estimate of it can, and compiling needs no accelerator (:mod:`jaxsched.tools.aot`).
+own estimate of it can, and compiling needs no accelerator (`jaxsched.tools.aot`).
 
 A candidate is a (strategy, bucket option) pair. Each is built into a program, compiled
-for the step's mesh, and read by :mod:`jaxsched.check.inspection`; the smallest estimated step
+for the step's mesh, and read by `jaxsched.check.inspection`; the smallest estimated step
 wins, ties to the earlier candidate. Where XLA writes a schedule for some candidates and not
 for others (XLA:TPU writes none for a program without async collectives), all are judged by
 XLA's instruction costs instead; a candidate with no estimate at all ranks last.
@@ -45,7 +45,7 @@ __all__ = [
 ONE_BUCKET = 2**30
 
 #: Bucket options tried per platform for a strategy whose buckets are chosen on an
-#: accelerator: the default 25 MB threshold; on GPU also :data:`ONE_BUCKET` (smaller
+#: accelerator: the default 25 MB threshold; on GPU also `ONE_BUCKET` (smaller
 #: buckets were always estimated slower there). On TPU every tensor travels on its own
 #: (``per_tensor``), so the bucket size changes nothing XLA estimates (4 MB and 25 MB gave
 #: identical estimates for every strategy on the zoo's MLP and CNN). See
@@ -60,7 +60,7 @@ BUCKET_CANDIDATES: dict[str, tuple[Any, ...]] = {"gpu": (None, ONE_BUCKET), "tpu
 #: ``approx``'s cross-slice transfers span the step: the zoo CNN's estimated exposed
 #: communication fell from 0.24x to 0.03x the plain step's); ``"device DCN reduction"``
 #: (TPU pods of several slices only) sums the cross-slice shares on the TPUs rather than
-#: in the hosts' megascale runtime (:data:`DEVICE_DCN_REDUCTION`). Packed buffers stay
+#: in the hosts' megascale runtime (`DEVICE_DCN_REDUCTION`). Packed buffers stay
 #: synchronous on TPU, so that variant is GPU only.
 VARIANTS: dict[str, tuple[str | None, ...]] = {
     "gpu": (None, "packed", "xla defaults"),
@@ -91,8 +91,8 @@ def spans_slices(mesh: Any) -> bool:
 
 def candidates_for(strategy: Any, platform: str, buckets: Any, *, mesh: Any = None) -> list[tuple[Any, Any]]:
     """(strategy, buckets) pairs to compile: ``strategy`` as given and, for a plain
-    collective, each variant of :data:`VARIANTS` (those for several slices only when
-    ``mesh`` spans several); each bucket option of :data:`BUCKET_CANDIDATES` when
+    collective, each variant of `VARIANTS` (those for several slices only when
+    ``mesh`` spans several); each bucket option of `BUCKET_CANDIDATES` when
     ``buckets`` is None or ``"auto"``, else ``buckets``."""
     from jaxsched.runtime.collectives.base import OPERATIONS, Collective
 

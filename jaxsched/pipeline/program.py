@@ -1,6 +1,6 @@
 """The program: what one (captured step, strategy, buckets, engine) builds.
 
-:func:`build_program` is a pure function of those four; :class:`ProgramCache` keeps one
+`build_program` is a pure function of those four; `ProgramCache` keeps one
 program per abstract input signature (tree structure, shapes, dtypes, shardings), as
 ``jax.jit`` caches, so a batch of a new shape gets its own program.
 
@@ -114,7 +114,7 @@ class Program:
         #: the returned state's leaves and structure, so that the next step does not flatten it
         self._returned_leaves: list = []
         self._state_treedef: Any = None
-        #: the batch signature :meth:`run_again` accepts: structure, per leaf (type, shape,
+        #: the batch signature `run_again` accepts: structure, per leaf (type, shape,
         #: dtype, sharding), and per leaf None (goes in as given) or the spec it is placed on
         self._batch_treedef: Any = None
         self._batch_keys: list | None = None
@@ -136,8 +136,8 @@ class Program:
     @property
     def bucket_report(self) -> list:
         """Per bucket, whether its update ran on shards and, if not, which primitives and
-        source lines forced the fallback (:class:`~jaxsched.strategies.base.BucketReport`;
-        the :class:`~jaxsched.core.rewrite.rules.FallbackWarning` as data). Empty for strategies
+        source lines forced the fallback (`BucketReport`;
+        the `FallbackWarning` as data). Empty for strategies
         that run the update on full tensors. Complete once the step has been traced (a
         call, ``lower`` or ``inspect``).
 
@@ -217,7 +217,7 @@ class Program:
         return self._phase_cores[key], step
 
     def run(self, state: ScheduledState, batch: Any) -> tuple[NamedTuple, Any]:
-        """One step, every input checked; the batch's signature is learnt for :meth:`run_again`."""
+        """One step, every input checked; the batch's signature is learnt for `run_again`."""
         returned = state is self._returned
         batch_leaves, batch_treedef = jax.tree.flatten(batch)
         if not returned or any(isinstance(b, jax.ShapeDtypeStruct) for b in batch_leaves):
@@ -244,7 +244,7 @@ class Program:
 
     def run_again(self, batch: Any) -> tuple[NamedTuple, Any] | None:
         """The step from the state the last run returned, for a batch of the signature
-        :meth:`run` learnt (None for any other: :meth:`run` then checks it).
+        `run` learnt (None for any other: `run` then checks it).
 
         A training loop's call: the state is this program's own output, flat already, and
         the batch's structure, shapes, dtypes and shardings were checked and its placement
@@ -266,7 +266,7 @@ class Program:
         return self._execute(self._returned, self._returned_leaves, self._state_treedef, placed, True)
 
     def _learn_batch(self, leaves: list, treedef: Any, placed: list) -> None:
-        """Remember the batch signature :meth:`run_again` accepts (``jax.Array`` and NumPy
+        """Remember the batch signature `run_again` accepts (``jax.Array`` and NumPy
         leaves only) and, per leaf, whether it goes in as given (None) or is placed on every
         call (its spec: a host array, or one on another sharding)."""
         keys = []
@@ -347,7 +347,7 @@ class Program:
 
     def inspect(self, state: ScheduledState, batch: Any, label: str | None = None, *, estimate: bool = True):
         """Compile for the mesh's devices and read the scheduled program and XLA's estimate
-        (a :class:`jaxsched.check.inspection.CompiledReport`, with the options it was
+        (a `jaxsched.check.inspection.CompiledReport`, with the options it was
         compiled with). ``estimate``: where XLA writes no schedule, estimate the step from
         XLA's instruction costs (which compiles a probe program per collective)."""
         from jaxsched.check import inspection as inspect_lib
@@ -364,7 +364,7 @@ class Program:
 
 class ProgramCache:
     """One program per abstract signature of the batch and dtypes of the state: the
-    state's shapes are fixed per schedule, its dtypes are not (:func:`retyped`)."""
+    state's shapes are fixed per schedule, its dtypes are not (`retyped`)."""
 
     def __init__(self, build: Callable[[Any, Any], Program]):
         self._build = build

@@ -17,7 +17,7 @@ scheduled step keeps measuring the network and switches to a new plan when it dr
   store and all take the slowest (largest α and β): every process computes the same
   decision from the same numbers, so all switch at the same step. A message that does not
   arrive within ``timeout_s``, cannot be read, or comes from another step raises
-  :class:`ReplanAgreementError` on every process that waits for it, never a hang.
+  `ReplanAgreementError` on every process that waits for it, never a hang.
 * **decided**: when the measured cost of the plan's average bucket differs from the cost
   the plan assumed by more than ``drift``, the planner runs again for the measured network
   (the layer profile is the one of the first plan); the step switches only if the
@@ -28,7 +28,7 @@ scheduled step keeps measuring the network and switches to a new plan when it dr
   is: every built-in strategy's state layout is independent of the buckets (``dear``
   shards each leaf flat, not each bucket), so the new program's ``convert`` takes it
   unchanged; a collective that carries state per bucket is refused
-  (:func:`refuse_per_bucket_state`).
+  (`refuse_per_bucket_state`).
 
 Example:
     >>> r = Replan(every=20, drift=0.3)
@@ -141,8 +141,8 @@ class Replan:
 
 
 def as_replan(value: Any) -> Replan | None:
-    """``schedule(replan=...)`` as a :class:`Replan`: None (off), ``"auto"`` (the defaults) or
-    a :class:`Replan`.
+    """``schedule(replan=...)`` as a `Replan`: None (off), ``"auto"`` (the defaults) or
+    a `Replan`.
 
     >>> as_replan("auto") == Replan(), as_replan(None)
     (True, None)
@@ -194,7 +194,7 @@ class Decision(NamedTuple):
 
     Attributes:
       step: steps run when it was taken.
-      drift: the measured drift (see :func:`drift_between`).
+      drift: the measured drift (see `drift_between`).
       predicted_gain: the simulator's gain of the re-planned buckets (None: drift below the
         threshold, the planner did not run; 0 when it chose the current plan).
       switched: whether a switch was scheduled for the next step.
@@ -266,7 +266,7 @@ def fit_window(window: Samples) -> dict[str, CollectiveCost]:
 
 def without_engine_costs(network: NetworkProfile) -> NetworkProfile:
     """``network`` less the engine's fixed cost per collective that planning added to every
-    α (:func:`jaxsched.plan.from_step.step_network_profile`): the network itself."""
+    α (`jaxsched.plan.from_step.step_network_profile`): the network itself."""
     extra = float(network.meta.get("engine_per_collective_s", 0.0) or 0.0)
     if not extra:
         return network
@@ -391,7 +391,7 @@ def agree(
 ) -> list[dict]:
     """Publish this process's ``message`` for ``round_`` and read every process's (its own
     included, so a message lost on the way fails here too); each must name the same round
-    and step. Raises :class:`ReplanAgreementError` naming the process and why."""
+    and step. Raises `ReplanAgreementError` naming the process and why."""
     body = dict(message, round=round_, process=process)
     store.set(f"{prefix}/{round_}/{process}", json.dumps(body, sort_keys=True))
     received = []
@@ -463,7 +463,7 @@ def stage_bytes(stage: Any) -> int:
 
 
 def stage_threshold(stages: Sequence[Any]) -> int:
-    """The smallest collective the stage monitor reads: :data:`STAGE_MIN_BYTES`, or the
+    """The smallest collective the stage monitor reads: `STAGE_MIN_BYTES`, or the
     largest collective's size when none is that large (a small model)."""
     sizes = [stage_bytes(s) for s in stages if s.kind == "comm" and s.eqns[-1].primitive.name in STAGE_COLLECTIVES]
     return min(STAGE_MIN_BYTES, max(sizes, default=STAGE_MIN_BYTES))
@@ -473,7 +473,7 @@ def stage_samples(
     stages: Sequence[Any], timings: Sequence[Any], min_bytes: int = STAGE_MIN_BYTES
 ) -> dict[str, dict[int, list[float]]]:
     """Seconds each large collective of one staged step took (``done - started`` of its
-    stage, :class:`jaxsched.runtime.engine.host.StageTiming`), per collective and bytes. Collectives
+    stage, `jaxsched.runtime.engine.host.StageTiming`), per collective and bytes. Collectives
     smaller than ``min_bytes`` are left out: their time is mostly start-up and the timing
     thread's wake-up, not the network's bandwidth (a loss's pmean, packed biases)."""
     out: dict[str, dict[int, list[float]]] = {}
@@ -616,7 +616,7 @@ def _digest(key: tuple) -> str:
 
 
 class Replanner:
-    """The monitoring and switching of one :class:`~jaxsched._schedule.Scheduled` (held by it
+    """The monitoring and switching of one `Scheduled` (held by it
     as ``sched._replanner``; users see ``sched.replan(...)`` and ``sched.replans``).
 
     It needs three things from its schedule: ``run(state, batch)`` under the current plan,
@@ -693,7 +693,7 @@ class Replanner:
         core.record_timings = left <= self.options.repeats
 
     def request(self, program: Any, network: Any = None) -> SwitchRecord | None:
-        """Plan now for ``network`` (a :class:`NetworkProfile` or preset name; None: the
+        """Plan now for ``network`` (a `NetworkProfile` or preset name; None: the
         measured one, probing now if nothing was measured yet); the switch happens at the
         next step boundary. Returns the pending switch, or None when the plan would not
         change. Every process must call it at the same step, as it calls the step."""

@@ -4,7 +4,7 @@ Everything a program is built from is decided here, before the program is: which
 runs (``strategy="auto"`` picks one), which collective it sends through on this mesh, and
 which buckets (``buckets="auto"`` plans them against the simulator on CPU, or by compiling
 candidates and reading XLA's estimate on GPU and TPU). The result is a frozen
-:class:`~jaxsched.plan.planned_step.PlannedStep` and the strategy that will rewrite it;
+`PlannedStep` and the strategy that will rewrite it;
 nothing downstream plans again.
 
 Example:
@@ -113,7 +113,7 @@ def _is_auto(buckets: Any) -> bool:
 def step_pattern(captured: CapturedStep, pattern: CommPattern) -> CommPattern:
     """What a strategy of ``pattern`` sends on ``captured``: on a step whose parameters are
     sharded over the data axes (FSDP), each layer's gathers and its reduce-scatters
-    (:func:`jaxsched.sim.costmodel.fsdp_pattern`)."""
+    (`jaxsched.sim.costmodel.fsdp_pattern`)."""
     from jaxsched.core.axes import as_axes, spec_axes
 
     data = set(as_axes(captured.axis_name))

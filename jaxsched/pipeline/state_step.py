@@ -2,12 +2,12 @@
 
 Flax's ``TrainState`` step, ``train_step(state, batch) -> (state, metrics)``, keeps the
 parameters, the optimizer state and the step counter in one pytree; so does a dataclass or
-a dict of your own. :func:`jaxsched.schedule` accepts such a step as it accepts
+a dict of your own. `jaxsched.schedule` accepts such a step as it accepts
 ``train_step(params, opt_state, batch) -> (params, opt_state, aux)``; this module is the
 adapter between the two forms.
 
 **Which form.** ``sched.init`` decides at its first call, from what its arguments are
-(:func:`step_form`): a first argument that holds both parameters and optimizer state (a
+(`step_form`): a first argument that holds both parameters and optimizer state (a
 Flax ``TrainState``, a dict or dataclass with ``params`` and ``opt_state`` fields), a single
 argument, or a second argument that is a PRNG key (an input of the step, as in
 ``step(state, rng, batch)``) is the state form; a second argument that is an optimizer
@@ -24,7 +24,7 @@ metrics)``, as EasyLM writes it): the scheduled step returns the same.
 **Which leaves are trained.** The state's leaves are named by their path (``params/Dense_0
 /kernel``, ``opt_state/0/mu/Dense_0/kernel``, ``step``), as bucket plans, ``verify`` and
 error messages name them. The step is traced once with every leaf in the role of a
-parameter and its gradient reductions found (:mod:`jaxsched.core.analyze`); a leaf is
+parameter and its gradient reductions found (`jaxsched.core.analyze`); a leaf is
 *trained* when it is a float, forward or backward combines it with device-varying data
 (the batch), and its new value is computed from a gradient reduction and from its old
 value (not only through the reduction). So optimizer moments (never combined with the
@@ -36,7 +36,7 @@ fields (a ``TrainState``'s ``apply_fn`` and ``tx``) stay in the tree structure.
 ``sched.finalize(sstate)`` rebuilds the user's state object of the same type.
 
 The split needs a batch to trace the step: ``sched.init(state)`` returns an
-:class:`UnsplitState` that the first call splits; ``sched.init(state, batch)`` splits at
+`UnsplitState` that the first call splits; ``sched.init(state, batch)`` splits at
 once and returns the state in the strategy's layout (a checkpoint restore target).
 
 Example:
@@ -323,7 +323,7 @@ def with_inputs(step: Callable, num_inputs: int, state_args: int) -> Callable:
 
 class OutputCount:
     """How many outputs a ``step(params, opt_state, ...)`` returns after its state, recorded
-    when it is traced (:func:`with_outputs`).
+    when it is traced (`with_outputs`).
 
     Attributes:
       count: 0 (params and opt_state only), 1 (an aux), more (one output per input); None
@@ -520,7 +520,7 @@ def _nothing_trained(names, leaves, position, reaches_varying, from_reduction, f
 
 class StateForm:
     """What ``Scheduled`` delegates to for a ``step(state, batch)``: the layout (decided at
-    the first split) and an inner :class:`~jaxsched.Scheduled` of the pure step."""
+    the first split) and an inner `Scheduled` of the pure step."""
 
     def __init__(self, owner: Any):
         self.owner = owner
@@ -546,7 +546,7 @@ class StateForm:
         return self.inner
 
     def scheduled_state(self, sstate: Any, batch: Any) -> tuple[Any, Any]:
-        """The inner schedule and ``sstate`` in its form (an :class:`UnsplitState` split)."""
+        """The inner schedule and ``sstate`` in its form (an `UnsplitState` split)."""
         if isinstance(sstate, UnsplitState):
             inner = self.inner_for(sstate.state, batch)
             return inner, inner.init(*self.layout.split(sstate.state))

@@ -53,7 +53,7 @@ def plan_buckets(
     progress: bool = False,
     iterations: int = 6,
 ) -> list[list[int]]:
-    """Plan buckets for ``strategy`` (a name or its :class:`CommPattern`) with ``planner``.
+    """Plan buckets for ``strategy`` (a name or its `CommPattern`) with ``planner``.
 
     ``optimal`` minimises ``jaxsched.sim.simulate(..., strategy, buckets)`` (exactly by DP for
     all-reduce patterns when bucket copies are free, otherwise by a search of the simulator

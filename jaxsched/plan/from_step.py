@@ -3,7 +3,7 @@
 The planners work on layers (parameter groups in forward order) and an alpha-beta
 network profile. For a user's step, layers are the parameter paths without their last
 component (``hidden/0/kernel`` and ``hidden/0/bias`` form layer ``hidden/0``), ordered
-by first use in forward. Their compute times come from a measured :class:`LayerProfile`
+by first use in forward. Their compute times come from a measured `LayerProfile`
 when one is given (its layer names may use ``.`` or ``/``), else from a static estimate:
 the FLOPs of the forward matmuls and convolutions that read each layer's parameters,
 over a matmul rate measured on the mesh's first device, with backward at twice forward.
@@ -210,5 +210,5 @@ def group_paths(
     groups: Sequence[Sequence[int]], members: Sequence[Sequence[int]], paths: Sequence[str]
 ) -> list[list[str]]:
     """A plan's groups of layers as lists of parameter paths (``members``: each layer's
-    parameter leaf indices, from :func:`step_layer_profile`)."""
+    parameter leaf indices, from `step_layer_profile`)."""
     return [[paths[i] for layer in group for i in members[layer]] for group in groups]

@@ -64,7 +64,7 @@ def zero_count(*trees: Any) -> Any:
 @dataclasses.dataclass(frozen=True, eq=False)
 class PlannedStep:
     """A captured step with its buckets chosen: a value, built once by
-    :func:`jaxsched.pipeline.selection.select` before the program is.
+    `jaxsched.pipeline.selection.select` before the program is.
 
     Attributes:
       captured: what capture found.
@@ -73,10 +73,10 @@ class PlannedStep:
       plan_options: the user's planning options (layer_profile, network_profile, planner).
       pattern: the strategy's communication pattern.
       compression: how the simulator models the strategy's compressor (a
-        :class:`jaxsched.sim.Compression`); None for dense collectives.
+        `jaxsched.sim.Compression`); None for dense collectives.
       engine: the engine that will run the step.
       layer_profile, network_profile: what ``buckets="auto"`` planned with (None otherwise).
-      derived: memo of what the strategy derives from the plan (see :meth:`memo`): a cache
+      derived: memo of what the strategy derives from the plan (see `memo`): a cache
         of values computed from the fields above, never read back as input.
     """
 
@@ -155,7 +155,7 @@ class PlannedStep:
         return tuple(a for a in spec_axes(self.input_spec(role, index)) if a not in data)
 
     def collective_form(self, op: str) -> str:
-        """How buckets travel for ``op`` on this step's engine (:meth:`Engine.collective_form`)."""
+        """How buckets travel for ``op`` on this step's engine (`Engine.collective_form`)."""
         return "mixed" if self.engine is None else self.engine.collective_form(self.mesh, op)
 
     def body_invar(self, role: str, index: int):

@@ -7,9 +7,9 @@ device; forward and backward (the VJP, residuals precomputed) are timed separate
 after warm-up, as medians. Network profile: ``psum``, ``psum_scatter``,
 ``all_gather`` and ``ppermute`` of several sizes on a mesh, timed the same way, fitted by
 least squares to ``alpha + beta * bytes`` with ``alpha >= 0``; the fit's largest relative
-error is returned. Optimizer update (optional, :func:`profile_update`): the optax transform
+error is returned. Optimizer update (optional, `profile_update`): the optax transform
 the step uses, run on each layer's parameters as its own jitted program, with the cost of
-dispatching an empty program (:func:`measure_dispatch`) taken off, since inside a training
+dispatching an empty program (`measure_dispatch`) taken off, since inside a training
 step the update is not dispatched on its own.
 Every multi-device call is blocked on before the next one starts (the rendezvous hazard
 in docs/benchmarks.md).
@@ -179,7 +179,7 @@ def profile_update(
     at once with replicated parameters (as in the data-parallel step; one device without
     ``mesh``). Gradients are the parameters themselves (values do not change the cost of
     the update's arithmetic). The fixed dispatch cost (``dispatch_s``, measured by
-    :func:`measure_dispatch` when not given) is subtracted, floored at zero.
+    `measure_dispatch` when not given) is subtracted, floored at zero.
     """
     import optax
 
@@ -262,11 +262,11 @@ def profile_zoo_model(
     """Measured layer profile of a ``jaxsched.zoo.models`` zoo model at per-device ``batch``.
 
     With ``mesh``, every device runs at once and the stage times are rescaled to the whole
-    model's measured totals (:func:`scale_to_whole_model`); ``options`` go to the model.
-    The whole-model forward is timed less one program dispatch (:func:`measure_dispatch`),
+    model's measured totals (`scale_to_whole_model`); ``options`` go to the model.
+    The whole-model forward is timed less one program dispatch (`measure_dispatch`),
     which a measured network profile carries as ``dispatch_s`` and the simulator adds once.
     With ``optimizer`` (an optax transform), each layer's ``update_s`` is measured by
-    :func:`profile_update`; without it, ``update_s`` stays 0.
+    `profile_update`; without it, ``update_s`` stays 0.
     """
     workers = axis_size(mesh, axis) if mesh is not None else 1
     rng = np.random.default_rng(seed)
@@ -306,7 +306,7 @@ def scale_to_whole_model(
     """Rescale stage times so forward and backward totals match the whole model run as one
     program (XLA fuses across stage boundaries, and per-stage dispatch adds overhead); the
     per-layer shares stay as measured. ``dispatch_s`` (the cost of launching any program,
-    :func:`measure_dispatch`) is taken off the whole-model forward, which is timed as its
+    `measure_dispatch`) is taken off the whole-model forward, which is timed as its
     own program; backward (forward+backward less forward) pays it in neither term."""
     names = [name for name, _, _ in stages]
     params = {name: p for name, p, _ in stages}
@@ -402,7 +402,7 @@ def measure_copy(
     """Seconds per byte to pack gradients into a bucket buffer and unpack them again, halved
     (the cost of one direction), on every device of ``mesh`` at once.
 
-    The program packs four leaves of a ``B``-byte bucket with :class:`jaxsched.core.layout.BucketLayout`
+    The program packs four leaves of a ``B``-byte bucket with `jaxsched.core.layout.BucketLayout`
     (flatten, pad, concatenate: the dear layout; wfbp's flat concatenate moves the same
     bytes) and unpacks the buffer into leaves again; the time, less ``dispatch_s``, is
     fitted over ``sizes`` and the slope halved.
@@ -463,7 +463,7 @@ def measure_selection_s_per_byte(
 
 
 def agree_on_network(network: NetworkProfile) -> NetworkProfile:
-    """``network`` with process 0's measured numbers (see :func:`agree_across_processes`)."""
+    """``network`` with process 0's measured numbers (see `agree_across_processes`)."""
     names = sorted(network.collectives)
     flat = [x for n in names for x in (network.collectives[n].alpha_s, network.collectives[n].beta_s_per_byte)]
     agreed = agree_across_processes([*flat, network.dispatch_s, network.copy_s_per_byte])
@@ -486,8 +486,8 @@ def profile_network(
 
     ``sizes`` are full-tensor bytes (float32); each is rounded to a multiple of 4 * workers.
     Works single-process on virtual CPU devices and multi-process (every process calls it).
-    With ``fixed_costs``, also measures ``dispatch_s`` (:func:`measure_dispatch`) and
-    ``copy_s_per_byte`` (:func:`measure_copy`). ``alpha_s`` stays as fitted, dispatch
+    With ``fixed_costs``, also measures ``dispatch_s`` (`measure_dispatch`) and
+    ``copy_s_per_byte`` (`measure_copy`). ``alpha_s`` stays as fitted, dispatch
     included: a chain of small psums inside one program measured about the same fixed cost
     per collective (rendezvous of every device) as a standalone collective program
     (docs/simulator.md), so taking the dispatch off would undercount it.

@@ -1,4 +1,4 @@
-"""Iteration simulator: strategies, closed forms, timelines. See :mod:`jaxsched.sim.core`."""
+"""Iteration simulator: strategies, closed forms, timelines. See `jaxsched.sim.core`."""
 
 from jaxsched.sim.closed_form import allreduce_time, wfbp_time
 from jaxsched.sim.core import (

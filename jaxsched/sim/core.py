@@ -12,7 +12,7 @@ half of them.
 Buckets are contiguous groups of layer indices in **forward order** (``[[0, 1], [2]]``);
 a bucket's collective is issued when its lowest-index layer's backward ends.
 
-Durations may be ``float`` or :class:`fractions.Fraction` (exact arithmetic, used by the
+Durations may be ``float`` or `fractions.Fraction` (exact arithmetic, used by the
 tests that compare against closed forms).
 
 Example:
@@ -115,12 +115,12 @@ class HostCosts:
 
     * ``stage_s``: seconds of Python per collective (a communication stage, the compute
       stage after it, two device copies dispatched): charged on the compute stream just
-      before the collective is issued (:func:`jaxsched.runtime.engine.host.measure_stage_overhead`).
+      before the collective is issued (`jaxsched.runtime.engine.host.measure_stage_overhead`).
     * ``copy_s_per_byte``: copying one byte between the compute device and the spare one;
       every collective's bytes are copied there before it (compute stream, before it is
       issued) and back after it (compute stream, before what reads the result).
     * ``comm_slowdown``: compute runs this many times slower while a collective is moving
-      bytes (>= 1); :func:`comm_slowdown_from_ceiling` derives it from a measured ceiling.
+      bytes (>= 1); `comm_slowdown_from_ceiling` derives it from a measured ceiling.
     """
 
     stage_s: float = 0.0
@@ -313,7 +313,7 @@ def _build(
 ) -> _Graph:
     """The task graph of ``iterations`` iterations (see the table in docs/simulator.md).
 
-    Everything but ByteScheduler is read off the strategy's :class:`CommPattern`."""
+    Everything but ByteScheduler is read off the strategy's `CommPattern`."""
     graph = _Graph(shared_stream)
     lay = layers.layers
     num = len(lay)
@@ -666,13 +666,13 @@ def simulate(
 ) -> SimResult:
     """Simulate ``iterations`` iterations of ``strategy`` and report the steady state.
 
-    ``buckets`` (forward order) defaults to :func:`default_buckets`; ``bytescheduler``
+    ``buckets`` (forward order) defaults to `default_buckets`; ``bytescheduler``
     ignores them and instead splits every layer's gradient into ``partition_bytes``
     chunks, sent by priority (earlier layers first, preempting at chunk boundaries),
     merging ready chunks up to ``credit_bytes`` (default: one partition) per collective.
     ``shared_stream=True`` runs every collective inline on the compute stream, in program
     order: how XLA:CPU executes them (no overlap at all; docs/architecture.md).
-    ``host`` adds the host engine's own costs (:class:`HostCosts`: stage dispatch, copies
+    ``host`` adds the host engine's own costs (`HostCosts`: stage dispatch, copies
     to the spare device, compute slowed while bytes move).
     """
     if (

@@ -1,8 +1,8 @@
 """Cost model inputs: per-layer compute profiles and alpha-beta collective costs.
 
-Scheduling decisions need numbers. A :class:`LayerProfile` says how long each layer's
+Scheduling decisions need numbers. A `LayerProfile` says how long each layer's
 forward and backward take and how many gradient bytes it produces; a
-:class:`NetworkProfile` says how long one collective of ``B`` bytes takes on a given
+`NetworkProfile` says how long one collective of ``B`` bytes takes on a given
 number of workers, as ``alpha_s + beta_s_per_byte * B`` (``B`` is the full, unsharded
 tensor size). Both load from and save to JSON so users can simulate their own
 measurements. This module imports nothing else from jaxsched (lowest layer).
@@ -339,11 +339,11 @@ class CommPattern:
       factors_in_backward: each layer's factor collective is issued in backward as soon as
         its factors exist; False: after the whole backward.
       inverse_placement: how the factor inversions are spread over the workers
-        (``balanced``, ``round_robin``, ``naive``; see :mod:`jaxsched.sim.kfac_placement`); their
+        (``balanced``, ``round_robin``, ``naive``; see `jaxsched.sim.kfac_placement`); their
         results are shared by one all-gather (none for ``naive``).
       periodic_sync: the gradient collective crosses only the fast axes, and the slow ones
         are synchronized every few steps (DiLoCo): the per-step simulator does not model
-        that, :mod:`jaxsched.sim.diloco` does.
+        that, `jaxsched.sim.diloco` does.
       gathers_ahead: FSDP: the parameters are kept as shards, and each layer's are
         all-gathered before its forward and again before its backward, issued this many
         layers ahead (the prefetch distance; at most ``gathers_ahead + 1`` gathered layers
@@ -538,7 +538,7 @@ def network_preset(name: str, workers: int, per_node: int | None = None, hierarc
     """A ring-algorithm network profile for a named link preset and worker count.
 
     A name ``"fast+slow"`` (``"nvlink4+400gbib"``, ``"ici+dcn"``) is a two-level network of
-    ``workers // per_node`` nodes of ``per_node`` devices each (:func:`two_level_network`).
+    ``workers // per_node`` nodes of ``per_node`` devices each (`two_level_network`).
 
     >>> network_preset("10gbe", 4).meta["algorithm"]
     'ring'
@@ -565,7 +565,7 @@ def two_level_network(fast: str, slow: str, nodes: int, per_node: int, hierarchi
     """``nodes`` x ``per_node`` devices: ``fast`` links within a node (NVLink, ICI), ``slow``
     links between nodes (InfiniBand, Ethernet, DCN), one slow link per device (rails).
 
-    With ``hierarchical`` (what :class:`jaxsched.runtime.collectives.Hierarchical` runs), with
+    With ``hierarchical`` (what `jaxsched.runtime.collectives.Hierarchical` runs), with
     ``F = per_node`` and ``S = nodes``:
 
     * all-reduce of ``B`` bytes = reduce-scatter over the node (``B``), all-reduce of the

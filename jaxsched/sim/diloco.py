@@ -8,7 +8,7 @@ model answers before a cluster is rented.
 The model, per replica group (a node of a two-level network, or one worker):
 
 * an **inner step** is the user's step reduced over the fast links only: the per-step
-  simulator's ``wfbp`` over the node's devices (:func:`jaxsched.sim.simulate`), or the
+  simulator's ``wfbp`` over the node's devices (`jaxsched.sim.simulate`), or the
   compute alone when a replica is one worker;
 * a fragment's **outer all-reduce** moves ``bytes / F`` (or its quantized payload,
   all-gathered) across the replicas on the slow link, one at a time on a link stream;
@@ -89,7 +89,7 @@ def simulate_diloco(
 ) -> DiLoCoSimResult:
     """Simulate DiLoCo on ``layers`` over ``network`` (one level: every worker a replica;
     two levels: every node a replica). ``outer_bits`` 32 sends float32 outer gradients;
-    4 or 8 the quantized payload of :class:`jaxsched.runtime.compress.Quantize`."""
+    4 or 8 the quantized payload of `jaxsched.runtime.compress.Quantize`."""
     from jaxsched.sim.core import SimulationError, simulate
 
     if inner_steps < 1 or fragments < 1 or fragments > inner_steps:

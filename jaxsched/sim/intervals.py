@@ -1,7 +1,7 @@
 """Time intervals ``(start, end)``: unions, overlaps and differences.
 
-Both readers of a schedule need them: :mod:`jaxsched.check.inspection` (how long a compiled
-program's collectives run with no compute) and :mod:`jaxsched.tools.bench` (where a measured
+Both readers of a schedule need them: `jaxsched.check.inspection` (how long a compiled
+program's collectives run with no compute) and `jaxsched.tools.bench` (where a measured
 host-engine step's time went).
 
 Example:
@@ -32,7 +32,7 @@ def union(intervals: list[Interval]) -> list[Interval]:
 
 
 def total(intervals: list[Interval]) -> float:
-    """Summed length (of disjoint intervals, e.g. a :func:`union`)."""
+    """Summed length (of disjoint intervals, e.g. a `union`)."""
     return sum(b - a for a, b in intervals)
 
 

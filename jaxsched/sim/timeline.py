@@ -145,7 +145,7 @@ def bar_label(kind: str, bucket: int | None, fraction: float) -> str | None:
 def save_gantt_png(
     results: Sequence[SimResult], path: str | Path, steady_iterations: int = 2, title: str | None = None
 ) -> None:
-    """Write :func:`gantt_figure` as a PNG."""
+    """Write `gantt_figure` as a PNG."""
     gantt_figure(results, steady_iterations, title).savefig(path, dpi=110)
 
 

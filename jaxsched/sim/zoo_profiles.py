@@ -3,7 +3,7 @@
 Why: users want to see where a ResNet-50 or BERT step's time goes on a cluster they do
 not have. Each architecture is written down compactly (layer by layer, tracking shapes
 arithmetically), giving per-layer parameter counts and forward multiply-accumulates;
-times come from a device roofline (:func:`jaxsched.sim.costmodel.roofline_seconds`), with
+times come from a device roofline (`jaxsched.sim.costmodel.roofline_seconds`), with
 backward at twice the forward FLOPs (weight and input gradients). A "layer" is one
 parameterised operator with its normalisation (conv+BN, a linear, an attention block).
 Parameter counts match the published ones within 0.5% (see ``PUBLISHED_PARAMS``).

@@ -1,6 +1,6 @@
 """Strategies: one module each, registered by name.
 
-Adding one is one new module (a :class:`Strategy` subclass with ``name``, ``cost``, its
+Adding one is one new module (a `Strategy` subclass with ``name``, ``cost``, its
 state conversions and its rewrite) plus ``@register_strategy``; see
 docs/architecture.md.
 """

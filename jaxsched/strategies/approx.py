@@ -2,7 +2,7 @@
 
 Jin's All-Reduce scheduler (HKU thesis, 2023) and DaSGD: the gradient of step ``t`` is
 applied ``k = staleness`` steps later, and meanwhile forward and backward run at
-approximated parameters ``θ̃`` (:mod:`jaxsched.strategies.approximation` states the recurrences; this
+approximated parameters ``θ̃`` (`jaxsched.strategies.approximation` states the recurrences; this
 strategy runs them on the user's own step, with the user's own optimizer as ``U``).
 
 One program per step. With ``k >= 1``, step ``t``'s program
@@ -22,7 +22,7 @@ Nothing in 2-3 reads the collective's result, so an XLA latency-hiding scheduler
 TPU) or a staged engine can overlap it with the whole forward and backward. The first
 ``k`` steps have fewer than ``k`` gradients pending: their update is computed on zeros
 and discarded by a select on ``num_pending`` (one program serves every step; the true
-parameters and optimizer state stay exactly as they were). :meth:`Approx.finalize`
+parameters and optimizer state stay exactly as they were). `Approx.finalize`
 drains the queue: it reduces and applies every pending gradient, in order, and returns
 the true parameters of the recurrence. ``staleness=0`` is a synchronous step: one
 all-reduce per bucket in backward, as ``wfbp`` (equal to ``allreduce`` up to float
@@ -87,7 +87,7 @@ class ApproxState(NamedTuple):
       params: the true parameters ``θ`` (every arrived gradient applied), user layout.
       opt_state: the user's optimizer state at ``θ``, user layout.
       collective_state: the collective's carried state per bucket, stacked on a leading
-        device axis (see :class:`~jaxsched.strategies.SchedState`).
+        device axis (see `SchedState`).
       pending: ``staleness`` slots, oldest first; slot ``i`` holds one array per gradient
         reduction of the step (analysis order): this device's *unreduced* gradient,
         stacked on a leading device axis (``P(axis)``). ``()`` for ``staleness=0`` and
@@ -124,7 +124,7 @@ class Approx(Strategy):
     """Reduce step ``t-k``'s gradients at the start of step ``t``; compute at ``θ̃_t``.
 
     Options (also through ``jaxsched.schedule(..., approx_method=..., staleness=...)``):
-      approx_method: ``"stale"``, ``"local"`` or ``"extrapolate"`` (:mod:`jaxsched.strategies.approximation`).
+      approx_method: ``"stale"``, ``"local"`` or ``"extrapolate"`` (`jaxsched.strategies.approximation`).
       staleness: ``k >= 0``; ``0`` is a synchronous step.
     """
 

@@ -1,7 +1,7 @@
 """Optax wrappers for training on approximated parameters with delayed gradients.
 
 Data-parallel training waits for each step's gradient reduction before the next forward.
-:func:`approximate` removes that wait: the gradient of step ``t`` is applied to the
+`approximate` removes that wait: the gradient of step ``t`` is applied to the
 *true* parameters ``staleness`` steps later, and meanwhile gradients are computed at
 *approximated* parameters. With ``k = staleness``, ``U`` the inner transformation and
 ``g_t`` the gradient computed at ``θ̃_t``, the true parameters follow
@@ -21,10 +21,10 @@ The first ``k`` steps have fewer than ``k`` gradients pending and change nothing
 true parameters wait for the first gradient to arrive). ``staleness=0`` is the inner
 transformation exactly. This is Jin's approximated-parameter all-reduce scheduling
 (HKU thesis, 2023) and DaSGD's delayed averaging, written as an optax wrapper in the
-style of :func:`optax.lookahead`; ``jaxsched.schedule(step, strategy="approx")`` runs the
-same recurrences on the user's own step (:mod:`jaxsched.strategies.approx`).
+style of `optax.lookahead`; ``jaxsched.schedule(step, strategy="approx")`` runs the
+same recurrences on the user's own step (`jaxsched.strategies.approx`).
 
-:func:`staleness_aware` scales a transformation's step by a rule of the staleness ``τ``
+`staleness_aware` scales a transformation's step by a rule of the staleness ``τ``
 of the gradient it applies, by default ``1/τ`` (Zhang, Gupta, Lian and Liu,
 "Staleness-aware Async-SGD for Distributed Deep Learning", IJCAI 2016,
 arXiv:1511.05950): ``α_τ = α / τ`` for ``τ ≥ 1``, and ``α`` for a fresh gradient.
@@ -60,7 +60,7 @@ LocalStep = Callable[[Any, Any, Any], tuple[Any, Any]]
 
 
 class ApproxParams(NamedTuple):
-    """The two parameter sets of :func:`approximate` (pass them as ``params`` to ``update``).
+    """The two parameter sets of `approximate` (pass them as ``params`` to ``update``).
 
     Attributes:
       true: ``θ``: the parameters of the recurrence, with every arrived gradient applied.
@@ -78,7 +78,7 @@ class ApproxParams(NamedTuple):
 
 
 class ApproximateState(NamedTuple):
-    """State of :func:`approximate`.
+    """State of `approximate`.
 
     Attributes:
       inner_state: the inner transformation's state, at the true parameters.
@@ -153,7 +153,7 @@ def approximated_point(
 ) -> Any:
     """``θ̃``: where the next gradient is computed, given the true parameters ``θ_{t-k}``.
 
-    Shared by :func:`approximate` and the ``approx`` strategy, which pass their own
+    Shared by `approximate` and the ``approx`` strategy, which pass their own
     ``local_step`` (the inner transformation; the user's replayed update region).
     """
     if staleness == 0 or method == "stale":
@@ -192,14 +192,14 @@ def approximate(
 
     Args:
       tx: the inner transformation ``U`` (any optax transformation). It receives the
-        extra argument ``staleness=k`` (so :func:`staleness_aware` inside it knows ``τ``).
+        extra argument ``staleness=k`` (so `staleness_aware` inside it knows ``τ``).
       method: how the approximated parameters are formed: ``"stale"``, ``"local"`` or
         ``"extrapolate"`` (see the module docstring).
       staleness: ``k``, how many steps a gradient lags; ``0`` is ``tx`` exactly.
 
     Returns:
-      A transformation whose ``params`` are :class:`ApproxParams` and whose updates are
-      :class:`ApproxParams` of updates. Compute each gradient at ``params.approx``, pass
+      A transformation whose ``params`` are `ApproxParams` and whose updates are
+      `ApproxParams` of updates. Compute each gradient at ``params.approx``, pass
       it to ``update`` and apply the updates with ``optax.apply_updates`` without changing
       them. ``params.true`` is exactly ``U`` applied to the arrived gradients;
       ``params.approx`` is ``θ̃`` up to the rounding of ``apply_updates``.
@@ -270,7 +270,7 @@ STALENESS_RULES: dict[str, Callable[[jax.Array], jax.Array]] = {
 
 
 class StalenessAwareState(NamedTuple):
-    """State of :func:`staleness_aware`.
+    """State of `staleness_aware`.
 
     Attributes:
       inner_state: the wrapped transformation's state.
@@ -290,7 +290,7 @@ def staleness_aware(
       tx: any optax transformation.
       rule: ``"inverse"`` (``1/τ``, Zhang et al., IJCAI 2016; ``1`` for ``τ = 0``),
         ``"inverse_sqrt"``, ``"constant"`` (no scaling), or a function ``τ -> scale``.
-      staleness: ``τ`` when ``update`` is not given one. :func:`approximate` passes its
+      staleness: ``τ`` when ``update`` is not given one. `approximate` passes its
         own ``staleness`` as the extra argument; inside a step that
         ``jaxsched.schedule(..., strategy="approx", staleness=k)`` runs, set it to ``k``.
 

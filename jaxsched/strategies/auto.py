@@ -7,7 +7,7 @@ simulator, with the bucket plan the candidate would run and with what the engine
 its fixed cost per collective (the host engine's stage dispatch) and whether collectives
 overlap compute at all (not on the ``xla`` engine on CPU, where the simulator runs one
 shared stream). The fastest prediction wins; ties go to the earlier candidate. The choice
-is made once per traced step (:mod:`jaxsched.pipeline.selection`) and is reported in
+is made once per traced step (`jaxsched.pipeline.selection`) and is reported in
 ``strategy.last_choice`` (simulated
 seconds per candidate: SIMULATED, not measured).
 

@@ -1,14 +1,14 @@
 """The strategy seam: what a strategy owns, and the state of the built-in ones.
 
-A strategy owns four things (one module each, see :mod:`jaxsched.strategies`):
+A strategy owns four things (one module each, see `jaxsched.strategies`):
 
 * its **state**, a ``NamedTuple`` with documented fields, with room for carried state
   (a collective wrapper's residuals live in ``collective_state``);
-* the conversions from the user's trees and back (:meth:`Strategy.convert`,
-  :meth:`Strategy.finalize`);
+* the conversions from the user's trees and back (`Strategy.convert`,
+  `Strategy.finalize`);
 * its **rewrite**: a per-device body with one signature for every strategy,
   ``(*state leaves, *batch leaves, *consts) -> (*state leaves, *aux leaves)``;
-* its **cost description**, a :class:`~jaxsched.sim.costmodel.CommPattern` that the planners
+* its **cost description**, a `CommPattern` that the planners
   and the simulator read.
 
 Example:
@@ -58,7 +58,7 @@ __all__ = [
 
 
 class ScheduledState(Protocol):
-    """What every strategy's state offers (:class:`SchedState` and the strategies' own
+    """What every strategy's state offers (`SchedState` and the strategies' own
     NamedTuples): the user's trees, in the strategy's layout."""
 
     @property
@@ -93,14 +93,14 @@ class RewrittenBody:
       body: ``(*state leaves, *batch leaves, *consts) -> (*state leaves, *aux leaves)``.
       state_in_specs, state_out_specs: one ``PartitionSpec`` per state leaf.
       fallbacks: ``(primitive, source line)`` pairs the rewrite could not run as planned
-        (see :class:`~jaxsched.core.rewrite.rules.FallbackWarning`).
+        (see `FallbackWarning`).
       check_vma: the ``shard_map`` typing mode the body is written for.
       compiler_defaults: compile with XLA's own default options, not the engine's
         per-target set (the identity strategy: the user's step as XLA compiles it alone).
       global_body: the same step on global arrays (same flat inputs and outputs), for an
         engine that can run it as it is: the identity strategy on a ``jax.jit`` step is the
         user's own program, partitioned by XLA.
-      bucket_report: a function giving one :class:`BucketReport` per bucket once the body
+      bucket_report: a function giving one `BucketReport` per bucket once the body
         has been traced (strategies that run the update on shards); None otherwise.
     """
 
@@ -124,7 +124,7 @@ class BucketReport:
       on_shards: True when no equation of the update that reads the bucket's gradients,
         parameters or optimizer state had to gather them.
       fallbacks: ``(primitive, source line)`` of each equation that did (the same as the
-        :class:`~jaxsched.core.rewrite.rules.FallbackWarning` says).
+        `FallbackWarning` says).
     """
 
     bucket: int
@@ -135,7 +135,7 @@ class BucketReport:
 
 class Strategy(abc.ABC):
     """One way of scheduling gradient communication. Subclass, then register with
-    :func:`jaxsched.strategies.register_strategy`.
+    `jaxsched.strategies.register_strategy`.
 
     Class attributes:
       name: the registry name (``schedule(step, strategy=name)``).
@@ -147,19 +147,19 @@ class Strategy(abc.ABC):
     name: ClassVar[str] = ""
     cost: ClassVar[CommPattern] = CommPattern()
     accepts_collective: ClassVar[bool] = True
-    #: whether the program compiles with XLA's default options (see :class:`RewrittenBody`)
+    #: whether the program compiles with XLA's default options (see `RewrittenBody`)
     compiler_defaults: ClassVar[bool] = False
     #: XLA options set over the engine's choice for this strategy's program (a variant of
     #: the compile-and-choose planner sets them; empty: the engine's set as it is)
     compiler_overrides: ClassVar[dict] = {}
     #: on GPU/TPU with ``buckets="auto"``: what each compiled candidate was estimated at
-    #: (a :class:`~jaxsched.pipeline.compiled_planner.CompiledChoice`, set by selection)
+    #: (a `CompiledChoice`, set by selection)
     last_bucket_choice: Any = None
     #: whether params and opt_state stay in the user's layout between steps (so an adapter
     #: may hand them to the user after every step without a ``finalize``)
     keeps_user_layout: ClassVar[bool] = False
     #: whether capture computes a ``psum`` of a device-invariant value as ``x * axis size``
-    #: (no communication; see :func:`jaxsched.core.replay.invariant_sums_as_products`). Off by
+    #: (no communication; see `jaxsched.core.replay.invariant_sums_as_products`). Off by
     #: default: the user's own arithmetic, rounding included, is kept.
     folds_invariant_sums: ClassVar[bool] = False
 
@@ -174,7 +174,7 @@ class Strategy(abc.ABC):
                 f"collective must be a jaxsched.runtime.collectives.Collective, got {type(collective).__name__}"
             )
         self.collective = collective if collective is not None else Collective()
-        #: whether the collective is jaxsched's choice (then :meth:`for_mesh` may pick a
+        #: whether the collective is jaxsched's choice (then `for_mesh` may pick a
         #: hierarchical one), not the user's
         self.default_collective = collective is None
 
@@ -184,9 +184,9 @@ class Strategy(abc.ABC):
     def for_mesh(self, captured: Any) -> "Strategy":
         """This strategy with the collective the mesh calls for: when the step is data
         parallel over several mesh axes and the devices say which are slow (another
-        host), a :class:`~jaxsched.runtime.collectives.Hierarchical` sum, unless the user chose a
+        host), a `Hierarchical` sum, unless the user chose a
         collective. On TPU, XLA lowers the flat sum in two levels itself
-        (:func:`~jaxsched.runtime.collectives.hierarchical.default_collective_for`)."""
+        (`default_collective_for`)."""
         from jaxsched.runtime.collectives.hierarchical import default_collective_for
 
         if not (self.accepts_collective and getattr(self, "default_collective", False)):
@@ -290,7 +290,7 @@ class Strategy(abc.ABC):
 
     def collective_state(self, planned: PlannedStep, current: Any, abstract: bool = False) -> Any:
         """The carried collective state on the mesh: fresh zeros, or ``current`` placed
-        (abstract leaves when ``abstract``, see :meth:`PlannedStep.zeros`)."""
+        (abstract leaves when ``abstract``, see `PlannedStep.zeros`)."""
         template = self.collective_template(planned)
         if not jax.tree.leaves(template):
             return template
@@ -359,7 +359,7 @@ def reduce_gradients(
     axes through ``collective``; or, for parameters sharded over data axes, reduce-scattered
     into their blocks and those summed over the remaining data axes through ``collective``
     (compression and hierarchy apply to that sum, HSDP's replica axis). ``scattered``: the
-    gradients of sharded parameters are their blocks already (:func:`scatter_block`)."""
+    gradients of sharded parameters are their blocks already (`scatter_block`)."""
     reds = [planned.analysis.reductions[j] for j in bucket.reductions]
     if not reds or not reds[0].scattered:
         if planned.axis_size == 1:  # a sum over one device is the identity
@@ -378,7 +378,7 @@ def scatter_block(gradient: Any, reduction: Any, mesh: Any = None) -> Any:
 
     On a TPU torus where one reduce-scatter over the block's axes would span a 3-D block of
     chips (XLA:TPU then decomposes it into an all-reduce of the whole gradient), it runs in
-    the two stages :func:`~jaxsched.runtime.collectives.torus.scatter_stages` gives for
+    the two stages `scatter_stages` gives for
     ``mesh``: each device ends with the same block."""
     axes = reduction.scatter_axes
     name = axes[0] if len(axes) == 1 else tuple(axes)
@@ -397,7 +397,7 @@ def scatter_block(gradient: Any, reduction: Any, mesh: Any = None) -> Any:
 class UserLayoutStrategy(Strategy):
     """Base of strategies whose params and optimizer state keep the user's layout.
 
-    Subclasses implement :meth:`per_device`: the user's body inputs in, the user's body
+    Subclasses implement `per_device`: the user's body inputs in, the user's body
     outputs out (plus the collective's new state).
     """
 

@@ -6,14 +6,14 @@ Per bucket the scheduled body
 1. all-gathers the bucket's parameter shard just before the first forward equation that
    reads one of its parameters (the all-gather deferred from the previous step);
 2. reduce-scatters the bucket's gradients right after the last of them is computed;
-3. runs the update region on shards (:mod:`jaxsched.core.rewrite.rules`), so optimizer state
+3. runs the update region on shards (`jaxsched.core.rewrite.rules`), so optimizer state
    that mirrors the parameters lives sharded (ZeRO-1 memory);
 4. returns the updated parameter shard, which the next step gathers again.
 
 State: each parameter leaf as its flat ``(P * chunk,)`` array sharded over the axis;
 optimizer leaves likewise where they are not scalars; the collective's carried state. A
 bucket's chunks are concatenated before its one all-gather, which yields exactly the
-interleaved layout of :mod:`jaxsched.core.layout`, so the state stays per leaf and its
+interleaved layout of `jaxsched.core.layout`, so the state stays per leaf and its
 structure does not depend on the bucket plan (checkpoints restore across plans).
 
 Example:
@@ -71,7 +71,7 @@ class DearLayout(NamedTuple):
         non-replicated spec, parameters without a reduced gradient, optimizer state whose
         shape is no sharded parameter's) keep the user's layout and spec, whole.
       param_chunking, opt_chunking: per leaf, how its flat shards are spread
-        (:class:`Chunking`), None for a leaf kept whole.
+        (`Chunking`), None for a leaf kept whole.
       bucket_chunking: per bucket, the chunking of its gradients and parameters.
     """
 
@@ -114,7 +114,7 @@ class Chunking(NamedTuple):
         return P(axes[0] if len(axes) == 1 else axes)
 
     def shard(self, chunk: Any, shape: tuple) -> Shard:
-        """This device's chunk as the update region's :class:`Shard` (over the context's data
+        """This device's chunk as the update region's `Shard` (over the context's data
         axes unless it is an HSDP block's, chunked over the replica axes)."""
         if not self.block_axes:
             return Shard(chunk, tuple(shape))

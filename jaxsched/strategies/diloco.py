@@ -9,7 +9,7 @@ a global copy with an outer optimizer (Nesterov SGD, lr 0.7, in the paper). Stre
 DiLoCo (Douillard et al., 2025) splits the parameters into ``fragments`` synchronized on
 a staggered schedule, lets a fragment's outer all-reduce run during ``overlap_steps``
 (τ) inner steps, and sends the outer gradients in 4 bits
-(:class:`jaxsched.runtime.compress.Quantize`).
+(`jaxsched.runtime.compress.Quantize`).
 
 The user's step is unchanged: it reduces its gradients over every data axis. Under this
 strategy each gradient reduction runs only over the data axes not in ``sync_axes`` (the
@@ -27,7 +27,7 @@ copy (``g ← g + outer(Δ̄)``) and the replica's fragment becomes ``α·local 
 operands ready before any compute, so the collective can run during that step's forward
 and backward. The programs of different steps differ only in which fragment is sent and
 which arrives, so each such phase is compiled once, without a condition around a
-collective (:meth:`DiLoCo.phase_key`); the step that picks it is counted on the host.
+collective (`DiLoCo.phase_key`); the step that picks it is counted on the host.
 
 Example:
     >>> import jax, optax
@@ -75,7 +75,7 @@ __all__ = ["DiLoCo", "DiLoCoState", "DILOCO_PATTERN", "fragment_of_leaves", "syn
 
 #: What the planners and the simulator see: each step's gradients reduced in backward over
 #: the fast axes; the outer all-reduce every H steps is modelled by the simulator's
-#: ``diloco`` options (:mod:`jaxsched.sim.diloco`).
+#: ``diloco`` options (`jaxsched.sim.diloco`).
 DILOCO_PATTERN = CommPattern(gradient="all_reduce", in_backward=True, periodic_sync=True)
 
 #: Inner strategies DiLoCo can run (their gradients are reduced per bucket in backward and
@@ -179,7 +179,7 @@ class DiLoCo(Strategy):
 
     Args:
       collective: how the outer gradients cross ``sync_axes`` (``compression=`` in
-        :func:`jaxsched._schedule`): e.g. ``jaxsched.runtime.compress.Quantize(bits=4)``,
+        `jaxsched._schedule`): e.g. ``jaxsched.runtime.compress.Quantize(bits=4)``,
         ``Cast(jnp.bfloat16)``, ``TopK``. Inner reductions are plain sums.
       inner_steps: H >= 1, the inner steps between two synchronizations of a fragment.
       outer: the outer optimizer (an optax transformation), applied to the mean outer
@@ -833,8 +833,8 @@ class DiLoCo(Strategy):
         return outs[:n_p], outs[n_p : n_p + n_o], outs[n_p + n_o :]
 
     def rewrite(self, planned: PlannedStep) -> RewrittenBody:
-        """The program of the representative phase (see :meth:`phase_key`); an engine program
-        per phase comes from :meth:`rewrite_phase`."""
+        """The program of the representative phase (see `phase_key`); an engine program
+        per phase comes from `rewrite_phase`."""
         self._check_step(planned)
         specs, _ = self._state_specs(planned)
         return RewrittenBody(self.rewrite_phase(planned, self.phase_key(None)), specs, specs, [], False)

@@ -3,7 +3,7 @@ inversions placed across workers by a load-balancing plan (SPD-KFAC).
 
 The user's step is the ordinary one (``value_and_grad``, ``pmean`` of the gradients, an
 optax update). This strategy replays its backward region and, per dense or convolution
-layer found in the jaxpr (:mod:`jaxsched.core.rewrite.layers`), forms the Kronecker factors
+layer found in the jaxpr (`jaxsched.core.rewrite.layers`), forms the Kronecker factors
 from the layer input ``a`` and output cotangent ``g`` that backward already computes:
 
 * ``A = [a, 1]^T [a, 1] / R`` (``R``: rows, i.e. examples times spatial positions or
@@ -17,12 +17,12 @@ cotangents exist, in backward order, while backward continues (``pipeline=False`
 them after backward, as kfac-jax does). Factors are exponential moving averages (the first
 update takes the batch's factors as they are). Every ``inverse_interval`` steps the damped
 factors are inverted, each on the worker the placement plan assigns
-(:mod:`jaxsched.sim.kfac_placement`), and shared with one all-gather. The reduced kernel gradient
+(`jaxsched.sim.kfac_placement`), and shared with one all-gather. The reduced kernel gradient
 ``V`` (with the bias gradient as an extra row) becomes
 ``(A + pi sqrt(lambda) I)^-1 V (G + sqrt(lambda)/pi I)^-1`` (factored Tikhonov damping,
 ``pi^2 = (tr A / d_A) / (tr G / d_G)``; Martens & Grosse, 2015), and the user's optax
 update runs unchanged on it. Parameters outside recognised layers keep the plain
-gradient; each is reported once with a :class:`KFACFallbackWarning`.
+gradient; each is reported once with a `KFACFallbackWarning`.
 
 Example:
     >>> import jax, optax
@@ -79,7 +79,7 @@ class KFACState(NamedTuple):
       params: the user's params tree (user layout).
       opt_state: the user's optimizer state tree (user layout).
       collective_state: the gradient collective's carried state per bucket, stacked on a
-        leading device axis (see :class:`~jaxsched.strategies.SchedState`).
+        leading device axis (see `SchedState`).
       factors: per recognised layer (forward order), ``(A, G)``: the moving averages of
         the Kronecker factors, replicated. ``()`` before the step is traced.
       inverses: per layer, ``(A_inv, G_inv)``: the damped inverses of the last refresh.
@@ -609,7 +609,7 @@ def plan_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], op
 
 
 def auto_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], order: list[int]) -> list[list[int]]:
-    """MG-WFBP merging of factor all-reduces against the cost model (see :class:`KFAC`)."""
+    """MG-WFBP merging of factor all-reduces against the cost model (see `KFAC`)."""
     from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
     from jaxsched.plan import plan_buckets
     from jaxsched.plan.from_step import measure_flops_per_s

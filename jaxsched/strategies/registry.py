@@ -20,7 +20,7 @@ _STRATEGIES: dict[str, type] = {}
 
 
 def register_strategy(cls: type) -> type:
-    """Register a :class:`~jaxsched.strategies.base.Strategy` subclass under ``cls.name``
+    """Register a `Strategy` subclass under ``cls.name``
     (usable as a class decorator). Its ``cost`` becomes known to the planners and the
     simulator under the same name. A taken name is refused."""
     from jaxsched.strategies.base import Strategy

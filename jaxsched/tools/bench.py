@@ -1,7 +1,7 @@
 """``jaxsched bench``: measured overlap on an emulated multi-host cluster.
 
 Brings up ``hosts`` network namespaces joined by links shaped to ``bandwidth``
-(:mod:`jaxsched.tools.cluster`), starts one process per host (:mod:`jaxsched.tools.launch`), each with
+(`jaxsched.tools.cluster`), starts one process per host (`jaxsched.tools.launch`), each with
 two CPU devices and pinned to one core, and measures in the same session, interleaved
 step by step:
 
@@ -111,7 +111,7 @@ def parse_compression(text: str | None):
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """The outcome of :func:`calibrate_batch`.
+    """The outcome of `calibrate_batch`.
 
     ``error`` is ``compute_s / comm_s - 1`` at the chosen ``batch``; ``probes`` lists every
     ``(batch, compute_s, comm_s)`` measured, in order; ``converged`` says whether
@@ -245,7 +245,7 @@ def overlap_efficiency(plain: float, step: float, bound: float) -> float:
 
 # -- the worker: one process of the benchmark --------------------------------------------------
 def worker(args: Any) -> int:
-    """One process of the benchmark (started by :func:`run` through the launcher)."""
+    """One process of the benchmark (started by `run` through the launcher)."""
     import jaxsched.tools.launch
 
     if args.pin:  # before JAX starts its thread pools, so that every thread inherits the core
@@ -589,7 +589,7 @@ def time_breakdown(spans: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 
 def missed_target(name: str, row: dict[str, Any], strategies: dict[str, Any]) -> str | None:
-    """Which target of :data:`CEILING_TARGETS` (or ``dear`` no slower than ``allreduce``)
+    """Which target of `CEILING_TARGETS` (or ``dear`` no slower than ``allreduce``)
     ``name`` missed in this run, or None."""
     target = CEILING_TARGETS.get(name)
     if target is not None and row.get("ratio_to_ceiling") and row["ratio_to_ceiling"] > target:
@@ -621,9 +621,9 @@ def miss_reason(breakdown: dict[str, float], compute_s: float) -> str:
 
 
 def host_costs_of(result: dict[str, Any]):
-    """The measured host-engine terms for the simulator (:class:`jaxsched.sim.HostCosts`):
+    """The measured host-engine terms for the simulator (`jaxsched.sim.HostCosts`):
     stage dispatch and copy cost measured by the workers, and the compute slow-down while
-    bytes move derived from the measured ceiling (:func:`jaxsched.sim.comm_slowdown_from_ceiling`).
+    bytes move derived from the measured ceiling (`jaxsched.sim.comm_slowdown_from_ceiling`).
     None when the run measured none of them (an older raw report)."""
     from jaxsched.sim import HostCosts, comm_slowdown_from_ceiling
 
@@ -638,7 +638,7 @@ def host_costs_of(result: dict[str, Any]):
 
 def simulated(result: dict[str, Any], strategies: Sequence[str]):
     """The simulator's prediction for the measured costs (labelled SIMULATED), with the
-    host engine's measured terms (:func:`host_costs_of`)."""
+    host engine's measured terms (`host_costs_of`)."""
     from jaxsched.sim.costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
     from jaxsched.sim import simulate
 
@@ -799,7 +799,7 @@ def bench_figure(raw: dict[str, Any], result: dict[str, Any], sims: dict):
 
 
 def plot(raw: dict[str, Any], result: dict[str, Any], sims: dict, path: Path) -> None:
-    """Write :func:`bench_figure` to ``path``."""
+    """Write `bench_figure` to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     bench_figure(raw, result, sims).savefig(path, dpi=110)
 

@@ -346,7 +346,7 @@ def _tbf(namespace: str, device: str, bits_per_s: int) -> list[str]:
 
 
 class Cluster:
-    """An emulated cluster of network namespaces. Build one with :meth:`up` or :meth:`attach`."""
+    """An emulated cluster of network namespaces. Build one with `up` or `attach`."""
 
     def __init__(self, prefix: str, hosts: Sequence[Host], bandwidth: int | None, owned: bool = True):
         self.prefix = prefix

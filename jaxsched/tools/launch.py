@@ -9,7 +9,7 @@ The launcher (``launch``) sets, for each process::
     JAXSCHED_CPU_DEVICES           local CPU devices per process (only if asked for)
     JAXSCHED_HEARTBEAT_TIMEOUT     seconds until jax.distributed declares a silent peer dead
 
-and the training script calls :func:`initialize` before any other JAX call::
+and the training script calls `initialize` before any other JAX call::
 
     import jaxsched.tools.launch
     info = jaxsched.tools.launch.initialize()      # jax.distributed.initialize(...) + gloo binding
@@ -137,8 +137,8 @@ def make_gloo_collectives(distributed_client, *, interface: str | None = None, h
     """gloo TCP collectives over ``interface`` (e.g. ``eth0``) or ``hostname``'s address.
 
     The only call into ``jax._src.lib._jax.make_gloo_tcp_collectives`` in jaxsched; its
-    signature is checked against :data:`GLOO_FACTORY_SIGNATURE` and a mismatch raises
-    :class:`GlooBindingError` instead of failing somewhere inside jaxlib.
+    signature is checked against `GLOO_FACTORY_SIGNATURE` and a mismatch raises
+    `GlooBindingError` instead of failing somewhere inside jaxlib.
     """
     return _gloo_factory()(distributed_client=distributed_client, hostname=hostname, interface=interface)
 
@@ -163,7 +163,7 @@ def bind_gloo(interface: str) -> None:
 
     Call after ``jax.distributed.initialize`` and before anything creates JAX's backends
     (``jax.devices()``, any computation). Re-registers jax's ``cpu`` backend factory with
-    the same ``make_cpu_client``, passing collectives from :func:`make_gloo_collectives`.
+    the same ``make_cpu_client``, passing collectives from `make_gloo_collectives`.
     """
     from jax._src import config as jax_config, distributed
 
@@ -218,7 +218,7 @@ def initialize(
     allow_single_process: bool = False,
     fail_fast: bool = True,
 ) -> ProcessInfo:
-    """``jax.distributed.initialize`` for a process started by :func:`launch` or a real cluster.
+    """``jax.distributed.initialize`` for a process started by `launch` or a real cluster.
 
     - Under ``jaxsched launch`` (``JAXSCHED_*`` variables set): initialize with the given
       coordinator, process count and id, and bind gloo to ``JAXSCHED_GLOO_INTERFACE`` if set.
@@ -234,7 +234,7 @@ def initialize(
     barrier for the other processes, which may be blocked in a collective that waits for this
     one, for up to the shutdown timeout (300 s by default). ``sys.exit(code)`` does not pass
     through this hook: a script that exits non-zero on purpose should call
-    :func:`exit_now` (or ``os._exit``).
+    `exit_now` (or ``os._exit``).
     """
     import jax
 
@@ -408,13 +408,13 @@ def launch(
     """Run ``command`` as ``hosts`` processes; returns 0, or the first failing exit status.
 
     Each process gets the ``JAXSCHED_*`` variables (module docstring) and, with ``cluster``
-    (a :class:`jaxsched.tools.cluster.Cluster`), runs inside host ``i``'s namespace with gloo
+    (a `jaxsched.tools.cluster.Cluster`), runs inside host ``i``'s namespace with gloo
     bound to its interface; without, all processes share loopback. Output lines are
     prefixed ``[rank] ``. When a process fails, the others get SIGTERM, then SIGKILL after
     ``grace_s``; the launcher returns within ``grace_s`` plus a fraction of a second.
     ``timeout_s`` bounds the whole run (exit status 124 when it expires). Ctrl-C or SIGTERM
     to the launcher stops every process (status 130 or 143). Unless ``verbose``, gloo's
-    per-peer connection lines (:data:`GLOO_CHATTER`) are left out.
+    per-peer connection lines (`GLOO_CHATTER`) are left out.
     """
     if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
         raise ValueError(f"hosts={hosts!r}: need an integer >= 1")

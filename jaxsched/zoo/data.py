@@ -84,7 +84,7 @@ def synthetic_cifar(n: int = 4096, num_classes: int = 10, size: int = 32, noise:
     orientation and frequency, at a random phase, under Gaussian noise.
 
     Why gratings: the structure is translation invariant, so a convolutional model with
-    global pooling can learn it (a random linear teacher, as in :func:`synthetic_images`,
+    global pooling can learn it (a random linear teacher, as in `synthetic_images`,
     is not), and nothing needs a download.
     """
     rng = np.random.default_rng(seed)

@@ -1,7 +1,7 @@
 """A small model zoo in Flax NNX, plus the pure-function view a shard_map step needs.
 
 Each model is an ordinary ``nnx.Module``. Data-parallel steps work on plain pytrees,
-so :func:`pure` splits a module into ``(params, apply_fn)`` where ``params`` is a
+so `pure` splits a module into ``(params, apply_fn)`` where ``params`` is a
 nested dict of arrays and ``apply_fn(params, x)`` is a pure function.
 
 Example:

@@ -94,7 +94,7 @@ def batch_spec(mesh: Mesh) -> P:
 
 
 def init(config: StackedLM, mesh: Mesh, seed: int = 0) -> dict:
-    """Parameters drawn on the host and placed with :func:`param_specs` on ``mesh``: matrices
+    """Parameters drawn on the host and placed with `param_specs` on ``mesh``: matrices
     normal over the square root of their input width, norm scales one."""
     rng = np.random.default_rng(seed)
     shapes = config.shapes()

@@ -1,9 +1,9 @@
 """Steps on meshes with several axes, as large runs write them.
 
-* :func:`tensor_parallel_mlp`: a 2-D ``('data', 'model')`` mesh, the hidden dimension
+* `tensor_parallel_mlp`: a 2-D ``('data', 'model')`` mesh, the hidden dimension
   sharded over ``'model'`` (a Megatron MLP: a forward ``psum`` over ``'model'``), the batch
   over ``'data'``, gradients ``pmean``ed over ``'data'`` only.
-* :func:`two_level_step`: data parallel over two axes, ``('dcn', 'ici')`` by default, the
+* `two_level_step`: data parallel over two axes, ``('dcn', 'ici')`` by default, the
   batch sharded over both and gradients ``pmean``ed over both.
 
 Each returns ``(step, params, opt_state, batches)``; ``batches(n, seed)`` yields fresh

@@ -26,5 +26,5 @@ def needs_gpu(test):
 
 
 def needs_tpu(test):
-    """As :func:`needs_gpu`, for the TPU toolchain (libtpu)."""
+    """As `needs_gpu`, for the TPU toolchain (libtpu)."""
     return pytest.mark.aot(pytest.mark.skipif(TPU_MISSING is not None, reason=str(TPU_MISSING))(test))

@@ -4,20 +4,20 @@ Most data-parallel JAX code never writes a per-device body: parameters are repli
 the batch is placed with ``NamedSharding(mesh, P("data"))``, and XLA's partitioner adds
 the gradient sums. This stage does what that partitioner does, in a form the rest of
 jaxsched can read: it interprets the step's global jaxpr per device
-(:mod:`.interpreter`, with one rule per primitive in :mod:`.rules` and
-:mod:`.control_flow`), tracking which dimension of each value is sharded over the data
-axes (:mod:`.kinds`), and traces the result as a ``shard_map`` body. A sum, mean or
+(`.interpreter`, with one rule per primitive in `.rules` and
+`.control_flow`), tracking which dimension of each value is sharded over the data
+axes (`.kinds`), and traces the result as a ``shard_map`` body. A sum, mean or
 contraction over the batch becomes a local one plus one ``psum`` where its value is
 complete; those ``psum``s of gradients are the reductions every strategy schedules, and
 the others (a loss averaged over the global batch, a global token count, batch-norm
 statistics) stay where they are.
 
-Parameters may be sharded too (:mod:`.placement`). A parameter sharded over data axes is a
-block (:mod:`.blocks`): gathered where forward or backward reads it whole, its gradient
+Parameters may be sharded too (`.placement`). A parameter sharded over data axes is a
+block (`.blocks`): gathered where forward or backward reads it whole, its gradient
 reduce-scattered into the block (then summed over the other data axes, HSDP's replica
 axis): FSDP as XLA runs it, with its reductions made explicit for the strategies. Model
 axes (tensor parallelism) are left to XLA: the body is manual over the data axes only
-(:func:`manual_shard_map`).
+(`manual_shard_map`).
 
 Example:
     >>> import jax, jax.numpy as jnp, numpy as np
@@ -137,7 +137,7 @@ def manual_shard_map(fn, mesh, in_specs: Sequence[P], out_specs: Sequence[P], ma
 
     The axes left to XLA are ``Auto`` inside, whatever the mesh's axis types: an ``Explicit``
     mesh's placement annotations become sharding constraints on them (the rules of
-    :mod:`.rules`), so that the body needs no sharding in its types."""
+    `.rules`), so that the body needs no sharding in its types."""
     options = {} if manual is None else {"axis_names": frozenset(manual)}
     explicit = manual is not None and any(t != jax.sharding.AxisType.Auto for t in mesh.axis_types)
     if explicit:
@@ -177,7 +177,7 @@ def _inlined(closed, placement: Placement):
 
 
 def _without_dead_code(jaxpr):
-    """``jaxpr`` without dead equations (:func:`jaxsched.core.replay.live_equations`): planning
+    """``jaxpr`` without dead equations (`jaxsched.core.replay.live_equations`): planning
     would take their demands for real, and a dead equation that reads a whole value keeps its
     producer from computing just a block."""
     live = replay.live_equations(jaxpr)

@@ -1,7 +1,7 @@
 """Rules for parameter blocks: what the optimizer runs on an FSDP parameter, kept a block.
 
 A parameter (or optimizer-state leaf) sharded over data axes enters the per-device program as
-its block (:func:`~jaxsched.core.partition.kinds.block`). Forward and backward read it through
+its block (`block`). Forward and backward read it through
 rules that do not know blocks, so the interpreter gathers it first: FSDP's all-gather before
 use. The update reads it through the rules here, which keep it a block:
 
@@ -14,7 +14,7 @@ use. The update reads it through the rules here, which keep it a block:
   transposes, broadcasts, slices along other dimensions).
 
 So that a gradient is reduce-scattered rather than all-reduced and sliced, planning first
-marks which values will meet a block (:func:`block_hints`, from the outputs back through
+marks which values will meet a block (`block_hints`, from the outputs back through
 elementwise operations): an elementwise operation on those is planned as a block too.
 
 Example:

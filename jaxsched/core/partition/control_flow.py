@@ -4,7 +4,7 @@ A call (``jit``, ``custom_jvp``/``custom_vjp``, ``jax.checkpoint``) is inlined: 
 is planned with the kinds its operands have. A loop's carry must enter and leave each
 iteration in the same kind, so ``scan`` and ``while`` are planned to a fixed point: start
 from the kinds of the initial carry, plan the body, widen each carry to the
-:func:`~jaxsched.core.partition.kinds.join` of what enters and what leaves, until nothing
+`join` of what enters and what leaves, until nothing
 changes. A gradient accumulated over layers in a ``scan`` thereby stays a partial sum
 through the loop and is reduced once, after it. A conditional's branches are planned
 with the same operands and return the join of their results' kinds.

@@ -1,11 +1,11 @@
 """Plan, then run: the two passes that turn a global jaxpr into a per-device computation.
 
-:meth:`Partitioner.plan` walks a jaxpr once with the :class:`~jaxsched.core.partition.kinds.Kind`
-of every input and asks each equation's rule (:mod:`jaxsched.core.partition.rules`, keyed by
+`Partitioner.plan` walks a jaxpr once with the `Kind`
+of every input and asks each equation's rule (`jaxsched.core.partition.rules`, keyed by
 primitive, as JAX's batching rules are) which kind it needs of each operand and which kinds
 its results have. Kinds must be known before anything is traced: a loop's carry must
 enter and leave in the same kind, and a ``shard_map``'s output specs are fixed when it is
-called. :meth:`Partitioner.run` then evaluates the plan on local values where a
+called. `Partitioner.run` then evaluates the plan on local values where a
 ``shard_map`` body is being traced, converting operands between kinds (an all-gather, a
 ``psum``, a local slice) where a rule asked for it, once per variable and kind.
 
@@ -77,7 +77,7 @@ class JaxprPlan:
 
 @dataclasses.dataclass(frozen=True)
 class RuleTable:
-    """Where the partitioner finds its rules (:data:`jaxsched.core.partition.TABLE`):
+    """Where the partitioner finds its rules (`jaxsched.core.partition.TABLE`):
     passed in, so that the interpreter knows no rule and the rules may use the interpreter.
 
     Attributes:
@@ -172,7 +172,7 @@ class Partitioner:
         A value computed from replicated inputs alone (a dropout mask drawn from one key, an
         iota, a broadcast constant) is whole on every device, and a rule that meets it beside
         a batch block slices it. When every reader wants the same block, the producer is
-        planned to compute just that block (:data:`~jaxsched.core.partition.rules.NARROW`), as XLA's
+        planned to compute just that block (`NARROW`), as XLA's
         partitioner would: one pass from the outputs back."""
         narrow_rule_for = self.rules.narrow_rule_for
         wants: dict = {}

@@ -4,7 +4,7 @@ A ``jax.jit`` step computes on global arrays; the per-device program computes on
 device holds of each of them. These forms are enough for data parallelism and for
 parameters sharded over the data axes (FSDP, HSDP):
 
-* :data:`REPLICATED`: the whole value, the same on every device;
+* `REPLICATED`: the whole value, the same on every device;
 * ``sharded(d)``: this device's block of dimension ``d`` (block ``i`` of ``P`` equal ones
   for device ``i`` along the data axes), as ``NamedSharding`` lays out a sharded batch;
 * ``block(d, axes)``: a *parameter block*: dimension ``d`` split over the mesh axes ``axes``
@@ -12,14 +12,14 @@ parameters sharded over the data axes (FSDP, HSDP):
   placed a parameter or optimizer-state leaf. Rules that do not know blocks see it gathered
   (FSDP's all-gather before use); elementwise and reducing rules, which the optimizer runs,
   keep it a block;
-* :data:`PARTIAL`: a term of a sum over devices: the global value is the ``psum`` of every
+* `PARTIAL`: a term of a sum over devices: the global value is the ``psum`` of every
   device's local value. A contraction over the sharded dimension leaves this, and it
   stays unreduced through linear operations, so each gradient is reduced once, where it
   is complete: the gradient reductions every strategy schedules. ``partial_over(axes)`` is
   a sum over some data axes only (a sum over a parameter block's dimension), the same on
   the others.
 
-:class:`AxisContext` converts between the forms; every conversion is exact. A partial sum
+`AxisContext` converts between the forms; every conversion is exact. A partial sum
 becomes a block by a reduce-scatter, never by a sum and a slice.
 
 Example:
@@ -179,7 +179,7 @@ class AxisContext:
         return self.size_of(kind.over)
 
     def normalized(self, kind: Kind) -> Kind:
-        """A partial sum over every data axis is :data:`PARTIAL`, whatever order names them."""
+        """A partial sum over every data axis is `PARTIAL`, whatever order names them."""
         if kind.partial and kind.over is not None and set(kind.over) == set(self.axes):
             return PARTIAL
         return kind

@@ -8,7 +8,7 @@ dropped from every spec: ``P('fsdp', 'tensor')`` on a mesh where both are 1 is r
 
 A parameter or optimizer-state leaf may be sharded over data axes along one dimension:
 FSDP (over every data axis) or HSDP (over some, replicated over the others). It becomes a
-parameter block (:func:`~jaxsched.core.partition.kinds.block`), gathered where a rule needs it
+parameter block (`block`), gathered where a rule needs it
 whole and updated as a block; its model axes stay as the user placed them.
 
 The placement of an input is read, in this order, from the ``in_shardings`` given to
@@ -249,7 +249,7 @@ def _leaf_kind(name: str, role: str, shape: tuple, spec: P, data: tuple[str, ...
 def read_placement(closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequence[str]) -> Placement:
     """The placement of the step traced as ``closed`` on flat input ``leaves`` (named
     ``names``, of role ``"params"``, ``"opt_state"`` or ``"batch"``). Raises
-    :class:`PlacementError` naming the first leaf that is not data parallel."""
+    `PlacementError` naming the first leaf that is not data parallel."""
     given = _top_shardings(closed)
     shardings = [_sharding_of(g, leaf, v.aval) for g, leaf, v in zip(given, leaves, closed.jaxpr.invars, strict=True)]
     mesh = _concrete_mesh(shardings)

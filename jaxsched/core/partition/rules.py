@@ -1,8 +1,8 @@
 """One rule per primitive: which kinds it needs of its operands, which kinds its results have.
 
-A rule receives the equation, the current :class:`~jaxsched.core.partition.kinds.Kind` of each
+A rule receives the equation, the current `Kind` of each
 operand and, per operand, whether this equation is the variable's only use; it returns an
-:class:`~jaxsched.core.partition.interpreter.EqnPlan`. The families, as JAX's batching rules
+`EqnPlan`. The families, as JAX's batching rules
 track a batched dimension:
 
 * **elementwise** operations keep the sharded dimension; replicated operands are sliced to
@@ -16,8 +16,8 @@ track a batched dimension:
 * **linear** operations keep a partial sum unreduced when they are its only use, so each
   gradient is summed once, where it is complete;
 * **calls** are inlined, **loops and conditionals** are planned to a fixed point
-  (:mod:`jaxsched.core.partition.control_flow`);
-* anything else that meets a sharded operand gathers it (:class:`GatherWarning`) and runs
+  (`jaxsched.core.partition.control_flow`);
+* anything else that meets a sharded operand gathers it (`GatherWarning`) and runs
   on the whole batch: exact, never a wrong number.
 
 Example:
@@ -80,7 +80,7 @@ def local_sharding(sharding: Any) -> Any:
 
 def bind_local(eqn, values: Sequence[Any], **updates: Any) -> list:
     """Bind ``eqn``'s primitive on local values, its placement parameters restricted to the
-    body's model axes (:func:`local_sharding`) and ``updates`` (local shapes) applied, at the
+    body's model axes (`local_sharding`) and ``updates`` (local shapes) applied, at the
     user's source line."""
     params = dict(eqn.params)
     for name in SHARDING_PARAMS:
@@ -234,7 +234,7 @@ def broadcast_in_dim_rule(p: Partitioner, eqn, kinds: list, single: list) -> Eqn
 
 def reshaped_dim(in_shape: Sequence[int], out_shape: Sequence[int], d: int, axis_size: int) -> int | None:
     """The output dimension that holds dimension ``d``'s blocks after a row-major reshape, or
-    None when the blocks do not stay whole (see the module doc of :mod:`.kinds`)."""
+    None when the blocks do not stay whole (see the module doc of `.kinds`)."""
     prefix = 1
     for s in in_shape[:d]:
         prefix *= s
@@ -268,7 +268,7 @@ def _as_microbatches(ctx: AxisContext, value: Any, d: int, out_shape: Sequence[i
     fall on device boundaries here (fewer of them than devices, or not a multiple), so the
     batch is gathered and sliced: a block of a batch of tokens is small beside the
     activations. (A multiple of the device count keeps whole microbatches on each device,
-    :func:`reshaped_dim`, and a scan over them swaps them for rows by one all-to-all.)"""
+    `reshaped_dim`, and a scan over them swaps them for rows by one all-to-all.)"""
     whole = ctx.replicate(value, sharded(d)).reshape(tuple(out_shape))
     return ctx.block(whole, d + 1, out_shape)
 
@@ -1073,7 +1073,7 @@ def narrow_rule_for(eqn) -> NarrowRule | None:
 
 def rule_for(eqn) -> Rule:
     """The rule of ``eqn``'s primitive; calls and control flow come from
-    :mod:`jaxsched.core.partition.control_flow`; the exact fallback for anything else."""
+    `jaxsched.core.partition.control_flow`; the exact fallback for anything else."""
     name = eqn.primitive.name
     if name in RULES:
         return RULES[name]

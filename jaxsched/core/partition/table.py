@@ -16,7 +16,7 @@ from jaxsched.core.partition.interpreter import RuleTable
 
 __all__ = ["TABLE"]
 
-#: Where :class:`~jaxsched.core.partition.interpreter.Partitioner` finds its rules.
+#: Where `Partitioner` finds its rules.
 TABLE = RuleTable(
     rule_for=rules.rule_for,
     narrow_rule_for=rules.narrow_rule_for,

@@ -3,7 +3,7 @@
 A sharded update computes norms from per-device terms: ``clip_by_global_norm`` sums each
 leaf's squares on its chunk and then over the devices, one scalar all-reduce per leaf (46
 to 65 per step on a Transformer); LAMB's trust ratios take two norms per leaf. Each is
-latency, not bandwidth. Here such a sum is kept as a :class:`PendingSum` (this device's
+latency, not bandwidth. Here such a sum is kept as a `PendingSum` (this device's
 term), and every scalar computed from pending sums (their total over leaves, a square
 root, a ratio) waits with them, to be computed from the totals later. Only a value that is
 not a scalar (an update scaled by the clip factor) or another collective makes the sums
@@ -150,8 +150,8 @@ def interpret_batching_sums(
     run: Run = bind,
     sums: PendingSums | None = None,
 ) -> None:
-    """:func:`~jaxsched.core.replay.interpret` for an update region, its scalar sums over
-    devices batched: the equations are taken in :func:`sums_together`'s order, a ``psum``
+    """`interpret` for an update region, its scalar sums over
+    devices batched: the equations are taken in `sums_together`'s order, a ``psum``
     of one-element values (a sharded parameter's norm, from the partition stage) is
     deferred, ``run`` may defer more into ``sums`` (a sum over a chunk), and a scalar
     computed from pending values waits with them. Every value still pending at the end of

@@ -1,8 +1,8 @@
 """Rules that run the update region on shards: one rule per primitive.
 
 A value in the update region is either *full* (an ordinary array, the same on every
-device) or a :class:`Shard`: this device's flat chunk of a full tensor (see
-:mod:`jaxsched.core.layout`). Rules keep values sharded where that is exact:
+device) or a `Shard`: this device's flat chunk of a full tensor (see
+`jaxsched.core.layout`). Rules keep values sharded where that is exact:
 
 * elementwise primitives run on chunks (full operands are sliced locally, no traffic);
 * reshapes keep the chunk (row-major order is preserved);
@@ -108,7 +108,7 @@ class ShardContext:
     #: while a rule traces a body only to see what it does, what would fall back there
     probing: list | None = None
     #: where a scalar sum over devices is deferred and batched with the others
-    #: (:mod:`jaxsched.core.rewrite.pending_sums`); None: each is reduced at once
+    #: (`jaxsched.core.rewrite.pending_sums`); None: each is reduced at once
     sums: Any = None
 
     def axes_of(self, shard: "Shard | None") -> Any:
@@ -452,5 +452,5 @@ def apply_rule(ctx: ShardContext, eqn, values: list) -> list:
 
 
 def eval_sharded(ctx: ShardContext, jaxpr, args: Sequence[Any], constvals: Sequence[Any] = ()) -> list:
-    """Evaluate ``jaxpr`` with some inputs sharded; returns full arrays or :class:`Shard`."""
+    """Evaluate ``jaxpr`` with some inputs sharded; returns full arrays or `Shard`."""
     return eval_inline(jaxpr, constvals, args, run=lambda eqn, values: apply_rule(ctx, eqn, values))

@@ -1,5 +1,5 @@
 """Collectives strategies call per bucket; wrappers (compression, casts) and the
-two-level :class:`Hierarchical` plug in here."""
+two-level `Hierarchical` plug in here."""
 
 from jaxsched.runtime.collectives.base import (
     FORMS,

@@ -1,8 +1,8 @@
 """The collective seam: how one bucket's flat buffer crosses the data axis.
 
 Strategies never call ``lax.psum`` on gradients themselves: they call a
-:class:`Collective`. Compression, casts and hierarchical collectives wrap one
-(:class:`CollectiveWrapper`, the way optax wraps an inner transformation) and so apply
+`Collective`. Compression, casts and hierarchical collectives wrap one
+(`CollectiveWrapper`, the way optax wraps an inner transformation) and so apply
 to every strategy without editing it.
 
 A collective may carry state between steps (error-feedback residuals). That state is
@@ -64,20 +64,20 @@ class BucketSpec:
       shapes: the full shape of every tensor in the buffer, in order (a compressor that
         needs matrices, such as PowerSGD, recovers them from here).
       interleaved: False: the buffer is the tensors flattened and concatenated.
-        True: the interleaved shard layout of :class:`jaxsched.core.layout.BucketLayout`
+        True: the interleaved shard layout of `jaxsched.core.layout.BucketLayout`
         (each device's chunk of every tensor, device after device), as reduce-scatter
         and all-gather buffers are laid out.
       kind: ``"gradients"`` or ``"parameters"`` (what the buffer holds; lossy
         compression must leave parameters exact).
       form: how the plain collective's ``*_tensors`` methods send the bucket (one of
-        :data:`FORMS`; the engine decides per platform,
-        :meth:`jaxsched.runtime.engine.Engine.collective_form`). A collective that overrides the
+        `FORMS`; the engine decides per platform,
+        `jaxsched.runtime.engine.Engine.collective_form`). A collective that overrides the
         buffer method (a compressor) always gets the packed buffer.
       mesh_axes: the data-parallel mesh axes the bucket crosses, ``(name, size)`` each, in
         the order of the step's data axis (empty when not known): a hierarchical
         collective splits the sum by them.
       scatter_stages: empty, or the ``axis_index_groups`` of each stage a reduce-scatter of
-        the bucket runs in (:func:`jaxsched.runtime.collectives.torus.scatter_stages`):
+        the bucket runs in (`jaxsched.runtime.collectives.torus.scatter_stages`):
         XLA:TPU turns one reduce-scatter over a 3-D group of chips into an all-reduce of
         the whole buffer, and keeps two over smaller groups that leave every device the
         same slice.
@@ -100,7 +100,7 @@ class BucketSpec:
 
 
 #: How a bucket's tensors travel: ``"mixed"``, large tensors as they are and small ones
-#: (<= :data:`SMALL_TENSOR_BYTES`) packed together (all-reduce), one interleaved buffer
+#: (<= `SMALL_TENSOR_BYTES`) packed together (all-reduce), one interleaved buffer
 #: (reduce-scatter, all-gather); ``"per_tensor"``, one collective per tensor in its own
 #: shape; ``"packed"``, one flat buffer per bucket.
 FORMS = ("mixed", "per_tensor", "packed")
@@ -112,11 +112,11 @@ class Collective:
     """Plain collectives: ``psum``, tiled ``psum_scatter`` and tiled ``all_gather``.
 
     Every method runs inside the per-device body and returns ``(result, new_state)``
-    where ``state`` is this bucket's entry of :meth:`init`.
+    where ``state`` is this bucket's entry of `init`.
 
     Args:
       forms: per operation (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``), the
-        form of :data:`FORMS` to send buckets in, overriding the engine's per-platform
+        form of `FORMS` to send buckets in, overriding the engine's per-platform
         choice (``BucketSpec.form``); e.g. ``Collective(forms={"all_reduce": "packed"})``.
     """
 
@@ -157,9 +157,9 @@ class Collective:
         The plain psum sends large tensors as they are: packing them into one buffer and
         slicing it back costs two copies of the bucket (XLA:CPU's concatenate moves about
         1 GB/s), on the compute path, for the same sums element by element. Tensors of at
-        most :data:`SMALL_TENSOR_BYTES` share one buffer.
-        A collective that overrides :meth:`all_reduce` (compression, casts) gets the
-        flattened, concatenated buffer that :class:`BucketSpec` describes. With
+        most `SMALL_TENSOR_BYTES` share one buffer.
+        A collective that overrides `all_reduce` (compression, casts) gets the
+        flattened, concatenated buffer that `BucketSpec` describes. With
         ``bucket.form == "per_tensor"`` every tensor is its own psum (a multi-operand psum
         becomes one tuple all-reduce, which XLA:TPU runs synchronously); with ``"packed"``
         the bucket is one flat buffer.
@@ -189,12 +189,12 @@ class Collective:
         self, tensors: Sequence[jax.Array], axis_name: AxisName, bucket: BucketSpec, state: Any
     ) -> tuple[list[jax.Array], Any]:
         """One bucket's full tensors in; out, this device's flat chunk of each sum
-        (:func:`jaxsched.core.layout.chunk_size` elements, as :class:`~jaxsched.core.layout.BucketLayout`
+        (`jaxsched.core.layout.chunk_size` elements, as `BucketLayout`
         cuts it).
 
         By default the tensors travel as one interleaved buffer (one reduce-scatter). With
         ``bucket.form == "per_tensor"`` (and a collective that does not override
-        :meth:`reduce_scatter`), each tensor is scattered on its own, along its leading
+        `reduce_scatter`), each tensor is scattered on its own, along its leading
         dimension when ``P`` divides it (the same chunk, row-major), flat and padded
         otherwise.
         """
@@ -221,7 +221,7 @@ class Collective:
         self, chunks: Sequence[jax.Array], axis_name: AxisName, bucket: BucketSpec, state: Any
     ) -> tuple[list[jax.Array], Any]:
         """Each tensor's flat chunk on this device in; the full tensors (``bucket.shapes``)
-        out. The inverse of :meth:`reduce_scatter_tensors`, with the same two forms."""
+        out. The inverse of `reduce_scatter_tensors`, with the same two forms."""
         from jaxsched.core.layout import BucketLayout
 
         layout = BucketLayout.of(bucket.shapes, [bucket.dtype] * len(bucket.shapes), bucket.axis_size)
@@ -257,9 +257,9 @@ PlainCollective = Collective
 
 def psum_scatter(x: jax.Array, axis_name: AxisName, bucket: BucketSpec) -> jax.Array:
     """Tiled ``psum_scatter`` of ``x`` along its leading dimension: this device's ``1/P`` of
-    the sum, in the form the target keeps a reduce-scatter in (:class:`BucketSpec`): a flat
+    the sum, in the form the target keeps a reduce-scatter in (`BucketSpec`): a flat
     buffer as rows of ``bucket.scatter_lanes``, in the stages ``bucket.scatter_stages``
-    names (one reduce-scatter if none, or for a tensor of at most :data:`SMALL_TENSOR_BYTES`:
+    names (one reduce-scatter if none, or for a tensor of at most `SMALL_TENSOR_BYTES`:
     XLA:TPU makes an all-reduce of so few rows anyway, and one costs less than two). Every
     form hands each device the same slice."""
     lanes, flat = bucket.scatter_lanes, np.ndim(x) == 1

@@ -204,7 +204,7 @@ def slow_axes(mesh: Any, axes: Any) -> tuple[str, ...]:
 
 def hierarchy_from_mesh(mesh: Any, axes: Any) -> Hierarchical | None:
     """``Hierarchical(fast=..., slow=...)`` for a data axis that spans slow and fast mesh
-    axes (:func:`slow_axes`); None when the mesh names no slow axis, or only slow ones."""
+    axes (`slow_axes`); None when the mesh names no slow axis, or only slow ones."""
     axes = as_axes(axes)
     if len(axes) < 2:
         return None
@@ -216,7 +216,7 @@ def hierarchy_from_mesh(mesh: Any, axes: Any) -> Hierarchical | None:
 
 
 def default_collective_for(mesh: Any, axes: Any) -> Hierarchical | None:
-    """The collective jaxsched uses when the user chose none: :func:`hierarchy_from_mesh`,
+    """The collective jaxsched uses when the user chose none: `hierarchy_from_mesh`,
     except on TPU. XLA:TPU already lowers a flat sum over slices in two levels (an ICI
     all-reduce, then ``1/F`` of it over DCN as send/recv), and estimates the explicit
     hierarchy slower (``benchmarks/hierarchical.py``), so the flat sum is left to it."""

@@ -11,14 +11,14 @@ the whole 3-D group (tiled on any dimension, flat, untiled, and XLA's own SPMD p
 came out as the all-reduce, whatever the async-collective options.
 
 A flat (1-D) reduce-scatter became the all-reduce over any group; the same buffer as rows
-of 128 elements stays a reduce-scatter (:data:`TPU_LANES`).
+of 128 elements stays a reduce-scatter (`TPU_LANES`).
 
 The same sum leaves each device the same slice in two reduce-scatters over subgroups:
 with the data index ``d = o * I + i``, first over the devices that share ``i`` (each keeps
 part ``o`` of ``O = P / I``), then over those that share ``o`` (part ``i`` of that part:
 slice ``o * I + i = d``, what one tiled ``psum_scatter`` hands device ``d``). Each device
 sends ``(1 - 1/O) N + (1 - 1/I) N / O = (1 - 1/P) N`` elements of an ``N``-element buffer, as
-many as one reduce-scatter over all ``P``. :func:`scatter_stages` picks ``I`` so that both
+many as one reduce-scatter over all ``P``. `scatter_stages` picks ``I`` so that both
 subgroups span at most two torus dimensions.
 
 Example:
@@ -63,7 +63,7 @@ def spanned_dims(positions: np.ndarray) -> int:
 
 
 def _fits(rows: np.ndarray, groups: list[list[int]]) -> bool:
-    """Whether every group of data indices spans at most :data:`MAX_TORUS_DIMS` in every row
+    """Whether every group of data indices spans at most `MAX_TORUS_DIMS` in every row
     (``rows``: per position on the other mesh axes, the devices' positions along the data
     index, ``(rows, P, dims)``)."""
     return all(spanned_dims(row[g]) <= MAX_TORUS_DIMS for row in rows for g in groups)
@@ -75,7 +75,7 @@ def _on_tpu(mesh: Any) -> bool:
 
 
 def scatter_lanes(mesh: Any) -> int:
-    """The row length flat buffers are reduce-scattered as on ``mesh`` (:data:`TPU_LANES` on
+    """The row length flat buffers are reduce-scattered as on ``mesh`` (`TPU_LANES` on
     TPU, 0, flat, elsewhere)."""
     return TPU_LANES if _on_tpu(mesh) else 0
 

@@ -1,16 +1,16 @@
 """Gradient compression as collective wrappers: pass one to
 ``jaxsched.schedule(step, strategy="wfbp" | "dear", compression=...)``.
 
-- :class:`TopK`: top-k (threshold or exact) with error feedback, exchanged by all-gather.
-- :class:`GlobalTopK`: gTop-k, the top-k of the sum in log2 P pairwise ``ppermute`` merges.
-- :class:`PowerSGD`: low-rank compression of a bucket's matrices (``wfbp`` only).
-- :class:`Cast`: reduce in a narrower dtype (``jnp.bfloat16``).
-- :class:`Quantize`: 4- or 8-bit codes with per-block scales and error feedback (DiLoCo's
+- `TopK`: top-k (threshold or exact) with error feedback, exchanged by all-gather.
+- `GlobalTopK`: gTop-k, the top-k of the sum in log2 P pairwise ``ppermute`` merges.
+- `PowerSGD`: low-rank compression of a bucket's matrices (``wfbp`` only).
+- `Cast`: reduce in a narrower dtype (``jnp.bfloat16``).
+- `Quantize`: 4- or 8-bit codes with per-block scales and error feedback (DiLoCo's
   outer gradients).
-- :func:`bytes_sent`: bytes each device sent in its last step, read from the scheduled state.
+- `bytes_sent`: bytes each device sent in its last step, read from the scheduled state.
 
 ``TopK`` and ``GlobalTopK`` also take Deep Gradient Compression's options (keyword-only,
-:mod:`jaxsched.runtime.compress.dgc`): ``warmup_steps`` (the density decays from 25 % to
+`jaxsched.runtime.compress.dgc`): ``warmup_steps`` (the density decays from 25 % to
 ``density`` over the first steps), ``momentum`` (momentum correction and factor masking,
 for an optimizer without momentum such as ``optax.sgd(lr)``) and ``clip_norm``.
 

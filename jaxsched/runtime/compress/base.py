@@ -1,6 +1,6 @@
 """What every compressor shares: the gradient-only rule, checks, the bytes counter.
 
-A compressor is a :class:`~jaxsched.runtime.collectives.CollectiveWrapper`: strategies send each
+A compressor is a `CollectiveWrapper`: strategies send each
 bucket's flat gradient buffer through it, and it carries per-device, per-bucket state
 (error-feedback residuals, PowerSGD's ``Q``) in the strategy state's ``collective_state``.
 Compression applies only to gradient buffers (``bucket.kind == "gradients"``): the
@@ -12,7 +12,7 @@ all-gathers of parameters that ``dear`` issues are delegated to the inner collec
 
 Every compressor's own state is a ``NamedTuple`` with a ``bytes_sent`` field: the bytes
 of compressed payload this device emitted for the bucket in its most recent step.
-:func:`bytes_sent` reads them from a scheduled state, so the user's ``aux`` tree is left
+`bytes_sent` reads them from a scheduled state, so the user's ``aux`` tree is left
 as the user wrote it.
 
 Example:
@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 #: A compressor's density: one float for every bucket, a sequence with one float per
-#: bucket (in plan order), or a function of the :class:`BucketSpec` (layer-wise adaptive
+#: bucket (in plan order), or a function of the `BucketSpec` (layer-wise adaptive
 #: sparsification, LAGS: e.g. denser small buckets, sparser large ones).
 Density = Union[float, Sequence[float], Callable[[BucketSpec], float]]
 
@@ -70,7 +70,7 @@ def check_density(density: Any, owner: str) -> float:
 
 
 def check_density_spec(density: Any, owner: str) -> Any:
-    """Validate a :data:`Density` at construction (a function is checked per bucket)."""
+    """Validate a `Density` at construction (a function is checked per bucket)."""
     if callable(density):
         return density
     if isinstance(density, (list, tuple)):
@@ -81,7 +81,7 @@ def check_density_spec(density: Any, owner: str) -> Any:
 
 
 def bucket_density(density: Any, bucket: BucketSpec, owner: str) -> float:
-    """The density of ``bucket`` under a validated :data:`Density`.
+    """The density of ``bucket`` under a validated `Density`.
 
     >>> from jaxsched.runtime.collectives import BucketSpec
     >>> spec = BucketSpec(index=1, size=1000, dtype=np.dtype("float32"), axis_size=2)
@@ -128,7 +128,7 @@ def shard_of(total: jax.Array, axis_name: str, bucket: BucketSpec) -> jax.Array:
 
 
 class Compressor(CollectiveWrapper):
-    """Base of the compressors: gradients go through :meth:`compress_sum`, parameters are
+    """Base of the compressors: gradients go through `compress_sum`, parameters are
     delegated exactly.
 
     Subclasses implement ``init_own(bucket)`` (a NamedTuple with a ``bytes_sent`` field)

@@ -1,4 +1,4 @@
-"""What :class:`~jaxsched.runtime.compress.TopK` and :class:`~jaxsched.runtime.compress.GlobalTopK` share:
+"""What `TopK` and `GlobalTopK` share:
 the density, error feedback, and Deep Gradient Compression's additions (Lin et al., "Deep
 Gradient Compression", ICLR 2018) that keep accuracy from the first steps.
 
@@ -12,8 +12,8 @@ steps at ``warmup_density * (density / warmup_density) ** (j / T)``. The step pi
 tier with ``lax.switch`` on the step count carried in the state; every tier is its own
 branch with its own static selection size and exchange buffers, so once warm-up is over
 the step moves exactly the bytes of ``density``: warm-up costs nothing afterwards.
-The schedule is public: :meth:`Sparsifier.density_at`, :meth:`Sparsifier.mean_density`,
-:meth:`Sparsifier.density_levels`; ``bytes_sent`` counts what each step really sent.
+The schedule is public: `Sparsifier.density_at`, `Sparsifier.mean_density`,
+`Sparsifier.density_levels`; ``bytes_sent`` counts what each step really sent.
 
 **Momentum correction and factor masking** (``momentum``). With momentum SGD on top of a
 sparsified gradient, the residual accumulates raw gradients and the optimizer's velocity
@@ -107,7 +107,7 @@ class Sparsifier(Compressor):
 
     Args:
       density: fraction of each bucket's entries selected per step once warm-up is over,
-        in (0, 1]; or one per bucket, or a function of the :class:`BucketSpec` (LAGS).
+        in (0, 1]; or one per bucket, or a function of the `BucketSpec` (LAGS).
       error_feedback: keep what was not sent and add it to the next step's gradient.
       inner: the collective that uncompressed operations (parameter all-gathers) go through.
       warmup_steps: steps over which the density decays from ``warmup_density`` to
@@ -233,7 +233,7 @@ class Sparsifier(Compressor):
         return tuple(start * (target / start) ** (j / tiers) for j in range(tiers)) + (target,)
 
     def _tier(self, step: Any, levels: int) -> Any:
-        """Index into :meth:`density_levels` at ``step`` (an int or an int32 array)."""
+        """Index into `density_levels` at ``step`` (an int or an int32 array)."""
         tiers = levels - 1
         if tiers == 0:
             return 0 * step
@@ -260,7 +260,7 @@ class Sparsifier(Compressor):
 
     def sim_compression(self, selection_s_per_byte: float = 0.0, *, step: int | None = None, steps: int | None = None):
         """This compressor as the simulator and the bucket planner model it
-        (:class:`jaxsched.sim.Compression`, one density for every bucket).
+        (`jaxsched.sim.Compression`, one density for every bucket).
 
         Without ``step`` or ``steps``: the density after warm-up, the steady state that the
         planners plan buckets for (``schedule(..., buckets="auto")`` does so). ``step=s``:
@@ -286,7 +286,7 @@ class Sparsifier(Compressor):
 
     def at_scheduled_density(self, step: jax.Array, bucket: BucketSpec, exchange: Callable[[float], T]) -> T:
         """``exchange(density)`` at this step's density: one ``lax.switch`` branch per level
-        of :meth:`density_levels` (no switch without warm-up)."""
+        of `density_levels` (no switch without warm-up)."""
         levels = self.density_levels(bucket)
         if len(levels) == 1:
             return exchange(levels[0])

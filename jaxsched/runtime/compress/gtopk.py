@@ -30,12 +30,12 @@ sum that contains it. When supports overlap, the merges work on partial sums, so
 can differ from the top-k of the full sum. This is the algorithm's approximation, not
 an error.
 
-The options of :mod:`jaxsched.runtime.compress.dgc` (warm-up, momentum correction with factor
-masking at ``G``, local clipping) apply as in :class:`~jaxsched.runtime.compress.TopK`.
+The options of `jaxsched.runtime.compress.dgc` (warm-up, momentum correction with factor
+masking at ``G``, local clipping) apply as in `TopK`.
 
 Per device and step: ``log2 Q`` (plus folding) messages of ``k`` values and ``k`` int32
 indices, and ``k`` values in the final all-reduce, against ``P - 1`` messages of
-``k`` entries received with :class:`~jaxsched.runtime.compress.TopK`'s all-gather.
+``k`` entries received with `TopK`'s all-gather.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -152,12 +152,12 @@ class GlobalTopK(Sparsifier):
 
     Args:
       density: fraction of each bucket's entries selected per step, in (0, 1]; or one
-        per bucket, or a function of the :class:`BucketSpec` (layer-wise, LAGS).
+        per bucket, or a function of the `BucketSpec` (layer-wise, LAGS).
       error_feedback: keep what was not selected globally for the next step.
       inner: the collective uncompressed operations (parameter all-gathers) go through.
       warmup_steps, warmup_density, warmup_tiers, momentum, clip_norm: Deep Gradient
         Compression's warm-up, momentum correction (for an optimizer without momentum)
-        and local clipping; keyword-only, see :class:`~jaxsched.runtime.compress.dgc.Sparsifier`.
+        and local clipping; keyword-only, see `Sparsifier`.
     """
 
     sim_kind = "gtopk"

@@ -6,9 +6,9 @@ Per gradient bucket and step, every device
 2. selects about ``k = density * n`` entries of ``acc`` by magnitude:
    ``selection="exact"`` takes exactly ``k`` with ``lax.top_k``; ``"threshold"`` (the
    default) estimates a magnitude threshold from a random sample
-   (:func:`jaxsched.runtime.kernels.estimate_threshold`), selects with the fused error-feedback
+   (`jaxsched.runtime.kernels.estimate_threshold`), selects with the fused error-feedback
    pass and compacts to fixed-capacity ``(values, indices)``
-   (:func:`jaxsched.runtime.kernels.threshold_error_feedback`), so no sort of size ``n`` runs;
+   (`jaxsched.runtime.kernels.threshold_error_feedback`), so no sort of size ``n`` runs;
 3. keeps what it did not send as the next residual (``error_feedback=True``), so
    ``sent + new_residual == residual + grad`` exactly; without error feedback the
    unsent entries are dropped;
@@ -20,7 +20,7 @@ all-gather itself moves the fixed ``capacity`` slots per device (about ``1.25 k 
 with the threshold selection, ``k`` with the exact one), because shapes are static.
 
 Deep Gradient Compression's options (keyword-only: ``warmup_steps``, ``momentum``,
-``clip_norm``; :mod:`jaxsched.runtime.compress.dgc`) change step 1: the gradient is clipped, and with
+``clip_norm``; `jaxsched.runtime.compress.dgc`) change step 1: the gradient is clipped, and with
 momentum correction the *velocity* enters the residual. With warm-up, steps 2-4 run at the
 step's tier density, each tier with its own static capacity.
 
@@ -95,7 +95,7 @@ class TopK(Sparsifier):
 
     Args:
       density: fraction of each bucket's entries a device sends per step, in (0, 1]; or
-        one per bucket, or a function of the :class:`BucketSpec` (layer-wise, LAGS).
+        one per bucket, or a function of the `BucketSpec` (layer-wise, LAGS).
       error_feedback: keep the unsent part and add it to the next step's gradient.
       selection: ``"threshold"`` (sampled threshold, about ``k`` entries, no sort) or
         ``"exact"`` (exactly ``k`` with ``lax.top_k``).
@@ -103,7 +103,7 @@ class TopK(Sparsifier):
       inner: the collective that uncompressed operations (parameter all-gathers) go through.
       warmup_steps, warmup_density, warmup_tiers, momentum, clip_norm: Deep Gradient
         Compression's warm-up, momentum correction (for an optimizer without momentum)
-        and local clipping; keyword-only, see :class:`~jaxsched.runtime.compress.dgc.Sparsifier`.
+        and local clipping; keyword-only, see `Sparsifier`.
     """
 
     sim_kind = "topk"

@@ -1,7 +1,7 @@
 """``engine="auto"`` (the default): the host engine where XLA cannot overlap, else xla.
 
 The host engine is chosen for multi-process CPU meshes with one mesh device per process
-and a spare local CPU device in each (see :mod:`jaxsched.runtime.engine.host`); every other mesh
+and a spare local CPU device in each (see `jaxsched.runtime.engine.host`); every other mesh
 (GPU, TPU, one process) gets the xla engine, with ``compiler_options``.
 
 Example:

@@ -1,8 +1,8 @@
 """The engine seam: what an engine receives, and the registry of engines.
 
-An engine turns a :class:`PerDeviceProgram` into something callable on global arrays.
+An engine turns a `PerDeviceProgram` into something callable on global arrays.
 The program is explicit: a per-device function whose collective equations (see
-:data:`jaxsched.core.primitives.COLLECTIVES`) mark where an engine may cut it into stages,
+`jaxsched.core.primitives.COLLECTIVES`) mark where an engine may cut it into stages,
 and the shard_map specs of its inputs and outputs. Engines know nothing of strategies.
 
 Example:
@@ -47,7 +47,7 @@ class PerDeviceProgram:
       compiler_defaults: compile with XLA's default options (engines that choose options
         per target leave them out; the identity strategy asks for this).
       bucket_bytes: the plan's bucket size in bytes per device (0: unknown;
-        :attr:`jaxsched.plan.planned_step.PlannedStep.bucket_bytes`).
+        `jaxsched.plan.planned_step.PlannedStep.bucket_bytes`).
         A compiler that combines collectives may combine up to this size and no further:
         the leaves of one bucket merge into one collective, separate buckets stay separate.
       compiler_overrides: XLA options set over whatever the engine chooses (its platform
@@ -119,7 +119,7 @@ class EngineCosts:
         collectives inline in the program (docs/benchmarks.md), so the ``xla`` engine on CPU
         does not overlap; planners then simulate one shared stream.
       per_collective_s: fixed seconds each collective costs on top of what
-        :func:`jaxsched.profile_network` measures for it (the host engine's Python dispatch
+        `jaxsched.profile_network` measures for it (the host engine's Python dispatch
         of a communication stage, its device copies, and the compute stage its cut adds).
     """
 
@@ -133,12 +133,12 @@ class Engine(abc.ABC):
     name: str = ""
 
     def costs(self, mesh: Mesh) -> EngineCosts:
-        """How this engine runs collectives on ``mesh`` (see :class:`EngineCosts`)."""
+        """How this engine runs collectives on ``mesh`` (see `EngineCosts`)."""
         return EngineCosts(overlaps=mesh.devices.flat[0].platform != "cpu")
 
     def collective_form(self, mesh: Mesh, op: str) -> str:
         """How a bucket's ``op`` (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``)
-        should travel: one of :data:`jaxsched.runtime.collectives.FORMS`.
+        should travel: one of `jaxsched.runtime.collectives.FORMS`.
 
         The compilers differ (docs/accelerators.md): XLA:TPU overlaps only collectives of
         single tensors in their own shapes, XLA:GPU's scheduler prefers fewer, larger

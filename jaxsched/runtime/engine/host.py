@@ -97,7 +97,7 @@ class Stage:
 
     Attributes:
       kind: ``"compute"`` (on this process's mesh device) or ``"comm"`` (on the spare one).
-      name: for timelines (:func:`describe_compute_stage`, :func:`describe_comm_stage`).
+      name: for timelines (`describe_compute_stage`, `describe_comm_stage`).
       eqns: the per-device equations it runs (for a communication stage: its collective,
         after any squeeze or reshape that only it reads first).
       inputs, outputs: the per-device jaxpr variables it reads and defines for later.
@@ -128,7 +128,7 @@ class StageTiming:
 
 def spare_devices(mesh: Mesh) -> list:
     """For each device of ``mesh`` (flat order), a CPU device of the same process that the
-    mesh does not use; raises :class:`HostEngineError` where a process has none."""
+    mesh does not use; raises `HostEngineError` where a process has none."""
     used = set(mesh.devices.flat)
     spares = []
     for device in mesh.devices.flat:
@@ -332,7 +332,7 @@ def _comm_bytes(eqn: Any) -> int:
 
 def describe_comm_stage(eqns: Sequence[Any], ordinal: int) -> str:
     """``"psum bucket 2 (4.2 MB)"``: the collective, which of this program's collectives
-    of that kind and of at least :data:`BUCKET_MIN_BYTES` it is (in dispatch order; for a
+    of that kind and of at least `BUCKET_MIN_BYTES` it is (in dispatch order; for a
     bucketed strategy, the bucket), and the bytes it sends. Smaller ones are ``"psum (4 B)"``."""
     eqn = eqns[-1]
     nbytes = _comm_bytes(eqn)
@@ -346,7 +346,7 @@ class HostEngine(Engine):
     """Stages dispatched asynchronously over two local devices per process.
 
     Args:
-      record_timings: keep a :class:`StageTiming` per stage of every call in
+      record_timings: keep a `StageTiming` per stage of every call in
         ``compiled.timings`` (one list per call), for timelines. A background thread waits
         on each stage's outputs, which costs a little CPU: leave it off to measure speed.
     """
@@ -367,7 +367,7 @@ class HostEngine(Engine):
         return StagedProgram(program, self.record_timings)
 
     def costs(self, mesh: Mesh) -> EngineCosts:
-        """Overlapping, at a measured Python cost per collective (:func:`measure_stage_overhead`);
+        """Overlapping, at a measured Python cost per collective (`measure_stage_overhead`);
         measured once per mesh, by every process at the same point, as planning is."""
         key = (tuple(d.id for d in mesh.devices.flat), mesh.axis_names)
         if key not in self._costs:
@@ -410,7 +410,7 @@ class StagedProgram:
 
     Attributes:
       stages: the stages of the last traced signature, in dispatch order.
-      timings: with ``record_timings``, one list of :class:`StageTiming` per call.
+      timings: with ``record_timings``, one list of `StageTiming` per call.
     """
 
     def __init__(self, program: PerDeviceProgram, record_timings: bool = False):

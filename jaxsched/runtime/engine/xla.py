@@ -109,9 +109,9 @@ def compiler_options_for(
     at all). XLA sizes a collective by its result, so a reduce-scatter over ``axis_size``
     devices counts ``bucket_bytes / axis_size``. A program that gathers parameter blocks
     (FSDP, ``gathers_parameters``) keeps the pipelined reduce-scatter off
-    (:data:`GPU_FSDP_MEMORY_OPTIONS`); across ``hosts`` >= 4 it also sends a
+    (`GPU_FSDP_MEMORY_OPTIONS`); across ``hosts`` >= 4 it also sends a
     layer's gathers and reduce-scatters as a few large collectives
-    (:data:`GPU_FSDP_OPTIONS`): each collective then costs a start-up of hundreds of
+    (`GPU_FSDP_OPTIONS`): each collective then costs a start-up of hundreds of
     microseconds, which dozens per layer add up to, while on one or two hosts combining
     only keeps more gathered weights alive."""
     if platform in ("gpu", "cuda", "rocm"):
@@ -132,7 +132,7 @@ def compiler_options_for(
     return {}
 
 
-#: How buckets travel per platform and collective (see :meth:`Engine.collective_form`).
+#: How buckets travel per platform and collective (see `Engine.collective_form`).
 #: Measured on compiled programs (docs/accelerators.md, benchmarks/compiled_overlap.py).
 COLLECTIVE_FORMS: dict[str, dict[str, str]] = {
     "tpu": {"all_reduce": "per_tensor", "reduce_scatter": "per_tensor", "all_gather": "per_tensor"},
@@ -150,7 +150,7 @@ class XlaEngine(Engine):
 
     Args:
       compiler_options: XLA options for this program only; ``None`` picks the platform's
-        set (:func:`compiler_options_for`), or none for a program that asks for XLA's
+        set (`compiler_options_for`), or none for a program that asks for XLA's
         defaults (``PerDeviceProgram.compiler_defaults``); ``{}`` passes none.
     """
 
@@ -167,7 +167,7 @@ class XlaEngine(Engine):
         return collective_form_for(mesh.devices.flat[0].platform, op)
 
     def options_for(self, program: PerDeviceProgram) -> dict[str, Any]:
-        """The XLA options :meth:`compile` passes for ``program`` (``{}``: XLA's defaults)."""
+        """The XLA options `compile` passes for ``program`` (``{}``: XLA's defaults)."""
         platform = program.mesh.devices.flat[0].platform
         if self.compiler_options is not None:
             options = self.compiler_options

@@ -1,6 +1,6 @@
 """Kernels for gradient compression: fused top-k style error feedback.
 
-Public API (see :mod:`jaxsched.runtime.kernels.error_feedback` for the design):
+Public API (see `jaxsched.runtime.kernels.error_feedback` for the design):
 
 >>> import jax.numpy as jnp
 >>> from jaxsched.runtime import kernels

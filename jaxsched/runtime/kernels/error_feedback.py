@@ -10,8 +10,8 @@ Error feedback keeps what a step did not send and adds it to the next step's gra
 so ``sent + new_residual == residual + grad`` exactly (each element is ``acc + 0`` or
 ``0 + acc``). This module gives:
 
-* :func:`error_feedback_reference`: the jnp definition above (also the CPU/TPU path).
-* :func:`error_feedback_pallas`: a Pallas kernel that does all of it in one pass over
+* `error_feedback_reference`: the jnp definition above (also the CPU/TPU path).
+* `error_feedback_pallas`: a Pallas kernel that does all of it in one pass over
   the gradient (two reads, two writes, plus one int32 count per block), written for
   **Mosaic GPU**, the Pallas GPU backend of jax 0.10 that is not deprecated, with
   ``plgpu.kernel`` + ``emit_pipeline`` (``pallas_call`` for Mosaic GPU is deprecated in
@@ -24,18 +24,18 @@ so ``sent + new_residual == residual + grad`` exactly (each element is ``acc + 0
   256 divides to avoid it); a partial last row block is left to the copy engine's
   bounds handling, and the per-block count masks every element past ``n`` by its
   flat index, so it is exact whatever the padding holds.
-* :func:`fused_error_feedback`: picks one of the two by the platform the computation
+* `fused_error_feedback`: picks one of the two by the platform the computation
   is lowered for (``lax.platform_dependent``): the kernel for CUDA on a Hopper-class
   GPU (or when lowering for CUDA on a machine without one) when 256 divides the size,
   jnp everywhere else.
 
 The op is memory-bound: XLA fuses the jnp path into one pass too, so the kernel matches it
 rather than beats it (the benchmarks page has the throughput figures).
-* :func:`estimate_threshold`: the magnitude quantile of a random sample, so that the
+* `estimate_threshold`: the magnitude quantile of a random sample, so that the
   number selected lands near ``k = density * n`` without sorting the whole gradient.
-* :func:`compact`: dense masked output to fixed-capacity ``(values, indices)``.
-* :func:`threshold_error_feedback`: the whole threshold path (estimate, fused error
-  feedback, compaction); :func:`exact_topk_error_feedback`: the ``lax.top_k``
+* `compact`: dense masked output to fixed-capacity ``(values, indices)``.
+* `threshold_error_feedback`: the whole threshold path (estimate, fused error
+  feedback, compaction); `exact_topk_error_feedback`: the ``lax.top_k``
   baseline with the same result type.
 
 Index compaction (design)
@@ -211,7 +211,7 @@ def selection_size(n: int, density: float) -> int:
 
 
 def default_sample_size(n: int, density: float) -> int:
-    """Sample size of :func:`estimate_threshold`: about ``400 / density`` elements
+    """Sample size of `estimate_threshold`: about ``400 / density`` elements
     (so about 400 sampled elements lie above the threshold), at least 4096, at most ``n``.
 
     >>> default_sample_size(10_000_000, 0.01), default_sample_size(10_000_000, 0.001)
@@ -376,7 +376,7 @@ def error_feedback_pallas(
     block writes ``sent``, ``new_residual`` and its selected count.
 
     Args:
-      grad, residual, threshold: as in :func:`error_feedback_reference`.
+      grad, residual, threshold: as in `error_feedback_reference`.
       block_rows: rows per block, 1..256 (Mosaic GPU's per-dimension copy limit).
       interpret: run the kernel with the Pallas interpreter (any backend, slow).
 
@@ -495,7 +495,7 @@ def estimate_threshold(
       x: floating array (any shape).
       density: fraction to select, in (0, 1].
       key: a ``jax.random`` key.
-      sample_size: default :func:`default_sample_size` (about ``400 / density``).
+      sample_size: default `default_sample_size` (about ``400 / density``).
       residual: if given (same shape and dtype as ``x``), the threshold is for
         ``residual + x``, computed only at the sampled positions.
 
@@ -581,7 +581,7 @@ def compact(sent, new_residual, capacity: int) -> SparseGradient:
     See the module docstring for the algorithm and why.
 
     Args:
-      sent, new_residual: the dense outputs of :func:`fused_error_feedback`.
+      sent, new_residual: the dense outputs of `fused_error_feedback`.
       capacity: number of output slots, ``>= 1``.
 
     >>> import jax.numpy as jnp
@@ -656,8 +656,8 @@ def threshold_error_feedback(
 ) -> SparseGradient:
     """Sparsify ``residual + grad`` to about ``density`` of its entries, with error feedback.
 
-    Sampled threshold (:func:`estimate_threshold`), fused error feedback
-    (:func:`fused_error_feedback`), then compaction (:func:`compact`). No sort of size
+    Sampled threshold (`estimate_threshold`), fused error feedback
+    (`fused_error_feedback`), then compaction (`compact`). No sort of size
     ``n``. The count actually selected is reported (it lands near ``k`` but is not
     exactly ``k``).
 
@@ -665,9 +665,9 @@ def threshold_error_feedback(
       grad, residual: same shape and floating dtype.
       density: in (0, 1].
       key: ``jax.random`` key for the sample.
-      capacity: output slots; default :func:`default_capacity`.
-      sample_size: default :func:`default_sample_size`.
-      implementation: as in :func:`fused_error_feedback`.
+      capacity: output slots; default `default_capacity`.
+      sample_size: default `default_sample_size`.
+      implementation: as in `fused_error_feedback`.
 
     >>> import jax, jax.numpy as jnp
     >>> g = jax.random.normal(jax.random.key(0), (50_000,))

@@ -105,7 +105,7 @@ def devices(target: str, topology: str, *, slices: int = 1) -> list:
     """Compile-only devices of ``target`` with ``topology``; build a ``Mesh`` over them.
 
     Args:
-      target: a GPU model (:data:`GPU_TARGETS`) or a TPU generation (:data:`TPU_TARGETS`).
+      target: a GPU model (`GPU_TARGETS`) or a TPU generation (`TPU_TARGETS`).
       topology: GPU ``"SxHxD"`` (slices x hosts x GPUs per host; ``slices`` must then
         be 1 or match S) or TPU chips such as ``"2x2x2"``.
       slices: TPU slices joined over DCN (each device has ``slice_index``).

@@ -83,9 +83,9 @@ class Comparison:
 def compare_strategies(
     experiment: Any, strategies: Sequence[str], *, target: str = "", progress: bool = False, **schedule_options: Any
 ) -> Comparison:
-    """Compile ``experiment`` (an :class:`~jaxsched.tools.aot.experiment.AbstractExperiment` or
+    """Compile ``experiment`` (an `AbstractExperiment` or
     anything with ``step``, ``params``, ``opt_state``, ``batch``, ``mesh``) under each
-    strategy and the plain step; ``schedule_options`` go to :func:`jaxsched.schedule`."""
+    strategy and the plain step; ``schedule_options`` go to `jaxsched.schedule`."""
     from jaxsched.core.progress import note, progress as progress_lines
     from jaxsched._schedule import schedule
 

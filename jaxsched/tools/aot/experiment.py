@@ -38,7 +38,7 @@ class ModelSpec:
     """A zoo model at a given size, and the per-device batch it trains on.
 
     Attributes:
-      name: ``mlp``, ``cnn`` or ``transformer`` (:data:`jaxsched.zoo.models.MODELS`).
+      name: ``mlp``, ``cnn`` or ``transformer`` (`jaxsched.zoo.models.MODELS`).
       input_shape: one example's shape (``(seq_len,)`` for the Transformer).
       num_outputs: classes, or the vocabulary.
       options: the model's own options (``hidden``, ``channels``, ``dim``, ...).
@@ -72,8 +72,8 @@ class AbstractExperiment:
     """What ``schedule(...).inspect`` needs, without data.
 
     Attributes:
-      step: the reference step: a jitted ``shard_map`` (:func:`jaxsched.demo.steps.make_step`) or
-        ``jax.jit`` on global arrays (:func:`jaxsched.demo.steps.make_jit_step`).
+      step: the reference step: a jitted ``shard_map`` (`jaxsched.demo.steps.make_step`) or
+        ``jax.jit`` on global arrays (`jaxsched.demo.steps.make_jit_step`).
       params, opt_state, batch: ``jax.ShapeDtypeStruct`` trees with shardings on ``mesh``.
       mesh: the mesh over compile-only (or real) devices, axis ``"data"``.
       description: model, size and batch, for reports.
@@ -103,7 +103,7 @@ def _mesh_axis(mesh: Mesh) -> str | tuple[str, ...]:
 
 def mesh_for(target: str, axis: str | tuple[str, str] = "data") -> Mesh:
     """A mesh over the compile-only devices of ``target`` (``"h100:1x2x4"``,
-    ``"v5p:2x2x2:slices=2"``; see :func:`jaxsched.tools.aot.parse_target`): one axis, or with two
+    ``"v5p:2x2x2:slices=2"``; see `jaxsched.tools.aot.parse_target`): one axis, or with two
     names (``("dcn", "ici")``, ``("hosts", "local")``) the slices (else the hosts) by the
     devices within one."""
     name, topology, slices = aot.parse_target(target)
@@ -118,7 +118,7 @@ def abstract_experiment(
     spec: ModelSpec, *, target: str | None = None, mesh: Mesh | None = None, form: str = "shard_map"
 ) -> AbstractExperiment:
     """The step of ``spec`` on ``mesh`` (or the compile-only mesh of ``target``), abstract;
-    ``form="jit"`` writes it as ``jax.jit`` on global arrays (:func:`jaxsched.demo.steps.make_jit_step`)
+    ``form="jit"`` writes it as ``jax.jit`` on global arrays (`jaxsched.demo.steps.make_jit_step`)
     rather than as a ``shard_map``."""
     if (target is None) == (mesh is None):
         raise ValueError("pass target= (e.g. 'h100:1x2x4') or mesh=, exactly one")

@@ -10,7 +10,7 @@ Examples:
     jaxsched profile --model mlp --optimizer adam --out layers.json --network-out net.json
     jaxsched inspect --config configs/tiny_lm.toml --target h100:1x2x4 --png out.png
 
-Each module in :data:`COMMAND_MODULES` has ``register(subparsers)``, which adds its
+Each module in `COMMAND_MODULES` has ``register(subparsers)``, which adds its
 subcommands and sets ``run=`` on each; a new subcommand is one more module in that list.
 Every option is checked while the command line is parsed, before any work starts.
 """

@@ -1,6 +1,6 @@
 """``jaxsched cluster``, ``launch``, ``bench``: emulated hosts, one process per host, and
-measured overlap on them (see :mod:`jaxsched.tools.cluster`, :mod:`jaxsched.tools.launch`,
-:mod:`jaxsched.tools.bench`). This module only parses; the work is in those modules.
+measured overlap on them (see `jaxsched.tools.cluster`, `jaxsched.tools.launch`,
+`jaxsched.tools.bench`). This module only parses; the work is in those modules.
 
 ``python -m jaxsched.tools.cli.bench --worker ...`` is the entry point of one benchmark process.
 """

@@ -117,7 +117,7 @@ def name_list(
 
 def output_path(text: str) -> str:
     """A file to write. Its folder is created when the file is written (see
-    :func:`prepare_output`); a place where it cannot be written is refused now, before any work."""
+    `prepare_output`); a place where it cannot be written is refused now, before any work."""
     if Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
     _check_writable(Path(text).parent, text)

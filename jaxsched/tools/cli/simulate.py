@@ -75,7 +75,7 @@ OPTIMIZERS = ("none", "sgd", "momentum", "adam", "adamw")
 
 def _periodic(name: str) -> bool:
     """Whether ``name`` is a strategy that synchronizes every few steps (DiLoCo), which
-    :mod:`jaxsched.sim.diloco` models instead of the per-step simulator."""
+    `jaxsched.sim.diloco` models instead of the per-step simulator."""
     from jaxsched.sim.costmodel import comm_pattern, comm_pattern_names
 
     return name in comm_pattern_names() and comm_pattern(name).periodic_sync

@@ -1,5 +1,5 @@
 """``jaxsched verify``: the plain and the scheduled step side by side on a config's own step and
-data, judged against a rounding baseline (see :mod:`jaxsched.check.verify`).
+data, judged against a rounding baseline (see `jaxsched.check.verify`).
 
 Examples:
     jaxsched verify --config configs/cnn_digits.toml --steps 200
