@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "Engine": "jaxsched.runtime.engine",
     "FallbackWarning": "jaxsched.core.rewrite.rules",
     "GatherWarning": "jaxsched.core.partition",
+    "JaxschedError": "jaxsched._errors",
     "Layer": "jaxsched.sim.costmodel",
     "LayerProfile": "jaxsched.sim.costmodel",
     "NetworkProfile": "jaxsched.sim.costmodel",
@@ -67,6 +68,7 @@ __all__ = [
     "Engine",
     "FallbackWarning",
     "GatherWarning",
+    "JaxschedError",
     "Layer",
     "LayerProfile",
     "NetworkProfile",
@@ -115,6 +117,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what static tools (type checkers, the API reference) read
+    from jaxsched._errors import JaxschedError
     from jaxsched._schedule import STRATEGIES, SchedState, Scheduled, schedule
     from jaxsched.core.capture import UnsupportedStepError
     from jaxsched.core.partition import GatherWarning

@@ -17,6 +17,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedValueError
 
 import functools
 import itertools
@@ -69,9 +70,9 @@ class Scheduled:
         **options: Any,
     ):
         if not callable(step):
-            raise TypeError(f"schedule() needs the user's train step, got {type(step).__name__}")
+            raise JaxschedTypeError(f"schedule() needs the user's train step, got {type(step).__name__}")
         if collective is not None and compression is not None:
-            raise TypeError("pass compression= or collective= (a compressor is a collective wrapper), not both")
+            raise JaxschedTypeError("pass compression= or collective= (a compressor is a collective wrapper), not both")
         plan_options = {k: v for k, v in options.items() if k in PLAN_OPTIONS}
         strategy_options = {k: v for k, v in options.items() if k not in PLAN_OPTIONS}
         #: the user's step, taking and returning its non-array leaves (an Equinox model's
@@ -84,7 +85,7 @@ class Scheduled:
         except TypeError as err:
             if not strategy_options:
                 raise
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"schedule() got unknown options {sorted(strategy_options)}: neither "
                 f"strategy {strategy!r} takes them ({err}) nor buckets='auto', whose "
                 f"options are {', '.join(PLAN_OPTIONS)}"
@@ -126,13 +127,13 @@ class Scheduled:
         """
         args, batch = self._marked(args), self._marked(batch)
         if not args:
-            raise TypeError(
+            raise JaxschedTypeError(
                 "sched.init() got no arguments; call sched.init(params, opt_state) for a "
                 "step(params, opt_state, batch), or sched.init(state) for a step(state, batch)"
             )
         form = self._fixed_form or step_form(self.step, args, batch is not None)
         if self._form not in (None, form):
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"this schedule was initialized in the {self._form} form "
                 f"({'init(state)' if self._form == STATE else 'init(params, opt_state)'})"
                 f"; sched.init got the {form} form's arguments"
@@ -155,13 +156,13 @@ class Scheduled:
             return None
         expected = self._num_inputs if self._num_inputs is not None else len(given)
         if len(given) > expected:
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"sched.init got {len(given)} input(s) after the state; the step takes {expected} "
                 "(its extra inputs, then the batch)"
             )
         if len(given) < expected:
             if batch is not None:
-                raise TypeError(
+                raise JaxschedTypeError(
                     f"sched.init got batch= and {len(given) - 1} other input(s); the step takes "
                     f"{expected} inputs after its state: pass the ones before the batch too"
                 )
@@ -232,9 +233,11 @@ class Scheduled:
         if self._state_form is not None and self._state_form.inner is not None:
             return self._state_form.inner.replan(network)
         if self._replanner is None:
-            raise ValueError("sched.replan() needs a schedule made with replan='auto' or replan=jaxsched.Replan(...)")
+            raise JaxschedValueError(
+                "sched.replan() needs a schedule made with replan='auto' or replan=jaxsched.Replan(...)"
+            )
         if self._programs.last is None:
-            raise RuntimeError("sched.replan() needs the step traced first: call it once")
+            raise JaxschedRuntimeError("sched.replan() needs the step traced first: call it once")
         return self._replanner.request(self._programs.last, network)
 
     @property
@@ -354,7 +357,7 @@ class Scheduled:
         if self._state_form is not None and self._state_form.inner is not None:
             return self._state_form.inner.program
         if self._programs.last is None:
-            raise RuntimeError("the step has not been traced yet: call it once (or lower()) first")
+            raise JaxschedRuntimeError("the step has not been traced yet: call it once (or lower()) first")
         return self._programs.last
 
     @property
@@ -388,12 +391,12 @@ class Scheduled:
         """The inputs after the state as the one batch pytree the pipeline traces."""
         check_scheduled_state(state, "sched(state, batch)", num_arguments=1 + len(inputs))
         if not inputs:
-            raise TypeError(
+            raise JaxschedTypeError(
                 "sched(state, batch) got no batch; call it as the step is called, state first, then the step's inputs"
             )
         expected = self._num_inputs if self._num_inputs is not None else len(inputs)
         if len(inputs) != expected:
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"the scheduled step got {len(inputs)} input(s) after the state; the "
                 f"step takes {expected} (call sched(state, " + ", ".join(["input"] * (expected - 1) + ["batch"]) + "))"
             )
@@ -424,7 +427,7 @@ class Scheduled:
             ]
             if "grad requires real" not in str(err) or not integer:
                 raise
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"the step differentiates params with integer leaves ({', '.join(integer[:3])}"
                 f"{', ...' if len(integer) > 3 else ''}): are sched.init's arguments "
                 "swapped? Call sched.init(params, opt_state), params first"
@@ -439,7 +442,7 @@ class Scheduled:
         plan had been compiled before."""
         current = self._programs.last
         if current is None:
-            raise RuntimeError("a plan can only be switched after the step has run once")
+            raise JaxschedRuntimeError("a plan can only be switched after the step has run once")
         self._plans.setdefault(resolved_key(current.planned, program_buckets(current)), self._programs)
         key = resolved_key(current.planned, buckets)
         reused = key in self._plans
@@ -531,7 +534,7 @@ def check_scheduled_state(state: Any, call: str, num_arguments: int = 1) -> None
         hint = "; sched(params, opt_state, batch) is the plain step's call, the scheduled step carries its own state"
     elif isinstance(state, tuple) and len(state) == 2:
         hint = "; (params, opt_state) as a tuple is the user's trees, not the scheduled state"
-    raise TypeError(
+    raise JaxschedTypeError(
         f"{call} got a {type(state).__name__} where the state sched.init returns "
         f"belongs{hint}. Call state = sched.init(params, opt_state) once "
         "(sched.init(state) for a step(state, batch)), then state, aux = "
@@ -544,7 +547,7 @@ def check_state_fits(program: Program, template: Any, state: Any) -> None:
     before JAX fails on it with a sharding error that names no leaf."""
     trees = (state.params, state.opt_state)
     if jax.tree.structure(trees) != jax.tree.structure(template):  # type: ignore[operator]
-        raise ValueError(
+        raise JaxschedValueError(
             "this state's trees differ from the ones this schedule was initialized "
             f"with ({jax.tree.structure(trees)} against "
             f"{jax.tree.structure(template)}): was it made by another schedule? "
@@ -561,7 +564,7 @@ def check_state_fits(program: Program, template: Any, state: Any) -> None:
     paths = [("params/" if p.startswith("0") else "opt_state/") + p.partition("/")[2] for p in param_paths(trees)]
     for path, have, want_user, want_scheduled in zip(paths, got, user, scheduled):
         if have not in (want_user, want_scheduled):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"state leaf {path} has shape {have}; expected the user's {want_user} or the "
                 f"scheduled {want_scheduled} ({program.strategy.name} layout). Does the state come "
                 "from another schedule (another strategy or buckets) or another model? Pass the "

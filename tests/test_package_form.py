@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "jaxsched"
 #: bottom first: a module may import its own layer and those before it, never one after
 LAYERS = (
     "_version",
+    "_errors",
     "zoo",
     "sim",
     "core",

@@ -53,6 +53,7 @@ A hand-written program, with no schedule estimate:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import glob
@@ -409,7 +410,7 @@ def _parse_hlo(text: str) -> _Module:
             comps[current].append(ins)
     if entry is None:
         if not comps:
-            raise ValueError("no HLO computation found in the text")
+            raise JaxschedValueError("no HLO computation found in the text")
         entry = list(comps)[-1]
     return _Module(comps, entry)
 

@@ -45,6 +45,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import itertools
@@ -264,12 +265,12 @@ def verify(
     """Run plain, scheduled and the rounding baseline for ``steps`` batches; see the module.
     ``progress`` shows a bar (lines in a log) over the compared steps."""
     if steps < 1:
-        raise ValueError(f"steps={steps} must be >= 1")
+        raise JaxschedValueError(f"steps={steps} must be >= 1")
     if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}; choose from {', '.join(PRECISIONS)}")
+        raise JaxschedValueError(f"precision={precision!r}; choose from {', '.join(PRECISIONS)}")
     batches = list(itertools.islice(iter(batches), steps))
     if len(batches) < steps:
-        raise ValueError(f"verify needs {steps} batches, got {len(batches)}")
+        raise JaxschedValueError(f"verify needs {steps} batches, got {len(batches)}")
     params, opt_state = _finalized(scheduled, state)
     if precision == "float64":
         try:

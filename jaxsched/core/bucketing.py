@@ -12,6 +12,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 from typing import Any, Sequence
@@ -128,7 +129,7 @@ def plan_buckets(analysis: Analysis, paths: Sequence[str], buckets: Any = None) 
         elif isinstance(buckets, int) and not isinstance(buckets, bool) and buckets > 0:
             threshold = buckets
         else:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"buckets={buckets!r} is not understood; pass None (25 MB), a positive "
                 "byte threshold, or a list of lists of parameter paths"
             )
@@ -177,26 +178,26 @@ def _explicit_groups(plan: Sequence[Sequence[Any]], paths: Sequence[str]) -> lis
     groups = []
     for b, group in enumerate(plan):
         if isinstance(group, str):
-            raise ValueError(f"buckets[{b}] is the string {group!r}; each bucket is a list of paths")
+            raise JaxschedValueError(f"buckets[{b}] is the string {group!r}; each bucket is a list of paths")
         members = []
         for name in group:
             key = (name if isinstance(name, str) else "/".join(map(str, name))).rstrip("/")
             matched = [index[key]] if key in index else [i for i, p in enumerate(paths) if p.startswith(key + "/")]
             if not matched:
-                raise ValueError(
+                raise JaxschedValueError(
                     f"buckets[{b}] names unknown parameter {key!r}; give a path or a "
                     f"subtree prefix of one (known paths: {', '.join(paths)})"
                 )
             for i in matched:
                 if i in seen:
-                    raise ValueError(f"parameter {paths[i]!r} is in buckets[{seen[i]}] and buckets[{b}]")
+                    raise JaxschedValueError(f"parameter {paths[i]!r} is in buckets[{seen[i]}] and buckets[{b}]")
                 seen[i] = b
                 members.append(i)
         if members:
             groups.append(members)
     missing = [paths[i] for i in range(len(paths)) if i not in seen]
     if missing:
-        raise ValueError(
+        raise JaxschedValueError(
             f"the bucket plan leaves out parameters {', '.join(missing)}; every parameter must be in exactly one bucket"
         )
     return groups

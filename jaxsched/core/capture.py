@@ -21,6 +21,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedError
 
 import dataclasses
 import functools
@@ -38,7 +39,7 @@ from jaxsched.core.primitives import CALL_PRIMITIVES, REDUCTIONS, VMA_TYPING, re
 __all__ = ["abstract_leaf", "capture", "CapturedStep", "data_axes", "flatten_calls", "Source", "UnsupportedStepError"]
 
 
-class UnsupportedStepError(ValueError):
+class UnsupportedStepError(JaxschedError, ValueError):
     """The step is not a data-parallel step jaxsched can schedule; the message says why."""
 
 

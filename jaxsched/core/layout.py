@@ -16,6 +16,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import math
@@ -56,7 +57,7 @@ class BucketLayout:
     def of(cls, shapes: Sequence[Sequence[int]], dtypes: Sequence, axis_size: int) -> "BucketLayout":
         dtypes = {np.dtype(d) for d in dtypes}
         if len(dtypes) != 1:
-            raise ValueError(f"a bucket must hold one dtype, got {sorted(map(str, dtypes))}")
+            raise JaxschedValueError(f"a bucket must hold one dtype, got {sorted(map(str, dtypes))}")
         shapes = tuple(tuple(int(d) for d in s) for s in shapes)
         chunks = tuple(chunk_size(s, axis_size) for s in shapes)
         offsets = tuple(int(o) for o in np.cumsum((0,) + chunks[:-1]))

@@ -16,6 +16,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedError
 
 import dataclasses
 import inspect
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(JaxschedError, ValueError):
     """A config value is missing or wrong; the message names the field."""
 
 

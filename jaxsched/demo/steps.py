@@ -19,6 +19,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 from typing import Any, Callable
 
@@ -72,7 +73,7 @@ def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
     elif cfg.name == "adamw":
         tx = optax.adamw(cfg.learning_rate, weight_decay=cfg.weight_decay)
     else:
-        raise ValueError(f"optimizer.name={cfg.name!r} is unknown")
+        raise JaxschedValueError(f"optimizer.name={cfg.name!r} is unknown")
     if cfg.clip_norm is not None:
         tx = optax.chain(optax.clip_by_global_norm(cfg.clip_norm), tx)
     return tx
@@ -148,7 +149,7 @@ def shard_batch(batch: Any, mesh: Mesh, axis: str | tuple[str, ...] = "data") ->
     size = axis_size(mesh, axis)
     for leaf in jax.tree.leaves(batch):
         if leaf.shape[0] % size:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"batch leading dimension {leaf.shape[0]} is not divisible by the {size} devices on mesh axis {axis!r}"
             )
     return jax.device_put(batch, NamedSharding(mesh, P(axis)))
@@ -183,7 +184,7 @@ def split_batch(batch: Any, n: int) -> Any:
     def split(leaf):
         leaf = np.asarray(leaf)
         if leaf.shape[0] % n:
-            raise ValueError(f"batch leading dimension {leaf.shape[0]} is not divisible by {n} devices")
+            raise JaxschedValueError(f"batch leading dimension {leaf.shape[0]} is not divisible by {n} devices")
         return leaf.reshape(n, leaf.shape[0] // n, *leaf.shape[1:])
 
     return jax.tree.map(split, batch)

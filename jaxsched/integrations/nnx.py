@@ -49,6 +49,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedValueError
 
 import dataclasses
 import warnings
@@ -128,7 +129,7 @@ class NNXScheduled:
 
     def __init__(self, train_step: Callable, strategy: str | Strategy = "dear", **schedule_options: Any):
         if not callable(train_step):
-            raise TypeError(
+            raise JaxschedTypeError(
                 "jaxsched.integrations.nnx.schedule() needs the NNX train step "
                 f"train_step(model, optimizer, batch), got {type(train_step).__name__}"
             )
@@ -173,12 +174,12 @@ class NNXScheduled:
             return
         graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
         if graphdef != session.layout.graphdef:
-            raise ValueError(
+            raise JaxschedValueError(
                 "finalize() got objects of another structure than the scheduled "
                 "step was called with; pass the same (model, optimizer, ...)"
             )
         if not _same_arrays(_leaves(params, rest), session.written):
-            raise ValueError(
+            raise JaxschedValueError(
                 "the objects passed to finalize() were changed since the last "
                 "scheduled step (or are other objects); finalize the objects you "
                 "train with, right after training them"
@@ -205,7 +206,7 @@ class NNXScheduled:
     @property
     def scheduled(self) -> Scheduled:
         if self._session is None:
-            raise RuntimeError("the step has not been called yet")
+            raise JaxschedRuntimeError("the step has not been called yet")
         return self._session.scheduled
 
     # -- internals ------------------------------------------------------------------------
@@ -224,13 +225,13 @@ class NNXScheduled:
             count += 1
         nodes, inputs = tuple(args[:count]), tuple(args[count:])
         if not nodes and args:
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"argument 0 of the scheduled NNX step is a {type(args[0]).__name__}, "
                 "not an NNX object (nnx.Module, nnx.Optimizer, ...); the step takes "
                 "(model, optimizer, ..., batch): the objects first, then the batch"
             )
         if not nodes or not inputs:
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"the scheduled NNX step takes (model, optimizer, ..., batch): NNX "
                 f"objects first (nnx.Module, nnx.Optimizer), then the batch; the "
                 f"{what} got {len(nodes)} NNX object(s) and {len(inputs)} other "
@@ -238,12 +239,12 @@ class NNXScheduled:
             )
         for i, arg in enumerate(inputs):
             if graphlib.is_graph_node(arg):
-                raise TypeError(
+                raise JaxschedTypeError(
                     f"argument {count + i} of the scheduled NNX step is an NNX object "
                     "after the batch's inputs; pass the objects first"
                 )
         if self._num_inputs not in (None, len(inputs)):
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"the scheduled NNX step was called with {self._num_inputs} input(s) "
                 f"after the objects before; the {what} got {len(inputs)}"
             )
@@ -255,7 +256,7 @@ class NNXScheduled:
             return self._session
         pure_params = nnx.to_pure_dict(params)
         if not jax.tree.leaves(pure_params):
-            raise ValueError(
+            raise JaxschedValueError(
                 "the objects passed to the scheduled NNX step hold no nnx.Param: "
                 "nothing to train, so nothing to schedule"
             )

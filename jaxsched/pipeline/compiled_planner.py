@@ -18,6 +18,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import copy
 import dataclasses
@@ -162,7 +163,7 @@ def choose_by_compiling(
     from jaxsched.check import inspection as inspect_lib
 
     if captured.example_inputs is None:
-        raise ValueError("the captured step carries no example inputs to compile with")
+        raise JaxschedValueError("the captured step carries no example inputs to compile with")
     params, opt_state, batch = captured.example_inputs
     labels, reports, compiled = [], [], []
     for strategy, buckets in candidates:

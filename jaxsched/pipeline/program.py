@@ -12,6 +12,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import dataclasses
 from typing import Any, Callable, Hashable, NamedTuple
@@ -178,7 +179,7 @@ class Program:
         planned = self.planned
         batch_leaves = jax.tree.leaves(batch)
         if len(batch_leaves) != planned.captured.num_batch:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"the batch has {len(batch_leaves)} leaves; the step was traced with {planned.captured.num_batch}"
             )
         if consts is None:
@@ -222,7 +223,7 @@ class Program:
         batch_leaves, batch_treedef = jax.tree.flatten(batch)
         if not returned or any(isinstance(b, jax.ShapeDtypeStruct) for b in batch_leaves):
             if is_abstract(state) or is_abstract(batch):
-                raise TypeError(
+                raise JaxschedTypeError(
                     "the state or batch is abstract (jax.ShapeDtypeStruct leaves): it "
                     "can be lowered, compiled and inspected (sched.lower, "
                     "sched.inspect), not run; pass arrays to run a step"
@@ -234,7 +235,7 @@ class Program:
             leaves, treedef = jax.tree.flatten(state)
         planned = self.planned
         if len(batch_leaves) != planned.captured.num_batch:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"the batch has {len(batch_leaves)} leaves; the step was traced with {planned.captured.num_batch}"
             )
         placed = [planned.placed(b, s) for b, s in zip(batch_leaves, planned.batch_specs, strict=True)]

@@ -41,6 +41,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedError, JaxschedTypeError, JaxschedValueError
 
 import dataclasses
 import hashlib
@@ -151,7 +152,7 @@ def as_replan(value: Any) -> Replan | None:
         return value
     if isinstance(value, str) and value == "auto":
         return Replan()
-    raise ValueError(
+    raise JaxschedValueError(
         f"replan={value!r} is not understood; pass None, 'auto' or jaxsched.Replan(every=..., drift=..., min_gain=...)"
     )
 
@@ -208,7 +209,7 @@ class Decision(NamedTuple):
     seconds: float
 
 
-class ReplanAgreementError(RuntimeError):
+class ReplanAgreementError(JaxschedError, RuntimeError):
     """The processes could not agree on a re-planning decision (a message was lost,
     unreadable, or from another step); every process that waited for it raises."""
 
@@ -409,7 +410,7 @@ def agree(
         try:
             got = json.loads(raw)
             if not isinstance(got, dict) or got.get("process") != p or got.get("round") != round_:
-                raise ValueError("wrong round or process")
+                raise JaxschedValueError("wrong round or process")
         except ValueError:
             raise ReplanAgreementError(
                 f"process {process}: the re-planning message of process {p} for round {round_} "
@@ -674,7 +675,7 @@ class Replanner:
     def _use_stages(self, program: Any) -> bool:
         staged = hasattr(program.core, "record_timings") and hasattr(program.core, "stages")
         if self.options.monitor == "stages" and not staged:
-            raise ValueError(
+            raise JaxschedValueError(
                 "Replan(monitor='stages') times the host engine's collective stages; "
                 f"this step runs on the {program.engine.name!r} engine: use "
                 "monitor='probe' (or 'auto')"
@@ -714,7 +715,7 @@ class Replanner:
         elif isinstance(network, NetworkProfile):
             target, label = network, str(network.meta.get("preset", "given"))
         else:
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"sched.replan(network=...) takes a jaxsched.sim.costmodel.NetworkProfile "
                 f"or a preset name, got {type(network).__name__}"
             )
@@ -890,7 +891,7 @@ def refuse_per_bucket_state(program: Any) -> None:
     would be wrong numbers, so re-planning is refused rather than done approximately."""
     template = program.strategy.collective_template(program.planned)
     if jax.tree.leaves(template):
-        raise ValueError(
+        raise JaxschedValueError(
             f"replan= cannot be used with {type(program.strategy.collective).__name__}: "
             "it carries state per bucket, which a new bucket plan would not match; "
             "schedule this step without replan=, or with a stateless collective"

@@ -26,6 +26,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 from typing import Any, Sequence
@@ -133,7 +134,7 @@ def _build_planned(
     layer_profile = network_profile = None
     if isinstance(buckets, str):
         if buckets != "auto":
-            raise ValueError(
+            raise JaxschedValueError(
                 f"buckets={buckets!r} is not understood; the only named plan is 'auto' (cost-model planning)"
             )
         probe = PlannedStep(captured)

@@ -72,6 +72,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import dataclasses
 import inspect
@@ -199,7 +200,9 @@ def step_form(step: Callable, args: tuple, batch_keyword: bool) -> str:
     stating both accepted signatures, for a call that fits neither."""
     arity = positional_arity(step)
     if arity is not None and arity < 2:
-        raise TypeError(f"the step takes {arity} positional argument(s); jaxsched.schedule accepts {SIGNATURES}")
+        raise JaxschedTypeError(
+            f"the step takes {arity} positional argument(s); jaxsched.schedule accepts {SIGNATURES}"
+        )
     n_args = len(args)
     form = None
     if n_args >= 1 and looks_like_state(args[0]):
@@ -231,7 +234,7 @@ def step_form(step: Callable, args: tuple, batch_keyword: bool) -> str:
             2: "sched.init(state) or sched.init(state, batch)",
             3: "sched.init(params, opt_state[, batch]) or sched.init(state[, input, batch])",
         }
-        raise TypeError(
+        raise JaxschedTypeError(
             f"sched.init got {n_args} positional argument(s)"
             + (" and batch=" if batch_keyword else "")
             + (
@@ -271,7 +274,7 @@ class StateLayout:
         """The user's state -> (trained leaves, every other leaf), dicts keyed by path."""
         leaves, treedef = jax.tree.flatten(state)
         if treedef != self.treedef:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"{what} has structure {treedef}, but the step was traced with a state of structure {self.treedef}"
             )
         params = {n: x for n, x, t in zip(self.names, leaves, self.trained) if t}
@@ -551,7 +554,7 @@ class StateForm:
             inner = self.inner_for(sstate.state, batch)
             return inner, inner.init(*self.layout.split(sstate.state))
         if self.inner is None:
-            raise ValueError(
+            raise JaxschedValueError(
                 "this scheduled state comes from another schedule (or a checkpoint) "
                 "but this one has not split a state yet; call sched.init(state, "
                 "example_batch) first (the checkpoint restore target)"
@@ -574,7 +577,7 @@ class StateForm:
         if isinstance(sstate, UnsplitState):
             return sstate.state
         if self.inner is None:
-            raise ValueError(
+            raise JaxschedValueError(
                 "finalize got a scheduled state, but this schedule has not split a "
                 "state yet; call sched.init(state, example_batch) first"
             )

@@ -20,6 +20,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 from typing import Any, Callable
 
@@ -63,7 +64,7 @@ def plan_buckets(
     if planner in PLANNER_REGISTRY:
         return PLANNER_REGISTRY[planner](layers, network, strategy, threshold_bytes=threshold_bytes)
     if planner != "optimal":
-        raise ValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
+        raise JaxschedValueError(f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}")
     return _plan_optimal(layers, network, strategy, threshold_bytes, compression, progress, iterations)
 
 
@@ -77,7 +78,7 @@ def _plan_optimal(
     iterations: int,
 ) -> list[list[int]]:
     if strategy == "bytescheduler":
-        raise ValueError("bytescheduler partitions tensors itself; plan buckets for another strategy")
+        raise JaxschedValueError("bytescheduler partitions tensors itself; plan buckets for another strategy")
     pattern = comm_pattern(strategy)
     if compression is None and (not pattern.in_backward or pattern.delayed_update):
         # Nothing overlaps backward (or communication overlaps the whole next step):

@@ -15,6 +15,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import math
@@ -125,7 +126,7 @@ def step_layer_profile(
         by_name = {layer.name.replace(".", "/"): layer for layer in measured.layers}
         missing = [n for n in order if n not in by_name]
         if missing:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"layer_profile has no layers named {', '.join(missing)}; its layers "
                 f"are {', '.join(by_name)} (use '/' or '.' between path parts)"
             )

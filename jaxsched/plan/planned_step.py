@@ -18,6 +18,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import functools
@@ -92,7 +93,7 @@ class PlannedStep:
 
     def __post_init__(self):
         if isinstance(self.buckets_option, str):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"buckets={self.buckets_option!r} is not understood; the only named "
                 "plan is 'auto' (cost-model planning), which "
                 "jaxsched.pipeline.selection.select resolves before planning"

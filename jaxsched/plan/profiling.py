@@ -22,6 +22,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import statistics
@@ -92,7 +93,7 @@ def zoo_stages(name: str, model: Any) -> list[Stage]:
         return stages + [
             ("norm+head", {"norm": norm_params, "head": head_params}, lambda p, x: head(p["head"], norm(p["norm"], x)))
         ]
-    raise ValueError(f"no stage split for model {name!r}; use one of mlp, cnn, transformer")
+    raise JaxschedValueError(f"no stage split for model {name!r}; use one of mlp, cnn, transformer")
 
 
 def _stage_with_loss(fn: Callable, labels: jax.Array) -> Callable:

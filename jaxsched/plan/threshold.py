@@ -1,6 +1,7 @@
 """Fixed-size fusion buffers, as Horovod tensor fusion and PyTorch DDP buckets do."""
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 from jaxsched.sim.costmodel import LayerProfile
 from jaxsched.plan._common import to_forward_buckets
@@ -19,7 +20,7 @@ def plan_threshold(layers: LayerProfile, threshold_bytes: int = DEFAULT_THRESHOL
         [[0, 1], [2, 3]]
     """
     if threshold_bytes <= 0:
-        raise ValueError(f"threshold_bytes={threshold_bytes} must be > 0")
+        raise JaxschedValueError(f"threshold_bytes={threshold_bytes} must be > 0")
     groups: list[list[int]] = [[]]
     filled = 0
     for position, layer in enumerate(reversed(layers.layers)):

@@ -25,6 +25,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedError, JaxschedRuntimeError
 
 import dataclasses
 import heapq
@@ -77,7 +78,7 @@ COMPRESSIONS = ("topk", "gtopk")
 MB = 1 << 20
 
 
-class SimulationError(ValueError):
+class SimulationError(JaxschedError, ValueError):
     """Bad simulator input (strategy, buckets, options); the message says what to change."""
 
 
@@ -625,7 +626,7 @@ def _execute(
             if slow:
                 rerate()
         if not events:
-            raise RuntimeError("simulator deadlock: a task waits on something never scheduled")
+            raise JaxschedRuntimeError("simulator deadlock: a task waits on something never scheduled")
         while events and events[0][1] in stale:
             heapq.heappop(events)
         now = events[0][0]

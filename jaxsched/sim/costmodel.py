@@ -17,6 +17,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedError, JaxschedTypeError, JaxschedValueError
 
 import dataclasses
 import json
@@ -61,7 +62,7 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "ppermute", "all_to
 REQUIRED_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
 
-class ProfileError(ValueError):
+class ProfileError(JaxschedError, ValueError):
     """A profile (file or dict) is malformed; the message names the file and field."""
 
 
@@ -366,11 +367,13 @@ class CommPattern:
     def __post_init__(self) -> None:
         for name in (self.gradient, self.parameters, self.factors):
             if name is not None and name not in COLLECTIVES:
-                raise ValueError(f"CommPattern collective {name!r} is unknown; use one of {', '.join(COLLECTIVES)}")
+                raise JaxschedValueError(
+                    f"CommPattern collective {name!r} is unknown; use one of {', '.join(COLLECTIVES)}"
+                )
         if self.gathers_ahead is not None and (not isinstance(self.gathers_ahead, int) or self.gathers_ahead < 0):
-            raise ValueError(f"CommPattern gathers_ahead={self.gathers_ahead!r} must be an int >= 0 (or None)")
+            raise JaxschedValueError(f"CommPattern gathers_ahead={self.gathers_ahead!r} must be an int >= 0 (or None)")
         if self.inverse_placement not in (None, "balanced", "round_robin", "naive"):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"CommPattern inverse_placement={self.inverse_placement!r} is unknown; "
                 "use balanced, round_robin or naive"
             )
@@ -402,9 +405,9 @@ def register_comm_pattern(name: str, pattern: CommPattern) -> None:
     name is refused, so two strategies cannot silently share a name.
     """
     if not isinstance(pattern, CommPattern):
-        raise TypeError(f"register_comm_pattern({name!r}) needs a CommPattern, got {type(pattern).__name__}")
+        raise JaxschedTypeError(f"register_comm_pattern({name!r}) needs a CommPattern, got {type(pattern).__name__}")
     if _COMM_PATTERNS.get(name, pattern) != pattern:
-        raise ValueError(f"a different communication pattern is already registered as {name!r}")
+        raise JaxschedValueError(f"a different communication pattern is already registered as {name!r}")
     _COMM_PATTERNS[name] = pattern
 
 
@@ -419,7 +422,7 @@ def comm_pattern(name: "str | CommPattern") -> CommPattern:
     try:
         return _COMM_PATTERNS[name]
     except KeyError:
-        raise ValueError(
+        raise JaxschedValueError(
             f"no communication pattern is registered for strategy {name!r}; known: {', '.join(_COMM_PATTERNS)}"
         ) from None
 
@@ -648,7 +651,7 @@ def device_preset(name: str) -> DevicePreset:
 def roofline_seconds(flops: float, memory_bytes: float, device: DevicePreset, efficiency: float = 0.5) -> float:
     """Time of a kernel under a roofline, with a sustained fraction ``efficiency`` of peak."""
     if not 0 < efficiency <= 1:
-        raise ValueError(f"efficiency={efficiency} must be in (0, 1]")
+        raise JaxschedValueError(f"efficiency={efficiency} must be in (0, 1]")
     return max(flops / device.peak_flops, memory_bytes / device.memory_bytes_per_s) / efficiency
 
 

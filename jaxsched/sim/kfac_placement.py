@@ -24,6 +24,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 from typing import Sequence
 
@@ -49,15 +50,15 @@ def plan_placement(
     """
     check_placement(method)
     if not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers={num_workers!r} must be an int >= 1")
+        raise JaxschedValueError(f"num_workers={num_workers!r} must be an int >= 1")
     if any(int(n) < 1 for n in dims):
-        raise ValueError(f"factor sizes {list(dims)} must all be >= 1")
+        raise JaxschedValueError(f"factor sizes {list(dims)} must all be >= 1")
     if method == "naive":
         return None
     if method == "round_robin":
         layers = list(range(len(dims))) if layers is None else list(layers)
         if len(layers) != len(dims):
-            raise ValueError(f"layers has {len(layers)} entries for {len(dims)} factors")
+            raise JaxschedValueError(f"layers has {len(layers)} entries for {len(dims)} factors")
         order = {layer: k for k, layer in enumerate(dict.fromkeys(layers))}
         return tuple(order[layer] % num_workers for layer in layers)
     load = [0.0] * num_workers
@@ -87,5 +88,5 @@ def max_load(dims: Sequence[int], owners: Sequence[int] | None, num_workers: int
 
 def check_placement(method: str) -> str:
     if method not in PLACEMENTS:
-        raise ValueError(f"placement={method!r} is unknown; choose one of {', '.join(PLACEMENTS)}")
+        raise JaxschedValueError(f"placement={method!r} is unknown; choose one of {', '.join(PLACEMENTS)}")
     return method

@@ -16,6 +16,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 
@@ -250,7 +251,9 @@ def architecture(name: str, seq_len: int | None = None) -> list[ArchLayer]:
         return _transformer("encoder.layer", 1024, 24, seq, 30522, 512, 2, pooler=True)
     if name == "gpt2":
         return _transformer("h", 768, 12, seq, 50257, 1024, 0, pooler=False)
-    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(ZOO_MODELS)} or pass a measured --profile")
+    raise JaxschedValueError(
+        f"unknown model {name!r}; choose one of {', '.join(ZOO_MODELS)} or pass a measured --profile"
+    )
 
 
 #: Symmetric eigendecomposition with eigenvectors: about 9 n^3 flops (Golub & Van Loan).
@@ -280,7 +283,7 @@ def zoo_profile(
     dev = device_preset(device) if isinstance(device, str) else device
     batch = batch or DEFAULT_BATCH.get(name, 32)
     if batch < 1:
-        raise ValueError(f"batch={batch} must be >= 1")
+        raise JaxschedValueError(f"batch={batch} must be >= 1")
     layers = []
     for arch in architecture(name, seq_len):
         memory = BYTES_PER_VALUE * (arch.params + batch * arch.activations)

@@ -54,6 +54,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import math
@@ -313,7 +314,7 @@ class Approx(Strategy):
                 [tuple(np.shape(a)) for a in slot] != [(planned.axis_size,) + t.shape for t in template]
                 for slot in pending
             ):
-                raise ValueError(
+                raise JaxschedValueError(
                     f"the state's pending gradients do not fit this step with "
                     f"staleness={self.staleness}; resume with the strategy options "
                     "and step the state was saved with"
@@ -321,7 +322,7 @@ class Approx(Strategy):
             pending = tuple(tuple(planned.placed(a, P(planned.axis_name)) for a in slot) for slot in pending)
         elif self.staleness:
             if not abstract and int(np.asarray(num_pending)) != 0:
-                raise ValueError("the state says gradients are pending but holds none")
+                raise JaxschedValueError("the state says gradients are pending but holds none")
             pending = tuple(
                 tuple(
                     planned.zeros((planned.axis_size,) + t.shape, t.dtype, P(planned.axis_name), abstract)

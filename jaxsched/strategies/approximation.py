@@ -45,6 +45,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -107,25 +108,27 @@ def check_transformation(tx: Any, where: str) -> None:
             f" ({getattr(tx, '__name__', type(tx).__name__)} is a function: did you pass "
             "optax.sgd instead of optax.sgd(learning_rate)?)"
         )
-    raise TypeError(
+    raise JaxschedTypeError(
         f"{where} needs an optax.GradientTransformation such as optax.sgd(0.1), got {type(tx).__name__}{hint}"
     )
 
 
 def check_method(method: Any) -> str:
     if method not in METHODS:
-        raise ValueError(f"approximation method {method!r} is unknown; choose one of {', '.join(map(repr, METHODS))}")
+        raise JaxschedValueError(
+            f"approximation method {method!r} is unknown; choose one of {', '.join(map(repr, METHODS))}"
+        )
     return method
 
 
 def check_staleness(staleness: Any) -> int:
     if isinstance(staleness, bool) or not isinstance(staleness, int):
-        raise TypeError(
+        raise JaxschedTypeError(
             f"staleness must be an int (the number of steps a gradient may lag), "
             f"got {type(staleness).__name__} {staleness!r}"
         )
     if staleness < 0:
-        raise ValueError(f"staleness={staleness} is negative; use 0 (synchronous) or more steps of delay")
+        raise JaxschedValueError(f"staleness={staleness} is negative; use 0 (synchronous) or more steps of delay")
     return staleness
 
 
@@ -218,7 +221,7 @@ def approximate(
         updates: optax.Updates, state: ApproximateState, params: Any = None, **extra_args: Any
     ) -> tuple[ApproxParams, ApproximateState]:
         if not isinstance(params, ApproxParams):
-            raise TypeError(
+            raise JaxschedTypeError(
                 "approximate(...).update needs params=ApproxParams(true=..., approx=...) "
                 f"(see ApproxParams.init_synced), got {type(params).__name__}"
             )
@@ -304,7 +307,7 @@ def staleness_aware(
     check_transformation(tx, "staleness_aware()")
     if isinstance(rule, str):
         if rule not in STALENESS_RULES:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"staleness rule {rule!r} is unknown; choose one of "
                 f"{', '.join(map(repr, STALENESS_RULES))} or pass a function tau -> scale"
             )
@@ -312,7 +315,7 @@ def staleness_aware(
     elif callable(rule):
         rule_fn = rule
     else:
-        raise TypeError(f"rule must be a name or a function tau -> scale, got {type(rule).__name__}")
+        raise JaxschedTypeError(f"rule must be a name or a function tau -> scale, got {type(rule).__name__}")
     default = None if staleness is None else check_staleness(staleness)
     inner = optax.with_extra_args_support(tx)
 
@@ -325,7 +328,7 @@ def staleness_aware(
         tau = extra_args.get("staleness")
         tau = default if tau is None else tau
         if tau is None:
-            raise ValueError(
+            raise JaxschedValueError(
                 "staleness_aware() does not know the staleness of this gradient: "
                 "construct it with staleness=k, pass update(..., staleness=k), or "
                 "wrap it in approximate(...), which passes its own"

@@ -25,6 +25,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedRuntimeError, JaxschedValueError
 
 import dataclasses
 from typing import Any, Sequence
@@ -72,10 +73,10 @@ class Auto(Strategy):
         self._given_collective = collective
         candidates = tuple(candidates)
         if not candidates:
-            raise ValueError("strategy='auto' needs at least one candidate strategy")
+            raise JaxschedValueError("strategy='auto' needs at least one candidate strategy")
         for name in candidates:
             if name == self.name or name not in strategy_names():
-                raise ValueError(
+                raise JaxschedValueError(
                     f"strategy='auto' candidates: {name!r} is not a registered "
                     f"strategy (registered: {', '.join(strategy_names())})"
                 )
@@ -91,7 +92,7 @@ class Auto(Strategy):
             except ValueError:  # e.g. allreduce cannot carry a compressor: not a candidate
                 continue
         if not built:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"no candidate of strategy='auto' ({', '.join(self.candidates)}) "
                 f"accepts collective {type(self._given_collective).__name__}"
             )
@@ -100,10 +101,10 @@ class Auto(Strategy):
     # Selection (jaxsched.pipeline.selection) replaces auto by the strategy it chose before any
     # program is built; these are never called.
     def convert(self, planned, state):
-        raise RuntimeError("strategy='auto' converts through the strategy it chose")
+        raise JaxschedRuntimeError("strategy='auto' converts through the strategy it chose")
 
     def finalize(self, planned, state):
-        raise RuntimeError("strategy='auto' finalizes through the strategy it chose")
+        raise JaxschedRuntimeError("strategy='auto' finalizes through the strategy it chose")
 
     def rewrite(self, planned):
-        raise RuntimeError("strategy='auto' rewrites through the strategy it chose")
+        raise JaxschedRuntimeError("strategy='auto' rewrites through the strategy it chose")

@@ -18,6 +18,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import abc
 import copy
@@ -165,12 +166,12 @@ class Strategy(abc.ABC):
 
     def __init__(self, collective: Collective | None = None):
         if collective is not None and not self.accepts_collective:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"strategy {self.name!r} issues no bucket collectives, so it cannot "
                 f"carry {type(collective).__name__}; use wfbp or dear"
             )
         if collective is not None and not isinstance(collective, Collective):
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"collective must be a jaxsched.runtime.collectives.Collective, got {type(collective).__name__}"
             )
         self.collective = collective if collective is not None else Collective()
@@ -215,7 +216,7 @@ class Strategy(abc.ABC):
             if f not in ("params", "opt_state") and holds_something(getattr(state, f))
         ]
         if carried:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"this {self.name!r} state carries {', '.join(carried)} but no step "
                 "has been traced in this process, so it cannot be drained; call "
                 "sched.init(params, opt_state, example_batch) (the checkpoint restore "
@@ -456,7 +457,7 @@ def placed_user_layout(planned: PlannedStep, state: ScheduledState) -> tuple[Any
 def check_leaf_counts(planned: PlannedStep, params: Sequence, opts: Sequence) -> None:
     cap = planned.captured
     if len(params) != cap.num_params or len(opts) != cap.num_opt:
-        raise ValueError(
+        raise JaxschedValueError(
             "the state does not match the step it was traced with: "
             f"{len(params)} params / {len(opts)} opt_state leaves, expected "
             f"{cap.num_params} / {cap.num_opt}"

@@ -22,6 +22,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import math
@@ -330,7 +331,7 @@ class Dear(Strategy):
         expected = self._user_shape(planned, block, chunking, stacked)
         shape = tuple(np.shape(leaf))
         if shape != expected and shape != (flat_len,):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"state leaf {name} has shape {shape}; expected the user's {expected} or the scheduled ({flat_len},)"
             )
         if shape == expected:
@@ -356,7 +357,7 @@ class Dear(Strategy):
         if shape == user_shape and not flat:
             return leaf  # still in the user's layout (no step has run yet)
         if shape != (flat_len,):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"a sharded state leaf has shape {shape}; expected the user's {user_shape} or "
                 f"dear's flat ({flat_len},): was the state made by another schedule?"
             )

@@ -48,6 +48,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import math
 from typing import Any, NamedTuple, Sequence
@@ -121,7 +122,9 @@ def fragment_of_leaves(sizes: Sequence[int], fragments: int) -> tuple[int, ...]:
     """
     n = len(sizes)
     if fragments > n:
-        raise ValueError(f"DiLoCo(fragments={fragments}): the step has only {n} parameter leaves; use fragments <= {n}")
+        raise JaxschedValueError(
+            f"DiLoCo(fragments={fragments}): the step has only {n} parameter leaves; use fragments <= {n}"
+        )
     total = float(sum(sizes))
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(sizes, np.float64))])
     starts = [0]
@@ -167,9 +170,9 @@ def _outer_shard_shape(shape: Sequence[int], n: int) -> tuple[int, ...]:
 
 def _check_int(value: Any, name: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"DiLoCo({name}={value!r}): {name} must be an int")
+        raise JaxschedTypeError(f"DiLoCo({name}={value!r}): {name} must be an int")
     if value < minimum:
-        raise ValueError(f"DiLoCo({name}={value!r}): {name} must be >= {minimum}")
+        raise JaxschedValueError(f"DiLoCo({name}={value!r}): {name} must be >= {minimum}")
     return int(value)
 
 
@@ -221,13 +224,13 @@ class DiLoCo(Strategy):
         self.fragments = _check_int(fragments, "fragments", 1)
         self.overlap_steps = _check_int(overlap_steps, "overlap_steps", 0)
         if self.fragments > self.inner_steps:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"DiLoCo(fragments={fragments}, inner_steps={inner_steps}): each "
                 "fragment needs its own step in the H-step cycle; use fragments <= "
                 "inner_steps"
             )
         if self.overlap_steps * self.fragments >= self.inner_steps:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"DiLoCo(overlap_steps={overlap_steps}): τ must be < inner_steps / fragments = "
                 f"{self.inner_steps}/{self.fragments}, so that a fragment's outer all-reduce "
                 "arrives before the next fragment is sent; lower overlap_steps or raise inner_steps"
@@ -237,7 +240,7 @@ class DiLoCo(Strategy):
             or not isinstance(mixing, (int, float, np.floating))
             or not 0.0 <= float(mixing) < 1.0
         ):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"DiLoCo(mixing={mixing!r}): mixing (α, the weight of the local "
                 "parameters when the synchronized ones arrive) must be in [0, 1)"
             )
@@ -245,7 +248,7 @@ class DiLoCo(Strategy):
         if outer is None:
             outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
         if not (hasattr(outer, "init") and hasattr(outer, "update")):
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"DiLoCo(outer={outer!r}): outer must be an optax "
                 "GradientTransformation, e.g. optax.sgd(0.7, momentum=0.9, nesterov=True)"
             )
@@ -257,13 +260,13 @@ class DiLoCo(Strategy):
     def _check_inner(inner: Any) -> str:
         name = inner.name if isinstance(inner, Strategy) else inner
         if isinstance(inner, Strategy) and inner.cost.sharded_update or name == "dear":
-            raise ValueError(
+            raise JaxschedValueError(
                 f"DiLoCo(inner_strategy={name!r}): {name} shards the optimizer over the data "
                 "axis, but DiLoCo keeps a whole replica of the parameters and optimizer state per "
                 "replica group and synchronizes them itself; use inner_strategy='wfbp'"
             )
         if name not in INNER_STRATEGIES:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"DiLoCo(inner_strategy={name!r}): the inner steps run as "
                 f"{' or '.join(INNER_STRATEGIES)}; {name!r} cannot be combined with "
                 "DiLoCo (it delays or reshapes the update)"
@@ -289,7 +292,7 @@ class DiLoCo(Strategy):
         if self.sync_axes_option is not None:
             bad = [a for a in self.sync_axes_option if a not in data]
             if bad or not self.sync_axes_option:
-                raise ValueError(
+                raise JaxschedValueError(
                     f"DiLoCo(sync_axes={self.sync_axes_option!r}): {bad or 'no axis'} is not among "
                     f"the step's data axes {data} (the mesh axes its batch is sharded over); pass "
                     f"some of {data}, e.g. sync_axes={data[0]!r}"
@@ -482,7 +485,7 @@ class DiLoCo(Strategy):
         if got == [(planned.axis_size,) + w for w in local]:
             return True
         want = self._user_shapes(planned, role)
-        raise ValueError(
+        raise JaxschedValueError(
             f"the state's {role} do not fit this step: leaf shapes {got}, expected "
             f"{want} (user layout) or with a leading axis of {planned.axis_size} "
             f"(one copy per device); resume with the step it was saved with"
@@ -496,7 +499,7 @@ class DiLoCo(Strategy):
         check_leaf_counts(planned, params, opts)
         stacked = self._is_stacked(planned, params, "params")
         if self._is_stacked(planned, opts, "opt_state") != stacked and opts:
-            raise ValueError("the state's params and opt_state are in different layouts")
+            raise JaxschedValueError("the state's params and opt_state are in different layouts")
         fresh = not stacked
 
         def stack(x, role, i):
@@ -510,14 +513,14 @@ class DiLoCo(Strategy):
         global_leaves = jax.tree.leaves(getattr(state, "global_params", ()))
         if fresh or not global_leaves:
             if stacked:
-                raise ValueError(
+                raise JaxschedValueError(
                     "a diloco state with per-replica params needs its global_params; resume from a complete checkpoint"
                 )
             global_leaves = params
         local_params = [stack(x, "params", i) for i, x in enumerate(params)]
         local_opts = [stack(x, "opt_state", j) for j, x in enumerate(opts)]
         if len(global_leaves) != cap.num_params:
-            raise ValueError("the state's global_params do not match the step's params")
+            raise JaxschedValueError("the state's global_params do not match the step's params")
         global_leaves = [
             planned.placed(x, self._global_spec(planned, "params", i)) for i, x in enumerate(global_leaves)
         ]
@@ -555,7 +558,7 @@ class DiLoCo(Strategy):
         elif len(outer_state) != self.fragments or any(
             jax.tree.structure(s) != t for s, t in zip(outer_state, treedefs)
         ):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"the state's outer_state does not fit fragments={self.fragments} and "
                 "this outer optimizer; resume with the options it was saved with"
             )
@@ -578,11 +581,11 @@ class DiLoCo(Strategy):
                     )
                 )
             elif len(in_flight) != cap.num_params:
-                raise ValueError("the state's in_flight does not fit this step")
+                raise JaxschedValueError("the state's in_flight does not fit this step")
             else:
                 in_flight = tuple(planned.placed(x, spec) for x, spec in zip(in_flight, flight_specs))
         elif in_flight:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"the state holds an outer gradient in flight, but overlap_steps="
                 f"{self.overlap_steps}; resume with the overlap_steps it was saved with"
             )
@@ -610,7 +613,7 @@ class DiLoCo(Strategy):
             and int(np.asarray(state.step)) == 0
         ):
             return state.params, state.opt_state
-        raise ValueError(
+        raise JaxschedValueError(
             "this 'diloco' state holds per-replica parameters but no step has been "
             "traced in this process, so they cannot be averaged; call "
             "sched.init(params, opt_state, example_batch) or one step first"

@@ -41,6 +41,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import math
@@ -108,20 +109,20 @@ def check_options(
 ) -> None:
     """Refuse bad K-FAC options with a message that says what to pass instead."""
     if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not math.isfinite(damping) or damping <= 0:
-        raise ValueError(
+        raise JaxschedValueError(
             f"damping={damping!r} must be a finite number > 0: K-FAC adds it to the "
             "factors so that they can be inverted; try damping=1e-3"
         )
     for name, value in (("factor_interval", factor_interval), ("inverse_interval", inverse_interval)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             what = "factors are updated" if name == "factor_interval" else "inverses are refreshed"
-            raise ValueError(
+            raise JaxschedValueError(
                 f"{name}={value!r} must be an int >= 1 ({what} every {name} steps); use {name}=1 for every step"
             )
     if not isinstance(ema_decay, (int, float)) or not 0 <= ema_decay < 1:
-        raise ValueError(f"ema_decay={ema_decay!r} must be in [0, 1) (0: no averaging)")
+        raise JaxschedValueError(f"ema_decay={ema_decay!r} must be in [0, 1) (0: no averaging)")
     if inverse not in INVERSES:
-        raise ValueError(f"inverse={inverse!r} is unknown; choose one of {', '.join(INVERSES)}")
+        raise JaxschedValueError(f"inverse={inverse!r} is unknown; choose one of {', '.join(INVERSES)}")
     check_placement(placement)
     ok = (
         factor_buckets in ("auto", "per_layer")
@@ -129,7 +130,7 @@ def check_options(
         or (isinstance(factor_buckets, (list, tuple)) and all(isinstance(g, (list, tuple)) for g in factor_buckets))
     )
     if not ok:
-        raise ValueError(
+        raise JaxschedValueError(
             f"factor_buckets={factor_buckets!r} is not understood; pass 'auto' (cost "
             "model), 'per_layer', a byte threshold, or lists of layer names"
         )
@@ -293,7 +294,7 @@ class KFAC(Strategy):
             if [tuple(tuple(np.shape(a)) for a in pair) for pair in given] != [
                 tuple(t.shape for t in pair) for pair in templates
             ]:
-                raise ValueError(
+                raise JaxschedValueError(
                     f"the state's K-FAC {what} do not fit this step's layers "
                     f"({[l.name for l in self.layers(planned).layers]}); resume with "
                     "the step the state was saved with"
@@ -597,13 +598,13 @@ def plan_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], op
         for k, group in enumerate(option):
             unknown = [n for n in group if n not in names]
             if unknown:
-                raise ValueError(
+                raise JaxschedValueError(
                     f"factor_buckets[{k}] names {unknown}, not a K-FAC layer; the layers are {', '.join(names)}"
                 )
             groups.append(sorted((names[n] for n in group), key=order.index))
         covered = sorted(i for g in groups for i in g)
         if covered != list(range(len(layers))):
-            raise ValueError(f"factor_buckets must name every K-FAC layer once ({', '.join(names)})")
+            raise JaxschedValueError(f"factor_buckets must name every K-FAC layer once ({', '.join(names)})")
         return sorted(groups, key=lambda g: order.index(g[-1]))
     return auto_factor_buckets(planned, layers, order)
 

@@ -8,6 +8,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 from collections.abc import Sequence
 from typing import Any
@@ -26,12 +27,12 @@ def register_strategy(cls: type) -> type:
     from jaxsched.strategies.base import Strategy
 
     if not (isinstance(cls, type) and issubclass(cls, Strategy)):
-        raise TypeError(f"register_strategy needs a Strategy subclass, got {cls!r}")
+        raise JaxschedTypeError(f"register_strategy needs a Strategy subclass, got {cls!r}")
     name = getattr(cls, "name", "")
     if not isinstance(name, str) or not name:
-        raise ValueError(f"{cls.__name__} needs a non-empty class attribute 'name'")
+        raise JaxschedValueError(f"{cls.__name__} needs a non-empty class attribute 'name'")
     if name in _STRATEGIES:
-        raise ValueError(
+        raise JaxschedValueError(
             f"a strategy named {name!r} is already registered ({_STRATEGIES[name].__qualname__}); choose another name"
         )
     register_comm_pattern(name, cls.cost)
@@ -57,14 +58,14 @@ def make_strategy(strategy: Any, collective: Any = None, **options: Any):
     if isinstance(strategy, Strategy):
         if options or collective is not None:
             given = sorted(options) + (["collective"] if collective is not None else [])
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"options {given} go to the strategy's constructor when a Strategy instance ({strategy!r}) is passed"
             )
         return strategy
     if isinstance(strategy, type) and issubclass(strategy, Strategy):
-        raise TypeError(f"pass an instance ({strategy.__name__}()) or a registered name, not the class")
+        raise JaxschedTypeError(f"pass an instance ({strategy.__name__}()) or a registered name, not the class")
     if strategy not in _STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is unknown; choose one of {', '.join(_STRATEGIES)}")
+        raise JaxschedValueError(f"strategy={strategy!r} is unknown; choose one of {', '.join(_STRATEGIES)}")
     if collective is not None:
         options["collective"] = collective
     return _STRATEGIES[strategy](**options)

@@ -35,6 +35,7 @@ Example (the arithmetic of the report):
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import json
@@ -105,8 +106,8 @@ def parse_compression(text: str | None):
 
             return compress.Cast(jnp.bfloat16)
     except ValueError as err:
-        raise ValueError(f"--compression {text!r}: {err}") from None
-    raise ValueError(f"--compression {text!r}: use one of {', '.join(COMPRESSORS)}, e.g. topk:0.01")
+        raise JaxschedValueError(f"--compression {text!r}: {err}") from None
+    raise JaxschedValueError(f"--compression {text!r}: use one of {', '.join(COMPRESSORS)}, e.g. topk:0.01")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +174,7 @@ def calibrate_batch(
         (True, True, True)
     """
     if start < 1 or multiple < 1 or max_probes < 1:
-        raise ValueError(
+        raise JaxschedValueError(
             f"calibrate_batch: start={start}, multiple={multiple}, max_probes={max_probes} must all be >= 1"
         )
     lo_b, hi_b = multiple, max(multiple, max_batch // multiple * multiple)
@@ -187,7 +188,7 @@ def calibrate_batch(
     while True:
         compute_s, comm_s = measure(batch)
         if not (compute_s > 0 and comm_s > 0):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"calibrate_batch: measure({batch}) returned compute {compute_s!r}, "
                 f"comm {comm_s!r}; both must be positive seconds"
             )

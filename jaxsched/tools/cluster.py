@@ -26,6 +26,7 @@ Shell (``jaxsched cluster ...`` runs the same)::
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedError, JaxschedValueError
 
 import contextlib
 import ipaddress
@@ -73,7 +74,7 @@ _PREFIX_RE = re.compile(r"^[a-z][a-z0-9-]{0,19}$")
 _UNSHAPED = ("none", "unlimited", "0")
 
 
-class ClusterError(RuntimeError):
+class ClusterError(JaxschedError, RuntimeError):
     """The emulated cluster could not be brought up, found, or taken down."""
 
 
@@ -112,13 +113,13 @@ def parse_bandwidth(bandwidth: str | None) -> int | None:
         return None
     m = _RATE_RE.match(text)
     if not m:
-        raise ValueError(
+        raise JaxschedValueError(
             f"bandwidth {bandwidth!r} is not a rate like '1gbit', '500mbit' or "
             f"'100kbit' (units bit, kbit, mbit, gbit, tbit; 'none' for unshaped)"
         )
     bits = float(m.group(1)) * _RATE_SCALE[m.group(2)]
     if bits < 8000:
-        raise ValueError(f"bandwidth {bandwidth!r} is below tc's useful minimum of 8kbit")
+        raise JaxschedValueError(f"bandwidth {bandwidth!r} is below tc's useful minimum of 8kbit")
     return int(bits)
 
 
@@ -134,15 +135,15 @@ def format_bandwidth(bits_per_s: int | None) -> str:
 
 def _validate_hosts(hosts: int) -> int:
     if isinstance(hosts, bool) or not isinstance(hosts, int):
-        raise ValueError(f"hosts={hosts!r}: need an integer >= 2")
+        raise JaxschedValueError(f"hosts={hosts!r}: need an integer >= 2")
     if not 2 <= hosts <= MAX_HOSTS:
-        raise ValueError(f"hosts={hosts}: an emulated cluster has 2 to {MAX_HOSTS} hosts")
+        raise JaxschedValueError(f"hosts={hosts}: an emulated cluster has 2 to {MAX_HOSTS} hosts")
     return hosts
 
 
 def _validate_prefix(prefix: str) -> str:
     if not _PREFIX_RE.match(prefix or ""):
-        raise ValueError(
+        raise JaxschedValueError(
             f"prefix {prefix!r}: use lowercase letters, digits and '-', starting with a letter, at most 20 characters"
         )
     return prefix
@@ -152,9 +153,9 @@ def _validate_subnet(subnet: str) -> ipaddress.IPv4Network:
     try:
         net = ipaddress.IPv4Network(subnet, strict=True)
     except ValueError as err:
-        raise ValueError(f"subnet {subnet!r}: {err}") from None
+        raise JaxschedValueError(f"subnet {subnet!r}: {err}") from None
     if net.prefixlen != 24 or not net.is_private:
-        raise ValueError(f"subnet {subnet!r}: need a private /24 such as {DEFAULT_SUBNET}")
+        raise JaxschedValueError(f"subnet {subnet!r}: need a private /24 such as {DEFAULT_SUBNET}")
     return net
 
 
@@ -260,7 +261,7 @@ def parse_delay(delay: str | None) -> float | None:
         return None
     m = _DELAY_RE.match(str(delay).strip().lower())
     if not m:
-        raise ValueError(f"delay {delay!r} is not a time like '5ms', '250us' or '0.1s'")
+        raise JaxschedValueError(f"delay {delay!r} is not a time like '5ms', '250us' or '0.1s'")
     seconds = float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
     return seconds or None
 

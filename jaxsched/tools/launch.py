@@ -33,6 +33,7 @@ Shell (until ``jaxsched launch`` is wired into the CLI)::
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedError, JaxschedRuntimeError, JaxschedValueError
 
 import os
 import queue
@@ -104,7 +105,7 @@ GLOO_FACTORY_SIGNATURE = (
 )
 
 
-class GlooBindingError(RuntimeError):
+class GlooBindingError(JaxschedError, RuntimeError):
     """jaxlib's private gloo factory is not what this module was written against."""
 
 
@@ -170,14 +171,14 @@ def bind_gloo(interface: str) -> None:
     xla_bridge = _check_cpu_client_factory()
     _gloo_factory()  # fail now, not when the backend is created
     if xla_bridge.backends_are_initialized():
-        raise RuntimeError(
+        raise JaxschedRuntimeError(
             "bind_gloo must run before JAX creates its backends (before jax.devices() or any computation)"
         )
     if distributed.global_state.client is None:
-        raise RuntimeError("bind_gloo needs jax.distributed.initialize() to have run first")
+        raise JaxschedRuntimeError("bind_gloo needs jax.distributed.initialize() to have run first")
     impl = jax_config.cpu_collectives_implementation.value
     if impl != "gloo":
-        raise RuntimeError(f"bind_gloo binds gloo, but jax_cpu_collectives_implementation is {impl!r}")
+        raise JaxschedRuntimeError(f"bind_gloo binds gloo, but jax_cpu_collectives_implementation is {impl!r}")
 
     def make_cpu_client():
         collectives = make_gloo_collectives(distributed.global_state.client, interface=interface)
@@ -205,7 +206,7 @@ def _env_int(name: str, value: int | float | None, default: int | None) -> int |
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+        raise JaxschedValueError(f"{name}={raw!r} is not an integer") from None
 
 
 def initialize(
@@ -256,7 +257,7 @@ def initialize(
     if present:
         missing = [v for v in _LAUNCH_VARS if v not in present]
         if missing:
-            raise RuntimeError(
+            raise JaxschedRuntimeError(
                 f"{', '.join(present)} set but {', '.join(missing)} missing: "
                 "start the processes with jaxsched launch, or set all three"
             )
@@ -279,7 +280,7 @@ def initialize(
                 raise
             if allow_single_process:
                 return ProcessInfo(0, 1, None, None)
-            raise RuntimeError(
+            raise JaxschedRuntimeError(
                 "jaxsched.tools.launch.initialize: no JAXSCHED_* variables and no cluster detected "
                 f"by jax.distributed.initialize() ({err}). Start the script with `jaxsched "
                 "launch --hosts N -- python ...`, under srun/mpirun/a TPU pod, or pass "
@@ -324,7 +325,7 @@ def _install_fail_fast() -> None:
 # --- the launcher ------------------------------------------------------------------------
 
 
-class LaunchError(RuntimeError):
+class LaunchError(JaxschedError, RuntimeError):
     """The processes could not be started."""
 
 
@@ -417,12 +418,12 @@ def launch(
     per-peer connection lines (`GLOO_CHATTER`) are left out.
     """
     if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
-        raise ValueError(f"hosts={hosts!r}: need an integer >= 1")
+        raise JaxschedValueError(f"hosts={hosts!r}: need an integer >= 1")
     command = list(command)
     if not command:
-        raise ValueError("no command to launch: give it after `--`, e.g. -- python train.py")
+        raise JaxschedValueError("no command to launch: give it after `--`, e.g. -- python train.py")
     if cluster is not None and len(cluster.hosts) < hosts:
-        raise ValueError(f"hosts={hosts} but the cluster {cluster.prefix!r} has {len(cluster.hosts)} hosts")
+        raise JaxschedValueError(f"hosts={hosts} but the cluster {cluster.prefix!r} has {len(cluster.hosts)} hosts")
     out = stdout if stdout is not None else sys.stdout
     err = stderr if stderr is not None else sys.stderr
     port = port or free_port()

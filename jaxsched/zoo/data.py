@@ -8,6 +8,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 from typing import Iterator, NamedTuple
 
@@ -114,14 +115,14 @@ def load(name: str, seed: int = 0, **options) -> Split:
         "synthetic_cifar": synthetic_cifar,
     }
     if name not in loaders:
-        raise ValueError(f"unknown data set {name!r}; choose one of {', '.join(DATASETS)}")
+        raise JaxschedValueError(f"unknown data set {name!r}; choose one of {', '.join(DATASETS)}")
     return loaders[name](seed=seed, **options)
 
 
 def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Endless shuffled minibatches of exactly ``batch_size`` (epochs reshuffled, tail dropped)."""
     if batch_size > len(x):
-        raise ValueError(f"batch_size={batch_size} exceeds the {len(x)} training examples")
+        raise JaxschedValueError(f"batch_size={batch_size} exceeds the {len(x)} training examples")
     rng = np.random.default_rng(seed)
     while True:
         order = rng.permutation(len(x))
@@ -144,7 +145,7 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int = 0) -> np.ndarr
         [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     """
     if not 0 < batch_size <= n:
-        raise ValueError(f"batch_size={batch_size} must be in 1..{n} (the training examples)")
+        raise JaxschedValueError(f"batch_size={batch_size} must be in 1..{n} (the training examples)")
     per_epoch = n // batch_size
     epoch, k = divmod(step, per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(n)

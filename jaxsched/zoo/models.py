@@ -14,6 +14,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 from typing import Any, Callable, Sequence
 
@@ -84,7 +85,7 @@ class TransformerBlock(nnx.Module):
 
     def __init__(self, dim: int, heads: int, *, rngs: nnx.Rngs):
         if dim % heads:
-            raise ValueError(f"model.dim={dim} is not divisible by model.heads={heads}")
+            raise JaxschedValueError(f"model.dim={dim} is not divisible by model.heads={heads}")
         self.heads = heads
         self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
         # No qkv bias: the key bias gets an exactly-zero gradient (softmax is shift-invariant),
@@ -159,5 +160,5 @@ def build(name: str, input_shape: tuple[int, ...], num_outputs: int, seed: int =
         if name == "transformer":
             return TransformerLM(num_outputs, input_shape[0], rngs=rngs, **options)
     except TypeError as err:
-        raise ValueError(f"model options {sorted(options)} do not fit model {name!r}: {err}") from None
-    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+        raise JaxschedValueError(f"model options {sorted(options)} do not fit model {name!r}: {err}") from None
+    raise JaxschedValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")

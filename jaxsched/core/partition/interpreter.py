@@ -20,6 +20,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedError
 
 import dataclasses
 import warnings
@@ -34,7 +35,7 @@ from jaxsched.core.replay import source_line
 __all__ = ["EqnPlan", "GatherWarning", "JaxprPlan", "Partitioner", "PartitionError", "RuleTable"]
 
 
-class PartitionError(ValueError):
+class PartitionError(JaxschedError, ValueError):
     """A ``jax.jit`` step the per-device rewrite cannot make exact; the message names the
     primitive and the source line."""
 

@@ -29,6 +29,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedError
 
 import dataclasses
 from typing import Any, Sequence
@@ -45,7 +46,7 @@ from jaxsched.core.replay import nested_eqns
 __all__ = ["Placement", "PlacementError", "manual_spec", "read_placement", "without_unit_axes"]
 
 
-class PlacementError(ValueError):
+class PlacementError(JaxschedError, ValueError):
     """The inputs' placement is not data parallelism jaxsched can schedule; says why."""
 
 

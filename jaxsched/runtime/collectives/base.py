@@ -25,6 +25,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 from typing import Any, Sequence
@@ -127,9 +128,9 @@ class Collective:
         forms = dict(forms or {})
         for op, form in forms.items():
             if op not in OPERATIONS:
-                raise ValueError(f"forms: {op!r} is not an operation; choose from {', '.join(OPERATIONS)}")
+                raise JaxschedValueError(f"forms: {op!r} is not an operation; choose from {', '.join(OPERATIONS)}")
             if form not in FORMS:
-                raise ValueError(f"forms[{op!r}] = {form!r}; choose from {', '.join(FORMS)}")
+                raise JaxschedValueError(f"forms[{op!r}] = {form!r}; choose from {', '.join(FORMS)}")
         self.forms = forms
 
     def form(self, op: str, bucket: BucketSpec) -> str:

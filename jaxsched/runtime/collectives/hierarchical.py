@@ -32,6 +32,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import dataclasses
 import math
@@ -70,14 +71,14 @@ class Hierarchical(Collective):
         self.fast, self.slow = as_axes(fast), as_axes(slow)
         for name, axes in (("fast", self.fast), ("slow", self.slow)):
             if not axes or not all(isinstance(a, str) and a for a in axes):
-                raise TypeError(f"Hierarchical({name}={axes!r}): give a mesh axis name or a tuple of names")
+                raise JaxschedTypeError(f"Hierarchical({name}={axes!r}): give a mesh axis name or a tuple of names")
         if set(self.fast) & set(self.slow):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"Hierarchical: axes {sorted(set(self.fast) & set(self.slow))} are "
                 "both fast and slow; each data-parallel axis is one or the other"
             )
         if slow_collective is not None and not isinstance(slow_collective, Collective):
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"Hierarchical(slow_collective=...) must be a jaxsched Collective "
                 f"(e.g. jaxsched.runtime.compress.TopK(0.01)), got {type(slow_collective).__name__}"
             )
@@ -98,7 +99,7 @@ class Hierarchical(Collective):
         sizes = dict(bucket.mesh_axes)
         if not sizes or not set(sizes) <= set(self.fast + self.slow):
             data = tuple(sizes) or "one axis (unknown here)"
-            raise ValueError(
+            raise JaxschedValueError(
                 f"{self!r} needs a step whose data-parallel axes are exactly "
                 f"{self.slow + self.fast} (its batch sharded over them); this step's are {data}"
             )
@@ -131,7 +132,7 @@ class Hierarchical(Collective):
 
     def _check_axis(self, axis_name: Any) -> None:
         if not set(as_axes(axis_name)) <= set(self.fast + self.slow):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"{self!r} was asked to reduce over {axis_name!r}; it reduces over "
                 f"the data-parallel axes {self.slow + self.fast}"
             )

@@ -26,6 +26,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 from typing import Any, Callable, Sequence, Union
 
@@ -56,13 +57,13 @@ Density = Union[float, Sequence[float], Callable[[BucketSpec], float]]
 def check_density(density: Any, owner: str) -> float:
     """``density`` as a float in (0, 1], or a ValueError naming ``owner``."""
     if isinstance(density, bool):
-        raise TypeError(f"{owner}(density={density!r}): density must be a number in (0, 1]")
+        raise JaxschedTypeError(f"{owner}(density={density!r}): density must be a number in (0, 1]")
     try:
         value = float(density)
     except (TypeError, ValueError):
-        raise TypeError(f"{owner}(density={density!r}): density must be a number in (0, 1]") from None
+        raise JaxschedTypeError(f"{owner}(density={density!r}): density must be a number in (0, 1]") from None
     if not 0.0 < value <= 1.0:
-        raise ValueError(
+        raise JaxschedValueError(
             f"{owner}(density={density!r}): density must be in (0, 1] (the fraction "
             f"of each bucket's entries sent per step, e.g. 0.01)"
         )
@@ -75,7 +76,7 @@ def check_density_spec(density: Any, owner: str) -> Any:
         return density
     if isinstance(density, (list, tuple)):
         if not density:
-            raise ValueError(f"{owner}(density=[]): give one density per bucket, or one float")
+            raise JaxschedValueError(f"{owner}(density=[]): give one density per bucket, or one float")
         return tuple(check_density(d, owner) for d in density)
     return check_density(density, owner)
 
@@ -95,14 +96,14 @@ def bucket_density(density: Any, bucket: BucketSpec, owner: str) -> float:
         try:
             return check_density(value, owner)
         except (TypeError, ValueError):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"{owner}: the density function gave {value!r} for bucket "
                 f"{bucket.index} (shapes {bucket.shapes}); it must return a "
                 f"number in (0, 1]"
             ) from None
     if isinstance(density, tuple):
         if bucket.index >= len(density):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"{owner}: {len(density)} densities given, but the plan has bucket "
                 f"{bucket.index}; give one per bucket (see sched.program.buckets)"
             )
@@ -113,7 +114,7 @@ def bucket_density(density: Any, bucket: BucketSpec, owner: str) -> float:
 def check_gradient_bucket(bucket: BucketSpec, owner: str) -> None:
     """Refuse a gradient bucket a lossy compressor cannot handle (non-floating)."""
     if not jnp.issubdtype(bucket.dtype, jnp.floating):
-        raise TypeError(
+        raise JaxschedTypeError(
             f"{owner} compresses floating gradients, but bucket {bucket.index} "
             f"(shapes {bucket.shapes}) has dtype {np.dtype(bucket.dtype).name}; "
             f"keep integer leaves out of the differentiated params, or schedule "
@@ -149,9 +150,9 @@ class Compressor(CollectiveWrapper):
         from jaxsched.sim import Compression
 
         if self.sim_kind is None:
-            raise ValueError(f"{type(self).__name__}: the simulator does not model it")
+            raise JaxschedValueError(f"{type(self).__name__}: the simulator does not model it")
         if not isinstance(self.density, float):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"{type(self).__name__}: the simulator models one density for every bucket; got {self.density!r}"
             )
         return Compression(self.sim_kind, self.density, selection_s_per_byte)

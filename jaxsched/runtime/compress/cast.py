@@ -21,6 +21,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedTypeError
 
 from typing import Any, NamedTuple
 
@@ -55,9 +56,9 @@ class Cast(Compressor):
         try:
             self.dtype = jnp.dtype(dtype)
         except TypeError:
-            raise TypeError(f"Cast(dtype={dtype!r}): not a dtype; use e.g. jnp.bfloat16") from None
+            raise JaxschedTypeError(f"Cast(dtype={dtype!r}): not a dtype; use e.g. jnp.bfloat16") from None
         if not jnp.issubdtype(self.dtype, jnp.floating):
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"Cast(dtype={self.dtype.name}): reducing gradients needs a floating "
                 f"dtype, e.g. jnp.bfloat16 or jnp.float16"
             )

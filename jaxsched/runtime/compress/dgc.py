@@ -52,6 +52,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import math
 from typing import Any, Callable, TypeVar
@@ -88,16 +89,16 @@ def sent_mask(indices: jax.Array, count: jax.Array, size: int) -> jax.Array:
 
 def _number(value: Any, owner: str, name: str, rule: str) -> float:
     if isinstance(value, bool):
-        raise TypeError(f"{owner}({name}={value!r}): {name} must be {rule}")
+        raise JaxschedTypeError(f"{owner}({name}={value!r}): {name} must be {rule}")
     try:
         return float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"{owner}({name}={value!r}): {name} must be {rule}") from None
+        raise JaxschedTypeError(f"{owner}({name}={value!r}): {name} must be {rule}") from None
 
 
 def _count(value: Any, owner: str, name: str, rule: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{owner}({name}={value!r}): {name} must be {rule}")
+        raise JaxschedValueError(f"{owner}({name}={value!r}): {name} must be {rule}")
     return int(value)
 
 
@@ -149,13 +150,13 @@ class Sparsifier(Compressor):
         if warmup_density is not None:
             start = _number(warmup_density, owner, "warmup_density", "a number in (0, 1]")
             if not 0.0 < start <= 1.0:
-                raise ValueError(
+                raise JaxschedValueError(
                     f"{owner}(warmup_density={warmup_density!r}): warmup_density "
                     f"must be in (0, 1] (the density of the first warm-up step, "
                     f"e.g. {DEFAULT_WARMUP_DENSITY})"
                 )
             if isinstance(self.density, float) and start < self.density:
-                raise ValueError(
+                raise JaxschedValueError(
                     f"{owner}(density={self.density}, warmup_density={start}): the "
                     f"warm-up must start at least as dense as it ends; give "
                     f"warmup_density >= density"
@@ -166,7 +167,7 @@ class Sparsifier(Compressor):
                 warmup_tiers, owner, "warmup_tiers", "an int >= 1 (the density levels of the warm-up), or None", 1
             )
         if self.warmup_steps == 0 and (warmup_density is not None or warmup_tiers is not None):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"{owner}: warmup_density and warmup_tiers shape a warm-up, but "
                 f"warmup_steps=0 turns it off; give warmup_steps > 0 (e.g. 100)"
             )
@@ -174,13 +175,13 @@ class Sparsifier(Compressor):
         self.warmup_tiers = warmup_tiers
         self.momentum = _number(momentum, owner, "momentum", "a number in [0, 1)")
         if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"{owner}(momentum={momentum!r}): momentum must be in [0, 1) (DGC "
                 f"uses 0.9, with an optimizer without momentum such as "
                 f"optax.sgd(lr)); 0 turns momentum correction off"
             )
         if self.momentum and not self.error_feedback:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"{owner}(momentum={self.momentum}, error_feedback=False): momentum "
                 f"correction accumulates the velocity in the error-feedback "
                 f"residual; use error_feedback=True, or momentum=0"
@@ -188,7 +189,7 @@ class Sparsifier(Compressor):
         if clip_norm is not None:
             clip_norm = _number(clip_norm, owner, "clip_norm", "a number > 0, or None")
             if not clip_norm > 0 or not math.isfinite(clip_norm):
-                raise ValueError(
+                raise JaxschedValueError(
                     f"{owner}(clip_norm={clip_norm!r}): clip_norm must be a finite "
                     f"number > 0 (the largest L2 norm of a device's local gradient "
                     f"per bucket), or None for no clipping"
@@ -216,7 +217,7 @@ class Sparsifier(Compressor):
         if bucket is not None:
             return self.density_of(bucket)
         if not isinstance(self.density, float):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"{type(self).__name__}: the density differs per bucket ({self.density!r}); pass the bucket"
             )
         return self.density
@@ -244,7 +245,7 @@ class Sparsifier(Compressor):
     def density_at(self, step: int, bucket: BucketSpec | None = None) -> float:
         """The density used at ``step`` (0 is the first step)."""
         if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+            raise JaxschedValueError(f"step must be >= 0, got {step}")
         levels = self.density_levels(bucket)
         return levels[self._tier(int(step), len(levels))]
 
@@ -252,7 +253,7 @@ class Sparsifier(Compressor):
         """The mean density over the first ``steps`` steps (warm-up included): what a run
         of that length sends on average, relative to dense."""
         if steps < 1:
-            raise ValueError(f"steps must be >= 1, got {steps}")
+            raise JaxschedValueError(f"steps must be >= 1, got {steps}")
         levels = self.density_levels(bucket)
         tiers = np.minimum(np.arange(steps), self.warmup_steps) * (len(levels) - 1)
         tiers = tiers // max(self.warmup_steps, 1)
@@ -270,9 +271,9 @@ class Sparsifier(Compressor):
         from jaxsched.sim import Compression
 
         if step is not None and steps is not None:
-            raise ValueError("give step= (one step) or steps= (the mean over a run), not both")
+            raise JaxschedValueError("give step= (one step) or steps= (the mean over a run), not both")
         if not isinstance(self.density, float):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"{type(self).__name__}: the simulator models one density for every bucket; got {self.density!r}"
             )
         density = (

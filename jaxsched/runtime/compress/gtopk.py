@@ -59,6 +59,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 from typing import NamedTuple
 
@@ -103,7 +104,7 @@ def exchange_rounds(num_devices: int) -> list[tuple[str, list[tuple[int, int]]]]
     ('double', [(0, 2), (1, 3), (2, 0), (3, 1)])
     """
     if num_devices < 1:
-        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+        raise JaxschedValueError(f"num_devices must be >= 1, got {num_devices}")
     low = 1 << (num_devices.bit_length() - 1)
     extra = num_devices - low
     rounds = []

@@ -45,6 +45,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import math
 from typing import NamedTuple
@@ -109,7 +110,7 @@ class PowerSGD(Compressor):
     def __init__(self, rank: int = 4, error_feedback: bool = True, seed: int = 0, inner: Collective | None = None):
         super().__init__(inner)
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"PowerSGD(rank={rank!r}): rank must be an int >= 1 (the rank of "
                 f"each gradient matrix's approximation, e.g. 4)"
             )
@@ -123,14 +124,14 @@ class PowerSGD(Compressor):
     def _segments(self, bucket: BucketSpec) -> list[tuple[int, int, tuple[int, int, int] | None]]:
         """``(offset, size, matrix view or None)`` of each tensor in the flat buffer."""
         if bucket.interleaved:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"PowerSGD needs each gradient tensor whole, but bucket {bucket.index} "
                 f"(shapes {bucket.shapes}) arrives in the interleaved shard layout of a "
                 f"reduce-scatter (strategy 'dear'); use strategy='wfbp' with PowerSGD"
             )
         sizes = [math.prod(s) for s in bucket.shapes]
         if sum(sizes) != bucket.size:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"PowerSGD: bucket {bucket.index} has {bucket.size} elements but its "
                 f"shapes {bucket.shapes} hold {sum(sizes)}; the strategy must "
                 f"describe every tensor in BucketSpec.shapes"

@@ -31,6 +31,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 from typing import Any, NamedTuple
 
@@ -107,14 +108,14 @@ class Quantize(Compressor):
     ):
         super().__init__(inner)
         if isinstance(bits, bool) or bits not in (4, 8):
-            raise ValueError(f"Quantize(bits={bits!r}): bits must be 4 or 8")
+            raise JaxschedValueError(f"Quantize(bits={bits!r}): bits must be 4 or 8")
         if (
             isinstance(block_size, bool)
             or not isinstance(block_size, (int, np.integer))
             or block_size < 2
             or block_size % 2
         ):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"Quantize(block_size={block_size!r}): block_size must be an even int "
                 ">= 2 (elements sharing one scale, e.g. 256)"
             )

@@ -50,6 +50,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 from typing import Literal, NamedTuple
 
@@ -133,7 +134,9 @@ class TopK(Sparsifier):
             clip_norm=clip_norm,
         )
         if selection not in SELECTIONS:
-            raise ValueError(f"TopK(selection={selection!r}) is unknown; use one of {', '.join(map(repr, SELECTIONS))}")
+            raise JaxschedValueError(
+                f"TopK(selection={selection!r}) is unknown; use one of {', '.join(map(repr, SELECTIONS))}"
+            )
         self.selection = selection
         self.seed = int(seed)
 

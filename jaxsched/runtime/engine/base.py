@@ -20,6 +20,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import abc
 import dataclasses
@@ -163,7 +164,7 @@ _ENGINES: dict[str, Callable[..., Engine]] = {}
 def register_engine(name: str, factory: Callable[..., Engine]) -> None:
     """Make ``engine=name`` available; a taken name is refused."""
     if name in _ENGINES:
-        raise ValueError(f"an engine named {name!r} is already registered")
+        raise JaxschedValueError(f"an engine named {name!r} is already registered")
     _ENGINES[name] = factory
 
 
@@ -175,14 +176,14 @@ def make_engine(engine: str | Engine, **options: Any) -> Engine:
     """An engine from its registered name and options, or an instance as given."""
     if isinstance(engine, Engine):
         if options:
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"engine options {sorted(options)} go to the engine's constructor "
                 f"when an Engine instance ({type(engine).__name__}) is passed"
             )
         return engine
     if engine not in _ENGINES:
-        raise ValueError(f"engine={engine!r} is unknown; choose one of {', '.join(_ENGINES)}")
+        raise JaxschedValueError(f"engine={engine!r} is unknown; choose one of {', '.join(_ENGINES)}")
     try:
         return _ENGINES[engine](**options)
     except TypeError as err:
-        raise TypeError(f"engine {engine!r} does not take options {sorted(options)}: {err}") from None
+        raise JaxschedTypeError(f"engine {engine!r} does not take options {sorted(options)}: {err}") from None

@@ -42,6 +42,7 @@ Example (one process: the collective stages run on the spare device, trivially):
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedError
 
 import dataclasses
 import re
@@ -87,7 +88,7 @@ BALLAST_ELEMENTS = 4096
 LAYOUT_PRIMITIVES = frozenset({"squeeze", "reshape"})
 
 
-class HostEngineError(RuntimeError):
+class HostEngineError(JaxschedError, RuntimeError):
     """The program or the devices do not fit the host engine; the message says why."""
 
 

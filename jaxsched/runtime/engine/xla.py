@@ -33,6 +33,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedTypeError
 
 from typing import Any, Callable
 
@@ -158,7 +159,7 @@ class XlaEngine(Engine):
 
     def __init__(self, compiler_options: dict[str, Any] | None = None):
         if compiler_options is not None and not isinstance(compiler_options, dict):
-            raise TypeError(
+            raise JaxschedTypeError(
                 f"compiler_options must be a dict of XLA option names to values, got {type(compiler_options).__name__}"
             )
         self.compiler_options = compiler_options

@@ -82,6 +82,7 @@ Example:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import functools
 import math
@@ -163,7 +164,7 @@ class SparseGradient(NamedTuple):
 def _check_float(x, name: str) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{name} must have a floating dtype (float32, bfloat16, ...), got {x.dtype}")
+        raise JaxschedTypeError(f"{name} must have a floating dtype (float32, bfloat16, ...), got {x.dtype}")
     return x
 
 
@@ -171,11 +172,11 @@ def _check_pair(grad, residual) -> tuple[jax.Array, jax.Array]:
     grad = _check_float(grad, "grad")
     residual = _check_float(residual, "residual")
     if grad.shape != residual.shape:
-        raise ValueError(
+        raise JaxschedValueError(
             f"grad and residual must have the same shape, got grad {grad.shape} and residual {residual.shape}"
         )
     if grad.dtype != residual.dtype:
-        raise TypeError(
+        raise JaxschedTypeError(
             f"grad and residual must have the same dtype, got grad {grad.dtype} and residual {residual.dtype}"
         )
     return grad, residual
@@ -185,18 +186,18 @@ def _check_density(density) -> float:
     try:
         density = float(density)
     except (TypeError, ValueError):
-        raise TypeError(f"density must be a number in (0, 1], got {density!r}") from None
+        raise JaxschedTypeError(f"density must be a number in (0, 1], got {density!r}") from None
     if not 0.0 < density <= 1.0:
-        raise ValueError(f"density must be in (0, 1], got {density}")
+        raise JaxschedValueError(f"density must be in (0, 1], got {density}")
     return density
 
 
 def _threshold_scalar(threshold, dtype) -> jax.Array:
     t = jnp.asarray(threshold)
     if t.ndim != 0:
-        raise ValueError(f"threshold must be a scalar, got shape {t.shape}")
+        raise JaxschedValueError(f"threshold must be a scalar, got shape {t.shape}")
     if not (jnp.issubdtype(t.dtype, jnp.floating) or jnp.issubdtype(t.dtype, jnp.integer)):
-        raise TypeError(f"threshold must be a real number, got dtype {t.dtype}")
+        raise JaxschedTypeError(f"threshold must be a real number, got dtype {t.dtype}")
     return t.astype(dtype)
 
 
@@ -351,14 +352,14 @@ def _call_interpret(t, g2, r2, *, n: int, block_rows: int):
 
 def _check_block_rows(block_rows: int, dtype) -> None:
     if not isinstance(block_rows, (int, np.integer)) or not 1 <= block_rows <= 256:
-        raise ValueError(
+        raise JaxschedValueError(
             f"block_rows must be an int in [1, 256] (Mosaic GPU copies at "
             f"most 256 elements per dimension), got {block_rows!r}"
         )
     # A warpgroup (128 threads) loads 8 bytes per thread per step.
     per_step = 128 * (8 // jnp.dtype(dtype).itemsize)
     if (block_rows * BLOCK_COLS) % per_step:
-        raise ValueError(
+        raise JaxschedValueError(
             f"block_rows={block_rows} gives a block of "
             f"{block_rows * BLOCK_COLS} elements, not a multiple of "
             f"{per_step} for dtype {jnp.dtype(dtype).name}"
@@ -395,7 +396,7 @@ def error_feedback_pallas(
     if n == 0:
         return error_feedback_reference(grad, residual, threshold)
     if n >= 2**31 - BLOCK_COLS * block_rows:
-        raise ValueError(f"gradient of {n} elements is too large for int32 indexing; split it into buckets")
+        raise JaxschedValueError(f"gradient of {n} elements is too large for int32 indexing; split it into buckets")
     t = _threshold_scalar(threshold, dtype).reshape(1)
     rows = -(-n // BLOCK_COLS)
     pad = rows * BLOCK_COLS - n
@@ -463,7 +464,7 @@ def fused_error_feedback(
     if implementation == "interpret":
         return error_feedback_pallas(grad, residual, threshold, block_rows=block_rows, interpret=True)
     if implementation is not None:
-        raise ValueError(f"implementation must be None, 'pallas', 'jnp' or 'interpret', got {implementation!r}")
+        raise JaxschedValueError(f"implementation must be None, 'pallas', 'jnp' or 'interpret', got {implementation!r}")
     t = _threshold_scalar(threshold, grad.dtype)
     ref = lambda g, r, t: tuple(error_feedback_reference(g, r, t))  # noqa: E731
     if grad.size % BLOCK_COLS or not _mosaic_gpu_usable():
@@ -515,12 +516,12 @@ def estimate_threshold(
         x, residual = _check_pair(x, residual)
     n = x.size
     if n == 0:
-        raise ValueError("cannot estimate a threshold for an empty array")
+        raise JaxschedValueError("cannot estimate a threshold for an empty array")
     if density >= 1.0:
         return jnp.zeros((), x.dtype)
     m = default_sample_size(n, density) if sample_size is None else int(sample_size)
     if m < 1:
-        raise ValueError(f"sample_size must be at least 1, got {sample_size}")
+        raise JaxschedValueError(f"sample_size must be at least 1, got {sample_size}")
     flat = x.reshape(-1)
     flat_r = None if residual is None else residual.reshape(-1)
     if m >= n:
@@ -593,7 +594,7 @@ def compact(sent, new_residual, capacity: int) -> SparseGradient:
     """
     sent, new_residual = _check_pair(sent, new_residual)
     if not isinstance(capacity, (int, np.integer)) or capacity < 1:
-        raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        raise JaxschedValueError(f"capacity must be a positive int, got {capacity!r}")
     capacity = int(capacity)
     shape, n = sent.shape, sent.size
     flat = sent.reshape(-1)
@@ -698,7 +699,7 @@ def exact_topk_error_feedback(grad, residual, k: int) -> SparseGradient:
     grad, residual = _check_pair(grad, residual)
     n = grad.size
     if not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
-        raise ValueError(f"k must be an int in [1, {n}] (the gradient's size), got {k!r}")
+        raise JaxschedValueError(f"k must be an int in [1, {n}] (the gradient's size), got {k!r}")
     acc = (residual + grad).reshape(-1)
     _, idx = lax.top_k(jnp.abs(acc), int(k))
     idx = idx.astype(jnp.int32)

@@ -27,6 +27,7 @@ Example (needs the ``aot`` extra):
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedError, JaxschedValueError
 
 import functools
 import importlib.util
@@ -57,7 +58,7 @@ _EXTRA_HINT = (
 )
 
 
-class AotUnavailableError(RuntimeError):
+class AotUnavailableError(JaxschedError, RuntimeError):
     """The compile-only toolchain for a target is not installed, or the target is unknown."""
 
 
@@ -83,12 +84,14 @@ def parse_target(spec: str) -> tuple[str, str, int]:
     """
     parts = spec.split(":")
     if len(parts) not in (2, 3) or not all(parts):
-        raise ValueError(f"target {spec!r}: write TARGET:TOPOLOGY[:slices=N], e.g. h100:1x2x4 or v5p:2x2x2:slices=2")
+        raise JaxschedValueError(
+            f"target {spec!r}: write TARGET:TOPOLOGY[:slices=N], e.g. h100:1x2x4 or v5p:2x2x2:slices=2"
+        )
     slices = 1
     if len(parts) == 3:
         match = re.fullmatch(r"slices=(\d+)", parts[2])
         if not match or int(match.group(1)) < 1:
-            raise ValueError(f"target {spec!r}: the third field must be slices=N with N >= 1")
+            raise JaxschedValueError(f"target {spec!r}: the third field must be slices=N with N >= 1")
         slices = int(match.group(1))
     return parts[0].lower(), parts[1], slices
 
@@ -115,19 +118,19 @@ def devices(target: str, topology: str, *, slices: int = 1) -> list:
     """
     target = target.lower()
     if not isinstance(slices, int) or slices < 1:
-        raise ValueError(f"slices must be an integer >= 1, got {slices!r}")
+        raise JaxschedValueError(f"slices must be an integer >= 1, got {slices!r}")
     if target in GPU_TARGETS:
         match = re.fullmatch(r"(\d+)x(\d+)x(\d+)", topology)
         if not match:
-            raise ValueError(f"GPU topology {topology!r}: write SLICESxHOSTSxGPUS, e.g. 1x2x4")
+            raise JaxschedValueError(f"GPU topology {topology!r}: write SLICESxHOSTSxGPUS, e.g. 1x2x4")
         if slices != 1 and int(match.group(1)) != slices:
-            raise ValueError(
+            raise JaxschedValueError(
                 f"GPU topology {topology!r} already says {match.group(1)} slice(s); slices={slices} disagrees"
             )
         return list(_gpu_devices(target, topology))
     if target in TPU_TARGETS:
         if not re.fullmatch(r"\d+(x\d+)+", topology):
-            raise ValueError(f"TPU topology {topology!r}: write chips per dimension, e.g. 2x2x2")
+            raise JaxschedValueError(f"TPU topology {topology!r}: write chips per dimension, e.g. 2x2x2")
         return list(_tpu_devices(target, topology, slices))
     raise AotUnavailableError(
         f"unknown target {target!r}; GPU: {', '.join(GPU_TARGETS)}; TPU: {', '.join(TPU_TARGETS)}"

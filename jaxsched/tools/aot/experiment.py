@@ -13,6 +13,7 @@ Example (any mesh works; ``target="h100:1x2x4"`` needs the ``aot`` extra):
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import math
@@ -121,9 +122,9 @@ def abstract_experiment(
     ``form="jit"`` writes it as ``jax.jit`` on global arrays (`jaxsched.demo.steps.make_jit_step`)
     rather than as a ``shard_map``."""
     if (target is None) == (mesh is None):
-        raise ValueError("pass target= (e.g. 'h100:1x2x4') or mesh=, exactly one")
+        raise JaxschedValueError("pass target= (e.g. 'h100:1x2x4') or mesh=, exactly one")
     if form not in ("shard_map", "jit"):
-        raise ValueError(f"form={form!r}; choose 'shard_map' or 'jit'")
+        raise JaxschedValueError(f"form={form!r}; choose 'shard_map' or 'jit'")
     mesh = mesh if mesh is not None else mesh_for(target)
     axis = _mesh_axis(mesh)
     model = nnx.eval_shape(lambda: models.build(spec.name, spec.input_shape, spec.num_outputs, **spec.options))

@@ -6,6 +6,7 @@ starts, naming the option, the value and what is allowed.
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedError
 
 import argparse
 from pathlib import Path
@@ -27,7 +28,7 @@ __all__ = [
 ]
 
 
-class CommandError(ValueError):
+class CommandError(JaxschedError, ValueError):
     """Bad input found after parsing (e.g. inside a file); printed as one line, exit 2."""
 
 

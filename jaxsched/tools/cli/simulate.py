@@ -11,6 +11,7 @@ Examples:
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedValueError
 
 import argparse
 import functools
@@ -86,12 +87,12 @@ def check_strategy(name: str) -> None:
     base, _, comp = name.partition("+")
     if _periodic(base):
         if comp:
-            raise ValueError(f"{name!r}: compress {base}'s outer gradients with --outer-bits")
+            raise JaxschedValueError(f"{name!r}: compress {base}'s outer gradients with --outer-bits")
         return
     if base not in STRATEGIES:
-        raise ValueError(f"{base!r} is unknown; choose from {', '.join(STRATEGIES)}")
+        raise JaxschedValueError(f"{base!r} is unknown; choose from {', '.join(STRATEGIES)}")
     if comp and comp not in COMPRESSIONS:
-        raise ValueError(f"compression {comp!r} in {name!r} is unknown; use +{' or +'.join(COMPRESSIONS)}")
+        raise JaxschedValueError(f"compression {comp!r} in {name!r} is unknown; use +{' or +'.join(COMPRESSIONS)}")
 
 
 def _levels(network: NetworkProfile) -> str:
@@ -256,7 +257,7 @@ def _inputs(args: argparse.Namespace) -> tuple[LayerProfile, NetworkProfile, str
     else:
         two_level = "+" in args.network
         if not two_level and (args.per_node or args.flat):
-            raise ValueError(
+            raise JaxschedValueError(
                 f"--per-node and --flat describe a two-level network; "
                 f"--network {args.network} is one level (try nvlink4+{args.network})"
             )

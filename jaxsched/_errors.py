@@ -1,0 +1,34 @@
+"""The one base class of every error jaxsched raises, so that callers can catch them all.
+
+Each error also derives from the built-in class a caller would otherwise expect
+(`ValueError` for a bad value, `TypeError` for a bad type), so ``except ValueError``
+keeps working.
+
+Example:
+    >>> import jaxsched
+    >>> try:
+    ...     jaxsched.network_preset("10gbe", workers=0)
+    ... except jaxsched.JaxschedError as error:
+    ...     print(type(error).__name__)
+    ProfileError
+"""
+
+from __future__ import annotations
+
+__all__ = ["JaxschedError", "JaxschedRuntimeError", "JaxschedTypeError", "JaxschedValueError"]
+
+
+class JaxschedError(Exception):
+    """Base class of every error jaxsched raises."""
+
+
+class JaxschedValueError(JaxschedError, ValueError):
+    """A value jaxsched cannot use: a bad argument, step or configuration."""
+
+
+class JaxschedTypeError(JaxschedError, TypeError):
+    """An argument or step output of a type jaxsched cannot use."""
+
+
+class JaxschedRuntimeError(JaxschedError, RuntimeError):
+    """A failure while running: a peer, a process or a device did not do what was expected."""
