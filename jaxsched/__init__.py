@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "FallbackWarning": "jaxsched.core.rewrite.rules",
     "GatherWarning": "jaxsched.core.partition",
     "JaxschedError": "jaxsched._errors",
+    "JaxschedWarning": "jaxsched._errors",
     "Layer": "jaxsched.sim.costmodel",
     "LayerProfile": "jaxsched.sim.costmodel",
     "NetworkProfile": "jaxsched.sim.costmodel",
@@ -40,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "Scheduled": "jaxsched._schedule",
     "Strategy": "jaxsched.strategies",
     "UnsupportedStepError": "jaxsched.core.capture",
+    "UnshardedStepWarning": "jaxsched._errors",
     "make_pmap_step": "jaxsched.demo.steps",
     "make_step": "jaxsched.demo.steps",
     "network_preset": "jaxsched.sim.costmodel",
@@ -69,6 +71,7 @@ __all__ = [
     "FallbackWarning",
     "GatherWarning",
     "JaxschedError",
+    "JaxschedWarning",
     "Layer",
     "LayerProfile",
     "NetworkProfile",
@@ -79,6 +82,7 @@ __all__ = [
     "SchedState",
     "Scheduled",
     "Strategy",
+    "UnshardedStepWarning",
     "UnsupportedStepError",
     "compress",
     "kfac",
@@ -117,7 +121,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what static tools (type checkers, the API reference) read
-    from jaxsched._errors import JaxschedError
+    from jaxsched._errors import JaxschedError, JaxschedWarning, UnshardedStepWarning
     from jaxsched._schedule import STRATEGIES, SchedState, Scheduled, schedule
     from jaxsched.core.capture import UnsupportedStepError
     from jaxsched.core.partition import GatherWarning

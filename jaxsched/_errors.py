@@ -15,7 +15,14 @@ Example:
 
 from __future__ import annotations
 
-__all__ = ["JaxschedError", "JaxschedRuntimeError", "JaxschedTypeError", "JaxschedValueError"]
+__all__ = [
+    "JaxschedError",
+    "JaxschedRuntimeError",
+    "JaxschedTypeError",
+    "JaxschedValueError",
+    "JaxschedWarning",
+    "UnshardedStepWarning",
+]
 
 
 class JaxschedError(Exception):
@@ -32,3 +39,12 @@ class JaxschedTypeError(JaxschedError, TypeError):
 
 class JaxschedRuntimeError(JaxschedError, RuntimeError):
     """A failure while running: a peer, a process or a device did not do what was expected."""
+
+
+class JaxschedWarning(UserWarning):
+    """Base class of every warning jaxsched gives, so that a filter can name them all."""
+
+
+class UnshardedStepWarning(JaxschedWarning):
+    """A step runs on one device of several: no input is sharded over a mesh, so nothing is
+    parallelised or scheduled (the batch was most likely left as numpy arrays)."""

@@ -33,6 +33,7 @@ from jaxsched.runtime.engine import Engine, make_engine
 from jaxsched.core.bucketing import param_paths
 from jaxsched.pipeline.program import Program, ProgramCache, retyped
 from jaxsched.pipeline.selection import build_program
+from jaxsched.core.describe import describe, difference
 from jaxsched.pipeline.state_step import (
     STATE,
     TREES,
@@ -59,7 +60,7 @@ class Scheduled:
     def __init__(
         self,
         step: Callable,
-        strategy: str | Strategy = "dear",
+        strategy: str | Strategy = "wfbp",
         buckets: Any = None,
         compiler_options: dict[str, Any] | None = None,
         *,
@@ -344,7 +345,7 @@ class Scheduled:
         """
         from jaxsched.check.verify import verify
 
-        batches = map(self._marked, batches)
+        batches = map(self._check_inputs, batches)
         if (form := self._state_form_for(state)) is not None:
             batches = list(itertools.islice(iter(batches), steps))
             inner, state = form.scheduled_state(state, batches[0] if batches else None)
@@ -387,6 +388,20 @@ class Scheduled:
         """Whether an input or an output of the step has held a static leaf so far."""
         return getattr(self, "_statics_seen", False) or self.step.saw_static
 
+    def _check_inputs(self, item: Any) -> Any:
+        """One element of ``verify``'s batches, checked as a call checks its inputs: for a step
+        taking several inputs after its state, a tuple of that many."""
+        expected = self._num_inputs
+        if expected is not None and expected > 1 and (not isinstance(item, (tuple, list)) or len(item) != expected):
+            got = f"{len(item)} items" if isinstance(item, (tuple, list)) else describe(item)
+            raise JaxschedTypeError(
+                f"verify got a batch of {got}, but the step takes {expected} inputs after its state: give "
+                "each element of batches as the tuple of inputs a call takes after the state ("
+                + ", ".join(["input"] * (expected - 1) + ["batch"])
+                + ")"
+            )
+        return self._marked(item)
+
     def _batch_of(self, inputs: tuple, state: Any) -> Any:
         """The inputs after the state as the one batch pytree the pipeline traces."""
         check_scheduled_state(state, "sched(state, batch)", num_arguments=1 + len(inputs))
@@ -398,7 +413,15 @@ class Scheduled:
         if len(inputs) != expected:
             raise JaxschedTypeError(
                 f"the scheduled step got {len(inputs)} input(s) after the state; the "
-                f"step takes {expected} (call sched(state, " + ", ".join(["input"] * (expected - 1) + ["batch"]) + "))"
+                f"step takes {expected} (call sched(state, "
+                + ", ".join(["input"] * (expected - 1) + ["batch"])
+                + "))"
+                + (
+                    "; if the step is step(params, opt_state, batch), the schedule was initialized with "
+                    "one tree: call sched.init(params, opt_state)"
+                    if self._form == STATE and len(inputs) < expected
+                    else ""
+                )
             )
         self._num_inputs = expected
         return inputs[0] if expected == 1 else tuple(inputs)
@@ -454,7 +477,7 @@ class Scheduled:
 
 def schedule(
     train_step: Callable | None = None,
-    strategy: str | Strategy = "dear",
+    strategy: str | Strategy = "wfbp",
     buckets: Any = None,
     compiler_options: dict[str, Any] | None = None,
     *,
@@ -549,8 +572,7 @@ def check_state_fits(program: Program, template: Any, state: Any) -> None:
     if jax.tree.structure(trees) != jax.tree.structure(template):  # type: ignore[operator]
         raise JaxschedValueError(
             "this state's trees differ from the ones this schedule was initialized "
-            f"with ({jax.tree.structure(trees)} against "
-            f"{jax.tree.structure(template)}): was it made by another schedule? "
+            f"with: they have {difference(template, trees)}. Was it made by another schedule? "
             "Pass the state this schedule's init returned, or finalize the other "
             "schedule's state and init this one with the result"
         )

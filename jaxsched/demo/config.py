@@ -7,7 +7,7 @@ A config has four tables; every key is optional except ``model.name`` and ``data
                  batch_size = 128        # global batch, split over the devices
     [optimizer]  name = "adam"           # sgd | momentum | adam | adamw
                  learning_rate = 1e-3    # clip_norm = 1.0 chains clip_by_global_norm first
-    [train]      steps = 300, devices = 8, api = "shard_map", strategies = ["allreduce"]
+    [train]      steps = 300, devices = 8, api = "jit", strategies = ["allreduce"]
 
 Example:
     >>> from jaxsched.demo.config import parse
@@ -50,7 +50,7 @@ class ConfigError(JaxschedError, ValueError):
 
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
-APIS = ("shard_map", "pmap")
+APIS = ("jit", "shard_map", "pmap")
 
 
 def known_strategies() -> tuple[str, ...]:
@@ -98,7 +98,7 @@ class OptimizerConfig:
 class TrainConfig:
     steps: int = 300
     devices: int = 8
-    api: str = "shard_map"
+    api: str = "jit"
     strategies: tuple[str, ...] = ("allreduce",)
     seed: int = 0
     log_every: int = 1
@@ -224,7 +224,7 @@ def parse(raw: Mapping[str, Any], source: str = "<dict>") -> Config:
     train = TrainConfig(
         steps=_take(train_t, "steps", int, where, 300),
         devices=_take(train_t, "devices", int, where, 8),
-        api=_take(train_t, "api", str, where, "shard_map"),
+        api=_take(train_t, "api", str, where, "jit"),
         strategies=tuple(strategies),
         seed=_take(train_t, "seed", int, where, 0),
         log_every=_take(train_t, "log_every", int, where, 1),

@@ -139,9 +139,12 @@ def experiment(cfg: Config) -> Experiment:
     params, apply_fn = models_lib.pure(model)
     tx = steps_lib.make_optimizer(cfg.optimizer)
     opt_state = tx.init(params)
-    if cfg.train.api == "shard_map":
+    if cfg.train.api in ("jit", "shard_map"):
         mesh = jax.make_mesh((n,), ("data",), devices=devices)
-        make_step = lambda: steps_lib.make_step(apply_fn, tx, mesh)
+        if cfg.train.api == "jit":
+            make_step = lambda: steps_lib.make_jit_step(apply_fn, tx)
+        else:
+            make_step = lambda: steps_lib.make_step(apply_fn, tx, mesh)
         params, opt_state = steps_lib.place_replicated((params, opt_state), mesh)
         place = lambda batch: steps_lib.shard_batch(batch, mesh)
     else:

@@ -127,7 +127,7 @@ class NNXScheduled:
     ``program``, ``verify`` and ``lower`` are available).
     """
 
-    def __init__(self, train_step: Callable, strategy: str | Strategy = "dear", **schedule_options: Any):
+    def __init__(self, train_step: Callable, strategy: str | Strategy = "wfbp", **schedule_options: Any):
         if not callable(train_step):
             raise JaxschedTypeError(
                 "jaxsched.integrations.nnx.schedule() needs the NNX train step "
@@ -295,7 +295,7 @@ def _carries_something(state: Any) -> bool:
 
 def schedule(
     train_step: Callable | None = None,
-    strategy: str | Strategy = "dear",
+    strategy: str | Strategy = "wfbp",
     buckets: Any = None,
     compiler_options: dict[str, Any] | None = None,
     *,

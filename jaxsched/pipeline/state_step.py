@@ -72,7 +72,7 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedTypeError, JaxschedValueError
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError, JaxschedWarning
 
 import dataclasses
 import inspect
@@ -118,7 +118,7 @@ STATE, TREES = "state", "trees"
 STATE_FIELDS = frozenset({"opt_state", "tx", "optimizer", "opt"})
 
 
-class FormWarning(UserWarning):
+class FormWarning(JaxschedWarning):
     """``sched.init``'s arguments fit both step forms; the warning says which was read."""
 
 
@@ -160,6 +160,31 @@ def _field_names(x: Any) -> frozenset:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return frozenset(f.name for f in dataclasses.fields(x))
     return frozenset(getattr(x, "_fields", ()))
+
+
+def _parameter_names(step: Callable) -> list[str]:
+    step = step.step if isinstance(step, MarkedStep) else step
+    try:
+        return list(inspect.signature(step).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def _signature_text(step: Callable) -> str:
+    names = _parameter_names(step)
+    return f"step({', '.join(names)})" if names else "a step of 3 positional arguments"
+
+
+def _missing_opt_state(step: Callable, tree: Any) -> bool:
+    """Whether ``init(tree)`` for a ``step(params, opt_state, batch)`` forgot the optimizer
+    state: the step's second argument is named as one, and ``tree`` holds none."""
+    names = _parameter_names(step)
+    if len(names) < 2 or names[1] not in STATE_FIELDS | {"opt_states", "optimizer_state", "opt_st"}:
+        return False
+    if looks_like_state(tree) or _field_names(tree) & STATE_FIELDS:
+        return False
+    nodes = jax.tree.leaves(tree, is_leaf=lambda t: type(t).__module__.startswith("optax"))
+    return not any(type(t).__module__.startswith("optax") for t in nodes)
 
 
 def looks_like_state(x: Any) -> bool:
@@ -205,6 +230,12 @@ def step_form(step: Callable, args: tuple, batch_keyword: bool) -> str:
         )
     n_args = len(args)
     form = None
+    if n_args == 1 and arity == 3 and _missing_opt_state(step, args[0]):
+        raise JaxschedTypeError(
+            f"sched.init got one tree ({describe(args[0])}) and no optimizer state, but the step is "
+            f"{_signature_text(step)}: call sched.init(params, opt_state), e.g. "
+            "sched.init(params, tx.init(params))"
+        )
     if n_args >= 1 and looks_like_state(args[0]):
         form = STATE
     elif n_args == 1:
@@ -274,8 +305,11 @@ class StateLayout:
         """The user's state -> (trained leaves, every other leaf), dicts keyed by path."""
         leaves, treedef = jax.tree.flatten(state)
         if treedef != self.treedef:
+            taken = jax.tree.unflatten(self.treedef, [0] * self.treedef.num_leaves)
             raise JaxschedValueError(
-                f"{what} has structure {treedef}, but the step was traced with a state of structure {self.treedef}"
+                f"{what} is a {describe(state)}, but the step was traced with a {describe(taken)}: it has "
+                f"{difference(taken, state)}. Pass the state the previous call (or sched.init) returned; "
+                "a step that returns its state alone gives the state alone, so write state = sched(state, batch)"
             )
         params = {n: x for n, x, t in zip(self.names, leaves, self.trained) if t}
         rest = {n: x for n, x, t in zip(self.names, leaves, self.trained) if not t}
@@ -422,7 +456,7 @@ def find_layout(step: Callable, state: Any, batch: Any, inputs: int = 1) -> Stat
     """Trace ``step(state, batch)`` and decide which leaves are trained (module doc)."""
     leaves, treedef = jax.tree.flatten(state)
     if not leaves:
-        raise UnsupportedStepError(f"the state {treedef} has no leaves: nothing to train")
+        raise UnsupportedStepError(f"the state (a {describe(state)}) has no array leaves: nothing to train")
     names = leaf_names(state)
     everything = StateLayout(treedef, names, (True,) * len(names), inputs=inputs)
     all_params, _ = everything.split(state)

@@ -22,11 +22,14 @@ from jaxsched._errors import JaxschedError, JaxschedTypeError, JaxschedValueErro
 import dataclasses
 import json
 import math
+import types
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 __all__ = [
     "ALLREDUCE_PATTERN",
+    "BUILTIN_PATTERNS",
+    "DILOCO_PATTERN",
     "APPROX_PATTERN",
     "CollectiveCost",
     "COLLECTIVES",
@@ -395,9 +398,6 @@ class CommPattern:
         return sum(network.cost(c).alpha_s for c in self.collectives())
 
 
-_COMM_PATTERNS: dict[str, CommPattern] = {}
-
-
 def register_comm_pattern(name: str, pattern: CommPattern) -> None:
     """Make ``name`` known to the planners and the simulator.
 
@@ -412,7 +412,11 @@ def register_comm_pattern(name: str, pattern: CommPattern) -> None:
 
 
 def unregister_comm_pattern(name: str) -> None:
-    _COMM_PATTERNS.pop(name, None)
+    """Forget a registered pattern; a built-in strategy's name keeps its built-in pattern."""
+    if name in BUILTIN_PATTERNS:
+        _COMM_PATTERNS[name] = BUILTIN_PATTERNS[name]
+    else:
+        _COMM_PATTERNS.pop(name, None)
 
 
 def comm_pattern(name: "str | CommPattern") -> CommPattern:
@@ -441,15 +445,24 @@ KFAC_PATTERN = CommPattern(compressible=False, factors="all_reduce", inverse_pla
 #: FSDP (ZeRO-3): each layer gathered one layer ahead in forward and in backward, each
 #: bucket's gradients reduce-scattered in backward, the update on shards.
 FSDP_PATTERN = CommPattern(gradient="reduce_scatter", gathers_ahead=1, packs_buckets=False, compressible=False)
-for _name, _pattern in (
-    ("allreduce", ALLREDUCE_PATTERN),
-    ("wfbp", WFBP_PATTERN),
-    ("mgwfbp", WFBP_PATTERN),
-    ("dear", DEAR_PATTERN),
-    ("approx", APPROX_PATTERN),
-    ("fsdp", FSDP_PATTERN),
-):
-    register_comm_pattern(_name, _pattern)
+#: DiLoCo: inner steps without communication, an outer all-reduce every few steps.
+DILOCO_PATTERN = CommPattern(gradient="all_reduce", in_backward=True, periodic_sync=True)
+
+#: Every built-in strategy's pattern, known without importing the strategies (the command
+#: line simulates ``diloco`` without loading JAX); a registered strategy adds its own.
+BUILTIN_PATTERNS: Mapping[str, CommPattern] = types.MappingProxyType(
+    {
+        "allreduce": ALLREDUCE_PATTERN,
+        "wfbp": WFBP_PATTERN,
+        "mgwfbp": WFBP_PATTERN,
+        "dear": DEAR_PATTERN,
+        "approx": APPROX_PATTERN,
+        "kfac": KFAC_PATTERN,
+        "diloco": DILOCO_PATTERN,
+        "fsdp": FSDP_PATTERN,
+    }
+)
+_COMM_PATTERNS: dict[str, CommPattern] = dict(BUILTIN_PATTERNS)
 
 
 def fsdp_pattern(pattern: CommPattern, gathers_ahead: int = 1) -> CommPattern:

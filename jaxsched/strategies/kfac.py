@@ -41,7 +41,7 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
+from jaxsched._errors import JaxschedValueError, JaxschedWarning
 
 import dataclasses
 import math
@@ -69,7 +69,7 @@ from jaxsched.strategies.registry import register_strategy
 INVERSES = ("eigh", "cholesky")
 
 
-class KFACFallbackWarning(UserWarning):
+class KFACFallbackWarning(JaxschedWarning):
     """A parameter is not part of a layer K-FAC recognises: it gets the plain gradient."""
 
 

@@ -20,7 +20,7 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedError
+from jaxsched._errors import JaxschedError, JaxschedWarning
 
 import dataclasses
 import warnings
@@ -40,7 +40,7 @@ class PartitionError(JaxschedError, ValueError):
     primitive and the source line."""
 
 
-class GatherWarning(UserWarning):
+class GatherWarning(JaxschedWarning):
     """An operation mixes examples across the sharded batch: its batch-sharded operands are
     all-gathered (exact, at the cost of the gather)."""
 

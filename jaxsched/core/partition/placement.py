@@ -29,9 +29,10 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedError
+from jaxsched._errors import JaxschedError, UnshardedStepWarning
 
 import dataclasses
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -166,6 +167,15 @@ def _single_device_mesh(shardings: Sequence[Any], leaves: Sequence[Any]) -> Mesh
             "the step's inputs are spread over several devices without a NamedSharding; place the "
             "batch with jax.device_put(batch, NamedSharding(mesh, P('data'))) and the parameters "
             "with P()"
+        )
+    if jax.device_count() > 1:
+        warnings.warn(
+            f"no input of the step is sharded over a mesh, so it runs on one device of the "
+            f"{jax.device_count()} available: nothing is parallelised or scheduled. Split the batch "
+            "over the devices with jax.device_put(batch, NamedSharding(mesh, P('data'))), "
+            f"mesh = jax.make_mesh(({jax.device_count()},), ('data',))",
+            UnshardedStepWarning,
+            stacklevel=2,
         )
     device = devices.pop() if devices else jax.devices()[0]
     return Mesh(np.array([device]), ("data",))

@@ -20,6 +20,7 @@ reported once per primitive and source line.
 """
 
 from __future__ import annotations
+from jaxsched._errors import JaxschedWarning
 
 import dataclasses
 import math
@@ -87,7 +88,7 @@ class Shard:
         return Shard(chunk, tuple(self.shape if shape is None else shape), None, self.axes, self.size)
 
 
-class FallbackWarning(UserWarning):
+class FallbackWarning(JaxschedWarning):
     """An update-region primitive could not run on shards and was run on gathered tensors."""
 
 

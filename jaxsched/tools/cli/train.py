@@ -120,8 +120,8 @@ def _speed_caption(cfg: Config, results: list[RunResult]) -> str:
     medians = ", ".join(f"{r.strategy} {1e3 * r.median_step_s:.2f} ms" for r in results)
     text = (
         f"Median step: {medians}. XLA:CPU runs collectives synchronously, so nothing overlaps "
-        "here; the step times differ in how the gradients travel. The plain step's pmean is one "
-        f"all-reduce of a tuple of {len(leaves)} gradient arrays, which XLA:CPU performs as one "
+        "here; the step times differ in how the gradients travel. The plain step sums its "
+        f"{len(leaves)} gradient arrays in one all-reduce of a tuple, which XLA:CPU performs as one "
         "rendezvous of all device threads per array; wfbp and dear send each bucket as one flat "
         f"buffer. Measured just now on this mesh: that psum as a tuple {ms['tuple_ms']:.2f} ms, "
         f"as one flat buffer {ms['flat_ms']:.2f} ms (a difference of "
