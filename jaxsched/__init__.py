@@ -29,6 +29,9 @@ _EXPORTS: dict[str, str] = {
     "FallbackWarning": "jaxsched.core.rewrite.rules",
     "GatherWarning": "jaxsched.core.partition",
     "JaxschedError": "jaxsched._errors",
+    "JaxschedRuntimeError": "jaxsched._errors",
+    "JaxschedTypeError": "jaxsched._errors",
+    "JaxschedValueError": "jaxsched._errors",
     "JaxschedWarning": "jaxsched._errors",
     "Layer": "jaxsched.sim.costmodel",
     "LayerProfile": "jaxsched.sim.costmodel",
@@ -71,6 +74,9 @@ __all__ = [
     "FallbackWarning",
     "GatherWarning",
     "JaxschedError",
+    "JaxschedRuntimeError",
+    "JaxschedTypeError",
+    "JaxschedValueError",
     "JaxschedWarning",
     "Layer",
     "LayerProfile",
@@ -121,7 +127,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what static tools (type checkers, the API reference) read
-    from jaxsched._errors import JaxschedError, JaxschedWarning, UnshardedStepWarning
+    from jaxsched._errors import (
+        JaxschedError,
+        JaxschedRuntimeError,
+        JaxschedTypeError,
+        JaxschedValueError,
+        JaxschedWarning,
+        UnshardedStepWarning,
+    )
     from jaxsched._schedule import STRATEGIES, SchedState, Scheduled, schedule
     from jaxsched.core.capture import UnsupportedStepError
     from jaxsched.core.partition import GatherWarning

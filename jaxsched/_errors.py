@@ -48,3 +48,10 @@ class JaxschedWarning(UserWarning):
 class UnshardedStepWarning(JaxschedWarning):
     """A step runs on one device of several: no input is sharded over a mesh, so nothing is
     parallelised or scheduled (the batch was most likely left as numpy arrays)."""
+
+
+# tracebacks and reprs name the public path (``jaxsched.JaxschedValueError``)
+for _cls in (JaxschedError, JaxschedValueError, JaxschedTypeError, JaxschedRuntimeError, JaxschedWarning,
+             UnshardedStepWarning):  # fmt: skip
+    _cls.__module__ = "jaxsched"
+del _cls

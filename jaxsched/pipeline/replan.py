@@ -37,7 +37,7 @@ Example:
     >>> Replan(every=0)
     Traceback (most recent call last):
     ...
-    ValueError: Replan(every=0): every must be an int >= 1 (steps between measurements)
+    jaxsched.JaxschedValueError: Replan(every=0): every must be an int >= 1 (steps between measurements)
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ class Replan:
     monitor: str = "auto"
 
     def __post_init__(self) -> None:
-        def bad(field: str, why: str) -> ValueError:
-            return ValueError(f"Replan({field}={getattr(self, field)!r}): {field} must be {why}")
+        def bad(field: str, why: str) -> JaxschedValueError:
+            return JaxschedValueError(f"Replan({field}={getattr(self, field)!r}): {field} must be {why}")
 
         def is_int(x: Any) -> bool:
             return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
