@@ -2,7 +2,7 @@
 
 Run under the emulated cluster (2 hosts, 1 Gbit links, one core per process):
 
-    .venv/bin/python -c "import sys; from jaxsched import cluster, launch; \\
+    .venv/bin/python -c "import sys; from jaxsched.tools import cluster, launch; \\
         c = cluster.Cluster.up(2, '1gbit', prefix='jxse'); \\
         code = launch.launch(2, [sys.executable, 'benchmarks/host_contention.py'], cluster=c); \\
         c.down(); sys.exit(code)"

@@ -1,7 +1,9 @@
 """jaxsched: scheduled gradient communication for data-parallel JAX training.
 
 The public names load on first use, so that ``import jaxsched`` and the ``jaxsched`` command
-line's ``--help`` do not import JAX.
+line's ``--help`` do not import JAX. Module paths from before the layered layout
+(``jaxsched.costmodel``, ...) are attributes that warn and return the module at its new home
+(`jaxsched._deprecations`).
 
 Example:
     >>> import jaxsched
@@ -9,15 +11,13 @@ Example:
     ['allreduce', 'approx', 'auto']
 """
 
-from __future__ import annotations
+import importlib as _importlib
+import sys as _sys
+import typing as _typing
+import warnings as _warnings
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-from jaxsched import _legacy_paths
+from jaxsched import _deprecations
 from jaxsched._version import __version__ as __version__
-
-_legacy_paths.install()
 
 #: public name -> the module that defines it (a module itself when the name is a subpackage)
 _EXPORTS: dict[str, str] = {
@@ -64,6 +64,10 @@ _MODULES: dict[str, str] = {
     "kfac": "jaxsched.integrations.kfac",
     "nnx": "jaxsched.integrations.nnx",
 }
+#: subpackages reached as attributes before they are imported (``jaxsched.strategies.Strategy``)
+_SUBPACKAGES = frozenset(
+    ("check", "core", "demo", "integrations", "pipeline", "plan", "runtime", "sim", "strategies", "tools", "zoo")
+)
 
 __all__ = [
     "Collective",
@@ -108,25 +112,31 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
+    # An ImportError raised below (a missing dependency) propagates as it is: only a name
+    # that is none of these is an AttributeError.
     if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        value = getattr(_importlib.import_module(_EXPORTS[name]), name)
     elif name in _MODULES:
-        value = importlib.import_module(_MODULES[name])
+        value = _importlib.import_module(_MODULES[name])
+    elif name in _SUBPACKAGES:
+        value = _importlib.import_module(f"jaxsched.{name}")
+    elif name in _deprecations.MOVED:
+        # ``from jaxsched import models`` asks twice, first from the import machinery: warn once
+        if not _sys._getframe(1).f_code.co_filename.startswith("<frozen importlib"):
+            _warnings.warn(_deprecations.message(name), DeprecationWarning, stacklevel=2)
+        return _importlib.import_module(_deprecations.MOVED[name])  # not cached: it warns each time
     else:
-        try:  # a subpackage not yet imported: jaxsched.strategies, jaxsched.sim, ...
-            value = importlib.import_module(f"jaxsched.{name}")
-        except ModuleNotFoundError:
-            raise AttributeError(f"module 'jaxsched' has no attribute {name!r}") from None
+        raise AttributeError(f"module 'jaxsched' has no attribute {name!r}")
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted({*__all__, *(n for n in globals() if n.startswith("__") and n.endswith("__"))})
 
 
-if TYPE_CHECKING:  # what static tools (type checkers, the API reference) read
+if _typing.TYPE_CHECKING:  # what static tools (type checkers, the API reference) read
     from jaxsched._errors import (
         JaxschedError,
         JaxschedRuntimeError,

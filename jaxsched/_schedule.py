@@ -3,7 +3,8 @@
 Example:
     >>> import jax, optax
     >>> import jaxsched
-    >>> from jaxsched import models, steps
+    >>> from jaxsched.demo import steps
+    >>> from jaxsched.zoo import models
     >>> params, apply_fn = models.pure(models.build("mlp", (8, 8, 1), 10, hidden=(16,)))
     >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     >>> tx = optax.adam(1e-3)

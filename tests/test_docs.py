@@ -44,7 +44,6 @@ WITHOUT_EXAMPLES = {
     "jaxsched.integrations",
     "jaxsched.demo",
     "jaxsched.tools",
-    "jaxsched._legacy_paths",
     "jaxsched._version",
     "jaxsched.tools.cli.bench",
     "jaxsched.tools.cli",

@@ -1,10 +1,12 @@
 """The package's form: layers that import only downwards, no cycles, argument parsing only in
-the CLI, an explicit public surface per module, and the public API of before still importing."""
+the CLI, an explicit public surface per module, and the paths of before reachable, each module
+loaded under one name."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +31,7 @@ LAYERS = (
     "integrations",
     "demo",
     "tools",
-    "_legacy_paths",
+    "_deprecations",
     "__init__",
     "__main__",
 )
@@ -159,20 +161,184 @@ def test_no_module_is_named_after_a_dependency_or_the_standard_library():
         "jaxsched.schedule",
         "jaxsched.compress.TopK",
         "jaxsched.nnx.schedule",
-        "jaxsched.collectives.Hierarchical",
-        "jaxsched.strategies.Strategy",
-        "jaxsched.costmodel.network_preset",
-        "jaxsched.optax.staleness_aware",
-        "jaxsched.inspect.Inspection",
-        "jaxsched.profile.profile_network",
         "jaxsched.kfac.KFAC",
-        "jaxsched.engine.HostEngine",
+        "jaxsched.strategies.Strategy",
         "jaxsched.sim.simulate",
+        "jaxsched.runtime.collectives.Hierarchical",
+        "jaxsched.runtime.engine.HostEngine",
+        "jaxsched.strategies.approximation.staleness_aware",
+        "jaxsched.check.inspection.Inspection",
+        "jaxsched.plan.profiling.profile_network",
     ],
 )
-def test_the_public_paths_of_before_still_import(path):
-    module, _, attribute = path.rpartition(".")
-    assert hasattr(importlib.import_module(module), attribute)
+def test_the_public_paths_import_without_a_warning(path, recwarn):
+    import jaxsched
+
+    value = jaxsched
+    for attribute in path.split(".")[1:]:  # a submodule its package does not import is imported
+        value = getattr(value, attribute, None) or importlib.import_module(f"{value.__name__}.{attribute}")
+    assert value is not None
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning) and "jaxsched" in str(w.message)]
+
+
+def _moved() -> dict[str, str]:
+    from jaxsched import _deprecations
+
+    return _deprecations.MOVED
+
+
+@pytest.mark.parametrize("old, new", sorted(_moved().items()))
+def test_an_old_attribute_path_warns_and_is_the_module_at_its_new_home(old, new):
+    import jaxsched
+
+    with pytest.warns(DeprecationWarning, match=rf"jaxsched\.{old} is deprecated: use {re.escape(new)} .*0\.2\.0"):
+        module = getattr(jaxsched, old)
+    assert module is importlib.import_module(new)
+    assert old not in dir(jaxsched)
+
+
+def test_from_jaxsched_import_an_old_name_warns_once():
+    with pytest.warns(DeprecationWarning) as caught:
+        from jaxsched import costmodel
+    assert costmodel is importlib.import_module("jaxsched.sim.costmodel")
+    assert len(caught) == 1 and caught[0].filename == __file__
+
+
+@pytest.mark.parametrize("name", ["inspect", "profile", "optax"])
+def test_names_of_other_libraries_are_no_attribute_or_module(name):
+    """Named like the standard library or a dependency, they are not revived as old paths."""
+    import jaxsched
+
+    assert name not in _moved()
+    assert not hasattr(jaxsched, name)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"jaxsched.{name}")
+
+
+def test_no_module_is_loaded_under_two_names():
+    """Every path of before, reached, leaves each module file run once, under its own name."""
+    import jaxsched
+
+    for old in _moved():
+        with pytest.warns(DeprecationWarning):
+            getattr(jaxsched, old)
+    for old in ["jaxsched.compress.topk", "jaxsched.engine.host", "jaxsched.costmodel"]:
+        with pytest.raises(ModuleNotFoundError):  # an import statement must name the new path
+            importlib.import_module(old)
+    loaded = {k: m for k, m in list(sys.modules.items()) if k == "jaxsched" or k.startswith("jaxsched.")}
+    renamed = sorted(f"{k} is {m.__name__}" for k, m in loaded.items() if m.__name__ != k)
+    assert not renamed, renamed
+    by_file: dict[str, list[str]] = {}
+    for k, m in loaded.items():
+        by_file.setdefault(str(getattr(m, "__file__", None) or k), []).append(k)
+    twice = {f: names for f, names in by_file.items() if len(names) > 1}
+    assert not twice, twice
+
+
+def test_a_compressor_is_one_class_under_the_public_and_the_module_path():
+    import jaxsched
+    import jaxsched.runtime.compress.topk as topk
+
+    assert jaxsched.compress is importlib.import_module("jaxsched.runtime.compress")
+    assert jaxsched.compress.TopK is topk.TopK
+    assert isinstance(topk.TopK(0.1), jaxsched.compress.TopK)
+    with pytest.raises(ModuleNotFoundError):  # not a second run of topk.py with a TopK of its own
+        importlib.import_module("jaxsched.compress.topk")
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_the_host_engine_module_imports_in_a_fresh_interpreter():
+    """Once, however it is reached first: an old path does not run it again (and register the
+    ``host`` engine twice)."""
+    code = (
+        "import importlib, jaxsched\n"
+        "try:\n    importlib.import_module('jaxsched.engine.host')\nexcept ModuleNotFoundError:\n    pass\n"
+        "import jaxsched.runtime.engine.host\n"
+        "from jaxsched.runtime.engine import HostEngine\n"
+        "assert HostEngine is jaxsched.runtime.engine.host.HostEngine\n"
+    )
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_python_dash_m_jaxsched_runs_the_command_line():
+    result = subprocess.run([sys.executable, "-m", "jaxsched", "--help"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: jaxsched")
+    old = subprocess.run([sys.executable, "-m", "jaxsched.cli", "--help"], capture_output=True, text=True, timeout=300)
+    assert old.returncode != 0 and "No module named jaxsched.cli" in old.stderr, old.stderr  # not half served
+
+
+_WITHOUT_OPTAX = """
+import importlib.abc, sys
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "optax" or name.startswith("optax."):
+            raise ModuleNotFoundError("No module named 'optax'", name="optax")
+        return None
+
+sys.meta_path.insert(0, Blocker())
+import warnings
+warnings.simplefilter("ignore", DeprecationWarning)
+import jaxsched
+"""
+
+
+@pytest.mark.parametrize("attribute", ["strategies", "schedule", "steps"])
+def test_a_missing_dependency_is_named_not_hidden_behind_an_attribute_error(attribute):
+    code = (
+        _WITHOUT_OPTAX + f"try:\n    jaxsched.{attribute}\n"
+        "except ModuleNotFoundError as error:\n    assert error.name == 'optax', error\n"
+        "else:\n    raise SystemExit('imported without optax')\n"
+    )
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_package_exposes_only_its_api():
+    import jaxsched
+
+    helpers = [n for n in ("Any", "TYPE_CHECKING", "annotations", "importlib") if hasattr(jaxsched, n)]
+    assert not helpers, f"module-level helpers exposed as jaxsched attributes: {helpers}"
+    extra = sorted(n for n in dir(jaxsched) if n not in jaxsched.__all__ and not n.startswith("__"))
+    assert not extra, extra
+    namespace: dict = {}
+    exec("from jaxsched import *", namespace)
+    assert set(namespace) - {"__builtins__"} == set(jaxsched.__all__)
+
+
+#: where users read or copy import paths
+_EXAMPLE_FILES = [
+    PACKAGE.parent / "README.md",
+    *sorted((PACKAGE.parent / "docs").rglob("*.md")),
+    *sorted(
+        p for p in PACKAGE.rglob("*.py") if p.name not in ("__init__.py", "_deprecations.py") or p.parent != PACKAGE
+    ),
+    *sorted((PACKAGE.parent / "examples").rglob("*.py")),
+    *sorted((PACKAGE.parent / "benchmarks").glob("*.py")),
+    *sorted(
+        p for p in (PACKAGE.parent / "tests").rglob("*") if p.suffix in (".py", ".md") and p.name != Path(__file__).name
+    ),
+]
+
+
+def test_docs_examples_and_tests_use_the_current_paths():
+    names = "|".join(sorted([*_moved(), "inspect", "profile", "optax"], key=len, reverse=True))
+    dotted = re.compile(rf"(?<![\w.])jaxsched\.({names})\b")
+    from_import = re.compile(rf"from jaxsched import ([\w, ]*\b({names})\b)")
+    # public attributes, but no module of that name: ``import jaxsched.compress`` fails
+    attribute_only = re.compile(r"(from|import) jaxsched\.(compress|kfac|nnx)\b")
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}"
+        for path in _EXAMPLE_FILES
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if dotted.search(line) or from_import.search(line) or attribute_only.search(line)
+    ]
+    assert not found, "old import paths:\n" + "\n".join(found)
 
 
 def test_every_name_in_all_imports():

@@ -32,7 +32,8 @@ step t, or differs at step t).
 Example:
     >>> import jax, optax
     >>> import jaxsched
-    >>> from jaxsched import models, steps
+    >>> from jaxsched.demo import steps
+    >>> from jaxsched.zoo import models
     >>> params, apply_fn = models.pure(models.build("mlp", (4,), 3, hidden=(8,)))
     >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     >>> tx = optax.sgd(0.1)

@@ -12,7 +12,8 @@ all-gather must land by), and per reduction the equation that completes its oper
 
 Example:
     >>> import jax, optax
-    >>> from jaxsched import models, steps
+    >>> from jaxsched.demo import steps
+    >>> from jaxsched.zoo import models
     >>> from jaxsched.core.capture import capture
     >>> from jaxsched.core.analyze import analyze
     >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))

@@ -9,7 +9,8 @@ is which leaf of params / opt_state / batch. Nothing here rewrites.
 
 Example:
     >>> import jax, optax
-    >>> from jaxsched import models, steps
+    >>> from jaxsched.demo import steps
+    >>> from jaxsched.zoo import models
     >>> from jaxsched.core.capture import capture
     >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
     >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])

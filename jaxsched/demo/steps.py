@@ -8,7 +8,8 @@ scheduling strategy is compared against these steps.
 
 Example:
     >>> import jax, optax
-    >>> from jaxsched import models, steps
+    >>> from jaxsched.demo import steps
+    >>> from jaxsched.zoo import models
     >>> params, apply_fn = models.pure(models.build("mlp", (8, 8, 1), 10, hidden=(16,)))
     >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
     >>> step = steps.make_step(apply_fn, optax.sgd(0.1), mesh)

@@ -10,7 +10,7 @@ compiles once: a second compilation on step 2 used to land inside the timed step
 halved the plain step's steps/s in ``jaxsched demo`` (docs/benchmarks.md).
 
 Example:
-    >>> from jaxsched import config, trainer
+    >>> from jaxsched.demo import config, trainer
     >>> cfg = config.parse({"model": {"name": "mlp", "hidden": [16]},
     ...                     "data": {"name": "digits", "batch_size": 32},
     ...                     "train": {"steps": 3, "devices": 1}})

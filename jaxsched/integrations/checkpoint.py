@@ -16,7 +16,9 @@ Every process of a multi-process run must make the same calls (orbax coordinates
 Example:
     >>> import tempfile, jax, optax
     >>> import jaxsched
-    >>> from jaxsched import checkpoint, models, steps
+    >>> from jaxsched.demo import steps
+    >>> from jaxsched.integrations import checkpoint
+    >>> from jaxsched.zoo import models
     >>> params, apply_fn = models.pure(models.build("mlp", (8, 8, 1), 10, hidden=(16,)))
     >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     >>> tx = optax.adam(1e-3)

@@ -28,7 +28,8 @@ Example:
     >>> from flax import nnx
     >>> from jax.sharding import PartitionSpec as P
     >>> import jaxsched.integrations.nnx
-    >>> from jaxsched import models, steps
+    >>> from jaxsched.demo import steps
+    >>> from jaxsched.zoo import models
     >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     >>> model = models.MLP(8, 3, hidden=(16,), rngs=nnx.Rngs(0))
     >>> optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)

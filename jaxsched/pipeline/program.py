@@ -145,7 +145,8 @@ class Program:
         Example:
             >>> import jax, optax
             >>> import jaxsched
-            >>> from jaxsched import models, steps
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.zoo import models
             >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
             >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
             >>> tx = optax.adamw(optax.linear_schedule(1e-2, 0.0, 10))

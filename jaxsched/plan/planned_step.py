@@ -6,7 +6,8 @@ asks for them (the identity, ``allreduce``) schedules any step that captures.
 
 Example:
     >>> import jax, optax
-    >>> from jaxsched import models, steps
+    >>> from jaxsched.demo import steps
+    >>> from jaxsched.zoo import models
     >>> from jaxsched.core.capture import capture
     >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
     >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])

@@ -21,7 +21,7 @@ Example:
     >>> Auto(candidates=("wfbp", "nope"))
     Traceback (most recent call last):
     ...
-    jaxsched.JaxschedValueError: strategy='auto' candidates: 'nope' is not a registered strategy (registered: allreduce, ...)
+    jaxsched.JaxschedValueError: strategy='auto' candidates: 'nope' is not a registered strategy (registered: ...)
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ collective (`DiLoCo.phase_key`); the step that picks it is counted on the host.
 Example:
     >>> import jax, optax
     >>> import jaxsched
-    >>> from jaxsched import models, steps
+    >>> from jaxsched.demo import steps
+    >>> from jaxsched.zoo import models
     >>> params, apply_fn = models.pure(models.build("mlp", (8, 8, 1), 10, hidden=(16,)))
     >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     >>> tx = optax.sgd(0.1)

@@ -17,7 +17,8 @@ dimension but the output features. Parameters that no rule matches are returned 
 
 Example:
     >>> import jax, optax
-    >>> from jaxsched import models, steps
+    >>> from jaxsched.demo import steps
+    >>> from jaxsched.zoo import models
     >>> from jaxsched.core.capture import capture
     >>> from jaxsched.plan.planned_step import PlannedStep
     >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
