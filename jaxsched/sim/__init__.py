@@ -3,7 +3,7 @@
 from jaxsched.sim.closed_form import allreduce_time, wfbp_time
 from jaxsched.sim.core import (
     COMPRESSIONS,
-    STRATEGIES,
+    SIMULATED,
     Compression,
     HostCosts,
     SimResult,
@@ -19,7 +19,7 @@ from jaxsched.sim.core import (
 
 __all__ = [
     "COMPRESSIONS",
-    "STRATEGIES",
+    "SIMULATED",
     "Compression",
     "HostCosts",
     "SimResult",
@@ -34,3 +34,11 @@ __all__ = [
     "simulate",
     "wfbp_time",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "STRATEGIES":  # deprecated: jaxsched.STRATEGIES is the one strategy table
+        from jaxsched.sim import core
+
+        return core.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,6 +30,7 @@ from jaxsched._errors import JaxschedError, JaxschedRuntimeError
 import dataclasses
 import heapq
 import math
+import warnings
 from typing import Any, Sequence
 
 from jaxsched.sim.costmodel import CommPattern, LayerProfile, NetworkProfile, comm_pattern, comm_pattern_names
@@ -49,7 +50,7 @@ __all__ = [
     "simulate",
     "SimulationError",
     "Span",
-    "STRATEGIES",
+    "SIMULATED",
     "worker_loads_seconds",
 ]
 
@@ -57,11 +58,16 @@ __all__ = [
 BYTESCHEDULER = "bytescheduler"
 
 
-class _StrategyNames(Sequence):
-    """Every strategy the simulator knows: registered patterns plus ByteScheduler (live)."""
+class _SimulatedNames(Sequence):
+    """The names `simulate` accepts, read live from the one table of cost patterns
+    (`jaxsched.sim.costmodel`): every strategy of ``jaxsched.STRATEGIES`` that the per-step
+    simulator models (a registered strategy adds its pattern there), the schedules it models
+    as baselines (``mgwfbp``, ``fsdp``) and ByteScheduler. ``diloco`` is simulated by
+    `jaxsched.sim.diloco`, and ``auto`` is whichever exact strategy it picks."""
 
     def _names(self) -> tuple[str, ...]:
-        return tuple(n for n in comm_pattern_names() if not comm_pattern(n).periodic_sync) + (BYTESCHEDULER,)
+        modelled = [n for n in comm_pattern_names() if n not in _NOT_PER_STEP and not comm_pattern(n).periodic_sync]
+        return tuple(modelled) + (BYTESCHEDULER,)
 
     def __getitem__(self, i):
         return self._names()[i]
@@ -73,7 +79,23 @@ class _StrategyNames(Sequence):
         return repr(self._names())
 
 
-STRATEGIES = _StrategyNames()
+#: strategies with a pattern that the per-step simulator does not run as such
+_NOT_PER_STEP = frozenset({"auto"})  # it registers wfbp's pattern but runs whichever it picks
+SIMULATED = _SimulatedNames()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "STRATEGIES":  # the one strategy table is jaxsched.STRATEGIES
+        warnings.warn(
+            "jaxsched.sim.STRATEGIES is deprecated: the strategies are jaxsched.STRATEGIES, and the "
+            "names simulate accepts are jaxsched.sim.SIMULATED (it goes in jaxsched 0.2.0)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return SIMULATED
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 COMPRESSIONS = ("topk", "gtopk")
 MB = 1 << 20
 
@@ -686,8 +708,13 @@ def simulate(
             "jaxsched.sim.diloco.simulate_diloco (simulate --strategies "
             f"{strategy} --inner-steps H)"
         )
-    if not isinstance(strategy, CommPattern) and strategy not in STRATEGIES:
-        raise SimulationError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if strategy == "auto":
+        raise SimulationError(
+            "'auto' runs one of the exact strategies, chosen per step; simulate each of them "
+            "(allreduce, wfbp, dear) and compare"
+        )
+    if not isinstance(strategy, CommPattern) and strategy not in SIMULATED:
+        raise SimulationError(f"unknown strategy {strategy!r}; choose one of {', '.join(SIMULATED)}")
     if iterations < 3:
         raise SimulationError(f"iterations={iterations} must be >= 3 (one warm-up, two to measure)")
     priority = strategy == BYTESCHEDULER

@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 
 from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
-from jaxsched.sim import STRATEGIES, Compression, SimulationError, allreduce_time, lower_bound, simulate, wfbp_time
+from jaxsched.sim import SIMULATED, Compression, SimulationError, allreduce_time, lower_bound, simulate, wfbp_time
 from jaxsched.sim.timeline import chrome_trace, save_gantt_png
 from support.profiles import random_layers, random_network
 
@@ -60,7 +60,7 @@ def test_no_strategy_beats_the_lower_bound(seed):
     rng = random.Random(200 + seed)
     layers, net = random_layers(rng, rng.randint(1, 15), exact=True), random_network(rng, exact=True)
     buckets = _random_buckets(rng, len(layers))
-    for strategy in STRATEGIES:
+    for strategy in SIMULATED:
         result = simulate(
             layers,
             net,
@@ -95,7 +95,7 @@ def test_overlap_strategies_beat_allreduce_when_comm_and_compute_are_balanced():
 def test_results_are_deterministic():
     rng = random.Random(7)
     layers, net = random_layers(rng, 30), random_network(rng)
-    for strategy in STRATEGIES:
+    for strategy in SIMULATED:
         first, second = simulate(layers, net, strategy), simulate(layers, net, strategy)
         assert first.iteration_s == second.iteration_s
         assert first.spans == second.spans
@@ -174,7 +174,7 @@ _times = st.fractions(min_value=0, max_value=10, max_denominator=1000)
     st.fractions(min_value=0, max_value=1, max_denominator=1000),
     st.fractions(min_value=0, max_value=Fraction(1, 10**6), max_denominator=10**9),
     st.integers(1, 64),
-    st.sampled_from(STRATEGIES),
+    st.sampled_from(SIMULATED),
 )
 def test_bound_and_closed_forms_hold_for_any_profile(rows, alpha, beta, workers, strategy):
     from jaxsched.sim.costmodel import CollectiveCost, NetworkProfile
@@ -199,7 +199,7 @@ def test_shared_stream_serialises_everything(seed):
     buckets = _random_buckets(rng, len(layers))
     shared = simulate(layers, net, "wfbp", buckets, shared_stream=True)
     assert shared.iteration_s == allreduce_time(layers, net, buckets)
-    for strategy in STRATEGIES:
+    for strategy in SIMULATED:
         both = simulate(layers, net, strategy, buckets if strategy != "bytescheduler" else None)
         one = simulate(layers, net, strategy, buckets if strategy != "bytescheduler" else None, shared_stream=True)
         assert one.iteration_s >= both.iteration_s
@@ -298,7 +298,7 @@ def test_fsdp_keeps_at_most_the_prefetch_distance_plus_one_layers_gathered():
 def test_the_fsdp_pattern_is_a_strategy_the_simulator_and_the_planners_know():
     from jaxsched.plan import plan_buckets
 
-    assert "fsdp" in STRATEGIES
+    assert "fsdp" in SIMULATED
     layers = LayerProfile([Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(6)])
     groups = plan_buckets(layers, network_preset("10gbe", 8), "optimal", strategy=_fsdp(1))
     assert sorted(i for g in groups for i in g) == list(range(6))

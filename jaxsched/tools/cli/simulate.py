@@ -41,7 +41,7 @@ from jaxsched.sim.costmodel import (
     network_preset,
     topk_selection_s_per_byte,
 )
-from jaxsched.sim import COMPRESSIONS, STRATEGIES, Compression, SimResult, lower_bound, simulate
+from jaxsched.sim import COMPRESSIONS, SIMULATED, Compression, SimResult, lower_bound, simulate
 from jaxsched.sim.core import MB
 
 __all__ = [
@@ -89,8 +89,10 @@ def check_strategy(name: str) -> None:
         if comp:
             raise JaxschedValueError(f"{name!r}: compress {base}'s outer gradients with --outer-bits")
         return
-    if base not in STRATEGIES:
-        raise JaxschedValueError(f"{base!r} is unknown; choose from {', '.join(STRATEGIES)}")
+    if base == "auto":
+        raise JaxschedValueError("'auto' runs one of allreduce, wfbp and dear, chosen per step: simulate those")
+    if base not in SIMULATED:
+        raise JaxschedValueError(f"{base!r} is unknown; choose from {', '.join(SIMULATED)}")
     if comp and comp not in COMPRESSIONS:
         raise JaxschedValueError(f"compression {comp!r} in {name!r} is unknown; use +{' or +'.join(COMPRESSIONS)}")
 
@@ -151,12 +153,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--efficiency", type=fraction, default=0.5, help="fraction of device peak sustained")
     sim.add_argument(
         "--strategies",
-        type=name_list(lambda: STRATEGIES, check_strategy),
+        type=name_list(lambda: SIMULATED, check_strategy),
         default=DEFAULT_STRATEGIES,
-        help=f"comma-separated from {', '.join(STRATEGIES)}; add +topk or +gtopk for compression, e.g. wfbp+gtopk",
+        help=f"comma-separated from {', '.join(SIMULATED)}, or diloco (with --inner-steps); add +topk or "
+        "+gtopk for compression, e.g. wfbp+gtopk",
     )
     sim.add_argument(
-        "--strategy", dest="strategies", help=argparse.SUPPRESS, type=name_list(lambda: STRATEGIES, check_strategy)
+        "--strategy", dest="strategies", help=argparse.SUPPRESS, type=name_list(lambda: SIMULATED, check_strategy)
     )  # one name reads better
     sim.add_argument(
         "--planner",
