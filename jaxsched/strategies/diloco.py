@@ -64,25 +64,66 @@ from jax.sharding import PartitionSpec as P
 from jaxsched.core.axes import as_axes, spec_axes
 from jaxsched.core.capture import UnsupportedStepError
 from jaxsched.runtime.collectives.base import BucketSpec, Collective, stack_local, unstack_local
-from jaxsched.sim.costmodel import CommPattern
+from jaxsched.sim.costmodel import DILOCO_PATTERN
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
 from jaxsched.core.primitives import SUM_REDUCTIONS, reduction_axes
 from jaxsched.core.replay import read
 from jaxsched.core.rewrite.pending_sums import interpret_batching_sums
 from jaxsched.core.rewrite.backward import walk_backward
+from jaxsched.strategies.diloco_fragments import FragmentSchedule, PhaseKey, fragment_of_leaves, sync_schedule
 from jaxsched.strategies.base import RewrittenBody, Strategy, check_leaf_counts, scatter_block
 from jaxsched.strategies.registry import register_strategy
 
 __all__ = ["DiLoCo", "DiLoCoState", "DILOCO_PATTERN", "fragment_of_leaves", "sync_schedule"]
 
-#: What the planners and the simulator see: each step's gradients reduced in backward over
-#: the fast axes; the outer all-reduce every H steps is modelled by the simulator's
-#: ``diloco`` options (`jaxsched.sim.diloco`).
-DILOCO_PATTERN = CommPattern(gradient="all_reduce", in_backward=True, periodic_sync=True)
-
 #: Inner strategies DiLoCo can run (their gradients are reduced per bucket in backward and
 #: the update runs on full tensors, on each replica).
 INNER_STRATEGIES = ("wfbp", "allreduce")
+
+
+class _PartCounts(NamedTuple):
+    """How many flat leaves each part of the per-device state has, in state order."""
+
+    params: int
+    opt: int
+    coll: int
+    glob: int
+    outer: int
+    flight: int
+
+
+class _StateParts(NamedTuple):
+    """The per-device state's flat leaves cut into its parts (`DiLoCoState`'s fields)."""
+
+    params: list
+    opt: list
+    coll: list
+    glob: list
+    outer: list
+    flight: list
+    step: Any
+
+
+class _Unpacked(NamedTuple):
+    """The per-device state as a phase's body works on it.
+
+    Attributes:
+      local: this replica's parameters (unstacked).
+      opts: this replica's inner optimizer state leaves (unstacked).
+      carried: the outer collective's carried state, per bucket.
+      glob: the globally synchronized parameters.
+      outer: one outer optimizer state per fragment.
+      flight: the reduced outer gradient of the fragment in flight (``τ >= 2``).
+      step: the inner steps taken.
+    """
+
+    local: list
+    opts: list
+    carried: list
+    glob: list
+    outer: list
+    flight: list
+    step: Any
 
 
 class DiLoCoState(NamedTuple):
@@ -112,43 +153,6 @@ class DiLoCoState(NamedTuple):
     outer_state: tuple = ()
     in_flight: tuple = ()
     step: Any = 0
-
-
-def fragment_of_leaves(sizes: Sequence[int], fragments: int) -> tuple[int, ...]:
-    """The fragment of each parameter leaf: contiguous groups in flatten order, cut where
-    the running size passes each ``k / fragments`` of the total (every fragment non-empty).
-
-    >>> fragment_of_leaves([4, 4, 4, 4], 2), fragment_of_leaves([100, 1, 1, 1], 2)
-    ((0, 0, 1, 1), (0, 1, 1, 1))
-    """
-    n = len(sizes)
-    if fragments > n:
-        raise JaxschedValueError(
-            f"DiLoCo(fragments={fragments}): the step has only {n} parameter leaves; use fragments <= {n}"
-        )
-    total = float(sum(sizes))
-    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(sizes, np.float64))])
-    starts = [0]
-    for k in range(1, fragments):
-        # the first leaf after the running size reached k/F of the total, leaving one leaf
-        # for each later fragment and at least one for the previous
-        b = int(np.searchsorted(prefix, total * k / fragments, side="left"))
-        starts.append(min(max(b, starts[-1] + 1), n - (fragments - k)))
-    out = []
-    for k, s in enumerate(starts):
-        end = starts[k + 1] if k + 1 < len(starts) else n
-        out.extend([k] * (end - s))
-    return tuple(out)
-
-
-def sync_schedule(inner_steps: int, fragments: int) -> tuple[int, ...]:
-    """``d_p`` per fragment: fragment ``p`` sends when the number of inner steps taken is
-    ``≡ d_p (mod inner_steps)`` (and at least 1).
-
-    >>> sync_schedule(8, 4), sync_schedule(10, 1)
-    ((2, 4, 6, 0), (0,))
-    """
-    return tuple(((p + 1) * inner_steps // fragments) % inner_steps for p in range(fragments))
 
 
 def _cut_rows(shape: Sequence[int], n: int) -> bool:
@@ -246,6 +250,7 @@ class DiLoCo(Strategy):
                 "parameters when the synchronized ones arrive) must be in [0, 1)"
             )
         self.mixing = float(mixing)
+        self._schedule = FragmentSchedule(self.inner_steps, self.fragments, self.overlap_steps)
         if outer is None:
             outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
         if not (hasattr(outer, "init") and hasattr(outer, "update")):
@@ -493,6 +498,9 @@ class DiLoCo(Strategy):
         )
 
     def convert(self, planned: PlannedStep, state: NamedTuple) -> DiLoCoState:
+        """The user's ``(params, opt_state)`` or a saved `DiLoCoState` in this step's layout:
+        per-replica copies stacked over the data axes, the global copy, one outer state per
+        fragment, the fragment in flight and the step count, each placed on the mesh."""
         self._check_step(planned)
         cap = planned.captured
         abstract = is_abstract(state)
@@ -501,111 +509,106 @@ class DiLoCo(Strategy):
         stacked = self._is_stacked(planned, params, "params")
         if self._is_stacked(planned, opts, "opt_state") != stacked and opts:
             raise JaxschedValueError("the state's params and opt_state are in different layouts")
-        fresh = not stacked
-
-        def stack(x, role, i):
-            spec = self._local_spec(planned, role, i)
-            if abstract:
-                local = tuple(planned.body_invar(role, i).aval.shape)
-                shape = tuple(x.shape) if stacked else (planned.axis_size,) + local
-                return planned.zeros(shape, x.dtype, spec, abstract=True)
-            return planned.placed(x, spec) if stacked else self._stacked(planned, x, role, i)
-
-        global_leaves = jax.tree.leaves(getattr(state, "global_params", ()))
-        if fresh or not global_leaves:
-            if stacked:
-                raise JaxschedValueError(
-                    "a diloco state with per-replica params needs its global_params; resume from a complete checkpoint"
-                )
-            global_leaves = params
-        local_params = [stack(x, "params", i) for i, x in enumerate(params)]
-        local_opts = [stack(x, "opt_state", j) for j, x in enumerate(opts)]
-        if len(global_leaves) != cap.num_params:
-            raise JaxschedValueError("the state's global_params do not match the step's params")
-        global_leaves = [
-            planned.placed(x, self._global_spec(planned, "params", i)) for i, x in enumerate(global_leaves)
-        ]
-        outer_specs = self._outer_state_specs(planned)
-
-        outer_state = tuple(getattr(state, "outer_state", ()) or ())
-        frag = self._fragments(planned)
-        treedefs = self._outer_treedefs(planned)
-        if not outer_state:
-            outer_state = []
-            for p in range(self.fragments):
-                mine = tuple(global_leaves[i] for i in range(len(frag)) if frag[i] == p)
-                if abstract:
-                    shapes = jax.eval_shape(
-                        self.outer.init, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in mine)
-                    )
-                    outer_state.append(
-                        jax.tree.unflatten(
-                            jax.tree.structure(shapes),
-                            [
-                                planned.zeros(a.shape, a.dtype, spec, abstract=True)
-                                for a, spec in zip(jax.tree.leaves(shapes), outer_specs[p])
-                            ],
-                        )
-                    )
-                else:
-                    fresh_state = self.outer.init(mine)
-                    outer_state.append(
-                        jax.tree.unflatten(
-                            jax.tree.structure(fresh_state),
-                            [planned.placed(a, spec) for a, spec in zip(jax.tree.leaves(fresh_state), outer_specs[p])],
-                        )
-                    )
-            outer_state = tuple(outer_state)
-        elif len(outer_state) != self.fragments or any(
-            jax.tree.structure(s) != t for s, t in zip(outer_state, treedefs)
-        ):
-            raise JaxschedValueError(
-                f"the state's outer_state does not fit fragments={self.fragments} and "
-                "this outer optimizer; resume with the options it was saved with"
-            )
-        else:
-            outer_state = tuple(
-                jax.tree.unflatten(
-                    jax.tree.structure(o), [planned.placed(a, spec) for a, spec in zip(jax.tree.leaves(o), specs)]
-                )
-                for o, specs in zip(outer_state, outer_specs)
-            )
-
-        in_flight = tuple(getattr(state, "in_flight", ()) or ())
-        if self.overlap_steps >= 2:
-            flight_specs = [self._global_spec(planned, "params", i) for i in range(cap.num_params)]
-            if not in_flight:
-                in_flight = tuple(
-                    planned.zeros(shape, a.dtype, spec, abstract)
-                    for shape, a, spec in zip(
-                        self._user_shapes(planned, "params"), self._param_avals(planned), flight_specs
-                    )
-                )
-            elif len(in_flight) != cap.num_params:
-                raise JaxschedValueError("the state's in_flight does not fit this step")
-            else:
-                in_flight = tuple(planned.placed(x, spec) for x, spec in zip(in_flight, flight_specs))
-        elif in_flight:
-            raise JaxschedValueError(
-                f"the state holds an outer gradient in flight, but overlap_steps="
-                f"{self.overlap_steps}; resume with the overlap_steps it was saved with"
-            )
-
-        step = getattr(state, "step", 0)
-        step = (
-            planned.zeros((), jnp.int32, P(), abstract=True)
-            if abstract
-            else planned.placed(jnp.asarray(step, jnp.int32), P())
-        )
+        global_leaves = self._converted_global(planned, state, params, stacked)
+        local_params = [self._converted_local(planned, x, "params", i, stacked, abstract) for i, x in enumerate(params)]
+        local_opts = [self._converted_local(planned, x, "opt_state", j, stacked, abstract) for j, x in enumerate(opts)]
         return DiLoCoState(
             jax.tree.unflatten(cap.params_tree, local_params),
             jax.tree.unflatten(cap.opt_tree, local_opts),
             self.collective_state(planned, getattr(state, "collective_state", None), abstract),
             jax.tree.unflatten(cap.params_tree, global_leaves),
-            outer_state,
-            in_flight,
-            step,
+            self._converted_outer(planned, state, global_leaves, abstract),
+            self._converted_in_flight(planned, state, abstract),
+            self._converted_step(planned, state, abstract),
         )
+
+    def _converted_local(self, planned: PlannedStep, x: Any, role: str, i: int, stacked: bool, abstract: bool) -> Any:
+        """One replica-local leaf, stacked on a leading device axis over the data axes."""
+        spec = self._local_spec(planned, role, i)
+        if abstract:
+            local = tuple(planned.body_invar(role, i).aval.shape)
+            shape = tuple(x.shape) if stacked else (planned.axis_size,) + local
+            return planned.zeros(shape, x.dtype, spec, abstract=True)
+        return planned.placed(x, spec) if stacked else self._stacked(planned, x, role, i)
+
+    def _converted_global(self, planned: PlannedStep, state: NamedTuple, params: list, stacked: bool) -> list:
+        """The globally synchronized parameters: the saved ones, or the user's at the start."""
+        global_leaves = jax.tree.leaves(getattr(state, "global_params", ()))
+        if not stacked or not global_leaves:
+            if stacked:
+                raise JaxschedValueError(
+                    "a diloco state with per-replica params needs its global_params; resume from a complete checkpoint"
+                )
+            global_leaves = params
+        if len(global_leaves) != planned.captured.num_params:
+            raise JaxschedValueError("the state's global_params do not match the step's params")
+        return [planned.placed(x, self._global_spec(planned, "params", i)) for i, x in enumerate(global_leaves)]
+
+    def _converted_outer(self, planned: PlannedStep, state: NamedTuple, global_leaves: list, abstract: bool) -> tuple:
+        """One outer optimizer state per fragment: the saved ones (checked against this
+        outer optimizer), or fresh ones for the fragment's global parameters."""
+        outer_specs = self._outer_state_specs(planned)
+        outer_state = tuple(getattr(state, "outer_state", ()) or ())
+        if outer_state:
+            treedefs = self._outer_treedefs(planned)
+            if len(outer_state) != self.fragments or any(
+                jax.tree.structure(s) != t for s, t in zip(outer_state, treedefs)
+            ):
+                raise JaxschedValueError(
+                    f"the state's outer_state does not fit fragments={self.fragments} and "
+                    "this outer optimizer; resume with the options it was saved with"
+                )
+            return tuple(
+                jax.tree.unflatten(
+                    jax.tree.structure(o), [planned.placed(a, spec) for a, spec in zip(jax.tree.leaves(o), specs)]
+                )
+                for o, specs in zip(outer_state, outer_specs)
+            )
+        frag = self._fragments(planned)
+        fresh = []
+        for p in range(self.fragments):
+            mine = tuple(global_leaves[i] for i in range(len(frag)) if frag[i] == p)
+            if abstract:
+                shapes = jax.eval_shape(self.outer.init, tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in mine))
+                leaves = [
+                    planned.zeros(a.shape, a.dtype, spec, abstract=True)
+                    for a, spec in zip(jax.tree.leaves(shapes), outer_specs[p])
+                ]
+                fresh.append(jax.tree.unflatten(jax.tree.structure(shapes), leaves))
+            else:
+                init = self.outer.init(mine)
+                leaves = [planned.placed(a, spec) for a, spec in zip(jax.tree.leaves(init), outer_specs[p])]
+                fresh.append(jax.tree.unflatten(jax.tree.structure(init), leaves))
+        return tuple(fresh)
+
+    def _converted_in_flight(self, planned: PlannedStep, state: NamedTuple, abstract: bool) -> tuple:
+        """With ``overlap_steps >= 2``, the reduced outer gradient of the fragment in flight
+        (zeros at the start); ``()`` otherwise."""
+        cap = planned.captured
+        in_flight = tuple(getattr(state, "in_flight", ()) or ())
+        if self.overlap_steps < 2:
+            if in_flight:
+                raise JaxschedValueError(
+                    f"the state holds an outer gradient in flight, but overlap_steps="
+                    f"{self.overlap_steps}; resume with the overlap_steps it was saved with"
+                )
+            return in_flight
+        flight_specs = [self._global_spec(planned, "params", i) for i in range(cap.num_params)]
+        if not in_flight:
+            shapes, avals = self._user_shapes(planned, "params"), self._param_avals(planned)
+            return tuple(
+                planned.zeros(shape, a.dtype, spec, abstract) for shape, a, spec in zip(shapes, avals, flight_specs)
+            )
+        if len(in_flight) != cap.num_params:
+            raise JaxschedValueError("the state's in_flight does not fit this step")
+        return tuple(planned.placed(x, spec) for x, spec in zip(in_flight, flight_specs))
+
+    @staticmethod
+    def _converted_step(planned: PlannedStep, state: NamedTuple, abstract: bool) -> Any:
+        """The inner steps taken, an int32 scalar on the mesh."""
+        if abstract:
+            return planned.zeros((), jnp.int32, P(), abstract=True)
+        return planned.placed(jnp.asarray(getattr(state, "step", 0), jnp.int32), P())
 
     def finalize_untraced(self, state: NamedTuple) -> tuple[Any, Any]:
         if (
@@ -628,12 +631,8 @@ class DiLoCo(Strategy):
         as they are where every replica holds the same value)."""
         state = self.convert(planned, state)
         cap = planned.captured
-        step, in_flight = self.host_step(state), None
-        if self.overlap_steps >= 2:
-            # sent at S with step - tau < S <= step - 1: reduced, not yet applied
-            for sent in range(step - self.overlap_steps + 1, step):
-                if self._fragment_at(sent) is not None:
-                    in_flight = self._fragment_at(sent)
+        step = self.host_step(state)
+        in_flight = None if step is None else self.schedule.in_flight_after(step)
         drain = planned.memo(("diloco.finalize", in_flight), lambda: self._finalize_program(planned, in_flight))
         outs = drain(*jax.tree.leaves(state))
         return (
@@ -642,13 +641,13 @@ class DiLoCo(Strategy):
         )
 
     # -- the per-device body ----------------------------------------------------------------
-    def _state_specs(self, planned: PlannedStep) -> tuple[tuple[P, ...], dict]:
+    def _state_specs(self, planned: PlannedStep) -> tuple[tuple[P, ...], "_PartCounts"]:
         cap = planned.captured
         n_p, n_o = cap.num_params, cap.num_opt
         coll = self.collective_state_specs(planned)
         n_outer = sum(t.num_leaves for t in self._outer_treedefs(planned))
         n_flight = n_p if self.overlap_steps >= 2 else 0
-        counts = dict(params=n_p, opt=n_o, coll=len(coll), glob=n_p, outer=n_outer, flight=n_flight)
+        counts = _PartCounts(params=n_p, opt=n_o, coll=len(coll), glob=n_p, outer=n_outer, flight=n_flight)
         glob = tuple(self._global_spec(planned, "params", i) for i in range(n_p))
         specs = (
             tuple(self._local_spec(planned, "params", i) for i in range(n_p))
@@ -689,46 +688,25 @@ class DiLoCo(Strategy):
         return planned.memo("diloco.outer_specs", build)
 
     @staticmethod
-    def _split_state(leaves: Sequence[Any], counts: dict) -> dict:
-        out, k = {}, 0
-        for name in ("params", "opt", "coll", "glob", "outer", "flight"):
-            out[name] = list(leaves[k : k + counts[name]])
-            k += counts[name]
-        out["step"] = leaves[k]
-        return out
-
-    def _send_table(self) -> np.ndarray:
-        """Per phase ``s mod H``: the fragment that sends after ``s`` inner steps, or F."""
-        table = np.full((self.inner_steps,), self.fragments, np.int32)
-        for p, d in enumerate(sync_schedule(self.inner_steps, self.fragments)):
-            table[d] = p
-        return table
-
-    def _fragment_at(self, s: int) -> int | None:
-        """The fragment that sends after ``s`` inner steps (a host int), or None."""
-        if s < 1:
-            return None
-        table = self.__dict__.get("_table")
-        if table is None:
-            table = self.__dict__["_table"] = tuple(int(x) for x in self._send_table())
-        p = table[s % self.inner_steps]
-        return None if p == self.fragments else p
+    def _split_state(leaves: Sequence[Any], counts: "_PartCounts") -> "_StateParts":
+        parts, k = [], 0
+        for count in counts:
+            parts.append(list(leaves[k : k + count]))
+            k += count
+        return _StateParts(*parts, step=leaves[k])
 
     # -- one program per phase ---------------------------------------------------------------
-    def phase_key(self, step: int | None) -> tuple:
+    @property
+    def schedule(self) -> FragmentSchedule:
+        """When each fragment sends and arrives (`jaxsched.strategies.diloco_fragments`)."""
+        return self._schedule
+
+    def phase_key(self, step: int | None) -> PhaseKey:
         """Which fragment sends at the start and which arrives at the end of the program for
-        inner step ``step`` (0-based): the programs differ only in that, so every phase with
-        the same key shares one compiled program, with no condition around a collective
-        (a staged engine cuts at them; XLA overlaps them). ``None``: the representative
-        phase (the first that communicates), for lowering an abstract state."""
-        tau = self.overlap_steps
-        if step is None:
-            step = next(
-                t for t in range(2 * self.inner_steps + tau + 1) if any(k is not None for k in self.phase_key(t))
-            )
-        sender = self._fragment_at(step) if tau >= 1 else None
-        arriver = self._fragment_at(step + 1 - tau)
-        return sender, arriver
+        inner step ``step`` (`FragmentSchedule.phase_key`): every phase with the same key
+        shares one compiled program, with no condition around a collective (a staged engine
+        cuts at them; XLA overlaps them)."""
+        return self._schedule.phase_key(step)
 
     def host_step(self, state: NamedTuple) -> int | None:
         """The inner steps ``state`` has taken, read on the host (None for an abstract state)."""
@@ -843,21 +821,21 @@ class DiLoCo(Strategy):
         specs, _ = self._state_specs(planned)
         return RewrittenBody(self.rewrite_phase(planned, self.phase_key(None)), specs, specs, [], False)
 
-    def _unpack(self, planned: PlannedStep, leaves: Sequence[Any]) -> dict:
+    def _unpack(self, planned: PlannedStep, leaves: Sequence[Any]) -> "_Unpacked":
         _, counts = self._state_specs(planned)
         st = self._split_state(leaves, counts)
         outer, k = [], 0
         for t in self._outer_treedefs(planned):
-            outer.append(jax.tree.unflatten(t, st["outer"][k : k + t.num_leaves]))
+            outer.append(jax.tree.unflatten(t, st.outer[k : k + t.num_leaves]))
             k += t.num_leaves
-        return dict(
-            local=unstack_local(st["params"]),
-            opts=unstack_local(st["opt"]),
-            carried=list(self.local_collective_state(planned, st["coll"])),
-            glob=list(st["glob"]),
+        return _Unpacked(
+            local=unstack_local(st.params),
+            opts=unstack_local(st.opt),
+            carried=list(self.local_collective_state(planned, st.coll)),
+            glob=list(st.glob),
             outer=outer,
-            flight=list(st["flight"]),
-            step=st["step"],
+            flight=list(st.flight),
+            step=st.step,
         )
 
     def rewrite_phase(self, planned: PlannedStep, key: tuple):
@@ -874,31 +852,31 @@ class DiLoCo(Strategy):
             reduced = {}
             if sender is not None:
                 # 1. the send, first in the program: its operands are ready before any compute
-                reduced = self._reduce_fragment(planned, sender, v["local"], v["glob"], v["carried"])
+                reduced = self._reduce_fragment(planned, sender, v.local, v.glob, v.carried)
                 if tau >= 2:
                     for i, r in reduced.items():
-                        v["flight"][i] = r
+                        v.flight[i] = r
             # 2. the inner step: the user's step on this replica
-            local, opts, aux = self._inner_step(planned, v["local"], v["opts"], batch, consts)
+            local, opts, aux = self._inner_step(planned, v.local, v.opts, batch, consts)
             local = list(local)
             # 3. the arrival
             if arriver is not None:
                 if tau == 0:
-                    red = self._reduce_fragment(planned, arriver, local, v["glob"], v["carried"])
+                    red = self._reduce_fragment(planned, arriver, local, v.glob, v.carried)
                 elif tau == 1:
                     red = reduced
                 else:
-                    red = {i: v["flight"][i] for i in range(len(frag)) if frag[i] == arriver}
-                self._apply_fragment(planned, arriver, red, local, v["glob"], v["outer"])
-            outer_leaves = [x for o in v["outer"] for x in jax.tree.leaves(o)]
+                    red = {i: v.flight[i] for i in range(len(frag)) if frag[i] == arriver}
+                self._apply_fragment(planned, arriver, red, local, v.glob, v.outer)
+            outer_leaves = [x for o in v.outer for x in jax.tree.leaves(o)]
             new_state = (
                 stack_local(local)
                 + stack_local(list(opts))
-                + self.stacked_collective_leaves(tuple(v["carried"]))
-                + v["glob"]
+                + self.stacked_collective_leaves(tuple(v.carried))
+                + v.glob
                 + outer_leaves
-                + v["flight"]
-                + [(v["step"] + 1).astype(jnp.int32)]
+                + v.flight
+                + [(v.step + 1).astype(jnp.int32)]
             )
             return new_state + list(aux)
 
@@ -923,15 +901,15 @@ class DiLoCo(Strategy):
 
         def drain(*leaves):
             v = self._unpack(planned, leaves)
-            local, glob = v["local"], v["glob"]
+            local, glob = v.local, v.glob
             if in_flight is not None:
-                red = {i: v["flight"][i] for i in range(len(frag)) if frag[i] == in_flight}
-                self._apply_fragment(planned, in_flight, red, local, glob, v["outer"])
+                red = {i: v.flight[i] for i in range(len(frag)) if frag[i] == in_flight}
+                self._apply_fragment(planned, in_flight, red, local, glob, v.outer)
             params = [
                 (g + lax.psum(x - g, axes) / count).astype(g.dtype) for x, g, (axes, count) in zip(local, glob, over)
             ]
             new_opts = []
-            for o, axes, count in zip(v["opts"], opt_over, opt_count):
+            for o, axes, count in zip(v.opts, opt_over, opt_count):
                 if jnp.issubdtype(o.dtype, jnp.floating):
                     same = lax.pmax(o, axes) == lax.pmin(o, axes)
                     new_opts.append(jnp.where(same, o, (lax.psum(o, axes) / count).astype(o.dtype)))
