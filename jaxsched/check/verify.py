@@ -162,7 +162,7 @@ class VerifyReport:
         rest = order[shown:]
         if rest:
             largest = max(self.leaf_gap[k] for k in rest)
-            tail = "all equal" if largest == 0 else f"none above {largest:.2e}"
+            tail = "all equal" if largest == 0 else f"each at most {largest:.2e}"
             lines.append(f"  ... {len(rest)} more leaves, {tail}")
         return "\n".join(lines)
 
