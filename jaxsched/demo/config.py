@@ -46,7 +46,15 @@ __all__ = [
 
 
 class ConfigError(JaxschedError, ValueError):
-    """A config value is missing or wrong; the message names the field."""
+    """A config value is missing or wrong; the message names the field.
+
+    Example:
+        >>> try:
+        ...     parse({"model": {"name": "mlp"}, "data": {"name": "digits", "batch_size": 0}})
+        ... except ConfigError as error:
+        ...     print(error)
+        <dict>: data.batch_size must be positive, got 0
+    """
 
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -106,7 +114,20 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A whole experiment. ``source`` is the file it came from, for messages."""
+    """A whole experiment, as `parse` or `load` validate it.
+
+    Attributes:
+      model: the model's name and options.
+      data: the data set's name, global batch size and options.
+      optimizer: the optax optimizer's name and hyperparameters.
+      train: steps, devices, step API, strategies, seed and logging.
+      source: the file it came from, for messages.
+
+    Example:
+        >>> cfg = parse({"model": {"name": "mlp", "hidden": [16]}, "data": {"name": "digits"}})
+        >>> cfg.model.options, cfg.data.batch_size, cfg.train.strategies
+        ({'hidden': [16]}, 128, ('allreduce',))
+    """
 
     model: ModelConfig
     data: DataConfig
