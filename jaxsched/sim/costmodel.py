@@ -71,12 +71,27 @@ class ProfileError(JaxschedError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
-    """One parameter group, in forward order. ``update_s`` is its optimizer-update time.
+    """One parameter group, in forward order, as the simulator and the planners see it.
 
-    Second-order fields (zero for first-order strategies; read by patterns with
-    ``factors``): ``factor_bytes``, the bytes of its Kronecker factors; ``factor_s``, the time
-    to compute them after its backward; ``factor_dims``, each factor's size ``n``; and
-    ``inverse_s``, the time to invert each factor on one worker.
+    The second-order fields are zero for first-order strategies and read by patterns with
+    ``factors`` (K-FAC).
+
+    Args:
+      name: the group's name (a parameter path).
+      params: its number of parameters.
+      bytes: its gradient's bytes.
+      forward_s: its forward time, seconds.
+      backward_s: its backward time; its gradient is ready when this ends.
+      update_s: its optimizer-update time.
+      factor_bytes: the bytes of its Kronecker factors.
+      factor_s: the time to compute them after its backward.
+      factor_dims: each factor's size ``n``.
+      inverse_s: the time to invert each factor on one worker (one entry per factor).
+
+    Example:
+        >>> layer = Layer("dense", params=1024, bytes=4096, forward_s=1e-4, backward_s=2e-4)
+        >>> layer.bytes, layer.update_s
+        (4096, 0.0)
     """
 
     name: str
@@ -102,7 +117,22 @@ class Layer:
 
 @dataclasses.dataclass(frozen=True)
 class LayerProfile:
-    """Layers in forward order; the gradient of layer ``i`` is ready when its backward ends."""
+    """Layers in forward order; the gradient of layer ``i`` is ready when its backward ends.
+
+    Measure one with [`profile_zoo_model`][jaxsched.plan.profiling.profile_zoo_model], build
+    one from `jaxsched.sim.zoo_profiles`, or write it as JSON (`load`, `from_dict`).
+
+    Args:
+      layers: the layers, in forward order (at least one).
+      meta: free-form notes (how it was measured) kept in its JSON.
+
+    Example:
+        >>> profile = LayerProfile([Layer("a", 10, 40, 1e-4, 2e-4), Layer("b", 20, 80, 1e-4, 2e-4)])
+        >>> len(profile), profile.total_bytes, profile.backward_s
+        (2, 120, 0.0004)
+        >>> LayerProfile.from_dict(profile.to_dict()) == profile
+        True
+    """
 
     layers: Sequence[Layer]
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -147,7 +177,24 @@ class LayerProfile:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> "LayerProfile":
-        """Validate and build; errors name ``source`` and the offending field."""
+        """Validate and build a profile from its JSON form (`to_dict`).
+
+        Args:
+          data: the parsed JSON: ``{"layers": [...], "meta": {...}}``.
+          source: where ``data`` came from, named in errors.
+
+        Returns:
+          The profile.
+
+        Raises:
+          ProfileError: a field is missing or of the wrong type; the message names
+            ``source`` and the field.
+
+        Example:
+            >>> LayerProfile.from_dict({"layers": [{"name": "a", "params": 1, "bytes": 4,
+            ...                                     "forward_s": 1e-4, "backward_s": 2e-4}]}).total_params
+            1
+        """
         if not isinstance(data, Mapping) or "layers" not in data:
             raise ProfileError(f"{source}: layer profile needs a top-level 'layers' list")
         raw_layers = data["layers"]
@@ -212,6 +259,23 @@ class NetworkProfile:
       pad, concatenate), and the same again to unpack it. The simulator charges it on the
       compute stream before and after every bucketed collective of ``wfbp``, ``mgwfbp`` and
       ``dear`` (the strategies whose rewrite builds bucket buffers).
+
+    Measure one with [`profile_network`][jaxsched.plan.profiling.profile_network], take a
+    preset ([`network_preset`][jaxsched.sim.costmodel.network_preset]) or write it as JSON.
+
+    Args:
+      workers: the number of workers the costs are for.
+      collectives: per collective name (`COLLECTIVES`; ``all_reduce``, ``reduce_scatter``
+        and ``all_gather`` are required by the simulator), its `CollectiveCost`.
+      meta: free-form notes kept in its JSON.
+      dispatch_s: see above.
+      copy_s_per_byte: see above.
+
+    Example:
+        >>> cost = CollectiveCost(alpha_s=1e-5, beta_s_per_byte=1e-9)
+        >>> network = NetworkProfile(4, {"all_reduce": cost, "reduce_scatter": cost, "all_gather": cost})
+        >>> round(network.time("all_reduce", 1e6), 6)
+        0.00101
     """
 
     workers: int
@@ -553,13 +617,26 @@ def _link(name: str) -> LinkPreset:
 def network_preset(name: str, workers: int, per_node: int | None = None, hierarchical: bool = True) -> NetworkProfile:
     """A ring-algorithm network profile for a named link preset and worker count.
 
-    A name ``"fast+slow"`` (``"nvlink4+400gbib"``, ``"ici+dcn"``) is a two-level network of
-    ``workers // per_node`` nodes of ``per_node`` devices each (`two_level_network`).
+    Args:
+      name: a link preset (a key of `LINK_PRESETS`: ``"10gbe"``, ``"nvlink4"``, ...), or
+        ``"fast+slow"`` (``"nvlink4+400gbib"``, ``"ici+dcn"``): a two-level network of
+        ``workers // per_node`` nodes of ``per_node`` devices each (`two_level_network`).
+      workers: the number of workers.
+      per_node: devices per node; required by a two-level name, and must divide ``workers``.
+      hierarchical: for a two-level name, whether collectives run hierarchically (within
+        nodes, then across) rather than as one flat ring over the slow links.
 
-    >>> network_preset("10gbe", 4).meta["algorithm"]
-    'ring'
-    >>> network_preset("nvlink4+400gbib", 64, per_node=8).meta["levels"]
-    {'fast': 'nvlink4', 'slow': '400gbib', 'nodes': 8, 'per_node': 8}
+    Returns:
+      The `NetworkProfile`.
+
+    Raises:
+      ProfileError: an unknown preset, or a two-level name without a fitting ``per_node``.
+
+    Example:
+        >>> network_preset("10gbe", 4).meta["algorithm"]
+        'ring'
+        >>> network_preset("nvlink4+400gbib", 64, per_node=8).meta["levels"]
+        {'fast': 'nvlink4', 'slow': '400gbib', 'nodes': 8, 'per_node': 8}
     """
     if workers < 1:
         raise ProfileError(f"workers={workers} must be >= 1")
