@@ -79,6 +79,12 @@ class SchedState(NamedTuple):
       collective_state: what the collective (a compression wrapper) carries between
         steps, per bucket, every leaf stacked on a leading device axis; ``()`` when the
         collective carries nothing.
+
+    Example:
+        >>> import jaxsched
+        >>> state = jaxsched.SchedState(params={"w": 1.0}, opt_state=())
+        >>> state._replace(params={"w": 2.0}).params, state.collective_state
+        ({'w': 2.0}, ())
     """
 
     params: Any
@@ -143,6 +149,17 @@ class Strategy(abc.ABC):
       cost: what it sends per bucket, for the planners and the simulator.
       accepts_collective: False for strategies that issue no bucket collectives (the
         identity), which therefore cannot carry compression.
+
+    Args:
+      collective: how each bucket travels (a `Collective`, e.g. a compressor's wrapper);
+        default: a plain sum, or the `Hierarchical` one the mesh calls for (`for_mesh`).
+
+    Example:
+        >>> import jaxsched
+        >>> from jaxsched.runtime.compress import TopK
+        >>> strategy = jaxsched.strategies.Wfbp(collective=TopK(density=0.1))
+        >>> strategy.name, isinstance(strategy, jaxsched.Strategy)
+        ('wfbp', True)
     """
 
     name: ClassVar[str] = ""
@@ -183,11 +200,18 @@ class Strategy(abc.ABC):
         return f"{type(self).__name__}(collective={type(self.collective).__name__})"
 
     def for_mesh(self, captured: Any) -> "Strategy":
-        """This strategy with the collective the mesh calls for: when the step is data
-        parallel over several mesh axes and the devices say which are slow (another
-        host), a `Hierarchical` sum, unless the user chose a
-        collective. On TPU, XLA lowers the flat sum in two levels itself
-        (`default_collective_for`)."""
+        """This strategy with the collective the mesh calls for.
+
+        When the step is data parallel over several mesh axes and the devices say which
+        are slow (another host), a `Hierarchical` sum, unless the user chose a collective.
+        On TPU, XLA lowers the flat sum in two levels itself (`default_collective_for`).
+
+        Args:
+          captured: the captured step (its ``mesh`` and ``axis_name``).
+
+        Returns:
+          ``self``, or a copy with the hierarchical collective.
+        """
         from jaxsched.runtime.collectives.hierarchical import default_collective_for
 
         if not (self.accepts_collective and getattr(self, "default_collective", False)):
@@ -200,12 +224,39 @@ class Strategy(abc.ABC):
         return chosen
 
     def initial_state(self, params: Any, opt_state: Any) -> Any:
-        """The user's trees as this strategy's state, before any step was traced."""
+        """The user's trees as this strategy's state, before any step was traced.
+
+        Args:
+          params: the user's params tree.
+          opt_state: the user's optimizer state tree.
+
+        Returns:
+          The strategy's state (`SchedState` for the built-in strategies).
+
+        Example:
+            >>> from jaxsched.strategies import Dear
+            >>> Dear().initial_state({"w": 1.0}, ())
+            SchedState(params={'w': 1.0}, opt_state=(), collective_state=())
+        """
         return SchedState(params, opt_state)
 
     def finalize_untraced(self, state: ScheduledState) -> tuple[Any, Any]:
-        """``finalize`` before any step was traced in this process: only a state still in
-        the user's layout can be returned; anything carried would be lost, so refuse."""
+        """``finalize`` before any step was traced in this process.
+
+        Only a state still in the user's layout can be returned; anything carried would be
+        lost, so refuse.
+
+        Args:
+          state: a state from `initial_state` (or restored from a checkpoint).
+
+        Returns:
+          ``(params, opt_state)``.
+
+        Example:
+            >>> from jaxsched.strategies import Wfbp
+            >>> Wfbp().finalize_untraced(SchedState({"w": 1.0}, ()))
+            ({'w': 1.0}, ())
+        """
 
         def holds_something(tree: Any) -> bool:
             return any(np.size(x) > 1 or bool(np.any(np.asarray(x) != 0)) for x in jax.tree.leaves(tree))
@@ -226,16 +277,38 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def convert(self, planned: PlannedStep, state: ScheduledState) -> NamedTuple:
-        """The state in this strategy's layout for ``planned``, from the user's layout or its
-        own (idempotent), placed on the mesh."""
+        """The state in this strategy's layout for ``planned``, placed on the mesh.
+
+        Args:
+          planned: the captured and planned step.
+          state: a state in the user's layout or this strategy's own (idempotent).
+
+        Returns:
+          The strategy's state NamedTuple.
+        """
 
     @abc.abstractmethod
     def finalize(self, planned: PlannedStep, state: ScheduledState) -> tuple[Any, Any]:
-        """Back to the user's ``(params, opt_state)``."""
+        """Back to the user's trees.
+
+        Args:
+          planned: the captured and planned step.
+          state: this strategy's state.
+
+        Returns:
+          ``(params, opt_state)`` in the user's layout.
+        """
 
     @abc.abstractmethod
     def rewrite(self, planned: PlannedStep) -> RewrittenBody:
-        """The scheduled per-device body."""
+        """The scheduled per-device body.
+
+        Args:
+          planned: the captured and planned step (its jaxpr, buckets and mesh).
+
+        Returns:
+          A `RewrittenBody`: the body and the specs of its state leaves.
+        """
 
     # -- helpers for subclasses ---------------------------------------------------------
     def bucket_specs(
