@@ -268,6 +268,26 @@ def profile_zoo_model(
     which a measured network profile carries as ``dispatch_s`` and the simulator adds once.
     With ``optimizer`` (an optax transform), each layer's ``update_s`` is measured by
     `profile_update`; without it, ``update_s`` stays 0.
+
+    Args:
+      name: a zoo model (``"mlp"``, ``"cnn"``, ``"transformer"``, ...).
+      batch: examples per device.
+      repeats: timed runs per stage (the median is kept).
+      seed: the seed of the model's parameters and of the random inputs.
+      mesh: time every device at once on this mesh (default: one device).
+      axis: the mesh's data axis.
+      scale_to_whole_step: with ``mesh``, rescale the stage times to the whole model's.
+      optimizer: an optax transform whose update is timed per layer.
+      **options: the model's own options (``hidden=...``).
+
+    Returns:
+      The [`LayerProfile`][jaxsched.sim.costmodel.LayerProfile], one layer per top-level
+      parameter group, in forward order.
+
+    Example:
+        >>> profile = profile_zoo_model("mlp", batch=4, repeats=1, hidden=(8,))
+        >>> [layer.name for layer in profile.layers], profile.layers[0].backward_s > 0
+        (['hidden/0', 'head'], True)
     """
     workers = axis_size(mesh, axis) if mesh is not None else 1
     rng = np.random.default_rng(seed)
@@ -492,6 +512,26 @@ def profile_network(
     included: a chain of small psums inside one program measured about the same fixed cost
     per collective (rendezvous of every device) as a standalone collective program
     (docs/simulator.md), so taking the dispatch off would undercount it.
+
+    Args:
+      mesh: the mesh to measure on (default: all devices on one axis named ``axis``).
+      axis: the data axis the collectives cross.
+      sizes: the measured sizes, full-tensor bytes.
+      repeats: timed runs per size (the median is kept).
+      progress: show a bar over the measurements.
+      fixed_costs: also measure ``dispatch_s`` and ``copy_s_per_byte``.
+
+    Returns:
+      ``(network, errors)``: the fitted
+      [`NetworkProfile`][jaxsched.sim.costmodel.NetworkProfile] and, per collective, the
+      fit's largest relative error.
+
+    Example:
+        >>> import jax
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> network, errors = profile_network(mesh, sizes=(4096, 65536), repeats=1, fixed_costs=False)
+        >>> network.workers, sorted(errors)
+        (2, ['all_gather', 'all_reduce', 'ppermute', 'reduce_scatter'])
     """
     mesh = mesh or jax.make_mesh((jax.device_count(),), (axis,))
     workers = axis_size(mesh, axis)
