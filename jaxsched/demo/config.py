@@ -176,7 +176,7 @@ def _keyword_options(fn: Any, exclude: tuple[str, ...]) -> tuple[str, ...]:
 def model_options(name: str) -> tuple[str, ...]:
     """Fields ``[model]`` accepts besides ``name`` for zoo model ``name``."""
     classes = {"mlp": models_lib.MLP, "cnn": models_lib.CNN, "transformer": models_lib.TransformerLM}
-    return _keyword_options(classes[name].__init__, ("rngs",))
+    return _keyword_options(classes[name].__init__, ("rngs",))  # type: ignore[misc]
 
 
 def data_options(name: str) -> tuple[str, ...]:

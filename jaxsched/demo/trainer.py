@@ -24,7 +24,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence, cast
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,9 @@ from jaxsched.zoo import models as models_lib
 from jaxsched.demo import steps as steps_lib
 from jaxsched.demo.config import Config, ConfigError
 from jaxsched.core.progress import progress as progress_bar
+
+if TYPE_CHECKING:
+    from jaxsched.strategies.base import ScheduledState
 
 __all__ = [
     "default_wrap",
@@ -54,8 +57,8 @@ __all__ = [
 class StepRunner(Protocol):
     """What the trainer drives: a plain step, or a scheduled one."""
 
-    def init(self, params: Any, opt_state: Any) -> Any: ...
-    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]: ...
+    def init(self, params: Any, opt_state: Any, /) -> Any: ...
+    def __call__(self, state: Any, batch: Any, /) -> Any: ...
     def finalize(self, state: Any) -> tuple[Any, Any]: ...
 
 
@@ -191,7 +194,7 @@ def verify_config(
         batches = (exp.place(b) for b in exp.batches())
         reports.append(
             sched.verify(
-                sched.init(exp.params, exp.opt_state),
+                cast("ScheduledState", sched.init(exp.params, exp.opt_state)),
                 batches,
                 steps=steps,
                 rtol=rtol,

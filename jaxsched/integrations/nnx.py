@@ -86,7 +86,7 @@ class _Layout:
 
     def pure(self, params: Any, rest: Any) -> tuple[dict, dict]:
         """``nnx.State`` of params and of the rest -> the pure step's dicts."""
-        pure_params = nnx.to_pure_dict(params)
+        pure_params: dict[Any, Any] = nnx.to_pure_dict(params)
         return (pure_params[0] if self.single_owner else pure_params), nnx.to_pure_dict(rest)
 
     def states(self, params: dict, rest: dict) -> tuple[Any, Any]:
@@ -120,6 +120,12 @@ def _leaves(*states: Any) -> tuple:
     return tuple(leaf for s in states for leaf in jax.tree.leaves(s))
 
 
+def _split_params(nodes: Any) -> tuple[Any, Any, Any]:
+    """``nnx.split(nodes, nnx.Param, ...)``: the graph, the params' state, the rest's state."""
+    graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)  # type: ignore[misc]
+    return graphdef, params, rest
+
+
 class NNXScheduled:
     """A scheduled NNX step: ``sched(model, optimizer, batch)`` and ``sched.finalize(...)``.
 
@@ -145,7 +151,7 @@ class NNXScheduled:
     def __call__(self, *args: Any) -> Any:
         """One training step: updates the objects (see the module doc), returns the aux."""
         nodes, batch = self._split_args(args, "call")
-        graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
+        graphdef, params, rest = _split_params(nodes)
         session = self._session_for(graphdef, params, rest)
         if session.state is None or not _same_arrays(_leaves(params, rest), session.written):
             if session.state is not None and _carries_something(session.state):
@@ -173,7 +179,7 @@ class NNXScheduled:
         session = self._session
         if session is None or session.state is None:
             return
-        graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
+        graphdef, params, rest = _split_params(nodes)
         if graphdef != session.layout.graphdef:
             raise JaxschedValueError(
                 "finalize() got objects of another structure than the scheduled "
@@ -213,7 +219,7 @@ class NNXScheduled:
     # -- internals ------------------------------------------------------------------------
     def _abstract_call(self, args: tuple, what: str) -> tuple[_Session, Any, Any]:
         nodes, batch = self._split_args(args, what)
-        graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
+        graphdef, params, rest = _split_params(nodes)
         session = self._session_for(graphdef, params, rest)
         return session, session.scheduled.init(*session.layout.pure(params, rest)), batch
 
@@ -270,18 +276,18 @@ class NNXScheduled:
 
         def pure_step(params: dict, rest: dict, batch: Any):
             nodes = nnx.merge(layout.graphdef, *layout.states(params, rest))
-            inputs = batch if self._num_inputs > 1 else (batch,)
+            inputs = batch if (self._num_inputs or 0) > 1 else (batch,)
             aux = train_step(*nodes, *inputs)
-            _, new_params, new_rest = nnx.split(nodes, nnx.Param, ...)
+            _, new_params, new_rest = _split_params(nodes)
             return (*layout.pure(new_params, new_rest), aux)
 
         pure_step.__name__ = getattr(train_step, "__name__", "train_step")
-        pure_step.__wrapped__ = train_step  # source lines in errors point at the user's step
+        pure_step.__wrapped__ = train_step  # type: ignore[attr-defined]  # source lines in errors point at the user's step
         return pure_step
 
     def _write_back(self, session: _Session, nodes: tuple, params: dict, rest: dict) -> None:
         nnx.update(nodes, *session.layout.states(params, rest))
-        _, new_params, new_rest = nnx.split(nodes, nnx.Param, ...)
+        _, new_params, new_rest = _split_params(nodes)
         session.written = _leaves(new_params, new_rest)
 
 

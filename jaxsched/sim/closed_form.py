@@ -35,7 +35,9 @@ def _backward_buckets(
 ) -> tuple[list[Any], list[Any]]:
     """Ready offsets (from backward start) and costs of each bucket, in backward order."""
     lay = layers.layers
-    ready, costs, elapsed = [], [], 0
+    ready: list[Any] = []
+    costs: list[Any] = []
+    elapsed: Any = 0
     for bucket in reversed(check_buckets(buckets, len(lay))):
         for i in reversed(bucket):
             elapsed = elapsed + lay[i].backward_s
@@ -59,7 +61,8 @@ def wfbp_time(layers: LayerProfile, network: NetworkProfile, buckets: Sequence[S
     lay = layers.layers
     buckets = buckets if buckets is not None else [[i] for i in range(len(lay))]
     ready, costs = _backward_buckets(layers, network, buckets)
-    suffix, best = 0, None
+    suffix: Any = 0
+    best: Any = None
     for r, c in zip(reversed(ready), reversed(costs)):
         suffix = suffix + c
         best = r + suffix if best is None else max(best, r + suffix)

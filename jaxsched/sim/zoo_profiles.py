@@ -19,6 +19,7 @@ from __future__ import annotations
 from jaxsched._errors import JaxschedValueError
 
 import dataclasses
+from typing import Any
 
 from jaxsched.sim.costmodel import DevicePreset, Layer, LayerProfile, device_preset, roofline_seconds
 
@@ -117,8 +118,9 @@ def resnet50() -> list[ArchLayer]:
 def vgg16() -> list[ArchLayer]:
     layers: list[ArchLayer] = []
     c, h, w = 3, 224, 224
-    for i, v in enumerate([64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]):
-        if v == "M":
+    plan: list[int | str] = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
+    for i, v in enumerate(plan):
+        if isinstance(v, str):  # "M": max pooling
             h, w = h // 2, w // 2
         else:
             c, h, w = _conv(layers, f"features/{i}", c, v, (3, 3), h, w, 1, (1, 1), bias=True, bn=False)
@@ -290,7 +292,7 @@ def zoo_profile(
         forward = roofline_seconds(2 * arch.macs * batch, memory, dev, efficiency)
         backward = roofline_seconds(4 * arch.macs * batch, 2 * memory, dev, efficiency)
         update = roofline_seconds(2 * arch.params, 5 * BYTES_PER_VALUE * arch.params, dev, efficiency)
-        second = {}
+        second: dict[str, Any] = {}
         if kfac and arch.factor_dims:
             d_a, d_g = arch.factor_dims
             rows = batch * arch.macs / max(1, d_a * d_g)
