@@ -159,6 +159,15 @@ class GlobalTopK(Sparsifier):
       warmup_steps, warmup_density, warmup_tiers, momentum, clip_norm: Deep Gradient
         Compression's warm-up, momentum correction (for an optimizer without momentum)
         and local clipping; keyword-only, see `Sparsifier`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> gtopk = GlobalTopK(0.01)
+        >>> (own, _), = gtopk.init([spec])
+        >>> own._fields, gtopk.sim_compression().kind
+        (('residual', 'bytes_sent', 'rounds', 'step', 'velocity'), 'gtopk')
     """
 
     sim_kind = "gtopk"
@@ -177,7 +186,17 @@ class GlobalTopK(Sparsifier):
     ) -> tuple[jax.Array, jax.Array]:
         """The ``k`` indices every device agrees on (``n`` marks an empty slot), and how
         many messages this device sent to find them, at ``density`` (default: the density
-        after warm-up)."""
+        after warm-up). Runs inside the per-device body.
+
+        Args:
+          acc: this device's accumulated gradient (flat).
+          axis_name: the data axis.
+          bucket: the bucket (``bucket.size`` is ``n``).
+          density: the density to select at.
+
+        Returns:
+          ``(indices, sent_messages)``.
+        """
         n, size = bucket.size, bucket.axis_size
         k = kernels.selection_size(n, self.density_of(bucket) if density is None else density)
         _, indices = lax.top_k(jnp.abs(acc), k)

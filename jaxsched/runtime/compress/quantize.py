@@ -101,6 +101,15 @@ class Quantize(Compressor):
         more scales.
       error_feedback: keep each device's rounding error and add it to its next buffer.
       inner: the collective uncompressed operations (parameter all-gathers) go through.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> quantize = Quantize(bits=8, block_size=256)
+        >>> (own, _), = quantize.init([spec])
+        >>> own.residual.shape, quantize.payload_bytes(1000)  # 4 blocks of 256 codes + 4 scales
+        ((1000,), 1040)
     """
 
     def __init__(
@@ -126,7 +135,18 @@ class Quantize(Compressor):
         return f"Quantize(bits={self.bits}, block_size={self.block_size}, error_feedback={self.error_feedback})"
 
     def payload_bytes(self, size: int) -> int:
-        """Bytes one device sends for a buffer of ``size`` elements."""
+        """Bytes one device sends for a buffer of ``size`` elements.
+
+        Args:
+          size: the buffer's elements.
+
+        Returns:
+          The codes' bytes (whole blocks) plus a float32 scale per block.
+
+        Example:
+            >>> Quantize(bits=4, block_size=256).payload_bytes(512)
+            264
+        """
         blocks = -(-size // self.block_size)
         return blocks * self.block_size * self.bits // 8 + 4 * blocks
 
