@@ -98,10 +98,17 @@ def exchange_rounds(num_devices: int) -> list[tuple[str, list[tuple[int, int]]]]
     """The ``(kind, ppermute pairs)`` of each round for ``num_devices``: ``"fold"``
     (extra devices send to a partner), ``"double"`` (pairwise swap), ``"unfold"``.
 
-    >>> [kind for kind, _ in exchange_rounds(6)]
-    ['fold', 'double', 'double', 'unfold']
-    >>> exchange_rounds(4)[1]
-    ('double', [(0, 2), (1, 3), (2, 0), (3, 1)])
+    Args:
+      num_devices: devices on the data axis, at least 1.
+
+    Returns:
+      The rounds, in order: ``(kind, [(source, destination), ...])`` each.
+
+    Example:
+        >>> [kind for kind, _ in exchange_rounds(6)]
+        ['fold', 'double', 'double', 'unfold']
+        >>> exchange_rounds(4)[1]
+        ('double', [(0, 2), (1, 3), (2, 0), (3, 1)])
     """
     if num_devices < 1:
         raise JaxschedValueError(f"num_devices must be >= 1, got {num_devices}")
@@ -129,11 +136,23 @@ def merge_top_k(
     again (freed slots get ``sentinel``). Symmetric up to the order of float addition of
     two numbers, which is exact: ``merge(a, b) == merge(b, a)``.
 
-    >>> import jax.numpy as jnp
-    >>> v, i = merge_top_k(jnp.array([5.0, 1.0]), jnp.array([1, 3]),
-    ...                    jnp.array([-4.0, 2.0]), jnp.array([7, 3]), k=2, sentinel=8)
-    >>> v.tolist(), i.tolist()
-    ([5.0, -4.0], [1, 7])
+    Args:
+      values_a: the first vector's values.
+      indices_a: their indices.
+      values_b: the second vector's values.
+      indices_b: their indices.
+      k: how many entries to keep.
+      sentinel: the index of an empty slot.
+
+    Returns:
+      ``(values, indices)``: the ``k`` largest entries of the sum by magnitude.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> v, i = merge_top_k(jnp.array([5.0, 1.0]), jnp.array([1, 3]),
+        ...                    jnp.array([-4.0, 2.0]), jnp.array([7, 3]), k=2, sentinel=8)
+        >>> v.tolist(), i.tolist()
+        ([5.0, -4.0], [1, 7])
     """
     indices, values = lax.sort(
         (jnp.concatenate([indices_a, indices_b]), jnp.concatenate([values_a, values_b])), num_keys=1

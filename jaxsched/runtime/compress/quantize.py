@@ -61,9 +61,19 @@ def quantize(x: jax.Array, bits: int, block_size: int) -> tuple[jax.Array, jax.A
     """``x`` (flat, float) as ``(codes, scales)``: int8 codes in ``[-q, q]``, ``q = 2**(bits-1)
     - 1``, one float32 scale per block of ``block_size`` (the last block zero-padded).
 
-    >>> codes, scales = quantize(jnp.array([0.5, -1.0, 0.0, 0.2]), 8, 2)
-    >>> codes.tolist(), [round(s * 127, 3) for s in scales.tolist()]
-    ([[64, -127], [0, 127]], [1.0, 0.2])
+    Args:
+      x: a flat float array.
+      bits: 4 or 8.
+      block_size: elements per scale.
+
+    Returns:
+      ``(codes, scales)``: int8 codes of shape ``(blocks, block_size)`` and float32 scales
+      of shape ``(blocks,)``.
+
+    Example:
+        >>> codes, scales = quantize(jnp.array([0.5, -1.0, 0.0, 0.2]), 8, 2)
+        >>> codes.tolist(), [round(s * 127, 3) for s in scales.tolist()]
+        ([[64, -127], [0, 127]], [1.0, 0.2])
     """
     qmax = 2 ** (bits - 1) - 1
     n = x.shape[0]
@@ -76,7 +86,21 @@ def quantize(x: jax.Array, bits: int, block_size: int) -> tuple[jax.Array, jax.A
 
 
 def dequantize(codes: jax.Array, scales: jax.Array, size: int) -> jax.Array:
-    """The float32 values of ``quantize``'s output, flat, ``size`` elements."""
+    """The float32 values of ``quantize``'s output, flat, ``size`` elements.
+
+    Args:
+      codes: `quantize`'s codes (with any leading axes, e.g. one per device).
+      scales: its scales.
+      size: the original number of elements (the padding is cut off).
+
+    Returns:
+      The values, ``size`` of them per leading index.
+
+    Example:
+        >>> x = jnp.array([0.5, -1.0, 0.0])
+        >>> [round(v, 2) for v in dequantize(*quantize(x, 8, 2), 3).tolist()]
+        [0.5, -1.0, 0.0]
+    """
     return (codes.astype(jnp.float32) * scales[..., :, None]).reshape(codes.shape[:-2] + (-1,))[..., :size]
 
 
