@@ -112,7 +112,7 @@ def profile_stages(
     repeats: int = 5,
     device: Any = None,
     mesh: Mesh | None = None,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
 ) -> LayerProfile:
     """Time each stage's forward and backward; the last stage ends in the loss.
 
@@ -150,7 +150,7 @@ def profile_stages(
     )
 
 
-def measure_dispatch(mesh: Mesh | None = None, axis: str = "data", repeats: int = 20) -> float:
+def measure_dispatch(mesh: Mesh | None = None, axis: str | tuple[str, ...] = "data", repeats: int = 20) -> float:
     """Seconds to dispatch and block on a trivial jitted program (one element per device).
 
     With ``mesh``: a ``shard_map`` program on every device of it, as a data-parallel step
@@ -169,7 +169,7 @@ def profile_update(
     layer_params: Sequence[Any],
     tx: Any,
     mesh: Mesh | None = None,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     repeats: int = 5,
     dispatch_s: float | None = None,
 ) -> list[float]:
@@ -212,7 +212,7 @@ def _layer(name: str, params: Any, forward_s: float, backward_s: float) -> Layer
 
 
 def _profile_stages_on_mesh(
-    stages: Sequence[Stage], x: jax.Array, labels: jax.Array, repeats: int, mesh: Mesh, axis: str
+    stages: Sequence[Stage], x: jax.Array, labels: jax.Array, repeats: int, mesh: Mesh, axis: str | tuple[str, ...]
 ) -> LayerProfile:
     sharded = NamedSharding(mesh, P(axis))
     x, labels = jax.device_put((x, labels), sharded)
@@ -222,16 +222,16 @@ def _profile_stages_on_mesh(
         last = index == len(stages) - 1
         if last:
             loss = _stage_with_loss(fn, labels)
-            fn = lambda p, h, y, _loss=loss: _loss(p, h, y)[None]
+            fn = lambda p, h, y, _loss=loss: _loss(p, h, y)[None]  # type: ignore[assignment,misc]
         else:
-            fn = lambda p, h, y, _f=fn: _f(p, h)
+            fn = lambda p, h, y, _f=fn: _f(p, h)  # type: ignore[assignment,misc]
         first = index == 0
 
         def both(p, h, y, _fn=fn, _first=first):
             out, vjp = jax.vjp(lambda q: _fn(q, h, y), p) if _first else jax.vjp(lambda q, a: _fn(q, a, y), p, h)
             return out, vjp(jnp.ones_like(out))
 
-        specs = dict(mesh=mesh, in_specs=(P(), P(axis), P(axis)), check_vma=False)
+        specs: dict[str, Any] = dict(mesh=mesh, in_specs=(P(), P(axis), P(axis)), check_vma=False)
         forward = jax.jit(jax.shard_map(fn, out_specs=P(axis), **specs))
         forward_backward = jax.jit(jax.shard_map(both, out_specs=(P(axis), P(axis)), **specs))
         forward_s = _median_seconds(lambda: forward(params, x, labels), repeats)
@@ -255,7 +255,7 @@ def profile_zoo_model(
     repeats: int = 5,
     seed: int = 0,
     mesh: Mesh | None = None,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     scale_to_whole_step: bool = True,
     optimizer: Any = None,
     **options: Any,
@@ -320,7 +320,7 @@ def scale_to_whole_model(
     x: jax.Array,
     labels: jax.Array,
     mesh: Mesh,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     repeats: int = 5,
     dispatch_s: float = 0.0,
 ) -> LayerProfile:
@@ -342,7 +342,7 @@ def scale_to_whole_model(
         value, grads = jax.value_and_grad(lambda q: loss(q, h, y)[0])(p)
         return value[None], grads
 
-    specs = dict(mesh=mesh, in_specs=(P(), P(axis), P(axis)), check_vma=False)
+    specs: dict[str, Any] = dict(mesh=mesh, in_specs=(P(), P(axis), P(axis)), check_vma=False)
     forward = jax.jit(jax.shard_map(loss, out_specs=P(axis), **specs))
     both = jax.jit(jax.shard_map(loss_and_grad, out_specs=(P(axis), P(axis)), **specs))
     params = jax.device_put(params, NamedSharding(mesh, P()))
@@ -378,7 +378,7 @@ def scale_to_whole_model(
     )
 
 
-def _collective_programs(mesh: Mesh, axis: str) -> dict[str, Callable[[jax.Array], jax.Array]]:
+def _collective_programs(mesh: Mesh, axis: str | tuple[str, ...]) -> dict[str, Callable[[jax.Array], jax.Array]]:
     size = axis_size(mesh, axis)
     ring = [(i, (i + 1) % size) for i in range(size)]
 
@@ -415,7 +415,7 @@ def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[Co
 
 def measure_copy(
     mesh: Mesh | None = None,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     sizes: Sequence[int] = (1 << 20, 1 << 22),
     repeats: int = 5,
     dispatch_s: float = 0.0,
@@ -430,7 +430,7 @@ def measure_copy(
     """
     from jaxsched.core import layout
 
-    mesh = mesh or jax.make_mesh((jax.device_count(),), (axis,))
+    mesh = mesh or jax.make_mesh((jax.device_count(),), (axis,) if isinstance(axis, str) else axis)
     workers = axis_size(mesh, axis)
     points = []
     for size in sizes:
@@ -496,7 +496,7 @@ def agree_on_network(network: NetworkProfile) -> NetworkProfile:
 
 def profile_network(
     mesh: Mesh | None = None,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     sizes: Sequence[int] = DEFAULT_SIZES,
     repeats: int = 5,
     progress: bool = False,
@@ -533,7 +533,7 @@ def profile_network(
         >>> network.workers, sorted(errors)
         (2, ['all_gather', 'all_reduce', 'ppermute', 'reduce_scatter'])
     """
-    mesh = mesh or jax.make_mesh((jax.device_count(),), (axis,))
+    mesh = mesh or jax.make_mesh((jax.device_count(),), (axis,) if isinstance(axis, str) else axis)
     workers = axis_size(mesh, axis)
     programs = _collective_programs(mesh, axis)
     sharding = NamedSharding(mesh, P(axis))
@@ -547,7 +547,7 @@ def profile_network(
         elements = max(workers, size // 4 // workers * workers)
         shape = (workers, elements // workers) if name == "all_gather" else (workers, elements)
         host = np.ones(shape, np.float32)  # every process builds the same global array
-        x = jax.make_array_from_callback(shape, sharding, lambda index, _h=host: _h[index])
+        x = jax.make_array_from_callback(shape, sharding, lambda index, _h=host: _h[index])  # type: ignore[misc]
         seconds = _median_seconds(lambda: programs[name](x), repeats)
         measured[name].append((elements * 4, seconds))
     dispatch_s = measure_dispatch(mesh, axis) if fixed_costs else 0.0
@@ -576,7 +576,7 @@ __all__ = [
 ]
 
 
-def psum_programs(count: int, mesh: Mesh, axis: str = "data") -> dict[str, Callable[..., Any]]:
+def psum_programs(count: int, mesh: Mesh, axis: str | tuple[str, ...] = "data") -> dict[str, Callable[..., Any]]:
     """Two ways to all-reduce ``count`` arrays: one ``psum`` of the tuple (what ``lax.pmean``
     of a gradient tree compiles to) and one ``psum`` of their flat concatenation (what a
     bucket of ``wfbp``/``dear`` sends)."""
@@ -593,7 +593,9 @@ def psum_programs(count: int, mesh: Mesh, axis: str = "data") -> dict[str, Calla
     return {"tuple": wrap(tuple_psum), "flat": wrap(flat_psum)}
 
 
-def profile_psum_operands(arrays: Sequence[Any], mesh: Mesh, axis: str = "data", repeats: int = 50) -> dict[str, float]:
+def profile_psum_operands(
+    arrays: Sequence[Any], mesh: Mesh, axis: str | tuple[str, ...] = "data", repeats: int = 50
+) -> dict[str, float]:
     """Median ms of a tuple ``psum`` of ``arrays`` vs a ``psum`` of their concatenation.
 
     Why: XLA:CPU runs an all-reduce of a tuple as one rendezvous of all device threads
