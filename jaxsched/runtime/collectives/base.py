@@ -85,6 +85,12 @@ class BucketSpec:
       scatter_lanes: 0, or the row length a flat (1-D) buffer is reduce-scattered as: a
         1-D reduce-scatter becomes an all-reduce of the whole buffer on TPU (any group),
         rows of 128 stay a reduce-scatter. Used where a device's slice is whole rows.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> spec = BucketSpec(index=0, size=12, dtype=jnp.dtype("float32"), axis_size=4, shapes=((3, 4),))
+        >>> spec.form, spec.kind, nbytes(jnp.zeros(spec.shapes[0]))
+        ('mixed', 'gradients', 48)
     """
 
     index: int
