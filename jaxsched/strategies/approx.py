@@ -125,9 +125,16 @@ class UpdateSplit:
 class Approx(Strategy):
     """Reduce step ``t-k``'s gradients at the start of step ``t``; compute at ``θ̃_t``.
 
-    Options (also through ``jaxsched.schedule(..., approx_method=..., staleness=...)``):
+    The options also pass through ``jaxsched.schedule(..., approx_method=..., staleness=...)``.
+
+    Args:
+      collective: how each bucket travels (default: a plain sum).
       approx_method: ``"stale"``, ``"local"`` or ``"extrapolate"`` (`jaxsched.strategies.approximation`).
       staleness: ``k >= 0``; ``0`` is a synchronous step.
+
+    Example:
+        >>> Approx(approx_method="stale", staleness=2)
+        Approx(approx_method='stale', staleness=2, collective=Collective)
     """
 
     name = "approx"

@@ -63,7 +63,20 @@ class AutoChoice:
 
 @register_strategy
 class Auto(Strategy):
-    """Chooses among exact strategies by simulating the step on the measured machine."""
+    """Chooses among exact strategies by simulating the step on the measured machine.
+
+    The choice is made when the step is first traced (see `AutoChoice`); the chosen
+    strategy then runs the step.
+
+    Args:
+      collective: passed on to the chosen strategy.
+      candidates: the registered strategies to choose among (not ``"auto"``).
+
+    Example:
+        >>> auto = Auto(candidates=("wfbp", "dear"))
+        >>> [s.name for s in auto.candidate_strategies()]
+        ['wfbp', 'dear']
+    """
 
     name = "auto"
     cost = WFBP_PATTERN  # never planned against: selection hands over to the chosen strategy

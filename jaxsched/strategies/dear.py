@@ -124,7 +124,20 @@ class Chunking(NamedTuple):
 
 @register_strategy
 class Dear(Strategy):
-    """Reduce-scatter + sharded update + deferred all-gather, per bucket."""
+    """Per bucket: a reduce-scatter in backward, the optimizer update on this device's
+    shard, and the all-gather of the updated parameters deferred to the next step's forward.
+
+    Parameters and optimizer state stay sharded between steps (`DearLayout`);
+    ``sched.finalize`` gathers them back into the user's trees.
+
+    Args:
+      collective: how each bucket travels (default: a plain reduce-scatter and all-gather).
+
+    Example:
+        >>> import jaxsched
+        >>> Dear().name, Dear().keeps_user_layout
+        ('dear', False)
+    """
 
     name = "dear"
     cost = DEAR_PATTERN

@@ -141,7 +141,9 @@ def check_options(
 class KFAC(Strategy):
     """K-FAC preconditioned gradients into the user's optax update (see the module doc).
 
-    Options (also through ``jaxsched.schedule(step, strategy="kfac", ...)``):
+    The options also pass through ``jaxsched.schedule(step, strategy="kfac", ...)``.
+
+    Args:
       damping: ``lambda > 0``, Tikhonov damping of the Kronecker-factored curvature.
       factor_interval: update the factors every this many steps (``>= 1``).
       inverse_interval: refresh the inverses every this many steps (``>= 1``).
@@ -155,6 +157,11 @@ class KFAC(Strategy):
         static compute estimate and the ``network_profile`` plan option, or a network
         measured on the mesh), ``"per_layer"``, a byte threshold, or lists of layer names.
       collective: what the *gradient* buckets are sent through (as for ``wfbp``).
+
+    Example:
+        >>> kfac = KFAC(damping=1e-2, inverse_interval=5, placement="round_robin")
+        >>> kfac.name, kfac.damping, kfac.inverse_interval
+        ('kfac', 0.01, 5)
     """
 
     name = "kfac"
