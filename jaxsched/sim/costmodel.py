@@ -234,7 +234,17 @@ class LayerProfile:
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveCost:
-    """``time(B) = alpha_s + beta_s_per_byte * B`` for a collective of ``B`` full-tensor bytes."""
+    """``time(B) = alpha_s + beta_s_per_byte * B`` for a collective of ``B`` full-tensor bytes.
+
+    Args:
+      alpha_s: the fixed cost of one collective, seconds.
+      beta_s_per_byte: the cost of each full-tensor byte.
+
+    Example:
+        >>> cost = CollectiveCost(alpha_s=1e-5, beta_s_per_byte=1e-9)
+        >>> round(cost.time(1e6), 6), cost.time(0)  # an empty bucket sends nothing
+        (0.00101, 0)
+    """
 
     alpha_s: float
     beta_s_per_byte: float
@@ -417,6 +427,14 @@ class CommPattern:
         layers ahead (the prefetch distance; at most ``gathers_ahead + 1`` gathered layers
         alive). The gradient collective (``reduce_scatter``) leaves each worker its shard and
         the update runs on it. None: the parameters are replicated.
+
+    Example:
+        >>> network = network_preset("10gbe", 4)
+        >>> dear = comm_pattern("dear")
+        >>> dear.collectives(), round(dear.startup_seconds(network), 6)
+        (('reduce_scatter', 'all_gather'), 0.00015)
+        >>> CommPattern(gradient="all_reduce", in_backward=False).collectives()
+        ('all_reduce',)
     """
 
     gradient: str = "all_reduce"
@@ -450,15 +468,34 @@ class CommPattern:
         return self.parameters is not None or self.gathers_ahead is not None
 
     def collectives(self) -> tuple[str, ...]:
-        """Every collective one bucket costs, in issue order."""
+        """Every collective one bucket costs, in issue order.
+
+        Returns:
+          The gradient collective, then the parameters' collective if any.
+        """
         return (self.gradient,) + ((self.parameters,) if self.parameters else ())
 
     def bucket_seconds(self, network: "NetworkProfile", nbytes: float) -> float:
-        """Communication time of one bucket of ``nbytes`` gradient bytes."""
+        """Communication time of one bucket of ``nbytes`` gradient bytes.
+
+        Args:
+          network: the network profile.
+          nbytes: the bucket's gradient bytes.
+
+        Returns:
+          Seconds, summed over `collectives`.
+        """
         return sum(network.time(c, nbytes) for c in self.collectives())
 
     def startup_seconds(self, network: "NetworkProfile") -> float:
-        """Per-bucket start-up cost (alpha) that merging two buckets saves."""
+        """Per-bucket start-up cost (alpha) that merging two buckets saves.
+
+        Args:
+          network: the network profile.
+
+        Returns:
+          Seconds, the alphas of `collectives` summed.
+        """
         return sum(network.cost(c).alpha_s for c in self.collectives())
 
 
@@ -467,6 +504,21 @@ def register_comm_pattern(name: str, pattern: CommPattern) -> None:
 
     Registering the same pattern again is a no-op; a different pattern under a taken
     name is refused, so two strategies cannot silently share a name.
+    [`register_strategy`][jaxsched.strategies.register_strategy] calls it with the
+    strategy's ``cost``.
+
+    Args:
+      name: the strategy name the planners and the simulator will take.
+      pattern: its `CommPattern`.
+
+    Raises:
+      JaxschedValueError: a different pattern is registered under ``name``.
+
+    Example:
+        >>> register_comm_pattern("my-wfbp", CommPattern())
+        >>> comm_pattern("my-wfbp") == WFBP_PATTERN
+        True
+        >>> unregister_comm_pattern("my-wfbp")
     """
     if not isinstance(pattern, CommPattern):
         raise JaxschedTypeError(f"register_comm_pattern({name!r}) needs a CommPattern, got {type(pattern).__name__}")
@@ -476,7 +528,17 @@ def register_comm_pattern(name: str, pattern: CommPattern) -> None:
 
 
 def unregister_comm_pattern(name: str) -> None:
-    """Forget a registered pattern; a built-in strategy's name keeps its built-in pattern."""
+    """Forget a registered pattern; a built-in strategy's name keeps its built-in pattern.
+
+    Args:
+      name: the strategy name (an unknown name is ignored).
+
+    Example:
+        >>> register_comm_pattern("tmp", CommPattern(in_backward=False))
+        >>> unregister_comm_pattern("tmp")
+        >>> "tmp" in comm_pattern_names()
+        False
+    """
     if name in BUILTIN_PATTERNS:
         _COMM_PATTERNS[name] = BUILTIN_PATTERNS[name]
     else:
@@ -484,7 +546,21 @@ def unregister_comm_pattern(name: str) -> None:
 
 
 def comm_pattern(name: "str | CommPattern") -> CommPattern:
-    """The registered pattern of strategy ``name`` (a pattern passes through)."""
+    """The registered pattern of strategy ``name`` (a pattern passes through).
+
+    Args:
+      name: a strategy name, or a `CommPattern`.
+
+    Returns:
+      The `CommPattern`.
+
+    Raises:
+      JaxschedValueError: no pattern is registered under ``name``.
+
+    Example:
+        >>> comm_pattern("dear").parameters, comm_pattern("allreduce").in_backward
+        ('all_gather', False)
+    """
     if isinstance(name, CommPattern):
         return name
     try:
@@ -532,7 +608,20 @@ _COMM_PATTERNS: dict[str, CommPattern] = dict(BUILTIN_PATTERNS)
 def fsdp_pattern(pattern: CommPattern, gathers_ahead: int = 1) -> CommPattern:
     """What ``pattern`` sends on a step whose parameters are sharded over the data axes (FSDP):
     its gradients reduce-scattered into the shards, each layer gathered ``gathers_ahead``
-    layers ahead of its forward and its backward."""
+    layers ahead of its forward and its backward.
+
+    Args:
+      pattern: the strategy's pattern with replicated parameters.
+      gathers_ahead: the prefetch distance, in layers.
+
+    Returns:
+      The FSDP variant of ``pattern``.
+
+    Example:
+        >>> fsdp = fsdp_pattern(comm_pattern("wfbp"))
+        >>> fsdp.collectives(), fsdp.gathers_ahead
+        (('reduce_scatter',), 1)
+    """
     return dataclasses.replace(
         pattern, gradient="reduce_scatter", parameters=None, gathers_ahead=gathers_ahead, compressible=False
     )
@@ -541,7 +630,19 @@ def fsdp_pattern(pattern: CommPattern, gathers_ahead: int = 1) -> CommPattern:
 # --------------------------------------------------------------------------- presets
 @dataclasses.dataclass(frozen=True)
 class LinkPreset:
-    """A point-to-point link: per-message latency and per-direction bandwidth."""
+    """A point-to-point link: per-message latency and per-direction bandwidth.
+
+    Args:
+      name: the preset's name (a key of `LINK_PRESETS`).
+      latency_s: seconds per message.
+      bandwidth_bytes_per_s: bytes per second in each direction.
+      source: where the numbers come from.
+
+    Example:
+        >>> link = LINK_PRESETS["10gbe"]
+        >>> link.bandwidth_bytes_per_s, link.latency_s
+        (1250000000.0, 2.5e-05)
+    """
 
     name: str
     latency_s: float
@@ -587,6 +688,17 @@ def ring_costs(link: LinkPreset, workers: int) -> dict[str, CollectiveCost]:
     ``2(P-1)/P`` of the tensor in ``2(P-1)`` steps; reduce-scatter and all-gather each
     ``(P-1)/P`` in ``P-1`` steps; ppermute is one point-to-point message. One worker
     needs no communication (all costs zero).
+
+    Args:
+      link: the link preset.
+      workers: the number of workers ``P``.
+
+    Returns:
+      A `CollectiveCost` per collective of `COLLECTIVES`.
+
+    Example:
+        >>> ring_costs(LINK_PRESETS["10gbe"], 4)["all_reduce"]
+        CollectiveCost(alpha_s=0.00015000000000000001, beta_s_per_byte=1.2e-09)
     """
     p, a, inv_bw = workers, link.latency_s, 1.0 / link.bandwidth_bytes_per_s
     if p == 1:
@@ -668,6 +780,21 @@ def two_level_network(fast: str, slow: str, nodes: int, per_node: int, hierarchi
     Without it, one flat ring over all ``F * S`` devices, every step paced by the slow
     link. Both are alpha-beta costs, so the simulator and the planners take them as any
     other profile.
+
+    Args:
+      fast: the link preset within a node.
+      slow: the link preset between nodes.
+      nodes: the number of nodes ``S``.
+      per_node: devices per node ``F``.
+      hierarchical: cost the hierarchical collectives; False: one flat ring.
+
+    Returns:
+      The `NetworkProfile` of ``nodes * per_node`` workers.
+
+    Example:
+        >>> network = two_level_network("nvlink4", "400gbib", nodes=2, per_node=8)
+        >>> network.workers, network.meta["algorithm"]
+        (16, 'hierarchical ring')
     """
     f, s = _link(fast), _link(slow)
     if nodes < 1 or per_node < 1:
@@ -709,7 +836,19 @@ def two_level_network(fast: str, slow: str, nodes: int, per_node: int, hierarchi
 
 @dataclasses.dataclass(frozen=True)
 class DevicePreset:
-    """A device roofline: peak dense FLOP/s in the stated precision and memory bandwidth."""
+    """A device roofline: peak dense FLOP/s in the stated precision and memory bandwidth.
+
+    Args:
+      name: the preset's name (a key of `DEVICE_PRESETS`).
+      peak_flops: peak dense FLOP/s in ``precision``.
+      memory_bytes_per_s: memory bandwidth.
+      precision: the precision of ``peak_flops`` (``"fp32"``, ``"bf16"``, ...).
+      source: where the numbers come from.
+
+    Example:
+        >>> DEVICE_PRESETS["h100"].precision
+        'bf16'
+    """
 
     name: str
     peak_flops: float
@@ -739,7 +878,21 @@ def device_preset(name: str) -> DevicePreset:
 
 
 def roofline_seconds(flops: float, memory_bytes: float, device: DevicePreset, efficiency: float = 0.5) -> float:
-    """Time of a kernel under a roofline, with a sustained fraction ``efficiency`` of peak."""
+    """Time of a kernel under a roofline, with a sustained fraction ``efficiency`` of peak.
+
+    Args:
+      flops: the kernel's floating-point operations.
+      memory_bytes: the bytes it moves to and from memory.
+      device: the device's roofline.
+      efficiency: the sustained fraction of peak, in (0, 1].
+
+    Returns:
+      Seconds: the larger of compute and memory time, divided by ``efficiency``.
+
+    Example:
+        >>> round(roofline_seconds(1e12, 1e9, DEVICE_PRESETS["h100"]), 5)  # compute bound
+        0.00202
+    """
     if not 0 < efficiency <= 1:
         raise JaxschedValueError(f"efficiency={efficiency} must be in (0, 1]")
     return max(flops / device.peak_flops, memory_bytes / device.memory_bytes_per_s) / efficiency
@@ -752,5 +905,16 @@ SELECTION_PASSES = 3
 
 
 def topk_selection_s_per_byte(device: DevicePreset) -> float:
-    """Seconds per gradient byte that top-k selection costs on ``device`` (memory bound)."""
+    """Seconds per gradient byte that top-k selection costs on ``device`` (memory bound).
+
+    Args:
+      device: the device's roofline.
+
+    Returns:
+      `SELECTION_PASSES` passes over each byte at the device's memory bandwidth.
+
+    Example:
+        >>> topk_selection_s_per_byte(DEVICE_PRESETS["h100"]) == 3 / 3.35e12
+        True
+    """
     return SELECTION_PASSES / device.memory_bytes_per_s
