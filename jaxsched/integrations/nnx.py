@@ -132,6 +132,16 @@ class NNXScheduled:
     Build it with `schedule`. Attributes: ``train_step`` (the user's step) and, after
     the first call, ``scheduled`` (the underlying `jaxsched.Scheduled`, whose
     ``program``, ``verify`` and ``lower`` are available).
+
+    Args:
+      train_step: the NNX step, ``train_step(model, optimizer, *inputs)``.
+      strategy: a registered strategy's name or a `Strategy` instance.
+      **schedule_options: the other arguments of `jaxsched.schedule` (checked now).
+
+    Example:
+        >>> sched = NNXScheduled(lambda model, optimizer, batch: 0.0, strategy="dear")
+        >>> sched.strategy
+        'dear'
     """
 
     def __init__(self, train_step: Callable, strategy: str | Strategy = "wfbp", **schedule_options: Any):
@@ -149,7 +159,14 @@ class NNXScheduled:
 
     # -- public API -----------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
-        """One training step: updates the objects (see the module doc), returns the aux."""
+        """One training step: updates the objects (see the module doc).
+
+        Args:
+          *args: the step's arguments, ``(model, optimizer, ..., batch)``.
+
+        Returns:
+          What the step returns (its metrics).
+        """
         nodes, batch = self._split_args(args, "call")
         graphdef, params, rest = _split_params(nodes)
         session = self._session_for(graphdef, params, rest)
@@ -174,6 +191,10 @@ class NNXScheduled:
 
         Performs what the strategy still holds back (``dear``'s all-gathers, ``approx``'s
         pending update) and writes every variable into the objects. Training may go on.
+        The module's example calls it.
+
+        Args:
+          *nodes: the same objects the step was last called with, ``(model, optimizer, ...)``.
         """
         nodes = tuple(nodes)
         session = self._session
@@ -200,13 +221,27 @@ class NNXScheduled:
         Ahead of time: objects built under ``nnx.eval_shape`` (abstract variables) and a
         batch of ``jax.ShapeDtypeStruct`` leaves lower on compile-only devices
         (`jaxsched.tools.aot`) without touching one. The objects are not changed.
+
+        Args:
+          *args: ``(model, optimizer, ..., batch)``, concrete or abstract.
+
+        Returns:
+          The ``jax.stages.Lowered`` program.
         """
         session, state, batch = self._abstract_call(args, "lower")
         return session.scheduled.lower(state, batch)
 
     def inspect(self, *args: Any, baseline: bool = True):
-        """Compile and read the scheduled step (see `jaxsched.Scheduled.inspect`) for
-        ``(model, optimizer, ..., batch)``, concrete or abstract; the objects are not changed."""
+        """Compile and read the scheduled step (see `jaxsched.Scheduled.inspect`).
+
+        Args:
+          *args: ``(model, optimizer, ..., batch)``, concrete or abstract; the objects are
+            not changed.
+          baseline: also compile the plain step, for the ratios.
+
+        Returns:
+          The `jaxsched.check.inspection.Inspection` report.
+        """
         session, state, batch = self._abstract_call(args, "inspect")
         return session.scheduled.inspect(state, batch, baseline=baseline)
 
@@ -316,6 +351,27 @@ def schedule(
 
     The returned `NNXScheduled` is called like the step. With ``dear`` or ``approx``
     call ``sched.finalize(model, optimizer)`` before reading the objects (module doc).
+
+    Args:
+      train_step: ``train_step(model, optimizer, batch)``; omitted, ``schedule(...)`` is a
+        decorator.
+      strategy: a registered strategy's name or a `Strategy` instance.
+      buckets: the bucket plan (as `jaxsched.schedule`).
+      compiler_options: XLA options for the scheduled program.
+      engine: the compile backend.
+      collective: how each bucket travels (compression).
+      compression: the same as ``collective``.
+      **options: the strategy's own options (``staleness=...``).
+
+    Returns:
+      The `NNXScheduled` step (or, without ``train_step``, a decorator that makes one).
+
+    Example:
+        >>> @schedule(strategy="wfbp")
+        ... def train_step(model, optimizer, batch):
+        ...     return 0.0
+        >>> type(train_step).__name__
+        'NNXScheduled'
     """
 
     def wrap(step: Callable) -> NNXScheduled:
