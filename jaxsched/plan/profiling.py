@@ -67,7 +67,20 @@ def _with_activation(
 
 
 def zoo_stages(name: str, model: Any) -> list[Stage]:
-    """Split a ``jaxsched.zoo.models`` model into one stage per top-level parameter group."""
+    """Split a ``jaxsched.zoo.models`` model into one stage per top-level parameter group.
+
+    Args:
+      name: the zoo model's name.
+      model: the model, as ``jaxsched.zoo.models.build`` returns it.
+
+    Returns:
+      ``(name, params, apply)`` per stage, in forward order.
+
+    Example:
+        >>> from jaxsched.zoo import models
+        >>> [name for name, _, _ in zoo_stages("mlp", models.build("mlp", (4,), 3, hidden=(8,)))]
+        ['hidden/0', 'head']
+    """
     relu = jax.nn.relu
     if name == "mlp":
         flatten = lambda x: x.reshape(x.shape[0], -1)
@@ -120,6 +133,18 @@ def profile_stages(
     With ``mesh``: every device runs the stage at once on its shard of ``x`` (as in a real
     data-parallel step, where devices share the host's cores), and backward is the time of
     forward+backward minus forward. ``x`` and ``labels`` are then the global batch.
+
+    Args:
+      stages: the stages (`zoo_stages`), in forward order.
+      x: the input batch.
+      labels: its labels (the last stage's loss reads them).
+      repeats: timed runs per stage (the median is kept).
+      device: the device without ``mesh`` (default: the first).
+      mesh: time on every device of this mesh at once (default: one device).
+      axis: the mesh's data axis (or axes).
+
+    Returns:
+      A `LayerProfile`, one layer per stage.
     """
     if mesh is not None:
         return _profile_stages_on_mesh(stages, x, labels, repeats, mesh, axis)
@@ -156,6 +181,18 @@ def measure_dispatch(mesh: Mesh | None = None, axis: str | tuple[str, ...] = "da
     With ``mesh``: a ``shard_map`` program on every device of it, as a data-parallel step
     is; without: a jitted program on the default device. This is the fixed cost every
     separately timed program pays and a fused step pays only once.
+
+    Args:
+      mesh: time on every device of this mesh at once (default: one device).
+      axis: the mesh's data axis (or axes).
+      repeats: timed runs (the median is kept).
+
+    Returns:
+      Seconds.
+
+    Example:
+        >>> measure_dispatch(repeats=2) > 0
+        True
     """
     if mesh is None:
         program, x = jax.jit(lambda v: v + 1), jnp.zeros((1,), jnp.float32)
@@ -181,6 +218,22 @@ def profile_update(
     ``mesh``). Gradients are the parameters themselves (values do not change the cost of
     the update's arithmetic). The fixed dispatch cost (``dispatch_s``, measured by
     `measure_dispatch` when not given) is subtracted, floored at zero.
+
+    Args:
+      layer_params: each layer's parameters.
+      tx: the optax transform.
+      mesh: time on every device of this mesh at once (default: one device).
+      axis: the mesh's data axis (or axes).
+      repeats: timed runs per layer (the median is kept).
+      dispatch_s: the dispatch cost to subtract.
+
+    Returns:
+      Seconds per layer.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> len(profile_update([{"w": jnp.ones((4, 4))}, {"b": jnp.ones(4)}], optax.sgd(0.1), repeats=1))
+        2
     """
     import optax
 
@@ -328,7 +381,21 @@ def scale_to_whole_model(
     program (XLA fuses across stage boundaries, and per-stage dispatch adds overhead); the
     per-layer shares stay as measured. ``dispatch_s`` (the cost of launching any program,
     `measure_dispatch`) is taken off the whole-model forward, which is timed as its
-    own program; backward (forward+backward less forward) pays it in neither term."""
+    own program; backward (forward+backward less forward) pays it in neither term.
+
+    Args:
+      prof: the per-stage profile (`profile_stages`).
+      stages: its stages.
+      x: the global input batch.
+      labels: its labels.
+      mesh: the mesh the whole model runs on.
+      axis: the mesh's data axis (or axes).
+      repeats: timed runs (the median is kept).
+      dispatch_s: the dispatch cost to take off the forward.
+
+    Returns:
+      The rescaled `LayerProfile`.
+    """
     names = [name for name, _, _ in stages]
     params = {name: p for name, p, _ in stages}
     loss_stage = _stage_with_loss(stages[-1][2], labels)
@@ -394,7 +461,14 @@ def _collective_programs(mesh: Mesh, axis: str | tuple[str, ...]) -> dict[str, C
 
 
 def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[CollectiveCost, float]:
-    """Least-squares ``alpha + beta * B`` with ``alpha, beta >= 0``; returns the max relative error.
+    """Least-squares ``alpha + beta * B`` with ``alpha, beta >= 0``.
+
+    Args:
+      sizes: the measured sizes, bytes.
+      seconds: the time measured at each size.
+
+    Returns:
+      ``(cost, error)``: the fitted `CollectiveCost` and the fit's largest relative error.
 
     Example:
         >>> cost, err = fit_alpha_beta([1e3, 1e4, 1e5], [1.1e-3, 2e-3, 11e-3])
@@ -427,6 +501,22 @@ def measure_copy(
     (flatten, pad, concatenate: the dear layout; wfbp's flat concatenate moves the same
     bytes) and unpacks the buffer into leaves again; the time, less ``dispatch_s``, is
     fitted over ``sizes`` and the slope halved.
+
+    Args:
+      mesh: the mesh (default: every device).
+      axis: the mesh's data axis (or axes).
+      sizes: the bucket sizes timed, bytes.
+      repeats: timed runs per size (the median is kept).
+      dispatch_s: the dispatch cost to subtract.
+
+    Returns:
+      Seconds per byte, one direction.
+
+    Example:
+        >>> import jax
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> measure_copy(mesh, sizes=(1 << 12, 1 << 14), repeats=1) >= 0
+        True
     """
     from jaxsched.core import layout
 
@@ -458,6 +548,20 @@ def measure_selection_s_per_byte(
     Its ``all_reduce`` runs over a one-device axis, where the collective itself is free,
     against a plain ``psum`` of the same buffer; the difference is the compression work
     the simulator charges as ``Compression.selection_s_per_byte``.
+
+    Args:
+      compressor: a compressor (`jaxsched.runtime.compress`).
+      device: the device (default: the first local one).
+      elements: the buffer's float32 elements.
+      repeats: timed runs (the median is kept).
+
+    Returns:
+      Seconds per gradient byte, at least 0.
+
+    Example:
+        >>> from jaxsched.runtime.compress import TopK
+        >>> measure_selection_s_per_byte(TopK(0.01), elements=1 << 12, repeats=1) >= 0
+        True
     """
     from jaxsched.runtime.collectives.base import BucketSpec, Collective
 
@@ -484,7 +588,23 @@ def measure_selection_s_per_byte(
 
 
 def agree_on_network(network: NetworkProfile) -> NetworkProfile:
-    """``network`` with process 0's measured numbers (see `agree_across_processes`)."""
+    """``network`` with process 0's measured numbers (see `agree_across_processes`).
+
+    Every process measures its own profile; planning from different numbers would give
+    the processes different programs.
+
+    Args:
+      network: this process's measured profile.
+
+    Returns:
+      Process 0's profile (``network`` itself in a single process).
+
+    Example:
+        >>> from jaxsched.sim.costmodel import network_preset
+        >>> network = network_preset("10gbe", 4)
+        >>> agree_on_network(network) == network
+        True
+    """
     names = sorted(network.collectives)
     flat = [x for n in names for x in (network.collectives[n].alpha_s, network.collectives[n].beta_s_per_byte)]
     agreed = agree_across_processes([*flat, network.dispatch_s, network.copy_s_per_byte])
@@ -579,7 +699,22 @@ __all__ = [
 def psum_programs(count: int, mesh: Mesh, axis: str | tuple[str, ...] = "data") -> dict[str, Callable[..., Any]]:
     """Two ways to all-reduce ``count`` arrays: one ``psum`` of the tuple (what ``lax.pmean``
     of a gradient tree compiles to) and one ``psum`` of their flat concatenation (what a
-    bucket of ``wfbp``/``dear`` sends)."""
+    bucket of ``wfbp``/``dear`` sends).
+
+    Args:
+      count: the number of arrays.
+      mesh: the mesh.
+      axis: the mesh's data axis (or axes).
+
+    Returns:
+      ``{"tuple": ..., "flat": ...}``: jitted programs taking the ``count`` arrays.
+
+    Example:
+        >>> import jax
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> sorted(psum_programs(3, mesh))
+        ['flat', 'tuple']
+    """
 
     def tuple_psum(*arrays):
         return tuple(jax.lax.psum(arrays, axis))
@@ -602,6 +737,15 @@ def profile_psum_operands(
     per operand (docs/benchmarks.md), so on virtual CPU devices the cost grows with
     the number of leaves, not the bytes. Calls are interleaved so that machine load hits
     both alike, and each is blocked on before the next (one multi-device call in flight).
+
+    Args:
+      arrays: the operands.
+      mesh: the mesh.
+      axis: the mesh's data axis (or axes).
+      repeats: timed calls of each program (the median is kept).
+
+    Returns:
+      ``{"tuple_ms": ..., "flat_ms": ...}``.
 
     Example:
         >>> import jax, numpy as np
