@@ -66,7 +66,14 @@ REQUIRED_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 class ProfileError(JaxschedError, ValueError):
-    """A profile (file or dict) is malformed; the message names the file and field."""
+    """A profile (file or dict) is malformed; the message names the file and field.
+
+    Example:
+        >>> LayerProfile.from_dict({"layers": []}, "layers.json")
+        Traceback (most recent call last):
+        ...
+        jaxsched.sim.costmodel.ProfileError: layers.json: 'layers' must be a non-empty list
+    """
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,8 +36,18 @@ __all__ = ["Cast", "CastState"]
 
 
 class CastState(NamedTuple):
-    """Attributes:
-    bytes_sent: int32, bytes of the narrow buffer this device reduced in its last step.
+    """One device's carried state for one bucket.
+
+    Attributes:
+      bytes_sent: int32, bytes of the narrow buffer this device reduced in its last step.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> (own, _), = Cast().init([spec])
+        >>> own
+        CastState(bytes_sent=Array(0, dtype=int32))
     """
 
     bytes_sent: jax.Array

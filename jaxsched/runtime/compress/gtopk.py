@@ -85,6 +85,14 @@ class GlobalTopKState(NamedTuple):
       step: int32, steps taken (picks the warm-up density).
       velocity: the momentum-corrected velocity, the bucket's flat shape and dtype; ``()``
         (no array) without ``momentum``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> (own, _), = GlobalTopK(0.01, error_feedback=False).init([spec])
+        >>> type(own).__name__, own.residual.shape
+        ('GlobalTopKState', (0,))
     """
 
     residual: jax.Array

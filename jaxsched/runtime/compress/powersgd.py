@@ -70,6 +70,14 @@ class PowerSGDState(NamedTuple):
         (``m * r``) and concatenated; zeros until the first step draws them.
       bytes_sent: int32, payload bytes this device sent in its last step (``P`` and ``Q``
         factors plus the uncompressed vectors).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> (own, _), = PowerSGD(rank=2).init([spec])
+        >>> type(own).__name__, own.q.shape
+        ('PowerSGDState', (200,))
     """
 
     residual: jax.Array

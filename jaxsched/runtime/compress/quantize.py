@@ -47,10 +47,20 @@ __all__ = ["Quantize", "QuantizeState", "dequantize", "quantize"]
 
 
 class QuantizeState(NamedTuple):
-    """Attributes:
-    residual: float32 ``(size,)``, this device's rounding error not yet sent (error
-      feedback); ``(0,)`` without error feedback.
-    bytes_sent: int32, bytes of codes and scales this device sent in its last round.
+    """One device's carried state for one bucket.
+
+    Attributes:
+      residual: float32 ``(size,)``, this device's rounding error not yet sent (error
+        feedback); ``(0,)`` without error feedback.
+      bytes_sent: int32, bytes of codes and scales this device sent in its last round.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> (own, _), = Quantize(error_feedback=False).init([spec])
+        >>> type(own).__name__, own.residual.shape
+        ('QuantizeState', (0,))
     """
 
     residual: jax.Array

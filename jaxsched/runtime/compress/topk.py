@@ -82,6 +82,14 @@ class TopKState(NamedTuple):
         warm-up density).
       velocity: the momentum-corrected velocity, the bucket's flat shape and dtype; ``()``
         (no array) without ``momentum``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> (own, _), = TopK(0.01).init([spec])
+        >>> type(own).__name__, own.residual.shape, own.velocity
+        ('TopKState', (1000,), ())
     """
 
     residual: jax.Array
