@@ -1,8 +1,9 @@
 """Bucket planners: which gradients travel together in one collective.
 
-``plan_buckets`` returns contiguous groups of layer indices in **forward order**
+[`plan_buckets`][jaxsched.plan.plan_buckets] returns contiguous groups of layer indices in **forward order**
 (``[[0, 1], [2, 3]]``: layers 2 and 3 finish backward first, so their bucket is sent
-first). That is the layout ``jaxsched.sim.simulate`` and ``jaxsched.schedule`` take.
+first). That is the layout [`jaxsched.sim.simulate`][jaxsched.sim.simulate] and
+[`jaxsched.schedule`][jaxsched.schedule] take.
 
 Example:
     >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset

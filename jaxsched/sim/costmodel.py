@@ -1,8 +1,8 @@
 """Cost model inputs: per-layer compute profiles and alpha-beta collective costs.
 
-Scheduling decisions need numbers. A `LayerProfile` says how long each layer's
+Scheduling decisions need numbers. A [`LayerProfile`][jaxsched.sim.costmodel.LayerProfile] says how long each layer's
 forward and backward take and how many gradient bytes it produces; a
-`NetworkProfile` says how long one collective of ``B`` bytes takes on a given
+[`NetworkProfile`][jaxsched.sim.costmodel.NetworkProfile] says how long one collective of ``B`` bytes takes on a given
 number of workers, as ``alpha_s + beta_s_per_byte * B`` (``B`` is the full, unsharded
 tensor size). Both load from and save to JSON so users can simulate their own
 measurements. This module imports nothing else from jaxsched (lowest layer).
