@@ -1,9 +1,10 @@
 """The collective seam: how one bucket's flat buffer crosses the data axis.
 
 Strategies never call ``lax.psum`` on gradients themselves: they call a
-[`Collective`][jaxsched.runtime.collectives.Collective]. Compression, casts and hierarchical collectives wrap one
-([`CollectiveWrapper`][jaxsched.runtime.collectives.CollectiveWrapper], the way optax wraps an inner transformation) and so apply
-to every strategy without editing it.
+[`Collective`][jaxsched.runtime.collectives.Collective]. Compression, casts and
+hierarchical collectives wrap one
+([`CollectiveWrapper`][jaxsched.runtime.collectives.CollectiveWrapper], the way optax
+wraps an inner transformation) and so apply to every strategy without editing it.
 
 A collective may carry state between steps (error-feedback residuals). That state is
 *per device* and per bucket: ``init`` returns one device's template for each bucket,
