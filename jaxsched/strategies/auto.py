@@ -51,6 +51,8 @@ class AutoChoice:
       estimated_s: on GPU and TPU, XLA's estimated step per candidate (strategy and bucket
         option) compiled for the mesh; the choice then goes by it, and ``simulated_s`` is
         empty. An estimate, not a measurement.
+
+    ``sched.program.strategy.last_choice`` holds it once ``auto`` has chosen.
     """
 
     chosen: str
@@ -97,7 +99,20 @@ class Auto(Strategy):
         self.last_choice: AutoChoice | None = None
 
     def candidate_strategies(self) -> list[Strategy]:
-        """The candidates as strategies; those that cannot carry the given collective drop out."""
+        """The candidates as strategies; those that cannot carry the given collective drop out.
+
+        Returns:
+          The candidate `Strategy` instances, each with the given collective.
+
+        Raises:
+          JaxschedValueError: no candidate accepts the collective.
+
+        Example:
+            >>> import jaxsched
+            >>> auto = Auto(collective=jaxsched.compress.TopK(density=0.1))
+            >>> [s.name for s in auto.candidate_strategies()]  # allreduce takes no collective
+            ['wfbp', 'dear']
+        """
         built = []
         for name in self.candidates:
             try:
