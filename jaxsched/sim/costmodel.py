@@ -479,6 +479,10 @@ class CommPattern:
 
         Returns:
           The gradient collective, then the parameters' collective if any.
+
+        Example:
+            >>> comm_pattern("dear").collectives()
+            ('reduce_scatter', 'all_gather')
         """
         return (self.gradient,) + ((self.parameters,) if self.parameters else ())
 
@@ -491,6 +495,10 @@ class CommPattern:
 
         Returns:
           Seconds, summed over `collectives`.
+
+        Example:
+            >>> round(comm_pattern("wfbp").bucket_seconds(network_preset("10gbe", 4), 1e6), 6)
+            0.00135
         """
         return sum(network.time(c, nbytes) for c in self.collectives())
 
@@ -502,6 +510,10 @@ class CommPattern:
 
         Returns:
           Seconds, the alphas of `collectives` summed.
+
+        Example:
+            >>> round(comm_pattern("wfbp").startup_seconds(network_preset("10gbe", 4)), 6)
+            0.00015
         """
         return sum(network.cost(c).alpha_s for c in self.collectives())
 

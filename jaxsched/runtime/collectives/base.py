@@ -165,6 +165,14 @@ class Collective:
 
         Returns:
           One of `FORMS`.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4)
+            >>> Collective(forms={"all_reduce": "per_tensor"}).form("all_reduce", spec)
+            'per_tensor'
+            >>> Collective().form("all_gather", spec)  # the engine's choice
+            'mixed'
         """
         return self.forms.get(op, bucket.form)
 
@@ -180,6 +188,12 @@ class Collective:
 
         Returns:
           A tuple with one state per bucket (``()`` for the plain collective).
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4)
+            >>> Collective().init([spec, spec])
+            ((), ())
         """
         return tuple(() for _ in buckets)
 

@@ -132,6 +132,12 @@ class Hierarchical(Collective):
 
         Returns:
           The `BucketSpec` of the fast group's shard, over the slow axes only.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> spec = BucketSpec(0, 8, jnp.dtype("float32"), 4, mesh_axes=(("dcn", 2), ("ici", 2)))
+            >>> Hierarchical(fast="ici", slow="dcn").slow_bucket(spec).mesh_axes
+            (('dcn', 2),)
         """
         fast, slow = self._sizes(bucket)
         shard = -(-bucket.size // fast)  # all-reduce buffers are padded to a multiple of fast

@@ -203,6 +203,14 @@ class Compressor(CollectiveWrapper):
 
         Returns:
           The density in (0, 1].
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from jaxsched.runtime.collectives import BucketSpec
+            >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4)
+            >>> from jaxsched.runtime.compress import TopK
+            >>> TopK(density=lambda bucket: 0.1 if bucket.size > 100 else 1.0).density_of(spec)
+            0.1
         """
         return bucket_density(self.density, bucket, type(self).__name__)
 

@@ -230,6 +230,11 @@ class Sparsifier(Compressor):
 
         Returns:
           The density.
+
+        Example:
+            >>> from jaxsched.runtime.compress import TopK
+            >>> TopK(0.01, warmup_steps=10).target_density()
+            0.01
         """
         if bucket is not None:
             return self.density_of(bucket)
@@ -416,5 +421,13 @@ class Sparsifier(Compressor):
 
         Returns:
           The residual's size.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from jaxsched.runtime.collectives import BucketSpec
+            >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4)
+            >>> from jaxsched.runtime.compress import TopK
+            >>> TopK(0.01).residual_size(spec), TopK(0.01, error_feedback=False).residual_size(spec)
+            (1000, 0)
         """
         return bucket.size if self.error_feedback and self.compresses(bucket) else 0

@@ -181,6 +181,13 @@ class TopK(Sparsifier):
 
         Returns:
           The number of ``(value, index)`` slots each device sends.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from jaxsched.runtime.collectives import BucketSpec
+            >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4)
+            >>> TopK(0.01, selection="exact").capacity(spec), TopK(0.01, selection="exact").capacity(spec, 0.1)
+            (10, 100)
         """
         density = self.density_of(bucket) if density is None else density
         if self.selection == "exact":
