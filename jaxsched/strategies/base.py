@@ -341,9 +341,17 @@ class Strategy(abc.ABC):
         ]
 
     def concatenated_gradient_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
-        """Each bucket as the gradients its all-reduce sums, flattened and concatenated (one
-        dtype per bucket): whole gradients over the data axes, or the blocks of sharded
-        parameters over the data axes they are not sharded over (HSDP's replica axis)."""
+        """Each bucket as the gradients its all-reduce sums, flattened and concatenated.
+
+        One dtype per bucket: whole gradients over the data axes, or the blocks of sharded
+        parameters over the data axes they are not sharded over (HSDP's replica axis).
+
+        Args:
+          planned: the captured and planned step.
+
+        Returns:
+          One `BucketSpec` per bucket.
+        """
         reds = planned.analysis.reductions
         sizes, dtypes, shapes = [], [], []
         for bucket in planned.buckets:
@@ -355,16 +363,39 @@ class Strategy(abc.ABC):
         return [_over_sum_axes(planned, spec, bucket) for spec, bucket in zip(specs, planned.buckets, strict=True)]
 
     def collective_template(self, planned: PlannedStep) -> tuple:
-        """One device's carried collective state for each bucket of ``planned``."""
+        """One device's carried collective state for each bucket of ``planned``.
+
+        Args:
+          planned: the captured and planned step.
+
+        Returns:
+          The collective's ``init`` of `collective_buckets` (memoised); ``()`` per bucket
+          for a collective that carries nothing.
+        """
         return planned.memo("collective.template", lambda: self.collective.init(self.collective_buckets(planned)))
 
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
-        """What the collective is told of each bucket; strategies that bucket override it."""
+        """What the collective is told of each bucket; strategies that bucket override it.
+
+        Args:
+          planned: the captured and planned step.
+
+        Returns:
+          One `BucketSpec` per bucket (none here).
+        """
         return []
 
     def collective_state(self, planned: PlannedStep, current: Any, abstract: bool = False) -> Any:
-        """The carried collective state on the mesh: fresh zeros, or ``current`` placed
-        (abstract leaves when ``abstract``, see `PlannedStep.zeros`)."""
+        """The carried collective state on the mesh: fresh zeros, or ``current`` placed.
+
+        Args:
+          planned: the captured and planned step.
+          current: the state carried so far, or None for fresh zeros.
+          abstract: give abstract leaves (see `PlannedStep.zeros`).
+
+        Returns:
+          The state, every leaf stacked on a leading device axis.
+        """
         template = self.collective_template(planned)
         if not jax.tree.leaves(template):
             return template
@@ -381,7 +412,16 @@ class Strategy(abc.ABC):
         return jax.tree.map(lambda leaf: planned.placed(leaf, spec), current)
 
     def split_inputs(self, planned: PlannedStep, inputs: Sequence[Any], num_state: int) -> tuple[list, list, list]:
-        """A body's flat inputs as (state leaves, batch leaves, consts)."""
+        """A body's flat inputs split into their three parts.
+
+        Args:
+          planned: the captured and planned step.
+          inputs: the body's flat inputs.
+          num_state: how many of them are state leaves.
+
+        Returns:
+          ``(state leaves, batch leaves, consts)``.
+        """
         n_batch = planned.captured.num_batch
         return (
             list(inputs[:num_state]),
@@ -390,7 +430,15 @@ class Strategy(abc.ABC):
         )
 
     def local_collective_state(self, planned: PlannedStep, leaves: Sequence[Any]) -> Any:
-        """Inside the body: this device's collective state, as the collective's tree."""
+        """Inside the body: this device's collective state, as the collective's tree.
+
+        Args:
+          planned: the captured and planned step.
+          leaves: the body's collective state leaves (a leading device axis of 1).
+
+        Returns:
+          The collective's state tree, without the device axis.
+        """
         treedef = jax.tree.structure(self.collective_template(planned))
         return jax.tree.unflatten(treedef, unstack_local(leaves))
 
@@ -473,6 +521,14 @@ class UserLayoutStrategy(Strategy):
 
     Subclasses implement `per_device`: the user's body inputs in, the user's body
     outputs out (plus the collective's new state).
+
+    Args:
+      collective: how each bucket travels (as for `Strategy`).
+
+    Example:
+        >>> from jaxsched.strategies import AllReduce, Wfbp, Dear
+        >>> [issubclass(s, UserLayoutStrategy) for s in (AllReduce, Wfbp, Dear)]
+        [True, True, False]
     """
 
     keeps_user_layout = True
@@ -488,7 +544,16 @@ class UserLayoutStrategy(Strategy):
 
     @abc.abstractmethod
     def per_device(self, planned: PlannedStep, values: list, collective_state: Any) -> tuple[list, Any]:
-        """Values of the user's body invars -> values of its outvars, new collective state."""
+        """Run the user's body on this device, with this strategy's collectives.
+
+        Args:
+          planned: the captured and planned step.
+          values: values of the user's body inputs.
+          collective_state: this device's collective state.
+
+        Returns:
+          ``(values of the body's outputs, new collective state)``.
+        """
 
     def rewrite(self, planned: PlannedStep) -> RewrittenBody:
         cap = planned.captured
