@@ -2,7 +2,7 @@
 
 The step is pluggable: the trainer builds the user's plain step and hands it to a
 ``wrap(step, strategy)`` callable that returns an object with ``init``, ``__call__``
-and ``finalize`` (by default `jaxsched.schedule`; ``allreduce`` is the plain step).
+and ``finalize`` (by default [`jaxsched.schedule`][jaxsched._schedule.schedule]; ``allreduce`` is the plain step).
 Only one multi-device step is kept in flight: with 8 virtual CPU devices on 2 cores,
 steps queued unblocked deadlocked in a collective rendezvous (docs/benchmarks.md).
 The initial state is placed on the mesh exactly as the step returns it, so the step
@@ -67,7 +67,7 @@ FINAL_WINDOW = 10
 
 
 def default_wrap(step: steps_lib.Step, strategy: str) -> StepRunner:
-    """Schedule ``step`` with ``strategy`` through `jaxsched.schedule`."""
+    """Schedule ``step`` with ``strategy`` through [`jaxsched.schedule`][jaxsched._schedule.schedule]."""
     from jaxsched._schedule import STRATEGIES, Scheduled
 
     if strategy not in STRATEGIES:
@@ -220,7 +220,8 @@ def train(
       strategy: the strategy's name (default: the first in ``train.strategies``).
       progress: show a progress bar.
       log_path: write one JSON line of metrics per logged step there.
-      wrap: ``wrap(step, strategy)`` gives the object that runs the step (default: `jaxsched.schedule`).
+      wrap: ``wrap(step, strategy)`` gives the object that runs the step
+        (default: [`jaxsched.schedule`][jaxsched._schedule.schedule]).
 
     Returns:
       The run's `RunResult`: losses, timings, accuracies and the final trees.

@@ -8,7 +8,7 @@ NNX users write ``train_step(model, optimizer, batch)``: it mutates the model an
 * gradients are reduced with ``lax.pmean``/``psum`` inside it, as usual.
 
 The adapter turns the step into the pure ``(params, rest, batch) -> (params, rest, aux)``
-form that `jaxsched.schedule` schedules. ``params`` are the ``nnx.Param`` variables;
+form that [`jaxsched.schedule`][jaxsched._schedule.schedule] schedules. ``params`` are the ``nnx.Param`` variables;
 ``rest`` is everything else the objects hold (optimizer state and step counter, RNG
 streams, BatchNorm statistics, any other ``nnx.Variable``), so non-parameter state flows
 through the step exactly as the unscheduled step would move it.
@@ -130,13 +130,13 @@ class NNXScheduled:
     """A scheduled NNX step: ``sched(model, optimizer, batch)`` and ``sched.finalize(...)``.
 
     Build it with `schedule`. Attributes: ``train_step`` (the user's step) and, after
-    the first call, ``scheduled`` (the underlying `jaxsched.Scheduled`, whose
+    the first call, ``scheduled`` (the underlying [`jaxsched.Scheduled`][jaxsched._schedule.Scheduled], whose
     ``program``, ``verify`` and ``lower`` are available).
 
     Args:
       train_step: the NNX step, ``train_step(model, optimizer, *inputs)``.
-      strategy: a registered strategy's name or a `Strategy` instance.
-      **schedule_options: the other arguments of `jaxsched.schedule` (checked now).
+      strategy: a registered strategy's name or a [`Strategy`][jaxsched.strategies.Strategy] instance.
+      **schedule_options: the other arguments of [`jaxsched.schedule`][jaxsched._schedule.schedule] (checked now).
 
     Example:
         >>> sched = NNXScheduled(lambda model, optimizer, batch: 0.0, strategy="dear")
@@ -347,7 +347,7 @@ def schedule(
     **options: Any,
 ) -> Any:
     """Schedule an NNX ``train_step(model, optimizer, batch)``; arguments as
-    `jaxsched.schedule` (also usable as a decorator).
+    [`jaxsched.schedule`][jaxsched._schedule.schedule] (also usable as a decorator).
 
     The returned `NNXScheduled` is called like the step. With ``dear`` or ``approx``
     call ``sched.finalize(model, optimizer)`` before reading the objects (module doc).
@@ -355,8 +355,8 @@ def schedule(
     Args:
       train_step: ``train_step(model, optimizer, batch)``; omitted, ``schedule(...)`` is a
         decorator.
-      strategy: a registered strategy's name or a `Strategy` instance.
-      buckets: the bucket plan (as `jaxsched.schedule`).
+      strategy: a registered strategy's name or a [`Strategy`][jaxsched.strategies.Strategy] instance.
+      buckets: the bucket plan (as [`jaxsched.schedule`][jaxsched._schedule.schedule]).
       compiler_options: XLA options for the scheduled program.
       engine: the compile backend.
       collective: how each bucket travels (compression).

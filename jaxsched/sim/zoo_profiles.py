@@ -317,7 +317,7 @@ def zoo_profile(
       inverse_efficiency: the fraction of peak an eigendecomposition reaches.
 
     Returns:
-      The model's `LayerProfile`, its meta naming the assumptions.
+      The model's [`LayerProfile`][jaxsched.sim.costmodel.LayerProfile], its meta naming the assumptions.
 
     Example:
         >>> profile = zoo_profile("bert-base", "a100", batch=8)

@@ -89,7 +89,7 @@ class ApproxState(NamedTuple):
       params: the true parameters ``θ`` (every arrived gradient applied), user layout.
       opt_state: the user's optimizer state at ``θ``, user layout.
       collective_state: the collective's carried state per bucket, stacked on a leading
-        device axis (see `SchedState`).
+        device axis (see [`SchedState`][jaxsched._schedule.SchedState]).
       pending: ``staleness`` slots, oldest first; slot ``i`` holds one array per gradient
         reduction of the step (analysis order): this device's *unreduced* gradient,
         stacked on a leading device axis (``P(axis)``). ``()`` for ``staleness=0`` and

@@ -102,7 +102,7 @@ class Auto(Strategy):
         """The candidates as strategies; those that cannot carry the given collective drop out.
 
         Returns:
-          The candidate `Strategy` instances, each with the given collective.
+          The candidate [`Strategy`][jaxsched.strategies.Strategy] instances, each with the given collective.
 
         Raises:
           JaxschedValueError: no candidate accepts the collective.

@@ -59,7 +59,7 @@ __all__ = [
 
 
 class ScheduledState(Protocol):
-    """What every strategy's state offers (`SchedState` and the strategies' own
+    """What every strategy's state offers ([`SchedState`][jaxsched._schedule.SchedState] and the strategies' own
     NamedTuples): the user's trees, in the strategy's layout."""
 
     @property
@@ -100,7 +100,7 @@ class RewrittenBody:
       body: ``(*state leaves, *batch leaves, *consts) -> (*state leaves, *aux leaves)``.
       state_in_specs, state_out_specs: one ``PartitionSpec`` per state leaf.
       fallbacks: ``(primitive, source line)`` pairs the rewrite could not run as planned
-        (see `FallbackWarning`).
+        (see [`FallbackWarning`][jaxsched.core.rewrite.rules.FallbackWarning]).
       check_vma: the ``shard_map`` typing mode the body is written for.
       compiler_defaults: compile with XLA's own default options, not the engine's
         per-target set (the identity strategy: the user's step as XLA compiles it alone).
@@ -131,7 +131,7 @@ class BucketReport:
       on_shards: True when no equation of the update that reads the bucket's gradients,
         parameters or optimizer state had to gather them.
       fallbacks: ``(primitive, source line)`` of each equation that did (the same as the
-        `FallbackWarning` says).
+        [`FallbackWarning`][jaxsched.core.rewrite.rules.FallbackWarning] says).
     """
 
     bucket: int
@@ -151,8 +151,9 @@ class Strategy(abc.ABC):
         identity), which therefore cannot carry compression.
 
     Args:
-      collective: how each bucket travels (a `Collective`, e.g. a compressor's wrapper);
-        default: a plain sum, or the `Hierarchical` one the mesh calls for (`for_mesh`).
+      collective: how each bucket travels (a [`Collective`][jaxsched.runtime.collectives.Collective], e.g. a
+        compressor's wrapper); default: a plain sum, or the `Hierarchical` one the mesh calls for
+        (`for_mesh`).
 
     Example:
         >>> import jaxsched
@@ -231,7 +232,7 @@ class Strategy(abc.ABC):
           opt_state: the user's optimizer state tree.
 
         Returns:
-          The strategy's state (`SchedState` for the built-in strategies).
+          The strategy's state ([`SchedState`][jaxsched._schedule.SchedState] for the built-in strategies).
 
         Example:
             >>> from jaxsched.strategies import Dear
@@ -523,7 +524,7 @@ class UserLayoutStrategy(Strategy):
     outputs out (plus the collective's new state).
 
     Args:
-      collective: how each bucket travels (as for `Strategy`).
+      collective: how each bucket travels (as for [`Strategy`][jaxsched.strategies.Strategy]).
 
     Example:
         >>> from jaxsched.strategies import AllReduce, Wfbp, Dear

@@ -87,7 +87,7 @@ class KFACState(NamedTuple):
       params: the user's params tree (user layout).
       opt_state: the user's optimizer state tree (user layout).
       collective_state: the gradient collective's carried state per bucket, stacked on a
-        leading device axis (see `SchedState`).
+        leading device axis (see [`SchedState`][jaxsched._schedule.SchedState]).
       factors: per recognised layer (forward order), ``(A, G)``: the moving averages of
         the Kronecker factors, replicated. ``()`` before the step is traced.
       inverses: per layer, ``(A_inv, G_inv)``: the damped inverses of the last refresh.

@@ -21,18 +21,18 @@ _STRATEGIES: dict[str, type] = {}
 
 
 def register_strategy(cls: type) -> type:
-    """Register a `Strategy` subclass under ``cls.name`` (usable as a class decorator).
+    """Register a [`Strategy`][jaxsched.strategies.Strategy] subclass under ``cls.name`` (a class decorator).
 
     Its ``cost`` becomes known to the planners and the simulator under the same name.
 
     Args:
-      cls: a `Strategy` subclass with a non-empty class attribute ``name`` not yet taken.
+      cls: a [`Strategy`][jaxsched.strategies.Strategy] subclass with a class attribute ``name``, non-empty and not yet taken.
 
     Returns:
       ``cls`` itself.
 
     Raises:
-      JaxschedTypeError: ``cls`` is not a `Strategy` subclass.
+      JaxschedTypeError: ``cls`` is not a [`Strategy`][jaxsched.strategies.Strategy] subclass.
       JaxschedValueError: its ``name`` is empty or already registered.
 
     Example:
@@ -94,12 +94,13 @@ def make_strategy(strategy: Any, collective: Any = None, **options: Any):
     """A strategy instance from a registered name, or an instance as given.
 
     Args:
-      strategy: a registered name, or a `Strategy` instance (returned as it is).
-      collective: for a name, the `Collective` the strategy sends its buckets with.
+      strategy: a registered name, or a [`Strategy`][jaxsched.strategies.Strategy] instance (returned as it is).
+      collective: for a name, the [`Collective`][jaxsched.runtime.collectives.Collective] the strategy sends
+        its buckets with.
       **options: for a name, the strategy constructor's keyword options.
 
     Returns:
-      The `Strategy` instance.
+      The [`Strategy`][jaxsched.strategies.Strategy] instance.
 
     Raises:
       JaxschedValueError: an unknown name.

@@ -36,7 +36,7 @@ class Wfbp(UserLayoutStrategy):
 
     Args:
       collective: how each bucket travels (default: a plain sum); a compressor's
-        `Collective` (``jaxsched.compress.TopK(...)``) sends it compressed.
+        [`Collective`][jaxsched.runtime.collectives.Collective] (``jaxsched.compress.TopK(...)``) sends it compressed.
 
     Example:
         >>> import jaxsched
