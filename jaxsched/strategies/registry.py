@@ -26,7 +26,8 @@ def register_strategy(cls: type) -> type:
     Its ``cost`` becomes known to the planners and the simulator under the same name.
 
     Args:
-      cls: a [`Strategy`][jaxsched.strategies.Strategy] subclass with a class attribute ``name``, non-empty and not yet taken.
+      cls: a [`Strategy`][jaxsched.strategies.Strategy] subclass whose class attribute ``name`` is
+        non-empty and not yet taken.
 
     Returns:
       ``cls`` itself.
