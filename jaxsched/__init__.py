@@ -6,9 +6,30 @@ line's ``--help`` do not import JAX. Module paths from before the layered layout
 (`jaxsched._deprecations`).
 
 Example:
+    Quick start: wrap the jitted step you already have; ``init`` converts your trees into the
+    strategy's state, ``sched(state, batch)`` runs one step, ``finalize`` gives the trees back.
+
+    >>> import jax, optax
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
     >>> import jaxsched
-    >>> sorted(jaxsched.STRATEGIES)[:3]
-    ['allreduce', 'approx', 'auto']
+    >>> from jaxsched.demo import steps
+    >>> from jaxsched.zoo import models
+    >>> params, apply_fn = models.pure(models.build("mlp", (4,), 3, hidden=(8,)))
+    >>> tx = optax.sgd(0.1)
+    >>> @jax.jit
+    ... def train_step(params, opt_state, batch):
+    ...     x, y = batch
+    ...     loss, grads = jax.value_and_grad(lambda p: steps.cross_entropy(apply_fn(p, x), y))(params)
+    ...     updates, opt_state = tx.update(grads, opt_state, params)
+    ...     return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+    >>> sched = jaxsched.schedule(train_step, strategy="dear")
+    >>> state = sched.init(params, tx.init(params))
+    >>> mesh = jax.make_mesh((2,), ("data",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    >>> batch = (jax.numpy.ones((4, 4)), jax.numpy.zeros(4, "int32"))
+    >>> state, aux = sched(state, jax.device_put(batch, NamedSharding(mesh, P("data"))))
+    >>> params, opt_state = sched.finalize(state)
+    >>> sorted(aux), sorted(jaxsched.STRATEGIES)[:3]
+    (['loss'], ['allreduce', 'approx', 'auto'])
 """
 
 import importlib as _importlib

@@ -129,3 +129,61 @@ def test_docstring_examples(name):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
     assert result.attempted > 0 or name in WITHOUT_EXAMPLES, f"{name} has no runnable example"
+
+
+def _report_with_gaps(gaps: list[float]):
+    from jaxsched.check.verify import VerifyReport
+
+    leaf_gap = {f"params/w{i}": g for i, g in enumerate(gaps)}
+    return VerifyReport(
+        strategy="wfbp",
+        steps=2,
+        rtol=1e-5,
+        baseline_factor=10.0,
+        leaf_gap=leaf_gap,
+        baseline_gap=dict.fromkeys(leaf_gap, 0.0),
+        step_gap=[max(gaps)] * 2,
+        step_baseline=[0.0, 0.0],
+        first_divergent_step=None,
+        worst_leaf="params/w0",
+    )
+
+
+def test_verify_report_summarises_the_leaves_it_does_not_list_truthfully():
+    """The rows past the table's 12: 'all equal' when they are exactly equal (never
+    'all below 0.00e+00'), else the largest gap among them."""
+    equal = str(_report_with_gaps([1e-7] * 12 + [0.0] * 15))
+    assert "15 more leaves, all equal" in equal
+    assert "0.00e+00" not in equal.splitlines()[-1]
+    some = str(_report_with_gaps([1e-7] * 12 + [0.0] * 14 + [3e-9]))
+    assert some.splitlines()[-1].strip() == "... 15 more leaves, each at most 3.00e-09"
+
+
+#: reStructuredText roles, which the API reference (Markdown) would show as raw text
+_SPHINX_ROLE = re.compile(r":(class|mod|func|meth|attr|data|exc|obj):(?:`|<code>)")
+
+
+def test_the_site_builds_strictly_and_shows_no_sphinx_roles(tmp_path):
+    """`make docs`: every cross-reference resolves (strict), and no docstring's Sphinx role
+    reaches the HTML as raw text (about 5 s)."""
+    mkdocs = Path(sys.executable).with_name("mkdocs")
+    if not mkdocs.exists():
+        pytest.skip("mkdocs is not installed (requirements-docs.lock)")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run(
+        [str(mkdocs), "build", "--strict", "--quiet", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    pages = list((tmp_path / "site").rglob("*.html"))
+    assert any(p.parent.name == "api" or p.parent.parent.name == "api" for p in pages)
+    raw = {
+        str(p.relative_to(tmp_path / "site")): sorted(set(_SPHINX_ROLE.findall(p.read_text())))
+        for p in pages
+        if _SPHINX_ROLE.search(p.read_text())
+    }
+    assert not raw, f"raw Sphinx roles in the generated HTML: {raw}"

@@ -64,7 +64,7 @@ __all__ = ["PRECISIONS", "relative_gap", "verify", "VerifyReport"]
 
 @dataclasses.dataclass
 class VerifyReport:
-    """What ``verify`` found.
+    """What [`verify`][jaxsched.check.verify.verify] found.
 
     Attributes:
       strategy: the scheduled strategy's name.
@@ -85,6 +85,15 @@ class VerifyReport:
         ``rtol``, or None.
       leaf_chaotic_from: per chaotic leaf, the step its baseline left ``rtol``.
       leaf_divergent_at: per divergent leaf, the step it left its tolerance.
+
+    Example:
+        >>> report = VerifyReport(
+        ...     strategy="wfbp", steps=2, rtol=1e-5, baseline_factor=100.0,
+        ...     leaf_gap={"params/w": 3e-9}, baseline_gap={"params/w": 1e-9},
+        ...     step_gap=[3e-9, 2e-9], step_baseline=[1e-9, 1e-9],
+        ...     first_divergent_step=None, worst_leaf="params/w")
+        >>> report.ok, report.status("params/w")
+        (True, 'ok')
     """
 
     strategy: str
@@ -120,7 +129,20 @@ class VerifyReport:
         return sorted(self.leaf_chaotic_from, key=lambda k: (self.leaf_chaotic_from[k], k))
 
     def status(self, leaf: str) -> str:
-        """``ok``, ``chaotic from step t`` or ``differs at step t``."""
+        """One leaf's verdict, as the report's table shows it.
+
+        Args:
+          leaf: a leaf's name as in `leaf_gap` (``params/...``, ``opt_state/...``, ``aux/...``).
+
+        Returns:
+          ``"ok"``, ``"chaotic from step t"`` or ``"differs at step t"``.
+
+        Example:
+            >>> report = VerifyReport("wfbp", 3, 1e-5, 100.0, {"params/w": 0.5}, {"params/w": 0.0},
+            ...                       [0.5] * 3, [0.0] * 3, 2, "params/w", leaf_divergent_at={"params/w": 2})
+            >>> report.status("params/w")
+            'differs at step 2'
+        """
         if leaf in self.leaf_divergent_at:
             return f"differs at step {self.leaf_divergent_at[leaf]}"
         if leaf in self.leaf_chaotic_from:
@@ -162,7 +184,7 @@ class VerifyReport:
         rest = order[shown:]
         if rest:
             largest = max(self.leaf_gap[k] for k in rest)
-            tail = "all equal" if largest == 0 else f"none above {largest:.2e}"
+            tail = "all equal" if largest == 0 else f"each at most {largest:.2e}"
             lines.append(f"  ... {len(rest)} more leaves, {tail}")
         return "\n".join(lines)
 
@@ -183,7 +205,22 @@ def _host(x: Any) -> np.ndarray:
 
 
 def relative_gap(a: Any, b: Any) -> float:
-    """``max|a - b| / max|b|`` (0 for equal values; exact comparison for non-floats)."""
+    """The largest difference between two arrays, relative to the second's largest magnitude.
+
+    Args:
+      a: an array (or anything ``numpy.asarray`` takes).
+      b: the reference, of ``a``'s shape.
+
+    Returns:
+      ``max|a - b| / max|b|``: 0 for equal values; for non-float values, 0 if equal, else inf.
+
+    Example:
+        >>> import numpy as np
+        >>> relative_gap(np.array([1.0, 2.1]), np.array([1.0, 2.0]))
+        0.05...
+        >>> relative_gap(np.zeros(3), np.zeros(3))
+        0.0
+    """
     a, b = _host(a), _host(b)
     if a.shape != b.shape:
         return float("inf")
@@ -263,8 +300,39 @@ def verify(
     *,
     progress: bool = False,
 ) -> VerifyReport:
-    """Run plain, scheduled and the rounding baseline for ``steps`` batches; see the module.
-    ``progress`` shows a bar (lines in a log) over the compared steps."""
+    """Run the plain step, the scheduled step and the rounding baseline side by side.
+
+    What [`Scheduled.verify`][jaxsched._schedule.Scheduled.verify] calls; the module docstring says how each leaf is judged.
+
+    Args:
+      scheduled: the [`Scheduled`][jaxsched.Scheduled] step to check (its own step is the reference).
+      state: a state from ``scheduled.init``; every run starts from its finalized trees.
+      batches: at least ``steps`` batches, placed as the scheduled step takes them.
+      steps: how many steps to compare.
+      rtol: the relative tolerance a leaf's gap is held to while its baseline is within it.
+      baseline_factor: a leaf's tolerance is ``max(rtol, baseline_factor * its baseline)``.
+      precision: ``"float64"`` (the default: float32 leaves widened, the step traced again)
+        or ``"float32"`` (the step as it is).
+      progress: show a bar (lines in a log) over the compared steps.
+
+    Returns:
+      A [`VerifyReport`][jaxsched.check.verify.VerifyReport]: ``report.ok`` is the verdict,
+      ``str(report)`` the per-leaf table.
+
+    Example:
+        >>> import jax, optax
+        >>> import jaxsched
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 3, hidden=(8,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="allreduce")
+        >>> batch = steps.shard_batch((jax.numpy.ones((4, 4)), jax.numpy.zeros(4, "int32")), mesh)
+        >>> report = verify(sched, sched.init(params, tx.init(params)), [batch] * 2, steps=2, precision="float32")
+        >>> report.ok, report.steps
+        (True, 2)
+    """
     if steps < 1:
         raise JaxschedValueError(f"steps={steps} must be >= 1")
     if precision not in PRECISIONS:

@@ -46,7 +46,15 @@ __all__ = [
 
 
 class ConfigError(JaxschedError, ValueError):
-    """A config value is missing or wrong; the message names the field."""
+    """A config value is missing or wrong; the message names the field.
+
+    Example:
+        >>> try:
+        ...     parse({"model": {"name": "mlp"}, "data": {"name": "digits", "batch_size": 0}})
+        ... except ConfigError as error:
+        ...     print(error)
+        <dict>: data.batch_size must be positive, got 0
+    """
 
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
@@ -106,7 +114,20 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A whole experiment. ``source`` is the file it came from, for messages."""
+    """A whole experiment, as `parse` or `load` validate it.
+
+    Attributes:
+      model: the model's name and options.
+      data: the data set's name, global batch size and options.
+      optimizer: the optax optimizer's name and hyperparameters.
+      train: steps, devices, step API, strategies, seed and logging.
+      source: the file it came from, for messages.
+
+    Example:
+        >>> cfg = parse({"model": {"name": "mlp", "hidden": [16]}, "data": {"name": "digits"}})
+        >>> cfg.model.options, cfg.data.batch_size, cfg.train.strategies
+        ({'hidden': [16]}, 128, ('allreduce',))
+    """
 
     model: ModelConfig
     data: DataConfig
@@ -155,7 +176,7 @@ def _keyword_options(fn: Any, exclude: tuple[str, ...]) -> tuple[str, ...]:
 def model_options(name: str) -> tuple[str, ...]:
     """Fields ``[model]`` accepts besides ``name`` for zoo model ``name``."""
     classes = {"mlp": models_lib.MLP, "cnn": models_lib.CNN, "transformer": models_lib.TransformerLM}
-    return _keyword_options(classes[name].__init__, ("rngs",))
+    return _keyword_options(classes[name].__init__, ("rngs",))  # type: ignore[misc]
 
 
 def data_options(name: str) -> tuple[str, ...]:

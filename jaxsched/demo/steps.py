@@ -109,8 +109,29 @@ def local_step_fn(apply_fn: Callable, tx: optax.GradientTransformation, axis: st
 def make_step(
     apply_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh, axis: str | tuple[str, ...] = "data"
 ) -> Step:
-    """A jitted ``jax.shard_map`` step: replicated params/opt_state, batch sharded on ``axis``
-    (one mesh axis, or a tuple such as ``("dcn", "ici")``: data parallel over several)."""
+    """A jitted ``jax.shard_map`` step: replicated params/opt_state, batch sharded on ``axis``.
+
+    Args:
+      apply_fn: the model, ``apply_fn(params, x) -> logits`` (as `jaxsched.zoo.models.pure` gives).
+      tx: the optax optimizer.
+      mesh: the devices; the batch's leading axis is split over ``axis``.
+      axis: one mesh axis, or a tuple such as ``("dcn", "ici")``: data parallel over several.
+
+    Returns:
+      ``step(params, opt_state, batch) -> (params, opt_state, aux)``, cross entropy loss,
+      gradients averaged with ``lax.pmean``; ``aux`` holds ``loss`` and ``accuracy``.
+
+    Example:
+        >>> import jax, optax
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 3, hidden=(8,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> step = make_step(apply_fn, optax.sgd(0.1), mesh)
+        >>> batch = shard_batch((jax.numpy.ones((4, 4)), jax.numpy.zeros(4, "int32")), mesh)
+        >>> params, opt_state, aux = step(params, optax.sgd(0.1).init(params), batch)
+        >>> sorted(aux)
+        ['accuracy', 'loss']
+    """
     body = local_step_fn(apply_fn, tx, axis)
     return jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=(P(), P(), P()), check_vma=False)
@@ -140,7 +161,29 @@ def make_jit_step(apply_fn: Callable, tx: optax.GradientTransformation) -> Step:
 def make_pmap_step(
     apply_fn: Callable, tx: optax.GradientTransformation, axis: str = "data", devices: list | None = None
 ) -> Step:
-    """The same step with ``jax.pmap``: every input carries a leading device axis."""
+    """The same step as `make_step` with ``jax.pmap``: every input carries a leading device axis.
+
+    Args:
+      apply_fn: the model, ``apply_fn(params, x) -> logits``.
+      tx: the optax optimizer.
+      axis: the pmap axis name the gradients are averaged over.
+      devices: the devices to map over (default: all).
+
+    Returns:
+      ``step(params, opt_state, batch) -> (params, opt_state, aux)`` over stacked inputs
+      (`replicate` the trees, `split_batch` the batch).
+
+    Example:
+        >>> import jax, optax
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 3, hidden=(8,)))
+        >>> tx = optax.sgd(0.1)
+        >>> step = make_pmap_step(apply_fn, tx, devices=jax.devices()[:2])
+        >>> batch = split_batch((jax.numpy.ones((4, 4)), jax.numpy.zeros(4, "int32")), 2)
+        >>> params2, opt_state, aux = step(replicate(params, 2), replicate(tx.init(params), 2), batch)
+        >>> aux["loss"].shape
+        (2,)
+    """
     return jax.pmap(local_step_fn(apply_fn, tx, axis), axis_name=axis, devices=devices)
 
 

@@ -2,7 +2,7 @@
 
 The step is pluggable: the trainer builds the user's plain step and hands it to a
 ``wrap(step, strategy)`` callable that returns an object with ``init``, ``__call__``
-and ``finalize`` (by default `jaxsched.schedule`; ``allreduce`` is the plain step).
+and ``finalize`` (by default [`jaxsched.schedule`][jaxsched._schedule.schedule]; ``allreduce`` is the plain step).
 Only one multi-device step is kept in flight: with 8 virtual CPU devices on 2 cores,
 steps queued unblocked deadlocked in a collective rendezvous (docs/benchmarks.md).
 The initial state is placed on the mesh exactly as the step returns it, so the step
@@ -24,7 +24,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence, cast
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,9 @@ from jaxsched.zoo import models as models_lib
 from jaxsched.demo import steps as steps_lib
 from jaxsched.demo.config import Config, ConfigError
 from jaxsched.core.progress import progress as progress_bar
+
+if TYPE_CHECKING:
+    from jaxsched.strategies.base import ScheduledState
 
 __all__ = [
     "default_wrap",
@@ -54,8 +57,8 @@ __all__ = [
 class StepRunner(Protocol):
     """What the trainer drives: a plain step, or a scheduled one."""
 
-    def init(self, params: Any, opt_state: Any) -> Any: ...
-    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]: ...
+    def init(self, params: Any, opt_state: Any, /) -> Any: ...
+    def __call__(self, state: Any, batch: Any, /) -> Any: ...
     def finalize(self, state: Any) -> tuple[Any, Any]: ...
 
 
@@ -64,7 +67,7 @@ FINAL_WINDOW = 10
 
 
 def default_wrap(step: steps_lib.Step, strategy: str) -> StepRunner:
-    """Schedule ``step`` with ``strategy`` through `jaxsched.schedule`."""
+    """Schedule ``step`` with ``strategy`` through [`jaxsched.schedule`][jaxsched._schedule.schedule]."""
     from jaxsched._schedule import STRATEGIES, Scheduled
 
     if strategy not in STRATEGIES:
@@ -74,11 +77,28 @@ def default_wrap(step: steps_lib.Step, strategy: str) -> StepRunner:
 
 @dataclasses.dataclass
 class RunResult:
-    """What one training run produced; ``losses`` holds every step's loss.
+    """What one training run produced (`train` returns it).
 
-    ``median_step_s`` is the median time of steps 2..N (the first compiles), from the call
-    until its metrics are ready; ``steps_per_s`` is its inverse. A median, because on a
-    shared machine a few slow steps would otherwise decide a comparison of strategies.
+    A median step time, because on a shared machine a few slow steps would otherwise
+    decide a comparison of strategies.
+
+    Attributes:
+      strategy: the strategy's name.
+      steps: steps run.
+      median_step_s: the median time of steps 2..N (the first compiles), from the call
+        until its metrics are ready.
+      steps_per_s: ``1 / median_step_s``.
+      final_loss: the mean loss over the last steps.
+      train_accuracy: the mean train accuracy over the last steps.
+      test_accuracy: accuracy on the test split.
+      losses: every step's loss.
+      params: the trained parameters.
+      opt_state: the final optimizer state.
+
+    Example:
+        >>> result = RunResult("wfbp", 2, 0.01, 100.0, 0.5, 0.9, 0.8, [0.7, 0.5], {}, ())
+        >>> result.steps_per_s
+        100.0
     """
 
     strategy: str
@@ -174,7 +194,7 @@ def verify_config(
         batches = (exp.place(b) for b in exp.batches())
         reports.append(
             sched.verify(
-                sched.init(exp.params, exp.opt_state),
+                cast("ScheduledState", sched.init(exp.params, exp.opt_state)),
                 batches,
                 steps=steps,
                 rtol=rtol,
@@ -193,7 +213,28 @@ def train(
     log_path: str | Path | None = None,
     wrap: Callable[[steps_lib.Step, str], StepRunner] = default_wrap,
 ) -> RunResult:
-    """Train ``cfg`` with one strategy (default: the first in ``train.strategies``)."""
+    """Train ``cfg`` with one strategy.
+
+    Args:
+      cfg: the experiment (`jaxsched.demo.config.parse` or ``load``).
+      strategy: the strategy's name (default: the first in ``train.strategies``).
+      progress: show a progress bar.
+      log_path: write one JSON line of metrics per logged step there.
+      wrap: ``wrap(step, strategy)`` gives the object that runs the step
+        (default: [`jaxsched.schedule`][jaxsched._schedule.schedule]).
+
+    Returns:
+      The run's `RunResult`: losses, timings, accuracies and the final trees.
+
+    Example:
+        >>> from jaxsched.demo import config
+        >>> cfg = config.parse({"model": {"name": "mlp", "hidden": [8]},
+        ...                     "data": {"name": "digits", "batch_size": 16},
+        ...                     "train": {"steps": 2, "devices": 1}})
+        >>> result = train(cfg, progress=False)
+        >>> result.strategy, len(result.losses)
+        ('allreduce', 2)
+    """
     return train_side_by_side(
         cfg, [strategy or cfg.train.strategies[0]], progress=progress, log_path=log_path, wrap=wrap
     )[0]

@@ -84,7 +84,19 @@ def _with_empty(target: Any, restored: Any) -> Any:
 
 
 def save(path: str | Path, state: Any) -> None:
-    """Write ``state`` to the folder ``path`` (which must not exist yet) and wait until done."""
+    """Write ``state`` to the folder ``path`` and wait until it is complete on disk.
+
+    Args:
+      path: a folder that does not exist yet.
+      state: a scheduled state (or any tree of arrays).
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> folder = tempfile.mkdtemp() + "/ckpt"
+        >>> save(folder, {"w": jnp.arange(3.0)})
+        >>> restore(folder)["w"].tolist()
+        [0.0, 1.0, 2.0]
+    """
     import orbax.checkpoint as ocp
 
     checkpointer = ocp.StandardCheckpointer()
@@ -95,8 +107,20 @@ def save(path: str | Path, state: Any) -> None:
 def restore(path: str | Path, target: Any | None = None) -> Any:
     """Read the checkpoint at ``path`` into ``target``'s structure, layout and shardings.
 
-    ``target``: a state of the same kind, e.g. ``sched.init(params, opt_state, batch)`` (or
-    its ``ShapeDtypeStruct`` tree). Without one, orbax returns the tree as it was saved.
+    Args:
+      path: the folder `save` wrote.
+      target: a state of the same kind, e.g. ``sched.init(params, opt_state, batch)`` (or
+        its ``ShapeDtypeStruct`` tree). Without one, orbax returns the tree as it was saved.
+
+    Returns:
+      The restored state, in ``target``'s structure, layout and shardings.
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> folder = tempfile.mkdtemp() + "/ckpt"
+        >>> save(folder, {"w": jnp.ones(2)})
+        >>> restore(folder, target={"w": jnp.zeros(2)})["w"].tolist()
+        [1.0, 1.0]
     """
     import orbax.checkpoint as ocp
 
@@ -112,6 +136,19 @@ class Checkpoints:
     Why a class: the background save must be waited for before the process exits
     (`wait`, `close`, or use it as a context manager); until a save completes,
     the previous checkpoint is the latest one on disk.
+
+    Args:
+      directory: the folder of the numbered checkpoints (created if missing).
+      max_to_keep: how many of the newest checkpoints to keep (None: all).
+
+    Example:
+        >>> import tempfile, jax.numpy as jnp
+        >>> with Checkpoints(tempfile.mkdtemp(), max_to_keep=2) as ckpts:
+        ...     for step in (1, 2, 3):
+        ...         ckpts.save(step, {"w": jnp.full(2, float(step))})
+        ...     ckpts.wait()
+        ...     ckpts.all_steps(), ckpts.restore(None)["w"].tolist()
+        ([2, 3], [3.0, 3.0])
     """
 
     def __init__(self, directory: str | Path, max_to_keep: int | None = 3):
@@ -122,22 +159,43 @@ class Checkpoints:
         self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
-        """The step of the newest complete checkpoint, or None if there is none."""
+        """The newest complete checkpoint.
+
+        Returns:
+          Its step, or None if there is none.
+        """
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        """Steps of every complete checkpoint kept, oldest first."""
+        """Every complete checkpoint kept.
+
+        Returns:
+          Their steps, oldest first.
+        """
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, state: Any) -> None:
-        """Start saving ``state`` as checkpoint ``step``; returns once the arrays are copied."""
+        """Start saving ``state`` as checkpoint ``step``; returns once the arrays are copied.
+
+        Args:
+          step: the checkpoint's number (its folder's name).
+          state: a scheduled state (or any tree of arrays).
+        """
         import orbax.checkpoint as ocp
 
         self._manager.save(step, args=ocp.args.StandardSave(_without_empty(state)))
 
     def restore(self, target: Any | None, step: int | None = None) -> Any:
-        """Checkpoint ``step`` (default: the latest) in ``target``'s layout and shardings
-        (``None``: as saved, e.g. to compare two runs' states)."""
+        """Read one checkpoint.
+
+        Args:
+          target: a state whose layout and shardings the checkpoint is read into
+            (``None``: as saved, e.g. to compare two runs' states).
+          step: the checkpoint (default: the latest).
+
+        Returns:
+          The restored state.
+        """
         import orbax.checkpoint as ocp
 
         step = self.latest_step() if step is None else step

@@ -34,8 +34,18 @@ from jaxsched.strategies.kfac import INVERSES, KFAC, KFACFallbackWarning, KFACSt
 
 
 def find_layers(step: Callable, params: Any, opt_state: Any, batch: Any) -> LayerMatch:
-    """The dense and convolution layers K-FAC recognises in ``step`` (traced on these
-    example inputs), and the parameter paths it leaves on the plain gradient."""
+    """The dense and convolution layers K-FAC recognises in ``step``.
+
+    Args:
+      step: the training step, ``step(params, opt_state, batch)``.
+      params: example params (traced, not run).
+      opt_state: example optimizer state.
+      batch: an example batch, placed as the step takes it.
+
+    Returns:
+      A `LayerMatch`: the matched layers (name, factor sizes) and the parameter paths K-FAC
+      leaves on the plain gradient. The module's example calls it.
+    """
     from jaxsched.core.capture import capture
     from jaxsched.plan.planned_step import PlannedStep
     from jaxsched.core.rewrite.layers import match_layers

@@ -8,7 +8,7 @@ NNX users write ``train_step(model, optimizer, batch)``: it mutates the model an
 * gradients are reduced with ``lax.pmean``/``psum`` inside it, as usual.
 
 The adapter turns the step into the pure ``(params, rest, batch) -> (params, rest, aux)``
-form that `jaxsched.schedule` schedules. ``params`` are the ``nnx.Param`` variables;
+form that [`jaxsched.schedule`][jaxsched._schedule.schedule] schedules. ``params`` are the ``nnx.Param`` variables;
 ``rest`` is everything else the objects hold (optimizer state and step counter, RNG
 streams, BatchNorm statistics, any other ``nnx.Variable``), so non-parameter state flows
 through the step exactly as the unscheduled step would move it.
@@ -86,7 +86,7 @@ class _Layout:
 
     def pure(self, params: Any, rest: Any) -> tuple[dict, dict]:
         """``nnx.State`` of params and of the rest -> the pure step's dicts."""
-        pure_params = nnx.to_pure_dict(params)
+        pure_params: dict[Any, Any] = nnx.to_pure_dict(params)
         return (pure_params[0] if self.single_owner else pure_params), nnx.to_pure_dict(rest)
 
     def states(self, params: dict, rest: dict) -> tuple[Any, Any]:
@@ -120,12 +120,28 @@ def _leaves(*states: Any) -> tuple:
     return tuple(leaf for s in states for leaf in jax.tree.leaves(s))
 
 
+def _split_params(nodes: Any) -> tuple[Any, Any, Any]:
+    """``nnx.split(nodes, nnx.Param, ...)``: the graph, the params' state, the rest's state."""
+    graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)  # type: ignore[misc]
+    return graphdef, params, rest
+
+
 class NNXScheduled:
     """A scheduled NNX step: ``sched(model, optimizer, batch)`` and ``sched.finalize(...)``.
 
     Build it with `schedule`. Attributes: ``train_step`` (the user's step) and, after
-    the first call, ``scheduled`` (the underlying `jaxsched.Scheduled`, whose
+    the first call, ``scheduled`` (the underlying [`jaxsched.Scheduled`][jaxsched._schedule.Scheduled], whose
     ``program``, ``verify`` and ``lower`` are available).
+
+    Args:
+      train_step: the NNX step, ``train_step(model, optimizer, *inputs)``.
+      strategy: a registered strategy's name or a [`Strategy`][jaxsched.strategies.Strategy] instance.
+      **schedule_options: the other arguments of [`jaxsched.schedule`][jaxsched._schedule.schedule] (checked now).
+
+    Example:
+        >>> sched = NNXScheduled(lambda model, optimizer, batch: 0.0, strategy="dear")
+        >>> sched.strategy
+        'dear'
     """
 
     def __init__(self, train_step: Callable, strategy: str | Strategy = "wfbp", **schedule_options: Any):
@@ -143,9 +159,16 @@ class NNXScheduled:
 
     # -- public API -----------------------------------------------------------------------
     def __call__(self, *args: Any) -> Any:
-        """One training step: updates the objects (see the module doc), returns the aux."""
+        """One training step: updates the objects (see the module doc).
+
+        Args:
+          *args: the step's arguments, ``(model, optimizer, ..., batch)``.
+
+        Returns:
+          What the step returns (its metrics).
+        """
         nodes, batch = self._split_args(args, "call")
-        graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
+        graphdef, params, rest = _split_params(nodes)
         session = self._session_for(graphdef, params, rest)
         if session.state is None or not _same_arrays(_leaves(params, rest), session.written):
             if session.state is not None and _carries_something(session.state):
@@ -168,12 +191,16 @@ class NNXScheduled:
 
         Performs what the strategy still holds back (``dear``'s all-gathers, ``approx``'s
         pending update) and writes every variable into the objects. Training may go on.
+        The module's example calls it.
+
+        Args:
+          *nodes: the same objects the step was last called with, ``(model, optimizer, ...)``.
         """
         nodes = tuple(nodes)
         session = self._session
         if session is None or session.state is None:
             return
-        graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
+        graphdef, params, rest = _split_params(nodes)
         if graphdef != session.layout.graphdef:
             raise JaxschedValueError(
                 "finalize() got objects of another structure than the scheduled "
@@ -194,13 +221,27 @@ class NNXScheduled:
         Ahead of time: objects built under ``nnx.eval_shape`` (abstract variables) and a
         batch of ``jax.ShapeDtypeStruct`` leaves lower on compile-only devices
         (`jaxsched.tools.aot`) without touching one. The objects are not changed.
+
+        Args:
+          *args: ``(model, optimizer, ..., batch)``, concrete or abstract.
+
+        Returns:
+          The ``jax.stages.Lowered`` program.
         """
         session, state, batch = self._abstract_call(args, "lower")
         return session.scheduled.lower(state, batch)
 
     def inspect(self, *args: Any, baseline: bool = True):
-        """Compile and read the scheduled step (see `jaxsched.Scheduled.inspect`) for
-        ``(model, optimizer, ..., batch)``, concrete or abstract; the objects are not changed."""
+        """Compile and read the scheduled step (see `jaxsched.Scheduled.inspect`).
+
+        Args:
+          *args: ``(model, optimizer, ..., batch)``, concrete or abstract; the objects are
+            not changed.
+          baseline: also compile the plain step, for the ratios.
+
+        Returns:
+          The `jaxsched.check.inspection.Inspection` report.
+        """
         session, state, batch = self._abstract_call(args, "inspect")
         return session.scheduled.inspect(state, batch, baseline=baseline)
 
@@ -213,7 +254,7 @@ class NNXScheduled:
     # -- internals ------------------------------------------------------------------------
     def _abstract_call(self, args: tuple, what: str) -> tuple[_Session, Any, Any]:
         nodes, batch = self._split_args(args, what)
-        graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
+        graphdef, params, rest = _split_params(nodes)
         session = self._session_for(graphdef, params, rest)
         return session, session.scheduled.init(*session.layout.pure(params, rest)), batch
 
@@ -270,18 +311,18 @@ class NNXScheduled:
 
         def pure_step(params: dict, rest: dict, batch: Any):
             nodes = nnx.merge(layout.graphdef, *layout.states(params, rest))
-            inputs = batch if self._num_inputs > 1 else (batch,)
+            inputs = batch if (self._num_inputs or 0) > 1 else (batch,)
             aux = train_step(*nodes, *inputs)
-            _, new_params, new_rest = nnx.split(nodes, nnx.Param, ...)
+            _, new_params, new_rest = _split_params(nodes)
             return (*layout.pure(new_params, new_rest), aux)
 
         pure_step.__name__ = getattr(train_step, "__name__", "train_step")
-        pure_step.__wrapped__ = train_step  # source lines in errors point at the user's step
+        pure_step.__wrapped__ = train_step  # type: ignore[attr-defined]  # source lines in errors point at the user's step
         return pure_step
 
     def _write_back(self, session: _Session, nodes: tuple, params: dict, rest: dict) -> None:
         nnx.update(nodes, *session.layout.states(params, rest))
-        _, new_params, new_rest = nnx.split(nodes, nnx.Param, ...)
+        _, new_params, new_rest = _split_params(nodes)
         session.written = _leaves(new_params, new_rest)
 
 
@@ -306,10 +347,31 @@ def schedule(
     **options: Any,
 ) -> Any:
     """Schedule an NNX ``train_step(model, optimizer, batch)``; arguments as
-    `jaxsched.schedule` (also usable as a decorator).
+    [`jaxsched.schedule`][jaxsched._schedule.schedule] (also usable as a decorator).
 
     The returned `NNXScheduled` is called like the step. With ``dear`` or ``approx``
     call ``sched.finalize(model, optimizer)`` before reading the objects (module doc).
+
+    Args:
+      train_step: ``train_step(model, optimizer, batch)``; omitted, ``schedule(...)`` is a
+        decorator.
+      strategy: a registered strategy's name or a [`Strategy`][jaxsched.strategies.Strategy] instance.
+      buckets: the bucket plan (as [`jaxsched.schedule`][jaxsched._schedule.schedule]).
+      compiler_options: XLA options for the scheduled program.
+      engine: the compile backend.
+      collective: how each bucket travels (compression).
+      compression: the same as ``collective``.
+      **options: the strategy's own options (``staleness=...``).
+
+    Returns:
+      The `NNXScheduled` step (or, without ``train_step``, a decorator that makes one).
+
+    Example:
+        >>> @schedule(strategy="wfbp")
+        ... def train_step(model, optimizer, batch):
+        ...     return 0.0
+        >>> type(train_step).__name__
+        'NNXScheduled'
     """
 
     def wrap(step: Callable) -> NNXScheduled:

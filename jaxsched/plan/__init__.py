@@ -1,8 +1,9 @@
 """Bucket planners: which gradients travel together in one collective.
 
-``plan_buckets`` returns contiguous groups of layer indices in **forward order**
+[`plan_buckets`][jaxsched.plan.plan_buckets] returns contiguous groups of layer indices in **forward order**
 (``[[0, 1], [2, 3]]``: layers 2 and 3 finish backward first, so their bucket is sent
-first). That is the layout ``jaxsched.sim.simulate`` and ``jaxsched.schedule`` take.
+first). That is the layout [`jaxsched.sim.simulate`][jaxsched.sim.simulate] and
+[`jaxsched.schedule`][jaxsched.schedule] take.
 
 Example:
     >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
@@ -60,6 +61,31 @@ def plan_buckets(
     all-reduce patterns when bucket copies are free, otherwise by a search of the simulator
     that is exhaustive up to 10 layers); ``compression`` and ``iterations`` are passed to
     the simulator when it is searched.
+
+    Args:
+      layers: the layer profile, in forward order.
+      network: the network profile.
+      planner: one of `PLANNERS`: ``"per_layer"``, ``"threshold"``, ``"mgwfbp"``,
+        ``"prophet"`` or ``"optimal"``.
+      strategy: a strategy name or its `CommPattern` (what the plan is simulated for).
+      threshold_bytes: the ``threshold`` planner's bucket size.
+      compression: for ``optimal``, the compression the simulator models (as
+        [`simulate`][jaxsched.sim.simulate] takes it).
+      progress: for ``optimal``, show a bar over the search.
+      iterations: for ``optimal``, the simulated iterations per candidate.
+
+    Returns:
+      Contiguous groups of layer indices in forward order, the layout
+      [`jaxsched.schedule`][jaxsched.schedule]'s ``buckets`` takes.
+
+    Raises:
+      JaxschedValueError: an unknown planner.
+
+    Example:
+        >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
+        >>> profile = LayerProfile([Layer(str(i), 1, 10**6, 1e-3, 2e-3) for i in range(4)])
+        >>> plan_buckets(profile, network_preset("10gbe", 8), "threshold", threshold_bytes=2 * 10**6)
+        [[0, 1], [2, 3]]
     """
     if planner in PLANNER_REGISTRY:
         return PLANNER_REGISTRY[planner](layers, network, strategy, threshold_bytes=threshold_bytes)

@@ -115,7 +115,7 @@ def step_layer_profile(
     """The step's layers in forward order and, per layer, its parameter leaf indices."""
     cap = analysis.captured
     names = layer_names(paths)
-    first_use = {}
+    first_use: dict[str, int] = {}
     for i in range(cap.num_params):
         use = analysis.first_use[cap.body_input("params", i)]
         first_use[names[i]] = min(first_use.get(names[i], 10**9), 10**9 if use is None else use)

@@ -15,6 +15,14 @@ def plan_mgwfbp(layers: LayerProfile, network: NetworkProfile, strategy: str = "
     A bucket whose collective could start at ``s`` (link free and gradients ready) is
     merged with the next layer, ready at ``r``, when ``r - s < alpha``.
 
+    Args:
+      layers: the layer profile, in forward order.
+      network: the network profile.
+      strategy: the strategy whose communication pattern is planned for.
+
+    Returns:
+      Contiguous groups of layer indices in forward order.
+
     Example:
         >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
         >>> tiny = LayerProfile([Layer(str(i), 1, 4, 1e-6, 1e-6) for i in range(4)])

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.sim.costmodel import LayerProfile, NetworkProfile
 from jaxsched.plan._common import backward_view, to_forward_buckets
 
@@ -87,11 +88,14 @@ def search(
         from jaxsched.core.progress import progress as progress_bar
 
         iterator = progress_bar(list(iterator), "optimal planner", unit="partition", leave=False)
-    best, best_time = None, None
+    best: list[list[int]] | None = None
+    best_time: Any = None
     for buckets in iterator:
         t = evaluate(buckets)
         if best_time is None or t < best_time:
             best, best_time = buckets, t
+    if best is None:
+        raise JaxschedValueError("no candidate bucket partitions to search")
     if num > EXHAUSTIVE_LAYERS and len(best) <= 64:
         improved = True
         while improved and len(best) > 1:

@@ -10,6 +10,12 @@ __all__ = ["plan_per_layer"]
 def plan_per_layer(layers: LayerProfile) -> list[list[int]]:
     """One bucket per layer.
 
+    Args:
+      layers: the layer profile, in forward order.
+
+    Returns:
+      Contiguous groups of layer indices in forward order.
+
     Example:
         >>> from jaxsched.sim.costmodel import Layer, LayerProfile
         >>> plan_per_layer(LayerProfile([Layer("a", 1, 4, 0.1, 0.1)] * 3))

@@ -67,7 +67,20 @@ def _with_activation(
 
 
 def zoo_stages(name: str, model: Any) -> list[Stage]:
-    """Split a ``jaxsched.zoo.models`` model into one stage per top-level parameter group."""
+    """Split a ``jaxsched.zoo.models`` model into one stage per top-level parameter group.
+
+    Args:
+      name: the zoo model's name.
+      model: the model, as ``jaxsched.zoo.models.build`` returns it.
+
+    Returns:
+      ``(name, params, apply)`` per stage, in forward order.
+
+    Example:
+        >>> from jaxsched.zoo import models
+        >>> [name for name, _, _ in zoo_stages("mlp", models.build("mlp", (4,), 3, hidden=(8,)))]
+        ['hidden/0', 'head']
+    """
     relu = jax.nn.relu
     if name == "mlp":
         flatten = lambda x: x.reshape(x.shape[0], -1)
@@ -112,7 +125,7 @@ def profile_stages(
     repeats: int = 5,
     device: Any = None,
     mesh: Mesh | None = None,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
 ) -> LayerProfile:
     """Time each stage's forward and backward; the last stage ends in the loss.
 
@@ -120,6 +133,18 @@ def profile_stages(
     With ``mesh``: every device runs the stage at once on its shard of ``x`` (as in a real
     data-parallel step, where devices share the host's cores), and backward is the time of
     forward+backward minus forward. ``x`` and ``labels`` are then the global batch.
+
+    Args:
+      stages: the stages (`zoo_stages`), in forward order.
+      x: the input batch.
+      labels: its labels (the last stage's loss reads them).
+      repeats: timed runs per stage (the median is kept).
+      device: the device without ``mesh`` (default: the first).
+      mesh: time on every device of this mesh at once (default: one device).
+      axis: the mesh's data axis (or axes).
+
+    Returns:
+      A `LayerProfile`, one layer per stage.
     """
     if mesh is not None:
         return _profile_stages_on_mesh(stages, x, labels, repeats, mesh, axis)
@@ -150,12 +175,24 @@ def profile_stages(
     )
 
 
-def measure_dispatch(mesh: Mesh | None = None, axis: str = "data", repeats: int = 20) -> float:
+def measure_dispatch(mesh: Mesh | None = None, axis: str | tuple[str, ...] = "data", repeats: int = 20) -> float:
     """Seconds to dispatch and block on a trivial jitted program (one element per device).
 
     With ``mesh``: a ``shard_map`` program on every device of it, as a data-parallel step
     is; without: a jitted program on the default device. This is the fixed cost every
     separately timed program pays and a fused step pays only once.
+
+    Args:
+      mesh: time on every device of this mesh at once (default: one device).
+      axis: the mesh's data axis (or axes).
+      repeats: timed runs (the median is kept).
+
+    Returns:
+      Seconds.
+
+    Example:
+        >>> measure_dispatch(repeats=2) > 0
+        True
     """
     if mesh is None:
         program, x = jax.jit(lambda v: v + 1), jnp.zeros((1,), jnp.float32)
@@ -169,7 +206,7 @@ def profile_update(
     layer_params: Sequence[Any],
     tx: Any,
     mesh: Mesh | None = None,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     repeats: int = 5,
     dispatch_s: float | None = None,
 ) -> list[float]:
@@ -181,6 +218,22 @@ def profile_update(
     ``mesh``). Gradients are the parameters themselves (values do not change the cost of
     the update's arithmetic). The fixed dispatch cost (``dispatch_s``, measured by
     `measure_dispatch` when not given) is subtracted, floored at zero.
+
+    Args:
+      layer_params: each layer's parameters.
+      tx: the optax transform.
+      mesh: time on every device of this mesh at once (default: one device).
+      axis: the mesh's data axis (or axes).
+      repeats: timed runs per layer (the median is kept).
+      dispatch_s: the dispatch cost to subtract.
+
+    Returns:
+      Seconds per layer.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> len(profile_update([{"w": jnp.ones((4, 4))}, {"b": jnp.ones(4)}], optax.sgd(0.1), repeats=1))
+        2
     """
     import optax
 
@@ -212,7 +265,7 @@ def _layer(name: str, params: Any, forward_s: float, backward_s: float) -> Layer
 
 
 def _profile_stages_on_mesh(
-    stages: Sequence[Stage], x: jax.Array, labels: jax.Array, repeats: int, mesh: Mesh, axis: str
+    stages: Sequence[Stage], x: jax.Array, labels: jax.Array, repeats: int, mesh: Mesh, axis: str | tuple[str, ...]
 ) -> LayerProfile:
     sharded = NamedSharding(mesh, P(axis))
     x, labels = jax.device_put((x, labels), sharded)
@@ -222,16 +275,16 @@ def _profile_stages_on_mesh(
         last = index == len(stages) - 1
         if last:
             loss = _stage_with_loss(fn, labels)
-            fn = lambda p, h, y, _loss=loss: _loss(p, h, y)[None]
+            fn = lambda p, h, y, _loss=loss: _loss(p, h, y)[None]  # type: ignore[assignment,misc]
         else:
-            fn = lambda p, h, y, _f=fn: _f(p, h)
+            fn = lambda p, h, y, _f=fn: _f(p, h)  # type: ignore[assignment,misc]
         first = index == 0
 
         def both(p, h, y, _fn=fn, _first=first):
             out, vjp = jax.vjp(lambda q: _fn(q, h, y), p) if _first else jax.vjp(lambda q, a: _fn(q, a, y), p, h)
             return out, vjp(jnp.ones_like(out))
 
-        specs = dict(mesh=mesh, in_specs=(P(), P(axis), P(axis)), check_vma=False)
+        specs: dict[str, Any] = dict(mesh=mesh, in_specs=(P(), P(axis), P(axis)), check_vma=False)
         forward = jax.jit(jax.shard_map(fn, out_specs=P(axis), **specs))
         forward_backward = jax.jit(jax.shard_map(both, out_specs=(P(axis), P(axis)), **specs))
         forward_s = _median_seconds(lambda: forward(params, x, labels), repeats)
@@ -255,7 +308,7 @@ def profile_zoo_model(
     repeats: int = 5,
     seed: int = 0,
     mesh: Mesh | None = None,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     scale_to_whole_step: bool = True,
     optimizer: Any = None,
     **options: Any,
@@ -268,6 +321,26 @@ def profile_zoo_model(
     which a measured network profile carries as ``dispatch_s`` and the simulator adds once.
     With ``optimizer`` (an optax transform), each layer's ``update_s`` is measured by
     `profile_update`; without it, ``update_s`` stays 0.
+
+    Args:
+      name: a zoo model (``"mlp"``, ``"cnn"``, ``"transformer"``, ...).
+      batch: examples per device.
+      repeats: timed runs per stage (the median is kept).
+      seed: the seed of the model's parameters and of the random inputs.
+      mesh: time every device at once on this mesh (default: one device).
+      axis: the mesh's data axis.
+      scale_to_whole_step: with ``mesh``, rescale the stage times to the whole model's.
+      optimizer: an optax transform whose update is timed per layer.
+      **options: the model's own options (``hidden=...``).
+
+    Returns:
+      The [`LayerProfile`][jaxsched.sim.costmodel.LayerProfile], one layer per top-level
+      parameter group, in forward order.
+
+    Example:
+        >>> profile = profile_zoo_model("mlp", batch=4, repeats=1, hidden=(8,))
+        >>> [layer.name for layer in profile.layers], profile.layers[0].backward_s > 0
+        (['hidden/0', 'head'], True)
     """
     workers = axis_size(mesh, axis) if mesh is not None else 1
     rng = np.random.default_rng(seed)
@@ -300,7 +373,7 @@ def scale_to_whole_model(
     x: jax.Array,
     labels: jax.Array,
     mesh: Mesh,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     repeats: int = 5,
     dispatch_s: float = 0.0,
 ) -> LayerProfile:
@@ -308,7 +381,21 @@ def scale_to_whole_model(
     program (XLA fuses across stage boundaries, and per-stage dispatch adds overhead); the
     per-layer shares stay as measured. ``dispatch_s`` (the cost of launching any program,
     `measure_dispatch`) is taken off the whole-model forward, which is timed as its
-    own program; backward (forward+backward less forward) pays it in neither term."""
+    own program; backward (forward+backward less forward) pays it in neither term.
+
+    Args:
+      prof: the per-stage profile (`profile_stages`).
+      stages: its stages.
+      x: the global input batch.
+      labels: its labels.
+      mesh: the mesh the whole model runs on.
+      axis: the mesh's data axis (or axes).
+      repeats: timed runs (the median is kept).
+      dispatch_s: the dispatch cost to take off the forward.
+
+    Returns:
+      The rescaled `LayerProfile`.
+    """
     names = [name for name, _, _ in stages]
     params = {name: p for name, p, _ in stages}
     loss_stage = _stage_with_loss(stages[-1][2], labels)
@@ -322,7 +409,7 @@ def scale_to_whole_model(
         value, grads = jax.value_and_grad(lambda q: loss(q, h, y)[0])(p)
         return value[None], grads
 
-    specs = dict(mesh=mesh, in_specs=(P(), P(axis), P(axis)), check_vma=False)
+    specs: dict[str, Any] = dict(mesh=mesh, in_specs=(P(), P(axis), P(axis)), check_vma=False)
     forward = jax.jit(jax.shard_map(loss, out_specs=P(axis), **specs))
     both = jax.jit(jax.shard_map(loss_and_grad, out_specs=(P(axis), P(axis)), **specs))
     params = jax.device_put(params, NamedSharding(mesh, P()))
@@ -358,7 +445,7 @@ def scale_to_whole_model(
     )
 
 
-def _collective_programs(mesh: Mesh, axis: str) -> dict[str, Callable[[jax.Array], jax.Array]]:
+def _collective_programs(mesh: Mesh, axis: str | tuple[str, ...]) -> dict[str, Callable[[jax.Array], jax.Array]]:
     size = axis_size(mesh, axis)
     ring = [(i, (i + 1) % size) for i in range(size)]
 
@@ -374,7 +461,14 @@ def _collective_programs(mesh: Mesh, axis: str) -> dict[str, Callable[[jax.Array
 
 
 def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[CollectiveCost, float]:
-    """Least-squares ``alpha + beta * B`` with ``alpha, beta >= 0``; returns the max relative error.
+    """Least-squares ``alpha + beta * B`` with ``alpha, beta >= 0``.
+
+    Args:
+      sizes: the measured sizes, bytes.
+      seconds: the time measured at each size.
+
+    Returns:
+      ``(cost, error)``: the fitted `CollectiveCost` and the fit's largest relative error.
 
     Example:
         >>> cost, err = fit_alpha_beta([1e3, 1e4, 1e5], [1.1e-3, 2e-3, 11e-3])
@@ -395,7 +489,7 @@ def fit_alpha_beta(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[Co
 
 def measure_copy(
     mesh: Mesh | None = None,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     sizes: Sequence[int] = (1 << 20, 1 << 22),
     repeats: int = 5,
     dispatch_s: float = 0.0,
@@ -407,10 +501,26 @@ def measure_copy(
     (flatten, pad, concatenate: the dear layout; wfbp's flat concatenate moves the same
     bytes) and unpacks the buffer into leaves again; the time, less ``dispatch_s``, is
     fitted over ``sizes`` and the slope halved.
+
+    Args:
+      mesh: the mesh (default: every device).
+      axis: the mesh's data axis (or axes).
+      sizes: the bucket sizes timed, bytes.
+      repeats: timed runs per size (the median is kept).
+      dispatch_s: the dispatch cost to subtract.
+
+    Returns:
+      Seconds per byte, one direction.
+
+    Example:
+        >>> import jax
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> measure_copy(mesh, sizes=(1 << 12, 1 << 14), repeats=1) >= 0
+        True
     """
     from jaxsched.core import layout
 
-    mesh = mesh or jax.make_mesh((jax.device_count(),), (axis,))
+    mesh = mesh or jax.make_mesh((jax.device_count(),), (axis,) if isinstance(axis, str) else axis)
     workers = axis_size(mesh, axis)
     points = []
     for size in sizes:
@@ -438,6 +548,20 @@ def measure_selection_s_per_byte(
     Its ``all_reduce`` runs over a one-device axis, where the collective itself is free,
     against a plain ``psum`` of the same buffer; the difference is the compression work
     the simulator charges as ``Compression.selection_s_per_byte``.
+
+    Args:
+      compressor: a compressor (`jaxsched.runtime.compress`).
+      device: the device (default: the first local one).
+      elements: the buffer's float32 elements.
+      repeats: timed runs (the median is kept).
+
+    Returns:
+      Seconds per gradient byte, at least 0.
+
+    Example:
+        >>> from jaxsched.runtime.compress import TopK
+        >>> measure_selection_s_per_byte(TopK(0.01), elements=1 << 12, repeats=1) >= 0
+        True
     """
     from jaxsched.runtime.collectives.base import BucketSpec, Collective
 
@@ -464,7 +588,23 @@ def measure_selection_s_per_byte(
 
 
 def agree_on_network(network: NetworkProfile) -> NetworkProfile:
-    """``network`` with process 0's measured numbers (see `agree_across_processes`)."""
+    """``network`` with process 0's measured numbers (see `agree_across_processes`).
+
+    Every process measures its own profile; planning from different numbers would give
+    the processes different programs.
+
+    Args:
+      network: this process's measured profile.
+
+    Returns:
+      Process 0's profile (``network`` itself in a single process).
+
+    Example:
+        >>> from jaxsched.sim.costmodel import network_preset
+        >>> network = network_preset("10gbe", 4)
+        >>> agree_on_network(network) == network
+        True
+    """
     names = sorted(network.collectives)
     flat = [x for n in names for x in (network.collectives[n].alpha_s, network.collectives[n].beta_s_per_byte)]
     agreed = agree_across_processes([*flat, network.dispatch_s, network.copy_s_per_byte])
@@ -476,7 +616,7 @@ def agree_on_network(network: NetworkProfile) -> NetworkProfile:
 
 def profile_network(
     mesh: Mesh | None = None,
-    axis: str = "data",
+    axis: str | tuple[str, ...] = "data",
     sizes: Sequence[int] = DEFAULT_SIZES,
     repeats: int = 5,
     progress: bool = False,
@@ -492,8 +632,28 @@ def profile_network(
     included: a chain of small psums inside one program measured about the same fixed cost
     per collective (rendezvous of every device) as a standalone collective program
     (docs/simulator.md), so taking the dispatch off would undercount it.
+
+    Args:
+      mesh: the mesh to measure on (default: all devices on one axis named ``axis``).
+      axis: the data axis the collectives cross.
+      sizes: the measured sizes, full-tensor bytes.
+      repeats: timed runs per size (the median is kept).
+      progress: show a bar over the measurements.
+      fixed_costs: also measure ``dispatch_s`` and ``copy_s_per_byte``.
+
+    Returns:
+      ``(network, errors)``: the fitted
+      [`NetworkProfile`][jaxsched.sim.costmodel.NetworkProfile] and, per collective, the
+      fit's largest relative error.
+
+    Example:
+        >>> import jax
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> network, errors = profile_network(mesh, sizes=(4096, 65536), repeats=1, fixed_costs=False)
+        >>> network.workers, sorted(errors)
+        (2, ['all_gather', 'all_reduce', 'ppermute', 'reduce_scatter'])
     """
-    mesh = mesh or jax.make_mesh((jax.device_count(),), (axis,))
+    mesh = mesh or jax.make_mesh((jax.device_count(),), (axis,) if isinstance(axis, str) else axis)
     workers = axis_size(mesh, axis)
     programs = _collective_programs(mesh, axis)
     sharding = NamedSharding(mesh, P(axis))
@@ -507,7 +667,7 @@ def profile_network(
         elements = max(workers, size // 4 // workers * workers)
         shape = (workers, elements // workers) if name == "all_gather" else (workers, elements)
         host = np.ones(shape, np.float32)  # every process builds the same global array
-        x = jax.make_array_from_callback(shape, sharding, lambda index, _h=host: _h[index])
+        x = jax.make_array_from_callback(shape, sharding, lambda index, _h=host: _h[index])  # type: ignore[misc]
         seconds = _median_seconds(lambda: programs[name](x), repeats)
         measured[name].append((elements * 4, seconds))
     dispatch_s = measure_dispatch(mesh, axis) if fixed_costs else 0.0
@@ -536,10 +696,25 @@ __all__ = [
 ]
 
 
-def psum_programs(count: int, mesh: Mesh, axis: str = "data") -> dict[str, Callable[..., Any]]:
+def psum_programs(count: int, mesh: Mesh, axis: str | tuple[str, ...] = "data") -> dict[str, Callable[..., Any]]:
     """Two ways to all-reduce ``count`` arrays: one ``psum`` of the tuple (what ``lax.pmean``
     of a gradient tree compiles to) and one ``psum`` of their flat concatenation (what a
-    bucket of ``wfbp``/``dear`` sends)."""
+    bucket of ``wfbp``/``dear`` sends).
+
+    Args:
+      count: the number of arrays.
+      mesh: the mesh.
+      axis: the mesh's data axis (or axes).
+
+    Returns:
+      ``{"tuple": ..., "flat": ...}``: jitted programs taking the ``count`` arrays.
+
+    Example:
+        >>> import jax
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> sorted(psum_programs(3, mesh))
+        ['flat', 'tuple']
+    """
 
     def tuple_psum(*arrays):
         return tuple(jax.lax.psum(arrays, axis))
@@ -553,13 +728,24 @@ def psum_programs(count: int, mesh: Mesh, axis: str = "data") -> dict[str, Calla
     return {"tuple": wrap(tuple_psum), "flat": wrap(flat_psum)}
 
 
-def profile_psum_operands(arrays: Sequence[Any], mesh: Mesh, axis: str = "data", repeats: int = 50) -> dict[str, float]:
+def profile_psum_operands(
+    arrays: Sequence[Any], mesh: Mesh, axis: str | tuple[str, ...] = "data", repeats: int = 50
+) -> dict[str, float]:
     """Median ms of a tuple ``psum`` of ``arrays`` vs a ``psum`` of their concatenation.
 
     Why: XLA:CPU runs an all-reduce of a tuple as one rendezvous of all device threads
     per operand (docs/benchmarks.md), so on virtual CPU devices the cost grows with
     the number of leaves, not the bytes. Calls are interleaved so that machine load hits
     both alike, and each is blocked on before the next (one multi-device call in flight).
+
+    Args:
+      arrays: the operands.
+      mesh: the mesh.
+      axis: the mesh's data axis (or axes).
+      repeats: timed calls of each program (the median is kept).
+
+    Returns:
+      ``{"tuple_ms": ..., "flat_ms": ...}``.
 
     Example:
         >>> import jax, numpy as np

@@ -13,6 +13,14 @@ __all__ = ["plan_prophet"]
 def plan_prophet(layers: LayerProfile, network: NetworkProfile, strategy: str = "wfbp") -> list[list[int]]:
     """Blocks = the gradients ready when the link becomes free (at least one each).
 
+    Args:
+      layers: the layer profile, in forward order.
+      network: the network profile.
+      strategy: the strategy whose communication pattern is planned for.
+
+    Returns:
+      Contiguous groups of layer indices in forward order.
+
     Example:
         >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
         >>> slow = LayerProfile([Layer(str(i), 1, 10**6, 1e-3, 1e-3) for i in range(4)])

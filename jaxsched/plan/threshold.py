@@ -14,6 +14,13 @@ DEFAULT_THRESHOLD_BYTES = 25 * 1024 * 1024  # PyTorch DDP bucket_cap_mb=25
 def plan_threshold(layers: LayerProfile, threshold_bytes: int = DEFAULT_THRESHOLD_BYTES) -> list[list[int]]:
     """Fill buckets in gradient-completion (backward) order; close one at ``threshold_bytes``.
 
+    Args:
+      layers: the layer profile, in forward order.
+      threshold_bytes: a bucket closes once it holds at least this many bytes.
+
+    Returns:
+      Contiguous groups of layer indices in forward order.
+
     Example:
         >>> from jaxsched.sim.costmodel import Layer, LayerProfile
         >>> plan_threshold(LayerProfile([Layer("a", 1, 10, 0.1, 0.1)] * 4), threshold_bytes=20)

@@ -1,8 +1,8 @@
 """Cost model inputs: per-layer compute profiles and alpha-beta collective costs.
 
-Scheduling decisions need numbers. A `LayerProfile` says how long each layer's
+Scheduling decisions need numbers. A [`LayerProfile`][jaxsched.sim.costmodel.LayerProfile] says how long each layer's
 forward and backward take and how many gradient bytes it produces; a
-`NetworkProfile` says how long one collective of ``B`` bytes takes on a given
+[`NetworkProfile`][jaxsched.sim.costmodel.NetworkProfile] says how long one collective of ``B`` bytes takes on a given
 number of workers, as ``alpha_s + beta_s_per_byte * B`` (``B`` is the full, unsharded
 tensor size). Both load from and save to JSON so users can simulate their own
 measurements. This module imports nothing else from jaxsched (lowest layer).
@@ -66,17 +66,39 @@ REQUIRED_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 class ProfileError(JaxschedError, ValueError):
-    """A profile (file or dict) is malformed; the message names the file and field."""
+    """A profile (file or dict) is malformed; the message names the file and field.
+
+    Example:
+        >>> LayerProfile.from_dict({"layers": []}, "layers.json")
+        Traceback (most recent call last):
+        ...
+        jaxsched.sim.costmodel.ProfileError: layers.json: 'layers' must be a non-empty list
+    """
 
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
-    """One parameter group, in forward order. ``update_s`` is its optimizer-update time.
+    """One parameter group, in forward order, as the simulator and the planners see it.
 
-    Second-order fields (zero for first-order strategies; read by patterns with
-    ``factors``): ``factor_bytes``, the bytes of its Kronecker factors; ``factor_s``, the time
-    to compute them after its backward; ``factor_dims``, each factor's size ``n``; and
-    ``inverse_s``, the time to invert each factor on one worker.
+    The second-order fields are zero for first-order strategies and read by patterns with
+    ``factors`` (K-FAC).
+
+    Args:
+      name: the group's name (a parameter path).
+      params: its number of parameters.
+      bytes: its gradient's bytes.
+      forward_s: its forward time, seconds.
+      backward_s: its backward time; its gradient is ready when this ends.
+      update_s: its optimizer-update time.
+      factor_bytes: the bytes of its Kronecker factors.
+      factor_s: the time to compute them after its backward.
+      factor_dims: each factor's size ``n``.
+      inverse_s: the time to invert each factor on one worker (one entry per factor).
+
+    Example:
+        >>> layer = Layer("dense", params=1024, bytes=4096, forward_s=1e-4, backward_s=2e-4)
+        >>> layer.bytes, layer.update_s
+        (4096, 0.0)
     """
 
     name: str
@@ -102,7 +124,22 @@ class Layer:
 
 @dataclasses.dataclass(frozen=True)
 class LayerProfile:
-    """Layers in forward order; the gradient of layer ``i`` is ready when its backward ends."""
+    """Layers in forward order; the gradient of layer ``i`` is ready when its backward ends.
+
+    Measure one with [`profile_zoo_model`][jaxsched.plan.profiling.profile_zoo_model], build
+    one from `jaxsched.sim.zoo_profiles`, or write it as JSON (`load`, `from_dict`).
+
+    Args:
+      layers: the layers, in forward order (at least one).
+      meta: free-form notes (how it was measured) kept in its JSON.
+
+    Example:
+        >>> profile = LayerProfile([Layer("a", 10, 40, 1e-4, 2e-4), Layer("b", 20, 80, 1e-4, 2e-4)])
+        >>> len(profile), profile.total_bytes, profile.backward_s
+        (2, 120, 0.0004)
+        >>> LayerProfile.from_dict(profile.to_dict()) == profile
+        True
+    """
 
     layers: Sequence[Layer]
     meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -147,7 +184,24 @@ class LayerProfile:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> "LayerProfile":
-        """Validate and build; errors name ``source`` and the offending field."""
+        """Validate and build a profile from its JSON form (`to_dict`).
+
+        Args:
+          data: the parsed JSON: ``{"layers": [...], "meta": {...}}``.
+          source: where ``data`` came from, named in errors.
+
+        Returns:
+          The profile.
+
+        Raises:
+          ProfileError: a field is missing or of the wrong type; the message names
+            ``source`` and the field.
+
+        Example:
+            >>> LayerProfile.from_dict({"layers": [{"name": "a", "params": 1, "bytes": 4,
+            ...                                     "forward_s": 1e-4, "backward_s": 2e-4}]}).total_params
+            1
+        """
         if not isinstance(data, Mapping) or "layers" not in data:
             raise ProfileError(f"{source}: layer profile needs a top-level 'layers' list")
         raw_layers = data["layers"]
@@ -187,7 +241,17 @@ class LayerProfile:
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveCost:
-    """``time(B) = alpha_s + beta_s_per_byte * B`` for a collective of ``B`` full-tensor bytes."""
+    """``time(B) = alpha_s + beta_s_per_byte * B`` for a collective of ``B`` full-tensor bytes.
+
+    Args:
+      alpha_s: the fixed cost of one collective, seconds.
+      beta_s_per_byte: the cost of each full-tensor byte.
+
+    Example:
+        >>> cost = CollectiveCost(alpha_s=1e-5, beta_s_per_byte=1e-9)
+        >>> round(cost.time(1e6), 6), cost.time(0)  # an empty bucket sends nothing
+        (0.00101, 0)
+    """
 
     alpha_s: float
     beta_s_per_byte: float
@@ -212,6 +276,23 @@ class NetworkProfile:
       pad, concatenate), and the same again to unpack it. The simulator charges it on the
       compute stream before and after every bucketed collective of ``wfbp``, ``mgwfbp`` and
       ``dear`` (the strategies whose rewrite builds bucket buffers).
+
+    Measure one with [`profile_network`][jaxsched.plan.profiling.profile_network], take a
+    preset ([`network_preset`][jaxsched.sim.costmodel.network_preset]) or write it as JSON.
+
+    Args:
+      workers: the number of workers the costs are for.
+      collectives: per collective name (`COLLECTIVES`; ``all_reduce``, ``reduce_scatter``
+        and ``all_gather`` are required by the simulator), its `CollectiveCost`.
+      meta: free-form notes kept in its JSON.
+      dispatch_s: see above.
+      copy_s_per_byte: see above.
+
+    Example:
+        >>> cost = CollectiveCost(alpha_s=1e-5, beta_s_per_byte=1e-9)
+        >>> network = NetworkProfile(4, {"all_reduce": cost, "reduce_scatter": cost, "all_gather": cost})
+        >>> round(network.time("all_reduce", 1e6), 6)
+        0.00101
     """
 
     workers: int
@@ -353,6 +434,14 @@ class CommPattern:
         layers ahead (the prefetch distance; at most ``gathers_ahead + 1`` gathered layers
         alive). The gradient collective (``reduce_scatter``) leaves each worker its shard and
         the update runs on it. None: the parameters are replicated.
+
+    Example:
+        >>> network = network_preset("10gbe", 4)
+        >>> dear = comm_pattern("dear")
+        >>> dear.collectives(), round(dear.startup_seconds(network), 6)
+        (('reduce_scatter', 'all_gather'), 0.00015)
+        >>> CommPattern(gradient="all_reduce", in_backward=False).collectives()
+        ('all_reduce',)
     """
 
     gradient: str = "all_reduce"
@@ -386,15 +475,46 @@ class CommPattern:
         return self.parameters is not None or self.gathers_ahead is not None
 
     def collectives(self) -> tuple[str, ...]:
-        """Every collective one bucket costs, in issue order."""
+        """Every collective one bucket costs, in issue order.
+
+        Returns:
+          The gradient collective, then the parameters' collective if any.
+
+        Example:
+            >>> comm_pattern("dear").collectives()
+            ('reduce_scatter', 'all_gather')
+        """
         return (self.gradient,) + ((self.parameters,) if self.parameters else ())
 
     def bucket_seconds(self, network: "NetworkProfile", nbytes: float) -> float:
-        """Communication time of one bucket of ``nbytes`` gradient bytes."""
+        """Communication time of one bucket of ``nbytes`` gradient bytes.
+
+        Args:
+          network: the network profile.
+          nbytes: the bucket's gradient bytes.
+
+        Returns:
+          Seconds, summed over `collectives`.
+
+        Example:
+            >>> round(comm_pattern("wfbp").bucket_seconds(network_preset("10gbe", 4), 1e6), 6)
+            0.00135
+        """
         return sum(network.time(c, nbytes) for c in self.collectives())
 
     def startup_seconds(self, network: "NetworkProfile") -> float:
-        """Per-bucket start-up cost (alpha) that merging two buckets saves."""
+        """Per-bucket start-up cost (alpha) that merging two buckets saves.
+
+        Args:
+          network: the network profile.
+
+        Returns:
+          Seconds, the alphas of `collectives` summed.
+
+        Example:
+            >>> round(comm_pattern("wfbp").startup_seconds(network_preset("10gbe", 4)), 6)
+            0.00015
+        """
         return sum(network.cost(c).alpha_s for c in self.collectives())
 
 
@@ -403,6 +523,21 @@ def register_comm_pattern(name: str, pattern: CommPattern) -> None:
 
     Registering the same pattern again is a no-op; a different pattern under a taken
     name is refused, so two strategies cannot silently share a name.
+    [`register_strategy`][jaxsched.strategies.register_strategy] calls it with the
+    strategy's ``cost``.
+
+    Args:
+      name: the strategy name the planners and the simulator will take.
+      pattern: its `CommPattern`.
+
+    Raises:
+      JaxschedValueError: a different pattern is registered under ``name``.
+
+    Example:
+        >>> register_comm_pattern("my-wfbp", CommPattern())
+        >>> comm_pattern("my-wfbp") == WFBP_PATTERN
+        True
+        >>> unregister_comm_pattern("my-wfbp")
     """
     if not isinstance(pattern, CommPattern):
         raise JaxschedTypeError(f"register_comm_pattern({name!r}) needs a CommPattern, got {type(pattern).__name__}")
@@ -412,7 +547,17 @@ def register_comm_pattern(name: str, pattern: CommPattern) -> None:
 
 
 def unregister_comm_pattern(name: str) -> None:
-    """Forget a registered pattern; a built-in strategy's name keeps its built-in pattern."""
+    """Forget a registered pattern; a built-in strategy's name keeps its built-in pattern.
+
+    Args:
+      name: the strategy name (an unknown name is ignored).
+
+    Example:
+        >>> register_comm_pattern("tmp", CommPattern(in_backward=False))
+        >>> unregister_comm_pattern("tmp")
+        >>> "tmp" in comm_pattern_names()
+        False
+    """
     if name in BUILTIN_PATTERNS:
         _COMM_PATTERNS[name] = BUILTIN_PATTERNS[name]
     else:
@@ -420,7 +565,21 @@ def unregister_comm_pattern(name: str) -> None:
 
 
 def comm_pattern(name: "str | CommPattern") -> CommPattern:
-    """The registered pattern of strategy ``name`` (a pattern passes through)."""
+    """The registered pattern of strategy ``name`` (a pattern passes through).
+
+    Args:
+      name: a strategy name, or a `CommPattern`.
+
+    Returns:
+      The `CommPattern`.
+
+    Raises:
+      JaxschedValueError: no pattern is registered under ``name``.
+
+    Example:
+        >>> comm_pattern("dear").parameters, comm_pattern("allreduce").in_backward
+        ('all_gather', False)
+    """
     if isinstance(name, CommPattern):
         return name
     try:
@@ -468,7 +627,20 @@ _COMM_PATTERNS: dict[str, CommPattern] = dict(BUILTIN_PATTERNS)
 def fsdp_pattern(pattern: CommPattern, gathers_ahead: int = 1) -> CommPattern:
     """What ``pattern`` sends on a step whose parameters are sharded over the data axes (FSDP):
     its gradients reduce-scattered into the shards, each layer gathered ``gathers_ahead``
-    layers ahead of its forward and its backward."""
+    layers ahead of its forward and its backward.
+
+    Args:
+      pattern: the strategy's pattern with replicated parameters.
+      gathers_ahead: the prefetch distance, in layers.
+
+    Returns:
+      The FSDP variant of ``pattern``.
+
+    Example:
+        >>> fsdp = fsdp_pattern(comm_pattern("wfbp"))
+        >>> fsdp.collectives(), fsdp.gathers_ahead
+        (('reduce_scatter',), 1)
+    """
     return dataclasses.replace(
         pattern, gradient="reduce_scatter", parameters=None, gathers_ahead=gathers_ahead, compressible=False
     )
@@ -477,7 +649,19 @@ def fsdp_pattern(pattern: CommPattern, gathers_ahead: int = 1) -> CommPattern:
 # --------------------------------------------------------------------------- presets
 @dataclasses.dataclass(frozen=True)
 class LinkPreset:
-    """A point-to-point link: per-message latency and per-direction bandwidth."""
+    """A point-to-point link: per-message latency and per-direction bandwidth.
+
+    Args:
+      name: the preset's name (a key of `LINK_PRESETS`).
+      latency_s: seconds per message.
+      bandwidth_bytes_per_s: bytes per second in each direction.
+      source: where the numbers come from.
+
+    Example:
+        >>> link = LINK_PRESETS["10gbe"]
+        >>> link.bandwidth_bytes_per_s, link.latency_s
+        (1250000000.0, 2.5e-05)
+    """
 
     name: str
     latency_s: float
@@ -523,6 +707,17 @@ def ring_costs(link: LinkPreset, workers: int) -> dict[str, CollectiveCost]:
     ``2(P-1)/P`` of the tensor in ``2(P-1)`` steps; reduce-scatter and all-gather each
     ``(P-1)/P`` in ``P-1`` steps; ppermute is one point-to-point message. One worker
     needs no communication (all costs zero).
+
+    Args:
+      link: the link preset.
+      workers: the number of workers ``P``.
+
+    Returns:
+      A `CollectiveCost` per collective of `COLLECTIVES`.
+
+    Example:
+        >>> ring_costs(LINK_PRESETS["10gbe"], 4)["all_reduce"]
+        CollectiveCost(alpha_s=0.00015000000000000001, beta_s_per_byte=1.2e-09)
     """
     p, a, inv_bw = workers, link.latency_s, 1.0 / link.bandwidth_bytes_per_s
     if p == 1:
@@ -553,13 +748,26 @@ def _link(name: str) -> LinkPreset:
 def network_preset(name: str, workers: int, per_node: int | None = None, hierarchical: bool = True) -> NetworkProfile:
     """A ring-algorithm network profile for a named link preset and worker count.
 
-    A name ``"fast+slow"`` (``"nvlink4+400gbib"``, ``"ici+dcn"``) is a two-level network of
-    ``workers // per_node`` nodes of ``per_node`` devices each (`two_level_network`).
+    Args:
+      name: a link preset (a key of `LINK_PRESETS`: ``"10gbe"``, ``"nvlink4"``, ...), or
+        ``"fast+slow"`` (``"nvlink4+400gbib"``, ``"ici+dcn"``): a two-level network of
+        ``workers // per_node`` nodes of ``per_node`` devices each (`two_level_network`).
+      workers: the number of workers.
+      per_node: devices per node; required by a two-level name, and must divide ``workers``.
+      hierarchical: for a two-level name, whether collectives run hierarchically (within
+        nodes, then across) rather than as one flat ring over the slow links.
 
-    >>> network_preset("10gbe", 4).meta["algorithm"]
-    'ring'
-    >>> network_preset("nvlink4+400gbib", 64, per_node=8).meta["levels"]
-    {'fast': 'nvlink4', 'slow': '400gbib', 'nodes': 8, 'per_node': 8}
+    Returns:
+      The `NetworkProfile`.
+
+    Raises:
+      ProfileError: an unknown preset, or a two-level name without a fitting ``per_node``.
+
+    Example:
+        >>> network_preset("10gbe", 4).meta["algorithm"]
+        'ring'
+        >>> network_preset("nvlink4+400gbib", 64, per_node=8).meta["levels"]
+        {'fast': 'nvlink4', 'slow': '400gbib', 'nodes': 8, 'per_node': 8}
     """
     if workers < 1:
         raise ProfileError(f"workers={workers} must be >= 1")
@@ -591,6 +799,21 @@ def two_level_network(fast: str, slow: str, nodes: int, per_node: int, hierarchi
     Without it, one flat ring over all ``F * S`` devices, every step paced by the slow
     link. Both are alpha-beta costs, so the simulator and the planners take them as any
     other profile.
+
+    Args:
+      fast: the link preset within a node.
+      slow: the link preset between nodes.
+      nodes: the number of nodes ``S``.
+      per_node: devices per node ``F``.
+      hierarchical: cost the hierarchical collectives; False: one flat ring.
+
+    Returns:
+      The `NetworkProfile` of ``nodes * per_node`` workers.
+
+    Example:
+        >>> network = two_level_network("nvlink4", "400gbib", nodes=2, per_node=8)
+        >>> network.workers, network.meta["algorithm"]
+        (16, 'hierarchical ring')
     """
     f, s = _link(fast), _link(slow)
     if nodes < 1 or per_node < 1:
@@ -632,7 +855,19 @@ def two_level_network(fast: str, slow: str, nodes: int, per_node: int, hierarchi
 
 @dataclasses.dataclass(frozen=True)
 class DevicePreset:
-    """A device roofline: peak dense FLOP/s in the stated precision and memory bandwidth."""
+    """A device roofline: peak dense FLOP/s in the stated precision and memory bandwidth.
+
+    Args:
+      name: the preset's name (a key of `DEVICE_PRESETS`).
+      peak_flops: peak dense FLOP/s in ``precision``.
+      memory_bytes_per_s: memory bandwidth.
+      precision: the precision of ``peak_flops`` (``"fp32"``, ``"bf16"``, ...).
+      source: where the numbers come from.
+
+    Example:
+        >>> DEVICE_PRESETS["h100"].precision
+        'bf16'
+    """
 
     name: str
     peak_flops: float
@@ -662,7 +897,21 @@ def device_preset(name: str) -> DevicePreset:
 
 
 def roofline_seconds(flops: float, memory_bytes: float, device: DevicePreset, efficiency: float = 0.5) -> float:
-    """Time of a kernel under a roofline, with a sustained fraction ``efficiency`` of peak."""
+    """Time of a kernel under a roofline, with a sustained fraction ``efficiency`` of peak.
+
+    Args:
+      flops: the kernel's floating-point operations.
+      memory_bytes: the bytes it moves to and from memory.
+      device: the device's roofline.
+      efficiency: the sustained fraction of peak, in (0, 1].
+
+    Returns:
+      Seconds: the larger of compute and memory time, divided by ``efficiency``.
+
+    Example:
+        >>> round(roofline_seconds(1e12, 1e9, DEVICE_PRESETS["h100"]), 5)  # compute bound
+        0.00202
+    """
     if not 0 < efficiency <= 1:
         raise JaxschedValueError(f"efficiency={efficiency} must be in (0, 1]")
     return max(flops / device.peak_flops, memory_bytes / device.memory_bytes_per_s) / efficiency
@@ -675,5 +924,16 @@ SELECTION_PASSES = 3
 
 
 def topk_selection_s_per_byte(device: DevicePreset) -> float:
-    """Seconds per gradient byte that top-k selection costs on ``device`` (memory bound)."""
+    """Seconds per gradient byte that top-k selection costs on ``device`` (memory bound).
+
+    Args:
+      device: the device's roofline.
+
+    Returns:
+      `SELECTION_PASSES` passes over each byte at the device's memory bandwidth.
+
+    Example:
+        >>> topk_selection_s_per_byte(DEVICE_PRESETS["h100"]) == 3 / 3.35e12
+        True
+    """
     return SELECTION_PASSES / device.memory_bytes_per_s

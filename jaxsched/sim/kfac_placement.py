@@ -35,18 +35,41 @@ PLACEMENTS = ("balanced", "round_robin", "naive")
 
 
 def inversion_cost(n: int) -> float:
-    """Relative cost of inverting an ``n x n`` matrix (``n**3``)."""
+    """Relative cost of inverting an ``n x n`` matrix.
+
+    Args:
+      n: the matrix's size.
+
+    Returns:
+      ``n**3``, as a float.
+
+    Example:
+        >>> inversion_cost(512)
+        134217728.0
+    """
     return float(n) ** 3
 
 
 def plan_placement(
     dims: Sequence[int], num_workers: int, method: str = "balanced", layers: Sequence[int] | None = None
 ) -> tuple[int, ...] | None:
-    """The worker of each factor (``dims[i]`` is its size), or None for ``naive`` (every
-    worker inverts everything).
+    """The worker that inverts each factor.
 
-    ``layers[i]`` is the layer factor ``i`` belongs to; ``round_robin`` places whole
-    layers (default: one layer per factor).
+    Args:
+      dims: each factor's size ``n`` (an ``n x n`` matrix).
+      num_workers: the workers to spread the inversions over.
+      method: ``"balanced"`` (LPT on ``n**3``), ``"round_robin"`` or ``"naive"``.
+      layers: ``layers[i]`` is the layer factor ``i`` belongs to; ``round_robin`` places
+        whole layers (default: one layer per factor).
+
+    Returns:
+      The worker of each factor, or None for ``naive`` (every worker inverts everything).
+
+    Example:
+        >>> plan_placement([4096, 512, 512], 2)
+        (0, 1, 1)
+        >>> plan_placement([4096, 512], 2, "naive") is None
+        True
     """
     check_placement(method)
     if not isinstance(num_workers, int) or num_workers < 1:
@@ -72,7 +95,21 @@ def plan_placement(
 
 
 def worker_loads(dims: Sequence[int], owners: Sequence[int] | None, num_workers: int) -> list[float]:
-    """Inversion cost per worker under a plan (``None``: naive, everyone does everything)."""
+    """Inversion cost per worker under a plan.
+
+    Args:
+      dims: each factor's size.
+      owners: each factor's worker, as `plan_placement` gives (``None``: naive, everyone
+        does everything).
+      num_workers: the number of workers.
+
+    Returns:
+      Each worker's summed ``n**3``.
+
+    Example:
+        >>> worker_loads([4, 2, 2], (0, 1, 1), 2)
+        [64.0, 16.0]
+    """
     if owners is None:
         return [sum(inversion_cost(n) for n in dims)] * num_workers
     load = [0.0] * num_workers
@@ -82,7 +119,20 @@ def worker_loads(dims: Sequence[int], owners: Sequence[int] | None, num_workers:
 
 
 def max_load(dims: Sequence[int], owners: Sequence[int] | None, num_workers: int) -> float:
-    """The busiest worker's inversion cost: what the step waits for."""
+    """The busiest worker's inversion cost: what the step waits for.
+
+    Args:
+      dims: each factor's size.
+      owners: each factor's worker (``None``: naive).
+      num_workers: the number of workers.
+
+    Returns:
+      The largest of `worker_loads`.
+
+    Example:
+        >>> max_load([4, 2, 2], None, 2)
+        80.0
+    """
     return max(worker_loads(dims, owners, num_workers))
 
 

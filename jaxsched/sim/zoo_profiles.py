@@ -19,6 +19,7 @@ from __future__ import annotations
 from jaxsched._errors import JaxschedValueError
 
 import dataclasses
+from typing import Any
 
 from jaxsched.sim.costmodel import DevicePreset, Layer, LayerProfile, device_preset, roofline_seconds
 
@@ -49,7 +50,20 @@ BYTES_PER_VALUE = 4  # fp32 gradients and activations
 
 @dataclasses.dataclass(frozen=True)
 class ArchLayer:
-    """Shape-derived facts for one layer, per sample."""
+    """Shape-derived facts for one layer, per sample.
+
+    Attributes:
+      name: the layer's name, as the published model names its parameters.
+      params: its parameter count.
+      macs: forward multiply-accumulates per sample.
+      activations: input and output values per sample (memory traffic).
+      factor_dims: K-FAC's (input factor, output factor) sizes of a convolution or linear
+        layer; ``()`` for others.
+
+    Example:
+        >>> architecture("resnet50")[0]
+        ArchLayer(name='conv1', params=9536, macs=118013952, activations=953344, factor_dims=(147, 64))
+    """
 
     name: str
     params: int
@@ -117,8 +131,9 @@ def resnet50() -> list[ArchLayer]:
 def vgg16() -> list[ArchLayer]:
     layers: list[ArchLayer] = []
     c, h, w = 3, 224, 224
-    for i, v in enumerate([64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]):
-        if v == "M":
+    plan: list[int | str] = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
+    for i, v in enumerate(plan):
+        if isinstance(v, str):  # "M": max pooling
             h, w = h // 2, w // 2
         else:
             c, h, w = _conv(layers, f"features/{i}", c, v, (3, 3), h, w, 1, (1, 1), bias=True, bn=False)
@@ -235,7 +250,19 @@ def _transformer(
 
 
 def architecture(name: str, seq_len: int | None = None) -> list[ArchLayer]:
-    """Per-layer shapes of a zoo model (per sample; transformers per sequence)."""
+    """Per-layer shapes of a zoo model (per sample; transformers per sequence).
+
+    Args:
+      name: one of ``ZOO_MODELS`` (``resnet50``, ``vgg16``, ``bert-base``, ``gpt2``, ...).
+      seq_len: a transformer's sequence length (default: the model's, ``DEFAULT_SEQ_LEN``).
+
+    Returns:
+      Its `ArchLayer` list, in forward order.
+
+    Example:
+        >>> len(architecture("vgg16")), sum(layer.params for layer in architecture("vgg16"))
+        (16, 138357544)
+    """
     seq = seq_len or DEFAULT_SEQ_LEN.get(name, 0)
     if name == "resnet50":
         return resnet50()
@@ -279,6 +306,23 @@ def zoo_profile(
     times output positions, on the roofline) and one eigendecomposition per factor
     (``9 n^3`` FLOPs at ``inverse_efficiency`` of peak: factorizations run far below a
     matmul's rate; an assumption, not a measurement).
+
+    Args:
+      name: one of ``ZOO_MODELS``.
+      device: a device preset's name (``"v100"``, ``"a100"``, ...) or a `DevicePreset`.
+      batch: the per-device batch (default: the model's, ``DEFAULT_BATCH``).
+      seq_len: a transformer's sequence length.
+      efficiency: the fraction of the roofline's peak the compute reaches.
+      kfac: add K-FAC's factor and inverse costs.
+      inverse_efficiency: the fraction of peak an eigendecomposition reaches.
+
+    Returns:
+      The model's [`LayerProfile`][jaxsched.sim.costmodel.LayerProfile], its meta naming the assumptions.
+
+    Example:
+        >>> profile = zoo_profile("bert-base", "a100", batch=8)
+        >>> len(profile.layers), profile.meta["seq_len"]
+        (26, 128)
     """
     dev = device_preset(device) if isinstance(device, str) else device
     batch = batch or DEFAULT_BATCH.get(name, 32)
@@ -290,7 +334,7 @@ def zoo_profile(
         forward = roofline_seconds(2 * arch.macs * batch, memory, dev, efficiency)
         backward = roofline_seconds(4 * arch.macs * batch, 2 * memory, dev, efficiency)
         update = roofline_seconds(2 * arch.params, 5 * BYTES_PER_VALUE * arch.params, dev, efficiency)
-        second = {}
+        second: dict[str, Any] = {}
         if kfac and arch.factor_dims:
             d_a, d_g = arch.factor_dims
             rows = batch * arch.macs / max(1, d_a * d_g)
@@ -323,7 +367,19 @@ def zoo_profile(
 
 
 def forward_gflops(name: str, seq_len: int | None = None) -> float:
-    """Forward GFLOPs per sample (2 x MACs), for checking against published figures."""
+    """Forward GFLOPs per sample (2 x MACs), for checking against published figures.
+
+    Args:
+      name: one of ``ZOO_MODELS``.
+      seq_len: a transformer's sequence length.
+
+    Returns:
+      GFLOPs of one sample's forward pass.
+
+    Example:
+        >>> round(forward_gflops("resnet50"), 1)
+        8.2
+    """
     return 2 * sum(a.macs for a in architecture(name, seq_len)) / 1e9
 
 

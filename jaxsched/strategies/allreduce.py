@@ -28,7 +28,15 @@ __all__ = ["AllReduce"]
 
 @register_strategy
 class AllReduce(UserLayoutStrategy):
-    """One reduction after backward, as the user wrote it."""
+    """One reduction after backward, as the user wrote it: the reference every strategy is
+    compared against. It issues no bucket collectives, so it takes no ``collective``.
+
+    Example:
+        >>> import jaxsched
+        >>> sched = jaxsched.schedule(lambda p, o, b: (p, o, {}), strategy=AllReduce())
+        >>> AllReduce().name, AllReduce.accepts_collective
+        ('allreduce', False)
+    """
 
     name = "allreduce"
     cost = ALLREDUCE_PATTERN

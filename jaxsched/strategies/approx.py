@@ -89,7 +89,7 @@ class ApproxState(NamedTuple):
       params: the true parameters ``θ`` (every arrived gradient applied), user layout.
       opt_state: the user's optimizer state at ``θ``, user layout.
       collective_state: the collective's carried state per bucket, stacked on a leading
-        device axis (see `SchedState`).
+        device axis (see [`SchedState`][jaxsched._schedule.SchedState]).
       pending: ``staleness`` slots, oldest first; slot ``i`` holds one array per gradient
         reduction of the step (analysis order): this device's *unreduced* gradient,
         stacked on a leading device axis (``P(axis)``). ``()`` for ``staleness=0`` and
@@ -97,6 +97,10 @@ class ApproxState(NamedTuple):
       num_pending: int32 scalar: how many of the last slots hold gradients (the first
         ``staleness`` steps fill the queue).
       previous_params: ``θ`` before the last applied gradient (``extrapolate``), else ``()``.
+
+    Example:
+        >>> Approx(staleness=2).initial_state({"w": 1.0}, ()).pending
+        ()
     """
 
     params: Any
@@ -125,9 +129,16 @@ class UpdateSplit:
 class Approx(Strategy):
     """Reduce step ``t-k``'s gradients at the start of step ``t``; compute at ``θ̃_t``.
 
-    Options (also through ``jaxsched.schedule(..., approx_method=..., staleness=...)``):
+    The options also pass through ``jaxsched.schedule(..., approx_method=..., staleness=...)``.
+
+    Args:
+      collective: how each bucket travels (default: a plain sum).
       approx_method: ``"stale"``, ``"local"`` or ``"extrapolate"`` (`jaxsched.strategies.approximation`).
       staleness: ``k >= 0``; ``0`` is a synchronous step.
+
+    Example:
+        >>> Approx(approx_method="stale", staleness=2)
+        Approx(approx_method='stale', staleness=2, collective=Collective)
     """
 
     name = "approx"
@@ -295,9 +306,17 @@ class Approx(Strategy):
         return ApproxState(params, opt_state, (), (), zero_count(params, opt_state), ())
 
     def pending_template(self, planned: PlannedStep) -> list[jax.ShapeDtypeStruct]:
-        """One device's pending gradient per reduction (analysis order): a sharded parameter's
-        is its block, reduce-scattered in its own step; only its sum over the replica axes
-        waits."""
+        """One device's pending gradient per reduction (analysis order).
+
+        A sharded parameter's is its block, reduce-scattered in its own step; only its sum
+        over the replica axes waits.
+
+        Args:
+          planned: the captured and planned step.
+
+        Returns:
+          One ``jax.ShapeDtypeStruct`` per gradient reduction.
+        """
         return [
             jax.ShapeDtypeStruct(tuple((r.result if r.scattered else r.operand).aval.shape), r.operand.aval.dtype)
             for r in planned.analysis.reductions
@@ -353,7 +372,15 @@ class Approx(Strategy):
         )
 
     def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
-        """The true parameters and optimizer state: every pending gradient reduced and applied."""
+        """The true parameters and optimizer state: every pending gradient reduced and applied.
+
+        Args:
+          planned: the captured and planned step.
+          state: an `ApproxState`.
+
+        Returns:
+          ``(params, opt_state)`` in the user's layout.
+        """
         count = int(np.asarray(getattr(state, "num_pending", 0)))
         if not count or not self.staleness:
             return state.params, state.opt_state
@@ -506,6 +533,19 @@ class Approx(Strategy):
 
 
 def nested_eqns_of(eqn):
-    """The equations nested in ``eqn``'s parameters (calls, loops), recursively."""
+    """The equations nested in ``eqn``'s parameters (calls, loops), recursively.
+
+    Args:
+      eqn: a jaxpr equation.
+
+    Returns:
+      An iterator over the nested equations (none for a primitive without sub-jaxprs).
+
+    Example:
+        >>> import jax
+        >>> jaxpr = jax.make_jaxpr(lambda x: jax.jit(jnp.sin)(x) * 2)(1.0)
+        >>> [e.primitive.name for e in nested_eqns_of(jaxpr.eqns[0])]
+        ['sin']
+    """
     for sub in jex_core.jaxprs_in_params(eqn.params):
         yield from nested_eqns(sub)

@@ -74,7 +74,18 @@ class ApproxParams(NamedTuple):
 
     @classmethod
     def init_synced(cls, params: optax.Params) -> "ApproxParams":
-        """Both sets equal to ``params`` (the start of training)."""
+        """Both sets equal to ``params`` (the start of training).
+
+        Args:
+          params: the initial parameters.
+
+        Returns:
+          ``ApproxParams(true=params, approx=params)``.
+
+        Example:
+            >>> ApproxParams.init_synced({"w": 1.0})
+            ApproxParams(true={'w': 1.0}, approx={'w': 1.0})
+        """
         return cls(true=params, approx=params)
 
 
@@ -99,7 +110,24 @@ class ApproximateState(NamedTuple):
 
 
 def check_transformation(tx: Any, where: str) -> None:
-    """Refuse anything that is not an optax transformation, with a hint."""
+    """Refuse anything that is not an optax transformation, with a hint.
+
+    Args:
+      tx: what the caller passed as the transformation.
+      where: the caller, for the message (``"approximate()"``).
+
+    Raises:
+      JaxschedTypeError: ``tx`` is not an ``optax.GradientTransformation``.
+
+    Example:
+        >>> import optax
+        >>> check_transformation(optax.sgd(0.1), "approximate()")
+        >>> try:
+        ...     check_transformation(optax.sgd, "approximate()")
+        ... except TypeError as error:
+        ...     print(str(error).split(" (")[-1])
+        sgd is a function: did you pass optax.sgd instead of optax.sgd(learning_rate)?)
+    """
     if isinstance(tx, optax.GradientTransformation):
         return
     hint = ""
@@ -133,14 +161,43 @@ def check_staleness(staleness: Any) -> int:
 
 
 def select(condition: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where ``condition`` holds, else ``old``, leaf by leaf (exact: no arithmetic),
-    in ``new``'s dtype: an update that changes a leaf's dtype (adam's ``mu_dtype``) changes
-    it from the first step, applied or not, as the plain step does."""
+    """``new`` where ``condition`` holds, else ``old``, leaf by leaf (exact: no arithmetic).
+
+    In ``new``'s dtype: an update that changes a leaf's dtype (adam's ``mu_dtype``) changes
+    it from the first step, applied or not, as the plain step does.
+
+    Args:
+      condition: a boolean scalar.
+      new: a tree.
+      old: a tree of ``new``'s structure.
+
+    Returns:
+      The selected tree.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> select(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})["w"]
+        Array([0., 0.], dtype=float32)
+    """
     return jax.tree.map(lambda n, o: jnp.where(condition, n, o).astype(jnp.result_type(n)), new, old)
 
 
 def slot_holds_gradient(slot: int, staleness: int, num_pending: jax.Array) -> jax.Array:
-    """Whether slot ``slot`` of a ``staleness``-slot queue (oldest first) holds a gradient."""
+    """Whether slot ``slot`` of a ``staleness``-slot queue (oldest first) holds a gradient.
+
+    Args:
+      slot: the slot's index, ``0`` the oldest.
+      staleness: the queue's length.
+      num_pending: how many of the last slots hold a gradient.
+
+    Returns:
+      A boolean (an array when ``num_pending`` is one).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> [bool(slot_holds_gradient(s, 3, jnp.array(1))) for s in range(3)]
+        [False, False, True]
+    """
     return slot >= staleness - num_pending
 
 
@@ -158,6 +215,27 @@ def approximated_point(
 
     Shared by `approximate` and the ``approx`` strategy, which pass their own
     ``local_step`` (the inner transformation; the user's replayed update region).
+
+    Args:
+      method: ``"stale"``, ``"local"`` or ``"extrapolate"``.
+      staleness: ``k``.
+      true_params: ``θ_{t-k}``.
+      inner_state: the inner transformation's state at the true parameters.
+      previous_true: ``θ_{t-k-1}`` (``"extrapolate"`` only).
+      pending: the ``k`` pending gradients, oldest first.
+      num_pending: how many of the last slots of ``pending`` hold a gradient.
+      local_step: ``(params, state, grads) -> (params, state)``, one step of ``U``.
+
+    Returns:
+      ``θ̃``, a tree like ``true_params``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> step = lambda p, s, g: (p - g, s)
+        >>> theta = approximated_point("local", 2, jnp.array(1.0), (), (), [jnp.array(0.5), jnp.array(0.25)],
+        ...                            jnp.array(2), step)
+        >>> float(theta)
+        0.25
     """
     if staleness == 0 or method == "stale":
         return true_params
@@ -179,6 +257,20 @@ def gated(condition: jax.Array, compute: Callable, otherwise: Callable, *operand
     pays for ``compute`` alone. Selecting between both results (``jnp.where`` on every leaf)
     would cost a pass over the parameters and the optimizer state on every step.
     Results keep the dtypes of ``otherwise``'s.
+
+    Args:
+      condition: a boolean scalar.
+      compute: the work done when ``condition`` holds.
+      otherwise: the result when it does not (of ``compute``'s structure).
+      *operands: the arguments of both.
+
+    Returns:
+      One of the two results.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> float(gated(jnp.array(True), lambda x: x * 2, lambda x: x, jnp.array(3.0)))
+        6.0
     """
 
     def matched(*args):
@@ -206,6 +298,19 @@ def approximate(
       it to ``update`` and apply the updates with ``optax.apply_updates`` without changing
       them. ``params.true`` is exactly ``U`` applied to the arrived gradients;
       ``params.approx`` is ``θ̃`` up to the rounding of ``apply_updates``.
+
+    Example:
+        >>> import jax.numpy as jnp, optax
+        >>> tx = approximate(optax.sgd(1.0), method="stale", staleness=1)
+        >>> params = ApproxParams.init_synced(jnp.array([1.0]))
+        >>> state = tx.init(params)
+        >>> updates, state = tx.update(jnp.array([0.5]), state, params)  # g_0 pending
+        >>> optax.apply_updates(params, updates).true
+        Array([1.], dtype=float32)
+        >>> params = optax.apply_updates(params, updates)
+        >>> updates, state = tx.update(jnp.array([0.25]), state, params)  # g_0 arrives
+        >>> optax.apply_updates(params, updates).true
+        Array([0.5], dtype=float32)
     """
     check_transformation(tx, "approximate()")
     method, staleness = check_method(method), check_staleness(staleness)
@@ -296,6 +401,9 @@ def staleness_aware(
       staleness: ``τ`` when ``update`` is not given one. `approximate` passes its
         own ``staleness`` as the extra argument; inside a step that
         ``jaxsched.schedule(..., strategy="approx", staleness=k)`` runs, set it to ``k``.
+
+    Returns:
+      A transformation whose updates are ``tx``'s scaled by ``rule(τ)``.
 
     Example:
         >>> import jax.numpy as jnp, optax

@@ -51,6 +51,8 @@ class AutoChoice:
       estimated_s: on GPU and TPU, XLA's estimated step per candidate (strategy and bucket
         option) compiled for the mesh; the choice then goes by it, and ``simulated_s`` is
         empty. An estimate, not a measurement.
+
+    ``sched.program.strategy.last_choice`` holds it once ``auto`` has chosen.
     """
 
     chosen: str
@@ -63,7 +65,20 @@ class AutoChoice:
 
 @register_strategy
 class Auto(Strategy):
-    """Chooses among exact strategies by simulating the step on the measured machine."""
+    """Chooses among exact strategies by simulating the step on the measured machine.
+
+    The choice is made when the step is first traced (see `AutoChoice`); the chosen
+    strategy then runs the step.
+
+    Args:
+      collective: passed on to the chosen strategy.
+      candidates: the registered strategies to choose among (not ``"auto"``).
+
+    Example:
+        >>> auto = Auto(candidates=("wfbp", "dear"))
+        >>> [s.name for s in auto.candidate_strategies()]
+        ['wfbp', 'dear']
+    """
 
     name = "auto"
     cost = WFBP_PATTERN  # never planned against: selection hands over to the chosen strategy
@@ -84,7 +99,20 @@ class Auto(Strategy):
         self.last_choice: AutoChoice | None = None
 
     def candidate_strategies(self) -> list[Strategy]:
-        """The candidates as strategies; those that cannot carry the given collective drop out."""
+        """The candidates as strategies; those that cannot carry the given collective drop out.
+
+        Returns:
+          The candidate [`Strategy`][jaxsched.strategies.Strategy] instances, each with the given collective.
+
+        Raises:
+          JaxschedValueError: no candidate accepts the collective.
+
+        Example:
+            >>> import jaxsched
+            >>> auto = Auto(collective=jaxsched.compress.TopK(density=0.1))
+            >>> [s.name for s in auto.candidate_strategies()]  # allreduce takes no collective
+            ['wfbp', 'dear']
+        """
         built = []
         for name in self.candidates:
             try:

@@ -59,7 +59,7 @@ __all__ = [
 
 
 class ScheduledState(Protocol):
-    """What every strategy's state offers (`SchedState` and the strategies' own
+    """What every strategy's state offers ([`SchedState`][jaxsched._schedule.SchedState] and the strategies' own
     NamedTuples): the user's trees, in the strategy's layout."""
 
     @property
@@ -79,6 +79,12 @@ class SchedState(NamedTuple):
       collective_state: what the collective (a compression wrapper) carries between
         steps, per bucket, every leaf stacked on a leading device axis; ``()`` when the
         collective carries nothing.
+
+    Example:
+        >>> import jaxsched
+        >>> state = jaxsched.SchedState(params={"w": 1.0}, opt_state=())
+        >>> state._replace(params={"w": 2.0}).params, state.collective_state
+        ({'w': 2.0}, ())
     """
 
     params: Any
@@ -94,7 +100,7 @@ class RewrittenBody:
       body: ``(*state leaves, *batch leaves, *consts) -> (*state leaves, *aux leaves)``.
       state_in_specs, state_out_specs: one ``PartitionSpec`` per state leaf.
       fallbacks: ``(primitive, source line)`` pairs the rewrite could not run as planned
-        (see `FallbackWarning`).
+        (see [`FallbackWarning`][jaxsched.core.rewrite.rules.FallbackWarning]).
       check_vma: the ``shard_map`` typing mode the body is written for.
       compiler_defaults: compile with XLA's own default options, not the engine's
         per-target set (the identity strategy: the user's step as XLA compiles it alone).
@@ -125,7 +131,7 @@ class BucketReport:
       on_shards: True when no equation of the update that reads the bucket's gradients,
         parameters or optimizer state had to gather them.
       fallbacks: ``(primitive, source line)`` of each equation that did (the same as the
-        `FallbackWarning` says).
+        [`FallbackWarning`][jaxsched.core.rewrite.rules.FallbackWarning] says).
     """
 
     bucket: int
@@ -143,6 +149,18 @@ class Strategy(abc.ABC):
       cost: what it sends per bucket, for the planners and the simulator.
       accepts_collective: False for strategies that issue no bucket collectives (the
         identity), which therefore cannot carry compression.
+
+    Args:
+      collective: how each bucket travels (a [`Collective`][jaxsched.runtime.collectives.Collective], e.g. a
+        compressor's wrapper); default: a plain sum, or the `Hierarchical` one the mesh calls for
+        (`for_mesh`).
+
+    Example:
+        >>> import jaxsched
+        >>> from jaxsched.runtime.compress import TopK
+        >>> strategy = jaxsched.strategies.Wfbp(collective=TopK(density=0.1))
+        >>> strategy.name, isinstance(strategy, jaxsched.Strategy)
+        ('wfbp', True)
     """
 
     name: ClassVar[str] = ""
@@ -183,11 +201,18 @@ class Strategy(abc.ABC):
         return f"{type(self).__name__}(collective={type(self.collective).__name__})"
 
     def for_mesh(self, captured: Any) -> "Strategy":
-        """This strategy with the collective the mesh calls for: when the step is data
-        parallel over several mesh axes and the devices say which are slow (another
-        host), a `Hierarchical` sum, unless the user chose a
-        collective. On TPU, XLA lowers the flat sum in two levels itself
-        (`default_collective_for`)."""
+        """This strategy with the collective the mesh calls for.
+
+        When the step is data parallel over several mesh axes and the devices say which
+        are slow (another host), a `Hierarchical` sum, unless the user chose a collective.
+        On TPU, XLA lowers the flat sum in two levels itself (`default_collective_for`).
+
+        Args:
+          captured: the captured step (its ``mesh`` and ``axis_name``).
+
+        Returns:
+          ``self``, or a copy with the hierarchical collective.
+        """
         from jaxsched.runtime.collectives.hierarchical import default_collective_for
 
         if not (self.accepts_collective and getattr(self, "default_collective", False)):
@@ -200,12 +225,39 @@ class Strategy(abc.ABC):
         return chosen
 
     def initial_state(self, params: Any, opt_state: Any) -> Any:
-        """The user's trees as this strategy's state, before any step was traced."""
+        """The user's trees as this strategy's state, before any step was traced.
+
+        Args:
+          params: the user's params tree.
+          opt_state: the user's optimizer state tree.
+
+        Returns:
+          The strategy's state ([`SchedState`][jaxsched._schedule.SchedState] for the built-in strategies).
+
+        Example:
+            >>> from jaxsched.strategies import Dear
+            >>> Dear().initial_state({"w": 1.0}, ())
+            SchedState(params={'w': 1.0}, opt_state=(), collective_state=())
+        """
         return SchedState(params, opt_state)
 
     def finalize_untraced(self, state: ScheduledState) -> tuple[Any, Any]:
-        """``finalize`` before any step was traced in this process: only a state still in
-        the user's layout can be returned; anything carried would be lost, so refuse."""
+        """``finalize`` before any step was traced in this process.
+
+        Only a state still in the user's layout can be returned; anything carried would be
+        lost, so refuse.
+
+        Args:
+          state: a state from `initial_state` (or restored from a checkpoint).
+
+        Returns:
+          ``(params, opt_state)``.
+
+        Example:
+            >>> from jaxsched.strategies import Wfbp
+            >>> Wfbp().finalize_untraced(SchedState({"w": 1.0}, ()))
+            ({'w': 1.0}, ())
+        """
 
         def holds_something(tree: Any) -> bool:
             return any(np.size(x) > 1 or bool(np.any(np.asarray(x) != 0)) for x in jax.tree.leaves(tree))
@@ -226,16 +278,38 @@ class Strategy(abc.ABC):
 
     @abc.abstractmethod
     def convert(self, planned: PlannedStep, state: ScheduledState) -> NamedTuple:
-        """The state in this strategy's layout for ``planned``, from the user's layout or its
-        own (idempotent), placed on the mesh."""
+        """The state in this strategy's layout for ``planned``, placed on the mesh.
+
+        Args:
+          planned: the captured and planned step.
+          state: a state in the user's layout or this strategy's own (idempotent).
+
+        Returns:
+          The strategy's state NamedTuple.
+        """
 
     @abc.abstractmethod
     def finalize(self, planned: PlannedStep, state: ScheduledState) -> tuple[Any, Any]:
-        """Back to the user's ``(params, opt_state)``."""
+        """Back to the user's trees.
+
+        Args:
+          planned: the captured and planned step.
+          state: this strategy's state.
+
+        Returns:
+          ``(params, opt_state)`` in the user's layout.
+        """
 
     @abc.abstractmethod
     def rewrite(self, planned: PlannedStep) -> RewrittenBody:
-        """The scheduled per-device body."""
+        """The scheduled per-device body.
+
+        Args:
+          planned: the captured and planned step (its jaxpr, buckets and mesh).
+
+        Returns:
+          A `RewrittenBody`: the body and the specs of its state leaves.
+        """
 
     # -- helpers for subclasses ---------------------------------------------------------
     def bucket_specs(
@@ -268,9 +342,17 @@ class Strategy(abc.ABC):
         ]
 
     def concatenated_gradient_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
-        """Each bucket as the gradients its all-reduce sums, flattened and concatenated (one
-        dtype per bucket): whole gradients over the data axes, or the blocks of sharded
-        parameters over the data axes they are not sharded over (HSDP's replica axis)."""
+        """Each bucket as the gradients its all-reduce sums, flattened and concatenated.
+
+        One dtype per bucket: whole gradients over the data axes, or the blocks of sharded
+        parameters over the data axes they are not sharded over (HSDP's replica axis).
+
+        Args:
+          planned: the captured and planned step.
+
+        Returns:
+          One `BucketSpec` per bucket.
+        """
         reds = planned.analysis.reductions
         sizes, dtypes, shapes = [], [], []
         for bucket in planned.buckets:
@@ -282,16 +364,39 @@ class Strategy(abc.ABC):
         return [_over_sum_axes(planned, spec, bucket) for spec, bucket in zip(specs, planned.buckets, strict=True)]
 
     def collective_template(self, planned: PlannedStep) -> tuple:
-        """One device's carried collective state for each bucket of ``planned``."""
+        """One device's carried collective state for each bucket of ``planned``.
+
+        Args:
+          planned: the captured and planned step.
+
+        Returns:
+          The collective's ``init`` of `collective_buckets` (memoised); ``()`` per bucket
+          for a collective that carries nothing.
+        """
         return planned.memo("collective.template", lambda: self.collective.init(self.collective_buckets(planned)))
 
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
-        """What the collective is told of each bucket; strategies that bucket override it."""
+        """What the collective is told of each bucket; strategies that bucket override it.
+
+        Args:
+          planned: the captured and planned step.
+
+        Returns:
+          One `BucketSpec` per bucket (none here).
+        """
         return []
 
     def collective_state(self, planned: PlannedStep, current: Any, abstract: bool = False) -> Any:
-        """The carried collective state on the mesh: fresh zeros, or ``current`` placed
-        (abstract leaves when ``abstract``, see `PlannedStep.zeros`)."""
+        """The carried collective state on the mesh: fresh zeros, or ``current`` placed.
+
+        Args:
+          planned: the captured and planned step.
+          current: the state carried so far, or None for fresh zeros.
+          abstract: give abstract leaves (see `PlannedStep.zeros`).
+
+        Returns:
+          The state, every leaf stacked on a leading device axis.
+        """
         template = self.collective_template(planned)
         if not jax.tree.leaves(template):
             return template
@@ -308,7 +413,16 @@ class Strategy(abc.ABC):
         return jax.tree.map(lambda leaf: planned.placed(leaf, spec), current)
 
     def split_inputs(self, planned: PlannedStep, inputs: Sequence[Any], num_state: int) -> tuple[list, list, list]:
-        """A body's flat inputs as (state leaves, batch leaves, consts)."""
+        """A body's flat inputs split into their three parts.
+
+        Args:
+          planned: the captured and planned step.
+          inputs: the body's flat inputs.
+          num_state: how many of them are state leaves.
+
+        Returns:
+          ``(state leaves, batch leaves, consts)``.
+        """
         n_batch = planned.captured.num_batch
         return (
             list(inputs[:num_state]),
@@ -317,7 +431,15 @@ class Strategy(abc.ABC):
         )
 
     def local_collective_state(self, planned: PlannedStep, leaves: Sequence[Any]) -> Any:
-        """Inside the body: this device's collective state, as the collective's tree."""
+        """Inside the body: this device's collective state, as the collective's tree.
+
+        Args:
+          planned: the captured and planned step.
+          leaves: the body's collective state leaves (a leading device axis of 1).
+
+        Returns:
+          The collective's state tree, without the device axis.
+        """
         treedef = jax.tree.structure(self.collective_template(planned))
         return jax.tree.unflatten(treedef, unstack_local(leaves))
 
@@ -400,6 +522,14 @@ class UserLayoutStrategy(Strategy):
 
     Subclasses implement `per_device`: the user's body inputs in, the user's body
     outputs out (plus the collective's new state).
+
+    Args:
+      collective: how each bucket travels (as for [`Strategy`][jaxsched.strategies.Strategy]).
+
+    Example:
+        >>> from jaxsched.strategies import AllReduce, Wfbp, Dear
+        >>> [issubclass(s, UserLayoutStrategy) for s in (AllReduce, Wfbp, Dear)]
+        [True, True, False]
     """
 
     keeps_user_layout = True
@@ -415,7 +545,16 @@ class UserLayoutStrategy(Strategy):
 
     @abc.abstractmethod
     def per_device(self, planned: PlannedStep, values: list, collective_state: Any) -> tuple[list, Any]:
-        """Values of the user's body invars -> values of its outvars, new collective state."""
+        """Run the user's body on this device, with this strategy's collectives.
+
+        Args:
+          planned: the captured and planned step.
+          values: values of the user's body inputs.
+          collective_state: this device's collective state.
+
+        Returns:
+          ``(values of the body's outputs, new collective state)``.
+        """
 
     def rewrite(self, planned: PlannedStep) -> RewrittenBody:
         cap = planned.captured

@@ -74,6 +74,8 @@ class DearLayout(NamedTuple):
       param_chunking, opt_chunking: per leaf, how its flat shards are spread
         (`Chunking`), None for a leaf kept whole.
       bucket_chunking: per bucket, the chunking of its gradients and parameters.
+
+    ``Dear.layout(planned)`` builds it when the step is traced.
     """
 
     params: list
@@ -97,6 +99,10 @@ class Chunking(NamedTuple):
       block_axes, block_dim, blocks: the data axes, the dimension and the number of blocks
         the user split an HSDP parameter over (``()``, None and 1 for a replicated one): each
         block is chunked on its own.
+
+    Example:
+        >>> Chunking(("data",), 8).spec()
+        P('data',)
     """
 
     axes: tuple[str, ...]
@@ -110,13 +116,31 @@ class Chunking(NamedTuple):
         return self.axes[0] if len(self.axes) == 1 else self.axes
 
     def spec(self) -> P:
-        """The flat global array's spec: blocks major, then the chunks of each."""
+        """The flat global array's spec: blocks major, then the chunks of each.
+
+        Returns:
+          A ``PartitionSpec`` over ``block_axes`` and ``axes``.
+
+        Example:
+            >>> Chunking(("replica",), 2, block_axes=("fsdp",), block_dim=0, blocks=4).spec()
+            P(('fsdp', 'replica'),)
+        """
         axes = tuple(self.block_axes) + tuple(self.axes)
         return P(axes[0] if len(axes) == 1 else axes)
 
     def shard(self, chunk: Any, shape: tuple) -> Shard:
-        """This device's chunk as the update region's `Shard` (over the context's data
-        axes unless it is an HSDP block's, chunked over the replica axes)."""
+        """This device's chunk as the update region's `Shard`.
+
+        Over the context's data axes, unless it is an HSDP block's, chunked over the replica
+        axes.
+
+        Args:
+          chunk: this device's flat chunk.
+          shape: the whole leaf's shape.
+
+        Returns:
+          The `Shard`.
+        """
         if not self.block_axes:
             return Shard(chunk, tuple(shape))
         return Shard(chunk, tuple(shape), None, self.axis, self.size)
@@ -124,7 +148,20 @@ class Chunking(NamedTuple):
 
 @register_strategy
 class Dear(Strategy):
-    """Reduce-scatter + sharded update + deferred all-gather, per bucket."""
+    """Per bucket: a reduce-scatter in backward, the optimizer update on this device's
+    shard, and the all-gather of the updated parameters deferred to the next step's forward.
+
+    Parameters and optimizer state stay sharded between steps (`DearLayout`);
+    ``sched.finalize`` gathers them back into the user's trees.
+
+    Args:
+      collective: how each bucket travels (default: a plain reduce-scatter and all-gather).
+
+    Example:
+        >>> import jaxsched
+        >>> Dear().name, Dear().keeps_user_layout
+        ('dear', False)
+    """
 
     name = "dear"
     cost = DEAR_PATTERN

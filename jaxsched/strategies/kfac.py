@@ -71,7 +71,13 @@ INVERSES = ("eigh", "cholesky")
 
 
 class KFACFallbackWarning(JaxschedWarning):
-    """A parameter is not part of a layer K-FAC recognises: it gets the plain gradient."""
+    """A parameter is not part of a layer K-FAC recognises: it gets the plain gradient.
+
+    Example:
+        >>> import jaxsched
+        >>> issubclass(KFACFallbackWarning, jaxsched.JaxschedWarning)
+        True
+    """
 
 
 class KFACState(NamedTuple):
@@ -81,7 +87,7 @@ class KFACState(NamedTuple):
       params: the user's params tree (user layout).
       opt_state: the user's optimizer state tree (user layout).
       collective_state: the gradient collective's carried state per bucket, stacked on a
-        leading device axis (see `SchedState`).
+        leading device axis (see [`SchedState`][jaxsched._schedule.SchedState]).
       factors: per recognised layer (forward order), ``(A, G)``: the moving averages of
         the Kronecker factors, replicated. ``()`` before the step is traced.
       inverses: per layer, ``(A_inv, G_inv)``: the damped inverses of the last refresh.
@@ -108,7 +114,27 @@ def check_options(
     placement: str,
     factor_buckets: Any,
 ) -> None:
-    """Refuse bad K-FAC options with a message that says what to pass instead."""
+    """Refuse bad K-FAC options with a message that says what to pass instead.
+
+    Args:
+      damping: ``lambda > 0``.
+      factor_interval: ``>= 1``.
+      inverse_interval: ``>= 1``.
+      ema_decay: in ``[0, 1)``.
+      inverse: one of ``INVERSES``.
+      placement: one of `jaxsched.sim.kfac_placement.PLACEMENTS`.
+      factor_buckets: ``"auto"``, ``"per_layer"``, a byte threshold, or lists of layer names.
+
+    Raises:
+      JaxschedValueError: an option out of range, naming it.
+
+    Example:
+        >>> try:
+        ...     check_options(0.0, 1, 10, 0.95, "eigh", "balanced", "auto")
+        ... except ValueError as error:
+        ...     print(str(error).split(":")[0])
+        damping=0.0 must be a finite number > 0
+    """
     if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not math.isfinite(damping) or damping <= 0:
         raise JaxschedValueError(
             f"damping={damping!r} must be a finite number > 0: K-FAC adds it to the "
@@ -141,7 +167,9 @@ def check_options(
 class KFAC(Strategy):
     """K-FAC preconditioned gradients into the user's optax update (see the module doc).
 
-    Options (also through ``jaxsched.schedule(step, strategy="kfac", ...)``):
+    The options also pass through ``jaxsched.schedule(step, strategy="kfac", ...)``.
+
+    Args:
       damping: ``lambda > 0``, Tikhonov damping of the Kronecker-factored curvature.
       factor_interval: update the factors every this many steps (``>= 1``).
       inverse_interval: refresh the inverses every this many steps (``>= 1``).
@@ -155,6 +183,11 @@ class KFAC(Strategy):
         static compute estimate and the ``network_profile`` plan option, or a network
         measured on the mesh), ``"per_layer"``, a byte threshold, or lists of layer names.
       collective: what the *gradient* buckets are sent through (as for ``wfbp``).
+
+    Example:
+        >>> kfac = KFAC(damping=1e-2, inverse_interval=5, placement="round_robin")
+        >>> kfac.name, kfac.damping, kfac.inverse_interval
+        ('kfac', 0.01, 5)
     """
 
     name = "kfac"
@@ -193,7 +226,15 @@ class KFAC(Strategy):
 
     # -- what the step holds -----------------------------------------------------------------
     def layers(self, planned: PlannedStep) -> LayerMatch:
-        """The recognised layers (forward order); refuses a step with none."""
+        """The recognised layers (forward order); refuses a step with none.
+
+        Args:
+          planned: the captured and planned step.
+
+        Returns:
+          The `LayerMatch` (memoised on ``planned``); `jaxsched.integrations.kfac.find_layers`
+          gives the same for a step.
+        """
         return planned.memo("kfac.layers", lambda: self._layers(planned))
 
     def _layers(self, planned: PlannedStep) -> LayerMatch:
@@ -265,14 +306,29 @@ class KFAC(Strategy):
         return out
 
     def factor_buckets(self, planned: PlannedStep) -> list[list[int]]:
-        """Factor buckets as lists of layer indices, in the order they become ready."""
+        """Factor buckets as lists of layer indices, in the order they become ready.
+
+        Args:
+          planned: the captured and planned step.
+
+        Returns:
+          The buckets, as `plan_factor_buckets` makes them from the ``factor_buckets`` option.
+        """
         return planned.memo(
             "kfac.factor_buckets",
             lambda: plan_factor_buckets(planned, self.layers(planned).layers, self.factor_buckets_option),
         )
 
     def placement_plan(self, planned: PlannedStep) -> tuple[int, ...] | None:
-        """Worker of each factor ``[A_0, G_0, A_1, G_1, ...]`` (None: every worker inverts all)."""
+        """Which worker inverts which factor.
+
+        Args:
+          planned: the captured and planned step.
+
+        Returns:
+          The worker of each factor ``[A_0, G_0, A_1, G_1, ...]``
+          (`jaxsched.sim.kfac_placement.plan_placement`), or None: every worker inverts all.
+        """
         dims = [n for layer in self.layers(planned).layers for n in layer.dims]
         if planned.axis_size == 1:
             return None
@@ -490,7 +546,17 @@ class KFAC(Strategy):
 
 # ------------------------------------------------------------------------------ the maths
 def local_factors(layer: MatchedLayer, x: jax.Array, g: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
-    """This device's ``(A, G)`` for ``layer`` from its input ``x`` and output cotangent ``g``."""
+    """This device's Kronecker factors for one layer.
+
+    Args:
+      layer: the matched layer (dense or convolution).
+      x: the layer's input on this device.
+      g: the cotangent of the layer's output.
+      dtype: the factors' dtype.
+
+    Returns:
+      ``(A, G)``: the input factor (with a ones column for a bias) and the output factor.
+    """
     p = layer.params
     if layer.kind == "conv":
         patches = lax.conv_general_dilated_patches(
@@ -517,7 +583,22 @@ def local_factors(layer: MatchedLayer, x: jax.Array, g: jax.Array, dtype) -> tup
 
 
 def damped_terms(a: jax.Array, g: jax.Array, damping: float) -> tuple[jax.Array, jax.Array]:
-    """Factored Tikhonov damping: ``(pi sqrt(lambda), sqrt(lambda) / pi)``."""
+    """Factored Tikhonov damping, split between the two factors by their mean eigenvalues.
+
+    Args:
+      a: the input factor.
+      g: the output factor.
+      damping: ``lambda``.
+
+    Returns:
+      ``(pi sqrt(lambda), sqrt(lambda) / pi)``, ``pi = sqrt(tr(A)/d_A / (tr(G)/d_G))``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> da, dg = damped_terms(4 * jnp.eye(2), jnp.eye(3), 1e-2)
+        >>> round(float(da), 3), round(float(dg), 3)
+        (0.2, 0.05)
+    """
     ta = jnp.trace(a) / a.shape[0]
     tg = jnp.trace(g) / g.shape[0]
     pi = jnp.where((ta > 0) & (tg > 0), jnp.sqrt(jnp.abs(ta) / jnp.where(tg > 0, tg, 1.0)), 1.0)
@@ -526,7 +607,21 @@ def damped_terms(a: jax.Array, g: jax.Array, damping: float) -> tuple[jax.Array,
 
 
 def damped_inverse(m: jax.Array, damping: jax.Array, method: str) -> jax.Array:
-    """``(m + damping I)^-1`` of a symmetric positive semi-definite ``m``."""
+    """``(m + damping I)^-1`` of a symmetric positive semi-definite ``m``.
+
+    Args:
+      m: the factor.
+      damping: the damping term added to its diagonal.
+      method: ``"eigh"`` (negative eigenvalues clipped to 0 first) or ``"cholesky"``.
+
+    Returns:
+      The damped inverse.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> damped_inverse(jnp.diag(jnp.array([1.0, 3.0])), jnp.array(1.0), "cholesky").diagonal().round(4).tolist()
+        [0.5, 0.25]
+    """
     m = (m + m.T) / 2
     if method == "eigh":
         w, q = jnp.linalg.eigh(m)
@@ -539,7 +634,15 @@ def damped_inverse(m: jax.Array, damping: jax.Array, method: str) -> jax.Array:
 
 
 def kernel_matrix(layer: MatchedLayer, w: jax.Array) -> jax.Array:
-    """The kernel (or its gradient) as the ``(d_A without bias, d_G)`` matrix K-FAC acts on."""
+    """The kernel (or its gradient) as the matrix K-FAC acts on.
+
+    Args:
+      layer: the matched layer.
+      w: its kernel, or the kernel's gradient.
+
+    Returns:
+      The ``(d_A without bias, d_G)`` matrix (a convolution's spatial and input axes flattened).
+    """
     if layer.kind == "dense":
         return w if layer.params["in_axis"] == 0 else w.T
     o, i, *spatial = layer.params["dimension_numbers"].rhs_spec
@@ -558,7 +661,18 @@ def kernel_from_matrix(layer: MatchedLayer, m: jax.Array, shape: tuple[int, ...]
 def precondition(
     layer: MatchedLayer, grad_w: jax.Array, grad_b: jax.Array | None, a_inv: jax.Array, g_inv: jax.Array
 ) -> tuple[jax.Array, jax.Array | None]:
-    """``A_inv [grad_w; grad_b] G_inv``, back in the kernel's and bias's shapes."""
+    """One layer's preconditioned gradient, ``A_inv [grad_w; grad_b] G_inv``.
+
+    Args:
+      layer: the matched layer.
+      grad_w: the kernel's gradient.
+      grad_b: the bias's gradient, or None.
+      a_inv: the damped inverse of the input factor.
+      g_inv: the damped inverse of the output factor.
+
+    Returns:
+      ``(kernel, bias)`` of the preconditioned gradient, in their own shapes and dtypes.
+    """
     dtype = a_inv.dtype
     v = kernel_matrix(layer, grad_w).astype(dtype)
     if grad_b is not None:
@@ -578,7 +692,16 @@ def factor_bytes(layer: MatchedLayer, itemsize: int = 4) -> int:
 
 
 def plan_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], option: Any) -> list[list[int]]:
-    """Factor buckets (lists of layer indices) in the order their cotangents appear."""
+    """Factor buckets from the ``factor_buckets`` option.
+
+    Args:
+      planned: the captured and planned step.
+      layers: the matched layers.
+      option: ``"auto"``, ``"per_layer"``, a byte threshold, or lists of layer names.
+
+    Returns:
+      Lists of layer indices, in the order their cotangents appear.
+    """
     order = sorted(range(len(layers)), key=lambda i: layers[i].grad_eqn)
     if planned.axis_size == 1:
         return [order]  # nothing is sent
@@ -611,7 +734,16 @@ def plan_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], op
 
 
 def auto_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], order: list[int]) -> list[list[int]]:
-    """MG-WFBP merging of factor all-reduces against the cost model (see `KFAC`)."""
+    """MG-WFBP merging of factor all-reduces against the cost model (see `KFAC`).
+
+    Args:
+      planned: the captured and planned step (its network profile, or its mesh to measure).
+      layers: the matched layers.
+      order: layer indices in the order their cotangents appear.
+
+    Returns:
+      Lists of layer indices, in readiness order.
+    """
     from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
     from jaxsched.plan import plan_buckets
     from jaxsched.plan.from_step import measure_flops_per_s

@@ -21,9 +21,30 @@ _STRATEGIES: dict[str, type] = {}
 
 
 def register_strategy(cls: type) -> type:
-    """Register a `Strategy` subclass under ``cls.name``
-    (usable as a class decorator). Its ``cost`` becomes known to the planners and the
-    simulator under the same name. A taken name is refused."""
+    """Register a [`Strategy`][jaxsched.strategies.Strategy] subclass under ``cls.name`` (a class decorator).
+
+    Its ``cost`` becomes known to the planners and the simulator under the same name.
+
+    Args:
+      cls: a [`Strategy`][jaxsched.strategies.Strategy] subclass whose class attribute ``name`` is
+        non-empty and not yet taken.
+
+    Returns:
+      ``cls`` itself.
+
+    Raises:
+      JaxschedTypeError: ``cls`` is not a [`Strategy`][jaxsched.strategies.Strategy] subclass.
+      JaxschedValueError: its ``name`` is empty or already registered.
+
+    Example:
+        >>> from jaxsched.strategies import Wfbp
+        >>> @register_strategy
+        ... class EagerWfbp(Wfbp):
+        ...     name = "eager-wfbp"
+        >>> make_strategy("eager-wfbp").name, "eager-wfbp" in STRATEGIES
+        ('eager-wfbp', True)
+        >>> unregister_strategy("eager-wfbp")
+    """
     from jaxsched.strategies.base import Strategy
 
     if not (isinstance(cls, type) and issubclass(cls, Strategy)):
@@ -41,18 +62,55 @@ def register_strategy(cls: type) -> type:
 
 
 def unregister_strategy(name: str) -> None:
-    """Remove a registered strategy (and its cost pattern); for tests and plugins."""
+    """Remove a registered strategy (and its cost pattern); for tests and plugins.
+
+    Args:
+      name: the strategy's registered name; an unknown name is ignored.
+
+    Example:
+        >>> from jaxsched.strategies import AllReduce
+        >>> _ = register_strategy(type("Plain", (AllReduce,), {"name": "plain"}))
+        >>> unregister_strategy("plain")
+        >>> "plain" in STRATEGIES
+        False
+    """
     if _STRATEGIES.pop(name, None) is not None:
         unregister_comm_pattern(name)
 
 
 def strategy_names() -> tuple[str, ...]:
+    """The registered strategies' names, in registration order (built-ins first).
+
+    Returns:
+      A tuple of names, each valid as ``jaxsched.schedule(step, strategy=name)``.
+
+    Example:
+        >>> strategy_names()[:3]
+        ('allreduce', 'wfbp', 'dear')
+    """
     return tuple(_STRATEGIES)
 
 
 def make_strategy(strategy: Any, collective: Any = None, **options: Any):
-    """A strategy instance from a registered name (with its constructor's options and a
-    collective) or an instance as given."""
+    """A strategy instance from a registered name, or an instance as given.
+
+    Args:
+      strategy: a registered name, or a [`Strategy`][jaxsched.strategies.Strategy] instance (returned as it is).
+      collective: for a name, the [`Collective`][jaxsched.runtime.collectives.Collective] the strategy sends
+        its buckets with.
+      **options: for a name, the strategy constructor's keyword options.
+
+    Returns:
+      The [`Strategy`][jaxsched.strategies.Strategy] instance.
+
+    Raises:
+      JaxschedValueError: an unknown name.
+      JaxschedTypeError: a class instead of an instance, or options with an instance.
+
+    Example:
+        >>> make_strategy("dear").name
+        'dear'
+    """
     from jaxsched.strategies.base import Strategy
 
     if isinstance(strategy, Strategy):

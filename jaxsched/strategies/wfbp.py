@@ -31,7 +31,19 @@ __all__ = ["Wfbp"]
 
 @register_strategy
 class Wfbp(UserLayoutStrategy):
-    """Per bucket, one all-reduce of the flattened gradients, placed in backward."""
+    """Wait-free backpropagation: per bucket, one all-reduce of the flattened gradients,
+    issued in backward as soon as the bucket's gradients are ready.
+
+    Args:
+      collective: how each bucket travels (default: a plain sum); a compressor's
+        [`Collective`][jaxsched.runtime.collectives.Collective] (``jaxsched.compress.TopK(...)``) sends it compressed.
+
+    Example:
+        >>> import jaxsched
+        >>> strategy = Wfbp(collective=jaxsched.compress.TopK(density=0.01))
+        >>> strategy
+        Wfbp(collective=TopK)
+    """
 
     name = "wfbp"
     cost = WFBP_PATTERN

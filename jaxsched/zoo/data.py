@@ -10,7 +10,7 @@ Example:
 from __future__ import annotations
 from jaxsched._errors import JaxschedValueError
 
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -108,7 +108,7 @@ DATASETS = ("digits", "synthetic_images", "synthetic_tokens", "synthetic_cifar")
 
 def load(name: str, seed: int = 0, **options) -> Split:
     """Load a data set by name."""
-    loaders = {
+    loaders: dict[str, Callable[..., Split]] = {
         "digits": load_digits,
         "synthetic_images": synthetic_images,
         "synthetic_tokens": synthetic_tokens,

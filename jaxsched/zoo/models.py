@@ -128,7 +128,21 @@ class TransformerLM(nnx.Module):
 
 
 def pure(model: nnx.Module) -> tuple[Params, ApplyFn]:
-    """Split a module into a params dict and a pure ``apply_fn(params, x)``."""
+    """Split a Flax NNX module into a params dict and a pure ``apply_fn(params, x)``.
+
+    Args:
+      model: the module (`build` makes the zoo's).
+
+    Returns:
+      ``(params, apply_fn)``: the module's state as a plain nested dict, and a function that
+      runs the module with any params of that structure (what a jitted step differentiates).
+
+    Example:
+        >>> import jax
+        >>> params, apply_fn = pure(build("mlp", (4,), 3, hidden=(8,)))
+        >>> apply_fn(params, jax.numpy.ones((2, 4))).shape
+        (2, 3)
+    """
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
 

@@ -1,9 +1,10 @@
 """The collective seam: how one bucket's flat buffer crosses the data axis.
 
 Strategies never call ``lax.psum`` on gradients themselves: they call a
-`Collective`. Compression, casts and hierarchical collectives wrap one
-(`CollectiveWrapper`, the way optax wraps an inner transformation) and so apply
-to every strategy without editing it.
+[`Collective`][jaxsched.runtime.collectives.Collective]. Compression, casts and
+hierarchical collectives wrap one
+([`CollectiveWrapper`][jaxsched.runtime.collectives.CollectiveWrapper], the way optax
+wraps an inner transformation) and so apply to every strategy without editing it.
 
 A collective may carry state between steps (error-feedback residuals). That state is
 *per device* and per bucket: ``init`` returns one device's template for each bucket,
@@ -85,6 +86,12 @@ class BucketSpec:
       scatter_lanes: 0, or the row length a flat (1-D) buffer is reduce-scattered as: a
         1-D reduce-scatter becomes an all-reduce of the whole buffer on TPU (any group),
         rows of 128 stay a reduce-scatter. Used where a device's slice is whole rows.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> spec = BucketSpec(index=0, size=12, dtype=jnp.dtype("float32"), axis_size=4, shapes=((3, 4),))
+        >>> spec.form, spec.kind, nbytes(jnp.zeros(spec.shapes[0]))
+        ('mixed', 'gradients', 48)
     """
 
     index: int
@@ -119,6 +126,22 @@ class Collective:
       forms: per operation (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``), the
         form of `FORMS` to send buckets in, overriding the engine's per-platform
         choice (``BucketSpec.form``); e.g. ``Collective(forms={"all_reduce": "packed"})``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> spec = BucketSpec(index=0, size=4, dtype=jnp.dtype("float32"), axis_size=2)
+        >>> collective = Collective(forms={"all_reduce": "packed"})
+        >>> collective.form("all_reduce", spec), collective.init([spec])
+        ('packed', ((),))
+        >>> def body(x):
+        ...     out, _ = collective.all_reduce(x, "data", spec, ())
+        ...     return out
+        >>> f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P(), check_vma=False)
+        >>> x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, P("data")))
+        >>> [float(v) for v in f(x)]
+        [4.0, 6.0, 8.0, 10.0]
     """
 
     #: per operation, the form that overrides the engine's (see Args)
@@ -134,7 +157,23 @@ class Collective:
         self.forms = forms
 
     def form(self, op: str, bucket: BucketSpec) -> str:
-        """The form ``op`` sends ``bucket`` in: this collective's override, else the engine's."""
+        """The form ``op`` sends ``bucket`` in: this collective's override, else the engine's.
+
+        Args:
+          op: one of `OPERATIONS`.
+          bucket: the bucket; its ``form`` is the engine's choice.
+
+        Returns:
+          One of `FORMS`.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4)
+            >>> Collective(forms={"all_reduce": "per_tensor"}).form("all_reduce", spec)
+            'per_tensor'
+            >>> Collective().form("all_gather", spec)  # the engine's choice
+            'mixed'
+        """
         return self.forms.get(op, bucket.form)
 
     #: Whether the collective changes the numbers (lossy compression). Exact wrappers
@@ -142,12 +181,36 @@ class Collective:
     exact: bool = True
 
     def init(self, buckets: Sequence[BucketSpec]) -> tuple:
-        """One device's carried state for each bucket (arrays without a device axis)."""
+        """One device's carried state for each bucket (arrays without a device axis).
+
+        Args:
+          buckets: the plan's buckets, in issue order.
+
+        Returns:
+          A tuple with one state per bucket (``()`` for the plain collective).
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4)
+            >>> Collective().init([spec, spec])
+            ((), ())
+        """
         return tuple(() for _ in buckets)
 
     def all_reduce(
         self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: Any
     ) -> tuple[jax.Array, Any]:
+        """The flat buffer summed over ``axis_name`` (inside the per-device body).
+
+        Args:
+          buffer: this device's flat bucket buffer.
+          axis_name: the data axis (or axes).
+          bucket: what the buffer holds.
+          state: this bucket's entry of `init`.
+
+        Returns:
+          ``(sum, new_state)``.
+        """
         return lax.psum(buffer, axis_name), state
 
     def all_reduce_tensors(
@@ -164,6 +227,15 @@ class Collective:
         ``bucket.form == "per_tensor"`` every tensor is its own psum (a multi-operand psum
         becomes one tuple all-reduce, which XLA:TPU runs synchronously); with ``"packed"``
         the bucket is one flat buffer.
+
+        Args:
+          tensors: the bucket's tensors on this device.
+          axis_name: the data axis (or axes).
+          bucket: the bucket's `BucketSpec`.
+          state: this bucket's entry of `init`.
+
+        Returns:
+          ``(sums, new_state)``: the summed tensors, in order.
         """
         form = self.form("all_reduce", bucket)
         if type(self).all_reduce is Collective.all_reduce and form != "packed":
@@ -198,6 +270,15 @@ class Collective:
         `reduce_scatter`), each tensor is scattered on its own, along its leading
         dimension when ``P`` divides it (the same chunk, row-major), flat and padded
         otherwise.
+
+        Args:
+          tensors: the bucket's full tensors on this device.
+          axis_name: the data axis (or axes).
+          bucket: the bucket's `BucketSpec` (``bucket.shapes`` gives the layout).
+          state: this bucket's entry of `init`.
+
+        Returns:
+          ``(chunks, new_state)``: this device's flat chunk of each tensor's sum.
         """
         from jaxsched.core.layout import BucketLayout, pad_flat
 
@@ -222,7 +303,17 @@ class Collective:
         self, chunks: Sequence[jax.Array], axis_name: AxisName, bucket: BucketSpec, state: Any
     ) -> tuple[list[jax.Array], Any]:
         """Each tensor's flat chunk on this device in; the full tensors (``bucket.shapes``)
-        out. The inverse of `reduce_scatter_tensors`, with the same two forms."""
+        out. The inverse of `reduce_scatter_tensors`, with the same two forms.
+
+        Args:
+          chunks: this device's flat chunk of each tensor.
+          axis_name: the data axis (or axes).
+          bucket: the bucket's `BucketSpec`.
+          state: this bucket's entry of `init`.
+
+        Returns:
+          ``(tensors, new_state)``: the full tensors, in ``bucket.shapes``.
+        """
         from jaxsched.core.layout import BucketLayout
 
         layout = BucketLayout.of(bucket.shapes, [bucket.dtype] * len(bucket.shapes), bucket.axis_size)
@@ -243,13 +334,33 @@ class Collective:
     def reduce_scatter(
         self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: Any
     ) -> tuple[jax.Array, Any]:
-        """The full buffer in, this device's ``1/P`` slice of the sum out."""
+        """The full buffer in, this device's ``1/P`` slice of the sum out.
+
+        Args:
+          buffer: this device's full flat buffer.
+          axis_name: the data axis (or axes).
+          bucket: what the buffer holds.
+          state: this bucket's entry of `init`.
+
+        Returns:
+          ``(shard, new_state)``.
+        """
         return psum_scatter(buffer, axis_name, bucket), state
 
     def all_gather(
         self, shard: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: Any
     ) -> tuple[jax.Array, Any]:
-        """Every device's shard in, the concatenated full buffer out."""
+        """Every device's shard in, the concatenated full buffer out.
+
+        Args:
+          shard: this device's slice.
+          axis_name: the data axis (or axes).
+          bucket: what the buffer holds.
+          state: this bucket's entry of `init`.
+
+        Returns:
+          ``(buffer, new_state)``.
+        """
         return lax.all_gather(shard, axis_name, tiled=True), state
 
 
@@ -302,6 +413,27 @@ class CollectiveWrapper(Collective):
 
     Its own state for a bucket is ``(own, inner_state)``, so wrappers nest like optax's.
     Subclasses override ``init_own`` and the operations they change.
+
+    Args:
+      inner: the collective the unchanged operations go to (default: a plain `Collective`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> class Mean(CollectiveWrapper):
+        ...     def all_reduce(self, buffer, axis_name, bucket, state):
+        ...         total, state = super().all_reduce(buffer, axis_name, bucket, state)
+        ...         return total / bucket.axis_size, state
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> spec = BucketSpec(index=0, size=2, dtype=jnp.dtype("float32"), axis_size=2)
+        >>> mean = Mean()
+        >>> mean.init([spec])  # (own, inner) per bucket
+        (((), ()),)
+        >>> f = jax.shard_map(lambda x: mean.all_reduce(x, "data", spec, ((), ()))[0],
+        ...                   mesh=mesh, in_specs=P("data"), out_specs=P(), check_vma=False)
+        >>> x = jax.device_put(jnp.arange(4.0), jax.NamedSharding(mesh, P("data")))
+        >>> [float(v) for v in f(x)]
+        [1.0, 2.0]
     """
 
     def __init__(self, inner: Collective | None = None):
@@ -331,7 +463,20 @@ class CollectiveWrapper(Collective):
 
 
 def stacked_zeros(template: Any, axis_size: int) -> Any:
-    """Every device's copy of a per-device state template, on a leading device axis."""
+    """Every device's copy of a per-device state template, on a leading device axis.
+
+    Args:
+      template: one device's state (arrays or ``jax.ShapeDtypeStruct`` leaves).
+      axis_size: the number of devices ``P``.
+
+    Returns:
+      The template's tree of zeros, each leaf with a leading axis of ``axis_size``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> stacked_zeros({"residual": jnp.ones(3)}, 2)["residual"].shape
+        (2, 3)
+    """
     return jax.tree.map(
         lambda a: jnp.zeros((axis_size,) + tuple(np.shape(a)), jnp.asarray(a).dtype)
         if not isinstance(a, jax.ShapeDtypeStruct)
@@ -341,7 +486,19 @@ def stacked_zeros(template: Any, axis_size: int) -> Any:
 
 
 def unstack_local(leaves: Sequence[jax.Array]) -> list[jax.Array]:
-    """Inside the body: this device's ``(1, ...)`` blocks of per-device state, without the axis."""
+    """Inside the body: this device's ``(1, ...)`` blocks of per-device state, without the axis.
+
+    Args:
+      leaves: this device's blocks of stacked per-device state.
+
+    Returns:
+      The blocks without their leading axis.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> [x.shape for x in unstack_local([jnp.zeros((1, 3))])]
+        [(3,)]
+    """
     return [leaf[0] for leaf in leaves]
 
 

@@ -59,6 +59,18 @@ class Hierarchical(Collective):
       slow_collective: how the fast-reduced shards cross ``slow``; default the plain
         collective. A compressor here (``TopK(0.01)``) compresses only the slow links: its
         state (residuals, ``bytes_sent``) is carried per bucket and counts slow traffic.
+
+    Example:
+        Pass it as ``jaxsched.schedule(step, collective=Hierarchical(fast="ici", slow="dcn"))``;
+        the module docstring runs one all-reduce. Its slow collective sees each bucket's
+        shard of the fast group:
+
+        >>> import jax.numpy as jnp
+        >>> hier = Hierarchical(fast="ici", slow="dcn")
+        >>> spec = BucketSpec(0, 10, jnp.dtype("float32"), 8, mesh_axes=(("dcn", 2), ("ici", 4)))
+        >>> shard = hier.slow_bucket(spec)
+        >>> hier, shard.size, shard.axis_size
+        (Hierarchical(fast='ici', slow='dcn'), 3, 2)
     """
 
     def __init__(
@@ -113,7 +125,20 @@ class Hierarchical(Collective):
         return axes[0] if len(axes) == 1 else axes
 
     def slow_bucket(self, bucket: BucketSpec) -> BucketSpec:
-        """What ``slow_collective`` is told of a bucket: the fast group's shard of it."""
+        """What ``slow_collective`` is told of a bucket: the fast group's shard of it.
+
+        Args:
+          bucket: the bucket as the strategy describes it.
+
+        Returns:
+          The `BucketSpec` of the fast group's shard, over the slow axes only.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> spec = BucketSpec(0, 8, jnp.dtype("float32"), 4, mesh_axes=(("dcn", 2), ("ici", 2)))
+            >>> Hierarchical(fast="ici", slow="dcn").slow_bucket(spec).mesh_axes
+            (('dcn', 2),)
+        """
         fast, slow = self._sizes(bucket)
         shard = -(-bucket.size // fast)  # all-reduce buffers are padded to a multiple of fast
         sizes = dict(bucket.mesh_axes)
@@ -160,7 +185,17 @@ class Hierarchical(Collective):
         return ([sizes[a] for a in order], [order.index(a) for a in self.fast], [order.index(a) for a in self.slow])
 
     def reduce_scatter(self, buffer, axis_name, bucket, state):
-        """The slice a tiled ``psum_scatter`` over ``axis_name`` gives this device."""
+        """The slice a tiled ``psum_scatter`` over ``axis_name`` gives this device.
+
+        Args:
+          buffer: this device's full flat buffer.
+          axis_name: the data axes (``fast`` and ``slow`` together).
+          bucket: the bucket (its ``mesh_axes`` give the grid).
+          state: this bucket's entry of `init`.
+
+        Returns:
+          ``(shard, new_state)``.
+        """
         self._check_axis(axis_name)
         if not self._present(self.fast, bucket):  # over the slow axes only (an HSDP block)
             return self.slow_collective.reduce_scatter(buffer, axis_name, self.slow_bucket(bucket), state)
@@ -174,7 +209,17 @@ class Hierarchical(Collective):
         return self.slow_collective.reduce_scatter(shard, self._axis(self.slow), self.slow_bucket(bucket), state)
 
     def all_gather(self, shard, axis_name, bucket, state):
-        """Every device's slice in ``axis_name``'s order, as a tiled ``all_gather`` over it."""
+        """Every device's slice in ``axis_name``'s order, as a tiled ``all_gather`` over it.
+
+        Args:
+          shard: this device's slice.
+          axis_name: the data axes (``fast`` and ``slow`` together).
+          bucket: the bucket (its ``mesh_axes`` give the grid).
+          state: this bucket's entry of `init`.
+
+        Returns:
+          ``(buffer, new_state)``.
+        """
         self._check_axis(axis_name)
         if not self._present(self.fast, bucket):  # over the slow axes only (an HSDP block)
             return self.slow_collective.all_gather(shard, axis_name, self.slow_bucket(bucket), state)
@@ -193,7 +238,20 @@ def slow_axes(mesh: Any, axes: Any) -> tuple[str, ...]:
 
     On a TPU pod of several slices, those along which devices change ``slice_index``
     (DCN; hosts within a slice share ICI). Elsewhere, those along which devices change
-    process (the network between hosts; GPUs of one host share NVLink)."""
+    process (the network between hosts; GPUs of one host share NVLink).
+
+    Args:
+      mesh: the step's mesh.
+      axes: the data axis or axes.
+
+    Returns:
+      The slow axes, in ``axes``' order (empty on one host of one slice).
+
+    Example:
+        >>> import jax
+        >>> slow_axes(jax.make_mesh((2, 4), ("slow", "fast")), ("slow", "fast"))  # one process
+        ()
+    """
     devices = mesh.devices
     slices = np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0, otypes=[np.int64])(devices)
     level = (
@@ -205,7 +263,20 @@ def slow_axes(mesh: Any, axes: Any) -> tuple[str, ...]:
 
 def hierarchy_from_mesh(mesh: Any, axes: Any) -> Hierarchical | None:
     """``Hierarchical(fast=..., slow=...)`` for a data axis that spans slow and fast mesh
-    axes (`slow_axes`); None when the mesh names no slow axis, or only slow ones."""
+    axes (`slow_axes`); None when the mesh names no slow axis, or only slow ones.
+
+    Args:
+      mesh: the step's mesh.
+      axes: the data axis or axes.
+
+    Returns:
+      A `Hierarchical`, or None.
+
+    Example:
+        >>> import jax
+        >>> print(hierarchy_from_mesh(jax.make_mesh((2, 4), ("slow", "fast")), ("slow", "fast")))
+        None
+    """
     axes = as_axes(axes)
     if len(axes) < 2:
         return None
@@ -220,7 +291,20 @@ def default_collective_for(mesh: Any, axes: Any) -> Hierarchical | None:
     """The collective jaxsched uses when the user chose none: `hierarchy_from_mesh`,
     except on TPU. XLA:TPU already lowers a flat sum over slices in two levels (an ICI
     all-reduce, then ``1/F`` of it over DCN as send/recv), and estimates the explicit
-    hierarchy slower (``benchmarks/hierarchical.py``), so the flat sum is left to it."""
+    hierarchy slower (``benchmarks/hierarchical.py``), so the flat sum is left to it.
+
+    Args:
+      mesh: the step's mesh.
+      axes: the data axis or axes.
+
+    Returns:
+      A `Hierarchical`, or None (the plain collective).
+
+    Example:
+        >>> import jax
+        >>> print(default_collective_for(jax.make_mesh((8,), ("data",)), "data"))
+        None
+    """
     if mesh.devices.flat[0].platform == "tpu":
         return None
     return hierarchy_from_mesh(mesh, axes)

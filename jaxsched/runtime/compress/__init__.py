@@ -1,11 +1,12 @@
 """Gradient compression as collective wrappers: pass one to
 ``jaxsched.schedule(step, strategy="wfbp" | "dear", compression=...)``.
 
-- `TopK`: top-k (threshold or exact) with error feedback, exchanged by all-gather.
-- `GlobalTopK`: gTop-k, the top-k of the sum in log2 P pairwise ``ppermute`` merges.
-- `PowerSGD`: low-rank compression of a bucket's matrices (``wfbp`` only).
-- `Cast`: reduce in a narrower dtype (``jnp.bfloat16``).
-- `Quantize`: 4- or 8-bit codes with per-block scales and error feedback (DiLoCo's
+- [`TopK`][jaxsched.runtime.compress.TopK]: top-k (threshold or exact) with error feedback, exchanged by all-gather.
+- [`GlobalTopK`][jaxsched.runtime.compress.GlobalTopK]: gTop-k, the top-k of the sum in log2 P
+  pairwise ``ppermute`` merges.
+- [`PowerSGD`][jaxsched.runtime.compress.PowerSGD]: low-rank compression of a bucket's matrices (``wfbp`` only).
+- [`Cast`][jaxsched.runtime.compress.Cast]: reduce in a narrower dtype (``jnp.bfloat16``).
+- [`Quantize`][jaxsched.runtime.compress.Quantize]: 4- or 8-bit codes with per-block scales and error feedback (DiLoCo's
   outer gradients).
 - `bytes_sent`: bytes each device sent in its last step, read from the scheduled state.
 

@@ -135,6 +135,33 @@ class Compressor(CollectiveWrapper):
     Subclasses implement ``init_own(bucket)`` (a NamedTuple with a ``bytes_sent`` field)
     and ``compress_sum(buffer, axis_name, bucket, own) -> (sum over devices, own)``.
     Sparsifiers set ``density`` and ``sim_kind`` (how the simulator models them).
+
+    Args:
+      inner: the collective uncompressed operations (parameter all-gathers) go through.
+
+    Example:
+        A compressor that sends gradients as they are (and counts nothing):
+
+        >>> import jax, jax.numpy as jnp
+        >>> from typing import NamedTuple
+        >>> from jax import lax
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> class Own(NamedTuple):
+        ...     bytes_sent: jax.Array
+        >>> class Plain(Compressor):
+        ...     def init_own(self, bucket):
+        ...         return Own(jnp.zeros((), jnp.int32))
+        ...     def compress_sum(self, buffer, axis_name, bucket, own):
+        ...         return lax.psum(buffer, axis_name), own
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> spec = BucketSpec(index=0, size=2, dtype=jnp.dtype("float32"), axis_size=2)
+        >>> plain = Plain()
+        >>> state = plain.init([spec])[0]
+        >>> f = jax.shard_map(lambda x: plain.all_reduce(x, "data", spec, state)[0],
+        ...                   mesh=mesh, in_specs=P("data"), out_specs=P(), check_vma=False)
+        >>> [float(v) for v in f(jax.device_put(jnp.arange(4.0), jax.NamedSharding(mesh, P("data"))))]
+        [2.0, 4.0]
     """
 
     exact = False
@@ -146,7 +173,18 @@ class Compressor(CollectiveWrapper):
         ``jaxsched.sim.simulate(..., compression=)`` and
         ``jaxsched.plan.plan_buckets(..., planner="optimal", compression=)`` (OMGS: the
         planner then merges buckets against the compressed collective's cost and the
-        selection time). Needs one density for every bucket."""
+        selection time). Needs one density for every bucket.
+
+        Args:
+          selection_s_per_byte: the selection's time per gradient byte.
+
+        Returns:
+          A `jaxsched.sim.Compression`.
+
+        Raises:
+          JaxschedValueError: the simulator does not model this compressor, or its density
+            differs per bucket.
+        """
         from jaxsched.sim import Compression
 
         if self.sim_kind is None:
@@ -158,7 +196,22 @@ class Compressor(CollectiveWrapper):
         return Compression(self.sim_kind, self.density, selection_s_per_byte)
 
     def density_of(self, bucket: BucketSpec) -> float:
-        """This bucket's density (the same for all, per bucket, or a function: LAGS)."""
+        """This bucket's density (the same for all, per bucket, or a function: LAGS).
+
+        Args:
+          bucket: the bucket.
+
+        Returns:
+          The density in (0, 1].
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from jaxsched.runtime.collectives import BucketSpec
+            >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4)
+            >>> from jaxsched.runtime.compress import TopK
+            >>> TopK(density=lambda bucket: 0.1 if bucket.size > 100 else 1.0).density_of(spec)
+            0.1
+        """
         return bucket_density(self.density, bucket, type(self).__name__)
 
     def __init__(self, inner: Collective | None = None):

@@ -36,8 +36,18 @@ __all__ = ["Cast", "CastState"]
 
 
 class CastState(NamedTuple):
-    """Attributes:
-    bytes_sent: int32, bytes of the narrow buffer this device reduced in its last step.
+    """One device's carried state for one bucket.
+
+    Attributes:
+      bytes_sent: int32, bytes of the narrow buffer this device reduced in its last step.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> (own, _), = Cast().init([spec])
+        >>> own
+        CastState(bytes_sent=Array(0, dtype=int32))
     """
 
     bytes_sent: jax.Array
@@ -49,6 +59,15 @@ class Cast(Compressor):
     Args:
       dtype: a floating dtype, e.g. ``jnp.bfloat16`` or ``jnp.float16``.
       inner: the collective uncompressed operations (parameter all-gathers) go through.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> cast = Cast(jnp.bfloat16)
+        >>> (own, _), = cast.init([spec])
+        >>> cast, own._fields
+        (Cast(bfloat16), ('bytes_sent',))
     """
 
     def __init__(self, dtype: Any = jnp.bfloat16, inner: Collective | None = None):

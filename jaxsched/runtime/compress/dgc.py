@@ -122,6 +122,16 @@ class Sparsifier(Compressor):
         optimizer **without** momentum (``optax.sgd(lr)``). Needs ``error_feedback=True``.
       clip_norm: if given, each device scales its bucket's local gradient to L2 norm at
         most ``clip_norm`` before accumulating it.
+
+    Example:
+        A warm-up from density 0.16 to 0.01 over 4 steps, in tiers of a factor of 4:
+
+        >>> from jaxsched.runtime.compress import TopK
+        >>> topk = TopK(0.01, warmup_steps=4, warmup_density=0.16)
+        >>> [round(d, 4) for d in topk.density_levels()], topk.density_at(0), topk.density_at(4)
+        ([0.16, 0.04, 0.01], 0.16, 0.01)
+        >>> round(topk.mean_density(8), 4)
+        0.055
     """
 
     def __init__(
@@ -213,7 +223,19 @@ class Sparsifier(Compressor):
 
     # -- the schedule ---------------------------------------------------------------------
     def target_density(self, bucket: BucketSpec | None = None) -> float:
-        """The density after warm-up (of ``bucket``; without one, the single float density)."""
+        """The density after warm-up (of ``bucket``; without one, the single float density).
+
+        Args:
+          bucket: the bucket (needed when the density differs per bucket).
+
+        Returns:
+          The density.
+
+        Example:
+            >>> from jaxsched.runtime.compress import TopK
+            >>> TopK(0.01, warmup_steps=10).target_density()
+            0.01
+        """
         if bucket is not None:
             return self.density_of(bucket)
         if not isinstance(self.density, float):
@@ -224,7 +246,14 @@ class Sparsifier(Compressor):
 
     def density_levels(self, bucket: BucketSpec | None = None) -> tuple[float, ...]:
         """The densities the step switches between: the warm-up tiers in order, then the
-        target (just the target without warm-up)."""
+        target (just the target without warm-up).
+
+        Args:
+          bucket: the bucket (needed when the density differs per bucket).
+
+        Returns:
+          The densities, densest first.
+        """
         target = self.target_density(bucket)
         start = max(target, self.warmup_density or DEFAULT_WARMUP_DENSITY)
         if not self.warmup_steps or start <= target:
@@ -243,7 +272,15 @@ class Sparsifier(Compressor):
         return jnp.minimum(step, self.warmup_steps) * tiers // self.warmup_steps
 
     def density_at(self, step: int, bucket: BucketSpec | None = None) -> float:
-        """The density used at ``step`` (0 is the first step)."""
+        """The density used at ``step`` (0 is the first step).
+
+        Args:
+          step: the step, from 0.
+          bucket: the bucket (needed when the density differs per bucket).
+
+        Returns:
+          The density.
+        """
         if step < 0:
             raise JaxschedValueError(f"step must be >= 0, got {step}")
         levels = self.density_levels(bucket)
@@ -251,7 +288,15 @@ class Sparsifier(Compressor):
 
     def mean_density(self, steps: int, bucket: BucketSpec | None = None) -> float:
         """The mean density over the first ``steps`` steps (warm-up included): what a run
-        of that length sends on average, relative to dense."""
+        of that length sends on average, relative to dense.
+
+        Args:
+          steps: the run's length.
+          bucket: the bucket (needed when the density differs per bucket).
+
+        Returns:
+          The mean density.
+        """
         if steps < 1:
             raise JaxschedValueError(f"steps must be >= 1, got {steps}")
         levels = self.density_levels(bucket)
@@ -267,6 +312,20 @@ class Sparsifier(Compressor):
         planners plan buckets for (``schedule(..., buckets="auto")`` does so). ``step=s``:
         the density of step ``s`` (a warm-up step is denser). ``steps=n``: the mean density
         over a run of ``n`` steps, warm-up included.
+
+        Args:
+          selection_s_per_byte: the selection's time per gradient byte (measured by
+            `jaxsched.plan.profiling.measure_selection_s_per_byte`).
+          step: model this step's density.
+          steps: model the mean density of a run this long.
+
+        Returns:
+          A `jaxsched.sim.Compression`.
+
+        Example:
+            >>> from jaxsched.runtime.compress import TopK
+            >>> TopK(0.01, warmup_steps=4, warmup_density=0.16).sim_compression(steps=8)
+            Compression(kind='topk', density=0.055, selection_s_per_byte=0.0)
         """
         from jaxsched.sim import Compression
 
@@ -287,7 +346,16 @@ class Sparsifier(Compressor):
 
     def at_scheduled_density(self, step: jax.Array, bucket: BucketSpec, exchange: Callable[[float], T]) -> T:
         """``exchange(density)`` at this step's density: one ``lax.switch`` branch per level
-        of `density_levels` (no switch without warm-up)."""
+        of `density_levels` (no switch without warm-up).
+
+        Args:
+          step: the step counter (an int32 array inside the body).
+          bucket: the bucket.
+          exchange: the exchange at a given density.
+
+        Returns:
+          What ``exchange`` returns.
+        """
         levels = self.density_levels(bucket)
         if len(levels) == 1:
             return exchange(levels[0])
@@ -298,7 +366,15 @@ class Sparsifier(Compressor):
     def accumulate(self, buffer: jax.Array, velocity: jax.Array) -> tuple[jax.Array, jax.Array]:
         """What enters the residual this step, and the new velocity before masking:
         ``(g, velocity)`` without momentum, ``(u, u)`` with ``u = m * velocity + g``;
-        ``g`` is ``buffer`` clipped to ``clip_norm``."""
+        ``g`` is ``buffer`` clipped to ``clip_norm``.
+
+        Args:
+          buffer: this device's flat gradient buffer.
+          velocity: the carried velocity (``()`` without momentum).
+
+        Returns:
+          ``(to_residual, velocity)``.
+        """
         grad = buffer
         if self.clip_norm is not None:
             norm = jnp.sqrt(jnp.sum(jnp.square(buffer.astype(jnp.float32))))
@@ -310,18 +386,48 @@ class Sparsifier(Compressor):
         return velocity, velocity
 
     def mask_velocity(self, velocity: jax.Array, sent: jax.Array | None) -> jax.Array:
-        """Momentum factor masking: the velocity of every entry sent is cleared."""
+        """Momentum factor masking: the velocity of every entry sent is cleared.
+
+        Args:
+          velocity: the velocity.
+          sent: a boolean mask of the entries sent (`sent_mask`).
+
+        Returns:
+          The masked velocity (as given without momentum).
+        """
         if not self.momentum:
             return velocity
         return jnp.where(sent, jnp.zeros((), velocity.dtype), velocity)
 
     def init_velocity(self, bucket: BucketSpec) -> Any:
         """The carried velocity: zeros of the bucket's shape with momentum; otherwise ``()``,
-        no array at all (orbax refuses to save zero-size arrays)."""
+        no array at all (orbax refuses to save zero-size arrays).
+
+        Args:
+          bucket: the bucket.
+
+        Returns:
+          The initial velocity.
+        """
         if self.momentum and self.compresses(bucket):
             return jnp.zeros((bucket.size,), bucket.dtype)
         return ()
 
     def residual_size(self, bucket: BucketSpec) -> int:
-        """Elements of the carried residual: the bucket's with error feedback, else 0."""
+        """Elements of the carried residual: the bucket's with error feedback, else 0.
+
+        Args:
+          bucket: the bucket.
+
+        Returns:
+          The residual's size.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from jaxsched.runtime.collectives import BucketSpec
+            >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4)
+            >>> from jaxsched.runtime.compress import TopK
+            >>> TopK(0.01).residual_size(spec), TopK(0.01, error_feedback=False).residual_size(spec)
+            (1000, 0)
+        """
         return bucket.size if self.error_feedback and self.compresses(bucket) else 0

@@ -85,6 +85,14 @@ class GlobalTopKState(NamedTuple):
       step: int32, steps taken (picks the warm-up density).
       velocity: the momentum-corrected velocity, the bucket's flat shape and dtype; ``()``
         (no array) without ``momentum``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> (own, _), = GlobalTopK(0.01, error_feedback=False).init([spec])
+        >>> type(own).__name__, own.residual.shape
+        ('GlobalTopKState', (0,))
     """
 
     residual: jax.Array
@@ -98,10 +106,17 @@ def exchange_rounds(num_devices: int) -> list[tuple[str, list[tuple[int, int]]]]
     """The ``(kind, ppermute pairs)`` of each round for ``num_devices``: ``"fold"``
     (extra devices send to a partner), ``"double"`` (pairwise swap), ``"unfold"``.
 
-    >>> [kind for kind, _ in exchange_rounds(6)]
-    ['fold', 'double', 'double', 'unfold']
-    >>> exchange_rounds(4)[1]
-    ('double', [(0, 2), (1, 3), (2, 0), (3, 1)])
+    Args:
+      num_devices: devices on the data axis, at least 1.
+
+    Returns:
+      The rounds, in order: ``(kind, [(source, destination), ...])`` each.
+
+    Example:
+        >>> [kind for kind, _ in exchange_rounds(6)]
+        ['fold', 'double', 'double', 'unfold']
+        >>> exchange_rounds(4)[1]
+        ('double', [(0, 2), (1, 3), (2, 0), (3, 1)])
     """
     if num_devices < 1:
         raise JaxschedValueError(f"num_devices must be >= 1, got {num_devices}")
@@ -129,11 +144,23 @@ def merge_top_k(
     again (freed slots get ``sentinel``). Symmetric up to the order of float addition of
     two numbers, which is exact: ``merge(a, b) == merge(b, a)``.
 
-    >>> import jax.numpy as jnp
-    >>> v, i = merge_top_k(jnp.array([5.0, 1.0]), jnp.array([1, 3]),
-    ...                    jnp.array([-4.0, 2.0]), jnp.array([7, 3]), k=2, sentinel=8)
-    >>> v.tolist(), i.tolist()
-    ([5.0, -4.0], [1, 7])
+    Args:
+      values_a: the first vector's values.
+      indices_a: their indices.
+      values_b: the second vector's values.
+      indices_b: their indices.
+      k: how many entries to keep.
+      sentinel: the index of an empty slot.
+
+    Returns:
+      ``(values, indices)``: the ``k`` largest entries of the sum by magnitude.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> v, i = merge_top_k(jnp.array([5.0, 1.0]), jnp.array([1, 3]),
+        ...                    jnp.array([-4.0, 2.0]), jnp.array([7, 3]), k=2, sentinel=8)
+        >>> v.tolist(), i.tolist()
+        ([5.0, -4.0], [1, 7])
     """
     indices, values = lax.sort(
         (jnp.concatenate([indices_a, indices_b]), jnp.concatenate([values_a, values_b])), num_keys=1
@@ -159,6 +186,15 @@ class GlobalTopK(Sparsifier):
       warmup_steps, warmup_density, warmup_tiers, momentum, clip_norm: Deep Gradient
         Compression's warm-up, momentum correction (for an optimizer without momentum)
         and local clipping; keyword-only, see `Sparsifier`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> gtopk = GlobalTopK(0.01)
+        >>> (own, _), = gtopk.init([spec])
+        >>> own._fields, gtopk.sim_compression().kind
+        (('residual', 'bytes_sent', 'rounds', 'step', 'velocity'), 'gtopk')
     """
 
     sim_kind = "gtopk"
@@ -177,7 +213,17 @@ class GlobalTopK(Sparsifier):
     ) -> tuple[jax.Array, jax.Array]:
         """The ``k`` indices every device agrees on (``n`` marks an empty slot), and how
         many messages this device sent to find them, at ``density`` (default: the density
-        after warm-up)."""
+        after warm-up). Runs inside the per-device body.
+
+        Args:
+          acc: this device's accumulated gradient (flat).
+          axis_name: the data axis.
+          bucket: the bucket (``bucket.size`` is ``n``).
+          density: the density to select at.
+
+        Returns:
+          ``(indices, sent_messages)``.
+        """
         n, size = bucket.size, bucket.axis_size
         k = kernels.selection_size(n, self.density_of(bucket) if density is None else density)
         _, indices = lax.top_k(jnp.abs(acc), k)

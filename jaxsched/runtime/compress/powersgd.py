@@ -70,6 +70,14 @@ class PowerSGDState(NamedTuple):
         (``m * r``) and concatenated; zeros until the first step draws them.
       bytes_sent: int32, payload bytes this device sent in its last step (``P`` and ``Q``
         factors plus the uncompressed vectors).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> (own, _), = PowerSGD(rank=2).init([spec])
+        >>> type(own).__name__, own.q.shape
+        ('PowerSGDState', (200,))
     """
 
     residual: jax.Array
@@ -80,8 +88,16 @@ class PowerSGDState(NamedTuple):
 def matrix_view(shape: tuple[int, ...], rank: int) -> tuple[int, int, int] | None:
     """``(n, m, r)`` if a tensor of ``shape`` is compressed at ``rank``, else None.
 
-    >>> matrix_view((64, 3, 3, 8), 4), matrix_view((10,), 4), matrix_view((1, 10), 4)
-    ((64, 72, 4), None, None)
+    Args:
+      shape: the tensor's shape; its leading dimension is ``n``, the rest flattened ``m``.
+      rank: the compressor's rank (capped at ``min(n, m)``).
+
+    Returns:
+      ``(n, m, r)``, or None for vectors and tensors with ``n`` or ``m`` of 1 (sent exactly).
+
+    Example:
+        >>> matrix_view((64, 3, 3, 8), 4), matrix_view((10,), 4), matrix_view((1, 10), 4)
+        ((64, 72, 4), None, None)
     """
     if len(shape) < 2:
         return None
@@ -105,6 +121,15 @@ class PowerSGD(Compressor):
       error_feedback: keep what the low-rank approximation missed for the next step.
       seed: seeds the first ``Q`` (per bucket; the same on every device).
       inner: the collective uncompressed operations (parameter all-gathers) go through.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> powersgd = PowerSGD(rank=2)
+        >>> (own, _), = powersgd.init([spec])  # Q of the 10 x 100 matrix: 100 x 2
+        >>> powersgd, own.residual.shape, own.q.shape
+        (PowerSGD(rank=2, error_feedback=True), (1000,), (200,))
     """
 
     def __init__(self, rank: int = 4, error_feedback: bool = True, seed: int = 0, inner: Collective | None = None):

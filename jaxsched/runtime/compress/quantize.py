@@ -47,10 +47,20 @@ __all__ = ["Quantize", "QuantizeState", "dequantize", "quantize"]
 
 
 class QuantizeState(NamedTuple):
-    """Attributes:
-    residual: float32 ``(size,)``, this device's rounding error not yet sent (error
-      feedback); ``(0,)`` without error feedback.
-    bytes_sent: int32, bytes of codes and scales this device sent in its last round.
+    """One device's carried state for one bucket.
+
+    Attributes:
+      residual: float32 ``(size,)``, this device's rounding error not yet sent (error
+        feedback); ``(0,)`` without error feedback.
+      bytes_sent: int32, bytes of codes and scales this device sent in its last round.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> (own, _), = Quantize(error_feedback=False).init([spec])
+        >>> type(own).__name__, own.residual.shape
+        ('QuantizeState', (0,))
     """
 
     residual: jax.Array
@@ -61,9 +71,19 @@ def quantize(x: jax.Array, bits: int, block_size: int) -> tuple[jax.Array, jax.A
     """``x`` (flat, float) as ``(codes, scales)``: int8 codes in ``[-q, q]``, ``q = 2**(bits-1)
     - 1``, one float32 scale per block of ``block_size`` (the last block zero-padded).
 
-    >>> codes, scales = quantize(jnp.array([0.5, -1.0, 0.0, 0.2]), 8, 2)
-    >>> codes.tolist(), [round(s * 127, 3) for s in scales.tolist()]
-    ([[64, -127], [0, 127]], [1.0, 0.2])
+    Args:
+      x: a flat float array.
+      bits: 4 or 8.
+      block_size: elements per scale.
+
+    Returns:
+      ``(codes, scales)``: int8 codes of shape ``(blocks, block_size)`` and float32 scales
+      of shape ``(blocks,)``.
+
+    Example:
+        >>> codes, scales = quantize(jnp.array([0.5, -1.0, 0.0, 0.2]), 8, 2)
+        >>> codes.tolist(), [round(s * 127, 3) for s in scales.tolist()]
+        ([[64, -127], [0, 127]], [1.0, 0.2])
     """
     qmax = 2 ** (bits - 1) - 1
     n = x.shape[0]
@@ -76,7 +96,21 @@ def quantize(x: jax.Array, bits: int, block_size: int) -> tuple[jax.Array, jax.A
 
 
 def dequantize(codes: jax.Array, scales: jax.Array, size: int) -> jax.Array:
-    """The float32 values of ``quantize``'s output, flat, ``size`` elements."""
+    """The float32 values of ``quantize``'s output, flat, ``size`` elements.
+
+    Args:
+      codes: `quantize`'s codes (with any leading axes, e.g. one per device).
+      scales: its scales.
+      size: the original number of elements (the padding is cut off).
+
+    Returns:
+      The values, ``size`` of them per leading index.
+
+    Example:
+        >>> x = jnp.array([0.5, -1.0, 0.0])
+        >>> [round(v, 2) for v in dequantize(*quantize(x, 8, 2), 3).tolist()]
+        [0.5, -1.0, 0.0]
+    """
     return (codes.astype(jnp.float32) * scales[..., :, None]).reshape(codes.shape[:-2] + (-1,))[..., :size]
 
 
@@ -101,6 +135,15 @@ class Quantize(Compressor):
         more scales.
       error_feedback: keep each device's rounding error and add it to its next buffer.
       inner: the collective uncompressed operations (parameter all-gathers) go through.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> quantize = Quantize(bits=8, block_size=256)
+        >>> (own, _), = quantize.init([spec])
+        >>> own.residual.shape, quantize.payload_bytes(1000)  # 4 blocks of 256 codes + 4 scales
+        ((1000,), 1040)
     """
 
     def __init__(
@@ -126,7 +169,18 @@ class Quantize(Compressor):
         return f"Quantize(bits={self.bits}, block_size={self.block_size}, error_feedback={self.error_feedback})"
 
     def payload_bytes(self, size: int) -> int:
-        """Bytes one device sends for a buffer of ``size`` elements."""
+        """Bytes one device sends for a buffer of ``size`` elements.
+
+        Args:
+          size: the buffer's elements.
+
+        Returns:
+          The codes' bytes (whole blocks) plus a float32 scale per block.
+
+        Example:
+            >>> Quantize(bits=4, block_size=256).payload_bytes(512)
+            264
+        """
         blocks = -(-size // self.block_size)
         return blocks * self.block_size * self.bits // 8 + 4 * blocks
 

@@ -82,6 +82,14 @@ class TopKState(NamedTuple):
         warm-up density).
       velocity: the momentum-corrected velocity, the bucket's flat shape and dtype; ``()``
         (no array) without ``momentum``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> (own, _), = TopK(0.01).init([spec])
+        >>> type(own).__name__, own.residual.shape, own.velocity
+        ('TopKState', (1000,), ())
     """
 
     residual: jax.Array
@@ -105,6 +113,20 @@ class TopK(Sparsifier):
       warmup_steps, warmup_density, warmup_tiers, momentum, clip_norm: Deep Gradient
         Compression's warm-up, momentum correction (for an optimizer without momentum)
         and local clipping; keyword-only, see `Sparsifier`.
+
+    Example:
+        Pass it as ``jaxsched.schedule(step, collective=TopK(0.01))``; each bucket's state
+        is ``(TopKState, inner state)``:
+
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4, shapes=((10, 100),))
+        >>> topk = TopK(0.01)
+        >>> topk
+        TopK(density=0.01, error_feedback=True, selection='threshold')
+        >>> (own, _), = topk.init([spec])
+        >>> own.residual.shape, topk.capacity(spec), TopK(0.01, selection="exact").capacity(spec)
+        ((1000,), 77, 10)
     """
 
     sim_kind = "topk"
@@ -151,7 +173,22 @@ class TopK(Sparsifier):
 
     def capacity(self, bucket: BucketSpec, density: float | None = None) -> int:
         """Slots per device in the all-gather at ``density`` (default: the density after
-        warm-up, what every step moves once warm-up is over)."""
+        warm-up, what every step moves once warm-up is over).
+
+        Args:
+          bucket: the bucket.
+          density: the density to size for.
+
+        Returns:
+          The number of ``(value, index)`` slots each device sends.
+
+        Example:
+            >>> import jax.numpy as jnp
+            >>> from jaxsched.runtime.collectives import BucketSpec
+            >>> spec = BucketSpec(index=0, size=1000, dtype=jnp.dtype("float32"), axis_size=4)
+            >>> TopK(0.01, selection="exact").capacity(spec), TopK(0.01, selection="exact").capacity(spec, 0.1)
+            (10, 100)
+        """
         density = self.density_of(bucket) if density is None else density
         if self.selection == "exact":
             return kernels.selection_size(bucket.size, density)
@@ -161,7 +198,18 @@ class TopK(Sparsifier):
         self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, own: TopKState, density: float | None = None
     ) -> kernels.SparseGradient:
         """This device's ``(values, indices)`` and new residual (error feedback applied), at
-        ``density`` (default: the density after warm-up)."""
+        ``density`` (default: the density after warm-up). Runs inside the per-device body.
+
+        Args:
+          buffer: this device's flat gradient buffer.
+          axis_name: the data axis.
+          bucket: the bucket.
+          own: this bucket's `TopKState`.
+          density: the density to select at.
+
+        Returns:
+          A ``kernels.SparseGradient``: the selected values and indices and the new residual.
+        """
         density = self.density_of(bucket) if density is None else density
         residual = own.residual if self.error_feedback else jnp.zeros_like(buffer)
         if self.selection == "exact":

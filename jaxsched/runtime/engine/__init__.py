@@ -1,6 +1,7 @@
 """Engines run scheduled per-device programs: ``xla`` (one jitted program; GPU/TPU overlap
 through XLA's scheduler) and ``host`` (stages dispatched over two local devices per
-process; overlap on CPU clusters). New engines plug in with `register_engine`."""
+process; overlap on CPU clusters). New engines plug in with
+[`register_engine`][jaxsched.runtime.engine.register_engine]."""
 
 from jaxsched.runtime.engine.base import (
     Engine,

@@ -129,12 +129,34 @@ class EngineCosts:
 
 
 class Engine(abc.ABC):
-    """Runs per-device programs. Subclasses take their own options at construction."""
+    """Runs per-device programs. Subclasses take their own options at construction.
+
+    ``jaxsched.schedule(step, engine=...)`` takes an instance or a name registered with
+    [`register_engine`][jaxsched.runtime.engine.register_engine]; subclasses implement
+    `compile` and may override `costs`, `collective_form` and `resolve`.
+
+    Example:
+        >>> import jax
+        >>> from jaxsched.runtime.engine import XlaEngine
+        >>> class Quiet(XlaEngine):
+        ...     name = "quiet"
+        >>> engine = Quiet(compiler_options={})
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> engine.costs(mesh).overlaps, engine.collective_form(mesh, "all_reduce")
+        (False, 'mixed')
+    """
 
     name: str = ""
 
     def costs(self, mesh: Mesh) -> EngineCosts:
-        """How this engine runs collectives on ``mesh`` (see `EngineCosts`)."""
+        """How this engine runs collectives on ``mesh``, for the planners.
+
+        Args:
+          mesh: the step's mesh.
+
+        Returns:
+          An `EngineCosts` (by default: collectives overlap compute except on CPU).
+        """
         return EngineCosts(overlaps=mesh.devices.flat[0].platform != "cpu")
 
     def collective_form(self, mesh: Mesh, op: str) -> str:
@@ -144,25 +166,65 @@ class Engine(abc.ABC):
         The compilers differ (docs/accelerators.md): XLA:TPU overlaps only collectives of
         single tensors in their own shapes, XLA:GPU's scheduler prefers fewer, larger
         all-reduces, and an engine that pays per collective (the host engine on gloo) wants
-        few collectives without packing copies of large tensors (``"mixed"``)."""
+        few collectives without packing copies of large tensors (``"mixed"``).
+
+        Args:
+          mesh: the step's mesh.
+          op: the bucket operation.
+
+        Returns:
+          One of `jaxsched.runtime.collectives.FORMS` (by default ``"mixed"``).
+        """
         return "mixed"
 
     def resolve(self, program: PerDeviceProgram) -> "Engine":
-        """The engine that will run ``program`` (an engine that chooses per mesh says which)."""
+        """The engine that will run ``program`` (an engine that chooses per mesh says which).
+
+        Args:
+          program: the per-device program to run.
+
+        Returns:
+          An engine (by default this one).
+        """
         return self
 
     @abc.abstractmethod
     def compile(self, program: PerDeviceProgram) -> Callable[..., tuple]:
         """A callable on the program's global inputs returning its flat global outputs.
 
-        ``callable.trace(*args)`` (as ``jax.jit`` has) lets callers lower the program."""
+        ``callable.trace(*args)`` (as ``jax.jit`` has) lets callers lower the program.
+
+        Args:
+          program: the per-device program.
+
+        Returns:
+          The compiled callable.
+        """
 
 
 _ENGINES: dict[str, Callable[..., Engine]] = {}
 
 
 def register_engine(name: str, factory: Callable[..., Engine]) -> None:
-    """Make ``engine=name`` available; a taken name is refused."""
+    """Make ``engine=name`` available; a taken name is refused.
+
+    Args:
+      name: the name ``jaxsched.schedule(..., engine=name)`` will take.
+      factory: called with the engine options given to ``jaxsched.schedule`` (usually the
+        `Engine` subclass itself).
+
+    Raises:
+      JaxschedValueError: ``name`` is already registered.
+
+    Example:
+        >>> from jaxsched.runtime.engine import XlaEngine, engine_names
+        >>> "xla" in engine_names()
+        True
+        >>> register_engine("xla", XlaEngine)
+        Traceback (most recent call last):
+        ...
+        jaxsched.JaxschedValueError: an engine named 'xla' is already registered
+    """
     if name in _ENGINES:
         raise JaxschedValueError(f"an engine named {name!r} is already registered")
     _ENGINES[name] = factory
