@@ -25,7 +25,7 @@ from jaxsched._errors import JaxschedWarning
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,7 @@ from jax import lax
 
 from jaxsched.core import layout
 from jaxsched.core.axes import as_axes
+from jaxsched.core import primitives
 from jaxsched.core.primitives import CALL_PRIMITIVES, VMA_TYPING
 from jaxsched.core.replay import bind as _bind
 from jaxsched.core.replay import at_source, eval_inline, is_var, source_line
@@ -123,7 +124,7 @@ class ShardContext:
         """Whether variable ``x`` differs across the devices ``shard``'s chunks are spread over."""
         if isinstance(self.varying, dict):
             across = self.varying.get(x)
-            return bool(across) and bool(set(across) & set(as_axes(self.axes_of(shard))))
+            return bool(across) and bool(set(across or ()) & set(as_axes(self.axes_of(shard))))
         return x in self.varying
 
     def to_full(self, value: Any) -> Any:
@@ -162,14 +163,18 @@ class ShardContext:
 
 Rule = Callable[[ShardContext, Any, list], list]
 
-ELEMENTWISE = frozenset(
+#: Elementwise primitives left to the exact fallback here, though a flat chunk of each
+#: operand gives the result's chunk: no optimizer update this region was built for uses
+#: them (special functions, bit counts and shifts, complex numbers), and none is tested
+#: on chunks. (PRNG key operations are no flat chunks at all: `primitives.RANDOM_KEY_OPS`.)
+NOT_ON_CHUNKS = frozenset(
     """
-abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
-copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite
-le lgamma digamma log log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision
-rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh xor
+bessel_i0e bessel_i1e igamma igammac polygamma zeta clz population_count
+shift_left shift_right_arithmetic shift_right_logical complex conj
 """.split()
 )
+#: The elementwise primitives `elementwise_rule` runs on chunks.
+ELEMENTWISE = primitives.ELEMENTWISE - NOT_ON_CHUNKS
 RESHAPES = frozenset({"reshape", "squeeze", "expand_dims"})
 
 
@@ -195,7 +200,7 @@ def elementwise_rule(ctx: ShardContext, eqn, values: list) -> list:
 def reshape_rule(ctx: ShardContext, eqn, values: list) -> list:
     """Row-major reshapes, and squeezing or inserting unit axes (pmap's block axis), keep
     the flat chunk; a reshape that transposes first (``dimensions``) does not."""
-    (value,) = [v for v in values if isinstance(v, Shard)][:1] or [None]
+    value = next((v for v in values if isinstance(v, Shard)), None)
     transposes = eqn.primitive.name == "reshape" and eqn.params.get("dimensions") not in (None, ())
     if value is None or len(values) != 1 or transposes:
         return full_rule(ctx, eqn, values)
@@ -420,25 +425,53 @@ def _axis_size(name) -> int:
     return lax.axis_size(name)
 
 
-RULES: dict[str, Rule] = {name: elementwise_rule for name in ELEMENTWISE}
-RULES.update({name: reshape_rule for name in RESHAPES})
-RULES.update(
-    {
-        "broadcast_in_dim": broadcast_in_dim_rule,
-        "reduce_sum": _reduce_rule(jnp.sum, lax.psum, lambda d: jnp.zeros((), d), jax.ops.segment_sum),
-        "reduce_max": _reduce_rule(jnp.max, lax.pmax, lambda d: jnp.asarray(_lowest(d), d), jax.ops.segment_max),
-        "reduce_min": _reduce_rule(jnp.min, lax.pmin, lambda d: jnp.asarray(_highest(d), d), jax.ops.segment_min),
-        # the finite checks of loss scaling (DynamicScale, apply_if_finite) and zero_nans
-        "reduce_and": _reduce_rule(jnp.all, _all_devices(lax.pmin), lambda d: jnp.ones((), d)),
-        "reduce_or": _reduce_rule(jnp.any, _all_devices(lax.pmax), lambda d: jnp.zeros((), d)),
-        "psum": psum_rule,
-        "psum_invariant": psum_rule,
-    }
-)
-RULES["cond"] = cond_rule
-RULES["scan"] = scan_rule
-RULES.update({name: identity_rule for name in VMA_TYPING})
-RULES.update({name: call_rule for name in CALL_PRIMITIVES})
+def defelementwise(table: dict[str, Rule], names: Iterable[str]) -> None:
+    """Run each of ``names`` on chunks by `elementwise_rule`."""
+    table.update(dict.fromkeys(names, elementwise_rule))
+
+
+def defreducer(
+    table: dict[str, Rule],
+    name: str,
+    local: Callable,
+    collective: Callable,
+    identity: Callable,
+    segment: Callable | None = None,
+) -> None:
+    """Run array reduction ``name`` on chunks: ``local`` on the chunk (its padding set to
+    ``identity(dtype)``), then ``collective``; over some axes, ``segment`` (None: fall back)."""
+    table[name] = _reduce_rule(local, collective, identity, segment)
+
+
+#: Array reductions run on chunks: ``(local, collective, identity, segment)``; the others
+#: (``reduce_prod``, ``reduce_xor``) fall back.
+REDUCERS: dict[str, tuple[Callable, Callable, Callable, Callable | None]] = {
+    "reduce_sum": (jnp.sum, lax.psum, lambda d: jnp.zeros((), d), jax.ops.segment_sum),
+    "reduce_max": (jnp.max, lax.pmax, lambda d: jnp.asarray(_lowest(d), d), jax.ops.segment_max),
+    "reduce_min": (jnp.min, lax.pmin, lambda d: jnp.asarray(_highest(d), d), jax.ops.segment_min),
+    # the finite checks of loss scaling (DynamicScale, apply_if_finite) and zero_nans
+    "reduce_and": (jnp.all, _all_devices(lax.pmin), lambda d: jnp.ones((), d), None),
+    "reduce_or": (jnp.any, _all_devices(lax.pmax), lambda d: jnp.zeros((), d), None),
+}
+
+
+def _build() -> dict[str, Rule]:
+    table: dict[str, Rule] = {}
+    defelementwise(table, ELEMENTWISE)
+    table.update(dict.fromkeys(RESHAPES, reshape_rule))
+    table["broadcast_in_dim"] = broadcast_in_dim_rule
+    for name in sorted(primitives.ARRAY_REDUCTIONS & REDUCERS.keys()):
+        defreducer(table, name, *REDUCERS[name])
+    table.update(dict.fromkeys(primitives.SUM_REDUCTIONS, psum_rule))
+    table["cond"] = cond_rule
+    table["scan"] = scan_rule
+    table.update(dict.fromkeys(VMA_TYPING, identity_rule))
+    table.update(dict.fromkeys(CALL_PRIMITIVES, call_rule))
+    return table
+
+
+#: The shard rule of each primitive; the others fall back (`full_rule`).
+RULES: dict[str, Rule] = _build()
 
 
 def apply_rule(ctx: ShardContext, eqn, values: list) -> list:
