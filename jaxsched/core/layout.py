@@ -55,13 +55,13 @@ class BucketLayout:
 
     @classmethod
     def of(cls, shapes: Sequence[Sequence[int]], dtypes: Sequence, axis_size: int) -> "BucketLayout":
-        dtypes = {np.dtype(d) for d in dtypes}
-        if len(dtypes) != 1:
-            raise JaxschedValueError(f"a bucket must hold one dtype, got {sorted(map(str, dtypes))}")
-        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
-        chunks = tuple(chunk_size(s, axis_size) for s in shapes)
+        distinct = {np.dtype(d) for d in dtypes}
+        if len(distinct) != 1:
+            raise JaxschedValueError(f"a bucket must hold one dtype, got {sorted(map(str, distinct))}")
+        exact = tuple(tuple(int(d) for d in s) for s in shapes)
+        chunks = tuple(chunk_size(s, axis_size) for s in exact)
         offsets = tuple(int(o) for o in np.cumsum((0,) + chunks[:-1]))
-        return cls(shapes, dtypes.pop(), axis_size, chunks, offsets)
+        return cls(exact, distinct.pop(), axis_size, chunks, offsets)
 
     @property
     def shard_size(self) -> int:
