@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 from jaxsched._errors import JaxschedValueError
+from jaxsched.core.axes import AxisName
 
 import dataclasses
 import math
@@ -105,20 +106,20 @@ def pad_flat(leaf: jax.Array, length: int) -> jax.Array:
     return jnp.pad(flat, (0, length - flat.shape[0])) if length > flat.shape[0] else flat
 
 
-def local_chunk(full: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
+def local_chunk(full: jax.Array, axis_name: AxisName, axis_size: int) -> jax.Array:
     """This device's chunk of a replicated tensor; no communication."""
     c = chunk_size(full.shape, axis_size)
     padded = pad_flat(full, c * axis_size)
     return lax.dynamic_slice_in_dim(padded, lax.axis_index(axis_name) * c, c)
 
 
-def gather_chunk(chunk: jax.Array, shape: Sequence[int], axis_name: str) -> jax.Array:
+def gather_chunk(chunk: jax.Array, shape: Sequence[int], axis_name: AxisName) -> jax.Array:
     """All devices' chunks -> the full tensor of ``shape`` (one all-gather)."""
     flat = lax.all_gather(chunk, axis_name, tiled=True)
     return flat[: math.prod(shape)].reshape(shape)
 
 
-def valid_mask(shape: Sequence[int], axis_name: str, axis_size: int) -> jax.Array:
+def valid_mask(shape: Sequence[int], axis_name: AxisName, axis_size: int) -> jax.Array:
     """True where this device's chunk holds real elements rather than padding."""
     c = chunk_size(shape, axis_size)
     index = lax.axis_index(axis_name) * c + jnp.arange(c)

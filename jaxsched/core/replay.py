@@ -18,11 +18,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, cast
 
 import numpy as np
 
 from jax import lax
+from jax.core import ShapedArray
 from jax.extend import core as jex_core
 from jax.extend import source_info_util
 
@@ -30,6 +31,7 @@ from jaxsched.core.primitives import CALL_PRIMITIVES, VMA_TYPING
 
 __all__ = [
     "at_source",
+    "aval_of",
     "bind",
     "eval_inline",
     "inner_jaxpr",
@@ -44,6 +46,11 @@ __all__ = [
 ]
 
 Run = Callable[[Any, list], Sequence[Any]]
+
+
+def aval_of(x: jex_core.Var | jex_core.Literal) -> ShapedArray:
+    """``x``'s abstract value, as an array's (what every operand the rules read is)."""
+    return cast(ShapedArray, x.aval)
 
 
 def bind(eqn, values: Sequence[Any]) -> list:

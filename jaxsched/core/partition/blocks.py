@@ -32,7 +32,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from jax import lax
@@ -102,7 +102,7 @@ def _partial_elementwise(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], singl
     return _plan(eqn, wanted, [common] * len(eqn.outvars))
 
 
-def _reduce_rule(finish: str | None) -> Any:
+def _reduce_rule(finish: str | None) -> Rule:
     """``reduce_*`` of a block: over its dimension a local reduction, then a partial sum over
     its axes (``finish`` None) or a ``pmax``/``pmin`` of the local result; over other
     dimensions the block stays one."""
@@ -270,7 +270,7 @@ def block_hints(jaxpr, out_kinds: Sequence[Kind] | None) -> dict:
     hints: dict = {}
     conflicting: set = set()
 
-    def mark(x: Any, kind: Kind) -> None:
+    def mark(x: jex_core.Var | jex_core.Literal, kind: Kind) -> None:
         if not isinstance(x, jex_core.Var) or x in conflicting:
             return
         if x in hints and hints[x] != kind:
@@ -333,7 +333,7 @@ def _through_broadcast(eqn: JaxprEqn, d: int) -> int | None:
 
 
 #: Shape operations a hint passes back through: output dimension -> operand dimension.
-HINT_THROUGH: dict[str, Any] = {
+HINT_THROUGH: dict[str, Callable[[JaxprEqn, int], int | None]] = {
     "pad": _through_pad,
     "reshape": _through_reshape,
     "expand_dims": _through_reshape,

@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ CALLS = CALL_PRIMITIVES | REMAT | {"custom_lin"}
 MAX_WIDENINGS = 6
 
 
-def _inner(eqn: JaxprEqn) -> tuple[Any, tuple] | None:
+def _inner(eqn: JaxprEqn) -> tuple[jex_core.Jaxpr, tuple] | None:
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         inner = eqn.params.get(key)
         if inner is None:
@@ -71,7 +71,9 @@ def _entry_kinds(kinds: list, single: list) -> list[Kind]:
     return [REPLICATED if k.partial and not s else k for k, s in zip(kinds, single)]
 
 
-def call_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool], out_kinds: Any = None) -> EqnPlan:
+def call_rule(
+    p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool], out_kinds: Sequence[Kind] | None = None
+) -> EqnPlan:
     inner = _inner(eqn)
     if inner is None:  # `rule_for` gives this rule to calls only (`is_call`)
         raise JaxschedTypeError(f"{eqn.primitive.name} is not a call with a body")
@@ -192,7 +194,7 @@ def scan_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[boo
         xs_outer.append(k)
         xs_inner.append(k.moved(k.dim - 1) if k.dim is not None else k)
 
-    def plan_body(carry_kinds: list[Kind], out_kinds: Any = None) -> JaxprPlan:
+    def plan_body(carry_kinds: list[Kind], out_kinds: Sequence[Kind] | None = None) -> JaxprPlan:
         return p.plan(closed.jaxpr, consts + list(carry_kinds) + xs_inner, out_kinds)
 
     outer_hints = dict(p.hints)  # the enclosing jaxpr's (planning the body replaces them)
@@ -315,7 +317,7 @@ def while_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bo
     cond_consts, body_consts, carry = entry[:nc], entry[nc : nc + nb], entry[nc + nb :]
     cond_consts = [REPLICATED if k.partial else k for k in cond_consts]
 
-    def plan_body(carry_kinds: list[Kind], out_kinds: Any = None) -> JaxprPlan:
+    def plan_body(carry_kinds: list[Kind], out_kinds: Sequence[Kind] | None = None) -> JaxprPlan:
         return p.plan(body.jaxpr, body_consts + list(carry_kinds), out_kinds)
 
     carry, _ = _widen(p, plan_body, carry)
@@ -335,7 +337,7 @@ def while_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bo
     return EqnPlan(tuple(cond_consts + body_consts + carry), tuple(carry), emit)
 
 
-def _wanted_as(sub: JaxprPlan, var: Any) -> set[Kind]:
+def _wanted_as(sub: JaxprPlan, var: jex_core.Var) -> set[Kind]:
     """The kinds the readers of ``var`` inside a planned jaxpr take it in (and its kind as an
     output, where it is one)."""
     wanted = {

@@ -33,12 +33,15 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import source_info_util
 from jax.extend.core import JaxprEqn, Literal, Var
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.typing import ArrayLike
 
 from jaxsched.core import primitives
 from jaxsched.core.partition.control_flow import CONTROL_RULES, call_rule, is_call
@@ -71,21 +74,19 @@ Atom = Var | Literal
 #: A forward rule table, by primitive name.
 RuleDict = dict[str, Rule]
 #: How a reduction's local results are combined across devices: ``(partitioner, local) -> whole``.
-Finish = Callable[[Partitioner, Any], Any]
+Finish = Callable[[Partitioner, jax.Array], jax.Array]
 
 #: Parameters that place a result on a mesh: meaningless per device, so dropped.
 SHARDING_PARAMS = ("sharding", "out_sharding")
 
 
-def local_sharding(sharding: Any) -> Any:
+def local_sharding(sharding: object) -> NamedSharding | None:
     """A placement parameter as it reads inside the per-device body: on an ``Explicit`` mesh
     whose model axes the body leaves to XLA, its spec on those axes (the data axes are manual
     there); None everywhere else, where per device it places nothing."""
     spec = getattr(sharding, "spec", None)
     if spec is None:
         return None
-    import jax
-
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
@@ -99,7 +100,7 @@ def local_sharding(sharding: Any) -> Any:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*entries))
 
 
-def bind_local(eqn: JaxprEqn, values: Sequence[Any], **updates: Any) -> list:
+def bind_local(eqn: JaxprEqn, values: Sequence[ArrayLike], **updates: object) -> list[jax.Array]:
     """Bind ``eqn``'s primitive on local values, its placement parameters restricted to the
     body's model axes (`local_sharding`) and ``updates`` (local shapes) applied, at the
     user's source line."""
@@ -118,7 +119,10 @@ def bind_local(eqn: JaxprEqn, values: Sequence[Any], **updates: Any) -> list:
 
 
 def _plan(
-    eqn: JaxprEqn, inputs: Sequence[Kind], outputs: Sequence[Kind], emit: Callable[[list], Sequence[Any]] | None = None
+    eqn: JaxprEqn,
+    inputs: Sequence[Kind],
+    outputs: Sequence[Kind],
+    emit: Callable[[list], Sequence[ArrayLike]] | None = None,
 ) -> EqnPlan:
     return EqnPlan(tuple(inputs), tuple(outputs), emit or (lambda values: bind_local(eqn, values)))
 
@@ -281,7 +285,7 @@ def microbatch_rows(in_shape: Sequence[int], out_shape: Sequence[int], d: int, a
     return d + 1
 
 
-def _as_microbatches(ctx: AxisContext, value: Any, d: int, out_shape: Sequence[int]) -> Any:
+def _as_microbatches(ctx: AxisContext, value: jax.Array, d: int, out_shape: Sequence[int]) -> jax.Array:
     """This device's rows of every microbatch, from its block of the batch: each microbatch
     holds the rows it holds in the plain step (row ``i * rows + j`` of the batch is row ``j``
     of microbatch ``i``), split over the devices as the batch was. The microbatches do not
@@ -496,7 +500,9 @@ def iota_like_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: lis
     return _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED] * len(eqn.outvars))
 
 
-def _split_by_constraint(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], spec: Any) -> EqnPlan | None:
+def _split_by_constraint(
+    p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], spec: PartitionSpec | None
+) -> EqnPlan | None:
     """A whole value that the step places split over the data axes (its batch, passed
     replicated and split inside, as EasyLM does): from here on this device's block, a slice
     without traffic, exactly the rows XLA's partitioner gives it."""
@@ -517,7 +523,7 @@ def _split_by_constraint(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], spec:
     return None
 
 
-def _spec_kind(p: Partitioner, spec: Any, mesh: Any) -> Kind | None:
+def _spec_kind(p: Partitioner, spec: PartitionSpec, mesh: Mesh | AbstractMesh) -> Kind | None:
     """What one device holds of an inner ``shard_map``'s operand or result of ``spec``: the
     whole value (no data axis), its block of one dimension over exactly the data axes, or
     None for any other layout (a model axis, or some of the data axes)."""
@@ -586,7 +592,7 @@ def identity_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list
 
 
 # -- reductions ----------------------------------------------------------------------------
-def _reduce_rule(finish: Callable[[Partitioner, Any], Any] | None, linear: bool = False) -> Rule:
+def _reduce_rule(finish: Finish | None, linear: bool = False) -> Rule:
     """``reduce_*`` over ``axes``: over the sharded dimension a local reduction, then a partial
     sum (``linear``) or ``finish`` (a ``pmax``, ``pmin``); None: gather instead."""
 
@@ -610,8 +616,8 @@ def _reduce_rule(finish: Callable[[Partitioner, Any], Any] | None, linear: bool 
     return rule
 
 
-def _as_int_then(collective: Callable) -> Callable[[Partitioner, Any], Any]:
-    def finish(p: Partitioner, value: Any) -> Any:
+def _as_int_then(collective: Callable) -> Finish:
+    def finish(p: Partitioner, value: jax.Array) -> jax.Array:
         if value.dtype == jnp.bool_:
             return collective(value.astype(jnp.int32), p.ctx.axis_name).astype(jnp.bool_)
         return collective(value, p.ctx.axis_name)

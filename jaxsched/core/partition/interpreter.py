@@ -24,15 +24,14 @@ from jaxsched._errors import JaxschedError, JaxschedWarning
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Sequence
 
-from jax.core import ShapedArray
 from jax.extend import core as jex_core
 from jax.extend.core import JaxprEqn
 from jax.extend import source_info_util
 
 from jaxsched.core.partition.kinds import AxisContext, Kind, REPLICATED
-from jaxsched.core.replay import source_line
+from jaxsched.core.replay import aval_of, source_line
 
 __all__ = [
     "EqnPlan",
@@ -81,16 +80,11 @@ class JaxprPlan:
     """A jaxpr with the plan of each equation and the kinds of its inputs and outputs
     (``out_kinds``: the kinds the outputs are returned in)."""
 
-    jaxpr: Any
+    jaxpr: jex_core.Jaxpr
     in_kinds: tuple[Kind, ...]
     out_kinds: tuple[Kind, ...]
     eqns: list[EqnPlan]
     kinds: dict
-
-
-def aval_of(x: jex_core.Var | jex_core.Literal) -> ShapedArray:
-    """``x``'s abstract value: every operand the rules see is an array."""
-    return cast(ShapedArray, x.aval)
 
 
 #: A rule: ``(partitioner, eqn, operand kinds, whether this equation is each operand's only
@@ -120,7 +114,7 @@ class RuleTable:
     rule_for: Callable[[JaxprEqn], Rule]
     narrow_rule_for: Callable[[JaxprEqn], NarrowRule | None]
     block_rule_for: Callable[[JaxprEqn], Rule | None] = lambda eqn: None
-    hints_for: Callable[[Any, Any], dict] = lambda jaxpr, out_kinds: {}
+    hints_for: Callable[[jex_core.Jaxpr, Sequence[Kind] | None], dict] = lambda jaxpr, out_kinds: {}
 
 
 class Partitioner:
@@ -203,7 +197,7 @@ class Partitioner:
         narrow_rule_for = self.rules.narrow_rule_for
         wants: dict = {}
 
-        def want(x: Any, kind: Kind, count: int) -> None:
+        def want(x: jex_core.Var | jex_core.Literal, kind: Kind, count: int) -> None:
             if isinstance(x, jex_core.Var):
                 tally = wants.setdefault(x, {})
                 tally[kind] = tally.get(kind, 0) + count
@@ -259,10 +253,10 @@ class Partitioner:
             want(a, new, 1)
 
     @staticmethod
-    def kind_of(kinds: dict, x: Any) -> Kind:
+    def kind_of(kinds: dict, x: jex_core.Var | jex_core.Literal) -> Kind:
         return REPLICATED if isinstance(x, jex_core.Literal) else kinds[x]
 
-    def is_zero(self, x: Any) -> bool:
+    def is_zero(self, x: jex_core.Var | jex_core.Literal) -> bool:
         if isinstance(x, jex_core.Literal):
             try:
                 return not bool(x.val != 0)
@@ -322,7 +316,7 @@ class Partitioner:
         env.update(zip(jaxpr.invars, args, strict=True))
         converted: dict = {}
 
-        def read(x: Any, want: Kind, site: int = -1) -> Any:
+        def read(x: jex_core.Var | jex_core.Literal, want: Kind, site: int = -1) -> Any:
             if isinstance(x, jex_core.Literal):
                 return x.val if want.is_replicated else self.ctx.convert(x.val, REPLICATED, want, aval_of(x).shape)
             have = plan.kinds[x]
@@ -333,7 +327,7 @@ class Partitioner:
             # gather, behind the checkpoint's barrier, is not merged into forward's)
             key = (x, want, site if have.is_block and not want.is_block else -1)
             if key not in converted:
-                converted[key] = self.ctx.convert(env[x], have, want, x.aval.shape)
+                converted[key] = self.ctx.convert(env[x], have, want, aval_of(x).shape)
             return converted[key]
 
         for site, (eqn, eqn_plan) in enumerate(zip(jaxpr.eqns, plan.eqns, strict=True)):

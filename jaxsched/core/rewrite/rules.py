@@ -31,13 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import JaxprEqn
 
 from jaxsched.core import layout
-from jaxsched.core.axes import as_axes
+from jaxsched.core.axes import AxisName, as_axes
 from jaxsched.core import primitives
 from jaxsched.core.primitives import CALL_PRIMITIVES, VMA_TYPING
 from jaxsched.core.replay import bind as _bind
-from jaxsched.core.replay import at_source, eval_inline, is_var, source_line
+from jaxsched.core.replay import at_source, aval_of, eval_inline, is_var, source_line
 from jaxsched.core.replay import inner_jaxpr as _inner_jaxpr
 
 __all__ = [
@@ -76,8 +77,8 @@ class Shard:
 
     chunk: jax.Array
     shape: tuple[int, ...]
-    full: Any = None
-    axes: Any = None
+    full: jax.Array | None = None
+    axes: AxisName | None = None
     size: int = 0
 
     @property
@@ -104,7 +105,7 @@ class ShardContext:
     reported: set = dataclasses.field(default_factory=set)
     fallbacks: list = dataclasses.field(default_factory=list)
     #: the top-level equation being run (nested calls and branches report under it)
-    top: Any = None
+    top: JaxprEqn | None = None
     #: every ``((primitive, source line), top-level equation)`` that fell back
     sites: list = dataclasses.field(default_factory=list)
     #: while a rule traces a body only to see what it does, what would fall back there
@@ -113,7 +114,7 @@ class ShardContext:
     #: (`jaxsched.core.rewrite.pending_sums`); None: each is reduced at once
     sums: Any = None
 
-    def axes_of(self, shard: "Shard | None") -> Any:
+    def axes_of(self, shard: "Shard | None") -> AxisName:
         """The mesh axes ``shard``'s chunks are spread over (the data axes by default)."""
         return self.axis_name if shard is None or shard.axes is None else shard.axes
 
@@ -143,7 +144,7 @@ class ShardContext:
             return value
         return layout.local_chunk(jnp.broadcast_to(value, shape), self.axes_of(like), self.size_of(like))
 
-    def report(self, eqn, reason: str) -> None:
+    def report(self, eqn: JaxprEqn, reason: str) -> None:
         key = (eqn.primitive.name, source_line(eqn))
         if self.probing is not None:
             self.probing.append(key)
@@ -161,7 +162,8 @@ class ShardContext:
             )
 
 
-Rule = Callable[[ShardContext, Any, list], list]
+#: A shard rule: ``(context, eqn, operand values, full or `Shard`) -> result values``.
+Rule = Callable[[ShardContext, JaxprEqn, list], list]
 
 #: Elementwise primitives left to the exact fallback here, though a flat chunk of each
 #: operand gives the result's chunk: no optimizer update this region was built for uses
@@ -187,29 +189,29 @@ def full_rule(
     return _bind(eqn, [ctx.to_full(v) for v in values])
 
 
-def elementwise_rule(ctx: ShardContext, eqn, values: list) -> list:
-    shape = tuple(eqn.outvars[0].aval.shape)
+def elementwise_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
+    shape = tuple(aval_of(eqn.outvars[0]).shape)
     shards = [v for v in values if isinstance(v, Shard)]
     if any(v.shape != shape or (v.axes, v.size) != (shards[0].axes, shards[0].size) for v in shards):
         return full_rule(ctx, eqn, values)
     like = shards[0]
     chunks = [ctx.to_chunk(v, shape, like) for v in values]
-    return [like.with_chunk(out, o.aval.shape) for out, o in zip(_bind(eqn, chunks), eqn.outvars)]
+    return [like.with_chunk(out, aval_of(o).shape) for out, o in zip(_bind(eqn, chunks), eqn.outvars)]
 
 
-def reshape_rule(ctx: ShardContext, eqn, values: list) -> list:
+def reshape_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     """Row-major reshapes, and squeezing or inserting unit axes (pmap's block axis), keep
     the flat chunk; a reshape that transposes first (``dimensions``) does not."""
     value = next((v for v in values if isinstance(v, Shard)), None)
     transposes = eqn.primitive.name == "reshape" and eqn.params.get("dimensions") not in (None, ())
     if value is None or len(values) != 1 or transposes:
         return full_rule(ctx, eqn, values)
-    return [value.with_chunk(value.chunk, eqn.outvars[0].aval.shape)]
+    return [value.with_chunk(value.chunk, aval_of(eqn.outvars[0]).shape)]
 
 
-def broadcast_in_dim_rule(ctx: ShardContext, eqn, values: list) -> list:
+def broadcast_in_dim_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     operand = values[0]
-    out_shape = tuple(eqn.outvars[0].aval.shape)
+    out_shape = tuple(aval_of(eqn.outvars[0]).shape)
     if len(values) == 1 and math.prod(operand.shape) == math.prod(out_shape):
         return [operand.with_chunk(operand.chunk, out_shape)]  # only inserts unit dimensions
     return full_rule(ctx, eqn, values)
@@ -221,7 +223,7 @@ def _reduce_rule(local: Callable, collective: Callable, identity: Callable, segm
     with ``segment``: each chunk element added into its output position, a partial result
     the size of the output, and one collective of that size; never a gather of the input."""
 
-    def rule(ctx: ShardContext, eqn, values: list) -> list:
+    def rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
         (value,) = values
         if value.full is not None:  # already whole here (a parameter gathered for forward)
             return _bind(eqn, [value.full])
@@ -229,7 +231,7 @@ def _reduce_rule(local: Callable, collective: Callable, identity: Callable, segm
         over, size = ctx.axes_of(value), ctx.size_of(value)
         mask = layout.valid_mask(value.shape, over, size)
         chunk = jnp.where(mask, value.chunk, identity(value.chunk.dtype))
-        out_dtype = eqn.outvars[0].aval.dtype
+        out_dtype = aval_of(eqn.outvars[0]).dtype
         if axes == tuple(range(len(value.shape))):
             if collective is lax.psum and ctx.sums is not None:
                 return [ctx.sums.defer(local(chunk).astype(out_dtype), over)]
@@ -271,7 +273,7 @@ def _highest(dtype):
     return jnp.finfo(dtype).max if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
 
 
-def psum_rule(ctx: ShardContext, eqn, values: list) -> list:
+def psum_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     """A user's psum in the update region: of an invariant value it is a multiply by P."""
     data_axes = as_axes(ctx.axis_name)
     if not set(data_axes) <= set(_axes(eqn)) or any(ctx.varies(x) for x in eqn.invars if is_var(x)):
@@ -284,11 +286,11 @@ def psum_rule(ctx: ShardContext, eqn, values: list) -> list:
     return out
 
 
-def identity_rule(ctx: ShardContext, eqn, values: list) -> list:
+def identity_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     return list(values)
 
 
-def call_rule(ctx: ShardContext, eqn, values: list) -> list:
+def call_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     """jit / custom_jvp / custom_vjp calls: interpret their body with the same rules."""
     inner = _inner_jaxpr(eqn)
     if inner is None:
@@ -296,7 +298,7 @@ def call_rule(ctx: ShardContext, eqn, values: list) -> list:
     return eval_sharded(ctx, inner.jaxpr, values, constvals=inner.consts)
 
 
-def cond_rule(ctx: ShardContext, eqn, values: list) -> list:
+def cond_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     """``lax.cond``/``lax.switch`` on a device-invariant index (``MultiSteps``' every k-th
     step, ``apply_if_finite``'s skip): every branch runs with these rules on the same chunks.
     An output that one branch returns sharded is sharded in all (a full value's chunk is a
@@ -311,7 +313,7 @@ def cond_rule(ctx: ShardContext, eqn, values: list) -> list:
     like = shards[0] if shards else None
     templates = [v if isinstance(v, Shard) else None for v in operands]
     flat = [v.chunk if isinstance(v, Shard) else v for v in operands]
-    avals = [o.aval for o in eqn.outvars]
+    avals = [aval_of(o) for o in eqn.outvars]
 
     def branch(closed, sharded: Sequence[bool] | None = None, seen: list | None = None) -> Callable:
         def run(*args):
@@ -341,7 +343,7 @@ def _shard_like(like: "Shard | None", chunk: jax.Array, shape: Sequence[int]) ->
     return like.with_chunk(chunk, shape) if like is not None else Shard(chunk, tuple(shape))
 
 
-def scan_rule(ctx: ShardContext, eqn, values: list) -> list:
+def scan_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     """``lax.scan`` (and ``fori_loop`` with static bounds) whose scanned inputs are full:
     the body runs with these rules, sharded carries stay sharded. Which carries are
     sharded is found by tracing the body until it agrees with itself: a carry that comes
@@ -416,7 +418,7 @@ def scan_rule(ctx: ShardContext, eqn, values: list) -> list:
     return [_shard_like(like, c, a.shape) if k else c for c, a, k in zip(carry, carry_avals, kinds)] + list(ys)
 
 
-def _axes(eqn) -> tuple:
+def _axes(eqn: JaxprEqn) -> tuple:
     axes = eqn.params.get("axes", ())
     return axes if isinstance(axes, tuple) else (axes,)
 
@@ -474,7 +476,7 @@ def _build() -> dict[str, Rule]:
 RULES: dict[str, Rule] = _build()
 
 
-def apply_rule(ctx: ShardContext, eqn, values: list) -> list:
+def apply_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     """Run one equation: unchanged if nothing is sharded, else by its rule."""
     shards = [v for v in values if isinstance(v, Shard)]
     if not shards:
