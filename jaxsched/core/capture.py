@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import jax
 from jax.extend import core as jex_core
+from jax.extend.core import JaxprEqn
 from jax.tree_util import PyTreeDef
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -132,9 +133,9 @@ def _structure(tree: Any) -> PyTreeDef:
     return jax.tree.structure(tree)
 
 
-def _sub_jaxpr(eqn) -> tuple[Any, tuple]:
+def _sub_jaxpr(eqn: JaxprEqn) -> tuple[Any, tuple]:
     inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-    if hasattr(inner, "jaxpr"):
+    if inner is not None and hasattr(inner, "jaxpr"):
         return inner.jaxpr, tuple(inner.consts)
     return inner, ()
 
@@ -438,7 +439,7 @@ def _reduction_axes(jaxpr) -> set:
     }
 
 
-def _looks_like_pmap(eqn, body) -> bool:
+def _looks_like_pmap(eqn: JaxprEqn, body: jex_core.Jaxpr) -> bool:
     """pmap bodies take a (1, ...) block of every mapped input and only squeeze it. Inputs
     that are not mapped, an ``in_axes=None`` argument or a constant JAX hoisted into the
     body (a position table), come in whole with spec ``P()``: they say nothing either way."""
@@ -446,7 +447,7 @@ def _looks_like_pmap(eqn, body) -> bool:
     mapped = {v for v, s in zip(body.invars, specs) if len(s) >= 1 and s[0] is not None}
     if not mapped or any(v not in mapped and spec_axes(s) for v, s in zip(body.invars, specs)):
         return False
-    if any(tuple(v.aval.shape[:1]) != (1,) for v in mapped):
+    if any(tuple(replay.aval_of(v).shape[:1]) != (1,) for v in mapped):
         return False
     return all(
         e.primitive.name == "squeeze" and tuple(e.params["dimensions"]) == (0,)
