@@ -54,7 +54,7 @@ def _gathered(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[boo
     return rules.rule_for(eqn)(p, eqn, [REPLICATED if k.is_special else k for k in kinds], single)
 
 
-def _target(p: Partitioner, eqn: JaxprEqn, kinds: list) -> Kind | None:
+def _target(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind]) -> Kind | None:
     """The block an elementwise equation runs on: that of a block operand, or of a hint on
     its result or on one of its operands; None when there is none or they disagree."""
     found = {k for k in kinds if k.is_block}

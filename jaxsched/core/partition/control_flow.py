@@ -65,7 +65,7 @@ def is_call(eqn: JaxprEqn) -> bool:
     return eqn.primitive.name in CALLS and _inner(eqn) is not None
 
 
-def _entry_kinds(kinds: list, single: list) -> list[Kind]:
+def _entry_kinds(kinds: list[Kind], single: list[bool]) -> list[Kind]:
     """Operand kinds a nested body receives: a partial sum that is also used elsewhere is
     reduced first, so that it is reduced once."""
     return [REPLICATED if k.partial and not s else k for k, s in zip(kinds, single)]

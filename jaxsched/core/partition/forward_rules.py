@@ -147,7 +147,7 @@ def replicated_rule(
     return _plan(eqn, [REPLICATED] * len(kinds), [REPLICATED] * len(eqn.outvars))
 
 
-def _all_replicated(kinds: list) -> bool:
+def _all_replicated(kinds: list[Kind]) -> bool:
     return all(k.is_replicated for k in kinds)
 
 
@@ -344,9 +344,9 @@ squeeze_rule = moving_rule(lambda eqn, d: d - sum(1 for a in eqn.params["dimensi
 
 def _keep_along(
     p: Partitioner,
-    eqn,
-    kinds: list,
-    single: list,
+    eqn: JaxprEqn,
+    kinds: list[Kind],
+    single: list[bool],
     untouched: Callable[[int], bool],
     emit_for: Callable[[Kind], Callable] | None = None,
     linear: bool = False,
