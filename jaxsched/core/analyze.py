@@ -31,9 +31,10 @@ import dataclasses
 from typing import Any
 
 from jax.extend import core as jex_core
+from jax.extend.core import JaxprEqn
 
 from jaxsched.core.capture import CapturedStep, UnsupportedStepError
-from jaxsched.core.axes import as_axes, spec_axes
+from jaxsched.core.axes import AxisName, as_axes, spec_axes
 from jaxsched.core.primitives import REDUCTIONS, SCATTER_REDUCTIONS, SUM_REDUCTIONS, reduces_over, reduction_axes
 from jaxsched.core.replay import is_var, live_equations, nested_eqns, source_line
 
@@ -409,7 +410,7 @@ def _sums_after_scatters(body, data_axes: set) -> dict[int, int | None]:
     return found
 
 
-def _nested_reduction(jaxpr, axis: str):
+def _nested_reduction(jaxpr: jex_core.Jaxpr, axis: AxisName) -> JaxprEqn | None:
     """The top-level equation whose sub-jaxpr psums over ``axis``, if any."""
     for eqn in jaxpr.eqns:
         for sub in jex_core.jaxprs_in_params(eqn.params):

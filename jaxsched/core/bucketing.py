@@ -73,7 +73,7 @@ def match_reductions(analysis: Analysis) -> list[int | None]:
         k = cap.body_input("params", i)
         aval = cap.body.invars[k].aval if k >= 0 else None
         trainable = aval is not None and is_float(aval.dtype)  # keys, counters: never matched
-        shapes.append((shape_key(aval.shape), aval.dtype) if trainable else None)
+        shapes.append((shape_key(aval.shape), aval.dtype) if aval is not None and trainable else None)
     reds = analysis.reductions
     match: list[int | None] = [None] * cap.num_params
     # a parameter's reduced gradient has its shape (a sharded parameter's: its block's)
@@ -133,7 +133,8 @@ def plan_buckets(analysis: Analysis, paths: Sequence[str], buckets: Any = None) 
                 f"buckets={buckets!r} is not understood; pass None (25 MB), a positive "
                 "byte threshold, or a list of lists of parameter paths"
             )
-        groups, current, size = [], [], 0
+        groups, size = [], 0
+        current: list[int] = []
         for i in order:
             if current and (size + nbytes(i) > threshold or dtype_of(i) != dtype_of(current[-1])):
                 groups.append(current)
@@ -144,8 +145,15 @@ def plan_buckets(analysis: Analysis, paths: Sequence[str], buckets: Any = None) 
             groups.append(current)
 
     result = []
-    grad_dtype = lambda i: np.dtype(reds[match[i]].operand.aval.dtype) if match[i] is not None else None
-    form = lambda i: reds[match[i]].form if match[i] is not None else None
+
+    def grad_dtype(i: int) -> np.dtype | None:
+        m = match[i]
+        return None if m is None else np.dtype(reds[m].operand.aval.dtype)
+
+    def form(i: int) -> tuple | None:
+        m = match[i]
+        return None if m is None else reds[m].form
+
     for group in groups:
         # Split by dtype (of the parameter and of its gradient): one collective moves one
         # dtype; and by form: gradients scattered into parameter blocks travel apart.

@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import jax
 from jax.extend import core as jex_core
+from jax.extend.core import JaxprEqn
+from jax.tree_util import PyTreeDef
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched.core import replay
@@ -126,9 +128,14 @@ class CapturedStep:
         return positions
 
 
-def _sub_jaxpr(eqn) -> tuple[Any, tuple]:
+def _structure(tree: Any) -> PyTreeDef:
+    """``tree``'s structure, typed (``jax.tree.structure``'s stub names no attribute)."""
+    return jax.tree.structure(tree)
+
+
+def _sub_jaxpr(eqn: JaxprEqn) -> tuple[Any, tuple]:
     inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
-    if hasattr(inner, "jaxpr"):
+    if inner is not None and hasattr(inner, "jaxpr"):
         return inner.jaxpr, tuple(inner.consts)
     return inner, ()
 
@@ -156,21 +163,21 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any, fold_invari
         raise UnsupportedStepError(
             f"the step must return (params, opt_state, aux); it returned {describe_outputs(out_shape)}{hint}"
         )
-    params_tree = jax.tree.structure(params)
-    opt_tree = jax.tree.structure(opt_state)
+    params_tree = _structure(params)
+    opt_tree = _structure(opt_state)
     for name, tree, given, out in (
         ("params", params_tree, params, out_shape[0]),
         ("opt_state", opt_tree, opt_state, out_shape[1]),
     ):
-        if jax.tree.structure(out) != tree:
+        if _structure(out) != tree:
             raise UnsupportedStepError(
                 f"the step's output {name} differs from its input {name}: it has "
                 f"{difference(given, out)}; the step must return {name} in the same structure it "
                 f"takes (it returned {describe_outputs(out_shape)})"
             )
     num_params, num_opt = params_tree.num_leaves, opt_tree.num_leaves
-    batch_tree = jax.tree.structure(batch)
-    aux_tree = jax.tree.structure(out_shape[2])
+    batch_tree = _structure(batch)
+    aux_tree = _structure(out_shape[2])
 
     roles = (
         [Source("params", i) for i in range(num_params)]
@@ -215,7 +222,8 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any, fold_invari
         )
     eqn = shard_maps[0]
 
-    sources, consts = [], []
+    sources: list = []
+    consts: list = []
     for operand in eqn.invars:
         src = ("const", operand.val) if isinstance(operand, jex_core.Literal) else env[operand]
         if isinstance(src, tuple):
@@ -289,11 +297,12 @@ def _leaf_names(role: str, tree: Any, state_paths: bool = False) -> list[str]:
 
 def _names_state_paths(step: Callable) -> bool:
     """Whether ``step`` (or a function it wraps) is marked with `STATE_PATHS_ATTRIBUTE`."""
+    fn: Callable | None = step
     seen = 0
-    while step is not None and seen < 16:
-        if getattr(step, STATE_PATHS_ATTRIBUTE, False):
+    while fn is not None and seen < 16:
+        if getattr(fn, STATE_PATHS_ATTRIBUTE, False):
             return True
-        step, seen = getattr(step, "__wrapped__", None), seen + 1
+        fn, seen = getattr(fn, "__wrapped__", None), seen + 1
     return False
 
 
@@ -430,7 +439,7 @@ def _reduction_axes(jaxpr) -> set:
     }
 
 
-def _looks_like_pmap(eqn, body) -> bool:
+def _looks_like_pmap(eqn: JaxprEqn, body: jex_core.Jaxpr) -> bool:
     """pmap bodies take a (1, ...) block of every mapped input and only squeeze it. Inputs
     that are not mapped, an ``in_axes=None`` argument or a constant JAX hoisted into the
     body (a position table), come in whole with spec ``P()``: they say nothing either way."""
@@ -438,7 +447,7 @@ def _looks_like_pmap(eqn, body) -> bool:
     mapped = {v for v, s in zip(body.invars, specs) if len(s) >= 1 and s[0] is not None}
     if not mapped or any(v not in mapped and spec_axes(s) for v, s in zip(body.invars, specs)):
         return False
-    if any(tuple(v.aval.shape[:1]) != (1,) for v in mapped):
+    if any(tuple(replay.aval_of(v).shape[:1]) != (1,) for v in mapped):
         return False
     return all(
         e.primitive.name == "squeeze" and tuple(e.params["dimensions"]) == (0,)

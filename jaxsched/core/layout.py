@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 from jaxsched._errors import JaxschedValueError
+from jaxsched.core.axes import AxisName
 
 import dataclasses
 import math
@@ -55,13 +56,13 @@ class BucketLayout:
 
     @classmethod
     def of(cls, shapes: Sequence[Sequence[int]], dtypes: Sequence, axis_size: int) -> "BucketLayout":
-        dtypes = {np.dtype(d) for d in dtypes}
-        if len(dtypes) != 1:
-            raise JaxschedValueError(f"a bucket must hold one dtype, got {sorted(map(str, dtypes))}")
-        shapes = tuple(tuple(int(d) for d in s) for s in shapes)
-        chunks = tuple(chunk_size(s, axis_size) for s in shapes)
+        distinct = {np.dtype(d) for d in dtypes}
+        if len(distinct) != 1:
+            raise JaxschedValueError(f"a bucket must hold one dtype, got {sorted(map(str, distinct))}")
+        exact = tuple(tuple(int(d) for d in s) for s in shapes)
+        chunks = tuple(chunk_size(s, axis_size) for s in exact)
         offsets = tuple(int(o) for o in np.cumsum((0,) + chunks[:-1]))
-        return cls(shapes, dtypes.pop(), axis_size, chunks, offsets)
+        return cls(exact, distinct.pop(), axis_size, chunks, offsets)
 
     @property
     def shard_size(self) -> int:
@@ -105,20 +106,20 @@ def pad_flat(leaf: jax.Array, length: int) -> jax.Array:
     return jnp.pad(flat, (0, length - flat.shape[0])) if length > flat.shape[0] else flat
 
 
-def local_chunk(full: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
+def local_chunk(full: jax.Array, axis_name: AxisName, axis_size: int) -> jax.Array:
     """This device's chunk of a replicated tensor; no communication."""
     c = chunk_size(full.shape, axis_size)
     padded = pad_flat(full, c * axis_size)
     return lax.dynamic_slice_in_dim(padded, lax.axis_index(axis_name) * c, c)
 
 
-def gather_chunk(chunk: jax.Array, shape: Sequence[int], axis_name: str) -> jax.Array:
+def gather_chunk(chunk: jax.Array, shape: Sequence[int], axis_name: AxisName) -> jax.Array:
     """All devices' chunks -> the full tensor of ``shape`` (one all-gather)."""
     flat = lax.all_gather(chunk, axis_name, tiled=True)
     return flat[: math.prod(shape)].reshape(shape)
 
 
-def valid_mask(shape: Sequence[int], axis_name: str, axis_size: int) -> jax.Array:
+def valid_mask(shape: Sequence[int], axis_name: AxisName, axis_size: int) -> jax.Array:
     """True where this device's chunk holds real elements rather than padding."""
     c = chunk_size(shape, axis_size)
     index = lax.axis_index(axis_name) * c + jnp.arange(c)

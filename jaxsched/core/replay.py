@@ -18,18 +18,21 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence, cast
 
 import numpy as np
 
 from jax import lax
+from jax.core import ShapedArray
 from jax.extend import core as jex_core
+from jax.extend.core import JaxprEqn
 from jax.extend import source_info_util
 
 from jaxsched.core.primitives import CALL_PRIMITIVES, VMA_TYPING
 
 __all__ = [
     "at_source",
+    "aval_of",
     "bind",
     "eval_inline",
     "inner_jaxpr",
@@ -43,10 +46,16 @@ __all__ = [
     "source_line",
 ]
 
-Run = Callable[[Any, list], Sequence[Any]]
+#: How one equation runs on its operands' values: ``(eqn, values) -> results``.
+Run = Callable[[JaxprEqn, list], Sequence[Any]]
 
 
-def bind(eqn, values: Sequence[Any]) -> list:
+def aval_of(x: jex_core.Var | jex_core.Literal) -> ShapedArray:
+    """``x``'s abstract value, as an array's (what every operand the rules read is)."""
+    return cast(ShapedArray, x.aval)
+
+
+def bind(eqn: JaxprEqn, values: Sequence[Any]) -> list:
     """Re-emit ``eqn`` on new operands, keeping its source location and context.
 
     The rewritten body runs with ``check_vma=False`` (its collectives are placed by
@@ -67,7 +76,7 @@ def bind(eqn, values: Sequence[Any]) -> list:
 
 
 @contextlib.contextmanager
-def at_source(eqn):
+def at_source(eqn: JaxprEqn) -> Iterator[None]:
     """A context in which new equations carry ``eqn``'s source location, name and context."""
     with (
         source_info_util.user_context(
@@ -90,7 +99,7 @@ def invariant_sums_as_products(mesh_shape: dict) -> Run:
     """
     marked: dict[int, tuple[Any, frozenset]] = {}  # id -> (value kept alive, its axes)
 
-    def run(eqn, values):
+    def run(eqn: JaxprEqn, values: list) -> list:
         name = eqn.primitive.name
         if name == "pvary":
             for v in values:
@@ -116,7 +125,7 @@ def invariant_sums_as_products(mesh_shape: dict) -> Run:
     return run
 
 
-def inner_jaxpr(eqn):
+def inner_jaxpr(eqn: JaxprEqn) -> jex_core.ClosedJaxpr | None:
     """The closed jaxpr a call equation runs, or None."""
     inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
     return inner if hasattr(inner, "jaxpr") else None
@@ -165,7 +174,7 @@ def is_var(x) -> bool:
     return not isinstance(x, jex_core.Literal)
 
 
-def source_line(eqn) -> str:
+def source_line(eqn: JaxprEqn) -> str:
     """The user's source line that produced ``eqn``, for messages."""
     try:
         line = source_info_util.summarize(eqn.source_info)

@@ -32,27 +32,29 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
+from jax.extend.core import JaxprEqn
 
-from jaxsched.core.partition import rules
+from jaxsched.core import primitives
+from jaxsched.core.partition import forward_rules as rules
 from jaxsched.core.partition.control_flow import CONTROL_RULES, is_call
-from jaxsched.core.partition.interpreter import EqnPlan, Partitioner
+from jaxsched.core.partition.interpreter import EqnPlan, Partitioner, Rule
 from jaxsched.core.partition.kinds import Kind, REPLICATED
-from jaxsched.core.partition.rules import _plan, _shape, bind_local
+from jaxsched.core.partition.forward_rules import _plan, _shape, bind_local
 
 __all__ = ["BLOCK_RULES", "block_hints", "block_rule_for"]
 
 
-def _gathered(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def _gathered(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     """The equation's own rule on whole values: blocks gathered, partial sums summed."""
     return rules.rule_for(eqn)(p, eqn, [REPLICATED if k.is_special else k for k in kinds], single)
 
 
-def _target(p: Partitioner, eqn, kinds: list) -> Kind | None:
+def _target(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind]) -> Kind | None:
     """The block an elementwise equation runs on: that of a block operand, or of a hint on
     its result or on one of its operands; None when there is none or they disagree."""
     found = {k for k in kinds if k.is_block}
@@ -63,7 +65,7 @@ def _target(p: Partitioner, eqn, kinds: list) -> Kind | None:
     return found.pop() if len(found) == 1 else None
 
 
-def elementwise_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def elementwise_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     out_shape = _shape(eqn.outvars[0])
     if any(k.dim is not None and k.over is None for k in kinds):
         return _gathered(p, eqn, kinds, single)  # beside the batch's blocks: gather the parameter
@@ -74,13 +76,13 @@ def elementwise_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
             # where it meets the block; replicated values stay whole for their other readers
             return rules.rule_for(eqn)(p, eqn, kinds, single)
     target = _target(p, eqn, kinds)
-    if target is None or target.dim >= len(out_shape):
+    if target is None or target.split >= len(out_shape):
         if any(k.is_block for k in kinds):
             return _gathered(p, eqn, kinds, single)
         if not any(k.is_special for k in kinds):
             return rules.rule_for(eqn)(p, eqn, kinds, single)
         return _partial_elementwise(p, eqn, kinds, single)
-    d = target.dim
+    d = target.split
     wanted = [
         target if len(_shape(x)) == len(out_shape) and _shape(x)[d] == out_shape[d] else REPLICATED for x in eqn.invars
     ]
@@ -88,7 +90,7 @@ def elementwise_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     return _plan(eqn, wanted, outs)
 
 
-def _partial_elementwise(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def _partial_elementwise(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     """No block in sight, a partial sum over some data axes: it stays one through linear
     operations where it is their only use (a global norm's terms add up unreduced)."""
     partials = {k for k in kinds if k.partial}
@@ -100,24 +102,24 @@ def _partial_elementwise(p: Partitioner, eqn, kinds: list, single: list) -> EqnP
     return _plan(eqn, wanted, [common] * len(eqn.outvars))
 
 
-def _reduce_rule(finish: str | None) -> Any:
+def _reduce_rule(finish: str | None) -> Rule:
     """``reduce_*`` of a block: over its dimension a local reduction, then a partial sum over
     its axes (``finish`` None) or a ``pmax``/``pmin`` of the local result; over other
     dimensions the block stays one."""
 
-    def rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+    def rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
         (k,) = kinds
         axes = tuple(eqn.params["axes"])
         if k.partial:
             if finish is None and single[0]:
                 return _plan(eqn, [k], [k])
             return _plan(eqn, [REPLICATED], [REPLICATED])
-        if k.dim not in axes:
-            return _plan(eqn, [k], [k.moved(k.dim - sum(1 for a in axes if a < k.dim))])
+        if k.split not in axes:
+            return _plan(eqn, [k], [k.moved(k.split - sum(1 for a in axes if a < k.split))])
         if finish is None:
             return _plan(eqn, [k], [p.ctx.normalized(Kind(partial=True, over=k.over))])
         collective = {"pmax": lax.pmax, "pmin": lax.pmin}[finish]
-        over = tuple(k.over)
+        over = tuple(k.over or ())
 
         def emit(values: list) -> list:
             (local,) = bind_local(eqn, values)
@@ -130,7 +132,9 @@ def _reduce_rule(finish: str | None) -> Any:
     return rule
 
 
-def _keep_dim(p: Partitioner, eqn, kinds: list, single: list, new_dim: int | None, emit=None) -> EqnPlan:
+def _keep_dim(
+    p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool], new_dim: int | None, emit=None
+) -> EqnPlan:
     """A one-operand shape operation: the block moves to ``new_dim`` (None: it cannot stay a
     block); a partial sum goes through where this is its only use."""
     k = kinds[0]
@@ -143,27 +147,27 @@ def _keep_dim(p: Partitioner, eqn, kinds: list, single: list, new_dim: int | Non
     return _plan(eqn, [k] + rest, [k.moved(new_dim)] * len(eqn.outvars), emit)
 
 
-def broadcast_in_dim_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def broadcast_in_dim_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     k = kinds[0]
     shape = tuple(eqn.params["shape"])
     dims = tuple(eqn.params["broadcast_dimensions"])
     if len(kinds) != 1 or not k.is_block:
         return _keep_dim(p, eqn, kinds, single, None)
-    if _shape(eqn.invars[0])[k.dim] != shape[dims[k.dim]]:
+    if _shape(eqn.invars[0])[k.split] != shape[dims[k.split]]:
         return _gathered(p, eqn, kinds, single)
-    e = dims[k.dim]
+    e = dims[k.split]
     size = p.ctx.split_size(k)
     local = shape[:e] + (shape[e] // size,) + shape[e + 1 :]
     return _keep_dim(p, eqn, kinds, single, e, lambda v: bind_local(eqn, v, shape=local))
 
 
-def reshape_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def reshape_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     k = kinds[0]
     out_shape = _shape(eqn.outvars[0])
     if len(kinds) != 1 or eqn.params.get("dimensions") not in (None, ()) or not k.is_block:
         return _keep_dim(p, eqn, kinds, single, None if not k.partial else 0)
     size = p.ctx.split_size(k)
-    e = rules.reshaped_dim(_shape(eqn.invars[0]), out_shape, k.dim, size)
+    e = rules.reshaped_dim(_shape(eqn.invars[0]), out_shape, k.split, size)
     if e is None:
         return _gathered(p, eqn, kinds, single)
     local = out_shape[:e] + (out_shape[e] // size,) + out_shape[e + 1 :]
@@ -172,70 +176,81 @@ def reshape_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     return _keep_dim(p, eqn, kinds, single, e, lambda v: [lax.reshape(v[0], local)])
 
 
-def transpose_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def transpose_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     k = kinds[0]
-    new = tuple(eqn.params["permutation"]).index(k.dim) if k.is_block else None
+    new = tuple(eqn.params["permutation"]).index(k.split) if k.is_block else None
     return _keep_dim(p, eqn, kinds, single, new)
 
 
-def squeeze_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def squeeze_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     k = kinds[0]
     dims = tuple(eqn.params["dimensions"])
-    new = k.dim - sum(1 for a in dims if a < k.dim) if k.is_block and k.dim not in dims else None
+    new = k.split - sum(1 for a in dims if a < k.split) if k.is_block and k.dim not in dims else None
     return _keep_dim(p, eqn, kinds, single, new)
 
 
-def dynamic_slice_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def dynamic_slice_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     """A slice along other dimensions (a layer of a stacked block) keeps the block."""
     k = kinds[0]
     shape = _shape(eqn.invars[0])
     sizes = tuple(eqn.params["slice_sizes"])
-    if not k.is_block or sizes[k.dim] != shape[k.dim]:
+    if not k.is_block or sizes[k.split] != shape[k.split]:
         return _keep_dim(p, eqn, kinds, single, None)
-    local = sizes[: k.dim] + (shape[k.dim] // p.ctx.split_size(k),) + sizes[k.dim + 1 :]
-    return _keep_dim(p, eqn, kinds, single, k.dim, lambda v: bind_local(eqn, v, slice_sizes=local))
+    local = sizes[: k.split] + (shape[k.split] // p.ctx.split_size(k),) + sizes[k.split + 1 :]
+    return _keep_dim(p, eqn, kinds, single, k.split, lambda v: bind_local(eqn, v, slice_sizes=local))
 
 
-def slice_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def slice_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     k = kinds[0]
     shape = _shape(eqn.invars[0])
     start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
     strides = eqn.params["strides"] or (1,) * len(shape)
-    if not k.is_block or (start[k.dim], limit[k.dim], strides[k.dim]) != (0, shape[k.dim], 1):
+    if not k.is_block or (start[k.split], limit[k.split], strides[k.split]) != (0, shape[k.split], 1):
         return _keep_dim(p, eqn, kinds, single, None)
-    local = tuple(limit)[: k.dim] + (shape[k.dim] // p.ctx.split_size(k),) + tuple(limit)[k.dim + 1 :]
-    return _keep_dim(p, eqn, kinds, single, k.dim, lambda v: bind_local(eqn, v, limit_indices=local))
+    local = tuple(limit)[: k.split] + (shape[k.split] // p.ctx.split_size(k),) + tuple(limit)[k.split + 1 :]
+    return _keep_dim(p, eqn, kinds, single, k.split, lambda v: bind_local(eqn, v, limit_indices=local))
 
 
-def identity_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def identity_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     return rules.identity_rule(p, eqn, kinds, single)
 
 
+#: Array reductions over a block's dimension, by the collective that combines the local
+#: results (None: they stay a partial sum over the block's axes).
+REDUCER_COLLECTIVE: dict[str, str | None] = {
+    "reduce_sum": None,
+    "reduce_max": "pmax",
+    "reduce_min": "pmin",
+    "reduce_and": "pmin",
+    "reduce_or": "pmax",
+}
+
+
+def _build() -> dict[str, Rule]:
+    table: dict[str, Rule] = {}
+    table.update(dict.fromkeys(primitives.ELEMENTWISE, elementwise_rule))
+    for name in sorted(primitives.ARRAY_REDUCTIONS & REDUCER_COLLECTIVE.keys()):
+        table[name] = _reduce_rule(REDUCER_COLLECTIVE[name])
+    table.update(dict.fromkeys(primitives.PLACEMENT | primitives.VMA_TYPING, identity_rule))
+    table.update(
+        {
+            "broadcast_in_dim": broadcast_in_dim_rule,
+            "reshape": reshape_rule,
+            "expand_dims": reshape_rule,
+            "transpose": transpose_rule,
+            "squeeze": squeeze_rule,
+            "dynamic_slice": dynamic_slice_rule,
+            "slice": slice_rule,
+        }
+    )
+    return table
+
+
 #: Rules for equations that read a block or a partial sum over some data axes, by primitive.
-BLOCK_RULES: dict[str, Any] = {name: elementwise_rule for name in rules.NARROWABLE_ELEMENTWISE}
-BLOCK_RULES.update(
-    {
-        "reduce_sum": _reduce_rule(None),
-        "reduce_max": _reduce_rule("pmax"),
-        "reduce_min": _reduce_rule("pmin"),
-        "reduce_and": _reduce_rule("pmin"),
-        "reduce_or": _reduce_rule("pmax"),
-        "broadcast_in_dim": broadcast_in_dim_rule,
-        "reshape": reshape_rule,
-        "expand_dims": reshape_rule,
-        "transpose": transpose_rule,
-        "squeeze": squeeze_rule,
-        "dynamic_slice": dynamic_slice_rule,
-        "slice": slice_rule,
-        "reshard": identity_rule,
-        "sharding_constraint": identity_rule,
-        "mesh_cast": identity_rule,
-        "pvary": identity_rule,
-    }
-)
+BLOCK_RULES: dict[str, Rule] = _build()
 
 
-def block_rule_for(eqn) -> Any:
+def block_rule_for(eqn: JaxprEqn) -> Rule | None:
     """The block rule of ``eqn``; calls and control flow plan their bodies with the blocks as
     they are; None: the operands are gathered first."""
     name = eqn.primitive.name
@@ -255,7 +270,7 @@ def block_hints(jaxpr, out_kinds: Sequence[Kind] | None) -> dict:
     hints: dict = {}
     conflicting: set = set()
 
-    def mark(x: Any, kind: Kind) -> None:
+    def mark(x: jex_core.Var | jex_core.Literal, kind: Kind) -> None:
         if not isinstance(x, jex_core.Var) or x in conflicting:
             return
         if x in hints and hints[x] != kind:
@@ -290,12 +305,12 @@ def block_hints(jaxpr, out_kinds: Sequence[Kind] | None) -> dict:
     return hints
 
 
-def _through_pad(eqn, d: int) -> int | None:
+def _through_pad(eqn: JaxprEqn, d: int) -> int | None:
     config = eqn.params["padding_config"]
     return d if tuple(config[d]) == (0, 0, 0) else None
 
 
-def _through_reshape(eqn, d: int) -> int | None:
+def _through_reshape(eqn: JaxprEqn, d: int) -> int | None:
     if eqn.params.get("dimensions") not in (None, ()):
         return None
     in_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
@@ -309,7 +324,7 @@ def _through_reshape(eqn, d: int) -> int | None:
     return None
 
 
-def _through_broadcast(eqn, d: int) -> int | None:
+def _through_broadcast(eqn: JaxprEqn, d: int) -> int | None:
     dims = tuple(eqn.params["broadcast_dimensions"])
     if d not in dims or len(eqn.invars) != 1:
         return None
@@ -318,7 +333,7 @@ def _through_broadcast(eqn, d: int) -> int | None:
 
 
 #: Shape operations a hint passes back through: output dimension -> operand dimension.
-HINT_THROUGH: dict[str, Any] = {
+HINT_THROUGH: dict[str, Callable[[JaxprEqn, int], int | None]] = {
     "pad": _through_pad,
     "reshape": _through_reshape,
     "expand_dims": _through_reshape,
@@ -328,7 +343,7 @@ HINT_THROUGH: dict[str, Any] = {
 }
 
 
-def pad_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def pad_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     """A layer's gradient padded into a stacked gradient that meets a stacked block: the
     layer's gradient is reduce-scattered into its block first, then padded locally."""
     k, value = kinds

@@ -24,14 +24,16 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
+from jax.extend.core import JaxprEqn
 
-from jaxsched.core.partition.interpreter import EqnPlan, JaxprPlan, Partitioner
+from jaxsched._errors import JaxschedTypeError
+from jaxsched.core.partition.interpreter import EqnPlan, JaxprPlan, Partitioner, Rule, aval_of
 from jaxsched.core.partition.kinds import PARTIAL, Kind, REPLICATED, join, sharded
 from jaxsched.core.primitives import CALL_PRIMITIVES
 
@@ -46,7 +48,7 @@ CALLS = CALL_PRIMITIVES | REMAT | {"custom_lin"}
 MAX_WIDENINGS = 6
 
 
-def _inner(eqn) -> tuple[Any, tuple] | None:
+def _inner(eqn: JaxprEqn) -> tuple[jex_core.Jaxpr, tuple] | None:
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         inner = eqn.params.get(key)
         if inner is None:
@@ -58,19 +60,24 @@ def _inner(eqn) -> tuple[Any, tuple] | None:
     return None
 
 
-def is_call(eqn) -> bool:
+def is_call(eqn: JaxprEqn) -> bool:
     """Whether ``eqn`` is a call whose body can be inlined."""
     return eqn.primitive.name in CALLS and _inner(eqn) is not None
 
 
-def _entry_kinds(kinds: list, single: list) -> list[Kind]:
+def _entry_kinds(kinds: list[Kind], single: list[bool]) -> list[Kind]:
     """Operand kinds a nested body receives: a partial sum that is also used elsewhere is
     reduced first, so that it is reduced once."""
     return [REPLICATED if k.partial and not s else k for k, s in zip(kinds, single)]
 
 
-def call_rule(p: Partitioner, eqn, kinds: list, single: list, out_kinds: Any = None) -> EqnPlan:
-    jaxpr, consts = _inner(eqn)
+def call_rule(
+    p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool], out_kinds: Sequence[Kind] | None = None
+) -> EqnPlan:
+    inner = _inner(eqn)
+    if inner is None:  # `rule_for` gives this rule to calls only (`is_call`)
+        raise JaxschedTypeError(f"{eqn.primitive.name} is not a call with a body")
+    jaxpr, consts = inner
     inputs = _entry_kinds(kinds, single)
     p.callers.append(eqn)
     try:
@@ -116,7 +123,7 @@ def _demanded(sub: JaxprPlan, inputs: list[Kind]) -> list[Kind]:
     return demanded
 
 
-def _rematerialized(eqn, run: Any) -> Any:
+def _rematerialized(eqn: JaxprEqn, run: Any) -> Any:
     """``run`` as the checkpoint ``eqn`` is: recomputed, and, where ``eqn`` is backward's
     recomputation (``differentiated``), behind an optimization barrier on the operands
     ``prevent_cse`` names, as JAX lowers it. ``jax.checkpoint`` of an undifferentiated
@@ -170,7 +177,7 @@ def _summed_carries(plan_body, carry: list[Kind], sub: JaxprPlan, first: int) ->
     return carry, sub
 
 
-def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def scan_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     params = eqn.params
     closed = params["jaxpr"]
     n_consts, n_carry = params["num_consts"], params["num_carry"]
@@ -178,7 +185,7 @@ def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     consts, carry = entry[:n_consts], entry[n_consts : n_consts + n_carry]
     xs_outer, xs_inner = [], []
     for k, x in zip(entry[n_consts + n_carry :], eqn.invars[n_consts + n_carry :]):
-        if k == sharded(0) and p.ctx.can_shard(x.aval.shape, 1):
+        if k == sharded(0) and p.ctx.can_shard(aval_of(x).shape, 1):
             k = sharded(1)  # microbatches held whole by each device: swapped for their rows
         if k.dim == 0:  # scanning over the sharded dimension itself: every step needs the whole
             if not k.is_block:
@@ -187,7 +194,7 @@ def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         xs_outer.append(k)
         xs_inner.append(k.moved(k.dim - 1) if k.dim is not None else k)
 
-    def plan_body(carry_kinds: list[Kind], out_kinds: Any = None) -> JaxprPlan:
+    def plan_body(carry_kinds: list[Kind], out_kinds: Sequence[Kind] | None = None) -> JaxprPlan:
         return p.plan(closed.jaxpr, consts + list(carry_kinds) + xs_inner, out_kinds)
 
     outer_hints = dict(p.hints)  # the enclosing jaxpr's (planning the body replaces them)
@@ -198,12 +205,12 @@ def scan_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
         consts = demanded
         carry, natural = _widen(p, plan_body, carry)
     ys_inner = list(natural.out_kinds[n_carry:])
-    for k, (kind, out) in enumerate(zip(ys_inner, eqn.outvars[n_carry:])):
+    for i, (kind, out) in enumerate(zip(ys_inner, eqn.outvars[n_carry:])):
         # a per-iteration partial sum (a layer's weight gradient) whose stack meets a parameter
         # block after the loop is reduce-scattered into the layer's block in its iteration
         hint = outer_hints.get(out)
-        if kind.partial and hint is not None and hint.is_block and hint.dim >= 1:
-            ys_inner[k] = hint.moved(hint.dim - 1)
+        if kind.partial and hint is not None and hint.is_block and hint.split >= 1:
+            ys_inner[i] = hint.moved(hint.split - 1)
     body = plan_body(carry, carry + ys_inner)
     ys_outer = [k.moved(k.dim + 1) if k.dim is not None else k for k in ys_inner]
     prefetch = _prefetched(p, natural, xs_inner, params["length"])
@@ -235,7 +242,7 @@ def _prefetched(p: Partitioner, natural: JaxprPlan, xs_inner: list[Kind], length
     return frozenset(blocks)
 
 
-def _scan_emit(p: Partitioner, eqn, body: JaxprPlan) -> Any:
+def _scan_emit(p: Partitioner, eqn: JaxprEqn, body: JaxprPlan) -> Any:
     params = eqn.params
     n_consts, n_carry = params["num_consts"], params["num_carry"]
 
@@ -256,7 +263,9 @@ def _scan_emit(p: Partitioner, eqn, body: JaxprPlan) -> Any:
     return emit
 
 
-def _double_buffered(p: Partitioner, eqn, body: JaxprPlan, prefetch: frozenset[int], xs_inner: list[Kind]) -> Any:
+def _double_buffered(
+    p: Partitioner, eqn: JaxprEqn, body: JaxprPlan, prefetch: frozenset[int], xs_inner: list[Kind]
+) -> Any:
     """The scan with its layer weights double-buffered: the carry holds the current layer's
     gathered weights while the iteration gathers the next layer's, which nothing in the
     iteration waits for, so the gather runs under the layer's compute (prefetch distance one:
@@ -300,7 +309,7 @@ def _double_buffered(p: Partitioner, eqn, body: JaxprPlan, prefetch: frozenset[i
     return emit
 
 
-def while_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def while_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     params = eqn.params
     cond, body = params["cond_jaxpr"], params["body_jaxpr"]
     nc, nb = params["cond_nconsts"], params["body_nconsts"]
@@ -308,7 +317,7 @@ def while_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     cond_consts, body_consts, carry = entry[:nc], entry[nc : nc + nb], entry[nc + nb :]
     cond_consts = [REPLICATED if k.partial else k for k in cond_consts]
 
-    def plan_body(carry_kinds: list[Kind], out_kinds: Any = None) -> JaxprPlan:
+    def plan_body(carry_kinds: list[Kind], out_kinds: Sequence[Kind] | None = None) -> JaxprPlan:
         return p.plan(body.jaxpr, body_consts + list(carry_kinds), out_kinds)
 
     carry, _ = _widen(p, plan_body, carry)
@@ -328,7 +337,7 @@ def while_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     return EqnPlan(tuple(cond_consts + body_consts + carry), tuple(carry), emit)
 
 
-def _wanted_as(sub: JaxprPlan, var: Any) -> set[Kind]:
+def _wanted_as(sub: JaxprPlan, var: jex_core.Var) -> set[Kind]:
     """The kinds the readers of ``var`` inside a planned jaxpr take it in (and its kind as an
     output, where it is one)."""
     wanted = {
@@ -341,7 +350,7 @@ def _wanted_as(sub: JaxprPlan, var: Any) -> set[Kind]:
     return wanted
 
 
-def cond_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
+def cond_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     branches = eqn.params["branches"]
     operands = _entry_kinds(kinds[1:], single[1:])
     # a partial sum that a branch reduces (optax.MultiSteps' update on the gradient) is
@@ -363,4 +372,4 @@ def cond_rule(p: Partitioner, eqn, kinds: list, single: list) -> EqnPlan:
     return EqnPlan((REPLICATED, *operands), tuple(outs), emit)
 
 
-CONTROL_RULES = {"scan": scan_rule, "while": while_rule, "cond": cond_rule}
+CONTROL_RULES: dict[str, Rule] = {"scan": scan_rule, "while": while_rule, "cond": cond_rule}

@@ -27,12 +27,23 @@ import warnings
 from typing import Any, Callable, Sequence
 
 from jax.extend import core as jex_core
+from jax.extend.core import JaxprEqn
 from jax.extend import source_info_util
 
 from jaxsched.core.partition.kinds import AxisContext, Kind, REPLICATED
-from jaxsched.core.replay import source_line
+from jaxsched.core.replay import aval_of, source_line
 
-__all__ = ["EqnPlan", "GatherWarning", "JaxprPlan", "Partitioner", "PartitionError", "RuleTable"]
+__all__ = [
+    "EqnPlan",
+    "GatherWarning",
+    "JaxprPlan",
+    "NarrowRule",
+    "Partitioner",
+    "PartitionError",
+    "Rule",
+    "RuleTable",
+    "aval_of",
+]
 
 
 class PartitionError(JaxschedError, ValueError):
@@ -69,11 +80,19 @@ class JaxprPlan:
     """A jaxpr with the plan of each equation and the kinds of its inputs and outputs
     (``out_kinds``: the kinds the outputs are returned in)."""
 
-    jaxpr: Any
+    jaxpr: jex_core.Jaxpr
     in_kinds: tuple[Kind, ...]
     out_kinds: tuple[Kind, ...]
     eqns: list[EqnPlan]
     kinds: dict
+
+
+#: A rule: ``(partitioner, eqn, operand kinds, whether this equation is each operand's only
+#: use) -> plan`` (`jaxsched.core.partition.forward_rules`).
+Rule = Callable[["Partitioner", JaxprEqn, list[Kind], list[bool]], EqnPlan]
+#: A narrowing rule: ``(partitioner, eqn, d) -> plan computing block d of the result``, or
+#: None when it cannot (`jaxsched.core.partition.narrowing_rules`).
+NarrowRule = Callable[["Partitioner", JaxprEqn, int], "EqnPlan | None"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +111,10 @@ class RuleTable:
         parameter block, which their block rule then computes as that block.
     """
 
-    rule_for: Callable[[Any], Callable]
-    narrow_rule_for: Callable[[Any], Callable | None]
-    block_rule_for: Callable[[Any], Callable | None] = lambda eqn: None
-    hints_for: Callable[[Any, Any], dict] = lambda jaxpr, out_kinds: {}
+    rule_for: Callable[[JaxprEqn], Rule]
+    narrow_rule_for: Callable[[JaxprEqn], NarrowRule | None]
+    block_rule_for: Callable[[JaxprEqn], Rule | None] = lambda eqn: None
+    hints_for: Callable[[jex_core.Jaxpr, Sequence[Kind] | None], dict] = lambda jaxpr, out_kinds: {}
 
 
 class Partitioner:
@@ -178,7 +197,7 @@ class Partitioner:
         narrow_rule_for = self.rules.narrow_rule_for
         wants: dict = {}
 
-        def want(x: Any, kind: Kind, count: int) -> None:
+        def want(x: jex_core.Var | jex_core.Literal, kind: Kind, count: int) -> None:
             if isinstance(x, jex_core.Var):
                 tally = wants.setdefault(x, {})
                 tally[kind] = tally.get(kind, 0) + count
@@ -211,7 +230,7 @@ class Partitioner:
                 want(x, old, -1)
                 want(x, new, 1)
 
-    def _narrow_call(self, eqn, index: int, plans: list, kinds: dict, wants: dict, want: Callable) -> None:
+    def _narrow_call(self, eqn: JaxprEqn, index: int, plans: list, kinds: dict, wants: dict, want: Callable) -> None:
         """A call's whole results that every reader outside wants as one block are returned
         as that block, computed as such inside the call."""
         plan = plans[index]
@@ -227,17 +246,17 @@ class Partitioner:
             return
         narrowed = plan.with_outputs(outputs)
         plans[index] = narrowed
-        for x, kind in zip(eqn.outvars, narrowed.outputs):
-            kinds[x] = kind
-        for x, old, new in zip(eqn.invars, plan.inputs, narrowed.inputs):
-            want(x, old, -1)
-            want(x, new, 1)
+        for o, kind in zip(eqn.outvars, narrowed.outputs):
+            kinds[o] = kind
+        for a, old, new in zip(eqn.invars, plan.inputs, narrowed.inputs):
+            want(a, old, -1)
+            want(a, new, 1)
 
     @staticmethod
-    def kind_of(kinds: dict, x: Any) -> Kind:
+    def kind_of(kinds: dict, x: jex_core.Var | jex_core.Literal) -> Kind:
         return REPLICATED if isinstance(x, jex_core.Literal) else kinds[x]
 
-    def is_zero(self, x: Any) -> bool:
+    def is_zero(self, x: jex_core.Var | jex_core.Literal) -> bool:
         if isinstance(x, jex_core.Literal):
             try:
                 return not bool(x.val != 0)
@@ -245,7 +264,7 @@ class Partitioner:
                 return False
         return x in self.zeros
 
-    def _track_zeros(self, eqn) -> None:
+    def _track_zeros(self, eqn: JaxprEqn) -> None:
         name = eqn.primitive.name
         if (
             name in ("broadcast_in_dim", "convert_element_type", "reshape", "copy", "copy_p")
@@ -254,7 +273,7 @@ class Partitioner:
         ):
             self.zeros.update(eqn.outvars)
 
-    def where(self, eqn) -> str:
+    def where(self, eqn: JaxprEqn) -> str:
         """The user's source line of ``eqn``, or of the innermost call it was inlined from
         (``jnp.roll`` or ``jnp.sort`` run jitted library code that has none)."""
         for candidate in [eqn, *reversed(self.callers)]:
@@ -266,7 +285,7 @@ class Partitioner:
                 return line
         return source_line(eqn)
 
-    def gathered(self, eqn, why: str) -> None:
+    def gathered(self, eqn: JaxprEqn, why: str) -> None:
         """Record (and warn once about) an operation that gathers the batch."""
         if self.trying:
             return
@@ -286,7 +305,7 @@ class Partitioner:
             stacklevel=2,
         )
 
-    def refuse(self, eqn, why: str) -> PartitionError:
+    def refuse(self, eqn: JaxprEqn, why: str) -> PartitionError:
         return PartitionError(f"jaxsched cannot run {eqn.primitive.name} at {self.where(eqn)} per device: {why}")
 
     # -- running ----------------------------------------------------------------------------
@@ -297,9 +316,9 @@ class Partitioner:
         env.update(zip(jaxpr.invars, args, strict=True))
         converted: dict = {}
 
-        def read(x: Any, want: Kind, site: int = -1) -> Any:
+        def read(x: jex_core.Var | jex_core.Literal, want: Kind, site: int = -1) -> Any:
             if isinstance(x, jex_core.Literal):
-                return x.val if want.is_replicated else self.ctx.convert(x.val, REPLICATED, want, x.aval.shape)
+                return x.val if want.is_replicated else self.ctx.convert(x.val, REPLICATED, want, aval_of(x).shape)
             have = plan.kinds[x]
             if have == want or (want.partial and have.is_replicated and x in self.zeros):
                 return env[x]
@@ -308,7 +327,7 @@ class Partitioner:
             # gather, behind the checkpoint's barrier, is not merged into forward's)
             key = (x, want, site if have.is_block and not want.is_block else -1)
             if key not in converted:
-                converted[key] = self.ctx.convert(env[x], have, want, x.aval.shape)
+                converted[key] = self.ctx.convert(env[x], have, want, aval_of(x).shape)
             return converted[key]
 
         for site, (eqn, eqn_plan) in enumerate(zip(jaxpr.eqns, plan.eqns, strict=True)):

@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsched._errors import JaxschedRuntimeError
 from jaxsched.core.axes import AxisName, as_axes
 
 __all__ = [
@@ -93,6 +94,14 @@ class Kind:
     def is_special(self) -> bool:
         """A kind that only block-aware rules take (other rules get it converted first)."""
         return self.over is not None
+
+    @property
+    def split(self) -> int:
+        """``dim`` of a kind known to be split (``sharded``, a block): an ``int`` for the type
+        checker; reading it of a kind that is not split is a bug."""
+        if self.dim is None:
+            raise JaxschedRuntimeError(f"{self!r} is not split along a dimension")
+        return self.dim
 
     def moved(self, dim: int) -> "Kind":
         """The same kind along another dimension (a transpose, a squeeze, a loop's slice)."""
@@ -210,7 +219,7 @@ class AxisContext:
             return value  # a parameter block over the data axes is laid out as the batch's
         if have.dim is not None and have.over is None and want.over is None:  # blocks of another dimension
             return lax.all_to_all(value, self.axis_name, split_axis=want.dim, concat_axis=have.dim, tiled=True)
-        return self.block(self.replicate(value, have), want.dim, shape, want.over)
+        return self.block(self.replicate(value, have), want.split, shape, want.over)
 
     def _axes_of(self, kind: Kind) -> tuple[str, ...]:
         return self.axes if kind.over is None else tuple(kind.over)
@@ -229,7 +238,7 @@ class AxisContext:
         summed = self._axes_of(have)
         axes = self._axes_of(want)
         if not set(axes) <= set(summed):
-            return self.block(self.replicate(value, have), want.dim, shape, want.over)
+            return self.block(self.replicate(value, have), want.split, shape, want.over)
         part = lax.psum_scatter(value, axes if len(axes) > 1 else axes[0], scatter_dimension=want.dim, tiled=True)
         rest = tuple(a for a in summed if a not in axes)
         return lax.psum(part, rest) if rest else part

@@ -11,15 +11,15 @@ Example:
 
 from __future__ import annotations
 
-from jaxsched.core.partition import blocks, rules
+from jaxsched.core.partition import blocks, forward_rules, narrowing_rules
 from jaxsched.core.partition.interpreter import RuleTable
 
 __all__ = ["TABLE"]
 
 #: Where `Partitioner` finds its rules.
 TABLE = RuleTable(
-    rule_for=rules.rule_for,
-    narrow_rule_for=rules.narrow_rule_for,
+    rule_for=forward_rules.rule_for,
+    narrow_rule_for=narrowing_rules.narrow_rule_for,
     block_rule_for=blocks.block_rule_for,
     hints_for=blocks.block_hints,
 )

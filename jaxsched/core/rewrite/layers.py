@@ -37,9 +37,11 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
+from jax.extend.core import JaxprEqn
+
 from jaxsched.core.analyze import Analysis
 from jaxsched.core.bucketing import match_reductions
-from jaxsched.core.replay import is_var
+from jaxsched.core.replay import aval_of, is_var
 
 __all__ = ["LayerMatch", "match_layers", "MatchedLayer", "PASS_THROUGH"]
 
@@ -172,9 +174,9 @@ def _origin(x: Any, producer: dict, body) -> int | None:
     return None
 
 
-def _sums_unit_axes(eqn) -> bool:
+def _sums_unit_axes(eqn: JaxprEqn) -> bool:
     """A ``reduce_sum`` over axes of size 1 only (a reshape in disguise)."""
-    return eqn.primitive.name == "reduce_sum" and all(eqn.invars[0].aval.shape[a] == 1 for a in eqn.params["axes"])
+    return eqn.primitive.name == "reduce_sum" and all(aval_of(eqn.invars[0]).shape[a] == 1 for a in eqn.params["axes"])
 
 
 def _dense(fwd, bwd, x, w):

@@ -89,7 +89,10 @@ class PendingSums:
                 outputs.extend(fn(*[self.value(v) for v in values]))
             return outputs
 
-        return [PendingSum(compute=lambda k=k: run()[k]) for k in range(num_outputs)]
+        def output(k: int) -> Callable[[], Any]:
+            return lambda: run()[k]
+
+        return [PendingSum(compute=output(k)) for k in range(num_outputs)]
 
     def widen(self, eqn: Any, values: Sequence[Any]) -> list | None:
         """A ``psum`` over more axes of sums pending over others (HSDP: a block's chunk

@@ -25,18 +25,20 @@ from jaxsched._errors import JaxschedWarning
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import JaxprEqn
 
 from jaxsched.core import layout
-from jaxsched.core.axes import as_axes
+from jaxsched.core.axes import AxisName, as_axes
+from jaxsched.core import primitives
 from jaxsched.core.primitives import CALL_PRIMITIVES, VMA_TYPING
 from jaxsched.core.replay import bind as _bind
-from jaxsched.core.replay import at_source, eval_inline, is_var, source_line
+from jaxsched.core.replay import at_source, aval_of, eval_inline, is_var, source_line
 from jaxsched.core.replay import inner_jaxpr as _inner_jaxpr
 
 __all__ = [
@@ -75,8 +77,8 @@ class Shard:
 
     chunk: jax.Array
     shape: tuple[int, ...]
-    full: Any = None
-    axes: Any = None
+    full: jax.Array | None = None
+    axes: AxisName | None = None
     size: int = 0
 
     @property
@@ -103,7 +105,7 @@ class ShardContext:
     reported: set = dataclasses.field(default_factory=set)
     fallbacks: list = dataclasses.field(default_factory=list)
     #: the top-level equation being run (nested calls and branches report under it)
-    top: Any = None
+    top: JaxprEqn | None = None
     #: every ``((primitive, source line), top-level equation)`` that fell back
     sites: list = dataclasses.field(default_factory=list)
     #: while a rule traces a body only to see what it does, what would fall back there
@@ -112,7 +114,7 @@ class ShardContext:
     #: (`jaxsched.core.rewrite.pending_sums`); None: each is reduced at once
     sums: Any = None
 
-    def axes_of(self, shard: "Shard | None") -> Any:
+    def axes_of(self, shard: "Shard | None") -> AxisName:
         """The mesh axes ``shard``'s chunks are spread over (the data axes by default)."""
         return self.axis_name if shard is None or shard.axes is None else shard.axes
 
@@ -123,7 +125,7 @@ class ShardContext:
         """Whether variable ``x`` differs across the devices ``shard``'s chunks are spread over."""
         if isinstance(self.varying, dict):
             across = self.varying.get(x)
-            return bool(across) and bool(set(across) & set(as_axes(self.axes_of(shard))))
+            return bool(across) and bool(set(across or ()) & set(as_axes(self.axes_of(shard))))
         return x in self.varying
 
     def to_full(self, value: Any) -> Any:
@@ -142,7 +144,7 @@ class ShardContext:
             return value
         return layout.local_chunk(jnp.broadcast_to(value, shape), self.axes_of(like), self.size_of(like))
 
-    def report(self, eqn, reason: str) -> None:
+    def report(self, eqn: JaxprEqn, reason: str) -> None:
         key = (eqn.primitive.name, source_line(eqn))
         if self.probing is not None:
             self.probing.append(key)
@@ -160,16 +162,21 @@ class ShardContext:
             )
 
 
-Rule = Callable[[ShardContext, Any, list], list]
+#: A shard rule: ``(context, eqn, operand values, full or `Shard`) -> result values``.
+Rule = Callable[[ShardContext, JaxprEqn, list], list]
 
-ELEMENTWISE = frozenset(
+#: Elementwise primitives left to the exact fallback here, though a flat chunk of each
+#: operand gives the result's chunk: no optimizer update this region was built for uses
+#: them (special functions, bit counts and shifts, complex numbers), and none is tested
+#: on chunks. (PRNG key operations are no flat chunks at all: `primitives.RANDOM_KEY_OPS`.)
+NOT_ON_CHUNKS = frozenset(
     """
-abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
-copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow is_finite
-le lgamma digamma log log1p logistic lt max min mul ne neg nextafter not or pow real reduce_precision
-rem round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh xor
+bessel_i0e bessel_i1e igamma igammac polygamma zeta clz population_count
+shift_left shift_right_arithmetic shift_right_logical complex conj
 """.split()
 )
+#: The elementwise primitives `elementwise_rule` runs on chunks.
+ELEMENTWISE = primitives.ELEMENTWISE - NOT_ON_CHUNKS
 RESHAPES = frozenset({"reshape", "squeeze", "expand_dims"})
 
 
@@ -182,29 +189,29 @@ def full_rule(
     return _bind(eqn, [ctx.to_full(v) for v in values])
 
 
-def elementwise_rule(ctx: ShardContext, eqn, values: list) -> list:
-    shape = tuple(eqn.outvars[0].aval.shape)
+def elementwise_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
+    shape = tuple(aval_of(eqn.outvars[0]).shape)
     shards = [v for v in values if isinstance(v, Shard)]
     if any(v.shape != shape or (v.axes, v.size) != (shards[0].axes, shards[0].size) for v in shards):
         return full_rule(ctx, eqn, values)
     like = shards[0]
     chunks = [ctx.to_chunk(v, shape, like) for v in values]
-    return [like.with_chunk(out, o.aval.shape) for out, o in zip(_bind(eqn, chunks), eqn.outvars)]
+    return [like.with_chunk(out, aval_of(o).shape) for out, o in zip(_bind(eqn, chunks), eqn.outvars)]
 
 
-def reshape_rule(ctx: ShardContext, eqn, values: list) -> list:
+def reshape_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     """Row-major reshapes, and squeezing or inserting unit axes (pmap's block axis), keep
     the flat chunk; a reshape that transposes first (``dimensions``) does not."""
-    (value,) = [v for v in values if isinstance(v, Shard)][:1] or [None]
+    value = next((v for v in values if isinstance(v, Shard)), None)
     transposes = eqn.primitive.name == "reshape" and eqn.params.get("dimensions") not in (None, ())
     if value is None or len(values) != 1 or transposes:
         return full_rule(ctx, eqn, values)
-    return [value.with_chunk(value.chunk, eqn.outvars[0].aval.shape)]
+    return [value.with_chunk(value.chunk, aval_of(eqn.outvars[0]).shape)]
 
 
-def broadcast_in_dim_rule(ctx: ShardContext, eqn, values: list) -> list:
+def broadcast_in_dim_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     operand = values[0]
-    out_shape = tuple(eqn.outvars[0].aval.shape)
+    out_shape = tuple(aval_of(eqn.outvars[0]).shape)
     if len(values) == 1 and math.prod(operand.shape) == math.prod(out_shape):
         return [operand.with_chunk(operand.chunk, out_shape)]  # only inserts unit dimensions
     return full_rule(ctx, eqn, values)
@@ -216,7 +223,7 @@ def _reduce_rule(local: Callable, collective: Callable, identity: Callable, segm
     with ``segment``: each chunk element added into its output position, a partial result
     the size of the output, and one collective of that size; never a gather of the input."""
 
-    def rule(ctx: ShardContext, eqn, values: list) -> list:
+    def rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
         (value,) = values
         if value.full is not None:  # already whole here (a parameter gathered for forward)
             return _bind(eqn, [value.full])
@@ -224,7 +231,7 @@ def _reduce_rule(local: Callable, collective: Callable, identity: Callable, segm
         over, size = ctx.axes_of(value), ctx.size_of(value)
         mask = layout.valid_mask(value.shape, over, size)
         chunk = jnp.where(mask, value.chunk, identity(value.chunk.dtype))
-        out_dtype = eqn.outvars[0].aval.dtype
+        out_dtype = aval_of(eqn.outvars[0]).dtype
         if axes == tuple(range(len(value.shape))):
             if collective is lax.psum and ctx.sums is not None:
                 return [ctx.sums.defer(local(chunk).astype(out_dtype), over)]
@@ -266,7 +273,7 @@ def _highest(dtype):
     return jnp.finfo(dtype).max if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
 
 
-def psum_rule(ctx: ShardContext, eqn, values: list) -> list:
+def psum_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     """A user's psum in the update region: of an invariant value it is a multiply by P."""
     data_axes = as_axes(ctx.axis_name)
     if not set(data_axes) <= set(_axes(eqn)) or any(ctx.varies(x) for x in eqn.invars if is_var(x)):
@@ -279,11 +286,11 @@ def psum_rule(ctx: ShardContext, eqn, values: list) -> list:
     return out
 
 
-def identity_rule(ctx: ShardContext, eqn, values: list) -> list:
+def identity_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     return list(values)
 
 
-def call_rule(ctx: ShardContext, eqn, values: list) -> list:
+def call_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     """jit / custom_jvp / custom_vjp calls: interpret their body with the same rules."""
     inner = _inner_jaxpr(eqn)
     if inner is None:
@@ -291,7 +298,7 @@ def call_rule(ctx: ShardContext, eqn, values: list) -> list:
     return eval_sharded(ctx, inner.jaxpr, values, constvals=inner.consts)
 
 
-def cond_rule(ctx: ShardContext, eqn, values: list) -> list:
+def cond_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     """``lax.cond``/``lax.switch`` on a device-invariant index (``MultiSteps``' every k-th
     step, ``apply_if_finite``'s skip): every branch runs with these rules on the same chunks.
     An output that one branch returns sharded is sharded in all (a full value's chunk is a
@@ -306,7 +313,7 @@ def cond_rule(ctx: ShardContext, eqn, values: list) -> list:
     like = shards[0] if shards else None
     templates = [v if isinstance(v, Shard) else None for v in operands]
     flat = [v.chunk if isinstance(v, Shard) else v for v in operands]
-    avals = [o.aval for o in eqn.outvars]
+    avals = [aval_of(o) for o in eqn.outvars]
 
     def branch(closed, sharded: Sequence[bool] | None = None, seen: list | None = None) -> Callable:
         def run(*args):
@@ -336,7 +343,7 @@ def _shard_like(like: "Shard | None", chunk: jax.Array, shape: Sequence[int]) ->
     return like.with_chunk(chunk, shape) if like is not None else Shard(chunk, tuple(shape))
 
 
-def scan_rule(ctx: ShardContext, eqn, values: list) -> list:
+def scan_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     """``lax.scan`` (and ``fori_loop`` with static bounds) whose scanned inputs are full:
     the body runs with these rules, sharded carries stay sharded. Which carries are
     sharded is found by tracing the body until it agrees with itself: a carry that comes
@@ -411,7 +418,7 @@ def scan_rule(ctx: ShardContext, eqn, values: list) -> list:
     return [_shard_like(like, c, a.shape) if k else c for c, a, k in zip(carry, carry_avals, kinds)] + list(ys)
 
 
-def _axes(eqn) -> tuple:
+def _axes(eqn: JaxprEqn) -> tuple:
     axes = eqn.params.get("axes", ())
     return axes if isinstance(axes, tuple) else (axes,)
 
@@ -420,28 +427,56 @@ def _axis_size(name) -> int:
     return lax.axis_size(name)
 
 
-RULES: dict[str, Rule] = {name: elementwise_rule for name in ELEMENTWISE}
-RULES.update({name: reshape_rule for name in RESHAPES})
-RULES.update(
-    {
-        "broadcast_in_dim": broadcast_in_dim_rule,
-        "reduce_sum": _reduce_rule(jnp.sum, lax.psum, lambda d: jnp.zeros((), d), jax.ops.segment_sum),
-        "reduce_max": _reduce_rule(jnp.max, lax.pmax, lambda d: jnp.asarray(_lowest(d), d), jax.ops.segment_max),
-        "reduce_min": _reduce_rule(jnp.min, lax.pmin, lambda d: jnp.asarray(_highest(d), d), jax.ops.segment_min),
-        # the finite checks of loss scaling (DynamicScale, apply_if_finite) and zero_nans
-        "reduce_and": _reduce_rule(jnp.all, _all_devices(lax.pmin), lambda d: jnp.ones((), d)),
-        "reduce_or": _reduce_rule(jnp.any, _all_devices(lax.pmax), lambda d: jnp.zeros((), d)),
-        "psum": psum_rule,
-        "psum_invariant": psum_rule,
-    }
-)
-RULES["cond"] = cond_rule
-RULES["scan"] = scan_rule
-RULES.update({name: identity_rule for name in VMA_TYPING})
-RULES.update({name: call_rule for name in CALL_PRIMITIVES})
+def defelementwise(table: dict[str, Rule], names: Iterable[str]) -> None:
+    """Run each of ``names`` on chunks by `elementwise_rule`."""
+    table.update(dict.fromkeys(names, elementwise_rule))
 
 
-def apply_rule(ctx: ShardContext, eqn, values: list) -> list:
+def defreducer(
+    table: dict[str, Rule],
+    name: str,
+    local: Callable,
+    collective: Callable,
+    identity: Callable,
+    segment: Callable | None = None,
+) -> None:
+    """Run array reduction ``name`` on chunks: ``local`` on the chunk (its padding set to
+    ``identity(dtype)``), then ``collective``; over some axes, ``segment`` (None: fall back)."""
+    table[name] = _reduce_rule(local, collective, identity, segment)
+
+
+#: Array reductions run on chunks: ``(local, collective, identity, segment)``; the others
+#: (``reduce_prod``, ``reduce_xor``) fall back.
+REDUCERS: dict[str, tuple[Callable, Callable, Callable, Callable | None]] = {
+    "reduce_sum": (jnp.sum, lax.psum, lambda d: jnp.zeros((), d), jax.ops.segment_sum),
+    "reduce_max": (jnp.max, lax.pmax, lambda d: jnp.asarray(_lowest(d), d), jax.ops.segment_max),
+    "reduce_min": (jnp.min, lax.pmin, lambda d: jnp.asarray(_highest(d), d), jax.ops.segment_min),
+    # the finite checks of loss scaling (DynamicScale, apply_if_finite) and zero_nans
+    "reduce_and": (jnp.all, _all_devices(lax.pmin), lambda d: jnp.ones((), d), None),
+    "reduce_or": (jnp.any, _all_devices(lax.pmax), lambda d: jnp.zeros((), d), None),
+}
+
+
+def _build() -> dict[str, Rule]:
+    table: dict[str, Rule] = {}
+    defelementwise(table, ELEMENTWISE)
+    table.update(dict.fromkeys(RESHAPES, reshape_rule))
+    table["broadcast_in_dim"] = broadcast_in_dim_rule
+    for name in sorted(primitives.ARRAY_REDUCTIONS & REDUCERS.keys()):
+        defreducer(table, name, *REDUCERS[name])
+    table.update(dict.fromkeys(primitives.SUM_REDUCTIONS, psum_rule))
+    table["cond"] = cond_rule
+    table["scan"] = scan_rule
+    table.update(dict.fromkeys(VMA_TYPING, identity_rule))
+    table.update(dict.fromkeys(CALL_PRIMITIVES, call_rule))
+    return table
+
+
+#: The shard rule of each primitive; the others fall back (`full_rule`).
+RULES: dict[str, Rule] = _build()
+
+
+def apply_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     """Run one equation: unchanged if nothing is sharded, else by its rule."""
     shards = [v for v in values if isinstance(v, Shard)]
     if not shards:
