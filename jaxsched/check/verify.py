@@ -302,7 +302,8 @@ def verify(
 ) -> VerifyReport:
     """Run the plain step, the scheduled step and the rounding baseline side by side.
 
-    What [`Scheduled.verify`][jaxsched._schedule.Scheduled.verify] calls; the module docstring says how each leaf is judged.
+    What [`Scheduled.verify`][jaxsched._schedule.Scheduled.verify] calls; the module docstring says how each
+    leaf is judged.
 
     Args:
       scheduled: the [`Scheduled`][jaxsched.Scheduled] step to check (its own step is the reference).
