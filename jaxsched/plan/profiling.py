@@ -145,6 +145,14 @@ def profile_stages(
 
     Returns:
       A `LayerProfile`, one layer per stage.
+
+    Example:
+        >>> import numpy as np
+        >>> from jaxsched.zoo import models
+        >>> stages = zoo_stages("mlp", models.build("mlp", (4,), 3, hidden=(8,)))
+        >>> x, labels = np.ones((8, 4), np.float32), np.zeros(8, np.int32)
+        >>> [layer.name for layer in profile_stages(stages, x, labels, repeats=1).layers]
+        ['hidden/0', 'head']
     """
     if mesh is not None:
         return _profile_stages_on_mesh(stages, x, labels, repeats, mesh, axis)
@@ -395,6 +403,16 @@ def scale_to_whole_model(
 
     Returns:
       The rescaled `LayerProfile`.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> from jaxsched.zoo import models
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> stages = zoo_stages("mlp", models.build("mlp", (4,), 3, hidden=(8,)))
+        >>> x, labels = np.ones((8, 4), np.float32), np.zeros(8, np.int32)
+        >>> measured = profile_stages(stages, x, labels, repeats=1, mesh=mesh)
+        >>> len(scale_to_whole_model(measured, stages, x, labels, mesh, repeats=1))
+        2
     """
     names = [name for name, _, _ in stages]
     params = {name: p for name, p, _ in stages}
