@@ -41,7 +41,7 @@ demo: $(STAMP)
 # `make test`: about 4.5 minutes on 2 cores (plus a minute to build the environments).
 # Everything but multi-process and fresh-interpreter tests (marked slow, run by
 # `make test-slow` in CI); the tests that compile for GPU and TPU run in the aot environment.
-test: $(STAMP) $(AOT_STAMP)
+test: $(DEV_STAMP) $(AOT_STAMP)
 	$(PY) -m pytest -n 2 -q -m "not slow and not aot" tests
 	JAXSCHED_REQUIRE_TOOLCHAINS=1 $(AOT_PY) -m pytest -n 2 -q -m "aot and not slow" tests
 
