@@ -52,7 +52,7 @@ from __future__ import annotations
 from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +64,7 @@ from jax.sharding import PartitionSpec as P
 from jaxsched.core.axes import as_axes, spec_axes
 from jaxsched.core.capture import UnsupportedStepError
 from jaxsched.runtime.collectives.base import BucketSpec, Collective, stack_local, unstack_local
+from jaxsched.runtime.engine.base import Engine, PerDeviceProgram, make_engine
 from jaxsched.sim.costmodel import DILOCO_PATTERN
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
 from jaxsched.core.primitives import SUM_REDUCTIONS, reduction_axes
@@ -882,8 +883,9 @@ class DiLoCo(Strategy):
 
         return body
 
-    def _finalize_program(self, planned: PlannedStep, in_flight: int | None):
-        """Apply the fragment in flight (if any), then average every replica's drift."""
+    def _finalize_program(self, planned: PlannedStep, in_flight: int | None) -> Callable[..., tuple]:
+        """Apply the fragment in flight (if any), then average every replica's drift; compiled
+        by the step's engine (`Engine.compile`), with XLA's default options."""
         specs, _ = self._state_specs(planned)
         cap = planned.captured
         frag = self._fragments(planned)
@@ -917,9 +919,21 @@ class DiLoCo(Strategy):
                     new_opts.append(lax.pmax(o, axes))
             return tuple(params) + tuple(new_opts)
 
-        from jaxsched.core.partition import manual_shard_map
-
         out_specs = tuple(planned.input_spec("params", i) for i in range(cap.num_params)) + tuple(
             planned.input_spec("opt_state", j) for j in range(cap.num_opt)
         )
-        return jax.jit(manual_shard_map(drain, planned.mesh, specs, out_specs, cap.manual_axes))
+        program = PerDeviceProgram(
+            drain,
+            planned.mesh,
+            planned.axis_name,
+            specs,
+            out_specs,
+            compiler_defaults=True,
+            manual_axes=cap.manual_axes,
+        )
+        return self._engine(planned).compile(program)
+
+    @staticmethod
+    def _engine(planned: PlannedStep) -> Engine:
+        """The engine the step runs on (``xla`` for a plan made without one)."""
+        return planned.engine if isinstance(planned.engine, Engine) else make_engine("xla")
