@@ -33,7 +33,7 @@ import math
 import warnings
 from typing import Any, Sequence
 
-from jaxsched.sim.costmodel import CommPattern, LayerProfile, NetworkProfile, comm_pattern, comm_pattern_names
+from jaxsched.sim.costmodel import CommPattern, Layer, LayerProfile, NetworkProfile, comm_pattern, comm_pattern_names
 
 __all__ = [
     "BYTESCHEDULER",
@@ -195,25 +195,25 @@ class Span:
     name: str
     kind: str  # forward, backward, update, compress, all_reduce, reduce_scatter, ...
     iteration: int
-    start: Any
-    end: Any
+    start: float
+    end: float
 
 
 @dataclasses.dataclass
 class SimResult:
     """What one strategy costs per steady-state iteration, and why."""
 
-    strategy: str
+    strategy: str | CommPattern
     buckets: list[list[int]]
-    iteration_s: Any
-    compute_busy_s: Any
-    comm_busy_s: Any
-    compute_idle_s: Any
-    comm_idle_s: Any
-    bound_s: Any
-    compute_min_s: Any
-    comm_min_s: Any
-    gaps: list[tuple[Any, Any]]  # compute-stream idle intervals in one steady iteration
+    iteration_s: float
+    compute_busy_s: float
+    comm_busy_s: float
+    compute_idle_s: float
+    comm_idle_s: float
+    bound_s: float
+    compute_min_s: float
+    comm_min_s: float
+    gaps: list[tuple[float, float]]  # compute-stream idle intervals in one steady iteration
     spans: list[Span]
     options: dict[str, Any]
 
@@ -252,7 +252,7 @@ def default_buckets(strategy: str | CommPattern, num_layers: int) -> list[list[i
     return [[i] for i in range(num_layers)]
 
 
-def gradient_comm_time(network: NetworkProfile, nbytes: Any, compression: Compression | None = None) -> Any:
+def gradient_comm_time(network: NetworkProfile, nbytes: float, compression: Compression | None = None) -> float:
     """Seconds to all-reduce (or sparsely aggregate) ``nbytes`` of gradient."""
     if compression is None:
         return network.time("all_reduce", nbytes)
@@ -267,7 +267,7 @@ def gradient_comm_time(network: NetworkProfile, nbytes: Any, compression: Compre
 
 def lower_bound(
     layers: LayerProfile, network: NetworkProfile, compression: Compression | None = None
-) -> tuple[Any, Any, Any]:
+) -> tuple[float, float, float]:
     """``(bound, compute_min, comm_min)``: no strategy's steady iteration beats ``bound``.
 
     compute_min: all forward and backward, plus the cheapest update (sharded over the
@@ -290,7 +290,7 @@ def lower_bound(
     return max(compute_min, comm_min), compute_min, comm_min
 
 
-def _share(seconds: Any, workers: int) -> Any:
+def _share(seconds: float, workers: int) -> float:
     """``seconds / workers``, keeping exact zero (and Fractions) exact."""
     return seconds / workers if seconds else seconds
 
@@ -301,9 +301,9 @@ class _Task:
     name: str
     kind: str
     iteration: int
-    duration: Any
+    duration: float
     deps: list[int]
-    nbytes: Any = 0
+    nbytes: float = 0
     priority: tuple = ()
 
 
@@ -399,6 +399,7 @@ def _build(
 
     second_order = pattern.factors is not None and any(l.factor_bytes or l.factor_s for l in lay)
     fsdp = pattern.gathers_ahead is not None
+    gathers_ahead = pattern.gathers_ahead or 0
     prev_updates: list[int] = []  # fsdp: the previous iteration's updates, before its gathers
     for n in range(iterations):
         comm: list[int] = []
@@ -416,7 +417,7 @@ def _build(
             if pattern.parameters and n > 0 and i in bucket_lo:
                 deps = copy_task("unpack", bucket_lo[i], n, from_spare(bucket_lo[i], n, [prev_gather[bucket_lo[i]]]))
             if fsdp:  # the layer's shards gathered, issued gathers_ahead layers ahead
-                ahead = i - pattern.gathers_ahead - 1
+                ahead = i - gathers_ahead - 1
                 after = [forward_tasks[ahead]] if ahead >= 0 else list(prev_updates)
                 deps = deps + [_gather(graph, network, lay[i], f"gather fwd {lay[i].name}", n, after)]
             forward_tasks.append(
@@ -426,7 +427,7 @@ def _build(
         for i in reversed(range(num)):
             deps = []
             if fsdp:  # gathered again for backward (FSDP frees them after forward)
-                ahead = i + pattern.gathers_ahead + 1
+                ahead = i + gathers_ahead + 1
                 after = [backward_tasks[ahead]] if ahead < num else [forward_tasks[-1]]
                 deps = [_gather(graph, network, lay[i], f"gather bwd {lay[i].name}", n, after)]
             bwd = graph.add(_Task("compute", f"bwd {lay[i].name}", "backward", n, lay[i].backward_s, deps))
@@ -508,7 +509,7 @@ def _build(
     return graph
 
 
-def _gather(graph: _Graph, network: NetworkProfile, layer: Any, name: str, n: int, deps: list[int]) -> int:
+def _gather(graph: _Graph, network: NetworkProfile, layer: Layer, name: str, n: int, deps: list[int]) -> int:
     """FSDP's all-gather of one layer's parameters (their whole size on every worker)."""
     return graph.add(_Task("comm", name, "all_gather", n, network.time("all_gather", layer.bytes), deps, layer.bytes))
 
@@ -519,17 +520,19 @@ def _bucket_of_task(graph: _Graph, idx: int) -> int:
 
 
 def _factor_collective(
-    graph: _Graph, network: NetworkProfile, pattern: CommPattern, layer: Any, n: int, deps: list[int]
+    graph: _Graph, network: NetworkProfile, pattern: CommPattern, layer: Layer, n: int, deps: list[int]
 ) -> int:
     """One layer's factor reduction on the comm stream (K-FAC's statistics)."""
     kind = pattern.factors
+    if kind is None:
+        raise JaxschedRuntimeError("a factor collective for a pattern without factors")
     return graph.add(
         _Task("comm", f"{kind} factors {layer.name}", f"factor {kind}", n, network.time(kind, layer.factor_bytes), deps)
     )
 
 
 def _inversions(
-    graph: _Graph, network: NetworkProfile, pattern: CommPattern, lay: Sequence[Any], n: int, factor_comm: list[int]
+    graph: _Graph, network: NetworkProfile, pattern: CommPattern, lay: Sequence[Layer], n: int, factor_comm: list[int]
 ) -> list[int]:
     """The factor inversions (the busiest worker's share under the pattern's placement) and
     the all-gather that shares them; returns what the update must wait for."""
@@ -553,11 +556,11 @@ def _inversions(
     return [graph.add(_Task("comm", "all_gather inverses", "all_gather", n, network.time("all_gather", nbytes), [inv]))]
 
 
-def worker_loads_seconds(times: Sequence[Any], owners: Sequence[int] | None, workers: int) -> list[Any]:
+def worker_loads_seconds(times: Sequence[float], owners: Sequence[int] | None, workers: int) -> list[float]:
     """Seconds of inversion per worker (``owners`` None: every worker inverts everything)."""
     if owners is None:
         return [sum(times)] * workers
-    load: list[Any] = [0] * workers
+    load: list[float] = [0] * workers
     for t, w in zip(times, owners, strict=True):
         load[w] += t
     return load

@@ -14,10 +14,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
+import jax
 from jax.extend import core as jex_core
 
+from jaxsched.runtime.collectives.base import CollectiveState
 from jaxsched.sim.costmodel import ALLREDUCE_PATTERN
 from jaxsched.plan.planned_step import PlannedStep
 from jaxsched.strategies.base import RewrittenBody, UserLayoutStrategy
@@ -44,7 +45,9 @@ class AllReduce(UserLayoutStrategy):
     # the reference is the user's step as XLA compiles it alone: no per-target options
     compiler_defaults = True
 
-    def per_device(self, planned: PlannedStep, values: list, collective_state: Any):
+    def per_device(
+        self, planned: PlannedStep, values: list[jax.Array], collective_state: CollectiveState
+    ) -> tuple[list[jax.Array], CollectiveState]:
         user_body = planned.captured.user_body
         outs = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(user_body, []))(*values)
         return list(outs), collective_state

@@ -76,7 +76,14 @@ from jaxsched.core.primitives import COLLECTIVES
 from jaxsched.core.replay import interpret, is_var, nested_eqns, read, source_line
 from jaxsched.core.rewrite.pending_sums import interpret_batching_sums
 from jaxsched.core.rewrite.backward import walk_backward
-from jaxsched.strategies.base import RewrittenBody, Strategy, placed_user_layout, reduce_gradients, scatter_block
+from jaxsched.strategies.base import (
+    RewrittenBody,
+    ScheduledState,
+    Strategy,
+    placed_user_layout,
+    reduce_gradients,
+    scatter_block,
+)
 from jaxsched.strategies.registry import register_strategy
 
 __all__ = ["Approx", "ApproxState", "nested_eqns_of", "UpdateSplit"]
@@ -322,7 +329,7 @@ class Approx(Strategy):
             for r in planned.analysis.reductions
         ]
 
-    def convert(self, planned: PlannedStep, state: NamedTuple) -> ApproxState:
+    def convert(self, planned: PlannedStep, state: ScheduledState) -> ApproxState:
         cap = planned.captured
         abstract = is_abstract(state)
         params, opts = map(jax.tree.leaves, placed_user_layout(planned, state))
@@ -350,7 +357,7 @@ class Approx(Strategy):
                 )
                 for _ in range(self.staleness)
             )
-        previous = ()
+        previous: Any = ()
         if self.method == "extrapolate" and self.staleness:
             previous = jax.tree.leaves(getattr(state, "previous_params", ()))
             if len(previous) != cap.num_params:
@@ -371,7 +378,7 @@ class Approx(Strategy):
             previous,
         )
 
-    def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
+    def finalize(self, planned: PlannedStep, state: ScheduledState) -> tuple[Any, Any]:
         """The true parameters and optimizer state: every pending gradient reduced and applied.
 
         Args:

@@ -28,11 +28,12 @@ from __future__ import annotations
 from jaxsched._errors import JaxschedRuntimeError, JaxschedValueError
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from jaxsched.runtime.collectives.base import Collective
 from jaxsched.sim.costmodel import WFBP_PATTERN
-from jaxsched.strategies.base import Strategy
+from jaxsched.plan.planned_step import PlannedStep
+from jaxsched.strategies.base import ScheduledState, Strategy
 from jaxsched.strategies.registry import make_strategy, register_strategy, strategy_names
 
 __all__ = ["Auto", "AutoChoice"]
@@ -128,11 +129,11 @@ class Auto(Strategy):
 
     # Selection (jaxsched.pipeline.selection) replaces auto by the strategy it chose before any
     # program is built; these are never called.
-    def convert(self, planned, state):
+    def convert(self, planned: PlannedStep, state: ScheduledState) -> NoReturn:
         raise JaxschedRuntimeError("strategy='auto' converts through the strategy it chose")
 
-    def finalize(self, planned, state):
+    def finalize(self, planned: PlannedStep, state: ScheduledState) -> NoReturn:
         raise JaxschedRuntimeError("strategy='auto' finalizes through the strategy it chose")
 
-    def rewrite(self, planned):
+    def rewrite(self, planned: PlannedStep) -> NoReturn:
         raise JaxschedRuntimeError("strategy='auto' rewrites through the strategy it chose")

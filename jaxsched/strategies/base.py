@@ -28,12 +28,16 @@ from typing import Any, Callable, ClassVar, NamedTuple, Protocol, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxsched.core.analyze import Reduction
+from jaxsched.core.bucketing import Bucket
+from jaxsched.core.capture import CapturedStep
 from jaxsched.runtime.collectives.base import (
     SMALL_TENSOR_BYTES,
     BucketSpec,
     Collective,
+    CollectiveState,
     nbytes,
     stack_local,
     stacked_zeros,
@@ -89,7 +93,7 @@ class SchedState(NamedTuple):
 
     params: Any
     opt_state: Any
-    collective_state: Any = ()
+    collective_state: CollectiveState = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +168,7 @@ class Strategy(abc.ABC):
     """
 
     name: ClassVar[str] = ""
-    cost: ClassVar[CommPattern] = CommPattern()
+    cost: CommPattern = CommPattern()
     accepts_collective: ClassVar[bool] = True
     #: whether the program compiles with XLA's default options (see `RewrittenBody`)
     compiler_defaults: ClassVar[bool] = False
@@ -200,7 +204,7 @@ class Strategy(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(collective={type(self.collective).__name__})"
 
-    def for_mesh(self, captured: Any) -> "Strategy":
+    def for_mesh(self, captured: CapturedStep) -> "Strategy":
         """This strategy with the collective the mesh calls for.
 
         When the step is data parallel over several mesh axes and the devices say which
@@ -386,7 +390,9 @@ class Strategy(abc.ABC):
         """
         return []
 
-    def collective_state(self, planned: PlannedStep, current: Any, abstract: bool = False) -> Any:
+    def collective_state(
+        self, planned: PlannedStep, current: CollectiveState, abstract: bool = False
+    ) -> CollectiveState:
         """The carried collective state on the mesh: fresh zeros, or ``current`` placed.
 
         Args:
@@ -412,7 +418,9 @@ class Strategy(abc.ABC):
             current = stacked_zeros(template, planned.axis_size)
         return jax.tree.map(lambda leaf: planned.placed(leaf, spec), current)
 
-    def split_inputs(self, planned: PlannedStep, inputs: Sequence[Any], num_state: int) -> tuple[list, list, list]:
+    def split_inputs(
+        self, planned: PlannedStep, inputs: Sequence[jax.Array], num_state: int
+    ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
         """A body's flat inputs split into their three parts.
 
         Args:
@@ -430,7 +438,7 @@ class Strategy(abc.ABC):
             list(inputs[num_state + n_batch :]),
         )
 
-    def local_collective_state(self, planned: PlannedStep, leaves: Sequence[Any]) -> Any:
+    def local_collective_state(self, planned: PlannedStep, leaves: Sequence[jax.Array]) -> CollectiveState:
         """Inside the body: this device's collective state, as the collective's tree.
 
         Args:
@@ -444,7 +452,7 @@ class Strategy(abc.ABC):
         return jax.tree.unflatten(treedef, unstack_local(leaves))
 
     @staticmethod
-    def stacked_collective_leaves(state: Any) -> list:
+    def stacked_collective_leaves(state: CollectiveState) -> list[jax.Array]:
         return stack_local(jax.tree.leaves(state))
 
     def collective_state_specs(self, planned: PlannedStep) -> tuple[P, ...]:
@@ -452,7 +460,7 @@ class Strategy(abc.ABC):
         return (P(planned.axis_name),) * n
 
 
-def bucket_sum_axes(planned: PlannedStep, bucket: Any) -> tuple[str, ...] | None:
+def bucket_sum_axes(planned: PlannedStep, bucket: Bucket) -> tuple[str, ...] | None:
     """The mesh axes a bucket's all-reduce sums over: the data axes (None), those a sharded
     parameter's block is not split over (HSDP's replica axis), or none (``()``: FSDP over
     every data axis, whose reduce-scatter is the whole reduction)."""
@@ -460,7 +468,7 @@ def bucket_sum_axes(planned: PlannedStep, bucket: Any) -> tuple[str, ...] | None
     return reds[0].sum_axes if reds and reds[0].scattered else None
 
 
-def _over_sum_axes(planned: PlannedStep, spec: BucketSpec, bucket: Any) -> BucketSpec:
+def _over_sum_axes(planned: PlannedStep, spec: BucketSpec, bucket: Bucket) -> BucketSpec:
     axes = bucket_sum_axes(planned, bucket)
     if axes is None:
         return spec
@@ -471,13 +479,13 @@ def _over_sum_axes(planned: PlannedStep, spec: BucketSpec, bucket: Any) -> Bucke
 def reduce_gradients(
     collective: Collective,
     planned: PlannedStep,
-    bucket: Any,
-    grads: Sequence[Any],
+    bucket: Bucket,
+    grads: Sequence[jax.Array],
     spec: BucketSpec,
-    state: Any,
+    state: CollectiveState,
     *,
     scattered: bool = False,
-) -> tuple[list, Any]:
+) -> tuple[list[jax.Array], CollectiveState]:
     """One bucket's gradients summed as the user's step sums them: all-reduced over the data
     axes through ``collective``; or, for parameters sharded over data axes, reduce-scattered
     into their blocks and those summed over the remaining data axes through ``collective``
@@ -496,7 +504,7 @@ def reduce_gradients(
     return collective.all_reduce_tensors(blocks, axes[0] if len(axes) == 1 else tuple(axes), spec, state)
 
 
-def scatter_block(gradient: Any, reduction: Any, mesh: Any = None) -> Any:
+def scatter_block(gradient: jax.Array, reduction: Reduction, mesh: Mesh | None = None) -> jax.Array:
     """A gradient reduce-scattered into its parameter's block (the sum over the block's axes).
 
     On a TPU torus where one reduce-scatter over the block's axes would span a 3-D block of
@@ -544,7 +552,9 @@ class UserLayoutStrategy(Strategy):
         return state.params, state.opt_state
 
     @abc.abstractmethod
-    def per_device(self, planned: PlannedStep, values: list, collective_state: Any) -> tuple[list, Any]:
+    def per_device(
+        self, planned: PlannedStep, values: list[jax.Array], collective_state: CollectiveState
+    ) -> tuple[list[jax.Array], CollectiveState]:
         """Run the user's body on this device, with this strategy's collectives.
 
         Args:

@@ -50,6 +50,7 @@ from jaxsched.strategies.base import (
     BucketReport,
     RewrittenBody,
     SchedState,
+    ScheduledState,
     Strategy,
     check_leaf_counts,
     reduce_gradients,
@@ -213,17 +214,17 @@ class Dear(Strategy):
         mirrored = _mirrored_params(cap.params_tree, cap.opt_tree)
         opt_chunking: list = []
         for j in range(cap.num_opt):
-            i = mirrored.get(j)
-            same_shape = i is not None and (
-                planned.body_invar("opt_state", j).aval.shape == planned.body_invar("params", i).aval.shape
+            m = mirrored.get(j)
+            same_shape = m is not None and (
+                planned.body_invar("opt_state", j).aval.shape == planned.body_invar("params", m).aval.shape
             )
-            if not chunkable("opt_state", j, cap.num_params + j) or (i is not None and not same_shape):
+            if not chunkable("opt_state", j, cap.num_params + j) or (m is not None and not same_shape):
                 opt_chunking.append(None)
             elif replicated("opt_state", j):
                 opt_chunking.append(data)
-            elif i is not None and param_chunking[i] is not None and param_chunking[i].block_axes:
-                same_spec = planned.input_spec("opt_state", j) == planned.input_spec("params", i)
-                opt_chunking.append(param_chunking[i] if same_spec else None)
+            elif m is not None and param_chunking[m] is not None and param_chunking[m].block_axes:
+                same_spec = planned.input_spec("opt_state", j) == planned.input_spec("params", m)
+                opt_chunking.append(param_chunking[m] if same_spec else None)
             else:
                 opt_chunking.append(None)
         p_layouts, gathered, g_layouts, bucket_chunking = [], [], [], []
@@ -304,7 +305,7 @@ class Dear(Strategy):
         )
 
     # -- conversions ----------------------------------------------------------------------
-    def convert(self, planned: PlannedStep, state: NamedTuple) -> SchedState:
+    def convert(self, planned: PlannedStep, state: ScheduledState) -> SchedState:
         cap = planned.captured
         params, opts = jax.tree.leaves(state.params), jax.tree.leaves(state.opt_state)
         check_leaf_counts(planned, params, opts)
@@ -327,7 +328,7 @@ class Dear(Strategy):
             self.collective_state(planned, getattr(state, "collective_state", None), is_abstract(state)),
         )
 
-    def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
+    def finalize(self, planned: PlannedStep, state: ScheduledState) -> tuple[Any, Any]:
         cap = planned.captured
         lay = self.layout(planned)
         params = [
@@ -354,7 +355,9 @@ class Dear(Strategy):
             shape[chunking.block_dim] *= chunking.blocks
         return tuple(shape)
 
-    def _sharded(self, planned: PlannedStep, leaf: Any, role: str, index: int, chunking: Chunking) -> jax.Array:
+    def _sharded(
+        self, planned: PlannedStep, leaf: Any, role: str, index: int, chunking: Chunking
+    ) -> jax.Array | jax.ShapeDtypeStruct:
         block = planned.body_invar(role, index).aval
         stacked = planned.device_stacked(role, index)
         name = f"params/{planned.paths[index]}" if role == "params" else f"opt_state[{index}]"

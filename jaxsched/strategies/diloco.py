@@ -52,7 +52,7 @@ from __future__ import annotations
 from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,9 +61,10 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxsched.core.axes import as_axes, spec_axes
-from jaxsched.core.capture import UnsupportedStepError
-from jaxsched.runtime.collectives.base import BucketSpec, Collective, stack_local, unstack_local
+from jaxsched.core.axes import AxisName, as_axes, spec_axes
+from jaxsched.core.capture import CapturedStep, UnsupportedStepError
+from jaxsched.runtime.collectives.base import BucketSpec, Collective, CollectiveState, stack_local, unstack_local
+from jaxsched.runtime.engine.base import Engine, PerDeviceProgram, make_engine
 from jaxsched.sim.costmodel import DILOCO_PATTERN
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
 from jaxsched.core.primitives import SUM_REDUCTIONS, reduction_axes
@@ -71,7 +72,7 @@ from jaxsched.core.replay import read
 from jaxsched.core.rewrite.pending_sums import interpret_batching_sums
 from jaxsched.core.rewrite.backward import walk_backward
 from jaxsched.strategies.diloco_fragments import FragmentSchedule, PhaseKey, fragment_of_leaves, sync_schedule
-from jaxsched.strategies.base import RewrittenBody, Strategy, check_leaf_counts, scatter_block
+from jaxsched.strategies.base import RewrittenBody, ScheduledState, Strategy, check_leaf_counts, scatter_block
 from jaxsched.strategies.registry import register_strategy
 
 __all__ = ["DiLoCo", "DiLoCoState", "DILOCO_PATTERN", "fragment_of_leaves", "sync_schedule"]
@@ -95,13 +96,13 @@ class _PartCounts(NamedTuple):
 class _StateParts(NamedTuple):
     """The per-device state's flat leaves cut into its parts (`DiLoCoState`'s fields)."""
 
-    params: list
-    opt: list
-    coll: list
-    glob: list
-    outer: list
-    flight: list
-    step: Any
+    params: list[jax.Array]
+    opt: list[jax.Array]
+    coll: list[jax.Array]
+    glob: list[jax.Array]
+    outer: list[jax.Array]
+    flight: list[jax.Array]
+    step: jax.Array
 
 
 class _Unpacked(NamedTuple):
@@ -117,13 +118,13 @@ class _Unpacked(NamedTuple):
       step: the inner steps taken.
     """
 
-    local: list
-    opts: list
-    carried: list
-    glob: list
-    outer: list
-    flight: list
-    step: Any
+    local: list[jax.Array]
+    opts: list[jax.Array]
+    carried: list[CollectiveState]
+    glob: list[jax.Array]
+    outer: list[optax.OptState]
+    flight: list[jax.Array]
+    step: jax.Array
 
 
 class DiLoCoState(NamedTuple):
@@ -173,7 +174,7 @@ def _outer_shard_shape(shape: Sequence[int], n: int) -> tuple[int, ...]:
     return (-(-math.prod(shape) // n),)
 
 
-def _check_int(value: Any, name: str, minimum: int) -> int:
+def _check_int(value: object, name: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise JaxschedTypeError(f"DiLoCo({name}={value!r}): {name} must be an int")
     if value < minimum:
@@ -287,7 +288,7 @@ class DiLoCo(Strategy):
             f"collective={type(self.collective).__name__})"
         )
 
-    def for_mesh(self, captured: Any) -> "DiLoCo":
+    def for_mesh(self, captured: CapturedStep) -> "DiLoCo":
         """The outer sum crosses ``sync_axes`` only: no hierarchical collective."""
         return self
 
@@ -324,7 +325,7 @@ class DiLoCo(Strategy):
         return planned.memo("diloco.axes", build)
 
     @staticmethod
-    def _axis(axes: tuple[str, ...]) -> Any:
+    def _axis(axes: tuple[str, ...]) -> AxisName:
         return axes[0] if len(axes) == 1 else axes
 
     # -- parameter blocks (FSDP inside a replica) ---------------------------------------------
@@ -497,7 +498,7 @@ class DiLoCo(Strategy):
             f"(one copy per device); resume with the step it was saved with"
         )
 
-    def convert(self, planned: PlannedStep, state: NamedTuple) -> DiLoCoState:
+    def convert(self, planned: PlannedStep, state: ScheduledState) -> DiLoCoState:
         """The user's ``(params, opt_state)`` or a saved `DiLoCoState` in this step's layout:
         per-replica copies stacked over the data axes, the global copy, one outer state per
         fragment, the fragment in flight and the step count, each placed on the mesh."""
@@ -531,7 +532,7 @@ class DiLoCo(Strategy):
             return planned.zeros(shape, x.dtype, spec, abstract=True)
         return planned.placed(x, spec) if stacked else self._stacked(planned, x, role, i)
 
-    def _converted_global(self, planned: PlannedStep, state: NamedTuple, params: list, stacked: bool) -> list:
+    def _converted_global(self, planned: PlannedStep, state: ScheduledState, params: list, stacked: bool) -> list:
         """The globally synchronized parameters: the saved ones, or the user's at the start."""
         global_leaves = jax.tree.leaves(getattr(state, "global_params", ()))
         if not stacked or not global_leaves:
@@ -544,7 +545,9 @@ class DiLoCo(Strategy):
             raise JaxschedValueError("the state's global_params do not match the step's params")
         return [planned.placed(x, self._global_spec(planned, "params", i)) for i, x in enumerate(global_leaves)]
 
-    def _converted_outer(self, planned: PlannedStep, state: NamedTuple, global_leaves: list, abstract: bool) -> tuple:
+    def _converted_outer(
+        self, planned: PlannedStep, state: ScheduledState, global_leaves: list[jax.Array], abstract: bool
+    ) -> tuple[optax.OptState, ...]:
         """One outer optimizer state per fragment: the saved ones (checked against this
         outer optimizer), or fresh ones for the fragment's global parameters."""
         outer_specs = self._outer_state_specs(planned)
@@ -581,7 +584,7 @@ class DiLoCo(Strategy):
                 fresh.append(jax.tree.unflatten(jax.tree.structure(init), leaves))
         return tuple(fresh)
 
-    def _converted_in_flight(self, planned: PlannedStep, state: NamedTuple, abstract: bool) -> tuple:
+    def _converted_in_flight(self, planned: PlannedStep, state: ScheduledState, abstract: bool) -> tuple:
         """With ``overlap_steps >= 2``, the reduced outer gradient of the fragment in flight
         (zeros at the start); ``()`` otherwise."""
         cap = planned.captured
@@ -604,17 +607,17 @@ class DiLoCo(Strategy):
         return tuple(planned.placed(x, spec) for x, spec in zip(in_flight, flight_specs))
 
     @staticmethod
-    def _converted_step(planned: PlannedStep, state: NamedTuple, abstract: bool) -> Any:
+    def _converted_step(planned: PlannedStep, state: ScheduledState, abstract: bool) -> Any:
         """The inner steps taken, an int32 scalar on the mesh."""
         if abstract:
             return planned.zeros((), jnp.int32, P(), abstract=True)
         return planned.placed(jnp.asarray(getattr(state, "step", 0), jnp.int32), P())
 
-    def finalize_untraced(self, state: NamedTuple) -> tuple[Any, Any]:
+    def finalize_untraced(self, state: ScheduledState) -> tuple[Any, Any]:
         if (
             not jax.tree.leaves(getattr(state, "global_params", ()))
             and not getattr(state, "outer_state", ())
-            and int(np.asarray(state.step)) == 0
+            and int(np.asarray(getattr(state, "step", 0))) == 0
         ):
             return state.params, state.opt_state
         raise JaxschedValueError(
@@ -623,7 +626,7 @@ class DiLoCo(Strategy):
             "sched.init(params, opt_state, example_batch) or one step first"
         )
 
-    def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
+    def finalize(self, planned: PlannedStep, state: ScheduledState) -> tuple[Any, Any]:
         """Parameters synchronized across every replica: a fragment in flight is applied as
         it would arrive, then every replica's drift since its fragment's last
         synchronization is averaged (``g + mean(local - g)``: exactly the global copy when
@@ -693,7 +696,8 @@ class DiLoCo(Strategy):
         for count in counts:
             parts.append(list(leaves[k : k + count]))
             k += count
-        return _StateParts(*parts, step=leaves[k])
+        params, opt, coll, glob, outer, flight = parts
+        return _StateParts(params, opt, coll, glob, outer, flight, leaves[k])
 
     # -- one program per phase ---------------------------------------------------------------
     @property
@@ -708,7 +712,7 @@ class DiLoCo(Strategy):
         cuts at them; XLA overlaps them)."""
         return self._schedule.phase_key(step)
 
-    def host_step(self, state: NamedTuple) -> int | None:
+    def host_step(self, state: ScheduledState) -> int | None:
         """The inner steps ``state`` has taken, read on the host (None for an abstract state)."""
         if is_abstract(state):
             return None
@@ -882,8 +886,9 @@ class DiLoCo(Strategy):
 
         return body
 
-    def _finalize_program(self, planned: PlannedStep, in_flight: int | None):
-        """Apply the fragment in flight (if any), then average every replica's drift."""
+    def _finalize_program(self, planned: PlannedStep, in_flight: int | None) -> Callable[..., tuple]:
+        """Apply the fragment in flight (if any), then average every replica's drift; compiled
+        by the step's engine (`Engine.compile`), with XLA's default options."""
         specs, _ = self._state_specs(planned)
         cap = planned.captured
         frag = self._fragments(planned)
@@ -917,9 +922,21 @@ class DiLoCo(Strategy):
                     new_opts.append(lax.pmax(o, axes))
             return tuple(params) + tuple(new_opts)
 
-        from jaxsched.core.partition import manual_shard_map
-
         out_specs = tuple(planned.input_spec("params", i) for i in range(cap.num_params)) + tuple(
             planned.input_spec("opt_state", j) for j in range(cap.num_opt)
         )
-        return jax.jit(manual_shard_map(drain, planned.mesh, specs, out_specs, cap.manual_axes))
+        program = PerDeviceProgram(
+            drain,
+            planned.mesh,
+            planned.axis_name,
+            specs,
+            out_specs,
+            compiler_defaults=True,
+            manual_axes=cap.manual_axes,
+        )
+        return self._engine(planned).compile(program)
+
+    @staticmethod
+    def _engine(planned: PlannedStep) -> Engine:
+        """The engine the step runs on (``xla`` for a plan made without one)."""
+        return planned.engine if isinstance(planned.engine, Engine) else make_engine("xla")

@@ -58,13 +58,13 @@ from jax.sharding import PartitionSpec as P
 from jaxsched.core.axes import as_axes, spec_axes
 from jaxsched.core.capture import UnsupportedStepError
 from jaxsched.runtime.collectives.base import BucketSpec, Collective
-from jaxsched.sim.costmodel import KFAC_PATTERN, CommPattern
+from jaxsched.sim.costmodel import KFAC_PATTERN
 from jaxsched.sim.kfac_placement import check_placement, plan_placement
 from jaxsched.plan.planned_step import PlannedStep, is_abstract, zero_count
 from jaxsched.core.replay import interpret, is_var, read
 from jaxsched.core.rewrite.pending_sums import interpret_batching_sums
 from jaxsched.core.rewrite.layers import LayerMatch, MatchedLayer, match_layers
-from jaxsched.strategies.base import RewrittenBody, Strategy, placed_user_layout
+from jaxsched.strategies.base import RewrittenBody, ScheduledState, Strategy, placed_user_layout
 from jaxsched.strategies.registry import register_strategy
 
 INVERSES = ("eigh", "cholesky")
@@ -213,9 +213,7 @@ class KFAC(Strategy):
         self.factor_buckets_option = factor_buckets
         self._reported: set[str] = set()
         # the simulator and planners see this instance's variant of the pattern
-        self.cost: CommPattern = dataclasses.replace(
-            KFAC_PATTERN, factors_in_backward=self.pipeline, inverse_placement=placement
-        )
+        self.cost = dataclasses.replace(KFAC_PATTERN, factors_in_backward=self.pipeline, inverse_placement=placement)
 
     def __repr__(self) -> str:
         return (
@@ -339,7 +337,7 @@ class KFAC(Strategy):
     def initial_state(self, params: Any, opt_state: Any) -> KFACState:
         return KFACState(params, opt_state, (), (), (), zero_count(params, opt_state), zero_count(params, opt_state))
 
-    def convert(self, planned: PlannedStep, state: NamedTuple) -> KFACState:
+    def convert(self, planned: PlannedStep, state: ScheduledState) -> KFACState:
         params, opts = placed_user_layout(planned, state)
         templates = self.factor_templates(planned)
         abstract = is_abstract(state)
@@ -373,10 +371,10 @@ class KFAC(Strategy):
             scalar(getattr(state, "factor_updates", 0)),
         )
 
-    def finalize(self, planned: PlannedStep, state: NamedTuple) -> tuple[Any, Any]:
+    def finalize(self, planned: PlannedStep, state: ScheduledState) -> tuple[Any, Any]:
         return state.params, state.opt_state
 
-    def finalize_untraced(self, state: NamedTuple) -> tuple[Any, Any]:
+    def finalize_untraced(self, state: ScheduledState) -> tuple[Any, Any]:
         return state.params, state.opt_state  # factors are statistics, not pending work
 
     # -- rewrite -----------------------------------------------------------------------------
@@ -655,7 +653,7 @@ def kernel_from_matrix(layer: MatchedLayer, m: jax.Array, shape: tuple[int, ...]
     o, i, *spatial = layer.params["dimension_numbers"].rhs_spec
     perm = (i, *spatial, o)
     blocked = m.reshape(tuple(shape[d] for d in perm))
-    return jnp.transpose(blocked, np.argsort(perm))
+    return jnp.transpose(blocked, tuple(int(d) for d in np.argsort(perm)))
 
 
 def precondition(
@@ -708,7 +706,8 @@ def plan_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], op
     if option == "per_layer":
         return [[i] for i in order]
     if isinstance(option, int):
-        groups, size = [[]], 0
+        groups: list[list[int]] = [[]]
+        size = 0
         for i in order:
             if groups[-1] and size + factor_bytes(layers[i]) > option:
                 groups.append([])
@@ -754,7 +753,7 @@ def auto_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], or
     elif network is None:
         from jaxsched.plan.profiling import profile_network
 
-        network, _ = profile_network(planned.mesh, planned.axis_name, repeats=3)
+        network, _ = profile_network(planned.mesh, planned.axis_name, repeats=3)  # type: ignore[arg-type]
     rate = planned.memo("flops_per_s", lambda: measure_flops_per_s(planned.mesh.devices.flat[0]))
     forward_order = list(reversed(order))  # the planners take layers in forward order
     profile = []

@@ -10,17 +10,23 @@ Example:
 from __future__ import annotations
 from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from jaxsched.sim.costmodel import register_comm_pattern, unregister_comm_pattern
 
+if TYPE_CHECKING:  # the registry is imported by base's strategies; base imports it back
+    from jaxsched.runtime.collectives.base import Collective
+    from jaxsched.strategies.base import Strategy
+
 __all__ = ["make_strategy", "register_strategy", "STRATEGIES", "strategy_names", "StrategyNames", "unregister_strategy"]
 
-_STRATEGIES: dict[str, type] = {}
+_STRATEGIES: dict[str, type[Strategy]] = {}
+
+_S = TypeVar("_S", bound=type)
 
 
-def register_strategy(cls: type) -> type:
+def register_strategy(cls: _S) -> _S:
     """Register a [`Strategy`][jaxsched.strategies.Strategy] subclass under ``cls.name`` (a class decorator).
 
     Its ``cost`` becomes known to the planners and the simulator under the same name.
@@ -91,7 +97,7 @@ def strategy_names() -> tuple[str, ...]:
     return tuple(_STRATEGIES)
 
 
-def make_strategy(strategy: Any, collective: Any = None, **options: Any):
+def make_strategy(strategy: str | Strategy, collective: Collective | None = None, **options: object) -> Strategy:
     """A strategy instance from a registered name, or an instance as given.
 
     Args:
@@ -126,7 +132,8 @@ def make_strategy(strategy: Any, collective: Any = None, **options: Any):
         raise JaxschedValueError(f"strategy={strategy!r} is unknown; choose one of {', '.join(_STRATEGIES)}")
     if collective is not None:
         options["collective"] = collective
-    return _STRATEGIES[strategy](**options)
+    factory: Callable[..., Strategy] = _STRATEGIES[strategy]  # each subclass takes its own options
+    return factory(**options)
 
 
 class StrategyNames(Sequence):

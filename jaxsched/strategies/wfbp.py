@@ -13,11 +13,10 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
 
-from jaxsched.runtime.collectives.base import SMALL_TENSOR_BYTES, BucketSpec, nbytes
+from jaxsched.runtime.collectives.base import SMALL_TENSOR_BYTES, BucketSpec, CollectiveState, nbytes
 from jaxsched.sim.costmodel import WFBP_PATTERN
 from jaxsched.plan.planned_step import PlannedStep
 from jaxsched.core.replay import read
@@ -51,7 +50,9 @@ class Wfbp(UserLayoutStrategy):
     def collective_buckets(self, planned: PlannedStep) -> list[BucketSpec]:
         return self.concatenated_gradient_buckets(planned)
 
-    def per_device(self, planned: PlannedStep, values: list, collective_state: Any):
+    def per_device(
+        self, planned: PlannedStep, values: list[jax.Array], collective_state: CollectiveState
+    ) -> tuple[list[jax.Array], CollectiveState]:
         analysis, buckets = planned.analysis, planned.buckets
         body = planned.captured.body
         reds = analysis.reductions

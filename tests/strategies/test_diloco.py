@@ -229,6 +229,26 @@ def test_fragments_and_schedule_helpers():
         fragment_of_leaves([1, 1], 3)
 
 
+def test_finalize_is_compiled_by_the_steps_engine():
+    from jaxsched.runtime.engine import XlaEngine
+
+    compiled = []
+
+    class Recording(XlaEngine):
+        def compile(self, program):
+            compiled.append(program)
+            return super().compile(program)
+
+    step, params, opt_state, batches = _one_axis_step(optax.sgd(LR), devices=2)
+    sched = jaxsched.schedule(step, strategy="diloco", inner_steps=2, engine=Recording())
+    state = sched.init(params, opt_state)
+    for batch in batches(3):
+        state, _ = sched(state, batch)
+    before = len(compiled)
+    sched.finalize(state)
+    assert len(compiled) == before + 1 and compiled[-1].compiler_defaults
+
+
 # -- compressed outer gradients --------------------------------------------------------------
 def test_quantize_packs_and_rounds_within_half_a_step():
     rng = np.random.default_rng(0)

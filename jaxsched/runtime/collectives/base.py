@@ -41,6 +41,7 @@ from jaxsched.core.axes import AxisName
 __all__ = [
     "BucketSpec",
     "Collective",
+    "CollectiveState",
     "CollectiveWrapper",
     "FORMS",
     "OPERATIONS",
@@ -52,6 +53,11 @@ __all__ = [
     "stacked_zeros",
     "unstack_local",
 ]
+
+#: What a collective carries between steps for one bucket (error feedback, momentum, byte
+#: counters): a pytree of arrays of the collective's own making, ``()`` when it carries
+#: nothing; a wrapper's is ``(own, inner state)``.
+CollectiveState = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +186,7 @@ class Collective:
     #: (a wider accumulator, a hierarchy) keep strategies' equivalence guarantees.
     exact: bool = True
 
-    def init(self, buckets: Sequence[BucketSpec]) -> tuple:
+    def init(self, buckets: Sequence[BucketSpec]) -> tuple[CollectiveState, ...]:
         """One device's carried state for each bucket (arrays without a device axis).
 
         Args:
@@ -198,8 +204,8 @@ class Collective:
         return tuple(() for _ in buckets)
 
     def all_reduce(
-        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: Any
-    ) -> tuple[jax.Array, Any]:
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         """The flat buffer summed over ``axis_name`` (inside the per-device body).
 
         Args:
@@ -214,8 +220,8 @@ class Collective:
         return lax.psum(buffer, axis_name), state
 
     def all_reduce_tensors(
-        self, tensors: Sequence[jax.Array], axis_name: AxisName, bucket: BucketSpec, state: Any
-    ) -> tuple[list[jax.Array], Any]:
+        self, tensors: Sequence[jax.Array], axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[list[jax.Array], CollectiveState]:
         """One bucket's tensors summed over ``axis_name``, each in its own shape and dtype.
 
         The plain psum sends large tensors as they are: packing them into one buffer and
@@ -259,8 +265,8 @@ class Collective:
         return _split(total, tensors), state
 
     def reduce_scatter_tensors(
-        self, tensors: Sequence[jax.Array], axis_name: AxisName, bucket: BucketSpec, state: Any
-    ) -> tuple[list[jax.Array], Any]:
+        self, tensors: Sequence[jax.Array], axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[list[jax.Array], CollectiveState]:
         """One bucket's full tensors in; out, this device's flat chunk of each sum
         (`jaxsched.core.layout.chunk_size` elements, as `BucketLayout`
         cuts it).
@@ -300,8 +306,8 @@ class Collective:
         return layout.split_shard(shard), state
 
     def all_gather_tensors(
-        self, chunks: Sequence[jax.Array], axis_name: AxisName, bucket: BucketSpec, state: Any
-    ) -> tuple[list[jax.Array], Any]:
+        self, chunks: Sequence[jax.Array], axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[list[jax.Array], CollectiveState]:
         """Each tensor's flat chunk on this device in; the full tensors (``bucket.shapes``)
         out. The inverse of `reduce_scatter_tensors`, with the same two forms.
 
@@ -332,8 +338,8 @@ class Collective:
         return layout.unpack(gathered), state
 
     def reduce_scatter(
-        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: Any
-    ) -> tuple[jax.Array, Any]:
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         """The full buffer in, this device's ``1/P`` slice of the sum out.
 
         Args:
@@ -348,8 +354,8 @@ class Collective:
         return psum_scatter(buffer, axis_name, bucket), state
 
     def all_gather(
-        self, shard: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: Any
-    ) -> tuple[jax.Array, Any]:
+        self, shard: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         """Every device's shard in, the concatenated full buffer out.
 
         Args:
@@ -390,16 +396,16 @@ def psum_scatter(x: jax.Array, axis_name: AxisName, bucket: BucketSpec) -> jax.A
 SMALL_TENSOR_BYTES = 64 * 1024
 
 
-def nbytes(t: Any) -> int:
+def nbytes(t: jax.Array | jax.ShapeDtypeStruct | np.ndarray) -> int:
     """The bytes of one tensor (an array or a tracer)."""
     return int(np.prod(np.shape(t))) * jnp.dtype(jnp.result_type(t)).itemsize
 
 
-def _pack(tensors: Sequence[Any], dtype: Any) -> jax.Array:
+def _pack(tensors: Sequence[jax.Array], dtype: jnp.dtype | np.dtype) -> jax.Array:
     return jnp.concatenate([jnp.ravel(t).astype(dtype) for t in tensors])
 
 
-def _split(flat: jax.Array, like: Sequence[Any]) -> list[jax.Array]:
+def _split(flat: jax.Array, like: Sequence[jax.Array]) -> list[jax.Array]:
     out, offset = [], 0
     for t in like:
         size = int(np.prod(np.shape(t)))
@@ -421,7 +427,9 @@ class CollectiveWrapper(Collective):
         >>> import jax, jax.numpy as jnp
         >>> from jax.sharding import PartitionSpec as P
         >>> class Mean(CollectiveWrapper):
-        ...     def all_reduce(self, buffer, axis_name, bucket, state):
+        ...     def all_reduce(
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         ...         total, state = super().all_reduce(buffer, axis_name, bucket, state)
         ...         return total / bucket.axis_size, state
         >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
@@ -440,29 +448,35 @@ class CollectiveWrapper(Collective):
         self.inner = inner if inner is not None else Collective()
         self.exact = self.exact and self.inner.exact
 
-    def init_own(self, bucket: BucketSpec) -> Any:
+    def init_own(self, bucket: BucketSpec) -> CollectiveState:
         return ()
 
-    def init(self, buckets: Sequence[BucketSpec]) -> tuple:
+    def init(self, buckets: Sequence[BucketSpec]) -> tuple[CollectiveState, ...]:
         return tuple((self.init_own(b), s) for b, s in zip(buckets, self.inner.init(buckets), strict=True))
 
-    def all_reduce(self, buffer, axis_name, bucket, state):
+    def all_reduce(
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         own, inner = state
         out, inner = self.inner.all_reduce(buffer, axis_name, bucket, inner)
         return out, (own, inner)
 
-    def reduce_scatter(self, buffer, axis_name, bucket, state):
+    def reduce_scatter(
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         own, inner = state
         out, inner = self.inner.reduce_scatter(buffer, axis_name, bucket, inner)
         return out, (own, inner)
 
-    def all_gather(self, shard, axis_name, bucket, state):
+    def all_gather(
+        self, shard: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         own, inner = state
         out, inner = self.inner.all_gather(shard, axis_name, bucket, inner)
         return out, (own, inner)
 
 
-def stacked_zeros(template: Any, axis_size: int) -> Any:
+def stacked_zeros(template: CollectiveState, axis_size: int) -> CollectiveState:
     """Every device's copy of a per-device state template, on a leading device axis.
 
     Args:

@@ -36,14 +36,16 @@ from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh
 
-from jaxsched.core.axes import as_axes
-from jaxsched.runtime.collectives.base import BucketSpec, Collective
+from jaxsched.core.axes import AxisName, as_axes
+from jaxsched.runtime.collectives.base import BucketSpec, Collective, CollectiveState
 
 __all__ = ["Hierarchical", "default_collective_for", "hierarchy_from_mesh", "slow_axes"]
 
@@ -121,7 +123,7 @@ class Hierarchical(Collective):
         sizes = dict(bucket.mesh_axes)
         return tuple(a for a in axes if a in sizes)
 
-    def _axis(self, axes: tuple) -> Any:
+    def _axis(self, axes: tuple[str, ...]) -> AxisName:
         return axes[0] if len(axes) == 1 else axes
 
     def slow_bucket(self, bucket: BucketSpec) -> BucketSpec:
@@ -155,14 +157,16 @@ class Hierarchical(Collective):
     def init(self, buckets: Sequence[BucketSpec]) -> tuple:
         return tuple(self.slow_collective.init([self.slow_bucket(b) for b in buckets]))
 
-    def _check_axis(self, axis_name: Any) -> None:
+    def _check_axis(self, axis_name: AxisName) -> None:
         if not set(as_axes(axis_name)) <= set(self.fast + self.slow):
             raise JaxschedValueError(
                 f"{self!r} was asked to reduce over {axis_name!r}; it reduces over "
                 f"the data-parallel axes {self.slow + self.fast}"
             )
 
-    def all_reduce(self, buffer, axis_name, bucket, state):
+    def all_reduce(
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         self._check_axis(axis_name)
         fast, _ = self._sizes(bucket)
         fast_axes, slow_axes_ = self._present(self.fast, bucket), self._present(self.slow, bucket)
@@ -177,14 +181,16 @@ class Hierarchical(Collective):
         full = lax.all_gather(shard, self._axis(self.fast), tiled=True)
         return full[:n], state
 
-    def _grid(self, axis_name: Any, bucket: BucketSpec) -> tuple[list[int], list[int], list[int]]:
+    def _grid(self, axis_name: AxisName, bucket: BucketSpec) -> tuple[list[int], list[int], list[int]]:
         """Sizes of the data axes in ``axis_name``'s order, and the positions of the fast and
         of the slow ones among them."""
         order = list(as_axes(axis_name))
         sizes = dict(bucket.mesh_axes)
         return ([sizes[a] for a in order], [order.index(a) for a in self.fast], [order.index(a) for a in self.slow])
 
-    def reduce_scatter(self, buffer, axis_name, bucket, state):
+    def reduce_scatter(
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         """The slice a tiled ``psum_scatter`` over ``axis_name`` gives this device.
 
         Args:
@@ -208,7 +214,9 @@ class Hierarchical(Collective):
         shard = lax.psum_scatter(grid, self._axis(self.fast), scatter_dimension=0, tiled=True)
         return self.slow_collective.reduce_scatter(shard, self._axis(self.slow), self.slow_bucket(bucket), state)
 
-    def all_gather(self, shard, axis_name, bucket, state):
+    def all_gather(
+        self, shard: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         """Every device's slice in ``axis_name``'s order, as a tiled ``all_gather`` over it.
 
         Args:
@@ -233,7 +241,7 @@ class Hierarchical(Collective):
         return jnp.transpose(grid, inverse).reshape(-1), state
 
 
-def slow_axes(mesh: Any, axes: Any) -> tuple[str, ...]:
+def slow_axes(mesh: Mesh, axes: AxisName) -> tuple[str, ...]:
     """The axes among ``axes`` whose links the mesh itself says are slow.
 
     On a TPU pod of several slices, those along which devices change ``slice_index``
@@ -261,7 +269,7 @@ def slow_axes(mesh: Any, axes: Any) -> tuple[str, ...]:
     return tuple(a for a in as_axes(axes) if np.any(level != np.take(level, [0], axis=names.index(a))))
 
 
-def hierarchy_from_mesh(mesh: Any, axes: Any) -> Hierarchical | None:
+def hierarchy_from_mesh(mesh: Mesh, axes: AxisName) -> Hierarchical | None:
     """``Hierarchical(fast=..., slow=...)`` for a data axis that spans slow and fast mesh
     axes (`slow_axes`); None when the mesh names no slow axis, or only slow ones.
 
@@ -287,7 +295,7 @@ def hierarchy_from_mesh(mesh: Any, axes: Any) -> Hierarchical | None:
     return Hierarchical(fast=fast, slow=slow)
 
 
-def default_collective_for(mesh: Any, axes: Any) -> Hierarchical | None:
+def default_collective_for(mesh: Mesh, axes: AxisName) -> Hierarchical | None:
     """The collective jaxsched uses when the user chose none: `hierarchy_from_mesh`,
     except on TPU. XLA:TPU already lowers a flat sum over slices in two levels (an ICI
     all-reduce, then ``1/F`` of it over DCN as send/recv), and estimates the explicit

@@ -29,11 +29,11 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
+import jax
 import numpy as np
+from jax.sharding import Mesh
 
-from jaxsched.core.axes import as_axes
+from jaxsched.core.axes import AxisName, as_axes
 
 __all__ = ["MAX_TORUS_DIMS", "TPU_LANES", "Stages", "scatter_lanes", "scatter_stages", "spanned_dims"]
 
@@ -50,7 +50,7 @@ TPU_LANES = 128
 Stages = tuple[tuple[tuple[int, ...], ...], ...]
 
 
-def _position(device: Any) -> tuple[int, ...] | None:
+def _position(device: jax.Device) -> tuple[int, ...] | None:
     coords = getattr(device, "coords", None)
     if coords is None:
         return None
@@ -69,18 +69,18 @@ def _fits(rows: np.ndarray, groups: list[list[int]]) -> bool:
     return all(spanned_dims(row[g]) <= MAX_TORUS_DIMS for row in rows for g in groups)
 
 
-def _on_tpu(mesh: Any) -> bool:
+def _on_tpu(mesh: Mesh) -> bool:
     devices = np.asarray(mesh.devices)
     return devices.size > 0 and getattr(devices.flat[0], "platform", None) == "tpu"
 
 
-def scatter_lanes(mesh: Any) -> int:
+def scatter_lanes(mesh: Mesh) -> int:
     """The row length flat buffers are reduce-scattered as on ``mesh`` (`TPU_LANES` on
     TPU, 0, flat, elsewhere)."""
     return TPU_LANES if _on_tpu(mesh) else 0
 
 
-def scatter_stages(mesh: Any, axes: Any) -> Stages:
+def scatter_stages(mesh: Mesh, axes: AxisName) -> Stages:
     """How a tiled reduce-scatter over ``axes`` (one mesh axis or a tuple, indexed row-major
     as ``psum_scatter`` does) stays reduce-scatters on ``mesh``'s TPU torus.
 
@@ -97,8 +97,8 @@ def scatter_stages(mesh: Any, axes: Any) -> Stages:
     names = list(mesh.axis_names)
     if not all(a in names for a in axes):
         return ()
-    positions = [_position(d) for d in devices.flat]
-    if any(p is None for p in positions) or len({len(p) for p in positions}) != 1:
+    positions = [p for p in map(_position, devices.flat) if p is not None]
+    if len(positions) != devices.size or len({len(p) for p in positions}) != 1:
         return ()
     others = [k for k, a in enumerate(names) if a not in axes]
     order = others + [names.index(a) for a in axes]

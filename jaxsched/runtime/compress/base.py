@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsched.runtime.collectives.base import BucketSpec, Collective, CollectiveWrapper
+from jaxsched.core.axes import AxisName
+from jaxsched.runtime.collectives.base import BucketSpec, Collective, CollectiveState, CollectiveWrapper
 
 __all__ = [
     "Compressor",
@@ -122,7 +123,7 @@ def check_gradient_bucket(bucket: BucketSpec, owner: str) -> None:
         )
 
 
-def shard_of(total: jax.Array, axis_name: str, bucket: BucketSpec) -> jax.Array:
+def shard_of(total: jax.Array, axis_name: AxisName, bucket: BucketSpec) -> jax.Array:
     """This device's ``1/P`` slice of a full buffer (what a tiled reduce-scatter returns)."""
     shard = total.shape[0] // bucket.axis_size
     return lax.dynamic_slice_in_dim(total, lax.axis_index(axis_name) * shard, shard)
@@ -220,16 +221,20 @@ class Compressor(CollectiveWrapper):
     def compresses(self, bucket: BucketSpec) -> bool:
         return bucket.kind == "gradients" and bucket.size > 0
 
-    def init(self, buckets):
+    def init(self, buckets: Sequence[BucketSpec]) -> tuple[CollectiveState, ...]:
         for bucket in buckets:
             if self.compresses(bucket):
                 check_gradient_bucket(bucket, type(self).__name__)
         return super().init(buckets)
 
-    def compress_sum(self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, own: Any) -> tuple[jax.Array, Any]:
+    def compress_sum(
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, own: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         raise NotImplementedError
 
-    def all_reduce(self, buffer, axis_name, bucket, state):
+    def all_reduce(
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         if not self.compresses(bucket):
             return super().all_reduce(buffer, axis_name, bucket, state)
         own, inner = state
@@ -237,7 +242,9 @@ class Compressor(CollectiveWrapper):
         total, own = self.compress_sum(buffer, axis_name, bucket, own)
         return total.astype(buffer.dtype), (own, inner)
 
-    def reduce_scatter(self, buffer, axis_name, bucket, state):
+    def reduce_scatter(
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         if not self.compresses(bucket):
             return super().reduce_scatter(buffer, axis_name, bucket, state)
         own, inner = state

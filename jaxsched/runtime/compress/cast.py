@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxsched.runtime.collectives.base import BucketSpec, Collective, psum_scatter
+from jaxsched.core.axes import AxisName
+from jaxsched.runtime.collectives.base import BucketSpec, Collective, CollectiveState, psum_scatter
 from jaxsched.runtime.compress.base import Compressor, check_gradient_bucket
 
 __all__ = ["Cast", "CastState"]
@@ -91,14 +92,18 @@ class Cast(Compressor):
     def _sent(self, bucket: BucketSpec) -> CastState:
         return CastState(jnp.int32(bucket.size * self.dtype.itemsize))
 
-    def all_reduce(self, buffer, axis_name, bucket, state):
+    def all_reduce(
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         if not self.compresses(bucket):
             return super().all_reduce(buffer, axis_name, bucket, state)
         check_gradient_bucket(bucket, "Cast")
         total = lax.psum(buffer.astype(self.dtype), axis_name).astype(buffer.dtype)
         return total, (self._sent(bucket), state[1])
 
-    def reduce_scatter(self, buffer, axis_name, bucket, state):
+    def reduce_scatter(
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
+    ) -> tuple[jax.Array, CollectiveState]:
         if not self.compresses(bucket):
             return super().reduce_scatter(buffer, axis_name, bucket, state)
         check_gradient_bucket(bucket, "Cast")

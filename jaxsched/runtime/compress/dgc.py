@@ -74,6 +74,9 @@ TIER_FACTOR = 4.0
 
 T = TypeVar("T")
 
+#: The carried momentum of a bucket: an array of its flat shape with momentum, else ``()``.
+Velocity = jax.Array | tuple[()]
+
 
 def sent_mask(indices: jax.Array, count: jax.Array, size: int) -> jax.Array:
     """Dense bool mask of the entries sent: the first ``count`` slots of ``indices``
@@ -342,6 +345,8 @@ class Sparsifier(Compressor):
             if steps is not None
             else self.density
         )
+        if self.sim_kind is None:
+            raise JaxschedValueError(f"{type(self).__name__}: the simulator does not model it")
         return Compression(self.sim_kind, density, selection_s_per_byte)
 
     def at_scheduled_density(self, step: jax.Array, bucket: BucketSpec, exchange: Callable[[float], T]) -> T:
@@ -363,7 +368,7 @@ class Sparsifier(Compressor):
         return lax.switch(self._tier(step, len(levels)), branches)
 
     # -- clipping and momentum correction --------------------------------------------------
-    def accumulate(self, buffer: jax.Array, velocity: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def accumulate(self, buffer: jax.Array, velocity: Velocity) -> tuple[jax.Array, Velocity]:
         """What enters the residual this step, and the new velocity before masking:
         ``(g, velocity)`` without momentum, ``(u, u)`` with ``u = m * velocity + g``;
         ``g`` is ``buffer`` clipped to ``clip_norm``.
@@ -380,12 +385,12 @@ class Sparsifier(Compressor):
             norm = jnp.sqrt(jnp.sum(jnp.square(buffer.astype(jnp.float32))))
             scale = jnp.minimum(1.0, self.clip_norm / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
             grad = (buffer.astype(jnp.float32) * scale).astype(buffer.dtype)
-        if not self.momentum:
+        if not self.momentum or isinstance(velocity, tuple):
             return grad, velocity
         velocity = (self.momentum * velocity + grad).astype(buffer.dtype)
         return velocity, velocity
 
-    def mask_velocity(self, velocity: jax.Array, sent: jax.Array | None) -> jax.Array:
+    def mask_velocity(self, velocity: Velocity, sent: jax.Array | None) -> Velocity:
         """Momentum factor masking: the velocity of every entry sent is cleared.
 
         Args:
@@ -395,11 +400,11 @@ class Sparsifier(Compressor):
         Returns:
           The masked velocity (as given without momentum).
         """
-        if not self.momentum:
+        if not self.momentum or sent is None or isinstance(velocity, tuple):
             return velocity
         return jnp.where(sent, jnp.zeros((), velocity.dtype), velocity)
 
-    def init_velocity(self, bucket: BucketSpec) -> Any:
+    def init_velocity(self, bucket: BucketSpec) -> Velocity:
         """The carried velocity: zeros of the bucket's shape with momentum; otherwise ``()``,
         no array at all (orbax refuses to save zero-size arrays).
 

@@ -68,6 +68,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsched.runtime import kernels
+from jaxsched.core.axes import AxisName
 from jaxsched.runtime.collectives.base import BucketSpec
 from jaxsched.runtime.compress.dgc import Sparsifier, sent_mask
 
@@ -209,7 +210,7 @@ class GlobalTopK(Sparsifier):
         )
 
     def global_indices(
-        self, acc: jax.Array, axis_name: str, bucket: BucketSpec, density: float | None = None
+        self, acc: jax.Array, axis_name: AxisName, bucket: BucketSpec, density: float | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """The ``k`` indices every device agrees on (``n`` marks an empty slot), and how
         many messages this device sent to find them, at ``density`` (default: the density
@@ -256,7 +257,9 @@ class GlobalTopK(Sparsifier):
             indices = jnp.where(receives, merged_i, indices)
         return indices, sent_messages
 
-    def compress_sum(self, buffer, axis_name, bucket, own):
+    def compress_sum(
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, own: GlobalTopKState
+    ) -> tuple[jax.Array, GlobalTopKState]:
         grad, velocity = self.accumulate(buffer, own.velocity)
         residual = own.residual if self.error_feedback else jnp.zeros_like(buffer)
         acc = residual + grad

@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsched.core.axes import AxisName
 from jaxsched.runtime.collectives.base import BucketSpec, Collective
 from jaxsched.runtime.compress.base import Compressor
 
@@ -174,7 +175,9 @@ class PowerSGD(Compressor):
         res_size = bucket.size if self.error_feedback else 0
         return PowerSGDState(jnp.zeros((res_size,), bucket.dtype), jnp.zeros((q_size,), bucket.dtype), zero)
 
-    def compress_sum(self, buffer, axis_name, bucket, own):
+    def compress_sum(
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, own: PowerSGDState
+    ) -> tuple[jax.Array, PowerSGDState]:
         segments = self._segments(bucket)
         dtype = buffer.dtype
         acc = buffer + own.residual if self.error_feedback else buffer

@@ -59,6 +59,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxsched.runtime import kernels
+from jaxsched.core.axes import AxisName
 from jaxsched.runtime.collectives.base import BucketSpec, Collective
 from jaxsched.runtime.compress.base import Density
 from jaxsched.runtime.compress.dgc import Sparsifier, sent_mask
@@ -195,7 +196,7 @@ class TopK(Sparsifier):
         return kernels.default_capacity(bucket.size, density)
 
     def select(
-        self, buffer: jax.Array, axis_name: str, bucket: BucketSpec, own: TopKState, density: float | None = None
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, own: TopKState, density: float | None = None
     ) -> kernels.SparseGradient:
         """This device's ``(values, indices)`` and new residual (error feedback applied), at
         ``density`` (default: the density after warm-up). Runs inside the per-device body.
@@ -218,7 +219,9 @@ class TopK(Sparsifier):
         key = jax.random.fold_in(jax.random.fold_in(key, bucket.index), lax.axis_index(axis_name))
         return kernels.threshold_error_feedback(buffer, residual, density, key, capacity=self.capacity(bucket, density))
 
-    def compress_sum(self, buffer, axis_name, bucket, own):
+    def compress_sum(
+        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, own: TopKState
+    ) -> tuple[jax.Array, TopKState]:
         grad, velocity = self.accumulate(buffer, own.velocity)
 
         def exchange(density):

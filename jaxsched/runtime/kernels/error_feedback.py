@@ -132,7 +132,7 @@ class ErrorFeedback(NamedTuple):
 
     sent: jax.Array
     new_residual: jax.Array
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field named like tuple.count, kept for the API
 
 
 class SparseGradient(NamedTuple):
@@ -152,7 +152,7 @@ class SparseGradient(NamedTuple):
 
     values: jax.Array
     indices: jax.Array
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field named like tuple.count, kept for the API
     overflow: jax.Array
     new_residual: jax.Array
     threshold: jax.Array | None = None
