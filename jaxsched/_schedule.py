@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedValueError
 
+import copy
 import functools
 import itertools
 from typing import Any, Callable, NamedTuple
@@ -33,7 +34,7 @@ from jaxsched.runtime.collectives.base import Collective
 from jaxsched.runtime.engine import Engine, make_engine
 from jaxsched.core.bucketing import param_paths
 from jaxsched.pipeline.program import Program, ProgramCache, retyped
-from jaxsched.pipeline.selection import build_program
+from jaxsched.pipeline.selection import program_of, select
 from jaxsched.core.describe import describe, difference
 from jaxsched.pipeline.state_step import (
     STATE,
@@ -81,8 +82,9 @@ class Scheduled:
         #: functions) as static tree structure (`jaxsched.core.static_leaves`)
         self.step = static_leaves.through(step)
         try:
-            self.strategy: Strategy = make_strategy(
-                strategy, collective=compression if collective is None else collective, **strategy_options
+            # a copy: what selection records on it (``last_choice``) never reaches the user's instance
+            self.strategy: Strategy = copy.copy(
+                make_strategy(strategy, collective=compression if collective is None else collective, **strategy_options)
             )
         except TypeError as err:
             if not strategy_options:
@@ -323,6 +325,7 @@ class Scheduled:
             **self.plan_options,
         )
         inner._fixed_form = TREES  # the adapter's pure step(params, rest, batch)
+        inner.strategy = self.strategy  # shared: what selection records shows on this schedule
         return inner
 
     def verify(
@@ -456,9 +459,15 @@ class Scheduled:
                 f"{', ...' if len(integer) > 3 else ''}): are sched.init's arguments "
                 "swapped? Call sched.init(params, opt_state), params first"
             ) from err
-        return build_program(
+        chosen = select(
             captured, self.strategy, self.buckets_option if buckets is None else buckets, self.engine, self.plan_options
         )
+        # the choices are shown on this schedule's own copy of the strategy, never the user's
+        if chosen.choice is not None:
+            self.strategy.last_choice = chosen.choice  # type: ignore[attr-defined]  # an Auto
+        if chosen.bucket_choice is not None:
+            self.strategy.last_bucket_choice = chosen.bucket_choice
+        return program_of(chosen, self.engine)
 
     def _use_buckets(self, buckets: Any) -> bool:
         """Run the explicit plan ``buckets`` from the next call on, with its own program

@@ -42,13 +42,14 @@ from jaxsched.plan.from_step import (
 )
 from jaxsched.plan.planned_step import PlannedStep
 from jaxsched.pipeline.program import Program
+from jaxsched.runtime.engine.base import Engine
 from jaxsched.pipeline.compiled_planner import candidates_for, choose_by_compiling, compiled_estimates_apply
 from jaxsched.sim import simulate
 from jaxsched.sim.costmodel import CommPattern, fsdp_pattern
 from jaxsched.strategies.auto import Auto, AutoChoice
 from jaxsched.strategies.base import Strategy
 
-__all__ = ["Selection", "build_program", "select", "simulated_compression", "step_pattern"]
+__all__ = ["Selection", "build_program", "program_of", "select", "simulated_compression", "step_pattern"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,39 +60,52 @@ class Selection:
       strategy: the strategy that rewrites the step (``auto`` resolved, the mesh's
         collective chosen).
       planned: the captured step with its buckets, frozen.
+      choice: ``strategy="auto"``'s choice (None for a concrete strategy).
+      bucket_choice: with ``buckets="auto"`` on GPU or TPU, what each compiled candidate
+        was estimated at (a `CompiledChoice`; None otherwise).
     """
 
     strategy: Strategy
     planned: PlannedStep
+    choice: AutoChoice | None = None
+    bucket_choice: Any = None
 
 
 def select(
-    captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any, plan_options: dict | None = None
+    captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Engine, plan_options: dict | None = None
 ) -> Selection:
     """Resolve ``strategy`` and ``buckets`` for ``captured`` on ``engine``.
 
-    ``strategy="auto"`` records its choice in ``strategy.last_choice``; ``buckets="auto"`` on
-    GPU or TPU records the compiled candidates in ``strategy.last_bucket_choice``.
+    Nothing given is changed: ``strategy="auto"``'s choice is returned as
+    ``Selection.choice`` and the compiled candidates of ``buckets="auto"`` on GPU or TPU
+    as ``Selection.bucket_choice`` (`jaxsched.Scheduled` shows them as
+    ``sched.strategy.last_choice`` and ``sched.strategy.last_bucket_choice``).
     """
     plan_options = dict(plan_options or {})
     platform = captured.mesh.devices.flat[0].platform
+    choice: AutoChoice | None = None
+    bucket_choice: Any = None
     if isinstance(strategy, Auto):
-        strategy, buckets = _choose_strategy(strategy, captured, buckets, plan_options, engine)
+        strategy, buckets, choice = _choose_strategy(strategy, captured, buckets, plan_options, engine)
     elif _is_auto(buckets) and compiled_estimates_apply(platform) and not plan_options:
         pairs = candidates_for(strategy, platform, buckets, mesh=captured.mesh)
-        choice = choose_by_compiling(captured, pairs, engine, plan_options, _build_planned)
-        strategy.last_bucket_choice = choice
-        strategy, buckets = pairs[choice.chosen]
+        bucket_choice = choose_by_compiling(captured, pairs, engine, plan_options, _build_planned)
+        strategy, buckets = pairs[bucket_choice.chosen]
     strategy = strategy.for_mesh(captured)
-    return Selection(strategy, _build_planned(captured, strategy, buckets, engine, plan_options))
+    planned = _build_planned(captured, strategy, buckets, engine, plan_options)
+    return Selection(strategy, planned, choice, bucket_choice)
 
 
 def build_program(
-    captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any, plan_options: dict | None = None
+    captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Engine, plan_options: dict | None = None
 ) -> Program:
     """The program of ``strategy`` for ``captured`` with bucket option ``buckets`` on
     ``engine``: a pure function of the four (and the planning options)."""
-    chosen = select(captured, strategy, buckets, engine, plan_options)
+    return program_of(select(captured, strategy, buckets, engine, plan_options), engine)
+
+
+def program_of(chosen: Selection, engine: Engine) -> Program:
+    """The program of a `Selection` on ``engine``."""
     return Program(chosen.planned, chosen.strategy, engine)
 
 
@@ -162,8 +176,8 @@ def _build_planned(
 
 
 def _choose_strategy(
-    auto: Auto, captured: CapturedStep, buckets: Any, plan_options: dict, engine: Any
-) -> tuple[Strategy, Any]:
+    auto: Auto, captured: CapturedStep, buckets: Any, plan_options: dict, engine: Engine
+) -> tuple[Strategy, Any, AutoChoice]:
     """``auto``'s choice: by XLA's estimate on GPU/TPU, else by the simulator."""
     platform = captured.mesh.devices.flat[0].platform
     if compiled_estimates_apply(platform):
@@ -177,8 +191,7 @@ def _choose_strategy(
         ]
         choice = choose_by_compiling(captured, pairs, engine, plan_options, _build_planned)
         strategy, option = pairs[choice.chosen]
-        auto.last_choice = AutoChoice(strategy.name, {}, True, 0.0, option, choice.as_dict())
-        return strategy, option
+        return strategy, option, AutoChoice(strategy.name, {}, True, 0.0, option, choice.as_dict())
     probe = PlannedStep(captured, None if _is_auto(buckets) else buckets, plan_options)
     costs = engine.costs(captured.mesh)
     layers, members = step_layer_profile(probe.analysis, probe.paths, plan_options.get("layer_profile"))
@@ -214,10 +227,8 @@ def _choose_strategy(
         results[candidate.name] = (float(sim.iteration_s), candidate, option)
     chosen = min(results, key=lambda n: results[n][0])  # dicts keep order: ties go first
     _, strategy, option = results[chosen]
-    auto.last_choice = AutoChoice(
-        chosen, {n: r[0] for n, r in results.items()}, costs.overlaps, costs.per_collective_s, option
-    )
-    return strategy, option
+    made = AutoChoice(chosen, {n: r[0] for n, r in results.items()}, costs.overlaps, costs.per_collective_s, option)
+    return strategy, option, made
 
 
 def _layer_groups(buckets: Sequence[Sequence[int]], layer_of: dict[int, int]) -> list[list[int]]:
