@@ -182,10 +182,35 @@ class Scheduled:
         return self._program_for(state, batch).convert(state)
 
     def __call__(self, state: ScheduledState, *inputs: Any) -> Any:
-        """One training step: ``sched(state, batch)`` (or ``sched(state, key, batch)`` for a
-        step with extra inputs); returns the new state and the step's aux, as the plain step
-        would (the state alone for a step that returns only its state, and ``(state, key,
-        aux)`` for a step that returns an output per input)."""
+        """One training step, called as the plain step is, with the scheduled state.
+
+        The first call of each batch signature traces and compiles the scheduled program;
+        later calls run it (a state this schedule just returned skips the checks).
+
+        Args:
+          state: what `init` or the previous call returned (never the user's trees:
+            ``sched(params, opt_state, batch)`` is refused with the call that was meant).
+          *inputs: the step's inputs after its state: the batch, or the extra inputs
+            and then the batch for a ``step(state, key, batch)``.
+
+        Returns:
+          What the plain step returns, with the scheduled state in place of the user's:
+          ``(state, aux)``; the state alone for a step that returns only its state;
+          ``(state, key, aux)`` for a step that returns an output per input.
+
+        Example:
+            >>> import jax, optax, jaxsched
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh))
+            >>> state = sched.init(params, tx.init(params))
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> state, aux = sched(state, batch)
+            >>> state, aux = sched(state, batch)  # the compiled program again
+        """
         if self._direct() and len(inputs) == self._num_inputs:
             result = self._run_again(state, inputs[0] if len(inputs) == 1 else inputs)
             if result is not None:
@@ -503,16 +528,21 @@ def schedule(
       train_step: ``(params, opt_state, batch) -> (params, opt_state, aux)``, or ``(state,
         batch) -> (state, aux)`` over any pytree state (a Flax ``TrainState``, a dataclass, a
         dict; `jaxsched.pipeline.state_step`), with any inputs (a key) before the batch.
-        Either a ``jax.jit`` step on global arrays, the batch split over the data axes and
-        the parameters replicated or sharded (FSDP, HSDP, tensor parallelism;
-        `jaxsched.core.partition`), or a per-device body written with ``jax.shard_map``
-        (jitted or not) or ``jax.pmap`` that reduces its gradients with
-        ``lax.pmean``/``lax.psum`` (or implicitly via ``check_vma``).
+        Any data-parallel step is accepted: a ``jax.jit`` step on global arrays with any
+        shardings (the batch split over the data axes; the parameters replicated or
+        sharded: FSDP, HSDP, tensor parallelism; `jaxsched.core.partition`), or a
+        per-device body (``jax.shard_map``, jitted or not, or ``jax.pmap``) that reduces
+        its gradients with ``lax.pmean``/``lax.psum`` (or implicitly via ``check_vma``).
         Omit it to use ``schedule`` as a decorator: ``@jaxsched.schedule(strategy="wfbp")``.
-      strategy: a registered name (``jaxsched.STRATEGIES``: ``allreduce``, the step
-        unchanged; ``wfbp``, one all-reduce per bucket in backward; ``dear``,
-        reduce-scatter in backward, sharded update, all-gather deferred to the next
-        forward) or a `Strategy` instance.
+      strategy: a registered name or a `Strategy` instance (never changed: the schedule
+        works on its own copy, ``sched.strategy``). ``jaxsched.STRATEGIES`` lists the
+        names: ``allreduce`` (the step unchanged, one reduction after backward),
+        ``wfbp`` (the default: one all-reduce per bucket, placed in backward), ``dear``
+        (reduce-scatter in backward, sharded update, all-gather deferred to the next
+        forward), ``approx`` (step ``t-k``'s gradients reduced at step ``t``), ``kfac``
+        (K-FAC preconditioned gradients), ``diloco`` (inner steps on the fast axes, an
+        outer step every H steps) and ``auto`` (chooses among the exact strategies;
+        ``sched.strategy.last_choice`` says which and why).
       buckets: ``None`` (25 MB threshold in gradient-completion order), a byte threshold,
         an explicit plan (a list of lists of parameter paths such as ``"head/kernel"``), or
         ``"auto"``: planned against the simulator (`jaxsched.plan.from_step`), with
@@ -534,6 +564,9 @@ def schedule(
         ``buckets`` is given.
       options: the strategy's own options (passed to its constructor) and, with
         ``buckets="auto"``, the planning options above.
+
+    Returns:
+      A `Scheduled` step (with ``train_step`` given), or a decorator that makes one.
 
     The step is traced once per abstract batch signature (structure, shapes, dtypes,
     shardings): a smaller last batch gets its own program.
