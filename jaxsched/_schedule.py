@@ -47,7 +47,7 @@ from jaxsched.pipeline.state_step import (
     with_inputs,
     with_outputs,
 )
-from jaxsched.pipeline.replan import Replan, Replanner, SwitchRecord, as_replan, program_buckets, resolved_key
+from jaxsched.pipeline.replan import Decision, Replan, Replanner, SwitchRecord, as_replan, program_buckets, resolved_key
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
 from jaxsched.strategies.base import ScheduledState
 
@@ -84,7 +84,9 @@ class Scheduled:
         try:
             # a copy: what selection records on it (``last_choice``) never reaches the user's instance
             self.strategy: Strategy = copy.copy(
-                make_strategy(strategy, collective=compression if collective is None else collective, **strategy_options)
+                make_strategy(
+                    strategy, collective=compression if collective is None else collective, **strategy_options
+                )
             )
         except TypeError as err:
             if not strategy_options:
@@ -110,7 +112,8 @@ class Scheduled:
         self._programs = ProgramCache(self._build)
         self._pending_state: ScheduledState | None = None
         self._form: str | None = None  # "trees" or "state": decided by the first init
-        self._state_form: StateForm | None = None  # a step(state, batch) delegates to it
+        #: the state-carrying half of a step(state, batch) (decided by the first init or call)
+        self._state_form: StateForm[Scheduled] | None = None
         self._num_inputs: int | None = None  # the batch and the extra inputs before it
         self._outputs = OutputCount()  # what a step(params, opt_state, ...) returns after its state
         self._fixed_form: str | None = None  # set by an adapter that knows its step's form
@@ -259,30 +262,27 @@ class Scheduled:
         none is given; the step switches at its next call. Returns the pending switch, or
         None when the plan for that network is the current one. Needs ``replan=`` and one
         step run; every process calls it at the same step (`jaxsched.pipeline.replan`)."""
-        if self._state_form is not None and self._state_form.inner is not None:
-            return self._state_form.inner.replan(network)
-        if self._replanner is None:
+        runs = self._runs()
+        if runs._replanner is None:
             raise JaxschedValueError(
                 "sched.replan() needs a schedule made with replan='auto' or replan=jaxsched.Replan(...)"
             )
-        if self._programs.last is None:
+        if runs._programs.last is None:
             raise JaxschedRuntimeError("sched.replan() needs the step traced first: call it once")
-        return self._replanner.request(self._programs.last, network)
+        return runs._replanner.request(runs._programs.last, network)
 
     @property
     def replans(self) -> list[SwitchRecord]:
         """Every switch of plan so far (`SwitchRecord`), oldest first."""
-        if self._state_form is not None and self._state_form.inner is not None:
-            return self._state_form.inner.replans
-        return [] if self._replanner is None else list(self._replanner.records)
+        replanner = self._runs()._replanner
+        return [] if replanner is None else list(replanner.records)
 
     @property
-    def replan_decisions(self) -> list:
+    def replan_decisions(self) -> list[Decision]:
         """Every decision point of the monitor (`Decision`: measured
         drift, predicted gain, whether it switched, what the measurement cost)."""
-        if self._state_form is not None and self._state_form.inner is not None:
-            return self._state_form.inner.replan_decisions
-        return [] if self._replanner is None else list(self._replanner.decisions)
+        replanner = self._runs()._replanner
+        return [] if replanner is None else list(replanner.decisions)
 
     def finalize(self, state: ScheduledState) -> tuple[Any, Any]:
         """Back to ordinary ``(params, opt_state)``, or the user's state object for a
@@ -300,7 +300,7 @@ class Scheduled:
         """The lowered scheduled program (StableHLO), e.g. to inspect where collectives sit."""
         batch = self._marked(batch)
         if (form := self._state_form_for(state)) is not None:
-            return form.scheduled(state, batch, "lower")
+            return form.lower(state, batch)
         return self._program_for(state, batch).lower(state, batch)
 
     def inspect(self, state: ScheduledState, batch: Any, *, baseline: bool = True):
@@ -319,7 +319,7 @@ class Scheduled:
 
         batch = self._marked(batch)
         if (form := self._state_form_for(state)) is not None:
-            return form.scheduled(state, batch, "inspect", baseline=baseline)
+            return form.inspect(state, batch, baseline=baseline)
         program = self._program_for(state, batch)
         report = program.inspect(state, batch)
         plain = None
@@ -384,18 +384,15 @@ class Scheduled:
     @property
     def program(self) -> Program:
         """The program of the most recent call."""
-        if self._state_form is not None and self._state_form.inner is not None:
-            return self._state_form.inner.program
-        if self._programs.last is None:
+        last = self._runs()._programs.last
+        if last is None:
             raise JaxschedRuntimeError("the step has not been traced yet: call it once (or lower()) first")
-        return self._programs.last
+        return last
 
     @property
     def num_programs(self) -> int:
         """How many input signatures have been traced (one program each)."""
-        if self._state_form is not None and self._state_form.inner is not None:
-            return self._state_form.inner.num_programs
-        return len(self._programs)
+        return len(self._runs()._programs)
 
     @property
     def traced_step(self) -> Callable:
@@ -455,11 +452,21 @@ class Scheduled:
         self._num_inputs = expected
         return inputs[0] if expected == 1 else tuple(inputs)
 
-    def _state_form_for(self, state: Any) -> StateForm | None:
+    def _state_form_for(self, state: Any) -> StateForm[Scheduled] | None:
         """The state-form adapter if this schedule runs a ``step(state, batch)``."""
         if self._state_form is None and isinstance(state, UnsplitState):
             self._form, self._state_form = STATE, StateForm(self)
         return self._state_form
+
+    def _runs(self) -> Scheduled:
+        """The schedule whose programs run this step: this one for a ``step(params,
+        opt_state, ...)`` (or a state step not split yet), the state form's inner schedule
+        of the pure step once a state was split.
+
+        One object, not a class per form: the form is read from ``init``'s arguments (or
+        from the state a call gets), after ``schedule()`` returned this object."""
+        inner = None if self._state_form is None else self._state_form.inner
+        return self if inner is None else inner
 
     def _program_for(self, state: ScheduledState, batch: Any) -> Program:
         if self._template is None:

@@ -77,7 +77,7 @@ from jaxsched._errors import JaxschedTypeError, JaxschedValueError, JaxschedWarn
 import dataclasses
 import inspect
 import warnings
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Generic, Mapping, NamedTuple, Protocol, TypeVar
 
 import jax
 import numpy as np
@@ -95,6 +95,8 @@ __all__ = [
     "SIGNATURES",
     "StateForm",
     "StateLayout",
+    "StateOwner",
+    "TreeSchedule",
     "UnsplitState",
     "find_layout",
     "inputs_of",
@@ -555,38 +557,75 @@ def _nothing_trained(names, leaves, position, reaches_varying, from_reduction, f
     )
 
 
-class StateForm:
-    """What ``Scheduled`` delegates to for a ``step(state, batch)``: the layout (decided at
-    the first split) and an inner `Scheduled` of the pure step."""
+class TreeSchedule(Protocol):
+    """What the state form needs of the schedule of its pure ``step(params, rest, batch)``
+    (a `jaxsched.Scheduled`)."""
 
-    def __init__(self, owner: Any):
+    def init(self, *args: Any, batch: Any = None) -> Any: ...
+
+    def step_batch(self, state: Any, batch: Any) -> Any: ...
+
+    def finalize(self, state: Any) -> tuple[Any, Any]: ...
+
+    def lower(self, state: Any, batch: Any) -> Any: ...
+
+    def inspect(self, state: Any, batch: Any, *, baseline: bool = True) -> Any: ...
+
+
+S = TypeVar("S", bound=TreeSchedule)
+
+
+class StateOwner(Protocol[S]):
+    """The schedule of the user's ``step(state, batch)`` that owns a `StateForm`."""
+
+    _num_inputs: int | None
+
+    @property
+    def traced_step(self) -> Callable: ...
+
+    def with_step(self, step: Callable) -> S: ...
+
+
+class StateForm(Generic[S]):
+    """The state-carrying half of a `jaxsched.Scheduled` of a ``step(state, batch)``: the
+    layout (decided at the first split) and ``inner``, the schedule (of the owner's own
+    type ``S``) of the pure step split off the user's.
+
+    The owner calls it explicitly for each public method that takes a state (``init``,
+    ``__call__``, ``lower``, ``inspect``, ``finalize``); what reads the programs (``program``,
+    ``replans``) reads ``inner`` once it exists.
+    """
+
+    def __init__(self, owner: StateOwner[S]):
         self.owner = owner
         self.layout: StateLayout | None = None
-        self.inner: Any | None = None
+        self.inner: S | None = None
 
     def init(self, state: Any, batch: Any = None) -> Any:
+        """``sched.init(state[, batch])``: an `UnsplitState` without the batch, else the
+        inner schedule's state (the state split by the traced step)."""
         if batch is None:
             return UnsplitState(state)
-        inner = self.inner_for(state, batch)
-        return inner.init(*self.layout.split(state), batch)
+        inner, layout = self.inner_for(state, batch)
+        return inner.init(*layout.split(state), batch)
 
     @property
     def step(self) -> Callable:
         """The user's step as ``step(state, batch)`` (extra inputs in the batch tuple)."""
         return self.owner.traced_step
 
-    def inner_for(self, state: Any, batch: Any) -> Any:
-        """The scheduled pure step, splitting the state on first use."""
-        if self.layout is None:
+    def inner_for(self, state: Any, batch: Any) -> tuple[S, StateLayout]:
+        """The scheduled pure step and the layout, splitting the state on first use."""
+        if self.layout is None or self.inner is None:
             self.layout = find_layout(self.step, state, batch, self.owner._num_inputs or 1)
             self.inner = self.owner.with_step(self.layout.pure_step(self.step))
-        return self.inner
+        return self.inner, self.layout
 
-    def scheduled_state(self, sstate: Any, batch: Any) -> tuple[Any, Any]:
+    def scheduled_state(self, sstate: Any, batch: Any) -> tuple[S, Any]:
         """The inner schedule and ``sstate`` in its form (an `UnsplitState` split)."""
         if isinstance(sstate, UnsplitState):
-            inner = self.inner_for(sstate.state, batch)
-            return inner, inner.init(*self.layout.split(sstate.state))
+            inner, layout = self.inner_for(sstate.state, batch)
+            return inner, inner.init(*layout.split(sstate.state))
         if self.inner is None:
             raise JaxschedValueError(
                 "this scheduled state comes from another schedule (or a checkpoint) "
@@ -596,21 +635,29 @@ class StateForm:
         return self.inner, sstate
 
     def __call__(self, sstate: Any, batch: Any) -> Any:
+        """One step: the inner schedule's, its outputs as the user's step returns them."""
         inner, sstate = self.scheduled_state(sstate, batch)
         sstate, aux = inner.step_batch(sstate, batch)
+        assert self.layout is not None  # set by scheduled_state
         if self.layout.outputs == 0:
             return sstate
         return (sstate, *aux) if self.layout.outputs > 1 else (sstate, aux)
 
-    def scheduled(self, sstate: Any, batch: Any, method: str, **options: Any) -> Any:
-        """``inner.<method>(sstate, batch)`` (``lower``, ``inspect``) on the scheduled state."""
+    def lower(self, sstate: Any, batch: Any) -> Any:
+        """The inner schedule's ``lower`` on the scheduled state."""
         inner, sstate = self.scheduled_state(sstate, batch)
-        return getattr(inner, method)(sstate, batch, **options)
+        return inner.lower(sstate, batch)
+
+    def inspect(self, sstate: Any, batch: Any, *, baseline: bool = True) -> Any:
+        """The inner schedule's ``inspect`` on the scheduled state."""
+        inner, sstate = self.scheduled_state(sstate, batch)
+        return inner.inspect(sstate, batch, baseline=baseline)
 
     def finalize(self, sstate: Any) -> Any:
+        """The user's state object (an `UnsplitState` as given)."""
         if isinstance(sstate, UnsplitState):
             return sstate.state
-        if self.inner is None:
+        if self.inner is None or self.layout is None:
             raise JaxschedValueError(
                 "finalize got a scheduled state, but this schedule has not split a "
                 "state yet; call sched.init(state, example_batch) first"
