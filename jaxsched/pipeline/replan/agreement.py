@@ -28,8 +28,6 @@ class Store(Protocol):
     def get(self, key: str, timeout_s: float) -> str: ...
 
 
-
-
 class KeyValueStore:
     """jax.distributed's key-value store: what the processes exchange their estimates
     through, with a timeout (a collective would hang on a lost message)."""

@@ -154,20 +154,20 @@ def bucket_groups(
     [[0], [1]]
     """
     where = {p: k for k, bucket in enumerate(buckets) for p in bucket}
-    owner = []
+    owner: list[int | None] = []
     for layer in members:
         votes = [where[paths[i]] for i in layer if paths[i] in where]
         owner.append(max(set(votes), key=votes.count) if votes else None)
     # contiguous runs of layers of one bucket (a bucket split by dtype or by how its
     # gradients are reduced may hold layers apart: each run is one group)
     groups: list[list[int]] = []
-    last = None
-    for layer, k in enumerate(owner):
+    last: int | None = None
+    for index, k in enumerate(owner):
         k = last if k is None else k
         if groups and k == last:
-            groups[-1].append(layer)
+            groups[-1].append(index)
         else:
-            groups.append([layer])
+            groups.append([index])
         last = k
     return groups
 

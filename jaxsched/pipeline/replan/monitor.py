@@ -44,7 +44,7 @@ STAGE_COLLECTIVES = {
 STAGE_MIN_BYTES = 1 << 16
 
 
-def stage_bytes(stage: Any) -> int:
+def stage_bytes(stage: Stage) -> int:
     """Bytes the collective of a communication stage sends (its operands)."""
     eqn = stage.eqns[-1]
     return sum(
@@ -54,7 +54,7 @@ def stage_bytes(stage: Any) -> int:
     )
 
 
-def stage_threshold(stages: Sequence[Any]) -> int:
+def stage_threshold(stages: Sequence[Stage]) -> int:
     """The smallest collective the stage monitor reads: `STAGE_MIN_BYTES`, or the
     largest collective's size when none is that large (a small model)."""
     sizes = [stage_bytes(s) for s in stages if s.kind == "comm" and s.eqns[-1].primitive.name in STAGE_COLLECTIVES]
@@ -62,7 +62,7 @@ def stage_threshold(stages: Sequence[Any]) -> int:
 
 
 def stage_samples(
-    stages: Sequence[Any], timings: Sequence[Any], min_bytes: int = STAGE_MIN_BYTES
+    stages: Sequence[Stage], timings: Sequence[StageTiming], min_bytes: int = STAGE_MIN_BYTES
 ) -> dict[str, dict[int, list[float]]]:
     """Seconds each large collective of one staged step took (``done - started`` of its
     stage, `jaxsched.runtime.engine.host.StageTiming`), per collective and bytes. Collectives
@@ -81,9 +81,9 @@ def stage_samples(
     return out
 
 
-
-
-def probe_programs(mesh: Any, axis: Any, names: Sequence[str]) -> dict[str, Callable]:
+def probe_programs(
+    mesh: Mesh, axis: str | tuple[str, ...], names: Sequence[str]
+) -> dict[str, Callable[[jax.Array], jax.Array]]:
     """Jitted collectives on ``mesh`` over ``axis`` (a name or tuple of names), one per name."""
     from jax.sharding import PartitionSpec as P
 
@@ -100,9 +100,9 @@ def probe_programs(mesh: Any, axis: Any, names: Sequence[str]) -> dict[str, Call
 
 
 def probe(
-    programs: Mapping[str, Callable],
-    mesh: Any,
-    axis: Any,
+    programs: Mapping[str, Callable[[jax.Array], jax.Array]],
+    mesh: Mesh,
+    axis: str | tuple[str, ...],
     workers: int,
     sizes: Sequence[int],
     repeats: int,
@@ -121,7 +121,7 @@ def probe(
             elements = max(workers, size // 4 // workers * workers)
             shape = (workers, elements // workers) if name == "all_gather" else (workers, elements)
             host = np.ones(shape, np.float32)
-            x = jax.make_array_from_callback(shape, sharding, lambda index, _h=host: _h[index])
+            x = jax.make_array_from_callback(shape, sharding, host.__getitem__)
             if warm:
                 jax.block_until_ready(program(x))
             times = []

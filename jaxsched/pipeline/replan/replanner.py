@@ -10,14 +10,16 @@ from __future__ import annotations
 import hashlib
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from jaxsched._errors import JaxschedTypeError, JaxschedValueError
+from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedValueError
+from jaxsched.pipeline.program import Program
 from jaxsched.pipeline.replan.agreement import KeyValueStore, agree, slowest
 from jaxsched.pipeline.replan.estimate import (
+    Samples,
     bucket_groups,
     drift_between,
     fit_window,
@@ -30,10 +32,11 @@ from jaxsched.pipeline.replan.estimate import (
 )
 from jaxsched.pipeline.replan.monitor import probe, probe_programs, stage_samples, stage_threshold
 from jaxsched.pipeline.replan.options import Decision, Replan, SwitchRecord
+from jaxsched.plan.planned_step import PlannedStep
+from jaxsched.runtime.engine.base import StageTimer
 from jaxsched.sim.costmodel import CollectiveCost, LayerProfile, NetworkProfile
 
 __all__ = ["plan_key", "program_buckets", "refuse_per_bucket_state", "Replanner", "resolved_key"]
-
 
 
 def plan_key(buckets: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
@@ -45,14 +48,14 @@ def plan_key(buckets: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], ...]:
     return tuple(sorted(tuple(sorted(b)) for b in buckets if b))
 
 
-def program_buckets(program: Any) -> list[list[str]]:
+def program_buckets(program: Program) -> list[list[str]]:
     """The buckets a program runs, as lists of parameter paths (buckets without parameters,
     a loss summed with the gradients, are rebuilt by any plan and left out)."""
     planned = program.planned
     return [[planned.paths[i] for i in b.params] for b in planned.buckets if b.params]
 
 
-def resolved_key(planned: Any, buckets: Sequence[Sequence[str]]) -> tuple:
+def resolved_key(planned: PlannedStep, buckets: Sequence[Sequence[str]]) -> tuple:
     """The key of the buckets an explicit plan ``buckets`` becomes for ``planned`` (a group
     holding several dtypes is split, one collective per dtype)."""
     from jaxsched.core.bucketing import plan_buckets as resolve
@@ -81,22 +84,29 @@ class Replanner:
         self.steps = 0  # steps run
         self.records: list[SwitchRecord] = []
         self.decisions: list[Decision] = []
-        self.window: dict = {}
-        self.store: Any = None  # the key-value store (set on first use)
+        self.window: Samples = {}
+        self.store: KeyValueStore | None = None  # set on first use
         self._round = 0
-        self._stages = False  # whether the host engine's stages are timed
-        self._stage_window: dict = {}  # stage timings since the last decision
-        self._reference: dict | None = None  # the stage timings the current basis stands for
+        self._stages = False  # whether the engine's stages are timed (`Engine.stage_timer`)
+        self._stage_window: Samples = {}  # stage timings since the last decision
+        self._reference: Samples | None = None  # the stage timings the current basis stands for
         self._prefix: str | None = None  # this schedule's messages in the store
         self._pending: tuple[tuple, SwitchRecord] | None = None
         self._basis: NetworkProfile | None = None  # the network the current plan assumes
         self._layers: tuple[LayerProfile, list[list[int]]] | None = None
-        self._probes: dict[str, Callable] | None = None
+        self._probes: dict[str, Callable[[jax.Array], jax.Array]] | None = None
         self._timing: SwitchRecord | None = None
         self._last_gain: float | None = None
 
     # -- what the schedule calls -------------------------------------------------------------
-    def step(self, state: Any, batch: Any, run: Callable, program: Callable, use: Callable) -> Any:
+    def step(
+        self,
+        state: Any,
+        batch: Any,
+        run: Callable[[Any, Any], Any],
+        program: Callable[[], Program | None],
+        use: Callable[[tuple[tuple[str, ...], ...]], bool],
+    ) -> Any:
         """One step: switch first if a switch is pending, run, then measure and decide."""
         if self._pending is not None:
             buckets, record = self._pending
@@ -106,6 +116,8 @@ class Replanner:
         start = time.perf_counter()
         out = run(state, batch)
         current = program()
+        if current is None:  # `run` builds or reuses a program: never the case
+            raise JaxschedRuntimeError("the replanner ran a step but its schedule has no program")
         if self.steps == 0:
             refuse_per_bucket_state(current)
             self._stages = self._use_stages(current)
@@ -121,8 +133,8 @@ class Replanner:
             self.measure_and_decide(current)
         return out
 
-    def _use_stages(self, program: Any) -> bool:
-        staged = hasattr(program.core, "record_timings") and hasattr(program.core, "stages")
+    def _use_stages(self, program: Program) -> bool:
+        staged = self._timer(program) is not None
         if self.options.monitor == "stages" and not staged:
             raise JaxschedValueError(
                 "Replan(monitor='stages') times the host engine's collective stages; "
@@ -131,22 +143,29 @@ class Replanner:
             )
         return staged and self.options.monitor in ("auto", "stages")
 
-    def _collect_stages(self, program: Any) -> None:
+    @staticmethod
+    def _timer(program: Program) -> StageTimer | None:
+        return program.engine.stage_timer(program.core)
+
+    def _collect_stages(self, program: Program) -> None:
         """Keep the stage timings of the step that ran; time the next one if it is among the
         ``repeats`` steps before a decision point (timing costs a thread per stage)."""
-        core = program.core
-        while core.timings:
+        timer = self._timer(program)
+        if timer is None:
+            return
+        for timings in timer.take_timings():
             self._stage_window = merge_samples(
-                self._stage_window, stage_samples(core.stages, core.timings.pop(0), stage_threshold(core.stages))
+                self._stage_window, stage_samples(timer.stages, timings, stage_threshold(timer.stages))
             )
         left = self.options.every - self.steps % self.options.every
-        core.record_timings = left <= self.options.repeats
+        timer.time_calls(left <= self.options.repeats)
 
-    def request(self, program: Any, network: Any = None) -> SwitchRecord | None:
+    def request(self, program: Program, network: NetworkProfile | str | None = None) -> SwitchRecord | None:
         """Plan now for ``network`` (a `NetworkProfile` or preset name; None: the
         measured one, probing now if nothing was measured yet); the switch happens at the
         next step boundary. Returns the pending switch, or None when the plan would not
         change. Every process must call it at the same step, as it calls the step."""
+        target: NetworkProfile | str
         if network is None:
             basis = self._basis_for(program)
             # the same branch on every process: what it decides by (decisions taken, not
@@ -175,7 +194,7 @@ class Replanner:
         return None if self._pending is None else self._pending[1]
 
     # -- measuring and deciding --------------------------------------------------------------
-    def measure_and_decide(self, program: Any) -> SwitchRecord | None:
+    def measure_and_decide(self, program: Program) -> SwitchRecord | None:
         start = time.perf_counter()
         basis = self._basis_for(program)
         if self._stages:  # compared with themselves: the first measurement is the reference
@@ -210,7 +229,13 @@ class Replanner:
         return record
 
     def _consider(
-        self, program: Any, network: Any, label: str, reason: str, drift: float, min_gain: float | None
+        self,
+        program: Program,
+        network: NetworkProfile | str,
+        label: str,
+        reason: str,
+        drift: float,
+        min_gain: float | None,
     ) -> SwitchRecord | None:
         from jaxsched.plan.from_step import group_paths, step_network_profile
         from jaxsched.plan import plan_buckets
@@ -266,7 +291,7 @@ class Replanner:
         self._pending = (tuple(map(tuple, new_paths)), record)
         return record
 
-    def _agreed(self, program: Any, costs: Mapping[str, CollectiveCost], kind: str) -> dict[str, CollectiveCost]:
+    def _agreed(self, program: Program, costs: Mapping[str, CollectiveCost], kind: str) -> dict[str, CollectiveCost]:
         """The slowest process's α-β per collective, the same on every process."""
         if jax.process_count() == 1:
             return dict(costs)
@@ -295,10 +320,10 @@ class Replanner:
         )
         return slowest([{n: tuple(v) for n, v in m["costs"].items()} for m in received])
 
-    def _probe(self, program: Any) -> dict:
+    def _probe(self, program: Program) -> dict:
         planned = program.planned
         first = self._probes is None
-        if first:
+        if self._probes is None:
             self._probes = probe_programs(planned.mesh, planned.axis_name, program.strategy.cost.collectives())
         return probe(
             self._probes,
@@ -310,7 +335,7 @@ class Replanner:
             warm=first,
         )
 
-    def _basis_for(self, program: Any) -> NetworkProfile:
+    def _basis_for(self, program: Program) -> NetworkProfile:
         if self._basis is None:
             planned = program.planned
             if planned.network_profile is not None:
@@ -324,7 +349,7 @@ class Replanner:
                 self._basis = measured_network(network_preset("1gbe", planned.axis_size), costs)
         return self._basis
 
-    def _layer_profile(self, program: Any) -> tuple[LayerProfile, list[list[int]]]:
+    def _layer_profile(self, program: Program) -> tuple[LayerProfile, list[list[int]]]:
         if self._layers is None:
             from jaxsched.plan.from_step import step_layer_profile
 
@@ -334,7 +359,7 @@ class Replanner:
         return self._layers
 
 
-def refuse_per_bucket_state(program: Any) -> None:
+def refuse_per_bucket_state(program: Program) -> None:
     """Refuse a collective that carries state per bucket (error-feedback residuals, low-rank
     factors): a new plan cuts the gradients differently, and carrying that state across
     would be wrong numbers, so re-planning is refused rather than done approximately."""
@@ -347,7 +372,7 @@ def refuse_per_bucket_state(program: Any) -> None:
         )
 
 
-def _mean_bucket_bytes(program: Any) -> float:
+def _mean_bucket_bytes(program: Program) -> float:
     """The plan's average bucket size in bytes (what drift is judged at)."""
     from jaxsched.core.bucketing import bucket_nbytes
 
