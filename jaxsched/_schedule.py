@@ -23,7 +23,7 @@ from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedVa
 import copy
 import functools
 import itertools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -120,7 +120,7 @@ class Scheduled:
         functools.update_wrapper(self, step, updated=())
 
     # -- public API -----------------------------------------------------------------------
-    def init(self, *args: Any, batch: Any = None) -> NamedTuple:
+    def init(self, *args: Any, batch: Any = None) -> ScheduledState | UnsplitState:
         """Ordinary trees in, scheduled state out: ``init(params, opt_state[, batch])`` for a
         ``step(params, opt_state, batch)``, ``init(state[, batch])`` for a ``step(state,
         batch)``, and the step's other inputs before the batch where it takes some
@@ -177,7 +177,7 @@ class Scheduled:
         self._num_inputs = expected
         return given[0] if expected == 1 else tuple(given)
 
-    def _init_trees(self, params: Any, opt_state: Any, batch: Any) -> NamedTuple:
+    def _init_trees(self, params: Any, opt_state: Any, batch: Any) -> ScheduledState:
         self._template = jax.tree.map(abstract_leaf, (params, opt_state))
         state = self.strategy.initial_state(params, opt_state)
         if batch is None:

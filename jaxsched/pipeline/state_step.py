@@ -77,7 +77,7 @@ from jaxsched._errors import JaxschedTypeError, JaxschedValueError, JaxschedWarn
 import dataclasses
 import inspect
 import warnings
-from typing import Any, Callable, Generic, Mapping, NamedTuple, Protocol, TypeVar
+from typing import Any, Callable, Generic, Mapping, NamedTuple, Protocol, Sequence, TypeVar
 
 import jax
 import numpy as np
@@ -215,9 +215,9 @@ def looks_like_opt_state(x: Any, params: Any) -> bool:
     if any(type(t).__module__.startswith("optax") for t in nodes):
         return True
     structure = jax.tree.structure(params)
-    if structure.num_leaves < 1 or structure.num_leaves == 1 and structure == jax.tree.structure(0):
+    if not jax.tree.leaves(params) or jax.tree_util.treedef_is_leaf(structure):  # no tree of parameters
         return False
-    like = lambda t: not isinstance(t, (int, float)) and jax.tree.structure(t) == structure
+    like = lambda t: not isinstance(t, (int, float)) and jax.tree.structure(t) == structure  # type: ignore[operator]
     return any(like(t) for t in jax.tree.leaves(x, is_leaf=like))
 
 
@@ -262,7 +262,7 @@ def step_form(step: Callable, args: tuple, batch_keyword: bool) -> str:
     state_args = 1 if form == STATE else 2
     limit = arity if arity is not None else 3
     if form is None or n_args + batch_keyword > max(limit, state_args + 1) or (arity == 2 and form == TREES):
-        takes = {2: "(state, batch)", 3: "(params, opt_state, batch) or (state, input, batch)"}.get(arity)
+        takes = {2: "(state, batch)", 3: "(params, opt_state, batch) or (state, input, batch)"}.get(arity or 0)
         init = {
             2: "sched.init(state) or sched.init(state, batch)",
             3: "sched.init(params, opt_state[, batch]) or sched.init(state[, input, batch])",
@@ -272,7 +272,7 @@ def step_form(step: Callable, args: tuple, batch_keyword: bool) -> str:
             + (" and batch=" if batch_keyword else "")
             + (
                 f", but the step takes {takes}: call {init[arity]}"
-                if takes
+                if takes and arity is not None
                 else f"; it takes the first arguments of the step, which is {SIGNATURES}"
             )
         )
@@ -333,7 +333,7 @@ class StateLayout:
             return (*self.split(new_state), _as_aux(rest_out))
 
         pure_step.__name__ = getattr(step, "__name__", "train_step")
-        pure_step.__wrapped__ = step  # as jaxsched.integrations.nnx: tools that unwrap find the user's step
+        pure_step.__wrapped__ = step  # type: ignore[attr-defined]  # as jaxsched.integrations.nnx: tools that unwrap find the user's step
         setattr(pure_step, STATE_PATHS_ATTRIBUTE, True)  # messages name leaves by their state path
         return pure_step
 
@@ -356,7 +356,7 @@ def with_inputs(step: Callable, num_inputs: int, state_args: int) -> Callable:
         return step(*state, *inputs)
 
     on_inputs.__name__ = getattr(step, "__name__", "train_step")
-    on_inputs.__wrapped__ = step
+    on_inputs.__wrapped__ = step  # type: ignore[attr-defined]  # tools that unwrap find the user's step
     return on_inputs
 
 
@@ -398,7 +398,7 @@ def with_outputs(step: Callable, record: OutputCount, inputs: int = 1) -> Callab
         return out[0], out[1], _as_aux(tuple(out[2:]))
 
     three_outputs.__name__ = getattr(step, "__name__", "train_step")
-    three_outputs.__wrapped__ = step
+    three_outputs.__wrapped__ = step  # type: ignore[attr-defined]  # tools that unwrap find the user's step
     return three_outputs
 
 
@@ -534,7 +534,15 @@ def _dependencies(captured: Any, analysis: Any) -> tuple[list[bool], list[bool],
     return reaches_varying, from_reduction, from_itself
 
 
-def _nothing_trained(names, leaves, position, reaches_varying, from_reduction, from_itself, axis: str) -> str:
+def _nothing_trained(
+    names: Sequence[str],
+    leaves: Sequence[Any],
+    position: Mapping[str, int],
+    reaches_varying: Sequence[bool],
+    from_reduction: Sequence[bool],
+    from_itself: Sequence[bool],
+    axis: str | tuple[str, ...],
+) -> str:
     rows = []
     for name, leaf in zip(names, leaves):
         i = position[name]
@@ -573,9 +581,10 @@ class TreeSchedule(Protocol):
 
 
 S = TypeVar("S", bound=TreeSchedule)
+S_co = TypeVar("S_co", bound=TreeSchedule, covariant=True)
 
 
-class StateOwner(Protocol[S]):
+class StateOwner(Protocol[S_co]):
     """The schedule of the user's ``step(state, batch)`` that owns a `StateForm`."""
 
     _num_inputs: int | None
@@ -583,7 +592,7 @@ class StateOwner(Protocol[S]):
     @property
     def traced_step(self) -> Callable: ...
 
-    def with_step(self, step: Callable) -> S: ...
+    def with_step(self, step: Callable) -> S_co: ...
 
 
 class StateForm(Generic[S]):
