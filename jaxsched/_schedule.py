@@ -23,7 +23,7 @@ from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedVa
 import copy
 import functools
 import itertools
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Sequence, overload
 
 import jax
 import numpy as np
@@ -34,7 +34,7 @@ from jaxsched.runtime.collectives.base import Collective
 from jaxsched.runtime.engine import Engine, make_engine
 from jaxsched.core.bucketing import param_paths
 from jaxsched.pipeline.program import Program, ProgramCache, retyped
-from jaxsched.pipeline.selection import program_of, select
+from jaxsched.pipeline.selection import BucketOption, program_of, select
 from jaxsched.core.describe import describe, difference
 from jaxsched.pipeline.state_step import (
     STATE,
@@ -48,6 +48,7 @@ from jaxsched.pipeline.state_step import (
     with_outputs,
 )
 from jaxsched.pipeline.replan import Decision, Replan, Replanner, SwitchRecord, as_replan, program_buckets, resolved_key
+from jaxsched.sim.costmodel import NetworkProfile
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
 from jaxsched.strategies.base import ScheduledState
 
@@ -63,7 +64,7 @@ class Scheduled:
         self,
         step: Callable,
         strategy: str | Strategy = "wfbp",
-        buckets: Any = None,
+        buckets: BucketOption = None,
         compiler_options: dict[str, Any] | None = None,
         *,
         engine: str | Engine = "auto",
@@ -107,7 +108,7 @@ class Scheduled:
         self._replanner = (
             None if self.replan_options is None else Replanner(self.replan_options, getattr(step, "__name__", "step"))
         )
-        self._plans: dict[Any, ProgramCache] = {}  # one program cache per bucket plan
+        self._plans: dict[Hashable, ProgramCache] = {}  # one program cache per bucket plan
         self._template: tuple[Any, Any] | None = None
         self._programs = ProgramCache(self._build)
         self._pending_state: ScheduledState | None = None
@@ -256,7 +257,7 @@ class Scheduled:
         would need marking)."""
         return self._state_form is None and self._replanner is None and not self._has_static()
 
-    def replan(self, network: Any = None) -> SwitchRecord | None:
+    def replan(self, network: NetworkProfile | str | None = None) -> SwitchRecord | None:
         """Re-plan the buckets now for ``network`` (a `NetworkProfile`
         or a preset name such as ``"1gbe"``), or for the network measured while training when
         none is given; the step switches at its next call. Returns the pending switch, or
@@ -475,7 +476,7 @@ class Scheduled:
         check_state_fits(program, self._template, state)
         return program
 
-    def _build(self, batch: Any, template: Any, buckets: Any = None) -> Program:
+    def _build(self, batch: Any, template: Any, buckets: BucketOption = None) -> Program:
         try:
             captured = capture(self.traced_step, template[0], template[1], batch, self.strategy.folds_invariant_sums)
         except TypeError as err:
@@ -501,7 +502,7 @@ class Scheduled:
             self.strategy.last_bucket_choice = chosen.bucket_choice
         return program_of(chosen, self.engine)
 
-    def _use_buckets(self, buckets: Any) -> bool:
+    def _use_buckets(self, buckets: Sequence[Sequence[str]]) -> bool:
         """Run the explicit plan ``buckets`` from the next call on, with its own program
         cache (kept, so that returning to a plan compiles nothing); returns whether that
         plan had been compiled before."""
@@ -517,10 +518,40 @@ class Scheduled:
         return reused
 
 
+@overload
+def schedule(
+    train_step: Callable,
+    strategy: str | Strategy = ...,
+    buckets: BucketOption = ...,
+    compiler_options: dict[str, Any] | None = ...,
+    *,
+    engine: str | Engine = ...,
+    collective: Collective | None = ...,
+    compression: Collective | None = ...,
+    replan: str | Replan | None = ...,
+    **options: Any,
+) -> Scheduled: ...
+
+
+@overload
+def schedule(
+    train_step: None = ...,
+    strategy: str | Strategy = ...,
+    buckets: BucketOption = ...,
+    compiler_options: dict[str, Any] | None = ...,
+    *,
+    engine: str | Engine = ...,
+    collective: Collective | None = ...,
+    compression: Collective | None = ...,
+    replan: str | Replan | None = ...,
+    **options: Any,
+) -> Callable[[Callable], Scheduled]: ...
+
+
 def schedule(
     train_step: Callable | None = None,
     strategy: str | Strategy = "wfbp",
-    buckets: Any = None,
+    buckets: BucketOption = None,
     compiler_options: dict[str, Any] | None = None,
     *,
     engine: str | Engine = "auto",
@@ -528,7 +559,7 @@ def schedule(
     compression: Collective | None = None,
     replan: str | Replan | None = None,
     **options: Any,
-) -> Any:
+) -> Scheduled | Callable[[Callable], Scheduled]:
     """Schedule the gradient communication of a data-parallel ``train_step``.
 
     Args:

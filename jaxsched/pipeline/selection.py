@@ -29,7 +29,7 @@ from __future__ import annotations
 from jaxsched._errors import JaxschedValueError
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeAlias
 
 from jaxsched.core.capture import CapturedStep
 from jaxsched.plan import plan_buckets
@@ -43,13 +43,31 @@ from jaxsched.plan.from_step import (
 from jaxsched.plan.planned_step import PlannedStep
 from jaxsched.pipeline.program import Program
 from jaxsched.runtime.engine.base import Engine
-from jaxsched.pipeline.compiled_planner import candidates_for, choose_by_compiling, compiled_estimates_apply
+from jaxsched.pipeline.compiled_planner import (
+    CompiledChoice,
+    candidates_for,
+    choose_by_compiling,
+    compiled_estimates_apply,
+)
 from jaxsched.sim import simulate
 from jaxsched.sim.costmodel import CommPattern, fsdp_pattern
 from jaxsched.strategies.auto import Auto, AutoChoice
 from jaxsched.strategies.base import Strategy
 
-__all__ = ["Selection", "build_program", "program_of", "select", "simulated_compression", "step_pattern"]
+__all__ = [
+    "BucketOption",
+    "Selection",
+    "build_program",
+    "program_of",
+    "select",
+    "simulated_compression",
+    "step_pattern",
+]
+
+
+#: ``schedule(buckets=...)``: None (the 25 MB threshold), a byte threshold, ``"auto"``
+#: (planned), or an explicit plan (lists of parameter paths or subtree prefixes)
+BucketOption: TypeAlias = int | str | Sequence[Sequence[str]] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +86,11 @@ class Selection:
     strategy: Strategy
     planned: PlannedStep
     choice: AutoChoice | None = None
-    bucket_choice: Any = None
+    bucket_choice: CompiledChoice | None = None
 
 
 def select(
-    captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Engine, plan_options: dict | None = None
+    captured: CapturedStep, strategy: Strategy, buckets: BucketOption, engine: Engine, plan_options: dict | None = None
 ) -> Selection:
     """Resolve ``strategy`` and ``buckets`` for ``captured`` on ``engine``.
 
@@ -84,7 +102,7 @@ def select(
     plan_options = dict(plan_options or {})
     platform = captured.mesh.devices.flat[0].platform
     choice: AutoChoice | None = None
-    bucket_choice: Any = None
+    bucket_choice: CompiledChoice | None = None
     if isinstance(strategy, Auto):
         strategy, buckets, choice = _choose_strategy(strategy, captured, buckets, plan_options, engine)
     elif _is_auto(buckets) and compiled_estimates_apply(platform) and not plan_options:
@@ -97,7 +115,7 @@ def select(
 
 
 def build_program(
-    captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Engine, plan_options: dict | None = None
+    captured: CapturedStep, strategy: Strategy, buckets: BucketOption, engine: Engine, plan_options: dict | None = None
 ) -> Program:
     """The program of ``strategy`` for ``captured`` with bucket option ``buckets`` on
     ``engine``: a pure function of the four (and the planning options)."""
@@ -121,7 +139,7 @@ def simulated_compression(strategy: Strategy) -> Any:
         return None
 
 
-def _is_auto(buckets: Any) -> bool:
+def _is_auto(buckets: object) -> bool:
     return isinstance(buckets, str) and buckets == "auto"
 
 
@@ -140,7 +158,7 @@ def step_pattern(captured: CapturedStep, pattern: CommPattern) -> CommPattern:
 
 
 def _build_planned(
-    captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any, plan_options: dict
+    captured: CapturedStep, strategy: Strategy, buckets: BucketOption, engine: Engine | None, plan_options: dict
 ) -> PlannedStep:
     """The frozen plan of a concrete strategy: ``buckets="auto"`` planned here, once."""
     pattern = step_pattern(captured, strategy.cost)
@@ -176,8 +194,8 @@ def _build_planned(
 
 
 def _choose_strategy(
-    auto: Auto, captured: CapturedStep, buckets: Any, plan_options: dict, engine: Engine
-) -> tuple[Strategy, Any, AutoChoice]:
+    auto: Auto, captured: CapturedStep, buckets: BucketOption, plan_options: dict, engine: Engine
+) -> tuple[Strategy, BucketOption, AutoChoice]:
     """``auto``'s choice: by XLA's estimate on GPU/TPU, else by the simulator."""
     platform = captured.mesh.devices.flat[0].platform
     if compiled_estimates_apply(platform):
@@ -197,7 +215,7 @@ def _choose_strategy(
     layers, members = step_layer_profile(probe.analysis, probe.paths, plan_options.get("layer_profile"))
     network = step_network_profile(probe.analysis, plan_options.get("network_profile"), costs)
     layer_of = {i: k for k, group in enumerate(members) for i in group}
-    results: dict[str, tuple[float, Strategy, Any]] = {}
+    results: dict[str, tuple[float, Strategy, BucketOption]] = {}
     for candidate in auto.candidate_strategies():
         compression = with_selection_cost(simulated_compression(candidate), candidate.collective, captured.mesh)
         pattern = step_pattern(captured, candidate.cost)
