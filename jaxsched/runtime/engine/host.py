@@ -223,7 +223,7 @@ def cut_stages(jaxpr) -> list[Stage]:
         read_later[k] = set(needed)
         for eqn in groups[k][1]:
             needed.update(v for v in eqn.invars if replay.is_var(v))
-    stages = []
+    stages: list[Stage] = []
     for k, (kind, eqns) in enumerate(groups):
         defined, inputs = set(), []
         for eqn in eqns:
@@ -502,11 +502,11 @@ class StagedProgram:
         for stage in self.stages:
             if stage.kind == "compute":
                 values = [self._on_compute(v, env, comm_blocks) for v in stage.inputs]
-                outs, _ = stage.fn(self._ballast, *values)
+                outs, _ = self._fn(stage)(self._ballast, *values)
                 env.update(zip(stage.outputs, outs, strict=True))
             else:
                 blocks = [self._global_comm(self._on_comm(v, env, comm_blocks)) for v in stage.inputs]
-                outs, _ = stage.fn(self._comm_ballast, *blocks)
+                outs, _ = self._fn(stage)(self._comm_ballast, *blocks)
                 outs = [o.addressable_data(0) for o in outs]
                 comm_blocks.update(zip(stage.outputs, outs, strict=True))
             timeline.add(stage, outs)
@@ -541,6 +541,12 @@ class StagedProgram:
             if axis in names:
                 shape[dim] *= mesh.shape[axis]
         return jax.make_array_from_single_device_arrays(tuple(shape), NamedSharding(mesh, spec), [local])
+
+    @staticmethod
+    def _fn(stage: Stage) -> Callable:
+        if stage.fn is None:  # set for every stage by `_trace`
+            raise HostEngineError(f"stage {stage.name!r} was never compiled")
+        return stage.fn
 
     def lower(self, *args: Any):
         raise HostEngineError(
@@ -589,7 +595,9 @@ class _Timeline:
     def finish(self) -> list[StageTiming]:
         for thread in self.threads:
             thread.join()
-        timings, stream_free, ready = [], {"compute": 0.0, "comm": 0.0}, {}
+        timings: list[StageTiming] = []
+        stream_free = {"compute": 0.0, "comm": 0.0}
+        ready: dict[Any, float] = {}  # jaxpr variable -> when its value was ready
         for (stage, dispatched), done in zip(self.entries, self.done, strict=True):
             inputs_ready = max((ready.get(v, 0.0) for v in stage.inputs), default=0.0)
             started = min(done, max(dispatched, stream_free[stage.kind], inputs_ready))
