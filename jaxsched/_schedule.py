@@ -297,7 +297,7 @@ class Scheduled:
         program = self._programs.last
         return static_leaves.unmark(check_finalized(program, self._template, program.finalize(state)))
 
-    def lower(self, state: ScheduledState, batch: Any):
+    def lower(self, state: ScheduledState, batch: Any) -> jax.stages.Lowered:
         """The lowered scheduled program (StableHLO), e.g. to inspect where collectives sit."""
         batch = self._marked(batch)
         if (form := self._state_form_for(state)) is not None:

@@ -20,12 +20,18 @@ from typing import Any, Callable, Hashable, Protocol, cast, runtime_checkable
 import jax
 import numpy as np
 
+from jax.tree_util import PyTreeDef
+
 from jaxsched.core.capture import CapturedStep
 from jaxsched.runtime.engine.base import Engine, PerDeviceProgram
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
 from jaxsched.strategies.base import ScheduledState, Strategy
 
-__all__ = ["abstract_signature", "leaf_dtype", "PhasedStrategy", "Program", "ProgramCache", "retyped"]
+__all__ = ["BatchKey", "abstract_signature", "leaf_dtype", "PhasedStrategy", "Program", "ProgramCache", "retyped"]
+
+
+#: a batch leaf's signature as `Program.run_again` compares it: (type, shape, dtype, sharding)
+BatchKey = tuple[type[Any], tuple[int, ...], np.dtype, jax.sharding.Sharding | None]
 
 
 @runtime_checkable
@@ -41,7 +47,7 @@ class PhasedStrategy(Protocol):
         """The step ``state`` is at, read on the host."""
         ...
 
-    def rewrite_phase(self, planned: PlannedStep, key: Any) -> Callable[..., Any]:
+    def rewrite_phase(self, planned: PlannedStep, key: Hashable) -> Callable[..., Any]:
         """The per-device body of phase ``key``."""
         ...
 
@@ -49,7 +55,7 @@ class PhasedStrategy(Protocol):
 class _Lowerable(Protocol):
     """An engine's compiled core that can be lowered (as ``jax.jit``'s result can)."""
 
-    def lower(self, *args: Any) -> Any: ...
+    def lower(self, *args: Any) -> jax.stages.Lowered: ...
 
 
 def abstract_signature(tree: Any) -> Hashable:
@@ -65,7 +71,7 @@ def abstract_signature(tree: Any) -> Hashable:
     return treedef, tuple(leaf_key(x) for x in leaves)
 
 
-def leaf_dtype(x: Any) -> Any:
+def leaf_dtype(x: Any) -> np.dtype:
     """The dtype ``x`` has in a traced program (a Python scalar's canonical dtype)."""
     return x.dtype if hasattr(x, "dtype") else jax.dtypes.canonicalize_dtype(np.result_type(x))
 
@@ -138,11 +144,11 @@ class Program:
         self._checked_returned = False
         #: the returned state's leaves and structure, so that the next step does not flatten it
         self._returned_leaves: list = []
-        self._state_treedef: Any = None
+        self._state_treedef: PyTreeDef | None = None
         #: the batch signature `run_again` accepts: structure, per leaf (type, shape,
         #: dtype, sharding), and per leaf None (goes in as given) or the spec it is placed on
-        self._batch_treedef: Any = None
-        self._batch_keys: list[tuple[type[Any], tuple[int, ...], Any, Any]] | None = None
+        self._batch_treedef: PyTreeDef | None = None
+        self._batch_keys: list[BatchKey] | None = None
         self._batch_places: list = []
 
     # what users and tests inspect ----------------------------------------------------------
@@ -292,11 +298,11 @@ class Program:
         placed = [b if s is None else planned.placed(b, s) for b, s in zip(batch_leaves, self._batch_places)]
         return self._execute(self._returned, self._returned_leaves, self._state_treedef, placed, True)
 
-    def _learn_batch(self, leaves: list, treedef: Any, placed: list) -> None:
+    def _learn_batch(self, leaves: list, treedef: PyTreeDef, placed: list) -> None:
         """Remember the batch signature `run_again` accepts (``jax.Array`` and NumPy
         leaves only) and, per leaf, whether it goes in as given (None) or is placed on every
         call (its spec: a host array, or one on another sharding)."""
-        keys: list[tuple[type[Any], tuple[int, ...], Any, Any]] = []
+        keys: list[BatchKey] = []
         for leaf in leaves:
             if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
                 keys.append((type(leaf), leaf.shape, leaf.dtype, leaf.sharding))
@@ -310,7 +316,7 @@ class Program:
         ]
 
     def _execute(
-        self, state: ScheduledState, leaves: list, treedef: Any, batch_leaves: list, returned: bool
+        self, state: ScheduledState, leaves: list, treedef: PyTreeDef, batch_leaves: list, returned: bool
     ) -> tuple[ScheduledState, Any]:
         """Run the compiled core on the state's ``leaves`` and the placed batch leaves."""
         core, step = self._core_for(state, returned)
@@ -360,7 +366,7 @@ class Program:
             self._state_shapes = [tuple(x.shape) for x in jax.tree.leaves((converted.params, converted.opt_state))]
         return self._state_shapes
 
-    def lower(self, state: ScheduledState, batch: Any):
+    def lower(self, state: ScheduledState, batch: Any) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` of this program for ``state`` and ``batch``, concrete or
         abstract (``jax.ShapeDtypeStruct`` leaves with shardings: nothing touches a device)."""
         converted = self.convert(state)
