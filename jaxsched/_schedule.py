@@ -566,7 +566,7 @@ def schedule(
       train_step: ``(params, opt_state, batch) -> (params, opt_state, aux)``, or ``(state,
         batch) -> (state, aux)`` over any pytree state (a Flax ``TrainState``, a dataclass, a
         dict; `jaxsched.pipeline.state_step`), with any inputs (a key) before the batch.
-        Any data-parallel step is accepted: a ``jax.jit`` step on global arrays with any
+        Every data-parallel step is accepted: a ``jax.jit`` step on global arrays with any
         shardings (the batch split over the data axes; the parameters replicated or
         sharded: FSDP, HSDP, tensor parallelism; `jaxsched.core.partition`), or a
         per-device body (``jax.shard_map``, jitted or not, or ``jax.pmap``) that reduces
