@@ -29,7 +29,7 @@ from __future__ import annotations
 from jaxsched._errors import JaxschedValueError
 
 import dataclasses
-from typing import Any, Sequence, TypeAlias
+from typing import Sequence, TypeAlias
 
 from jaxsched.core.capture import CapturedStep
 from jaxsched.plan import plan_buckets
@@ -49,7 +49,7 @@ from jaxsched.pipeline.compiled_planner import (
     choose_by_compiling,
     compiled_estimates_apply,
 )
-from jaxsched.sim import simulate
+from jaxsched.sim import Compression, simulate
 from jaxsched.sim.costmodel import CommPattern, fsdp_pattern
 from jaxsched.strategies.auto import Auto, AutoChoice
 from jaxsched.strategies.base import Strategy
@@ -127,7 +127,7 @@ def program_of(chosen: Selection, engine: Engine) -> Program:
     return Program(chosen.planned, chosen.strategy, engine)
 
 
-def simulated_compression(strategy: Strategy) -> Any:
+def simulated_compression(strategy: Strategy) -> Compression | None:
     """The strategy's compressor as the planner's simulator models it (None: dense, or a
     compressor or pattern the simulator does not model)."""
     model = getattr(strategy.collective, "sim_compression", None)

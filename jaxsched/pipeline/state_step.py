@@ -82,10 +82,11 @@ from typing import Any, Callable, Generic, Mapping, NamedTuple, Protocol, Sequen
 import jax
 import numpy as np
 from jax.extend import core as jex_core
+from jax.tree_util import PyTreeDef
 
-from jaxsched.core.analyze import analyze
+from jaxsched.core.analyze import Analysis, analyze
 from jaxsched.core.bucketing import is_float, param_paths, shape_key
-from jaxsched.core.capture import STATE_PATHS_ATTRIBUTE, UnsupportedStepError, capture
+from jaxsched.core.capture import STATE_PATHS_ATTRIBUTE, CapturedStep, UnsupportedStepError, capture
 from jaxsched.core.describe import describe, describe_outputs, difference
 from jaxsched.core.static_leaves import MarkedStep
 
@@ -292,7 +293,7 @@ class StateLayout:
       inputs: how many inputs the step takes after its state (the batch and those before it).
     """
 
-    treedef: Any
+    treedef: PyTreeDef
     names: tuple[str, ...]
     trained: tuple[bool, ...]
     outputs: int = 1
@@ -409,7 +410,7 @@ def _as_aux(rest: tuple) -> Any:
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
-def returns_aux(out: Any, treedef: Any) -> bool:
+def returns_aux(out: Any, treedef: PyTreeDef) -> bool:
     """Whether a ``step(state, batch)`` output is ``(state, aux)`` rather than the state alone
     (JAX's own examples return only the new parameters)."""
     return jax.tree.structure(out) != treedef
@@ -420,7 +421,7 @@ def _counts(inputs: int) -> tuple[int, ...]:
     return tuple(sorted({0, 1, inputs}))
 
 
-def _state_and_rest(out: Any, treedef: Any, inputs: int = 1) -> tuple[Any, tuple]:
+def _state_and_rest(out: Any, treedef: PyTreeDef, inputs: int = 1) -> tuple[Any, tuple]:
     """A ``step(state, ...)``'s output as its new state and the outputs after it."""
     if not returns_aux(out, treedef):
         return out, ()
@@ -440,7 +441,7 @@ def _state_and_rest(out: Any, treedef: Any, inputs: int = 1) -> tuple[Any, tuple
     return out[0], tuple(out[1:])
 
 
-def output_count(out: Any, treedef: Any, inputs: int = 1) -> int:
+def output_count(out: Any, treedef: PyTreeDef, inputs: int = 1) -> int:
     """How many outputs a ``step(state, ...)`` returned after its state."""
     return len(_state_and_rest(out, treedef, inputs)[1])
 
@@ -480,12 +481,12 @@ def find_layout(step: Callable, state: Any, batch: Any, inputs: int = 1) -> Stat
     return StateLayout(treedef, names, tuple(trained), n_outputs, inputs)
 
 
-def _dtype(leaf: Any) -> Any:
+def _dtype(leaf: Any) -> np.dtype:
     """A leaf's dtype: arrays, ``jax.ShapeDtypeStruct`` and Python scalars alike."""
     return leaf.dtype if hasattr(leaf, "dtype") else jax.numpy.result_type(leaf)
 
 
-def _dependencies(captured: Any, analysis: Any) -> tuple[list[bool], list[bool], list[bool]]:
+def _dependencies(captured: CapturedStep, analysis: Analysis) -> tuple[list[bool], list[bool], list[bool]]:
     """Per params leaf of ``captured``: whether a device-varying value is computed from it,
     whether its new value depends on the reduction of a gradient of its own shape, and
     whether it depends on the leaf's old value other than through a reduction. One forward
@@ -575,7 +576,7 @@ class TreeSchedule(Protocol):
 
     def finalize(self, state: Any) -> tuple[Any, Any]: ...
 
-    def lower(self, state: Any, batch: Any) -> Any: ...
+    def lower(self, state: Any, batch: Any) -> jax.stages.Lowered: ...
 
     def inspect(self, state: Any, batch: Any, *, baseline: bool = True) -> Any: ...
 
@@ -652,7 +653,7 @@ class StateForm(Generic[S]):
             return sstate
         return (sstate, *aux) if self.layout.outputs > 1 else (sstate, aux)
 
-    def lower(self, sstate: Any, batch: Any) -> Any:
+    def lower(self, sstate: Any, batch: Any) -> jax.stages.Lowered:
         """The inner schedule's ``lower`` on the scheduled state."""
         inner, sstate = self.scheduled_state(sstate, batch)
         return inner.lower(sstate, batch)
