@@ -20,9 +20,10 @@ Example:
 from __future__ import annotations
 from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedValueError
 
+import copy
 import functools
 import itertools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Hashable, Sequence, overload
 
 import jax
 import numpy as np
@@ -33,7 +34,7 @@ from jaxsched.runtime.collectives.base import Collective
 from jaxsched.runtime.engine import Engine, make_engine
 from jaxsched.core.bucketing import param_paths
 from jaxsched.pipeline.program import Program, ProgramCache, retyped
-from jaxsched.pipeline.selection import build_program
+from jaxsched.pipeline.selection import BucketOption, program_of, select
 from jaxsched.core.describe import describe, difference
 from jaxsched.pipeline.state_step import (
     STATE,
@@ -46,7 +47,8 @@ from jaxsched.pipeline.state_step import (
     with_inputs,
     with_outputs,
 )
-from jaxsched.pipeline.replan import Replan, Replanner, SwitchRecord, as_replan, program_buckets, resolved_key
+from jaxsched.pipeline.replan import Decision, Replan, Replanner, SwitchRecord, as_replan, program_buckets, resolved_key
+from jaxsched.sim.costmodel import NetworkProfile
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
 from jaxsched.strategies.base import ScheduledState
 
@@ -62,7 +64,7 @@ class Scheduled:
         self,
         step: Callable,
         strategy: str | Strategy = "wfbp",
-        buckets: Any = None,
+        buckets: BucketOption = None,
         compiler_options: dict[str, Any] | None = None,
         *,
         engine: str | Engine = "auto",
@@ -81,8 +83,11 @@ class Scheduled:
         #: functions) as static tree structure (`jaxsched.core.static_leaves`)
         self.step = static_leaves.through(step)
         try:
-            self.strategy: Strategy = make_strategy(
-                strategy, collective=compression if collective is None else collective, **strategy_options
+            # a copy: what selection records on it (``last_choice``) never reaches the user's instance
+            self.strategy: Strategy = copy.copy(
+                make_strategy(
+                    strategy, collective=compression if collective is None else collective, **strategy_options
+                )
             )
         except TypeError as err:
             if not strategy_options:
@@ -103,19 +108,20 @@ class Scheduled:
         self._replanner = (
             None if self.replan_options is None else Replanner(self.replan_options, getattr(step, "__name__", "step"))
         )
-        self._plans: dict[Any, ProgramCache] = {}  # one program cache per bucket plan
+        self._plans: dict[Hashable, ProgramCache] = {}  # one program cache per bucket plan
         self._template: tuple[Any, Any] | None = None
         self._programs = ProgramCache(self._build)
         self._pending_state: ScheduledState | None = None
         self._form: str | None = None  # "trees" or "state": decided by the first init
-        self._state_form: StateForm | None = None  # a step(state, batch) delegates to it
+        #: the state-carrying half of a step(state, batch) (decided by the first init or call)
+        self._state_form: StateForm[Scheduled] | None = None
         self._num_inputs: int | None = None  # the batch and the extra inputs before it
         self._outputs = OutputCount()  # what a step(params, opt_state, ...) returns after its state
         self._fixed_form: str | None = None  # set by an adapter that knows its step's form
         functools.update_wrapper(self, step, updated=())
 
     # -- public API -----------------------------------------------------------------------
-    def init(self, *args: Any, batch: Any = None) -> NamedTuple:
+    def init(self, *args: Any, batch: Any = None) -> ScheduledState | UnsplitState:
         """Ordinary trees in, scheduled state out: ``init(params, opt_state[, batch])`` for a
         ``step(params, opt_state, batch)``, ``init(state[, batch])`` for a ``step(state,
         batch)``, and the step's other inputs before the batch where it takes some
@@ -172,7 +178,7 @@ class Scheduled:
         self._num_inputs = expected
         return given[0] if expected == 1 else tuple(given)
 
-    def _init_trees(self, params: Any, opt_state: Any, batch: Any) -> NamedTuple:
+    def _init_trees(self, params: Any, opt_state: Any, batch: Any) -> ScheduledState:
         self._template = jax.tree.map(abstract_leaf, (params, opt_state))
         state = self.strategy.initial_state(params, opt_state)
         if batch is None:
@@ -180,10 +186,35 @@ class Scheduled:
         return self._program_for(state, batch).convert(state)
 
     def __call__(self, state: ScheduledState, *inputs: Any) -> Any:
-        """One training step: ``sched(state, batch)`` (or ``sched(state, key, batch)`` for a
-        step with extra inputs); returns the new state and the step's aux, as the plain step
-        would (the state alone for a step that returns only its state, and ``(state, key,
-        aux)`` for a step that returns an output per input)."""
+        """One training step, called as the plain step is, with the scheduled state.
+
+        The first call of each batch signature traces and compiles the scheduled program;
+        later calls run it (a state this schedule just returned skips the checks).
+
+        Args:
+          state: what `init` or the previous call returned (never the user's trees:
+            ``sched(params, opt_state, batch)`` is refused with the call that was meant).
+          *inputs: the step's inputs after its state: the batch, or the extra inputs
+            and then the batch for a ``step(state, key, batch)``.
+
+        Returns:
+          What the plain step returns, with the scheduled state in place of the user's:
+          ``(state, aux)``; the state alone for a step that returns only its state;
+          ``(state, key, aux)`` for a step that returns an output per input.
+
+        Example:
+            >>> import jax, optax, jaxsched
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh))
+            >>> state = sched.init(params, tx.init(params))
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> state, aux = sched(state, batch)
+            >>> state, aux = sched(state, batch)  # the compiled program again
+        """
         if self._direct() and len(inputs) == self._num_inputs:
             result = self._run_again(state, inputs[0] if len(inputs) == 1 else inputs)
             if result is not None:
@@ -226,36 +257,33 @@ class Scheduled:
         would need marking)."""
         return self._state_form is None and self._replanner is None and not self._has_static()
 
-    def replan(self, network: Any = None) -> SwitchRecord | None:
+    def replan(self, network: NetworkProfile | str | None = None) -> SwitchRecord | None:
         """Re-plan the buckets now for ``network`` (a `NetworkProfile`
         or a preset name such as ``"1gbe"``), or for the network measured while training when
         none is given; the step switches at its next call. Returns the pending switch, or
         None when the plan for that network is the current one. Needs ``replan=`` and one
         step run; every process calls it at the same step (`jaxsched.pipeline.replan`)."""
-        if self._state_form is not None and self._state_form.inner is not None:
-            return self._state_form.inner.replan(network)
-        if self._replanner is None:
+        runs = self._runs()
+        if runs._replanner is None:
             raise JaxschedValueError(
                 "sched.replan() needs a schedule made with replan='auto' or replan=jaxsched.Replan(...)"
             )
-        if self._programs.last is None:
+        if runs._programs.last is None:
             raise JaxschedRuntimeError("sched.replan() needs the step traced first: call it once")
-        return self._replanner.request(self._programs.last, network)
+        return runs._replanner.request(runs._programs.last, network)
 
     @property
     def replans(self) -> list[SwitchRecord]:
         """Every switch of plan so far (`SwitchRecord`), oldest first."""
-        if self._state_form is not None and self._state_form.inner is not None:
-            return self._state_form.inner.replans
-        return [] if self._replanner is None else list(self._replanner.records)
+        replanner = self._runs()._replanner
+        return [] if replanner is None else list(replanner.records)
 
     @property
-    def replan_decisions(self) -> list:
+    def replan_decisions(self) -> list[Decision]:
         """Every decision point of the monitor (`Decision`: measured
         drift, predicted gain, whether it switched, what the measurement cost)."""
-        if self._state_form is not None and self._state_form.inner is not None:
-            return self._state_form.inner.replan_decisions
-        return [] if self._replanner is None else list(self._replanner.decisions)
+        replanner = self._runs()._replanner
+        return [] if replanner is None else list(replanner.decisions)
 
     def finalize(self, state: ScheduledState) -> tuple[Any, Any]:
         """Back to ordinary ``(params, opt_state)``, or the user's state object for a
@@ -269,11 +297,11 @@ class Scheduled:
         program = self._programs.last
         return static_leaves.unmark(check_finalized(program, self._template, program.finalize(state)))
 
-    def lower(self, state: ScheduledState, batch: Any):
+    def lower(self, state: ScheduledState, batch: Any) -> jax.stages.Lowered:
         """The lowered scheduled program (StableHLO), e.g. to inspect where collectives sit."""
         batch = self._marked(batch)
         if (form := self._state_form_for(state)) is not None:
-            return form.scheduled(state, batch, "lower")
+            return form.lower(state, batch)
         return self._program_for(state, batch).lower(state, batch)
 
     def inspect(self, state: ScheduledState, batch: Any, *, baseline: bool = True):
@@ -292,7 +320,7 @@ class Scheduled:
 
         batch = self._marked(batch)
         if (form := self._state_form_for(state)) is not None:
-            return form.scheduled(state, batch, "inspect", baseline=baseline)
+            return form.inspect(state, batch, baseline=baseline)
         program = self._program_for(state, batch)
         report = program.inspect(state, batch)
         plain = None
@@ -323,6 +351,7 @@ class Scheduled:
             **self.plan_options,
         )
         inner._fixed_form = TREES  # the adapter's pure step(params, rest, batch)
+        inner.strategy = self.strategy  # shared: what selection records shows on this schedule
         return inner
 
     def verify(
@@ -356,18 +385,15 @@ class Scheduled:
     @property
     def program(self) -> Program:
         """The program of the most recent call."""
-        if self._state_form is not None and self._state_form.inner is not None:
-            return self._state_form.inner.program
-        if self._programs.last is None:
+        last = self._runs()._programs.last
+        if last is None:
             raise JaxschedRuntimeError("the step has not been traced yet: call it once (or lower()) first")
-        return self._programs.last
+        return last
 
     @property
     def num_programs(self) -> int:
         """How many input signatures have been traced (one program each)."""
-        if self._state_form is not None and self._state_form.inner is not None:
-            return self._state_form.inner.num_programs
-        return len(self._programs)
+        return len(self._runs()._programs)
 
     @property
     def traced_step(self) -> Callable:
@@ -427,11 +453,21 @@ class Scheduled:
         self._num_inputs = expected
         return inputs[0] if expected == 1 else tuple(inputs)
 
-    def _state_form_for(self, state: Any) -> StateForm | None:
+    def _state_form_for(self, state: Any) -> StateForm[Scheduled] | None:
         """The state-form adapter if this schedule runs a ``step(state, batch)``."""
         if self._state_form is None and isinstance(state, UnsplitState):
             self._form, self._state_form = STATE, StateForm(self)
         return self._state_form
+
+    def _runs(self) -> Scheduled:
+        """The schedule whose programs run this step: this one for a ``step(params,
+        opt_state, ...)`` (or a state step not split yet), the state form's inner schedule
+        of the pure step once a state was split.
+
+        One object, not a class per form: the form is read from ``init``'s arguments (or
+        from the state a call gets), after ``schedule()`` returned this object."""
+        inner = None if self._state_form is None else self._state_form.inner
+        return self if inner is None else inner
 
     def _program_for(self, state: ScheduledState, batch: Any) -> Program:
         if self._template is None:
@@ -440,7 +476,7 @@ class Scheduled:
         check_state_fits(program, self._template, state)
         return program
 
-    def _build(self, batch: Any, template: Any, buckets: Any = None) -> Program:
+    def _build(self, batch: Any, template: Any, buckets: BucketOption = None) -> Program:
         try:
             captured = capture(self.traced_step, template[0], template[1], batch, self.strategy.folds_invariant_sums)
         except TypeError as err:
@@ -456,11 +492,17 @@ class Scheduled:
                 f"{', ...' if len(integer) > 3 else ''}): are sched.init's arguments "
                 "swapped? Call sched.init(params, opt_state), params first"
             ) from err
-        return build_program(
+        chosen = select(
             captured, self.strategy, self.buckets_option if buckets is None else buckets, self.engine, self.plan_options
         )
+        # the choices are shown on this schedule's own copy of the strategy, never the user's
+        if chosen.choice is not None:
+            self.strategy.last_choice = chosen.choice  # type: ignore[attr-defined]  # an Auto
+        if chosen.bucket_choice is not None:
+            self.strategy.last_bucket_choice = chosen.bucket_choice
+        return program_of(chosen, self.engine)
 
-    def _use_buckets(self, buckets: Any) -> bool:
+    def _use_buckets(self, buckets: Sequence[Sequence[str]]) -> bool:
         """Run the explicit plan ``buckets`` from the next call on, with its own program
         cache (kept, so that returning to a plan compiles nothing); returns whether that
         plan had been compiled before."""
@@ -476,10 +518,40 @@ class Scheduled:
         return reused
 
 
+@overload
+def schedule(
+    train_step: Callable,
+    strategy: str | Strategy = ...,
+    buckets: BucketOption = ...,
+    compiler_options: dict[str, Any] | None = ...,
+    *,
+    engine: str | Engine = ...,
+    collective: Collective | None = ...,
+    compression: Collective | None = ...,
+    replan: str | Replan | None = ...,
+    **options: Any,
+) -> Scheduled: ...
+
+
+@overload
+def schedule(
+    train_step: None = ...,
+    strategy: str | Strategy = ...,
+    buckets: BucketOption = ...,
+    compiler_options: dict[str, Any] | None = ...,
+    *,
+    engine: str | Engine = ...,
+    collective: Collective | None = ...,
+    compression: Collective | None = ...,
+    replan: str | Replan | None = ...,
+    **options: Any,
+) -> Callable[[Callable], Scheduled]: ...
+
+
 def schedule(
     train_step: Callable | None = None,
     strategy: str | Strategy = "wfbp",
-    buckets: Any = None,
+    buckets: BucketOption = None,
     compiler_options: dict[str, Any] | None = None,
     *,
     engine: str | Engine = "auto",
@@ -487,23 +559,28 @@ def schedule(
     compression: Collective | None = None,
     replan: str | Replan | None = None,
     **options: Any,
-) -> Any:
+) -> Scheduled | Callable[[Callable], Scheduled]:
     """Schedule the gradient communication of a data-parallel ``train_step``.
 
     Args:
       train_step: ``(params, opt_state, batch) -> (params, opt_state, aux)``, or ``(state,
         batch) -> (state, aux)`` over any pytree state (a Flax ``TrainState``, a dataclass, a
         dict; `jaxsched.pipeline.state_step`), with any inputs (a key) before the batch.
-        Either a ``jax.jit`` step on global arrays, the batch split over the data axes and
-        the parameters replicated or sharded (FSDP, HSDP, tensor parallelism;
-        `jaxsched.core.partition`), or a per-device body written with ``jax.shard_map``
-        (jitted or not) or ``jax.pmap`` that reduces its gradients with
-        ``lax.pmean``/``lax.psum`` (or implicitly via ``check_vma``).
+        Every data-parallel step is accepted: a ``jax.jit`` step on global arrays with any
+        shardings (the batch split over the data axes; the parameters replicated or
+        sharded: FSDP, HSDP, tensor parallelism; `jaxsched.core.partition`), or a
+        per-device body (``jax.shard_map``, jitted or not, or ``jax.pmap``) that reduces
+        its gradients with ``lax.pmean``/``lax.psum`` (or implicitly via ``check_vma``).
         Omit it to use ``schedule`` as a decorator: ``@jaxsched.schedule(strategy="wfbp")``.
-      strategy: a registered name (``jaxsched.STRATEGIES``: ``allreduce``, the step
-        unchanged; ``wfbp``, one all-reduce per bucket in backward; ``dear``,
-        reduce-scatter in backward, sharded update, all-gather deferred to the next
-        forward) or a `Strategy` instance.
+      strategy: a registered name or a `Strategy` instance (never changed: the schedule
+        works on its own copy, ``sched.strategy``). ``jaxsched.STRATEGIES`` lists the
+        names: ``allreduce`` (the step unchanged, one reduction after backward),
+        ``wfbp`` (the default: one all-reduce per bucket, placed in backward), ``dear``
+        (reduce-scatter in backward, sharded update, all-gather deferred to the next
+        forward), ``approx`` (step ``t-k``'s gradients reduced at step ``t``), ``kfac``
+        (K-FAC preconditioned gradients), ``diloco`` (inner steps on the fast axes, an
+        outer step every H steps) and ``auto`` (chooses among the exact strategies;
+        ``sched.strategy.last_choice`` says which and why).
       buckets: ``None`` (25 MB threshold in gradient-completion order), a byte threshold,
         an explicit plan (a list of lists of parameter paths such as ``"head/kernel"``), or
         ``"auto"``: planned against the simulator (`jaxsched.plan.from_step`), with
@@ -525,6 +602,9 @@ def schedule(
         ``buckets`` is given.
       options: the strategy's own options (passed to its constructor) and, with
         ``buckets="auto"``, the planning options above.
+
+    Returns:
+      A `Scheduled` step (with ``train_step`` given), or a decorator that makes one.
 
     The step is traced once per abstract batch signature (structure, shapes, dtypes,
     shardings): a smaller last batch gets its own program.

@@ -25,7 +25,13 @@ import dataclasses
 import math
 from typing import Any, Callable, Sequence
 
+from jax.sharding import Mesh
+
+from jaxsched.core.capture import CapturedStep
 from jaxsched.pipeline.program import Program
+from jaxsched.plan.planned_step import PlannedStep
+from jaxsched.runtime.engine.base import Engine
+from jaxsched.strategies.base import Strategy
 
 __all__ = [
     "BUCKET_CANDIDATES",
@@ -83,14 +89,16 @@ def _platform(platform: str) -> str:
     return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
-def spans_slices(mesh: Any) -> bool:
+def spans_slices(mesh: Mesh | None) -> bool:
     """Whether ``mesh``'s devices sit in more than one TPU slice (joined over DCN)."""
     from jaxsched.core.axes import num_slices
 
     return mesh is not None and num_slices(mesh.devices.flat) > 1
 
 
-def candidates_for(strategy: Any, platform: str, buckets: Any, *, mesh: Any = None) -> list[tuple[Any, Any]]:
+def candidates_for(
+    strategy: Strategy, platform: str, buckets: Any, *, mesh: Mesh | None = None
+) -> list[tuple[Strategy, Any]]:
     """(strategy, buckets) pairs to compile: ``strategy`` as given and, for a plain
     collective, each variant of `VARIANTS` (those for several slices only when
     ``mesh`` spans several); each bucket option of `BUCKET_CANDIDATES` when
@@ -104,9 +112,7 @@ def candidates_for(strategy: Any, platform: str, buckets: Any, *, mesh: Any = No
             # the plain step (XLA's defaults) and the same step under the engine's options,
             # which alone may overlap as well as a schedule (an 8x1024 MLP on h100:1x2x4:
             # 624 us against wfbp's 630, XLA's estimates)
-            variant = copy.copy(strategy)
-            variant.compiler_defaults = False
-            pairs.append((variant, None))
+            pairs.append((_variant(strategy, compiler_defaults=False), None))
         return pairs
     options = BUCKET_CANDIDATES.get(platform, (None,)) if buckets is None or buckets == "auto" else (buckets,)
     variants = [strategy]
@@ -114,15 +120,24 @@ def candidates_for(strategy: Any, platform: str, buckets: Any, *, mesh: Any = No
         for name in VARIANTS.get(platform, (None,)):
             if name is None or (name in _MULTI_SLICE_VARIANTS and not spans_slices(mesh)):
                 continue
-            variant = copy.copy(strategy)  # same options
             if name == "packed":
-                variant.collective = Collective(forms={op: "packed" for op in OPERATIONS})
+                variant = _variant(strategy, collective=Collective(forms={op: "packed" for op in OPERATIONS}))
             elif name == "device DCN reduction":
-                variant.compiler_overrides = dict(DEVICE_DCN_REDUCTION)
+                variant = _variant(strategy, compiler_overrides=dict(DEVICE_DCN_REDUCTION))
             else:
-                variant.compiler_defaults = True
+                variant = _variant(strategy, compiler_defaults=True)
             variants.append(variant)
     return [(v, b) for v in variants for b in options]
+
+
+def _variant(strategy: Strategy, **options: Any) -> Strategy:
+    """A copy of ``strategy`` (the same options otherwise) with ``options`` as its own
+    values, over the class-level defaults (``compiler_defaults``, ``compiler_overrides``):
+    the strategy given is never changed."""
+    variant = copy.copy(strategy)
+    for name, value in options.items():
+        setattr(variant, name, value)
+    return variant
 
 
 def compiled_estimates_apply(platform: str) -> bool:
@@ -150,7 +165,11 @@ class CompiledChoice:
 
 
 def choose_by_compiling(
-    captured: Any, candidates: Sequence[tuple[Any, Any]], engine: Any, plan_options: dict, plan: Callable[..., Any]
+    captured: CapturedStep,
+    candidates: Sequence[tuple[Strategy, Any]],
+    engine: Engine,
+    plan_options: dict,
+    plan: Callable[[CapturedStep, Strategy, Any, Engine, dict], PlannedStep],
 ) -> CompiledChoice:
     """Compile every ``(strategy, buckets)`` candidate for ``captured``'s mesh and return
     which XLA estimates fastest (see the module docstring). ``plan(captured, strategy,

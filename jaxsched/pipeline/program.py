@@ -15,17 +15,47 @@ from __future__ import annotations
 from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import dataclasses
-from typing import Any, Callable, Hashable, NamedTuple
+from typing import Any, Callable, Hashable, Protocol, cast, runtime_checkable
 
 import jax
 import numpy as np
+
+from jax.tree_util import PyTreeDef
 
 from jaxsched.core.capture import CapturedStep
 from jaxsched.runtime.engine.base import Engine, PerDeviceProgram
 from jaxsched.plan.planned_step import PlannedStep, is_abstract
 from jaxsched.strategies.base import ScheduledState, Strategy
 
-__all__ = ["abstract_signature", "leaf_dtype", "Program", "ProgramCache", "retyped"]
+__all__ = ["BatchKey", "abstract_signature", "leaf_dtype", "PhasedStrategy", "Program", "ProgramCache", "retyped"]
+
+
+#: a batch leaf's signature as `Program.run_again` compares it: (type, shape, dtype, sharding)
+BatchKey = tuple[type[Any], tuple[int, ...], np.dtype, jax.sharding.Sharding | None]
+
+
+@runtime_checkable
+class PhasedStrategy(Protocol):
+    """A strategy whose programs differ by step (`jaxsched.strategies.diloco.DiLoCo`): the
+    program compiles one core per phase and counts the step on the host."""
+
+    def phase_key(self, step: int | None) -> Hashable:
+        """The phase of step ``step`` (None: the representative phase `rewrite` builds)."""
+        ...
+
+    def host_step(self, state: Any) -> int | None:
+        """The step ``state`` is at, read on the host."""
+        ...
+
+    def rewrite_phase(self, planned: PlannedStep, key: Hashable) -> Callable[..., Any]:
+        """The per-device body of phase ``key``."""
+        ...
+
+
+class _Lowerable(Protocol):
+    """An engine's compiled core that can be lowered (as ``jax.jit``'s result can)."""
+
+    def lower(self, *args: Any) -> jax.stages.Lowered: ...
 
 
 def abstract_signature(tree: Any) -> Hashable:
@@ -41,7 +71,7 @@ def abstract_signature(tree: Any) -> Hashable:
     return treedef, tuple(leaf_key(x) for x in leaves)
 
 
-def leaf_dtype(x: Any) -> Any:
+def leaf_dtype(x: Any) -> np.dtype:
     """The dtype ``x`` has in a traced program (a Python scalar's canonical dtype)."""
     return x.dtype if hasattr(x, "dtype") else jax.dtypes.canonicalize_dtype(np.result_type(x))
 
@@ -102,10 +132,10 @@ class Program:
         )
         self.engine = engine.resolve(self.per_device)
         self.core = self.engine.compile(self.per_device)
-        self._returned: NamedTuple | None = None  # the state the last run returned
+        self._returned: ScheduledState | None = None  # the state the last run returned
         #: a strategy whose programs differ by step (``phase_key``): one core per phase, and
         #: the step after the last run, counted on the host so that no call waits to read it
-        self._phase_cores: dict = {}
+        self._phase_cores: dict[Hashable, Callable[..., tuple]] = {}
         self._next_step: int | None = None
         #: whether the state comes out in the dtypes it went in (None: not run yet)
         self.keeps_dtypes: bool | None = None
@@ -114,11 +144,11 @@ class Program:
         self._checked_returned = False
         #: the returned state's leaves and structure, so that the next step does not flatten it
         self._returned_leaves: list = []
-        self._state_treedef: Any = None
+        self._state_treedef: PyTreeDef | None = None
         #: the batch signature `run_again` accepts: structure, per leaf (type, shape,
         #: dtype, sharding), and per leaf None (goes in as given) or the spec it is placed on
-        self._batch_treedef: Any = None
-        self._batch_keys: list | None = None
+        self._batch_treedef: PyTreeDef | None = None
+        self._batch_keys: list[BatchKey] | None = None
         self._batch_places: list = []
 
     # what users and tests inspect ----------------------------------------------------------
@@ -168,15 +198,16 @@ class Program:
         return self.planned.network_profile
 
     # running -------------------------------------------------------------------------------
-    def convert(self, state: ScheduledState) -> NamedTuple:
+    def convert(self, state: ScheduledState) -> ScheduledState:
         """The state in this program's layout; idempotent."""
-        return self.strategy.convert(self.planned, state)
+        # every strategy's state is a NamedTuple with params and opt_state fields
+        return cast(ScheduledState, self.strategy.convert(self.planned, state))
 
     def inputs(self, state: ScheduledState, batch: Any) -> list:
         """The compiled core's flat arguments for one step."""
         return self._inputs(self.convert(state), batch)
 
-    def _inputs(self, converted: NamedTuple, batch: Any, consts: list | None = None) -> list:
+    def _inputs(self, converted: ScheduledState, batch: Any, consts: list | None = None) -> list:
         planned = self.planned
         batch_leaves = jax.tree.leaves(batch)
         if len(batch_leaves) != planned.captured.num_batch:
@@ -204,21 +235,21 @@ class Program:
             ]
         return self._placed_consts
 
-    def _core_for(self, state: ScheduledState, returned: bool) -> tuple[Callable, int | None]:
+    def _core_for(self, state: ScheduledState, returned: bool) -> tuple[Callable[..., tuple], int | None]:
         """The compiled core for ``state``'s step, and that step (None: one core for all)."""
-        phase_key = getattr(self.strategy, "phase_key", None)
-        if phase_key is None:
+        strategy = self.strategy
+        if not isinstance(strategy, PhasedStrategy):
             return self.core, None
-        step = self._next_step if returned and self._next_step is not None else self.strategy.host_step(state)
-        key = phase_key(step)
+        step = self._next_step if returned and self._next_step is not None else strategy.host_step(state)
+        key = strategy.phase_key(step)
         if not self._phase_cores:  # the core built from `rewrite` is the representative phase's
-            self._phase_cores[phase_key(None)] = self.core
+            self._phase_cores[strategy.phase_key(None)] = self.core
         if key not in self._phase_cores:
-            body = self.strategy.rewrite_phase(self.planned, key)
+            body = strategy.rewrite_phase(self.planned, key)
             self._phase_cores[key] = self.engine.compile(dataclasses.replace(self.per_device, body=body))
         return self._phase_cores[key], step
 
-    def run(self, state: ScheduledState, batch: Any) -> tuple[NamedTuple, Any]:
+    def run(self, state: ScheduledState, batch: Any) -> tuple[ScheduledState, Any]:
         """One step, every input checked; the batch's signature is learnt for `run_again`."""
         returned = state is self._returned
         batch_leaves, batch_treedef = jax.tree.flatten(batch)
@@ -244,7 +275,7 @@ class Program:
             self._learn_batch(batch_leaves, batch_treedef, placed)
         return self._execute(state, leaves, treedef, placed, returned)
 
-    def run_again(self, batch: Any) -> tuple[NamedTuple, Any] | None:
+    def run_again(self, batch: Any) -> tuple[ScheduledState, Any] | None:
         """The step from the state the last run returned, for a batch of the signature
         `run` learnt (None for any other: `run` then checks it).
 
@@ -253,7 +284,7 @@ class Program:
         decided when its signature was first seen, so that what remains per call is one
         flatten of the batch and a comparison of its leaves, as ``jax.jit`` dispatches."""
         keys = self._batch_keys
-        if keys is None or not self.keeps_dtypes:
+        if keys is None or not self.keeps_dtypes or self._returned is None:
             return None
         batch_leaves, batch_treedef = jax.tree.flatten(batch)
         if batch_treedef != self._batch_treedef or len(batch_leaves) != len(keys):
@@ -267,11 +298,11 @@ class Program:
         placed = [b if s is None else planned.placed(b, s) for b, s in zip(batch_leaves, self._batch_places)]
         return self._execute(self._returned, self._returned_leaves, self._state_treedef, placed, True)
 
-    def _learn_batch(self, leaves: list, treedef: Any, placed: list) -> None:
+    def _learn_batch(self, leaves: list, treedef: PyTreeDef, placed: list) -> None:
         """Remember the batch signature `run_again` accepts (``jax.Array`` and NumPy
         leaves only) and, per leaf, whether it goes in as given (None) or is placed on every
         call (its spec: a host array, or one on another sharding)."""
-        keys = []
+        keys: list[BatchKey] = []
         for leaf in leaves:
             if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
                 keys.append((type(leaf), leaf.shape, leaf.dtype, leaf.sharding))
@@ -285,8 +316,8 @@ class Program:
         ]
 
     def _execute(
-        self, state: NamedTuple, leaves: list, treedef: Any, batch_leaves: list, returned: bool
-    ) -> tuple[NamedTuple, Any]:
+        self, state: ScheduledState, leaves: list, treedef: PyTreeDef, batch_leaves: list, returned: bool
+    ) -> tuple[ScheduledState, Any]:
         """Run the compiled core on the state's ``leaves`` and the placed batch leaves."""
         core, step = self._core_for(state, returned)
         self.core = core
@@ -302,7 +333,7 @@ class Program:
         self._returned, self._returned_leaves, self._state_treedef = new_state, new_leaves, treedef
         return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[n:])
 
-    def _check_returned(self, state: NamedTuple) -> None:
+    def _check_returned(self, state: ScheduledState) -> None:
         """Once per program: a strategy that keeps the user's layout returns every params and
         opt_state leaf in the shape and dtype the plain step returns it (never another)."""
         self._checked_returned = True
@@ -319,7 +350,7 @@ class Program:
                 )
 
     @property
-    def returned(self) -> NamedTuple | None:
+    def returned(self) -> ScheduledState | None:
         """The state the last run returned (it is in this program's layout already)."""
         return self._returned
 
@@ -335,11 +366,12 @@ class Program:
             self._state_shapes = [tuple(x.shape) for x in jax.tree.leaves((converted.params, converted.opt_state))]
         return self._state_shapes
 
-    def lower(self, state: ScheduledState, batch: Any):
+    def lower(self, state: ScheduledState, batch: Any) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` of this program for ``state`` and ``batch``, concrete or
         abstract (``jax.ShapeDtypeStruct`` leaves with shardings: nothing touches a device)."""
         converted = self.convert(state)
-        return self._core_for(converted, False)[0].lower(*self._inputs(converted, batch))
+        core = cast(_Lowerable, self._core_for(converted, False)[0])  # jit-like: every engine's core lowers
+        return core.lower(*self._inputs(converted, batch))
 
     @property
     def compiler_options(self) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from jaxsched._errors import JaxschedValueError
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence, TypeAlias
 
 from jaxsched.core.capture import CapturedStep
 from jaxsched.plan import plan_buckets
@@ -42,13 +42,32 @@ from jaxsched.plan.from_step import (
 )
 from jaxsched.plan.planned_step import PlannedStep
 from jaxsched.pipeline.program import Program
-from jaxsched.pipeline.compiled_planner import candidates_for, choose_by_compiling, compiled_estimates_apply
-from jaxsched.sim import simulate
+from jaxsched.runtime.engine.base import Engine
+from jaxsched.pipeline.compiled_planner import (
+    CompiledChoice,
+    candidates_for,
+    choose_by_compiling,
+    compiled_estimates_apply,
+)
+from jaxsched.sim import Compression, simulate
 from jaxsched.sim.costmodel import CommPattern, fsdp_pattern
 from jaxsched.strategies.auto import Auto, AutoChoice
 from jaxsched.strategies.base import Strategy
 
-__all__ = ["Selection", "build_program", "select", "simulated_compression", "step_pattern"]
+__all__ = [
+    "BucketOption",
+    "Selection",
+    "build_program",
+    "program_of",
+    "select",
+    "simulated_compression",
+    "step_pattern",
+]
+
+
+#: ``schedule(buckets=...)``: None (the 25 MB threshold), a byte threshold, ``"auto"``
+#: (planned), or an explicit plan (lists of parameter paths or subtree prefixes)
+BucketOption: TypeAlias = int | str | Sequence[Sequence[str]] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,43 +78,56 @@ class Selection:
       strategy: the strategy that rewrites the step (``auto`` resolved, the mesh's
         collective chosen).
       planned: the captured step with its buckets, frozen.
+      choice: ``strategy="auto"``'s choice (None for a concrete strategy).
+      bucket_choice: with ``buckets="auto"`` on GPU or TPU, what each compiled candidate
+        was estimated at (a `CompiledChoice`; None otherwise).
     """
 
     strategy: Strategy
     planned: PlannedStep
+    choice: AutoChoice | None = None
+    bucket_choice: CompiledChoice | None = None
 
 
 def select(
-    captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any, plan_options: dict | None = None
+    captured: CapturedStep, strategy: Strategy, buckets: BucketOption, engine: Engine, plan_options: dict | None = None
 ) -> Selection:
     """Resolve ``strategy`` and ``buckets`` for ``captured`` on ``engine``.
 
-    ``strategy="auto"`` records its choice in ``strategy.last_choice``; ``buckets="auto"`` on
-    GPU or TPU records the compiled candidates in ``strategy.last_bucket_choice``.
+    Nothing given is changed: ``strategy="auto"``'s choice is returned as
+    ``Selection.choice`` and the compiled candidates of ``buckets="auto"`` on GPU or TPU
+    as ``Selection.bucket_choice`` (`jaxsched.Scheduled` shows them as
+    ``sched.strategy.last_choice`` and ``sched.strategy.last_bucket_choice``).
     """
     plan_options = dict(plan_options or {})
     platform = captured.mesh.devices.flat[0].platform
+    choice: AutoChoice | None = None
+    bucket_choice: CompiledChoice | None = None
     if isinstance(strategy, Auto):
-        strategy, buckets = _choose_strategy(strategy, captured, buckets, plan_options, engine)
+        strategy, buckets, choice = _choose_strategy(strategy, captured, buckets, plan_options, engine)
     elif _is_auto(buckets) and compiled_estimates_apply(platform) and not plan_options:
         pairs = candidates_for(strategy, platform, buckets, mesh=captured.mesh)
-        choice = choose_by_compiling(captured, pairs, engine, plan_options, _build_planned)
-        strategy.last_bucket_choice = choice
-        strategy, buckets = pairs[choice.chosen]
+        bucket_choice = choose_by_compiling(captured, pairs, engine, plan_options, _build_planned)
+        strategy, buckets = pairs[bucket_choice.chosen]
     strategy = strategy.for_mesh(captured)
-    return Selection(strategy, _build_planned(captured, strategy, buckets, engine, plan_options))
+    planned = _build_planned(captured, strategy, buckets, engine, plan_options)
+    return Selection(strategy, planned, choice, bucket_choice)
 
 
 def build_program(
-    captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any, plan_options: dict | None = None
+    captured: CapturedStep, strategy: Strategy, buckets: BucketOption, engine: Engine, plan_options: dict | None = None
 ) -> Program:
     """The program of ``strategy`` for ``captured`` with bucket option ``buckets`` on
     ``engine``: a pure function of the four (and the planning options)."""
-    chosen = select(captured, strategy, buckets, engine, plan_options)
+    return program_of(select(captured, strategy, buckets, engine, plan_options), engine)
+
+
+def program_of(chosen: Selection, engine: Engine) -> Program:
+    """The program of a `Selection` on ``engine``."""
     return Program(chosen.planned, chosen.strategy, engine)
 
 
-def simulated_compression(strategy: Strategy) -> Any:
+def simulated_compression(strategy: Strategy) -> Compression | None:
     """The strategy's compressor as the planner's simulator models it (None: dense, or a
     compressor or pattern the simulator does not model)."""
     model = getattr(strategy.collective, "sim_compression", None)
@@ -107,7 +139,7 @@ def simulated_compression(strategy: Strategy) -> Any:
         return None
 
 
-def _is_auto(buckets: Any) -> bool:
+def _is_auto(buckets: object) -> bool:
     return isinstance(buckets, str) and buckets == "auto"
 
 
@@ -126,7 +158,7 @@ def step_pattern(captured: CapturedStep, pattern: CommPattern) -> CommPattern:
 
 
 def _build_planned(
-    captured: CapturedStep, strategy: Strategy, buckets: Any, engine: Any, plan_options: dict
+    captured: CapturedStep, strategy: Strategy, buckets: BucketOption, engine: Engine | None, plan_options: dict
 ) -> PlannedStep:
     """The frozen plan of a concrete strategy: ``buckets="auto"`` planned here, once."""
     pattern = step_pattern(captured, strategy.cost)
@@ -162,8 +194,8 @@ def _build_planned(
 
 
 def _choose_strategy(
-    auto: Auto, captured: CapturedStep, buckets: Any, plan_options: dict, engine: Any
-) -> tuple[Strategy, Any]:
+    auto: Auto, captured: CapturedStep, buckets: BucketOption, plan_options: dict, engine: Engine
+) -> tuple[Strategy, BucketOption, AutoChoice]:
     """``auto``'s choice: by XLA's estimate on GPU/TPU, else by the simulator."""
     platform = captured.mesh.devices.flat[0].platform
     if compiled_estimates_apply(platform):
@@ -177,14 +209,13 @@ def _choose_strategy(
         ]
         choice = choose_by_compiling(captured, pairs, engine, plan_options, _build_planned)
         strategy, option = pairs[choice.chosen]
-        auto.last_choice = AutoChoice(strategy.name, {}, True, 0.0, option, choice.as_dict())
-        return strategy, option
+        return strategy, option, AutoChoice(strategy.name, {}, True, 0.0, option, choice.as_dict())
     probe = PlannedStep(captured, None if _is_auto(buckets) else buckets, plan_options)
     costs = engine.costs(captured.mesh)
     layers, members = step_layer_profile(probe.analysis, probe.paths, plan_options.get("layer_profile"))
     network = step_network_profile(probe.analysis, plan_options.get("network_profile"), costs)
     layer_of = {i: k for k, group in enumerate(members) for i in group}
-    results: dict[str, tuple[float, Strategy, Any]] = {}
+    results: dict[str, tuple[float, Strategy, BucketOption]] = {}
     for candidate in auto.candidate_strategies():
         compression = with_selection_cost(simulated_compression(candidate), candidate.collective, captured.mesh)
         pattern = step_pattern(captured, candidate.cost)
@@ -214,10 +245,8 @@ def _choose_strategy(
         results[candidate.name] = (float(sim.iteration_s), candidate, option)
     chosen = min(results, key=lambda n: results[n][0])  # dicts keep order: ties go first
     _, strategy, option = results[chosen]
-    auto.last_choice = AutoChoice(
-        chosen, {n: r[0] for n, r in results.items()}, costs.overlaps, costs.per_collective_s, option
-    )
-    return strategy, option
+    made = AutoChoice(chosen, {n: r[0] for n, r in results.items()}, costs.overlaps, costs.per_collective_s, option)
+    return strategy, option, made
 
 
 def _layer_groups(buckets: Sequence[Sequence[int]], layer_of: dict[int, int]) -> list[list[int]]:

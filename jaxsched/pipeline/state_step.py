@@ -77,15 +77,16 @@ from jaxsched._errors import JaxschedTypeError, JaxschedValueError, JaxschedWarn
 import dataclasses
 import inspect
 import warnings
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Generic, Mapping, NamedTuple, Protocol, Sequence, TypeVar
 
 import jax
 import numpy as np
 from jax.extend import core as jex_core
+from jax.tree_util import PyTreeDef
 
-from jaxsched.core.analyze import analyze
+from jaxsched.core.analyze import Analysis, analyze
 from jaxsched.core.bucketing import is_float, param_paths, shape_key
-from jaxsched.core.capture import STATE_PATHS_ATTRIBUTE, UnsupportedStepError, capture
+from jaxsched.core.capture import STATE_PATHS_ATTRIBUTE, CapturedStep, UnsupportedStepError, capture
 from jaxsched.core.describe import describe, describe_outputs, difference
 from jaxsched.core.static_leaves import MarkedStep
 
@@ -95,6 +96,8 @@ __all__ = [
     "SIGNATURES",
     "StateForm",
     "StateLayout",
+    "StateOwner",
+    "TreeSchedule",
     "UnsplitState",
     "find_layout",
     "inputs_of",
@@ -213,9 +216,9 @@ def looks_like_opt_state(x: Any, params: Any) -> bool:
     if any(type(t).__module__.startswith("optax") for t in nodes):
         return True
     structure = jax.tree.structure(params)
-    if structure.num_leaves < 1 or structure.num_leaves == 1 and structure == jax.tree.structure(0):
+    if not jax.tree.leaves(params) or jax.tree_util.treedef_is_leaf(structure):  # no tree of parameters
         return False
-    like = lambda t: not isinstance(t, (int, float)) and jax.tree.structure(t) == structure
+    like = lambda t: not isinstance(t, (int, float)) and jax.tree.structure(t) == structure  # type: ignore[operator]
     return any(like(t) for t in jax.tree.leaves(x, is_leaf=like))
 
 
@@ -260,7 +263,7 @@ def step_form(step: Callable, args: tuple, batch_keyword: bool) -> str:
     state_args = 1 if form == STATE else 2
     limit = arity if arity is not None else 3
     if form is None or n_args + batch_keyword > max(limit, state_args + 1) or (arity == 2 and form == TREES):
-        takes = {2: "(state, batch)", 3: "(params, opt_state, batch) or (state, input, batch)"}.get(arity)
+        takes = {2: "(state, batch)", 3: "(params, opt_state, batch) or (state, input, batch)"}.get(arity or 0)
         init = {
             2: "sched.init(state) or sched.init(state, batch)",
             3: "sched.init(params, opt_state[, batch]) or sched.init(state[, input, batch])",
@@ -270,7 +273,7 @@ def step_form(step: Callable, args: tuple, batch_keyword: bool) -> str:
             + (" and batch=" if batch_keyword else "")
             + (
                 f", but the step takes {takes}: call {init[arity]}"
-                if takes
+                if takes and arity is not None
                 else f"; it takes the first arguments of the step, which is {SIGNATURES}"
             )
         )
@@ -290,7 +293,7 @@ class StateLayout:
       inputs: how many inputs the step takes after its state (the batch and those before it).
     """
 
-    treedef: Any
+    treedef: PyTreeDef
     names: tuple[str, ...]
     trained: tuple[bool, ...]
     outputs: int = 1
@@ -331,7 +334,7 @@ class StateLayout:
             return (*self.split(new_state), _as_aux(rest_out))
 
         pure_step.__name__ = getattr(step, "__name__", "train_step")
-        pure_step.__wrapped__ = step  # as jaxsched.integrations.nnx: tools that unwrap find the user's step
+        pure_step.__wrapped__ = step  # type: ignore[attr-defined]  # as jaxsched.integrations.nnx: tools that unwrap find the user's step
         setattr(pure_step, STATE_PATHS_ATTRIBUTE, True)  # messages name leaves by their state path
         return pure_step
 
@@ -354,7 +357,7 @@ def with_inputs(step: Callable, num_inputs: int, state_args: int) -> Callable:
         return step(*state, *inputs)
 
     on_inputs.__name__ = getattr(step, "__name__", "train_step")
-    on_inputs.__wrapped__ = step
+    on_inputs.__wrapped__ = step  # type: ignore[attr-defined]  # tools that unwrap find the user's step
     return on_inputs
 
 
@@ -396,7 +399,7 @@ def with_outputs(step: Callable, record: OutputCount, inputs: int = 1) -> Callab
         return out[0], out[1], _as_aux(tuple(out[2:]))
 
     three_outputs.__name__ = getattr(step, "__name__", "train_step")
-    three_outputs.__wrapped__ = step
+    three_outputs.__wrapped__ = step  # type: ignore[attr-defined]  # tools that unwrap find the user's step
     return three_outputs
 
 
@@ -407,7 +410,7 @@ def _as_aux(rest: tuple) -> Any:
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
-def returns_aux(out: Any, treedef: Any) -> bool:
+def returns_aux(out: Any, treedef: PyTreeDef) -> bool:
     """Whether a ``step(state, batch)`` output is ``(state, aux)`` rather than the state alone
     (JAX's own examples return only the new parameters)."""
     return jax.tree.structure(out) != treedef
@@ -418,7 +421,7 @@ def _counts(inputs: int) -> tuple[int, ...]:
     return tuple(sorted({0, 1, inputs}))
 
 
-def _state_and_rest(out: Any, treedef: Any, inputs: int = 1) -> tuple[Any, tuple]:
+def _state_and_rest(out: Any, treedef: PyTreeDef, inputs: int = 1) -> tuple[Any, tuple]:
     """A ``step(state, ...)``'s output as its new state and the outputs after it."""
     if not returns_aux(out, treedef):
         return out, ()
@@ -438,7 +441,7 @@ def _state_and_rest(out: Any, treedef: Any, inputs: int = 1) -> tuple[Any, tuple
     return out[0], tuple(out[1:])
 
 
-def output_count(out: Any, treedef: Any, inputs: int = 1) -> int:
+def output_count(out: Any, treedef: PyTreeDef, inputs: int = 1) -> int:
     """How many outputs a ``step(state, ...)`` returned after its state."""
     return len(_state_and_rest(out, treedef, inputs)[1])
 
@@ -478,12 +481,12 @@ def find_layout(step: Callable, state: Any, batch: Any, inputs: int = 1) -> Stat
     return StateLayout(treedef, names, tuple(trained), n_outputs, inputs)
 
 
-def _dtype(leaf: Any) -> Any:
+def _dtype(leaf: Any) -> np.dtype:
     """A leaf's dtype: arrays, ``jax.ShapeDtypeStruct`` and Python scalars alike."""
     return leaf.dtype if hasattr(leaf, "dtype") else jax.numpy.result_type(leaf)
 
 
-def _dependencies(captured: Any, analysis: Any) -> tuple[list[bool], list[bool], list[bool]]:
+def _dependencies(captured: CapturedStep, analysis: Analysis) -> tuple[list[bool], list[bool], list[bool]]:
     """Per params leaf of ``captured``: whether a device-varying value is computed from it,
     whether its new value depends on the reduction of a gradient of its own shape, and
     whether it depends on the leaf's old value other than through a reduction. One forward
@@ -532,7 +535,15 @@ def _dependencies(captured: Any, analysis: Any) -> tuple[list[bool], list[bool],
     return reaches_varying, from_reduction, from_itself
 
 
-def _nothing_trained(names, leaves, position, reaches_varying, from_reduction, from_itself, axis: str) -> str:
+def _nothing_trained(
+    names: Sequence[str],
+    leaves: Sequence[Any],
+    position: Mapping[str, int],
+    reaches_varying: Sequence[bool],
+    from_reduction: Sequence[bool],
+    from_itself: Sequence[bool],
+    axis: str | tuple[str, ...],
+) -> str:
     rows = []
     for name, leaf in zip(names, leaves):
         i = position[name]
@@ -555,38 +566,76 @@ def _nothing_trained(names, leaves, position, reaches_varying, from_reduction, f
     )
 
 
-class StateForm:
-    """What ``Scheduled`` delegates to for a ``step(state, batch)``: the layout (decided at
-    the first split) and an inner `Scheduled` of the pure step."""
+class TreeSchedule(Protocol):
+    """What the state form needs of the schedule of its pure ``step(params, rest, batch)``
+    (a `jaxsched.Scheduled`)."""
 
-    def __init__(self, owner: Any):
+    def init(self, *args: Any, batch: Any = None) -> Any: ...
+
+    def step_batch(self, state: Any, batch: Any) -> Any: ...
+
+    def finalize(self, state: Any) -> tuple[Any, Any]: ...
+
+    def lower(self, state: Any, batch: Any) -> jax.stages.Lowered: ...
+
+    def inspect(self, state: Any, batch: Any, *, baseline: bool = True) -> Any: ...
+
+
+S = TypeVar("S", bound=TreeSchedule)
+S_co = TypeVar("S_co", bound=TreeSchedule, covariant=True)
+
+
+class StateOwner(Protocol[S_co]):
+    """The schedule of the user's ``step(state, batch)`` that owns a `StateForm`."""
+
+    _num_inputs: int | None
+
+    @property
+    def traced_step(self) -> Callable: ...
+
+    def with_step(self, step: Callable) -> S_co: ...
+
+
+class StateForm(Generic[S]):
+    """The state-carrying half of a `jaxsched.Scheduled` of a ``step(state, batch)``: the
+    layout (decided at the first split) and ``inner``, the schedule (of the owner's own
+    type ``S``) of the pure step split off the user's.
+
+    The owner calls it explicitly for each public method that takes a state (``init``,
+    ``__call__``, ``lower``, ``inspect``, ``finalize``); what reads the programs (``program``,
+    ``replans``) reads ``inner`` once it exists.
+    """
+
+    def __init__(self, owner: StateOwner[S]):
         self.owner = owner
         self.layout: StateLayout | None = None
-        self.inner: Any | None = None
+        self.inner: S | None = None
 
     def init(self, state: Any, batch: Any = None) -> Any:
+        """``sched.init(state[, batch])``: an `UnsplitState` without the batch, else the
+        inner schedule's state (the state split by the traced step)."""
         if batch is None:
             return UnsplitState(state)
-        inner = self.inner_for(state, batch)
-        return inner.init(*self.layout.split(state), batch)
+        inner, layout = self.inner_for(state, batch)
+        return inner.init(*layout.split(state), batch)
 
     @property
     def step(self) -> Callable:
         """The user's step as ``step(state, batch)`` (extra inputs in the batch tuple)."""
         return self.owner.traced_step
 
-    def inner_for(self, state: Any, batch: Any) -> Any:
-        """The scheduled pure step, splitting the state on first use."""
-        if self.layout is None:
+    def inner_for(self, state: Any, batch: Any) -> tuple[S, StateLayout]:
+        """The scheduled pure step and the layout, splitting the state on first use."""
+        if self.layout is None or self.inner is None:
             self.layout = find_layout(self.step, state, batch, self.owner._num_inputs or 1)
             self.inner = self.owner.with_step(self.layout.pure_step(self.step))
-        return self.inner
+        return self.inner, self.layout
 
-    def scheduled_state(self, sstate: Any, batch: Any) -> tuple[Any, Any]:
+    def scheduled_state(self, sstate: Any, batch: Any) -> tuple[S, Any]:
         """The inner schedule and ``sstate`` in its form (an `UnsplitState` split)."""
         if isinstance(sstate, UnsplitState):
-            inner = self.inner_for(sstate.state, batch)
-            return inner, inner.init(*self.layout.split(sstate.state))
+            inner, layout = self.inner_for(sstate.state, batch)
+            return inner, inner.init(*layout.split(sstate.state))
         if self.inner is None:
             raise JaxschedValueError(
                 "this scheduled state comes from another schedule (or a checkpoint) "
@@ -596,21 +645,29 @@ class StateForm:
         return self.inner, sstate
 
     def __call__(self, sstate: Any, batch: Any) -> Any:
+        """One step: the inner schedule's, its outputs as the user's step returns them."""
         inner, sstate = self.scheduled_state(sstate, batch)
         sstate, aux = inner.step_batch(sstate, batch)
+        assert self.layout is not None  # set by scheduled_state
         if self.layout.outputs == 0:
             return sstate
         return (sstate, *aux) if self.layout.outputs > 1 else (sstate, aux)
 
-    def scheduled(self, sstate: Any, batch: Any, method: str, **options: Any) -> Any:
-        """``inner.<method>(sstate, batch)`` (``lower``, ``inspect``) on the scheduled state."""
+    def lower(self, sstate: Any, batch: Any) -> jax.stages.Lowered:
+        """The inner schedule's ``lower`` on the scheduled state."""
         inner, sstate = self.scheduled_state(sstate, batch)
-        return getattr(inner, method)(sstate, batch, **options)
+        return inner.lower(sstate, batch)
+
+    def inspect(self, sstate: Any, batch: Any, *, baseline: bool = True) -> Any:
+        """The inner schedule's ``inspect`` on the scheduled state."""
+        inner, sstate = self.scheduled_state(sstate, batch)
+        return inner.inspect(sstate, batch, baseline=baseline)
 
     def finalize(self, sstate: Any) -> Any:
+        """The user's state object (an `UnsplitState` as given)."""
         if isinstance(sstate, UnsplitState):
             return sstate.state
-        if self.inner is None:
+        if self.inner is None or self.layout is None:
             raise JaxschedValueError(
                 "finalize got a scheduled state, but this schedule has not split a "
                 "state yet; call sched.init(state, example_batch) first"

@@ -296,3 +296,27 @@ def test_a_known_signature_skips_the_checks_and_a_new_one_is_checked(monkeypatch
     assert len(checked) == 2 and sched.num_programs == 2
     with pytest.raises(TypeError):  # a bad batch still meets the checked path's errors
         sched(state, (jnp.ones((6, 4)), jnp.ones(6)))
+
+
+@pytest.mark.parametrize("given", ["auto", "dear"])
+def test_scheduling_never_changes_the_users_strategy(given):
+    """Selection records its choices on the schedule's own copy: the instance the user passed
+    keeps every attribute it had, while ``sched.strategy.last_choice`` shows the choice."""
+    import copy
+
+    from jaxsched.demo import steps
+    from jaxsched.strategies import make_strategy
+    from jaxsched.zoo import models
+
+    params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    tx = optax.sgd(0.1)
+    strategy = make_strategy(given)
+    before = copy.copy(vars(strategy))
+    sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy=strategy, buckets="auto")
+    batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+    state, _ = sched(sched.init(params, tx.init(params)), batch)
+    assert vars(strategy).keys() == before.keys()
+    assert all(vars(strategy)[k] is v for k, v in before.items())
+    if given == "auto":
+        assert sched.strategy.last_choice is not None

@@ -511,3 +511,32 @@ def test_a_step_that_returns_the_wrong_outputs_gets_a_short_message():
     message = str(err.value).split("\n")[0]
     assert "PyTreeDef" not in message and len(message) < 400
     assert "4 outputs (TrainState of" in message
+
+
+# -- re-planning a step(state, batch): the inner schedule's plans, read through the one object --
+
+
+def test_replan_of_a_state_step_reads_the_inner_schedule():
+    from jaxsched.demo import steps
+    from support.replan_model import bandwidth_bound, batches, latency_bound, optimizer, tanh_mlp
+
+    mesh = _mesh(2)
+    params, apply = tanh_mlp()
+    tx = optimizer()
+    trees_step = steps.make_step(apply, tx, mesh)
+
+    def train_step(state, batch):
+        new_params, new_opt_state, aux = trees_step(state["params"], state["opt_state"], batch)
+        return {"params": new_params, "opt_state": new_opt_state}, aux
+
+    sched = jaxsched.schedule(train_step, replan=jaxsched.Replan(every=1000), network_profile=latency_bound(2))
+    with pytest.raises(RuntimeError, match="traced first"):
+        sched.replan("1gbe")  # the form is known only once a state was split
+    data = [steps.shard_batch(b, mesh) for b in batches(2, 4)]
+    state, _ = sched(sched.init({"params": params, "opt_state": tx.init(params)}), data[0])
+    before = sched.program
+    pending = sched.replan(bandwidth_bound(2))
+    state, _ = sched(state, data[1])
+    assert pending is not None and pending.reason == "requested"
+    assert [r.step for r in sched.replans] == [1] and sched.replan_decisions == []
+    assert sched.program is not before and sched.num_programs == 1  # the new plan's cache

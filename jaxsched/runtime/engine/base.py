@@ -24,7 +24,7 @@ from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import abc
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 from jax.extend import core as jex_core
@@ -32,7 +32,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched.core.partition import manual_shard_map
 
-__all__ = ["Engine", "engine_names", "EngineCosts", "make_engine", "PerDeviceProgram", "register_engine"]
+__all__ = [
+    "Engine",
+    "engine_names",
+    "EngineCosts",
+    "make_engine",
+    "PerDeviceProgram",
+    "register_engine",
+    "Stage",
+    "StageTimer",
+    "StageTiming",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +138,60 @@ class EngineCosts:
     per_collective_s: float = 0.0
 
 
+@dataclasses.dataclass
+class Stage:
+    """One dispatched piece of the program.
+
+    Attributes:
+      kind: ``"compute"`` (on this process's mesh device) or ``"comm"`` (on the spare one).
+      name: for timelines (`describe_compute_stage`, `describe_comm_stage`).
+      eqns: the per-device equations it runs (for a communication stage: its collective,
+        after any squeeze or reshape that only it reads first).
+      inputs, outputs: the per-device jaxpr variables it reads and defines for later.
+      fn: the jitted callable.
+    """
+
+    kind: str
+    name: str
+    eqns: list
+    inputs: list
+    outputs: list
+    fn: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTiming:
+    """When one stage ran in one call, in seconds since the call began: ``dispatched`` when
+    Python issued it, ``done`` when its outputs were ready (seen by a waiting thread),
+    ``started`` the latest of its dispatch, the end of the previous stage on its device and
+    the readiness of its inputs (for a collective that includes waiting for its peers)."""
+
+    kind: str
+    name: str
+    dispatched: float
+    started: float
+    done: float
+
+
+class StageTimer(Protocol):
+    """A compiled program that runs in stages and times them on request
+    (`Engine.stage_timer`; the host engine's `jaxsched.runtime.engine.host.StagedProgram`).
+
+    Attributes:
+      stages: the stages of the last traced signature, in dispatch order.
+    """
+
+    stages: list[Stage]
+
+    def time_calls(self, on: bool) -> None:
+        """Keep a `StageTiming` per stage of the following calls (``on``), or stop."""
+        ...
+
+    def take_timings(self) -> list[list[StageTiming]]:
+        """The timings kept since the last take, one list per call, oldest first."""
+        ...
+
+
 class Engine(abc.ABC):
     """Runs per-device programs. Subclasses take their own options at construction.
 
@@ -187,6 +251,12 @@ class Engine(abc.ABC):
           An engine (by default this one).
         """
         return self
+
+    def stage_timer(self, compiled: Callable[..., tuple]) -> StageTimer | None:
+        """How to time the stages of ``compiled`` (a callable this engine's `compile` made),
+        or None: the engine runs a program whole (`jaxsched.pipeline.replan` then probes the
+        network instead of timing the step's own collectives)."""
+        return None
 
     @abc.abstractmethod
     def compile(self, program: PerDeviceProgram) -> Callable[..., tuple]:

@@ -58,7 +58,15 @@ from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched.core import replay
-from jaxsched.runtime.engine.base import Engine, EngineCosts, PerDeviceProgram, register_engine
+from jaxsched.runtime.engine.base import (
+    Engine,
+    EngineCosts,
+    PerDeviceProgram,
+    Stage,
+    StageTimer,
+    StageTiming,
+    register_engine,
+)
 from jaxsched.core.primitives import CALL_PRIMITIVES, COLLECTIVES
 
 __all__ = [
@@ -90,41 +98,6 @@ LAYOUT_PRIMITIVES = frozenset({"squeeze", "reshape"})
 
 class HostEngineError(JaxschedError, RuntimeError):
     """The program or the devices do not fit the host engine; the message says why."""
-
-
-@dataclasses.dataclass
-class Stage:
-    """One dispatched piece of the program.
-
-    Attributes:
-      kind: ``"compute"`` (on this process's mesh device) or ``"comm"`` (on the spare one).
-      name: for timelines (`describe_compute_stage`, `describe_comm_stage`).
-      eqns: the per-device equations it runs (for a communication stage: its collective,
-        after any squeeze or reshape that only it reads first).
-      inputs, outputs: the per-device jaxpr variables it reads and defines for later.
-      fn: the jitted callable.
-    """
-
-    kind: str
-    name: str
-    eqns: list
-    inputs: list
-    outputs: list
-    fn: Callable | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class StageTiming:
-    """When one stage ran in one call, in seconds since the call began: ``dispatched`` when
-    Python issued it, ``done`` when its outputs were ready (seen by a waiting thread),
-    ``started`` the latest of its dispatch, the end of the previous stage on its device and
-    the readiness of its inputs (for a collective that includes waiting for its peers)."""
-
-    kind: str
-    name: str
-    dispatched: float
-    started: float
-    done: float
 
 
 def spare_devices(mesh: Mesh) -> list:
@@ -250,7 +223,7 @@ def cut_stages(jaxpr) -> list[Stage]:
         read_later[k] = set(needed)
         for eqn in groups[k][1]:
             needed.update(v for v in eqn.invars if replay.is_var(v))
-    stages = []
+    stages: list[Stage] = []
     for k, (kind, eqns) in enumerate(groups):
         defined, inputs = set(), []
         for eqn in eqns:
@@ -366,6 +339,10 @@ class HostEngine(Engine):
                 "(tensor parallelism): use engine='xla'"
             )
         return StagedProgram(program, self.record_timings)
+
+    def stage_timer(self, compiled: Callable[..., tuple]) -> StageTimer | None:
+        """``compiled`` itself: a `StagedProgram` times its stages on request."""
+        return compiled if isinstance(compiled, StagedProgram) else None
 
     def costs(self, mesh: Mesh) -> EngineCosts:
         """Overlapping, at a measured Python cost per collective (`measure_stage_overhead`);
@@ -485,6 +462,16 @@ class StagedProgram:
         return jax.jit(mapped)
 
     # -- running ----------------------------------------------------------------------------
+    def time_calls(self, on: bool) -> None:
+        """Keep a `StageTiming` per stage of the following calls (``on``), or stop (`StageTimer`)."""
+        self.record_timings = on
+
+    def take_timings(self) -> list[list[StageTiming]]:
+        """The timings kept since the last take, one list per call, oldest first (`StageTimer`)."""
+        taken = list(self.timings)
+        self.timings.clear()
+        return taken
+
     def __call__(self, *args: Any) -> tuple:
         signature = tuple((tuple(np.shape(a)), str(a.dtype)) for a in args)
         if signature != self._signature:
@@ -515,11 +502,11 @@ class StagedProgram:
         for stage in self.stages:
             if stage.kind == "compute":
                 values = [self._on_compute(v, env, comm_blocks) for v in stage.inputs]
-                outs, _ = stage.fn(self._ballast, *values)
+                outs, _ = self._fn(stage)(self._ballast, *values)
                 env.update(zip(stage.outputs, outs, strict=True))
             else:
                 blocks = [self._global_comm(self._on_comm(v, env, comm_blocks)) for v in stage.inputs]
-                outs, _ = stage.fn(self._comm_ballast, *blocks)
+                outs, _ = self._fn(stage)(self._comm_ballast, *blocks)
                 outs = [o.addressable_data(0) for o in outs]
                 comm_blocks.update(zip(stage.outputs, outs, strict=True))
             timeline.add(stage, outs)
@@ -554,6 +541,12 @@ class StagedProgram:
             if axis in names:
                 shape[dim] *= mesh.shape[axis]
         return jax.make_array_from_single_device_arrays(tuple(shape), NamedSharding(mesh, spec), [local])
+
+    @staticmethod
+    def _fn(stage: Stage) -> Callable:
+        if stage.fn is None:  # set for every stage by `_trace`
+            raise HostEngineError(f"stage {stage.name!r} was never compiled")
+        return stage.fn
 
     def lower(self, *args: Any):
         raise HostEngineError(
@@ -602,7 +595,9 @@ class _Timeline:
     def finish(self) -> list[StageTiming]:
         for thread in self.threads:
             thread.join()
-        timings, stream_free, ready = [], {"compute": 0.0, "comm": 0.0}, {}
+        timings: list[StageTiming] = []
+        stream_free = {"compute": 0.0, "comm": 0.0}
+        ready: dict[Any, float] = {}  # jaxpr variable -> when its value was ready
         for (stage, dispatched), done in zip(self.entries, self.done, strict=True):
             inputs_ready = max((ready.get(v, 0.0) for v in stage.inputs), default=0.0)
             started = min(done, max(dispatched, stream_free[stage.kind], inputs_ready))
