@@ -64,17 +64,17 @@ def _target(ins: _Instr) -> str:
 class _Analyzer:
     """Classification and flop counts over one parsed module (memoised per computation)."""
 
-    def __init__(self, mod: _Module):
+    def __init__(self, mod: _Module) -> None:
         self.mod = mod
         self._flops: dict[str, float] = {}
-        self._info: dict[str, tuple[set, _Instr | None, bool]] = {}
+        self._info: dict[str, tuple[set[str], _Instr | None, bool]] = {}
 
-    def comp_info(self, comp: str) -> tuple[set, _Instr | None, bool]:
+    def comp_info(self, comp: str) -> tuple[set[str], _Instr | None, bool]:
         """(custom-call targets, first collective, has-compute) of a computation, recursively."""
         if comp in self._info:
             return self._info[comp]
         self._info[comp] = (set(), None, False)
-        targets: set = set()
+        targets: set[str] = set()
         coll = None
         compute = False
         for ins in self.mod.computations.get(comp, []):
@@ -99,8 +99,10 @@ class _Analyzer:
         self._info[comp] = (targets, coll, compute)
         return self._info[comp]
 
-    def called_info(self, ins: _Instr) -> tuple[set, _Instr | None, bool]:
-        targets, coll, compute = set(), None, False
+    def called_info(self, ins: _Instr) -> tuple[set[str], _Instr | None, bool]:
+        targets: set[str] = set()
+        coll: _Instr | None = None
+        compute = False
         for c in ins.calls():
             t2, c2, comp2 = self.comp_info(c)
             targets |= t2

@@ -21,8 +21,12 @@ import math
 import re
 
 import numpy as np
+from jax.sharding import AbstractMesh, Mesh
 
 from jaxsched._errors import JaxschedValueError
+
+#: A mesh whose axes name the collectives' replica groups: real devices or abstract ones.
+MeshLike = Mesh | AbstractMesh
 
 
 _DTYPE_BITS = {
@@ -225,7 +229,7 @@ def _replica_groups(attrs: str) -> list[list[int]] | None:
     return None
 
 
-def _mesh_axes(groups: list[list[int]] | None, mesh) -> tuple[str, ...]:
+def _mesh_axes(groups: list[list[int]] | None, mesh: MeshLike | None) -> tuple[str, ...]:
     """Mesh axes along which the ids of a group differ. Ids are logical device ids, i.e.
     positions in ``mesh.devices.flat`` order."""
     if mesh is None or groups is None:

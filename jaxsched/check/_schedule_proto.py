@@ -11,23 +11,27 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 from jaxsched.check._hlo_ops import _COLLECTIVES, _PLUMBING
 from jaxsched.sim import intervals
+
+#: A text-format protobuf message: each field's values (a nested message is a `Proto`).
+Proto = dict[str, list[Any]]
 
 
 _TOK = re.compile(r'#[^\n]*|"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|[{}\[\]:,;<>]|[^\s{}\[\]:,;<>"\']+')
 
 
-def _parse_textproto(text: str) -> dict:
+def _parse_textproto(text: str) -> Proto:
     """A minimal protobuf text-format reader: {field: [values]} with nested dicts."""
     toks = [t for t in _TOK.findall(text) if not t.startswith("#")]
     pos = 0
     n = len(toks)
 
-    def block(close: str | None) -> dict:
+    def block(close: str | None) -> Proto:
         nonlocal pos
-        d: dict = {}
+        d: Proto = {}
         while pos < n:
             t = toks[pos]
             if t == close:
@@ -68,7 +72,7 @@ def _parse_textproto(text: str) -> dict:
     return block(None)
 
 
-def _one(d: dict, key: str, default=None):
+def _one(d: Proto, key: str, default: Any = None) -> Any:
     v = d.get(key)
     return v[0] if v else default
 

@@ -11,7 +11,7 @@ Plain data, read back from JSON as written (``CompiledReport.to_json`` / ``from_
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 __all__ = [
     "CollectiveWindow",
@@ -121,7 +121,7 @@ class CompiledReport:
     peak_gathered_bytes: int | None = None
     peak_memory_bytes: int | None = None
     estimate_source: str | None = None
-    compiler_options: dict = dataclasses.field(default_factory=dict)
+    compiler_options: dict[str, str | bool | int | float] = dataclasses.field(default_factory=dict)
 
     @property
     def num_async(self) -> int:
@@ -148,14 +148,14 @@ class CompiledReport:
     def num_sync(self) -> int:
         return sum(1 for c in self.collectives if not c.is_async)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["collectives"] = [dict(dataclasses.asdict(c), mesh_axes=list(c.mesh_axes)) for c in self.collectives]
         d["compute"] = [list(c) for c in self.compute]
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "CompiledReport":
+    def from_json(cls, d: dict[str, Any]) -> CompiledReport:
         d = dict(d)
         d["collectives"] = tuple(CollectiveWindow(**dict(c, mesh_axes=tuple(c["mesh_axes"]))) for c in d["collectives"])
         d["compute"] = tuple((str(n), float(s), float(e)) for n, s, e in d["compute"])

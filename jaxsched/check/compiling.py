@@ -12,12 +12,20 @@ import glob
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Mapping
 
-__all__ = ["compile_with_schedule"]
+if TYPE_CHECKING:
+    from jax.stages import Compiled, Lowered
+
+__all__ = ["CompilerOption", "compile_with_schedule"]
+
+#: The value of one XLA compiler option, as ``jax.jit(..., compiler_options=...)`` takes it.
+CompilerOption = str | bool | int | float
 
 
-def compile_with_schedule(lowered, compiler_options: dict | None = None) -> tuple[Any, str | None]:
+def compile_with_schedule(
+    lowered: Lowered, compiler_options: Mapping[str, CompilerOption] | None = None
+) -> tuple[Compiled, str | None]:
     """Compile ``lowered`` and return ``(compiled, schedule_text)``.
 
     Adds ``xla_dump_to`` (a temporary directory, removed afterwards) and
@@ -27,9 +35,10 @@ def compile_with_schedule(lowered, compiler_options: dict | None = None) -> tupl
     """
     tmp = tempfile.mkdtemp(prefix="jaxsched_schedule_")
     try:
-        options = dict(compiler_options or {})
+        options: dict[str, CompilerOption] = dict(compiler_options or {})
         options.update({"xla_dump_to": tmp, "xla_dump_latency_hiding_schedule": True})
-        compiled = lowered.compile(compiler_options=options)
+        # jax annotates the values str | bool; XLA takes its numeric options as numbers too
+        compiled = lowered.compile(compiler_options=options)  # type: ignore[arg-type]
         paths = glob.glob(os.path.join(tmp, "**", "*schedule.txt"), recursive=True)
         text = None
         if paths:

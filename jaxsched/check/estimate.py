@@ -4,7 +4,10 @@ XLA:TPU on one slice with its default options runs no latency-hiding scheduler, 
 writes its cost of every fusion into the compiled HLO; `estimate_from_instruction_costs`
 adds those up and prices each collective on a program of that collective alone.
 
->>> from jaxsched.check.report import report
+>>> from jaxsched.check.report import _done_of, _Entry, _read_entry, _text_of, report
+
+if TYPE_CHECKING:
+    from jax.stages import Compiled
 >>> TEXT = '''
 ... ENTRY %main (p: f32[256]) -> f32[256] {
 ...   %p = f32[256]{0} parameter(0)
@@ -24,15 +27,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import TYPE_CHECKING, Callable
 
 from jax.sharding import Mesh
 
-from jaxsched.check._hlo_ops import _Analyzer, _find_start
-from jaxsched.check._hlo_text import _Module, _parse_hlo
+from jaxsched.check._hlo_ops import _Analyzer
+from jaxsched.check._hlo_text import MeshLike, _Module, _parse_hlo
 from jaxsched.check._schedule_proto import _parse_schedule
 from jaxsched.check.compiled_report import ESTIMATE_FROM_INSTRUCTIONS, CompiledReport
 from jaxsched.check.compiling import compile_with_schedule
-from jaxsched.check.report import report
+from jaxsched.check.report import _done_of, _Entry, _read_entry, _text_of, report
+
+if TYPE_CHECKING:
+    from jax.stages import Compiled
 
 __all__ = ["estimate_from_instruction_costs"]
 
@@ -68,13 +75,14 @@ def _instruction_cycles(mod: _Module, an: _Analyzer, comp: str, depth: int = 0) 
     return total, costed, loop_collective
 
 
-_PROBES: dict = {}
+#: Probed ``(seconds, cycles_per_us)`` by ``(mesh, kind, bytes, axes)``: one compile each per process.
+_PROBES: dict[tuple[Mesh, str, int, tuple[str, ...]], tuple[float | None, float | None]] = {}
 _PROBE_MIN_BYTES = 4096
 #: the largest collective priced as a larger one where XLA keeps it synchronous
 _PROBE_MAX_SMALL_BYTES = 1 << 20
 
 
-def _probe_collective(mesh, kind: str, nbytes: int, axes: tuple[str, ...]) -> tuple[float | None, float | None]:
+def _probe_collective(mesh: Mesh, kind: str, nbytes: int, axes: tuple[str, ...]) -> tuple[float | None, float | None]:
     """``(seconds, cycles_per_us)``: XLA's latency-hiding scheduler's time for one ``kind``
     collective of ``nbytes`` per device (its result) over ``axes`` of ``mesh``, compiled
     alone as one flat float32 array with the engine's TPU options (XLA writes a schedule
@@ -123,9 +131,13 @@ def _probe_collective(mesh, kind: str, nbytes: int, axes: tuple[str, ...]) -> tu
         sched = _parse_schedule(schedule) if schedule else None
         if sched is not None:
             probe = report(compiled, schedule, mesh, label="probe")
-            windows = [w for w in probe.collectives if w.kind == kind and w.start_s is not None]
-            if windows:
-                result = (max(w.end_s - w.start_s for w in windows), sched.cycles_per_us)
+            spans = [
+                w.end_s - w.start_s
+                for w in probe.collectives
+                if w.kind == kind and w.start_s is not None and w.end_s is not None
+            ]
+            if spans:
+                result = (max(spans), sched.cycles_per_us)
     except Exception:  # a collective this probe cannot build or XLA cannot compile
         result = (None, None)
     if result[0] is None and kind == "reduce-scatter":
@@ -143,13 +155,32 @@ def _probe_collective(mesh, kind: str, nbytes: int, axes: tuple[str, ...]) -> tu
     return result
 
 
+def _exposed_after_hiding(rep: CompiledReport, comm: list[float], entry: _Entry, clock: float) -> float:
+    """Every collective's time (``comm``, seconds) less, for an asynchronous one, the compute
+    in its window by XLA's costs (``clock`` cycles per microsecond), added up."""
+    done_of = _done_of(entry)
+    exposed = 0.0
+    for w, seconds in zip(rep.collectives, comm):
+        done = done_of.get(w.name)
+        if w.is_async and done is not None and w.name in entry.pos:
+            inside = entry.order[entry.pos[w.name] + 1 : entry.pos[done.name]]
+            hidden = sum(
+                float(m.group(1))
+                for i in inside
+                if entry.roles[i.name][0] == "compute" and (m := _CYCLES_RE.search(i.attrs))
+            )
+            seconds = max(0.0, seconds - hidden / clock * 1e-6)
+        exposed += seconds
+    return exposed
+
+
 def estimate_from_instruction_costs(
     rep: CompiledReport,
-    compiled_or_hlo_text,
-    mesh=None,
+    compiled_or_hlo_text: Compiled | str,
+    mesh: MeshLike | None = None,
     *,
     cycles_per_us: float | None = None,
-    collective_seconds=None,
+    collective_seconds: Callable[[str, int, tuple[str, ...]], float | None] | None = None,
 ) -> CompiledReport:
     """``rep`` with an estimated step where XLA wrote no schedule, from XLA's cost of each
     instruction (``estimate_source="instruction costs"``); ``rep`` unchanged where it has a
@@ -169,21 +200,22 @@ def estimate_from_instruction_costs(
     ``cycles_per_us`` is the chip's clock (None: read from the probe's schedule)."""
     if rep.step_s is not None:
         return rep
-    text = compiled_or_hlo_text if isinstance(compiled_or_hlo_text, str) else compiled_or_hlo_text.as_text()
+    text = _text_of(compiled_or_hlo_text)
     mod = _parse_hlo(text)
-    an = _Analyzer(mod)
-    cycles, costed, loop_collective = _instruction_cycles(mod, an, mod.entry)
+    cycles, costed, loop_collective = _instruction_cycles(mod, _Analyzer(mod), mod.entry)
     if costed == 0 or loop_collective:
         return rep
-    probing = collective_seconds is None
-    if probing and not isinstance(mesh, Mesh):
+    if collective_seconds is None and not isinstance(mesh, Mesh):
         return rep
+    probing = collective_seconds is None
     clock = cycles_per_us
 
     def price(kind: str, nbytes: int, axes: tuple[str, ...]) -> float | None:
         nonlocal clock
-        if not probing:
+        if collective_seconds is not None:
             return collective_seconds(kind, nbytes, axes)
+        if not isinstance(mesh, Mesh):  # checked above: probing needs real devices
+            return None
         seconds, cpu = _probe_collective(mesh, kind, nbytes, axes)
         clock = clock or cpu
         return seconds
@@ -194,32 +226,12 @@ def estimate_from_instruction_costs(
         if seconds is None:
             return rep
         comm.append(seconds)
-    if clock is None and probing:  # no collective to read the clock from: a small one
+    if clock is None and isinstance(mesh, Mesh) and probing:  # no collective to read the clock from: a small one
         clock = _probe_collective(mesh, "all-reduce", _PROBE_MIN_BYTES, (mesh.axis_names[0],))[1]
     if not clock:
         return rep
 
-    # compute in each async window (by XLA's costs) hides that much of its collective
-    order = mod.computations[mod.entry]
-    pos = {i.name: k for k, i in enumerate(order)}
-    entry = {i.name: i for i in order}
-    roles = {i.name: an.role(i) for i in order}
-    done_of = {}
-    for ins in order:
-        if roles[ins.name][0] == "done":
-            st = _find_start(ins, entry, an, roles)
-            if st is not None:
-                done_of.setdefault(st.name, ins)
-    exposed = 0.0
-    for w, seconds in zip(rep.collectives, comm):
-        done = done_of.get(w.name)
-        if w.is_async and done is not None and w.name in pos:
-            inside = order[pos[w.name] + 1 : pos[done.name]]
-            hidden = sum(
-                float(m.group(1)) for i in inside if roles[i.name][0] == "compute" and (m := _CYCLES_RE.search(i.attrs))
-            )
-            seconds = max(0.0, seconds - hidden / clock * 1e-6)
-        exposed += seconds
+    exposed = _exposed_after_hiding(rep, comm, _read_entry(text), clock)
     compute_s = cycles / clock * 1e-6
     return dataclasses.replace(
         rep, step_s=compute_s + exposed, exposed_comm_s=exposed, estimate_source=ESTIMATE_FROM_INSTRUCTIONS

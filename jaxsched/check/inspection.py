@@ -55,7 +55,9 @@ A hand-written program, with no schedule estimate:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from jax.sharding import Mesh
 
 from jaxsched.check._hlo_text import _replica_groups
 from jaxsched.check.compiled_report import (
@@ -66,12 +68,16 @@ from jaxsched.check.compiled_report import (
     CompiledReport,
     LoopCost,
 )
-from jaxsched.check.compiling import compile_with_schedule
+from jaxsched.check._hlo_text import MeshLike
+from jaxsched.check.compiling import CompilerOption, compile_with_schedule
 from jaxsched.check.estimate import estimate_from_instruction_costs
 from jaxsched.check.report import report
 from jaxsched.check.table import format_options, format_table
 from jaxsched.check.timeline import _streams, plot
 from jaxsched.core.axes import num_slices
+
+if TYPE_CHECKING:
+    from jax.stages import Lowered
 
 __all__ = [
     "CollectiveWindow",
@@ -99,7 +105,13 @@ _PRIVATE_REEXPORTS = (_replica_groups, _streams)
 
 
 def inspect_lowered(
-    lowered, mesh, *, label: str, target: str = "", compiler_options: dict | None = None, estimate: bool = True
+    lowered: Lowered,
+    mesh: MeshLike | None,
+    *,
+    label: str,
+    target: str = "",
+    compiler_options: Mapping[str, CompilerOption] | None = None,
+    estimate: bool = True,
 ) -> CompiledReport:
     """Compile ``lowered`` with ``compiler_options`` (None: XLA's defaults; options that
     ``jax.jit(..., compiler_options=...)`` put in ``lowered`` apply too, so passing the same
@@ -116,7 +128,7 @@ def inspect_lowered(
 PLAIN_LABEL = "plain (XLA defaults)"
 
 
-def describe_mesh(mesh) -> str:
+def describe_mesh(mesh: Mesh) -> str:
     """``"gpu: 8 x NVIDIA H100 80GB HBM3 over 2 hosts"``: what a program was compiled for."""
     devices = list(mesh.devices.flat)
     first = devices[0]
@@ -128,12 +140,12 @@ def describe_mesh(mesh) -> str:
 
 
 def inspect_jitted(
-    fn,
+    fn: Callable[..., Any],
     args: Sequence[Any],
-    mesh,
+    mesh: Mesh,
     *,
     label: str = PLAIN_LABEL,
-    compiler_options: dict | None = None,
+    compiler_options: Mapping[str, CompilerOption] | None = None,
     estimate: bool = True,
 ) -> CompiledReport:
     """Compile ``fn`` (jitted or not) on ``args`` (arrays or ``jax.ShapeDtypeStruct`` with
@@ -162,8 +174,8 @@ def ratios(report: CompiledReport, base: CompiledReport | None) -> dict[str, flo
         return None if a is None or not b else a / b
 
     return {
-        "step": ratio(report.step_s, base and base.step_s),
-        "exposed_comm": ratio(report.exposed_comm_s, base and base.exposed_comm_s),
+        "step": ratio(report.step_s, None if base is None else base.step_s),
+        "exposed_comm": ratio(report.exposed_comm_s, None if base is None else base.exposed_comm_s),
     }
 
 
@@ -193,9 +205,10 @@ class Inspection:
         return format_table(shown, baseline=self.baseline)
 
     def plot(self, path: str) -> str:
+        """`plot` of the baseline (when there is one) and the scheduled step."""
         return plot([r for r in (self.baseline, self.report) if r is not None], path)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "report": self.report.to_json(),
             "baseline": None if self.baseline is None else self.baseline.to_json(),

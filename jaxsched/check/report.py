@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Mapping, NamedTuple
 
 from jax.sharding import Mesh
 
@@ -28,6 +28,7 @@ from jaxsched.check._hlo_text import (
     _dtype_bits,
     _Instr,
     _mesh_axes,
+    MeshLike,
     _Module,
     _parse_hlo,
     _replica_groups,
@@ -37,12 +38,16 @@ from jaxsched.check._hlo_text import (
 from jaxsched.check._loops import _live_gathered, _loop_costs
 from jaxsched.check._schedule_proto import _parse_schedule, _Schedule
 from jaxsched.check.compiled_report import ESTIMATE_FROM_SCHEDULE, CollectiveWindow, CompiledReport, LoopCost
+from jaxsched.check.compiling import CompilerOption
 from jaxsched.sim import intervals
+
+if TYPE_CHECKING:
+    from jax.stages import Compiled
 
 __all__ = ["report"]
 
 
-def _platform(text: str, mesh) -> str:
+def _platform(text: str, mesh: MeshLike | None) -> str:
     if isinstance(mesh, Mesh):
         p = mesh.devices.flat[0].platform
         return {"cuda": "gpu", "rocm": "gpu"}.get(p, p)
@@ -183,7 +188,7 @@ def _payload_bytes(item: _Pair) -> int:
 
 
 def _window(
-    item: _Pair, win: tuple[int, int] | None, entry: _Entry, sched: _Schedule | None, mesh: Any
+    item: _Pair, win: tuple[int, int] | None, entry: _Entry, sched: _Schedule | None, mesh: MeshLike | None
 ) -> CollectiveWindow:
     """One collective's report: size, mesh axes, compute in its window (program and schedule)."""
     ins, done = item.start, item.done
@@ -263,14 +268,21 @@ def _totals(mod: _Module, sched: _Schedule, windows: list[CollectiveWindow]) -> 
     return _Totals(step_s, exposed, total, wasted, compute, loops, max(g[0] for g in gathered))
 
 
+def _text_of(compiled_or_hlo_text: Compiled | str) -> str:
+    """The scheduled HLO text of a compiled program ("" where the backend prints none)."""
+    if isinstance(compiled_or_hlo_text, str):
+        return compiled_or_hlo_text
+    return compiled_or_hlo_text.as_text() or ""
+
+
 def report(
-    compiled_or_hlo_text: Any,
+    compiled_or_hlo_text: Compiled | str,
     schedule_text: str | None,
-    mesh: Any = None,
+    mesh: MeshLike | None = None,
     *,
     label: str,
     target: str = "",
-    compiler_options: dict[str, Any] | None = None,
+    compiler_options: Mapping[str, CompilerOption] | None = None,
 ) -> CompiledReport:
     """Collectives of a compiled program and XLA's schedule estimate for it.
 
@@ -288,7 +300,7 @@ def report(
       The `CompiledReport`. Without a schedule it has no times;
       `estimate_from_instruction_costs` adds an estimate where XLA costs each instruction.
     """
-    text = compiled_or_hlo_text if isinstance(compiled_or_hlo_text, str) else compiled_or_hlo_text.as_text()
+    text = _text_of(compiled_or_hlo_text)
     entry = _read_entry(text)
     sched = _parse_schedule(schedule_text) if schedule_text else None
     items = _pairs(entry)
@@ -313,7 +325,7 @@ def report(
     )
 
 
-def _peak_memory(compiled: Any) -> int | None:
+def _peak_memory(compiled: Compiled) -> int | None:
     """Per-device peak from XLA's memory analysis: arguments, outputs and temporaries, less
     what outputs alias (donated arguments)."""
     try:

@@ -29,19 +29,34 @@ _KIND_COLORS = {
 }
 
 
+def _bounds(w: CollectiveWindow) -> tuple[float, float]:
+    """A timed window's start and end, seconds (only timed windows are drawn)."""
+    return (w.start_s or 0.0, w.end_s or 0.0)
+
+
+def _bar(w: CollectiveWindow) -> tuple[float, float]:
+    """``(start, width)`` in microseconds, at least a sliver wide."""
+    start, end = _bounds(w)
+    return start * 1e6, max((end - start) * 1e6, 1e-3)
+
+
+def _timed(r: CompiledReport) -> list[CollectiveWindow]:
+    return [c for c in r.collectives if c.start_s is not None and c.end_s is not None]
+
+
 def _streams(windows: list[CollectiveWindow]) -> list[int]:
     """Greedy row assignment so that overlapping windows go to separate rows."""
     ends: list[float] = []
     rows = [0] * len(windows)
-    for k in sorted(range(len(windows)), key=lambda k: windows[k].start_s):
-        w = windows[k]
+    for k in sorted(range(len(windows)), key=lambda k: _bounds(windows[k])[0]):
+        start, end = _bounds(windows[k])
         for r, e in enumerate(ends):
-            if e <= w.start_s:
-                rows[k], ends[r] = r, w.end_s
+            if e <= start:
+                rows[k], ends[r] = r, end
                 break
         else:
             rows[k] = len(ends)
-            ends.append(w.end_s)
+            ends.append(end)
     return rows
 
 
@@ -54,13 +69,13 @@ def plot(reports: Sequence[CompiledReport], path: str) -> str:
     reports = list(reports)
     heights = []
     for r in reports:
-        timed = [c for c in r.collectives if c.start_s is not None and c.end_s is not None]
+        timed = _timed(r)
         heights.append(2 + len(set(_streams([c for c in timed if c.is_async]))) if timed else 2)
     fig = Figure(figsize=(12, sum(0.5 * h + 1.2 for h in heights) or 2))
     axes = fig.subplots(max(len(reports), 1), 1, squeeze=False)
-    kinds = set()
+    kinds: set[str] = set()
     for ax, r in zip(axes[:, 0], reports):
-        timed = [c for c in r.collectives if c.start_s is not None and c.end_s is not None]
+        timed = _timed(r)
         ax.set_title(
             f"{r.label} [{r.target or r.platform}]  step {_us(r.step_s)} us, exposed comm {_us(r.exposed_comm_s)} us",
             fontsize=9,
@@ -85,7 +100,7 @@ def plot(reports: Sequence[CompiledReport], path: str) -> str:
         for c, row in zip(async_w, rows):
             kinds.add(c.kind)
             ax.broken_barh(
-                [(c.start_s * 1e6, max((c.end_s - c.start_s) * 1e6, 1e-3))],
+                [_bar(c)],
                 (row + 1, 0.8),
                 facecolor=_KIND_COLORS.get(c.kind, "tab:gray"),
                 alpha=0.8,
@@ -100,7 +115,7 @@ def plot(reports: Sequence[CompiledReport], path: str) -> str:
             for c in sync_w:
                 kinds.add(c.kind)
                 ax.broken_barh(
-                    [(c.start_s * 1e6, max((c.end_s - c.start_s) * 1e6, 1e-3))],
+                    [_bar(c)],
                     (y, 0.8),
                     facecolor="white",
                     edgecolor=_KIND_COLORS.get(c.kind, "tab:gray"),
