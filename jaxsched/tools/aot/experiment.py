@@ -80,10 +80,10 @@ class AbstractExperiment:
       description: model, size and batch, for reports.
     """
 
-    step: Any
-    params: Any
-    opt_state: Any
-    batch: Any
+    step: steps.Step
+    params: Any  # a model's pytree of ``jax.ShapeDtypeStruct``
+    opt_state: Any  # the optimizer's pytree of ``jax.ShapeDtypeStruct``
+    batch: tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]  # inputs, labels
     mesh: Mesh
     description: str
 
