@@ -284,11 +284,11 @@ def set_links(prefix: str = DEFAULT_PREFIX, bandwidth: str | None = None, delay:
     if seconds is not None:
         _check_netem(switch)
     for namespace, device in ends:
-        if bits is None and seconds is None:
-            _run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"], check=False)
-            continue
         if seconds is None:
-            _run(_tbf(namespace, device, bits))
+            if bits is None:
+                _run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"], check=False)
+            else:
+                _run(_tbf(namespace, device, bits))
             continue
         # netem delays (and, with a rate, shapes) one direction at this end: half the delay
         # each way would need both; a one-way delay at every end adds ``delay`` per direction

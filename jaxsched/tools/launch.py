@@ -45,7 +45,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Mapping, NamedTuple, Sequence
+from types import TracebackType
+from typing import IO, Any, Callable, Mapping, NamedTuple, Sequence
 
 __all__ = [
     "bind_gloo",
@@ -209,6 +210,13 @@ def _env_int(name: str, value: int | float | None, default: int | None) -> int |
         raise JaxschedValueError(f"{name}={raw!r} is not an integer") from None
 
 
+def _set_int(name: str) -> int:
+    """The launch variable ``name``, known to be set (non-empty), as an int."""
+    value = _env_int(name, None, None)
+    assert value is not None  # the caller checked that ``name`` is set
+    return value
+
+
 def initialize(
     *,
     cpu_devices: int | None = None,
@@ -242,7 +250,9 @@ def initialize(
     cpu_devices = _env_int(ENV_CPU_DEVICES, cpu_devices, None)
     if cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
-    timeouts = {}
+    # jax's keyword -> seconds; each timeout is an int, though ``initialize`` types its
+    # keywords apart (a dict of ints would not match its str ones)
+    timeouts: dict[str, Any] = {}
     for key, env, arg in (
         ("initialization_timeout", ENV_INIT_TIMEOUT, initialization_timeout_s),
         ("heartbeat_timeout_seconds", ENV_HEARTBEAT, heartbeat_timeout_s),
@@ -262,8 +272,8 @@ def initialize(
                 "start the processes with jaxsched launch, or set all three"
             )
         coordinator = os.environ[ENV_COORDINATOR]
-        num = _env_int(ENV_NUM_PROCESSES, None, None)
-        pid = _env_int(ENV_PROCESS_ID, None, None)
+        num = _set_int(ENV_NUM_PROCESSES)
+        pid = _set_int(ENV_PROCESS_ID)
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=num,
@@ -307,19 +317,22 @@ def exit_now(code: int = 1) -> None:
     os._exit(code)
 
 
-def _install_fail_fast() -> None:
-    previous = sys.excepthook
-    if getattr(previous, "_jaxsched_fail_fast", False):
-        return
+class _FailFastHook:
+    """``sys.excepthook`` that runs the previous hook, then ends the process (`exit_now`)."""
 
-    def hook(exc_type, exc, tb):
+    def __init__(self, previous: Callable[[type[BaseException], BaseException, TracebackType | None], object]):
+        self.previous = previous
+
+    def __call__(self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         try:
-            previous(exc_type, exc, tb)
+            self.previous(exc_type, exc, tb)
         finally:
             exit_now(1)
 
-    hook._jaxsched_fail_fast = True
-    sys.excepthook = hook
+
+def _install_fail_fast() -> None:
+    if not isinstance(sys.excepthook, _FailFastHook):
+        sys.excepthook = _FailFastHook(sys.excepthook)
 
 
 # --- the launcher ------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Without the `aot` extra these tests skip, naming it; `make test` installs it.
 """
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -417,6 +418,31 @@ def test_inspect_command_writes_json_and_png(tmp_path):
     assert set(data["strategies"]) == {"allreduce", "wfbp"}
     assert "not measured" in data["estimator"] and png.stat().st_size > 10_000
     assert "plain (XLA defaults)" in proc.stdout
+
+
+_TPU_INSPECT = """
+import os, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jaxsched.tools.aot
+from jaxsched.check import inspection
+
+mesh = Mesh(np.array(jaxsched.tools.aot.devices("v5p", "2x2x1")), ("data",))
+x = jax.ShapeDtypeStruct((128, 128), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+report = inspection.inspect_jitted(lambda x: (x * 2).sum(), (x,), mesh)
+print(report.platform, "TPU_WORKER_HOSTNAMES" in os.environ)
+"""
+
+
+@needs_tpu
+def test_compiling_for_a_tpu_target_logs_no_worker_hostname_error_and_leaves_the_environment():
+    """libtpu, off a Cloud TPU VM, logs an ``E0000 ... TPU_WORKER_HOSTNAMES`` error when it
+    starts unless told its workers: the compile-only devices tell it, for that start only."""
+    env = {k: v for k, v in os.environ.items() if k != "TPU_WORKER_HOSTNAMES"}
+    proc = subprocess.run([sys.executable, "-c", _TPU_INSPECT], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["tpu", "False"]
+    assert "TPU_WORKER_HOSTNAMES" not in proc.stderr and "E0000" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_inspect_command_rejects_a_bad_target_in_one_line():

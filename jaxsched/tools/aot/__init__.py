@@ -29,12 +29,13 @@ Example (needs the ``aot`` extra):
 from __future__ import annotations
 from jaxsched._errors import JaxschedError, JaxschedValueError
 
+import contextlib
 import functools
 import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 __all__ = [
     "AotUnavailableError",
@@ -176,7 +177,27 @@ def _tpu_devices(target: str, topology: str, slices: int) -> tuple:
     if slices > 1:
         options["num_slices"] = slices
     try:
-        desc = topologies.get_topology_desc(platform="tpu", topology_name=f"{target}:{topology}", **options)
+        with _libtpu_env():
+            desc = topologies.get_topology_desc(platform="tpu", topology_name=f"{target}:{topology}", **options)
     except Exception as err:
         raise AotUnavailableError(f"libtpu could not make {target}:{topology} x{slices} slices: {err}") from None
     return tuple(desc.devices)
+
+
+#: What libtpu reads when it starts and, off a Cloud TPU VM, would ask the VM's metadata
+#: server for: without it, it logs ``E0000 ... unexpected worker hostname ... from env var
+#: TPU_WORKER_HOSTNAMES`` to stderr. A compile-only topology runs on no worker: this host.
+_LIBTPU_ENV = {"TPU_WORKER_HOSTNAMES": "localhost"}
+
+
+@contextlib.contextmanager
+def _libtpu_env() -> Iterator[None]:
+    """`_LIBTPU_ENV` (where the user set none) while libtpu starts, the user's environment
+    restored afterwards: libtpu reads it once, at its first use in the process."""
+    added = {k: v for k, v in _LIBTPU_ENV.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)

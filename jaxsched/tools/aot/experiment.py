@@ -80,10 +80,10 @@ class AbstractExperiment:
       description: model, size and batch, for reports.
     """
 
-    step: Any
-    params: Any
-    opt_state: Any
-    batch: Any
+    step: steps.Step
+    params: Any  # a model's pytree of ``jax.ShapeDtypeStruct``
+    opt_state: Any  # the optimizer's pytree of ``jax.ShapeDtypeStruct``
+    batch: tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]  # inputs, labels
     mesh: Mesh
     description: str
 
@@ -125,7 +125,9 @@ def abstract_experiment(
         raise JaxschedValueError("pass target= (e.g. 'h100:1x2x4') or mesh=, exactly one")
     if form not in ("shard_map", "jit"):
         raise JaxschedValueError(f"form={form!r}; choose 'shard_map' or 'jit'")
-    mesh = mesh if mesh is not None else mesh_for(target)
+    if mesh is None:
+        assert target is not None  # exactly one was passed, checked above
+        mesh = mesh_for(target)
     axis = _mesh_axis(mesh)
     model = nnx.eval_shape(lambda: models.build(spec.name, spec.input_shape, spec.num_outputs, **spec.options))
     params, apply_fn = models.pure(model)

@@ -10,7 +10,7 @@ from jaxsched._errors import JaxschedError
 
 import argparse
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, overload
 
 __all__ = [
     "add_command",
@@ -150,6 +150,10 @@ def output_dir(text: str) -> str:
     return text
 
 
+@overload
+def prepare_output(path: str | Path) -> Path: ...
+@overload
+def prepare_output(path: None) -> None: ...
 def prepare_output(path: str | Path | None) -> Path | None:
     """Create the folders above ``path`` so that writing it cannot fail for want of them."""
     if path is None:

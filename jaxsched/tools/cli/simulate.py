@@ -18,7 +18,7 @@ import functools
 import json
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from jaxsched.tools.cli.options import (
     CommandError,
@@ -43,6 +43,9 @@ from jaxsched.sim.costmodel import (
 )
 from jaxsched.sim import COMPRESSIONS, SIMULATED, Compression, SimResult, lower_bound, simulate
 from jaxsched.sim.core import MB
+
+if TYPE_CHECKING:
+    from jaxsched.sim.diloco import DiLoCoSimResult
 
 __all__ = [
     "check_strategy",
@@ -277,13 +280,13 @@ def _bytescheduler(
         partitions = [int(args.partition_mb * MB)]
     else:
         partitions = [MB << e for e in range(7)]
-    credits = [1, 2, 4] if args.credit_mb is None else [None]
+    credits: list[int | None] = [1, 2, 4] if args.credit_mb is None else [None]
     grid = [(p, int(args.credit_mb * MB) if c is None else p * c) for p in partitions for c in credits]
     if progress:
         from jaxsched.core.progress import progress as progress_bar
 
         grid = progress_bar(grid, "bytescheduler tuning", leave=False)
-    best = None
+    best: tuple[float, int, int] | None = None  # (seconds, partition, credit)
     for partition, credit in grid:
         result = simulate(
             layers,
@@ -297,6 +300,7 @@ def _bytescheduler(
         )
         if best is None or result.iteration_s < best[0]:
             best = (result.iteration_s, partition, credit)
+    assert best is not None  # the grid is never empty
     return simulate(
         layers,
         network,
@@ -320,7 +324,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     selection = topk_selection_s_per_byte(device_preset(args.device))
     results: dict[str, SimResult] = {}
     planners: dict[str, str] = {}
-    periodic = {}
+    periodic: dict[str, DiLoCoSimResult] = {}
     for name, base, comp in strategies:
         if _periodic(base):
             from jaxsched.sim.diloco import simulate_diloco
@@ -378,18 +382,18 @@ def run_simulate(args: argparse.Namespace) -> int:
             f"{result.iteration_s * 1e3:>10.2f} {speedup:>8} "
             f"{100 * result.bound_s / result.iteration_s:>9.1f}%"
         )
-    for name, result in periodic.items():
-        speedup = f"{reference.iteration_s / result.step_s:.2f}x" if reference else "-"
-        o = result.options
+    for name, cycle in periodic.items():
+        speedup = f"{reference.iteration_s / cycle.step_s:.2f}x" if reference else "-"
+        o = cycle.options
         print(
             f"{name:<20} {'H=' + str(o['inner_steps']) + ' F=' + str(o['fragments']):<12} {'-':>7} "
-            f"{result.step_s * 1e3:>10.2f} {speedup:>8} {'-':>10}"
+            f"{cycle.step_s * 1e3:>10.2f} {speedup:>8} {'-':>10}"
         )
         print(
-            f"  {name}: inner step {result.inner_s * 1e3:.2f} ms, outer all-reduce "
-            f"{result.outer_s * 1e3:.2f} ms per fragment over {result.replicas} replicas, "
+            f"  {name}: inner step {cycle.inner_s * 1e3:.2f} ms, outer all-reduce "
+            f"{cycle.outer_s * 1e3:.2f} ms per fragment over {cycle.replicas} replicas, "
             f"tau={o['overlap_steps']}, {o['outer_bits']}-bit, "
-            f"{result.slow_bytes_per_step / MB:.2f} MiB per step over the slow links"
+            f"{cycle.slow_bytes_per_step / MB:.2f} MiB per step over the slow links"
         )
     if args.json:
         payload = {
@@ -399,9 +403,11 @@ def run_simulate(args: argparse.Namespace) -> int:
             "bound_s": float(bound),
             "compute_s": float(compute_min),
             "comm_s": float(comm_min),
-            "strategies": {name: {**r.summary(), "planner": planners[name]} for name, r in results.items()},
+            "strategies": {
+                **{name: {**r.summary(), "planner": planners[name]} for name, r in results.items()},
+                **{name: r.summary() for name, r in periodic.items()},
+            },
         }
-        payload["strategies"].update({name: r.summary() for name, r in periodic.items()})
         Path(args.json).write_text(json.dumps(payload, indent=1))
     if args.trace:
         from jaxsched.sim.timeline import save_chrome_trace

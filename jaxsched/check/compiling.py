@@ -1,0 +1,49 @@
+"""Compiling a lowered program with XLA's latency-hiding schedule dumped beside it.
+
+>>> import jax, jax.numpy as jnp
+>>> compiled, schedule = compile_with_schedule(jax.jit(jnp.sin).trace(jnp.ones(4)).lower())
+>>> schedule is None  # XLA:CPU writes no schedule
+True
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    from jax.stages import Compiled, Lowered
+
+__all__ = ["CompilerOption", "compile_with_schedule"]
+
+#: The value of one XLA compiler option, as ``jax.jit(..., compiler_options=...)`` takes it.
+CompilerOption = str | bool | int | float
+
+
+def compile_with_schedule(
+    lowered: Lowered, compiler_options: Mapping[str, CompilerOption] | None = None
+) -> tuple[Compiled, str | None]:
+    """Compile ``lowered`` and return ``(compiled, schedule_text)``.
+
+    Adds ``xla_dump_to`` (a temporary directory, removed afterwards) and
+    ``xla_dump_latency_hiding_schedule`` to ``compiler_options``. ``schedule_text`` is the
+    ``*.schedule.txt`` XLA wrote (GPU, and TPU with async collectives enabled), or None
+    (CPU; TPU with default options). If several are written, the largest is returned.
+    """
+    tmp = tempfile.mkdtemp(prefix="jaxsched_schedule_")
+    try:
+        options: dict[str, CompilerOption] = dict(compiler_options or {})
+        options.update({"xla_dump_to": tmp, "xla_dump_latency_hiding_schedule": True})
+        # jax annotates the values str | bool; XLA takes its numeric options as numbers too
+        compiled = lowered.compile(compiler_options=options)  # type: ignore[arg-type]
+        paths = glob.glob(os.path.join(tmp, "**", "*schedule.txt"), recursive=True)
+        text = None
+        if paths:
+            with open(max(paths, key=os.path.getsize)) as f:
+                text = f.read()
+        return compiled, text
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
