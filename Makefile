@@ -53,7 +53,7 @@ test-slow: $(STAMP) $(AOT_STAMP)
 docs: $(DEV_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir site
 
-# ruff (lint and format) over everything; mypy over the public modules.
+# ruff (lint and format) over everything; mypy over every module of the package.
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check jaxsched tests benchmarks examples
 	$(VENV)/bin/ruff format --check jaxsched tests benchmarks examples

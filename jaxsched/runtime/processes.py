@@ -22,9 +22,9 @@ def agree_across_processes(values: Sequence[float]) -> np.ndarray:
     be identical everywhere, or processes would build different programs and their
     collectives would never match.
     """
-    values = np.asarray(values, np.float64)
+    mine = np.asarray(values, np.float64)
     if jax.process_count() == 1:
-        return values
+        return mine
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.broadcast_one_to_all(values), np.float64)
+    return np.asarray(multihost_utils.broadcast_one_to_all(mine), np.float64)
