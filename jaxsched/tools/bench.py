@@ -36,7 +36,6 @@ Example (the arithmetic of the report):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -395,7 +394,7 @@ def plot(raw: dict[str, Any], result: dict[str, Any], sims: dict, path: Path) ->
     bench_figure(raw, result, sims).savefig(path, dpi=110)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Any) -> int:
     from jaxsched.tools import cluster as cluster_lib
     from jaxsched.tools import launch as launch_lib
 

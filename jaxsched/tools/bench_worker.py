@@ -19,7 +19,6 @@ Example (the variants timed, in the order they are interleaved):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -120,7 +119,7 @@ class _Comm(NamedTuple):
     n_grads: int
 
 
-def _start_process(args: argparse.Namespace) -> None:
+def _start_process(args: Any) -> None:
     """Pin this process to one core and join the cluster with two CPU devices."""
     import jaxsched.tools.launch
 
@@ -293,12 +292,7 @@ def _measure_host_costs(steps: _Steps, comm: _Comm) -> dict[str, Any]:
 
 
 def _choose_batch(
-    args: argparse.Namespace,
-    steps: _Steps,
-    comm: _Comm,
-    state0: State,
-    batch_of: Callable[[int, int], Batch],
-    lead: bool,
+    args: Any, steps: _Steps, comm: _Comm, state0: State, batch_of: Callable[[int, int], Batch], lead: bool
 ) -> tuple[int, dict[str, Any]]:
     """``(rows per process, calibration record)``: ``args.batch``, or calibrated so that the
     compute-only step takes about as long as the comm-only psum (`calibrate_batch`)."""
@@ -336,7 +330,7 @@ def _choose_batch(
 
 
 def _schedule_strategies(
-    args: argparse.Namespace, plain: Callable[..., Any], state0: State
+    args: Any, plain: Callable[..., Any], state0: State
 ) -> tuple[dict[str, Scheduled], dict[str, Any], list[str]]:
     """Every strategy of ``args.strategies`` (``name`` or ``name+compressor``) on the host
     engine: ``(scheduled steps, their initial states, names jaxsched does not know)``."""
@@ -420,7 +414,7 @@ def _timed_loop(
 
 
 def _trace_timelines(
-    args: argparse.Namespace, plain: Callable[..., Any], names: Sequence[str], state0: State, batches: Sequence[Batch]
+    args: Any, plain: Callable[..., Any], names: Sequence[str], state0: State, batches: Sequence[Batch]
 ) -> dict[str, list[dict[str, Any]]]:
     """One traced step per strategy: its stage timestamps, for the Gantt chart."""
     import jax
@@ -454,7 +448,7 @@ def _write_result(path: str, result: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(result))
 
 
-def worker(args: argparse.Namespace) -> int:
+def worker(args: Any) -> int:
     """One process of the benchmark (started by `jaxsched.tools.bench.run` through the launcher).
 
     Args:
