@@ -4,10 +4,7 @@ XLA:TPU on one slice with its default options runs no latency-hiding scheduler, 
 writes its cost of every fusion into the compiled HLO; `estimate_from_instruction_costs`
 adds those up and prices each collective on a program of that collective alone.
 
->>> from jaxsched.check.report import _done_of, _Entry, _read_entry, _text_of, report
-
-if TYPE_CHECKING:
-    from jax.stages import Compiled
+>>> from jaxsched.check.report import report
 >>> TEXT = '''
 ... ENTRY %main (p: f32[256]) -> f32[256] {
 ...   %p = f32[256]{0} parameter(0)

@@ -41,7 +41,7 @@ __all__ = ["COMPRESSORS", "parse_compression", "worker"]
 COMPRESSORS = ("topk", "gtopk", "powersgd", "bf16")
 
 #: A batch of the benchmark: inputs and targets, sharded over the processes.
-Batch = tuple[Any, Any]
+Batch = tuple["jax.Array", "jax.Array"]
 #: A step's state: parameters and optimizer state.
 State = tuple[Any, ...]
 

@@ -35,7 +35,7 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 __all__ = [
     "AotUnavailableError",
@@ -173,7 +173,7 @@ def _tpu_devices(target: str, topology: str, slices: int) -> tuple:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
-    options: dict[str, Any] = {"chip_config_name": "megachip_tccontrol"}
+    options: dict[str, str | int] = {"chip_config_name": "megachip_tccontrol"}
     if slices > 1:
         options["num_slices"] = slices
     try:

@@ -22,11 +22,36 @@ Example (on CPU devices XLA writes no estimate, so only the structure shows; use
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
+
+from jax.sharding import Mesh
 
 from jaxsched.check import inspection as inspect_lib
 
-__all__ = ["Comparison", "compare_strategies"]
+__all__ = ["Comparison", "Experiment", "compare_strategies"]
+
+
+class Experiment(Protocol):
+    """What `compare_strategies` compiles: a step and abstract (or real) inputs on a mesh,
+    as `jaxsched.tools.aot.experiment.AbstractExperiment` holds them.
+
+    Attributes:
+      step: the user's step, ``step(params, opt_state, batch)``.
+      params, opt_state, batch: the step's inputs (the user's pytrees, e.g. of
+        ``jax.ShapeDtypeStruct`` with shardings).
+      mesh: the devices the step runs on.
+    """
+
+    @property
+    def step(self) -> Callable[..., Any]: ...
+    @property
+    def params(self) -> Any: ...
+    @property
+    def opt_state(self) -> Any: ...
+    @property
+    def batch(self) -> Any: ...
+    @property
+    def mesh(self) -> Mesh: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +78,7 @@ class Comparison:
 
     @property
     def ratio_base(self) -> inspect_lib.CompiledReport:
+        """The report ratios are taken against: ``reference``, else ``baseline``."""
         return self.reference if self.reference is not None else self.baseline
 
     def ratios(self, report: inspect_lib.CompiledReport) -> dict[str, float | None]:
@@ -63,9 +89,11 @@ class Comparison:
         return (self.baseline,) + ((self.reference,) if self.reference is not None else ()) + self.reports
 
     def table(self) -> str:
+        """Every report as a text table (`jaxsched.check.table.format_table`), ratios to `ratio_base`."""
         return inspect_lib.format_table(self._all(), baseline=self.ratio_base)
 
     def plot(self, path: str) -> str:
+        """Every report's timeline (`jaxsched.check.timeline.plot`) written to ``path``."""
         return inspect_lib.plot(self._all(), path)
 
     def to_json(self) -> dict[str, Any]:
@@ -81,7 +109,12 @@ class Comparison:
 
 
 def compare_strategies(
-    experiment: Any, strategies: Sequence[str], *, target: str = "", progress: bool = False, **schedule_options: Any
+    experiment: Experiment,
+    strategies: Sequence[str],
+    *,
+    target: str = "",
+    progress: bool = False,
+    **schedule_options: Any,
 ) -> Comparison:
     """Compile ``experiment`` (an `AbstractExperiment` or
     anything with ``step``, ``params``, ``opt_state``, ``batch``, ``mesh``) under each
