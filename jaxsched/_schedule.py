@@ -23,7 +23,7 @@ from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedVa
 import copy
 import functools
 import itertools
-from typing import Any, Callable, Hashable, Sequence, overload
+from typing import Any, Callable, Hashable, Sequence, cast, overload
 
 import jax
 import numpy as np
@@ -185,7 +185,7 @@ class Scheduled:
             return state
         return self._program_for(state, batch).convert(state)
 
-    def __call__(self, state: ScheduledState, *inputs: Any) -> Any:
+    def __call__(self, state: ScheduledState | UnsplitState, *inputs: Any) -> Any:
         """One training step, called as the plain step is, with the scheduled state.
 
         The first call of each batch signature traces and compiles the scheduled program;
@@ -215,11 +215,12 @@ class Scheduled:
             >>> state, aux = sched(state, batch)
             >>> state, aux = sched(state, batch)  # the compiled program again
         """
+        scheduled = cast(ScheduledState, state)  # an UnsplitState goes to the state form in step_batch
         if self._direct() and len(inputs) == self._num_inputs:
-            result = self._run_again(state, inputs[0] if len(inputs) == 1 else inputs)
+            result = self._run_again(scheduled, inputs[0] if len(inputs) == 1 else inputs)
             if result is not None:
                 return self._outputs.returned(*result)
-        result = self.step_batch(state, self._batch_of(self._marked(inputs), state))
+        result = self.step_batch(scheduled, self._batch_of(self._marked(inputs), state))
         if self._state_form_for(state) is None:
             new_state, aux = result
             return self._outputs.returned(new_state, static_leaves.unmark(aux) if self._has_static() else aux)
@@ -304,7 +305,7 @@ class Scheduled:
             return form.lower(state, batch)
         return self._program_for(state, batch).lower(state, batch)
 
-    def inspect(self, state: ScheduledState, batch: Any, *, baseline: bool = True):
+    def inspect(self, state: ScheduledState | UnsplitState, batch: Any, *, baseline: bool = True):
         """Compile this step for its mesh's devices and read what the compiler scheduled.
 
         Works ahead of time: with a mesh over compile-only devices (`jaxsched.tools.aot.devices`)
@@ -321,8 +322,9 @@ class Scheduled:
         batch = self._marked(batch)
         if (form := self._state_form_for(state)) is not None:
             return form.inspect(state, batch, baseline=baseline)
-        program = self._program_for(state, batch)
-        report = program.inspect(state, batch)
+        scheduled = cast(ScheduledState, state)  # the state form took an UnsplitState above
+        program = self._program_for(scheduled, batch)
+        report = program.inspect(scheduled, batch)
         plain = None
         if baseline:
             assert self._template is not None  # set by the program's build

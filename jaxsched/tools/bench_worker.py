@@ -438,7 +438,7 @@ def _trace_timelines(
             jax.block_until_ready(aux)
         timelines[name] = [
             dict(kind=t.kind, name=t.name, dispatched=t.dispatched, started=t.started, done=t.done)
-            for t in traced.program.core.timings[-1]
+            for t in traced.program.core.timings[-1]  # type: ignore[attr-defined]  # the host engine's staged program
         ]
     return timelines
 
