@@ -427,9 +427,7 @@ class CollectiveWrapper(Collective):
         >>> import jax, jax.numpy as jnp
         >>> from jax.sharding import PartitionSpec as P
         >>> class Mean(CollectiveWrapper):
-        ...     def all_reduce(
-        self, buffer: jax.Array, axis_name: AxisName, bucket: BucketSpec, state: CollectiveState
-    ) -> tuple[jax.Array, CollectiveState]:
+        ...     def all_reduce(self, buffer, axis_name, bucket, state):
         ...         total, state = super().all_reduce(buffer, axis_name, bucket, state)
         ...         return total / bucket.axis_size, state
         >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
