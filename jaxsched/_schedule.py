@@ -18,7 +18,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedValueError
 
 import copy
 import functools
@@ -28,6 +27,7 @@ from typing import Any, Callable, Hashable, Sequence, cast, overload
 import jax
 import numpy as np
 
+from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedValueError
 from jaxsched.core import static_leaves
 from jaxsched.core.capture import abstract_leaf, capture
 from jaxsched.runtime.collectives.base import Collective

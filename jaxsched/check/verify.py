@@ -46,7 +46,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import itertools
@@ -57,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.core import static_leaves
 
 __all__ = ["PRECISIONS", "relative_gap", "verify", "VerifyReport"]

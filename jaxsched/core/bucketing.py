@@ -12,7 +12,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 from typing import Any, Sequence
@@ -21,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.core.analyze import Analysis
 
 __all__ = [

@@ -22,7 +22,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedError
 
 import dataclasses
 import functools
@@ -34,6 +33,7 @@ from jax.extend.core import JaxprEqn
 from jax.tree_util import PyTreeDef
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsched._errors import JaxschedError
 from jaxsched.core import replay
 from jaxsched.core.axes import as_axes, axis_size, spec_axes
 from jaxsched.core.describe import describe_outputs, difference

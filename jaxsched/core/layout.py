@@ -16,6 +16,7 @@ Example:
 """
 
 from __future__ import annotations
+
 from jaxsched._errors import JaxschedValueError
 from jaxsched.core.axes import AxisName
 

@@ -16,7 +16,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedError
 
 import dataclasses
 import inspect
@@ -24,6 +23,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Mapping
 
+from jaxsched._errors import JaxschedError
 from jaxsched.zoo import data as data_lib
 from jaxsched.zoo import models as models_lib
 

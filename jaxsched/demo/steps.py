@@ -20,7 +20,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 from typing import Any, Callable
 
@@ -31,6 +30,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.core.axes import axis_size
 from jaxsched.demo.config import OptimizerConfig
 

@@ -50,7 +50,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedValueError
 
 import dataclasses
 import warnings
@@ -60,6 +59,7 @@ import jax
 from flax import nnx
 from flax.nnx import graphlib
 
+from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedValueError
 from jaxsched.runtime.collectives.base import Collective
 from jaxsched.runtime.engine import Engine
 from jaxsched._schedule import Scheduled

@@ -18,7 +18,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 import copy
 import dataclasses
@@ -27,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 from jax.sharding import Mesh
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.core.capture import CapturedStep
 from jaxsched.pipeline.program import Program
 from jaxsched.plan.planned_step import PlannedStep

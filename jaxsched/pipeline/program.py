@@ -12,7 +12,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import dataclasses
 from typing import Any, Callable, Hashable, Protocol, cast, runtime_checkable
@@ -22,6 +21,7 @@ import numpy as np
 
 from jax.tree_util import PyTreeDef
 
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 from jaxsched.core.capture import CapturedStep
 from jaxsched.runtime.engine.base import Engine, PerDeviceProgram
 from jaxsched.plan.planned_step import PlannedStep, is_abstract

@@ -26,11 +26,11 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 from typing import Sequence, TypeAlias
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.core.capture import CapturedStep
 from jaxsched.plan import plan_buckets
 from jaxsched.plan.from_step import (

@@ -72,7 +72,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedTypeError, JaxschedValueError, JaxschedWarning
 
 import dataclasses
 import inspect
@@ -84,6 +83,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.tree_util import PyTreeDef
 
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError, JaxschedWarning
 from jaxsched.core.analyze import Analysis, analyze
 from jaxsched.core.bucketing import is_float, param_paths, shape_key
 from jaxsched.core.capture import STATE_PATHS_ATTRIBUTE, CapturedStep, UnsupportedStepError, capture

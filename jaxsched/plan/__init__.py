@@ -21,10 +21,10 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 from typing import Any, Callable
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.sim.costmodel import CommPattern, LayerProfile, NetworkProfile, comm_pattern
 from jaxsched.plan.mgwfbp import plan_mgwfbp
 from jaxsched.plan.optimal import optimal_wfbp, search

@@ -15,7 +15,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import math
@@ -27,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.core.analyze import Analysis
 from jaxsched.core.axes import as_axes
 from jaxsched.sim.costmodel import CollectiveCost, CommPattern, Layer, LayerProfile, NetworkProfile, network_preset

@@ -19,7 +19,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import functools
@@ -29,6 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.core.axes import as_axes, spec_axes
 from jaxsched.core.analyze import Analysis, analyze
 from jaxsched.core.bucketing import DEFAULT_BUCKET_BYTES, Bucket, bucket_nbytes, param_paths, plan_buckets

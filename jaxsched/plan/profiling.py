@@ -22,7 +22,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import statistics
@@ -34,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.runtime.processes import agree_across_processes
 from jaxsched.zoo import models
 from jaxsched.core.axes import axis_size

@@ -1,8 +1,8 @@
 """Fixed-size fusion buffers, as Horovod tensor fusion and PyTorch DDP buckets do."""
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.sim.costmodel import LayerProfile
 from jaxsched.plan._common import to_forward_buckets
 

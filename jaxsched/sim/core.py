@@ -25,7 +25,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedError, JaxschedRuntimeError
 
 import dataclasses
 import heapq
@@ -33,6 +32,7 @@ import math
 import warnings
 from typing import Any, Sequence
 
+from jaxsched._errors import JaxschedError, JaxschedRuntimeError
 from jaxsched.sim.costmodel import CommPattern, Layer, LayerProfile, NetworkProfile, comm_pattern, comm_pattern_names
 
 __all__ = [

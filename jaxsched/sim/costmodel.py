@@ -17,7 +17,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedError, JaxschedTypeError, JaxschedValueError
 
 import dataclasses
 import json
@@ -25,6 +24,8 @@ import math
 import types
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from jaxsched._errors import JaxschedError, JaxschedTypeError, JaxschedValueError
 
 __all__ = [
     "ALLREDUCE_PATTERN",

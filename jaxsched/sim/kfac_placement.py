@@ -24,9 +24,10 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 from typing import Sequence
+
+from jaxsched._errors import JaxschedValueError
 
 __all__ = ["check_placement", "inversion_cost", "max_load", "PLACEMENTS", "plan_placement", "worker_loads"]
 

@@ -16,11 +16,11 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 from typing import Any
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.sim.costmodel import DevicePreset, Layer, LayerProfile, device_preset, roofline_seconds
 
 # Published parameter counts, with where they come from.

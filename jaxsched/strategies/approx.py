@@ -55,7 +55,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import math
@@ -67,6 +66,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import PartitionSpec as P
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.core.capture import UnsupportedStepError
 from jaxsched.runtime.collectives.base import BucketSpec, Collective, stack_local, unstack_local
 from jaxsched.sim.costmodel import APPROX_PATTERN

@@ -45,7 +45,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -53,6 +52,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 METHODS = ("stale", "local", "extrapolate")
 

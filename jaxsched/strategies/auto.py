@@ -25,11 +25,11 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedRuntimeError, JaxschedValueError
 
 import dataclasses
 from typing import Any, NoReturn, Sequence
 
+from jaxsched._errors import JaxschedRuntimeError, JaxschedValueError
 from jaxsched.runtime.collectives.base import Collective
 from jaxsched.sim.costmodel import WFBP_PATTERN
 from jaxsched.plan.planned_step import PlannedStep

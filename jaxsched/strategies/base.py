@@ -18,7 +18,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import abc
 import copy
@@ -30,6 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 from jaxsched.core.analyze import Reduction
 from jaxsched.core.bucketing import Bucket
 from jaxsched.core.capture import CapturedStep

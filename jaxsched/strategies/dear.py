@@ -22,7 +22,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import math
@@ -35,6 +34,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.core import layout
 from jaxsched.core.axes import as_axes
 from jaxsched.core.bucketing import is_float, match_reductions

@@ -49,7 +49,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import math
 from typing import Any, Callable, NamedTuple, Sequence
@@ -61,6 +60,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 from jaxsched.core.axes import AxisName, as_axes, spec_axes
 from jaxsched.core.capture import CapturedStep, UnsupportedStepError
 from jaxsched.runtime.collectives.base import BucketSpec, Collective, CollectiveState, stack_local, unstack_local

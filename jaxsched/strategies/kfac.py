@@ -42,7 +42,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError, JaxschedWarning
 
 import dataclasses
 import math
@@ -55,6 +54,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxsched._errors import JaxschedValueError, JaxschedWarning
 from jaxsched.core.axes import as_axes, spec_axes
 from jaxsched.core.capture import UnsupportedStepError
 from jaxsched.runtime.collectives.base import BucketSpec, Collective

@@ -8,11 +8,11 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 from jaxsched.sim.costmodel import register_comm_pattern, unregister_comm_pattern
 
 if TYPE_CHECKING:  # the registry is imported by base's strategies; base imports it back

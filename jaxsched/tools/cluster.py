@@ -26,7 +26,6 @@ Shell (``jaxsched cluster ...`` runs the same)::
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedError, JaxschedValueError
 
 import contextlib
 import ipaddress
@@ -38,6 +37,8 @@ import subprocess
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Sequence
+
+from jaxsched._errors import JaxschedError, JaxschedValueError
 
 __all__ = [
     "BRIDGE",

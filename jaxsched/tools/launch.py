@@ -33,7 +33,6 @@ Shell (until ``jaxsched launch`` is wired into the CLI)::
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedError, JaxschedRuntimeError, JaxschedValueError
 
 import os
 import queue
@@ -47,6 +46,8 @@ import threading
 import time
 from types import TracebackType
 from typing import IO, Any, Callable, Mapping, NamedTuple, Sequence
+
+from jaxsched._errors import JaxschedError, JaxschedRuntimeError, JaxschedValueError
 
 __all__ = [
     "bind_gloo",

@@ -8,11 +8,12 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
+
+from jaxsched._errors import JaxschedValueError
 
 __all__ = [
     "batch_indices",

@@ -14,13 +14,14 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jaxsched._errors import JaxschedValueError
 
 __all__ = [
     "ApplyFn",

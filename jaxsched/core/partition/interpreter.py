@@ -20,7 +20,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedError, JaxschedWarning
 
 import dataclasses
 import warnings
@@ -30,6 +29,7 @@ from jax.extend import core as jex_core
 from jax.extend.core import JaxprEqn
 from jax.extend import source_info_util
 
+from jaxsched._errors import JaxschedError, JaxschedWarning
 from jaxsched.core.partition.kinds import AxisContext, Kind, REPLICATED
 from jaxsched.core.replay import aval_of, source_line
 

@@ -29,7 +29,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedError, UnshardedStepWarning
 
 import dataclasses
 import warnings
@@ -40,6 +39,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsched._errors import JaxschedError, UnshardedStepWarning
 from jaxsched.core.axes import AxisName, as_axes, axis_size
 from jaxsched.core.partition.kinds import Kind, REPLICATED, block, sharded
 from jaxsched.core.replay import nested_eqns

@@ -20,7 +20,6 @@ reported once per primitive and source line.
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedWarning
 
 import dataclasses
 import math
@@ -33,6 +32,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import JaxprEqn
 
+from jaxsched._errors import JaxschedWarning
 from jaxsched.core import layout
 from jaxsched.core.axes import AxisName, as_axes
 from jaxsched.core import primitives

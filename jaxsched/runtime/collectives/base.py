@@ -26,7 +26,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 from typing import Any, Sequence
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.core.axes import AxisName
 
 __all__ = [

@@ -32,7 +32,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import dataclasses
 import math
@@ -44,6 +43,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 from jaxsched.core.axes import AxisName, as_axes
 from jaxsched.runtime.collectives.base import BucketSpec, Collective, CollectiveState
 

@@ -26,7 +26,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 from typing import Any, Callable, Sequence, Union
 
@@ -35,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 from jaxsched.core.axes import AxisName
 from jaxsched.runtime.collectives.base import BucketSpec, Collective, CollectiveState, CollectiveWrapper
 

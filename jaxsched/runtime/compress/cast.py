@@ -21,7 +21,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedTypeError
 
 from typing import Any, NamedTuple
 
@@ -29,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsched._errors import JaxschedTypeError
 from jaxsched.core.axes import AxisName
 from jaxsched.runtime.collectives.base import BucketSpec, Collective, CollectiveState, psum_scatter
 from jaxsched.runtime.compress.base import Compressor, check_gradient_bucket

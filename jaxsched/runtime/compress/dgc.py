@@ -52,7 +52,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import math
 from typing import Any, Callable, TypeVar
@@ -62,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 from jaxsched.runtime.collectives.base import BucketSpec, Collective
 from jaxsched.runtime.compress.base import Compressor, Density, check_density_spec
 

@@ -45,7 +45,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 import math
 from typing import NamedTuple
@@ -54,6 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.core.axes import AxisName
 from jaxsched.runtime.collectives.base import BucketSpec, Collective
 from jaxsched.runtime.compress.base import Compressor

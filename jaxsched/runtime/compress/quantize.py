@@ -31,7 +31,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 from typing import Any, NamedTuple
 
@@ -40,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.runtime.collectives.base import BucketSpec, Collective
 from jaxsched.runtime.compress.base import Compressor
 

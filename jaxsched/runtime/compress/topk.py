@@ -50,7 +50,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 from typing import Literal, NamedTuple
 
@@ -58,6 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.runtime import kernels
 from jaxsched.core.axes import AxisName
 from jaxsched.runtime.collectives.base import BucketSpec, Collective

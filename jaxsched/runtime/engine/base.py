@@ -20,7 +20,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import abc
 import dataclasses
@@ -30,6 +29,7 @@ import jax
 from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 from jaxsched.core.partition import manual_shard_map
 
 __all__ = [

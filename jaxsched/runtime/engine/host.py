@@ -42,7 +42,6 @@ Example (one process: the collective stages run on the spare device, trivially):
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedError
 
 import dataclasses
 import re
@@ -57,6 +56,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsched._errors import JaxschedError
 from jaxsched.core import replay
 from jaxsched.runtime.engine.base import (
     Engine,

@@ -33,13 +33,13 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedTypeError
 
 from typing import Any, Callable
 
 import jax
 from jax.sharding import NamedSharding
 
+from jaxsched._errors import JaxschedTypeError
 from jaxsched.core import axes
 from jaxsched.runtime.engine.base import Engine, PerDeviceProgram, register_engine
 

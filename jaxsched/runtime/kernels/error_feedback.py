@@ -82,7 +82,6 @@ Example:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 import functools
 import math
@@ -92,6 +91,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
 __all__ = [
     "BLOCK_COLS",

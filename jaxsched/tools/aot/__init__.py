@@ -27,7 +27,6 @@ Example (needs the ``aot`` extra):
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedError, JaxschedValueError
 
 import contextlib
 import functools
@@ -36,6 +35,8 @@ import os
 import re
 from pathlib import Path
 from typing import Iterator
+
+from jaxsched._errors import JaxschedError, JaxschedValueError
 
 __all__ = [
     "AotUnavailableError",

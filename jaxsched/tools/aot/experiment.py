@@ -13,7 +13,6 @@ Example (any mesh works; ``target="h100:1x2x4"`` needs the ``aot`` extra):
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 import dataclasses
 import math
@@ -25,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.tools import aot
 from jaxsched.zoo import models
 from jaxsched.demo import steps

@@ -6,11 +6,12 @@ starts, naming the option, the value and what is allowed.
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedError
 
 import argparse
 from pathlib import Path
 from typing import Callable, Sequence, overload
+
+from jaxsched._errors import JaxschedError
 
 __all__ = [
     "add_command",

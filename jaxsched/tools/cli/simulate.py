@@ -11,7 +11,6 @@ Examples:
 """
 
 from __future__ import annotations
-from jaxsched._errors import JaxschedValueError
 
 import argparse
 import functools
@@ -20,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from jaxsched._errors import JaxschedValueError
 from jaxsched.tools.cli.options import (
     CommandError,
     add_command,
