@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence
 
 from jaxsched._errors import JaxschedValueError
 from jaxsched.tools.calibration import calibrate_batch
@@ -36,9 +36,26 @@ if TYPE_CHECKING:
     from jaxsched._schedule import Scheduled
     from jaxsched.runtime.compress import Compressor
 
-__all__ = ["COMPRESSORS", "parse_compression", "worker"]
+__all__ = ["COMPRESSORS", "WorkerOptions", "parse_compression", "worker"]
 
 COMPRESSORS = ("topk", "gtopk", "powersgd", "bf16")
+
+
+class WorkerOptions(Protocol):
+    """The ``jaxsched bench --worker`` options a worker reads (`jaxsched.tools.cli.cluster`)."""
+
+    pin: bool  # pin this process to one core
+    width: int  # of every layer of the tanh MLP
+    depth: int  # layers
+    batch: int | None  # rows per process; None: calibrated
+    calibration_start: int
+    calibration_tolerance: float
+    calibration_probes: int
+    strategies: Sequence[str]  # names, or ``name+compressor``
+    buckets: int | list[list[str]] | None  # `jaxsched.schedule`'s ``buckets``
+    steps: int  # timed steps per variant
+    raw_out: str  # where process 0 writes the raw result
+
 
 #: A batch of the benchmark: inputs and targets, sharded over the processes.
 Batch = tuple["jax.Array", "jax.Array"]
@@ -119,7 +136,7 @@ class _Comm(NamedTuple):
     n_grads: int
 
 
-def _start_process(args: Any) -> None:
+def _start_process(args: WorkerOptions) -> None:
     """Pin this process to one core and join the cluster with two CPU devices."""
     import jaxsched.tools.launch
 
@@ -292,7 +309,7 @@ def _measure_host_costs(steps: _Steps, comm: _Comm) -> dict[str, Any]:
 
 
 def _choose_batch(
-    args: Any, steps: _Steps, comm: _Comm, state0: State, batch_of: Callable[[int, int], Batch], lead: bool
+    args: WorkerOptions, steps: _Steps, comm: _Comm, state0: State, batch_of: Callable[[int, int], Batch], lead: bool
 ) -> tuple[int, dict[str, Any]]:
     """``(rows per process, calibration record)``: ``args.batch``, or calibrated so that the
     compute-only step takes about as long as the comm-only psum (`calibrate_batch`)."""
@@ -330,7 +347,7 @@ def _choose_batch(
 
 
 def _schedule_strategies(
-    args: Any, plain: Callable[..., Any], state0: State
+    args: WorkerOptions, plain: Callable[..., Any], state0: State
 ) -> tuple[dict[str, Scheduled], dict[str, Any], list[str]]:
     """Every strategy of ``args.strategies`` (``name`` or ``name+compressor``) on the host
     engine: ``(scheduled steps, their initial states, names jaxsched does not know)``."""
@@ -414,7 +431,7 @@ def _timed_loop(
 
 
 def _trace_timelines(
-    args: Any, plain: Callable[..., Any], names: Sequence[str], state0: State, batches: Sequence[Batch]
+    args: WorkerOptions, plain: Callable[..., Any], names: Sequence[str], state0: State, batches: Sequence[Batch]
 ) -> dict[str, list[dict[str, Any]]]:
     """One traced step per strategy: its stage timestamps, for the Gantt chart."""
     import jax
@@ -448,7 +465,7 @@ def _write_result(path: str, result: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(result))
 
 
-def worker(args: Any) -> int:
+def worker(args: WorkerOptions) -> int:
     """One process of the benchmark (started by `jaxsched.tools.bench.run` through the launcher).
 
     Args:
