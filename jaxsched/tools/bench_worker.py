@@ -57,6 +57,8 @@ class WorkerOptions(Protocol):
     raw_out: str  # where process 0 writes the raw result
 
 
+#: A jitted program of the benchmark: arrays (or trees of them) in, the same out.
+Program = Callable[..., Any]
 #: A batch of the benchmark: inputs and targets, sharded over the processes.
 Batch = tuple["jax.Array", "jax.Array"]
 #: A step's state: parameters and optimizer state.
@@ -110,8 +112,8 @@ class _Steps(NamedTuple):
     mesh: jax.sharding.Mesh
     params: dict[str, dict[str, jax.Array]]
     tx: optax.GradientTransformation
-    plain: Callable[..., Any]
-    compute_only: Callable[..., Any]
+    plain: Program
+    compute_only: Program
 
 
 class _Comm(NamedTuple):
@@ -127,11 +129,11 @@ class _Comm(NamedTuple):
       n_grads: number of gradient elements.
     """
 
-    comm_only: Callable[..., Any]
+    comm_only: Program
     grads_like: jax.Array
     grads_tree: Any
     spare_mesh: jax.sharding.Mesh
-    spare_comm: Callable[..., Any]
+    spare_comm: Program
     spare_grads: jax.Array
     n_grads: int
 
@@ -172,7 +174,7 @@ def _build_steps(width: int, depth: int) -> _Steps:
                 x = jnp.tanh(x @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"])
         return jnp.mean((x - y) ** 2)
 
-    def make(reduce: bool) -> Callable[..., Any]:
+    def make(reduce: bool) -> Program:
         def body(p: Any, s: Any, batch: Batch) -> tuple[Any, Any, dict[str, jax.Array]]:
             loss, grads = jax.value_and_grad(loss_fn)(p, *batch)
             if reduce:
@@ -189,7 +191,7 @@ def _build_steps(width: int, depth: int) -> _Steps:
     return _Steps(mesh, params, tx, make(True), make(False))
 
 
-def _psum_over(mesh: jax.sharding.Mesh) -> Callable[..., Any]:
+def _psum_over(mesh: jax.sharding.Mesh) -> Program:
     import jax
     from jax import lax
     from jax.sharding import PartitionSpec as P
@@ -250,7 +252,7 @@ def _batch_maker(steps: _Steps, width: int) -> Callable[[int, int], Batch]:
     return batch_of
 
 
-def _timed(fn: Callable[..., Any], *a: Any) -> float:
+def _timed(fn: Program, *a: Any) -> float:
     import jax
 
     start = time.perf_counter()
@@ -258,7 +260,7 @@ def _timed(fn: Callable[..., Any], *a: Any) -> float:
     return time.perf_counter() - start
 
 
-def _median_time(fn: Callable[..., Any], *a: Any, repeats: int = 5) -> float:
+def _median_time(fn: Program, *a: Any, repeats: int = 5) -> float:
     """Median of ``repeats`` runs, after one that compiles and warms up."""
     _timed(fn, *a)
     return statistics.median(_timed(fn, *a) for _ in range(repeats))
@@ -347,7 +349,7 @@ def _choose_batch(
 
 
 def _schedule_strategies(
-    args: WorkerOptions, plain: Callable[..., Any], state0: State
+    args: WorkerOptions, plain: Program, state0: State
 ) -> tuple[dict[str, Scheduled], dict[str, Any], list[str]]:
     """Every strategy of ``args.strategies`` (``name`` or ``name+compressor``) on the host
     engine: ``(scheduled steps, their initial states, names jaxsched does not know)``."""
@@ -431,7 +433,7 @@ def _timed_loop(
 
 
 def _trace_timelines(
-    args: WorkerOptions, plain: Callable[..., Any], names: Sequence[str], state0: State, batches: Sequence[Batch]
+    args: WorkerOptions, plain: Program, names: Sequence[str], state0: State, batches: Sequence[Batch]
 ) -> dict[str, list[dict[str, Any]]]:
     """One traced step per strategy: its stage timestamps, for the Gantt chart."""
     import jax
