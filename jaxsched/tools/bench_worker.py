@@ -24,7 +24,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence
 
 from jaxsched._errors import JaxschedValueError
 from jaxsched.tools.calibration import calibrate_batch
@@ -36,10 +36,29 @@ if TYPE_CHECKING:
     from jaxsched._schedule import Scheduled
     from jaxsched.runtime.compress import Compressor
 
-__all__ = ["COMPRESSORS", "parse_compression", "worker"]
+__all__ = ["COMPRESSORS", "WorkerOptions", "parse_compression", "worker"]
 
 COMPRESSORS = ("topk", "gtopk", "powersgd", "bf16")
 
+
+class WorkerOptions(Protocol):
+    """The ``jaxsched bench --worker`` options a worker reads (`jaxsched.tools.cli.cluster`)."""
+
+    pin: bool  # pin this process to one core
+    width: int  # of every layer of the tanh MLP
+    depth: int  # layers
+    batch: int | None  # rows per process; None: calibrated
+    calibration_start: int
+    calibration_tolerance: float
+    calibration_probes: int
+    strategies: Sequence[str]  # names, or ``name+compressor``
+    buckets: int | list[list[str]] | None  # `jaxsched.schedule`'s ``buckets``
+    steps: int  # timed steps per variant
+    raw_out: str  # where process 0 writes the raw result
+
+
+#: A jitted program of the benchmark: arrays (or trees of them) in, the same out.
+Program = Callable[..., Any]
 #: A batch of the benchmark: inputs and targets, sharded over the processes.
 Batch = tuple["jax.Array", "jax.Array"]
 #: A step's state: parameters and optimizer state.
@@ -93,8 +112,8 @@ class _Steps(NamedTuple):
     mesh: jax.sharding.Mesh
     params: dict[str, dict[str, jax.Array]]
     tx: optax.GradientTransformation
-    plain: Callable[..., Any]
-    compute_only: Callable[..., Any]
+    plain: Program
+    compute_only: Program
 
 
 class _Comm(NamedTuple):
@@ -110,16 +129,16 @@ class _Comm(NamedTuple):
       n_grads: number of gradient elements.
     """
 
-    comm_only: Callable[..., Any]
+    comm_only: Program
     grads_like: jax.Array
     grads_tree: Any
     spare_mesh: jax.sharding.Mesh
-    spare_comm: Callable[..., Any]
+    spare_comm: Program
     spare_grads: jax.Array
     n_grads: int
 
 
-def _start_process(args: Any) -> None:
+def _start_process(args: WorkerOptions) -> None:
     """Pin this process to one core and join the cluster with two CPU devices."""
     import jaxsched.tools.launch
 
@@ -155,7 +174,7 @@ def _build_steps(width: int, depth: int) -> _Steps:
                 x = jnp.tanh(x @ p[f"layer{i}"]["kernel"] + p[f"layer{i}"]["bias"])
         return jnp.mean((x - y) ** 2)
 
-    def make(reduce: bool) -> Callable[..., Any]:
+    def make(reduce: bool) -> Program:
         def body(p: Any, s: Any, batch: Batch) -> tuple[Any, Any, dict[str, jax.Array]]:
             loss, grads = jax.value_and_grad(loss_fn)(p, *batch)
             if reduce:
@@ -172,7 +191,7 @@ def _build_steps(width: int, depth: int) -> _Steps:
     return _Steps(mesh, params, tx, make(True), make(False))
 
 
-def _psum_over(mesh: jax.sharding.Mesh) -> Callable[..., Any]:
+def _psum_over(mesh: jax.sharding.Mesh) -> Program:
     import jax
     from jax import lax
     from jax.sharding import PartitionSpec as P
@@ -233,7 +252,7 @@ def _batch_maker(steps: _Steps, width: int) -> Callable[[int, int], Batch]:
     return batch_of
 
 
-def _timed(fn: Callable[..., Any], *a: Any) -> float:
+def _timed(fn: Program, *a: Any) -> float:
     import jax
 
     start = time.perf_counter()
@@ -241,7 +260,7 @@ def _timed(fn: Callable[..., Any], *a: Any) -> float:
     return time.perf_counter() - start
 
 
-def _median_time(fn: Callable[..., Any], *a: Any, repeats: int = 5) -> float:
+def _median_time(fn: Program, *a: Any, repeats: int = 5) -> float:
     """Median of ``repeats`` runs, after one that compiles and warms up."""
     _timed(fn, *a)
     return statistics.median(_timed(fn, *a) for _ in range(repeats))
@@ -292,7 +311,7 @@ def _measure_host_costs(steps: _Steps, comm: _Comm) -> dict[str, Any]:
 
 
 def _choose_batch(
-    args: Any, steps: _Steps, comm: _Comm, state0: State, batch_of: Callable[[int, int], Batch], lead: bool
+    args: WorkerOptions, steps: _Steps, comm: _Comm, state0: State, batch_of: Callable[[int, int], Batch], lead: bool
 ) -> tuple[int, dict[str, Any]]:
     """``(rows per process, calibration record)``: ``args.batch``, or calibrated so that the
     compute-only step takes about as long as the comm-only psum (`calibrate_batch`)."""
@@ -330,7 +349,7 @@ def _choose_batch(
 
 
 def _schedule_strategies(
-    args: Any, plain: Callable[..., Any], state0: State
+    args: WorkerOptions, plain: Program, state0: State
 ) -> tuple[dict[str, Scheduled], dict[str, Any], list[str]]:
     """Every strategy of ``args.strategies`` (``name`` or ``name+compressor``) on the host
     engine: ``(scheduled steps, their initial states, names jaxsched does not know)``."""
@@ -414,7 +433,7 @@ def _timed_loop(
 
 
 def _trace_timelines(
-    args: Any, plain: Callable[..., Any], names: Sequence[str], state0: State, batches: Sequence[Batch]
+    args: WorkerOptions, plain: Program, names: Sequence[str], state0: State, batches: Sequence[Batch]
 ) -> dict[str, list[dict[str, Any]]]:
     """One traced step per strategy: its stage timestamps, for the Gantt chart."""
     import jax
@@ -448,7 +467,7 @@ def _write_result(path: str, result: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(result))
 
 
-def worker(args: Any) -> int:
+def worker(args: WorkerOptions) -> int:
     """One process of the benchmark (started by `jaxsched.tools.bench.run` through the launcher).
 
     Args:
