@@ -160,7 +160,10 @@ def experiment(cfg: Config) -> Experiment:
     tx = steps_lib.make_optimizer(cfg.optimizer)
     opt_state = tx.init(params)
     if cfg.train.api in ("jit", "shard_map"):
-        mesh = jax.make_mesh((n,), ("data",), devices=devices)
+        # a jit step on global arrays leaves the partitioning to XLA: an Auto axis (an Explicit
+        # one asks the step for every output's sharding, e.g. an embedding lookup's)
+        auto = (jax.sharding.AxisType.Auto,) if cfg.train.api == "jit" else None
+        mesh = jax.make_mesh((n,), ("data",), devices=devices, axis_types=auto)
         if cfg.train.api == "jit":
             make_step = lambda: steps_lib.make_jit_step(apply_fn, tx)
         else:
