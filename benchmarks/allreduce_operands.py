@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jaxsched  # noqa: E402
 from jaxsched.zoo import models  # noqa: E402
 from jaxsched.demo import steps
-from jaxsched.plan.profiling import profile_psum_operands, psum_programs  # noqa: E402
+from jaxsched.plan._profiling import profile_psum_operands, psum_programs  # noqa: E402
 
 
 def rendezvous_events(arrays: list[np.ndarray], mesh, calls: int = 5) -> dict[str, dict[str, float]]:

@@ -3,7 +3,7 @@
 For each model and seed, train with ``jaxsched.schedule(step, strategy=...)``:
 ``allreduce`` (synchronous, the reference) and ``approx`` with every method
 (``stale``, ``local``, ``extrapolate``) at staleness 1, 2 and 4, each with the plain
-optimizer and with it wrapped in ``jaxsched.strategies.approximation.staleness_aware`` (step scaled by
+optimizer and with it wrapped in ``jaxsched.strategies._approximation.staleness_aware`` (step scaled by
 ``1/τ``, Zhang et al. 2016). Every run sees the same batches for a given seed; the final
 true parameters (``sched.finalize``, which drains the pending gradients) are evaluated
 on the held-out test split. Writes ``benchmarks/results/approx_convergence.json`` and
@@ -34,7 +34,7 @@ import jaxsched  # noqa: E402
 from jaxsched.zoo import data  # noqa: E402
 from jaxsched.zoo import models
 from jaxsched.demo import steps
-from jaxsched.strategies.approximation import staleness_aware  # noqa: E402
+from jaxsched.strategies._approximation import staleness_aware  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # model options, optimizer (name, learning rate) and the staleness values of its ablation:
@@ -120,7 +120,7 @@ def run(args) -> dict:
 
 def simulated() -> dict:
     """SIMULATED: steady-state iteration time of each strategy against max(compute, comm)."""
-    from jaxsched.sim.zoo_profiles import zoo_profile
+    from jaxsched.sim._zoo_profiles import zoo_profile
 
     out = {}
     for model, net in (("resnet50", "10gbe"), ("vgg16", "10gbe"), ("bert-base", "25gbe")):
@@ -181,8 +181,8 @@ def render(results: dict) -> str:
         "benchmarks/results/approx_convergence.json; edit the script, not this file -->",
         "",
         '`jaxsched.schedule(step, strategy="approx", approx_method="local", staleness=1)` and the optax',
-        "wrappers `jaxsched.strategies.approximation.approximate(tx, method, staleness)` and",
-        '`jaxsched.strategies.approximation.staleness_aware(tx, rule="inverse")`. '
+        "wrappers `jaxsched.strategies._approximation.approximate(tx, method, staleness)` and",
+        '`jaxsched.strategies._approximation.staleness_aware(tx, rule="inverse")`. '
         "The gradient of step *t* is reduced at the",
         "start of step *t+k* and applied at its end; meanwhile forward and backward run at approximated",
         "parameters θ̃ (Jin's All-Reduce scheduler, HKU thesis 2023; DaSGD):",

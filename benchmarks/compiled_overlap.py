@@ -1,7 +1,7 @@
 """Every strategy compiled for GPU and TPU clusters, against the plain step as XLA compiles it.
 
 Nothing runs on an accelerator: each step is compiled for compile-only devices
-(jaxsched.tools.aot) and read with jaxsched.check.inspection. Every time is XLA's latency-hiding
+(jaxsched.tools.aot) and read with jaxsched.check._inspection. Every time is XLA's latency-hiding
 scheduler estimate for the compiled program, NOT a measurement; ratios are taken against
 the plain step compiled in the same run (on TPU, where XLA's defaults give no estimate,
 against the plain step compiled with jaxsched's TPU options, labelled as such).
@@ -33,15 +33,15 @@ TARGETS = ("h100:1x2x4", "h100:1x8x8", "v5p:2x2x2:slices=2")
 MODELS = ("mlp", "cnn", "transformer")
 STRATEGIES = ("allreduce", "wfbp", "dear", "approx")
 #: strategies also compiled with buckets="auto" (bucket size and collective form chosen by
-#: XLA's estimate among jaxsched.pipeline.compiled_planner's candidates)
+#: XLA's estimate among jaxsched.pipeline._compiled_planner's candidates)
 TUNED = ("wfbp", "dear", "approx")
 BEGIN, END = "<!-- compiled_overlap:begin -->", "<!-- compiled_overlap:end -->"
 
 
 def run_one(model: str, target: str, strategies, tuned) -> dict:
     import jaxsched
-    from jaxsched.tools.aot.compare import compare_strategies
-    from jaxsched.tools.aot.experiment import ZOO, abstract_experiment
+    from jaxsched.tools.aot._compare import compare_strategies
+    from jaxsched.tools.aot._experiment import ZOO, abstract_experiment
 
     started = time.perf_counter()
     exp = abstract_experiment(ZOO[model], target=target)
@@ -83,9 +83,9 @@ def communication_floor(exp, baseline) -> dict:
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
-    from jaxsched.check import inspection as inspect_lib
-    from jaxsched.runtime.engine.xla import compiler_options_for
-    from jaxsched.pipeline.compiled_planner import ONE_BUCKET
+    from jaxsched.check import _inspection as inspect_lib
+    from jaxsched.runtime.engine._xla import compiler_options_for
+    from jaxsched.pipeline._compiled_planner import ONE_BUCKET
 
     mesh, axis = exp.mesh, exp.axis
     reduce_all = jax.jit(
@@ -129,7 +129,7 @@ def _floor_of(model: str, target: str, entry: dict) -> dict:
     """The floor of an entry already in the JSON, from its reference report's estimates."""
     from types import SimpleNamespace
 
-    from jaxsched.tools.aot.experiment import ZOO, abstract_experiment
+    from jaxsched.tools.aot._experiment import ZOO, abstract_experiment
 
     print(f"== floor of {model} @ {target}", file=sys.stderr)
     plain = entry.get("reference_report") or entry["baseline"]

@@ -5,7 +5,7 @@ Run from the repository root (a few seconds):
     .venv/bin/python benchmarks/compression_simulated.py
 
 Nothing here is measured. Layer profiles are rooflines of published models on a V100
-(``jaxsched.sim.zoo_profiles``); networks are ring alpha-beta presets (``1gbe``, ``10gbe``).
+(``jaxsched.sim._zoo_profiles``); networks are ring alpha-beta presets (``1gbe``, ``10gbe``).
 The simulator (``jaxsched.sim.simulate``) runs ``wfbp`` with one bucket per layer, and
 with ``jaxsched.sim.Compression`` for top-k and gTop-k. It models top-k as an
 all-gather of ``P * 8k`` bytes, and gTop-k as ``2 ceil(log2 P)`` point-to-point
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import jaxsched
 from jaxsched.sim import Compression
-from jaxsched.sim.zoo_profiles import zoo_profile
+from jaxsched.sim._zoo_profiles import zoo_profile
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("resnet50", "vgg16")

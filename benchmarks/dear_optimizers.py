@@ -72,7 +72,7 @@ def time_steps(runs: dict, batches: list, repeats: int) -> dict:
 def optimizer_table(names, repeats: int) -> list[dict]:
     import jaxsched
     import optimizer_zoo as zoo
-    from jaxsched.check.verify import relative_gap
+    from jaxsched.check._verify import relative_gap
 
     rows = []
     for name in names:
@@ -126,7 +126,7 @@ def compiled_transformer(target: str) -> dict:
     import jaxsched
     from jaxsched.zoo import models
     from jaxsched.demo import steps
-    from jaxsched.tools.aot.experiment import ZOO, mesh_for
+    from jaxsched.tools.aot._experiment import ZOO, mesh_for
 
     spec = ZOO["transformer"]
     mesh = mesh_for(target)

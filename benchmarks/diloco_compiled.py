@@ -72,8 +72,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import jaxsched
-    from jaxsched.check import inspection as inspect_lib
-    from jaxsched.tools.aot.experiment import ZOO, abstract_experiment, mesh_for
+    from jaxsched.check import _inspection as inspect_lib
+    from jaxsched.tools.aot._experiment import ZOO, abstract_experiment, mesh_for
 
     mesh = mesh_for(TARGET, ("dcn", "ici"))
     exp = abstract_experiment(ZOO[args.model], mesh=mesh)

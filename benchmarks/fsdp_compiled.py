@@ -43,7 +43,7 @@ from tqdm import tqdm  # noqa: E402
 
 import jaxsched  # noqa: E402
 import jaxsched.tools.aot as aot  # noqa: E402
-from jaxsched.check import inspection  # noqa: E402
+from jaxsched.check import _inspection as inspection  # noqa: E402
 from jaxsched.zoo import stacked_lm  # noqa: E402
 
 #: The flag bundles MaxText's guides recommend, as per-function compiler options.

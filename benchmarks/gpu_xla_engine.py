@@ -60,7 +60,7 @@ import jaxsched  # noqa: E402
 from jaxsched.zoo import models  # noqa: E402
 from jaxsched.demo import steps
 from jaxsched.tools.bench import parse_compression  # noqa: E402
-from jaxsched.runtime.collectives.base import BucketSpec, Collective  # noqa: E402
+from jaxsched.runtime.collectives._base import BucketSpec, Collective  # noqa: E402
 
 MODELS = {
     # the CPU overhead table's MLP (README), a 10-class head

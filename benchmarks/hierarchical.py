@@ -122,8 +122,8 @@ def main(argv=None) -> int:
     import jax
 
     import jaxsched
-    from jaxsched.check import inspection as inspect_lib
-    from jaxsched.tools.aot.experiment import ZOO, abstract_experiment, mesh_for
+    from jaxsched.check import _inspection as inspect_lib
+    from jaxsched.tools.aot._experiment import ZOO, abstract_experiment, mesh_for
     from jaxsched.runtime.collectives import Collective, hierarchy_from_mesh
 
     mesh = mesh_for(args.target, ("dcn", "ici"))

@@ -155,7 +155,7 @@ def eight_devices(n_steps: int) -> dict:
 
 def compiled(target: str) -> dict:
     """XLA's estimates for the plain jit step and the scheduled ones on ``target``."""
-    from jaxsched.tools.aot.experiment import ModelSpec, abstract_experiment
+    from jaxsched.tools.aot._experiment import ModelSpec, abstract_experiment
     from jaxsched.demo.config import OptimizerConfig
 
     spec = ModelSpec(

@@ -50,10 +50,10 @@ import optax  # noqa: E402
 import jaxsched  # noqa: E402
 from jaxsched.zoo import models  # noqa: E402
 from jaxsched.demo import steps
-from jaxsched.sim.costmodel import KFAC_PATTERN, network_preset  # noqa: E402
-from jaxsched.sim.kfac_placement import max_load, plan_placement, worker_loads  # noqa: E402
+from jaxsched.sim._costmodel import KFAC_PATTERN, network_preset  # noqa: E402
+from jaxsched.sim._kfac_placement import max_load, plan_placement, worker_loads  # noqa: E402
 from jaxsched.sim import simulate  # noqa: E402
-from jaxsched.sim.zoo_profiles import zoo_profile  # noqa: E402
+from jaxsched.sim._zoo_profiles import zoo_profile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 IN_FEATURES, HIDDEN, CLASSES = 128, (512, 256, 128, 64), 10

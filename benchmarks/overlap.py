@@ -5,7 +5,7 @@
 
 import sys
 
-from jaxsched.tools.cli.cluster import run_bench as main
+from jaxsched.tools.cli._cluster import run_bench as main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,7 @@
 the plain step with XLA's defaults and with those same options.
 
 Nothing runs on an accelerator: every step is compiled for compile-only devices
-(jaxsched.tools.aot) and read with jaxsched.check.inspection. Every time is XLA's estimate
+(jaxsched.tools.aot) and read with jaxsched.check._inspection. Every time is XLA's estimate
 for the compiled program (its latency-hiding schedule, or, where XLA:TPU writes none, its
 instruction costs: the ``source`` of each row), NOT a measurement; every ratio is to a
 baseline compiled in the same run.
@@ -37,7 +37,7 @@ STRATEGIES = ("wfbp", "dear", "approx", "auto")
 
 def model_spec(name: str):
     from jaxsched.demo.config import OptimizerConfig
-    from jaxsched.tools.aot.experiment import ZOO, ModelSpec
+    from jaxsched.tools.aot._experiment import ZOO, ModelSpec
 
     if name == "mlp":
         momentum = OptimizerConfig(name="momentum", learning_rate=0.1)
@@ -65,8 +65,8 @@ def _row(report, baseline=None, options_baseline=None) -> dict:
 
 def run_case(case: str, strategies=STRATEGIES) -> dict:
     import jaxsched
-    from jaxsched.check import inspection as inspect_lib
-    from jaxsched.tools.aot.experiment import abstract_experiment
+    from jaxsched.check import _inspection as inspect_lib
+    from jaxsched.tools.aot._experiment import abstract_experiment
 
     model, target = case.split("@")
     started = time.perf_counter()

@@ -17,10 +17,10 @@ import statistics
 import time
 from pathlib import Path
 
-from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
+from jaxsched.sim._costmodel import Layer, LayerProfile, network_preset
 from jaxsched.plan import plan_buckets
 from jaxsched.sim import simulate
-from jaxsched.sim.zoo_profiles import zoo_profile
+from jaxsched.sim._zoo_profiles import zoo_profile
 
 
 def random_profile(num: int, seed: int = 0) -> LayerProfile:

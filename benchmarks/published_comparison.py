@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxsched.sim.costmodel import device_preset, network_preset, topk_selection_s_per_byte
+from jaxsched.sim._costmodel import device_preset, network_preset, topk_selection_s_per_byte
 from jaxsched.plan import plan_buckets
 from jaxsched.sim import Compression, simulate
-from jaxsched.sim.zoo_profiles import zoo_profile
+from jaxsched.sim._zoo_profiles import zoo_profile
 
 
 def run(model: str, network: str, workers: int, device: str = "v100") -> dict[str, float]:

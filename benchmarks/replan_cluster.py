@@ -169,7 +169,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import jaxsched  # noqa: E402
 from jaxsched.tools import cluster  # noqa: E402
 from jaxsched.tools.bench import calibrate_batch  # noqa: E402
-from jaxsched.runtime.engine.host import spare_devices  # noqa: E402
+from jaxsched.runtime.engine._host import spare_devices  # noqa: E402
 from jaxsched.pipeline.replan import Replan, without_engine_costs  # noqa: E402
 
 rank, nproc = jax.process_index(), jax.process_count()

@@ -1,7 +1,7 @@
 """Simulator vs measurement: predict the baseline step from measured profiles, then time it.
 
 For each zoo model: measure its layer profile on all 8 virtual CPU devices at once
-(``jaxsched.plan.profiling.profile_zoo_model(mesh=...)``) and the mesh's collective costs
+(``jaxsched.plan._profiling.profile_zoo_model(mesh=...)``) and the mesh's collective costs
 (``profile_network``); simulate each strategy; then time the real step (median of
 blocked steps) in the same run: ``allreduce`` is ``jaxsched.demo.steps.make_step`` (SGD);
 ``wfbp`` and ``dear`` are ``jaxsched.schedule`` (xla engine).
@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from jaxsched.zoo import models  # noqa: E402
-from jaxsched.plan import profiling as profile
+from jaxsched.plan import _profiling as profile
 from jaxsched.demo import steps
 from jaxsched.sim import simulate  # noqa: E402
 

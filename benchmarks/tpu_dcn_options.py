@@ -27,7 +27,7 @@ RESULT = Path(__file__).parent / "results" / "tpu_dcn_options.json"
 TARGET = "v5p:2x2x2:slices=2"
 LARGE = 1_000_000  # bytes: a weight matrix's DCN share, not a bias's
 
-#: Each candidate, added to jaxsched's TPU options (jaxsched.runtime.engine.xla.TPU_OPTIONS).
+#: Each candidate, added to jaxsched's TPU options (jaxsched.runtime.engine._xla.TPU_OPTIONS).
 CANDIDATES: dict[str, dict] = {
     "jaxsched's TPU options": {},
     "data-parallel all-reduce opt": {
@@ -45,16 +45,16 @@ CANDIDATES: dict[str, dict] = {
     "multi-recv DCN sinking": {"xla_tpu_enable_multi_recv_for_dcn_all_reduce_sinking": True},
     "send/recv aggregation off": {"xla_tpu_enable_send_recv_aggregation": False},
     # the TPUs sum the cross-slice shares, the hosts only move them (a compiled-planner
-    # variant on multi-slice meshes: jaxsched.pipeline.compiled_planner.DEVICE_DCN_REDUCTION)
+    # variant on multi-slice meshes: jaxsched.pipeline._compiled_planner.DEVICE_DCN_REDUCTION)
     "device DCN reduction": {"xla_tpu_use_megascale_host_reduction": False},
 }
 
 
 def main() -> int:
-    from jaxsched.check import inspection as inspect_lib
-    from jaxsched.tools.aot.experiment import ModelSpec, abstract_experiment
-    from jaxsched.runtime.engine.xla import TPU_OPTIONS
-    from jaxsched.core.progress import progress
+    from jaxsched.check import _inspection as inspect_lib
+    from jaxsched.tools.aot._experiment import ModelSpec, abstract_experiment
+    from jaxsched.runtime.engine._xla import TPU_OPTIONS
+    from jaxsched.core._progress import progress
 
     spec = ModelSpec("mlp", (1024,), 1000, {"hidden": (2048,) * 6}, batch_per_device=4096)
     exp = abstract_experiment(spec, target=TARGET)

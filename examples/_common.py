@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxsched.demo import config as config_lib
 from jaxsched.tools import launch
-from jaxsched.tools.cli.options import HelpFormatter, positive_int
+from jaxsched.tools.cli._options import HelpFormatter, positive_int
 
 EXIT_INTERRUPTED = 130  # what a shell reports for a program stopped by Ctrl-C (128 + SIGINT)
 COMPRESSIONS = "none, topk:DENSITY, gtopk:DENSITY, powersgd:RANK, bf16"
@@ -253,7 +253,7 @@ def check_buckets(plan: Any, params: Any) -> None:
     """An explicit ``--buckets`` plan against the model's parameter paths, before tracing."""
     if not isinstance(plan, list):
         return
-    from jaxsched.core.bucketing import _explicit_groups, param_paths
+    from jaxsched.core._bucketing import _explicit_groups, param_paths
 
     try:
         _explicit_groups(plan, param_paths(params))
@@ -373,7 +373,7 @@ class Run:
         return self.checkpoints.restore(state, latest)
 
     def steps(self) -> Iterator[int]:
-        from jaxsched.core.progress import progress
+        from jaxsched.core._progress import progress
 
         desc = f"{self.name} from step {self.start}" if self.start else self.name
         bar = progress(

@@ -47,16 +47,16 @@ _EXPORTS: dict[str, str] = {
     "Config": "jaxsched.demo.config",
     "ConfigError": "jaxsched.demo.config",
     "Engine": "jaxsched.runtime.engine",
-    "FallbackWarning": "jaxsched.core.rewrite.rules",
+    "FallbackWarning": "jaxsched.core.rewrite._rules",
     "GatherWarning": "jaxsched.core.partition",
     "JaxschedError": "jaxsched._errors",
     "JaxschedRuntimeError": "jaxsched._errors",
     "JaxschedTypeError": "jaxsched._errors",
     "JaxschedValueError": "jaxsched._errors",
     "JaxschedWarning": "jaxsched._errors",
-    "Layer": "jaxsched.sim.costmodel",
-    "LayerProfile": "jaxsched.sim.costmodel",
-    "NetworkProfile": "jaxsched.sim.costmodel",
+    "Layer": "jaxsched.sim._costmodel",
+    "LayerProfile": "jaxsched.sim._costmodel",
+    "NetworkProfile": "jaxsched.sim._costmodel",
     "Replan": "jaxsched.pipeline.replan",
     "ReplanAgreementError": "jaxsched.pipeline.replan",
     "RunResult": "jaxsched.demo.trainer",
@@ -64,14 +64,14 @@ _EXPORTS: dict[str, str] = {
     "SchedState": "jaxsched._schedule",
     "Scheduled": "jaxsched._schedule",
     "Strategy": "jaxsched.strategies",
-    "UnsupportedStepError": "jaxsched.core.capture",
+    "UnsupportedStepError": "jaxsched.core._capture",
     "UnshardedStepWarning": "jaxsched._errors",
     "make_pmap_step": "jaxsched.demo.steps",
     "make_step": "jaxsched.demo.steps",
-    "network_preset": "jaxsched.sim.costmodel",
+    "network_preset": "jaxsched.sim._costmodel",
     "plan_buckets": "jaxsched.plan",
-    "profile_network": "jaxsched.plan.profiling",
-    "profile_zoo_model": "jaxsched.plan.profiling",
+    "profile_network": "jaxsched.plan._profiling",
+    "profile_zoo_model": "jaxsched.plan._profiling",
     "pure": "jaxsched.zoo.models",
     "register_engine": "jaxsched.runtime.engine",
     "register_strategy": "jaxsched.strategies",
@@ -167,20 +167,20 @@ if _typing.TYPE_CHECKING:  # what static tools (type checkers, the API reference
         UnshardedStepWarning,
     )
     from jaxsched._schedule import STRATEGIES, SchedState, Scheduled, schedule
-    from jaxsched.core.capture import UnsupportedStepError
+    from jaxsched.core._capture import UnsupportedStepError
     from jaxsched.core.partition import GatherWarning
-    from jaxsched.core.rewrite.rules import FallbackWarning
+    from jaxsched.core.rewrite._rules import FallbackWarning
     from jaxsched.demo.config import Config, ConfigError
     from jaxsched.demo.steps import make_pmap_step, make_step
     from jaxsched.demo.trainer import RunResult, train
     from jaxsched.integrations import kfac, nnx
     from jaxsched.plan import plan_buckets
     from jaxsched.pipeline.replan import Replan, ReplanAgreementError
-    from jaxsched.plan.profiling import profile_network, profile_zoo_model
+    from jaxsched.plan._profiling import profile_network, profile_zoo_model
     from jaxsched.runtime import compress
     from jaxsched.runtime.collectives import Collective, CollectiveWrapper
     from jaxsched.runtime.engine import Engine, register_engine
     from jaxsched.sim import simulate
-    from jaxsched.sim.costmodel import Layer, LayerProfile, NetworkProfile, network_preset
+    from jaxsched.sim._costmodel import Layer, LayerProfile, NetworkProfile, network_preset
     from jaxsched.strategies import Strategy, register_strategy
     from jaxsched.zoo.models import pure

@@ -28,15 +28,15 @@ import jax
 import numpy as np
 
 from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedValueError
-from jaxsched.core import static_leaves
-from jaxsched.core.capture import abstract_leaf, capture
-from jaxsched.runtime.collectives.base import Collective
+from jaxsched.core import _static_leaves as static_leaves
+from jaxsched.core._capture import abstract_leaf, capture
+from jaxsched.runtime.collectives._base import Collective
 from jaxsched.runtime.engine import Engine, make_engine
-from jaxsched.core.bucketing import param_paths
-from jaxsched.pipeline.program import Program, ProgramCache, retyped
-from jaxsched.pipeline.selection import BucketOption, program_of, select
-from jaxsched.core.describe import describe, difference
-from jaxsched.pipeline.state_step import (
+from jaxsched.core._bucketing import param_paths
+from jaxsched.pipeline._program import Program, ProgramCache, retyped
+from jaxsched.pipeline._selection import BucketOption, program_of, select
+from jaxsched.core._describe import describe, difference
+from jaxsched.pipeline._state_step import (
     STATE,
     TREES,
     OutputCount,
@@ -48,9 +48,9 @@ from jaxsched.pipeline.state_step import (
     with_outputs,
 )
 from jaxsched.pipeline.replan import Decision, Replan, Replanner, SwitchRecord, as_replan, program_buckets, resolved_key
-from jaxsched.sim.costmodel import NetworkProfile
+from jaxsched.sim._costmodel import NetworkProfile
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
-from jaxsched.strategies.base import ScheduledState
+from jaxsched.strategies._base import ScheduledState
 
 PLAN_OPTIONS = ("layer_profile", "network_profile", "planner")
 
@@ -80,7 +80,7 @@ class Scheduled:
         plan_options = {k: v for k, v in options.items() if k in PLAN_OPTIONS}
         strategy_options = {k: v for k, v in options.items() if k not in PLAN_OPTIONS}
         #: the user's step, taking and returning its non-array leaves (an Equinox model's
-        #: functions) as static tree structure (`jaxsched.core.static_leaves`)
+        #: functions) as static tree structure (`jaxsched.core._static_leaves`)
         self.step = static_leaves.through(step)
         try:
             # a copy: what selection records on it (``last_choice``) never reaches the user's instance
@@ -126,7 +126,7 @@ class Scheduled:
         ``step(params, opt_state, batch)``, ``init(state[, batch])`` for a ``step(state,
         batch)``, and the step's other inputs before the batch where it takes some
         (``init(state, rng, batch)`` for a ``step(state, rng, batch)``).
-        `jaxsched.pipeline.state_step` says how the form is read from the arguments.
+        `jaxsched.pipeline._state_step` says how the form is read from the arguments.
 
         Without the step's inputs the leaves keep the user's layout until the first step
         converts them (the step can only be traced once a batch is known). With all of them
@@ -311,13 +311,13 @@ class Scheduled:
         Works ahead of time: with a mesh over compile-only devices (`jaxsched.tools.aot.devices`)
         and abstract ``state`` / ``batch`` (``jax.ShapeDtypeStruct`` leaves with shardings,
         ``state`` from ``sched.init``), nothing touches a device. Returns a
-        `jaxsched.check.inspection.Inspection`: the scheduled step's
+        `jaxsched.check._inspection.Inspection`: the scheduled step's
         `CompiledReport` (every collective, async or not, the compute
         in its window, XLA's estimated step and exposed communication) and, with
         ``baseline``, the same for the user's step unchanged as XLA compiles it with its
         default options, the peer every strategy is compared with.
         """
-        from jaxsched.check import inspection as inspect_lib
+        from jaxsched.check import _inspection as inspect_lib
 
         batch = self._marked(batch)
         if (form := self._state_form_for(state)) is not None:
@@ -369,13 +369,13 @@ class Scheduled:
     ):
         """Run the plain step and this scheduled step side by side on ``batches``.
 
-        Returns a `jaxsched.check.verify.VerifyReport`: per leaf the largest relative
+        Returns a `jaxsched.check._verify.VerifyReport`: per leaf the largest relative
         difference, the rounding baseline it is judged against, and the first step at
         which each leaf left its tolerance, or that it is chaotic (``print(report)`` shows a table). By default every
         run is made in float64, where rounding cannot pass for a defect
-        (`jaxsched.check.verify`); ``precision="float32"`` compares the step as it trains.
+        (`jaxsched.check._verify`); ``precision="float32"`` compares the step as it trains.
         """
-        from jaxsched.check.verify import verify
+        from jaxsched.check._verify import verify
 
         batches = map(self._check_inputs, batches)
         if (form := self._state_form_for(state)) is not None:
@@ -567,7 +567,7 @@ def schedule(
     Args:
       train_step: ``(params, opt_state, batch) -> (params, opt_state, aux)``, or ``(state,
         batch) -> (state, aux)`` over any pytree state (a Flax ``TrainState``, a dataclass, a
-        dict; `jaxsched.pipeline.state_step`), with any inputs (a key) before the batch.
+        dict; `jaxsched.pipeline._state_step`), with any inputs (a key) before the batch.
         Every data-parallel step is accepted: a ``jax.jit`` step on global arrays with any
         shardings (the batch split over the data axes; the parameters replicated or
         sharded: FSDP, HSDP, tensor parallelism; `jaxsched.core.partition`), or a
@@ -585,12 +585,12 @@ def schedule(
         ``sched.strategy.last_choice`` says which and why).
       buckets: ``None`` (25 MB threshold in gradient-completion order), a byte threshold,
         an explicit plan (a list of lists of parameter paths such as ``"head/kernel"``), or
-        ``"auto"``: planned against the simulator (`jaxsched.plan.from_step`), with
+        ``"auto"``: planned against the simulator (`jaxsched.plan._from_step`), with
         options ``layer_profile`` (a measured `LayerProfile`),
         ``network_profile`` (a profile or preset name; default: measured on the mesh) and
         ``planner`` (default ``"optimal"``).
       compiler_options: options of the ``xla`` engine: per-function XLA options; by
-        default the platform's set from `jaxsched.runtime.engine.xla` (latency-hiding
+        default the platform's set from `jaxsched.runtime.engine._xla` (latency-hiding
         scheduler on, combiners off, on GPU).
       engine: ``"auto"`` (the host engine on multi-process CPU meshes with a spare local
         device per process, else ``"xla"``), ``"xla"``, ``"host"``, another registered

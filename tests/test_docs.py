@@ -27,10 +27,10 @@ def _all_modules() -> list[str]:
 
 # The heaviest examples (compiles of collectives over 8 devices) run in `make test-slow`.
 SLOW_EXAMPLES = {
-    "jaxsched.runtime.compress.gtopk",
-    "jaxsched.runtime.kernels.error_feedback",
+    "jaxsched.runtime.compress._gtopk",
+    "jaxsched.runtime.kernels._error_feedback",
     "jaxsched.integrations.checkpoint",
-    "jaxsched.plan.profiling",
+    "jaxsched.plan._profiling",
 }
 MODULES = [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_EXAMPLES else m for m in _all_modules()]
 # Packages whose __init__ only re-exports, and modules of argument parsing or rule tables,
@@ -45,22 +45,22 @@ WITHOUT_EXAMPLES = {
     "jaxsched.demo",
     "jaxsched.tools",
     "jaxsched._version",
-    "jaxsched.tools.cli.bench",
+    "jaxsched.tools.cli._bench",
     "jaxsched.tools.cli",
     "jaxsched.runtime.collectives",
     "jaxsched.runtime.engine",
     "jaxsched.core.rewrite",
-    "jaxsched.core.rewrite.backward",
-    "jaxsched.core.rewrite.rules",
+    "jaxsched.core.rewrite._backward",
+    "jaxsched.core.rewrite._rules",
     "jaxsched.sim",
     "jaxsched.strategies",
     "jaxsched.plan._common",
-    "jaxsched.tools.cli.simulate",
-    "jaxsched.tools.cli.train",
-    "jaxsched.tools.cli.cluster",
-    "jaxsched.tools.cli.options",
-    "jaxsched.tools.cli.verify",
-    "jaxsched.tools.cli.inspection",
+    "jaxsched.tools.cli._simulate",
+    "jaxsched.tools.cli._train",
+    "jaxsched.tools.cli._cluster",
+    "jaxsched.tools.cli._options",
+    "jaxsched.tools.cli._verify",
+    "jaxsched.tools.cli._inspection",
 }
 
 
@@ -132,7 +132,7 @@ def test_docstring_examples(name):
 
 
 def _report_with_gaps(gaps: list[float]):
-    from jaxsched.check.verify import VerifyReport
+    from jaxsched.check._verify import VerifyReport
 
     leaf_gap = {f"params/w{i}": g for i, g in enumerate(gaps)}
     return VerifyReport(

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxsched
 from jaxsched.demo import steps
-from jaxsched.runtime.engine.host import HostEngineError, spare_devices
+from jaxsched.runtime.engine._host import HostEngineError, spare_devices
 from support.equivalence import build, random_batches
 
 # the bad-input table of the troubleshooting guide quotes these messages

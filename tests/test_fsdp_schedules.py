@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jaxsched
-from jaxsched.core.replay import nested_eqns
+from jaxsched.core._replay import nested_eqns
 from jaxsched.zoo import stacked_lm
 from support.toolchains import needs_gpu
 

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import jaxsched
-from jaxsched.core.replay import nested_eqns
+from jaxsched.core._replay import nested_eqns
 
 EXACT = ["wfbp", "dear", pytest.param("allreduce", marks=pytest.mark.slow)]
 

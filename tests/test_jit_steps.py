@@ -144,7 +144,7 @@ def test_transformer_lm_with_masks_global_count_smoothing_clipping_scan_and_rema
     batches = [js.place(mesh, b) for b in js.lm_batches(1, 3, 16)]
     sched = _run_trees(js.lm_step(model, tx), params, tx.init(params), batches, strategy, **EXACT[strategy])
     assert sched.program.fallbacks == [] and sched.program.captured.gathers == ()
-    from jaxsched.core.replay import nested_eqns
+    from jaxsched.core._replay import nested_eqns
 
     kept = {e.primitive.name for e in nested_eqns(sched.program.captured.body)}
     assert {"scan", "remat2"} <= kept  # the per-device body still loops and rematerializes
@@ -562,7 +562,7 @@ def test_auto_strategy_on_a_jit_step_is_exact():
 
 @needs_gpu
 def test_a_jit_step_lowers_and_inspects_for_a_gpu_cluster_ahead_of_time():
-    from jaxsched.tools.aot.experiment import ModelSpec, abstract_experiment
+    from jaxsched.tools.aot._experiment import ModelSpec, abstract_experiment
     from jaxsched.demo.config import OptimizerConfig
 
     spec = ModelSpec("mlp", (256,), 10, {"hidden": (256,) * 3}, 64, OptimizerConfig(name="momentum", learning_rate=0.1))
@@ -583,7 +583,7 @@ def test_a_jit_step_lowers_and_inspects_for_a_gpu_cluster_ahead_of_time():
 @needs_tpu
 @pytest.mark.slow
 def test_a_jit_step_inspects_for_a_tpu_pod_ahead_of_time():
-    from jaxsched.tools.aot.experiment import ModelSpec, abstract_experiment
+    from jaxsched.tools.aot._experiment import ModelSpec, abstract_experiment
     from jaxsched.demo.config import OptimizerConfig
 
     spec = ModelSpec("mlp", (256,), 10, {"hidden": (256,) * 2}, 16, OptimizerConfig(name="momentum", learning_rate=0.1))
@@ -674,7 +674,7 @@ def test_a_batch_split_inside_the_step_with_a_sharding_constraint(strategy, layo
         warnings.simplefilter("error", jaxsched.GatherWarning)
         sched = _run_trees(step, params, tx.init(params), batches, strategy)
     captured = sched.program.captured
-    assert tuple(jaxsched.core.axes.as_axes(captured.axis_name)) == data
+    assert tuple(jaxsched.core._axes.as_axes(captured.axis_name)) == data
     if strategy != "allreduce":  # the loss runs on this device's rows: 16 / 8
         assert any(e.primitive.name == "dot_general" and e.invars[0].aval.shape[0] == 2 for e in captured.body.eqns), (
             captured.body

@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "jaxsched"
 LAYERS = (
     "_version",
     "_errors",
+    "_deprecations",
     "zoo",
     "sim",
     "core",
@@ -31,7 +32,6 @@ LAYERS = (
     "integrations",
     "demo",
     "tools",
-    "_deprecations",
     "__init__",
     "__main__",
 )
@@ -166,9 +166,9 @@ def test_no_module_is_named_after_a_dependency_or_the_standard_library():
         "jaxsched.sim.simulate",
         "jaxsched.runtime.collectives.Hierarchical",
         "jaxsched.runtime.engine.HostEngine",
-        "jaxsched.strategies.approximation.staleness_aware",
-        "jaxsched.check.inspection.Inspection",
-        "jaxsched.plan.profiling.profile_network",
+        "jaxsched.strategies._approximation.staleness_aware",
+        "jaxsched.check._inspection.Inspection",
+        "jaxsched.plan._profiling.profile_network",
     ],
 )
 def test_the_public_paths_import_without_a_warning(path, recwarn):
@@ -191,7 +191,7 @@ def _moved() -> dict[str, str]:
 def test_an_old_attribute_path_warns_and_is_the_module_at_its_new_home(old, new):
     import jaxsched
 
-    with pytest.warns(DeprecationWarning, match=rf"jaxsched\.{old} is deprecated: use {re.escape(new)} .*0\.2\.0"):
+    with pytest.warns(DeprecationWarning, match=rf"jaxsched\.{old} is deprecated: .*{re.escape(new)}.*0\.2\.0"):
         module = getattr(jaxsched, old)
     assert module is importlib.import_module(new)
     assert old not in dir(jaxsched)
@@ -200,8 +200,69 @@ def test_an_old_attribute_path_warns_and_is_the_module_at_its_new_home(old, new)
 def test_from_jaxsched_import_an_old_name_warns_once():
     with pytest.warns(DeprecationWarning) as caught:
         from jaxsched import costmodel
-    assert costmodel is importlib.import_module("jaxsched.sim.costmodel")
+    assert costmodel is importlib.import_module("jaxsched.sim._costmodel")
     assert len(caught) == 1 and caught[0].filename == __file__
+
+
+def _private() -> dict[str, str]:
+    from jaxsched import _deprecations
+
+    return _deprecations.PRIVATE
+
+
+@pytest.mark.parametrize("old, new", sorted(_private().items()))
+def test_a_module_made_private_is_served_at_its_old_path_with_a_warning(old, new):
+    """optax's form: implementation modules are ``_x.py``; the old attribute path still gives
+    the one module object, and the warning names where its public names are."""
+    package, _, name = old.rpartition(".")
+    home = importlib.import_module("jaxsched._deprecations").public_home(new)
+    module = importlib.import_module(new)
+    if home is not None and name in getattr(module, "__all__", []):  # named after its function: that, now
+        assert getattr(importlib.import_module(package), name) is getattr(module, name)
+    else:
+        with pytest.warns(DeprecationWarning, match=rf"{re.escape(old)} is deprecated: .*{re.escape(new)}.*0\.2\.0"):
+            assert getattr(importlib.import_module(package), name) is module
+    assert new.rpartition(".")[2] == "_" + name
+    with pytest.raises(ModuleNotFoundError):  # an import statement names the new path
+        importlib.import_module(old)
+    if home is not None:  # every public name of the module is re-exported by its package
+        exported = importlib.import_module(home)
+        missing = [n for n in getattr(module, "__all__", []) if getattr(exported, n, None) is not getattr(module, n)]
+        assert not missing, f"{home} does not re-export {missing} of {new}"
+        assert set(getattr(module, "__all__", [])) <= set(exported.__all__)
+
+
+def test_from_a_package_import_a_private_module_of_before_warns_once():
+    with pytest.warns(DeprecationWarning) as caught:
+        from jaxsched.sim import costmodel
+    assert costmodel is importlib.import_module("jaxsched.sim._costmodel")
+    assert len(caught) == 1 and caught[0].filename == __file__
+    assert "use jaxsched.sim, which exports its public names" in str(caught[0].message)
+
+
+def test_implementation_modules_are_private():
+    """Each module is a private ``_x.py`` behind its package's re-exports, except the few
+    modules users import as namespaces of their own."""
+    namespaces = {
+        "jaxsched.demo.config",
+        "jaxsched.demo.steps",
+        "jaxsched.demo.trainer",
+        "jaxsched.integrations.checkpoint",
+        "jaxsched.integrations.kfac",
+        "jaxsched.integrations.nnx",
+        "jaxsched.tools.bench",
+        "jaxsched.tools.cluster",
+        "jaxsched.tools.launch",
+        "jaxsched.zoo.data",
+        "jaxsched.zoo.models",
+        "jaxsched.zoo.stacked_lm",
+    }
+    public = sorted(
+        name
+        for name, path in MODULES.items()
+        if path.name not in ("__init__.py", "__main__.py") and not path.name.startswith("_")
+    )
+    assert public == sorted(namespaces)
 
 
 @pytest.mark.parametrize("name", ["inspect", "profile", "optax"])
@@ -237,7 +298,7 @@ def test_no_module_is_loaded_under_two_names():
 
 def test_a_compressor_is_one_class_under_the_public_and_the_module_path():
     import jaxsched
-    import jaxsched.runtime.compress.topk as topk
+    import jaxsched.runtime.compress._topk as topk
 
     assert jaxsched.compress is importlib.import_module("jaxsched.runtime.compress")
     assert jaxsched.compress.TopK is topk.TopK
@@ -256,9 +317,9 @@ def test_the_host_engine_module_imports_in_a_fresh_interpreter():
     code = (
         "import importlib, jaxsched\n"
         "try:\n    importlib.import_module('jaxsched.engine.host')\nexcept ModuleNotFoundError:\n    pass\n"
-        "import jaxsched.runtime.engine.host\n"
+        "import jaxsched.runtime.engine._host\n"
         "from jaxsched.runtime.engine import HostEngine\n"
-        "assert HostEngine is jaxsched.runtime.engine.host.HostEngine\n"
+        "assert HostEngine is jaxsched.runtime.engine._host.HostEngine\n"
     )
     result = _run(code)
     assert result.returncode == 0, result.stderr
@@ -332,11 +393,12 @@ def test_docs_examples_and_tests_use_the_current_paths():
     from_import = re.compile(rf"from jaxsched import ([\w, ]*\b({names})\b)")
     # public attributes, but no module of that name: ``import jaxsched.compress`` fails
     attribute_only = re.compile(r"(from|import) jaxsched\.(compress|kfac|nnx)\b")
+    private = re.compile("|".join(re.escape(old) + r"\b(?!\.py)" for old in sorted(_private(), key=len, reverse=True)))
     found = [
         f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}"
         for path in _EXAMPLE_FILES
         for number, line in enumerate(path.read_text().splitlines(), 1)
-        if dotted.search(line) or from_import.search(line) or attribute_only.search(line)
+        if dotted.search(line) or from_import.search(line) or attribute_only.search(line) or private.search(line)
     ]
     assert not found, "old import paths:\n" + "\n".join(found)
 

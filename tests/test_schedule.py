@@ -92,7 +92,7 @@ def test_non_elementwise_optimizer_falls_back_and_says_so_once():
 
 def test_explicit_bucket_plan_and_byte_threshold():
     params, _ = build("mlp", 0)
-    paths = jaxsched.core.bucketing.param_paths(params)
+    paths = jaxsched.core._bucketing.param_paths(params)
     plan = [paths[:2], paths[2:4], paths[4:]]
     sched = _check("mlp", "adam", "dear", 8, n_steps=5, buckets=plan)
     assert len(sched.program.buckets) == 3
@@ -110,7 +110,7 @@ def test_explicit_bucket_plan_and_byte_threshold():
 @pytest.mark.slow
 def test_bucket_plans_accept_subtree_prefixes():
     params, _ = build("mlp", 0)
-    paths = jaxsched.core.bucketing.param_paths(params)
+    paths = jaxsched.core._bucketing.param_paths(params)
     sched = _check("mlp", "adam", "dear", 8, n_steps=3, buckets=[["hidden"], ["head"]])
     hidden = {paths.index(p) for p in paths if p.startswith("hidden/")}
     assert [set(b.params) for b in sched.program.buckets] == [set(range(len(paths))) - hidden, hidden]
@@ -429,7 +429,7 @@ def test_auto_buckets_with_measured_network_stay_exact():
 
 
 def test_auto_buckets_split_when_compute_is_long_enough_to_hide_communication():
-    from jaxsched.sim.costmodel import Layer, LayerProfile
+    from jaxsched.sim._costmodel import Layer, LayerProfile
 
     # Seconds of compute per layer against a 1 GbE model: overlapping pays, so the
     # optimal wfbp plan sends more than one bucket.
@@ -438,13 +438,13 @@ def test_auto_buckets_split_when_compute_is_long_enough_to_hide_communication():
     assert len(sched.program.buckets) > 1
     # Buckets follow gradient completion: the head's gradient is ready first.
     params, _ = build("mlp", 0)
-    paths = jaxsched.core.bucketing.param_paths(params)
+    paths = jaxsched.core._bucketing.param_paths(params)
     first = {paths[i].rsplit("/", 1)[0] for i in sched.program.buckets[0].params}
     assert "head" in first
 
 
 def test_auto_buckets_reject_a_profile_with_other_layer_names():
-    from jaxsched.sim.costmodel import Layer, LayerProfile
+    from jaxsched.sim._costmodel import Layer, LayerProfile
 
     wrong = LayerProfile([Layer("conv1", 1, 4, 1e-3, 2e-3)])
     with pytest.raises(ValueError, match="no layers named hidden/0"):

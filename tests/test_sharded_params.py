@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsched
 import support.sharded_steps as ss
-from jaxsched.core.axes import as_axes
+from jaxsched.core._axes import as_axes
 from support.hlo_counts import collectives
 from support.toolchains import needs_gpu, needs_tpu
 
@@ -124,7 +124,7 @@ def test_a_scanned_rematerialised_fsdp_stack(strategy):
     params = ss.scanned_params(mesh, seed=7)
     batches = ss.batches(mesh, P("fsdp"), 3, 8)
     sched, state, plain = _run(ss.scanned_step(tx), params, tx.init(params), batches, strategy)
-    from jaxsched.core.replay import nested_eqns
+    from jaxsched.core._replay import nested_eqns
 
     kept = {e.primitive.name for e in nested_eqns(sched.program.captured.body)}
     assert {"scan", "remat2"} <= kept
@@ -360,7 +360,7 @@ def test_block_gradients_scattered_in_two_stages_equal_the_plain_step(strategy, 
     """The stages a TPU torus gets (a reduce-scatter over pairs, then over fours) hand each
     device the block one reduce-scatter would: forced on 8 CPU devices, every leaf equals
     the plain step's."""
-    import jaxsched.strategies.base as strategy_base
+    import jaxsched.strategies._base as strategy_base
 
     stages = (((0, 4), (1, 5), (2, 6), (3, 7)), ((0, 1, 2, 3), (4, 5, 6, 7)))
     monkeypatch.setattr(strategy_base, "scatter_stages", lambda mesh, axes: stages)

@@ -1,7 +1,7 @@
 """Reading XLA's HLO text: computations, instructions, shapes, replica groups.
 
 A regular-expression reader for what ``compiled.as_text()`` prints, enough for the
-inspection (`jaxsched.check.inspection`): each instruction's name, shape, opcode,
+inspection (`jaxsched.check._inspection`): each instruction's name, shape, opcode,
 operands and attributes, by computation, in program order.
 
 >>> mod = _parse_hlo('''

@@ -22,7 +22,7 @@ import re
 
 from jaxsched.check._hlo_text import _dtype_bits, _Instr, _Module, _shape_leaves
 from jaxsched.check._schedule_proto import _Schedule
-from jaxsched.check.compiled_report import LoopCost
+from jaxsched.check._compiled_report import LoopCost
 
 
 def _live_gathered(mod: "_Module", comp: str, sched: "_Schedule") -> tuple[int, int]:

@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from jaxsched.check._hlo_ops import _COLLECTIVES, _PLUMBING
-from jaxsched.sim import intervals
+from jaxsched.sim import _intervals as intervals
 
 #: A text-format protobuf message: each field's values (a nested message is a `Proto`).
 Proto = dict[str, list[Any]]

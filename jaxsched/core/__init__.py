@@ -8,4 +8,10 @@ gradients into buckets, and `rewrite` holds the rules that move
 collectives. Nothing here imports a strategy, a planner or an engine.
 """
 
+from jaxsched import _deprecations
+
 __all__: list[str] = []
+
+
+def __getattr__(name: str) -> object:
+    return _deprecations.moved_module(__name__, name)  # a module of before, now private

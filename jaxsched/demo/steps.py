@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched._errors import JaxschedValueError
-from jaxsched.core.axes import axis_size
+from jaxsched.core._axes import axis_size
 from jaxsched.demo.config import OptimizerConfig
 
 __all__ = [

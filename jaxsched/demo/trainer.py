@@ -34,10 +34,10 @@ from jaxsched.zoo import data as data_lib
 from jaxsched.zoo import models as models_lib
 from jaxsched.demo import steps as steps_lib
 from jaxsched.demo.config import Config, ConfigError
-from jaxsched.core.progress import progress as progress_bar
+from jaxsched.core._progress import progress as progress_bar
 
 if TYPE_CHECKING:
-    from jaxsched.strategies.base import ScheduledState
+    from jaxsched.strategies._base import ScheduledState
 
 __all__ = [
     "default_wrap",

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from jaxsched.sim.kfac_placement import PLACEMENTS, max_load, plan_placement, worker_loads
-from jaxsched.core.rewrite.layers import LayerMatch, MatchedLayer
-from jaxsched.strategies.kfac import INVERSES, KFAC, KFACFallbackWarning, KFACState
+from jaxsched.sim._kfac_placement import PLACEMENTS, max_load, plan_placement, worker_loads
+from jaxsched.core.rewrite._layers import LayerMatch, MatchedLayer
+from jaxsched.strategies._kfac import INVERSES, KFAC, KFACFallbackWarning, KFACState
 
 
 def find_layers(step: Callable, params: Any, opt_state: Any, batch: Any) -> LayerMatch:
@@ -46,9 +46,9 @@ def find_layers(step: Callable, params: Any, opt_state: Any, batch: Any) -> Laye
       A `LayerMatch`: the matched layers (name, factor sizes) and the parameter paths K-FAC
       leaves on the plain gradient. The module's example calls it.
     """
-    from jaxsched.core.capture import capture
-    from jaxsched.plan.planned_step import PlannedStep
-    from jaxsched.core.rewrite.layers import match_layers
+    from jaxsched.core._capture import capture
+    from jaxsched.plan._planned_step import PlannedStep
+    from jaxsched.core.rewrite._layers import match_layers
 
     planned = PlannedStep(capture(step, params, opt_state, batch))
     return match_layers(planned.analysis, planned.paths)

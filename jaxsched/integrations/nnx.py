@@ -60,7 +60,7 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedValueError
-from jaxsched.runtime.collectives.base import Collective
+from jaxsched.runtime.collectives._base import Collective
 from jaxsched.runtime.engine import Engine
 from jaxsched._schedule import Scheduled
 from jaxsched.strategies import Strategy
@@ -240,7 +240,7 @@ class NNXScheduled:
           baseline: also compile the plain step, for the ratios.
 
         Returns:
-          The `jaxsched.check.inspection.Inspection` report.
+          The `jaxsched.check._inspection.Inspection` report.
         """
         session, state, batch = self._abstract_call(args, "inspect")
         return session.scheduled.inspect(state, batch, baseline=baseline)

@@ -6,7 +6,7 @@ first). That is the layout [`jaxsched.sim.simulate`][jaxsched.sim.simulate] and
 [`jaxsched.schedule`][jaxsched.schedule] take.
 
 Example:
-    >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
+    >>> from jaxsched.sim._costmodel import Layer, LayerProfile, network_preset
     >>> from jaxsched.plan import plan_buckets
     >>> prof = LayerProfile([Layer(str(i), 1, 10**6, 1e-3, 2e-3) for i in range(8)])
     >>> net = network_preset("10gbe", 16)
@@ -22,15 +22,18 @@ Example:
 
 from __future__ import annotations
 
+from jaxsched import _deprecations
+
 from typing import Any, Callable
 
 from jaxsched._errors import JaxschedValueError
-from jaxsched.sim.costmodel import CommPattern, LayerProfile, NetworkProfile, comm_pattern
-from jaxsched.plan.mgwfbp import plan_mgwfbp
-from jaxsched.plan.optimal import optimal_wfbp, search
-from jaxsched.plan.per_layer import plan_per_layer
-from jaxsched.plan.prophet import plan_prophet
-from jaxsched.plan.threshold import DEFAULT_THRESHOLD_BYTES, plan_threshold
+from jaxsched.sim._costmodel import CommPattern, LayerProfile, NetworkProfile, comm_pattern
+from jaxsched.plan._mgwfbp import plan_mgwfbp
+from jaxsched.plan._optimal import optimal_wfbp, search
+from jaxsched.plan._per_layer import plan_per_layer
+from jaxsched.plan._prophet import plan_prophet
+from jaxsched.plan._threshold import DEFAULT_THRESHOLD_BYTES, plan_threshold
+
 
 Planner = Callable[..., list[list[int]]]
 
@@ -82,7 +85,7 @@ def plan_buckets(
       JaxschedValueError: an unknown planner.
 
     Example:
-        >>> from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
+        >>> from jaxsched.sim._costmodel import Layer, LayerProfile, network_preset
         >>> profile = LayerProfile([Layer(str(i), 1, 10**6, 1e-3, 2e-3) for i in range(4)])
         >>> plan_buckets(profile, network_preset("10gbe", 8), "threshold", threshold_bytes=2 * 10**6)
         [[0, 1], [2, 3]]
@@ -132,13 +135,72 @@ def _plan_optimal(
     return search(layers, candidates, evaluate, progress=progress)
 
 
+# the private modules' public names (after plan_buckets, which _from_step imports)
+from jaxsched.plan._from_step import (  # noqa: E402
+    auto_bucket_paths,
+    forward_flops,
+    group_paths,
+    layer_names,
+    local_device,
+    MATMULS,
+    measure_flops_per_s,
+    PASS_THROUGH,
+    step_layer_profile,
+    step_network_profile,
+    with_selection_cost,
+)
+from jaxsched.plan._optimal import all_partitions, EXHAUSTIVE_LAYERS  # noqa: E402
+from jaxsched.plan._planned_step import is_abstract, PlannedStep, REPLICATED, takes_as_is, zero_count  # noqa: E402
+from jaxsched.plan._profiling import (  # noqa: E402
+    fit_alpha_beta,
+    measure_copy,
+    measure_dispatch,
+    profile_network,
+    profile_stages,
+    profile_update,
+    profile_zoo_model,
+    zoo_stages,
+)
+
 __all__ = [
     "DEFAULT_THRESHOLD_BYTES",
+    "EXHAUSTIVE_LAYERS",
+    "MATMULS",
+    "PASS_THROUGH",
     "PLANNERS",
     "PLANNER_REGISTRY",
+    "PlannedStep",
+    "REPLICATED",
+    "all_partitions",
+    "auto_bucket_paths",
+    "fit_alpha_beta",
+    "forward_flops",
+    "group_paths",
+    "is_abstract",
+    "layer_names",
+    "local_device",
+    "measure_copy",
+    "measure_dispatch",
+    "measure_flops_per_s",
+    "optimal_wfbp",
     "plan_buckets",
     "plan_mgwfbp",
     "plan_per_layer",
     "plan_prophet",
     "plan_threshold",
+    "profile_network",
+    "profile_stages",
+    "profile_update",
+    "profile_zoo_model",
+    "search",
+    "step_layer_profile",
+    "step_network_profile",
+    "takes_as_is",
+    "with_selection_cost",
+    "zero_count",
+    "zoo_stages",
 ]
+
+
+def __getattr__(name: str) -> object:
+    return _deprecations.moved_module(__name__, name)  # a module of before, now private

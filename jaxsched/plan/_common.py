@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxsched.sim.costmodel import CommPattern, LayerProfile, NetworkProfile, comm_pattern
+from jaxsched.sim._costmodel import CommPattern, LayerProfile, NetworkProfile, comm_pattern
 
 
 def backward_view(layers: LayerProfile) -> tuple[list[Any], list[int]]:

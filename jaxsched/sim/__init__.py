@@ -1,7 +1,9 @@
-"""Iteration simulator: strategies, closed forms, timelines. See `jaxsched.sim.core`."""
+"""Iteration simulator: strategies, closed forms, timelines. See `jaxsched.sim._core`."""
 
-from jaxsched.sim.closed_form import allreduce_time, wfbp_time
-from jaxsched.sim.core import (
+from jaxsched import _deprecations
+
+from jaxsched.sim._closed_form import allreduce_time, wfbp_time
+from jaxsched.sim._core import (
     COMPRESSIONS,
     SIMULATED,
     Compression,
@@ -17,28 +19,157 @@ from jaxsched.sim.core import (
     simulate,
 )
 
+# every private module's public names, explicitly
+from jaxsched.sim._core import BYTESCHEDULER, MB, worker_loads_seconds
+from jaxsched.sim._costmodel import (
+    ALLREDUCE_PATTERN,
+    BUILTIN_PATTERNS,
+    DILOCO_PATTERN,
+    APPROX_PATTERN,
+    CollectiveCost,
+    COLLECTIVES,
+    comm_pattern,
+    comm_pattern_names,
+    CommPattern,
+    DEAR_PATTERN,
+    device_preset,
+    DEVICE_PRESETS,
+    DevicePreset,
+    FSDP_PATTERN,
+    fsdp_pattern,
+    KFAC_PATTERN,
+    Layer,
+    LayerProfile,
+    LINK_PRESETS,
+    LinkPreset,
+    network_preset,
+    NetworkProfile,
+    ProfileError,
+    register_comm_pattern,
+    REQUIRED_COLLECTIVES,
+    ring_costs,
+    roofline_seconds,
+    SELECTION_PASSES,
+    topk_selection_s_per_byte,
+    two_level_network,
+    unregister_comm_pattern,
+    WFBP_PATTERN,
+)
+from jaxsched.sim._diloco import DiLoCoSimResult, simulate_diloco
+from jaxsched.sim._intervals import Interval, overlap, subtract, total, union
+from jaxsched.sim._kfac_placement import (
+    check_placement,
+    inversion_cost,
+    max_load,
+    PLACEMENTS,
+    plan_placement,
+    worker_loads,
+)
+from jaxsched.sim._timeline import (
+    bar_label,
+    chrome_trace,
+    COLORS,
+    gantt_figure,
+    LEGEND_ORDER,
+    save_chrome_trace,
+    save_gantt_png,
+    STREAM_TIDS,
+)
+from jaxsched.sim._zoo_profiles import (
+    EIGH_FLOPS_PER_CUBE,
+    PUBLISHED_PARAMS,
+    ZOO_MODELS,
+    architecture,
+    forward_gflops,
+    relative_param_error,
+    zoo_profile,
+)
+
 __all__ = [
+    "ALLREDUCE_PATTERN",
+    "APPROX_PATTERN",
+    "BUILTIN_PATTERNS",
+    "BYTESCHEDULER",
+    "COLLECTIVES",
+    "COLORS",
     "COMPRESSIONS",
-    "SIMULATED",
+    "CollectiveCost",
+    "CommPattern",
     "Compression",
+    "DEAR_PATTERN",
+    "DEVICE_PRESETS",
+    "DILOCO_PATTERN",
+    "DevicePreset",
+    "DiLoCoSimResult",
+    "EIGH_FLOPS_PER_CUBE",
+    "FSDP_PATTERN",
     "HostCosts",
+    "Interval",
+    "KFAC_PATTERN",
+    "LEGEND_ORDER",
+    "LINK_PRESETS",
+    "Layer",
+    "LayerProfile",
+    "LinkPreset",
+    "MB",
+    "NetworkProfile",
+    "PLACEMENTS",
+    "PUBLISHED_PARAMS",
+    "ProfileError",
+    "REQUIRED_COLLECTIVES",
+    "SELECTION_PASSES",
+    "SIMULATED",
+    "STREAM_TIDS",
     "SimResult",
-    "comm_slowdown_from_ceiling",
     "SimulationError",
     "Span",
+    "WFBP_PATTERN",
+    "ZOO_MODELS",
     "allreduce_time",
+    "architecture",
+    "bar_label",
     "check_buckets",
+    "check_placement",
+    "chrome_trace",
+    "comm_pattern",
+    "comm_pattern_names",
+    "comm_slowdown_from_ceiling",
     "default_buckets",
+    "device_preset",
+    "forward_gflops",
+    "fsdp_pattern",
+    "gantt_figure",
     "gradient_comm_time",
+    "inversion_cost",
     "lower_bound",
+    "max_load",
+    "network_preset",
+    "overlap",
+    "plan_placement",
+    "register_comm_pattern",
+    "relative_param_error",
+    "ring_costs",
+    "roofline_seconds",
+    "save_chrome_trace",
+    "save_gantt_png",
     "simulate",
+    "simulate_diloco",
+    "subtract",
+    "topk_selection_s_per_byte",
+    "total",
+    "two_level_network",
+    "union",
+    "unregister_comm_pattern",
     "wfbp_time",
+    "worker_loads",
+    "worker_loads_seconds",
+    "zoo_profile",
 ]
 
 
 def __getattr__(name: str) -> object:
     if name == "STRATEGIES":  # deprecated: jaxsched.STRATEGIES is the one strategy table
-        from jaxsched.sim import core
+        from jaxsched.sim import _core as core
 
         return core.__getattr__(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _deprecations.moved_module(__name__, name)

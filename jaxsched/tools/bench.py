@@ -45,9 +45,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from jaxsched.sim import intervals
-from jaxsched.tools.bench_worker import COMPRESSORS, parse_compression, worker
-from jaxsched.tools.calibration import Calibration, calibrate_batch
+from jaxsched.sim import _intervals as intervals
+from jaxsched.tools._bench_worker import COMPRESSORS, parse_compression, worker
+from jaxsched.tools._calibration import Calibration, calibrate_batch
 
 __all__ = [
     "bench_figure",
@@ -229,7 +229,7 @@ def host_costs_of(result: dict[str, Any]):
 def simulated(result: dict[str, Any], strategies: Sequence[str]):
     """The simulator's prediction for the measured costs (labelled SIMULATED), with the
     host engine's measured terms (`host_costs_of`)."""
-    from jaxsched.sim.costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
+    from jaxsched.sim._costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
     from jaxsched.sim import simulate
 
     host = host_costs_of(result)
@@ -407,7 +407,7 @@ def run(args: Any) -> int:
         worker = [
             sys.executable,
             "-m",
-            "jaxsched.tools.cli.bench",
+            "jaxsched.tools.cli._bench",
             "--worker",
             "--raw-out",
             str(raw_path),

@@ -1,4 +1,4 @@
-"""jaxsched.check.inspection reads compiled (scheduled) HLO and XLA's latency-hiding schedule estimate.
+"""jaxsched.check._inspection reads compiled (scheduled) HLO and XLA's latency-hiding schedule estimate.
 
 Hand-written programs check the arithmetic exactly; real programs (H100 compile-only devices
 in-process, committed TPU v5p output, a TPU compile in a subprocess) check that the parser
@@ -21,7 +21,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxsched.check import inspection as ins
+from jaxsched.check import _inspection as ins
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "inspect"
 ROOT = Path(__file__).resolve().parents[2]
@@ -346,7 +346,7 @@ TPU_SCRIPT = textwrap.dedent("""
     from jax.experimental import topologies
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     sys.path.insert(0, sys.argv[1])
-    from jaxsched.check import inspection as ins
+    from jaxsched.check import _inspection as ins
     devs = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x2",
                                         chip_config_name="megachip_tccontrol").devices
     mesh = Mesh(np.array(devs), ("data",))

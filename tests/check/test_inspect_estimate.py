@@ -18,8 +18,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxsched
-from jaxsched.check import inspection as ins
-from jaxsched.runtime.engine.xla import XlaEngine
+from jaxsched.check import _inspection as ins
+from jaxsched.runtime.engine._xla import XlaEngine
 from support.toolchains import needs_gpu, needs_tpu
 
 # a hand-made TPU-like program: two costed fusions around a synchronous all-reduce

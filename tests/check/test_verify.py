@@ -7,7 +7,7 @@ import pytest
 
 import jaxsched
 import jaxsched.runtime.compress  # noqa: F401  (attribute access below)
-from jaxsched.core import replay
+from jaxsched.core import _replay as replay
 from jaxsched.demo import steps
 from jaxsched.strategies import UserLayoutStrategy, register_strategy, unregister_strategy
 from support.equivalence import build, random_batches

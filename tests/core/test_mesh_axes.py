@@ -18,9 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxsched
 import jaxsched.tools.aot
-from jaxsched.core.capture import UnsupportedStepError
+from jaxsched.core._capture import UnsupportedStepError
 from jaxsched.runtime.collectives import BucketSpec, Hierarchical, hierarchy_from_mesh, slow_axes
-from jaxsched.runtime.collectives.hierarchical import default_collective_for
+from jaxsched.runtime.collectives._hierarchical import default_collective_for
 from jaxsched.runtime.compress import TopK, bytes_sent
 
 from support.equivalence import assert_trees_close

@@ -17,9 +17,9 @@ import optax
 import pytest
 
 import jaxsched
-from jaxsched.core.partition.control_flow import CONTROL_RULES, is_call
-from jaxsched.core.partition.rules import RULES
-from jaxsched.core.replay import nested_eqns
+from jaxsched.core.partition._control_flow import CONTROL_RULES, is_call
+from jaxsched.core.partition._rules import RULES
+from jaxsched.core._replay import nested_eqns
 from jaxsched.zoo import models, stacked_lm
 
 

@@ -10,8 +10,8 @@ import pytest
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxsched.core import layout
-from jaxsched.core.rewrite.rules import FallbackWarning, Shard, ShardContext, eval_sharded
+from jaxsched.core import _layout as layout
+from jaxsched.core.rewrite._rules import FallbackWarning, Shard, ShardContext, eval_sharded
 
 N = 4
 SHAPE = (5, 3)  # 15 elements: padded to 16 over 4 devices

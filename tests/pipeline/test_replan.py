@@ -14,7 +14,7 @@ import pytest
 import jaxsched
 import jaxsched.runtime.compress  # noqa: F401  (attribute access below)
 from jaxsched.demo import steps
-from jaxsched.sim.costmodel import network_preset
+from jaxsched.sim._costmodel import network_preset
 from jaxsched.pipeline.replan import (
     Replan,
     ReplanAgreementError,
@@ -234,7 +234,7 @@ def test_stage_timings_become_samples():
     """The host engine's stage timings, as the monitor reads them: large collectives only,
     compared with the reference window by the ratio of their times."""
     from types import SimpleNamespace as NS
-    from jaxsched.runtime.engine.host import StageTiming
+    from jaxsched.runtime.engine._host import StageTiming
     from jaxsched.pipeline.replan import scaled_network, window_ratio
 
     def eqn(prim, *shapes):
@@ -424,7 +424,7 @@ def _have_net_admin() -> bool:
 @pytest.mark.skipif(not _have_net_admin(), reason="network namespaces and tc need root")
 def test_cluster_set_changes_the_links_of_a_running_cluster(capsys):
     from jaxsched.tools import cluster
-    from jaxsched.tools.cli.cluster import run_cluster
+    from jaxsched.tools.cli._cluster import run_cluster
 
     with cluster.Cluster.up(2, "1gbit", prefix="jxrt", subnet="10.197.1.0/24") as up:
         assert run_cluster(["set", "--bandwidth", "100mbit", "--prefix", "jxrt"]) == 0

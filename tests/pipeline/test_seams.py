@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jaxsched
-from jaxsched.core import replay
+from jaxsched.core import _replay as replay
 from jaxsched.demo import steps
 from jaxsched.runtime.engine import XlaEngine, make_engine, register_engine
 from jaxsched.strategies import UserLayoutStrategy, register_strategy, unregister_strategy
@@ -26,7 +26,7 @@ class Bf16AllReduce(UserLayoutStrategy):
     """A toy strategy: the user's step with every gradient reduction carried in bfloat16."""
 
     name = "toy_bf16_allreduce"
-    cost = jaxsched.sim.costmodel.CommPattern(in_backward=False, packs_buckets=False)
+    cost = jaxsched.sim._costmodel.CommPattern(in_backward=False, packs_buckets=False)
 
     def per_device(self, planned, values, collective_state):
         body = planned.captured.body
@@ -241,7 +241,7 @@ def test_the_pipeline_compares_against_no_strategy_name():
 def test_all_reduce_tensors_sums_each_tensor_whatever_its_size(wrapped):
     """Large tensors go as they are, small ones share a buffer, a wrapper gets the flat
     bucket: every way gives each tensor's own psum, in its own shape and dtype."""
-    from jaxsched.runtime.collectives.base import SMALL_TENSOR_BYTES, BucketSpec, Collective, CollectiveWrapper
+    from jaxsched.runtime.collectives._base import SMALL_TENSOR_BYTES, BucketSpec, Collective, CollectiveWrapper
 
     mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
     rng = np.random.default_rng(7)
@@ -271,7 +271,7 @@ def test_all_reduce_tensors_sums_each_tensor_whatever_its_size(wrapped):
 def test_a_known_signature_skips_the_checks_and_a_new_one_is_checked(monkeypatch):
     """The training loop's call (state the last step returned, batch of a known signature)
     runs without the checked path; a batch of a new signature, or a bad one, still takes it."""
-    from jaxsched.pipeline.program import Program
+    from jaxsched.pipeline._program import Program
 
     tx = optax.sgd(0.1)
     params = {"w": jnp.ones((4, 2))}

@@ -1,4 +1,4 @@
-"""``(state, batch) -> (state, aux)`` steps (jaxsched.pipeline.state_step): a Flax ``TrainState``, a
+"""``(state, batch) -> (state, aux)`` steps (jaxsched.pipeline._state_step): a Flax ``TrainState``, a
 dict and a ``flax.struct`` dataclass state. Every strategy against the plain step on fresh
 random inputs (rtol 1e-5), with and without ``check_vma``, on 8 and 2 devices; leaves that
 are not trained pass through as the plain step moves them; lazy and eager ``init``,
@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxsched
 from jaxsched.integrations.checkpoint import restore, save
-from jaxsched.pipeline.state_step import UnsplitState
+from jaxsched.pipeline._state_step import UnsplitState
 from support.equivalence import assert_trees_close
 
 FEATURES, CLASSES = 6, 3
@@ -406,7 +406,7 @@ def test_wrong_arity_states_both_signatures():
 
 
 def test_extra_inputs_before_the_batch_are_read_from_the_signature():
-    from jaxsched.pipeline.state_step import inputs_of
+    from jaxsched.pipeline._state_step import inputs_of
 
     assert step_form_of(lambda model, optimizer, metrics, batch: None, 3) == "trees"
     assert step_form_of(lambda train_state, rng, batch: None, 1) == "state"
@@ -416,13 +416,13 @@ def test_extra_inputs_before_the_batch_are_read_from_the_signature():
 
 
 def step_form_of(step, n_args):
-    from jaxsched.pipeline.state_step import step_form
+    from jaxsched.pipeline._state_step import step_form
 
     return step_form(step, (0,) * n_args, False)
 
 
 def test_the_form_is_read_from_the_step_signature_and_else_from_init():
-    from jaxsched.pipeline.state_step import step_form
+    from jaxsched.pipeline._state_step import step_form
 
     assert step_form(lambda state, batch: 0, (0, 0), False) == "state"
     assert step_form(lambda params, opt_state, batch: 0, (0, 0), False) == "trees"
@@ -441,7 +441,7 @@ def test_the_form_is_read_from_the_step_signature_and_else_from_init():
 def test_the_form_is_read_from_what_the_arguments_are():
     """EasyLM's step(train_state, rng, batch): a TrainState first, a key second, is the state
     form whatever the count, never (params=TrainState, opt_state=rng)."""
-    from jaxsched.pipeline.state_step import step_form
+    from jaxsched.pipeline._state_step import step_form
 
     state, rng = _train_state(), jax.random.key(0)
     easylm = lambda train_state, rng, batch: None

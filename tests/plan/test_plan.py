@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
+from jaxsched.sim._costmodel import Layer, LayerProfile, network_preset
 from jaxsched.plan import PLANNERS, plan_buckets
-from jaxsched.plan.optimal import all_partitions
+from jaxsched.plan._optimal import all_partitions
 from jaxsched.sim import check_buckets, simulate, wfbp_time
 from support.profiles import random_layers, random_network
 

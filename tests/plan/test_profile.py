@@ -12,8 +12,8 @@ import pytest
 
 from jaxsched.zoo import models
 from jaxsched.tools.cli import main
-from jaxsched.sim.costmodel import LayerProfile, NetworkProfile
-from jaxsched.plan.profiling import fit_alpha_beta, profile_network, profile_zoo_model
+from jaxsched.sim._costmodel import LayerProfile, NetworkProfile
+from jaxsched.plan._profiling import fit_alpha_beta, profile_network, profile_zoo_model
 
 
 def test_fit_recovers_alpha_beta_and_keeps_alpha_nonnegative():
@@ -53,7 +53,7 @@ def test_network_profile_on_virtual_mesh():
 def test_update_is_measured_and_scales_with_parameter_count():
     import optax
 
-    from jaxsched.plan.profiling import measure_dispatch, profile_update
+    from jaxsched.plan._profiling import measure_dispatch, profile_update
 
     mesh = jax.make_mesh((8,), ("data",))
     small, big = {"w": np.ones((1 << 12,), np.float32)}, {"w": np.ones((1 << 20,), np.float32)}
@@ -140,7 +140,7 @@ process_id, port = int(sys.argv[1]), sys.argv[2]
 jax.config.update("jax_num_cpu_devices", 1)
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                            process_id=process_id)
-from jaxsched.plan.profiling import profile_network
+from jaxsched.plan._profiling import profile_network
 net, errors = profile_network(sizes=(1 << 12, 1 << 16, 1 << 20), repeats=2)
 print(json.dumps({"processes": jax.process_count(), "errors": errors, "net": net.to_dict()}))
 """

@@ -15,7 +15,7 @@ from jaxsched.runtime import kernels
 from jaxsched.demo import steps
 from jaxsched.runtime.collectives import BucketSpec
 from jaxsched.runtime.compress import Cast, GlobalTopK, PowerSGD, TopK, bytes_sent
-from jaxsched.runtime.compress.gtopk import exchange_rounds
+from jaxsched.runtime.compress._gtopk import exchange_rounds
 from support.equivalence import assert_trees_close, build, random_batches, run_both
 
 # Tests that compile scheduled steps over many devices are marked slow (`make test-slow`);
@@ -494,15 +494,15 @@ def test_powersgd_recovers_a_rank_one_sum_and_keeps_vectors_whole(dtype):
 @pytest.mark.slow  # compiles collectives over several devices: make test-slow
 def test_auto_buckets_plan_against_the_compressed_collective(monkeypatch):
     """buckets='auto' with a compressor: the planner's simulator sees top-k's cost (OMGS)."""
-    import jaxsched.plan.profiling
-    from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
+    import jaxsched.plan._profiling
+    from jaxsched.sim._costmodel import Layer, LayerProfile, network_preset
 
     # The selection time is measured, and the plan depends on it (not monotonically); a
     # loaded CI machine measured a cost that kept the layers apart. A fixed cost of the
     # order measured on these machines (1e-9 to 4e-9 s per byte) keeps the plan this test
     # compares from depending on the load.
-    monkeypatch.setattr(jaxsched.plan.profiling, "measure_selection_s_per_byte", lambda *a, **k: 2e-9)
-    from jaxsched.pipeline.selection import simulated_compression
+    monkeypatch.setattr(jaxsched.plan._profiling, "measure_selection_s_per_byte", lambda *a, **k: 2e-9)
+    from jaxsched.pipeline._selection import simulated_compression
     from jaxsched.strategies import make_strategy
 
     assert simulated_compression(make_strategy("wfbp", collective=TopK(0.01))).kind == "topk"

@@ -83,7 +83,7 @@ def test_warmup_decays_exponentially_in_tiers_to_the_target_density():
     assert lags.density_levels(specs[0]) == (1.0,) and lags.density_at(0, specs[1]) == 0.25
     with pytest.raises(ValueError, match="pass the bucket"):
         lags.density_at(0)
-    from jaxsched.pipeline.selection import simulated_compression
+    from jaxsched.pipeline._selection import simulated_compression
     from jaxsched.strategies import make_strategy
 
     assert simulated_compression(make_strategy("wfbp", collective=topk)).density == 0.01
@@ -308,7 +308,7 @@ def test_the_host_engine_refuses_a_warmup_step_and_names_the_xla_engine():
     """Warm-up switches between all-gathers of different sizes inside lax.switch; the host
     engine stages top-level collectives only, so it says so instead of running it."""
     from jaxsched.runtime.engine import PerDeviceProgram
-    from jaxsched.runtime.engine.host import HostEngineError, cut_stages
+    from jaxsched.runtime.engine._host import HostEngineError, cut_stages
 
     mesh = _mesh(2)
     spec = BucketSpec(0, 64, jnp.dtype("float32"), 2, shapes=((64,),))

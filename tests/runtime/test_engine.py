@@ -6,7 +6,7 @@ import pytest
 
 import jaxsched
 from jaxsched.demo import steps
-from jaxsched.runtime.engine.xla import GPU_OPTIONS, compiler_options_for
+from jaxsched.runtime.engine._xla import GPU_OPTIONS, compiler_options_for
 from support.equivalence import build, random_batches
 
 

@@ -18,7 +18,7 @@ import jaxsched
 from jaxsched.tools import launch as launch_lib
 from jaxsched.demo import steps
 from jaxsched.runtime.engine import HostEngine, HostEngineError, PerDeviceProgram, host_engine_applies
-from jaxsched.runtime.engine.host import cut_stages, spare_devices
+from jaxsched.runtime.engine._host import cut_stages, spare_devices
 from support.equivalence import build, random_batches
 from support import SUPPORT_DIR
 

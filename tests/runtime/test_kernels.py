@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxsched.runtime import kernels
-from jaxsched.runtime.kernels import error_feedback as ef
+from jaxsched.runtime.kernels import _error_feedback as ef
 
 
 def _hopper() -> bool:

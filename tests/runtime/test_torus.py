@@ -1,4 +1,4 @@
-"""Reduce-scatters XLA:TPU keeps (jaxsched.runtime.collectives.torus): the stages over a 3-D
+"""Reduce-scatters XLA:TPU keeps (jaxsched.runtime.collectives._torus): the stages over a 3-D
 slice of chips, and the staged and row forms give every device the slice one tiled
 ``psum_scatter`` does."""
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxsched.runtime.collectives.base import BucketSpec, psum_scatter
-from jaxsched.runtime.collectives.torus import scatter_lanes, scatter_stages
+from jaxsched.runtime.collectives._base import BucketSpec, psum_scatter
+from jaxsched.runtime.collectives._torus import scatter_lanes, scatter_stages
 from support.toolchains import needs_tpu
 
 

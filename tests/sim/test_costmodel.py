@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from jaxsched.sim.costmodel import (
+from jaxsched.sim._costmodel import (
     DEVICE_PRESETS,
     LINK_PRESETS,
     CollectiveCost,
@@ -18,7 +18,7 @@ from jaxsched.sim.costmodel import (
     network_preset,
     roofline_seconds,
 )
-from jaxsched.sim.zoo_profiles import PUBLISHED_PARAMS, ZOO_MODELS, architecture, forward_gflops, zoo_profile
+from jaxsched.sim._zoo_profiles import PUBLISHED_PARAMS, ZOO_MODELS, architecture, forward_gflops, zoo_profile
 
 
 def test_layer_profile_round_trips(tmp_path):
@@ -165,7 +165,7 @@ def test_network_fixed_costs_round_trip_and_old_files_load(tmp_path):
 
 
 def test_two_level_network_hand_computed():
-    from jaxsched.sim.costmodel import LINK_PRESETS, two_level_network
+    from jaxsched.sim._costmodel import LINK_PRESETS, two_level_network
 
     f, s = LINK_PRESETS["nvlink4"], LINK_PRESETS["400gbib"]
     net = two_level_network("nvlink4", "400gbib", nodes=8, per_node=8)
@@ -187,7 +187,7 @@ def test_two_level_network_hand_computed():
 
 
 def test_two_level_preset_needs_devices_per_node():
-    from jaxsched.sim.costmodel import ProfileError, network_preset
+    from jaxsched.sim._costmodel import ProfileError, network_preset
 
     assert network_preset("ici+dcn", 16, per_node=4).workers == 16
     with pytest.raises(ProfileError, match="needs per_node"):

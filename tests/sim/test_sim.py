@@ -9,9 +9,9 @@ from fractions import Fraction
 
 import pytest
 
-from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
+from jaxsched.sim._costmodel import Layer, LayerProfile, network_preset
 from jaxsched.sim import SIMULATED, Compression, SimulationError, allreduce_time, lower_bound, simulate, wfbp_time
-from jaxsched.sim.timeline import chrome_trace, save_gantt_png
+from jaxsched.sim._timeline import chrome_trace, save_gantt_png
 from support.profiles import random_layers, random_network
 
 
@@ -177,7 +177,7 @@ _times = st.fractions(min_value=0, max_value=10, max_denominator=1000)
     st.sampled_from(SIMULATED),
 )
 def test_bound_and_closed_forms_hold_for_any_profile(rows, alpha, beta, workers, strategy):
-    from jaxsched.sim.costmodel import CollectiveCost, NetworkProfile
+    from jaxsched.sim._costmodel import CollectiveCost, NetworkProfile
 
     layers = LayerProfile([Layer(f"l{i}", b // 4, b, f, bw, u) for i, (f, bw, u, b) in enumerate(rows)])
     net = NetworkProfile(
@@ -257,7 +257,7 @@ def test_bucket_copies_cost_pack_and_unpack_of_every_bucketed_byte(seed):
 def _fsdp(gathers_ahead):
     import dataclasses
 
-    from jaxsched.sim.costmodel import FSDP_PATTERN
+    from jaxsched.sim._costmodel import FSDP_PATTERN
 
     return dataclasses.replace(FSDP_PATTERN, gathers_ahead=gathers_ahead)
 

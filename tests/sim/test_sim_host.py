@@ -6,7 +6,7 @@ from fractions import Fraction as F
 
 import pytest
 
-from jaxsched.sim.costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
+from jaxsched.sim._costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
 from jaxsched.sim import HostCosts, SimulationError, comm_slowdown_from_ceiling, simulate
 
 

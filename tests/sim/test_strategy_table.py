@@ -10,8 +10,8 @@ import pytest
 
 import jaxsched
 from jaxsched import sim
-from jaxsched.sim import costmodel
-from jaxsched.sim.zoo_profiles import zoo_profile
+from jaxsched.sim import _costmodel as costmodel
+from jaxsched.sim._zoo_profiles import zoo_profile
 
 
 def test_every_strategy_is_simulated_or_sent_where_it_is():
@@ -35,7 +35,7 @@ def test_the_simulators_own_table_is_deprecated():
 def test_the_built_in_patterns_are_known_without_importing_the_strategies():
     code = (
         "import sys\n"
-        "from jaxsched.sim.costmodel import comm_pattern_names\n"
+        "from jaxsched.sim._costmodel import comm_pattern_names\n"
         "assert 'jaxsched.strategies' not in sys.modules\n"
         "print(' '.join(sorted(comm_pattern_names())))\n"
     )

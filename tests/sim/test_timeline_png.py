@@ -7,9 +7,9 @@ import dataclasses
 
 from matplotlib.colors import to_hex
 
-from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
+from jaxsched.sim._costmodel import Layer, LayerProfile, network_preset
 from jaxsched.sim import simulate
-from jaxsched.sim.timeline import COLORS, gantt_figure
+from jaxsched.sim._timeline import COLORS, gantt_figure
 
 
 def _wfbp_with_four_buckets():

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxsched
 from jaxsched.demo import steps
-from jaxsched.strategies.approximation import ApproxParams, approximate, staleness_aware
+from jaxsched.strategies._approximation import ApproxParams, approximate, staleness_aware
 from support.equivalence import assert_trees_close, build, random_batches, run_both
 
 # Every test here compiles scheduled steps: they run in `make test-slow` (CI runs both),

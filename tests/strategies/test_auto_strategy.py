@@ -11,7 +11,7 @@ import pytest
 import jaxsched
 import jaxsched.runtime.compress  # noqa: F401  (attribute access below)
 from jaxsched.demo import steps
-from jaxsched.sim.costmodel import Layer, LayerProfile
+from jaxsched.sim._costmodel import Layer, LayerProfile
 from jaxsched.runtime.engine import EngineCosts, XlaEngine
 from support.equivalence import build, random_batches
 

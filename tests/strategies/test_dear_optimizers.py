@@ -242,7 +242,7 @@ def test_lamb_trust_ratios_on_shards_are_one_all_reduce_per_norm_level():
 
 
 def zoo_paths(params):
-    return jaxsched.core.bucketing.param_paths(params)
+    return jaxsched.core._bucketing.param_paths(params)
 
 
 def _reversed_rows(updates):

@@ -20,9 +20,9 @@ import jaxsched
 from jaxsched.demo import steps
 from jaxsched.runtime.collectives import BucketSpec
 from jaxsched.runtime.compress import Quantize, bytes_sent
-from jaxsched.runtime.compress.quantize import _pack4, _unpack4, dequantize, quantize
+from jaxsched.runtime.compress._quantize import _pack4, _unpack4, dequantize, quantize
 from jaxsched.strategies import DiLoCo
-from jaxsched.strategies.diloco import fragment_of_leaves, sync_schedule
+from jaxsched.strategies._diloco import fragment_of_leaves, sync_schedule
 
 from support.equivalence import assert_trees_close, build, random_batches
 from support.mesh_steps import run_plain_and_scheduled, two_level_step
@@ -418,9 +418,9 @@ def test_finalize_of_init_is_the_identity():
 
 # -- simulator ----------------------------------------------------------------------------------
 def test_simulated_diloco_step_time():
-    from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
+    from jaxsched.sim._costmodel import Layer, LayerProfile, network_preset
     from jaxsched.sim import SimulationError, simulate
-    from jaxsched.sim.diloco import simulate_diloco
+    from jaxsched.sim._diloco import simulate_diloco
 
     layers = LayerProfile([Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(4)])
     net = network_preset("10gbe", 8)
@@ -512,8 +512,8 @@ def test_simulate_command_reports_diloco_as_simulated(tmp_path, capsys):
     import json
 
     from jaxsched.tools.cli import main
-    from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
-    from jaxsched.sim.diloco import simulate_diloco
+    from jaxsched.sim._costmodel import Layer, LayerProfile, network_preset
+    from jaxsched.sim._diloco import simulate_diloco
 
     layers = LayerProfile([Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(6)])
     layers.save(tmp_path / "layers.json")
@@ -562,8 +562,8 @@ def test_a_streaming_fragment_crosses_slices_during_the_inner_step_on_a_tpu_pod(
     import dataclasses
     import re
 
-    from jaxsched.check import inspection as inspect_lib
-    from jaxsched.tools.aot.experiment import ModelSpec, abstract_experiment, mesh_for
+    from jaxsched.check import _inspection as inspect_lib
+    from jaxsched.tools.aot._experiment import ModelSpec, abstract_experiment, mesh_for
 
     mesh = mesh_for("v5p:2x2x2:slices=2", ("dcn", "ici"))
     exp = abstract_experiment(ModelSpec("mlp", (256,), 10, {"hidden": (512,) * 3}, batch_per_device=64), mesh=mesh)

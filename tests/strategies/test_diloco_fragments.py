@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxsched.strategies.diloco import DiLoCo
-from jaxsched.strategies.diloco_fragments import FragmentSchedule
+from jaxsched.strategies._diloco import DiLoCo
+from jaxsched.strategies._diloco_fragments import FragmentSchedule
 
 
 @pytest.mark.parametrize("inner_steps,fragments,tau", [(8, 4, 0), (8, 4, 1), (10, 2, 3), (6, 1, 2), (12, 3, 2)])

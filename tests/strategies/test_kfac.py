@@ -204,7 +204,7 @@ def test_layers_are_found_in_the_jaxpr_and_the_rest_is_reported_once_by_name():
 def test_conv_factors_use_the_kernel_layout_of_the_gradient():
     """A's rows (patches) and the kernel matrix K-FAC preconditions are laid out alike:
     patches @ kernel_matrix(W) is the convolution itself."""
-    from jaxsched.strategies.kfac import kernel_from_matrix, kernel_matrix, local_factors
+    from jaxsched.strategies._kfac import kernel_from_matrix, kernel_matrix, local_factors
 
     dn = ("NHWC", "HWIO", "NHWC")
 
@@ -310,7 +310,7 @@ def test_bad_options_are_refused_at_construction(options, message):
 
 def test_simulator_reads_factor_collectives_and_placement_from_the_pattern():
     import dataclasses
-    from jaxsched.sim.costmodel import KFAC_PATTERN, Layer, LayerProfile, network_preset
+    from jaxsched.sim._costmodel import KFAC_PATTERN, Layer, LayerProfile, network_preset
     from jaxsched.sim import simulate
 
     layers = LayerProfile(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from fractions import Fraction
 
-from jaxsched.sim.costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
+from jaxsched.sim._costmodel import CollectiveCost, Layer, LayerProfile, NetworkProfile
 
 
 def random_layers(rng: random.Random, num: int, exact: bool = False, with_update: bool = True) -> LayerProfile:

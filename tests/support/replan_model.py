@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxsched.sim.costmodel import COLLECTIVES, CollectiveCost, Layer, LayerProfile, NetworkProfile
+from jaxsched.sim._costmodel import COLLECTIVES, CollectiveCost, Layer, LayerProfile, NetworkProfile
 
 WIDTHS = (6, 24, 24, 24, 24, 4)
 

@@ -1,6 +1,6 @@
 """Ahead of time: every strategy compiled for GPU and TPU clusters without the hardware.
 
-The structure checked here is the compiled, scheduled program's (jaxsched.check.inspection), not a
+The structure checked here is the compiled, scheduled program's (jaxsched.check._inspection), not a
 lowering: which collectives XLA kept async and what compute it put in their windows.
 Without the `aot` extra these tests skip, naming it; `make test` installs it.
 """
@@ -33,7 +33,7 @@ WIDTH = 512
 
 def _experiment(target: str, layers: int = LAYERS, width: int = WIDTH, per_device: int = 128):
     """A plain MLP step over the compile-only mesh of ``target``, all inputs abstract."""
-    from jaxsched.tools.aot.experiment import ModelSpec, abstract_experiment
+    from jaxsched.tools.aot._experiment import ModelSpec, abstract_experiment
     from jaxsched.demo.config import OptimizerConfig
 
     spec = ModelSpec(
@@ -48,7 +48,7 @@ def _experiment(target: str, layers: int = LAYERS, width: int = WIDTH, per_devic
 
 
 def _per_layer(exp):
-    from jaxsched.core.bucketing import param_paths
+    from jaxsched.core._bucketing import param_paths
 
     paths = param_paths(exp.params)
     return [[p for p in paths if p.startswith(f"hidden/{i}/")] for i in range(LAYERS)] + [
@@ -108,7 +108,7 @@ def test_devices_are_cached_and_describe_the_cluster():
     a = jaxsched.tools.aot.devices("h100", "1x2x4")
     assert a == jaxsched.tools.aot.devices("h100", "1x2x4") and len(a) == 8
     assert {d.process_index for d in a} == {0, 1} and a[0].platform == "gpu"
-    from jaxsched.check.inspection import describe_mesh
+    from jaxsched.check._inspection import describe_mesh
 
     assert describe_mesh(Mesh(np.array(a), ("data",))) == "gpu: 8 x NVIDIA H100 80GB HBM3 over 2 hosts"
 
@@ -149,7 +149,7 @@ def test_gpu_combiners_merge_collectives_up_to_the_bucket_size_and_no_further():
         grads = [w for w in report.collectives if w.kind == "all-reduce" and w.bytes > 64]
         # every gradient once (plus at most the loss's scalars, combined into a bucket)
         assert total <= sum(w.bytes for w in grads) <= total + 64, report.collectives
-        cap = threshold or jaxsched.core.bucketing.DEFAULT_BUCKET_BYTES
+        cap = threshold or jaxsched.core._bucketing.DEFAULT_BUCKET_BYTES
         assert all(w.bytes <= cap for w in grads), (threshold, report.collectives)
         assert len(sched.program.buckets) == buckets
         assert len(grads) == buckets, (threshold, report.collectives)
@@ -229,7 +229,7 @@ def test_compiled_planner_candidates_per_platform():
     and on a mesh of several slices also the devices' own DCN reduction."""
     from types import SimpleNamespace
 
-    from jaxsched.pipeline.compiled_planner import DEVICE_DCN_REDUCTION, ONE_BUCKET, candidates_for
+    from jaxsched.pipeline._compiled_planner import DEVICE_DCN_REDUCTION, ONE_BUCKET, candidates_for
     from jaxsched.strategies import make_strategy
 
     def described(platform, mesh=None):
@@ -295,7 +295,7 @@ def _compiled_collectives(text: str) -> list[tuple[str, int]]:
 def test_dear_keeps_its_reduce_scatters_on_a_3d_tpu_slice():
     """XLA:TPU turns one reduce-scatter over every chip of a 3-D slice (v5p 2x2x2) into an
     all-reduce of the whole gradient; dear sends each one as two reduce-scatters over a
-    line and a plane of chips (jaxsched.runtime.collectives.torus), which it keeps."""
+    line and a plane of chips (jaxsched.runtime.collectives._torus), which it keeps."""
     width, layers = 1024, 8
     exp = _experiment("v5p:2x2x2", layers=layers, width=width, per_device=512)
     sched = jaxsched.schedule(exp.step, strategy="dear")
@@ -340,7 +340,7 @@ def test_the_device_dcn_reduction_variant_keeps_cross_slice_sums_off_the_hosts()
     """The variant's option reaches the compiled program: without it XLA:TPU has the hosts'
     megascale runtime sum the cross-slice shares; with it the hosts only move them and the
     devices sum."""
-    from jaxsched.pipeline.compiled_planner import DEVICE_DCN_REDUCTION
+    from jaxsched.pipeline._compiled_planner import DEVICE_DCN_REDUCTION
 
     exp = _experiment("v5p:2x2x2:slices=2", layers=2)
     texts = {}
@@ -425,7 +425,7 @@ import os, sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxsched.tools.aot
-from jaxsched.check import inspection
+from jaxsched.check import _inspection as inspection
 
 mesh = Mesh(np.array(jaxsched.tools.aot.devices("v5p", "2x2x1")), ("data",))
 x = jax.ShapeDtypeStruct((128, 128), jnp.float32, sharding=NamedSharding(mesh, P("data")))
@@ -460,7 +460,7 @@ def test_inspect_command_rejects_a_bad_target_in_one_line():
 def test_nnx_steps_lower_and_inspect_ahead_of_time():
     from flax import nnx
 
-    from jaxsched.tools.aot.experiment import mesh_for
+    from jaxsched.tools.aot._experiment import mesh_for
     import jaxsched.integrations.nnx
 
     mesh = mesh_for("h100:1x2x4")

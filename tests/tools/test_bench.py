@@ -204,7 +204,7 @@ def test_host_engine_names_stages_by_what_they_run():
     import jax.numpy as jnp
     from jax import lax
 
-    from jaxsched.runtime.engine.host import cut_stages
+    from jaxsched.runtime.engine._host import cut_stages
 
     def loss(w, x):
         for i in range(2):

@@ -15,7 +15,7 @@ import pytest
 
 from jaxsched.tools import cluster as cluster_lib
 from jaxsched.tools import launch as launch_lib
-from jaxsched.tools.cli import cluster as cli
+from jaxsched.tools.cli import _cluster as cli
 from support import SUPPORT_DIR
 
 HERE = Path(__file__).parent

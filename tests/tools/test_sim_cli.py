@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from jaxsched.tools.cli import main
-from jaxsched.sim.costmodel import Layer, LayerProfile, network_preset
+from jaxsched.sim._costmodel import Layer, LayerProfile, network_preset
 from jaxsched.sim import simulate
 
 

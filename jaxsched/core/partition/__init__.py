@@ -34,6 +34,8 @@ Example:
 
 from __future__ import annotations
 
+from jaxsched import _deprecations
+
 import dataclasses
 from typing import Any, Sequence
 
@@ -41,11 +43,11 @@ import jax
 from jax.extend import core as jex_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxsched.core import replay
-from jaxsched.core.partition.interpreter import GatherWarning, Partitioner, PartitionError
-from jaxsched.core.partition.table import TABLE
-from jaxsched.core.partition.kinds import AxisContext, Kind, REPLICATED
-from jaxsched.core.partition.placement import Placement, PlacementError, manual_spec, read_placement
+from jaxsched.core import _replay as replay
+from jaxsched.core.partition._interpreter import GatherWarning, Partitioner, PartitionError
+from jaxsched.core.partition._table import TABLE
+from jaxsched.core.partition._kinds import AxisContext, Kind, REPLICATED
+from jaxsched.core.partition._placement import Placement, PlacementError, manual_spec, read_placement
 
 __all__ = ["GatherWarning", "PartitionError", "Partitioned", "PlacementError", "manual_shard_map", "partition"]
 
@@ -177,7 +179,7 @@ def _inlined(closed, placement: Placement):
 
 
 def _without_dead_code(jaxpr):
-    """``jaxpr`` without dead equations (`jaxsched.core.replay.live_equations`): planning
+    """``jaxpr`` without dead equations (`jaxsched.core._replay.live_equations`): planning
     would take their demands for real, and a dead equation that reads a whole value keeps its
     producer from computing just a block."""
     live = replay.live_equations(jaxpr)
@@ -208,3 +210,7 @@ def _body_of(traced, num_args: int) -> tuple[Any, list]:
         raise AssertionError(f"the traced per-device body reads {len(by_arg)} of its {num_args} inputs")
     invars = [by_arg[i] for i in range(num_args)] + hoisted_vars
     return body.replace(invars=invars), hoisted
+
+
+def __getattr__(name: str) -> object:
+    return _deprecations.moved_module(__name__, name)  # a module of before, now private

@@ -40,8 +40,10 @@ The pieces, one concern each: `options` (`Replan` and the records), `estimate` (
 and probes) and `replanner` (`Replanner`, which a `Scheduled` holds).
 """
 
-from jaxsched.pipeline.replan.agreement import KeyValueStore, agree, slowest
-from jaxsched.pipeline.replan.estimate import (
+from jaxsched import _deprecations
+
+from jaxsched.pipeline.replan._agreement import KeyValueStore, Store, agree, slowest
+from jaxsched.pipeline.replan._estimate import (
     Samples,
     bucket_groups,
     drift_between,
@@ -53,7 +55,7 @@ from jaxsched.pipeline.replan.estimate import (
     window_ratio,
     without_engine_costs,
 )
-from jaxsched.pipeline.replan.monitor import (
+from jaxsched.pipeline.replan._monitor import (
     STAGE_COLLECTIVES,
     STAGE_MIN_BYTES,
     probe,
@@ -62,8 +64,8 @@ from jaxsched.pipeline.replan.monitor import (
     stage_samples,
     stage_threshold,
 )
-from jaxsched.pipeline.replan.options import MONITORS, Decision, Replan, ReplanAgreementError, SwitchRecord, as_replan
-from jaxsched.pipeline.replan.replanner import (
+from jaxsched.pipeline.replan._options import MONITORS, Decision, Replan, ReplanAgreementError, SwitchRecord, as_replan
+from jaxsched.pipeline.replan._replanner import (
     Replanner,
     plan_key,
     program_buckets,
@@ -74,6 +76,7 @@ from jaxsched.pipeline.replan.replanner import (
 __all__ = [
     "Decision",
     "KeyValueStore",
+    "Store",
     "refuse_per_bucket_state",
     "Replan",
     "ReplanAgreementError",
@@ -105,3 +108,7 @@ __all__ = [
     "stage_bytes",
     "stage_threshold",
 ]
+
+
+def __getattr__(name: str) -> object:
+    return _deprecations.moved_module(__name__, name)  # a module of before, now private

@@ -11,7 +11,7 @@
 - `bytes_sent`: bytes each device sent in its last step, read from the scheduled state.
 
 ``TopK`` and ``GlobalTopK`` also take Deep Gradient Compression's options (keyword-only,
-`jaxsched.runtime.compress.dgc`): ``warmup_steps`` (the density decays from 25 % to
+`jaxsched.runtime.compress._dgc`): ``warmup_steps`` (the density decays from 25 % to
 ``density`` over the first steps), ``momentum`` (momentum correction and factor masking,
 for an optimizer without momentum such as ``optax.sgd(lr)``) and ``clip_norm``.
 
@@ -34,26 +34,62 @@ Example:
     ((2,), True)
 """
 
-from jaxsched.runtime.compress.base import Compressor, bytes_sent
-from jaxsched.runtime.compress.cast import Cast, CastState
-from jaxsched.runtime.compress.dgc import Sparsifier
-from jaxsched.runtime.compress.gtopk import GlobalTopK, GlobalTopKState
-from jaxsched.runtime.compress.powersgd import PowerSGD, PowerSGDState
-from jaxsched.runtime.compress.quantize import Quantize, QuantizeState
-from jaxsched.runtime.compress.topk import TopK, TopKState
+from jaxsched import _deprecations
+
+from jaxsched.runtime.compress._base import Compressor, bytes_sent
+from jaxsched.runtime.compress._cast import Cast, CastState
+from jaxsched.runtime.compress._dgc import Sparsifier
+from jaxsched.runtime.compress._gtopk import GlobalTopK, GlobalTopKState
+from jaxsched.runtime.compress._powersgd import PowerSGD, PowerSGDState
+from jaxsched.runtime.compress._quantize import Quantize, QuantizeState
+from jaxsched.runtime.compress._topk import TopK, TopKState
+
+# every private module's public names, explicitly
+from jaxsched.runtime.compress._base import (
+    Density,
+    bucket_density,
+    check_density,
+    check_density_spec,
+    check_gradient_bucket,
+    shard_of,
+)
+from jaxsched.runtime.compress._dgc import DEFAULT_WARMUP_DENSITY, TIER_FACTOR, sent_mask
+from jaxsched.runtime.compress._gtopk import merge_top_k, exchange_rounds
+from jaxsched.runtime.compress._powersgd import matrix_view
+from jaxsched.runtime.compress._quantize import dequantize, quantize
+from jaxsched.runtime.compress._topk import SELECTIONS
 
 __all__ = [
     "Cast",
     "CastState",
     "Compressor",
+    "DEFAULT_WARMUP_DENSITY",
+    "Density",
     "GlobalTopK",
     "GlobalTopKState",
     "PowerSGD",
     "PowerSGDState",
     "Quantize",
     "QuantizeState",
+    "SELECTIONS",
     "Sparsifier",
+    "TIER_FACTOR",
     "TopK",
     "TopKState",
+    "bucket_density",
     "bytes_sent",
+    "check_density",
+    "check_density_spec",
+    "check_gradient_bucket",
+    "dequantize",
+    "exchange_rounds",
+    "matrix_view",
+    "merge_top_k",
+    "quantize",
+    "sent_mask",
+    "shard_of",
 ]
+
+
+def __getattr__(name: str) -> object:
+    return _deprecations.moved_module(__name__, name)  # a module of before, now private

@@ -1,6 +1,6 @@
 """Kernels for gradient compression: fused top-k style error feedback.
 
-Public API (see `jaxsched.runtime.kernels.error_feedback` for the design):
+Public API (see `jaxsched.runtime.kernels._error_feedback` for the design):
 
 >>> import jax.numpy as jnp
 >>> from jaxsched.runtime import kernels
@@ -8,7 +8,9 @@ Public API (see `jaxsched.runtime.kernels.error_feedback` for the design):
 1
 """
 
-from jaxsched.runtime.kernels.error_feedback import (
+from jaxsched import _deprecations
+
+from jaxsched.runtime.kernels._error_feedback import (
     BLOCK_COLS,
     ErrorFeedback,
     SparseGradient,
@@ -41,3 +43,7 @@ __all__ = [
     "selection_size",
     "threshold_error_feedback",
 ]
+
+
+def __getattr__(name: str) -> object:
+    return _deprecations.moved_module(__name__, name)  # a module of before, now private

@@ -28,6 +28,8 @@ Example (needs the ``aot`` extra):
 
 from __future__ import annotations
 
+from jaxsched import _deprecations
+
 import contextlib
 import functools
 import importlib.util
@@ -38,11 +40,31 @@ from typing import Iterator
 
 from jaxsched._errors import JaxschedError, JaxschedValueError
 
+# every private module's public names, explicitly
+from jaxsched.tools.aot._compare import Comparison, Experiment, compare_strategies
+from jaxsched.tools.aot._experiment import (
+    AbstractExperiment,
+    ModelSpec,
+    ZOO,
+    abstract_experiment,
+    from_config,
+    mesh_for,
+)
+
 __all__ = [
+    "AbstractExperiment",
     "AotUnavailableError",
+    "Comparison",
+    "Experiment",
     "GPU_TARGETS",
+    "ModelSpec",
     "TPU_TARGETS",
+    "ZOO",
+    "abstract_experiment",
+    "compare_strategies",
     "devices",
+    "from_config",
+    "mesh_for",
     "parse_target",
     "target_config",
     "toolchain_missing",
@@ -202,3 +224,7 @@ def _libtpu_env() -> Iterator[None]:
     finally:
         for k in added:
             os.environ.pop(k, None)
+
+
+def __getattr__(name: str) -> object:
+    return _deprecations.moved_module(__name__, name)  # a module of before, now private

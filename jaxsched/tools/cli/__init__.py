@@ -17,19 +17,21 @@ Every option is checked while the command line is parsed, before any work starts
 
 from __future__ import annotations
 
+from jaxsched import _deprecations
+
 import argparse
 import importlib
 import sys
 from typing import Sequence
 
-from jaxsched.tools.cli.options import CommandError, request_cpu_devices
+from jaxsched.tools.cli._options import CommandError, request_cpu_devices
 
 COMMAND_MODULES = (
-    "jaxsched.tools.cli.train",
-    "jaxsched.tools.cli.verify",
-    "jaxsched.tools.cli.simulate",
-    "jaxsched.tools.cli.cluster",
-    "jaxsched.tools.cli.inspection",
+    "jaxsched.tools.cli._train",
+    "jaxsched.tools.cli._verify",
+    "jaxsched.tools.cli._simulate",
+    "jaxsched.tools.cli._cluster",
+    "jaxsched.tools.cli._inspection",
 )
 
 __all__ = ["COMMAND_MODULES", "CommandError", "build_parser", "main", "request_cpu_devices"]
@@ -70,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse has printed the usage and the error (or --help)
         return int(exit_.code or 0)
     from jaxsched.demo.config import ConfigError
-    from jaxsched.sim.costmodel import ProfileError
+    from jaxsched.sim._costmodel import ProfileError
     from jaxsched.sim import SimulationError
 
     try:
@@ -82,3 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def __getattr__(name: str) -> object:
+    return _deprecations.moved_module(__name__, name)  # a module of before, now private

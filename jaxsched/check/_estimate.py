@@ -1,0 +1,235 @@
+"""An estimated step where XLA wrote no schedule, from XLA's cost of each instruction.
+
+XLA:TPU on one slice with its default options runs no latency-hiding scheduler, but it
+writes its cost of every fusion into the compiled HLO; `estimate_from_instruction_costs`
+adds those up and prices each collective on a program of that collective alone.
+
+>>> from jaxsched.check._report import report
+>>> TEXT = '''
+... ENTRY %main (p: f32[256]) -> f32[256] {
+...   %p = f32[256]{0} parameter(0)
+...   %f = f32[256]{0} fusion(%p), kind=kLoop, calls=%c, backend_config={"estimated_cycles":"1000"}
+...   ROOT %ar = f32[256]{0} all-reduce(%f), replica_groups={}, to_apply=%add
+... }'''
+>>> from jax.sharding import AbstractMesh
+>>> mesh = AbstractMesh((4,), ("data",))
+>>> r = estimate_from_instruction_costs(report(TEXT, None, mesh, label="x"), TEXT, mesh,
+...     cycles_per_us=1000.0, collective_seconds=lambda kind, nbytes, axes: 2e-6)
+>>> r.collectives[0].mesh_axes, round(r.step_s * 1e6, 3), r.estimate_source  # 1 us compute, 2 us comm
+(('data',), 3.0, 'instruction costs')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import TYPE_CHECKING, Callable
+
+from jax.sharding import Mesh
+
+from jaxsched.check._hlo_ops import _Analyzer
+from jaxsched.check._hlo_text import MeshLike, _Module, _parse_hlo
+from jaxsched.check._schedule_proto import _parse_schedule
+from jaxsched.check._compiled_report import ESTIMATE_FROM_INSTRUCTIONS, CompiledReport
+from jaxsched.check._compiling import compile_with_schedule
+from jaxsched.check._report import _done_of, _Entry, _read_entry, _text_of, report
+
+if TYPE_CHECKING:
+    from jax.stages import Compiled
+
+__all__ = ["estimate_from_instruction_costs"]
+
+_CYCLES_RE = re.compile(r'"estimated_cycles"\s*:\s*"?([0-9.]+)')
+
+
+def _instruction_cycles(mod: _Module, an: _Analyzer, comp: str, depth: int = 0) -> tuple[float, int, bool]:
+    """XLA's estimated cycles of the instructions of ``comp`` run one after another (a while
+    loop's body times its known trip count), how many instructions had a cost, and whether
+    a loop body holds a collective (which the caller cannot price)."""
+    total, costed, loop_collective = 0.0, 0, False
+    for ins in mod.computations.get(comp, []):
+        if ins.opcode == "while":
+            body = re.search(r"body=%?([\w.\-]+)", ins.attrs)
+            trips = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', ins.attrs)
+            if body is None or trips is None or depth > 8:
+                loop_collective = True  # an unknown number of iterations: no estimate
+                continue
+            inner = mod.computations.get(body.group(1), [])
+            if any(an.role(i)[0] in ("sync", "start", "done") for i in inner):
+                loop_collective = True
+            cycles, k, nested = _instruction_cycles(mod, an, body.group(1), depth + 1)
+            total += int(trips.group(1)) * cycles
+            costed += k
+            loop_collective = loop_collective or nested
+            continue
+        if an.role(ins)[0] in ("sync", "start", "done"):
+            continue  # collectives are priced on their own
+        m = _CYCLES_RE.search(ins.attrs)
+        if m:
+            total += float(m.group(1))
+            costed += 1
+    return total, costed, loop_collective
+
+
+#: Probed ``(seconds, cycles_per_us)`` by ``(mesh, kind, bytes, axes)``: one compile each per process.
+_PROBES: dict[tuple[Mesh, str, int, tuple[str, ...]], tuple[float | None, float | None]] = {}
+_PROBE_MIN_BYTES = 4096
+#: the largest collective priced as a larger one where XLA keeps it synchronous
+_PROBE_MAX_SMALL_BYTES = 1 << 20
+
+
+def _probe_collective(mesh: Mesh, kind: str, nbytes: int, axes: tuple[str, ...]) -> tuple[float | None, float | None]:
+    """``(seconds, cycles_per_us)``: XLA's latency-hiding scheduler's time for one ``kind``
+    collective of ``nbytes`` per device (its result) over ``axes`` of ``mesh``, compiled
+    alone as one flat float32 array with the engine's TPU options (XLA writes a schedule
+    only for a program with asynchronous collectives), and the clock that schedule counts
+    cycles in. ``(None, None)`` where it cannot be compiled or timed. Cached per mesh.
+
+    XLA:TPU keeps an all-reduce of less than 4 KiB synchronous even with those options (no
+    schedule; measured on v5p): a smaller collective is priced as one of 4 KiB, about
+    0.03 us there. Other small collectives it keeps synchronous (a 10 KiB all-gather on
+    v5p) are priced as the smallest larger one it makes async, up to 1 MiB."""
+    key = (mesh, kind, int(nbytes), tuple(axes))
+    if key in _PROBES:
+        return _PROBES[key]
+    result: tuple[float | None, float | None] = (None, None)
+    try:
+        import jax
+        import jax.numpy as jnp
+        from jax import lax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from jaxsched.runtime.engine._xla import TPU_OPTIONS
+
+        n = math.prod(mesh.shape[a] for a in axes)
+        axis = axes[0] if len(axes) == 1 else tuple(axes)
+        elems = max(_PROBE_MIN_BYTES, int(nbytes)) // 4 + (int(nbytes) % 4 > 0)
+        if kind == "all-reduce":
+            shape, in_spec, out_spec, body = (elems,), P(), P(), lambda x: lax.psum(x, axis)
+        elif kind == "all-gather":
+            shape, in_spec, out_spec = (-(-elems // n) * n,), P(axis), P()
+            body = lambda x: lax.all_gather(x, axis, tiled=True)
+        elif kind == "reduce-scatter":
+            shape, in_spec, out_spec = (elems * n,), P(), P(axis)
+            body = lambda x: lax.psum_scatter(x, axis, tiled=True)
+        elif kind == "all-to-all":
+            shape, in_spec, out_spec = (-(-elems // n) * n * n,), P(axis), P(axis)
+            body = lambda x: lax.all_to_all(x, axis, 0, 0, tiled=True)
+        elif kind == "collective-permute" and len(axes) == 1:
+            shape, in_spec, out_spec = (elems,), P(), P()
+            body = lambda x: lax.ppermute(x, axis, [(i, (i + 1) % n) for i in range(n)])
+        else:
+            _PROBES[key] = result
+            return result
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(in_spec,), out_specs=out_spec, check_vma=False))
+        arg = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, in_spec))
+        compiled, schedule = compile_with_schedule(fn.trace(arg).lower(), TPU_OPTIONS)
+        sched = _parse_schedule(schedule) if schedule else None
+        if sched is not None:
+            probe = report(compiled, schedule, mesh, label="probe")
+            spans = [
+                w.end_s - w.start_s
+                for w in probe.collectives
+                if w.kind == kind and w.start_s is not None and w.end_s is not None
+            ]
+            if spans:
+                result = (max(spans), sched.cycles_per_us)
+    except Exception:  # a collective this probe cannot build or XLA cannot compile
+        result = (None, None)
+    if result[0] is None and kind == "reduce-scatter":
+        # XLA:TPU decomposes a reduce-scatter over a 3-D block of chips into an all-reduce
+        # (no reduce-scatter to read): priced as half an all-reduce of its input, the
+        # traffic of a ring reduce-scatter
+        n = math.prod(mesh.shape[a] for a in axes)
+        whole, clock = _probe_collective(mesh, "all-reduce", int(nbytes) * n, axes)
+        result = (None if whole is None else whole / 2, clock)
+    if result[0] is None and _PROBE_MIN_BYTES <= nbytes < _PROBE_MAX_SMALL_BYTES:
+        # XLA:TPU keeps small collectives synchronous (no schedule to read): priced as
+        # the smallest larger one it makes async, an upper bound
+        result = _probe_collective(mesh, kind, max(4 * int(nbytes), 64 * 1024), axes)
+    _PROBES[key] = result
+    return result
+
+
+def _exposed_after_hiding(rep: CompiledReport, comm: list[float], entry: _Entry, clock: float) -> float:
+    """Every collective's time (``comm``, seconds) less, for an asynchronous one, the compute
+    in its window by XLA's costs (``clock`` cycles per microsecond), added up."""
+    done_of = _done_of(entry)
+    exposed = 0.0
+    for w, seconds in zip(rep.collectives, comm):
+        done = done_of.get(w.name)
+        if w.is_async and done is not None and w.name in entry.pos:
+            inside = entry.order[entry.pos[w.name] + 1 : entry.pos[done.name]]
+            hidden = sum(
+                float(m.group(1))
+                for i in inside
+                if entry.roles[i.name][0] == "compute" and (m := _CYCLES_RE.search(i.attrs))
+            )
+            seconds = max(0.0, seconds - hidden / clock * 1e-6)
+        exposed += seconds
+    return exposed
+
+
+def estimate_from_instruction_costs(
+    rep: CompiledReport,
+    compiled_or_hlo_text: Compiled | str,
+    mesh: MeshLike | None = None,
+    *,
+    cycles_per_us: float | None = None,
+    collective_seconds: Callable[[str, int, tuple[str, ...]], float | None] | None = None,
+) -> CompiledReport:
+    """``rep`` with an estimated step where XLA wrote no schedule, from XLA's cost of each
+    instruction (``estimate_source="instruction costs"``); ``rep`` unchanged where it has a
+    schedule estimate already or the costs are missing.
+
+    XLA:TPU writes its cost of every fusion into the compiled HLO (``estimated_cycles`` in
+    its ``backend_config``) even when its latency-hiding scheduler does not run (a single
+    slice with the default options). The compute is those costs added up in program order
+    (a while loop's body times its trip count); each collective is priced by XLA's
+    latency estimator on a program of that collective alone (the same kind, bytes and mesh
+    axes, as one flat array; ``collective_seconds(kind, bytes, axes)`` replaces that
+    probe). Nothing overlaps: a synchronous collective adds its whole time, an
+    asynchronous one what the costed compute in its window does not cover. No estimate
+    (``rep`` returned) where a collective cannot be priced, a loop holds a collective, or
+    the program carries no instruction costs (XLA:GPU and XLA:CPU write none).
+
+    ``cycles_per_us`` is the chip's clock (None: read from the probe's schedule)."""
+    if rep.step_s is not None:
+        return rep
+    text = _text_of(compiled_or_hlo_text)
+    mod = _parse_hlo(text)
+    cycles, costed, loop_collective = _instruction_cycles(mod, _Analyzer(mod), mod.entry)
+    if costed == 0 or loop_collective:
+        return rep
+    if collective_seconds is None and not isinstance(mesh, Mesh):
+        return rep
+    probing = collective_seconds is None
+    clock = cycles_per_us
+
+    def price(kind: str, nbytes: int, axes: tuple[str, ...]) -> float | None:
+        nonlocal clock
+        if collective_seconds is not None:
+            return collective_seconds(kind, nbytes, axes)
+        if not isinstance(mesh, Mesh):  # checked above: probing needs real devices
+            return None
+        seconds, cpu = _probe_collective(mesh, kind, nbytes, axes)
+        clock = clock or cpu
+        return seconds
+
+    comm: list[float] = []
+    for w in rep.collectives:
+        seconds = price(w.kind, w.bytes, w.mesh_axes) if w.mesh_axes else None
+        if seconds is None:
+            return rep
+        comm.append(seconds)
+    if clock is None and isinstance(mesh, Mesh) and probing:  # no collective to read the clock from: a small one
+        clock = _probe_collective(mesh, "all-reduce", _PROBE_MIN_BYTES, (mesh.axis_names[0],))[1]
+    if not clock:
+        return rep
+
+    exposed = _exposed_after_hiding(rep, comm, _read_entry(text), clock)
+    compute_s = cycles / clock * 1e-6
+    return dataclasses.replace(
+        rep, step_s=compute_s + exposed, exposed_comm_s=exposed, estimate_source=ESTIMATE_FROM_INSTRUCTIONS
+    )

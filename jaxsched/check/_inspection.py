@@ -1,0 +1,219 @@
+"""Where the collectives sit in a compiled (scheduled) XLA program, by XLA's own estimate.
+
+A strategy that reorders gradient communication only helps if the compiler keeps the order
+and overlaps the communication with compute. This module reads what XLA actually produced:
+the scheduled HLO of a compiled program (``compiled.as_text()``; the ENTRY computation's
+instruction order is the schedule) and, when the backend writes one, the latency-hiding
+scheduler's own estimate (``xla_dump_latency_hiding_schedule``: start/end cycles of every
+instruction, total and "wasted" cycles). It reports each collective's kind, size, mesh axes,
+whether it is asynchronous, and the compute scheduled inside its start..done window.
+
+Nothing here runs on an accelerator: it works on programs compiled for compile-only GPU or
+TPU devices, and every time it reports is XLA's estimate, not a measurement.
+
+How asynchrony shows up in the compiled HLO:
+
+- GPU: ``all-reduce-start``/``all-reduce-done`` (likewise all-gather, reduce-scatter,
+  all-to-all, collective-permute), or ``async-start``/``async-done`` wrapping a collective.
+  A pair whose backend_config says ``"is_sync":true`` runs synchronously.
+- TPU: an *async collective fusion*: a ``fusion`` named ``async-collective-start*`` whose
+  computation ends in ``custom-call(... custom_call_target="AsyncCollectiveStart")``, compute
+  fusions calling ``async_collective_fusion.*`` (the collective's continuation fused with
+  convolutions), and a ``fusion`` ending in ``AsyncCollectiveDone``. TPU schedules *before*
+  it forms these fusions, so its schedule names the pairs ``all-reduce-start.N`` etc.; they
+  are matched to the fused pairs by kind and order.
+- A bare collective (``all-reduce(``) in ENTRY is synchronous (CPU always; TPU by default).
+
+A hand-written program, with no schedule estimate:
+
+>>> TEXT = '''
+... HloModule m, is_scheduled=true
+...
+... %add (a: f32[], b: f32[]) -> f32[] {
+...   %a = f32[] parameter(0)
+...   %b = f32[] parameter(1)
+...   ROOT %s = f32[] add(%a, %b)
+... }
+...
+... ENTRY %main (p: f32[256,256], q: f32[256,256]) -> f32[256,256] {
+...   %p = f32[256,256]{1,0} parameter(0)
+...   %q = f32[256,256]{1,0} parameter(1)
+...   %ars = f32[256,256]{1,0} all-reduce-start(%p), replica_groups={{0,1}}, to_apply=%add
+...   %d = f32[256,256]{1,0} dot(%q, %q), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+...   %ard = f32[256,256]{1,0} all-reduce-done(%ars)
+...   ROOT %r = f32[256,256]{1,0} add(%ard, %d)
+... }
+... '''
+>>> r = report(TEXT, None, None, label="x")
+>>> w = r.collectives[0]
+>>> (w.kind, w.bytes, w.is_async, w.compute_ops, w.compute_flops, w.start_s)
+('all-reduce', 262144, True, 1, 33554432.0, None)
+>>> (r.num_async, r.num_sync, r.step_s)
+(1, 0, None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from jax.sharding import Mesh
+
+from jaxsched.check._hlo_text import _replica_groups
+from jaxsched.check._compiled_report import (
+    ESTIMATE_FROM_INSTRUCTIONS,
+    ESTIMATE_FROM_SCHEDULE,
+    ESTIMATOR,
+    CollectiveWindow,
+    CompiledReport,
+    LoopCost,
+)
+from jaxsched.check._hlo_text import MeshLike
+from jaxsched.check._compiling import CompilerOption, compile_with_schedule
+from jaxsched.check._estimate import estimate_from_instruction_costs
+from jaxsched.check._report import report
+from jaxsched.check._table import format_options, format_table
+from jaxsched.check._timeline import _streams, plot
+from jaxsched.core._axes import num_slices
+
+if TYPE_CHECKING:
+    from jax.stages import Lowered
+
+__all__ = [
+    "CollectiveWindow",
+    "CompiledReport",
+    "ESTIMATOR",
+    "Inspection",
+    "LoopCost",
+    "PLAIN_LABEL",
+    "ESTIMATE_FROM_INSTRUCTIONS",
+    "ESTIMATE_FROM_SCHEDULE",
+    "compile_with_schedule",
+    "describe_mesh",
+    "estimate_from_instruction_costs",
+    "format_options",
+    "format_table",
+    "inspect_lowered",
+    "inspect_jitted",
+    "plot",
+    "ratios",
+    "report",
+]
+
+# Read by the tests of the HLO reader and of the timeline's rows.
+_PRIVATE_REEXPORTS = (_replica_groups, _streams)
+
+
+def inspect_lowered(
+    lowered: Lowered,
+    mesh: MeshLike | None,
+    *,
+    label: str,
+    target: str = "",
+    compiler_options: Mapping[str, CompilerOption] | None = None,
+    estimate: bool = True,
+) -> CompiledReport:
+    """Compile ``lowered`` with ``compiler_options`` (None: XLA's defaults; options that
+    ``jax.jit(..., compiler_options=...)`` put in ``lowered`` apply too, so passing the same
+    again changes nothing) and report it, the options recorded in the report; with
+    ``estimate``, where XLA writes no schedule, estimate its step from XLA's instruction
+    costs (`estimate_from_instruction_costs`)."""
+    compiled, schedule = compile_with_schedule(lowered, compiler_options)
+    rep = report(compiled, schedule, mesh, label=label, target=target, compiler_options=compiler_options)
+    if estimate and rep.step_s is None and rep.platform != "cpu":
+        rep = estimate_from_instruction_costs(rep, compiled, mesh)
+    return rep
+
+
+PLAIN_LABEL = "plain (XLA defaults)"
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    """``"gpu: 8 x NVIDIA H100 80GB HBM3 over 2 hosts"``: what a program was compiled for."""
+    devices = list(mesh.devices.flat)
+    first = devices[0]
+    hosts = len({d.process_index for d in devices})
+    slices = num_slices(devices)
+    where = f" over {hosts} hosts" if hosts > 1 else ""
+    where += f", {slices} slices" if slices > 1 else ""
+    return f"{first.platform}: {len(devices)} x {getattr(first, 'device_kind', first.platform)}{where}"
+
+
+def inspect_jitted(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    mesh: Mesh,
+    *,
+    label: str = PLAIN_LABEL,
+    compiler_options: Mapping[str, CompilerOption] | None = None,
+    estimate: bool = True,
+) -> CompiledReport:
+    """Compile ``fn`` (jitted or not) on ``args`` (arrays or ``jax.ShapeDtypeStruct`` with
+    shardings) with only ``compiler_options`` (default: XLA's own defaults) and report it.
+    This is how a user's step is judged as XLA compiles it alone. Where XLA writes no
+    schedule (XLA:TPU on one slice with its defaults), ``estimate`` adds an estimate from
+    XLA's instruction costs (`estimate_from_instruction_costs`)."""
+    import jax
+
+    jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
+    return inspect_lowered(
+        jitted.trace(*args).lower(),
+        mesh,
+        label=label,
+        target=describe_mesh(mesh),
+        compiler_options=compiler_options,
+        estimate=estimate,
+    )
+
+
+def ratios(report: CompiledReport, base: CompiledReport | None) -> dict[str, float | None]:
+    """``report``'s estimated step and exposed communication over ``base``'s (None where
+    either has no estimate)."""
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else a / b
+
+    return {
+        "step": ratio(report.step_s, None if base is None else base.step_s),
+        "exposed_comm": ratio(report.exposed_comm_s, None if base is None else base.exposed_comm_s),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Inspection:
+    """What ``Scheduled.inspect`` returns.
+
+    Attributes:
+      report: the scheduled step as compiled (the engine's per-target options, in
+        ``report.compiler_options``).
+      baseline: the user's step unchanged, compiled with XLA's default options (None when
+        not asked for). Where XLA writes no schedule for it (XLA:TPU on one slice), its
+        estimate comes from XLA's instruction costs (``baseline.estimate_source``), and
+        `ratios` compare the two kinds of estimate.
+    """
+
+    report: CompiledReport
+    baseline: CompiledReport | None = None
+
+    def ratios(self) -> dict[str, float | None]:
+        """Estimated step and exposed communication as ratios to the baseline's."""
+        return ratios(self.report, self.baseline)
+
+    def table(self) -> str:
+        """The baseline (when there is one) and the scheduled step, ratios to the baseline."""
+        shown = [self.report] if self.baseline is None else [self.baseline, self.report]
+        return format_table(shown, baseline=self.baseline)
+
+    def plot(self, path: str) -> str:
+        """`plot` of the baseline (when there is one) and the scheduled step."""
+        return plot([r for r in (self.baseline, self.report) if r is not None], path)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "report": self.report.to_json(),
+            "baseline": None if self.baseline is None else self.baseline.to_json(),
+            "ratio_to_baseline": self.ratios(),
+        }
+
+    def __str__(self) -> str:
+        return self.table()

@@ -1,0 +1,337 @@
+"""A compiled program's collectives and XLA's schedule estimate for it (`report`).
+
+The steps: parse the scheduled HLO; pair each collective's start with its done (or find
+it synchronous); match each to its window in XLA's schedule; read its size, mesh axes
+and the compute inside its window; add up the schedule's step and exposed communication,
+while loops counted for every iteration.
+
+>>> TEXT = '''
+... ENTRY %main (p: f32[256]) -> f32[256] {
+...   %p = f32[256]{0} parameter(0)
+...   ROOT %ar = f32[256]{0} all-reduce(%p), replica_groups={}, to_apply=%add
+... }'''
+>>> r = report(TEXT, None, None, label="x")
+>>> [(w.kind, w.bytes, w.is_async) for w in r.collectives], r.platform, r.step_s
+([('all-reduce', 1024, False)], 'cpu', None)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING, Mapping, NamedTuple
+
+from jax.sharding import Mesh
+
+from jaxsched.check._hlo_ops import _Analyzer, _find_start
+from jaxsched.check._hlo_text import (
+    _dtype_bits,
+    _Instr,
+    _mesh_axes,
+    MeshLike,
+    _Module,
+    _parse_hlo,
+    _replica_groups,
+    _shape_bytes,
+    _shape_leaves,
+)
+from jaxsched.check._loops import _live_gathered, _loop_costs
+from jaxsched.check._schedule_proto import _parse_schedule, _Schedule
+from jaxsched.check._compiled_report import ESTIMATE_FROM_SCHEDULE, CollectiveWindow, CompiledReport, LoopCost
+from jaxsched.check._compiling import CompilerOption
+from jaxsched.sim import _intervals as intervals
+
+if TYPE_CHECKING:
+    from jax.stages import Compiled
+
+__all__ = ["report"]
+
+
+def _platform(text: str, mesh: MeshLike | None) -> str:
+    if isinstance(mesh, Mesh):
+        p = mesh.devices.flat[0].platform
+        return {"cuda": "gpu", "rocm": "gpu"}.get(p, p)
+    if ":T(" in text or "AsyncCollective" in text or "megacore" in text:
+        return "tpu"
+    if "operation_queue_id" in text or "__cublas" in text or "gemm_fusion" in text:
+        return "gpu"
+    return "cpu"
+
+
+class _Pair(NamedTuple):
+    """A collective of the final program: its start (or the synchronous op) and its done."""
+
+    start: _Instr
+    done: _Instr | None
+    kind: str
+    is_async: bool
+
+
+class _Entry(NamedTuple):
+    """The ENTRY computation, read once: program order, instructions by name, each one's role."""
+
+    mod: _Module
+    an: _Analyzer
+    order: list[_Instr]
+    by_name: dict[str, _Instr]
+    roles: dict[str, tuple[str, str]]
+    pos: dict[str, int]
+
+
+def _read_entry(text: str) -> _Entry:
+    mod = _parse_hlo(text)
+    an = _Analyzer(mod)
+    order = mod.computations[mod.entry]
+    return _Entry(
+        mod,
+        an,
+        order,
+        {i.name: i for i in order},
+        {i.name: an.role(i) for i in order},
+        {i.name: k for k, i in enumerate(order)},
+    )
+
+
+def _done_of(entry: _Entry) -> dict[str, _Instr]:
+    """Each start's done op, by the start's name (the first done that completes it)."""
+    done_of: dict[str, _Instr] = {}
+    for ins in entry.order:
+        if entry.roles[ins.name][0] == "done":
+            st = _find_start(ins, entry.by_name, entry.an, entry.roles)
+            if st is not None and st.name not in done_of:
+                done_of[st.name] = ins
+    return done_of
+
+
+def _pairs(entry: _Entry) -> list[_Pair]:
+    """Start/done pairs and synchronous collectives of the final program, in program order."""
+    done_of = _done_of(entry)
+    items = []
+    for ins in entry.order:
+        role, kind = entry.roles[ins.name]
+        if role == "sync":
+            items.append(_Pair(ins, None, kind, False))
+        elif role == "start":
+            done = done_of.get(ins.name)
+            if done is None:
+                continue
+            cfg = ins.attrs + done.attrs
+            is_async = not re.search(r'"is_sync"\s*:\s*true', cfg)
+            if ins.opcode == "async-start":
+                inner = entry.an.called_info(ins)[1]
+                if inner is not None and re.search(r'"is_sync"\s*:\s*true', inner.attrs):
+                    is_async = False
+            items.append(_Pair(ins, done, kind or entry.roles[done.name][1], is_async))
+    return items
+
+
+def _schedule_pairs(sched: _Schedule) -> list[tuple[int, int, str]]:
+    """``(start index, done index, kind)`` of the schedule's collectives, in schedule order."""
+    starts = {
+        o.name: k
+        for k, o in enumerate(sched.ops)
+        if o.kind and (o.opcode.endswith("-start") or o.opcode in ("send", "recv"))
+    }
+    pairs = [
+        (starts[o.operand0], k, sched.ops[starts[o.operand0]].kind)
+        for k, o in enumerate(sched.ops)
+        if o.kind and o.opcode.endswith("-done") and o.operand0 in starts
+    ]
+    return sorted(pairs)
+
+
+def _match_windows(items: list[_Pair], sched: _Schedule) -> list[tuple[int, int] | None]:
+    """Each collective's ``(start, done)`` indices in the schedule (None where not found).
+
+    By name first; then (TPU, whose schedule predates its async collective fusions) by
+    kind and first operand; then by kind in program order."""
+    s_index = {o.name: k for k, o in enumerate(sched.ops)}
+    s_pairs = _schedule_pairs(sched)
+    s_done_of = {a: b for a, b, _ in s_pairs}
+    claimed: set[int] = set()
+
+    def by_name(ins: _Instr, done: _Instr | None) -> tuple[int, int] | None:
+        if ins.name in s_index:
+            a = s_index[ins.name]
+            b = s_index.get(done.name, s_done_of.get(a, a)) if done is not None else s_done_of.get(a, a)
+            claimed.add(a)
+            return a, b
+        m = re.search(r'async_collective_name="([^"]*)"', ins.attrs)
+        if m and m.group(1) in s_index:
+            a = s_index[m.group(1)]
+            claimed.add(a)
+            return a, s_done_of.get(a, a)
+        return None
+
+    windows = [by_name(item.start, item.done) for item in items]
+    for same_operand in (True, False):
+        for n, item in enumerate(items):
+            if windows[n] is not None:
+                continue
+            for a, b, k in s_pairs:
+                if a in claimed or k != item.kind:
+                    continue
+                if same_operand and (not item.start.operands or sched.ops[a].operand0 != item.start.operands[0]):
+                    continue
+                claimed.add(a)
+                windows[n] = (a, b)
+                break
+    return windows
+
+
+def _payload_bytes(item: _Pair) -> int:
+    """Bytes per device a collective moves (its result)."""
+    if item.kind == "send":  # send-done is a token: the payload is the send's first element
+        leaves = _shape_leaves(item.start.shape)
+        return math.prod(leaves[0][1]) * _dtype_bits(leaves[0][0]) // 8 if leaves else 0
+    return _shape_bytes(item.done.shape if item.done is not None else item.start.shape)
+
+
+def _window(
+    item: _Pair, win: tuple[int, int] | None, entry: _Entry, sched: _Schedule | None, mesh: MeshLike | None
+) -> CollectiveWindow:
+    """One collective's report: size, mesh axes, compute in its window (program and schedule)."""
+    ins, done = item.start, item.done
+    groups_src = ins
+    if ins.opcode in ("fusion", "custom-call", "async-start"):
+        groups_src = entry.an.called_info(ins)[1] or ins
+    axes = _mesh_axes(_replica_groups(groups_src.attrs), mesh)
+    ops, flops = 0, 0.0
+    if item.is_async and done is not None:
+        for mid in entry.order[entry.pos[ins.name] + 1 : entry.pos[done.name]]:
+            if entry.roles[mid.name][0] == "compute":
+                ops += 1
+                flops += entry.an.flops(mid, entry.mod.entry)
+    start_s = end_s = compute_s = None
+    if win is not None and sched is not None:
+        a, b = win
+        start_s = sched.seconds(sched.ops[a].start)
+        end_s = sched.seconds(sched.ops[b].end)
+        compute_s = 0.0
+        if item.is_async:
+            compute_s = sched.seconds(sum(o.end - o.start for o in sched.ops[a + 1 : b] if o.compute))
+    return CollectiveWindow(
+        ins.name,
+        item.kind,
+        int(_payload_bytes(item)),
+        axes,
+        bool(item.is_async),
+        ops,
+        float(flops),
+        start_s,
+        end_s,
+        compute_s,
+    )
+
+
+class _Totals(NamedTuple):
+    """What the schedule says of the whole program (all None/empty without a schedule)."""
+
+    step_s: float | None = None
+    exposed_s: float | None = None
+    xla_total_s: float | None = None
+    xla_wasted_s: float | None = None
+    compute: tuple[tuple[str, float, float], ...] = ()
+    loops: tuple[LoopCost, ...] = ()
+    peak_gathered_bytes: int | None = None
+
+
+def _exposed(windows: list[CollectiveWindow], sched: _Schedule) -> float:
+    """Time with a collective in flight and no compute running. A collective the final
+    program runs synchronously hides nothing, even where the schedule (on TPU made before
+    the async fusions) had compute in its window."""
+    timed = [(w.start_s, w.end_s, w.is_async) for w in windows if w.start_s is not None and w.end_s is not None]
+    hidden_by = [(sched.seconds(o.start), sched.seconds(o.end)) for o in sched.ops if o.compute]
+    parts = intervals.subtract([(a, b) for a, b, is_async in timed if is_async], hidden_by)
+    parts += [(a, b) for a, b, is_async in timed if not is_async]
+    return intervals.total(intervals.union(parts))
+
+
+def _totals(mod: _Module, sched: _Schedule, windows: list[CollectiveWindow]) -> _Totals:
+    """The schedule's step and exposed communication, while loops counted per iteration."""
+    step_s = exposed = None
+    total = sched.seconds(sched.step_cycles) if sched.step_cycles is not None else None
+    wasted = sched.seconds(sched.wasted_cycles) if sched.wasted_cycles is not None else None
+    compute = tuple((o.name, sched.seconds(o.start), sched.seconds(o.end)) for o in sched.ops if o.compute)
+    if sched.ops:
+        step_s = sched.seconds(max(o.end for o in sched.ops) - min(o.start for o in sched.ops))
+        exposed = _exposed(windows, sched)
+    loops = tuple(_loop_costs(mod, mod.entry, sched))
+    gathered = [_live_gathered(mod, mod.entry, sched)]
+    gathered += [_live_gathered(mod, comp, body) for comp, body in sched.others.items()]
+    if loops and step_s is not None and exposed is not None:
+        # a loop counts in the entry's schedule as one instruction; its iterations as
+        # many times its body's own schedule
+        own = {o.name: sched.seconds(o.end - o.start) for o in sched.ops}
+        step_s += sum(loop.seconds - own.get(loop.name, 0.0) for loop in loops)
+        exposed += sum(loop.exposed_s for loop in loops)
+    return _Totals(step_s, exposed, total, wasted, compute, loops, max(g[0] for g in gathered))
+
+
+def _text_of(compiled_or_hlo_text: Compiled | str) -> str:
+    """The scheduled HLO text of a compiled program ("" where the backend prints none)."""
+    if isinstance(compiled_or_hlo_text, str):
+        return compiled_or_hlo_text
+    return compiled_or_hlo_text.as_text() or ""
+
+
+def report(
+    compiled_or_hlo_text: Compiled | str,
+    schedule_text: str | None,
+    mesh: MeshLike | None = None,
+    *,
+    label: str,
+    target: str = "",
+    compiler_options: Mapping[str, CompilerOption] | None = None,
+) -> CompiledReport:
+    """Collectives of a compiled program and XLA's schedule estimate for it.
+
+    Args:
+      compiled_or_hlo_text: a ``jax.stages.Compiled`` or its ``as_text()`` (scheduled HLO).
+      schedule_text: from `compile_with_schedule` (None: no times).
+      mesh: a ``Mesh`` or ``AbstractMesh`` that maps replica groups (logical ids =
+        positions in ``mesh.devices.flat``) to axis names; None gives ``mesh_axes=()``.
+      label: the report's name.
+      target: what the program was compiled for (`describe_mesh`).
+      compiler_options: what the program was compiled with, kept in the report (None:
+        XLA's defaults).
+
+    Returns:
+      The `CompiledReport`. Without a schedule it has no times;
+      `estimate_from_instruction_costs` adds an estimate where XLA costs each instruction.
+    """
+    text = _text_of(compiled_or_hlo_text)
+    entry = _read_entry(text)
+    sched = _parse_schedule(schedule_text) if schedule_text else None
+    items = _pairs(entry)
+    matched = _match_windows(items, sched) if sched is not None else [None] * len(items)
+    windows = [_window(item, win, entry, sched, mesh) for item, win in zip(items, matched)]
+    totals = _totals(entry.mod, sched, windows) if sched is not None else _Totals()
+    return CompiledReport(
+        label,
+        target,
+        _platform(text, mesh),
+        totals.step_s,
+        totals.exposed_s,
+        tuple(windows),
+        totals.compute,
+        xla_total_s=totals.xla_total_s,
+        xla_wasted_s=totals.xla_wasted_s,
+        loops=totals.loops,
+        peak_gathered_bytes=totals.peak_gathered_bytes,
+        peak_memory_bytes=None if isinstance(compiled_or_hlo_text, str) else _peak_memory(compiled_or_hlo_text),
+        estimate_source=ESTIMATE_FROM_SCHEDULE if totals.step_s is not None else None,
+        compiler_options=dict(compiler_options or {}),
+    )
+
+
+def _peak_memory(compiled: Compiled) -> int | None:
+    """Per-device peak from XLA's memory analysis: arguments, outputs and temporaries, less
+    what outputs alias (donated arguments)."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # backends without the analysis
+        return None
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)

@@ -1,0 +1,418 @@
+"""The program: what one (captured step, strategy, buckets, engine) builds.
+
+`build_program` is a pure function of those four; `ProgramCache` keeps one
+program per abstract input signature (tree structure, shapes, dtypes, shardings), as
+``jax.jit`` caches, so a batch of a new shape gets its own program.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> a = abstract_signature((jnp.zeros((4, 2)), 1))
+    >>> a == abstract_signature((jnp.ones((4, 2)), 2)), a == abstract_signature((jnp.zeros((3, 2)), 1))
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Hashable, Protocol, cast, runtime_checkable
+
+import jax
+import numpy as np
+
+from jax.tree_util import PyTreeDef
+
+from jaxsched._errors import JaxschedTypeError, JaxschedValueError
+from jaxsched.core._capture import CapturedStep
+from jaxsched.runtime.engine._base import Engine, PerDeviceProgram
+from jaxsched.plan._planned_step import PlannedStep, is_abstract
+from jaxsched.strategies._base import ScheduledState, Strategy
+
+__all__ = ["BatchKey", "abstract_signature", "leaf_dtype", "PhasedStrategy", "Program", "ProgramCache", "retyped"]
+
+
+#: a batch leaf's signature as `Program.run_again` compares it: (type, shape, dtype, sharding)
+BatchKey = tuple[type[Any], tuple[int, ...], np.dtype, jax.sharding.Sharding | None]
+
+
+@runtime_checkable
+class PhasedStrategy(Protocol):
+    """A strategy whose programs differ by step (`jaxsched.strategies._diloco.DiLoCo`): the
+    program compiles one core per phase and counts the step on the host."""
+
+    def phase_key(self, step: int | None) -> Hashable:
+        """The phase of step ``step`` (None: the representative phase `rewrite` builds)."""
+        ...
+
+    def host_step(self, state: Any) -> int | None:
+        """The step ``state`` is at, read on the host."""
+        ...
+
+    def rewrite_phase(self, planned: PlannedStep, key: Hashable) -> Callable[..., Any]:
+        """The per-device body of phase ``key``."""
+        ...
+
+
+class _Lowerable(Protocol):
+    """An engine's compiled core that can be lowered (as ``jax.jit``'s result can)."""
+
+    def lower(self, *args: Any) -> jax.stages.Lowered: ...
+
+
+def abstract_signature(tree: Any) -> Hashable:
+    """What a program depends on in ``tree``: structure, and per leaf shape, dtype, sharding."""
+    leaves, treedef = jax.tree.flatten(tree)
+
+    def leaf_key(x: Any) -> tuple:
+        if isinstance(x, jax.Array):  # the common case, without numpy's slower paths
+            return x.shape, x.dtype, x.sharding
+        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+        return tuple(np.shape(x)), np.dtype(dtype) if not hasattr(dtype, "_impl") else dtype, None
+
+    return treedef, tuple(leaf_key(x) for x in leaves)
+
+
+def leaf_dtype(x: Any) -> np.dtype:
+    """The dtype ``x`` has in a traced program (a Python scalar's canonical dtype)."""
+    return x.dtype if hasattr(x, "dtype") else jax.dtypes.canonicalize_dtype(np.result_type(x))
+
+
+def retyped(template: Any, state: Any) -> Any:
+    """``template`` (the state's trees as first traced) with the dtypes ``state``'s leaves
+    have now, or ``template`` itself when none differs.
+
+    A step may return a leaf in another dtype than it took (adam's ``mu_dtype=bfloat16``
+    on a float32 optimizer state): the next call is a program for the new dtypes, as
+    ``jax.jit`` traces again, never the old program with its outputs cast back. Shapes
+    stay the template's, since a strategy may hold a leaf in its own layout (``dear``'s
+    flat shards) whose dtype, not shape, is the user's.
+    """
+    leaves, treedef = jax.tree.flatten(template)
+    now = jax.tree.leaves(state)
+    if len(now) != len(leaves) or all(leaf_dtype(a) == leaf_dtype(b) for a, b in zip(leaves, now)):
+        return template
+    from jaxsched.core._capture import abstract_leaf
+
+    def retype(old: Any, new: Any) -> Any:
+        if leaf_dtype(old) == leaf_dtype(new):
+            return old
+        old = abstract_leaf(old)
+        return jax.ShapeDtypeStruct(old.shape, leaf_dtype(new), sharding=old.sharding)
+
+    return jax.tree.unflatten(treedef, [retype(a, b) for a, b in zip(leaves, now)])
+
+
+class Program:
+    """A compiled scheduled step and the conversions of its state.
+
+    Attributes:
+      planned: the captured step with its analysis and buckets.
+      strategy, engine: what built it.
+      rewritten: the strategy's per-device body and state specs.
+      per_device: the explicit program handed to the engine.
+      core: the engine's callable on flat global arrays (for a strategy whose programs differ
+        by step, ``phase_key``: the one the most recent call ran).
+    """
+
+    def __init__(self, planned: PlannedStep, strategy: Strategy, engine: Engine):
+        self.planned, self.strategy, self.engine = planned, strategy, engine
+        self.rewritten = rewritten = strategy.rewrite(planned)
+        self.per_device = PerDeviceProgram(
+            rewritten.body,
+            planned.mesh,
+            planned.axis_name,
+            tuple(rewritten.state_in_specs) + planned.batch_specs + planned.const_specs,
+            tuple(rewritten.state_out_specs) + planned.aux_specs,
+            rewritten.check_vma,
+            rewritten.compiler_defaults or strategy.compiler_defaults,
+            planned.bucket_bytes,
+            dict(strategy.compiler_overrides),
+            rewritten.global_body,
+            planned.captured.manual_axes,
+            planned.pattern.gathers_ahead is not None,
+        )
+        self.engine = engine.resolve(self.per_device)
+        self.core = self.engine.compile(self.per_device)
+        self._returned: ScheduledState | None = None  # the state the last run returned
+        #: a strategy whose programs differ by step (``phase_key``): one core per phase, and
+        #: the step after the last run, counted on the host so that no call waits to read it
+        self._phase_cores: dict[Hashable, Callable[..., tuple]] = {}
+        self._next_step: int | None = None
+        #: whether the state comes out in the dtypes it went in (None: not run yet)
+        self.keeps_dtypes: bool | None = None
+        self._placed_consts: list | None = None
+        self._state_shapes: list | None = None
+        self._checked_returned = False
+        #: the returned state's leaves and structure, so that the next step does not flatten it
+        self._returned_leaves: list = []
+        self._state_treedef: PyTreeDef | None = None
+        #: the batch signature `run_again` accepts: structure, per leaf (type, shape,
+        #: dtype, sharding), and per leaf None (goes in as given) or the spec it is placed on
+        self._batch_treedef: PyTreeDef | None = None
+        self._batch_keys: list[BatchKey] | None = None
+        self._batch_places: list = []
+
+    # what users and tests inspect ----------------------------------------------------------
+    @property
+    def captured(self) -> CapturedStep:
+        return self.planned.captured
+
+    @property
+    def buckets(self):
+        return self.planned.buckets
+
+    @property
+    def fallbacks(self) -> list:
+        return self.rewritten.fallbacks
+
+    @property
+    def bucket_report(self) -> list:
+        """Per bucket, whether its update ran on shards and, if not, which primitives and
+        source lines forced the fallback (`BucketReport`;
+        the `FallbackWarning` as data). Empty for strategies
+        that run the update on full tensors. Complete once the step has been traced (a
+        call, ``lower`` or ``inspect``).
+
+        Example:
+            >>> import jax, optax
+            >>> import jaxsched
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.adamw(optax.linear_schedule(1e-2, 0.0, 10))
+            >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="dear")
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> state, aux = sched(sched.init(params, tx.init(params)), batch)
+            >>> [(r.bucket, r.on_shards, r.fallbacks) for r in sched.program.bucket_report]
+            [(0, True, ())]
+        """
+        make = self.rewritten.bucket_report
+        return [] if make is None else make()
+
+    @property
+    def layer_profile(self):
+        return self.planned.layer_profile
+
+    @property
+    def network_profile(self):
+        return self.planned.network_profile
+
+    # running -------------------------------------------------------------------------------
+    def convert(self, state: ScheduledState) -> ScheduledState:
+        """The state in this program's layout; idempotent."""
+        # every strategy's state is a NamedTuple with params and opt_state fields
+        return cast(ScheduledState, self.strategy.convert(self.planned, state))
+
+    def inputs(self, state: ScheduledState, batch: Any) -> list:
+        """The compiled core's flat arguments for one step."""
+        return self._inputs(self.convert(state), batch)
+
+    def _inputs(self, converted: ScheduledState, batch: Any, consts: list | None = None) -> list:
+        planned = self.planned
+        batch_leaves = jax.tree.leaves(batch)
+        if len(batch_leaves) != planned.captured.num_batch:
+            raise JaxschedValueError(
+                f"the batch has {len(batch_leaves)} leaves; the step was traced with {planned.captured.num_batch}"
+            )
+        if consts is None:
+            consts = [planned.placed(c, s) for c, s in zip(planned.captured.consts, planned.const_specs, strict=True)]
+        return (
+            jax.tree.leaves(converted)
+            + [planned.placed(b, s) for b, s in zip(batch_leaves, planned.batch_specs, strict=True)]
+            + consts
+        )
+
+    def _device_consts(self) -> list:
+        """The step's constants on the mesh, placed once: a host array passed on every call
+        would be copied to every device on every call."""
+        if self._placed_consts is None:
+            planned = self.planned
+            self._placed_consts = [
+                jax.device_put(c, planned._sharding(s))
+                if not isinstance(c, jax.Array) or c.sharding != planned._sharding(s)
+                else c
+                for c, s in zip(planned.captured.consts, planned.const_specs, strict=True)
+            ]
+        return self._placed_consts
+
+    def _core_for(self, state: ScheduledState, returned: bool) -> tuple[Callable[..., tuple], int | None]:
+        """The compiled core for ``state``'s step, and that step (None: one core for all)."""
+        strategy = self.strategy
+        if not isinstance(strategy, PhasedStrategy):
+            return self.core, None
+        step = self._next_step if returned and self._next_step is not None else strategy.host_step(state)
+        key = strategy.phase_key(step)
+        if not self._phase_cores:  # the core built from `rewrite` is the representative phase's
+            self._phase_cores[strategy.phase_key(None)] = self.core
+        if key not in self._phase_cores:
+            body = strategy.rewrite_phase(self.planned, key)
+            self._phase_cores[key] = self.engine.compile(dataclasses.replace(self.per_device, body=body))
+        return self._phase_cores[key], step
+
+    def run(self, state: ScheduledState, batch: Any) -> tuple[ScheduledState, Any]:
+        """One step, every input checked; the batch's signature is learnt for `run_again`."""
+        returned = state is self._returned
+        batch_leaves, batch_treedef = jax.tree.flatten(batch)
+        if not returned or any(isinstance(b, jax.ShapeDtypeStruct) for b in batch_leaves):
+            if is_abstract(state) or is_abstract(batch):
+                raise JaxschedTypeError(
+                    "the state or batch is abstract (jax.ShapeDtypeStruct leaves): it "
+                    "can be lowered, compiled and inspected (sched.lower, "
+                    "sched.inspect), not run; pass arrays to run a step"
+                )
+        if returned:  # a state this program returned is in place already
+            leaves, treedef = self._returned_leaves, self._state_treedef
+        else:
+            state = self.convert(state)
+            leaves, treedef = jax.tree.flatten(state)
+        planned = self.planned
+        if len(batch_leaves) != planned.captured.num_batch:
+            raise JaxschedValueError(
+                f"the batch has {len(batch_leaves)} leaves; the step was traced with {planned.captured.num_batch}"
+            )
+        placed = [planned.placed(b, s) for b, s in zip(batch_leaves, planned.batch_specs, strict=True)]
+        if self._batch_keys is None:
+            self._learn_batch(batch_leaves, batch_treedef, placed)
+        return self._execute(state, leaves, treedef, placed, returned)
+
+    def run_again(self, batch: Any) -> tuple[ScheduledState, Any] | None:
+        """The step from the state the last run returned, for a batch of the signature
+        `run` learnt (None for any other: `run` then checks it).
+
+        A training loop's call: the state is this program's own output, flat already, and
+        the batch's structure, shapes, dtypes and shardings were checked and its placement
+        decided when its signature was first seen, so that what remains per call is one
+        flatten of the batch and a comparison of its leaves, as ``jax.jit`` dispatches."""
+        keys = self._batch_keys
+        if keys is None or not self.keeps_dtypes or self._returned is None:
+            return None
+        batch_leaves, batch_treedef = jax.tree.flatten(batch)
+        if batch_treedef != self._batch_treedef or len(batch_leaves) != len(keys):
+            return None
+        for leaf, (kind, shape, dtype, sharding) in zip(batch_leaves, keys):
+            if type(leaf) is not kind or leaf.shape != shape or leaf.dtype != dtype:
+                return None
+            if sharding is not None and leaf.sharding != sharding:
+                return None
+        planned = self.planned
+        placed = [b if s is None else planned.placed(b, s) for b, s in zip(batch_leaves, self._batch_places)]
+        return self._execute(self._returned, self._returned_leaves, self._state_treedef, placed, True)
+
+    def _learn_batch(self, leaves: list, treedef: PyTreeDef, placed: list) -> None:
+        """Remember the batch signature `run_again` accepts (``jax.Array`` and NumPy
+        leaves only) and, per leaf, whether it goes in as given (None) or is placed on every
+        call (its spec: a host array, or one on another sharding)."""
+        keys: list[BatchKey] = []
+        for leaf in leaves:
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+                keys.append((type(leaf), leaf.shape, leaf.dtype, leaf.sharding))
+            elif type(leaf) is np.ndarray:
+                keys.append((np.ndarray, leaf.shape, leaf.dtype, None))
+            else:
+                return  # a Python scalar, a NumPy scalar: the checked path every call
+        self._batch_treedef, self._batch_keys = treedef, keys
+        self._batch_places = [
+            None if given is put else spec for given, put, spec in zip(leaves, placed, self.planned.batch_specs)
+        ]
+
+    def _execute(
+        self, state: ScheduledState, leaves: list, treedef: PyTreeDef, batch_leaves: list, returned: bool
+    ) -> tuple[ScheduledState, Any]:
+        """Run the compiled core on the state's ``leaves`` and the placed batch leaves."""
+        core, step = self._core_for(state, returned)
+        self.core = core
+        outs = core(*leaves, *batch_leaves, *self._device_consts())
+        self._next_step = None if step is None else step + 1
+        if self.keeps_dtypes is None:
+            self.keeps_dtypes = all(leaf_dtype(a) == leaf_dtype(b) for a, b in zip(leaves, outs))
+        n = len(leaves)
+        new_leaves = list(outs[:n])
+        new_state = jax.tree.unflatten(treedef, new_leaves)
+        if not self._checked_returned:
+            self._check_returned(new_state)
+        self._returned, self._returned_leaves, self._state_treedef = new_state, new_leaves, treedef
+        return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[n:])
+
+    def _check_returned(self, state: ScheduledState) -> None:
+        """Once per program: a strategy that keeps the user's layout returns every params and
+        opt_state leaf in the shape and dtype the plain step returns it (never another)."""
+        self._checked_returned = True
+        want = self.captured.state_outputs
+        if not self.strategy.keeps_user_layout or not want:
+            return
+        got = jax.tree.leaves((state.params, state.opt_state))
+        for k, (leaf, expected) in enumerate(zip(got, want, strict=True)):
+            if tuple(leaf.shape) != tuple(expected.shape) or leaf.dtype != expected.dtype:
+                raise AssertionError(
+                    f"jaxsched: {self.strategy.name} returned state leaf {k} as {leaf.dtype}{list(leaf.shape)}, "
+                    f"where the plain step returns {expected.dtype}{list(expected.shape)}; this is a bug "
+                    "in jaxsched, please report it"
+                )
+
+    @property
+    def returned(self) -> ScheduledState | None:
+        """The state the last run returned (it is in this program's layout already)."""
+        return self._returned
+
+    def finalize(self, state: ScheduledState) -> tuple[Any, Any]:
+        return self.strategy.finalize(self.planned, state)
+
+    def state_shapes(self, template: Any) -> list[tuple[int, ...]]:
+        """Shapes of the params and opt_state leaves in this program's layout, for trees
+        like ``template`` (abstract leaves): what a state this program made looks like."""
+        if self._state_shapes is None:
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), template)
+            converted = self.convert(self.strategy.initial_state(*abstract))
+            self._state_shapes = [tuple(x.shape) for x in jax.tree.leaves((converted.params, converted.opt_state))]
+        return self._state_shapes
+
+    def lower(self, state: ScheduledState, batch: Any) -> jax.stages.Lowered:
+        """``jax.stages.Lowered`` of this program for ``state`` and ``batch``, concrete or
+        abstract (``jax.ShapeDtypeStruct`` leaves with shardings: nothing touches a device)."""
+        converted = self.convert(state)
+        core = cast(_Lowerable, self._core_for(converted, False)[0])  # jit-like: every engine's core lowers
+        return core.lower(*self._inputs(converted, batch))
+
+    @property
+    def compiler_options(self) -> dict[str, Any]:
+        """The XLA options the engine compiles this program with (``{}``: XLA's defaults)."""
+        options_for = getattr(self.engine, "options_for", None)
+        return {} if options_for is None else options_for(self.per_device)
+
+    def inspect(self, state: ScheduledState, batch: Any, label: str | None = None, *, estimate: bool = True):
+        """Compile for the mesh's devices and read the scheduled program and XLA's estimate
+        (a `jaxsched.check._inspection.CompiledReport`, with the options it was
+        compiled with). ``estimate``: where XLA writes no schedule, estimate the step from
+        XLA's instruction costs (which compiles a probe program per collective)."""
+        from jaxsched.check import _inspection as inspect_lib
+
+        return inspect_lib.inspect_lowered(
+            self.lower(state, batch),
+            self.planned.mesh,
+            label=label or self.strategy.name,
+            target=inspect_lib.describe_mesh(self.planned.mesh),
+            compiler_options=self.compiler_options,
+            estimate=estimate,
+        )
+
+
+class ProgramCache:
+    """One program per abstract signature of the batch and dtypes of the state: the
+    state's shapes are fixed per schedule, its dtypes are not (`retyped`)."""
+
+    def __init__(self, build: Callable[[Any, Any], Program]):
+        self._build = build
+        self._programs: dict[Hashable, Program] = {}
+        self.last: Program | None = None
+
+    def get(self, batch: Any, template: Any = None) -> Program:
+        """The program for ``batch`` and a state like ``template`` (``(params, opt_state)``)."""
+        key = (abstract_signature(batch), tuple(leaf_dtype(x) for x in jax.tree.leaves(template)))
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = self._build(batch, template)
+        self.last = program
+        return program
+
+    def __len__(self) -> int:
+        return len(self._programs)
