@@ -33,6 +33,7 @@ from jaxsched.plan._optimal import optimal_wfbp, search
 from jaxsched.plan._per_layer import plan_per_layer
 from jaxsched.plan._prophet import plan_prophet
 from jaxsched.plan._threshold import DEFAULT_THRESHOLD_BYTES, plan_threshold
+from jaxsched.core._bucketing import param_paths
 
 
 Planner = Callable[..., list[list[int]]]
@@ -183,6 +184,7 @@ __all__ = [
     "measure_dispatch",
     "measure_flops_per_s",
     "optimal_wfbp",
+    "param_paths",
     "plan_buckets",
     "plan_mgwfbp",
     "plan_per_layer",
