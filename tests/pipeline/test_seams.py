@@ -224,15 +224,15 @@ def test_the_pipeline_compares_against_no_strategy_name():
     names = (set(jaxsched.STRATEGIES) | {"approx", "mgwfbp"}) - {"auto"}
     for module in (
         "_schedule.py",
-        "pipeline/program.py",
-        "pipeline/selection.py",
-        "plan/planned_step.py",
-        "runtime/engine/base.py",
-        "runtime/engine/xla.py",
+        "pipeline/_program.py",
+        "pipeline/_selection.py",
+        "plan/_planned_step.py",
+        "runtime/engine/_base.py",
+        "runtime/engine/_xla.py",
         "plan/__init__.py",
         "plan/_common.py",
-        "plan/from_step.py",
-        "sim/core.py",
+        "plan/_from_step.py",
+        "sim/_core.py",
     ):
         assert not _string_comparisons(ROOT / "jaxsched" / module) & names, module
 
