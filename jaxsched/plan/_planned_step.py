@@ -33,6 +33,7 @@ from jaxsched.core._axes import as_axes, spec_axes
 from jaxsched.core._analyze import Analysis, analyze
 from jaxsched.core._bucketing import DEFAULT_BUCKET_BYTES, Bucket, bucket_nbytes, param_paths, plan_buckets
 from jaxsched.core._capture import CapturedStep, UnsupportedStepError
+from jaxsched.runtime.engine._base import Engine, make_engine
 from jaxsched.sim._costmodel import CommPattern, LayerProfile, NetworkProfile, WFBP_PATTERN
 
 __all__ = ["is_abstract", "PlannedStep", "REPLICATED", "takes_as_is", "zero_count"]
@@ -87,7 +88,7 @@ class PlannedStep:
     plan_options: dict = dataclasses.field(default_factory=dict)
     pattern: CommPattern = WFBP_PATTERN
     compression: Any = None
-    engine: Any = None
+    engine: Engine | None = None
     layer_profile: LayerProfile | None = None
     network_profile: NetworkProfile | None = None
     derived: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
@@ -155,6 +156,12 @@ class PlannedStep:
         sharded over (a tensor- or expert-parallel block; each device schedules its own)."""
         data = set(as_axes(self.axis_name))
         return tuple(a for a in spec_axes(self.input_spec(role, index)) if a not in data)
+
+    @property
+    def compiling_engine(self) -> Engine:
+        """The engine that compiles this step's side programs (a strategy's ``finalize``):
+        the step's own, or ``xla`` for a plan made without one (a test's or a planner's)."""
+        return self.engine if self.engine is not None else make_engine("xla")
 
     def collective_form(self, op: str) -> str:
         """How buckets travel for ``op`` on this step's engine (`Engine.collective_form`)."""

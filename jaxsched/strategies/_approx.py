@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +69,7 @@ from jax.sharding import PartitionSpec as P
 from jaxsched._errors import JaxschedValueError
 from jaxsched.core._capture import UnsupportedStepError
 from jaxsched.runtime.collectives._base import BucketSpec, Collective, stack_local, unstack_local
+from jaxsched.runtime.engine._base import PerDeviceProgram
 from jaxsched.sim._costmodel import APPROX_PATTERN
 from jaxsched.strategies._approximation import approximated_point, check_method, check_staleness, select
 from jaxsched.plan._planned_step import PlannedStep, is_abstract, zero_count
@@ -406,7 +407,9 @@ class Approx(Strategy):
             jax.tree.unflatten(cap.opt_tree, outs[cap.num_params :]),
         )
 
-    def _drain_program(self, planned: PlannedStep, count: int):
+    def _drain_program(self, planned: PlannedStep, count: int) -> Callable[..., tuple]:
+        """Reduce and apply the ``count`` pending gradients; compiled by the step's engine
+        (`Engine.compile`) with XLA's default options, as DiLoCo's finalize is."""
         cap = planned.captured
         n_p, n_o = cap.num_params, cap.num_opt
         coll_specs = self.collective_state_specs(planned)
@@ -432,7 +435,8 @@ class Approx(Strategy):
             + planned.const_specs
         )
         out_specs = tuple(planned.output_spec(k) for k in range(n_p + n_o))
-        return jax.jit(jax.shard_map(drain, mesh=planned.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+        program = PerDeviceProgram(drain, planned.mesh, planned.axis_name, in_specs, out_specs, compiler_defaults=True)
+        return planned.compiling_engine.compile(program)
 
     # -- rewrite ----------------------------------------------------------------------------
     def rewrite(self, planned: PlannedStep) -> RewrittenBody:

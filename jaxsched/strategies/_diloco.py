@@ -64,7 +64,7 @@ from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 from jaxsched.core._axes import AxisName, as_axes, spec_axes
 from jaxsched.core._capture import CapturedStep, UnsupportedStepError
 from jaxsched.runtime.collectives._base import BucketSpec, Collective, CollectiveState, stack_local, unstack_local
-from jaxsched.runtime.engine._base import Engine, PerDeviceProgram, make_engine
+from jaxsched.runtime.engine._base import PerDeviceProgram
 from jaxsched.sim._costmodel import DILOCO_PATTERN
 from jaxsched.plan._planned_step import PlannedStep, is_abstract
 from jaxsched.core._primitives import SUM_REDUCTIONS, reduction_axes
@@ -934,9 +934,4 @@ class DiLoCo(Strategy):
             compiler_defaults=True,
             manual_axes=cap.manual_axes,
         )
-        return self._engine(planned).compile(program)
-
-    @staticmethod
-    def _engine(planned: PlannedStep) -> Engine:
-        """The engine the step runs on (``xla`` for a plan made without one)."""
-        return planned.engine if isinstance(planned.engine, Engine) else make_engine("xla")
+        return planned.compiling_engine.compile(program)
