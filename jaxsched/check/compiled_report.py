@@ -130,6 +130,23 @@ class CompiledReport:
     `no_estimate_reason` says why). ``compiler_options`` are the XLA options the
     program was compiled with (``{}``: XLA's defaults), as passed to the compiler.
 
+    Attributes:
+      label: the report's name.
+      target: what the program was compiled for (`describe_mesh`).
+      platform: ``"gpu"``, ``"tpu"`` or ``"cpu"``.
+      step_s: the estimated step, seconds (None: no estimate).
+      exposed_comm_s: the estimated communication no compute hides, seconds.
+      collectives: every collective (`CollectiveWindow`), in program order.
+      compute: ``(name, start_s, end_s)`` of each compute instruction in the schedule.
+      estimator: what the times are (`ESTIMATOR`).
+      xla_total_s: XLA's ``total_cycles``, as seconds (reported, not used).
+      xla_wasted_s: XLA's ``total_wasted_cycles``, as seconds (reported, not used).
+      loops: the while loops (`LoopCost`).
+      peak_gathered_bytes: the most all-gathered bytes alive at once.
+      peak_memory_bytes: XLA's peak memory per device (None where the backend has none).
+      estimate_source: where the step comes from (see above).
+      compiler_options: the XLA options it was compiled with.
+
     Example:
       A report is plain data: build one from JSON (what ``jaxsched inspect --json`` writes)
       to compare programs without compiling them again.

@@ -167,14 +167,15 @@ class HostCosts:
     these the simulator predicted 14-34% too fast. All default to "nothing", so
     a simulation without them is unchanged.
 
-    * ``stage_s``: seconds of Python per collective (a communication stage, the compute
-      stage after it, two device copies dispatched): charged on the compute stream just
-      before the collective is issued (`jaxsched.runtime.engine.host.measure_stage_overhead`).
-    * ``copy_s_per_byte``: copying one byte between the compute device and the spare one;
-      every collective's bytes are copied there before it (compute stream, before it is
-      issued) and back after it (compute stream, before what reads the result).
-    * ``comm_slowdown``: compute runs this many times slower while a collective is moving
-      bytes (>= 1); `comm_slowdown_from_ceiling` derives it from a measured ceiling.
+    Attributes:
+      stage_s: seconds of Python per collective (a communication stage, the compute
+        stage after it, two device copies dispatched): charged on the compute stream just
+        before the collective is issued (`jaxsched.runtime.engine.host.measure_stage_overhead`).
+      copy_s_per_byte: copying one byte between the compute device and the spare one;
+        every collective's bytes are copied there before it (compute stream, before it is
+        issued) and back after it (compute stream, before what reads the result).
+      comm_slowdown: compute runs this many times slower while a collective is moving
+        bytes (>= 1); `comm_slowdown_from_ceiling` derives it from a measured ceiling.
 
     Raises:
       SimulationError: a negative cost, or ``comm_slowdown`` below 1.
