@@ -39,6 +39,24 @@ class CollectiveWindow:
     For a collective the final program runs synchronously, ``compute_ops``, ``compute_flops``
     and ``compute_s`` are 0; on TPU its ``start_s``..``end_s`` can still be the window the
     scheduler had planned before a later pass made it synchronous.
+
+    Attributes:
+      name: the collective's HLO instruction (its start op for an asynchronous one).
+      kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``, ...
+      bytes: what it moves per device (its result).
+      mesh_axes: the mesh axes its replica groups span (``()`` without a mesh).
+      is_async: whether the final program runs it asynchronously.
+      compute_ops: compute instructions in its start..done window, in program order.
+      compute_flops: their flops, by XLA's cost analysis.
+      start_s: its start in XLA's schedule estimate (None without one).
+      end_s: its end in the estimate.
+      compute_s: the compute time the estimate puts inside its window.
+
+    Example:
+      >>> from jaxsched.check import _inspection as inspection
+      >>> w = inspection.CollectiveWindow("ar", "all-reduce", 1024, ("data",), True, 2, 1e6, 0.0, 2e-6, 1e-6)
+      >>> w.end_s - w.start_s > w.compute_s  # part of its 2 us is not hidden
+      True
     """
 
     name: str
@@ -64,6 +82,12 @@ class LoopCost(NamedTuple):
       peak_gathered_bytes: the most all-gathered bytes alive at once within one iteration
         (a double-buffered layer stack: the next layer's weights, while the current layer's
         arrive through the loop's carry).
+
+    Example:
+      >>> from jaxsched.check import _inspection as inspection
+      >>> loop = inspection.LoopCost("while.1", trips=12, seconds=1.2e-3, exposed_s=1e-4)
+      >>> round(loop.seconds / loop.trips * 1e6)  # us per layer
+      100
     """
 
     name: str
@@ -105,6 +129,32 @@ class CompiledReport:
     added up; see `estimate_from_instruction_costs`), or None (no estimate:
     `no_estimate_reason` says why). ``compiler_options`` are the XLA options the
     program was compiled with (``{}``: XLA's defaults), as passed to the compiler.
+
+    Attributes:
+      label: the report's name.
+      target: what the program was compiled for (`describe_mesh`).
+      platform: ``"gpu"``, ``"tpu"`` or ``"cpu"``.
+      step_s: the estimated step, seconds (None: no estimate).
+      exposed_comm_s: the estimated communication no compute hides, seconds.
+      collectives: every collective (`CollectiveWindow`), in program order.
+      compute: ``(name, start_s, end_s)`` of each compute instruction in the schedule.
+      estimator: what the times are (`ESTIMATOR`).
+      xla_total_s: XLA's ``total_cycles``, as seconds (reported, not used).
+      xla_wasted_s: XLA's ``total_wasted_cycles``, as seconds (reported, not used).
+      loops: the while loops (`LoopCost`).
+      peak_gathered_bytes: the most all-gathered bytes alive at once.
+      peak_memory_bytes: XLA's peak memory per device (None where the backend has none).
+      estimate_source: where the step comes from (see above).
+      compiler_options: the XLA options it was compiled with.
+
+    Example:
+      A report is plain data: build one from JSON (what ``jaxsched inspect --json`` writes)
+      to compare programs without compiling them again.
+
+      >>> from jaxsched.check import _inspection as inspection
+      >>> r = inspection.CompiledReport("x", "h100", "gpu", 3e-6, 1e-6, (), ())
+      >>> inspection.CompiledReport.from_json(r.to_json()) == r, r.estimate_source
+      (True, None)
     """
 
     label: str

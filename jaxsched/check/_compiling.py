@@ -28,10 +28,26 @@ def compile_with_schedule(
 ) -> tuple[Compiled, str | None]:
     """Compile ``lowered`` and return ``(compiled, schedule_text)``.
 
-    Adds ``xla_dump_to`` (a temporary directory, removed afterwards) and
-    ``xla_dump_latency_hiding_schedule`` to ``compiler_options``. ``schedule_text`` is the
-    ``*.schedule.txt`` XLA wrote (GPU, and TPU with async collectives enabled), or None
-    (CPU; TPU with default options). If several are written, the largest is returned.
+    XLA writes its latency-hiding schedule (the start and end of every instruction) only to
+    a dump directory, so this compiles with ``xla_dump_to`` (a temporary directory, removed
+    afterwards) and ``xla_dump_latency_hiding_schedule`` added to ``compiler_options``.
+
+    Args:
+      lowered: the program, from ``jax.jit(f).trace(*args).lower()``.
+      compiler_options: XLA options for this compile (None: XLA's defaults).
+
+    Returns:
+      ``(compiled, schedule_text)``: ``schedule_text`` is the ``*.schedule.txt`` XLA wrote
+      (GPU, and TPU with async collectives enabled), or None (CPU; TPU with default
+      options). If several are written, the largest.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxsched.check import _inspection as inspection
+      >>> lowered = jax.jit(jnp.sin).trace(jnp.ones(4)).lower()
+      >>> compiled, schedule = inspection.compile_with_schedule(lowered)
+      >>> schedule is None  # XLA:CPU writes no schedule
+      True
     """
     tmp = tempfile.mkdtemp(prefix="jaxsched_schedule_")
     try:

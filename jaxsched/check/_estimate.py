@@ -194,7 +194,29 @@ def estimate_from_instruction_costs(
     (``rep`` returned) where a collective cannot be priced, a loop holds a collective, or
     the program carries no instruction costs (XLA:GPU and XLA:CPU write none).
 
-    ``cycles_per_us`` is the chip's clock (None: read from the probe's schedule)."""
+    Args:
+      rep: the program's `report`.
+      compiled_or_hlo_text: the compiled program, or its ``as_text()``.
+      mesh: the ``Mesh`` it was compiled for: its devices compile the probes (None, or an
+        ``AbstractMesh``: give ``collective_seconds``).
+      cycles_per_us: the chip's clock (None: read from the probe's schedule).
+      collective_seconds: ``(kind, bytes, axes) -> seconds`` for each collective, in place
+        of the probes (None for a collective it cannot price).
+
+    Returns:
+      ``rep`` with ``step_s``, ``exposed_comm_s`` and ``estimate_source`` set, or ``rep``
+      itself where no estimate can be made.
+
+    Example:
+      XLA:CPU costs no instruction, so a CPU program keeps its report:
+
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxsched.check import _inspection as inspection
+      >>> compiled = jax.jit(jnp.sin).trace(jnp.ones(4)).lower().compile()
+      >>> rep = inspection.report(compiled, None, label="sin")
+      >>> inspection.estimate_from_instruction_costs(rep, compiled, collective_seconds=lambda *a: 1e-6) is rep
+      True
+    """
     if rep.step_s is not None:
         return rep
     text = _text_of(compiled_or_hlo_text)

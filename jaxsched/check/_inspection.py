@@ -117,7 +117,26 @@ def inspect_lowered(
     ``jax.jit(..., compiler_options=...)`` put in ``lowered`` apply too, so passing the same
     again changes nothing) and report it, the options recorded in the report; with
     ``estimate``, where XLA writes no schedule, estimate its step from XLA's instruction
-    costs (`estimate_from_instruction_costs`)."""
+    costs (`estimate_from_instruction_costs`).
+
+    Args:
+      lowered: the program, from ``jax.jit(f).trace(*args).lower()``.
+      mesh: the mesh it runs on (maps replica groups to axis names; None: no axes).
+      label: the report's name.
+      target: what it was compiled for (`describe_mesh`).
+      compiler_options: XLA options for this compile (None: XLA's defaults).
+      estimate: estimate the step from XLA's instruction costs where XLA wrote no schedule.
+
+    Returns:
+      The `CompiledReport`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxsched.check import _inspection as inspection
+      >>> lowered = jax.jit(jnp.sin).trace(jnp.ones(4)).lower()
+      >>> inspection.inspect_lowered(lowered, None, label="sin").collectives
+      ()
+    """
     compiled, schedule = compile_with_schedule(lowered, compiler_options)
     rep = report(compiled, schedule, mesh, label=label, target=target, compiler_options=compiler_options)
     if estimate and rep.step_s is None and rep.platform != "cpu":
@@ -129,7 +148,20 @@ PLAIN_LABEL = "plain (XLA defaults)"
 
 
 def describe_mesh(mesh: Mesh) -> str:
-    """``"gpu: 8 x NVIDIA H100 80GB HBM3 over 2 hosts"``: what a program was compiled for."""
+    """``"gpu: 8 x NVIDIA H100 80GB HBM3 over 2 hosts"``: what a program was compiled for.
+
+    Args:
+      mesh: a mesh of real or compile-only devices.
+
+    Returns:
+      Platform, device count and kind, and hosts and slices where more than one.
+
+    Example:
+      >>> import jax
+      >>> from jaxsched.check import _inspection as inspection
+      >>> inspection.describe_mesh(jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]))
+      'cpu: 2 x cpu'
+    """
     devices = list(mesh.devices.flat)
     first = devices[0]
     hosts = len({d.process_index for d in devices})
@@ -152,7 +184,30 @@ def inspect_jitted(
     shardings) with only ``compiler_options`` (default: XLA's own defaults) and report it.
     This is how a user's step is judged as XLA compiles it alone. Where XLA writes no
     schedule (XLA:TPU on one slice with its defaults), ``estimate`` adds an estimate from
-    XLA's instruction costs (`estimate_from_instruction_costs`)."""
+    XLA's instruction costs (`estimate_from_instruction_costs`).
+
+    Args:
+      fn: the step; jitted or not (``jax.jit`` is applied where it has no ``trace``).
+      args: its arguments: arrays, or ``jax.ShapeDtypeStruct`` with shardings (nothing is
+        allocated, so compile-only devices work).
+      mesh: the mesh the shardings use.
+      label: the report's name.
+      compiler_options: XLA options for this compile (None: XLA's defaults).
+      estimate: estimate the step from XLA's instruction costs where XLA wrote no schedule.
+
+    Returns:
+      The `CompiledReport`, ``target`` from `describe_mesh`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> from jaxsched.check import _inspection as inspection
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> x = jax.ShapeDtypeStruct((2, 4), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+      >>> r = inspection.inspect_jitted(lambda x: x.sum(0), [x], mesh)
+      >>> r.label, r.num_sync, r.no_estimate_reason
+      ('plain (XLA defaults)', 1, 'XLA:CPU runs collectives inline and writes no schedule estimate')
+    """
     import jax
 
     jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
@@ -167,8 +222,23 @@ def inspect_jitted(
 
 
 def ratios(report: CompiledReport, base: CompiledReport | None) -> dict[str, float | None]:
-    """``report``'s estimated step and exposed communication over ``base``'s (None where
-    either has no estimate)."""
+    """``report``'s estimated step and exposed communication over ``base``'s.
+
+    Args:
+      report: the program judged (a scheduled step).
+      base: what it is compared with (the plain step; None: no ratios).
+
+    Returns:
+      ``{"step": ..., "exposed_comm": ...}``, each None where either report has no
+      estimate (or the base's is 0).
+
+    Example:
+      >>> from jaxsched.check import _inspection as inspection
+      >>> base = inspection.CompiledReport("plain", "", "gpu", 4e-6, 2e-6, (), ())
+      >>> r = inspection.CompiledReport("dear", "", "gpu", 3e-6, 1e-6, (), ())
+      >>> inspection.ratios(r, base)
+      {'step': 0.75, 'exposed_comm': 0.5}
+    """
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or not b else a / b
@@ -190,22 +260,62 @@ class Inspection:
         not asked for). Where XLA writes no schedule for it (XLA:TPU on one slice), its
         estimate comes from XLA's instruction costs (``baseline.estimate_source``), and
         `ratios` compare the two kinds of estimate.
+
+    Example:
+      >>> from jaxsched.check import _inspection as inspection
+      >>> base = inspection.CompiledReport("plain", "", "gpu", 4e-6, 2e-6, (), ())
+      >>> ins = inspection.Inspection(inspection.CompiledReport("dear", "", "gpu", 3e-6, 1e-6, (), ()), base)
+      >>> ins.ratios()["step"], ins.to_json()["ratio_to_baseline"]["exposed_comm"]
+      (0.75, 0.5)
     """
 
     report: CompiledReport
     baseline: CompiledReport | None = None
 
     def ratios(self) -> dict[str, float | None]:
-        """Estimated step and exposed communication as ratios to the baseline's."""
+        """Estimated step and exposed communication as ratios to the baseline's.
+
+        Returns:
+          ``{"step": ..., "exposed_comm": ...}`` (`ratios`); None values without a baseline.
+
+        Example:
+          >>> from jaxsched.check import _inspection as inspection
+          >>> inspection.Inspection(inspection.CompiledReport("x", "", "cpu", None, None, (), ())).ratios()
+          {'step': None, 'exposed_comm': None}
+        """
         return ratios(self.report, self.baseline)
 
     def table(self) -> str:
-        """The baseline (when there is one) and the scheduled step, ratios to the baseline."""
+        """The baseline (when there is one) and the scheduled step, ratios to the baseline.
+
+        Returns:
+          `format_table` of the two (also what ``str(inspection)`` gives).
+
+        Example:
+          >>> from jaxsched.check import _inspection as inspection
+          >>> ins = inspection.Inspection(inspection.CompiledReport("dear", "h100", "gpu", 3e-6, 1e-6, (), ()))
+          >>> "dear [h100, gpu]: step 3.0 us" in ins.table()
+          True
+        """
         shown = [self.report] if self.baseline is None else [self.baseline, self.report]
         return format_table(shown, baseline=self.baseline)
 
     def plot(self, path: str) -> str:
-        """`plot` of the baseline (when there is one) and the scheduled step."""
+        """`plot` of the baseline (when there is one) and the scheduled step.
+
+        Args:
+          path: where the PNG goes.
+
+        Returns:
+          ``path``.
+
+        Example:
+          >>> import os, tempfile
+          >>> from jaxsched.check import _inspection as inspection
+          >>> ins = inspection.Inspection(inspection.CompiledReport("x", "", "gpu", 3e-6, 1e-6, (), ()))
+          >>> os.path.exists(ins.plot(os.path.join(tempfile.mkdtemp(), "t.png")))
+          True
+        """
         return plot([r for r in (self.baseline, self.report) if r is not None], path)
 
     def to_json(self) -> dict[str, Any]:

@@ -299,6 +299,17 @@ def report(
     Returns:
       The `CompiledReport`. Without a schedule it has no times;
       `estimate_from_instruction_costs` adds an estimate where XLA costs each instruction.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> from jaxsched.check import _inspection as inspection
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> x = jax.device_put(jnp.ones((2, 4)), NamedSharding(mesh, P("data")))
+      >>> compiled = jax.jit(lambda x: x.sum(0)).trace(x).lower().compile()
+      >>> r = inspection.report(compiled, None, mesh, label="sum")
+      >>> [(w.kind, w.mesh_axes, w.is_async) for w in r.collectives], r.step_s
+      ([('all-reduce', ('data',), False)], None)
     """
     text = _text_of(compiled_or_hlo_text)
     entry = _read_entry(text)

@@ -41,14 +41,42 @@ _SOURCE_TEXT = {
 
 
 def format_options(options: dict) -> str:
-    """``"XLA defaults"``, or ``"name=value, ..."`` in name order."""
+    """``"XLA defaults"``, or ``"name=value, ..."`` in name order (stable across runs, for diffs).
+
+    Args:
+      options: XLA compiler options, as a report keeps them.
+
+    Returns:
+      One line of text.
+
+    Example:
+      >>> from jaxsched.check import _inspection as inspection
+      >>> inspection.format_options({}), inspection.format_options({"b": 1, "a": True})
+      ('XLA defaults', 'a=True, b=1')
+    """
     if not options:
         return "XLA defaults"
     return ", ".join(f"{k}={v}" for k, v in sorted(options.items()))
 
 
 def format_table(reports: Sequence[CompiledReport], baseline: CompiledReport | None = None) -> str:
-    """A text table of the reports; times are XLA's estimate, ratios are to ``baseline``."""
+    """A text table of the reports; times are XLA's estimate, ratios are to ``baseline``.
+
+    Args:
+      reports: the reports, one block each, in this order.
+      baseline: the report the ratios are to (None: no ratios).
+
+    Returns:
+      The table: a header explaining the times, then per report its summary line and one
+      row per collective.
+
+    Example:
+      >>> from jaxsched.check import _inspection as inspection
+      >>> base = inspection.CompiledReport("plain", "h100", "gpu", 4e-6, 2e-6, (), (), estimate_source="schedule")
+      >>> r = inspection.CompiledReport("dear", "h100", "gpu", 3e-6, 1e-6, (), (), estimate_source="schedule")
+      >>> print(inspection.format_table([base, r], baseline=base).splitlines()[-3])
+      dear [h100, gpu]: step 3.0 us (0.75x), exposed comm 1.0 us (0.50x) (XLA estimate); async 0/0 collectives
+    """
     lines = [
         f"Times: {ESTIMATOR}. step = the length of XLA's estimated schedule; exposed comm = "
         "the time in it with a collective in flight and no compute running; XLA's own "

@@ -62,7 +62,25 @@ def _streams(windows: list[CollectiveWindow]) -> list[int]:
 
 def plot(reports: Sequence[CompiledReport], path: str) -> str:
     """A PNG timeline per report (XLA's estimate): compute row, one row per collective
-    stream (async windows start..done as bars colored by kind), sync collectives hatched."""
+    stream (async windows start..done as bars colored by kind), sync collectives hatched.
+
+    Uses matplotlib's ``Figure`` directly (no pyplot), so the caller's backend is untouched.
+
+    Args:
+      reports: one panel each, top to bottom; a report without a schedule gets a note.
+      path: where the PNG goes.
+
+    Returns:
+      ``path``.
+
+    Example:
+      >>> import os, tempfile
+      >>> from jaxsched.check import _inspection as inspection
+      >>> r = inspection.CompiledReport("x", "h100", "gpu", 3e-6, 1e-6, (), (("dot", 0.0, 3e-6),))
+      >>> path = inspection.plot([r], os.path.join(tempfile.mkdtemp(), "timeline.png"))
+      >>> os.path.getsize(path) > 0
+      True
+    """
     from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
     from matplotlib.patches import Patch
 

@@ -163,6 +163,16 @@ class Checkpoints:
 
         Returns:
           Its step, or None if there is none.
+
+        Example:
+          >>> import tempfile, jax.numpy as jnp
+          >>> from jaxsched.integrations import checkpoint
+          >>> with checkpoint.Checkpoints(tempfile.mkdtemp()) as ckpts:
+          ...     empty = ckpts.latest_step()
+          ...     ckpts.save(7, {"w": jnp.ones(2)})
+          ...     ckpts.wait()
+          ...     empty, ckpts.latest_step()  # a resumed run starts after it
+          (None, 7)
         """
         return self._manager.latest_step()
 
@@ -171,6 +181,16 @@ class Checkpoints:
 
         Returns:
           Their steps, oldest first.
+
+        Example:
+          >>> import tempfile, jax.numpy as jnp
+          >>> from jaxsched.integrations import checkpoint
+          >>> with checkpoint.Checkpoints(tempfile.mkdtemp(), max_to_keep=2) as ckpts:
+          ...     for step in (1, 2, 3):
+          ...         ckpts.save(step, {"w": jnp.ones(2)})
+          ...     ckpts.wait()
+          ...     ckpts.all_steps()  # the oldest is gone
+          [2, 3]
         """
         return sorted(self._manager.all_steps())
 
@@ -180,6 +200,15 @@ class Checkpoints:
         Args:
           step: the checkpoint's number (its folder's name).
           state: a scheduled state (or any tree of arrays).
+
+        Example:
+          >>> import tempfile, jax.numpy as jnp
+          >>> from jaxsched.integrations import checkpoint
+          >>> with checkpoint.Checkpoints(tempfile.mkdtemp()) as ckpts:
+          ...     ckpts.save(1, {"w": jnp.arange(3.0)})  # training goes on while it is written
+          ...     ckpts.wait()
+          ...     ckpts.restore(None)["w"].tolist()
+          [0.0, 1.0, 2.0]
         """
         import orbax.checkpoint as ocp
 
@@ -195,6 +224,19 @@ class Checkpoints:
 
         Returns:
           The restored state.
+
+        Raises:
+          FileNotFoundError: the folder holds no checkpoint.
+
+        Example:
+          >>> import tempfile, jax.numpy as jnp
+          >>> from jaxsched.integrations import checkpoint
+          >>> with checkpoint.Checkpoints(tempfile.mkdtemp()) as ckpts:
+          ...     for step in (1, 2):
+          ...         ckpts.save(step, {"w": jnp.full(2, float(step))})
+          ...     ckpts.wait()
+          ...     ckpts.restore({"w": jnp.zeros(2)}, step=1)["w"].tolist()
+          [1.0, 1.0]
         """
         import orbax.checkpoint as ocp
 
@@ -206,11 +248,38 @@ class Checkpoints:
         return restored if target is None else _with_empty(target, restored)
 
     def wait(self) -> None:
-        """Block until every save started so far is complete on disk."""
+        """Block until every save started so far is complete on disk.
+
+        Call it before reading a checkpoint back or ending the process: `save` returns as
+        soon as the arrays are copied.
+
+        Example:
+          >>> import tempfile, jax.numpy as jnp
+          >>> from jaxsched.integrations import checkpoint
+          >>> ckpts = checkpoint.Checkpoints(tempfile.mkdtemp())
+          >>> ckpts.save(1, {"w": jnp.ones(2)})
+          >>> ckpts.wait()
+          >>> ckpts.all_steps()
+          [1]
+          >>> ckpts.close()
+        """
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Wait for pending saves, then release orbax's resources."""
+        """Wait for pending saves, then release orbax's resources.
+
+        ``with Checkpoints(...)`` calls it on exit, also on an exception.
+
+        Example:
+          >>> import tempfile, jax.numpy as jnp
+          >>> from jaxsched.integrations import checkpoint
+          >>> folder = tempfile.mkdtemp()
+          >>> ckpts = checkpoint.Checkpoints(folder)
+          >>> ckpts.save(1, {"w": jnp.ones(2)})
+          >>> ckpts.close()  # the pending save completes first
+          >>> checkpoint.Checkpoints(folder).latest_step()
+          1
+        """
         self._manager.wait_until_finished()
         self._manager.close()
 

@@ -45,6 +45,19 @@ def find_layers(step: Callable, params: Any, opt_state: Any, batch: Any) -> Laye
     Returns:
       A `LayerMatch`: the matched layers (name, factor sizes) and the parameter paths K-FAC
       leaves on the plain gradient. The module's example calls it.
+
+    Example:
+      >>> import jax, optax
+      >>> import jaxsched
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> tx = optax.sgd(0.1)
+      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+      >>> found = jaxsched.kfac.find_layers(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+      >>> [(layer.name, layer.dims) for layer in found.layers]  # dims: (d_A, d_G)
+      [('hidden/0', (4, 3)), ('head', (3, 2))]
     """
     from jaxsched.core._capture import capture
     from jaxsched.plan._planned_step import PlannedStep

@@ -195,6 +195,31 @@ class NNXScheduled:
 
         Args:
           *nodes: the same objects the step was last called with, ``(model, optimizer, ...)``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax
+          >>> from flax import nnx
+          >>> from jax.sharding import PartitionSpec as P
+          >>> import jaxsched
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.zoo import models
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> model = models.MLP(8, 3, hidden=(16,), rngs=nnx.Rngs(0))
+          >>> optimizer = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
+          >>> @nnx.jit
+          ... @nnx.shard_map(mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P())
+          ... def train_step(model, optimizer, batch):
+          ...     x, y = batch
+          ...     loss_fn = lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+          ...     loss, grads = nnx.value_and_grad(loss_fn)(model)
+          ...     optimizer.update(model, jax.lax.pmean(grads, "data"))
+          ...     return jax.lax.pmean(loss, "data")
+          >>> sched = jaxsched.nnx.schedule(train_step, strategy="dear")
+          >>> batch = steps.shard_batch((jnp.ones((4, 8)), jnp.zeros(4, "int32")), mesh)
+          >>> loss = sched(model, optimizer, batch)
+          >>> sched.finalize(model, optimizer)  # dear held the parameters sharded until now
+          >>> int(optimizer.step[...]), model.head.kernel.shape
+          (1, (16, 3))
         """
         nodes = tuple(nodes)
         session = self._session
@@ -227,6 +252,30 @@ class NNXScheduled:
 
         Returns:
           The ``jax.stages.Lowered`` program.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax
+          >>> from flax import nnx
+          >>> from jax.sharding import PartitionSpec as P
+          >>> import jaxsched
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.zoo import models
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> model = models.MLP(8, 3, hidden=(16,), rngs=nnx.Rngs(0))
+          >>> optimizer = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
+          >>> @nnx.jit
+          ... @nnx.shard_map(mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P())
+          ... def train_step(model, optimizer, batch):
+          ...     x, y = batch
+          ...     loss_fn = lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+          ...     loss, grads = nnx.value_and_grad(loss_fn)(model)
+          ...     optimizer.update(model, jax.lax.pmean(grads, "data"))
+          ...     return jax.lax.pmean(loss, "data")
+          >>> sched = jaxsched.nnx.schedule(train_step, strategy="wfbp")
+          >>> batch = steps.shard_batch((jnp.ones((4, 8)), jnp.zeros(4, "int32")), mesh)
+          >>> lowered = sched.lower(model, optimizer, batch)
+          >>> "all-reduce" in lowered.compile().as_text(), int(optimizer.step[...])  # nothing ran
+          (True, 0)
         """
         session, state, batch = self._abstract_call(args, "lower")
         return session.scheduled.lower(state, batch)
@@ -241,6 +290,30 @@ class NNXScheduled:
 
         Returns:
           The `jaxsched.check._inspection.Inspection` report.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax
+          >>> from flax import nnx
+          >>> from jax.sharding import PartitionSpec as P
+          >>> import jaxsched
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.zoo import models
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> model = models.MLP(8, 3, hidden=(16,), rngs=nnx.Rngs(0))
+          >>> optimizer = nnx.Optimizer(model, optax.sgd(1e-2), wrt=nnx.Param)
+          >>> @nnx.jit
+          ... @nnx.shard_map(mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P())
+          ... def train_step(model, optimizer, batch):
+          ...     x, y = batch
+          ...     loss_fn = lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
+          ...     loss, grads = nnx.value_and_grad(loss_fn)(model)
+          ...     optimizer.update(model, jax.lax.pmean(grads, "data"))
+          ...     return jax.lax.pmean(loss, "data")
+          >>> sched = jaxsched.nnx.schedule(train_step, strategy="wfbp")
+          >>> batch = steps.shard_batch((jnp.ones((4, 8)), jnp.zeros(4, "int32")), mesh)
+          >>> report = sched.inspect(model, optimizer, batch, baseline=False).report
+          >>> report.platform, report.num_sync > 0  # XLA:CPU: synchronous collectives, no estimate
+          ('cpu', True)
         """
         session, state, batch = self._abstract_call(args, "inspect")
         return session.scheduled.inspect(state, batch, baseline=baseline)

@@ -81,6 +81,13 @@ class Selection:
       choice: ``strategy="auto"``'s choice (None for a concrete strategy).
       bucket_choice: with ``buckets="auto"`` on GPU or TPU, what each compiled candidate
         was estimated at (a `CompiledChoice`; None otherwise).
+
+    Example:
+      >>> from jaxsched.pipeline import _selection as selection
+      >>> from jaxsched.strategies import make_strategy
+      >>> chosen = selection.Selection(make_strategy("wfbp"), planned=None)
+      >>> chosen.strategy.name, chosen.choice
+      ('wfbp', None)
     """
 
     strategy: Strategy
@@ -98,6 +105,37 @@ def select(
     ``Selection.choice`` and the compiled candidates of ``buckets="auto"`` on GPU or TPU
     as ``Selection.bucket_choice`` (`jaxsched.Scheduled` shows them as
     ``sched.strategy.last_choice`` and ``sched.strategy.last_bucket_choice``).
+
+    Args:
+      captured: the user's step, traced once.
+      strategy: a concrete strategy, or `jaxsched.strategies.Auto` to pick one.
+      buckets: the bucket option (`BucketOption`): None, a byte threshold, ``"auto"`` or
+        an explicit plan.
+      engine: what runs the program; its costs enter the plan.
+      plan_options: the planner's options (``schedule(plan_options=...)``).
+
+    Returns:
+      The `Selection`: the strategy for this mesh and the frozen plan.
+
+    Raises:
+      JaxschedValueError: ``buckets`` is a string other than ``"auto"``.
+
+    Example:
+      >>> import jax, optax
+      >>> from jaxsched.core import _capture as capture
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.pipeline import _selection as selection
+      >>> from jaxsched.runtime import engine
+      >>> from jaxsched.strategies import make_strategy
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> tx = optax.sgd(0.1)
+      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+      >>> chosen = selection.select(captured, make_strategy("wfbp"), None, engine.make_engine("xla"))
+      >>> chosen.strategy.name, len(chosen.planned.buckets)  # buckets=None: the 25 MB threshold
+      ('wfbp', 1)
     """
     plan_options = dict(plan_options or {})
     platform = captured.mesh.devices.flat[0].platform
@@ -118,18 +156,90 @@ def build_program(
     captured: CapturedStep, strategy: Strategy, buckets: BucketOption, engine: Engine, plan_options: dict | None = None
 ) -> Program:
     """The program of ``strategy`` for ``captured`` with bucket option ``buckets`` on
-    ``engine``: a pure function of the four (and the planning options)."""
+    ``engine``: a pure function of the four (and the planning options), so that a program
+    can be cached by them (re-planning switches between cached programs).
+
+    Args:
+      captured: the user's step, traced once.
+      strategy: the strategy (`Auto` resolved here).
+      buckets: the bucket option (`BucketOption`).
+      engine: what runs the program.
+      plan_options: the planner's options.
+
+    Returns:
+      The `Program`: `select`, then `program_of`.
+
+    Example:
+      >>> import jax, optax
+      >>> from jaxsched.core import _capture as capture
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.pipeline import _selection as selection
+      >>> from jaxsched.runtime import engine
+      >>> from jaxsched.strategies import make_strategy
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> tx = optax.sgd(0.1)
+      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+      >>> program = selection.build_program(captured, make_strategy("dear"), None, engine.make_engine("xla"))
+      >>> program.strategy.name, len(program.buckets)
+      ('dear', 1)
+    """
     return program_of(select(captured, strategy, buckets, engine, plan_options), engine)
 
 
 def program_of(chosen: Selection, engine: Engine) -> Program:
-    """The program of a `Selection` on ``engine``."""
+    """The program of a `Selection` on ``engine``.
+
+    Args:
+      chosen: what `select` returned.
+      engine: what runs it.
+
+    Returns:
+      The `Program` (built, not yet compiled).
+
+    Example:
+      >>> import jax, optax
+      >>> from jaxsched.core import _capture as capture
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.pipeline import _selection as selection
+      >>> from jaxsched.runtime import engine
+      >>> from jaxsched.strategies import make_strategy
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> tx = optax.sgd(0.1)
+      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+      >>> xla = engine.make_engine("xla")
+      >>> chosen = selection.select(captured, make_strategy("wfbp"), None, xla)
+      >>> selection.program_of(chosen, xla).planned is chosen.planned
+      True
+    """
     return Program(chosen.planned, chosen.strategy, engine)
 
 
 def simulated_compression(strategy: Strategy) -> Compression | None:
-    """The strategy's compressor as the planner's simulator models it (None: dense, or a
-    compressor or pattern the simulator does not model)."""
+    """The strategy's compressor as the planner's simulator models it, so that buckets are
+    planned for the bytes the compressor really sends.
+
+    Args:
+      strategy: a concrete strategy.
+
+    Returns:
+      The simulator's `jaxsched.sim.Compression`, or None: dense, or a compressor or
+      pattern the simulator does not model.
+
+    Example:
+      >>> from jaxsched.pipeline import _selection as selection
+      >>> from jaxsched.runtime.compress import TopK
+      >>> from jaxsched.strategies import make_strategy
+      >>> selection.simulated_compression(make_strategy("wfbp")) is None  # dense
+      True
+      >>> selection.simulated_compression(make_strategy("wfbp", collective=TopK(0.01))).kind
+      'topk'
+    """
     model = getattr(strategy.collective, "sim_compression", None)
     if model is None or not strategy.cost.compressible:
         return None
@@ -146,7 +256,32 @@ def _is_auto(buckets: object) -> bool:
 def step_pattern(captured: CapturedStep, pattern: CommPattern) -> CommPattern:
     """What a strategy of ``pattern`` sends on ``captured``: on a step whose parameters are
     sharded over the data axes (FSDP), each layer's gathers and its reduce-scatters
-    (`jaxsched.sim._costmodel.fsdp_pattern`)."""
+    (`jaxsched.sim._costmodel.fsdp_pattern`).
+
+    Args:
+      captured: the user's step.
+      pattern: the strategy's pattern (``strategy.cost``).
+
+    Returns:
+      ``pattern``, or its FSDP form where the step's parameters are sharded over the data axes.
+
+    Example:
+      >>> import jax, optax
+      >>> from jaxsched.core import _capture as capture
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.pipeline import _selection as selection
+      >>> from jaxsched.runtime import engine
+      >>> from jaxsched.strategies import make_strategy
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> tx = optax.sgd(0.1)
+      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+      >>> pattern = make_strategy("wfbp").cost
+      >>> selection.step_pattern(captured, pattern) == pattern  # replicated parameters: unchanged
+      True
+    """
     from jaxsched.core._axes import as_axes, spec_axes
 
     data = set(as_axes(captured.axis_name))

@@ -101,7 +101,20 @@ MB = 1 << 20
 
 
 class SimulationError(JaxschedError, ValueError):
-    """Bad simulator input (strategy, buckets, options); the message says what to change."""
+    """Bad simulator input (strategy, buckets, options); the message says what to change.
+
+    A `ValueError` too, so that callers that validate input with ``except ValueError`` catch it.
+
+    Example:
+      >>> import jaxsched
+      >>> from jaxsched import sim
+      >>> layers = jaxsched.LayerProfile([jaxsched.Layer("l0", 10**6, 4 * 10**6, 1e-3, 2e-3)])
+      >>> try:
+      ...     jaxsched.simulate(layers, jaxsched.network_preset("10gbe", 8), "wfbp", iterations=2)
+      ... except sim.SimulationError as err:
+      ...     print(err)
+      iterations=2 must be >= 3 (one warm-up, two to measure)
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +126,24 @@ class Compression:
     then the result is broadcast back down the tree (Shi et al., ICDCS 2019), modelled as
     ``2 * ceil(log2 P)`` point-to-point messages of 8k bytes. Selection costs
     ``selection_s_per_byte`` seconds of compute per gradient byte.
+
+    Attributes:
+      kind: ``"topk"`` or ``"gtopk"`` (`COMPRESSIONS`).
+      density: the fraction of elements sent, in (0, 1].
+      selection_s_per_byte: compute seconds to select them, per gradient byte.
+
+    Raises:
+      SimulationError: an unknown kind or a density outside (0, 1].
+
+    Example:
+      >>> import jaxsched
+      >>> layers = jaxsched.LayerProfile([jaxsched.Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(4)])
+      >>> net = jaxsched.network_preset("10gbe", 8)
+      >>> from jaxsched import sim
+      >>> dense = jaxsched.simulate(layers, net, "wfbp").iteration_s
+      >>> sparse = jaxsched.simulate(layers, net, "wfbp", compression=sim.Compression("topk", 0.01)).iteration_s
+      >>> sparse < dense
+      True
     """
 
     kind: str
@@ -136,14 +167,28 @@ class HostCosts:
     these the simulator predicted 14-34% too fast. All default to "nothing", so
     a simulation without them is unchanged.
 
-    * ``stage_s``: seconds of Python per collective (a communication stage, the compute
-      stage after it, two device copies dispatched): charged on the compute stream just
-      before the collective is issued (`jaxsched.runtime.engine._host.measure_stage_overhead`).
-    * ``copy_s_per_byte``: copying one byte between the compute device and the spare one;
-      every collective's bytes are copied there before it (compute stream, before it is
-      issued) and back after it (compute stream, before what reads the result).
-    * ``comm_slowdown``: compute runs this many times slower while a collective is moving
-      bytes (>= 1); `comm_slowdown_from_ceiling` derives it from a measured ceiling.
+    Attributes:
+      stage_s: seconds of Python per collective (a communication stage, the compute
+        stage after it, two device copies dispatched): charged on the compute stream just
+        before the collective is issued (`jaxsched.runtime.engine._host.measure_stage_overhead`).
+      copy_s_per_byte: copying one byte between the compute device and the spare one;
+        every collective's bytes are copied there before it (compute stream, before it is
+        issued) and back after it (compute stream, before what reads the result).
+      comm_slowdown: compute runs this many times slower while a collective is moving
+        bytes (>= 1); `comm_slowdown_from_ceiling` derives it from a measured ceiling.
+
+    Raises:
+      SimulationError: a negative cost, or ``comm_slowdown`` below 1.
+
+    Example:
+      >>> import jaxsched
+      >>> layers = jaxsched.LayerProfile([jaxsched.Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(4)])
+      >>> net = jaxsched.network_preset("10gbe", 8)
+      >>> from jaxsched import sim
+      >>> plain = jaxsched.simulate(layers, net, "wfbp").iteration_s
+      >>> hosted = jaxsched.simulate(layers, net, "wfbp", host=sim.HostCosts(stage_s=1e-3)).iteration_s
+      >>> round(hosted - plain, 6)  # comm-bound: 1 ms of the 4 stages of 1 ms shows
+      0.001
     """
 
     stage_s: float = 0.0
@@ -172,8 +217,21 @@ def comm_slowdown_from_ceiling(compute_s: float, comm_s: float, ceiling_s: float
     ``limit`` when nothing overlapped (ceiling >= compute + comm). With compute = comm it
     is ``1 / (2 - ceiling / bound)``.
 
+    Args:
+      compute_s: the compute alone, seconds.
+      comm_s: the collective alone, seconds.
+      ceiling_s: both started together, seconds.
+      limit: the value returned when nothing overlapped.
+
+    Returns:
+      The slow-down ``s`` (1 to ``limit``), for `HostCosts` ``comm_slowdown``.
+
+    Raises:
+      SimulationError: a time that is not positive.
+
     Example:
-        >>> round(comm_slowdown_from_ceiling(0.3, 0.3, 0.33), 4)   # ceiling 1.1x the bound
+        >>> from jaxsched import sim
+        >>> round(sim.comm_slowdown_from_ceiling(0.3, 0.3, 0.33), 4)   # ceiling 1.1x the bound
         1.1111
     """
     if min(compute_s, comm_s, ceiling_s) <= 0:
@@ -189,7 +247,24 @@ def comm_slowdown_from_ceiling(compute_s: float, comm_s: float, ceiling_s: float
 
 @dataclasses.dataclass(frozen=True)
 class Span:
-    """One task as executed: which stream, what, which iteration, when."""
+    """One task as executed: which stream, what, which iteration, when.
+
+    Attributes:
+      stream: ``"compute"`` or ``"comm"``.
+      name: the task, e.g. ``"bwd l3"``.
+      kind: ``forward``, ``backward``, ``update``, ``compress``, ``all_reduce``,
+        ``reduce_scatter``, ...
+      iteration: the simulated iteration it belongs to.
+      start: its start, seconds.
+      end: its end, seconds.
+
+    Example:
+      >>> import jaxsched
+      >>> layers = jaxsched.LayerProfile([jaxsched.Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(4)])
+      >>> net = jaxsched.network_preset("10gbe", 8)
+      >>> jaxsched.simulate(layers, net, "wfbp").spans[0]
+      Span(stream='compute', name='fwd l0', kind='forward', iteration=0, start=0, end=0.001)
+    """
 
     stream: str  # "compute" or "comm"
     name: str
@@ -201,7 +276,32 @@ class Span:
 
 @dataclasses.dataclass
 class SimResult:
-    """What one strategy costs per steady-state iteration, and why."""
+    """What one strategy costs per steady-state iteration, and why.
+
+    Attributes:
+      strategy: the strategy simulated (a name or a `jaxsched.sim._costmodel.CommPattern`).
+      buckets: the buckets, layer indices in forward order.
+      iteration_s: the steady iteration time: the mean period over the second half of
+        the simulated iterations.
+      compute_busy_s: compute per iteration.
+      comm_busy_s: communication per iteration.
+      compute_idle_s: the compute stream's idle time per iteration (what overlap could save).
+      comm_idle_s: the communication stream's idle time per iteration.
+      bound_s: `lower_bound`: no strategy's iteration is shorter.
+      compute_min_s: the bound's compute part.
+      comm_min_s: the bound's communication part.
+      gaps: the compute stream's idle intervals in one steady iteration.
+      spans: every task as executed (`Span`; empty with ``keep_spans=False``).
+      options: the simulation's options.
+
+    Example:
+      >>> import jaxsched
+      >>> layers = jaxsched.LayerProfile([jaxsched.Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(4)])
+      >>> net = jaxsched.network_preset("10gbe", 8)
+      >>> r = jaxsched.simulate(layers, net, "wfbp")
+      >>> r.bound_s <= r.iteration_s, r.buckets
+      (True, [[0], [1], [2], [3]])
+    """
 
     strategy: str | CommPattern
     buckets: list[list[int]]
@@ -218,7 +318,18 @@ class SimResult:
     options: dict[str, Any]
 
     def summary(self) -> dict[str, Any]:
-        """JSON-friendly numbers (no spans)."""
+        """JSON-friendly numbers (no spans), for reports and ``jaxsched simulate --json``.
+
+        Returns:
+          A dict of plain floats and lists.
+
+        Example:
+          >>> import jaxsched
+          >>> layers = jaxsched.LayerProfile([jaxsched.Layer("l0", 10**6, 4 * 10**6, 1e-3, 2e-3)])
+          >>> s = jaxsched.simulate(layers, jaxsched.network_preset("10gbe", 8), "wfbp").summary()
+          >>> sorted(s)[:4]
+          ['bound_s', 'buckets', 'comm_busy_s', 'comm_idle_s']
+        """
         return {
             "iteration_s": float(self.iteration_s),
             "buckets": self.buckets,
@@ -234,7 +345,23 @@ class SimResult:
 
 def check_buckets(buckets: Sequence[Sequence[int]], num_layers: int) -> list[list[int]]:
     """Validate that ``buckets`` is a partition of ``range(num_layers)`` into contiguous,
-    ascending groups listed in forward order; returns it as lists."""
+    ascending groups listed in forward order; returns it as lists.
+
+    Args:
+      buckets: groups of layer indices, forward order.
+      num_layers: how many layers the profile has.
+
+    Returns:
+      ``buckets`` as a list of lists.
+
+    Raises:
+      SimulationError: not such a partition.
+
+    Example:
+      >>> from jaxsched import sim
+      >>> sim.check_buckets(((0, 1), (2,)), 3)
+      [[0, 1], [2]]
+    """
     flat = [i for bucket in buckets for i in bucket]
     if flat != list(range(num_layers)) or any(len(b) == 0 for b in buckets):
         raise SimulationError(
@@ -246,14 +373,45 @@ def check_buckets(buckets: Sequence[Sequence[int]], num_layers: int) -> list[lis
 
 def default_buckets(strategy: str | CommPattern, num_layers: int) -> list[list[int]]:
     """One bucket where communication waits for all of backward (``allreduce``); one per
-    layer otherwise (plan others with jaxsched.plan)."""
+    layer otherwise (plan others with `jaxsched.plan`).
+
+    Args:
+      strategy: a strategy name or pattern.
+      num_layers: how many layers.
+
+    Returns:
+      The buckets, layer indices in forward order.
+
+    Example:
+      >>> from jaxsched import sim
+      >>> sim.default_buckets("wfbp", 3), sim.default_buckets("allreduce", 3)
+      ([[0], [1], [2]], [[0, 1, 2]])
+    """
     if strategy != BYTESCHEDULER and not comm_pattern(strategy).in_backward:
         return [list(range(num_layers))]
     return [[i] for i in range(num_layers)]
 
 
 def gradient_comm_time(network: NetworkProfile, nbytes: float, compression: Compression | None = None) -> float:
-    """Seconds to all-reduce (or sparsely aggregate) ``nbytes`` of gradient."""
+    """Seconds to all-reduce (or sparsely aggregate) ``nbytes`` of gradient.
+
+    Args:
+      network: the α-β network.
+      nbytes: the gradient's bytes.
+      compression: sparsification (None: a dense all-reduce).
+
+    Returns:
+      Seconds: an all-reduce, a top-k all-gather of ``8k`` bytes per worker, or gTop-k's
+      ``2 * ceil(log2 P)`` point-to-point messages.
+
+    Example:
+      >>> import jaxsched
+      >>> from jaxsched import sim
+      >>> net = jaxsched.network_preset("10gbe", 8)
+      >>> dense = sim.gradient_comm_time(net, 4 * 10**6)
+      >>> dense > sim.gradient_comm_time(net, 4 * 10**6, sim.Compression("topk", 0.01))
+      True
+    """
     if compression is None:
         return network.time("all_reduce", nbytes)
     if nbytes <= 0 or network.workers == 1:
@@ -273,6 +431,23 @@ def lower_bound(
     compute_min: all forward and backward, plus the cheapest update (sharded over the
     workers, as DeAR does). comm_min: all gradient bytes in one collective, the cheaper of
     one all-reduce or reduce-scatter + all-gather (alpha >= 0 makes merging never worse).
+
+    Args:
+      layers: the model's layers.
+      network: the α-β network.
+      compression: sparsification (None: dense).
+
+    Returns:
+      ``(bound, compute_min, comm_min)`` in seconds, ``bound`` their maximum.
+
+    Example:
+      >>> import jaxsched
+      >>> layers = jaxsched.LayerProfile([jaxsched.Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(4)])
+      >>> net = jaxsched.network_preset("10gbe", 8)
+      >>> from jaxsched import sim
+      >>> bound, compute_min, comm_min = sim.lower_bound(layers, net)
+      >>> bound == max(compute_min, comm_min), round(compute_min, 6)  # 4 x (1 + 2) ms
+      (True, 0.012)
     """
     total = layers.total_bytes
     compute_min = sum(l.forward_s + l.backward_s for l in layers.layers) + _share(
@@ -557,7 +732,23 @@ def _inversions(
 
 
 def worker_loads_seconds(times: Sequence[float], owners: Sequence[int] | None, workers: int) -> list[float]:
-    """Seconds of inversion per worker (``owners`` None: every worker inverts everything)."""
+    """Seconds of inversion per worker (``owners`` None: every worker inverts everything).
+
+    The slowest worker's load is what a distributed K-FAC inversion costs the step.
+
+    Args:
+      times: each inversion's seconds.
+      owners: the worker that computes each one (None: all of them, replicated).
+      workers: how many workers.
+
+    Returns:
+      Seconds per worker.
+
+    Example:
+      >>> from jaxsched.sim import _core as core
+      >>> core.worker_loads_seconds([1.0, 2.0, 3.0], [0, 1, 0], 2), core.worker_loads_seconds([1.0, 2.0], None, 2)
+      ([4.0, 2.0], [3.0, 3.0])
+    """
     if owners is None:
         return [sum(times)] * workers
     load: list[float] = [0] * workers
@@ -700,6 +891,35 @@ def simulate(
     order: how XLA:CPU executes them (no overlap at all; docs/architecture.md).
     ``host`` adds the host engine's own costs (`HostCosts`: stage dispatch, copies
     to the spare device, compute slowed while bytes move).
+
+    Args:
+      layers: the model's layers (`jaxsched.LayerProfile`).
+      network: the α-β network (`jaxsched.NetworkProfile`).
+      strategy: a strategy name (`SIMULATED`) or a `jaxsched.sim._costmodel.CommPattern`.
+      buckets: layer indices per bucket, forward order (None: `default_buckets`).
+      iterations: iterations simulated (>= 3); the second half is measured.
+      compression: sparsification of each bucket (`Compression`; None: dense).
+      partition_bytes: ``bytescheduler``'s chunk size.
+      credit_bytes: ``bytescheduler``'s merge limit per collective (None: one partition).
+      shared_stream: run collectives inline on the compute stream (XLA:CPU).
+      keep_spans: keep every task's `Span` (False: faster, for planners).
+      host: the host engine's costs (`HostCosts`; None: none).
+
+    Returns:
+      The `SimResult` of the steady state.
+
+    Raises:
+      SimulationError: an unknown or unsimulated strategy (``auto``, DiLoCo), bad buckets,
+        too few iterations, or compression where the pattern has none.
+
+    Example:
+      >>> import jaxsched
+      >>> layers = jaxsched.LayerProfile([jaxsched.Layer(f"l{i}", 10**6, 4 * 10**6, 1e-3, 2e-3) for i in range(4)])
+      >>> net = jaxsched.network_preset("10gbe", 8)
+      >>> wfbp = jaxsched.simulate(layers, net, "wfbp")
+      >>> serial = jaxsched.simulate(layers, net, "wfbp", shared_stream=True)
+      >>> wfbp.iteration_s < serial.iteration_s  # overlap is what a second stream buys
+      True
     """
     if (
         not isinstance(strategy, CommPattern)

@@ -127,6 +127,26 @@ class UpdateSplit:
       state_eqns: update equations the new params / opt_state need; they read only
         params, opt_state, consts and the reduced gradients.
       aux_eqns: the other update equations (metrics); they may read forward/backward.
+
+    Example:
+      >>> import jax, optax
+      >>> import jaxsched
+      >>> from jaxsched.core import _capture as capture
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.pipeline import _selection as selection
+      >>> from jaxsched.runtime import engine
+      >>> from jaxsched.strategies import Approx
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> tx = optax.sgd(0.1)
+      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+      >>> chosen = selection.select(captured, Approx(staleness=1), None, engine.make_engine("xla"))
+      >>> approx, planned = chosen.strategy, chosen.planned
+      >>> split = approx.update_split(planned)
+      >>> len(split.state_eqns) > 0, set(split.state_eqns).isdisjoint(split.aux_eqns)
+      (True, True)
     """
 
     state_eqns: tuple[int, ...]
@@ -324,6 +344,25 @@ class Approx(Strategy):
 
         Returns:
           One ``jax.ShapeDtypeStruct`` per gradient reduction.
+
+        Example:
+          >>> import jax, optax
+          >>> import jaxsched
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.strategies import Approx
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, Approx(staleness=1), None, engine.make_engine("xla"))
+          >>> approx, planned = chosen.strategy, chosen.planned
+          >>> [t.shape for t in approx.pending_template(planned)]  # one per gradient reduction
+          [(2,), (3, 2), (3,), (4, 3)]
         """
         return [
             jax.ShapeDtypeStruct(tuple((r.result if r.scattered else r.operand).aval.shape), r.operand.aval.dtype)
@@ -388,6 +427,27 @@ class Approx(Strategy):
 
         Returns:
           ``(params, opt_state)`` in the user's layout.
+
+        Example:
+          >>> import jax, optax
+          >>> import jaxsched
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.strategies import Approx
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, Approx(staleness=1), None, engine.make_engine("xla"))
+          >>> approx, planned = chosen.strategy, chosen.planned
+          >>> state = approx.convert(planned, jaxsched.SchedState(params, tx.init(params)))
+          >>> final, _ = approx.finalize(planned, state)  # nothing pending yet: the params as they are
+          >>> jax.tree.structure(final) == jax.tree.structure(params)
+          True
         """
         count = int(np.asarray(getattr(state, "num_pending", 0)))
         if not count or not self.staleness:

@@ -68,6 +68,13 @@ class ApproxParams(NamedTuple):
       true: ``θ``: the parameters of the recurrence, with every arrived gradient applied.
         Evaluate and checkpoint these.
       approx: ``θ̃``: where the next gradient must be computed.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxsched.strategies import _approximation as approximation
+      >>> params = approximation.ApproxParams.init_synced(jnp.ones(2))
+      >>> bool((params.true == params.approx).all())  # equal until a gradient is pending
+      True
     """
 
     true: optax.Params
@@ -102,6 +109,14 @@ class ApproximateState(NamedTuple):
         (below ``staleness`` only during the first steps).
       previous_true: ``θ_{t-k-1}``, the true parameters before the last applied gradient
         (``"extrapolate"`` only; ``()`` for the other methods).
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxsched.strategies import _approximation as approximation
+      >>> tx = approximation.approximate(optax.sgd(0.1), staleness=2)
+      >>> state = tx.init({"w": jnp.ones(2)})
+      >>> len(state.pending), int(state.num_pending)  # two slots, both empty
+      (2, 0)
     """
 
     inner_state: optax.OptState
@@ -383,6 +398,12 @@ class StalenessAwareState(NamedTuple):
 
     Attributes:
       inner_state: the wrapped transformation's state.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from jaxsched.strategies import _approximation as approximation
+      >>> approximation.staleness_aware(optax.sgd(0.1), staleness=2).init(jnp.ones(2))
+      StalenessAwareState(inner_state=(EmptyState(), EmptyState()))
     """
 
     inner_state: optax.OptState

@@ -54,6 +54,12 @@ class AutoChoice:
         empty. An estimate, not a measurement.
 
     ``sched.program.strategy.last_choice`` holds it once ``auto`` has chosen.
+
+    Example:
+      >>> from jaxsched.strategies import AutoChoice
+      >>> choice = AutoChoice("dear", {"wfbp": 2e-3, "dear": 1e-3}, overlaps=False, per_collective_s=0.0, buckets=None)
+      >>> choice.chosen == min(choice.simulated_s, key=choice.simulated_s.get)
+      True
     """
 
     chosen: str

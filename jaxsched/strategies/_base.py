@@ -216,6 +216,26 @@ class Strategy(abc.ABC):
 
         Returns:
           ``self``, or a copy with the hierarchical collective.
+
+        Example:
+          >>> import jax, optax
+          >>> import jaxsched
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.runtime.compress import TopK
+          >>> from jaxsched.strategies import Wfbp
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
+          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> wfbp.for_mesh(captured) is wfbp  # one data axis, a chosen collective: unchanged
+          True
         """
         from jaxsched.runtime.collectives._hierarchical import default_collective_for
 
@@ -290,6 +310,27 @@ class Strategy(abc.ABC):
 
         Returns:
           The strategy's state NamedTuple.
+
+        Example:
+          >>> import jax, optax
+          >>> import jaxsched
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.runtime.compress import TopK
+          >>> from jaxsched.strategies import Wfbp
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
+          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> state = wfbp.convert(planned, jaxsched.SchedState(params, tx.init(params)))
+          >>> type(state).__name__, [s.residual.shape for s, _ in state.collective_state]  # zeros, per device
+          ('SchedState', [(2, 23)])
         """
 
     @abc.abstractmethod
@@ -302,6 +343,28 @@ class Strategy(abc.ABC):
 
         Returns:
           ``(params, opt_state)`` in the user's layout.
+
+        Example:
+          >>> import jax, optax
+          >>> import jaxsched
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.runtime.compress import TopK
+          >>> from jaxsched.strategies import Wfbp
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
+          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> state = wfbp.convert(planned, jaxsched.SchedState(params, tx.init(params)))
+          >>> final, _ = wfbp.finalize(planned, state)
+          >>> jax.tree.structure(final) == jax.tree.structure(params)
+          True
         """
 
     @abc.abstractmethod
@@ -313,6 +376,27 @@ class Strategy(abc.ABC):
 
         Returns:
           A `RewrittenBody`: the body and the specs of its state leaves.
+
+        Example:
+          >>> import jax, optax
+          >>> import jaxsched
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.runtime.compress import TopK
+          >>> from jaxsched.strategies import Wfbp
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
+          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> rewritten = wfbp.rewrite(planned)
+          >>> callable(rewritten.body), len(rewritten.state_in_specs)  # params, opt_state, collective state
+          (True, 8)
         """
 
     # -- helpers for subclasses ---------------------------------------------------------
@@ -356,6 +440,26 @@ class Strategy(abc.ABC):
 
         Returns:
           One `BucketSpec` per bucket.
+
+        Example:
+          >>> import jax, optax
+          >>> import jaxsched
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.runtime.compress import TopK
+          >>> from jaxsched.strategies import Wfbp
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
+          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> [b.size for b in wfbp.concatenated_gradient_buckets(planned)]  # one bucket of 23 floats
+          [23]
         """
         reds = planned.analysis.reductions
         sizes, dtypes, shapes = [], [], []
@@ -376,6 +480,26 @@ class Strategy(abc.ABC):
         Returns:
           The collective's ``init`` of `collective_buckets` (memoised); ``()`` per bucket
           for a collective that carries nothing.
+
+        Example:
+          >>> import jax, optax
+          >>> import jaxsched
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.runtime.compress import TopK
+          >>> from jaxsched.strategies import Wfbp
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
+          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> [state.residual.shape for state, _ in wfbp.collective_template(planned)]  # TopK's error feedback
+          [(23,)]
         """
         return planned.memo("collective.template", lambda: self.collective.init(self.collective_buckets(planned)))
 
@@ -387,6 +511,26 @@ class Strategy(abc.ABC):
 
         Returns:
           One `BucketSpec` per bucket (none here).
+
+        Example:
+          >>> import jax, optax
+          >>> import jaxsched
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.runtime.compress import TopK
+          >>> from jaxsched.strategies import Wfbp
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
+          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> [(b.size, b.axis_size) for b in wfbp.collective_buckets(planned)]
+          [(23, 2)]
         """
         return []
 
@@ -402,6 +546,26 @@ class Strategy(abc.ABC):
 
         Returns:
           The state, every leaf stacked on a leading device axis.
+
+        Example:
+          >>> import jax, optax
+          >>> import jaxsched
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.runtime.compress import TopK
+          >>> from jaxsched.strategies import Wfbp
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
+          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> [state.residual.shape for state, _ in wfbp.collective_state(planned, None)]  # one row per device
+          [(2, 23)]
         """
         template = self.collective_template(planned)
         if not jax.tree.leaves(template):
@@ -430,6 +594,28 @@ class Strategy(abc.ABC):
 
         Returns:
           ``(state leaves, batch leaves, consts)``.
+
+        Example:
+          >>> import jax, optax
+          >>> import jaxsched
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.runtime.compress import TopK
+          >>> from jaxsched.strategies import Wfbp
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
+          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> captured.num_batch
+          2
+          >>> wfbp.split_inputs(planned, list(range(8)), 5)
+          ([0, 1, 2, 3, 4], [5, 6], [7])
         """
         n_batch = planned.captured.num_batch
         return (
@@ -447,6 +633,27 @@ class Strategy(abc.ABC):
 
         Returns:
           The collective's state tree, without the device axis.
+
+        Example:
+          >>> import jax, optax
+          >>> import jaxsched
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.runtime.compress import TopK
+          >>> from jaxsched.strategies import Wfbp
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
+          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> leaves = [jax.numpy.zeros((1, *x.shape)) for x in jax.tree.leaves(wfbp.collective_template(planned))]
+          >>> [state.residual.shape for state, _ in wfbp.local_collective_state(planned, leaves)]
+          [(23,)]
         """
         treedef = jax.tree.structure(self.collective_template(planned))
         return jax.tree.unflatten(treedef, unstack_local(leaves))
@@ -564,6 +771,26 @@ class UserLayoutStrategy(Strategy):
 
         Returns:
           ``(values of the body's outputs, new collective state)``.
+
+        Example:
+          >>> import jax, optax
+          >>> import jaxsched
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.runtime.compress import TopK
+          >>> from jaxsched.strategies import Wfbp
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
+          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> wfbp.rewrite(planned).body is not None  # the body `rewrite` builds around `per_device`
+          True
         """
 
     def rewrite(self, planned: PlannedStep) -> RewrittenBody:

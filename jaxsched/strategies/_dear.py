@@ -77,6 +77,26 @@ class DearLayout(NamedTuple):
       bucket_chunking: per bucket, the chunking of its gradients and parameters.
 
     ``Dear.layout(planned)`` builds it when the step is traced.
+
+    Example:
+      >>> import jax, optax
+      >>> import jaxsched
+      >>> from jaxsched.core import _capture as capture
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.pipeline import _selection as selection
+      >>> from jaxsched.runtime import engine
+      >>> from jaxsched.strategies import Dear
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> tx = optax.sgd(0.1)
+      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+      >>> chosen = selection.select(captured, Dear(), None, engine.make_engine("xla"))
+      >>> dear, planned = chosen.strategy, chosen.planned
+      >>> layout = dear.layout(planned)
+      >>> layout.param_sharded, [c.axes for c in layout.bucket_chunking]  # every leaf as flat shards
+      ([True, True, True, True], [('data',)])
     """
 
     params: list
@@ -141,6 +161,13 @@ class Chunking(NamedTuple):
 
         Returns:
           The `Shard`.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from jaxsched.strategies import _dear as dear
+          >>> shard = dear.Chunking(("data",), 2).shard(jnp.ones(3), (6,))
+          >>> shard.shape, shard.axes  # a replicated leaf: over the context's data axes
+          ((6,), None)
         """
         if not self.block_axes:
             return Shard(chunk, tuple(shape))

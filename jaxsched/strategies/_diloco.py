@@ -145,6 +145,12 @@ class DiLoCoState(NamedTuple):
         reduced (mean) outer gradient of the fragment in flight (replicated); ``()``
         otherwise (with τ = 1 the send and the arrival are in one program).
       step: int32 scalar, the number of inner steps taken.
+
+    Example:
+      >>> from jaxsched.strategies import DiLoCo
+      >>> state = DiLoCo(inner_steps=4).initial_state({"w": 1.0}, ())
+      >>> state.params, state.step  # the user's trees; the first step stacks them per device
+      ({'w': 1.0}, 0)
     """
 
     params: Any
@@ -289,12 +295,70 @@ class DiLoCo(Strategy):
         )
 
     def for_mesh(self, captured: CapturedStep) -> "DiLoCo":
-        """The outer sum crosses ``sync_axes`` only: no hierarchical collective."""
+        """The outer sum crosses ``sync_axes`` only: no hierarchical collective.
+
+        Args:
+          captured: the captured step.
+
+        Returns:
+          ``self``, unchanged.
+
+        Example:
+        >>> import jax, optax
+        >>> import jaxsched
+        >>> from jaxsched.core import _capture as capture
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.pipeline import _selection as selection
+        >>> from jaxsched.runtime import engine
+        >>> from jaxsched.strategies import DiLoCo
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+        >>> strategy = DiLoCo(inner_steps=4, fragments=2, overlap_steps=1)
+        >>> chosen = selection.select(captured, strategy, None, engine.make_engine("xla"))
+        >>> diloco, planned = chosen.strategy, chosen.planned
+        >>> diloco.for_mesh(captured) is diloco
+        True
+        """
         return self
 
     # -- axes -----------------------------------------------------------------------------
     def sync_axes(self, planned: PlannedStep) -> tuple[str, ...]:
-        """The data axes synchronized every H steps, checked against the step's data axes."""
+        """The data axes synchronized every H steps, checked against the step's data axes.
+
+        Args:
+          planned: the captured and planned step.
+
+        Returns:
+          The axis names: ``sync_axes`` as given, else the slow one of several data axes,
+          else every data axis.
+
+        Raises:
+          JaxschedValueError: ``sync_axes`` names an axis that is not a data axis of the step.
+
+        Example:
+        >>> import jax, optax
+        >>> import jaxsched
+        >>> from jaxsched.core import _capture as capture
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.pipeline import _selection as selection
+        >>> from jaxsched.runtime import engine
+        >>> from jaxsched.strategies import DiLoCo
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+        >>> strategy = DiLoCo(inner_steps=4, fragments=2, overlap_steps=1)
+        >>> chosen = selection.select(captured, strategy, None, engine.make_engine("xla"))
+        >>> diloco, planned = chosen.strategy, chosen.planned
+        >>> diloco.sync_axes(planned)
+        ('data',)
+        """
         data = as_axes(planned.axis_name)
         if self.sync_axes_option is not None:
             bad = [a for a in self.sync_axes_option if a not in data]
@@ -393,7 +457,34 @@ class DiLoCo(Strategy):
         """One outer bucket per fragment and dtype. With fast axes, the replica's devices
         hold the same outer gradient, so each sends only its ``1/n_fast`` shard of every leaf
         over the slow axes (then the shards are all-gathered over the fast ones): the
-        bucket is those shards."""
+        bucket is those shards.
+
+        Args:
+          planned: the captured and planned step.
+
+        Returns:
+          One `BucketSpec` per fragment and dtype: what the outer collective sends.
+
+        Example:
+        >>> import jax, optax
+        >>> import jaxsched
+        >>> from jaxsched.core import _capture as capture
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.pipeline import _selection as selection
+        >>> from jaxsched.runtime import engine
+        >>> from jaxsched.strategies import DiLoCo
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+        >>> strategy = DiLoCo(inner_steps=4, fragments=2, overlap_steps=1)
+        >>> chosen = selection.select(captured, strategy, None, engine.make_engine("xla"))
+        >>> diloco, planned = chosen.strategy, chosen.planned
+        >>> [b.size for b in diloco.collective_buckets(planned)]  # two fragments, 11 and 12 floats
+        [11, 12]
+        """
         sync, fast, n_sync = self._axes(planned)
         n_fast = math.prod(planned.mesh.shape[a] for a in fast)
         avals = self._param_avals(planned)
@@ -501,7 +592,40 @@ class DiLoCo(Strategy):
     def convert(self, planned: PlannedStep, state: ScheduledState) -> DiLoCoState:
         """The user's ``(params, opt_state)`` or a saved `DiLoCoState` in this step's layout:
         per-replica copies stacked over the data axes, the global copy, one outer state per
-        fragment, the fragment in flight and the step count, each placed on the mesh."""
+        fragment, the fragment in flight and the step count, each placed on the mesh.
+
+        Args:
+          planned: the captured and planned step.
+          state: ``SchedState(params, opt_state)`` in the user's layout, or a `DiLoCoState`.
+
+        Returns:
+          The `DiLoCoState`.
+
+        Raises:
+          JaxschedValueError: a saved state that does not fit these options (fragments,
+            outer optimizer, overlap steps).
+
+        Example:
+        >>> import jax, optax
+        >>> import jaxsched
+        >>> from jaxsched.core import _capture as capture
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.pipeline import _selection as selection
+        >>> from jaxsched.runtime import engine
+        >>> from jaxsched.strategies import DiLoCo
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+        >>> strategy = DiLoCo(inner_steps=4, fragments=2, overlap_steps=1)
+        >>> chosen = selection.select(captured, strategy, None, engine.make_engine("xla"))
+        >>> diloco, planned = chosen.strategy, chosen.planned
+        >>> state = diloco.convert(planned, jaxsched.SchedState(params, tx.init(params)))
+        >>> type(state).__name__, diloco.host_step(state), state.params["head"]["bias"].shape  # one copy per device
+        ('DiLoCoState', 0, (2, 2))
+        """
         self._check_step(planned)
         cap = planned.captured
         abstract = is_abstract(state)
@@ -631,7 +755,37 @@ class DiLoCo(Strategy):
         it would arrive, then every replica's drift since its fragment's last
         synchronization is averaged (``g + mean(local - g)``: exactly the global copy when
         nothing drifted). The inner optimizer states are averaged over the replicas (kept
-        as they are where every replica holds the same value)."""
+        as they are where every replica holds the same value).
+
+        Args:
+          planned: the captured and planned step.
+          state: a `DiLoCoState` (or a state in the user's layout, converted first).
+
+        Returns:
+          ``(params, opt_state)`` in the user's layout, the same on every replica.
+
+        Example:
+        >>> import jax, optax
+        >>> import jaxsched
+        >>> from jaxsched.core import _capture as capture
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.pipeline import _selection as selection
+        >>> from jaxsched.runtime import engine
+        >>> from jaxsched.strategies import DiLoCo
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+        >>> strategy = DiLoCo(inner_steps=4, fragments=2, overlap_steps=1)
+        >>> chosen = selection.select(captured, strategy, None, engine.make_engine("xla"))
+        >>> diloco, planned = chosen.strategy, chosen.planned
+        >>> state = diloco.convert(planned, jaxsched.SchedState(params, tx.init(params)))
+        >>> final, _ = diloco.finalize(planned, state)
+        >>> jax.tree.structure(final) == jax.tree.structure(params), final["head"]["bias"].shape
+        (True, (2,))
+        """
         state = self.convert(planned, state)
         cap = planned.captured
         step = self.host_step(state)
@@ -709,11 +863,40 @@ class DiLoCo(Strategy):
         """Which fragment sends at the start and which arrives at the end of the program for
         inner step ``step`` (`FragmentSchedule.phase_key`): every phase with the same key
         shares one compiled program, with no condition around a collective (a staged engine
-        cuts at them; XLA overlaps them)."""
+        cuts at them; XLA overlaps them).
+
+        Args:
+          step: inner steps taken (None: the representative phase, for tracing).
+
+        Returns:
+          ``(sender, arriver)``: fragment indices, None where no fragment sends or arrives.
+
+        Example:
+          >>> from jaxsched.strategies import DiLoCo
+          >>> diloco = DiLoCo(inner_steps=4, fragments=2, overlap_steps=1)
+          >>> [diloco.phase_key(s) for s in range(1, 5)]  # fragment 0 after step 2, fragment 1 after step 4
+          [(None, None), (0, 0), (None, None), (1, 1)]
+        """
         return self._schedule.phase_key(step)
 
     def host_step(self, state: ScheduledState) -> int | None:
-        """The inner steps ``state`` has taken, read on the host (None for an abstract state)."""
+        """The inner steps ``state`` has taken, read on the host (None for an abstract state).
+
+        The host picks the phase's program from it (`phase_key`), so that no program holds
+        a condition around a collective.
+
+        Args:
+          state: the strategy's state.
+
+        Returns:
+          The step count, or None for an abstract state.
+
+        Example:
+          >>> from jaxsched.strategies import DiLoCo
+          >>> diloco = DiLoCo(inner_steps=4)
+          >>> diloco.host_step(diloco.initial_state({"w": 1.0}, ()))
+          0
+        """
         if is_abstract(state):
             return None
         return int(np.asarray(jax.device_get(getattr(state, "step", 0))))
@@ -820,7 +1003,35 @@ class DiLoCo(Strategy):
 
     def rewrite(self, planned: PlannedStep) -> RewrittenBody:
         """The program of the representative phase (see `phase_key`); an engine program
-        per phase comes from `rewrite_phase`."""
+        per phase comes from `rewrite_phase`.
+
+        Args:
+          planned: the captured and planned step.
+
+        Returns:
+          A `RewrittenBody` of the phase ``phase_key(None)``.
+
+        Example:
+        >>> import jax, optax
+        >>> import jaxsched
+        >>> from jaxsched.core import _capture as capture
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.pipeline import _selection as selection
+        >>> from jaxsched.runtime import engine
+        >>> from jaxsched.strategies import DiLoCo
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+        >>> strategy = DiLoCo(inner_steps=4, fragments=2, overlap_steps=1)
+        >>> chosen = selection.select(captured, strategy, None, engine.make_engine("xla"))
+        >>> diloco, planned = chosen.strategy, chosen.planned
+        >>> rewritten = diloco.rewrite(planned)
+        >>> rewritten.state_in_specs == rewritten.state_out_specs
+        True
+        """
         self._check_step(planned)
         specs, _ = self._state_specs(planned)
         return RewrittenBody(self.rewrite_phase(planned, self.phase_key(None)), specs, specs, [], False)
@@ -843,7 +1054,36 @@ class DiLoCo(Strategy):
         )
 
     def rewrite_phase(self, planned: PlannedStep, key: tuple):
-        """The per-device body of the phase ``key = (sender, arriver)``."""
+        """The per-device body of the phase ``key = (sender, arriver)``.
+
+        Args:
+          planned: the captured and planned step.
+          key: from `phase_key`.
+
+        Returns:
+          The body: the send first (its operands are ready before any compute), then the
+          inner step, then the arrival.
+
+        Example:
+        >>> import jax, optax
+        >>> import jaxsched
+        >>> from jaxsched.core import _capture as capture
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.pipeline import _selection as selection
+        >>> from jaxsched.runtime import engine
+        >>> from jaxsched.strategies import DiLoCo
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+        >>> strategy = DiLoCo(inner_steps=4, fragments=2, overlap_steps=1)
+        >>> chosen = selection.select(captured, strategy, None, engine.make_engine("xla"))
+        >>> diloco, planned = chosen.strategy, chosen.planned
+        >>> callable(diloco.rewrite_phase(planned, diloco.phase_key(2)))
+        True
+        """
         specs, _ = self._state_specs(planned)
         n_state = len(specs)
         tau = self.overlap_steps

@@ -69,8 +69,19 @@ def sync_schedule(inner_steps: int, fragments: int) -> tuple[int, ...]:
     """``d_p`` per fragment: fragment ``p`` sends when the number of inner steps taken is
     ``≡ d_p (mod inner_steps)`` (and at least 1).
 
+    Spread evenly over the cycle so that one fragment's outer all-reduce is in flight at a
+    time, and the last fragment sends at the end of the cycle, as plain DiLoCo does.
+
+    Args:
+      inner_steps: ``H``.
+      fragments: ``F`` (at most ``H``).
+
+    Returns:
+      ``(d_0, ..., d_{F-1})``.
+
     Example:
-        >>> sync_schedule(8, 4), sync_schedule(10, 1)
+        >>> from jaxsched.strategies import _diloco as diloco
+        >>> diloco.sync_schedule(8, 4), diloco.sync_schedule(10, 1)
         ((2, 4, 6, 0), (0,))
     """
     return tuple(((p + 1) * inner_steps // fragments) % inner_steps for p in range(fragments))

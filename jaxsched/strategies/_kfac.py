@@ -94,6 +94,13 @@ class KFACState(NamedTuple):
       step: int32, steps taken (inverses refresh when ``step % inverse_interval == 0``).
       factor_updates: int32, how many times the factors were updated (0: the next update
         takes the batch's factors without averaging).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxsched.strategies import KFAC
+      >>> state = KFAC().initial_state({"w": jnp.ones(2)}, ())
+      >>> state.factors, int(state.step)  # factors appear when the step is traced
+      ((), 0)
     """
 
     params: Any
@@ -232,6 +239,24 @@ class KFAC(Strategy):
         Returns:
           The `LayerMatch` (memoised on ``planned``); `jaxsched.integrations.kfac.find_layers`
           gives the same for a step.
+
+        Example:
+          >>> import jax, optax
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.strategies import KFAC
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
+          >>> kfac, planned = chosen.strategy, chosen.planned
+          >>> [(layer.name, layer.dims) for layer in kfac.layers(planned).layers]
+          [('hidden/0', (4, 3)), ('head', (3, 2))]
         """
         return planned.memo("kfac.layers", lambda: self._layers(planned))
 
@@ -311,6 +336,24 @@ class KFAC(Strategy):
 
         Returns:
           The buckets, as `plan_factor_buckets` makes them from the ``factor_buckets`` option.
+
+        Example:
+          >>> import jax, optax
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.strategies import KFAC
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
+          >>> kfac, planned = chosen.strategy, chosen.planned
+          >>> kfac.factor_buckets(planned)  # one bucket, the head's factors ready first
+          [[1, 0]]
         """
         return planned.memo(
             "kfac.factor_buckets",
@@ -326,6 +369,24 @@ class KFAC(Strategy):
         Returns:
           The worker of each factor ``[A_0, G_0, A_1, G_1, ...]``
           (`jaxsched.sim._kfac_placement.plan_placement`), or None: every worker inverts all.
+
+        Example:
+          >>> import jax, optax
+          >>> from jaxsched.core import _capture as capture
+          >>> from jaxsched.demo import steps
+          >>> from jaxsched.pipeline import _selection as selection
+          >>> from jaxsched.runtime import engine
+          >>> from jaxsched.strategies import KFAC
+          >>> from jaxsched.zoo import models
+          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> tx = optax.sgd(0.1)
+          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+          >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
+          >>> kfac, planned = chosen.strategy, chosen.planned
+          >>> kfac.placement_plan(planned)  # the worker of A_0, G_0, A_1, G_1
+          (0, 1, 1, 1)
         """
         dims = [n for layer in self.layers(planned).layers for n in layer.dims]
         if planned.axis_size == 1:
@@ -554,6 +615,27 @@ def local_factors(layer: MatchedLayer, x: jax.Array, g: jax.Array, dtype) -> tup
 
     Returns:
       ``(A, G)``: the input factor (with a ones column for a bias) and the output factor.
+
+    Example:
+      >>> import jax, optax
+      >>> from jaxsched.core import _capture as capture
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.pipeline import _selection as selection
+      >>> from jaxsched.runtime import engine
+      >>> from jaxsched.strategies import KFAC
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> tx = optax.sgd(0.1)
+      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+      >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
+      >>> kfac, planned = chosen.strategy, chosen.planned
+      >>> from jaxsched.strategies import _kfac as kfac_module
+      >>> layer = kfac.layers(planned).layers[0]  # hidden/0: 4 inputs, 3 outputs
+      >>> a, g = kfac_module.local_factors(layer, jax.numpy.ones((2, 4)), jax.numpy.ones((2, 3)), "float32")
+      >>> a.shape, g.shape
+      ((4, 4), (3, 3))
     """
     p = layer.params
     if layer.kind == "conv":
@@ -640,6 +722,26 @@ def kernel_matrix(layer: MatchedLayer, w: jax.Array) -> jax.Array:
 
     Returns:
       The ``(d_A without bias, d_G)`` matrix (a convolution's spatial and input axes flattened).
+
+    Example:
+      >>> import jax, optax
+      >>> from jaxsched.core import _capture as capture
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.pipeline import _selection as selection
+      >>> from jaxsched.runtime import engine
+      >>> from jaxsched.strategies import KFAC
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> tx = optax.sgd(0.1)
+      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+      >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
+      >>> kfac, planned = chosen.strategy, chosen.planned
+      >>> from jaxsched.strategies import _kfac as kfac_module
+      >>> layer = kfac.layers(planned).layers[0]
+      >>> kfac_module.kernel_matrix(layer, params["hidden"][0]["kernel"]).shape
+      (4, 3)
     """
     if layer.kind == "dense":
         return w if layer.params["in_axis"] == 0 else w.T
@@ -670,6 +772,28 @@ def precondition(
 
     Returns:
       ``(kernel, bias)`` of the preconditioned gradient, in their own shapes and dtypes.
+
+    Example:
+      >>> import jax, optax
+      >>> from jaxsched.core import _capture as capture
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.pipeline import _selection as selection
+      >>> from jaxsched.runtime import engine
+      >>> from jaxsched.strategies import KFAC
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> tx = optax.sgd(0.1)
+      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+      >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
+      >>> kfac, planned = chosen.strategy, chosen.planned
+      >>> import jax.numpy as jnp
+      >>> from jaxsched.strategies import _kfac as kfac_module
+      >>> layer = kfac.layers(planned).layers[0]
+      >>> kernel, bias = kfac_module.precondition(layer, jnp.ones((4, 3)), None, jnp.eye(4), 2 * jnp.eye(3))
+      >>> kernel.shape, float(kernel[0, 0]), bias
+      ((4, 3), 2.0, None)
     """
     dtype = a_inv.dtype
     v = kernel_matrix(layer, grad_w).astype(dtype)
@@ -699,6 +823,28 @@ def plan_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], op
 
     Returns:
       Lists of layer indices, in the order their cotangents appear.
+
+    Example:
+      >>> import jax, optax
+      >>> from jaxsched.core import _capture as capture
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.pipeline import _selection as selection
+      >>> from jaxsched.runtime import engine
+      >>> from jaxsched.strategies import KFAC
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> tx = optax.sgd(0.1)
+      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+      >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
+      >>> kfac, planned = chosen.strategy, chosen.planned
+      >>> from jaxsched.strategies import _kfac as kfac_module
+      >>> layers = kfac.layers(planned).layers
+      >>> kfac_module.plan_factor_buckets(planned, layers, "per_layer")
+      [[1], [0]]
+      >>> kfac_module.plan_factor_buckets(planned, layers, 10**9)  # a byte threshold
+      [[1, 0]]
     """
     order = sorted(range(len(layers)), key=lambda i: layers[i].grad_eqn)
     if planned.axis_size == 1:
@@ -742,6 +888,26 @@ def auto_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], or
 
     Returns:
       Lists of layer indices, in readiness order.
+
+    Example:
+      >>> import jax, optax
+      >>> from jaxsched.core import _capture as capture
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.pipeline import _selection as selection
+      >>> from jaxsched.runtime import engine
+      >>> from jaxsched.strategies import KFAC
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> tx = optax.sgd(0.1)
+      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+      >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
+      >>> kfac, planned = chosen.strategy, chosen.planned
+      >>> from jaxsched.strategies import _kfac as kfac_module
+      >>> groups = kfac_module.auto_factor_buckets(planned, kfac.layers(planned).layers, [1, 0])
+      >>> [i for group in groups for i in group]  # merged or not as the measured network says
+      [1, 0]
     """
     from jaxsched.sim._costmodel import Layer, LayerProfile, network_preset
     from jaxsched.plan import plan_buckets

@@ -76,16 +76,46 @@ _UNSHAPED = ("none", "unlimited", "0")
 
 
 class ClusterError(JaxschedError, RuntimeError):
-    """The emulated cluster could not be brought up, found, or taken down."""
+    """The emulated cluster could not be brought up, found, or taken down.
+
+    A `RuntimeError` too, so that scripts that catch ``RuntimeError`` around set-up keep working.
+
+    Example:
+      >>> import jaxsched
+      >>> from jaxsched.tools import cluster
+      >>> issubclass(cluster.ClusterError, (jaxsched.JaxschedError, RuntimeError))
+      True
+    """
 
 
 class NotPrivilegedError(ClusterError):
-    """Creating namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN)."""
+    """Creating namespaces needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN).
+
+    Its own class so that a caller can fall back to loopback without root, and still see
+    every other set-up failure.
+
+    Example:
+      >>> from jaxsched.tools import cluster
+      >>> issubclass(cluster.NotPrivilegedError, cluster.ClusterError)
+      True
+    """
 
 
 @dataclass(frozen=True)
 class Host:
-    """One emulated host: run a process in it with ``ip netns exec {namespace} ...``."""
+    """One emulated host: run a process in it with ``ip netns exec {namespace} ...``.
+
+    Attributes:
+      rank: its index, the process id `jaxsched.tools.launch.launch` gives the process in it.
+      namespace: its network namespace, ``{prefix}-h{rank}``.
+      address: its private IPv4 address, reachable only from the cluster's namespaces.
+      interface: its only link (bind gloo to it: `jaxsched.tools.launch.initialize`).
+
+    Example:
+      >>> from jaxsched.tools import cluster
+      >>> cluster.Host(1, "jxs-h1", "10.199.0.2", "eth0").namespace
+      'jxs-h1'
+    """
 
     rank: int
     namespace: str
@@ -93,7 +123,16 @@ class Host:
     interface: str  # the host's only link (bind gloo to it: jaxsched.tools.launch.initialize)
 
     def exec_prefix(self) -> list[str]:
-        """The argv prefix that runs a command inside this host's namespace."""
+        """The argv prefix that runs a command inside this host's namespace.
+
+        Returns:
+          ``["ip", "netns", "exec", namespace]``: put the command after it.
+
+        Example:
+          >>> from jaxsched.tools import cluster
+          >>> cluster.Host(0, "jxs-h0", "10.199.0.1", "eth0").exec_prefix() + ["hostname"]
+          ['ip', 'netns', 'exec', 'jxs-h0', 'hostname']
+        """
         return ["ip", "netns", "exec", self.namespace]
 
 
@@ -101,9 +140,19 @@ def parse_bandwidth(bandwidth: str | None) -> int | None:
     """``"1gbit"`` -> 10**9 bits/s; ``None``/``"none"``/``"unlimited"`` -> ``None`` (unshaped).
 
     Rates use ``tc``'s bit units: ``bit``, ``kbit``, ``mbit``, ``gbit``, ``tbit`` (powers of
-    1000). Raises ``ValueError`` naming the bad value.
+    1000), as ``tc`` takes them, so a value passes through to ``tc`` unchanged.
+
+    Args:
+      bandwidth: the rate, or None/``"none"``/``"unlimited"``/``"0"`` for an unshaped link.
+
+    Returns:
+      Bits per second, or None for unshaped.
+
+    Raises:
+      JaxschedValueError: not a rate, or below ``tc``'s useful minimum of 8kbit.
 
     Example:
+        >>> from jaxsched.tools.cluster import parse_bandwidth
         >>> parse_bandwidth("1gbit"), parse_bandwidth("500mbit"), parse_bandwidth("none")
         (1000000000, 500000000, None)
     """
@@ -175,7 +224,19 @@ def _have_net_admin() -> bool:
 
 
 def require_privileges() -> None:
-    """Raise a clear error unless namespaces can be created here."""
+    """Raise a clear error unless namespaces can be created here.
+
+    Checked before anything is created, so that a run without root fails with what to do
+    instead of half way through set-up.
+
+    Raises:
+      NotPrivilegedError: not root (CAP_NET_ADMIN and CAP_SYS_ADMIN).
+      ClusterError: ``ip`` or ``tc`` (iproute2) missing.
+
+    Example:
+      >>> from jaxsched.tools import cluster
+      >>> cluster.require_privileges()  # doctest: +SKIP
+    """
     if not _have_net_admin():
         raise NotPrivilegedError(
             "an emulated cluster needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network "
@@ -199,7 +260,20 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
 
 
 def list_namespaces(prefix: str = DEFAULT_PREFIX) -> list[str]:
-    """Namespaces that belong to the cluster ``prefix``: its hosts, then its switch."""
+    """Namespaces that belong to the cluster ``prefix``: its hosts, then its switch.
+
+    Args:
+      prefix: the cluster's name prefix.
+
+    Returns:
+      ``["{prefix}-h0", ..., "{prefix}-sw"]``, hosts in rank order; ``[]`` when no such
+      cluster is up.
+
+    Example:
+      >>> from jaxsched.tools import cluster
+      >>> cluster.list_namespaces("jxs-doctest-none")  # doctest: +SKIP
+      []
+    """
     _validate_prefix(prefix)
     proc = _run(["ip", "netns", "list"], check=False)
     names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
@@ -213,6 +287,20 @@ def teardown(prefix: str = DEFAULT_PREFIX) -> list[str]:
 
     Deleting a namespace deletes the veth ends and the bridge inside it, and with them the
     peers and qdiscs, so this also cleans up after a run that crashed half way through.
+
+    Args:
+      prefix: the cluster's name prefix.
+
+    Returns:
+      The namespaces removed (``[]`` when none was up).
+
+    Raises:
+      ClusterError: a namespace could not be removed.
+
+    Example:
+      >>> from jaxsched.tools import cluster
+      >>> cluster.teardown("jxs-doctest-none")  # doctest: +SKIP
+      []
     """
     removed, errors = [], []
     for name in list_namespaces(prefix):
@@ -254,7 +342,17 @@ _DELAY_RE = re.compile(r"^(\d+(?:\.\d+)?)(us|ms|s)$")
 def parse_delay(delay: str | None) -> float | None:
     """``"5ms"`` -> 0.005 seconds; ``None``, ``"0"`` or ``"none"`` -> None (no added delay).
 
+    Args:
+      delay: a time with unit ``us``, ``ms`` or ``s``.
+
+    Returns:
+      Seconds, or None.
+
+    Raises:
+      JaxschedValueError: not a time.
+
     Example:
+        >>> from jaxsched.tools.cluster import parse_delay
         >>> parse_delay("5ms"), parse_delay("250us"), parse_delay("0")
         (0.005, 0.00025, None)
     """
@@ -275,6 +373,22 @@ def set_links(prefix: str = DEFAULT_PREFIX, bandwidth: str | None = None, delay:
     the links, so a job sees its network change between two packets (what a benchmark of
     re-planning needs). Delay needs the kernel's ``netem`` qdisc; where it is missing the
     call refuses before it changes anything.
+
+    Args:
+      prefix: the running cluster's name prefix.
+      bandwidth: the new rate of every link end (None or ``"none"``: unshaped).
+      delay: one-way delay added at every end (None: none).
+
+    Returns:
+      The cluster as it is now (it does not tear the cluster down on exit).
+
+    Raises:
+      ClusterError: no such cluster, or no ``netem`` for ``delay``.
+
+    Example:
+      >>> from jaxsched.tools import cluster
+      >>> cluster.set_links("jxs", bandwidth="100mbit")  # doctest: +SKIP
+      Cluster(prefix='jxs', hosts=2, bandwidth='100mbit')
     """
     bits = parse_bandwidth(bandwidth)
     seconds = parse_delay(delay)
@@ -348,7 +462,23 @@ def _tbf(namespace: str, device: str, bits_per_s: int) -> list[str]:
 
 
 class Cluster:
-    """An emulated cluster of network namespaces. Build one with `up` or `attach`."""
+    """An emulated cluster of network namespaces. Build one with `up` or `attach`.
+
+    As a context manager, the cluster `up` made is torn down on exit, also on an exception,
+    Ctrl-C or SIGTERM (no namespace outlives the run); one from `attach` is left up.
+
+    Args:
+      prefix: the namespaces' name prefix.
+      hosts: its hosts, in rank order.
+      bandwidth: bits per second on every link end, None when unshaped.
+      owned: whether ``__exit__`` tears it down.
+
+    Example:
+      >>> from jaxsched.tools import cluster
+      >>> c = cluster.Cluster("jxs", [cluster.Host(0, "jxs-h0", "10.199.0.1", "eth0")], 10**9, owned=False)
+      >>> c
+      Cluster(prefix='jxs', hosts=1, bandwidth='1gbit')
+    """
 
     def __init__(self, prefix: str, hosts: Sequence[Host], bandwidth: int | None, owned: bool = True):
         self.prefix = prefix
@@ -371,6 +501,25 @@ class Cluster:
         Refuses if a cluster with this prefix exists already (``Cluster.attach`` uses it,
         ``teardown`` removes it). Anything created is removed again if set-up fails or is
         interrupted (Ctrl-C, SIGTERM).
+
+        Args:
+          hosts: how many hosts (1 to `MAX_HOSTS`).
+          bandwidth: each link's rate each way (`parse_bandwidth`; None: unshaped).
+          prefix: the namespaces' name prefix.
+          subnet: the /24 the hosts' addresses come from.
+
+        Returns:
+          The cluster; use it in a ``with`` block so that it is torn down.
+
+        Raises:
+          NotPrivilegedError: not root.
+          ClusterError: a cluster with this prefix is up already, or set-up failed.
+
+        Example:
+          >>> from jaxsched.tools import cluster
+          >>> with cluster.Cluster.up(2, bandwidth="1gbit") as c:  # doctest: +SKIP
+          ...     print(c.hosts[1].address)
+          10.199.0.2
         """
         _validate_hosts(hosts)
         bits = parse_bandwidth(bandwidth)
@@ -432,6 +581,20 @@ class Cluster:
         """The cluster ``prefix`` that is up now (e.g. from ``cluster up`` in a shell).
 
         The returned object does not tear the cluster down on ``__exit__``; ``down()`` does.
+
+        Args:
+          prefix: the cluster's name prefix.
+
+        Returns:
+          The cluster, its hosts and bandwidth read back from the namespaces.
+
+        Raises:
+          ClusterError: no such cluster is up, or it is incomplete.
+
+        Example:
+          >>> from jaxsched.tools import cluster
+          >>> cluster.Cluster.attach("jxs").bandwidth  # doctest: +SKIP
+          1000000000
         """
         names = [n for n in list_namespaces(prefix) if n != f"{prefix}-sw"]
         if not names:
@@ -455,7 +618,16 @@ class Cluster:
         return cls(prefix, hosts, bits, owned=False)
 
     def down(self) -> list[str]:
-        """Remove this cluster's namespaces (idempotent)."""
+        """Remove this cluster's namespaces (idempotent).
+
+        Returns:
+          The namespaces removed (`teardown`).
+
+        Example:
+          >>> from jaxsched.tools import cluster
+          >>> cluster.Cluster.attach("jxs").down()  # doctest: +SKIP
+          ['jxs-h0', 'jxs-h1', 'jxs-sw']
+        """
         return teardown(self.prefix)
 
     def __enter__(self) -> "Cluster":

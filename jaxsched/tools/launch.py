@@ -108,7 +108,16 @@ GLOO_FACTORY_SIGNATURE = (
 
 
 class GlooBindingError(JaxschedError, RuntimeError):
-    """jaxlib's private gloo factory is not what this module was written against."""
+    """jaxlib's private gloo factory is not what this module was written against.
+
+    Raised before anything starts, so that a jax upgrade fails with the two signatures side by
+    side instead of somewhere inside jaxlib.
+
+    Example:
+      >>> from jaxsched.tools import launch
+      >>> issubclass(launch.GlooBindingError, RuntimeError)
+      True
+    """
 
 
 def _gloo_factory():
@@ -142,6 +151,22 @@ def make_gloo_collectives(distributed_client, *, interface: str | None = None, h
     The only call into ``jax._src.lib._jax.make_gloo_tcp_collectives`` in jaxsched; its
     signature is checked against `GLOO_FACTORY_SIGNATURE` and a mismatch raises
     `GlooBindingError` instead of failing somewhere inside jaxlib.
+
+    Args:
+      distributed_client: jax.distributed's client (after ``jax.distributed.initialize``).
+      interface: the network interface gloo binds to (e.g. an emulated host's ``eth0``).
+      hostname: bind to this name's address instead.
+
+    Returns:
+      jaxlib's ``CpuCollectives``, for ``make_cpu_client(collectives=...)``.
+
+    Raises:
+      GlooBindingError: jaxlib's factory differs from the pinned signature.
+
+    Example:
+      >>> from jax._src import distributed
+      >>> from jaxsched.tools import launch
+      >>> launch.make_gloo_collectives(distributed.global_state.client, interface="eth0")  # doctest: +SKIP
     """
     return _gloo_factory()(distributed_client=distributed_client, hostname=hostname, interface=interface)
 
@@ -167,6 +192,21 @@ def bind_gloo(interface: str) -> None:
     Call after ``jax.distributed.initialize`` and before anything creates JAX's backends
     (``jax.devices()``, any computation). Re-registers jax's ``cpu`` backend factory with
     the same ``make_cpu_client``, passing collectives from `make_gloo_collectives`.
+
+    Args:
+      interface: the network interface gloo binds to: inside an emulated cluster the host's
+        only link, so that gloo does not pick an address other hosts cannot reach.
+
+    Raises:
+      JaxschedRuntimeError: the backends exist already, jax.distributed is not initialized,
+        or the CPU collectives are not gloo.
+      GlooBindingError: this jax's private CPU client factory differs from the pinned one.
+
+    Example:
+      >>> import jax
+      >>> from jaxsched.tools import launch
+      >>> jax.distributed.initialize()  # doctest: +SKIP
+      >>> launch.bind_gloo("eth0")  # doctest: +SKIP
     """
     from jax._src import config as jax_config, distributed
 
@@ -245,6 +285,31 @@ def initialize(
     one, for up to the shutdown timeout (300 s by default). ``sys.exit(code)`` does not pass
     through this hook: a script that exits non-zero on purpose should call
     `exit_now` (or ``os._exit``).
+
+    Args:
+      cpu_devices: local CPU devices per process (``jax_num_cpu_devices``).
+      interface: bind gloo to this network interface (default: ``JAXSCHED_GLOO_INTERFACE``).
+      heartbeat_timeout_s: seconds until jax.distributed declares a silent peer dead.
+      initialization_timeout_s: seconds to wait for every process to join.
+      shutdown_timeout_s: seconds the shutdown barrier waits.
+      allow_single_process: where no cluster is detected, run as one process instead of
+        raising.
+      fail_fast: end the process at once on an uncaught exception.
+
+    Returns:
+      ``ProcessInfo(process_id, num_processes, coordinator_address, interface)``.
+
+    Raises:
+      JaxschedRuntimeError: some ``JAXSCHED_*`` variables set but not all, or no cluster
+        detected and ``allow_single_process`` not set.
+
+    Example:
+      In a training script, first thing:
+
+      >>> from jaxsched.tools import launch
+      >>> info = launch.initialize(allow_single_process=True)  # doctest: +SKIP
+      >>> info.process_id, info.num_processes  # doctest: +SKIP
+      (0, 1)
     """
     import jax
 
@@ -309,7 +374,18 @@ def initialize(
 
 
 def exit_now(code: int = 1) -> None:
-    """Flush stdout/stderr and end the process with ``code``, skipping JAX's shutdown barrier."""
+    """Flush stdout/stderr and end the process with ``code``, skipping JAX's shutdown barrier.
+
+    ``sys.exit`` runs JAX's exit handler, which waits in jax.distributed's shutdown barrier
+    for peers that may themselves wait for this process; this does not.
+
+    Args:
+      code: the exit status.
+
+    Example:
+      >>> from jaxsched.tools import launch
+      >>> launch.exit_now(3)  # doctest: +SKIP
+    """
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -340,14 +416,25 @@ def _install_fail_fast() -> None:
 
 
 class LaunchError(JaxschedError, RuntimeError):
-    """The processes could not be started."""
+    """The processes could not be started.
+
+    Example:
+      >>> import jaxsched
+      >>> from jaxsched.tools import launch
+      >>> issubclass(launch.LaunchError, jaxsched.JaxschedError)
+      True
+    """
 
 
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on now.
 
+    Returns:
+      The port (free when asked: another process may take it before the coordinator does).
+
     Example:
-        >>> 1024 <= free_port() < 65536
+        >>> from jaxsched.tools import launch
+        >>> 1024 <= launch.free_port() < 65536
         True
     """
     with socket.socket() as s:
@@ -430,6 +517,40 @@ def launch(
     ``timeout_s`` bounds the whole run (exit status 124 when it expires). Ctrl-C or SIGTERM
     to the launcher stops every process (status 130 or 143). Unless ``verbose``, gloo's
     per-peer connection lines (`GLOO_CHATTER`) are left out.
+
+    Args:
+      hosts: how many processes.
+      command: the argv each one runs (e.g. ``["python", "train.py"]``).
+      cluster: a `jaxsched.tools.cluster.Cluster` with at least ``hosts`` hosts (None:
+        loopback).
+      port: the coordinator's port (None: a free one).
+      cpu_devices: local CPU devices per process (``JAXSCHED_CPU_DEVICES``).
+      env: more environment variables for every process.
+      heartbeat_timeout_s: seconds until jax.distributed declares a silent peer dead.
+      initialization_timeout_s: seconds for every process to join.
+      shutdown_timeout_s: seconds the shutdown barrier waits.
+      grace_s: seconds between SIGTERM and SIGKILL when stopping the others.
+      timeout_s: bound on the whole run (None: none).
+      prefix_output: prefix each output line with ``[rank] ``.
+      stdout: where the processes' stdout goes (default ``sys.stdout``).
+      stderr: where their stderr and the launcher's notes go (default ``sys.stderr``).
+      verbose: keep gloo's per-peer connection lines.
+
+    Returns:
+      0, or the first failing exit status (124 on timeout, 130/143 when interrupted).
+
+    Raises:
+      JaxschedValueError: ``hosts`` not a positive integer, no command, or a cluster too small.
+
+    Example:
+      >>> import io, sys
+      >>> from jaxsched.tools import launch
+      >>> out = io.StringIO()
+      >>> cmd = [sys.executable, "-c", "import os; print(os.environ['JAXSCHED_PROCESS_ID'])"]
+      >>> launch.launch(2, cmd, stdout=out, stderr=io.StringIO())
+      0
+      >>> sorted(out.getvalue().splitlines())
+      ['[0] 0', '[1] 1']
     """
     if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
         raise JaxschedValueError(f"hosts={hosts!r}: need an integer >= 1")

@@ -48,6 +48,17 @@ class Replan:
         ``"stages"`` (the host engine's own collective stages, timed on the ``repeats``
         steps before each decision point: no extra traffic) or ``"auto"`` (stages on the
         host engine, the probe elsewhere).
+
+    Raises:
+      JaxschedValueError: a field out of its range, naming the field and what it must be.
+
+    Example:
+      >>> import jaxsched
+      >>> r = jaxsched.Replan(every=20, drift=0.3)
+      >>> r.every, r.min_gain, r.probe_bytes
+      (20, 0.05, (4096, 2097152))
+
+      Pass it as ``jaxsched.schedule(step, replan=r)`` (``replan="auto"``: the defaults).
     """
 
     every: int = 50
@@ -123,6 +134,14 @@ class SwitchRecord(NamedTuple):
       reused: whether the new plan's program was compiled before (no recompile).
       first_step_s: wall time of the new plan's first step (tracing and compiling included
         when not reused).
+
+    Example:
+      >>> from jaxsched.pipeline import replan
+      >>> rec = replan.SwitchRecord(
+      ...     100, "measured", "measured", {"all_reduce": (5e-5, 1e-9)}, 0.4,
+      ...     (("a", "b"),), (("a",), ("b",)), 2.0e-3, 1.5e-3, 0.25)
+      >>> rec.predicted_gain == 1 - rec.predicted_new_s / rec.predicted_old_s, rec.reused
+      (True, False)
     """
 
     step: int
@@ -149,6 +168,12 @@ class Decision(NamedTuple):
         threshold, the planner did not run; 0 when it chose the current plan).
       switched: whether a switch was scheduled for the next step.
       seconds: wall time of the decision: the probe, the agreement and any planning.
+
+    Example:
+      >>> from jaxsched.pipeline import replan
+      >>> d = replan.Decision(step=50, drift=0.05, predicted_gain=None, switched=False, seconds=0.01)
+      >>> d.predicted_gain is None  # below the drift threshold: the planner did not run
+      True
     """
 
     step: int
@@ -160,4 +185,13 @@ class Decision(NamedTuple):
 
 class ReplanAgreementError(JaxschedError, RuntimeError):
     """The processes could not agree on a re-planning decision (a message was lost,
-    unreadable, or from another step); every process that waited for it raises."""
+    unreadable, or from another step); every process that waited for it raises.
+
+    Raising on every process, instead of going on with a local decision, keeps the processes
+    on one plan: two plans would deadlock in their first mismatched collective.
+
+    Example:
+      >>> import jaxsched
+      >>> issubclass(jaxsched.ReplanAgreementError, (jaxsched.JaxschedError, RuntimeError))
+      True
+    """

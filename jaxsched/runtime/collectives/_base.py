@@ -216,6 +216,18 @@ class Collective:
 
         Returns:
           ``(sum, new_state)``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> from jax.sharding import PartitionSpec as P
+          >>> from jaxsched.runtime.collectives import BucketSpec, Collective
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> spec = BucketSpec(index=0, size=4, dtype=jnp.dtype("float32"), axis_size=2, shapes=((2, 2),))
+          >>> x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, P("data")))  # [0..3] and [4..7]
+          >>> f = jax.shard_map(lambda b: Collective().all_reduce(b, "data", spec, ())[0],
+          ...                   mesh=mesh, in_specs=P("data"), out_specs=P(), check_vma=False)
+          >>> f(x).tolist()
+          [4.0, 6.0, 8.0, 10.0]
         """
         return lax.psum(buffer, axis_name), state
 
@@ -242,6 +254,20 @@ class Collective:
 
         Returns:
           ``(sums, new_state)``: the summed tensors, in order.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> from jax.sharding import PartitionSpec as P
+          >>> from jaxsched.runtime.collectives import BucketSpec, Collective
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> spec = BucketSpec(index=0, size=4, dtype=jnp.dtype("float32"), axis_size=2, shapes=((2, 2),))
+          >>> x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, P("data")))  # [0..3] and [4..7]
+          >>> def body(b):
+          ...     (total,), _ = Collective().all_reduce_tensors([b.reshape(2, 2)], "data", spec, ())
+          ...     return total
+          >>> f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P(), check_vma=False)
+          >>> f(x).tolist()  # in the tensor's own shape
+          [[4.0, 6.0], [8.0, 10.0]]
         """
         form = self.form("all_reduce", bucket)
         if type(self).all_reduce is Collective.all_reduce and form != "packed":
@@ -285,6 +311,20 @@ class Collective:
 
         Returns:
           ``(chunks, new_state)``: this device's flat chunk of each tensor's sum.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> from jax.sharding import PartitionSpec as P
+          >>> from jaxsched.runtime.collectives import BucketSpec, Collective
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> spec = BucketSpec(index=0, size=4, dtype=jnp.dtype("float32"), axis_size=2, shapes=((2, 2),))
+          >>> x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, P("data")))  # [0..3] and [4..7]
+          >>> def body(b):
+          ...     (chunk,), _ = Collective().reduce_scatter_tensors([b.reshape(2, 2)], "data", spec, ())
+          ...     return chunk
+          >>> f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False)
+          >>> f(x).tolist()  # device 0 holds row 0 of the sum, device 1 row 1
+          [4.0, 6.0, 8.0, 10.0]
         """
         from jaxsched.core._layout import BucketLayout, pad_flat
 
@@ -319,6 +359,21 @@ class Collective:
 
         Returns:
           ``(tensors, new_state)``: the full tensors, in ``bucket.shapes``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> from jax.sharding import PartitionSpec as P
+          >>> from jaxsched.runtime.collectives import BucketSpec, Collective
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> spec = BucketSpec(index=0, size=4, dtype=jnp.dtype("float32"), axis_size=2, shapes=((2, 2),))
+          >>> x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, P("data")))  # [0..3] and [4..7]
+          >>> def body(chunk):
+          ...     (full,), _ = Collective().all_gather_tensors([chunk], "data", spec, ())
+          ...     return full
+          >>> y = jax.device_put(jnp.arange(4.0), jax.NamedSharding(mesh, P("data")))  # [0, 1] and [2, 3]
+          >>> f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P(), check_vma=False)
+          >>> f(y).tolist()
+          [[0.0, 1.0], [2.0, 3.0]]
         """
         from jaxsched.core._layout import BucketLayout
 
@@ -350,6 +405,18 @@ class Collective:
 
         Returns:
           ``(shard, new_state)``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> from jax.sharding import PartitionSpec as P
+          >>> from jaxsched.runtime.collectives import BucketSpec, Collective
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> spec = BucketSpec(index=0, size=4, dtype=jnp.dtype("float32"), axis_size=2, shapes=((2, 2),))
+          >>> x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, P("data")))  # [0..3] and [4..7]
+          >>> f = jax.shard_map(lambda b: Collective().reduce_scatter(b, "data", spec, ())[0],
+          ...                   mesh=mesh, in_specs=P("data"), out_specs=P("data"), check_vma=False)
+          >>> f(x).tolist()  # device 0 holds [4, 6], device 1 [8, 10]
+          [4.0, 6.0, 8.0, 10.0]
         """
         return psum_scatter(buffer, axis_name, bucket), state
 
@@ -366,6 +433,18 @@ class Collective:
 
         Returns:
           ``(buffer, new_state)``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> from jax.sharding import PartitionSpec as P
+          >>> from jaxsched.runtime.collectives import BucketSpec, Collective
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> spec = BucketSpec(index=0, size=4, dtype=jnp.dtype("float32"), axis_size=2, shapes=((2, 2),))
+          >>> x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, P("data")))  # [0..3] and [4..7]
+          >>> f = jax.shard_map(lambda s: Collective().all_gather(s[:2], "data", spec, ())[0],
+          ...                   mesh=mesh, in_specs=P("data"), out_specs=P(), check_vma=False)
+          >>> f(x).tolist()  # each device's first two entries, in device order
+          [0.0, 1.0, 4.0, 5.0]
         """
         return lax.all_gather(shard, axis_name, tiled=True), state
 

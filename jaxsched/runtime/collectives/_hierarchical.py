@@ -201,6 +201,20 @@ class Hierarchical(Collective):
 
         Returns:
           ``(shard, new_state)``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> from jax.sharding import PartitionSpec as P
+          >>> from jaxsched.runtime.collectives import BucketSpec, Hierarchical
+          >>> mesh = jax.make_mesh((2, 2), ("dcn", "ici"), devices=jax.devices()[:4])
+          >>> spec = BucketSpec(0, 4, jnp.dtype("float32"), 4, mesh_axes=(("dcn", 2), ("ici", 2)))
+          >>> hier = Hierarchical(fast="ici", slow="dcn")
+          >>> (state,) = hier.init([spec])
+          >>> f = jax.shard_map(lambda b: hier.reduce_scatter(b, ("dcn", "ici"), spec, state)[0], mesh=mesh,
+          ...                   in_specs=P(("dcn", "ici")), out_specs=P(("dcn", "ici")), check_vma=False)
+          >>> x = jax.device_put(jnp.arange(16.0), jax.NamedSharding(mesh, P(("dcn", "ici"))))
+          >>> f(x).tolist()  # as a flat psum_scatter: device k holds entry k of the sum
+          [24.0, 28.0, 32.0, 36.0]
         """
         self._check_axis(axis_name)
         if not self._present(self.fast, bucket):  # over the slow axes only (an HSDP block)
@@ -227,6 +241,20 @@ class Hierarchical(Collective):
 
         Returns:
           ``(buffer, new_state)``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> from jax.sharding import PartitionSpec as P
+          >>> from jaxsched.runtime.collectives import BucketSpec, Hierarchical
+          >>> mesh = jax.make_mesh((2, 2), ("dcn", "ici"), devices=jax.devices()[:4])
+          >>> spec = BucketSpec(0, 4, jnp.dtype("float32"), 4, mesh_axes=(("dcn", 2), ("ici", 2)))
+          >>> hier = Hierarchical(fast="ici", slow="dcn")
+          >>> (state,) = hier.init([spec])
+          >>> f = jax.shard_map(lambda s: hier.all_gather(s, ("dcn", "ici"), spec, state)[0], mesh=mesh,
+          ...                   in_specs=P(("dcn", "ici")), out_specs=P(), check_vma=False)
+          >>> x = jax.device_put(jnp.arange(4.0), jax.NamedSharding(mesh, P(("dcn", "ici"))))
+          >>> f(x).tolist()  # as a flat tiled all_gather
+          [0.0, 1.0, 2.0, 3.0]
         """
         self._check_axis(axis_name)
         if not self._present(self.fast, bucket):  # over the slow axes only (an HSDP block)

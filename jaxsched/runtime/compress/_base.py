@@ -185,6 +185,11 @@ class Compressor(CollectiveWrapper):
         Raises:
           JaxschedValueError: the simulator does not model this compressor, or its density
             differs per bucket.
+
+        Example:
+          >>> from jaxsched.runtime.compress import GlobalTopK, TopK
+          >>> TopK(0.01).sim_compression(), GlobalTopK(0.01).sim_compression().kind
+          (Compression(kind='topk', density=0.01, selection_s_per_byte=0.0), 'gtopk')
         """
         from jaxsched.sim import Compression
 

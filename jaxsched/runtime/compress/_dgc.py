@@ -256,6 +256,11 @@ class Sparsifier(Compressor):
 
         Returns:
           The densities, densest first.
+
+        Example:
+          >>> from jaxsched.runtime.compress import TopK
+          >>> TopK(0.25, warmup_steps=4, warmup_density=1.0).density_levels(), TopK(0.25).density_levels()
+          ((1.0, 0.25), (0.25,))
         """
         target = self.target_density(bucket)
         start = max(target, self.warmup_density or DEFAULT_WARMUP_DENSITY)
@@ -283,6 +288,12 @@ class Sparsifier(Compressor):
 
         Returns:
           The density.
+
+        Example:
+          >>> from jaxsched.runtime.compress import TopK
+          >>> topk = TopK(0.25, warmup_steps=4, warmup_density=1.0)
+          >>> topk.density_at(0), topk.density_at(3), topk.density_at(4)
+          (1.0, 1.0, 0.25)
         """
         if step < 0:
             raise JaxschedValueError(f"step must be >= 0, got {step}")
@@ -299,6 +310,11 @@ class Sparsifier(Compressor):
 
         Returns:
           The mean density.
+
+        Example:
+          >>> from jaxsched.runtime.compress import TopK
+          >>> TopK(0.25, warmup_steps=4, warmup_density=1.0).mean_density(8)  # 4 dense steps, 4 at 0.25
+          0.625
         """
         if steps < 1:
             raise JaxschedValueError(f"steps must be >= 1, got {steps}")
@@ -360,6 +376,15 @@ class Sparsifier(Compressor):
 
         Returns:
           What ``exchange`` returns.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from jaxsched.runtime.collectives import BucketSpec
+          >>> from jaxsched.runtime.compress import TopK
+          >>> spec = BucketSpec(index=0, size=8, dtype=jnp.dtype("float32"), axis_size=2)
+          >>> topk = TopK(0.25, warmup_steps=4, warmup_density=1.0)
+          >>> [float(topk.at_scheduled_density(jnp.int32(s), spec, jnp.float32)) for s in (0, 5)]
+          [1.0, 0.25]
         """
         levels = self.density_levels(bucket)
         if len(levels) == 1:
@@ -379,6 +404,15 @@ class Sparsifier(Compressor):
 
         Returns:
           ``(to_residual, velocity)``.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from jaxsched.runtime.compress import TopK
+          >>> TopK(0.5, clip_norm=1.0).accumulate(jnp.array([3.0, 4.0]), ())[0].tolist()  # clipped to norm 1
+          [0.6000000238418579, 0.800000011920929]
+          >>> u, velocity = TopK(0.5, momentum=0.9).accumulate(jnp.array([1.0, 2.0]), jnp.array([1.0, 1.0]))
+          >>> u.tolist()  # 0.9 * velocity + g
+          [1.899999976158142, 2.9000000953674316]
         """
         grad = buffer
         if self.clip_norm is not None:
@@ -399,6 +433,12 @@ class Sparsifier(Compressor):
 
         Returns:
           The masked velocity (as given without momentum).
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from jaxsched.runtime.compress import TopK
+          >>> TopK(0.5, momentum=0.9).mask_velocity(jnp.ones(4), jnp.array([True, False, False, True])).tolist()
+          [0.0, 1.0, 1.0, 0.0]
         """
         if not self.momentum or sent is None or isinstance(velocity, tuple):
             return velocity
@@ -413,6 +453,14 @@ class Sparsifier(Compressor):
 
         Returns:
           The initial velocity.
+
+        Example:
+          >>> import jax.numpy as jnp
+          >>> from jaxsched.runtime.collectives import BucketSpec
+          >>> from jaxsched.runtime.compress import TopK
+          >>> spec = BucketSpec(index=0, size=8, dtype=jnp.dtype("float32"), axis_size=2)
+          >>> TopK(0.25, momentum=0.9).init_velocity(spec).shape, TopK(0.25).init_velocity(spec)
+          ((8,), ())
         """
         if self.momentum and self.compresses(bucket):
             return jnp.zeros((bucket.size,), bucket.dtype)

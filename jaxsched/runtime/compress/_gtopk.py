@@ -224,6 +224,23 @@ class GlobalTopK(Sparsifier):
 
         Returns:
           ``(indices, sent_messages)``.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> from jax.sharding import PartitionSpec as P
+          >>> from jaxsched.runtime.collectives import BucketSpec
+          >>> from jaxsched.runtime.compress import GlobalTopK
+          >>> gtopk = GlobalTopK(0.25)
+          >>> spec = BucketSpec(index=0, size=8, dtype=jnp.dtype("float32"), axis_size=2)
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> def body(acc):
+          ...     indices, sent = gtopk.global_indices(acc[0], "data", spec)
+          ...     return indices[None], sent[None]
+          >>> f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P("data")), check_vma=False)
+          >>> acc = jnp.array([[0, 5, 0, 1, 0, 0, 0, 2.0], [3, 0, 0, 0, 0, 0, 0, -4.0]])
+          >>> indices, sent = f(jax.device_put(acc, jax.NamedSharding(mesh, P("data"))))
+          >>> indices.tolist(), sent.tolist()  # 5 and 3 win; at 7, 2 - 4 is too small
+          ([[1, 0], [1, 0]], [1, 1])
         """
         n, size = bucket.size, bucket.axis_size
         k = kernels.selection_size(n, self.density_of(bucket) if density is None else density)

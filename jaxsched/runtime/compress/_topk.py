@@ -210,6 +210,19 @@ class TopK(Sparsifier):
 
         Returns:
           A ``kernels.SparseGradient``: the selected values and indices and the new residual.
+
+        Example:
+          With ``selection="exact"`` nothing crosses devices, so it runs outside a body too:
+
+          >>> import jax.numpy as jnp
+          >>> from jaxsched.runtime.collectives import BucketSpec
+          >>> from jaxsched.runtime.compress import TopK
+          >>> topk = TopK(0.25, selection="exact")
+          >>> spec = BucketSpec(index=0, size=8, dtype=jnp.dtype("float32"), axis_size=2)
+          >>> (own, _), = topk.init([spec])
+          >>> sparse = topk.select(jnp.array([0, 5, 0, 1, 0, 0, 0, 2.0]), "data", spec, own)
+          >>> sparse.values.tolist(), sparse.indices.tolist(), sparse.new_residual.tolist()
+          ([5.0, 2.0], [1, 7], [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
         """
         density = self.density_of(bucket) if density is None else density
         residual = own.residual if self.error_feedback else jnp.zeros_like(buffer)

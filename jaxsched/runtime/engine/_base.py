@@ -220,6 +220,13 @@ class Engine(abc.ABC):
 
         Returns:
           An `EngineCosts` (by default: collectives overlap compute except on CPU).
+
+        Example:
+          >>> import jax
+          >>> from jaxsched.runtime import engine
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> engine.make_engine("xla").costs(mesh)  # XLA:CPU runs collectives inline
+          EngineCosts(overlaps=False, per_collective_s=0.0)
         """
         return EngineCosts(overlaps=mesh.devices.flat[0].platform != "cpu")
 
@@ -238,6 +245,13 @@ class Engine(abc.ABC):
 
         Returns:
           One of `jaxsched.runtime.collectives.FORMS` (by default ``"mixed"``).
+
+        Example:
+          >>> import jax
+          >>> from jaxsched.runtime import engine
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> engine.make_engine("xla").collective_form(mesh, "all_reduce")
+          'mixed'
         """
         return "mixed"
 
@@ -249,13 +263,44 @@ class Engine(abc.ABC):
 
         Returns:
           An engine (by default this one).
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> from jax.sharding import PartitionSpec as P
+          >>> from jaxsched.runtime import engine
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> psum = lambda x: (jax.lax.psum(x, "data"),)
+          >>> program = engine.PerDeviceProgram(psum, mesh, "data", (P("data"),), (P(),))
+          >>> xla = engine.make_engine("xla")
+          >>> xla.resolve(program) is xla
+          True
+          >>> type(engine.make_engine("auto").resolve(program)).__name__  # "auto" picks per mesh
+          'XlaEngine'
         """
         return self
 
     def stage_timer(self, compiled: Callable[..., tuple]) -> StageTimer | None:
         """How to time the stages of ``compiled`` (a callable this engine's `compile` made),
         or None: the engine runs a program whole (`jaxsched.pipeline.replan` then probes the
-        network instead of timing the step's own collectives)."""
+        network instead of timing the step's own collectives).
+
+        Args:
+          compiled: what `compile` returned.
+
+        Returns:
+          A `StageTimer`, or None (by default).
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> from jax.sharding import PartitionSpec as P
+          >>> from jaxsched.runtime import engine
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> psum = lambda x: (jax.lax.psum(x, "data"),)
+          >>> program = engine.PerDeviceProgram(psum, mesh, "data", (P("data"),), (P(),))
+          >>> xla = engine.make_engine("xla")
+          >>> xla.stage_timer(xla.compile(program)) is None  # one XLA program, no stages
+          True
+        """
         return None
 
     @abc.abstractmethod
@@ -269,6 +314,17 @@ class Engine(abc.ABC):
 
         Returns:
           The compiled callable.
+
+        Example:
+          >>> import jax, jax.numpy as jnp
+          >>> from jax.sharding import PartitionSpec as P
+          >>> from jaxsched.runtime import engine
+          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+          >>> psum = lambda x: (jax.lax.psum(x, "data"),)
+          >>> program = engine.PerDeviceProgram(psum, mesh, "data", (P("data"),), (P(),))
+          >>> run = engine.make_engine("xla").compile(program)
+          >>> run(jax.device_put(jnp.arange(4.0), jax.NamedSharding(mesh, P("data"))))[0].tolist()
+          [2.0, 4.0]
         """
 
 
