@@ -234,7 +234,7 @@ def test_a_module_made_private_is_served_at_its_old_path_with_a_warning(old, new
 
 def test_from_a_package_import_a_private_module_of_before_warns_once():
     with pytest.warns(DeprecationWarning) as caught:
-        from jaxsched.sim import _costmodel as costmodel
+        from jaxsched.sim import costmodel
     assert costmodel is importlib.import_module("jaxsched.sim._costmodel")
     assert len(caught) == 1 and caught[0].filename == __file__
     assert "use jaxsched.sim, which exports its public names" in str(caught[0].message)
@@ -393,7 +393,7 @@ def test_docs_examples_and_tests_use_the_current_paths():
     from_import = re.compile(rf"from jaxsched import ([\w, ]*\b({names})\b)")
     # public attributes, but no module of that name: ``import jaxsched.compress`` fails
     attribute_only = re.compile(r"(from|import) jaxsched\.(compress|kfac|nnx)\b")
-    # a module named after its function (``jaxsched.check._verify``): that path is the function now
+    # a module named after its function (``jaxsched.check.verify``): that path is the function now
     shadowed = {
         old
         for old in _private()

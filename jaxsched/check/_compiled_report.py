@@ -53,8 +53,8 @@ class CollectiveWindow:
       compute_s: the compute time the estimate puts inside its window.
 
     Example:
-      >>> from jaxsched.check import _inspection as inspection
-      >>> w = inspection.CollectiveWindow("ar", "all-reduce", 1024, ("data",), True, 2, 1e6, 0.0, 2e-6, 1e-6)
+      >>> from jaxsched import check
+      >>> w = check.CollectiveWindow("ar", "all-reduce", 1024, ("data",), True, 2, 1e6, 0.0, 2e-6, 1e-6)
       >>> w.end_s - w.start_s > w.compute_s  # part of its 2 us is not hidden
       True
     """
@@ -84,8 +84,8 @@ class LoopCost(NamedTuple):
         arrive through the loop's carry).
 
     Example:
-      >>> from jaxsched.check import _inspection as inspection
-      >>> loop = inspection.LoopCost("while.1", trips=12, seconds=1.2e-3, exposed_s=1e-4)
+      >>> from jaxsched import check
+      >>> loop = check.LoopCost("while.1", trips=12, seconds=1.2e-3, exposed_s=1e-4)
       >>> round(loop.seconds / loop.trips * 1e6)  # us per layer
       100
     """
@@ -151,9 +151,9 @@ class CompiledReport:
       A report is plain data: build one from JSON (what ``jaxsched inspect --json`` writes)
       to compare programs without compiling them again.
 
-      >>> from jaxsched.check import _inspection as inspection
-      >>> r = inspection.CompiledReport("x", "h100", "gpu", 3e-6, 1e-6, (), ())
-      >>> inspection.CompiledReport.from_json(r.to_json()) == r, r.estimate_source
+      >>> from jaxsched import check
+      >>> r = check.CompiledReport("x", "h100", "gpu", 3e-6, 1e-6, (), ())
+      >>> check.CompiledReport.from_json(r.to_json()) == r, r.estimate_source
       (True, None)
     """
 

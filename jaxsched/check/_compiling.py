@@ -43,9 +43,9 @@ def compile_with_schedule(
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jaxsched.check import _inspection as inspection
+      >>> from jaxsched import check
       >>> lowered = jax.jit(jnp.sin).trace(jnp.ones(4)).lower()
-      >>> compiled, schedule = inspection.compile_with_schedule(lowered)
+      >>> compiled, schedule = check.compile_with_schedule(lowered)
       >>> schedule is None  # XLA:CPU writes no schedule
       True
     """

@@ -211,10 +211,10 @@ def estimate_from_instruction_costs(
       XLA:CPU costs no instruction, so a CPU program keeps its report:
 
       >>> import jax, jax.numpy as jnp
-      >>> from jaxsched.check import _inspection as inspection
+      >>> from jaxsched import check
       >>> compiled = jax.jit(jnp.sin).trace(jnp.ones(4)).lower().compile()
-      >>> rep = inspection.report(compiled, None, label="sin")
-      >>> inspection.estimate_from_instruction_costs(rep, compiled, collective_seconds=lambda *a: 1e-6) is rep
+      >>> rep = check.report(compiled, None, label="sin")
+      >>> check.estimate_from_instruction_costs(rep, compiled, collective_seconds=lambda *a: 1e-6) is rep
       True
     """
     if rep.step_s is not None:

@@ -132,9 +132,9 @@ def inspect_lowered(
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jaxsched.check import _inspection as inspection
+      >>> from jaxsched import check
       >>> lowered = jax.jit(jnp.sin).trace(jnp.ones(4)).lower()
-      >>> inspection.inspect_lowered(lowered, None, label="sin").collectives
+      >>> check.inspect_lowered(lowered, None, label="sin").collectives
       ()
     """
     compiled, schedule = compile_with_schedule(lowered, compiler_options)
@@ -158,8 +158,8 @@ def describe_mesh(mesh: Mesh) -> str:
 
     Example:
       >>> import jax
-      >>> from jaxsched.check import _inspection as inspection
-      >>> inspection.describe_mesh(jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]))
+      >>> from jaxsched import check
+      >>> check.describe_mesh(jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]))
       'cpu: 2 x cpu'
     """
     devices = list(mesh.devices.flat)
@@ -201,10 +201,10 @@ def inspect_jitted(
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
-      >>> from jaxsched.check import _inspection as inspection
+      >>> from jaxsched import check
       >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
       >>> x = jax.ShapeDtypeStruct((2, 4), jnp.float32, sharding=NamedSharding(mesh, P("data")))
-      >>> r = inspection.inspect_jitted(lambda x: x.sum(0), [x], mesh)
+      >>> r = check.inspect_jitted(lambda x: x.sum(0), [x], mesh)
       >>> r.label, r.num_sync, r.no_estimate_reason
       ('plain (XLA defaults)', 1, 'XLA:CPU runs collectives inline and writes no schedule estimate')
     """
@@ -233,10 +233,10 @@ def ratios(report: CompiledReport, base: CompiledReport | None) -> dict[str, flo
       estimate (or the base's is 0).
 
     Example:
-      >>> from jaxsched.check import _inspection as inspection
-      >>> base = inspection.CompiledReport("plain", "", "gpu", 4e-6, 2e-6, (), ())
-      >>> r = inspection.CompiledReport("dear", "", "gpu", 3e-6, 1e-6, (), ())
-      >>> inspection.ratios(r, base)
+      >>> from jaxsched import check
+      >>> base = check.CompiledReport("plain", "", "gpu", 4e-6, 2e-6, (), ())
+      >>> r = check.CompiledReport("dear", "", "gpu", 3e-6, 1e-6, (), ())
+      >>> check.ratios(r, base)
       {'step': 0.75, 'exposed_comm': 0.5}
     """
 
@@ -262,9 +262,9 @@ class Inspection:
         `ratios` compare the two kinds of estimate.
 
     Example:
-      >>> from jaxsched.check import _inspection as inspection
-      >>> base = inspection.CompiledReport("plain", "", "gpu", 4e-6, 2e-6, (), ())
-      >>> ins = inspection.Inspection(inspection.CompiledReport("dear", "", "gpu", 3e-6, 1e-6, (), ()), base)
+      >>> from jaxsched import check
+      >>> base = check.CompiledReport("plain", "", "gpu", 4e-6, 2e-6, (), ())
+      >>> ins = check.Inspection(check.CompiledReport("dear", "", "gpu", 3e-6, 1e-6, (), ()), base)
       >>> ins.ratios()["step"], ins.to_json()["ratio_to_baseline"]["exposed_comm"]
       (0.75, 0.5)
     """
@@ -279,8 +279,8 @@ class Inspection:
           ``{"step": ..., "exposed_comm": ...}`` (`ratios`); None values without a baseline.
 
         Example:
-          >>> from jaxsched.check import _inspection as inspection
-          >>> inspection.Inspection(inspection.CompiledReport("x", "", "cpu", None, None, (), ())).ratios()
+          >>> from jaxsched import check
+          >>> check.Inspection(check.CompiledReport("x", "", "cpu", None, None, (), ())).ratios()
           {'step': None, 'exposed_comm': None}
         """
         return ratios(self.report, self.baseline)
@@ -292,8 +292,8 @@ class Inspection:
           `format_table` of the two (also what ``str(inspection)`` gives).
 
         Example:
-          >>> from jaxsched.check import _inspection as inspection
-          >>> ins = inspection.Inspection(inspection.CompiledReport("dear", "h100", "gpu", 3e-6, 1e-6, (), ()))
+          >>> from jaxsched import check
+          >>> ins = check.Inspection(check.CompiledReport("dear", "h100", "gpu", 3e-6, 1e-6, (), ()))
           >>> "dear [h100, gpu]: step 3.0 us" in ins.table()
           True
         """
@@ -311,8 +311,8 @@ class Inspection:
 
         Example:
           >>> import os, tempfile
-          >>> from jaxsched.check import _inspection as inspection
-          >>> ins = inspection.Inspection(inspection.CompiledReport("x", "", "gpu", 3e-6, 1e-6, (), ()))
+          >>> from jaxsched import check
+          >>> ins = check.Inspection(check.CompiledReport("x", "", "gpu", 3e-6, 1e-6, (), ()))
           >>> os.path.exists(ins.plot(os.path.join(tempfile.mkdtemp(), "t.png")))
           True
         """

@@ -303,11 +303,11 @@ def report(
     Example:
       >>> import jax, jax.numpy as jnp
       >>> from jax.sharding import NamedSharding, PartitionSpec as P
-      >>> from jaxsched.check import _inspection as inspection
+      >>> from jaxsched import check
       >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
       >>> x = jax.device_put(jnp.ones((2, 4)), NamedSharding(mesh, P("data")))
       >>> compiled = jax.jit(lambda x: x.sum(0)).trace(x).lower().compile()
-      >>> r = inspection.report(compiled, None, mesh, label="sum")
+      >>> r = check.report(compiled, None, mesh, label="sum")
       >>> [(w.kind, w.mesh_axes, w.is_async) for w in r.collectives], r.step_s
       ([('all-reduce', ('data',), False)], None)
     """

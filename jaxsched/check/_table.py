@@ -50,8 +50,8 @@ def format_options(options: dict) -> str:
       One line of text.
 
     Example:
-      >>> from jaxsched.check import _inspection as inspection
-      >>> inspection.format_options({}), inspection.format_options({"b": 1, "a": True})
+      >>> from jaxsched import check
+      >>> check.format_options({}), check.format_options({"b": 1, "a": True})
       ('XLA defaults', 'a=True, b=1')
     """
     if not options:
@@ -71,10 +71,10 @@ def format_table(reports: Sequence[CompiledReport], baseline: CompiledReport | N
       row per collective.
 
     Example:
-      >>> from jaxsched.check import _inspection as inspection
-      >>> base = inspection.CompiledReport("plain", "h100", "gpu", 4e-6, 2e-6, (), (), estimate_source="schedule")
-      >>> r = inspection.CompiledReport("dear", "h100", "gpu", 3e-6, 1e-6, (), (), estimate_source="schedule")
-      >>> print(inspection.format_table([base, r], baseline=base).splitlines()[-3])
+      >>> from jaxsched import check
+      >>> base = check.CompiledReport("plain", "h100", "gpu", 4e-6, 2e-6, (), (), estimate_source="schedule")
+      >>> r = check.CompiledReport("dear", "h100", "gpu", 3e-6, 1e-6, (), (), estimate_source="schedule")
+      >>> print(check.format_table([base, r], baseline=base).splitlines()[-3])
       dear [h100, gpu]: step 3.0 us (0.75x), exposed comm 1.0 us (0.50x) (XLA estimate); async 0/0 collectives
     """
     lines = [

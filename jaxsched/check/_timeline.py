@@ -75,9 +75,9 @@ def plot(reports: Sequence[CompiledReport], path: str) -> str:
 
     Example:
       >>> import os, tempfile
-      >>> from jaxsched.check import _inspection as inspection
-      >>> r = inspection.CompiledReport("x", "h100", "gpu", 3e-6, 1e-6, (), (("dot", 0.0, 3e-6),))
-      >>> path = inspection.plot([r], os.path.join(tempfile.mkdtemp(), "timeline.png"))
+      >>> from jaxsched import check
+      >>> r = check.CompiledReport("x", "h100", "gpu", 3e-6, 1e-6, (), (("dot", 0.0, 3e-6),))
+      >>> path = check.plot([r], os.path.join(tempfile.mkdtemp(), "timeline.png"))
       >>> os.path.getsize(path) > 0
       True
     """

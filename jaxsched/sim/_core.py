@@ -745,8 +745,8 @@ def worker_loads_seconds(times: Sequence[float], owners: Sequence[int] | None, w
       Seconds per worker.
 
     Example:
-      >>> from jaxsched.sim import _core as core
-      >>> core.worker_loads_seconds([1.0, 2.0, 3.0], [0, 1, 0], 2), core.worker_loads_seconds([1.0, 2.0], None, 2)
+      >>> from jaxsched import sim
+      >>> sim.worker_loads_seconds([1.0, 2.0, 3.0], [0, 1, 0], 2), sim.worker_loads_seconds([1.0, 2.0], None, 2)
       ([4.0, 2.0], [3.0, 3.0])
     """
     if owners is None:

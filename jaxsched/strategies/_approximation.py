@@ -71,8 +71,8 @@ class ApproxParams(NamedTuple):
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxsched.strategies import _approximation as approximation
-      >>> params = approximation.ApproxParams.init_synced(jnp.ones(2))
+      >>> from jaxsched import strategies
+      >>> params = strategies.ApproxParams.init_synced(jnp.ones(2))
       >>> bool((params.true == params.approx).all())  # equal until a gradient is pending
       True
     """
@@ -112,8 +112,8 @@ class ApproximateState(NamedTuple):
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from jaxsched.strategies import _approximation as approximation
-      >>> tx = approximation.approximate(optax.sgd(0.1), staleness=2)
+      >>> from jaxsched import strategies
+      >>> tx = strategies.approximate(optax.sgd(0.1), staleness=2)
       >>> state = tx.init({"w": jnp.ones(2)})
       >>> len(state.pending), int(state.num_pending)  # two slots, both empty
       (2, 0)
@@ -401,8 +401,8 @@ class StalenessAwareState(NamedTuple):
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from jaxsched.strategies import _approximation as approximation
-      >>> approximation.staleness_aware(optax.sgd(0.1), staleness=2).init(jnp.ones(2))
+      >>> from jaxsched import strategies
+      >>> strategies.staleness_aware(optax.sgd(0.1), staleness=2).init(jnp.ones(2))
       StalenessAwareState(inner_state=(EmptyState(), EmptyState()))
     """
 

@@ -80,8 +80,8 @@ def sync_schedule(inner_steps: int, fragments: int) -> tuple[int, ...]:
       ``(d_0, ..., d_{F-1})``.
 
     Example:
-        >>> from jaxsched.strategies import _diloco as diloco
-        >>> diloco.sync_schedule(8, 4), diloco.sync_schedule(10, 1)
+        >>> from jaxsched import strategies
+        >>> strategies.sync_schedule(8, 4), strategies.sync_schedule(10, 1)
         ((2, 4, 6, 0), (0,))
     """
     return tuple(((p + 1) * inner_steps // fragments) % inner_steps for p in range(fragments))

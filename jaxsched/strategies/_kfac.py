@@ -631,9 +631,9 @@ def local_factors(layer: MatchedLayer, x: jax.Array, g: jax.Array, dtype) -> tup
       >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
       >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
       >>> kfac, planned = chosen.strategy, chosen.planned
-      >>> from jaxsched.strategies import _kfac as kfac_module
+      >>> from jaxsched import strategies
       >>> layer = kfac.layers(planned).layers[0]  # hidden/0: 4 inputs, 3 outputs
-      >>> a, g = kfac_module.local_factors(layer, jax.numpy.ones((2, 4)), jax.numpy.ones((2, 3)), "float32")
+      >>> a, g = strategies.local_factors(layer, jax.numpy.ones((2, 4)), jax.numpy.ones((2, 3)), "float32")
       >>> a.shape, g.shape
       ((4, 4), (3, 3))
     """
@@ -789,9 +789,9 @@ def precondition(
       >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
       >>> kfac, planned = chosen.strategy, chosen.planned
       >>> import jax.numpy as jnp
-      >>> from jaxsched.strategies import _kfac as kfac_module
+      >>> from jaxsched import strategies
       >>> layer = kfac.layers(planned).layers[0]
-      >>> kernel, bias = kfac_module.precondition(layer, jnp.ones((4, 3)), None, jnp.eye(4), 2 * jnp.eye(3))
+      >>> kernel, bias = strategies.precondition(layer, jnp.ones((4, 3)), None, jnp.eye(4), 2 * jnp.eye(3))
       >>> kernel.shape, float(kernel[0, 0]), bias
       ((4, 3), 2.0, None)
     """
@@ -839,11 +839,11 @@ def plan_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], op
       >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
       >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
       >>> kfac, planned = chosen.strategy, chosen.planned
-      >>> from jaxsched.strategies import _kfac as kfac_module
+      >>> from jaxsched import strategies
       >>> layers = kfac.layers(planned).layers
-      >>> kfac_module.plan_factor_buckets(planned, layers, "per_layer")
+      >>> strategies.plan_factor_buckets(planned, layers, "per_layer")
       [[1], [0]]
-      >>> kfac_module.plan_factor_buckets(planned, layers, 10**9)  # a byte threshold
+      >>> strategies.plan_factor_buckets(planned, layers, 10**9)  # a byte threshold
       [[1, 0]]
     """
     order = sorted(range(len(layers)), key=lambda i: layers[i].grad_eqn)
