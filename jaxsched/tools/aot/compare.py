@@ -118,7 +118,28 @@ def compare_strategies(
 ) -> Comparison:
     """Compile ``experiment`` (an `AbstractExperiment` or
     anything with ``step``, ``params``, ``opt_state``, ``batch``, ``mesh``) under each
-    strategy and the plain step; ``schedule_options`` go to `jaxsched.schedule`."""
+    strategy and the plain step; ``schedule_options`` go to `jaxsched.schedule`.
+
+    Args:
+      experiment: the step and its inputs.
+      strategies: strategy names, compiled in this order.
+      target: what the reports say they were compiled for (default: the mesh's devices).
+      progress: print a line per strategy.
+      **schedule_options: for `jaxsched.schedule` (``buckets=``, ``engine=`` ...).
+
+    Returns:
+      The `Comparison`.
+
+    Example:
+      The module's example runs it; on CPU XLA writes no estimate, so compare the structure:
+
+      >>> import jax
+      >>> from jaxsched.tools.aot import compare, experiment
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> exp = experiment.abstract_experiment(experiment.ModelSpec("mlp", (8,), 2, {"hidden": (4,)}), mesh=mesh)
+      >>> [r.num_sync for r in compare.compare_strategies(exp, ["allreduce", "wfbp"]).reports]
+      [1, 1]
+    """
     from jaxsched.core.progress import note, progress as progress_lines
     from jaxsched._schedule import schedule
 
