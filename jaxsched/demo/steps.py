@@ -55,16 +55,63 @@ Step = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Mean softmax cross-entropy over every position (works for classes and tokens)."""
+    """Mean softmax cross-entropy over every position (works for classes and tokens).
+
+    Args:
+      logits: ``(..., classes)``.
+      labels: integer labels, ``logits``'s shape without the last axis.
+
+    Returns:
+      The mean loss, a scalar.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxsched.demo import steps
+      >>> round(float(steps.cross_entropy(jnp.zeros((2, 4)), jnp.array([0, 3]))), 4)  # log 4
+      1.3863
+    """
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
 def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """The fraction of positions whose largest logit is the label.
+
+    Args:
+      logits: ``(..., classes)``.
+      labels: integer labels.
+
+    Returns:
+      A scalar in [0, 1].
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxsched.demo import steps
+      >>> float(steps.accuracy(jnp.array([[0.0, 1.0], [1.0, 0.0]]), jnp.array([1, 1])))
+      0.5
+    """
     return (jnp.argmax(logits, axis=-1) == labels).mean()
 
 
 def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
-    """The optax chain a config names; ``clip_norm`` prepends global-norm clipping."""
+    """The optax chain a config names; ``clip_norm`` prepends global-norm clipping.
+
+    Args:
+      cfg: the ``[optimizer]`` table of a demo config: ``sgd``, ``momentum``, ``adam`` or
+        ``adamw``, with its learning rate and options.
+
+    Returns:
+      The optax transformation.
+
+    Raises:
+      JaxschedValueError: an unknown optimizer name.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxsched.demo import config, steps
+      >>> tx = steps.make_optimizer(config.OptimizerConfig(name="sgd", learning_rate=0.1, clip_norm=1.0))
+      >>> len(tx.init(jnp.ones(2))[1])  # clipping, then sgd
+      2
+    """
     if cfg.name == "sgd":
         tx = optax.sgd(cfg.learning_rate)
     elif cfg.name == "momentum":
@@ -92,7 +139,32 @@ def _loss_and_grads(apply_fn: Callable, params: Any, x: Any, y: Any) -> tuple:
 
 
 def local_step_fn(apply_fn: Callable, tx: optax.GradientTransformation, axis: str | tuple[str, ...]) -> Step:
-    """The per-device body: gradients on the local batch, pmean'ed over ``axis``."""
+    """The per-device body: gradients on the local batch, pmean'ed over ``axis``.
+
+    `make_step` wraps it in ``jax.shard_map`` and ``jax.jit``; `make_pmap_step` in ``jax.pmap``.
+
+    Args:
+      apply_fn: the model, ``apply_fn(params, x) -> logits``.
+      tx: the optax optimizer.
+      axis: the mesh axis (or axes) the gradients and metrics are averaged over.
+
+    Returns:
+      ``local_step(params, opt_state, batch) -> (params, opt_state, aux)``.
+
+    Example:
+      >>> import jax, optax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 3, hidden=(8,)))
+      >>> tx = optax.sgd(0.1)
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> body = steps.local_step_fn(apply_fn, tx, "data")
+      >>> step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P(), check_vma=False))
+      >>> batch = steps.shard_batch((jax.numpy.ones((4, 4)), jax.numpy.zeros(4, "int32")), mesh)
+      >>> sorted(step(params, tx.init(params), batch)[2])
+      ['accuracy', 'loss']
+    """
 
     def local_step(params, opt_state, batch):
         x, y = batch
@@ -140,7 +212,26 @@ def make_step(
 
 def global_step_fn(apply_fn: Callable, tx: optax.GradientTransformation) -> Step:
     """The same step on global arrays, as the JAX sharding tutorial writes it: no collective
-    anywhere; the batch's placement tells XLA (and `jaxsched.core.partition`) where to sum."""
+    anywhere; the batch's placement tells XLA (and `jaxsched.core.partition`) where to sum.
+
+    Args:
+      apply_fn: the model, ``apply_fn(params, x) -> logits``.
+      tx: the optax optimizer.
+
+    Returns:
+      ``step(params, opt_state, batch) -> (params, opt_state, aux)``, not jitted.
+
+    Example:
+      >>> import jax, optax
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 3, hidden=(8,)))
+      >>> tx = optax.sgd(0.1)
+      >>> step = jax.jit(steps.global_step_fn(apply_fn, tx))
+      >>> _, _, aux = step(params, tx.init(params), (jax.numpy.ones((4, 4)), jax.numpy.zeros(4, "int32")))
+      >>> sorted(aux)
+      ['accuracy', 'loss']
+    """
 
     def step(params, opt_state, batch):
         x, y = batch
@@ -154,7 +245,27 @@ def global_step_fn(apply_fn: Callable, tx: optax.GradientTransformation) -> Step
 
 def make_jit_step(apply_fn: Callable, tx: optax.GradientTransformation) -> Step:
     """The step as ``jax.jit`` on global arrays: parameters replicated, the batch placed with
-    `shard_batch`; XLA's partitioner adds the gradient sums."""
+    `shard_batch`; XLA's partitioner adds the gradient sums.
+
+    Args:
+      apply_fn: the model, ``apply_fn(params, x) -> logits``.
+      tx: the optax optimizer.
+
+    Returns:
+      The jitted `global_step_fn`.
+
+    Example:
+      >>> import jax, optax
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.zoo import models
+      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 3, hidden=(8,)))
+      >>> tx = optax.sgd(0.1)
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
+      >>> batch = steps.shard_batch((jax.numpy.ones((4, 4)), jax.numpy.zeros(4, "int32")), mesh)
+      >>> _, _, aux = steps.make_jit_step(apply_fn, tx)(params, tx.init(params), batch)
+      >>> sorted(aux)
+      ['accuracy', 'loss']
+    """
     return jax.jit(global_step_fn(apply_fn, tx))
 
 
@@ -189,7 +300,27 @@ def make_pmap_step(
 
 def shard_batch(batch: Any, mesh: Mesh, axis: str | tuple[str, ...] = "data") -> Any:
     """Place a global batch on the mesh, split along its leading axis (over several mesh
-    axes when ``axis`` is a tuple, e.g. ``("dcn", "ici")``)."""
+    axes when ``axis`` is a tuple, e.g. ``("dcn", "ici")``).
+
+    Args:
+      batch: a tree of global arrays with the batch on their leading axis.
+      mesh: the mesh.
+      axis: the mesh axis (or axes) the batch is split over.
+
+    Returns:
+      The batch, placed.
+
+    Raises:
+      JaxschedValueError: a leading dimension not divisible by the devices on ``axis``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxsched.demo import steps
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> x, y = steps.shard_batch((jnp.ones((4, 3)), jnp.zeros(4, "int32")), mesh)
+      >>> x.addressable_shards[0].data.shape  # two examples per device
+      (2, 3)
+    """
     size = axis_size(mesh, axis)
     for leaf in jax.tree.leaves(batch):
         if leaf.shape[0] % size:
@@ -200,7 +331,21 @@ def shard_batch(batch: Any, mesh: Mesh, axis: str | tuple[str, ...] = "data") ->
 
 
 def replicate(tree: Any, n: int) -> Any:
-    """Stack ``n`` copies of every leaf along a new leading device axis (pmap layout)."""
+    """Stack ``n`` copies of every leaf along a new leading device axis (pmap layout).
+
+    Args:
+      tree: the params or optimizer state.
+      n: devices.
+
+    Returns:
+      The stacked tree (numpy arrays).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxsched.demo import steps
+      >>> steps.replicate({"w": jnp.ones(3)}, 2)["w"].shape
+      (2, 3)
+    """
     return jax.tree.map(lambda leaf: np.stack([np.asarray(leaf)] * n), tree)
 
 
@@ -210,20 +355,68 @@ def place_replicated(tree: Any, mesh: Mesh) -> Any:
     Why: fresh arrays live on one device; the step's outputs are replicated over the mesh.
     A jitted step compiles once per input placement, so starting from fresh arrays makes
     it compile a second time on step 2 (about 1 s on CPU for the demo's MLP).
+
+    Args:
+      tree: the params or optimizer state.
+      mesh: the mesh the step runs on.
+
+    Returns:
+      The tree, replicated on ``mesh``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxsched.demo import steps
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> steps.place_replicated({"w": jnp.ones(3)}, mesh)["w"].sharding.is_fully_replicated
+      True
     """
     return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
 def place_stacked(tree: Any, devices: list | None = None, axis: str = "data") -> Any:
     """Put stacked leaves (leading device axis) one slice per device, as a ``jax.pmap`` step
-    returns them, so that the step compiles once (see `place_replicated`)."""
+    returns them, so that the step compiles once (see `place_replicated`).
+
+    Args:
+      tree: stacked leaves (from `replicate`).
+      devices: the pmap step's devices (default: all).
+      axis: the name of the mesh axis the slices are placed over.
+
+    Returns:
+      The tree, one slice per device.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxsched.demo import steps
+      >>> placed = steps.place_stacked(steps.replicate({"w": jnp.ones(3)}, 2), jax.devices()[:2])
+      >>> len(placed["w"].addressable_shards), placed["w"].addressable_shards[0].data.shape
+      (2, (1, 3))
+    """
     devices = list(devices if devices is not None else jax.devices())
     mesh = Mesh(np.array(devices), (axis,))  # pmap's outputs live on an Auto-typed mesh
     return jax.device_put(tree, NamedSharding(mesh, P(axis)))
 
 
 def split_batch(batch: Any, n: int) -> Any:
-    """Reshape a global batch to ``(n, batch // n, ...)`` for a pmap step."""
+    """Reshape a global batch to ``(n, batch // n, ...)`` for a pmap step.
+
+    Args:
+      batch: a tree of global arrays with the batch on their leading axis.
+      n: devices.
+
+    Returns:
+      The batch with a leading device axis (numpy arrays).
+
+    Raises:
+      JaxschedValueError: a leading dimension not divisible by ``n``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxsched.demo import steps
+      >>> x, y = steps.split_batch((jnp.ones((4, 3)), jnp.zeros(4, "int32")), 2)
+      >>> x.shape, y.shape
+      ((2, 2, 3), (2, 2))
+    """
 
     def split(leaf):
         leaf = np.asarray(leaf)

@@ -78,7 +78,21 @@ RESULTS_DIR = Path("benchmarks/results")
 
 
 def overlap_efficiency(plain: float, step: float, bound: float) -> float:
-    """How much of the time that overlap could save a strategy saves: 1 at the bound."""
+    """How much of the time that overlap could save a strategy saves: 1 at the bound.
+
+    Args:
+      plain: the plain step's median, seconds.
+      step: the strategy's median step, seconds.
+      bound: ``max(compute, comm)``, seconds.
+
+    Returns:
+      ``(plain - step) / (plain - bound)``; 0 when the plain step is at the bound already.
+
+    Example:
+      >>> from jaxsched.tools import bench
+      >>> round(bench.overlap_efficiency(plain=1.0, step=0.75, bound=0.5), 6), bench.overlap_efficiency(0.5, 0.5, 0.5)
+      (0.5, 0.0)
+    """
     return (plain - step) / (plain - bound) if plain > bound else 0.0
 
 
@@ -88,7 +102,22 @@ def speedups_withheld(calibration: dict[str, Any] | None) -> str | None:
 
     A speed-up over the plain step only says something about overlap when compute and
     comm are about equal; when the calibration did not get them there, one side dominates
-    and every strategy looks like the plain step (or better only by noise)."""
+    and every strategy looks like the plain step (or better only by noise).
+
+    Args:
+      calibration: the run's calibration record (None: not recorded).
+
+    Returns:
+      The reason, or None when speed-ups may be reported.
+
+    Example:
+      >>> from jaxsched.tools import bench
+      >>> bench.speedups_withheld({"converged": True}) is None
+      True
+      >>> print(bench.speedups_withheld({"converged": False, "achieved_ratio": 3.0, "batch": 64,
+      ...                                "tolerance": 0.25, "reason": "batch limit"}))
+      calibration did not converge: compute/comm = 3.00 at batch 64, outside 1 +- 25% (batch limit); ...
+    """
     if not calibration or calibration.get("explicit_batch") or calibration.get("converged"):
         return None
     return (
@@ -157,6 +186,13 @@ def time_breakdown(spans: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Where one measured step's time went: compute alone, communication alone (exposed),
     both at once (overlapped), and neither (dispatch, waiting), from its stage spans.
 
+    Args:
+      spans: the step's stages, each with ``kind`` (``"compute"`` or ``"comm"``),
+        ``started`` and ``done`` (seconds).
+
+    Returns:
+      ``step_s``, ``compute_alone_s``, ``comm_alone_s``, ``overlapped_s`` and ``idle_s``.
+
     Example:
         >>> spans = [dict(kind="compute", started=0.0, done=0.3), dict(kind="comm", started=0.2, done=0.5),
         ...          dict(kind="compute", started=0.6, done=0.7)]
@@ -180,7 +216,21 @@ def time_breakdown(spans: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 def missed_target(name: str, row: dict[str, Any], strategies: dict[str, Any]) -> str | None:
     """Which target of `CEILING_TARGETS` (or ``dear`` no slower than ``allreduce``)
-    ``name`` missed in this run, or None."""
+    ``name`` missed in this run, or None.
+
+    Args:
+      name: the strategy.
+      row: its summarized row (``step_s``, ``ratio_to_ceiling``).
+      strategies: every strategy's row, by name.
+
+    Returns:
+      What was missed, or None.
+
+    Example:
+      >>> from jaxsched.tools import bench
+      >>> bench.missed_target("wfbp", {"step_s": 0.5, "ratio_to_ceiling": 1.4}, {})
+      'target <= 1.25x the ceiling missed (1.40x)'
+    """
     target = CEILING_TARGETS.get(name)
     if target is not None and row.get("ratio_to_ceiling") and row["ratio_to_ceiling"] > target:
         return f"target <= {target:.2f}x the ceiling missed ({row['ratio_to_ceiling']:.2f}x)"
@@ -196,6 +246,13 @@ def missed_target(name: str, row: dict[str, Any], strategies: dict[str, Any]) ->
 def miss_reason(breakdown: dict[str, float], compute_s: float) -> str:
     """The measured reason a step is longer than its ceiling: how much longer its compute
     ran than the compute-only step (``compute_s``), and what was exposed or idle.
+
+    Args:
+      breakdown: the step's `time_breakdown`.
+      compute_s: the compute-only step's median, seconds.
+
+    Returns:
+      One line of text.
 
     Example:
         >>> miss_reason({"step_s": 0.5, "compute_alone_s": 0.13, "comm_alone_s": 0.0,
@@ -214,7 +271,22 @@ def host_costs_of(result: dict[str, Any]):
     """The measured host-engine terms for the simulator (`jaxsched.sim.HostCosts`):
     stage dispatch and copy cost measured by the workers, and the compute slow-down while
     bytes move derived from the measured ceiling (`jaxsched.sim.comm_slowdown_from_ceiling`).
-    None when the run measured none of them (an older raw report)."""
+    None when the run measured none of them (an older raw report).
+
+    Args:
+      result: the summarized report (``host_costs``, ``compute_s``, ``comm_s``, ``ceiling_s``).
+
+    Returns:
+      The `jaxsched.sim.HostCosts`, or None.
+
+    Example:
+      >>> from jaxsched.tools import bench
+      >>> result = {"host_costs": {"stage_s": 1e-4, "copy_s_per_byte": 1e-9},
+      ...           "compute_s": 0.3, "comm_s": 0.3, "ceiling_s": 0.33}
+      >>> host = bench.host_costs_of(result)
+      >>> host.stage_s, round(host.comm_slowdown, 4), bench.host_costs_of({})
+      (0.0001, 1.1111, None)
+    """
     from jaxsched.sim import HostCosts, comm_slowdown_from_ceiling
 
     measured = result.get("host_costs")
@@ -278,8 +350,18 @@ def chart_path(folder: Path, result: dict[str, Any], strategies: Sequence[str]) 
     """``bench_<depth>x<width>_<strategies>.png``: one chart per model and strategy set, so a
     run on one model does not overwrite another's chart.
 
+    Args:
+      folder: where the charts go.
+      result: the summarized report (its ``layers``).
+      strategies: the strategies charted.
+
+    Returns:
+      The chart's path.
+
     Example:
-        >>> chart_path(Path("out"), {"layers": {"depth": 8, "width": 1024}}, ["wfbp", "dear+topk:0.01"]).name
+        >>> from pathlib import Path
+        >>> from jaxsched.tools import bench
+        >>> bench.chart_path(Path("out"), {"layers": {"depth": 8, "width": 1024}}, ["wfbp", "dear+topk:0.01"]).name
         'bench_8x1024_wfbp-dear+topk0.01.png'
     """
     layers = result.get("layers", {})
@@ -528,7 +610,20 @@ def format_report(result: dict[str, Any]) -> str:
 
 def calibration_text(calibration: dict[str, Any] | None, measured_ratio: float | None = None) -> str:
     """One line: how the batch was chosen and how close compute came to comm (in the probes
-    and, with ``measured_ratio``, in the measured steps that followed)."""
+    and, with ``measured_ratio``, in the measured steps that followed).
+
+    Args:
+      calibration: the run's calibration record (None: not recorded).
+      measured_ratio: compute/comm in the measured steps.
+
+    Returns:
+      The line, indented for the report.
+
+    Example:
+      >>> from jaxsched.tools import bench
+      >>> bench.calibration_text({"explicit_batch": True, "batch": 64}), bench.calibration_text(None)
+      ('  calibration: none (--batch 64 given)', '  calibration: not recorded')
+    """
     if not calibration:
         return "  calibration: not recorded"
     if calibration.get("explicit_batch"):

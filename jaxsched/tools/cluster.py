@@ -152,8 +152,8 @@ def parse_bandwidth(bandwidth: str | None) -> int | None:
       JaxschedValueError: not a rate, or below ``tc``'s useful minimum of 8kbit.
 
     Example:
-        >>> from jaxsched.tools.cluster import parse_bandwidth
-        >>> parse_bandwidth("1gbit"), parse_bandwidth("500mbit"), parse_bandwidth("none")
+        >>> from jaxsched.tools import cluster
+        >>> cluster.parse_bandwidth("1gbit"), cluster.parse_bandwidth("500mbit"), cluster.parse_bandwidth("none")
         (1000000000, 500000000, None)
     """
     if bandwidth is None:
@@ -352,8 +352,8 @@ def parse_delay(delay: str | None) -> float | None:
       JaxschedValueError: not a time.
 
     Example:
-        >>> from jaxsched.tools.cluster import parse_delay
-        >>> parse_delay("5ms"), parse_delay("250us"), parse_delay("0")
+        >>> from jaxsched.tools import cluster
+        >>> cluster.parse_delay("5ms"), cluster.parse_delay("250us"), cluster.parse_delay("0")
         (0.005, 0.00025, None)
     """
     if delay is None or str(delay).strip().lower() in _UNSHAPED:

@@ -41,7 +41,22 @@ ApplyFn = Callable[[Params, jax.Array], jax.Array]
 
 
 class MLP(nnx.Module):
-    """Fully connected classifier; flattens any input shape after the batch axis."""
+    """Fully connected classifier; flattens any input shape after the batch axis.
+
+    Args:
+      in_features: inputs per example, after flattening.
+      num_classes: logits per example.
+      hidden: the hidden layers' widths (ReLU after each).
+      rngs: the parameters' random streams.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxsched.zoo import models
+      >>> mlp = nnx.eval_shape(lambda: models.MLP(64, 10, hidden=(32,), rngs=nnx.Rngs(0)))  # shapes only
+      >>> nnx.eval_shape(lambda m, x: m(x), mlp, jnp.ones((2, 8, 8, 1))).shape
+      (2, 10)
+    """
 
     def __init__(self, in_features: int, num_classes: int, hidden: Sequence[int] = (128, 128), *, rngs: nnx.Rngs):
         sizes = [in_features, *hidden]
@@ -56,7 +71,20 @@ class MLP(nnx.Module):
 
 
 class ResidualBlock(nnx.Module):
-    """conv-relu-conv with an identity skip. No batch statistics, so steps stay pure."""
+    """conv-relu-conv with an identity skip. No batch statistics, so steps stay pure.
+
+    Args:
+      channels: input and output channels (NHWC).
+      rngs: the parameters' random streams.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxsched.zoo import models
+      >>> block = nnx.eval_shape(lambda: models.ResidualBlock(4, rngs=nnx.Rngs(0)))  # shapes only
+      >>> nnx.eval_shape(lambda m, x: m(x), block, jnp.ones((1, 8, 8, 4))).shape
+      (1, 8, 8, 4)
+    """
 
     def __init__(self, channels: int, *, rngs: nnx.Rngs):
         self.conv1 = nnx.Conv(channels, channels, (3, 3), rngs=rngs)
@@ -67,7 +95,23 @@ class ResidualBlock(nnx.Module):
 
 
 class CNN(nnx.Module):
-    """Small residual CNN for NHWC images."""
+    """Small residual CNN for NHWC images.
+
+    Args:
+      in_channels: the images' channels.
+      num_classes: logits per example.
+      channels: channels of every residual block.
+      blocks: how many residual blocks (`ResidualBlock`).
+      rngs: the parameters' random streams.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxsched.zoo import models
+      >>> cnn = nnx.eval_shape(lambda: models.CNN(3, 10, channels=8, blocks=1, rngs=nnx.Rngs(0)))  # shapes only
+      >>> nnx.eval_shape(lambda m, x: m(x), cnn, jnp.ones((2, 16, 16, 3))).shape
+      (2, 10)
+    """
 
     def __init__(self, in_channels: int, num_classes: int, channels: int = 16, blocks: int = 2, *, rngs: nnx.Rngs):
         self.stem = nnx.Conv(in_channels, channels, (3, 3), rngs=rngs)
@@ -82,7 +126,24 @@ class CNN(nnx.Module):
 
 
 class TransformerBlock(nnx.Module):
-    """Pre-norm causal self-attention and MLP."""
+    """Pre-norm causal self-attention and MLP.
+
+    Args:
+      dim: the model width.
+      heads: attention heads; must divide ``dim``.
+      rngs: the parameters' random streams.
+
+    Raises:
+      JaxschedValueError: ``dim`` not divisible by ``heads``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxsched.zoo import models
+      >>> block = nnx.eval_shape(lambda: models.TransformerBlock(16, 4, rngs=nnx.Rngs(0)))  # shapes only
+      >>> nnx.eval_shape(lambda m, x: m(x), block, jnp.ones((2, 5, 16))).shape
+      (2, 5, 16)
+    """
 
     def __init__(self, dim: int, heads: int, *, rngs: nnx.Rngs):
         if dim % heads:
@@ -110,7 +171,24 @@ class TransformerBlock(nnx.Module):
 
 
 class TransformerLM(nnx.Module):
-    """Small decoder-only language model; returns next-token logits."""
+    """Small decoder-only language model; returns next-token logits.
+
+    Args:
+      vocab_size: tokens in the vocabulary (logits per position).
+      seq_len: the longest sequence (learned positions).
+      dim: the model width.
+      heads: attention heads per block.
+      layers: how many `TransformerBlock` layers.
+      rngs: the parameters' random streams.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxsched.zoo import models
+      >>> lm = nnx.eval_shape(lambda: models.TransformerLM(64, 8, dim=16, heads=2, layers=1, rngs=nnx.Rngs(0)))
+      >>> nnx.eval_shape(lambda m, x: m(x), lm, jnp.zeros((2, 8), "int32")).shape
+      (2, 8, 64)
+    """
 
     def __init__(
         self, vocab_size: int, seq_len: int, dim: int = 64, heads: int = 4, layers: int = 2, *, rngs: nnx.Rngs
@@ -162,6 +240,28 @@ def build(name: str, input_shape: tuple[int, ...], num_outputs: int, seed: int =
     """Build a zoo model by name for inputs of ``input_shape`` (without the batch axis).
 
     For ``transformer`` the input shape is ``(seq_len,)`` and ``num_outputs`` the vocabulary.
+
+    Args:
+      name: one of `MODELS`: ``mlp``, ``cnn``, ``transformer``.
+      input_shape: one example's shape (NHWC images, or ``(seq_len,)``).
+      num_outputs: classes, or the vocabulary.
+      seed: the parameters' seed.
+      **options: the model's own options (``hidden=`` for ``mlp``, ``dim=``, ``layers=`` ...).
+
+    Returns:
+      The ``nnx.Module`` (`pure` turns it into ``(params, apply_fn)``).
+
+    Raises:
+      JaxschedValueError: an unknown name, or options the model does not take.
+
+    Example:
+      >>> from jaxsched.zoo import models
+      >>> type(models.build("mlp", (8, 8, 1), 10, hidden=(16,))).__name__
+      'MLP'
+      >>> from flax import nnx
+      >>> lm = nnx.eval_shape(lambda: models.build("transformer", (8,), 64, dim=16, layers=1))  # shapes only
+      >>> lm.head.kernel.shape  # dim x vocabulary
+      (16, 64)
     """
     rngs = nnx.Rngs(seed)
     try:

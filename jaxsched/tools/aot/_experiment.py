@@ -45,6 +45,12 @@ class ModelSpec:
       options: the model's own options (``hidden``, ``channels``, ``dim``, ...).
       batch_per_device: examples per device per step.
       optimizer: the optax optimizer the step uses.
+
+    Example:
+      >>> from jaxsched.tools import aot
+      >>> spec = aot.ModelSpec("mlp", (8,), 2, {"hidden": (4,)})
+      >>> spec.batch_per_device, spec.optimizer.name
+      (32, 'adamw')
     """
 
     name: str
@@ -78,6 +84,14 @@ class AbstractExperiment:
       params, opt_state, batch: ``jax.ShapeDtypeStruct`` trees with shardings on ``mesh``.
       mesh: the mesh over compile-only (or real) devices, axis ``"data"``.
       description: model, size and batch, for reports.
+
+    Example:
+      >>> import jax
+      >>> from jaxsched.tools import aot
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> exp = aot.abstract_experiment(aot.ModelSpec("mlp", (8,), 2, {"hidden": (4,)}), mesh=mesh)
+      >>> exp.description
+      'mlp 0.0M params, 32 examples per device, adamw'
     """
 
     step: steps.Step
@@ -106,7 +120,20 @@ def mesh_for(target: str, axis: str | tuple[str, str] = "data") -> Mesh:
     """A mesh over the compile-only devices of ``target`` (``"h100:1x2x4"``,
     ``"v5p:2x2x2:slices=2"``; see `jaxsched.tools.aot.parse_target`): one axis, or with two
     names (``("dcn", "ici")``, ``("hosts", "local")``) the slices (else the hosts) by the
-    devices within one."""
+    devices within one.
+
+    Args:
+      target: the chip and topology (`jaxsched.tools.aot.parse_target`).
+      axis: one axis name, or two: (across slices or hosts, within one).
+
+    Returns:
+      The ``Mesh`` over compile-only devices (the ``aot`` extra's toolchains).
+
+    Example:
+      >>> from jaxsched.tools import aot
+      >>> aot.mesh_for("h100:1x2x4", ("hosts", "local")).shape  # doctest: +SKIP
+      OrderedDict([('hosts', 1), ('local', 8)])
+    """
     name, topology, slices = aot.parse_target(target)
     devices = np.array(aot.devices(name, topology, slices=slices))
     if isinstance(axis, str):
@@ -120,7 +147,29 @@ def abstract_experiment(
 ) -> AbstractExperiment:
     """The step of ``spec`` on ``mesh`` (or the compile-only mesh of ``target``), abstract;
     ``form="jit"`` writes it as ``jax.jit`` on global arrays (`jaxsched.demo.steps.make_jit_step`)
-    rather than as a ``shard_map``."""
+    rather than as a ``shard_map``.
+
+    Args:
+      spec: the model, its size and per-device batch.
+      target: a compile-only target (``"h100:1x2x4"``); or
+      mesh: a mesh of real or compile-only devices (exactly one of the two).
+      form: ``"shard_map"`` or ``"jit"``.
+
+    Returns:
+      The `AbstractExperiment`: nothing allocated.
+
+    Raises:
+      JaxschedValueError: both or neither of ``target`` and ``mesh``, or an unknown form.
+
+    Example:
+      >>> import jax
+      >>> from jaxsched.tools import aot
+      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+      >>> spec = aot.ModelSpec("mlp", (8,), 2, {"hidden": (4,)})
+      >>> exp = aot.abstract_experiment(spec, mesh=mesh, form="jit")
+      >>> exp.num_params, exp.batch[0].shape  # the global batch: 32 examples on each of 2 devices
+      (46, (64, 8))
+    """
     if (target is None) == (mesh is None):
         raise JaxschedValueError("pass target= (e.g. 'h100:1x2x4') or mesh=, exactly one")
     if form not in ("shard_map", "jit"):
@@ -157,7 +206,23 @@ def abstract_experiment(
 
 def from_config(cfg: Config, *, target: str) -> AbstractExperiment:
     """A config's model, optimizer and global batch on the compile-only mesh of ``target``
-    (the global batch is split over its devices; it must divide evenly)."""
+    (the global batch is split over its devices; it must divide evenly).
+
+    Args:
+      cfg: a demo config (`jaxsched.demo.config.load`).
+      target: the compile-only target, e.g. ``"h100:1x2x4"``.
+
+    Returns:
+      The `AbstractExperiment`.
+
+    Raises:
+      ConfigError: the global batch does not split over the target's devices.
+
+    Example:
+      >>> from jaxsched.demo import config
+      >>> from jaxsched.tools import aot
+      >>> exp = aot.from_config(config.load("configs/mlp_digits.toml"), target="h100:1x2x4")  # doctest: +SKIP
+    """
     from jaxsched.zoo import data as data_lib
     from jaxsched.demo.config import ConfigError
 
