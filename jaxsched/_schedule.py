@@ -998,6 +998,22 @@ def schedule(
 
     The step is traced once per abstract batch signature (structure, shapes, dtypes,
     shardings): a smaller last batch gets its own program.
+
+    Example:
+        >>> import jax, optax, jaxsched
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="wfbp")
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> state, aux = sched(sched.init(params, tx.init(params)), batch)
+        >>> @jaxsched.schedule(strategy="dear")  # as a decorator
+        ... def train_step(params, opt_state, batch):
+        ...     return params, opt_state, None
+        >>> type(train_step).__name__, train_step.strategy.name
+        ('Scheduled', 'dear')
     """
 
     def wrap(step: Callable) -> Scheduled:
