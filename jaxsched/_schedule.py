@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import itertools
-from typing import Any, Callable, Hashable, Sequence, cast, overload
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Protocol, Sequence, overload
 
 import jax
 import numpy as np
@@ -52,13 +51,290 @@ from jaxsched.sim._costmodel import NetworkProfile
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
 from jaxsched.strategies._base import ScheduledState
 
+if TYPE_CHECKING:
+    from jaxsched.check._inspection import Inspection
+    from jaxsched.check._verify import VerifyReport
+
 PLAN_OPTIONS = ("layer_profile", "network_profile", "planner")
 
 __all__ = ["STRATEGIES", "SchedState", "Scheduled", "schedule"]
 
 
+class _StepRunner(Protocol):
+    """What runs a schedule in the one step form its first ``init`` (or first call) decided:
+    `_TreesRunner` for a ``step(params, opt_state, ...)``, `StateForm` for a ``step(state,
+    ...)``. `Scheduled` checks and marks the user's arguments, then calls the runner's method of
+    the same purpose; each form's behaviour is its own class's, none chosen by branching."""
+
+    #: how many of ``init``'s first arguments are the state (``params, opt_state`` or ``state``)
+    state_args: int
+
+    def init(self, state: Sequence[Any], batch: Any) -> ScheduledState | UnsplitState: ...
+
+    def call_again(self, state: Any, batch: Any) -> Any | None: ...
+
+    def call(self, state: Any, batch: Any) -> Any: ...
+
+    def step_batch(self, state: Any, batch: Any) -> Any: ...
+
+    def finalize(self, state: Any) -> Any: ...
+
+    def lower(self, state: Any, batch: Any) -> jax.stages.Lowered: ...
+
+    def inspect(self, state: Any, batch: Any, *, baseline: bool = True) -> Inspection: ...
+
+    def verify(
+        self,
+        state: Any,
+        batches: Iterable[Any],
+        steps: int,
+        rtol: float,
+        baseline_factor: float,
+        precision: str,
+        *,
+        progress: bool = False,
+    ) -> VerifyReport: ...
+
+    @property
+    def last_program(self) -> Program | None: ...
+
+    @property
+    def num_programs(self) -> int: ...
+
+    @property
+    def replans(self) -> list[SwitchRecord]: ...
+
+    @property
+    def replan_decisions(self) -> list[Decision]: ...
+
+    def replan(self, network: NetworkProfile | str | None) -> SwitchRecord | None: ...
+
+
+class _TreesRunner:
+    """The trees form: a ``step(params, opt_state, ...)``, the user's or the pure step a
+    `StateForm` splits off a ``step(state, ...)``; its programs, one cache per bucket plan
+    (re-planning switches between them), and the abstract ``(params, opt_state)`` they are
+    traced for.
+
+    Attributes:
+      schedule: the `Scheduled` it runs: its options, its traced step, what ``verify`` runs.
+      replanner: the schedule's `Replanner`, None without ``replan=``.
+      outputs: what the step returns after its state, as the schedule's traced step records it.
+      template: the abstract ``(params, opt_state)`` of the first state (None before one).
+      programs: the program cache of the current bucket plan.
+    """
+
+    state_args = 2
+
+    def __init__(self, schedule: Scheduled) -> None:
+        self.schedule = schedule
+        self.replanner: Replanner | None = schedule._replanner
+        self.outputs: OutputCount = schedule._outputs
+        self.template: tuple[Any, Any] | None = None
+        self.programs = ProgramCache(self._build)
+        self._plans: dict[Hashable, ProgramCache] = {}  # one program cache per bucket plan
+
+    def init(self, state: Sequence[Any], batch: Any) -> ScheduledState:
+        """``(params, opt_state)`` in the strategy's state; in its scheduled layout with ``batch``."""
+        params, opt_state = state
+        self.template = jax.tree.map(abstract_leaf, (params, opt_state))
+        scheduled = self.schedule.strategy.initial_state(params, opt_state)
+        if batch is None:
+            return scheduled
+        return self.program_for(scheduled, batch).convert(scheduled)
+
+    def again(self, state: ScheduledState, batch: Any) -> tuple[ScheduledState, Any] | None:
+        """The step when ``state`` is what the last program returned and ``batch`` has the
+        signature that program checked (`Program.run_again`), else None: a training
+        loop's call skips the checks its first call of that signature made."""
+        program = self.programs.last
+        if program is None or state is not program.returned:
+            return None
+        return program.run_again(batch)
+
+    def run_again(self, state: ScheduledState, batch: Any) -> tuple[ScheduledState, Any] | None:
+        """`again`, where no re-planner has to see the step (it monitors every call)."""
+        return None if self.replanner is not None else self.again(state, batch)
+
+    def call_again(self, state: ScheduledState, batch: Any) -> Any | None:
+        """`run_again`'s result as the user's step returns it: a call's fast path."""
+        result = self.run_again(state, batch)
+        return None if result is None else self.outputs.returned(*result)
+
+    def call(self, state: ScheduledState, batch: Any) -> Any:
+        """`step_batch`'s result as the user's step returns it."""
+        return self.outputs.returned(*self.step_batch(state, batch))
+
+    def step_batch(self, state: ScheduledState, batch: Any) -> tuple[ScheduledState, Any]:
+        """One step, ``(state, aux)``; through the re-planner where there is one."""
+        if self.replanner is not None:
+            return self.replanner.step(state, batch, self._run, lambda: self.programs.last, self._use_buckets)
+        return self._run(state, batch)
+
+    def _run(self, state: ScheduledState, batch: Any) -> tuple[ScheduledState, Any]:
+        result = self.again(state, batch)
+        if result is not None:
+            return result
+        return self.program_for(state, batch).run(state, batch)
+
+    def finalize(self, state: ScheduledState) -> tuple[Any, Any]:
+        """``(params, opt_state)`` as the plain step returns them."""
+        program = self.programs.last
+        if program is None:  # never traced here: only a state in the user's layout
+            return self.schedule.strategy.finalize_untraced(state)
+        check_state_fits(program, self.template, state)
+        return check_finalized(program, self.template, program.finalize(state))
+
+    def lower(self, state: ScheduledState, batch: Any) -> jax.stages.Lowered:
+        """The lowered scheduled program for ``batch``."""
+        return self.program_for(state, batch).lower(state, batch)
+
+    def inspect(self, state: ScheduledState, batch: Any, *, baseline: bool = True) -> Inspection:
+        """The compiled program's report, and the plain step's with ``baseline``."""
+        from jaxsched.check import _inspection as inspect_lib
+
+        program = self.program_for(state, batch)
+        report = program.inspect(state, batch)
+        plain = None
+        if baseline:
+            assert self.template is not None  # set by the program's build
+            params, opt_state = self.template
+            plain = inspect_lib.inspect_jitted(
+                self.schedule.traced_step,
+                (params, opt_state, batch),
+                program.planned.mesh,
+                label=inspect_lib.PLAIN_LABEL,
+            )
+        return inspect_lib.Inspection(report, plain)
+
+    def verify(
+        self,
+        state: ScheduledState,
+        batches: Iterable[Any],
+        steps: int,
+        rtol: float,
+        baseline_factor: float,
+        precision: str,
+        *,
+        progress: bool = False,
+    ) -> VerifyReport:
+        """`jaxsched.check._verify.verify` of this runner's schedule."""
+        from jaxsched.check._verify import verify
+
+        return verify(self.schedule, state, batches, steps, rtol, baseline_factor, precision, progress=progress)
+
+    @property
+    def last_program(self) -> Program | None:
+        """The program of the most recent call, None before one."""
+        return self.programs.last
+
+    @property
+    def num_programs(self) -> int:
+        """How many batch signatures the current plan has traced."""
+        return len(self.programs)
+
+    @property
+    def replans(self) -> list[SwitchRecord]:
+        """The re-planner's switches of plan, oldest first."""
+        return [] if self.replanner is None else list(self.replanner.records)
+
+    @property
+    def replan_decisions(self) -> list[Decision]:
+        """The re-planner's decision points, oldest first."""
+        return [] if self.replanner is None else list(self.replanner.decisions)
+
+    def replan(self, network: NetworkProfile | str | None) -> SwitchRecord | None:
+        """The re-planner's pending switch for ``network`` (`Scheduled.replan` checked that
+        there is a re-planner and a program)."""
+        assert self.replanner is not None and self.programs.last is not None
+        return self.replanner.request(self.programs.last, network)
+
+    def program_for(self, state: ScheduledState, batch: Any) -> Program:
+        """The program of ``batch``'s signature (traced now if new), ``state`` checked to fit it."""
+        if self.template is None:
+            self.template = (state.params, state.opt_state)
+        program = self.programs.get(batch, retyped(self.template, (state.params, state.opt_state)))
+        check_state_fits(program, self.template, state)
+        return program
+
+    def _build(self, batch: Any, template: Any, buckets: BucketOption = None) -> Program:
+        schedule = self.schedule
+        try:
+            captured = capture(
+                schedule.traced_step, template[0], template[1], batch, schedule.strategy.folds_invariant_sums
+            )
+        except TypeError as err:
+            integer = [
+                path
+                for path, leaf in zip(param_paths(template[0]), jax.tree.leaves(template[0]))
+                if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)
+            ]
+            if "grad requires real" not in str(err) or not integer:
+                raise
+            raise JaxschedTypeError(
+                f"the step differentiates params with integer leaves ({', '.join(integer[:3])}"
+                f"{', ...' if len(integer) > 3 else ''}): are sched.init's arguments "
+                "swapped? Call sched.init(params, opt_state), params first"
+            ) from err
+        chosen = select(
+            captured,
+            schedule.strategy,
+            schedule.buckets_option if buckets is None else buckets,
+            schedule.engine,
+            schedule.plan_options,
+        )
+        # the choices are shown on this schedule's own copy of the strategy, never the user's
+        if chosen.choice is not None:
+            schedule.strategy.last_choice = chosen.choice  # type: ignore[attr-defined]  # an Auto
+        if chosen.bucket_choice is not None:
+            schedule.strategy.last_bucket_choice = chosen.bucket_choice
+        return program_of(chosen, schedule.engine)
+
+    def _use_buckets(self, buckets: Sequence[Sequence[str]]) -> bool:
+        """Run the explicit plan ``buckets`` from the next call on, with its own program
+        cache (kept, so that returning to a plan compiles nothing); returns whether that
+        plan had been compiled before."""
+        current = self.programs.last
+        if current is None:
+            raise JaxschedRuntimeError("a plan can only be switched after the step has run once")
+        self._plans.setdefault(resolved_key(current.planned, program_buckets(current)), self.programs)
+        key = resolved_key(current.planned, buckets)
+        reused = key in self._plans
+        if not reused:
+            self._plans[key] = ProgramCache(functools.partial(self._build, buckets=[list(b) for b in buckets]))
+        self.programs = self._plans[key]
+        return reused
+
+
 class Scheduled:
-    """A scheduled training step: ``init``, ``__call__``, ``finalize`` (see `schedule`)."""
+    """A scheduled training step: ``init``, ``__call__``, ``finalize`` (see `schedule`).
+
+    The step form (``step(params, opt_state, ...)`` or ``step(state, ...)``) is read from the
+    first ``init``'s arguments, after `schedule` returned this object; it is decided then,
+    once, and every later call runs that form (a private runner of each form does the work).
+
+    Args:
+      step: the user's train step (as `schedule`'s ``train_step``).
+      strategy: a registered name or a `Strategy` instance (the schedule works on a copy).
+      buckets: the bucket plan (as `schedule`'s ``buckets``).
+      compiler_options: options of the ``xla`` engine.
+      engine: an engine name or an `Engine`.
+      collective: a `Collective` that the strategy sends its buckets through.
+      compression: a compressor, the same as ``collective`` (not both).
+      replan: ``None``, ``"auto"`` or a `Replan` (re-plan while training).
+      **options: the strategy's own options and, with ``buckets="auto"``, the planning options.
+
+    Example:
+        >>> import jax, optax, jaxsched
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> sched = jaxsched.Scheduled(steps.make_step(apply_fn, tx, mesh), strategy="allreduce")
+        >>> sched.strategy.name
+        'allreduce'
+    """
 
     def __init__(
         self,
@@ -108,30 +384,50 @@ class Scheduled:
         self._replanner = (
             None if self.replan_options is None else Replanner(self.replan_options, getattr(step, "__name__", "step"))
         )
-        self._plans: dict[Hashable, ProgramCache] = {}  # one program cache per bucket plan
-        self._template: tuple[Any, Any] | None = None
-        self._programs = ProgramCache(self._build)
-        self._pending_state: ScheduledState | None = None
-        self._form: str | None = None  # "trees" or "state": decided by the first init
-        #: the state-carrying half of a step(state, batch) (decided by the first init or call)
-        self._state_form: StateForm[Scheduled] | None = None
+        self._form: str | None = None  # "trees" or "state": decided once, by the first init or call
+        #: the runner of that form (`_TreesRunner` or `StateForm`), None until it is decided
+        self._runner: _StepRunner | None = None
         self._num_inputs: int | None = None  # the batch and the extra inputs before it
         self._outputs = OutputCount()  # what a step(params, opt_state, ...) returns after its state
         self._fixed_form: str | None = None  # set by an adapter that knows its step's form
+        self._statics_seen = False  # whether an input has held a static leaf so far
         functools.update_wrapper(self, step, updated=())
 
     # -- public API -----------------------------------------------------------------------
     def init(self, *args: Any, batch: Any = None) -> ScheduledState | UnsplitState:
-        """Ordinary trees in, scheduled state out: ``init(params, opt_state[, batch])`` for a
-        ``step(params, opt_state, batch)``, ``init(state[, batch])`` for a ``step(state,
-        batch)``, and the step's other inputs before the batch where it takes some
-        (``init(state, rng, batch)`` for a ``step(state, rng, batch)``).
-        `jaxsched.pipeline._state_step` says how the form is read from the arguments.
+        """Ordinary trees in, scheduled state out.
+
+        ``init(params, opt_state[, batch])`` for a ``step(params, opt_state, batch)``,
+        ``init(state[, batch])`` for a ``step(state, batch)``, and the step's other inputs
+        before the batch where it takes some (``init(state, rng, batch)`` for a ``step(state,
+        rng, batch)``). The first ``init`` decides the form for good
+        (`jaxsched.pipeline._state_step` says how it is read from the arguments).
 
         Without the step's inputs the leaves keep the user's layout until the first step
         converts them (the step can only be traced once a batch is known). With all of them
         (an example batch last, or as ``batch=``) the state comes back in its scheduled layout
         at once, which is what a checkpoint restore needs as its target.
+
+        Args:
+          *args: the step's state (``params, opt_state`` or ``state``), then optionally its
+            inputs: the extra ones and the batch last.
+          batch: the example batch, instead of as the last positional argument.
+
+        Returns:
+          The scheduled state (a `SchedState`), or for a ``step(state, batch)`` without a
+          batch an `UnsplitState` that the first call splits.
+
+        Example:
+            >>> import jax, optax, jaxsched
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh))
+            >>> state = sched.init(params, tx.init(params))
+            >>> jax.tree.structure(state.params) == jax.tree.structure(params)  # the user's layout until a step
+            True
         """
         args, batch = self._marked(args), self._marked(batch)
         if not args:
@@ -146,44 +442,11 @@ class Scheduled:
                 f"({'init(state)' if self._form == STATE else 'init(params, opt_state)'})"
                 f"; sched.init got the {form} form's arguments"
             )
-        self._form = form
-        state_args = 1 if form == STATE else 2
+        runner = self._decide(form)
         if self._num_inputs is None:
-            self._num_inputs = inputs_of(self.step, state_args)
-        example = self._example_inputs(args[state_args:], batch)
-        if form == STATE:
-            self._state_form = self._state_form or StateForm(self)
-            return self._state_form.init(args[0], example)
-        return self._init_trees(args[0], args[1], example)
-
-    def _example_inputs(self, given: tuple, batch: Any) -> Any:
-        """The step's inputs after the state given to ``init`` as the pipeline's one batch
-        pytree, or None when the batch is not among them."""
-        given = tuple(given) + (() if batch is None else (batch,))
-        if not given:
-            return None
-        expected = self._num_inputs if self._num_inputs is not None else len(given)
-        if len(given) > expected:
-            raise JaxschedTypeError(
-                f"sched.init got {len(given)} input(s) after the state; the step takes {expected} "
-                "(its extra inputs, then the batch)"
-            )
-        if len(given) < expected:
-            if batch is not None:
-                raise JaxschedTypeError(
-                    f"sched.init got batch= and {len(given) - 1} other input(s); the step takes "
-                    f"{expected} inputs after its state: pass the ones before the batch too"
-                )
-            return None  # the extra inputs alone (a key): the first call splits the state
-        self._num_inputs = expected
-        return given[0] if expected == 1 else tuple(given)
-
-    def _init_trees(self, params: Any, opt_state: Any, batch: Any) -> ScheduledState:
-        self._template = jax.tree.map(abstract_leaf, (params, opt_state))
-        state = self.strategy.initial_state(params, opt_state)
-        if batch is None:
-            return state
-        return self._program_for(state, batch).convert(state)
+            self._num_inputs = inputs_of(self.step, runner.state_args)
+        example = self._example_inputs(args[runner.state_args :], batch)
+        return runner.init(args[: runner.state_args], example)
 
     def __call__(self, state: ScheduledState | UnsplitState, *inputs: Any) -> Any:
         """One training step, called as the plain step is, with the scheduled state.
@@ -215,135 +478,222 @@ class Scheduled:
             >>> state, aux = sched(state, batch)
             >>> state, aux = sched(state, batch)  # the compiled program again
         """
-        scheduled = cast(ScheduledState, state)  # an UnsplitState goes to the state form in step_batch
-        if self._direct() and len(inputs) == self._num_inputs:
-            result = self._run_again(scheduled, inputs[0] if len(inputs) == 1 else inputs)
+        runner = self._runner
+        if runner is not None and len(inputs) == self._num_inputs and not self._has_static():
+            result = runner.call_again(state, inputs[0] if len(inputs) == 1 else inputs)
             if result is not None:
-                return self._outputs.returned(*result)
-        result = self.step_batch(scheduled, self._batch_of(self._marked(inputs), state))
-        if self._state_form_for(state) is None:
-            new_state, aux = result
-            return self._outputs.returned(new_state, static_leaves.unmark(aux) if self._has_static() else aux)
+                return result
+        batch = self._batch_of(self._marked(inputs), state)
+        result = self._runner_for(state).call(state, batch)
         if type(result) is tuple and self._has_static():  # the outputs after the state
             return (result[0], *static_leaves.unmark(result[1:]))
-        return result  # the adapter returns what the user's step returns
+        return result
 
-    def step_batch(self, state: ScheduledState, batch: Any) -> Any:
-        """One step with the step's inputs after the state as one pytree (``batch``, or the
-        tuple of a step's extra inputs and its batch), as ``verify`` and adapters call it."""
-        if (form := self._state_form_for(state)) is not None:
-            return form(state, batch)
-        if self._replanner is not None:
-            return self._replanner.step(state, batch, self._run, lambda: self._programs.last, self._use_buckets)
-        return self._run(state, batch)
+    def step_batch(self, state: ScheduledState | UnsplitState, batch: Any) -> Any:
+        """One step with the step's inputs after the state as one pytree, as ``verify`` and
+        adapters call it (no checks of the inputs, no static leaves marked).
 
-    def _run(self, state: ScheduledState, batch: Any) -> Any:
-        result = self._run_again(state, batch)
-        if result is not None:
-            return result
-        return self._program_for(state, batch).run(state, batch)
+        Args:
+          state: what `init` or the previous step returned.
+          batch: the batch, or the tuple of a step's extra inputs and its batch.
 
-    def _run_again(self, state: ScheduledState, batch: Any) -> tuple[Any, Any] | None:
-        """The step when ``state`` is what the last program returned and ``batch`` has the
-        signature that program checked (`Program.run_again`), else None: a training
-        loop's call skips the checks its first call of that signature made."""
-        program = self._programs.last
-        if program is None or state is not program.returned:
-            return None
-        return program.run_again(batch)
+        Returns:
+          ``(state, aux)`` for a ``step(params, opt_state, ...)`` (aux ``None`` for a step
+          that returns no aux); for a ``step(state, ...)`` what a call returns.
 
-    def _direct(self) -> bool:
-        """Whether a call may go straight to `_run_again`: a ``step(params, opt_state,
-        ...)`` without re-planning, whose inputs and outputs have held no static leaf (which
-        would need marking)."""
-        return self._state_form is None and self._replanner is None and not self._has_static()
+        Example:
+            >>> import jax, optax, jaxsched
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh))
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> state, aux = sched.step_batch(sched.init(params, tx.init(params)), batch)
+            >>> sorted(aux)
+            ['accuracy', 'loss']
+        """
+        return self._runner_for(state).step_batch(state, batch)
 
     def replan(self, network: NetworkProfile | str | None = None) -> SwitchRecord | None:
-        """Re-plan the buckets now for ``network`` (a `NetworkProfile`
-        or a preset name such as ``"1gbe"``), or for the network measured while training when
-        none is given; the step switches at its next call. Returns the pending switch, or
-        None when the plan for that network is the current one. Needs ``replan=`` and one
-        step run; every process calls it at the same step (`jaxsched.pipeline.replan`)."""
-        runs = self._runs()
-        if runs._replanner is None:
+        """Re-plan the buckets now; the step switches at its next call.
+
+        Needs ``replan=`` and one step run; every process calls it at the same step
+        (`jaxsched.pipeline.replan`).
+
+        Args:
+          network: a `NetworkProfile` or a preset name such as ``"1gbe"``; None for the
+            network measured while training.
+
+        Returns:
+          The pending switch (a `SwitchRecord`), or None when the plan for that network is
+          the current one.
+
+        Example:
+            >>> import jax, optax, jaxsched
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), replan=jaxsched.Replan(every=1000))
+            >>> try:
+            ...     sched.replan("1gbe")  # before the first call: nothing to re-plan yet
+            ... except jaxsched.JaxschedError as err:
+            ...     print(err)
+            sched.replan() needs the step traced first: call it once
+        """
+        if self._replanner is None:
             raise JaxschedValueError(
                 "sched.replan() needs a schedule made with replan='auto' or replan=jaxsched.Replan(...)"
             )
-        if runs._programs.last is None:
+        runner = self._runner
+        if runner is None or runner.last_program is None:
             raise JaxschedRuntimeError("sched.replan() needs the step traced first: call it once")
-        return runs._replanner.request(runs._programs.last, network)
+        return runner.replan(network)
 
     @property
     def replans(self) -> list[SwitchRecord]:
-        """Every switch of plan so far (`SwitchRecord`), oldest first."""
-        replanner = self._runs()._replanner
-        return [] if replanner is None else list(replanner.records)
+        """Every switch of plan so far (`SwitchRecord`), oldest first.
+
+        Example:
+            >>> import jaxsched
+            >>> jaxsched.schedule(lambda params, opt_state, batch: None, replan="auto").replans
+            []
+        """
+        return [] if self._runner is None else self._runner.replans
 
     @property
     def replan_decisions(self) -> list[Decision]:
-        """Every decision point of the monitor (`Decision`: measured
-        drift, predicted gain, whether it switched, what the measurement cost)."""
-        replanner = self._runs()._replanner
-        return [] if replanner is None else list(replanner.decisions)
+        """Every decision point of the re-planning monitor (`Decision`: measured drift,
+        predicted gain, whether it switched, what the measurement cost), oldest first.
 
-    def finalize(self, state: ScheduledState) -> tuple[Any, Any]:
-        """Back to ordinary ``(params, opt_state)``, or the user's state object for a
-        ``step(state, batch)`` (performs pending all-gathers)."""
+        Example:
+            >>> import jaxsched
+            >>> jaxsched.schedule(lambda params, opt_state, batch: None, replan="auto").replan_decisions
+            []
+        """
+        return [] if self._runner is None else self._runner.replan_decisions
+
+    def finalize(self, state: ScheduledState | UnsplitState) -> Any:
+        """Back to the user's trees (performs pending all-gathers).
+
+        Args:
+          state: what `init` or the last call returned.
+
+        Returns:
+          ``(params, opt_state)`` as the plain step returns them, or the user's state object
+          for a ``step(state, batch)``.
+
+        Example:
+            >>> import jax, optax, jaxsched
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="dear")
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> state, aux = sched(sched.init(params, tx.init(params)), batch)
+            >>> new_params, new_opt_state = sched.finalize(state)
+            >>> jax.tree.structure(new_params) == jax.tree.structure(params)
+            True
+        """
         check_scheduled_state(state, "sched.finalize(state)")
-        if (form := self._state_form_for(state)) is not None:
-            return static_leaves.unmark(form.finalize(state))
-        if self._programs.last is None:  # never traced here: only a state in the user's layout
-            return static_leaves.unmark(self.strategy.finalize_untraced(state))
-        check_state_fits(self._programs.last, self._template, state)
-        program = self._programs.last
-        return static_leaves.unmark(check_finalized(program, self._template, program.finalize(state)))
+        return static_leaves.unmark(self._runner_for(state).finalize(state))
 
-    def lower(self, state: ScheduledState, batch: Any) -> jax.stages.Lowered:
-        """The lowered scheduled program (StableHLO), e.g. to inspect where collectives sit."""
-        batch = self._marked(batch)
-        if (form := self._state_form_for(state)) is not None:
-            return form.lower(state, batch)
-        return self._program_for(state, batch).lower(state, batch)
+    def lower(self, state: ScheduledState | UnsplitState, batch: Any) -> jax.stages.Lowered:
+        """The lowered scheduled program (StableHLO), e.g. to inspect where collectives sit.
 
-    def inspect(self, state: ScheduledState | UnsplitState, batch: Any, *, baseline: bool = True):
+        Args:
+          state: what `init` or a call returned.
+          batch: the step's inputs after the state (a batch, or a tuple of its inputs).
+
+        Returns:
+          The ``jax.stages.Lowered`` program (traced now if its signature is new).
+
+        Example:
+            >>> import jax, optax, jaxsched
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh))
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> "all_reduce" in sched.lower(sched.init(params, tx.init(params)), batch).as_text()
+            True
+        """
+        return self._runner_for(state).lower(state, self._marked(batch))
+
+    def inspect(self, state: ScheduledState | UnsplitState, batch: Any, *, baseline: bool = True) -> Inspection:
         """Compile this step for its mesh's devices and read what the compiler scheduled.
 
         Works ahead of time: with a mesh over compile-only devices (`jaxsched.tools.aot.devices`)
         and abstract ``state`` / ``batch`` (``jax.ShapeDtypeStruct`` leaves with shardings,
-        ``state`` from ``sched.init``), nothing touches a device. Returns a
-        `jaxsched.check._inspection.Inspection`: the scheduled step's
-        `CompiledReport` (every collective, async or not, the compute
-        in its window, XLA's estimated step and exposed communication) and, with
-        ``baseline``, the same for the user's step unchanged as XLA compiles it with its
-        default options, the peer every strategy is compared with.
+        ``state`` from ``sched.init``), nothing touches a device.
+
+        Args:
+          state: what `init` or a call returned (abstract leaves are enough).
+          batch: the step's inputs after the state.
+          baseline: whether to compile the user's step unchanged too, as XLA compiles it
+            with its default options: the peer every strategy is compared with.
+
+        Returns:
+          A `jaxsched.check._inspection.Inspection`: the scheduled step's `CompiledReport`
+          (every collective, async or not, the compute in its window, XLA's estimated step
+          and exposed communication) and, with ``baseline``, the plain step's.
+
+        Example:
+            >>> import jax, optax, jaxsched
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh))
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> report = sched.inspect(sched.init(params, tx.init(params)), batch, baseline=False)
+            >>> report.baseline is None
+            True
         """
-        from jaxsched.check import _inspection as inspect_lib
+        return self._runner_for(state).inspect(state, self._marked(batch), baseline=baseline)
 
-        batch = self._marked(batch)
-        if (form := self._state_form_for(state)) is not None:
-            return form.inspect(state, batch, baseline=baseline)
-        scheduled = cast(ScheduledState, state)  # the state form took an UnsplitState above
-        program = self._program_for(scheduled, batch)
-        report = program.inspect(scheduled, batch)
-        plain = None
-        if baseline:
-            assert self._template is not None  # set by the program's build
-            params, opt_state = self._template
-            plain = inspect_lib.inspect_jitted(
-                self.traced_step, (params, opt_state, batch), program.planned.mesh, label=inspect_lib.PLAIN_LABEL
-            )
-        return inspect_lib.Inspection(report, plain)
-
-    def fresh(self) -> "Scheduled":
+    def fresh(self) -> Scheduled:
         """A new schedule of the same step with the same options and no traced programs
-        (``verify`` traces the step again in float64 with it; it plans once, never re-plans)."""
+        (``verify`` traces the step again in float64 with it; it plans once, never re-plans).
+
+        Returns:
+          The new `Scheduled`, of this one's step form if an adapter fixed it.
+
+        Example:
+            >>> import jaxsched
+            >>> sched = jaxsched.schedule(lambda params, opt_state, batch: None, strategy="dear")
+            >>> sched.fresh().strategy.name
+            'dear'
+        """
         fresh = Scheduled(self.step, self.strategy, self.buckets_option, engine=self.engine, **self.plan_options)
         fresh._fixed_form = self._fixed_form
         return fresh
 
-    def with_step(self, step: Callable) -> "Scheduled":
-        """A new schedule of ``step`` with this one's options (the state-form adapter
-        schedules the pure step it splits off the user's)."""
+    def with_step(self, step: Callable) -> Scheduled:
+        """A new schedule of ``step`` with this one's options, in the trees form (the state
+        form schedules the pure ``step(params, rest, batch)`` it splits off the user's).
+
+        Args:
+          step: a ``step(params, opt_state, batch) -> (params, opt_state, aux)``.
+
+        Returns:
+          The new `Scheduled`; its strategy is this one's (what selection records shows here).
+
+        Example:
+            >>> import jaxsched
+            >>> sched = jaxsched.schedule(lambda state, batch: None, strategy="dear")
+            >>> inner = sched.with_step(lambda params, opt_state, batch: None)
+            >>> inner.strategy is sched.strategy
+            True
+        """
         inner = Scheduled(
             step,
             self.strategy,
@@ -358,54 +708,156 @@ class Scheduled:
 
     def verify(
         self,
-        state: ScheduledState,
-        batches: Any,
+        state: ScheduledState | UnsplitState,
+        batches: Iterable[Any],
         steps: int = 10,
         rtol: float = 1e-5,
         baseline_factor: float = 100.0,
         precision: str = "float64",
         *,
         progress: bool = False,
-    ):
+    ) -> VerifyReport:
         """Run the plain step and this scheduled step side by side on ``batches``.
 
-        Returns a `jaxsched.check._verify.VerifyReport`: per leaf the largest relative
-        difference, the rounding baseline it is judged against, and the first step at
-        which each leaf left its tolerance, or that it is chaotic (``print(report)`` shows a table). By default every
-        run is made in float64, where rounding cannot pass for a defect
+        By default every run is made in float64, where rounding cannot pass for a defect
         (`jaxsched.check._verify`); ``precision="float32"`` compares the step as it trains.
-        """
-        from jaxsched.check._verify import verify
 
-        batches = map(self._check_inputs, batches)
-        if (form := self._state_form_for(state)) is not None:
-            batches = list(itertools.islice(iter(batches), steps))
-            inner, state = form.scheduled_state(state, batches[0] if batches else None)
-            return inner.verify(state, batches, steps, rtol, baseline_factor, precision, progress=progress)
-        return verify(self, state, batches, steps, rtol, baseline_factor, precision, progress=progress)
+        Args:
+          state: what `init` returned.
+          batches: the step's inputs after the state, one element per step (a tuple of
+            them for a step with extra inputs).
+          steps: how many steps to compare.
+          rtol: the relative difference a leaf may reach beyond its rounding baseline.
+          baseline_factor: how far above the rounding baseline a leaf may drift.
+          precision: ``"float64"`` or ``"float32"``.
+          progress: whether to show a progress bar.
+
+        Returns:
+          A `jaxsched.check._verify.VerifyReport`: per leaf the largest relative difference,
+          the rounding baseline it is judged against, and the first step at which each leaf
+          left its tolerance, or that it is chaotic (``print(report)`` shows a table).
+
+        Example:
+            >>> import jax, optax, jaxsched
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="allreduce")
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> report = sched.verify(sched.init(params, tx.init(params)), [batch], steps=1, precision="float32")
+            >>> report.ok
+            True
+        """
+        checked = map(self._check_inputs, batches)
+        return self._runner_for(state).verify(
+            state, checked, steps, rtol, baseline_factor, precision, progress=progress
+        )
 
     @property
     def program(self) -> Program:
-        """The program of the most recent call."""
-        last = self._runs()._programs.last
+        """The program of the most recent call.
+
+        Example:
+            >>> import jax, optax, jaxsched
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="wfbp")
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> state, aux = sched(sched.init(params, tx.init(params)), batch)
+            >>> sched.program.strategy.name
+            'wfbp'
+        """
+        last = None if self._runner is None else self._runner.last_program
         if last is None:
             raise JaxschedRuntimeError("the step has not been traced yet: call it once (or lower()) first")
         return last
 
     @property
     def num_programs(self) -> int:
-        """How many input signatures have been traced (one program each)."""
-        return len(self._runs()._programs)
+        """How many input signatures have been traced (one program each).
+
+        Example:
+            >>> import jaxsched
+            >>> jaxsched.schedule(lambda params, opt_state, batch: None).num_programs
+            0
+        """
+        return 0 if self._runner is None else self._runner.num_programs
 
     @property
     def traced_step(self) -> Callable:
         """The user's step with its inputs after the state in one tuple, as the pipeline
-        traces it (the step itself when it takes only a batch)."""
+        traces it (the step itself when it takes only a batch).
+
+        Example:
+            >>> import jaxsched
+            >>> def train_step(params, opt_state, batch):
+            ...     return params, opt_state, {"loss": 0.0}
+            >>> jaxsched.schedule(train_step).traced_step(1, 2, None)
+            (1, 2, {'loss': 0.0})
+        """
         state_args = 1 if self._form == STATE else 2
         step = with_inputs(self.step, self._num_inputs or 1, state_args)
         return step if self._form == STATE else with_outputs(step, self._outputs, self._num_inputs or 1)
 
     # -- internals -------------------------------------------------------------------------
+    def _decide(self, form: str) -> _StepRunner:
+        """The runner of ``form``, made now if this schedule's form was not decided yet (the
+        form never changes afterwards: `init` refuses the other form's arguments)."""
+        if self._runner is None:
+            self._form = form
+            self._runner = StateForm(self, self._trees_runner_of) if form == STATE else _TreesRunner(self)
+        return self._runner
+
+    def _runner_for(self, state: Any) -> _StepRunner:
+        """The runner of this schedule's form; decided by ``state`` where no `init` decided it:
+        an `UnsplitState` (what ``init(state)`` returns) is the state form's, anything else the
+        trees form's (a state in the trees layout, the only one usable before a split)."""
+        if self._runner is None:
+            return self._decide(STATE if isinstance(state, UnsplitState) else TREES)
+        return self._runner
+
+    def _trees_runner_of(self, step: Callable) -> _TreesRunner:
+        """The runner of the trees-form schedule of ``step`` (`with_step`): what the state form
+        runs once it split the user's state, its schedule what ``verify`` runs."""
+        inner = self.with_step(step)
+        inner._num_inputs = 1  # the pure step(params, rest, batch) takes the batch alone
+        runner = _TreesRunner(inner)
+        inner._form, inner._runner = TREES, runner
+        return runner
+
+    def _program_for(self, state: ScheduledState, batch: Any) -> Program:
+        """The trees form's program for ``batch`` (as `jaxsched.check._verify` reads it)."""
+        runner = self._runner_for(state)
+        assert isinstance(runner, _TreesRunner), "verify runs the trees form"
+        return runner.program_for(state, batch)
+
+    def _example_inputs(self, given: tuple, batch: Any) -> Any:
+        """The step's inputs after the state given to ``init`` as the pipeline's one batch
+        pytree, or None when the batch is not among them."""
+        given = tuple(given) + (() if batch is None else (batch,))
+        if not given:
+            return None
+        expected = self._num_inputs if self._num_inputs is not None else len(given)
+        if len(given) > expected:
+            raise JaxschedTypeError(
+                f"sched.init got {len(given)} input(s) after the state; the step takes {expected} "
+                "(its extra inputs, then the batch)"
+            )
+        if len(given) < expected:
+            if batch is not None:
+                raise JaxschedTypeError(
+                    f"sched.init got batch= and {len(given) - 1} other input(s); the step takes "
+                    f"{expected} inputs after its state: pass the ones before the batch too"
+                )
+            return None  # the extra inputs alone (a key): the first call splits the state
+        self._num_inputs = expected
+        return given[0] if expected == 1 else tuple(given)
+
     def _marked(self, tree: Any) -> Any:
         """``tree`` with its non-array leaves as static structure, as the step treats them."""
         marked = static_leaves.mark(tree, scalars_static=self.step.scalars_static)
@@ -415,7 +867,7 @@ class Scheduled:
 
     def _has_static(self) -> bool:
         """Whether an input or an output of the step has held a static leaf so far."""
-        return getattr(self, "_statics_seen", False) or self.step.saw_static
+        return self._statics_seen or self.step.saw_static
 
     def _check_inputs(self, item: Any) -> Any:
         """One element of ``verify``'s batches, checked as a call checks its inputs: for a step
@@ -454,70 +906,6 @@ class Scheduled:
             )
         self._num_inputs = expected
         return inputs[0] if expected == 1 else tuple(inputs)
-
-    def _state_form_for(self, state: Any) -> StateForm[Scheduled] | None:
-        """The state-form adapter if this schedule runs a ``step(state, batch)``."""
-        if self._state_form is None and isinstance(state, UnsplitState):
-            self._form, self._state_form = STATE, StateForm(self)
-        return self._state_form
-
-    def _runs(self) -> Scheduled:
-        """The schedule whose programs run this step: this one for a ``step(params,
-        opt_state, ...)`` (or a state step not split yet), the state form's inner schedule
-        of the pure step once a state was split.
-
-        One object, not a class per form: the form is read from ``init``'s arguments (or
-        from the state a call gets), after ``schedule()`` returned this object."""
-        inner = None if self._state_form is None else self._state_form.inner
-        return self if inner is None else inner
-
-    def _program_for(self, state: ScheduledState, batch: Any) -> Program:
-        if self._template is None:
-            self._template = (state.params, state.opt_state)
-        program = self._programs.get(batch, retyped(self._template, (state.params, state.opt_state)))
-        check_state_fits(program, self._template, state)
-        return program
-
-    def _build(self, batch: Any, template: Any, buckets: BucketOption = None) -> Program:
-        try:
-            captured = capture(self.traced_step, template[0], template[1], batch, self.strategy.folds_invariant_sums)
-        except TypeError as err:
-            integer = [
-                path
-                for path, leaf in zip(param_paths(template[0]), jax.tree.leaves(template[0]))
-                if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)
-            ]
-            if "grad requires real" not in str(err) or not integer:
-                raise
-            raise JaxschedTypeError(
-                f"the step differentiates params with integer leaves ({', '.join(integer[:3])}"
-                f"{', ...' if len(integer) > 3 else ''}): are sched.init's arguments "
-                "swapped? Call sched.init(params, opt_state), params first"
-            ) from err
-        chosen = select(
-            captured, self.strategy, self.buckets_option if buckets is None else buckets, self.engine, self.plan_options
-        )
-        # the choices are shown on this schedule's own copy of the strategy, never the user's
-        if chosen.choice is not None:
-            self.strategy.last_choice = chosen.choice  # type: ignore[attr-defined]  # an Auto
-        if chosen.bucket_choice is not None:
-            self.strategy.last_bucket_choice = chosen.bucket_choice
-        return program_of(chosen, self.engine)
-
-    def _use_buckets(self, buckets: Sequence[Sequence[str]]) -> bool:
-        """Run the explicit plan ``buckets`` from the next call on, with its own program
-        cache (kept, so that returning to a plan compiles nothing); returns whether that
-        plan had been compiled before."""
-        current = self._programs.last
-        if current is None:
-            raise JaxschedRuntimeError("a plan can only be switched after the step has run once")
-        self._plans.setdefault(resolved_key(current.planned, program_buckets(current)), self._programs)
-        key = resolved_key(current.planned, buckets)
-        reused = key in self._plans
-        if not reused:
-            self._plans[key] = ProgramCache(functools.partial(self._build, buckets=[list(b) for b in buckets]))
-        self._programs = self._plans[key]
-        return reused
 
 
 @overload
@@ -610,6 +998,22 @@ def schedule(
 
     The step is traced once per abstract batch signature (structure, shapes, dtypes,
     shardings): a smaller last batch gets its own program.
+
+    Example:
+        >>> import jax, optax, jaxsched
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="wfbp")
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> state, aux = sched(sched.init(params, tx.init(params)), batch)
+        >>> @jaxsched.schedule(strategy="dear")  # as a decorator
+        ... def train_step(params, opt_state, batch):
+        ...     return params, opt_state, None
+        >>> type(train_step).__name__, train_step.strategy.name
+        ('Scheduled', 'dear')
     """
 
     def wrap(step: Callable) -> Scheduled:

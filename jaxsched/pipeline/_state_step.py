@@ -75,8 +75,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import warnings
-from typing import Any, Callable, Generic, Mapping, NamedTuple, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Generic, Iterable, Mapping, NamedTuple, Protocol, Sequence, TypeVar
 
 import jax
 import numpy as np
@@ -567,12 +568,15 @@ def _nothing_trained(
 
 
 class TreeSchedule(Protocol):
-    """What the state form needs of the schedule of its pure ``step(params, rest, batch)``
-    (a `jaxsched.Scheduled`)."""
+    """What the state form needs of the trees-form runner of its pure ``step(params, rest,
+    batch)`` (`jaxsched._schedule`'s): the same methods the state form offers, on the split
+    state."""
 
-    def init(self, *args: Any, batch: Any = None) -> Any: ...
+    def init(self, state: Sequence[Any], batch: Any) -> Any: ...
 
-    def step_batch(self, state: Any, batch: Any) -> Any: ...
+    def run_again(self, state: Any, batch: Any) -> tuple[Any, Any] | None: ...
+
+    def step_batch(self, state: Any, batch: Any) -> tuple[Any, Any]: ...
 
     def finalize(self, state: Any) -> tuple[Any, Any]: ...
 
@@ -580,44 +584,90 @@ class TreeSchedule(Protocol):
 
     def inspect(self, state: Any, batch: Any, *, baseline: bool = True) -> Any: ...
 
+    def verify(
+        self,
+        state: Any,
+        batches: Iterable[Any],
+        steps: int,
+        rtol: float,
+        baseline_factor: float,
+        precision: str,
+        *,
+        progress: bool = False,
+    ) -> Any: ...
+
+    @property
+    def last_program(self) -> Any: ...
+
+    @property
+    def num_programs(self) -> int: ...
+
+    @property
+    def replans(self) -> list[Any]: ...
+
+    @property
+    def replan_decisions(self) -> list[Any]: ...
+
+    def replan(self, network: Any) -> Any: ...
+
 
 S = TypeVar("S", bound=TreeSchedule)
-S_co = TypeVar("S_co", bound=TreeSchedule, covariant=True)
 
 
-class StateOwner(Protocol[S_co]):
-    """The schedule of the user's ``step(state, batch)`` that owns a `StateForm`."""
+class StateOwner(Protocol):
+    """The schedule of the user's ``step(state, batch)`` that owns a `StateForm`: what the
+    split reads of it once a batch is known."""
 
     _num_inputs: int | None
 
     @property
     def traced_step(self) -> Callable: ...
 
-    def with_step(self, step: Callable) -> S_co: ...
-
 
 class StateForm(Generic[S]):
-    """The state-carrying half of a `jaxsched.Scheduled` of a ``step(state, batch)``: the
-    layout (decided at the first split) and ``inner``, the schedule (of the owner's own
-    type ``S``) of the pure step split off the user's.
+    """The state form of a `jaxsched.Scheduled`, decided by its first ``init(state)``: the
+    layout of the user's state (found at the first split) and ``inner``, the runner (of type
+    ``S``) of the pure ``step(params, rest, batch)`` split off the user's.
 
-    The owner calls it explicitly for each public method that takes a state (``init``,
-    ``__call__``, ``lower``, ``inspect``, ``finalize``); what reads the programs (``program``,
-    ``replans``) reads ``inner`` once it exists.
+    Every method takes the state the user holds (an `UnsplitState` before the split, else the
+    inner runner's state), splits it where needed and runs the inner runner's method of the
+    same purpose; the user's step's outputs come back as it returns them.
+
+    Args:
+      owner: the schedule of the user's step (its traced step and input count).
+      runner_of: makes the runner of the pure step split off the user's.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, jaxsched
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> def body(state, x):
+        ...     grads = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(state["w"])
+        ...     return {"w": state["w"] - 0.1 * jax.lax.pmean(grads, "data"), "opt_state": state["opt_state"]}
+        >>> step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+        >>> sched = jaxsched.schedule(step)
+        >>> sstate = sched.init({"w": jnp.ones((3, 1)), "opt_state": ()})
+        >>> sstate = sched(sstate, jax.device_put(jnp.ones((4, 3)), jax.NamedSharding(mesh, P("data"))))
+        >>> sorted(sched.program.planned.paths)
+        ['w']
     """
 
-    def __init__(self, owner: StateOwner[S]):
+    state_args = 1
+
+    def __init__(self, owner: StateOwner, runner_of: Callable[[Callable], S]):
         self.owner = owner
+        self.runner_of = runner_of
         self.layout: StateLayout | None = None
         self.inner: S | None = None
 
-    def init(self, state: Any, batch: Any = None) -> Any:
+    def init(self, state: Sequence[Any], batch: Any = None) -> Any:
         """``sched.init(state[, batch])``: an `UnsplitState` without the batch, else the
-        inner schedule's state (the state split by the traced step)."""
+        inner runner's state (the state split by the traced step)."""
+        (whole,) = state
         if batch is None:
-            return UnsplitState(state)
-        inner, layout = self.inner_for(state, batch)
-        return inner.init(*layout.split(state), batch)
+            return UnsplitState(whole)
+        inner, layout = self.inner_for(whole, batch)
+        return inner.init(layout.split(whole), batch)
 
     @property
     def step(self) -> Callable:
@@ -625,17 +675,17 @@ class StateForm(Generic[S]):
         return self.owner.traced_step
 
     def inner_for(self, state: Any, batch: Any) -> tuple[S, StateLayout]:
-        """The scheduled pure step and the layout, splitting the state on first use."""
+        """The runner of the pure step and the layout, splitting the state on first use."""
         if self.layout is None or self.inner is None:
             self.layout = find_layout(self.step, state, batch, self.owner._num_inputs or 1)
-            self.inner = self.owner.with_step(self.layout.pure_step(self.step))
+            self.inner = self.runner_of(self.layout.pure_step(self.step))
         return self.inner, self.layout
 
     def scheduled_state(self, sstate: Any, batch: Any) -> tuple[S, Any]:
-        """The inner schedule and ``sstate`` in its form (an `UnsplitState` split)."""
+        """The inner runner and ``sstate`` in its form (an `UnsplitState` split)."""
         if isinstance(sstate, UnsplitState):
             inner, layout = self.inner_for(sstate.state, batch)
-            return inner, inner.init(*layout.split(sstate.state))
+            return inner, inner.init(layout.split(sstate.state), None)
         if self.inner is None:
             raise JaxschedValueError(
                 "this scheduled state comes from another schedule (or a checkpoint) "
@@ -644,24 +694,53 @@ class StateForm(Generic[S]):
             )
         return self.inner, sstate
 
-    def __call__(self, sstate: Any, batch: Any) -> Any:
-        """One step: the inner schedule's, its outputs as the user's step returns them."""
-        inner, sstate = self.scheduled_state(sstate, batch)
-        sstate, aux = inner.step_batch(sstate, batch)
-        assert self.layout is not None  # set by scheduled_state
+    def _returned(self, sstate: Any, aux: Any) -> Any:
+        """The inner step's ``(state, aux)`` as the user's step returns its outputs."""
+        assert self.layout is not None  # set by the split that made the inner runner
         if self.layout.outputs == 0:
             return sstate
         return (sstate, *aux) if self.layout.outputs > 1 else (sstate, aux)
 
+    def call_again(self, sstate: Any, batch: Any) -> Any | None:
+        """A call's fast path: the inner runner's `run_again` (None unless ``sstate`` is what
+        its last program returned and ``batch`` of that program's signature)."""
+        inner = self.inner
+        result = None if inner is None else inner.run_again(sstate, batch)
+        return None if result is None else self._returned(*result)
+
+    def step_batch(self, sstate: Any, batch: Any) -> Any:
+        """One step: the inner runner's, its outputs as the user's step returns them."""
+        inner, sstate = self.scheduled_state(sstate, batch)
+        return self._returned(*inner.step_batch(sstate, batch))
+
+    call = step_batch  # a call of the state form returns what step_batch does
+
     def lower(self, sstate: Any, batch: Any) -> jax.stages.Lowered:
-        """The inner schedule's ``lower`` on the scheduled state."""
+        """The inner runner's ``lower`` on the scheduled state."""
         inner, sstate = self.scheduled_state(sstate, batch)
         return inner.lower(sstate, batch)
 
     def inspect(self, sstate: Any, batch: Any, *, baseline: bool = True) -> Any:
-        """The inner schedule's ``inspect`` on the scheduled state."""
+        """The inner runner's ``inspect`` on the scheduled state."""
         inner, sstate = self.scheduled_state(sstate, batch)
         return inner.inspect(sstate, batch, baseline=baseline)
+
+    def verify(
+        self,
+        sstate: Any,
+        batches: Iterable[Any],
+        steps: int,
+        rtol: float,
+        baseline_factor: float,
+        precision: str,
+        *,
+        progress: bool = False,
+    ) -> Any:
+        """The inner runner's ``verify`` on the scheduled state (an `UnsplitState` split by
+        the first batch)."""
+        taken = list(itertools.islice(iter(batches), steps))
+        inner, sstate = self.scheduled_state(sstate, taken[0] if taken else None)
+        return inner.verify(sstate, taken, steps, rtol, baseline_factor, precision, progress=progress)
 
     def finalize(self, sstate: Any) -> Any:
         """The user's state object (an `UnsplitState` as given)."""
@@ -673,3 +752,29 @@ class StateForm(Generic[S]):
                 "state yet; call sched.init(state, example_batch) first"
             )
         return self.layout.join(*self.inner.finalize(sstate))
+
+    @property
+    def last_program(self) -> Any:
+        """The inner runner's last program; None before the split."""
+        return None if self.inner is None else self.inner.last_program
+
+    @property
+    def num_programs(self) -> int:
+        """The inner runner's count of traced signatures; 0 before the split."""
+        return 0 if self.inner is None else self.inner.num_programs
+
+    @property
+    def replans(self) -> list[Any]:
+        """The inner runner's switches of plan."""
+        return [] if self.inner is None else self.inner.replans
+
+    @property
+    def replan_decisions(self) -> list[Any]:
+        """The inner runner's re-planning decisions."""
+        return [] if self.inner is None else self.inner.replan_decisions
+
+    def replan(self, network: Any) -> Any:
+        """The inner runner's pending switch for ``network`` (the caller checked that it has
+        run a program)."""
+        assert self.inner is not None
+        return self.inner.replan(network)

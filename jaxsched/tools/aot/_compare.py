@@ -134,10 +134,10 @@ def compare_strategies(
       The module's example runs it; on CPU XLA writes no estimate, so compare the structure:
 
       >>> import jax
-      >>> from jaxsched.tools.aot import _compare as compare, _experiment as experiment
+      >>> from jaxsched.tools import aot
       >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-      >>> exp = experiment.abstract_experiment(experiment.ModelSpec("mlp", (8,), 2, {"hidden": (4,)}), mesh=mesh)
-      >>> comparison = compare.compare_strategies(exp, ["allreduce"])
+      >>> exp = aot.abstract_experiment(aot.ModelSpec("mlp", (8,), 2, {"hidden": (4,)}), mesh=mesh)
+      >>> comparison = aot.compare_strategies(exp, ["allreduce"])
       >>> [r.num_sync for r in comparison.reports], comparison.baseline.num_sync  # XLA:CPU: all synchronous
       ([1], 1)
     """
