@@ -21,20 +21,18 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Protocol, Sequence, overload
+from typing import TYPE_CHECKING, Any, Callable, Iterable, overload
 
 import jax
-import numpy as np
 
 from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedValueError
 from jaxsched.core import _static_leaves as static_leaves
-from jaxsched.core._capture import abstract_leaf, capture
 from jaxsched.runtime.collectives._base import Collective
 from jaxsched.runtime.engine import Engine, make_engine
-from jaxsched.core._bucketing import param_paths
-from jaxsched.pipeline._program import Program, ProgramCache, retyped
-from jaxsched.pipeline._selection import BucketOption, program_of, select
-from jaxsched.core._describe import describe, difference
+from jaxsched.pipeline._program import Program
+from jaxsched.pipeline._selection import BucketOption
+from jaxsched.core._describe import describe
+from jaxsched.pipeline._trees_runner import StepRunner, TreesRunner, check_scheduled_state
 from jaxsched.pipeline._state_step import (
     STATE,
     TREES,
@@ -46,7 +44,7 @@ from jaxsched.pipeline._state_step import (
     with_inputs,
     with_outputs,
 )
-from jaxsched.pipeline.replan import Decision, Replan, Replanner, SwitchRecord, as_replan, program_buckets, resolved_key
+from jaxsched.pipeline.replan import Decision, Replan, Replanner, SwitchRecord, as_replan
 from jaxsched.sim._costmodel import NetworkProfile
 from jaxsched.strategies import STRATEGIES, SchedState, Strategy, make_strategy
 from jaxsched.strategies._base import ScheduledState
@@ -58,252 +56,6 @@ if TYPE_CHECKING:
 PLAN_OPTIONS = ("layer_profile", "network_profile", "planner")
 
 __all__ = ["STRATEGIES", "SchedState", "Scheduled", "schedule"]
-
-
-class _StepRunner(Protocol):
-    """What runs a schedule in the one step form its first ``init`` (or first call) decided:
-    `_TreesRunner` for a ``step(params, opt_state, ...)``, `StateForm` for a ``step(state,
-    ...)``. `Scheduled` checks and marks the user's arguments, then calls the runner's method of
-    the same purpose; each form's behaviour is its own class's, none chosen by branching."""
-
-    #: how many of ``init``'s first arguments are the state (``params, opt_state`` or ``state``)
-    state_args: int
-
-    def init(self, state: Sequence[Any], batch: Any) -> ScheduledState | UnsplitState: ...
-
-    def call_again(self, state: Any, batch: Any) -> Any | None: ...
-
-    def call(self, state: Any, batch: Any) -> Any: ...
-
-    def step_batch(self, state: Any, batch: Any) -> Any: ...
-
-    def finalize(self, state: Any) -> Any: ...
-
-    def lower(self, state: Any, batch: Any) -> jax.stages.Lowered: ...
-
-    def inspect(self, state: Any, batch: Any, *, baseline: bool = True) -> Inspection: ...
-
-    def verify(
-        self,
-        state: Any,
-        batches: Iterable[Any],
-        steps: int,
-        rtol: float,
-        baseline_factor: float,
-        precision: str,
-        *,
-        progress: bool = False,
-    ) -> VerifyReport: ...
-
-    @property
-    def last_program(self) -> Program | None: ...
-
-    @property
-    def num_programs(self) -> int: ...
-
-    @property
-    def replans(self) -> list[SwitchRecord]: ...
-
-    @property
-    def replan_decisions(self) -> list[Decision]: ...
-
-    def replan(self, network: NetworkProfile | str | None) -> SwitchRecord | None: ...
-
-
-class _TreesRunner:
-    """The trees form: a ``step(params, opt_state, ...)``, the user's or the pure step a
-    `StateForm` splits off a ``step(state, ...)``; its programs, one cache per bucket plan
-    (re-planning switches between them), and the abstract ``(params, opt_state)`` they are
-    traced for.
-
-    Attributes:
-      schedule: the `Scheduled` it runs: its options, its traced step, what ``verify`` runs.
-      replanner: the schedule's `Replanner`, None without ``replan=``.
-      outputs: what the step returns after its state, as the schedule's traced step records it.
-      template: the abstract ``(params, opt_state)`` of the first state (None before one).
-      programs: the program cache of the current bucket plan.
-    """
-
-    state_args = 2
-
-    def __init__(self, schedule: Scheduled) -> None:
-        self.schedule = schedule
-        self.replanner: Replanner | None = schedule._replanner
-        self.outputs: OutputCount = schedule._outputs
-        self.template: tuple[Any, Any] | None = None
-        self.programs = ProgramCache(self._build)
-        self._plans: dict[Hashable, ProgramCache] = {}  # one program cache per bucket plan
-
-    def init(self, state: Sequence[Any], batch: Any) -> ScheduledState:
-        """``(params, opt_state)`` in the strategy's state; in its scheduled layout with ``batch``."""
-        params, opt_state = state
-        self.template = jax.tree.map(abstract_leaf, (params, opt_state))
-        scheduled = self.schedule.strategy.initial_state(params, opt_state)
-        if batch is None:
-            return scheduled
-        return self.program_for(scheduled, batch).convert(scheduled)
-
-    def again(self, state: ScheduledState, batch: Any) -> tuple[ScheduledState, Any] | None:
-        """The step when ``state`` is what the last program returned and ``batch`` has the
-        signature that program checked (`Program.run_again`), else None: a training
-        loop's call skips the checks its first call of that signature made."""
-        program = self.programs.last
-        if program is None or state is not program.returned:
-            return None
-        return program.run_again(batch)
-
-    def run_again(self, state: ScheduledState, batch: Any) -> tuple[ScheduledState, Any] | None:
-        """`again`, where no re-planner has to see the step (it monitors every call)."""
-        return None if self.replanner is not None else self.again(state, batch)
-
-    def call_again(self, state: ScheduledState, batch: Any) -> Any | None:
-        """`run_again`'s result as the user's step returns it: a call's fast path."""
-        result = self.run_again(state, batch)
-        return None if result is None else self.outputs.returned(*result)
-
-    def call(self, state: ScheduledState, batch: Any) -> Any:
-        """`step_batch`'s result as the user's step returns it."""
-        return self.outputs.returned(*self.step_batch(state, batch))
-
-    def step_batch(self, state: ScheduledState, batch: Any) -> tuple[ScheduledState, Any]:
-        """One step, ``(state, aux)``; through the re-planner where there is one."""
-        if self.replanner is not None:
-            return self.replanner.step(state, batch, self._run, lambda: self.programs.last, self._use_buckets)
-        return self._run(state, batch)
-
-    def _run(self, state: ScheduledState, batch: Any) -> tuple[ScheduledState, Any]:
-        result = self.again(state, batch)
-        if result is not None:
-            return result
-        return self.program_for(state, batch).run(state, batch)
-
-    def finalize(self, state: ScheduledState) -> tuple[Any, Any]:
-        """``(params, opt_state)`` as the plain step returns them."""
-        program = self.programs.last
-        if program is None:  # never traced here: only a state in the user's layout
-            return self.schedule.strategy.finalize_untraced(state)
-        check_state_fits(program, self.template, state)
-        return check_finalized(program, self.template, program.finalize(state))
-
-    def lower(self, state: ScheduledState, batch: Any) -> jax.stages.Lowered:
-        """The lowered scheduled program for ``batch``."""
-        return self.program_for(state, batch).lower(state, batch)
-
-    def inspect(self, state: ScheduledState, batch: Any, *, baseline: bool = True) -> Inspection:
-        """The compiled program's report, and the plain step's with ``baseline``."""
-        from jaxsched.check import _inspection as inspect_lib
-
-        program = self.program_for(state, batch)
-        report = program.inspect(state, batch)
-        plain = None
-        if baseline:
-            assert self.template is not None  # set by the program's build
-            params, opt_state = self.template
-            plain = inspect_lib.inspect_jitted(
-                self.schedule.traced_step,
-                (params, opt_state, batch),
-                program.planned.mesh,
-                label=inspect_lib.PLAIN_LABEL,
-            )
-        return inspect_lib.Inspection(report, plain)
-
-    def verify(
-        self,
-        state: ScheduledState,
-        batches: Iterable[Any],
-        steps: int,
-        rtol: float,
-        baseline_factor: float,
-        precision: str,
-        *,
-        progress: bool = False,
-    ) -> VerifyReport:
-        """`jaxsched.check._verify.verify` of this runner's schedule."""
-        from jaxsched.check._verify import verify
-
-        return verify(self.schedule, state, batches, steps, rtol, baseline_factor, precision, progress=progress)
-
-    @property
-    def last_program(self) -> Program | None:
-        """The program of the most recent call, None before one."""
-        return self.programs.last
-
-    @property
-    def num_programs(self) -> int:
-        """How many batch signatures the current plan has traced."""
-        return len(self.programs)
-
-    @property
-    def replans(self) -> list[SwitchRecord]:
-        """The re-planner's switches of plan, oldest first."""
-        return [] if self.replanner is None else list(self.replanner.records)
-
-    @property
-    def replan_decisions(self) -> list[Decision]:
-        """The re-planner's decision points, oldest first."""
-        return [] if self.replanner is None else list(self.replanner.decisions)
-
-    def replan(self, network: NetworkProfile | str | None) -> SwitchRecord | None:
-        """The re-planner's pending switch for ``network`` (`Scheduled.replan` checked that
-        there is a re-planner and a program)."""
-        assert self.replanner is not None and self.programs.last is not None
-        return self.replanner.request(self.programs.last, network)
-
-    def program_for(self, state: ScheduledState, batch: Any) -> Program:
-        """The program of ``batch``'s signature (traced now if new), ``state`` checked to fit it."""
-        if self.template is None:
-            self.template = (state.params, state.opt_state)
-        program = self.programs.get(batch, retyped(self.template, (state.params, state.opt_state)))
-        check_state_fits(program, self.template, state)
-        return program
-
-    def _build(self, batch: Any, template: Any, buckets: BucketOption = None) -> Program:
-        schedule = self.schedule
-        try:
-            captured = capture(
-                schedule.traced_step, template[0], template[1], batch, schedule.strategy.folds_invariant_sums
-            )
-        except TypeError as err:
-            integer = [
-                path
-                for path, leaf in zip(param_paths(template[0]), jax.tree.leaves(template[0]))
-                if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)
-            ]
-            if "grad requires real" not in str(err) or not integer:
-                raise
-            raise JaxschedTypeError(
-                f"the step differentiates params with integer leaves ({', '.join(integer[:3])}"
-                f"{', ...' if len(integer) > 3 else ''}): are sched.init's arguments "
-                "swapped? Call sched.init(params, opt_state), params first"
-            ) from err
-        chosen = select(
-            captured,
-            schedule.strategy,
-            schedule.buckets_option if buckets is None else buckets,
-            schedule.engine,
-            schedule.plan_options,
-        )
-        # the choices are shown on this schedule's own copy of the strategy, never the user's
-        if chosen.choice is not None:
-            schedule.strategy.last_choice = chosen.choice  # type: ignore[attr-defined]  # an Auto
-        if chosen.bucket_choice is not None:
-            schedule.strategy.last_bucket_choice = chosen.bucket_choice
-        return program_of(chosen, schedule.engine)
-
-    def _use_buckets(self, buckets: Sequence[Sequence[str]]) -> bool:
-        """Run the explicit plan ``buckets`` from the next call on, with its own program
-        cache (kept, so that returning to a plan compiles nothing); returns whether that
-        plan had been compiled before."""
-        current = self.programs.last
-        if current is None:
-            raise JaxschedRuntimeError("a plan can only be switched after the step has run once")
-        self._plans.setdefault(resolved_key(current.planned, program_buckets(current)), self.programs)
-        key = resolved_key(current.planned, buckets)
-        reused = key in self._plans
-        if not reused:
-            self._plans[key] = ProgramCache(functools.partial(self._build, buckets=[list(b) for b in buckets]))
-        self.programs = self._plans[key]
-        return reused
 
 
 class Scheduled:
@@ -385,8 +137,8 @@ class Scheduled:
             None if self.replan_options is None else Replanner(self.replan_options, getattr(step, "__name__", "step"))
         )
         self._form: str | None = None  # "trees" or "state": decided once, by the first init or call
-        #: the runner of that form (`_TreesRunner` or `StateForm`), None until it is decided
-        self._runner: _StepRunner | None = None
+        #: the runner of that form (`TreesRunner` or `StateForm`), None until it is decided
+        self._runner: StepRunner | None = None
         self._num_inputs: int | None = None  # the batch and the extra inputs before it
         self._outputs = OutputCount()  # what a step(params, opt_state, ...) returns after its state
         self._fixed_form: str | None = None  # set by an adapter that knows its step's form
@@ -805,15 +557,15 @@ class Scheduled:
         return step if self._form == STATE else with_outputs(step, self._outputs, self._num_inputs or 1)
 
     # -- internals -------------------------------------------------------------------------
-    def _decide(self, form: str) -> _StepRunner:
+    def _decide(self, form: str) -> StepRunner:
         """The runner of ``form``, made now if this schedule's form was not decided yet (the
         form never changes afterwards: `init` refuses the other form's arguments)."""
         if self._runner is None:
             self._form = form
-            self._runner = StateForm(self, self._trees_runner_of) if form == STATE else _TreesRunner(self)
+            self._runner = StateForm(self, self._trees_runner_of) if form == STATE else self._own_trees_runner()
         return self._runner
 
-    def _runner_for(self, state: Any) -> _StepRunner:
+    def _runner_for(self, state: Any) -> StepRunner:
         """The runner of this schedule's form; decided by ``state`` where no `init` decided it:
         an `UnsplitState` (what ``init(state)`` returns) is the state form's, anything else the
         trees form's (a state in the trees layout, the only one usable before a split)."""
@@ -821,19 +573,22 @@ class Scheduled:
             return self._decide(STATE if isinstance(state, UnsplitState) else TREES)
         return self._runner
 
-    def _trees_runner_of(self, step: Callable) -> _TreesRunner:
+    def _trees_runner_of(self, step: Callable) -> TreesRunner:
         """The runner of the trees-form schedule of ``step`` (`with_step`): what the state form
         runs once it split the user's state, its schedule what ``verify`` runs."""
         inner = self.with_step(step)
         inner._num_inputs = 1  # the pure step(params, rest, batch) takes the batch alone
-        runner = _TreesRunner(inner)
+        runner = inner._own_trees_runner()
         inner._form, inner._runner = TREES, runner
         return runner
+
+    def _own_trees_runner(self) -> TreesRunner:
+        return TreesRunner(self, self._replanner, self._outputs)
 
     def _program_for(self, state: ScheduledState, batch: Any) -> Program:
         """The trees form's program for ``batch`` (as `jaxsched.check._verify` reads it)."""
         runner = self._runner_for(state)
-        assert isinstance(runner, _TreesRunner), "verify runs the trees form"
+        assert isinstance(runner, TreesRunner), "verify runs the trees form"
         return runner.program_for(state, batch)
 
     def _example_inputs(self, given: tuple, batch: Any) -> Any:
@@ -1030,101 +785,3 @@ def schedule(
         )
 
     return wrap if train_step is None else wrap(train_step)
-
-
-def check_scheduled_state(state: Any, call: str, num_arguments: int = 1) -> None:
-    """Refuse what is not a state from ``sched.init`` with the call that was meant."""
-    if isinstance(state, UnsplitState):
-        return
-    fields = getattr(state, "_fields", None)
-    if isinstance(state, tuple) and fields and "params" in fields and "opt_state" in fields:
-        return
-    hint = ""
-    if num_arguments == 3:
-        hint = "; sched(params, opt_state, batch) is the plain step's call, the scheduled step carries its own state"
-    elif isinstance(state, tuple) and len(state) == 2:
-        hint = "; (params, opt_state) as a tuple is the user's trees, not the scheduled state"
-    raise JaxschedTypeError(
-        f"{call} got a {type(state).__name__} where the state sched.init returns "
-        f"belongs{hint}. Call state = sched.init(params, opt_state) once "
-        "(sched.init(state) for a step(state, batch)), then state, aux = "
-        "sched(state, batch), and params, opt_state = sched.finalize(state) at the end"
-    )
-
-
-def check_state_fits(program: Program, template: Any, state: Any) -> None:
-    """Refuse a state this schedule did not make (another strategy's layout, another model),
-    before JAX fails on it with a sharding error that names no leaf."""
-    trees = (state.params, state.opt_state)
-    if jax.tree.structure(trees) != jax.tree.structure(template):  # type: ignore[operator]
-        raise JaxschedValueError(
-            "this state's trees differ from the ones this schedule was initialized "
-            f"with: they have {difference(template, trees)}. Was it made by another schedule? "
-            "Pass the state this schedule's init returned, or finalize the other "
-            "schedule's state and init this one with the result"
-        )
-    user = [tuple(x.shape) for x in jax.tree.leaves(template)]
-    got = [tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(trees)]
-    if got == user:
-        return
-    scheduled = program.state_shapes(template)
-    if got == scheduled:
-        return
-    paths = [("params/" if p.startswith("0") else "opt_state/") + p.partition("/")[2] for p in param_paths(trees)]
-    for path, have, want_user, want_scheduled in zip(paths, got, user, scheduled):
-        if have not in (want_user, want_scheduled):
-            raise JaxschedValueError(
-                f"state leaf {path} has shape {have}; expected the user's {want_user} or the "
-                f"scheduled {want_scheduled} ({program.strategy.name} layout). Does the state come "
-                "from another schedule (another strategy or buckets) or another model? Pass the "
-                "state this schedule's init returned, or finalize the other schedule's state with "
-                "that schedule and init this one with the result"
-            )
-
-
-def check_finalized(program: Program, template: Any, trees: tuple[Any, Any]) -> tuple[Any, Any]:
-    """``finalize``'s ``(params, opt_state)`` as the plain step returns them: every leaf in the
-    shape and dtype the step gives it, and on the mesh with the sharding the step's output has.
-
-    A leaf in another shape or dtype is a defect of the strategy's layout, refused with the
-    leaf's path rather than handed back; a leaf on the host or on an equivalent but
-    differently written sharding is placed as the plain step's output is."""
-    captured, planned = program.captured, program.planned
-    want = captured.state_outputs
-    leaves, treedef = jax.tree.flatten(trees)
-    if not want or treedef != jax.tree.structure((template[0], template[1])):  # type: ignore[operator]
-        return trees
-    names = ["params/" + p for p in param_paths(trees[0])] + ["opt_state/" + p for p in param_paths(trees[1])]
-    given = [getattr(t, "sharding", None) for t in jax.tree.leaves((template[0], template[1]))]
-    fixed = []
-    for k, (name, leaf, expected, placed) in enumerate(zip(names, leaves, want, given, strict=True)):
-        shape, dtype = tuple(jax.numpy.shape(leaf)), jax.numpy.result_type(leaf)
-        if shape != tuple(expected.shape) or dtype != expected.dtype:
-            raise AssertionError(
-                f"jaxsched: {program.strategy.name}'s finalize gave {name} as {dtype}{list(shape)}, where the "
-                f"plain step returns {expected.dtype}{list(expected.shape)}; this is a bug in jaxsched, "
-                "please report it. Run the step unscheduled (strategy='allreduce') meanwhile"
-            )
-        if captured.kind != "pmap":
-            target = jax.sharding.NamedSharding(planned.mesh, planned.output_spec(k))
-            if isinstance(placed, jax.sharding.NamedSharding) and placed.is_equivalent_to(target, len(shape)):
-                target = placed  # the user's own sharding, spelled as the user spelled it
-            leaf = _placed_as_output(leaf, target)
-        fixed.append(leaf)
-    return jax.tree.unflatten(treedef, fixed)
-
-
-def _placed_as_output(leaf: Any, sharding: jax.sharding.NamedSharding) -> Any:
-    """``leaf`` on ``sharding``: left alone where it is there already (under any spec that lays
-    it out the same), placed from the host value (every process holds it whole) otherwise."""
-    if isinstance(leaf, jax.Array):
-        if leaf.sharding == sharding:
-            return leaf
-        if leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
-            return jax.device_put(leaf, sharding)  # the same layout: no data moves
-        if leaf.is_fully_addressable == sharding.is_fully_addressable:
-            return jax.device_put(leaf, sharding)  # across processes too: a resharding program
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return leaf
-    value = np.asarray(leaf)
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])

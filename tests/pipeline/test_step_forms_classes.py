@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jaxsched
-from jaxsched._schedule import _TreesRunner
+from jaxsched.pipeline._trees_runner import TreesRunner
 from jaxsched.demo import steps
 from jaxsched.pipeline._state_step import StateForm, UnsplitState
 from jaxsched.zoo import models
@@ -42,7 +42,7 @@ def test_the_trees_form_runs_a_trees_runner_and_keeps_it():
     sched = jaxsched.schedule(trees_step)
     state = sched.init(params, opt_state)
     runner = sched._runner
-    assert isinstance(runner, _TreesRunner) and runner.schedule is sched
+    assert isinstance(runner, TreesRunner) and runner.schedule is sched
     state, _ = sched(state, batch)
     with pytest.raises(
         jaxsched.JaxschedTypeError,
@@ -61,7 +61,7 @@ def test_the_state_form_runs_a_state_form_over_a_trees_runner_and_keeps_it():
     runner = sched._runner
     assert isinstance(sstate, UnsplitState) and isinstance(runner, StateForm) and runner.inner is None
     sstate, _ = sched(sstate, batch)
-    assert isinstance(runner.inner, _TreesRunner) and runner.inner.schedule is not sched
+    assert isinstance(runner.inner, TreesRunner) and runner.inner.schedule is not sched
     with pytest.raises(
         jaxsched.JaxschedTypeError,
         match=r"initialized in the state form \(init\(state\)\); sched.init got the trees form",
