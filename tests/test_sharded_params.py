@@ -372,6 +372,33 @@ def test_block_gradients_scattered_in_two_stages_equal_the_plain_step(strategy, 
     assert text.count("reduce_scatter") >= 4  # w1 and w2, two stages each
 
 
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_a_scanned_stack_scattered_in_two_stages_equals_the_plain_step(strategy, monkeypatch):
+    """The per-layer reduce-scatters of a scanned, rematerialised FSDP stack (the partition
+    stage's, inside the loop) in the stages a TPU torus gets, forced on 8 CPU devices: each
+    device ends with the same block, every leaf equals the plain step's."""
+    import jaxsched.core.partition.kinds as kinds
+    from jaxsched.core.replay import nested_eqns
+
+    stages = (((0, 4), (1, 5), (2, 6), (3, 7)), ((0, 1, 2, 3), (4, 5, 6, 7)))
+    monkeypatch.setattr(kinds, "block_scatter_stages", lambda mesh, axes, nbytes: stages if mesh is not None else ())
+    mesh = ss.LAYOUTS["fsdp"].mesh()
+    tx = optax.adamw(1e-2)
+    params = ss.scanned_params(mesh, seed=41)
+    batches = ss.batches(mesh, P("fsdp"), 3, 42)
+    opt_state = tx.init(params)
+    sched, _, _ = _run(ss.scanned_step(tx), params, opt_state, batches, strategy)
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves((params, opt_state, batches[0]))]
+    loops = [e for e in nested_eqns(sched.program.per_device.jaxpr(*args)) if e.primitive.name == "scan"]
+    staged = [
+        e
+        for loop in loops
+        for e in nested_eqns(loop.params["jaxpr"].jaxpr)
+        if e.primitive.name == "reduce_scatter" and e.params.get("axis_index_groups")
+    ]
+    assert len(staged) >= 2, staged  # the layer's weight gradient, two stages
+
+
 @needs_tpu
 @pytest.mark.parametrize("strategy", ["wfbp", "dear"])
 def test_fsdp_gradients_stay_reduce_scatters_on_a_3d_tpu_slice(strategy):
