@@ -372,6 +372,33 @@ def test_block_gradients_scattered_in_two_stages_equal_the_plain_step(strategy, 
     assert text.count("reduce_scatter") >= 4  # w1 and w2, two stages each
 
 
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_a_scanned_stack_scattered_in_two_stages_equals_the_plain_step(strategy, monkeypatch):
+    """The per-layer reduce-scatters of a scanned, rematerialised FSDP stack (the partition
+    stage's, inside the loop) in the stages a TPU torus gets, forced on 8 CPU devices: each
+    device ends with the same block, every leaf equals the plain step's."""
+    import jaxsched.core.partition._kinds as kinds
+    from jaxsched.core._replay import nested_eqns
+
+    stages = (((0, 4), (1, 5), (2, 6), (3, 7)), ((0, 1, 2, 3), (4, 5, 6, 7)))
+    monkeypatch.setattr(kinds, "block_scatter_stages", lambda mesh, axes, nbytes: stages if mesh is not None else ())
+    mesh = ss.LAYOUTS["fsdp"].mesh()
+    tx = optax.adamw(1e-2)
+    params = ss.scanned_params(mesh, seed=41)
+    batches = ss.batches(mesh, P("fsdp"), 3, 42)
+    opt_state = tx.init(params)
+    sched, _, _ = _run(ss.scanned_step(tx), params, opt_state, batches, strategy)
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves((params, opt_state, batches[0]))]
+    loops = [e for e in nested_eqns(sched.program.per_device.jaxpr(*args)) if e.primitive.name == "scan"]
+    staged = [
+        e
+        for loop in loops
+        for e in nested_eqns(loop.params["jaxpr"].jaxpr)
+        if e.primitive.name == "reduce_scatter" and e.params.get("axis_index_groups")
+    ]
+    assert len(staged) >= 2, staged  # the layer's weight gradient, two stages
+
+
 @needs_tpu
 @pytest.mark.parametrize("strategy", ["wfbp", "dear"])
 def test_fsdp_gradients_stay_reduce_scatters_on_a_3d_tpu_slice(strategy):
@@ -390,6 +417,42 @@ def test_fsdp_gradients_stay_reduce_scatters_on_a_3d_tpu_slice(strategy):
     whole = 256 * 256  # a layer's weight
     assert not [n for kind, n in found if kind == "all-reduce" and n >= whole // 8], found
     assert len([n for kind, n in found if kind == "reduce-scatter" and n == whole // 8]) >= 4, found
+
+
+@needs_tpu
+@pytest.mark.parametrize("strategy", ["wfbp", pytest.param("dear", marks=pytest.mark.slow)])
+def test_a_scanned_fsdp_stack_keeps_its_reduce_scatters_on_a_3d_tpu_slice(strategy):
+    """A scanned, rematerialised stack's per-layer weight gradients are reduce-scattered inside
+    the loop (by the partition stage, not a strategy): over all 8 chips of a v5p 2x2x2 slice
+    they go in two stages too, which XLA:TPU keeps, not as an all-reduce of the whole
+    gradient of a layer."""
+    import re
+
+    import jaxsched.tools.aot as aot
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(aot.devices("v5p", "2x2x2")), ("fsdp",))
+    width, layers = 256, 4
+    specs = {(layers, width, width): P(None, "fsdp", None), (layers, width): P(None, "fsdp"), (width, 128): P("fsdp")}
+
+    def abstract(a):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, specs.get(a.shape, P())))
+
+    shapes = {"ws": (layers, width, width), "bs": (layers, width), "head": (width, 128)}
+    params = {k: abstract(jax.ShapeDtypeStruct(v, jnp.float32)) for k, v in shapes.items()}
+    tx = optax.adamw(1e-3)
+    opt_state = jax.tree.map(abstract, jax.eval_shape(tx.init, params))
+    x = jax.ShapeDtypeStruct((16 * 8, width), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    y = jax.ShapeDtypeStruct((16 * 8, 128), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    sched = jaxsched.schedule(ss.scanned_step(tx), strategy=strategy)
+    text = sched.lower(sched.init(params, opt_state), (x, y)).compile().as_text()
+    found = []
+    for match in re.finditer(r"= (\(.*?\)|\S+) (all-reduce|reduce-scatter)(?:-start)?\(", text):
+        for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", match.group(1)):
+            found.append((match.group(2), int(np.prod([int(d) for d in dims.split(",") if d]))))
+    whole = width * width  # a layer's weight
+    assert not [n for kind, n in found if kind == "all-reduce" and n >= whole // 8], found
+    assert [n for kind, n in found if kind == "reduce-scatter" and n == whole // 8], found
 
 
 @needs_tpu

@@ -97,7 +97,9 @@ def partition(
         if placement.manual_axes is None
         else tuple(a for a in placement.mesh.axis_names if a not in placement.manual_axes)
     )
-    ctx = AxisContext(placement.axis_name, placement.axis_size, placement.axis_sizes, model, placement.split_inside)
+    ctx = AxisContext(
+        placement.axis_name, placement.axis_size, placement.axis_sizes, model, placement.split_inside, placement.mesh
+    )
     partitioner = Partitioner(ctx, TABLE)
     jaxpr = closed.jaxpr
     natural = partitioner.plan(jaxpr, placement.kinds).out_kinds

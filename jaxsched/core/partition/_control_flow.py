@@ -88,10 +88,12 @@ def call_rule(
     finally:
         p.callers.pop()
 
-    def run(*values):
-        return p.run(sub, consts, values)
+    remat = eqn.primitive.name in REMAT
 
-    if eqn.primitive.name in REMAT:  # keep jax.checkpoint: the per-device body rematerializes too
+    def run(*values):
+        return p.run(sub, consts, values, nested=remat)  # a kept checkpoint nests its body
+
+    if remat:  # keep jax.checkpoint: the per-device body rematerializes too
         run = _rematerialized(eqn, run)
     return EqnPlan(
         tuple(inputs),
@@ -252,7 +254,7 @@ def _scan_emit(p: Partitioner, eqn: JaxprEqn, body: JaxprPlan) -> Any:
         xs = values[n_consts + n_carry :]
 
         def step(c, x):
-            outs = p.run(body, params["jaxpr"].consts, [*const_vals, *c, *x])
+            outs = p.run(body, params["jaxpr"].consts, [*const_vals, *c, *x], nested=True)
             return outs[:n_carry], outs[n_carry:]
 
         final, ys = lax.scan(
@@ -296,7 +298,7 @@ def _double_buffered(
             x = list(x)
             for k, whole in zip(order, current):
                 x[k] = whole
-            outs = p.run(body, params["jaxpr"].consts, [*const_vals, *c, *x])
+            outs = p.run(body, params["jaxpr"].consts, [*const_vals, *c, *x], nested=True)
             return (outs[:n_carry], gathered, coming), outs[n_carry:]
 
         current = [gather(k, xs[k][first]) for k in order]
@@ -328,8 +330,8 @@ def while_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bo
         cvals, bvals, init = values[:nc], values[nc : nc + nb], values[nc + nb :]
         return list(
             lax.while_loop(
-                lambda c: p.run(cond_plan, cond.consts, [*cvals, *c])[0],
-                lambda c: p.run(body_plan, body.consts, [*bvals, *c]),
+                lambda c: p.run(cond_plan, cond.consts, [*cvals, *c], nested=True)[0],
+                lambda c: p.run(body_plan, body.consts, [*bvals, *c], nested=True),
                 list(init),
             )
         )
@@ -366,7 +368,7 @@ def cond_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[boo
 
     def emit(values: list) -> list:
         index, ops = values[0], values[1:]
-        fns = [lambda *a, b=b, plan=plan: p.run(plan, b.consts, a) for b, plan in zip(branches, plans)]
+        fns = [lambda *a, b=b, plan=plan: p.run(plan, b.consts, a, nested=True) for b, plan in zip(branches, plans)]
         return list(lax.switch(index, fns, *ops))
 
     return EqnPlan((REPLICATED, *operands), tuple(outs), emit)

@@ -124,6 +124,8 @@ class Partitioner:
       ctx: the data axes and their conversions.
       gathers: ``(primitive, source line)`` of every operation that gathered the batch.
       zeros: variables known to hold zeros (a zero is a partial sum as it is).
+      depth: how many loops, branches and checkpoints the body being run sits in (0: the
+        top level, whose gradient reductions the strategies schedule).
     """
 
     def __init__(self, ctx: AxisContext, rules: "RuleTable"):
@@ -134,6 +136,7 @@ class Partitioner:
         self.callers: list = []  # the call equations being planned, outermost first
         self.trying = False  # planning hypothetically (narrowing): record nothing
         self.hints: dict = {}  # of the jaxpr being planned (RuleTable.hints_for)
+        self.depth = 0
 
     # -- planning ---------------------------------------------------------------------------
     def plan(self, jaxpr, in_kinds: Sequence[Kind], out_kinds: Sequence[Kind] | None = None) -> JaxprPlan:
@@ -309,8 +312,17 @@ class Partitioner:
         return PartitionError(f"jaxsched cannot run {eqn.primitive.name} at {self.where(eqn)} per device: {why}")
 
     # -- running ----------------------------------------------------------------------------
-    def run(self, plan: JaxprPlan, consts: Sequence[Any], args: Sequence[Any]) -> list:
-        """Evaluate ``plan`` on local values of its input kinds (where a body is traced)."""
+    def run(self, plan: JaxprPlan, consts: Sequence[Any], args: Sequence[Any], nested: bool = False) -> list:
+        """Evaluate ``plan`` on local values of its input kinds (where a body is traced);
+        ``nested``: as the body of a loop, branch or checkpoint, whose reduce-scatters no
+        strategy reschedules (`AxisContext.scatter`)."""
+        self.depth += int(nested)
+        try:
+            return self._run(plan, consts, args)
+        finally:
+            self.depth -= int(nested)
+
+    def _run(self, plan: JaxprPlan, consts: Sequence[Any], args: Sequence[Any]) -> list:
         jaxpr = plan.jaxpr
         env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, args, strict=True))
@@ -327,7 +339,7 @@ class Partitioner:
             # gather, behind the checkpoint's barrier, is not merged into forward's)
             key = (x, want, site if have.is_block and not want.is_block else -1)
             if key not in converted:
-                converted[key] = self.ctx.convert(env[x], have, want, aval_of(x).shape)
+                converted[key] = self.ctx.convert(env[x], have, want, aval_of(x).shape, self.depth > 0)
             return converted[key]
 
         for site, (eqn, eqn_plan) in enumerate(zip(jaxpr.eqns, plan.eqns, strict=True)):

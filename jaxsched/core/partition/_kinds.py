@@ -20,7 +20,9 @@ parameters sharded over the data axes (FSDP, HSDP):
   the others.
 
 `AxisContext` converts between the forms; every conversion is exact. A partial sum
-becomes a block by a reduce-scatter, never by a sum and a slice.
+becomes a block by a reduce-scatter, never by a sum and a slice; on a TPU torus where one
+reduce-scatter would span a 3-D block of chips (which XLA:TPU decomposes into an all-reduce
+of the whole value), by two, over a line and a plane of chips (`jaxsched.core._torus`).
 
 Example:
     >>> sharded(0), REPLICATED, PARTIAL, block(1, ("fsdp",)), partial_over(("fsdp",))
@@ -36,9 +38,12 @@ import math
 from typing import Any, Sequence
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.sharding import Mesh
 
 from jaxsched._errors import JaxschedRuntimeError
+from jaxsched.core._torus import block_scatter_stages
 from jaxsched.core._axes import AxisName, as_axes
 
 __all__ = [
@@ -164,6 +169,8 @@ class AxisContext:
         expert parallel, above size one); empty when the program is manual over every axis.
       split_inside: the step splits its batch itself, with a sharding constraint over the data
         axes: such a constraint on a whole value makes it this device's block there.
+      mesh: the step's mesh, whose devices tell whether a reduce-scatter runs in two stages
+        (`scatter`); None: always one.
     """
 
     axis_name: AxisName
@@ -171,6 +178,7 @@ class AxisContext:
     axis_sizes: tuple[tuple[str, int], ...] = ()
     model_axes: tuple[str, ...] = ()
     split_inside: bool = False
+    mesh: Mesh | None = None
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -201,8 +209,9 @@ class AxisContext:
         """Whether dimension ``dim`` of ``shape`` splits into ``P`` equal blocks."""
         return 0 <= dim < len(shape) and shape[dim] % self.axis_size == 0 and shape[dim] > 0
 
-    def convert(self, value: Any, have: Kind, want: Kind, shape: Sequence[int]) -> Any:
-        """``value`` (a local value of global ``shape`` held as ``have``) held as ``want``."""
+    def convert(self, value: Any, have: Kind, want: Kind, shape: Sequence[int], nested: bool = False) -> Any:
+        """``value`` (a local value of global ``shape`` held as ``have``) held as ``want``
+        (``nested``: inside a loop, branch or checkpoint of the per-device body, `scatter`)."""
         have, want = self.normalized(have), self.normalized(want)
         if have == want:
             return value
@@ -214,7 +223,7 @@ class AxisContext:
         if want.partial:
             return self.to_partial(self.replicate(value, have), want.over)
         if have.partial:
-            return self.scatter(value, have, want, shape)
+            return self.scatter(value, have, want, shape, nested)
         if have.dim is not None and have.dim == want.dim and self._axes_of(have) == self._axes_of(want):
             return value  # a parameter block over the data axes is laid out as the batch's
         if have.dim is not None and have.over is None and want.over is None:  # blocks of another dimension
@@ -232,14 +241,31 @@ class AxisContext:
             return lax.all_gather(value, axes, axis=have.dim, tiled=True)
         return value
 
-    def scatter(self, value: Any, have: Kind, want: Kind, shape: Sequence[int]) -> Any:
-        """A partial sum as a block (of the batch's kind or a parameter's): one reduce-scatter
-        over the block's axes where the sum spans them, then a sum over the sum's other axes."""
+    def scatter(self, value: Any, have: Kind, want: Kind, shape: Sequence[int], nested: bool = False) -> Any:
+        """A partial sum as a block (of the batch's kind or a parameter's): a reduce-scatter
+        over the block's axes where the sum spans them, then a sum over the sum's other axes.
+
+        ``nested`` (inside a loop, branch or checkpoint, a scanned layer's gradient, which no
+        strategy reschedules): the reduce-scatter runs in the stages
+        `jaxsched.core._torus.block_scatter_stages` gives where one over the block's axes
+        would span a 3-D block of TPU chips, as the strategies' ``scatter_block`` sends a
+        top-level block's gradient: each device ends with the same block. At the top level
+        it stays one, the gradient reduction the strategies find and schedule."""
         summed = self._axes_of(have)
         axes = self._axes_of(want)
         if not set(axes) <= set(summed):
             return self.block(self.replicate(value, have), want.split, shape, want.over)
-        part = lax.psum_scatter(value, axes if len(axes) > 1 else axes[0], scatter_dimension=want.dim, tiled=True)
+        name = axes if len(axes) > 1 else axes[0]
+        size = math.prod(np.shape(value)) * jnp.dtype(jnp.result_type(value)).itemsize
+        stages = block_scatter_stages(self.mesh, axes, size) if nested else ()
+        if not stages:
+            part = lax.psum_scatter(value, name, scatter_dimension=want.dim, tiled=True)
+        else:
+            part = value
+            for groups in stages:
+                part = lax.psum_scatter(
+                    part, name, scatter_dimension=want.dim, tiled=True, axis_index_groups=[list(g) for g in groups]
+                )
         rest = tuple(a for a in summed if a not in axes)
         return lax.psum(part, rest) if rest else part
 

@@ -36,6 +36,7 @@ import numpy as np
 from jax import lax
 
 from jaxsched._errors import JaxschedValueError
+from jaxsched.core._torus import SMALL_TENSOR_BYTES
 from jaxsched.core._axes import AxisName
 
 __all__ = [
@@ -469,10 +470,6 @@ def psum_scatter(x: jax.Array, axis_name: AxisName, bucket: BucketSpec) -> jax.A
     for groups in stages:
         x = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True, axis_index_groups=[list(g) for g in groups])
     return x.reshape(-1) if rows else x
-
-
-#: Tensors up to this size that share a bucket go through the plain psum in one buffer.
-SMALL_TENSOR_BYTES = 64 * 1024
 
 
 def nbytes(t: jax.Array | jax.ShapeDtypeStruct | np.ndarray) -> int:

@@ -1,25 +1,7 @@
 """Reduce-scatters that XLA:TPU keeps: at most two torus dimensions per group.
 
-XLA:TPU's ``reduce-scatter-decomposer`` (after layout assignment) rewrites a reduce-scatter
-whose devices span three dimensions of the chip torus (every chip of ``v5p:2x2x2``, a data
-axis over a whole 3-D slice) into an all-reduce of the whole buffer and a ``dynamic-slice``
-of it: ``P`` times the bytes a device keeps, the traffic of a full all-reduce.
-Over a line or a plane of chips (two of the three dimensions at most) the reduce-scatter
-stays one (an all-reduce-scatter fusion). Measured with libtpu 0.0.42.1 on compile-only
-``v5p`` devices (``2x2x2``, ``2x2x4``, ``4x4x4``); every form of one reduce-scatter over
-the whole 3-D group (tiled on any dimension, flat, untiled, and XLA's own SPMD partitioner's)
-came out as the all-reduce, whatever the async-collective options.
-
-A flat (1-D) reduce-scatter became the all-reduce over any group; the same buffer as rows
-of 128 elements stays a reduce-scatter (`TPU_LANES`).
-
-The same sum leaves each device the same slice in two reduce-scatters over subgroups:
-with the data index ``d = o * I + i``, first over the devices that share ``i`` (each keeps
-part ``o`` of ``O = P / I``), then over those that share ``o`` (part ``i`` of that part:
-slice ``o * I + i = d``, what one tiled ``psum_scatter`` hands device ``d``). Each device
-sends ``(1 - 1/O) N + (1 - 1/I) N / O = (1 - 1/P) N`` elements of an ``N``-element buffer, as
-many as one reduce-scatter over all ``P``. `scatter_stages` picks ``I`` so that both
-subgroups span at most two torus dimensions.
+The logic lives in the core layer, where the partition stage reduce-scatters parameter
+blocks too; this module re-exports it (see the private `jaxsched.core._torus`).
 
 Example:
     >>> import jax
@@ -29,91 +11,13 @@ Example:
 
 from __future__ import annotations
 
-import jax
-import numpy as np
-from jax.sharding import Mesh
-
-from jaxsched.core._axes import AxisName, as_axes
+from jaxsched.core._torus import (
+    MAX_TORUS_DIMS,
+    TPU_LANES,
+    Stages,
+    scatter_lanes,
+    scatter_stages,
+    spanned_dims,
+)
 
 __all__ = ["MAX_TORUS_DIMS", "TPU_LANES", "Stages", "scatter_lanes", "scatter_stages", "spanned_dims"]
-
-#: Torus dimensions a reduce-scatter's group may span and stay a reduce-scatter on TPU.
-MAX_TORUS_DIMS = 2
-
-#: The row length a flat buffer is reduce-scattered as on TPU. XLA:TPU turns every 1-D
-#: reduce-scatter into an all-reduce of the whole buffer and a slice of it (any group, any
-#: size measured, up to 8 MiB); the same buffer as rows of 128 (the lane width) stays a
-#: reduce-scatter once a device's slice holds some rows (32 rows of 128 floats did, 8 did not).
-TPU_LANES = 128
-
-#: Reduce-scatter stages: per stage, ``axis_index_groups`` over the data index.
-Stages = tuple[tuple[tuple[int, ...], ...], ...]
-
-
-def _position(device: jax.Device) -> tuple[int, ...] | None:
-    coords = getattr(device, "coords", None)
-    if coords is None:
-        return None
-    return tuple(int(c) for c in coords)
-
-
-def spanned_dims(positions: np.ndarray) -> int:
-    """Torus dimensions along which ``positions`` (``(devices, dims)``) differ."""
-    return int(np.sum(np.any(positions != positions[:1], axis=0)))
-
-
-def _fits(rows: np.ndarray, groups: list[list[int]]) -> bool:
-    """Whether every group of data indices spans at most `MAX_TORUS_DIMS` in every row
-    (``rows``: per position on the other mesh axes, the devices' positions along the data
-    index, ``(rows, P, dims)``)."""
-    return all(spanned_dims(row[g]) <= MAX_TORUS_DIMS for row in rows for g in groups)
-
-
-def _on_tpu(mesh: Mesh) -> bool:
-    devices = np.asarray(mesh.devices)
-    return devices.size > 0 and getattr(devices.flat[0], "platform", None) == "tpu"
-
-
-def scatter_lanes(mesh: Mesh) -> int:
-    """The row length flat buffers are reduce-scattered as on ``mesh`` (`TPU_LANES` on
-    TPU, 0, flat, elsewhere)."""
-    return TPU_LANES if _on_tpu(mesh) else 0
-
-
-def scatter_stages(mesh: Mesh, axes: AxisName) -> Stages:
-    """How a tiled reduce-scatter over ``axes`` (one mesh axis or a tuple, indexed row-major
-    as ``psum_scatter`` does) stays reduce-scatters on ``mesh``'s TPU torus.
-
-    Returns ``()`` where one reduce-scatter is kept (groups on a line or a plane of chips,
-    another platform, devices without ``coords``, groups that cross slices, whose
-    collectives XLA:TPU builds in two levels itself) or no split fits; else two stages of
-    ``axis_index_groups``: over the data indices ``{i, I + i, ...}``, then over
-    ``{o * I, ..., o * I + I - 1}`` (module docstring).
-    """
-    axes = as_axes(axes)
-    if not _on_tpu(mesh):
-        return ()
-    devices = np.asarray(mesh.devices)
-    names = list(mesh.axis_names)
-    if not all(a in names for a in axes):
-        return ()
-    positions = [p for p in map(_position, devices.flat) if p is not None]
-    if len(positions) != devices.size or len({len(p) for p in positions}) != 1:
-        return ()
-    others = [k for k, a in enumerate(names) if a not in axes]
-    order = others + [names.index(a) for a in axes]
-    size = int(np.prod([mesh.shape[a] for a in axes]))
-    grid = np.transpose(devices, order).reshape(-1, size)
-    slices = np.vectorize(lambda d: getattr(d, "slice_index", 0) or 0, otypes=[np.int64])(grid)
-    if np.any(slices != slices[:, :1]):
-        return ()
-    rows = np.array([[_position(d) for d in row] for row in grid])
-    if _fits(rows, [list(range(size))]):
-        return ()
-    for inner in sorted((i for i in range(2, size) if size % i == 0), reverse=True):
-        outer = size // inner
-        first = [[o * inner + i for o in range(outer)] for i in range(inner)]
-        second = [[o * inner + i for i in range(inner)] for o in range(outer)]
-        if _fits(rows, first) and _fits(rows, second):
-            return (tuple(map(tuple, first)), tuple(map(tuple, second)))
-    return ()
