@@ -352,8 +352,9 @@ class KFAC(Strategy):
           >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
           >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
           >>> kfac, planned = chosen.strategy, chosen.planned
-          >>> kfac.factor_buckets(planned)  # one bucket, the head's factors ready first
-          [[1, 0]]
+          >>> buckets = kfac.factor_buckets(planned)  # measured costs decide how many
+          >>> [i for bucket in buckets for i in bucket]  # the head's factors are ready first
+          [1, 0]
         """
         return planned.memo(
             "kfac.factor_buckets",
