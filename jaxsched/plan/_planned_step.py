@@ -43,7 +43,20 @@ REPLICATED = P()
 
 def is_abstract(tree: Any) -> bool:
     """Whether ``tree`` holds abstract leaves (``jax.ShapeDtypeStruct``): a state or batch
-    described for ahead-of-time compilation, not data."""
+    described for ahead-of-time compilation, not data.
+
+    Args:
+      tree: any pytree (a state, a batch).
+
+    Returns:
+      True if any leaf is a ``jax.ShapeDtypeStruct``.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> from jaxsched.plan import is_abstract
+        >>> is_abstract({"w": np.ones(2)}), is_abstract({"w": jax.ShapeDtypeStruct((2,), np.float32)})
+        (False, True)
+    """
     return any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(tree))
 
 
@@ -51,7 +64,27 @@ def takes_as_is(current: jax.sharding.Sharding, sharding: NamedSharding, ndim: i
     """Whether an array on ``current`` goes into a program that wants ``sharding`` without
     being placed: the same layout on the same devices (a one-device mesh's batch on its
     device), and no other mesh for the program to trace it with. ``jax.device_put`` would
-    copy it on every call for nothing."""
+    copy it on every call for nothing.
+
+    Args:
+      current: the array's sharding now.
+      sharding: the sharding the program wants.
+      ndim: the array's rank (equivalence of shardings depends on it).
+
+    Returns:
+      True if the array can be passed without ``jax.device_put``.
+
+    Example:
+        >>> import jax
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> from jaxsched.plan import takes_as_is
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> x = jax.device_put(jax.numpy.ones(4), NamedSharding(mesh, P("data")))
+        >>> takes_as_is(x.sharding, NamedSharding(mesh, P("data")), 1)
+        True
+        >>> takes_as_is(x.sharding, NamedSharding(mesh, P()), 1)
+        False
+    """
     if current == sharding:
         return True
     if isinstance(current, NamedSharding) and current.mesh != sharding.mesh:
@@ -60,7 +93,23 @@ def takes_as_is(current: jax.sharding.Sharding, sharding: NamedSharding, ndim: i
 
 
 def zero_count(*trees: Any) -> Any:
-    """A step counter at zero for a state of ``trees``: abstract if they are."""
+    """A step counter at zero for a state of ``trees``: abstract if they are, so an
+    ahead-of-time compile never allocates it.
+
+    Args:
+      *trees: the pytrees of the state the counter goes with.
+
+    Returns:
+      ``np.int32(0)``, or a scalar int32 ``jax.ShapeDtypeStruct`` for abstract trees.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> from jaxsched.plan import zero_count
+        >>> zero_count({"w": np.ones(2)})
+        np.int32(0)
+        >>> zero_count({"w": jax.ShapeDtypeStruct((2,), np.float32)})
+        ShapeDtypeStruct(shape=(), dtype=int32)
+    """
     return jax.ShapeDtypeStruct((), np.int32) if is_abstract(trees) else np.int32(0)
 
 
@@ -81,6 +130,21 @@ class PlannedStep:
       layer_profile, network_profile: what ``buckets="auto"`` planned with (None otherwise).
       derived: memo of what the strategy derives from the plan (see `memo`): a cache
         of values computed from the fields above, never read back as input.
+
+    Example:
+        >>> import jax, optax
+        >>> from jaxsched.core._capture import capture
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.plan import PlannedStep
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> step = steps.make_step(apply_fn, tx, mesh)
+        >>> planned = PlannedStep(capture(step, params, tx.init(params), batch), buckets_option=1)
+        >>> planned.axis_size, planned.bucket_bytes, len(planned.buckets)
+        (2, 1, 4)
     """
 
     captured: CapturedStep
@@ -102,7 +166,30 @@ class PlannedStep:
             )
 
     def memo(self, key: Any, build: Callable[[], Any]) -> Any:
-        """What a strategy derives from this plan (layouts, templates), computed once."""
+        """What a strategy derives from this plan (layouts, templates), computed once: the
+        plan is built once per schedule, so its derivations are too.
+
+        Args:
+          key: names the derived value (any hashable).
+          build: computes it on the first call for ``key``.
+
+        Returns:
+          The value ``build`` returned for ``key``.
+
+        Example:
+            >>> import jax, optax
+            >>> from jaxsched.core._capture import capture
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.plan import PlannedStep
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> planned.memo("layout", lambda: [1, 2]) is planned.memo("layout", lambda: None)
+            True
+        """
         if key not in self.derived:
             self.derived[key] = build()
         return self.derived[key]
@@ -153,7 +240,29 @@ class PlannedStep:
 
     def model_axes(self, role: str, index: int) -> tuple[str, ...]:
         """Mesh axes other than the data-parallel ones that leaf ``index`` of ``role`` is
-        sharded over (a tensor- or expert-parallel block; each device schedules its own)."""
+        sharded over (a tensor- or expert-parallel block; each device schedules its own).
+
+        Args:
+          role: ``"params"``, ``"opt_state"``, ``"batch"`` or ``"const"``.
+          index: the leaf's index among that role's flat leaves.
+
+        Returns:
+          The mesh axis names, in the spec's order; empty for a data-parallel leaf.
+
+        Example:
+            >>> import jax, optax
+            >>> from jaxsched.core._capture import capture
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.plan import PlannedStep
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> planned.model_axes("params", 0)
+            ()
+        """
         data = set(as_axes(self.axis_name))
         return tuple(a for a in spec_axes(self.input_spec(role, index)) if a not in data)
 
@@ -164,11 +273,57 @@ class PlannedStep:
         return self.engine if self.engine is not None else make_engine("xla")
 
     def collective_form(self, op: str) -> str:
-        """How buckets travel for ``op`` on this step's engine (`Engine.collective_form`)."""
+        """How buckets travel for ``op`` on this step's engine (`Engine.collective_form`).
+
+        Args:
+          op: the collective (``"psum"``, ``"psum_scatter"``, ...).
+
+        Returns:
+          The engine's form for ``op``; ``"mixed"`` for a plan made without an engine.
+
+        Example:
+            >>> import jax, optax
+            >>> from jaxsched.core._capture import capture
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.plan import PlannedStep
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> planned.collective_form("psum")
+            'mixed'
+        """
         return "mixed" if self.engine is None else self.engine.collective_form(self.mesh, op)
 
     def body_invar(self, role: str, index: int):
-        """The body variable fed by leaf ``index`` of ``role``; refuses leaves that never reach it."""
+        """The body variable fed by leaf ``index`` of ``role``; refuses leaves that never reach it.
+
+        Args:
+          role: ``"params"``, ``"opt_state"``, ``"batch"`` or ``"const"``.
+          index: the leaf's index among that role's flat leaves.
+
+        Returns:
+          The jaxpr variable of the ``shard_map`` body.
+
+        Raises:
+          UnsupportedStepError: the leaf is not read by the per-device step.
+
+        Example:
+            >>> import jax, optax
+            >>> from jaxsched.core._capture import capture
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.plan import PlannedStep
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> planned.body_invar("params", 0).aval
+            ShapedArray(float32[2])
+        """
         k = self.captured.body_input(role, index)
         if k < 0:
             name = f"params/{self.paths[index]}" if role == "params" else f"{role}[{index}]"
@@ -180,7 +335,29 @@ class PlannedStep:
     def device_stacked(self, role: str, index: int) -> bool:
         """Whether the user holds leaf ``index`` of ``role`` with a leading device axis: a
         mapped input of a ``jax.pmap`` step (``jax_utils.replicate``'s layout), not an
-        unmapped one (``in_axes=None``)."""
+        unmapped one (``in_axes=None``).
+
+        Args:
+          role: ``"params"``, ``"opt_state"``, ``"batch"`` or ``"const"``.
+          index: the leaf's index among that role's flat leaves.
+
+        Returns:
+          False for every leaf of a ``shard_map`` or ``jax.jit`` step.
+
+        Example:
+            >>> import jax, optax
+            >>> from jaxsched.core._capture import capture
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.plan import PlannedStep
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> planned.device_stacked("params", 0)
+            False
+        """
         spec = self.input_spec(role, index)
         return self.captured.kind == "pmap" and len(spec) >= 1 and spec[0] is not None
 
@@ -189,7 +366,28 @@ class PlannedStep:
         return self.captured.in_specs[k] if k >= 0 else REPLICATED
 
     def output_spec(self, position: int) -> P:
-        """Spec of the step's flat output ``position`` (params, opt_state, then aux leaves)."""
+        """Spec of the step's flat output ``position`` (params, opt_state, then aux leaves).
+
+        Args:
+          position: the index among the step's flat outputs.
+
+        Returns:
+          The output's ``PartitionSpec`` on the step's mesh.
+
+        Example:
+            >>> import jax, optax
+            >>> from jaxsched.core._capture import capture
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.plan import PlannedStep
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> planned.output_spec(0)
+            P()
+        """
         return self.captured.out_specs[self.captured.outputs[position]]
 
     @property
@@ -208,7 +406,32 @@ class PlannedStep:
     def body_arguments(
         self, params: Sequence[Any], opts: Sequence[Any], batch: Sequence[Any], consts: Sequence[Any]
     ) -> list:
-        """Values for the user's body invars, in order, from leaves of each role."""
+        """Values for the user's body invars, in order, from leaves of each role: leaves the
+        body never reads are dropped, so the rewritten program takes exactly what it uses.
+
+        Args:
+          params: the flat parameter leaves.
+          opts: the flat optimizer-state leaves.
+          batch: the flat batch leaves.
+          consts: the captured constants.
+
+        Returns:
+          One value per body invar.
+
+        Example:
+            >>> import jax, optax
+            >>> from jaxsched.core._capture import capture
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.plan import PlannedStep
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> len(planned.body_arguments(jax.tree.leaves(params), [], list(batch), []))
+            6
+        """
         by_role = {"params": params, "opt_state": opts, "batch": batch, "const": consts}
         return [by_role[src.role][src.index] for src in self.captured.sources]
 
@@ -221,7 +444,34 @@ class PlannedStep:
 
     def zeros(self, shape: tuple, dtype: Any, spec: P, abstract: bool = False) -> Any:
         """Fresh zeros on the mesh with ``spec``, or their ``jax.ShapeDtypeStruct`` when the
-        state is abstract (ahead-of-time compilation for devices that cannot hold data)."""
+        state is abstract (ahead-of-time compilation for devices that cannot hold data).
+
+        Args:
+          shape: the global shape.
+          dtype: the element type.
+          spec: how the zeros are sharded over the step's mesh.
+          abstract: describe the zeros instead of allocating them.
+
+        Returns:
+          A ``jax.Array``, or a ``jax.ShapeDtypeStruct`` with its sharding.
+
+        Example:
+            >>> import jax, optax
+            >>> from jaxsched.core._capture import capture
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.plan import PlannedStep
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> from jax.sharding import PartitionSpec as P
+            >>> planned.zeros((2,), "float32", P("data")).sharding.spec
+            P('data',)
+            >>> planned.zeros((2,), "float32", P(), abstract=True).shape
+            (2,)
+        """
         if abstract:
             return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=self._sharding(spec))
         return jax.device_put(np.zeros(tuple(shape), dtype), self._sharding(spec))
@@ -230,7 +480,34 @@ class PlannedStep:
         """``value`` on the mesh with ``spec``; replicated values already there are left alone.
         Runs for every leaf of every call, so it does no work a placed leaf does not need.
         An abstract leaf (``jax.ShapeDtypeStruct``, ahead-of-time compilation) stays abstract,
-        with the sharding it would have."""
+        with the sharding it would have.
+
+        Args:
+          value: a leaf of the user's state or batch.
+          spec: the sharding the program wants for it.
+
+        Returns:
+          ``value`` itself where it can go in as is, else a copy placed with ``spec``.
+
+        Example:
+            >>> import jax, optax
+            >>> from jaxsched.core._capture import capture
+            >>> from jaxsched.demo import steps
+            >>> from jaxsched.plan import PlannedStep
+            >>> from jaxsched.zoo import models
+            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+            >>> tx = optax.sgd(0.1)
+            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> import numpy as np
+            >>> from jax.sharding import PartitionSpec as P
+            >>> host = np.ones(2)
+            >>> planned.placed(host, P()) is host
+            True
+            >>> planned.placed(host, P("data")).sharding.spec
+            P('data',)
+        """
         if isinstance(value, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=self._sharding(spec))
         if not isinstance(value, jax.Array):
