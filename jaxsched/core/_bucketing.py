@@ -56,7 +56,20 @@ def _key_name(key) -> str:
 
 
 def param_paths(params: Any) -> list[str]:
-    """``a/b/0/kernel``-style names of every parameter leaf, in tree order."""
+    """``a/b/0/kernel``-style names of every parameter leaf, in tree order: the names
+    explicit bucket plans and error messages use.
+
+    Args:
+      params: the parameter pytree.
+
+    Returns:
+      One ``/``-joined path per leaf.
+
+    Example:
+        >>> from jaxsched.plan import param_paths
+        >>> param_paths({"dense": {"kernel": 1, "bias": 2}, "layers": [3]})
+        ['dense/bias', 'dense/kernel', 'layers/0']
+    """
     flat, _ = jax.tree_util.tree_flatten_with_path(params)
     return ["/".join(_key_name(k) for k in path) for path, _ in flat]
 

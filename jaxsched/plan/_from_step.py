@@ -76,7 +76,30 @@ def _flops(eqn) -> float:
 
 
 def forward_flops(analysis: Analysis) -> list[float]:
-    """FLOPs of the matmuls/convolutions that read each parameter leaf (first reads only)."""
+    """FLOPs of the matmuls/convolutions that read each parameter leaf (first reads only):
+    the static estimate of each layer's compute when no layer profile is given.
+
+    Args:
+      analysis: the captured step's analysis (`PlannedStep.analysis`).
+
+    Returns:
+      Per-device forward FLOPs per parameter leaf (0 for a leaf no matmul reads, a bias).
+
+    Example:
+        >>> import jax, optax
+        >>> from jaxsched.core._capture import capture
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.plan import PlannedStep
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+        >>> from jaxsched.plan import forward_flops
+        >>> forward_flops(planned.analysis)  # one row per device: 2 * 1 * 4 * 3 for the hidden kernel
+        [0.0, 24.0, 0.0, 24.0]
+    """
     cap = analysis.captured
     origin = {cap.body.invars[cap.body_input("params", i)]: i for i in range(cap.num_params)}
     flops = [0.0] * cap.num_params
@@ -92,12 +115,41 @@ def forward_flops(analysis: Analysis) -> list[float]:
 
 
 def local_device(mesh: Any) -> Any:
-    """This process's first device of ``mesh`` (where it measures what a plan needs)."""
+    """This process's first device of ``mesh`` (where it measures what a plan needs).
+
+    Args:
+      mesh: the step's ``jax.sharding.Mesh``.
+
+    Returns:
+      A ``jax.Device`` of this process.
+
+    Example:
+        >>> import jax
+        >>> from jaxsched.plan import local_device
+        >>> local_device(jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])) == jax.devices()[0]
+        True
+    """
     return next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
 
 
 def measure_flops_per_s(device: Any, size: int = 256, repeats: int = 5) -> float:
-    """A matmul rate achievable on ``device`` (median of ``repeats``)."""
+    """A matmul rate achievable on ``device`` (median of ``repeats``): turns the static
+    FLOP counts into seconds.
+
+    Args:
+      device: where to measure.
+      size: the side of the square float32 matmul.
+      repeats: timed runs after one warm-up.
+
+    Returns:
+      FLOP/s.
+
+    Example:
+        >>> import jax
+        >>> from jaxsched.plan import measure_flops_per_s
+        >>> measure_flops_per_s(jax.devices()[0], size=32, repeats=2) > 0
+        True
+    """
     a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
@@ -112,7 +164,40 @@ def measure_flops_per_s(device: Any, size: int = 256, repeats: int = 5) -> float
 def step_layer_profile(
     analysis: Analysis, paths: Sequence[str], measured: LayerProfile | None = None, flops_per_s: float | None = None
 ) -> tuple[LayerProfile, list[list[int]]]:
-    """The step's layers in forward order and, per layer, its parameter leaf indices."""
+    """The step's layers in forward order and, per layer, its parameter leaf indices.
+
+    A layer is a path without its last part (``hidden/0`` for ``hidden/0/kernel``), ordered
+    by first use in the body, since that is the order backward reverses.
+
+    Args:
+      analysis: the captured step's analysis (`PlannedStep.analysis`).
+      paths: the parameter paths (`PlannedStep.paths`).
+      measured: a profile to take the layers' times from, matched by name; None estimates
+        them from `forward_flops`.
+      flops_per_s: the rate for the estimate; None measures it on this process's device.
+
+    Returns:
+      ``(profile, members)``: the `LayerProfile`, and each layer's parameter leaf indices.
+
+    Raises:
+      JaxschedValueError: ``measured`` lacks one of the step's layers.
+
+    Example:
+        >>> import jax, optax
+        >>> from jaxsched.core._capture import capture
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.plan import PlannedStep
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+        >>> from jaxsched.plan import step_layer_profile
+        >>> prof, members = step_layer_profile(planned.analysis, planned.paths, flops_per_s=1e9)
+        >>> [layer.name for layer in prof.layers], members
+        (['hidden/0', 'head'], [[2, 3], [0, 1]])
+    """
     cap = analysis.captured
     names = layer_names(paths)
     first_use: dict[str, int] = {}
@@ -152,7 +237,32 @@ def step_network_profile(
 ) -> NetworkProfile:
     """The network a plan for this step assumes: a preset, a given profile, or one measured on
     the step's mesh (the same on every process), with the engine's fixed cost per collective
-    added to every collective's start-up."""
+    added to every collective's start-up.
+
+    Args:
+      analysis: the captured step's analysis (`PlannedStep.analysis`).
+      network_profile: a preset name (two-level: the first data axis is the slow one), a
+        profile, or None to measure.
+      engine_costs: the running engine's fixed costs, if any.
+
+    Returns:
+      The `NetworkProfile` to plan with.
+
+    Example:
+        >>> import jax, optax
+        >>> from jaxsched.core._capture import capture
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.plan import PlannedStep
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+        >>> from jaxsched.plan import step_network_profile
+        >>> step_network_profile(planned.analysis, "10gbe").cost("all_reduce").alpha_s
+        5e-05
+    """
     cap = analysis.captured
     if isinstance(network_profile, str):
         # a two-level preset: the step's first data axis is the slow one, the rest one node
@@ -179,7 +289,24 @@ def step_network_profile(
 
 def with_selection_cost(compression: Any, compressor: Any, mesh: Any) -> Any:
     """The simulator's ``compression`` with the selection time ``compressor`` really takes on
-    this process's device of ``mesh`` (the same number on every process)."""
+    this process's device of ``mesh`` (the same number on every process).
+
+    Args:
+      compression: the simulator's model of the compressor (a `jaxsched.sim.Compression`),
+        or None for dense collectives.
+      compressor: the compressor whose selection is timed, or None.
+      mesh: the step's mesh.
+
+    Returns:
+      ``compression`` with ``selection_s_per_byte`` measured; unchanged when it is None,
+      has no compressor, or already has a selection cost.
+
+    Example:
+        >>> import jax
+        >>> from jaxsched.plan import with_selection_cost
+        >>> with_selection_cost(None, None, jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])) is None
+        True
+    """
     if compression is None or compressor is None or compression.selection_s_per_byte:
         return compression
     from jaxsched.plan._profiling import agree_across_processes, measure_selection_s_per_byte
@@ -200,7 +327,38 @@ def auto_bucket_paths(
 ) -> tuple[list[list[str]], LayerProfile, NetworkProfile]:
     """Plan buckets for ``strategy`` (a name or its pattern) and return them as lists of
     parameter paths. ``engine_costs`` (from the engine that will run the step) adds its
-    fixed cost per collective, so a staged engine is not cut finer than pays."""
+    fixed cost per collective, so a staged engine is not cut finer than pays.
+
+    Args:
+      analysis: the captured step's analysis (`PlannedStep.analysis`).
+      paths: the parameter paths (`PlannedStep.paths`).
+      strategy: the strategy name or its `CommPattern`.
+      layer_profile: measured layer times, or None for the static estimate.
+      network_profile: a preset name, a profile, or None to measure.
+      planner: a name of `PLANNERS`.
+      compression: the simulator's model of the strategy's compressor, if any.
+      engine_costs: the running engine's fixed costs, if any.
+
+    Returns:
+      ``(buckets, layer_profile, network_profile)``: the buckets as lists of parameter paths,
+      and the profiles they were planned with.
+
+    Example:
+        >>> import jax, optax
+        >>> from jaxsched.core._capture import capture
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.plan import PlannedStep
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+        >>> from jaxsched.plan import auto_bucket_paths, step_layer_profile
+        >>> prof, _ = step_layer_profile(planned.analysis, planned.paths, flops_per_s=1e9)
+        >>> auto_bucket_paths(planned.analysis, planned.paths, "wfbp", prof, "10gbe")[0]
+        [['hidden/0/bias', 'hidden/0/kernel', 'head/bias', 'head/kernel']]
+    """
     profile, members = step_layer_profile(analysis, paths, layer_profile)
     network = step_network_profile(analysis, network_profile, engine_costs)
     groups = plan_buckets(profile, network, planner, strategy=strategy, compression=compression)
@@ -211,5 +369,19 @@ def group_paths(
     groups: Sequence[Sequence[int]], members: Sequence[Sequence[int]], paths: Sequence[str]
 ) -> list[list[str]]:
     """A plan's groups of layers as lists of parameter paths (``members``: each layer's
-    parameter leaf indices, from `step_layer_profile`)."""
+    parameter leaf indices, from `step_layer_profile`): the form explicit bucket plans take.
+
+    Args:
+      groups: buckets of layer indices.
+      members: each layer's parameter leaf indices.
+      paths: the parameter paths.
+
+    Returns:
+      One list of parameter paths per bucket.
+
+    Example:
+        >>> from jaxsched.plan import group_paths
+        >>> group_paths([[0], [1]], [[1], [0, 2]], ["a/w", "b/b", "b/w"])
+        [['b/b'], ['a/w', 'b/w']]
+    """
     return [[paths[i] for layer in group for i in members[layer]] for group in groups]

@@ -31,6 +31,14 @@ EXHAUSTIVE_LAYERS = 10
 def optimal_wfbp(layers: LayerProfile, network: NetworkProfile) -> tuple[list[list[int]], float]:
     """Exact DP for WFBP; returns forward-order buckets and the link-free time after backward.
 
+    Args:
+      layers: the model's layers in forward order, with their backward times and sizes.
+      network: the all-reduce cost the buckets pay.
+
+    Returns:
+      ``(buckets, link_free_s)``: forward-order buckets of layer indices, and when the link
+      frees after the last bucket (the quantity the partition minimises).
+
     Example:
         >>> from jaxsched.sim._costmodel import Layer, LayerProfile, network_preset
         >>> prof = LayerProfile([Layer(str(i), 1, 10**6, 1e-3, 1e-3) for i in range(6)])
@@ -60,7 +68,20 @@ def optimal_wfbp(layers: LayerProfile, network: NetworkProfile) -> tuple[list[li
 
 
 def all_partitions(num_layers: int):
-    """Every contiguous partition of ``range(num_layers)`` (2**(n-1) of them)."""
+    """Every contiguous partition of ``range(num_layers)`` (2**(n-1) of them): the search
+    space of the exhaustive planner for small models.
+
+    Args:
+      num_layers: how many layers to partition (at least 1).
+
+    Yields:
+      Each partition as a list of buckets of consecutive layer indices.
+
+    Example:
+        >>> from jaxsched.plan import all_partitions
+        >>> list(all_partitions(3))
+        [[[0, 1, 2]], [[0, 1], [2]], [[0], [1, 2]], [[0], [1], [2]]]
+    """
     for cuts in itertools.product((False, True), repeat=num_layers - 1):
         buckets, current = [], [0]
         for i, cut in enumerate(cuts, start=1):
@@ -78,7 +99,30 @@ def search(
     evaluate: Callable[[list[list[int]]], Any],
     progress: bool = False,
 ) -> list[list[int]]:
-    """Best of ``candidates`` (exhaustive for small models), then greedy neighbour merges."""
+    """Best of ``candidates`` (exhaustive for small models), then greedy neighbour merges:
+    for strategies without an exact dynamic programme, the simulator is the judge.
+
+    Args:
+      layers: the model's layers (only their number is read).
+      candidates: partitions to try; ignored up to ``EXHAUSTIVE_LAYERS`` layers, where
+        every partition is tried.
+      evaluate: the cost of a partition (lower is better), e.g. a simulated iteration time.
+      progress: show a progress bar over the candidates.
+
+    Returns:
+      The cheapest partition found, as forward-order buckets of layer indices.
+
+    Raises:
+      JaxschedValueError: there is nothing to search.
+
+    Example:
+        >>> from jaxsched.plan import search
+        >>> from jaxsched.sim import Layer, LayerProfile, network_preset, simulate
+        >>> prof = LayerProfile([Layer(str(i), 1, 10**6, 1e-3, 1e-3) for i in range(4)])
+        >>> net = network_preset("10gbe", 8)
+        >>> search(prof, [], lambda b: simulate(prof, net, "wfbp", b).iteration_s)
+        [[0, 1], [2], [3]]
+    """
     num = len(layers)
     if num <= EXHAUSTIVE_LAYERS:
         candidates = list(all_partitions(num))
