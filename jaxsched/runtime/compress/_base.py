@@ -56,7 +56,29 @@ Density = Union[float, Sequence[float], Callable[[BucketSpec], float]]
 
 
 def check_density(density: Any, owner: str) -> float:
-    """``density`` as a float in (0, 1], or a ValueError naming ``owner``."""
+    """``density`` as a float in (0, 1], or a ValueError naming ``owner``: a wrong density
+    fails at construction, not inside a traced step.
+
+    Args:
+      density: the user's value.
+      owner: the compressor's name, for the message.
+
+    Returns:
+      The density as a float.
+
+    Raises:
+      JaxschedTypeError: not a number.
+      JaxschedValueError: outside (0, 1].
+
+    Example:
+        >>> from jaxsched.runtime.compress import check_density
+        >>> check_density(1, "TopK")
+        1.0
+        >>> check_density(2, "TopK")
+        Traceback (most recent call last):
+        ...
+        jaxsched.JaxschedValueError: TopK(density=2): density must be in (0, 1] ...
+    """
     if isinstance(density, bool):
         raise JaxschedTypeError(f"{owner}(density={density!r}): density must be a number in (0, 1]")
     try:
@@ -72,7 +94,21 @@ def check_density(density: Any, owner: str) -> float:
 
 
 def check_density_spec(density: Any, owner: str) -> Any:
-    """Validate a `Density` at construction (a function is checked per bucket)."""
+    """Validate a `Density` at construction (a function is checked per bucket, since its
+    value depends on the bucket).
+
+    Args:
+      density: a float, one float per bucket, or a function of the `BucketSpec`.
+      owner: the compressor's name, for messages.
+
+    Returns:
+      A float, a tuple of floats, or the function unchanged.
+
+    Example:
+        >>> from jaxsched.runtime.compress import check_density_spec
+        >>> check_density_spec([0.5, 1], "TopK")
+        (0.5, 1.0)
+    """
     if callable(density):
         return density
     if isinstance(density, (list, tuple)):
@@ -85,12 +121,27 @@ def check_density_spec(density: Any, owner: str) -> Any:
 def bucket_density(density: Any, bucket: BucketSpec, owner: str) -> float:
     """The density of ``bucket`` under a validated `Density`.
 
-    >>> from jaxsched.runtime.collectives import BucketSpec
-    >>> spec = BucketSpec(index=1, size=1000, dtype=np.dtype("float32"), axis_size=2)
-    >>> bucket_density(0.01, spec, "TopK"), bucket_density((0.5, 0.1), spec, "TopK")
-    (0.01, 0.1)
-    >>> bucket_density(lambda b: 10 / b.size, spec, "TopK")
-    0.01
+    Args:
+      density: what `check_density_spec` returned.
+      bucket: the bucket being compressed.
+      owner: the compressor's name, for messages.
+
+    Returns:
+      The fraction of the bucket's entries to send.
+
+    Raises:
+      JaxschedValueError: the function gives a bad value, or the sequence has no entry
+        for the bucket.
+
+    Example:
+        >>> import numpy as np
+        >>> from jaxsched.runtime.compress import bucket_density
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> spec = BucketSpec(index=1, size=1000, dtype=np.dtype("float32"), axis_size=2)
+        >>> bucket_density(0.01, spec, "TopK"), bucket_density((0.5, 0.1), spec, "TopK")
+        (0.01, 0.1)
+        >>> bucket_density(lambda b: 10 / b.size, spec, "TopK")
+        0.01
     """
     if callable(density):
         value = density(bucket)
@@ -113,7 +164,21 @@ def bucket_density(density: Any, bucket: BucketSpec, owner: str) -> float:
 
 
 def check_gradient_bucket(bucket: BucketSpec, owner: str) -> None:
-    """Refuse a gradient bucket a lossy compressor cannot handle (non-floating)."""
+    """Refuse a gradient bucket a lossy compressor cannot handle (non-floating).
+
+    Args:
+      bucket: the bucket about to be compressed.
+      owner: the compressor's name, for the message.
+
+    Raises:
+      JaxschedTypeError: the bucket's dtype is not floating.
+
+    Example:
+        >>> import numpy as np
+        >>> from jaxsched.runtime.compress import check_gradient_bucket
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> check_gradient_bucket(BucketSpec(index=0, size=4, dtype=np.dtype("float32"), axis_size=2), "TopK")
+    """
     if not jnp.issubdtype(bucket.dtype, jnp.floating):
         raise JaxschedTypeError(
             f"{owner} compresses floating gradients, but bucket {bucket.index} "
@@ -124,7 +189,28 @@ def check_gradient_bucket(bucket: BucketSpec, owner: str) -> None:
 
 
 def shard_of(total: jax.Array, axis_name: AxisName, bucket: BucketSpec) -> jax.Array:
-    """This device's ``1/P`` slice of a full buffer (what a tiled reduce-scatter returns)."""
+    """This device's ``1/P`` slice of a full buffer (what a tiled reduce-scatter returns):
+    how a compressor that all-reduces serves ``reduce_scatter``.
+
+    Args:
+      total: the full buffer, the same on every device.
+      axis_name: the data-parallel axis (inside ``shard_map``).
+      bucket: the bucket; its ``axis_size`` is ``P``.
+
+    Returns:
+      The device's contiguous shard of the leading dimension.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from jaxsched.runtime.compress import shard_of
+        >>> from jaxsched.runtime.collectives import BucketSpec
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> spec = BucketSpec(index=0, size=4, dtype=jnp.dtype("float32"), axis_size=2)
+        >>> f = jax.shard_map(lambda x: shard_of(x, "data", spec)[:1], mesh=mesh, in_specs=P(), out_specs=P("data"))
+        >>> f(jnp.arange(4.0)).tolist()  # device 0 keeps [0, 1], device 1 keeps [2, 3]
+        [0.0, 2.0]
+    """
     shard = total.shape[0] // bucket.axis_size
     return lax.dynamic_slice_in_dim(total, lax.axis_index(axis_name) * shard, shard)
 

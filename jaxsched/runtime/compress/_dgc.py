@@ -80,11 +80,21 @@ Velocity = jax.Array | tuple[()]
 
 def sent_mask(indices: jax.Array, count: jax.Array, size: int) -> jax.Array:
     """Dense bool mask of the entries sent: the first ``count`` slots of ``indices``
-    (slots at or past ``size`` mark nothing).
+    (slots at or past ``size`` mark nothing), so padded index lists need no masking.
 
-    >>> import jax.numpy as jnp
-    >>> sent_mask(jnp.array([3, 1, 0]), jnp.array(2), 5).tolist()
-    [False, True, False, True, False]
+    Args:
+      indices: the selected entries' indices, padded to a static length.
+      count: how many leading slots are real (a traced scalar).
+      size: the bucket's length.
+
+    Returns:
+      A ``(size,)`` bool array.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxsched.runtime.compress import sent_mask
+        >>> sent_mask(jnp.array([3, 1, 0]), jnp.array(2), 5).tolist()
+        [False, True, False, True, False]
     """
     valid = jnp.arange(indices.shape[0]) < count
     return jnp.zeros((size,), bool).at[jnp.where(valid, indices, size)].set(True, mode="drop")
