@@ -75,7 +75,21 @@ def _position(device: jax.Device) -> tuple[int, ...] | None:
 
 
 def spanned_dims(positions: np.ndarray) -> int:
-    """Torus dimensions along which ``positions`` (``(devices, dims)``) differ."""
+    """Torus dimensions along which ``positions`` (``(devices, dims)``) differ: more than
+    `MAX_TORUS_DIMS` and XLA:TPU turns a reduce-scatter into an all-reduce.
+
+    Args:
+      positions: the devices' torus coordinates, one row per device.
+
+    Returns:
+      How many coordinate columns are not constant.
+
+    Example:
+        >>> import numpy as np
+        >>> from jaxsched.runtime.collectives import spanned_dims
+        >>> spanned_dims(np.array([[0, 0, 0], [1, 0, 0], [0, 1, 0], [1, 1, 0]]))
+        2
+    """
     return int(np.sum(np.any(positions != positions[:1], axis=0)))
 
 
@@ -102,7 +116,20 @@ def block_scatter_stages(mesh: Mesh | None, axes: AxisName, nbytes: int) -> Stag
 
 def scatter_lanes(mesh: Mesh) -> int:
     """The row length flat buffers are reduce-scattered as on ``mesh`` (`TPU_LANES` on
-    TPU, 0, flat, elsewhere)."""
+    TPU, 0, flat, elsewhere): a flat reduce-scatter becomes an all-reduce on TPU.
+
+    Args:
+      mesh: the step's mesh.
+
+    Returns:
+      The row length, or 0 to keep buffers flat.
+
+    Example:
+        >>> import jax
+        >>> from jaxsched.runtime.collectives import scatter_lanes
+        >>> scatter_lanes(jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]))  # CPU
+        0
+    """
     return TPU_LANES if _on_tpu(mesh) else 0
 
 
@@ -115,6 +142,19 @@ def scatter_stages(mesh: Mesh, axes: AxisName) -> Stages:
     collectives XLA:TPU builds in two levels itself) or no split fits; else two stages of
     ``axis_index_groups``: over the data indices ``{i, I + i, ...}``, then over
     ``{o * I, ..., o * I + I - 1}`` (module docstring).
+
+    Args:
+      mesh: the step's mesh.
+      axes: the data-parallel axis name or names.
+
+    Returns:
+      The stages, as `Stages`.
+
+    Example:
+        >>> import jax
+        >>> from jaxsched.runtime.collectives import scatter_stages
+        >>> scatter_stages(jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]), "data")  # CPU
+        ()
     """
     axes = as_axes(axes)
     if not _on_tpu(mesh):

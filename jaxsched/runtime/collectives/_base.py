@@ -459,7 +459,26 @@ def psum_scatter(x: jax.Array, axis_name: AxisName, bucket: BucketSpec) -> jax.A
     buffer as rows of ``bucket.scatter_lanes``, in the stages ``bucket.scatter_stages``
     names (one reduce-scatter if none, or for a tensor of at most `SMALL_TENSOR_BYTES`:
     XLA:TPU makes an all-reduce of so few rows anyway, and one costs less than two). Every
-    form hands each device the same slice."""
+    form hands each device the same slice.
+
+    Args:
+      x: this device's buffer (inside ``shard_map``); its leading dimension divides by ``P``.
+      axis_name: the data-parallel axis.
+      bucket: the bucket ``x`` belongs to, with its target's lanes and stages.
+
+    Returns:
+      This device's ``1/P`` of the sum over ``axis_name``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> from jaxsched.runtime.collectives import BucketSpec, psum_scatter
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> spec = BucketSpec(index=0, size=4, dtype=jnp.dtype("float32"), axis_size=2)
+        >>> f = jax.shard_map(lambda x: psum_scatter(x, "data", spec), mesh=mesh, in_specs=P(), out_specs=P("data"))
+        >>> f(jnp.arange(4.0)).tolist()  # the sum of two copies, device d keeps slice d
+        [0.0, 2.0, 4.0, 6.0]
+    """
     lanes, flat = bucket.scatter_lanes, np.ndim(x) == 1
     rows = flat and lanes > 0 and np.shape(x)[0] % (bucket.axis_size * lanes) == 0
     if rows:
@@ -473,7 +492,20 @@ def psum_scatter(x: jax.Array, axis_name: AxisName, bucket: BucketSpec) -> jax.A
 
 
 def nbytes(t: jax.Array | jax.ShapeDtypeStruct | np.ndarray) -> int:
-    """The bytes of one tensor (an array or a tracer)."""
+    """The bytes of one tensor (an array or a tracer): what a collective of it moves.
+
+    Args:
+      t: an array, a tracer or a ``jax.ShapeDtypeStruct``.
+
+    Returns:
+      Its size times its dtype's item size.
+
+    Example:
+        >>> import numpy as np
+        >>> from jaxsched.runtime.collectives import nbytes
+        >>> nbytes(np.zeros((3, 4), np.float32))
+        48
+    """
     return int(np.prod(np.shape(t))) * jnp.dtype(jnp.result_type(t)).itemsize
 
 
