@@ -43,7 +43,27 @@ __all__ = ["abstract_leaf", "capture", "CapturedStep", "data_axes", "flatten_cal
 
 
 class UnsupportedStepError(JaxschedError, ValueError):
-    """The step is not a data-parallel step jaxsched can schedule; the message says why."""
+    """The step is not a data-parallel step jaxsched can schedule; the message says why.
+
+    Raised on the first call of a scheduled step, when it is captured. It derives from
+    ``ValueError`` too, so code that catches that keeps working.
+
+    Example:
+        >>> import jax, optax, jaxsched
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> step = steps.make_step(apply_fn, tx, mesh)
+        >>> sched = jaxsched.schedule(lambda p, o, b: step(p, o, b)[0])  # drops the optimizer state
+        >>> try:
+        ...     sched(sched.init(params, tx.init(params)), batch)
+        ... except jaxsched.UnsupportedStepError as err:
+        ...     print(str(err).split(";")[0])
+        the step returned 1 output (dict of 4 leaves)
+    """
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,7 +53,35 @@ class PartitionError(JaxschedError, ValueError):
 
 class GatherWarning(JaxschedWarning):
     """An operation mixes examples across the sharded batch: its batch-sharded operands are
-    all-gathered (exact, at the cost of the gather)."""
+    all-gathered (exact, at the cost of the gather).
+
+    Only a ``jax.jit`` step on global arrays can do this (a ``shard_map`` body sees its own
+    shard); the warning names the operation and its source line, so it can be rewritten
+    per example or accepted.
+
+    Example:
+        >>> import jax, optax, jaxsched
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> import warnings
+        >>> auto = (jax.sharding.AxisType.Auto,)
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2], axis_types=auto)
+        >>> tx = optax.sgd(0.1)
+        >>> def step(p, o, batch):
+        ...     x, y = batch
+        ...     x = x + jax.numpy.roll(x, 1, axis=0)  # mixes neighbouring examples
+        ...     loss = lambda q: optax.softmax_cross_entropy_with_integer_labels(apply_fn(q, x), y).mean()
+        ...     updates, o = tx.update(jax.grad(loss)(p), o, p)
+        ...     return optax.apply_updates(p, updates), o
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> sched = jaxsched.schedule(jax.jit(step))
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = sched(sched.init(params, tx.init(params)), batch)
+        >>> any(issubclass(w.category, jaxsched.GatherWarning) for w in caught)
+        True
+    """
 
 
 @dataclasses.dataclass

@@ -91,7 +91,29 @@ class Shard:
 
 
 class FallbackWarning(JaxschedWarning):
-    """An update-region primitive could not run on shards and was run on gathered tensors."""
+    """An update-region primitive could not run on shards and was run on gathered tensors.
+
+    The result stays exact; the warning names the primitive and its source line, because the
+    gather costs the traffic a sharded update (``dear``) saves. Filter it with
+    ``warnings.simplefilter("error", jaxsched.FallbackWarning)`` to make it fatal.
+
+    Example:
+        >>> import jax, optax, jaxsched
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> import warnings
+        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+        >>> flip = optax.stateless(lambda u, p: jax.tree.map(lambda x: x + jax.lax.rev(x, (0,)), u))
+        >>> tx = optax.chain(flip, optax.sgd(0.1))  # rev mixes the rows each device owns
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> sched = jaxsched.schedule(steps.make_step(apply_fn, tx, mesh), strategy="dear")
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     _ = sched(sched.init(params, tx.init(params)), batch)
+        >>> any(issubclass(w.category, jaxsched.FallbackWarning) for w in caught)
+        True
+    """
 
 
 @dataclasses.dataclass
