@@ -67,6 +67,20 @@ class MatchedLayer:
         bias row when a bias is matched).
       params: how to turn the kernel into the ``(d_A - bias, d_G)`` matrix: for dense
         ``{"in_axis": 0 or 1}``; for conv the forward convolution's parameters.
+
+    Example:
+        >>> import jax, optax
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.integrations import kfac
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> found = kfac.find_layers(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+        >>> layer = found.layers[0]
+        >>> layer.name, layer.kind, layer.kernel, layer.bias, layer.dims  # d_A: 4 inputs and the bias row
+        ('hidden/0', 'dense', 3, 2, (5, 3))
     """
 
     name: str
@@ -84,9 +98,25 @@ class MatchedLayer:
 
 @dataclasses.dataclass(frozen=True)
 class LayerMatch:
-    """Attributes:
-    layers: the matched layers, in forward order of their kernels' first use.
-    unmatched: paths of parameters with a gradient reduction that no layer covers.
+    """What `match_layers` found: K-FAC preconditions ``layers`` and leaves ``unmatched``
+    on the plain gradient.
+
+    Attributes:
+      layers: the matched layers, in forward order of their kernels' first use.
+      unmatched: paths of parameters with a gradient reduction that no layer covers.
+
+    Example:
+        >>> import jax, optax
+        >>> from jaxsched.demo import steps
+        >>> from jaxsched.integrations import kfac
+        >>> from jaxsched.zoo import models
+        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+        >>> mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+        >>> tx = optax.sgd(0.1)
+        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
+        >>> found = kfac.find_layers(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+        >>> [layer.name for layer in found.layers], found.unmatched
+        (['hidden/0', 'head'], ())
     """
 
     layers: tuple[MatchedLayer, ...]
