@@ -31,6 +31,9 @@ SLOW_EXAMPLES = {
     "jaxsched.runtime.kernels._error_feedback",
     "jaxsched.integrations.checkpoint",
     "jaxsched.plan._profiling",
+    "jaxsched.strategies._kfac",
+    "jaxsched.check._verify",
+    "jaxsched.integrations.nnx",
 }
 MODULES = [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_EXAMPLES else m for m in _all_modules()]
 # Packages whose __init__ only re-exports, and modules of argument parsing or rule tables,
