@@ -393,6 +393,32 @@ def test_mixup_roll_sort_top_k_and_cumsum_over_the_batch_are_gathered_exactly():
     assert {"slice", "top_k", "sort"} <= gathered
 
 
+def test_rows_sorted_over_the_batch_then_labels_taken_along_them_equal_the_plain_step():
+    """The sort runs on the gathered batch; ``take_along_axis`` then pairs those (now whole)
+    rows with each device's labels: the rows are cut back to the device's block, not bound
+    whole against local labels (a gather whose batching dimensions disagreed)."""
+    mesh, tx = _mesh(), optax.sgd(0.1)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        hardest_first = jnp.sort(x, axis=0)
+
+        def loss(p):
+            logits = jnp.tanh(hardest_first @ p["w1"] + p["b1"]) @ p["w2"]
+            picked = jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1)
+            return -picked.mean()
+
+        l, g = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": l}
+
+    params = js.mlp_params(12)
+    batches = [js.place(mesh, b) for b in js.mlp_batches(13, 3, 16)]
+    with pytest.warns(jaxsched.GatherWarning, match="sort"):
+        _run_trees(step, params, tx.init(params), batches, "wfbp")
+
+
 # -- refusals ----------------------------------------------------------------------------------
 def test_an_unsharded_batch_on_a_mesh_is_refused():
     mesh, tx = _mesh(), optax.sgd(0.1)

@@ -715,7 +715,12 @@ def gather_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[b
         return _plan(eqn, [PARTIAL, REPLICATED], [PARTIAL])
     if operand.partial or indices.partial:
         return replicated_rule(p, eqn, kinds, single)
-    if operand.dim is None and indices.dim is not None and indices.dim < idx_rank - 1:
+    if (
+        operand.dim is None
+        and indices.dim is not None
+        and indices.dim < idx_rank - 1
+        and indices.dim not in dn.start_indices_batching_dims  # else the operand's rows are cut too (below)
+    ):
         return _plan(eqn, [REPLICATED, indices], [sharded(batch_out[indices.dim])])
     if operand.dim is not None and operand.dim in dn.operand_batching_dims:
         i = dn.start_indices_batching_dims[dn.operand_batching_dims.index(operand.dim)]
