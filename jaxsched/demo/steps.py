@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,10 @@ from jaxsched._errors import JaxschedValueError
 from jaxsched.core._axes import axis_size
 from jaxsched.demo.config import OptimizerConfig
 
+if TYPE_CHECKING:
+    from jaxsched.plan import PlannedStep
+    from jaxsched.strategies import Strategy
+
 __all__ = [
     "accuracy",
     "cross_entropy",
@@ -45,6 +49,7 @@ __all__ = [
     "make_step",
     "place_replicated",
     "place_stacked",
+    "planned_example",
     "replicate",
     "shard_batch",
     "split_batch",
@@ -425,3 +430,38 @@ def split_batch(batch: Any, n: int) -> Any:
         return leaf.reshape(n, leaf.shape[0] // n, *leaf.shape[1:])
 
     return jax.tree.map(split, batch)
+
+
+def planned_example(strategy: Strategy) -> tuple[Strategy, PlannedStep]:
+    """A tiny MLP's step (4 features, one hidden layer of 3, 2 classes, sgd) on the first 2
+    devices, captured and planned for ``strategy`` as `jaxsched.schedule` would.
+
+    What a strategy's hooks take (``rewrite``, ``convert``, ``finalize``, ...): their
+    examples start from it instead of repeating the capture and the selection.
+
+    Args:
+      strategy: a `jaxsched.strategies.Strategy` instance.
+
+    Returns:
+      ``(strategy, planned)``: the strategy as selection set it up for this step (its own
+      copy, possibly specialised for the mesh) and the `jaxsched.plan.PlannedStep`.
+
+    Example:
+      >>> from jaxsched.demo import steps
+      >>> from jaxsched.strategies import Wfbp
+      >>> wfbp, planned = steps.planned_example(Wfbp())
+      >>> wfbp.name, planned.axis_size
+      ('wfbp', 2)
+    """
+    from jaxsched.core._capture import capture
+    from jaxsched.pipeline._selection import select
+    from jaxsched.runtime.engine import make_engine
+    from jaxsched.zoo import models
+
+    params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    tx = optax.sgd(0.1)
+    batch = shard_batch((jnp.ones((2, 4)), jnp.zeros(2, "int32")), mesh)
+    captured = capture(make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
+    chosen = select(captured, strategy, None, make_engine("xla"))
+    return chosen.strategy, chosen.planned

@@ -129,21 +129,10 @@ class UpdateSplit:
       aux_eqns: the other update equations (metrics); they may read forward/backward.
 
     Example:
-      >>> import jax, optax
       >>> import jaxsched
-      >>> from jaxsched.core import _capture as capture
-      >>> from jaxsched.demo import steps
-      >>> from jaxsched.pipeline import _selection as selection
-      >>> from jaxsched.runtime import engine
       >>> from jaxsched.strategies import Approx
-      >>> from jaxsched.zoo import models
-      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-      >>> tx = optax.sgd(0.1)
-      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-      >>> chosen = selection.select(captured, Approx(staleness=1), None, engine.make_engine("xla"))
-      >>> approx, planned = chosen.strategy, chosen.planned
+      >>> from jaxsched.demo import steps
+      >>> approx, planned = steps.planned_example(Approx(staleness=1))
       >>> split = approx.update_split(planned)
       >>> len(split.state_eqns) > 0, set(split.state_eqns).isdisjoint(split.aux_eqns)
       (True, True)
@@ -346,21 +335,10 @@ class Approx(Strategy):
           One ``jax.ShapeDtypeStruct`` per gradient reduction.
 
         Example:
-          >>> import jax, optax
           >>> import jaxsched
-          >>> from jaxsched.core import _capture as capture
-          >>> from jaxsched.demo import steps
-          >>> from jaxsched.pipeline import _selection as selection
-          >>> from jaxsched.runtime import engine
           >>> from jaxsched.strategies import Approx
-          >>> from jaxsched.zoo import models
-          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-          >>> tx = optax.sgd(0.1)
-          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-          >>> chosen = selection.select(captured, Approx(staleness=1), None, engine.make_engine("xla"))
-          >>> approx, planned = chosen.strategy, chosen.planned
+          >>> from jaxsched.demo import steps
+          >>> approx, planned = steps.planned_example(Approx(staleness=1))
           >>> [t.shape for t in approx.pending_template(planned)]  # one per gradient reduction
           [(2,), (3, 2), (3,), (4, 3)]
         """

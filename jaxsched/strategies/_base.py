@@ -442,22 +442,11 @@ class Strategy(abc.ABC):
           One `BucketSpec` per bucket.
 
         Example:
-          >>> import jax, optax
           >>> import jaxsched
-          >>> from jaxsched.core import _capture as capture
-          >>> from jaxsched.demo import steps
-          >>> from jaxsched.pipeline import _selection as selection
-          >>> from jaxsched.runtime import engine
           >>> from jaxsched.runtime.compress import TopK
           >>> from jaxsched.strategies import Wfbp
-          >>> from jaxsched.zoo import models
-          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-          >>> tx = optax.sgd(0.1)
-          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
-          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> from jaxsched.demo import steps
+          >>> wfbp, planned = steps.planned_example(Wfbp(TopK(0.5)))
           >>> [b.size for b in wfbp.concatenated_gradient_buckets(planned)]  # one bucket of 23 floats
           [23]
         """
@@ -482,22 +471,11 @@ class Strategy(abc.ABC):
           for a collective that carries nothing.
 
         Example:
-          >>> import jax, optax
           >>> import jaxsched
-          >>> from jaxsched.core import _capture as capture
-          >>> from jaxsched.demo import steps
-          >>> from jaxsched.pipeline import _selection as selection
-          >>> from jaxsched.runtime import engine
           >>> from jaxsched.runtime.compress import TopK
           >>> from jaxsched.strategies import Wfbp
-          >>> from jaxsched.zoo import models
-          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-          >>> tx = optax.sgd(0.1)
-          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
-          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> from jaxsched.demo import steps
+          >>> wfbp, planned = steps.planned_example(Wfbp(TopK(0.5)))
           >>> [state.residual.shape for state, _ in wfbp.collective_template(planned)]  # TopK's error feedback
           [(23,)]
         """
@@ -513,22 +491,11 @@ class Strategy(abc.ABC):
           One `BucketSpec` per bucket (none here).
 
         Example:
-          >>> import jax, optax
           >>> import jaxsched
-          >>> from jaxsched.core import _capture as capture
-          >>> from jaxsched.demo import steps
-          >>> from jaxsched.pipeline import _selection as selection
-          >>> from jaxsched.runtime import engine
           >>> from jaxsched.runtime.compress import TopK
           >>> from jaxsched.strategies import Wfbp
-          >>> from jaxsched.zoo import models
-          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-          >>> tx = optax.sgd(0.1)
-          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
-          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> from jaxsched.demo import steps
+          >>> wfbp, planned = steps.planned_example(Wfbp(TopK(0.5)))
           >>> [(b.size, b.axis_size) for b in wfbp.collective_buckets(planned)]
           [(23, 2)]
         """
@@ -548,22 +515,11 @@ class Strategy(abc.ABC):
           The state, every leaf stacked on a leading device axis.
 
         Example:
-          >>> import jax, optax
           >>> import jaxsched
-          >>> from jaxsched.core import _capture as capture
-          >>> from jaxsched.demo import steps
-          >>> from jaxsched.pipeline import _selection as selection
-          >>> from jaxsched.runtime import engine
           >>> from jaxsched.runtime.compress import TopK
           >>> from jaxsched.strategies import Wfbp
-          >>> from jaxsched.zoo import models
-          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-          >>> tx = optax.sgd(0.1)
-          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
-          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> from jaxsched.demo import steps
+          >>> wfbp, planned = steps.planned_example(Wfbp(TopK(0.5)))
           >>> [state.residual.shape for state, _ in wfbp.collective_state(planned, None)]  # one row per device
           [(2, 23)]
         """
@@ -637,20 +593,10 @@ class Strategy(abc.ABC):
         Example:
           >>> import jax, optax
           >>> import jaxsched
-          >>> from jaxsched.core import _capture as capture
-          >>> from jaxsched.demo import steps
-          >>> from jaxsched.pipeline import _selection as selection
-          >>> from jaxsched.runtime import engine
           >>> from jaxsched.runtime.compress import TopK
           >>> from jaxsched.strategies import Wfbp
-          >>> from jaxsched.zoo import models
-          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-          >>> tx = optax.sgd(0.1)
-          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
-          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> from jaxsched.demo import steps
+          >>> wfbp, planned = steps.planned_example(Wfbp(TopK(0.5)))
           >>> leaves = [jax.numpy.zeros((1, *x.shape)) for x in jax.tree.leaves(wfbp.collective_template(planned))]
           >>> [state.residual.shape for state, _ in wfbp.local_collective_state(planned, leaves)]
           [(23,)]
@@ -773,22 +719,11 @@ class UserLayoutStrategy(Strategy):
           ``(values of the body's outputs, new collective state)``.
 
         Example:
-          >>> import jax, optax
           >>> import jaxsched
-          >>> from jaxsched.core import _capture as capture
-          >>> from jaxsched.demo import steps
-          >>> from jaxsched.pipeline import _selection as selection
-          >>> from jaxsched.runtime import engine
           >>> from jaxsched.runtime.compress import TopK
           >>> from jaxsched.strategies import Wfbp
-          >>> from jaxsched.zoo import models
-          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-          >>> tx = optax.sgd(0.1)
-          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-          >>> chosen = selection.select(captured, Wfbp(TopK(0.5)), None, engine.make_engine("xla"))
-          >>> wfbp, planned = chosen.strategy, chosen.planned
+          >>> from jaxsched.demo import steps
+          >>> wfbp, planned = steps.planned_example(Wfbp(TopK(0.5)))
           >>> wfbp.rewrite(planned).body is not None  # the body `rewrite` builds around `per_device`
           True
         """

@@ -79,21 +79,10 @@ class DearLayout(NamedTuple):
     ``Dear.layout(planned)`` builds it when the step is traced.
 
     Example:
-      >>> import jax, optax
       >>> import jaxsched
-      >>> from jaxsched.core import _capture as capture
-      >>> from jaxsched.demo import steps
-      >>> from jaxsched.pipeline import _selection as selection
-      >>> from jaxsched.runtime import engine
       >>> from jaxsched.strategies import Dear
-      >>> from jaxsched.zoo import models
-      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-      >>> tx = optax.sgd(0.1)
-      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-      >>> chosen = selection.select(captured, Dear(), None, engine.make_engine("xla"))
-      >>> dear, planned = chosen.strategy, chosen.planned
+      >>> from jaxsched.demo import steps
+      >>> dear, planned = steps.planned_example(Dear())
       >>> layout = dear.layout(planned)
       >>> layout.param_sharded, [c.axes for c in layout.bucket_chunking]  # every leaf as flat shards
       ([True, True, True, True], [('data',)])

@@ -340,22 +340,11 @@ class DiLoCo(Strategy):
           JaxschedValueError: ``sync_axes`` names an axis that is not a data axis of the step.
 
         Example:
-        >>> import jax, optax
         >>> import jaxsched
-        >>> from jaxsched.core import _capture as capture
-        >>> from jaxsched.demo import steps
-        >>> from jaxsched.pipeline import _selection as selection
-        >>> from jaxsched.runtime import engine
         >>> from jaxsched.strategies import DiLoCo
-        >>> from jaxsched.zoo import models
-        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-        >>> tx = optax.sgd(0.1)
-        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-        >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
         >>> strategy = DiLoCo(inner_steps=4, fragments=2, overlap_steps=1)
-        >>> chosen = selection.select(captured, strategy, None, engine.make_engine("xla"))
-        >>> diloco, planned = chosen.strategy, chosen.planned
+        >>> from jaxsched.demo import steps
+        >>> diloco, planned = steps.planned_example(strategy)
         >>> diloco.sync_axes(planned)
         ('data',)
         """
@@ -466,22 +455,11 @@ class DiLoCo(Strategy):
           One `BucketSpec` per fragment and dtype: what the outer collective sends.
 
         Example:
-        >>> import jax, optax
         >>> import jaxsched
-        >>> from jaxsched.core import _capture as capture
-        >>> from jaxsched.demo import steps
-        >>> from jaxsched.pipeline import _selection as selection
-        >>> from jaxsched.runtime import engine
         >>> from jaxsched.strategies import DiLoCo
-        >>> from jaxsched.zoo import models
-        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-        >>> tx = optax.sgd(0.1)
-        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-        >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
         >>> strategy = DiLoCo(inner_steps=4, fragments=2, overlap_steps=1)
-        >>> chosen = selection.select(captured, strategy, None, engine.make_engine("xla"))
-        >>> diloco, planned = chosen.strategy, chosen.planned
+        >>> from jaxsched.demo import steps
+        >>> diloco, planned = steps.planned_example(strategy)
         >>> [b.size for b in diloco.collective_buckets(planned)]  # two fragments, 11 and 12 floats
         [11, 12]
         """
@@ -1012,22 +990,11 @@ class DiLoCo(Strategy):
           A `RewrittenBody` of the phase ``phase_key(None)``.
 
         Example:
-        >>> import jax, optax
         >>> import jaxsched
-        >>> from jaxsched.core import _capture as capture
-        >>> from jaxsched.demo import steps
-        >>> from jaxsched.pipeline import _selection as selection
-        >>> from jaxsched.runtime import engine
         >>> from jaxsched.strategies import DiLoCo
-        >>> from jaxsched.zoo import models
-        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-        >>> tx = optax.sgd(0.1)
-        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-        >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
         >>> strategy = DiLoCo(inner_steps=4, fragments=2, overlap_steps=1)
-        >>> chosen = selection.select(captured, strategy, None, engine.make_engine("xla"))
-        >>> diloco, planned = chosen.strategy, chosen.planned
+        >>> from jaxsched.demo import steps
+        >>> diloco, planned = steps.planned_example(strategy)
         >>> rewritten = diloco.rewrite(planned)
         >>> rewritten.state_in_specs == rewritten.state_out_specs
         True
@@ -1065,22 +1032,11 @@ class DiLoCo(Strategy):
           inner step, then the arrival.
 
         Example:
-        >>> import jax, optax
         >>> import jaxsched
-        >>> from jaxsched.core import _capture as capture
-        >>> from jaxsched.demo import steps
-        >>> from jaxsched.pipeline import _selection as selection
-        >>> from jaxsched.runtime import engine
         >>> from jaxsched.strategies import DiLoCo
-        >>> from jaxsched.zoo import models
-        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-        >>> tx = optax.sgd(0.1)
-        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-        >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
         >>> strategy = DiLoCo(inner_steps=4, fragments=2, overlap_steps=1)
-        >>> chosen = selection.select(captured, strategy, None, engine.make_engine("xla"))
-        >>> diloco, planned = chosen.strategy, chosen.planned
+        >>> from jaxsched.demo import steps
+        >>> diloco, planned = steps.planned_example(strategy)
         >>> callable(diloco.rewrite_phase(planned, diloco.phase_key(2)))
         True
         """

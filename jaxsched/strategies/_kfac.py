@@ -241,20 +241,9 @@ class KFAC(Strategy):
           gives the same for a step.
 
         Example:
-          >>> import jax, optax
-          >>> from jaxsched.core import _capture as capture
-          >>> from jaxsched.demo import steps
-          >>> from jaxsched.pipeline import _selection as selection
-          >>> from jaxsched.runtime import engine
           >>> from jaxsched.strategies import KFAC
-          >>> from jaxsched.zoo import models
-          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-          >>> tx = optax.sgd(0.1)
-          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-          >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
-          >>> kfac, planned = chosen.strategy, chosen.planned
+          >>> from jaxsched.demo import steps
+          >>> kfac, planned = steps.planned_example(KFAC())
           >>> [(layer.name, layer.dims) for layer in kfac.layers(planned).layers]
           [('hidden/0', (4, 3)), ('head', (3, 2))]
         """
@@ -338,20 +327,9 @@ class KFAC(Strategy):
           The buckets, as `plan_factor_buckets` makes them from the ``factor_buckets`` option.
 
         Example:
-          >>> import jax, optax
-          >>> from jaxsched.core import _capture as capture
-          >>> from jaxsched.demo import steps
-          >>> from jaxsched.pipeline import _selection as selection
-          >>> from jaxsched.runtime import engine
           >>> from jaxsched.strategies import KFAC
-          >>> from jaxsched.zoo import models
-          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-          >>> tx = optax.sgd(0.1)
-          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-          >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
-          >>> kfac, planned = chosen.strategy, chosen.planned
+          >>> from jaxsched.demo import steps
+          >>> kfac, planned = steps.planned_example(KFAC())
           >>> buckets = kfac.factor_buckets(planned)  # measured costs decide how many
           >>> [i for bucket in buckets for i in bucket]  # the head's factors are ready first
           [1, 0]
@@ -372,20 +350,9 @@ class KFAC(Strategy):
           (`jaxsched.sim._kfac_placement.plan_placement`), or None: every worker inverts all.
 
         Example:
-          >>> import jax, optax
-          >>> from jaxsched.core import _capture as capture
-          >>> from jaxsched.demo import steps
-          >>> from jaxsched.pipeline import _selection as selection
-          >>> from jaxsched.runtime import engine
           >>> from jaxsched.strategies import KFAC
-          >>> from jaxsched.zoo import models
-          >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-          >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-          >>> tx = optax.sgd(0.1)
-          >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-          >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-          >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
-          >>> kfac, planned = chosen.strategy, chosen.planned
+          >>> from jaxsched.demo import steps
+          >>> kfac, planned = steps.planned_example(KFAC())
           >>> kfac.placement_plan(planned)  # the worker of A_0, G_0, A_1, G_1
           (0, 1, 1, 1)
         """
@@ -619,19 +586,9 @@ def local_factors(layer: MatchedLayer, x: jax.Array, g: jax.Array, dtype) -> tup
 
     Example:
       >>> import jax, optax
-      >>> from jaxsched.core import _capture as capture
-      >>> from jaxsched.demo import steps
-      >>> from jaxsched.pipeline import _selection as selection
-      >>> from jaxsched.runtime import engine
       >>> from jaxsched.strategies import KFAC
-      >>> from jaxsched.zoo import models
-      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-      >>> tx = optax.sgd(0.1)
-      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-      >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
-      >>> kfac, planned = chosen.strategy, chosen.planned
+      >>> from jaxsched.demo import steps
+      >>> kfac, planned = steps.planned_example(KFAC())
       >>> from jaxsched import strategies
       >>> layer = kfac.layers(planned).layers[0]  # hidden/0: 4 inputs, 3 outputs
       >>> a, g = strategies.local_factors(layer, jax.numpy.ones((2, 4)), jax.numpy.ones((2, 3)), "float32")
@@ -776,19 +733,9 @@ def precondition(
 
     Example:
       >>> import jax, optax
-      >>> from jaxsched.core import _capture as capture
-      >>> from jaxsched.demo import steps
-      >>> from jaxsched.pipeline import _selection as selection
-      >>> from jaxsched.runtime import engine
       >>> from jaxsched.strategies import KFAC
-      >>> from jaxsched.zoo import models
-      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-      >>> tx = optax.sgd(0.1)
-      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-      >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
-      >>> kfac, planned = chosen.strategy, chosen.planned
+      >>> from jaxsched.demo import steps
+      >>> kfac, planned = steps.planned_example(KFAC())
       >>> import jax.numpy as jnp
       >>> from jaxsched import strategies
       >>> layer = kfac.layers(planned).layers[0]
@@ -826,20 +773,9 @@ def plan_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], op
       Lists of layer indices, in the order their cotangents appear.
 
     Example:
-      >>> import jax, optax
-      >>> from jaxsched.core import _capture as capture
-      >>> from jaxsched.demo import steps
-      >>> from jaxsched.pipeline import _selection as selection
-      >>> from jaxsched.runtime import engine
       >>> from jaxsched.strategies import KFAC
-      >>> from jaxsched.zoo import models
-      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-      >>> tx = optax.sgd(0.1)
-      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-      >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
-      >>> kfac, planned = chosen.strategy, chosen.planned
+      >>> from jaxsched.demo import steps
+      >>> kfac, planned = steps.planned_example(KFAC())
       >>> from jaxsched import strategies
       >>> layers = kfac.layers(planned).layers
       >>> strategies.plan_factor_buckets(planned, layers, "per_layer")
@@ -891,20 +827,9 @@ def auto_factor_buckets(planned: PlannedStep, layers: Sequence[MatchedLayer], or
       Lists of layer indices, in readiness order.
 
     Example:
-      >>> import jax, optax
-      >>> from jaxsched.core import _capture as capture
-      >>> from jaxsched.demo import steps
-      >>> from jaxsched.pipeline import _selection as selection
-      >>> from jaxsched.runtime import engine
       >>> from jaxsched.strategies import KFAC
-      >>> from jaxsched.zoo import models
-      >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-      >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-      >>> tx = optax.sgd(0.1)
-      >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-      >>> captured = capture.capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-      >>> chosen = selection.select(captured, KFAC(), None, engine.make_engine("xla"))
-      >>> kfac, planned = chosen.strategy, chosen.planned
+      >>> from jaxsched.demo import steps
+      >>> kfac, planned = steps.planned_example(KFAC())
       >>> from jaxsched.strategies import _kfac as kfac_module
       >>> groups = kfac_module.auto_factor_buckets(planned, kfac.layers(planned).layers, [1, 0])
       >>> [i for group in groups for i in group]  # merged or not as the measured network says
