@@ -136,6 +136,8 @@ class Program:
         #: a strategy whose programs differ by step (``phase_key``): one core per phase, and
         #: the step after the last run, counted on the host so that no call waits to read it
         self._phase_cores: dict[Hashable, Callable[..., tuple]] = {}
+        # decided once: a runtime Protocol check costs tens of microseconds per call
+        self._phased = isinstance(strategy, PhasedStrategy)
         self._next_step: int | None = None
         #: whether the state comes out in the dtypes it went in (None: not run yet)
         self.keeps_dtypes: bool | None = None
@@ -237,9 +239,9 @@ class Program:
 
     def _core_for(self, state: ScheduledState, returned: bool) -> tuple[Callable[..., tuple], int | None]:
         """The compiled core for ``state``'s step, and that step (None: one core for all)."""
-        strategy = self.strategy
-        if not isinstance(strategy, PhasedStrategy):
+        if not self._phased:
             return self.core, None
+        strategy = cast(PhasedStrategy, self.strategy)
         step = self._next_step if returned and self._next_step is not None else strategy.host_step(state)
         key = strategy.phase_key(step)
         if not self._phase_cores:  # the core built from `rewrite` is the representative phase's
