@@ -5,7 +5,9 @@ Nothing runs on an accelerator: every step is compiled for compile-only devices
 (jaxsched.tools.aot) and read with jaxsched.check._inspection. Every time is XLA's estimate
 for the compiled program (its latency-hiding schedule, or, where XLA:TPU writes none, its
 instruction costs: the ``source`` of each row), NOT a measurement; every ratio is to a
-baseline compiled in the same run.
+baseline compiled in the same run, and sets two estimates of one kind against each other:
+against a plain step estimated from instruction costs, the scheduled program is estimated
+from its instruction costs too (``by_instruction_costs``).
 
 Cases: an MLP of 8 layers of 1024 (ReLU; sgd with momentum, 512 rows per
 device) on ``h100:1x2x4`` and ``v5p:2x2x2``; the zoo Transformer (12 blocks of 1024, 218M
@@ -45,7 +47,10 @@ def model_spec(name: str):
     return ZOO[name]
 
 
-def _row(report, baseline=None, options_baseline=None) -> dict:
+def _row(report, baseline=None, options_baseline=None, by_costs=None) -> dict:
+    """One program's estimates and its ratios to each baseline, each pair estimated alike:
+    against a baseline estimated from XLA's instruction costs (no schedule), ``by_costs``
+    (the same program estimated from instruction costs) where there is one."""
     ratio = lambda a, b: None if a is None or b in (None, 0) else round(a / b, 3)
     row = {
         "step_us": None if report.step_s is None else round(report.step_s * 1e6, 1),
@@ -54,16 +59,27 @@ def _row(report, baseline=None, options_baseline=None) -> dict:
         "async": f"{report.num_async}/{len(report.collectives)}",
         "kinds": sorted({w.kind for w in report.collectives}),
     }
+    if by_costs is not None:
+        row["by_instruction_costs"] = {
+            "step_us": round(by_costs.step_s * 1e6, 1),
+            "exposed_us": None if by_costs.exposed_comm_s is None else round(by_costs.exposed_comm_s * 1e6, 1),
+        }
     for label, base in (("vs_plain_defaults", baseline), ("vs_plain_same_options", options_baseline)):
         if base is not None:
+            alike = report
+            if base.estimate_source != report.estimate_source and by_costs is not None:
+                alike = by_costs if base.estimate_source == by_costs.estimate_source else report
             row[label] = {
-                "step": ratio(report.step_s, base.step_s),
-                "exposed": ratio(report.exposed_comm_s, base.exposed_comm_s),
+                "step": ratio(alike.step_s, base.step_s),
+                "exposed": ratio(alike.exposed_comm_s, base.exposed_comm_s),
+                "source": alike.estimate_source,
             }
     return row
 
 
 def run_case(case: str, strategies=STRATEGIES) -> dict:
+    import jax
+
     import jaxsched
     from jaxsched.check import _inspection as inspect_lib
     from jaxsched.tools.aot._experiment import abstract_experiment
@@ -73,17 +89,22 @@ def run_case(case: str, strategies=STRATEGIES) -> dict:
     exp = abstract_experiment(model_spec(model), target=target)
     args = (exp.params, exp.opt_state, exp.batch)
     plain = inspect_lib.inspect_jitted(exp.step, args, exp.mesh, label="plain, XLA defaults")
-    rows, options, same = {}, None, None
+    rows, options, same, same_by_costs = {}, None, None, None
     for name in strategies:
         print(f"  {case}: {name}", file=sys.stderr, flush=True)
         sched = jaxsched.schedule(exp.step, strategy=name)
-        inspection = sched.inspect(sched.init(exp.params, exp.opt_state), exp.batch, baseline=False)
+        # with the baseline, so that a program is also estimated as the plain step is
+        inspection = sched.inspect(sched.init(exp.params, exp.opt_state), exp.batch)
         if same is None and name != "auto":
             options = sched.program.compiler_options
-            same = inspect_lib.inspect_jitted(
-                exp.step, args, exp.mesh, label="plain, the engine's options", compiler_options=options
+            same, same_by_costs = inspect_lib.inspect_lowered_by_costs_too(
+                jax.jit(exp.step).trace(*args).lower(),
+                exp.mesh,
+                label="plain, the engine's options",
+                target=inspect_lib.describe_mesh(exp.mesh),
+                compiler_options=options,
             )
-        rows[name] = _row(inspection.report, plain, same)
+        rows[name] = _row(inspection.report, plain, same, inspection.report_by_instruction_costs)
         rows[name]["options"] = inspect_lib.format_options(inspection.report.compiler_options or {})
         if name == "auto":
             choice = sched.strategy.last_choice
@@ -95,7 +116,7 @@ def run_case(case: str, strategies=STRATEGIES) -> dict:
         "model": model,
         "target": target,
         "plain_defaults": _row(plain),
-        "plain_same_options": _row(same, plain),
+        "plain_same_options": _row(same, plain, by_costs=same_by_costs),
         "engine_options": inspect_lib.format_options(options or {}),
         "strategies": rows,
         "wall_s": round(time.perf_counter() - started, 1),

@@ -13,7 +13,15 @@ from jaxsched.check._compiled_report import (
 )
 from jaxsched.check._compiling import CompilerOption, compile_with_schedule
 from jaxsched.check._estimate import estimate_from_instruction_costs
-from jaxsched.check._inspection import Inspection, PLAIN_LABEL, describe_mesh, inspect_lowered, inspect_jitted, ratios
+from jaxsched.check._inspection import (
+    Inspection,
+    PLAIN_LABEL,
+    describe_mesh,
+    inspect_lowered,
+    inspect_lowered_by_costs_too,
+    inspect_jitted,
+    ratios,
+)
 from jaxsched.check._report import report
 from jaxsched.check._table import format_options, format_table
 from jaxsched.check._timeline import plot
@@ -38,6 +46,7 @@ __all__ = [
     "format_table",
     "inspect_jitted",
     "inspect_lowered",
+    "inspect_lowered_by_costs_too",
     "plot",
     "ratios",
     "relative_gap",

@@ -94,6 +94,7 @@ __all__ = [
     "format_options",
     "format_table",
     "inspect_lowered",
+    "inspect_lowered_by_costs_too",
     "inspect_jitted",
     "plot",
     "ratios",
@@ -137,11 +138,64 @@ def inspect_lowered(
       >>> check.inspect_lowered(lowered, None, label="sin").collectives
       ()
     """
+    return _compiled_reports(lowered, mesh, label, target, compiler_options, estimate, costs_too=False)[0]
+
+
+def inspect_lowered_by_costs_too(
+    lowered: Lowered,
+    mesh: MeshLike | None,
+    *,
+    label: str,
+    target: str = "",
+    compiler_options: Mapping[str, CompilerOption] | None = None,
+) -> tuple[CompiledReport, CompiledReport | None]:
+    """`inspect_lowered`'s report, and the same program estimated from XLA's instruction
+    costs where its report comes from a schedule: the estimate of a baseline for which XLA
+    wrote no schedule (one TPU slice with XLA's defaults), so that the two compare alike.
+
+    Args:
+      lowered: the program, from ``jax.jit(f).trace(*args).lower()``.
+      mesh: the mesh it runs on.
+      label: the report's name (the second's: with ``", by instruction costs"``).
+      target: what it was compiled for (`describe_mesh`).
+      compiler_options: XLA options for this compile (None: XLA's defaults).
+
+    Returns:
+      ``(report, by_costs)``: ``by_costs`` None where the report has no schedule estimate
+      or the program carries no instruction costs (XLA:GPU and XLA:CPU write none).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxsched import check
+      >>> lowered = jax.jit(jnp.sin).trace(jnp.ones(4)).lower()
+      >>> rep, by_costs = check.inspect_lowered_by_costs_too(lowered, None, label="sin")
+      >>> by_costs is None      # XLA:CPU costs no instruction
+      True
+    """
+    return _compiled_reports(lowered, mesh, label, target, compiler_options, True, costs_too=True)
+
+
+def _compiled_reports(
+    lowered: Lowered,
+    mesh: MeshLike | None,
+    label: str,
+    target: str,
+    compiler_options: Mapping[str, CompilerOption] | None,
+    estimate: bool,
+    *,
+    costs_too: bool,
+) -> tuple[CompiledReport, CompiledReport | None]:
+    """One compile: its report, and with ``costs_too`` its instruction-cost estimate."""
     compiled, schedule = compile_with_schedule(lowered, compiler_options)
     rep = report(compiled, schedule, mesh, label=label, target=target, compiler_options=compiler_options)
     if estimate and rep.step_s is None and rep.platform != "cpu":
         rep = estimate_from_instruction_costs(rep, compiled, mesh)
-    return rep
+    by_costs = None
+    if costs_too and rep.step_s is not None and rep.estimate_source != ESTIMATE_FROM_INSTRUCTIONS:
+        unscheduled = dataclasses.replace(rep, label=f"{label}, by instruction costs", step_s=None)
+        estimated = estimate_from_instruction_costs(unscheduled, compiled, mesh)
+        by_costs = estimated if estimated.step_s is not None else None
+    return rep, by_costs
 
 
 PLAIN_LABEL = "plain (XLA defaults)"
@@ -258,8 +312,11 @@ class Inspection:
         ``report.compiler_options``).
       baseline: the user's step unchanged, compiled with XLA's default options (None when
         not asked for). Where XLA writes no schedule for it (XLA:TPU on one slice), its
-        estimate comes from XLA's instruction costs (``baseline.estimate_source``), and
-        `ratios` compare the two kinds of estimate.
+        estimate comes from XLA's instruction costs (``baseline.estimate_source``).
+      report_by_instruction_costs: the scheduled step estimated from XLA's instruction
+        costs too, where the baseline's estimate comes from them and the scheduled
+        step's from a schedule: `ratios` then compare these two, so that no ratio sets
+        one estimator against another (the table shows all three).
 
     Example:
       >>> from jaxsched import check
@@ -271,9 +328,25 @@ class Inspection:
 
     report: CompiledReport
     baseline: CompiledReport | None = None
+    report_by_instruction_costs: CompiledReport | None = None
+
+    @property
+    def compared(self) -> CompiledReport:
+        """The scheduled step's report that `ratios` compare with the baseline: its
+        instruction-cost estimate where the baseline's comes from instruction costs."""
+        base = self.baseline
+        if (
+            base is not None
+            and base.estimate_source == ESTIMATE_FROM_INSTRUCTIONS
+            and self.report.estimate_source != ESTIMATE_FROM_INSTRUCTIONS
+            and self.report_by_instruction_costs is not None
+        ):
+            return self.report_by_instruction_costs
+        return self.report
 
     def ratios(self) -> dict[str, float | None]:
-        """Estimated step and exposed communication as ratios to the baseline's.
+        """Estimated step and exposed communication as ratios to the baseline's, each
+        program estimated the same way (`compared`).
 
         Returns:
           ``{"step": ..., "exposed_comm": ...}`` (`ratios`); None values without a baseline.
@@ -283,7 +356,7 @@ class Inspection:
           >>> check.Inspection(check.CompiledReport("x", "", "cpu", None, None, (), ())).ratios()
           {'step': None, 'exposed_comm': None}
         """
-        return ratios(self.report, self.baseline)
+        return ratios(self.compared, self.baseline)
 
     def table(self) -> str:
         """The baseline (when there is one) and the scheduled step, ratios to the baseline.
@@ -298,6 +371,8 @@ class Inspection:
           True
         """
         shown = [self.report] if self.baseline is None else [self.baseline, self.report]
+        if self.compared is not self.report:
+            shown.append(self.compared)
         return format_table(shown, baseline=self.baseline)
 
     def plot(self, path: str) -> str:
@@ -322,6 +397,9 @@ class Inspection:
         return {
             "report": self.report.to_json(),
             "baseline": None if self.baseline is None else self.baseline.to_json(),
+            "report_by_instruction_costs": (
+                None if self.report_by_instruction_costs is None else self.report_by_instruction_costs.to_json()
+            ),
             "ratio_to_baseline": self.ratios(),
         }
 

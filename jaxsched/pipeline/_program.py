@@ -397,6 +397,19 @@ class Program:
             estimate=estimate,
         )
 
+    def inspect_by_costs_too(self, state: ScheduledState, batch: Any) -> tuple[Any, Any]:
+        """`inspect`'s report, and the program estimated from XLA's instruction costs too
+        (`jaxsched.check.inspect_lowered_by_costs_too`), from one compile."""
+        from jaxsched.check import _inspection as inspect_lib
+
+        return inspect_lib.inspect_lowered_by_costs_too(
+            self.lower(state, batch),
+            self.planned.mesh,
+            label=self.strategy.name,
+            target=inspect_lib.describe_mesh(self.planned.mesh),
+            compiler_options=self.compiler_options,
+        )
+
 
 class ProgramCache:
     """One program per abstract signature of the batch and dtypes of the state: the

@@ -196,18 +196,21 @@ class TreesRunner:
         from jaxsched.check import _inspection as inspect_lib
 
         program = self.program_for(state, batch)
-        report = program.inspect(state, batch)
-        plain = None
-        if baseline:
-            assert self.template is not None  # set by the program's build
-            params, opt_state = self.template
-            plain = inspect_lib.inspect_jitted(
-                self.schedule.traced_step,
-                (params, opt_state, batch),
-                program.planned.mesh,
-                label=inspect_lib.PLAIN_LABEL,
-            )
-        return inspect_lib.Inspection(report, plain)
+        if not baseline:
+            return inspect_lib.Inspection(program.inspect(state, batch))
+        assert self.template is not None  # set by the program's build
+        params, opt_state = self.template
+        plain = inspect_lib.inspect_jitted(
+            self.schedule.traced_step,
+            (params, opt_state, batch),
+            program.planned.mesh,
+            label=inspect_lib.PLAIN_LABEL,
+        )
+        if plain.estimate_source != inspect_lib.ESTIMATE_FROM_INSTRUCTIONS:
+            return inspect_lib.Inspection(program.inspect(state, batch), plain)
+        # XLA wrote no schedule for the plain step: judge the scheduled one by the same costs
+        report, by_costs = program.inspect_by_costs_too(state, batch)
+        return inspect_lib.Inspection(report, plain, by_costs)
 
     def verify(
         self,

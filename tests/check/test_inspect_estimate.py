@@ -98,6 +98,28 @@ def test_a_schedule_estimate_says_its_source_and_options_show():
     assert "against" not in ins.format_table([r], baseline=r)
 
 
+def test_an_inspection_compares_the_scheduled_step_by_the_baselines_own_estimator():
+    sched = ins.CompiledReport("wfbp", "v5p", "tpu", 6e-6, 2e-6, (), (), estimate_source=ins.ESTIMATE_FROM_SCHEDULE)
+    by_costs = dataclasses.replace(
+        sched,
+        label="wfbp, by instruction costs",
+        step_s=4e-6,
+        exposed_comm_s=1e-6,
+        estimate_source=ins.ESTIMATE_FROM_INSTRUCTIONS,
+    )
+    plain = dataclasses.replace(sched, label="plain", step_s=5e-6, estimate_source=ins.ESTIMATE_FROM_INSTRUCTIONS)
+    inspection = ins.Inspection(sched, plain, by_costs)
+    assert inspection.compared is by_costs
+    assert inspection.ratios() == pytest.approx({"step": 0.8, "exposed_comm": 0.5})
+    lines = inspection.table().splitlines()
+    assert any(line.startswith("wfbp, by instruction costs [v5p, tpu]: step 4.0 us (0.80x)") for line in lines)
+    assert any(line.startswith("wfbp [v5p, tpu]: step 6.0 us (1.20x against an estimate") for line in lines)
+    # a baseline from a schedule, or no cost estimate of the scheduled step: the report itself
+    scheduled_plain = dataclasses.replace(plain, estimate_source=ins.ESTIMATE_FROM_SCHEDULE)
+    assert ins.Inspection(sched, scheduled_plain, by_costs).compared is sched
+    assert ins.Inspection(sched, plain).ratios()["step"] == pytest.approx(1.2)
+
+
 def _mlp_jit_step(mesh, layers=8, width=1024, rows_per_device=512):
     """An 8x1024 tanh MLP, sgd with momentum, as a jax.jit step on global arrays."""
     tx = optax.sgd(0.1, momentum=0.9)
@@ -159,8 +181,16 @@ def test_plain_step_on_one_v5p_slice_gets_an_estimate_from_instruction_costs(tmp
     assert [(c.kind, c.mesh_axes, c.is_async) for c in plain.collectives] == [("all-reduce", ("data",), False)]
     assert plain.compiler_options == {}
     assert report.estimate_source == ins.ESTIMATE_FROM_SCHEDULE
+    # the ratios set the scheduled step's own instruction-cost estimate against the plain
+    # step's, not one estimator against another
+    by_costs = inspection.report_by_instruction_costs
+    assert by_costs is not None and by_costs.estimate_source == ins.ESTIMATE_FROM_INSTRUCTIONS
+    assert by_costs.step_s != report.step_s and by_costs.compiler_options == report.compiler_options
+    assert inspection.compared is by_costs
     ratios = inspection.ratios()
-    assert ratios["step"] is not None and ratios["exposed_comm"] is not None
+    assert ratios["step"] == pytest.approx(by_costs.step_s / plain.step_s)
+    assert ratios["exposed_comm"] == pytest.approx(by_costs.exposed_comm_s / plain.exposed_comm_s)
+    assert inspection.to_json()["report_by_instruction_costs"]["step_s"] == by_costs.step_s
     text = str(inspection)
     assert "estimated from XLA's instruction costs" in text
     assert "against an estimate from instruction costs" in text
