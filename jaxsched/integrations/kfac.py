@@ -56,8 +56,8 @@ def find_layers(step: Callable, params: Any, opt_state: Any, batch: Any) -> Laye
       >>> tx = optax.sgd(0.1)
       >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
       >>> found = jaxsched.kfac.find_layers(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-      >>> [(layer.name, layer.dims) for layer in found.layers]  # dims: (d_A, d_G)
-      [('hidden/0', (4, 3)), ('head', (3, 2))]
+      >>> [(layer.name, layer.dims) for layer in found.layers]  # dims: (d_A, d_G), a bias row in d_A
+      [('hidden/0', (5, 3)), ('head', (4, 2))]
     """
     from jaxsched.core._capture import capture
     from jaxsched.plan._planned_step import PlannedStep

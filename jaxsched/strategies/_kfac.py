@@ -245,7 +245,7 @@ class KFAC(Strategy):
           >>> from jaxsched.demo import steps
           >>> kfac, planned = steps.planned_example(KFAC())
           >>> [(layer.name, layer.dims) for layer in kfac.layers(planned).layers]
-          [('hidden/0', (4, 3)), ('head', (3, 2))]
+          [('hidden/0', (5, 3)), ('head', (4, 2))]
         """
         return planned.memo("kfac.layers", lambda: self._layers(planned))
 
@@ -590,10 +590,10 @@ def local_factors(layer: MatchedLayer, x: jax.Array, g: jax.Array, dtype) -> tup
       >>> from jaxsched.demo import steps
       >>> kfac, planned = steps.planned_example(KFAC())
       >>> from jaxsched import strategies
-      >>> layer = kfac.layers(planned).layers[0]  # hidden/0: 4 inputs, 3 outputs
+      >>> layer = kfac.layers(planned).layers[0]  # hidden/0: 4 inputs and a bias, 3 outputs
       >>> a, g = strategies.local_factors(layer, jax.numpy.ones((2, 4)), jax.numpy.ones((2, 3)), "float32")
       >>> a.shape, g.shape
-      ((4, 4), (3, 3))
+      ((5, 5), (3, 3))
     """
     p = layer.params
     if layer.kind == "conv":

@@ -149,6 +149,25 @@ def test_eight_devices_equal_one_device_for_the_same_global_batch():
     )
 
 
+def test_one_example_per_device_matches_its_biases_and_equals_one_device():
+    """With one row per device JAX sums nothing for a bias gradient (a reshape of ``g``):
+    the bias is still matched, so eight devices take the step one device takes."""
+    params, batches, tx = _params(), _batches(2, size=8), optax.sgd(0.3)
+    mesh = _mesh(8)
+    found = jaxsched.kfac.find_layers(_step(mesh, tx), params, tx.init(params), steps.shard_batch(batches[0], mesh))
+    assert found.unmatched == () and [layer.dims for layer in found.layers] == [
+        (D_IN + 1, HIDDEN),
+        (HIDDEN + 1, CLASSES),
+    ]
+    options = dict(placement="balanced", factor_buckets="per_layer", **BASE)
+    one, eight = _run(1, KFAC(**options), batches, params, tx), _run(8, KFAC(**options), batches, params, tx)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6),
+        (one.params, one.factors),
+        (eight.params, eight.factors),
+    )
+
+
 def _assert_same_numbers(a, b):
     """Same numbers up to float rounding: an inverse computed inside one worker's branch
     of the placement is fused differently from the inline one (a few ulps)."""

@@ -12,7 +12,8 @@ them. So a layer is recognised by matching two equations of the per-device body:
   and a backward ``conv_general_dilated(x, g)`` that becomes ``W``'s gradient.
 
 A bias is matched when its gradient is a ``reduce_sum`` of that same ``g`` over every
-dimension but the output features. Parameters that no rule matches are returned in
+dimension but the output features (or ``g`` itself, reshaped, where those dimensions have
+size 1: one example per device). Parameters that no rule matches are returned in
 ``unmatched`` (their paths), so a caller can leave them on the plain gradient.
 
 Example:
@@ -276,7 +277,10 @@ def _conv(fwd, bwd, x, w):
 
 
 def _bias_reduction(analysis: Analysis, g, d_out: int, producer: dict, body, out_axis: int, by_eqn: dict) -> int | None:
-    """The reduction whose operand is ``reduce_sum(g)`` over every axis but ``out_axis``."""
+    """The reduction whose operand is ``reduce_sum(g)`` over every axis but ``out_axis``.
+
+    Where every other axis of ``g`` has size 1 (one example per device), JAX sums nothing:
+    the bias gradient is ``g`` itself, reshaped, and its origin is ``g``'s own."""
     want = tuple(d for d in range(len(g.aval.shape)) if d != out_axis)
     for i, js in by_eqn.items():
         eqn = body.eqns[i]
@@ -284,4 +288,8 @@ def _bias_reduction(analysis: Analysis, g, d_out: int, producer: dict, body, out
             for j in js:
                 if tuple(analysis.reductions[j].operand.aval.shape) == (d_out,):
                     return j
+    if all(g.aval.shape[d] == 1 for d in want):
+        for j in by_eqn.get(_origin(g, producer, body), ()):
+            if tuple(analysis.reductions[j].operand.aval.shape) == (d_out,):
+                return j
     return None
