@@ -94,6 +94,36 @@ def test_sharded_parameters_equal_the_plain_jit_step(layout_name, strategy):
     assert set(as_axes(captured.axis_name)) == {a for a in batch_axes if mesh.shape[a] > 1}
 
 
+@pytest.mark.parametrize("layout_name, strategy", [("fsdp", "wfbp"), ("hsdp", "dear")])
+def test_moments_initialised_unplaced_are_kept_sharded_like_their_parameters(layout_name, strategy):
+    """``jax.jit(tx.init)(params)`` leaves the moments on one device (host arrays do the
+    same); the plain step returns them sharded like their parameters, and so does the
+    scheduled one, holding no more on a device than the plain step."""
+    tx = optax.adamw(1e-2)
+    layout, mesh, params, _, batches = _mlp_case(layout_name, tx, 11)
+    opt_state = jax.jit(tx.init)(params)
+    mu = opt_state[0].mu["w1"]
+    assert not isinstance(mu.sharding, NamedSharding) or mu.sharding.is_fully_replicated
+    _, state, plain = _run(ss.mlp_step(tx, layout, mesh), params, opt_state, batches, strategy)
+    assert not plain[1][0].mu["w1"].sharding.is_fully_replicated  # the plain step shards it
+    assert ss.state_bytes((state.params, state.opt_state)) <= ss.state_bytes(plain)
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", pytest.param("dear", marks=pytest.mark.slow)])
+def test_the_jits_out_shardings_place_the_state_as_the_plain_step_returns_it(strategy):
+    """A jit whose ``out_shardings`` differ from the inputs' placement: the scheduled state
+    keeps the layout the plain step returns, not the one the inputs came in."""
+    tx = optax.sgd(0.1, momentum=0.9)
+    layout, mesh, params, _, batches = _mlp_case("fsdp", tx, 12)
+    out_specs = {"w1": P(None, "fsdp"), "b1": P("fsdp"), "w2": P()}
+    out = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs)
+    plain_step = ss.mlp_step(tx, layout, mesh)
+    step = jax.jit(plain_step.__wrapped__, out_shardings=(out, (optax.TraceState(out), optax.EmptyState()), None))
+    opt_state = tx.init(params)
+    _, state, plain = _run(step, params, opt_state, batches, strategy)
+    assert plain[0]["w1"].sharding.spec == P(None, "fsdp")
+
+
 def test_fsdp_gradients_are_reduce_scattered_in_backward_under_wfbp():
     tx = optax.adamw(1e-2)
     layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 3)

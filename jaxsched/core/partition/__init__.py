@@ -47,7 +47,7 @@ from jaxsched.core import _replay as replay
 from jaxsched.core.partition._interpreter import GatherWarning, Partitioner, PartitionError
 from jaxsched.core.partition._table import TABLE
 from jaxsched.core.partition._kinds import AxisContext, Kind, REPLICATED
-from jaxsched.core.partition._placement import Placement, PlacementError, manual_spec, read_placement
+from jaxsched.core.partition._placement import Placement, PlacementError, manual_spec, read_placement, unplaced_inputs
 
 __all__ = ["GatherWarning", "PartitionError", "Partitioned", "PlacementError", "manual_shard_map", "partition"]
 
@@ -90,8 +90,9 @@ def partition(
     order of the first inputs) come out as their inputs came in: replicated, or the blocks
     of a sharded parameter; the others (aux) as the step computes them: replicated, or
     blocks of the batch."""
-    placement = read_placement(closed, leaves, names, roles)
+    placement = read_placement(closed, leaves, names, roles, num_state_outputs)
     closed = _inlined(closed, placement)
+    placement = _placed_as_returned(closed, placement, leaves, names, roles, num_state_outputs)
     model = (
         ()
         if placement.manual_axes is None
@@ -133,6 +134,38 @@ def partition(
     consts += tuple(hoisted)
     in_specs += (P(),) * len(hoisted)
     return Partitioned(body, placement, consts, in_specs, out_specs, tuple(partitioner.gathers))
+
+
+def _placed_as_returned(
+    closed, placement: Placement, leaves: Sequence[Any], names: Sequence[str], roles: Sequence[str], num_state: int
+) -> Placement:
+    """``placement`` with each unplaced optimizer-state leaf (`unplaced_inputs`: host or
+    single-device arrays, as ``jax.jit(tx.init)(params)`` leaves the moments) placed as its
+    parameter is, as ``tx.init`` on the placed parameters places it: the plain step returns
+    such a moment sharded like its parameter (XLA's propagation), and a scheduled state kept
+    whole would hold it on every device. Its parameter is the one whose path ends the leaf's
+    (``opt_state[0].mu['w1']`` is ``params['w1']``'s) and has its shape. Meshes with model
+    axes keep the leaves as they came."""
+    unplaced = [i for i in sorted(unplaced_inputs(closed, leaves)) if i < num_state and roles[i] == "opt_state"]
+    if not unplaced or placement.manual_axes is not None or placement.axis_size == 1:
+        return placement
+    params = [
+        (names[j][len("params") :], j)
+        for j in range(num_state)
+        if roles[j] == "params" and placement.kinds[j].is_block and names[j].startswith("params")
+    ]
+    if not params:
+        return placement
+    jaxpr = closed.jaxpr
+    kinds, specs = list(placement.kinds), list(placement.specs)
+    for i in unplaced:
+        shape = jaxpr.invars[i].aval.shape
+        owners = [(len(path), j) for path, j in params if path and names[i].endswith(path)]
+        owners = [(n, j) for n, j in owners if jaxpr.invars[j].aval.shape == shape]
+        if owners:
+            j = max(owners)[1]
+            kinds[i], specs[i] = placement.kinds[j], placement.specs[j]
+    return dataclasses.replace(placement, kinds=tuple(kinds), specs=tuple(specs))
 
 
 def manual_shard_map(fn, mesh, in_specs: Sequence[P], out_specs: Sequence[P], manual: Any, check_vma: bool = False):

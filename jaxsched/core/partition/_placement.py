@@ -44,7 +44,7 @@ from jaxsched.core._axes import AxisName, as_axes, axis_size
 from jaxsched.core.partition._kinds import Kind, REPLICATED, block, sharded
 from jaxsched.core._replay import nested_eqns
 
-__all__ = ["Placement", "PlacementError", "manual_spec", "read_placement", "without_unit_axes"]
+__all__ = ["Placement", "PlacementError", "manual_spec", "read_placement", "unplaced_inputs", "without_unit_axes"]
 
 
 class PlacementError(JaxschedError, ValueError):
@@ -118,6 +118,44 @@ def _top_shardings(closed) -> list:
     ):
         return list(jaxpr.eqns[0].params["in_shardings"])
     return [None] * len(jaxpr.invars)
+
+
+def _top_out_shardings(closed, num_state_outputs: int) -> list:
+    """``jax.jit(..., out_shardings=...)`` of the step's state outputs (the first
+    ``num_state_outputs``, in the order of the first inputs), None where not given."""
+    jaxpr = closed.jaxpr
+    if (
+        num_state_outputs
+        and len(jaxpr.eqns) == 1
+        and "out_shardings" in jaxpr.eqns[0].params
+        and list(jaxpr.eqns[0].invars) == list(jaxpr.invars)
+        and list(jaxpr.eqns[0].outvars) == list(jaxpr.outvars)
+    ):
+        out = list(jaxpr.eqns[0].params["out_shardings"])[:num_state_outputs]
+        return [s if isinstance(s, NamedSharding) else None for s in out]
+    return [None] * num_state_outputs
+
+
+def unplaced_inputs(closed, leaves: Sequence[Any]) -> set[int]:
+    """The flat inputs that nothing places on a mesh: host arrays, single-device arrays, and
+    no ``in_shardings`` for them (``jax.jit(tx.init)(params)`` leaves the moments so). The
+    plain step returns such a leaf as XLA's propagation shards it, not as it came in.
+
+    Args:
+      closed: the step's closed jaxpr.
+      leaves: its flat inputs.
+
+    Returns:
+      Their indices.
+    """
+    given = _top_shardings(closed)
+    return {
+        i
+        for i, (g, leaf) in enumerate(zip(given, leaves, strict=True))
+        if not isinstance(g, jax.sharding.Sharding)
+        and not isinstance(getattr(leaf, "sharding", None), NamedSharding)
+        and not (getattr(leaf, "sharding", None) is None and _sharding_of(None, leaf, closed.jaxpr.invars[i].aval))
+    }
 
 
 def _sharding_of(given: Any, leaf: Any, aval: Any) -> Any:
@@ -257,11 +295,20 @@ def _leaf_kind(name: str, role: str, shape: tuple, spec: P, data: tuple[str, ...
     return block(d, axes)
 
 
-def read_placement(closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequence[str]) -> Placement:
+def read_placement(
+    closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequence[str], num_state_outputs: int = 0
+) -> Placement:
     """The placement of the step traced as ``closed`` on flat input ``leaves`` (named
     ``names``, of role ``"params"``, ``"opt_state"`` or ``"batch"``). Raises
-    `PlacementError` naming the first leaf that is not data parallel."""
+    `PlacementError` naming the first leaf that is not data parallel.
+
+    A state leaf (one of the first ``num_state_outputs`` inputs, which the step returns in
+    the same order) is placed as the step's ``out_shardings`` returns it, where the jit
+    gives them: the scheduled state keeps one layout, the one the plain step returns."""
     given = _top_shardings(closed)
+    for i, out in enumerate(_top_out_shardings(closed, num_state_outputs)):
+        if out is not None:
+            given[i] = out
     shardings = [_sharding_of(g, leaf, v.aval) for g, leaf, v in zip(given, leaves, closed.jaxpr.invars, strict=True)]
     mesh = _concrete_mesh(shardings)
     if mesh is None:
