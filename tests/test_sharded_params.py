@@ -124,6 +124,19 @@ def test_the_jits_out_shardings_place_the_state_as_the_plain_step_returns_it(str
     assert plain[0]["w1"].sharding.spec == P(None, "fsdp")
 
 
+def test_a_batch_placed_over_other_data_axes_is_refused_naming_the_placement():
+    """dear lays its state out over the data axes: a later batch over fewer of them gets an
+    error about the batch's placement, not about the state's origin."""
+    tx = optax.adam(1e-2)
+    layout, mesh, params, opt_state, batches = _mlp_case("hsdp", tx, 13)
+    sched = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy="dear")
+    state, _ = sched(sched.init(params, opt_state), batches[0])
+    other = jax.device_put(jax.device_get(batches[1]), NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match=r"placed over the data axes 'data'.*Place every batch over the same axes"):
+        sched(state, other)
+    state, _ = sched(state, batches[1])  # the state is still good for its own placement
+
+
 def test_fsdp_gradients_are_reduce_scattered_in_backward_under_wfbp():
     tx = optax.adamw(1e-2)
     layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 3)

@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Hashable, Protocol, cast, runtime_checkable
+from typing import Any, Callable, Hashable, Iterator, Protocol, cast, runtime_checkable
 
 import jax
 import numpy as np
@@ -431,3 +431,6 @@ class ProgramCache:
 
     def __len__(self) -> int:
         return len(self._programs)
+
+    def __iter__(self) -> Iterator[Program]:
+        return iter(self._programs.values())

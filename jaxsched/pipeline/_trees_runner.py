@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, NoReturn, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -259,6 +259,10 @@ class TreesRunner:
         if self.template is None:
             self.template = (state.params, state.opt_state)
         program = self.programs.get(batch, retyped(self.template, (state.params, state.opt_state)))
+        if not state_fits(program, self.template, state):
+            for other in self.programs:
+                if other is not program and state_fits(other, self.template, state):
+                    raise_for_another_placement(program, other)
         check_state_fits(program, self.template, state)
         return program
 
@@ -328,6 +332,29 @@ def check_scheduled_state(state: Any, call: str, num_arguments: int = 1) -> None
         f"belongs{hint}. Call state = sched.init(params, opt_state) once "
         "(sched.init(state) for a step(state, batch)), then state, aux = "
         "sched(state, batch), and params, opt_state = sched.finalize(state) at the end"
+    )
+
+
+def state_fits(program: Program, template: Any, state: Any) -> bool:
+    """Whether ``state``'s leaves have the user's shapes or ``program``'s scheduled ones."""
+    trees = (state.params, state.opt_state)
+    if jax.tree.structure(trees) != jax.tree.structure(template):  # type: ignore[operator]
+        return False
+    got = [tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(trees)]
+    return got == [tuple(x.shape) for x in jax.tree.leaves(template)] or got == program.state_shapes(template)
+
+
+def raise_for_another_placement(program: Program, other: Program) -> NoReturn:
+    """Refuse a state laid out for ``other``, the program of a batch placed over other data
+    axes: the strategy lays its state out over the data axes, so it does not fit ``program``."""
+    name = program.strategy.name
+    raise JaxschedValueError(
+        f"this batch is placed over the data axes {program.planned.axis_name!r}, and the state "
+        f"is laid out for batches over {other.planned.axis_name!r} (batch specs "
+        f"{list(program.planned.batch_specs)} against {list(other.planned.batch_specs)}): {name} "
+        "lays its state out over the data axes, so the state does not fit this batch. Place "
+        "every batch over the same axes, or call sched.finalize(state) and init again with "
+        "the result to go on with the new placement"
     )
 
 
