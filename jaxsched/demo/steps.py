@@ -50,6 +50,7 @@ __all__ = [
     "place_replicated",
     "place_stacked",
     "planned_example",
+    "planned_step_example",
     "replicate",
     "shard_batch",
     "split_batch",
@@ -453,15 +454,39 @@ def planned_example(strategy: Strategy) -> tuple[Strategy, PlannedStep]:
       >>> wfbp.name, planned.axis_size
       ('wfbp', 2)
     """
-    from jaxsched.core._capture import capture
     from jaxsched.pipeline._selection import select
     from jaxsched.runtime.engine import make_engine
+
+    chosen = select(_captured_example(), strategy, None, make_engine("xla"))
+    return chosen.strategy, chosen.planned
+
+
+def planned_step_example() -> PlannedStep:
+    """`planned_example`'s step, captured and planned for no strategy: what the planning
+    stage's examples start from.
+
+    Returns:
+      The `jaxsched.plan.PlannedStep` of a tiny MLP's step (4 features, one hidden layer of
+      3, 2 classes, sgd) on the first 2 devices, one row per device.
+
+    Example:
+      >>> from jaxsched.demo import steps
+      >>> planned = steps.planned_step_example()
+      >>> planned.axis_size, len(planned.paths)
+      (2, 4)
+    """
+    from jaxsched.plan import PlannedStep
+
+    return PlannedStep(_captured_example())
+
+
+def _captured_example() -> Any:
+    """The captured step of `planned_example` and `planned_step_example`."""
+    from jaxsched.core._capture import capture
     from jaxsched.zoo import models
 
     params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     tx = optax.sgd(0.1)
     batch = shard_batch((jnp.ones((2, 4)), jnp.zeros(2, "int32")), mesh)
-    captured = capture(make_step(apply_fn, tx, mesh), params, tx.init(params), batch)
-    chosen = select(captured, strategy, None, make_engine("xla"))
-    return chosen.strategy, chosen.planned
+    return capture(make_step(apply_fn, tx, mesh), params, tx.init(params), batch)

@@ -369,13 +369,11 @@ def check_state_fits(program: Program, template: Any, state: Any) -> None:
             "Pass the state this schedule's init returned, or finalize the other "
             "schedule's state and init this one with the result"
         )
+    if state_fits(program, template, state):
+        return
     user = [tuple(x.shape) for x in jax.tree.leaves(template)]
     got = [tuple(getattr(x, "shape", ())) for x in jax.tree.leaves(trees)]
-    if got == user:
-        return
     scheduled = program.state_shapes(template)
-    if got == scheduled:
-        return
     paths = [("params/" if p.startswith("0") else "opt_state/") + p.partition("/")[2] for p in param_paths(trees)]
     for path, have, want_user, want_scheduled in zip(paths, got, user, scheduled):
         if have not in (want_user, want_scheduled):

@@ -86,16 +86,8 @@ def forward_flops(analysis: Analysis) -> list[float]:
       Per-device forward FLOPs per parameter leaf (0 for a leaf no matmul reads, a bias).
 
     Example:
-        >>> import jax, optax
-        >>> from jaxsched.core._capture import capture
         >>> from jaxsched.demo import steps
-        >>> from jaxsched.plan import PlannedStep
-        >>> from jaxsched.zoo import models
-        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-        >>> tx = optax.sgd(0.1)
-        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-        >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+        >>> planned = steps.planned_step_example()
         >>> from jaxsched.plan import forward_flops
         >>> forward_flops(planned.analysis)  # one row per device: 2 * 1 * 4 * 3 for the hidden kernel
         [0.0, 24.0, 0.0, 24.0]
@@ -183,16 +175,8 @@ def step_layer_profile(
       JaxschedValueError: ``measured`` lacks one of the step's layers.
 
     Example:
-        >>> import jax, optax
-        >>> from jaxsched.core._capture import capture
         >>> from jaxsched.demo import steps
-        >>> from jaxsched.plan import PlannedStep
-        >>> from jaxsched.zoo import models
-        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-        >>> tx = optax.sgd(0.1)
-        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-        >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+        >>> planned = steps.planned_step_example()
         >>> from jaxsched.plan import step_layer_profile
         >>> prof, members = step_layer_profile(planned.analysis, planned.paths, flops_per_s=1e9)
         >>> [layer.name for layer in prof.layers], members
@@ -249,16 +233,8 @@ def step_network_profile(
       The `NetworkProfile` to plan with.
 
     Example:
-        >>> import jax, optax
-        >>> from jaxsched.core._capture import capture
         >>> from jaxsched.demo import steps
-        >>> from jaxsched.plan import PlannedStep
-        >>> from jaxsched.zoo import models
-        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-        >>> tx = optax.sgd(0.1)
-        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-        >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+        >>> planned = steps.planned_step_example()
         >>> from jaxsched.plan import step_network_profile
         >>> step_network_profile(planned.analysis, "10gbe").cost("all_reduce").alpha_s
         5e-05
@@ -344,16 +320,8 @@ def auto_bucket_paths(
       and the profiles they were planned with.
 
     Example:
-        >>> import jax, optax
-        >>> from jaxsched.core._capture import capture
         >>> from jaxsched.demo import steps
-        >>> from jaxsched.plan import PlannedStep
-        >>> from jaxsched.zoo import models
-        >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-        >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-        >>> tx = optax.sgd(0.1)
-        >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-        >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+        >>> planned = steps.planned_step_example()
         >>> from jaxsched.plan import auto_bucket_paths, step_layer_profile
         >>> prof, _ = step_layer_profile(planned.analysis, planned.paths, flops_per_s=1e9)
         >>> auto_bucket_paths(planned.analysis, planned.paths, "wfbp", prof, "10gbe")[0]

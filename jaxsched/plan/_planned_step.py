@@ -177,16 +177,8 @@ class PlannedStep:
           The value ``build`` returned for ``key``.
 
         Example:
-            >>> import jax, optax
-            >>> from jaxsched.core._capture import capture
             >>> from jaxsched.demo import steps
-            >>> from jaxsched.plan import PlannedStep
-            >>> from jaxsched.zoo import models
-            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-            >>> tx = optax.sgd(0.1)
-            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> planned = steps.planned_step_example()
             >>> planned.memo("layout", lambda: [1, 2]) is planned.memo("layout", lambda: None)
             True
         """
@@ -250,16 +242,8 @@ class PlannedStep:
           The mesh axis names, in the spec's order; empty for a data-parallel leaf.
 
         Example:
-            >>> import jax, optax
-            >>> from jaxsched.core._capture import capture
             >>> from jaxsched.demo import steps
-            >>> from jaxsched.plan import PlannedStep
-            >>> from jaxsched.zoo import models
-            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-            >>> tx = optax.sgd(0.1)
-            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> planned = steps.planned_step_example()
             >>> planned.model_axes("params", 0)
             ()
         """
@@ -282,16 +266,8 @@ class PlannedStep:
           The engine's form for ``op``; ``"mixed"`` for a plan made without an engine.
 
         Example:
-            >>> import jax, optax
-            >>> from jaxsched.core._capture import capture
             >>> from jaxsched.demo import steps
-            >>> from jaxsched.plan import PlannedStep
-            >>> from jaxsched.zoo import models
-            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-            >>> tx = optax.sgd(0.1)
-            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> planned = steps.planned_step_example()
             >>> planned.collective_form("psum")
             'mixed'
         """
@@ -311,16 +287,8 @@ class PlannedStep:
           UnsupportedStepError: the leaf is not read by the per-device step.
 
         Example:
-            >>> import jax, optax
-            >>> from jaxsched.core._capture import capture
             >>> from jaxsched.demo import steps
-            >>> from jaxsched.plan import PlannedStep
-            >>> from jaxsched.zoo import models
-            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-            >>> tx = optax.sgd(0.1)
-            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> planned = steps.planned_step_example()
             >>> planned.body_invar("params", 0).aval
             ShapedArray(float32[2])
         """
@@ -345,16 +313,8 @@ class PlannedStep:
           False for every leaf of a ``shard_map`` or ``jax.jit`` step.
 
         Example:
-            >>> import jax, optax
-            >>> from jaxsched.core._capture import capture
             >>> from jaxsched.demo import steps
-            >>> from jaxsched.plan import PlannedStep
-            >>> from jaxsched.zoo import models
-            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-            >>> tx = optax.sgd(0.1)
-            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> planned = steps.planned_step_example()
             >>> planned.device_stacked("params", 0)
             False
         """
@@ -375,16 +335,8 @@ class PlannedStep:
           The output's ``PartitionSpec`` on the step's mesh.
 
         Example:
-            >>> import jax, optax
-            >>> from jaxsched.core._capture import capture
             >>> from jaxsched.demo import steps
-            >>> from jaxsched.plan import PlannedStep
-            >>> from jaxsched.zoo import models
-            >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(3,)))
-            >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-            >>> tx = optax.sgd(0.1)
-            >>> batch = steps.shard_batch((jax.numpy.ones((2, 4)), jax.numpy.zeros(2, "int32")), mesh)
-            >>> planned = PlannedStep(capture(steps.make_step(apply_fn, tx, mesh), params, tx.init(params), batch))
+            >>> planned = steps.planned_step_example()
             >>> planned.output_spec(0)
             P()
         """
