@@ -146,3 +146,39 @@ def test_two_processes_host_engine_equals_xla_engine_for_every_strategy(tmp_path
         assert report[strategy]["params_rel_gap"] < 1e-5, (strategy, report[strategy])
         np.testing.assert_allclose(report[strategy]["losses"]["host"], report[strategy]["losses"]["xla"], rtol=1e-5)
         assert report[f"{strategy}_stages"].count("comm") >= 1
+
+
+@pytest.mark.slow
+def test_two_processes_run_their_collectives_in_dispatch_order(tmp_path):
+    """Process 0's first collective waits on a long loop, its second is ready at once;
+    process 1's first is ready before its second. Both sums stay exact only if every
+    process runs its communication stages in dispatch order."""
+    log = io.StringIO()
+    code = launch_lib.launch(
+        2,
+        [sys.executable, str(SUPPORT_DIR / "collective_order_worker.py")],
+        env=CHILD_ENV,
+        stdout=log,
+        stderr=log,
+        timeout_s=120,
+        grace_s=2,
+    )
+    assert code == 0, log.getvalue()[-4000:]
+    assert log.getvalue().count("both sums exact") == 2, log.getvalue()[-2000:]
+
+
+def test_communication_stages_share_one_order_per_set_of_spare_devices():
+    """Every staged program on the same spare devices takes its token from one chain: the
+    stages of a new plan (or of a measurement) queue behind those of the last one."""
+    from jaxsched.runtime.engine._host import CollectiveOrder, StagedProgram
+
+    mesh, program = _one_device_program(lambda x: (lax.psum(x * 2.0, "data"),), (P("data"),), (P("data"),))
+    first, second = StagedProgram(program), StagedProgram(program)
+    assert first.order is second.order
+    x = jax.device_put(jnp.ones(4), jax.NamedSharding(mesh, P("data")))
+    before = first.order.token
+    np.testing.assert_allclose(first(x)[0], 2.0)
+    assert first.order.token is not before  # each communication stage hands the next a new token
+    after_first = second.order.token
+    np.testing.assert_allclose(second(x)[0], 2.0)
+    assert second.order.token is not after_first and CollectiveOrder.on(first.comm_mesh) is first.order

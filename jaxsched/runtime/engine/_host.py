@@ -20,7 +20,18 @@ Hazards this handles:
   collective it waits on finished. Every stage therefore also sums a small *ballast*
   input, which keeps its estimate above that limit and its dispatch asynchronous.
 * Every process dispatches the same stages in the same order (they come from one
-  program), so collectives never wait on each other crosswise.
+  program), and every process must run its collectives in that order: two stages run in
+  another order on each process pair different collectives (gloo aborts, or reads a short
+  message into a longer buffer). XLA:CPU gang-schedules collectives only where a process
+  holds several devices of a program; a communication stage holds one per process, so
+  XLA orders it as any other work, which it does not promise for collectives. So every
+  communication stage takes, and returns, an ordering token: the next one waits for it.
+  The chain is one per set of spare devices in the process (`CollectiveOrder`), so that
+  the stages of successive programs on them, a new plan's or a measurement's, keep to
+  dispatch order too.
+* Nothing else may run an XLA collective between the processes while stages are in flight
+  (their traffic would meet the stages'): what the processes must agree on travels
+  through jax.distributed's key-value store (`agree_across_processes`).
 
 The engine knows nothing of strategies: it runs any per-device program whose collectives
 sit at its top level (a collective inside a loop or cond is refused, naming it).
@@ -72,6 +83,7 @@ from jaxsched.core._primitives import CALL_PRIMITIVES, COLLECTIVES
 __all__ = [
     "BALLAST_ELEMENTS",
     "BUCKET_MIN_BYTES",
+    "CollectiveOrder",
     "cut_stages",
     "describe_comm_stage",
     "describe_compute_stage",
@@ -98,6 +110,40 @@ LAYOUT_PRIMITIVES = frozenset({"squeeze", "reshape"})
 
 class HostEngineError(JaxschedError, RuntimeError):
     """The program or the devices do not fit the host engine; the message says why."""
+
+
+class CollectiveOrder:
+    """The order of this process's communication stages on one set of spare devices.
+
+    XLA:CPU runs a program's collectives after the previous collective launch only where
+    the process holds several devices of the program; a communication stage holds one per
+    process, so its order is not XLA's promise. Every process must run its collectives in
+    the same order, so each stage takes the token the previous stage on these devices
+    returned (its buffer is ready only when that stage has finished) and returns the next.
+    One chain per process and set of devices, kept here rather than per program: the
+    stages of every staged program on those devices (each plan's, the overhead
+    measurement's) share it.
+
+    Example:
+        >>> import jax
+        >>> from jax.sharding import Mesh
+        >>> comm_mesh = Mesh(jax.devices()[1:2], ("data",))
+        >>> CollectiveOrder.on(comm_mesh) is CollectiveOrder.on(comm_mesh)
+        True
+    """
+
+    _chains: "dict[tuple[int, ...], CollectiveOrder]" = {}
+
+    def __init__(self, comm_mesh: Mesh):
+        self.token = jax.make_array_from_callback((), NamedSharding(comm_mesh, P()), lambda _: np.zeros((), np.float32))
+
+    @classmethod
+    def on(cls, comm_mesh: Mesh) -> "CollectiveOrder":
+        """The chain of the devices of ``comm_mesh`` (made on first use)."""
+        key = tuple(d.id for d in comm_mesh.devices.flat)
+        if key not in cls._chains:
+            cls._chains[key] = cls(comm_mesh)
+        return cls._chains[key]
 
 
 def spare_devices(mesh: Mesh) -> list:
@@ -415,6 +461,7 @@ class StagedProgram:
         spares = spare_devices(mesh)
         self.comm_device = spares[self.rank]
         self.comm_mesh = Mesh(np.array(spares), (axis,))
+        self.order = CollectiveOrder.on(self.comm_mesh)
         self.stages: list[Stage] = []
         self._signature: Any = None
 
@@ -448,19 +495,19 @@ class StagedProgram:
     def _comm_fn(self, stage: Stage) -> Callable:
         axis = self.program.axis_name
 
-        def per_device(ballast, *blocks):
+        def per_device(ballast, token, *blocks):
             env = {v: _from_block(b, v) for v, b in zip(stage.inputs, blocks, strict=True)}
             replay.interpret(stage.eqns, lambda x: replay.read(env, x), env.__setitem__)
-            return [_to_block(env[v]) for v in stage.outputs], jnp.sum(ballast)
+            return [_to_block(env[v]) for v in stage.outputs], token + jnp.sum(ballast)
 
         mapped = jax.shard_map(
             per_device,
             mesh=self.comm_mesh,
-            in_specs=(P(axis),) * (len(stage.inputs) + 1),
+            in_specs=(P(axis), P()) + (P(axis),) * len(stage.inputs),
             out_specs=([P(axis)] * len(stage.outputs), P()),
             check_vma=False,
         )
-        return jax.jit(mapped)
+        return jax.jit(mapped)  # the token is read: it is an input XLA waits for
 
     # -- running ----------------------------------------------------------------------------
     def time_calls(self, on: bool) -> None:
@@ -507,7 +554,7 @@ class StagedProgram:
                 env.update(zip(stage.outputs, outs, strict=True))
             else:
                 blocks = [self._global_comm(self._on_comm(v, env, comm_blocks)) for v in stage.inputs]
-                outs, _ = self._fn(stage)(self._comm_ballast, *blocks)
+                outs, self.order.token = self._fn(stage)(self._comm_ballast, self.order.token, *blocks)
                 outs = [o.addressable_data(0) for o in outs]
                 comm_blocks.update(zip(stage.outputs, outs, strict=True))
             timeline.add(stage, outs)
