@@ -51,7 +51,6 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 
@@ -269,10 +268,11 @@ def approximated_point(
 def gated(condition: jax.Array, compute: Callable, otherwise: Callable, *operands: Any) -> Any:
     """``compute(*operands)`` where ``condition`` holds, else ``otherwise(*operands)``.
 
-    A ``lax.cond``: the first steps of a delayed recurrence skip work, and every later step
-    pays for ``compute`` alone. Selecting between both results (``jnp.where`` on every leaf)
-    would cost a pass over the parameters and the optimizer state on every step.
-    Results keep the dtypes of ``otherwise``'s.
+    Both are computed and one is selected, leaf by leaf: the condition only fails in the
+    first steps of a delayed recurrence, and the selection fuses into ``compute``'s own
+    elementwise pass. A ``lax.cond`` would skip that work in those steps, but on GPU a
+    conditional reads its predicate on the host, which stops the stream and the
+    asynchronous dispatch on every step. Results keep the dtypes of ``otherwise``'s.
 
     Args:
       condition: a boolean scalar.
@@ -289,11 +289,10 @@ def gated(condition: jax.Array, compute: Callable, otherwise: Callable, *operand
         6.0
     """
 
-    def matched(*args):
-        like = jax.eval_shape(otherwise, *args)
-        return jax.tree.map(lambda n, o: jnp.asarray(n).astype(o.dtype), compute(*args), like)
-
-    return lax.cond(condition, matched, otherwise, *operands)
+    kept = otherwise(*operands)
+    return jax.tree.map(
+        lambda n, o: jnp.where(condition, jnp.asarray(n).astype(jnp.result_type(o)), o), compute(*operands), kept
+    )
 
 
 def approximate(

@@ -83,7 +83,6 @@ from jaxsched.core._primitives import CALL_PRIMITIVES, COLLECTIVES
 __all__ = [
     "BALLAST_ELEMENTS",
     "BUCKET_MIN_BYTES",
-    "CollectiveOrder",
     "cut_stages",
     "describe_comm_stage",
     "describe_compute_stage",
