@@ -71,7 +71,14 @@ from jaxsched.core._capture import UnsupportedStepError
 from jaxsched.runtime.collectives._base import BucketSpec, Collective, stack_local, unstack_local
 from jaxsched.runtime.engine._base import PerDeviceProgram
 from jaxsched.sim._costmodel import APPROX_PATTERN
-from jaxsched.strategies._approximation import approximated_point, check_method, check_staleness, select
+from jaxsched.strategies._approximation import (
+    approximated_point,
+    check_method,
+    check_staleness,
+    gated,
+    select,
+    selected,
+)
 from jaxsched.plan._planned_step import PlannedStep, is_abstract, zero_count
 from jaxsched.core._primitives import COLLECTIVES
 from jaxsched.core._replay import interpret, is_var, nested_eqns, read, source_line
@@ -554,8 +561,11 @@ class Approx(Strategy):
             p, s, _ = self._run_update(planned, p, s, [g * f for g, f in zip(grads, factors)], consts)
             return p, s
 
+        # with nothing to reduce (one device) no fusion boundary is needed, and a select
+        # spares a GPU the conditional's host round trip on every step (`gated`)
+        gate = selected if planned.axis_size == 1 else gated
         approx = approximated_point(
-            self.method, self.staleness, list(params), list(opts), list(previous), slots, num_pending, local_step
+            self.method, self.staleness, list(params), list(opts), list(previous), slots, num_pending, local_step, gate
         )
 
         # 3. forward and backward at θ̃ on this step's batch; nothing reads `reduced`

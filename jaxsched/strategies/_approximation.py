@@ -50,6 +50,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import optax
 
 from jaxsched._errors import JaxschedTypeError, JaxschedValueError
@@ -225,6 +226,7 @@ def approximated_point(
     pending: Sequence[Any],
     num_pending: jax.Array,
     local_step: LocalStep,
+    gate: Gate | None = None,
 ) -> Any:
     """``θ̃``: where the next gradient is computed, given the true parameters ``θ_{t-k}``.
 
@@ -240,6 +242,8 @@ def approximated_point(
       pending: the ``k`` pending gradients, oldest first.
       num_pending: how many of the last slots of ``pending`` hold a gradient.
       local_step: ``(params, state, grads) -> (params, state)``, one step of ``U``.
+      gate: how a slot that holds no gradient yet is skipped: `gated` (the default), or
+        `selected` where the step reduces nothing.
 
     Returns:
       ``θ̃``, a tree like ``true_params``.
@@ -258,21 +262,24 @@ def approximated_point(
         return jax.tree.map(
             lambda p, q: (p + staleness * (p - q)).astype(jnp.result_type(p)), true_params, previous_true
         )
+    gate = gated if gate is None else gate
     params, state = true_params, inner_state
     for slot, grads in enumerate(pending):
         holds = slot_holds_gradient(slot, staleness, num_pending)
-        params, state = gated(holds, lambda p, s, g=grads: local_step(p, s, g), lambda p, s: (p, s), params, state)
+        params, state = gate(holds, lambda p, s, g=grads: local_step(p, s, g), lambda p, s: (p, s), params, state)
     return params
 
 
 def gated(condition: jax.Array, compute: Callable, otherwise: Callable, *operands: Any) -> Any:
     """``compute(*operands)`` where ``condition`` holds, else ``otherwise(*operands)``.
 
-    Both are computed and one is selected, leaf by leaf: the condition only fails in the
-    first steps of a delayed recurrence, and the selection fuses into ``compute``'s own
-    elementwise pass. A ``lax.cond`` would skip that work in those steps, but on GPU a
-    conditional reads its predicate on the host, which stops the stream and the
-    asynchronous dispatch on every step. Results keep the dtypes of ``otherwise``'s.
+    A ``lax.cond``: the first steps of a delayed recurrence skip work, and the conditional
+    is a fusion boundary. Where the step also reduces gradients that matters: XLA would
+    otherwise fuse ``θ̃``'s computation with the update's (both read the parameters), and
+    forward and backward would wait for the reduction the update waits for (seen in the
+    schedules XLA compiles for GPU and TPU). On a GPU a conditional costs a round trip of
+    its predicate to the host on every step: `selected` is the gate where nothing is
+    reduced. Results keep the dtypes of ``otherwise``'s.
 
     Args:
       condition: a boolean scalar.
@@ -289,10 +296,33 @@ def gated(condition: jax.Array, compute: Callable, otherwise: Callable, *operand
         6.0
     """
 
+    def matched(*args):
+        like = jax.eval_shape(otherwise, *args)
+        return jax.tree.map(lambda n, o: jnp.asarray(n).astype(o.dtype), compute(*args), like)
+
+    return lax.cond(condition, matched, otherwise, *operands)
+
+
+def selected(condition: jax.Array, compute: Callable, otherwise: Callable, *operands: Any) -> Any:
+    """`gated` without a conditional: both computed, one chosen leaf by leaf.
+
+    The choice fuses into ``compute``'s own elementwise pass, and no predicate goes to the
+    host: on one H200 this took `approx`'s per-call cost on one device from +113..120 us to
+    +14..29 us at a 1 ms step. For steps that reduce nothing (one device); see `gated`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> float(selected(jnp.array(False), lambda x: x * 2, lambda x: x, jnp.array(3.0)))
+        3.0
+    """
     kept = otherwise(*operands)
     return jax.tree.map(
         lambda n, o: jnp.where(condition, jnp.asarray(n).astype(jnp.result_type(o)), o), compute(*operands), kept
     )
+
+
+#: ``(condition, compute, otherwise, *operands) -> result``: `gated` or `selected`.
+Gate = Callable[..., Any]
 
 
 def approximate(

@@ -212,6 +212,28 @@ def test_the_strategy_runs_the_recurrence_and_finalize_drains_it(method, k):
     assert int(state.num_pending) == k
 
 
+@pytest.mark.parametrize("devices, conditional", [(1, False), (8, True)])
+def test_the_warm_up_gate_is_a_select_only_where_nothing_is_reduced(devices, conditional):
+    """One device: θ̃'s warm-up gate is a select (a GPU sends a conditional's predicate to
+    the host on every step). With a reduction it stays a conditional, the fusion boundary
+    that keeps forward and backward from waiting for it. Both run the recurrence."""
+    n_steps, k = 5, 2
+    params, apply_fn = build("mlp", 0)
+    tx = optax.sgd(0.05, momentum=0.9)
+    mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+    batches = list(random_batches("mlp", n_steps, 2 * devices, seed=5))
+    sched = jaxsched.schedule(
+        steps.make_step(apply_fn, tx, mesh), strategy="approx", approx_method="local", staleness=k
+    )
+    state = sched.init(params, tx.init(params))
+    _, after = data_parallel_reference(apply_fn, tx, params, batches, "local", k, devices)
+    for t, batch in enumerate(batches):
+        state, _ = sched(state, steps.shard_batch(batch, mesh))
+        assert_trees_close(state.params, after[t])
+    jaxpr = _per_device_jaxpr(sched, state, steps.shard_batch(batches[0], mesh))
+    assert any(eqn.primitive.name == "cond" for eqn in jaxpr.eqns) == conditional
+
+
 @pytest.mark.parametrize("api", ["shard_map", "pmap"])
 def test_staleness_zero_equals_allreduce(api):
     tx = optax.adam(1e-2)
