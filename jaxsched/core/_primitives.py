@@ -67,7 +67,7 @@ ELEMENTWISE = frozenset(
 abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp
 clz complex conj convert_element_type copy copy_p cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1
 floor ge gt igamma igammac imag integer_pow is_finite le lgamma log log1p logistic lt max min mul
-ne neg nextafter not or polygamma population_count pow real reduce_precision rem round rsqrt
+ne neg nextafter not one_minus_square or polygamma population_count pow real reduce_precision rem round rsqrt
 select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square
 stop_gradient sub tan tanh xor zeta
 """.split()
@@ -84,6 +84,16 @@ ARRAY_REDUCTIONS = frozenset(
 )
 #: Placement annotations: they say where a value lives, not what it is.
 PLACEMENT = frozenset({"reshard", "sharding_constraint", "mesh_cast"})
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """A ``scan`` equation's numbers of constants and carries: its ``num_consts`` and
+    ``num_carry`` parameters (jax < 0.11), or the lengths of the first two parts of its
+    ``ft_in`` (jax 0.11, which replaced them)."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
 
 
 def reduction_axes(eqn: JaxprEqn) -> tuple[Any, ...]:

@@ -63,8 +63,8 @@ def is_abstract(tree: Any) -> bool:
 def takes_as_is(current: jax.sharding.Sharding, sharding: NamedSharding, ndim: int) -> bool:
     """Whether an array on ``current`` goes into a program that wants ``sharding`` without
     being placed: the same layout on the same devices (a one-device mesh's batch on its
-    device), and no other mesh for the program to trace it with. ``jax.device_put`` would
-    copy it on every call for nothing.
+    device), and no other mesh for the program to trace it with; on a mesh with an Explicit
+    axis, the same spec too. ``jax.device_put`` would copy it on every call for nothing.
 
     Args:
       current: the array's sharding now.
@@ -89,7 +89,15 @@ def takes_as_is(current: jax.sharding.Sharding, sharding: NamedSharding, ndim: i
         return True
     if isinstance(current, NamedSharding) and current.mesh != sharding.mesh:
         return False
-    return current.is_equivalent_to(sharding, ndim)
+    if not current.is_equivalent_to(sharding, ndim):
+        return False
+    if all(t != jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types):
+        return True
+    # an Explicit mesh axis is part of the array's type: jax.jit types an argument by its own
+    # spec and shard_map refuses one that is not its in_specs, even where the layout is the
+    # same (P() or a single device's array for P("data") on a one-device mesh)
+    padded = lambda spec: tuple(spec) + (None,) * (ndim - len(spec))
+    return isinstance(current, NamedSharding) and padded(current.spec) == padded(sharding.spec)
 
 
 def zero_count(*trees: Any) -> Any:

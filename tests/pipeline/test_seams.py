@@ -320,3 +320,31 @@ def test_scheduling_never_changes_the_users_strategy(given):
     assert all(vars(strategy)[k] is v for k, v in before.items())
     if given == "auto":
         assert sched.strategy.last_choice is not None
+
+
+def test_fresh_per_device_state_on_a_one_device_mesh_is_placed_with_its_spec():
+    """A per-device state leaf (TopK's residual, P("data")) starts as a one-device array:
+    the same layout on a one-device mesh, but not the same type on an Explicit mesh, whose
+    shard_map refuses it; so it is placed, not passed as is."""
+    from jax.sharding import AxisType, NamedSharding
+
+    from jaxsched.plan import takes_as_is
+    from jaxsched.runtime.compress import TopK
+
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1], axis_types=(AxisType.Explicit,))
+    x = jnp.zeros((1, 4))
+    assert not takes_as_is(x.sharding, NamedSharding(mesh, P("data")), 2)
+    placed = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+    assert takes_as_is(placed.sharding, NamedSharding(mesh, P("data")), 2)
+    auto = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1], axis_types=(AxisType.Auto,))
+    assert takes_as_is(x.sharding, NamedSharding(auto, P("data")), 2)  # untyped: the layout is enough
+
+    params, apply_fn = build("mlp", 0)
+    tx = optax.sgd(0.1)
+    plain = steps.make_step(apply_fn, tx, mesh)
+    batch = steps.shard_batch(next(random_batches("mlp", 1, 8, 0)), mesh)
+    sched = jaxsched.schedule(plain, strategy="wfbp", compression=TopK(0.5))
+    p0, o0 = steps.place_replicated((params, tx.init(params)), mesh)
+    state, aux = sched(sched.init(p0, o0), batch)
+    state, aux = sched(state, batch)
+    assert np.isfinite(float(aux["loss"]))

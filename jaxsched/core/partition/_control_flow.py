@@ -35,7 +35,7 @@ from jax.extend.core import JaxprEqn
 from jaxsched._errors import JaxschedTypeError
 from jaxsched.core.partition._interpreter import EqnPlan, JaxprPlan, Partitioner, Rule, aval_of
 from jaxsched.core.partition._kinds import PARTIAL, Kind, REPLICATED, join, sharded
-from jaxsched.core._primitives import CALL_PRIMITIVES
+from jaxsched.core._primitives import CALL_PRIMITIVES, scan_counts
 
 __all__ = ["CONTROL_RULES", "call_rule", "is_call"]
 
@@ -182,7 +182,7 @@ def _summed_carries(plan_body, carry: list[Kind], sub: JaxprPlan, first: int) ->
 def scan_rule(p: Partitioner, eqn: JaxprEqn, kinds: list[Kind], single: list[bool]) -> EqnPlan:
     params = eqn.params
     closed = params["jaxpr"]
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    n_consts, n_carry = scan_counts(params)
     entry = _entry_kinds(kinds, single)
     consts, carry = entry[:n_consts], entry[n_consts : n_consts + n_carry]
     xs_outer, xs_inner = [], []
@@ -246,7 +246,7 @@ def _prefetched(p: Partitioner, natural: JaxprPlan, xs_inner: list[Kind], length
 
 def _scan_emit(p: Partitioner, eqn: JaxprEqn, body: JaxprPlan) -> Any:
     params = eqn.params
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    n_consts, n_carry = scan_counts(params)
 
     def emit(values: list) -> list:
         const_vals = values[:n_consts]
@@ -273,9 +273,11 @@ def _double_buffered(
     iteration waits for, so the gather runs under the layer's compute (prefetch distance one:
     two layers gathered at once)."""
     params = eqn.params
-    n_consts, n_carry, length, reverse = params["num_consts"], params["num_carry"], params["length"], params["reverse"]
+    n_consts, n_carry = scan_counts(params)
+    length, reverse = params["length"], params["reverse"]
     order = sorted(prefetch)
-    shapes = {k: eqn.invars[n_consts + n_carry + k].aval.shape[1:] for k in order}
+    xs_vars: list[Any] = list(eqn.invars[n_consts + n_carry :])
+    shapes = {k: xs_vars[k].aval.shape[1:] for k in order}
 
     def gather(k: int, block: Any) -> Any:
         return p.ctx.convert(block, xs_inner[k], REPLICATED, shapes[k])

@@ -36,7 +36,7 @@ from jaxsched._errors import JaxschedWarning
 from jaxsched.core import _layout as layout
 from jaxsched.core._axes import AxisName, as_axes
 from jaxsched.core import _primitives as primitives
-from jaxsched.core._primitives import CALL_PRIMITIVES, VMA_TYPING
+from jaxsched.core._primitives import CALL_PRIMITIVES, VMA_TYPING, scan_counts
 from jaxsched.core._replay import bind as _bind
 from jaxsched.core._replay import at_source, aval_of, eval_inline, is_var, source_line
 from jaxsched.core._replay import inner_jaxpr as _inner_jaxpr
@@ -375,7 +375,7 @@ def scan_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     sharded, are no chunk of one tensor per iteration: the former fall back, the latter
     are gathered; both say so."""
     p = eqn.params
-    nc, nk = p["num_consts"], p["num_carry"]
+    nc, nk = scan_counts(p)
     consts, init, xs = values[:nc], values[nc : nc + nk], values[nc + nk :]
     if any(isinstance(v, Shard) for v in xs) or p.get("_split_transpose"):
         return full_rule(ctx, eqn, values)
