@@ -126,21 +126,28 @@ def test_auto_engine_is_xla_in_one_process():
     assert sched.program.engine.name == "xla"
 
 
+def _launch_two(worker: str, *args: str, timeout_s: float) -> str:
+    """Runs ``tests/support/<worker>`` in two processes of two CPU devices each; returns
+    their output once both exited cleanly."""
+    log = io.StringIO()
+    code = launch_lib.launch(
+        2,
+        [sys.executable, str(SUPPORT_DIR / worker), *args],
+        env=CHILD_ENV,
+        stdout=log,
+        stderr=log,
+        timeout_s=timeout_s,
+        grace_s=2,
+    )
+    assert code == 0, log.getvalue()[-4000:]
+    return log.getvalue()
+
+
 @pytest.mark.slow
 def test_two_processes_host_engine_equals_xla_engine_for_every_strategy(tmp_path):
     out = tmp_path / "report.json"
     strategies = STAGEABLE()
-    log = io.StringIO()
-    code = launch_lib.launch(
-        2,
-        [sys.executable, str(SUPPORT_DIR / "host_engine_worker.py"), str(out), *strategies],
-        env=CHILD_ENV,
-        stdout=log,
-        stderr=log,
-        timeout_s=240,
-        grace_s=2,
-    )
-    assert code == 0, log.getvalue()[-4000:]
+    _launch_two("host_engine_worker.py", str(out), *strategies, timeout_s=240)
     report = json.loads(out.read_text())
     for strategy in strategies:
         assert report[strategy]["params_rel_gap"] < 1e-5, (strategy, report[strategy])
@@ -153,18 +160,8 @@ def test_two_processes_run_their_collectives_in_dispatch_order(tmp_path):
     """Process 0's first collective waits on a long loop, its second is ready at once;
     process 1's first is ready before its second. Both sums stay exact only if every
     process runs its communication stages in dispatch order."""
-    log = io.StringIO()
-    code = launch_lib.launch(
-        2,
-        [sys.executable, str(SUPPORT_DIR / "collective_order_worker.py")],
-        env=CHILD_ENV,
-        stdout=log,
-        stderr=log,
-        timeout_s=120,
-        grace_s=2,
-    )
-    assert code == 0, log.getvalue()[-4000:]
-    assert log.getvalue().count("both sums exact") == 2, log.getvalue()[-2000:]
+    log = _launch_two("collective_order_worker.py", timeout_s=120)
+    assert log.count("both sums exact") == 2, log[-2000:]
 
 
 def test_communication_stages_share_one_order_per_set_of_spare_devices():
