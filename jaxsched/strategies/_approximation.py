@@ -307,8 +307,8 @@ def selected(condition: jax.Array, compute: Callable, otherwise: Callable, *oper
     """`gated` without a conditional: both computed, one chosen leaf by leaf.
 
     The choice fuses into ``compute``'s own elementwise pass, and no predicate goes to the
-    host: on one H200 this took `approx`'s per-call cost on one device from +113..120 us to
-    +14..29 us at a 1 ms step. For steps that reduce nothing (one device); see `gated`.
+    host, which on a GPU is most of `approx`'s per-call cost on one device (measured on the
+    benchmarks page). For steps that reduce nothing (one device); see `gated`.
 
     Example:
         >>> import jax.numpy as jnp
