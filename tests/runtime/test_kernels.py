@@ -144,14 +144,18 @@ def test_estimated_threshold_lands_near_k(n, density, rng):
     g, r = _inputs(rng, n, jnp.float32)
     acc = np.abs(np.asarray(r + g))
     k = kernels.selection_size(n, density)
+    estimate = jax.jit(lambda key: kernels.estimate_threshold(g, density, key, residual=r))
     counts = []
-    for seed in range(4):
-        t = kernels.estimate_threshold(g, density, jax.random.key(int(rng.integers(2**31))), residual=r)
+    for _ in range(16):
+        t = estimate(jax.random.key(int(rng.integers(2**31))))
         counts.append(int(np.sum(acc >= float(t))))
-    rel = np.abs(np.array(counts) / k - 1)
-    # default sample: about 400 hits, relative spread about 5 %
-    assert rel.max() < 0.25, counts
-    assert np.median(rel) < 0.12, counts
+    rel = np.array(counts) / k - 1
+    # default sample: about 400 hits; over 300 keys the count was unbiased (mean +0.4 %)
+    # with a spread of 6-8 %, so these bounds sit 4 or more standard deviations out: a
+    # biased or a loose estimator fails them, chance does not
+    assert abs(rel.mean()) < 0.08, counts
+    assert np.abs(rel).max() < 0.4, counts
+    assert rel.std() < 0.15, counts
 
 
 def test_estimator_exact_when_sample_covers_everything(rng):
