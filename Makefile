@@ -38,11 +38,16 @@ aot: $(AOT_STAMP)
 demo: $(STAMP)
 	$(PY) -m jaxsched demo
 
-# `make test`: about 4.5 minutes on 2 cores (plus a minute to build the environments).
+# `make test`: about 4 minutes on 2 cores (plus a minute to build the environments).
 # Everything but multi-process and fresh-interpreter tests (marked slow, run by
 # `make test-slow` in CI); the tests that compile for GPU and TPU run in the aot environment.
+# Most of the CPU tests' time is XLA:CPU compiling small programs: LLVM's optimisation
+# level 0 cuts it by a third (4:22 -> 3:08 on 2 cores, 2026-11-27). It changes how fast the
+# code runs, not what it computes, and the plain and the scheduled step of every equivalence
+# test are compiled alike; `make test-slow` keeps XLA's default level.
+TEST_XLA_FLAGS := --xla_backend_optimization_level=0
 test: $(DEV_STAMP) $(AOT_STAMP)
-	$(PY) -m pytest -n 2 -q -m "not slow and not aot" tests
+	XLA_FLAGS="$(TEST_XLA_FLAGS) $$XLA_FLAGS" $(PY) -m pytest -n 2 -q -m "not slow and not aot" tests
 	JAXSCHED_REQUIRE_TOOLCHAINS=1 $(AOT_PY) -m pytest -n 2 -q -m "aot and not slow" tests
 
 test-slow: $(STAMP) $(AOT_STAMP)

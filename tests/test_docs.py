@@ -34,6 +34,8 @@ SLOW_EXAMPLES = {
     "jaxsched.strategies._kfac",
     "jaxsched.check._verify",
     "jaxsched.integrations.nnx",
+    "jaxsched.demo.trainer",
+    "jaxsched.tools.aot._compare",
 }
 MODULES = [pytest.param(m, marks=pytest.mark.slow) if m in SLOW_EXAMPLES else m for m in _all_modules()]
 # Packages whose __init__ only re-exports, and modules of argument parsing or rule tables,
