@@ -74,6 +74,7 @@ from jaxsched.sim._costmodel import APPROX_PATTERN
 from jaxsched.strategies._approximation import (
     approximated_point,
     check_method,
+    fenced,
     check_staleness,
     gated,
     select,
@@ -527,6 +528,24 @@ class Approx(Strategy):
 
         return RewrittenBody(body, specs, specs, [], False)
 
+    @staticmethod
+    def _warm_up_gate(planned: PlannedStep):
+        """How θ̃ skips the slots that hold no gradient yet (the first ``staleness`` steps).
+
+        Where gradients are reduced, θ̃'s replayed update must not fuse with the update at the
+        end of the step, which reads the same parameters and waits for the reduction: forward
+        and backward would wait too. A ``lax.cond`` (`gated`) is such a boundary, but on a
+        GPU it reads its predicate on the host on every step, and XLA:GPU's estimate prices
+        neither that nor its branches; there a select behind an optimization barrier
+        (`fenced`) keeps the reduction async without a conditional. XLA:TPU kept a reduction
+        async only behind the conditional. With nothing to reduce (one device) a plain select
+        (`selected`) fuses into the update's own pass."""
+        if planned.axis_size == 1:
+            return selected
+        if planned.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm"):
+            return fenced
+        return gated
+
     def _synchronous(self, planned, params, opts, batch, consts, carried):
         """``staleness=0``: one all-reduce per bucket in backward, then the update (as wfbp)."""
         cap, analysis = planned.captured, planned.analysis
@@ -561,9 +580,7 @@ class Approx(Strategy):
             p, s, _ = self._run_update(planned, p, s, [g * f for g, f in zip(grads, factors)], consts)
             return p, s
 
-        # with nothing to reduce (one device) no fusion boundary is needed, and a select
-        # spares a GPU the conditional's host round trip on every step (`gated`)
-        gate = selected if planned.axis_size == 1 else gated
+        gate = self._warm_up_gate(planned)
         approx = approximated_point(
             self.method, self.staleness, list(params), list(opts), list(previous), slots, num_pending, local_step, gate
         )

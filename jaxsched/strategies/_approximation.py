@@ -242,8 +242,8 @@ def approximated_point(
       pending: the ``k`` pending gradients, oldest first.
       num_pending: how many of the last slots of ``pending`` hold a gradient.
       local_step: ``(params, state, grads) -> (params, state)``, one step of ``U``.
-      gate: how a slot that holds no gradient yet is skipped: `gated` (the default), or
-        `selected` where the step reduces nothing.
+      gate: how a slot that holds no gradient yet is skipped: `gated` (the default),
+        `fenced` where the step reduces on a GPU, or `selected` where it reduces nothing.
 
     Returns:
       ``θ̃``, a tree like ``true_params``.
@@ -278,8 +278,8 @@ def gated(condition: jax.Array, compute: Callable, otherwise: Callable, *operand
     otherwise fuse ``θ̃``'s computation with the update's (both read the parameters), and
     forward and backward would wait for the reduction the update waits for (seen in the
     schedules XLA compiles for GPU and TPU). On a GPU a conditional costs a round trip of
-    its predicate to the host on every step: `selected` is the gate where nothing is
-    reduced. Results keep the dtypes of ``otherwise``'s.
+    its predicate to the host on every step: there `fenced` is the gate, and `selected`
+    where nothing is reduced. Results keep the dtypes of ``otherwise``'s.
 
     Args:
       condition: a boolean scalar.
@@ -321,7 +321,35 @@ def selected(condition: jax.Array, compute: Callable, otherwise: Callable, *oper
     )
 
 
-#: ``(condition, compute, otherwise, *operands) -> result``: `gated` or `selected`.
+def fenced(condition: jax.Array, compute: Callable, otherwise: Callable, *operands: Any) -> Any:
+    """`selected` on operands behind an optimization barrier: no conditional, and still a
+    fusion boundary.
+
+    XLA fuses computations that read the same buffer. ``θ̃``'s replayed update reads the
+    true parameters, and so does the update at the end of the step, which waits for the
+    reduction: fused together, forward and backward would wait for it as well. Behind the
+    barrier, ``θ̃`` reads values XLA does not identify with the parameters. For steps that
+    reduce on a GPU, where a conditional (`gated`) reads its predicate on the host on every
+    step.
+
+    Args:
+      condition: a boolean scalar.
+      compute: the work done when ``condition`` holds.
+      otherwise: the result when it does not (of ``compute``'s structure).
+      *operands: the arguments of both.
+
+    Returns:
+      One of the two results, in ``otherwise``'s dtypes.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> float(fenced(jnp.array(True), lambda x: x * 2, lambda x: x, jnp.array(3.0)))
+        6.0
+    """
+    return selected(condition, compute, otherwise, *jax.lax.optimization_barrier(operands))
+
+
+#: ``(condition, compute, otherwise, *operands) -> result``: `gated`, `selected` or `fenced`.
 Gate = Callable[..., Any]
 
 

@@ -212,11 +212,16 @@ def test_the_strategy_runs_the_recurrence_and_finalize_drains_it(method, k):
     assert int(state.num_pending) == k
 
 
-@pytest.mark.parametrize("devices, conditional", [(1, False), (8, True)])
-def test_the_warm_up_gate_is_a_select_only_where_nothing_is_reduced(devices, conditional):
+@pytest.mark.parametrize("devices, gate, conditional", [(1, None, False), (8, None, True), (8, "fenced", False)])
+def test_the_warm_up_gate_is_a_select_only_where_nothing_is_reduced(devices, gate, conditional, monkeypatch):
     """One device: θ̃'s warm-up gate is a select (a GPU sends a conditional's predicate to
     the host on every step). With a reduction it stays a conditional, the fusion boundary
-    that keeps forward and backward from waiting for it. Both run the recurrence."""
+    that keeps forward and backward from waiting for it, except on a GPU, where the gate is
+    a select behind an optimization barrier (forced here on CPU). All run the recurrence."""
+    if gate == "fenced":
+        from jaxsched.strategies import _approx, _approximation
+
+        monkeypatch.setattr(_approx.Approx, "_warm_up_gate", staticmethod(lambda planned: _approximation.fenced))
     n_steps, k = 5, 2
     params, apply_fn = build("mlp", 0)
     tx = optax.sgd(0.05, momentum=0.9)
@@ -232,6 +237,8 @@ def test_the_warm_up_gate_is_a_select_only_where_nothing_is_reduced(devices, con
         assert_trees_close(state.params, after[t])
     jaxpr = _per_device_jaxpr(sched, state, steps.shard_batch(batches[0], mesh))
     assert any(eqn.primitive.name == "cond" for eqn in jaxpr.eqns) == conditional
+    barriers = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "optimization_barrier"]
+    assert bool(barriers) == (gate == "fenced")
 
 
 @pytest.mark.parametrize("api", ["shard_map", "pmap"])

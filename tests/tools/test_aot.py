@@ -184,13 +184,17 @@ def test_dear_reduce_scatters_in_backward_and_all_gathers_in_forward_are_async_o
 
 @needs_gpu
 def test_approx_reduction_spans_forward_and_backward_on_gpu():
+    """And without a conditional: XLA:GPU would read its predicate on the host every step."""
     exp = _experiment("h100:1x2x4")
-    report = _inspect(exp, "approx", collective=Collective(forms={"all_reduce": "packed"})).report
+    sched = jaxsched.schedule(exp.step, strategy="approx", collective=Collective(forms={"all_reduce": "packed"}))
+    state = sched.init(exp.params, exp.opt_state)
+    report = sched.inspect(state, exp.batch, baseline=False).report
     grads = _gradient_windows(report, "all-reduce", LAYERS * WIDTH * WIDTH * 4)
     assert len(grads) == 1 and grads[0].is_async
     # forward and backward of every hidden layer: 3 matmuls each, 2 * rows * W^2 flops
     rows = 128
     assert grads[0].compute_flops >= 0.5 * 3 * 2 * rows * WIDTH * WIDTH * LAYERS
+    assert " conditional(" not in sched.lower(state, exp.batch).compile().as_text()
 
 
 @needs_gpu
