@@ -421,7 +421,11 @@ def approximate(
             u, s = inner.update(g, s, p, **extra_args)
             return optax.apply_updates(p, u), s
 
-        approx = approximated_point(method, staleness, true, inner_state, previous, queue[1:], num_pending, local_step)
+        # the user's step reduced its gradients before this update: no fusion boundary to
+        # keep, and a select spares a GPU the conditional's host round trip every step
+        approx = approximated_point(
+            method, staleness, true, inner_state, previous, queue[1:], num_pending, local_step, selected
+        )
         approx_step = jax.tree.map(lambda new, old: new - old, approx, params.approx)
         return (ApproxParams(step, approx_step), ApproximateState(inner_state, queue[1:], num_pending, previous))
 

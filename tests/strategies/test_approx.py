@@ -91,6 +91,10 @@ def test_the_wrapper_follows_the_hand_written_recurrence(method, k, jit):
         np.testing.assert_allclose(point, ref_point, rtol=1e-5, atol=1e-6, err_msg=f"θ̃ of step {t}")
     # the methods really differ, and the delay really changes the trajectory
     assert not np.allclose(got[-1][1], reference_trajectory("stale", 0, 12)[-1][1], rtol=1e-3)
+    # no conditional in the update: XLA:GPU would read its predicate on the host every step
+    params = ApproxParams.init_synced(jnp.ones(3))
+    update = jax.make_jaxpr(tx.update)(jnp.ones(3), tx.init(params.true), params)
+    assert not [e for e in update.eqns if e.primitive.name == "cond"]
 
 
 @pytest.mark.parametrize("method", METHODS)
