@@ -45,10 +45,32 @@ _CYCLES_RE = re.compile(r'"estimated_cycles"\s*:\s*"?([0-9.]+)')
 
 def _instruction_cycles(mod: _Module, an: _Analyzer, comp: str, depth: int = 0) -> tuple[float, int, bool]:
     """XLA's estimated cycles of the instructions of ``comp`` run one after another (a while
-    loop's body times its known trip count), how many instructions had a cost, and whether
-    a loop body holds a collective (which the caller cannot price)."""
+    loop's body times its known trip count; a conditional's costliest branch, which XLA
+    costs at nothing itself), how many instructions had a cost, and whether a loop body or
+    a branch holds a collective (which the caller cannot price)."""
     total, costed, loop_collective = 0.0, 0, False
     for ins in mod.computations.get(comp, []):
+        if ins.opcode == "conditional":
+            names = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
+            branches = (
+                [b.strip().lstrip("%") for b in names.group(1).split(",")]
+                if names
+                else re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", ins.attrs)
+            )
+            if not branches or depth > 8:
+                loop_collective = True
+                continue
+            priced = []
+            for branch in branches:
+                inner = mod.computations.get(branch, [])
+                if any(an.role(i)[0] in ("sync", "start", "done") for i in inner):
+                    loop_collective = True
+                priced.append(_instruction_cycles(mod, an, branch, depth + 1))
+            cycles, k, nested = max(priced)
+            total += cycles
+            costed += k
+            loop_collective = loop_collective or any(p[2] for p in priced)
+            continue
         if ins.opcode == "while":
             body = re.search(r"body=%?([\w.\-]+)", ins.attrs)
             trips = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', ins.attrs)
@@ -186,12 +208,13 @@ def estimate_from_instruction_costs(
     XLA:TPU writes its cost of every fusion into the compiled HLO (``estimated_cycles`` in
     its ``backend_config``) even when its latency-hiding scheduler does not run (a single
     slice with the default options). The compute is those costs added up in program order
-    (a while loop's body times its trip count); each collective is priced by XLA's
+    (a while loop's body times its trip count, a conditional's costliest branch: XLA costs
+    the conditional itself at nothing); each collective is priced by XLA's
     latency estimator on a program of that collective alone (the same kind, bytes and mesh
     axes, as one flat array; ``collective_seconds(kind, bytes, axes)`` replaces that
     probe). Nothing overlaps: a synchronous collective adds its whole time, an
     asynchronous one what the costed compute in its window does not cover. No estimate
-    (``rep`` returned) where a collective cannot be priced, a loop holds a collective, or
+    (``rep`` returned) where a collective cannot be priced, a loop or a branch holds one, or
     the program carries no instruction costs (XLA:GPU and XLA:CPU write none).
 
     Args:

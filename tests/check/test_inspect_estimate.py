@@ -70,6 +70,48 @@ def test_instruction_costs_add_up_serially_and_say_so():
     assert ins.CompiledReport.from_json(e.to_json()) == e
 
 
+# the same program with a conditional between the two fusions: XLA:TPU costs the
+# conditional at nothing, and its branches (here 2000 and 500 cycles) not at all
+TPU_COND_TEXT = TPU_TEXT.replace(
+    """ENTRY %main (p: f32[256,256]) -> f32[256,256] {""",
+    """%heavy (q: f32[256,256]) -> f32[256,256] {
+  %q = f32[256,256]{1,0:T(8,128)} parameter(0)
+  ROOT %h = f32[256,256]{1,0:T(8,128)} fusion(%q), kind=kLoop, calls=%f1, backend_config={"estimated_cycles":"2000"}
+}
+
+%light (r: f32[256,256]) -> f32[256,256] {
+  %r = f32[256,256]{1,0:T(8,128)} parameter(0)
+  ROOT %l = f32[256,256]{1,0:T(8,128)} fusion(%r), kind=kLoop, calls=%f1, backend_config={"estimated_cycles":"500"}
+}
+
+ENTRY %main (p: f32[256,256]) -> f32[256,256] {
+  %pred = pred[] constant(true)""",
+).replace(
+    """  ROOT %c2 = f32[256,256]{1,0:T(8,128)} fusion(%ar)""",
+    """  %cond = f32[256,256]{1,0:T(8,128)} conditional(%pred, %ar, %ar), branch_computations={%heavy, %light}
+  ROOT %c2 = f32[256,256]{1,0:T(8,128)} fusion(%cond)""",
+)
+
+
+def test_a_conditional_costs_its_costliest_branch():
+    mesh = jax.sharding.AbstractMesh((2, 1), ("axis_0", "axis_1"))
+    r = ins.report(TPU_COND_TEXT, None, mesh, label="plain")
+    e = ins.estimate_from_instruction_costs(
+        r, TPU_COND_TEXT, mesh, cycles_per_us=1000.0, collective_seconds=lambda *a: 5e-6
+    )
+    assert e.step_s == pytest.approx((3000 + 1000 + 2000) / 1000 * 1e-6 + 5e-6)
+    # a branch that communicates cannot be priced: no estimate, as for a loop
+    light = 'fusion(%r), kind=kLoop, calls=%f1, backend_config={"estimated_cycles":"500"}'
+    reduce = "all-reduce(%r), replica_groups=mesh['axis_0'=2,'axis_1'=1] {'axis_0'}, to_apply=%add"
+    assert light in TPU_COND_TEXT
+    talking = TPU_COND_TEXT.replace(light, reduce)
+    r = ins.report(talking, None, mesh, label="plain")
+    assert (
+        ins.estimate_from_instruction_costs(r, talking, mesh, cycles_per_us=1000.0, collective_seconds=lambda *a: 5e-6)
+        is r
+    )
+
+
 def test_no_costs_no_estimate():
     r = ins.report(TPU_TEXT.replace("estimated_cycles", "other"), None, None, label="plain")
     e = ins.estimate_from_instruction_costs(
