@@ -43,6 +43,10 @@ __all__ = ["estimate_from_instruction_costs"]
 _CYCLES_RE = re.compile(r'"estimated_cycles"\s*:\s*"?([0-9.]+)')
 
 
+def _holds_collective(mod: _Module, an: _Analyzer, comp: str) -> bool:
+    return any(an.role(i)[0] in ("sync", "start", "done") for i in mod.computations.get(comp, []))
+
+
 def _instruction_cycles(mod: _Module, an: _Analyzer, comp: str, depth: int = 0) -> tuple[float, int, bool]:
     """XLA's estimated cycles of the instructions of ``comp`` run one after another (a while
     loop's body times its known trip count; a conditional's costliest branch, which XLA
@@ -60,16 +64,13 @@ def _instruction_cycles(mod: _Module, an: _Analyzer, comp: str, depth: int = 0) 
             if not branches or depth > 8:
                 loop_collective = True
                 continue
-            priced = []
-            for branch in branches:
-                inner = mod.computations.get(branch, [])
-                if any(an.role(i)[0] in ("sync", "start", "done") for i in inner):
-                    loop_collective = True
-                priced.append(_instruction_cycles(mod, an, branch, depth + 1))
-            cycles, k, nested = max(priced)
+            priced = [_instruction_cycles(mod, an, branch, depth + 1) for branch in branches]
+            cycles, k, _ = max(priced, key=lambda p: p[0])
             total += cycles
             costed += k
-            loop_collective = loop_collective or any(p[2] for p in priced)
+            loop_collective = loop_collective or any(
+                _holds_collective(mod, an, b) or p[2] for b, p in zip(branches, priced)
+            )
             continue
         if ins.opcode == "while":
             body = re.search(r"body=%?([\w.\-]+)", ins.attrs)
@@ -77,8 +78,7 @@ def _instruction_cycles(mod: _Module, an: _Analyzer, comp: str, depth: int = 0) 
             if body is None or trips is None or depth > 8:
                 loop_collective = True  # an unknown number of iterations: no estimate
                 continue
-            inner = mod.computations.get(body.group(1), [])
-            if any(an.role(i)[0] in ("sync", "start", "done") for i in inner):
+            if _holds_collective(mod, an, body.group(1)):
                 loop_collective = True
             cycles, k, nested = _instruction_cycles(mod, an, body.group(1), depth + 1)
             total += int(trips.group(1)) * cycles

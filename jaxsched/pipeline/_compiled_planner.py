@@ -30,7 +30,7 @@ from jaxsched._errors import JaxschedValueError
 from jaxsched.core._capture import CapturedStep
 from jaxsched.pipeline._program import Program
 from jaxsched.plan._planned_step import PlannedStep
-from jaxsched.runtime.engine._base import Engine
+from jaxsched.runtime.engine._base import Engine, platform_family
 from jaxsched.strategies._base import Strategy
 
 __all__ = [
@@ -85,10 +85,6 @@ DEVICE_DCN_REDUCTION: dict[str, Any] = {"xla_tpu_use_megascale_host_reduction": 
 _MULTI_SLICE_VARIANTS = frozenset({"device DCN reduction"})
 
 
-def _platform(platform: str) -> str:
-    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
-
-
 def spans_slices(mesh: Mesh | None) -> bool:
     """Whether ``mesh``'s devices sit in more than one TPU slice (joined over DCN)."""
     from jaxsched.core._axes import num_slices
@@ -105,7 +101,7 @@ def candidates_for(
     ``buckets`` is None or ``"auto"``, else ``buckets``."""
     from jaxsched.runtime.collectives._base import OPERATIONS, Collective
 
-    platform = _platform(platform)
+    platform = platform_family(platform)
     if not strategy.accepts_collective:
         pairs = [(strategy, None)]
         if strategy.compiler_defaults and platform in VARIANTS:
@@ -143,7 +139,7 @@ def _variant(strategy: Strategy, **options: Any) -> Strategy:
 def compiled_estimates_apply(platform: str) -> bool:
     """Whether choices on this platform go by the compiled estimate (GPU, TPU) rather than
     the simulator (CPU, where XLA runs collectives inline and writes no estimate)."""
-    return platform in ("gpu", "cuda", "rocm", "tpu")
+    return platform_family(platform) in ("gpu", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -69,13 +69,13 @@ from jax.sharding import PartitionSpec as P
 from jaxsched._errors import JaxschedValueError
 from jaxsched.core._capture import UnsupportedStepError
 from jaxsched.runtime.collectives._base import BucketSpec, Collective, stack_local, unstack_local
-from jaxsched.runtime.engine._base import PerDeviceProgram
+from jaxsched.runtime.engine._base import PerDeviceProgram, platform_family
 from jaxsched.sim._costmodel import APPROX_PATTERN
 from jaxsched.strategies._approximation import (
     approximated_point,
     check_method,
-    fenced,
     check_staleness,
+    fenced,
     gated,
     select,
     selected,
@@ -542,7 +542,7 @@ class Approx(Strategy):
         (`selected`) fuses into the update's own pass."""
         if planned.axis_size == 1:
             return selected
-        if planned.mesh.devices.flat[0].platform in ("gpu", "cuda", "rocm"):
+        if platform_family(planned.mesh.devices.flat[0].platform) == "gpu":
             return fenced
         return gated
 

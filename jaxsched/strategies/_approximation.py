@@ -346,7 +346,7 @@ def fenced(condition: jax.Array, compute: Callable, otherwise: Callable, *operan
         >>> float(fenced(jnp.array(True), lambda x: x * 2, lambda x: x, jnp.array(3.0)))
         6.0
     """
-    return selected(condition, compute, otherwise, *jax.lax.optimization_barrier(operands))
+    return selected(condition, compute, otherwise, *lax.optimization_barrier(operands))
 
 
 #: ``(condition, compute, otherwise, *operands) -> result``: `gated`, `selected` or `fenced`.

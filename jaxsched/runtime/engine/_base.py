@@ -45,6 +45,17 @@ __all__ = [
 ]
 
 
+def platform_family(platform: str) -> str:
+    """``"gpu"`` for any of JAX's GPU platform names (``gpu``, ``cuda``, ``rocm``), else
+    ``platform`` itself: what XLA's options and collective shapes depend on.
+
+    Example:
+        >>> platform_family("cuda"), platform_family("tpu")
+        ('gpu', 'tpu')
+    """
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
 @dataclasses.dataclass(frozen=True)
 class PerDeviceProgram:
     """A scheduled step as one per-device function plus the specs that run it.

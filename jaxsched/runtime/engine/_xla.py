@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding
 
 from jaxsched._errors import JaxschedTypeError
 from jaxsched.core import _axes as axes
-from jaxsched.runtime.engine._base import Engine, PerDeviceProgram, register_engine
+from jaxsched.runtime.engine._base import Engine, PerDeviceProgram, platform_family, register_engine
 
 __all__ = [
     "collective_form_for",
@@ -115,7 +115,7 @@ def compiler_options_for(
     (`GPU_FSDP_OPTIONS`): each collective then costs a start-up of hundreds of
     microseconds, which dozens per layer add up to, while on one or two hosts combining
     only keeps more gathered weights alive."""
-    if platform in ("gpu", "cuda", "rocm"):
+    if platform_family(platform) == "gpu":
         bucket_bytes = int(bucket_bytes)
         options = {
             **GPU_OPTIONS,
@@ -142,8 +142,7 @@ COLLECTIVE_FORMS: dict[str, dict[str, str]] = {
 
 
 def collective_form_for(platform: str, op: str) -> str:
-    platform = "gpu" if platform in ("gpu", "cuda", "rocm") else platform
-    return COLLECTIVE_FORMS.get(platform, {}).get(op, "mixed")
+    return COLLECTIVE_FORMS.get(platform_family(platform), {}).get(op, "mixed")
 
 
 class XlaEngine(Engine):
