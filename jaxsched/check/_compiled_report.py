@@ -105,7 +105,10 @@ class CompiledReport:
     gave every instruction (its own cost model): ``step_s`` is the schedule's length (the
     last instruction's end), ``exposed_comm_s`` the time in it during which a collective
     is in flight and no compute runs, counting the whole window of a collective that the
-    final program runs synchronously.
+    final program runs synchronously. XLA:TPU schedules before it forms its async
+    collective fusions and runs a collective it could not fuse synchronously, where the
+    schedule had planned compute beside it: such a collective adds its own time (XLA's,
+    compiled alone) to both figures instead of its planned window.
 
     A while loop (a ``lax.scan`` over layers) is one instruction in the entry's schedule;
     XLA schedules its body on its own, and the body runs its trip count times: ``step_s`` and

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Mapping, NamedTuple
+import statistics
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple
 
 from jax.sharding import Mesh
 
-from jaxsched.check._hlo_ops import _Analyzer, _find_start
+from jaxsched.check._hlo_ops import _COLLECTIVES, _Analyzer, _find_start
 from jaxsched.check._hlo_text import (
     _dtype_bits,
     _Instr,
@@ -236,26 +237,141 @@ class _Totals(NamedTuple):
     peak_gathered_bytes: int | None = None
 
 
-def _exposed(windows: list[CollectiveWindow], sched: _Schedule) -> float:
+#: ``(kind, bytes, mesh axes) -> seconds``: a collective's time alone (None: unknown).
+CollectiveSeconds = Callable[[str, int, tuple[str, ...]], "float | None"]
+
+
+def _overlap(a: float, b: float, spans: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(b, e) - max(a, s)) for s, e in spans)
+
+
+def _made_synchronous(windows: list[CollectiveWindow], compute: list[tuple[float, float]]) -> list[bool]:
+    """Which collectives the final program runs synchronously although XLA's schedule put
+    compute in their window: XLA:TPU schedules before forming its async collective fusions
+    and runs a collective it could not fuse synchronously, in place. Its window is the
+    overlap the scheduler planned, not what the program does."""
+    return [
+        not w.is_async and w.start_s is not None and w.end_s is not None and _overlap(w.start_s, w.end_s, compute) > 0
+        for w in windows
+    ]
+
+
+def _own_seconds(
+    windows: list[CollectiveWindow], made_sync: list[bool], price: CollectiveSeconds | None
+) -> list[float | None]:
+    """What each collective made synchronous after scheduling costs alone: ``price``'s
+    time, else the median window of the same collective (kind and bytes) the schedule
+    already ran synchronously, else None (its whole window is charged)."""
+    twins: dict[tuple[str, int], list[float]] = {}
+    for w, made in zip(windows, made_sync):
+        if not made and not w.is_async and w.start_s is not None and w.end_s is not None:
+            twins.setdefault((w.kind, w.bytes), []).append(w.end_s - w.start_s)
+    out: list[float | None] = []
+    for w, made in zip(windows, made_sync):
+        seconds = None
+        if made:
+            seconds = price(w.kind, w.bytes, tuple(w.mesh_axes)) if price is not None else None
+            if seconds is None and (w.kind, w.bytes) in twins:
+                seconds = statistics.median(twins[(w.kind, w.bytes)])
+        out.append(seconds)
+    return out
+
+
+_MADE_SYNC_RE = re.compile(r'async_collective_name="')
+
+
+def _trips(ins: _Instr, body: str, sched: _Schedule | None, outer: _Schedule | None) -> int | None:
+    """A while loop's trip count: XLA's ``known_trip_count`` where the final program keeps
+    it, else (XLA:TPU drops it) the loop's time in the enclosing schedule over its body's."""
+    known = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', ins.attrs)
+    if known:
+        return int(known.group(1))
+    inner = sched.others.get(body) if sched is not None else None
+    if inner is None or outer is None or not inner.ops:
+        return None
+    mine = [o for o in outer.ops if o.name == ins.name]
+    per_trip = inner.totals()[0]
+    if not mine or per_trip <= 0:
+        return None
+    ratio = outer.seconds(mine[0].end - mine[0].start) / per_trip
+    return round(ratio) if ratio >= 0.5 and abs(ratio - round(ratio)) < 0.05 * ratio else None
+
+
+def _made_sync_in_loops(
+    mod: _Module,
+    comp: str,
+    sched: _Schedule,
+    outer: _Schedule | None,
+    mesh: MeshLike | None,
+    price: CollectiveSeconds | None,
+    depth: int = 0,
+) -> float:
+    """The own time, every iteration counted, of the collectives that the while-loop bodies
+    of ``comp`` (scheduled as ``outer``) run synchronously although XLA scheduled them
+    async: XLA:TPU marks each with the async collective it was (``async_collective_name``),
+    and its schedule of the body, which prices the loop, hides it beside compute."""
+    if price is None or depth > 8:
+        return 0.0
+    total = 0.0
+    for ins in mod.computations.get(comp, []):
+        if ins.opcode != "while":
+            continue
+        found = re.search(r"body=%?([\w.\-]+)", ins.attrs)
+        if found is None:
+            continue
+        body = found.group(1)
+        trips = _trips(ins, body, sched, outer)
+        if trips is None:
+            continue
+        per_trip = _made_sync_in_loops(mod, body, sched, sched.others.get(body), mesh, price, depth + 1)
+        for b in mod.computations.get(body, []):
+            if b.opcode in _COLLECTIVES and _MADE_SYNC_RE.search(b.attrs):
+                axes = _mesh_axes(_replica_groups(b.attrs), mesh)
+                per_trip += price(b.opcode, int(_shape_bytes(b.shape)), axes) or 0.0
+        total += trips * per_trip
+    return total
+
+
+def _exposed(windows: list[CollectiveWindow], sched: _Schedule, own: list[float | None]) -> float:
     """Time with a collective in flight and no compute running. A collective the final
-    program runs synchronously hides nothing, even where the schedule (on TPU made before
-    the async fusions) had compute in its window."""
-    timed = [(w.start_s, w.end_s, w.is_async) for w in windows if w.start_s is not None and w.end_s is not None]
+    program runs synchronously hides nothing: where the schedule ran it so, its window;
+    where the schedule (on TPU made before the async fusions) had planned compute in its
+    window, its own time (``own``) added on top, or without one its whole window."""
     hidden_by = [(sched.seconds(o.start), sched.seconds(o.end)) for o in sched.ops if o.compute]
-    parts = intervals.subtract([(a, b) for a, b, is_async in timed if is_async], hidden_by)
-    parts += [(a, b) for a, b, is_async in timed if not is_async]
-    return intervals.total(intervals.union(parts))
+    parts: list[tuple[float, float]] = []
+    serial = 0.0
+    for w, seconds in zip(windows, own):
+        if w.start_s is None or w.end_s is None:
+            continue
+        if w.is_async:
+            parts += intervals.subtract([(w.start_s, w.end_s)], hidden_by)
+        elif seconds is not None:
+            serial += seconds
+        else:
+            parts.append((w.start_s, w.end_s))
+    return intervals.total(intervals.union(parts)) + serial
 
 
-def _totals(mod: _Module, sched: _Schedule, windows: list[CollectiveWindow]) -> _Totals:
-    """The schedule's step and exposed communication, while loops counted per iteration."""
+def _totals(
+    mod: _Module,
+    sched: _Schedule,
+    windows: list[CollectiveWindow],
+    mesh: MeshLike | None,
+    price: CollectiveSeconds | None,
+) -> _Totals:
+    """The schedule's step and exposed communication, while loops counted per iteration, and
+    the collectives made synchronous after scheduling added to both."""
     step_s = exposed = None
     total = sched.seconds(sched.step_cycles) if sched.step_cycles is not None else None
     wasted = sched.seconds(sched.wasted_cycles) if sched.wasted_cycles is not None else None
     compute = tuple((o.name, sched.seconds(o.start), sched.seconds(o.end)) for o in sched.ops if o.compute)
     if sched.ops:
         step_s = sched.seconds(max(o.end for o in sched.ops) - min(o.start for o in sched.ops))
-        exposed = _exposed(windows, sched)
+        spans = [(sched.seconds(o.start), sched.seconds(o.end)) for o in sched.ops if o.compute]
+        made_sync = _own_seconds(windows, _made_synchronous(windows, spans), price)
+        in_loops = _made_sync_in_loops(mod, mod.entry, sched, sched, mesh, price)
+        exposed = _exposed(windows, sched, made_sync) + in_loops
+        step_s += sum(seconds for seconds in made_sync if seconds is not None) + in_loops
     loops = tuple(_loop_costs(mod, mod.entry, sched))
     gathered = [_live_gathered(mod, mod.entry, sched)]
     gathered += [_live_gathered(mod, comp, body) for comp, body in sched.others.items()]
@@ -283,8 +399,16 @@ def report(
     label: str,
     target: str = "",
     compiler_options: Mapping[str, CompilerOption] | None = None,
+    collective_seconds: CollectiveSeconds | None = None,
 ) -> CompiledReport:
     """Collectives of a compiled program and XLA's schedule estimate for it.
+
+    XLA:TPU schedules before it forms its async collective fusions, and runs a collective
+    it could not fuse synchronously where the schedule had planned compute beside it. Such
+    a collective is charged its own time, to the step and to the exposed communication:
+    ``collective_seconds``'s, by default (on TPU) XLA's time for that collective compiled
+    alone on ``mesh``'s devices (one compile per kind, size and axes), else the window of a
+    twin the schedule ran synchronously, else its whole planned window.
 
     Args:
       compiled_or_hlo_text: a ``jax.stages.Compiled`` or its ``as_text()`` (scheduled HLO).
@@ -295,6 +419,8 @@ def report(
       target: what the program was compiled for (`describe_mesh`).
       compiler_options: what the program was compiled with, kept in the report (None:
         XLA's defaults).
+      collective_seconds: ``(kind, bytes, axes) -> seconds or None``, a collective's time
+        alone (None: XLA's, compiled on ``mesh`` where it is a ``Mesh`` of TPUs).
 
     Returns:
       The `CompiledReport`. Without a schedule it has no times;
@@ -317,7 +443,10 @@ def report(
     items = _pairs(entry)
     matched = _match_windows(items, sched) if sched is not None else [None] * len(items)
     windows = [_window(item, win, entry, sched, mesh) for item, win in zip(items, matched)]
-    totals = _totals(entry.mod, sched, windows) if sched is not None else _Totals()
+    price = collective_seconds
+    if price is None and isinstance(mesh, Mesh) and _platform(text, mesh) == "tpu":
+        price = _alone(mesh)
+    totals = _totals(entry.mod, sched, windows, mesh, price) if sched is not None else _Totals()
     return CompiledReport(
         label,
         target,
@@ -334,6 +463,17 @@ def report(
         estimate_source=ESTIMATE_FROM_SCHEDULE if totals.step_s is not None else None,
         compiler_options=dict(compiler_options or {}),
     )
+
+
+def _alone(mesh: Mesh) -> CollectiveSeconds:
+    """XLA's time for a collective compiled alone on ``mesh`` (`_estimate`'s probe)."""
+
+    def seconds(kind: str, nbytes: int, axes: tuple[str, ...]) -> float | None:
+        from jaxsched.check._estimate import _probe_collective  # it reads probes with `report`
+
+        return _probe_collective(mesh, kind, nbytes, axes)[0] if axes else None
+
+    return seconds
 
 
 def _peak_memory(compiled: Compiled) -> int | None:

@@ -68,6 +68,108 @@ def test_handmade_program_and_schedule_give_the_known_answer():
     assert r.estimator == ins.ESTIMATOR and "not measured" in r.estimator
 
 
+def test_a_collective_made_synchronous_after_scheduling_costs_its_own_time():
+    """XLA:TPU schedules before forming its async collective fusions and runs a collective
+    it could not fuse synchronously: the schedule's window (here 41 us, 25 of them beside
+    compute) is what was planned, not what runs. The report charges its own time, to the
+    step and to the exposed communication; without one, its whole window."""
+    made_sync = _read("handmade.hlo").replace('"is_sync":false', '"is_sync":true')
+    schedule = _read("handmade.schedule.txt")
+    priced = ins.report(made_sync, schedule, None, label="made sync", collective_seconds=lambda k, b, a: 3e-6)
+    assert not priced.collectives[0].is_async
+    assert priced.exposed_comm_s == pytest.approx(3e-6, rel=1e-9)
+    assert priced.step_s == pytest.approx(53e-6, rel=1e-9)  # the schedule's 50 us, then the all-reduce
+    unpriced = ins.report(made_sync, schedule, None, label="made sync", collective_seconds=lambda k, b, a: None)
+    assert unpriced.exposed_comm_s == pytest.approx(41e-6, rel=1e-9)
+    assert unpriced.step_s == pytest.approx(50e-6, rel=1e-9)
+    # run asynchronously as scheduled, nothing changes
+    asynchronous = ins.report(_read("handmade.hlo"), schedule, None, label="a", collective_seconds=lambda k, b, a: 3e-6)
+    assert (asynchronous.step_s, asynchronous.exposed_comm_s) == pytest.approx((50e-6, 16e-6), rel=1e-9)
+
+
+LOOP_HLO = """HloModule loop, is_scheduled=true, num_partitions=4
+
+%sum (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %add = f32[] add(%x, %y)
+}
+
+%cond (c: (s32[], f32[1024])) -> pred[] {
+  %c = (s32[], f32[1024]{0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%ci, %n), direction=LT
+}
+
+%fb_computation (pb: f32[1024]) -> f32[1024] {
+  %pb = f32[1024]{0} parameter(0)
+  ROOT %tb = f32[1024]{0} tanh(%pb)
+}
+
+%body (b: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %b = (s32[], f32[1024]{0}) parameter(0)
+  %bi = s32[] get-tuple-element(%b), index=0
+  %bx = f32[1024]{0} get-tuple-element(%b), index=1
+  %ar = f32[1024]{0} all-reduce(%bx), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=%sum, frontend_attributes={async_collective_name="all-reduce-start.1"}
+  %fb = f32[1024]{0} fusion(%ar), kind=kLoop, calls=%fb_computation
+  ROOT %bt = (s32[], f32[1024]{0}) tuple(%bi, %fb)
+}
+
+ENTRY %main (g: f32[1024]) -> f32[1024] {
+  %g = f32[1024]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[1024]{0}) tuple(%zero, %g)
+  %w = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[1024]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def _loop_schedule() -> str:
+    """XLA:TPU's form: the body scheduled on its own (50 us, its all-reduce async beside the
+    fusion), the loop 200 us in the entry's schedule, no trip count in the final program."""
+
+    def ins(name, opcode, i, *operands):
+        ops = "".join(f" operand_ids: {o}" for o in operands)
+        return f'instructions {{ name: "{name}" opcode: "{opcode}" id: {i}{ops} }}'
+
+    def timed(i, start, end):
+        return f"instructions {{ id: {i} start_timestamp_cycles: {start} end_timestamp_cycles: {end} }}"
+
+    entry = [
+        ins("g", "parameter", 1),
+        ins("init", "tuple", 2, 1),
+        ins("w", "while", 3, 2),
+        ins("out", "get-tuple-element", 4, 3),
+    ]
+    body = [ins("b", "parameter", 11), ins("ar-start", "all-reduce-start", 12, 11), ins("fb", "fusion", 13, 11)]
+    body.append(ins("ar-done", "all-reduce-done", 14, 12))
+    return (
+        'hlo_module { name: "loop" entry_computation_name: "main" '
+        f'computations {{ name: "main" {" ".join(entry)} id: 1 root_id: 4 }} '
+        f'computations {{ name: "body" {" ".join(body)} id: 2 root_id: 14 }} '
+        "entry_computation_id: 1 } "
+        f"computation_schedules {{ computation_id: 1 {timed(1, 0, 0)} {timed(2, 0, 0)} {timed(3, 0, 400)} "
+        f"{timed(4, 400, 400)} cycles_per_microsecond: 2 }} "
+        f"computation_schedules {{ computation_id: 2 {timed(11, 0, 0)} {timed(12, 0, 1)} {timed(13, 1, 99)} "
+        f"{timed(14, 99, 100)} cycles_per_microsecond: 2 }}"
+    )
+
+
+def test_a_loop_body_collective_made_synchronous_costs_its_own_time_every_iteration():
+    """The body's all-reduce was scheduled async beside its fusion but runs synchronously
+    (XLA:TPU marks it ``async_collective_name``); XLA prices the loop from the body's
+    schedule (50 us a trip, 4 trips: 200 us). Each trip adds the all-reduce's own 3 us."""
+    schedule = _loop_schedule()
+    priced = ins.report(LOOP_HLO, schedule, None, label="loop", collective_seconds=lambda k, b, a: 3e-6)
+    assert priced.step_s == pytest.approx(212e-6, rel=1e-9)
+    assert priced.exposed_comm_s == pytest.approx(12e-6, rel=1e-9)
+    kept_async = LOOP_HLO.replace(', frontend_attributes={async_collective_name="all-reduce-start.1"}', "")
+    plain = ins.report(kept_async, schedule, None, label="loop", collective_seconds=lambda k, b, a: 3e-6)
+    assert (plain.step_s, plain.exposed_comm_s) == pytest.approx((200e-6, 0.0), abs=1e-12)
+
+
 def test_without_a_schedule_the_structure_is_reported_and_times_are_none():
     r = ins.report(_read("handmade.hlo"), None, None, label="hand")
     w = r.collectives[0]
