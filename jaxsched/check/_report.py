@@ -188,15 +188,20 @@ def _payload_bytes(item: _Pair) -> int:
     return _shape_bytes(item.done.shape if item.done is not None else item.start.shape)
 
 
+def _groups_source(ins: _Instr, entry: _Entry) -> _Instr:
+    """The instruction whose attributes hold a collective's replica groups (the collective
+    inside an async wrapper or a collective fusion)."""
+    if ins.opcode in ("fusion", "custom-call", "async-start"):
+        return entry.an.called_info(ins)[1] or ins
+    return ins
+
+
 def _window(
     item: _Pair, win: tuple[int, int] | None, entry: _Entry, sched: _Schedule | None, mesh: MeshLike | None
 ) -> CollectiveWindow:
     """One collective's report: size, mesh axes, compute in its window (program and schedule)."""
     ins, done = item.start, item.done
-    groups_src = ins
-    if ins.opcode in ("fusion", "custom-call", "async-start"):
-        groups_src = entry.an.called_info(ins)[1] or ins
-    axes = _mesh_axes(_replica_groups(groups_src.attrs), mesh)
+    axes = _mesh_axes(_replica_groups(_groups_source(ins, entry).attrs), mesh)
     ops, flops = 0, 0.0
     if item.is_async and done is not None:
         for mid in entry.order[entry.pos[ins.name] + 1 : entry.pos[done.name]]:
@@ -256,8 +261,29 @@ def _made_synchronous(windows: list[CollectiveWindow], compute: list[tuple[float
     ]
 
 
+def _priced(price: CollectiveSeconds, kind: str, nbytes: int, attrs: str, mesh: MeshLike | None) -> float | None:
+    """``price`` for a collective whose replica groups (from ``attrs``) may span only part of
+    its mesh axes (XLA:TPU's two-stage reduce-scatter: a line of chips, then a plane): priced
+    over the whole axes at the size that moves as many bytes per device in a ring."""
+    groups = _replica_groups(attrs)
+    axes = _mesh_axes(groups, mesh)
+    if mesh is None or not axes or not groups:
+        return price(kind, nbytes, axes)
+    n = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] for a in axes)
+    g = len(groups[0])
+    if g <= 1:
+        return 0.0
+    if g != n:
+        nbytes = int(nbytes * (g - 1) / (n - 1) if kind == "reduce-scatter" else nbytes * (g - 1) / g * n / (n - 1))
+    return price(kind, max(nbytes, 1), axes)
+
+
 def _own_seconds(
-    windows: list[CollectiveWindow], made_sync: list[bool], price: CollectiveSeconds | None
+    windows: list[CollectiveWindow],
+    made_sync: list[bool],
+    group_attrs: list[str],
+    mesh: MeshLike | None,
+    price: CollectiveSeconds | None,
 ) -> list[float | None]:
     """What each collective made synchronous after scheduling costs alone: ``price``'s
     time, else the median window of the same collective (kind and bytes) the schedule
@@ -267,10 +293,10 @@ def _own_seconds(
         if not made and not w.is_async and w.start_s is not None and w.end_s is not None:
             twins.setdefault((w.kind, w.bytes), []).append(w.end_s - w.start_s)
     out: list[float | None] = []
-    for w, made in zip(windows, made_sync):
+    for w, made, attrs in zip(windows, made_sync, group_attrs):
         seconds = None
         if made:
-            seconds = price(w.kind, w.bytes, tuple(w.mesh_axes)) if price is not None else None
+            seconds = _priced(price, w.kind, w.bytes, attrs, mesh) if price is not None else None
             if seconds is None and (w.kind, w.bytes) in twins:
                 seconds = statistics.median(twins[(w.kind, w.bytes)])
         out.append(seconds)
@@ -326,8 +352,7 @@ def _made_sync_in_loops(
         per_trip = _made_sync_in_loops(mod, body, sched, sched.others.get(body), mesh, price, depth + 1)
         for b in mod.computations.get(body, []):
             if b.opcode in _COLLECTIVES and _MADE_SYNC_RE.search(b.attrs):
-                axes = _mesh_axes(_replica_groups(b.attrs), mesh)
-                per_trip += price(b.opcode, int(_shape_bytes(b.shape)), axes) or 0.0
+                per_trip += _priced(price, b.opcode, int(_shape_bytes(b.shape)), b.attrs, mesh) or 0.0
         total += trips * per_trip
     return total
 
@@ -356,6 +381,7 @@ def _totals(
     mod: _Module,
     sched: _Schedule,
     windows: list[CollectiveWindow],
+    group_attrs: list[str],
     mesh: MeshLike | None,
     price: CollectiveSeconds | None,
 ) -> _Totals:
@@ -368,7 +394,7 @@ def _totals(
     if sched.ops:
         step_s = sched.seconds(max(o.end for o in sched.ops) - min(o.start for o in sched.ops))
         spans = [(sched.seconds(o.start), sched.seconds(o.end)) for o in sched.ops if o.compute]
-        made_sync = _own_seconds(windows, _made_synchronous(windows, spans), price)
+        made_sync = _own_seconds(windows, _made_synchronous(windows, spans), group_attrs, mesh, price)
         in_loops = _made_sync_in_loops(mod, mod.entry, sched, sched, mesh, price)
         exposed = _exposed(windows, sched, made_sync) + in_loops
         step_s += sum(seconds for seconds in made_sync if seconds is not None) + in_loops
@@ -446,7 +472,8 @@ def report(
     price = collective_seconds
     if price is None and isinstance(mesh, Mesh) and _platform(text, mesh) == "tpu":
         price = _alone(mesh)
-    totals = _totals(entry.mod, sched, windows, mesh, price) if sched is not None else _Totals()
+    group_attrs = [_groups_source(item.start, entry).attrs for item in items]
+    totals = _totals(entry.mod, sched, windows, group_attrs, mesh, price) if sched is not None else _Totals()
     return CompiledReport(
         label,
         target,
