@@ -33,7 +33,7 @@ from jaxsched.check._hlo_text import MeshLike, _Module, _parse_hlo
 from jaxsched.check._schedule_proto import _parse_schedule
 from jaxsched.check._compiled_report import ESTIMATE_FROM_INSTRUCTIONS, CompiledReport
 from jaxsched.check._compiling import compile_with_schedule
-from jaxsched.check._report import _done_of, _Entry, _read_entry, _text_of, report
+from jaxsched.check._report import _done_of, _Entry, _groups_source, _priced, _read_entry, _text_of, report
 
 if TYPE_CHECKING:
     from jax.stages import Compiled
@@ -224,7 +224,9 @@ def estimate_from_instruction_costs(
         ``AbstractMesh``: give ``collective_seconds``).
       cycles_per_us: the chip's clock (None: read from the probe's schedule).
       collective_seconds: ``(kind, bytes, axes) -> seconds`` for each collective, in place
-        of the probes (None for a collective it cannot price).
+        of the probes (None for a collective it cannot price). A collective whose replica
+        groups span part of its axes (XLA:TPU's two-stage reduce-scatter) is asked for at
+        the size that moves as many bytes per device in a ring over the whole axes.
 
     Returns:
       ``rep`` with ``step_s``, ``exposed_comm_s`` and ``estimate_source`` set, or ``rep``
@@ -262,9 +264,16 @@ def estimate_from_instruction_costs(
         clock = clock or cpu
         return seconds
 
+    entry = _read_entry(text)
     comm: list[float] = []
     for w in rep.collectives:
-        seconds = price(w.kind, w.bytes, w.mesh_axes) if w.mesh_axes else None
+        ins = entry.by_name.get(w.name)
+        if not w.mesh_axes:
+            seconds = None
+        elif ins is None:
+            seconds = price(w.kind, w.bytes, w.mesh_axes)
+        else:  # groups over part of the axes (a two-stage reduce-scatter) at their own traffic
+            seconds = _priced(price, w.kind, w.bytes, _groups_source(ins, entry).attrs, mesh)
         if seconds is None:
             return rep
         comm.append(seconds)
@@ -273,7 +282,7 @@ def estimate_from_instruction_costs(
     if not clock:
         return rep
 
-    exposed = _exposed_after_hiding(rep, comm, _read_entry(text), clock)
+    exposed = _exposed_after_hiding(rep, comm, entry, clock)
     compute_s = cycles / clock * 1e-6
     return dataclasses.replace(
         rep, step_s=compute_s + exposed, exposed_comm_s=exposed, estimate_source=ESTIMATE_FROM_INSTRUCTIONS

@@ -446,7 +446,9 @@ def report(
       compiler_options: what the program was compiled with, kept in the report (None:
         XLA's defaults).
       collective_seconds: ``(kind, bytes, axes) -> seconds or None``, a collective's time
-        alone (None: XLA's, compiled on ``mesh`` where it is a ``Mesh`` of TPUs).
+        alone (None: XLA's, compiled on ``mesh`` where it is a ``Mesh`` of TPUs); one over
+        part of its axes is asked for at the size that moves as many bytes per device in a
+        ring over the whole axes.
 
     Returns:
       The `CompiledReport`. Without a schedule it has no times;

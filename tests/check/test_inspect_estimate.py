@@ -46,6 +46,46 @@ ENTRY %main (p: f32[256,256]) -> f32[256,256] {
 """
 
 
+STAGED_TEXT = """
+HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%neg (q: f32[2048]) -> f32[2048] {
+  %q = f32[2048]{0} parameter(0)
+  ROOT %n = f32[2048]{0} negate(%q)
+}
+
+ENTRY %main (p: f32[2048]) -> f32[256] {
+  %p = f32[2048]{0} parameter(0)
+  %f = f32[2048]{0} fusion(%p), kind=kLoop, calls=%neg, backend_config={"estimated_cycles":"100"}
+  %line = f32[1024]{0} reduce-scatter(%f), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}, to_apply=%add
+  ROOT %plane = f32[256]{0} reduce-scatter(%line), replica_groups={{0,2,4,6},{1,3,5,7}}, dimensions={0}, to_apply=%add
+}
+"""
+
+
+def test_a_collective_over_part_of_its_axes_is_priced_at_its_own_traffic():
+    """XLA:TPU's two-stage reduce-scatter over 8 chips: a line of 2, then 4. Over the whole
+    axis, a ring reduce-scatter with result ``b`` moves 7b per device; the line moves 1 x
+    4096 bytes and the plane 3 x 1024, so they are priced as results of 4096/7 and 3072/7."""
+    priced = []
+
+    def price(kind, nbytes, axes):
+        priced.append((kind, nbytes, axes))
+        return 1e-6
+
+    mesh = jax.sharding.AbstractMesh((8,), ("data",))
+    r = ins.report(STAGED_TEXT, None, mesh, label="staged")
+    assert [w.mesh_axes for w in r.collectives] == [("data",), ("data",)]
+    ins.estimate_from_instruction_costs(r, STAGED_TEXT, mesh, cycles_per_us=1000.0, collective_seconds=price)
+    assert priced == [("reduce-scatter", 4096 // 7, ("data",)), ("reduce-scatter", 3072 // 7, ("data",))]
+
+
 def test_instruction_costs_add_up_serially_and_say_so():
     r = ins.report(TPU_TEXT, None, None, label="plain")
     assert r.step_s is None and r.estimate_source is None
