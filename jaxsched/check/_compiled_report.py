@@ -149,6 +149,9 @@ class CompiledReport:
       peak_memory_bytes: XLA's peak memory per device (None where the backend has none).
       estimate_source: where the step comes from (see above).
       compiler_options: the XLA options it was compiled with.
+      made_sync_s: of ``step_s`` and ``exposed_comm_s``, the own time of the collectives the
+        final program runs synchronously where the schedule had planned compute beside
+        them (every loop iteration counted; see above).
 
     Example:
       A report is plain data: build one from JSON (what ``jaxsched inspect --json`` writes)
@@ -175,6 +178,7 @@ class CompiledReport:
     peak_memory_bytes: int | None = None
     estimate_source: str | None = None
     compiler_options: dict[str, str | bool | int | float] = dataclasses.field(default_factory=dict)
+    made_sync_s: float = 0.0
 
     @property
     def num_async(self) -> int:

@@ -240,6 +240,7 @@ class _Totals(NamedTuple):
     compute: tuple[tuple[str, float, float], ...] = ()
     loops: tuple[LoopCost, ...] = ()
     peak_gathered_bytes: int | None = None
+    made_sync_s: float = 0.0
 
 
 #: ``(kind, bytes, mesh axes) -> seconds``: a collective's time alone (None: unknown).
@@ -388,6 +389,7 @@ def _totals(
     """The schedule's step and exposed communication, while loops counted per iteration, and
     the collectives made synchronous after scheduling added to both."""
     step_s = exposed = None
+    made_sync_s = 0.0
     total = sched.seconds(sched.step_cycles) if sched.step_cycles is not None else None
     wasted = sched.seconds(sched.wasted_cycles) if sched.wasted_cycles is not None else None
     compute = tuple((o.name, sched.seconds(o.start), sched.seconds(o.end)) for o in sched.ops if o.compute)
@@ -396,8 +398,9 @@ def _totals(
         spans = [(sched.seconds(o.start), sched.seconds(o.end)) for o in sched.ops if o.compute]
         made_sync = _own_seconds(windows, _made_synchronous(windows, spans), group_attrs, mesh, price)
         in_loops = _made_sync_in_loops(mod, mod.entry, sched, sched, mesh, price)
+        made_sync_s = sum(seconds for seconds in made_sync if seconds is not None) + in_loops
         exposed = _exposed(windows, sched, made_sync) + in_loops
-        step_s += sum(seconds for seconds in made_sync if seconds is not None) + in_loops
+        step_s += made_sync_s
     loops = tuple(_loop_costs(mod, mod.entry, sched))
     gathered = [_live_gathered(mod, mod.entry, sched)]
     gathered += [_live_gathered(mod, comp, body) for comp, body in sched.others.items()]
@@ -407,7 +410,7 @@ def _totals(
         own = {o.name: sched.seconds(o.end - o.start) for o in sched.ops}
         step_s += sum(loop.seconds - own.get(loop.name, 0.0) for loop in loops)
         exposed += sum(loop.exposed_s for loop in loops)
-    return _Totals(step_s, exposed, total, wasted, compute, loops, max(g[0] for g in gathered))
+    return _Totals(step_s, exposed, total, wasted, compute, loops, max(g[0] for g in gathered), made_sync_s)
 
 
 def _text_of(compiled_or_hlo_text: Compiled | str) -> str:
@@ -491,6 +494,7 @@ def report(
         peak_memory_bytes=None if isinstance(compiled_or_hlo_text, str) else _peak_memory(compiled_or_hlo_text),
         estimate_source=ESTIMATE_FROM_SCHEDULE if totals.step_s is not None else None,
         compiler_options=dict(compiler_options or {}),
+        made_sync_s=totals.made_sync_s,
     )
 
 

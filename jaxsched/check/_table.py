@@ -111,6 +111,11 @@ def format_table(reports: Sequence[CompiledReport], baseline: CompiledReport | N
         )
         if r.no_estimate_reason:
             lines.append(f"  no estimate: {r.no_estimate_reason}")
+        if r.made_sync_s:
+            lines.append(
+                f"  of which {_us(r.made_sync_s)} us: collectives XLA scheduled beside compute but runs "
+                "synchronously (XLA:TPU fused no compute with them), each at its own time"
+            )
         lines.append(f"  compiler options: {format_options(r.compiler_options)}")
         memory = [
             f"{what} {value / 1e6:.1f} MB"

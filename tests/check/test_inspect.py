@@ -79,6 +79,8 @@ def test_a_collective_made_synchronous_after_scheduling_costs_its_own_time():
     assert not priced.collectives[0].is_async
     assert priced.exposed_comm_s == pytest.approx(3e-6, rel=1e-9)
     assert priced.step_s == pytest.approx(53e-6, rel=1e-9)  # the schedule's 50 us, then the all-reduce
+    assert priced.made_sync_s == pytest.approx(3e-6, rel=1e-9)
+    assert "of which 3.0 us: collectives XLA scheduled beside compute" in ins.format_table([priced])
     unpriced = ins.report(made_sync, schedule, None, label="made sync", collective_seconds=lambda k, b, a: None)
     assert unpriced.exposed_comm_s == pytest.approx(41e-6, rel=1e-9)
     assert unpriced.step_s == pytest.approx(50e-6, rel=1e-9)
@@ -165,6 +167,7 @@ def test_a_loop_body_collective_made_synchronous_costs_its_own_time_every_iterat
     priced = ins.report(LOOP_HLO, schedule, None, label="loop", collective_seconds=lambda k, b, a: 3e-6)
     assert priced.step_s == pytest.approx(212e-6, rel=1e-9)
     assert priced.exposed_comm_s == pytest.approx(12e-6, rel=1e-9)
+    assert priced.made_sync_s == pytest.approx(12e-6, rel=1e-9)
     kept_async = LOOP_HLO.replace(', frontend_attributes={async_collective_name="all-reduce-start.1"}', "")
     plain = ins.report(kept_async, schedule, None, label="loop", collective_seconds=lambda k, b, a: 3e-6)
     assert (plain.step_s, plain.exposed_comm_s) == pytest.approx((200e-6, 0.0), abs=1e-12)
