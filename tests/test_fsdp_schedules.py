@@ -13,7 +13,7 @@ import pytest
 import jaxsched
 from jaxsched.core._replay import nested_eqns
 from jaxsched.zoo import stacked_lm
-from support.toolchains import needs_gpu
+from support.toolchains import needs_gpu, needs_tpu
 
 SMALL = dict(dim=32, mlp=64, layers=2, heads=2, vocab=64, seq=8)
 
@@ -137,3 +137,42 @@ def test_compiled_gathers_overlap_compute_within_the_memory_bound(scan):
     assert report.step_s <= plain.step_s
     # scanned, XLA alone hides none of a layer's gathers; unrolled, it hides some itself
     assert report.exposed_comm_s <= (0.5 if scan else 0.7) * plain.exposed_comm_s
+
+
+@needs_tpu
+def test_a_scanned_layers_prefetched_gathers_all_run_async_on_tpu():
+    """XLA:TPU runs a collective async only inside an async collective fusion with compute.
+    With the engine's TPU options every gather the forward loop prefetches for the next layer
+    is one; with ``xla_max_concurrent_async_all_gathers=4`` three of them ran synchronously
+    in every iteration."""
+    import jaxsched.tools.aot as aot
+    from jax.sharding import Mesh
+
+    from jaxsched.check._hlo_text import _parse_hlo
+
+    name, topology, _ = aot.parse_target("v5p:2x2x2")
+    mesh = Mesh(np.array(aot.devices(name, topology)), ("fsdp",))
+    config = stacked_lm.StackedLM(dim=512, mlp=2048, layers=4, heads=8, vocab=4096, seq=256, scan=True, remat=True)
+    tx = optax.adamw(1e-4)
+    params, opt_state, batch = stacked_lm.abstract(config, mesh, tx, rows_per_device=4)
+    sched = jaxsched.schedule(stacked_lm.make_step(config, tx, mesh), strategy="wfbp")
+    mod = _parse_hlo(sched.lower(sched.init(params, opt_state), batch).compile().as_text())
+
+    def gathers(body: str) -> tuple[int, int]:
+        """(synchronous, async-fused) all-gathers of a loop body."""
+        found = [
+            (i.opcode, {o.opcode for c in i.calls() for o in mod.computations.get(c, [])})
+            for i in mod.computations[body]
+        ]
+        return sum(op == "all-gather" for op, _ in found), sum(
+            "all-gather" in inner for op, inner in found if op != "all-gather"
+        )
+
+    bodies = [
+        re.search(r"body=%?([\w.\-]+)", i.attrs).group(1)
+        for c in mod.computations.values()
+        for i in c
+        if i.opcode == "while"
+    ]
+    counts = [gathers(b) for b in bodies]
+    assert (0, 4) in [(sync, min(fused, 4)) for sync, fused in counts], counts  # forward: a layer's four matrices
