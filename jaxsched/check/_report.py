@@ -40,6 +40,7 @@ from jaxsched.check._loops import _live_gathered, _loop_costs
 from jaxsched.check._schedule_proto import _parse_schedule, _Schedule
 from jaxsched.check._compiled_report import ESTIMATE_FROM_SCHEDULE, CollectiveWindow, CompiledReport, LoopCost
 from jaxsched.check._compiling import CompilerOption
+from jaxsched.check._probe import _probe_collective
 from jaxsched.sim import _intervals as intervals
 
 if TYPE_CHECKING:
@@ -502,8 +503,6 @@ def _alone(mesh: Mesh) -> CollectiveSeconds:
     """XLA's time for a collective compiled alone on ``mesh`` (`_estimate`'s probe)."""
 
     def seconds(kind: str, nbytes: int, axes: tuple[str, ...]) -> float | None:
-        from jaxsched.check._estimate import _probe_collective  # it reads probes with `report`
-
         return _probe_collective(mesh, kind, nbytes, axes)[0] if axes else None
 
     return seconds
