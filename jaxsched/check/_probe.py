@@ -4,6 +4,11 @@ price a collective that XLA did not schedule beside compute.
 XLA:TPU writes a schedule only for a program with asynchronous collectives, so each probe is
 one collective of the given kind, size and mesh axes compiled with the engine's TPU options;
 its time is the collective's window in that schedule.
+
+>>> import jax
+>>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+>>> _probe_collective(mesh, "all-reduce", 1 << 20, ("data",))  # XLA:CPU writes no schedule
+(None, None)
 """
 
 from __future__ import annotations
