@@ -132,7 +132,7 @@ def _loop_schedule() -> str:
     """XLA:TPU's form: the body scheduled on its own (50 us, its all-reduce async beside the
     fusion), the loop 200 us in the entry's schedule, no trip count in the final program."""
 
-    def ins(name, opcode, i, *operands):
+    def instr(name, opcode, i, *operands):
         ops = "".join(f" operand_ids: {o}" for o in operands)
         return f'instructions {{ name: "{name}" opcode: "{opcode}" id: {i}{ops} }}'
 
@@ -140,13 +140,13 @@ def _loop_schedule() -> str:
         return f"instructions {{ id: {i} start_timestamp_cycles: {start} end_timestamp_cycles: {end} }}"
 
     entry = [
-        ins("g", "parameter", 1),
-        ins("init", "tuple", 2, 1),
-        ins("w", "while", 3, 2),
-        ins("out", "get-tuple-element", 4, 3),
+        instr("g", "parameter", 1),
+        instr("init", "tuple", 2, 1),
+        instr("w", "while", 3, 2),
+        instr("out", "get-tuple-element", 4, 3),
     ]
-    body = [ins("b", "parameter", 11), ins("ar-start", "all-reduce-start", 12, 11), ins("fb", "fusion", 13, 11)]
-    body.append(ins("ar-done", "all-reduce-done", 14, 12))
+    body = [instr("b", "parameter", 11), instr("ar-start", "all-reduce-start", 12, 11), instr("fb", "fusion", 13, 11)]
+    body.append(instr("ar-done", "all-reduce-done", 14, 12))
     return (
         'hlo_module { name: "loop" entry_computation_name: "main" '
         f'computations {{ name: "main" {" ".join(entry)} id: 1 root_id: 4 }} '
