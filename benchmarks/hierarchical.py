@@ -15,8 +15,8 @@ the cross-slice part of a sum to point-to-point DCN transfers), which collective
 async, and XLA's estimated step and exposed communication. Every time is XLA's latency-hiding
 scheduler estimate for a compiled program, NOT a measurement.
 
-    .venv/bin/python benchmarks/hierarchical.py
-    .venv/bin/python benchmarks/hierarchical.py --model cnn --target v5p:2x2x2:slices=2
+    .venv-aot/bin/python benchmarks/hierarchical.py
+    .venv-aot/bin/python benchmarks/hierarchical.py --model cnn --target v5p:2x2x2:slices=2
 
 Writes benchmarks/results/hierarchical_aot.json. ``--update-docs`` rewrites the block
 between the ``hierarchical`` markers of docs/benchmarks.md from it and from the emulated cluster's
@@ -45,7 +45,7 @@ def docs_block(aot: dict, cluster: dict | None) -> str:
     lines = [
         f"Compiled for `{aot['target']}`, mesh `{aot['mesh']}`, {aot['model']}: XLA's "
         "estimates for the compiled programs, not measured "
-        f"(`.venv/bin/python benchmarks/hierarchical.py --model {aot['model'].split()[0]}`). "
+        f"(`.venv-aot/bin/python benchmarks/hierarchical.py --model {aot['model'].split()[0]}`). "
         "Cross-slice MB are the bytes per device per step of the collectives that span slices "
         "and of the DCN send/recv.",
         "",
