@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 from jaxsched.check._hlo_ops import _Analyzer
 from jaxsched.check._hlo_text import MeshLike, _Module, _parse_hlo
+from jaxsched.check._loops import _known_trips, _while_body
 from jaxsched.check._compiled_report import ESTIMATE_FROM_INSTRUCTIONS, CompiledReport
 from jaxsched.check._probe import _PROBE_MIN_BYTES, _probe_collective
 from jaxsched.check._report import _done_of, _Entry, _groups_source, _priced, _read_entry, _text_of
@@ -71,15 +72,14 @@ def _instruction_cycles(mod: _Module, an: _Analyzer, comp: str, depth: int = 0) 
             )
             continue
         if ins.opcode == "while":
-            body = re.search(r"body=%?([\w.\-]+)", ins.attrs)
-            trips = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', ins.attrs)
+            body, trips = _while_body(ins), _known_trips(ins)
             if body is None or trips is None or depth > 8:
                 loop_collective = True  # an unknown number of iterations: no estimate
                 continue
-            if _holds_collective(mod, an, body.group(1)):
+            if _holds_collective(mod, an, body):
                 loop_collective = True
-            cycles, k, nested = _instruction_cycles(mod, an, body.group(1), depth + 1)
-            total += int(trips.group(1)) * cycles
+            cycles, k, nested = _instruction_cycles(mod, an, body, depth + 1)
+            total += trips * cycles
             costed += k
             loop_collective = loop_collective or nested
             continue

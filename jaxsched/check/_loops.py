@@ -25,6 +25,18 @@ from jaxsched.check._schedule_proto import _Schedule
 from jaxsched.check._compiled_report import LoopCost
 
 
+def _while_body(ins: _Instr) -> str | None:
+    """The body computation of a ``while`` instruction."""
+    found = re.search(r"body=%?([\w.\-]+)", ins.attrs)
+    return found.group(1) if found else None
+
+
+def _known_trips(ins: _Instr) -> int | None:
+    """A ``while`` instruction's trip count where XLA recorded it (``known_trip_count``)."""
+    found = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', ins.attrs)
+    return int(found.group(1)) if found else None
+
+
 def _live_gathered(mod: "_Module", comp: str, sched: "_Schedule") -> tuple[int, int]:
     """The most bytes of all-gathered values alive at once in computation ``comp`` (from each
     gather's start to the end of its last reader, in XLA's schedule), and how many gathered
@@ -97,16 +109,14 @@ def _loop_costs(mod: "_Module", comp: str, sched: "_Schedule", depth: int = 0) -
     for ins in mod.computations.get(comp, []):
         if ins.opcode != "while" or depth > 8:
             continue
-        body = re.search(r"body=%?([\w.\-]+)", ins.attrs)
-        trips = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', ins.attrs)
-        if body is None or trips is None or body.group(1) not in sched.others:
+        body, n = _while_body(ins), _known_trips(ins)
+        if body is None or n is None or body not in sched.others:
             continue
-        inner = sched.others[body.group(1)]
+        inner = sched.others[body]
         step, exposed = inner.totals()
-        gathered = _live_gathered(mod, body.group(1), inner)[0]
-        for nested in _loop_costs(mod, body.group(1), sched, depth + 1):
+        gathered = _live_gathered(mod, body, inner)[0]
+        for nested in _loop_costs(mod, body, sched, depth + 1):
             step, exposed = step + nested.seconds, exposed + nested.exposed_s
             gathered = max(gathered, nested.peak_gathered_bytes)
-        n = int(trips.group(1))
         loops.append(LoopCost(ins.name, n, n * step, n * exposed, gathered))
     return loops

@@ -75,12 +75,7 @@ def _probe_collective(mesh: Mesh, kind: str, nbytes: int, axes: tuple[str, ...])
         compiled, schedule = compile_with_schedule(fn.trace(arg).lower(), TPU_OPTIONS)
         sched = _parse_schedule(schedule) if schedule else None
         if sched is not None:
-            starts = {o.name: o for o in sched.ops if o.kind == kind and not o.opcode.endswith("-done")}
-            spans = [
-                sched.seconds(o.end - starts[o.operand0].start)
-                for o in sched.ops
-                if o.kind == kind and o.opcode.endswith("-done") and o.operand0 in starts
-            ]
+            spans = [end - start for k, start, end in sched.windows() if k == kind]
             if spans:
                 result = (max(spans), sched.cycles_per_us)
     except Exception:  # a collective this probe cannot build or XLA cannot compile

@@ -36,11 +36,12 @@ from jaxsched.check._hlo_text import (
     _shape_bytes,
     _shape_leaves,
 )
-from jaxsched.check._loops import _live_gathered, _loop_costs
+from jaxsched.check._loops import _known_trips, _live_gathered, _loop_costs, _while_body
 from jaxsched.check._schedule_proto import _parse_schedule, _Schedule
 from jaxsched.check._compiled_report import ESTIMATE_FROM_SCHEDULE, CollectiveWindow, CompiledReport, LoopCost
 from jaxsched.check._compiling import CompilerOption
 from jaxsched.check._probe import _probe_collective
+from jaxsched.runtime.engine._base import platform_family
 from jaxsched.sim import _intervals as intervals
 
 if TYPE_CHECKING:
@@ -51,8 +52,7 @@ __all__ = ["report"]
 
 def _platform(text: str, mesh: MeshLike | None) -> str:
     if isinstance(mesh, Mesh):
-        p = mesh.devices.flat[0].platform
-        return {"cuda": "gpu", "rocm": "gpu"}.get(p, p)
+        return platform_family(mesh.devices.flat[0].platform)
     if ":T(" in text or "AsyncCollective" in text or "megacore" in text:
         return "tpu"
     if "operation_queue_id" in text or "__cublas" in text or "gemm_fusion" in text:
@@ -311,9 +311,9 @@ _MADE_SYNC_RE = re.compile(r'async_collective_name="')
 def _trips(ins: _Instr, body: str, sched: _Schedule | None, outer: _Schedule | None) -> int | None:
     """A while loop's trip count: XLA's ``known_trip_count`` where the final program keeps
     it, else (XLA:TPU drops it) the loop's time in the enclosing schedule over its body's."""
-    known = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', ins.attrs)
-    if known:
-        return int(known.group(1))
+    known = _known_trips(ins)
+    if known is not None:
+        return known
     inner = sched.others.get(body) if sched is not None else None
     if inner is None or outer is None or not inner.ops:
         return None
@@ -344,10 +344,9 @@ def _made_sync_in_loops(
     for ins in mod.computations.get(comp, []):
         if ins.opcode != "while":
             continue
-        found = re.search(r"body=%?([\w.\-]+)", ins.attrs)
-        if found is None:
+        body = _while_body(ins)
+        if body is None:
             continue
-        body = found.group(1)
         trips = _trips(ins, body, sched, outer)
         if trips is None:
             continue

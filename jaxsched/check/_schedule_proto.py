@@ -104,18 +104,22 @@ class _Schedule:
     def seconds(self, cycles: float) -> float:
         return cycles / self.cycles_per_us * 1e-6
 
+    def windows(self) -> list[tuple[str, float, float]]:
+        """``(kind, start, end)`` of each asynchronous collective, start to done (seconds)."""
+        starts = {o.name: o for o in self.ops if o.kind and (o.opcode.endswith("-start") or o.opcode == "async-start")}
+        return [
+            (o.kind, self.seconds(starts[o.operand0].start), self.seconds(o.end))
+            for o in self.ops
+            if o.kind and o.opcode.endswith("-done") and o.operand0 in starts
+        ]
+
     def totals(self) -> tuple[float, float]:
         """This computation's length and the time in it a collective is in flight while no
         compute runs (seconds), from its ops alone."""
         if not self.ops:
             return 0.0, 0.0
         step = self.seconds(max(o.end for o in self.ops) - min(o.start for o in self.ops))
-        starts = {o.name: o for o in self.ops if o.kind and (o.opcode.endswith("-start") or o.opcode == "async-start")}
-        windows = [
-            (self.seconds(starts[o.operand0].start), self.seconds(o.end))
-            for o in self.ops
-            if o.kind and o.opcode.endswith("-done") and o.operand0 in starts
-        ]
+        windows = [(a, b) for _, a, b in self.windows()]
         sync = [(self.seconds(o.start), self.seconds(o.end)) for o in self.ops if o.kind and o.opcode == o.kind]
         compute = [(self.seconds(o.start), self.seconds(o.end)) for o in self.ops if o.compute]
         exposed = intervals.subtract(windows, compute) + sync

@@ -22,8 +22,8 @@ from jaxsched.check import _inspection as ins
 from jaxsched.runtime.engine._xla import XlaEngine
 from support.toolchains import needs_gpu, needs_tpu
 
-# a hand-made TPU-like program: two costed fusions around a synchronous all-reduce
-TPU_TEXT = """
+# the module header and the reducer every hand-made program below uses
+HEADER = """
 HloModule m, is_scheduled=true
 
 %add (a: f32[], b: f32[]) -> f32[] {
@@ -31,7 +31,12 @@ HloModule m, is_scheduled=true
   %b = f32[] parameter(1)
   ROOT %s = f32[] add(%a, %b)
 }
+"""
 
+# a hand-made TPU-like program: two costed fusions around a synchronous all-reduce
+TPU_TEXT = (
+    HEADER
+    + """
 %f1 (p: f32[256,256]) -> f32[256,256] {
   %p = f32[256,256]{1,0:T(8,128)} parameter(0)
   ROOT %t = f32[256,256]{1,0:T(8,128)} tanh(%p)
@@ -44,17 +49,12 @@ ENTRY %main (p: f32[256,256]) -> f32[256,256] {
   ROOT %c2 = f32[256,256]{1,0:T(8,128)} fusion(%ar), kind=kLoop, calls=%f1, backend_config={"estimated_cycles":"1000"}
 }
 """
+)
 
 
-STAGED_TEXT = """
-HloModule m, is_scheduled=true
-
-%add (a: f32[], b: f32[]) -> f32[] {
-  %a = f32[] parameter(0)
-  %b = f32[] parameter(1)
-  ROOT %s = f32[] add(%a, %b)
-}
-
+STAGED_TEXT = (
+    HEADER
+    + """
 %neg (q: f32[2048]) -> f32[2048] {
   %q = f32[2048]{0} parameter(0)
   ROOT %n = f32[2048]{0} negate(%q)
@@ -67,6 +67,7 @@ ENTRY %main (p: f32[2048]) -> f32[256] {
   ROOT %plane = f32[256]{0} reduce-scatter(%line), replica_groups={{0,2,4,6},{1,3,5,7}}, dimensions={0}, to_apply=%add
 }
 """
+)
 
 
 def test_a_collective_over_part_of_its_axes_is_priced_at_its_own_traffic():
