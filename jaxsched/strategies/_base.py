@@ -670,8 +670,11 @@ def scatter_block(gradient: jax.Array, reduction: Reduction, mesh: Mesh | None =
     # A layer's gradient sliced from a stacked one ([1, rows, cols], unrolled layers) is sent
     # without its unit dimensions: XLA:TPU otherwise computes the weight-gradient matmul into
     # a [1, rows, cols] fusion, which it priced at 1.6x the [rows, cols] one of the plain step.
-    kept = [d for d, n in enumerate(shape) if n != 1 or d == reduction.scatter_dim]
-    dim = kept.index(reduction.scatter_dim)
+    block_dim = reduction.scatter_dim
+    if block_dim is None:
+        raise AssertionError("jaxsched: a gradient without a block dimension was scattered; this is a bug")
+    kept = [d for d, n in enumerate(shape) if n != 1 or d == block_dim]
+    dim = kept.index(block_dim)
     flat = gradient.reshape(tuple(shape[d] for d in kept)) if len(kept) < len(shape) else gradient
     big = nbytes(gradient) > SMALL_TENSOR_BYTES
     stages = scatter_stages(mesh, axes) if mesh is not None and big else ()
@@ -683,7 +686,7 @@ def scatter_block(gradient: jax.Array, reduction: Reduction, mesh: Mesh | None =
         )
     if len(kept) == len(shape):
         return flat
-    return flat.reshape(tuple(flat.shape[dim] if d == reduction.scatter_dim else n for d, n in enumerate(shape)))
+    return flat.reshape(tuple(flat.shape[dim] if d == block_dim else n for d, n in enumerate(shape)))
 
 
 class UserLayoutStrategy(Strategy):
