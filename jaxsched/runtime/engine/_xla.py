@@ -90,9 +90,10 @@ GPU_FSDP_OPTIONS: dict[str, Any] = {
 #: collective fusion with compute. Its scheduler often plans a gradient's all-reduce beside
 #: the elementwise update of another layer, which by default is no fusion partner (only a
 #: matmul is): with ``fuse_kloop_fusions`` every weight all-reduce of an 8x1024 MLP on
-#: v5p:2x2x2 became async (XLA's estimates: ``wfbp`` 820 to 610 us a step, ``approx`` 792 to
-#: 582 us; 1 and 2 of 8 async before). ``xla_max_concurrent_async_all_gathers=4`` is left
-#: out: on a scanned FSDP Transformer (two v5p slices) it left three of a layer's four
+#: v5p:2x2x2 runs async (XLA's estimates: ``wfbp`` 610 us a step, 820 without it; ``approx``
+#: 582 and 792; without it 1 and 2 of the 8 run async).
+#: ``xla_max_concurrent_async_all_gathers=4`` is left out: on a scanned FSDP Transformer (two
+#: v5p slices) it left three of a layer's four
 #: prefetched gathers synchronous in every iteration (``wfbp`` 44.3 ms a step, 42.7 without).
 TPU_OPTIONS: dict[str, Any] = {
     "xla_tpu_enable_async_collective_fusion": True,
