@@ -400,9 +400,9 @@ def test_an_fsdp_step_lowers_and_inspects_for_a_gpu_cluster(strategy):
 
 @pytest.mark.parametrize("strategy", ["wfbp", "dear"])
 def test_block_gradients_scattered_in_two_stages_equal_the_plain_step(strategy, monkeypatch):
-    """The stages a TPU torus gets (a reduce-scatter over pairs, then over fours) hand each
-    device the block one reduce-scatter would: forced on 8 CPU devices, every leaf equals
-    the plain step's."""
+    """The stages a TPU torus gets (an exchange of halves over pairs, then a reduce-scatter
+    over fours) hand each device the block one reduce-scatter would: forced on 8 CPU
+    devices, every leaf equals the plain step's."""
     import jaxsched.strategies._base as strategy_base
 
     stages = (((0, 4), (1, 5), (2, 6), (3, 7)), ((0, 1, 2, 3), (4, 5, 6, 7)))
@@ -412,7 +412,8 @@ def test_block_gradients_scattered_in_two_stages_equal_the_plain_step(strategy, 
     layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 29)
     sched, state, _ = _run(ss.mlp_step(tx, layout, mesh), params, opt_state, batches, strategy)
     text = sched.lower(state, batches[0]).as_text()
-    assert text.count("reduce_scatter") >= 4  # w1 and w2, two stages each
+    # w1 and w2: each an exchange over pairs, then a reduce-scatter over fours
+    assert text.count("collective_permute") >= 2 and text.count("reduce_scatter") >= 2
 
 
 @pytest.mark.parametrize("strategy", ["wfbp", "dear"])
@@ -433,21 +434,23 @@ def test_a_scanned_stack_scattered_in_two_stages_equals_the_plain_step(strategy,
     sched, _, _ = _run(ss.scanned_step(tx), params, opt_state, batches, strategy)
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves((params, opt_state, batches[0]))]
     loops = [e for e in nested_eqns(sched.program.per_device.jaxpr(*args)) if e.primitive.name == "scan"]
+    inside = [e.primitive.name for loop in loops for e in nested_eqns(loop.params["jaxpr"].jaxpr)]
     staged = [
         e
         for loop in loops
         for e in nested_eqns(loop.params["jaxpr"].jaxpr)
         if e.primitive.name == "reduce_scatter" and e.params.get("axis_index_groups")
     ]
-    assert len(staged) >= 2, staged  # the layer's weight gradient, two stages
+    # the layer's weight gradient: an exchange over pairs, then a reduce-scatter over fours
+    assert staged and "ppermute" in inside, inside
 
 
 @needs_tpu
 @pytest.mark.parametrize("strategy", ["wfbp", "dear"])
 def test_fsdp_gradients_stay_reduce_scatters_on_a_3d_tpu_slice(strategy):
     """Over all 8 chips of a v5p 2x2x2 slice XLA:TPU decomposes one reduce-scatter into an
-    all-reduce of the whole gradient; each block's gradient goes in two stages (a line, then
-    a plane of chips), which it keeps."""
+    all-reduce of the whole gradient; each block's gradient goes in two stages (an exchange
+    of halves over a line, then a reduce-scatter over a plane of chips), which it keeps."""
     import re
 
     step, params, opt_state, batch = _abstract_fsdp("v5p:2x2x2", hsdp=False)
@@ -460,6 +463,7 @@ def test_fsdp_gradients_stay_reduce_scatters_on_a_3d_tpu_slice(strategy):
     whole = 256 * 256  # a layer's weight
     assert not [n for kind, n in found if kind == "all-reduce" and n >= whole // 8], found
     assert len([n for kind, n in found if kind == "reduce-scatter" and n == whole // 8]) >= 4, found
+    assert re.search(r"collective-permute(-start)?\(", text)  # the stage over pairs of chips
 
 
 @needs_tpu

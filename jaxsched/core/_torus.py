@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh
 
 from jaxsched.core._axes import AxisName, as_axes
@@ -47,6 +48,7 @@ __all__ = [
     "scatter_lanes",
     "scatter_stages",
     "spanned_dims",
+    "staged_psum_scatter",
 ]
 
 #: Torus dimensions a reduce-scatter's group may span and stay a reduce-scatter on TPU.
@@ -183,3 +185,83 @@ def scatter_stages(mesh: Mesh, axes: AxisName) -> Stages:
         if _fits(rows, first) and _fits(rows, second):
             return (tuple(map(tuple, first)), tuple(map(tuple, second)))
     return ()
+
+
+def staged_psum_scatter(
+    x: jax.Array, axis_name: AxisName, dim: int, stages: Stages, *, exchange_pairs: bool = False
+) -> jax.Array:
+    """``lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)`` run in
+    ``stages`` (`Stages`; ``()``: one reduce-scatter). Each device ends with the slice the
+    one tiled reduce-scatter hands it.
+
+    ``exchange_pairs``: a stage over pairs of devices runs as one exchange (each sends the
+    half its partner keeps and adds the half it receives, the same two-operand sum). XLA:TPU
+    runs a reduce-scatter over two chips as a synchronous fusion that all-reduces the whole
+    padded buffer, which its schedule counts as compute (139 us for a 1024 x 3072 gradient
+    on v5p), and the exchange as an asynchronous collective-permute of half of it. Block
+    gradients (FSDP) take it: the unrolled 8-layer Transformer on two v5p slices was
+    estimated at 39.24 ms instead of 39.77, the scanned one at 41.83 instead of 42.33. For a
+    flat bucket the two estimates disagreed (``dear`` on an 8x1024 MLP on ``v5p:2x2x2``: 367
+    instead of 387 us by instruction costs, 814 instead of 743 us by the schedule), so
+    buckets keep the reduce-scatter.
+
+    Args:
+      x: this device's operand.
+      axis_name: the mesh axis or axes summed over (indexed row-major, as ``psum_scatter``).
+      dim: the dimension scattered.
+      stages: per stage, the ``axis_index_groups`` (`scatter_stages`).
+      exchange_pairs: run a stage of regular pairs (``(a, a + k)``) as an exchange.
+
+    Returns:
+      This device's slice of the sum.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+        >>> stages = (((0, 2), (1, 3)), ((0, 1), (2, 3)))
+        >>> f = jax.shard_map(lambda x: staged_psum_scatter(x, "data", 0, stages, exchange_pairs=True),
+        ...                   mesh=mesh, in_specs=P(), out_specs=P("data"))
+        >>> f(jnp.arange(4.0)).tolist()  # the sum of four copies, device d keeps slice d
+        [0.0, 4.0, 8.0, 12.0]
+    """
+    name = axis_name if isinstance(axis_name, str) or len(axis_name) != 1 else axis_name[0]
+    if not stages:
+        return lax.psum_scatter(x, name, scatter_dimension=dim, tiled=True)
+    for groups in stages:
+        stride = _pair_stride(groups) if exchange_pairs and x.shape[dim] % 2 == 0 else None
+        if stride is not None:
+            x = _exchange_halves(x, name, dim, groups, stride)
+        else:
+            x = lax.psum_scatter(
+                x, name, scatter_dimension=dim, tiled=True, axis_index_groups=[list(g) for g in groups]
+            )
+    return x
+
+
+def _pair_stride(groups: tuple[tuple[int, ...], ...]) -> int | None:
+    """``k`` where every group is a pair ``(a, a + k)`` and a device's place in its pair is
+    ``index // k % 2`` (the first stage `scatter_stages` builds), else None."""
+    if not groups or any(len(g) != 2 for g in groups):
+        return None
+    stride = groups[0][1] - groups[0][0]
+    if stride <= 0 or any(b - a != stride for a, b in groups):
+        return None
+    place = np.full(2 * len(groups), -1)
+    for a, b in groups:
+        if not (0 <= a < place.size and 0 <= b < place.size):
+            return None
+        place[a], place[b] = 0, 1
+    return stride if np.array_equal(place, np.arange(place.size) // stride % 2) else None
+
+
+def _exchange_halves(
+    x: jax.Array, axis_name: AxisName, dim: int, pairs: tuple[tuple[int, ...], ...], stride: int
+) -> jax.Array:
+    """A reduce-scatter over pairs of devices as one exchange of halves."""
+    place = lax.axis_index(axis_name) // stride % 2
+    half = x.shape[dim] // 2
+    keep = lax.dynamic_slice_in_dim(x, place * half, half, dim)
+    send = lax.dynamic_slice_in_dim(x, (1 - place) * half, half, dim)
+    swaps = [(a, b) for a, b in pairs] + [(b, a) for a, b in pairs]
+    return keep + lax.ppermute(send, axis_name, swaps)

@@ -43,7 +43,7 @@ from jaxsched.runtime.collectives._base import (
     stacked_zeros,
     unstack_local,
 )
-from jaxsched.runtime.collectives._torus import scatter_lanes, scatter_stages
+from jaxsched.runtime.collectives._torus import scatter_lanes, scatter_stages, staged_psum_scatter
 from jaxsched.sim._costmodel import CommPattern
 from jaxsched.plan._planned_step import PlannedStep, is_abstract
 
@@ -663,7 +663,8 @@ def scatter_block(gradient: jax.Array, reduction: Reduction, mesh: Mesh | None =
     On a TPU torus where one reduce-scatter over the block's axes would span a 3-D block of
     chips (XLA:TPU then decomposes it into an all-reduce of the whole gradient), it runs in
     the two stages `scatter_stages` gives for
-    ``mesh``: each device ends with the same block."""
+    ``mesh`` (a stage over pairs of chips as an exchange of halves, see
+    `jaxsched.runtime.collectives.staged_psum_scatter`): each device ends with the same block."""
     axes = reduction.scatter_axes
     name = axes[0] if len(axes) == 1 else tuple(axes)
     # A layer's gradient sliced from a stacked one ([1, rows, cols], unrolled layers) is sent
@@ -677,13 +678,7 @@ def scatter_block(gradient: jax.Array, reduction: Reduction, mesh: Mesh | None =
     dim = block_dim - sum(d < block_dim for d in units)
     big = nbytes(gradient) > SMALL_TENSOR_BYTES
     stages = scatter_stages(mesh, axes) if mesh is not None and big else ()
-    if not stages:
-        flat = jax.lax.psum_scatter(flat, name, scatter_dimension=dim, tiled=True)
-    for groups in stages:
-        flat = jax.lax.psum_scatter(
-            flat, name, scatter_dimension=dim, tiled=True, axis_index_groups=[list(g) for g in groups]
-        )
-    return jax.lax.expand_dims(flat, units)
+    return jax.lax.expand_dims(staged_psum_scatter(flat, name, dim, stages, exchange_pairs=True), units)
 
 
 class UserLayoutStrategy(Strategy):

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsched.runtime.collectives._base import BucketSpec, psum_scatter
-from jaxsched.runtime.collectives._torus import scatter_lanes, scatter_stages
+from jaxsched.runtime.collectives._torus import scatter_lanes, scatter_stages, staged_psum_scatter
 from support.toolchains import needs_tpu
 
 
@@ -73,6 +73,69 @@ def test_staged_and_row_reduce_scatters_give_every_device_its_slice(shape, stage
     )
     out = np.asarray(f(jax.device_put(x, NamedSharding(mesh, P("data")))))
     np.testing.assert_allclose(out, x.sum(0), rtol=1e-6, atol=1e-5)
+
+
+def _staged(x, stages, dim, exchange_pairs, axes=("data",)):
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape((2, 4) if len(axes) == 2 else (8,)), axes)
+    spec = P(axes if len(axes) == 2 else axes[0])
+    name = axes if len(axes) == 2 else axes[0]
+    f = jax.jit(
+        jax.shard_map(
+            lambda a: staged_psum_scatter(a[0], name, dim, stages, exchange_pairs=exchange_pairs)[None],
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+            check_vma=False,
+        )
+    )
+    return np.asarray(f(jax.device_put(x, NamedSharding(mesh, spec))))
+
+
+@pytest.mark.parametrize(
+    "stages",
+    [
+        (((0, 4), (1, 5), (2, 6), (3, 7)), ((0, 1, 2, 3), (4, 5, 6, 7))),  # pairs first (a line of chips)
+        (((0, 2, 4, 6), (1, 3, 5, 7)), ((0, 1), (2, 3), (4, 5), (6, 7))),  # pairs last
+        (((0, 4), (1, 5), (2, 6), (3, 7)), ((0, 2), (1, 3), (4, 6), (5, 7)), ((0, 1), (2, 3), (4, 5), (6, 7))),
+        (((0, 5), (1, 4), (2, 7), (3, 6)), ((0, 1, 2, 3), (4, 5, 6, 7))),  # irregular pairs: a reduce-scatter
+    ],
+)
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("axes", [("data",), ("slice", "chip")])
+def test_pairs_exchanged_as_halves_give_every_device_the_slice_of_one_reduce_scatter(stages, dim, axes):
+    """Exchanging halves over pairs sums the same two operands as a reduce-scatter over them
+    (bitwise equal) and leaves each device the slice one tiled ``psum_scatter`` gives it,
+    whatever the order of the stages and over a tuple of mesh axes."""
+    shape = (8, 16, 24) if dim == 0 else (8, 6, 32)
+    x = np.random.RandomState(len(stages) + dim).randn(*shape).astype(np.float32)
+    exchanged = _staged(x, stages, dim, True, axes)
+    scattered = _staged(x, stages, dim, False, axes)
+    np.testing.assert_array_equal(exchanged, scattered)
+    one = _staged(x, (), dim, False, axes)
+    np.testing.assert_allclose(exchanged, one, rtol=1e-5, atol=1e-5)
+    want = np.stack(np.split(x.sum(0), 8, axis=dim))
+    np.testing.assert_allclose(one, want, rtol=1e-5, atol=1e-5)
+
+
+def test_only_regular_pairs_are_exchanged():
+    """A pair stage becomes a collective permute; irregular pairs and larger groups stay
+    reduce-scatters."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+
+    def lowered(stages):
+        f = jax.shard_map(
+            lambda a: staged_psum_scatter(a, "data", 0, stages, exchange_pairs=True),
+            mesh=mesh,
+            in_specs=P(),
+            out_specs=P("data"),
+            check_vma=False,
+        )
+        return jax.jit(f).lower(np.zeros((16, 4), np.float32)).as_text()
+
+    regular = lowered((((0, 4), (1, 5), (2, 6), (3, 7)), ((0, 1, 2, 3), (4, 5, 6, 7))))
+    assert regular.count("collective_permute") == 1 and regular.count("reduce_scatter") == 1
+    irregular = lowered((((0, 5), (1, 4), (2, 7), (3, 6)), ((0, 1, 2, 3), (4, 5, 6, 7))))
+    assert "collective_permute" not in irregular and irregular.count("reduce_scatter") == 2
 
 
 @needs_tpu

@@ -43,7 +43,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from jaxsched._errors import JaxschedRuntimeError
-from jaxsched.core._torus import block_scatter_stages
+from jaxsched.core._torus import block_scatter_stages, staged_psum_scatter
 from jaxsched.core._axes import AxisName, as_axes
 
 __all__ = [
@@ -248,7 +248,8 @@ class AxisContext:
         ``nested`` (inside a loop, branch or checkpoint, a scanned layer's gradient, which no
         strategy reschedules): the reduce-scatter runs in the stages
         `jaxsched.core._torus.block_scatter_stages` gives where one over the block's axes
-        would span a 3-D block of TPU chips, as the strategies' ``scatter_block`` sends a
+        would span a 3-D block of TPU chips (a stage over pairs of chips as an exchange of
+        halves, `jaxsched.core._torus.staged_psum_scatter`), as the strategies' ``scatter_block`` sends a
         top-level block's gradient: each device ends with the same block. At the top level
         it stays one, the gradient reduction the strategies find and schedule."""
         summed = self._axes_of(have)
@@ -258,14 +259,7 @@ class AxisContext:
         name = axes if len(axes) > 1 else axes[0]
         size = math.prod(np.shape(value)) * jnp.dtype(jnp.result_type(value)).itemsize
         stages = block_scatter_stages(self.mesh, axes, size) if nested else ()
-        if not stages:
-            part = lax.psum_scatter(value, name, scatter_dimension=want.dim, tiled=True)
-        else:
-            part = value
-            for groups in stages:
-                part = lax.psum_scatter(
-                    part, name, scatter_dimension=want.dim, tiled=True, axis_index_groups=[list(g) for g in groups]
-                )
+        part = staged_psum_scatter(value, name, want.dim, stages, exchange_pairs=True)
         rest = tuple(a for a in summed if a not in axes)
         return lax.psum(part, rest) if rest else part
 

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from jaxsched._errors import JaxschedValueError
-from jaxsched.core._torus import SMALL_TENSOR_BYTES
+from jaxsched.core._torus import SMALL_TENSOR_BYTES, staged_psum_scatter
 from jaxsched.core._axes import AxisName
 
 __all__ = [
@@ -484,10 +484,7 @@ def psum_scatter(x: jax.Array, axis_name: AxisName, bucket: BucketSpec) -> jax.A
     if rows:
         x = x.reshape(-1, lanes)
     stages = bucket.scatter_stages if nbytes(x) > SMALL_TENSOR_BYTES else ()
-    if not stages:
-        x = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
-    for groups in stages:
-        x = lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True, axis_index_groups=[list(g) for g in groups])
+    x = staged_psum_scatter(x, axis_name, 0, stages)
     return x.reshape(-1) if rows else x
 
 

@@ -18,6 +18,15 @@ from jaxsched.core._torus import (
     scatter_lanes,
     scatter_stages,
     spanned_dims,
+    staged_psum_scatter,
 )
 
-__all__ = ["MAX_TORUS_DIMS", "TPU_LANES", "Stages", "scatter_lanes", "scatter_stages", "spanned_dims"]
+__all__ = [
+    "MAX_TORUS_DIMS",
+    "TPU_LANES",
+    "Stages",
+    "scatter_lanes",
+    "scatter_stages",
+    "spanned_dims",
+    "staged_psum_scatter",
+]
