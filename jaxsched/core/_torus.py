@@ -187,30 +187,24 @@ def scatter_stages(mesh: Mesh, axes: AxisName) -> Stages:
     return ()
 
 
-def staged_psum_scatter(
-    x: jax.Array, axis_name: AxisName, dim: int, stages: Stages, *, exchange_pairs: bool = False
-) -> jax.Array:
+def staged_psum_scatter(x: jax.Array, axis_name: AxisName, dim: int, stages: Stages) -> jax.Array:
     """``lax.psum_scatter(x, axis_name, scatter_dimension=dim, tiled=True)`` run in
     ``stages`` (`Stages`; ``()``: one reduce-scatter). Each device ends with the slice the
     one tiled reduce-scatter hands it.
 
-    ``exchange_pairs``: a stage over pairs of devices runs as one exchange (each sends the
-    half its partner keeps and adds the half it receives, the same two-operand sum). XLA:TPU
-    runs a reduce-scatter over two chips as a synchronous fusion that all-reduces the whole
-    padded buffer, which its schedule counts as compute (139 us for a 1024 x 3072 gradient
-    on v5p), and the exchange as an asynchronous collective-permute of half of it. Block
-    gradients (FSDP) take it: the unrolled 8-layer Transformer on two v5p slices was
-    estimated at 39.24 ms instead of 39.77, the scanned one at 41.83 instead of 42.33. For a
-    flat bucket the two estimates disagreed (``dear`` on an 8x1024 MLP on ``v5p:2x2x2``: 367
-    instead of 387 us by instruction costs, 814 instead of 743 us by the schedule), so
-    buckets keep the reduce-scatter.
+    A stage over pairs of devices (``(a, a + k)``, as `scatter_stages` builds over a line of
+    two chips) runs as one exchange: each device sends the half its partner keeps and adds
+    the half it receives, the same two-operand sum. XLA:TPU runs a reduce-scatter over two
+    chips synchronously (for a 1024 x 3072 gradient as a fusion that all-reduces the whole
+    padded buffer, 139 us on v5p in its schedule), and the exchange as an asynchronous
+    collective-permute of half of it beside compute, for two elementwise passes over that
+    half.
 
     Args:
       x: this device's operand.
       axis_name: the mesh axis or axes summed over (indexed row-major, as ``psum_scatter``).
       dim: the dimension scattered.
       stages: per stage, the ``axis_index_groups`` (`scatter_stages`).
-      exchange_pairs: run a stage of regular pairs (``(a, a + k)``) as an exchange.
 
     Returns:
       This device's slice of the sum.
@@ -220,7 +214,7 @@ def staged_psum_scatter(
         >>> from jax.sharding import PartitionSpec as P
         >>> mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
         >>> stages = (((0, 2), (1, 3)), ((0, 1), (2, 3)))
-        >>> f = jax.shard_map(lambda x: staged_psum_scatter(x, "data", 0, stages, exchange_pairs=True),
+        >>> f = jax.shard_map(lambda x: staged_psum_scatter(x, "data", 0, stages),
         ...                   mesh=mesh, in_specs=P(), out_specs=P("data"))
         >>> f(jnp.arange(4.0)).tolist()  # the sum of four copies, device d keeps slice d
         [0.0, 4.0, 8.0, 12.0]
@@ -229,7 +223,7 @@ def staged_psum_scatter(
     if not stages:
         return lax.psum_scatter(x, name, scatter_dimension=dim, tiled=True)
     for groups in stages:
-        stride = _pair_stride(groups) if exchange_pairs and x.shape[dim] % 2 == 0 else None
+        stride = _pair_stride(groups) if x.shape[dim] % 2 == 0 else None
         if stride is not None:
             x = _exchange_halves(x, name, dim, groups, stride)
         else:

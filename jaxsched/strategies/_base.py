@@ -678,7 +678,7 @@ def scatter_block(gradient: jax.Array, reduction: Reduction, mesh: Mesh | None =
     dim = block_dim - sum(d < block_dim for d in units)
     big = nbytes(gradient) > SMALL_TENSOR_BYTES
     stages = scatter_stages(mesh, axes) if mesh is not None and big else ()
-    return jax.lax.expand_dims(staged_psum_scatter(flat, name, dim, stages, exchange_pairs=True), units)
+    return jax.lax.expand_dims(staged_psum_scatter(flat, name, dim, stages), units)
 
 
 class UserLayoutStrategy(Strategy):

@@ -75,13 +75,24 @@ def test_staged_and_row_reduce_scatters_give_every_device_its_slice(shape, stage
     np.testing.assert_allclose(out, x.sum(0), rtol=1e-6, atol=1e-5)
 
 
-def _staged(x, stages, dim, exchange_pairs, axes=("data",)):
+def _scatter(x, name, dim, stages, exchange):
+    """The staged sum with pairs exchanged, or as reduce-scatters with the same groups."""
+    if exchange:
+        return staged_psum_scatter(x, name, dim, stages)
+    for groups in stages or ((tuple(range(8)),),):
+        x = jax.lax.psum_scatter(
+            x, name, scatter_dimension=dim, tiled=True, axis_index_groups=[list(g) for g in groups]
+        )
+    return x
+
+
+def _staged(x, stages, dim, exchange, axes=("data",)):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape((2, 4) if len(axes) == 2 else (8,)), axes)
     spec = P(axes if len(axes) == 2 else axes[0])
     name = axes if len(axes) == 2 else axes[0]
     f = jax.jit(
         jax.shard_map(
-            lambda a: staged_psum_scatter(a[0], name, dim, stages, exchange_pairs=exchange_pairs)[None],
+            lambda a: _scatter(a[0], name, dim, stages, exchange)[None],
             mesh=mesh,
             in_specs=spec,
             out_specs=spec,
@@ -124,7 +135,7 @@ def test_only_regular_pairs_are_exchanged():
 
     def lowered(stages):
         f = jax.shard_map(
-            lambda a: staged_psum_scatter(a, "data", 0, stages, exchange_pairs=True),
+            lambda a: staged_psum_scatter(a, "data", 0, stages),
             mesh=mesh,
             in_specs=P(),
             out_specs=P("data"),

@@ -300,8 +300,9 @@ def _compiled_collectives(text: str) -> list[tuple[str, int]]:
 @needs_tpu
 def test_dear_keeps_its_reduce_scatters_on_a_3d_tpu_slice():
     """XLA:TPU turns one reduce-scatter over every chip of a 3-D slice (v5p 2x2x2) into an
-    all-reduce of the whole gradient; dear sends each one as two reduce-scatters over a
-    line and a plane of chips (jaxsched.runtime.collectives._torus), which it keeps."""
+    all-reduce of the whole gradient; dear sends each one in two stages, an exchange of
+    halves over a line of two chips (an async collective-permute) and a reduce-scatter over
+    a plane (jaxsched.runtime.collectives._torus), which it keeps."""
     width, layers = 1024, 8
     exp = _experiment("v5p:2x2x2", layers=layers, width=width, per_device=512)
     sched = jaxsched.schedule(exp.step, strategy="dear")
@@ -312,6 +313,7 @@ def test_dear_keeps_its_reduce_scatters_on_a_3d_tpu_slice():
     assert not [n for kind, n in ops if kind == "all-reduce" and n >= full // 8], ops  # no whole gradient
     shards = [n for kind, n in ops if kind == "reduce-scatter" and n == full // 8]
     assert len(shards) >= layers - 1, ops  # every hidden layer's weight ends in its own 1/8
+    assert len(re.findall(r"collective-permute-start\(", text)) >= layers - 1  # the line stage
     report = sched.inspect(state, exp.batch, baseline=False).report
     assert {"reduce-scatter", "all-gather"} <= {w.kind for w in report.collectives}
 
@@ -320,8 +322,8 @@ def test_dear_keeps_its_reduce_scatters_on_a_3d_tpu_slice():
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,at_least", [("dear", 1), ("approx", LAYERS)])
 def test_dear_and_approx_collectives_are_async_on_tpu(strategy, at_least):
-    """dear: a deferred all-gather overlaps compute; its reduce-scatters, kept as such (two
-    stages on a 3-D slice), run synchronously: libtpu 0.0.42.1 fuses no reduce-scatter into
+    """dear: a deferred all-gather overlaps compute; its reduce-scatters over a plane of
+    chips (the second stage on a 3-D slice) run synchronously: libtpu 0.0.42.1 fuses no reduce-scatter into
     an async collective fusion, whatever the options (the whole-gradient all-reduces it
     made of them before were async). approx: every weight's reduction is async, fused with
     compute (XLA's scheduler places most beside elementwise updates, which the engine's

@@ -259,7 +259,7 @@ class AxisContext:
         name = axes if len(axes) > 1 else axes[0]
         size = math.prod(np.shape(value)) * jnp.dtype(jnp.result_type(value)).itemsize
         stages = block_scatter_stages(self.mesh, axes, size) if nested else ()
-        part = staged_psum_scatter(value, name, want.dim, stages, exchange_pairs=True)
+        part = staged_psum_scatter(value, name, want.dim, stages)
         rest = tuple(a for a in summed if a not in axes)
         return lax.psum(part, rest) if rest else part
 
