@@ -22,7 +22,9 @@ part ``o`` of ``O = P / I``), then over those that share ``o`` (part ``i`` of th
 slice ``o * I + i = d``, what one tiled ``psum_scatter`` hands device ``d``). Each device
 sends ``(1 - 1/O) N + (1 - 1/I) N / O = (1 - 1/P) N`` elements of an ``N``-element buffer, as
 many as one reduce-scatter over all ``P``. `scatter_stages` picks ``I`` so that both
-subgroups span at most two torus dimensions.
+subgroups span at most two torus dimensions. A stage over pairs of chips runs as an
+exchange of halves (`staged_psum_scatter`): XLA:TPU runs a reduce-scatter over two chips
+synchronously, a collective-permute asynchronously.
 
 Example:
     >>> import jax

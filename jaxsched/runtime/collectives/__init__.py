@@ -29,6 +29,7 @@ from jaxsched.runtime.collectives._torus import (
     scatter_lanes,
     scatter_stages,
     spanned_dims,
+    staged_psum_scatter,
 )
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "spanned_dims",
     "stack_local",
     "stacked_zeros",
+    "staged_psum_scatter",
     "unstack_local",
 ]
 

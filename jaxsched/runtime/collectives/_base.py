@@ -89,7 +89,8 @@ class BucketSpec:
         the bucket runs in (`jaxsched.runtime.collectives._torus.scatter_stages`):
         XLA:TPU turns one reduce-scatter over a 3-D group of chips into an all-reduce of
         the whole buffer, and keeps two over smaller groups that leave every device the
-        same slice.
+        same slice (a stage over pairs of chips runs as an exchange of halves,
+        `jaxsched.runtime.collectives.staged_psum_scatter`).
       scatter_lanes: 0, or the row length a flat (1-D) buffer is reduce-scattered as: a
         1-D reduce-scatter becomes an all-reduce of the whole buffer on TPU (any group),
         rows of 128 stay a reduce-scatter. Used where a device's slice is whole rows.
