@@ -2,7 +2,8 @@
 against the plain `jax.jit` step, as XLA estimates them.
 
 Run: ``.venv-aot/bin/python benchmarks/fsdp_compiled.py [--targets h100:1x8x8 v5p:2x2x2:slices=2]``
-(needs the ``aot`` extra; about 45 minutes, 5 of them for ``h100:1x8x8``). Writes ``benchmarks/results/fsdp_compiled.json``.
+(needs the ``aot`` extra; about 45 minutes, 5 of them for ``h100:1x8x8``).
+Writes ``benchmarks/results/fsdp_compiled.json``.
 
 The model is `jaxsched.zoo.stacked_lm.StackedLM` (8 layers of 1024, MLP 4096,
 vocabulary 8192, sequence 512, adamw), written as MaxText writes it: its layers stacked,

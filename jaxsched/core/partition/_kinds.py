@@ -249,8 +249,8 @@ class AxisContext:
         strategy reschedules): the reduce-scatter runs in the stages
         `jaxsched.core._torus.block_scatter_stages` gives where one over the block's axes
         would span a 3-D block of TPU chips (a stage over pairs of chips as an exchange of
-        halves, `jaxsched.core._torus.staged_psum_scatter`), as the strategies' ``scatter_block`` sends a
-        top-level block's gradient: each device ends with the same block. At the top level
+        halves, `jaxsched.core._torus.staged_psum_scatter`), as the strategies'
+        ``scatter_block`` sends a top-level block's gradient: each device ends with the same block. At the top level
         it stays one, the gradient reduction the strategies find and schedule."""
         summed = self._axes_of(have)
         axes = self._axes_of(want)
@@ -259,7 +259,7 @@ class AxisContext:
         name = axes if len(axes) > 1 else axes[0]
         size = math.prod(np.shape(value)) * jnp.dtype(jnp.result_type(value)).itemsize
         stages = block_scatter_stages(self.mesh, axes, size) if nested else ()
-        part = staged_psum_scatter(value, name, want.dim, stages)
+        part = staged_psum_scatter(value, name, want.split, stages)
         rest = tuple(a for a in summed if a not in axes)
         return lax.psum(part, rest) if rest else part
 
