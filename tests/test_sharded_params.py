@@ -407,7 +407,7 @@ def test_block_gradients_scattered_in_two_stages_equal_the_plain_step(strategy, 
 
     stages = (((0, 4), (1, 5), (2, 6), (3, 7)), ((0, 1, 2, 3), (4, 5, 6, 7)))
     monkeypatch.setattr(strategy_base, "scatter_stages", lambda mesh, axes: stages)
-    monkeypatch.setattr(strategy_base, "SMALL_TENSOR_BYTES", 0)
+    monkeypatch.setattr(strategy_base, "block_scatter_stages", lambda mesh, axes, nbytes: stages)
     tx = optax.adamw(1e-2)
     layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 29)
     sched, state, _ = _run(ss.mlp_step(tx, layout, mesh), params, opt_state, batches, strategy)

@@ -34,7 +34,6 @@ from jaxsched.core._analyze import Reduction
 from jaxsched.core._bucketing import Bucket
 from jaxsched.core._capture import CapturedStep
 from jaxsched.runtime.collectives._base import (
-    SMALL_TENSOR_BYTES,
     BucketSpec,
     Collective,
     CollectiveState,
@@ -43,6 +42,7 @@ from jaxsched.runtime.collectives._base import (
     stacked_zeros,
     unstack_local,
 )
+from jaxsched.core._torus import block_scatter_stages
 from jaxsched.runtime.collectives._torus import scatter_lanes, scatter_stages, staged_psum_scatter
 from jaxsched.sim._costmodel import CommPattern
 from jaxsched.plan._planned_step import PlannedStep, is_abstract
@@ -662,7 +662,7 @@ def scatter_block(gradient: jax.Array, reduction: Reduction, mesh: Mesh | None =
 
     On a TPU torus where one reduce-scatter over the block's axes would span a 3-D block of
     chips (XLA:TPU then decomposes it into an all-reduce of the whole gradient), it runs in
-    the two stages `scatter_stages` gives for
+    the two stages `block_scatter_stages` gives for
     ``mesh`` (a stage over pairs of chips as an exchange of halves, see
     `jaxsched.runtime.collectives.staged_psum_scatter`): each device ends with the same block."""
     axes = reduction.scatter_axes
@@ -676,8 +676,7 @@ def scatter_block(gradient: jax.Array, reduction: Reduction, mesh: Mesh | None =
     units = tuple(d for d, n in enumerate(gradient.shape) if n == 1 and d != block_dim)
     flat = jax.lax.squeeze(gradient, units)
     dim = block_dim - sum(d < block_dim for d in units)
-    big = nbytes(gradient) > SMALL_TENSOR_BYTES
-    stages = scatter_stages(mesh, axes) if mesh is not None and big else ()
+    stages = block_scatter_stages(mesh, axes, nbytes(gradient))
     return jax.lax.expand_dims(staged_psum_scatter(flat, name, dim, stages), units)
 
 
