@@ -10,7 +10,7 @@ are asynchronous, and XLA's estimate of the step and its exposed communication; 
 ``wfbp`` (jaxsched's TPU options) and the plain step as XLA compiles it by default, and each
 variant's ratio to the inner step alone (the phase that neither sends nor receives).
 
-    python benchmarks/diloco_compiled.py [--model mlp] [--inner-steps 10]
+    python benchmarks/diloco_compiled.py [--model mlp] [--inner-steps 10] [--variants "diloco F=4 tau=1 4-bit"]
 
 Writes ``benchmarks/results/diloco_compiled.json``.
 """
@@ -23,6 +23,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only devices need no backend
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -64,12 +65,38 @@ def summarize(rep) -> dict:
     }
 
 
+def _quantized(bits: int) -> dict:
+    from jaxsched.runtime.compress import Quantize
+
+    return dict(fragments=4, overlap_steps=1, compression=Quantize(bits=bits))
+
+
+#: What each variant passes ``jaxsched.schedule`` besides its strategy (built when compiled).
+VARIANTS: dict[str, Callable[[], dict]] = {
+    "allreduce": dict,
+    "wfbp": dict,
+    "diloco F=1 tau=0": lambda: dict(fragments=1, overlap_steps=0),
+    "diloco F=4 tau=1": lambda: dict(fragments=4, overlap_steps=1),
+    # Streaming DiLoCo as published: outer gradients sent in 4 bits
+    "diloco F=4 tau=1 4-bit": lambda: _quantized(4),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--inner-steps", type=int, default=10)
     parser.add_argument("--out", default=str(RESULTS / "diloco_compiled.json"))
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated variants to compile; the others are kept from --out (default: all)",
+    )
     args = parser.parse_args()
+    chosen = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose among {list(VARIANTS)}")
 
     import jaxsched
     from jaxsched.check import _inspection as inspect_lib
@@ -87,9 +114,15 @@ def main() -> None:
         "command": f"python benchmarks/diloco_compiled.py --model {args.model} --inner-steps {H}",
         "variants": {},
     }
+    out = Path(args.out)
+    if set(chosen) != set(VARIANTS) and out.exists():
+        kept = json.loads(out.read_text())
+        results["variants"] = {k: v for k, v in kept.get("variants", {}).items() if k not in chosen}
+        if "inner_step_alone" in kept:
+            results["inner_step_alone"] = kept["inner_step_alone"]
 
     start = time.perf_counter()
-    for name in ("allreduce", "wfbp"):
+    for name in [v for v in ("allreduce", "wfbp") if v in chosen]:
         sched = jaxsched.schedule(exp.step, strategy=name)
         rep = sched.inspect(sched.init(exp.params, exp.opt_state), exp.batch, baseline=False).report
         results["variants"][name] = summarize(rep)
@@ -101,11 +134,8 @@ def main() -> None:
             flush=True,
         )
 
-    for label, options in (
-        ("diloco F=1 tau=0", dict(fragments=1, overlap_steps=0)),
-        ("diloco F=4 tau=1", dict(fragments=4, overlap_steps=1)),
-    ):
-        sched = jaxsched.schedule(exp.step, strategy="diloco", inner_steps=H, **options)
+    for label in [v for v in chosen if v.startswith("diloco")]:
+        sched = jaxsched.schedule(exp.step, strategy="diloco", inner_steps=H, **VARIANTS[label]())
         state = sched.init(exp.params, exp.opt_state)
         sched.lower(state, exp.batch)  # builds the program
         program = sched.program
@@ -136,14 +166,16 @@ def main() -> None:
             "dcn_bytes": sum(p["dcn_bytes"] for p in per_step) / H,
         }
     # the inner step alone: a phase that neither sends nor receives a fragment
-    alone = results["variants"]["diloco F=4 tau=1"]["phases"].get(repr((None, None)))
+    alone = results.get("inner_step_alone")
+    if "diloco F=4 tau=1" in results["variants"]:
+        alone = results["variants"]["diloco F=4 tau=1"]["phases"].get(repr((None, None)), alone)
     if alone is not None:
         results["inner_step_alone"] = alone
         for v in results["variants"].values():
             if v["estimated_step_s"] is not None and alone["estimated_step_s"]:
                 v["vs_inner_step_alone"] = v["estimated_step_s"] / alone["estimated_step_s"]
-    RESULTS.mkdir(exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
     print(f"{'variant':<20} {'est. step us':>12} {'exposed us':>10} {'dcn MB/step':>12} {'x inner step':>12}")
     rows = dict(results["variants"])
     if alone is not None:
