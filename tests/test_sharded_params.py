@@ -109,6 +109,24 @@ def test_moments_initialised_unplaced_are_kept_sharded_like_their_parameters(lay
     assert ss.state_bytes((state.params, state.opt_state)) <= ss.state_bytes(plain)
 
 
+@pytest.mark.parametrize("layout_name", ["fsdp", "hsdp"])
+def test_inspect_reads_a_state_that_holds_an_uncommitted_leaf(layout_name):
+    """``optax.adam(...).init`` leaves its ``count`` uncommitted on the default device;
+    ``jax.jit`` moves such a leaf where the step needs it, and so must the compiles behind
+    ``inspect`` (the scheduled step's and the plain baseline's)."""
+    tx = optax.adam(1e-2)
+    layout, mesh, params, opt_state, batches = _mlp_case(layout_name, tx, 13)
+    assert not opt_state[0].count.committed
+    sched = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy="wfbp")
+    state = sched.init(params, opt_state)
+    inspection = sched.inspect(state, batches[0])
+    assert inspection.baseline is not None
+    kinds = {w.kind for w in inspection.report.collectives}
+    assert "reduce-scatter" in kinds or "all-reduce" in kinds
+    state, _ = sched(state, batches[0])  # and the step still runs on it
+    jax.block_until_ready(state)
+
+
 @pytest.mark.parametrize("strategy", ["wfbp", pytest.param("dear", marks=pytest.mark.slow)])
 def test_the_jits_out_shardings_place_the_state_as_the_plain_step_returns_it(strategy):
     """A jit whose ``out_shardings`` differ from the inputs' placement: the scheduled state

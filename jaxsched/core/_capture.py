@@ -414,10 +414,15 @@ def flatten_calls(body, mesh: Mesh, in_specs, out_specs, operand_avals, fold_inv
 
 
 def abstract_leaf(a: Any) -> jax.ShapeDtypeStruct:
-    """Shape, dtype and (for arrays placed by the user) sharding: what tracing needs."""
+    """Shape, dtype and (for arrays placed by the user) sharding: what tracing needs.
+
+    An array JAX left uncommitted (``optax.adam``'s ``count`` from ``tx.init``: on the
+    default device, never placed) has no sharding here, as ``jax.jit`` moves it wherever
+    the step needs it; kept, it would read as committed to one device."""
     if isinstance(a, jax.ShapeDtypeStruct):
         return a
-    sharding = a.sharding if isinstance(a, jax.Array) else None
+    committed = isinstance(a, jax.Array) and getattr(a, "committed", True)
+    sharding = a.sharding if committed else None
     dtype = a.dtype if hasattr(a, "dtype") else jax.numpy.asarray(a).dtype
     return jax.ShapeDtypeStruct(jax.numpy.shape(a), dtype, sharding=sharding)
 
