@@ -192,6 +192,25 @@ def test_a_scanned_rematerialised_fsdp_stack(strategy):
     assert ss.state_bytes((state.params, state.opt_state)) <= ss.state_bytes(plain)
 
 
+@pytest.mark.parametrize("strategy", ["wfbp", "dear", "auto"])
+def test_a_step_whose_every_parameter_is_in_the_scanned_stack(strategy):
+    """No parameter outside the loop: every gradient is scattered into its layer's block
+    inside its own iteration, none is left at the top level, and the step runs as
+    partitioned (it was refused as if no gradient depended on the batch)."""
+    mesh = ss.LAYOUTS["fsdp"].mesh()
+    tx = optax.adam(1e-2)
+    params = ss.scanned_params(mesh, seed=9, head=False)
+    batches = ss.batches(mesh, P("fsdp"), 3, 10)
+    sched, state, plain = _run(ss.scanned_step(tx), params, tx.init(params), batches, strategy)
+    assert not sched.program.planned.analysis.reductions
+    from jaxsched.core._replay import nested_eqns
+
+    body = sched.program.captured.body
+    top = {e.primitive.name for e in body.eqns}
+    assert "reduce_scatter" in {e.primitive.name for e in nested_eqns(body)} and "reduce_scatter" not in top
+    assert ss.state_bytes((state.params, state.opt_state)) <= ss.state_bytes(plain)
+
+
 @pytest.mark.parametrize("strategy", ["dear", pytest.param("wfbp", marks=pytest.mark.slow)])
 def test_dropout_bits_match_the_plain_step_on_sharded_parameters(strategy):
     tx = optax.adam(1e-2)

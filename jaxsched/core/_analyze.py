@@ -215,7 +215,7 @@ def analyze(captured: CapturedStep) -> Analysis:
         for pos, (x, o) in enumerate(zip(eqn.invars, eqn.outvars)):
             nbytes = x.aval.size * x.aval.dtype.itemsize
             reductions.append(Reduction(i, pos, x, o, producer.get(x, -1), nbytes))
-    if not reductions:
+    if not reductions and not (captured.kind == "jit" and _scattered_in_loops(body, data_axes, axis)):
         nested = _nested_reduction(body, axis)
         if captured.kind == "jit":
             raise UnsupportedStepError(_no_top_level_reduction(captured, nested))
@@ -408,6 +408,35 @@ def _sums_after_scatters(body, data_axes: set) -> dict[int, int | None]:
             if then.primitive.name in SUM_REDUCTIONS and set(reduction_axes(then)) == data_axes - axes:
                 found[i] = readers[0]
     return found
+
+
+def _scattered_in_loops(jaxpr: jex_core.Jaxpr, data_axes: set, axis: AxisName) -> bool:
+    """Whether every gradient of a ``jax.jit`` step is already reduced where the partitioner
+    placed it: inside a loop (a scanned FSDP stack's layer gradients, scattered into their
+    blocks in their own iteration), with no whole-gradient sum nested anywhere. A ``jax.jit``
+    step holds no collective of the user's, so these are jaxsched's own; the strategy then has
+    nothing left to place at the top level, and the step runs as partitioned.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import PartitionSpec as P
+        >>> mesh = jax.make_mesh((8,), ("fsdp",))
+        >>> def body(ws):
+        ...     scan = lambda c, w: (c, jax.lax.psum_scatter(w, "fsdp", tiled=True))
+        ...     return jax.lax.scan(scan, 0.0, ws)[1]
+        >>> f = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(None, "fsdp"))
+        >>> per_device = jax.make_jaxpr(f)(jnp.ones((3, 8))).jaxpr.eqns[0].params["jaxpr"]
+        >>> _scattered_in_loops(per_device, {"fsdp"}, "fsdp")
+        True
+    """
+    if _nested_reduction(jaxpr, axis) is not None:
+        return False
+    for eqn in jaxpr.eqns:
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            for e in nested_eqns(sub):
+                if e.primitive.name in SCATTER_REDUCTIONS and set(reduction_axes(e)) & data_axes:
+                    return True
+    return False
 
 
 def _nested_reduction(jaxpr: jex_core.Jaxpr, axis: AxisName) -> JaxprEqn | None:

@@ -133,7 +133,8 @@ def mlp_step(tx, layout: Layout, mesh, dropout=False):
 LAYERS = 4
 
 
-def scanned_params(mesh, seed=0):
+def scanned_params(mesh, seed=0, head=True):
+    """A stack of layers scanned over, and (``head``) an output layer outside the loop."""
     rng = np.random.default_rng(seed)
     params = {
         "ws": rng.standard_normal((LAYERS, FEATURES, FEATURES)).astype(np.float32) * 0.3,
@@ -141,10 +142,14 @@ def scanned_params(mesh, seed=0):
         "head": rng.standard_normal((FEATURES, OUT)).astype(np.float32) * 0.3,
     }
     specs = {"ws": P(None, "fsdp", None), "bs": P(None, "fsdp"), "head": P("fsdp", None)}
+    if not head:
+        del params["head"], specs["head"]
     return place(mesh, params, specs)
 
 
 def scanned_step(tx):
+    """The step of `scanned_params`, with or without the head (its last ``OUT`` features then)."""
+
     def step(params, opt_state, batch):
         x, y = batch
 
@@ -155,7 +160,8 @@ def scanned_step(tx):
                 return jnp.tanh(h @ w + b), None
 
             h, _ = jax.lax.scan(layer, x, (p["ws"], p["bs"]))
-            return jnp.mean((h @ p["head"] - y) ** 2)
+            out = h @ p["head"] if "head" in p else h[:, -OUT:]
+            return jnp.mean((out - y) ** 2)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
