@@ -142,6 +142,60 @@ def test_the_jits_out_shardings_place_the_state_as_the_plain_step_returns_it(str
     assert plain[0]["w1"].sharding.spec == P(None, "fsdp")
 
 
+def _step_returning(tx, mesh, constrain=None, grads_in_aux=False):
+    """A two-layer step whose new parameters pass through ``with_sharding_constraint(.,
+    constrain)`` and whose aux holds the gradients when asked."""
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        new = optax.apply_updates(params, updates)
+        if constrain is not None:
+            new = jax.lax.with_sharding_constraint(new, jax.tree.map(lambda s: NamedSharding(mesh, s), constrain))
+        return new, opt_state, {"loss": loss, **({"grads": grads} if grads_in_aux else {})}
+
+    return step
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+@pytest.mark.parametrize("given, returned", [("replicated", "fsdp"), ("fsdp", "replicated")])
+def test_an_in_step_sharding_constraint_places_the_state_as_the_plain_step_returns_it(strategy, given, returned):
+    """The step lays out its new parameters with ``lax.with_sharding_constraint`` (here
+    another layout than the inputs'): the scheduled state keeps that layout, as the plain
+    step returns it (``_run`` compares every leaf's sharding)."""
+    specs = {"replicated": {"w1": P(), "w2": P()}, "fsdp": {"w1": P("fsdp", None), "w2": P("fsdp", None)}}
+    tx = optax.sgd(0.1, momentum=0.9)
+    layout = ss.LAYOUTS["fsdp"]
+    mesh = layout.mesh()
+    params = ss.place(mesh, {k: v for k, v in ss.params_for(14).items() if k in ("w1", "w2")}, specs[given])
+    batches = ss.batches(mesh, layout.batch, 3, 15)
+    step = _step_returning(tx, mesh, constrain=specs[returned])
+    _, state, plain = _run(step, params, tx.init(params), batches, strategy)
+    assert plain[0]["w1"].sharding.is_equivalent_to(NamedSharding(mesh, specs[returned]["w1"]), 2)
+    assert state.params["w1"].sharding.is_equivalent_to(plain[0]["w1"].sharding, 2)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "dear"])
+def test_gradients_returned_in_aux_are_laid_out_as_their_parameters(strategy):
+    """The plain step returns an FSDP parameter's gradient in its parameter's blocks (the
+    reduce-scatter the update reads); so does the scheduled step, from the same
+    reduce-scatter, rather than summing the whole gradient onto every device."""
+    tx = optax.adam(1e-2)
+    layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 16)
+    params = {k: params[k] for k in ("w1", "w2")}
+    step = _step_returning(tx, mesh, grads_in_aux=True)
+    plain_aux = step(_copy(params), tx.init(params), batches[0])[2]
+    sched = jaxsched.schedule(step, strategy=strategy)
+    _, aux = sched(sched.init(_copy(params), tx.init(params)), batches[0])
+    for name in ("w1", "w2"):
+        want, got = plain_aux["grads"][name], aux["grads"][name]
+        assert not want.sharding.is_fully_replicated
+        assert got.sharding.is_equivalent_to(want.sharding, want.ndim), (name, got.sharding, want.sharding)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
 def test_a_batch_placed_over_other_data_axes_is_refused_naming_the_placement():
     """dear lays its state out over the data axes: a later batch over fewer of them gets an
     error about the batch's placement, not about the state's origin."""

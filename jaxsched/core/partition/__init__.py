@@ -47,7 +47,14 @@ from jaxsched.core import _replay as replay
 from jaxsched.core.partition._interpreter import GatherWarning, Partitioner, PartitionError
 from jaxsched.core.partition._table import TABLE
 from jaxsched.core.partition._kinds import AxisContext, Kind, REPLICATED
-from jaxsched.core.partition._placement import Placement, PlacementError, manual_spec, read_placement, unplaced_inputs
+from jaxsched.core.partition._placement import (
+    Placement,
+    PlacementError,
+    _top_out_shardings,
+    manual_spec,
+    read_placement,
+    unplaced_inputs,
+)
 
 __all__ = ["GatherWarning", "PartitionError", "Partitioned", "PlacementError", "manual_shard_map", "partition"]
 
@@ -81,6 +88,17 @@ def _spec(kind: Kind, axis_name: Any, rank: int) -> P:
     return P(*([None] * kind.dim + [axes] + [None] * (rank - kind.dim - 1)))
 
 
+def _aux_kind(natural: Kind, out: Any, hints: dict) -> Kind:
+    """How an aux output leaves the step: as computed (replicated, or a block), and a partial
+    sum reduced, into the parameter block that the same value meets in the update (a
+    gradient returned beside the new parameters: one reduce-scatter serves both, and the
+    output is laid out as the plain step lays it out), or else whole."""
+    if not natural.partial:
+        return natural
+    hint = hints.get(out) if isinstance(out, jex_core.Var) else None
+    return hint if hint is not None and hint.is_block else REPLICATED
+
+
 def partition(
     closed, leaves: Sequence[Any], names: Sequence[str], roles: Sequence[str], num_state_outputs: int
 ) -> Partitioned:
@@ -88,11 +106,12 @@ def partition(
 
     The first ``num_state_outputs`` outputs (the new parameters and optimizer state, in the
     order of the first inputs) come out as their inputs came in: replicated, or the blocks
-    of a sharded parameter; the others (aux) as the step computes them: replicated, or
-    blocks of the batch."""
+    of a sharded parameter; the others (aux) as the step computes them: replicated, blocks
+    of the batch, or blocks of a parameter (`_aux_kind`)."""
     placement = read_placement(closed, leaves, names, roles, num_state_outputs)
+    returned = [s is not None for s in _top_out_shardings(closed, num_state_outputs)]
     closed = _inlined(closed, placement)
-    placement = _placed_as_returned(closed, placement, leaves, names, roles, num_state_outputs)
+    placement = _placed_as_returned(closed, placement, leaves, names, roles, returned)
     model = (
         ()
         if placement.manual_axes is None
@@ -104,9 +123,11 @@ def partition(
     partitioner = Partitioner(ctx, TABLE)
     jaxpr = closed.jaxpr
     natural = partitioner.plan(jaxpr, placement.kinds).out_kinds
-    out_kinds = tuple(
-        placement.kinds[i] if i < num_state_outputs else REPLICATED if k.partial or k.is_block else k
-        for i, k in enumerate(natural)
+    out_kinds = tuple(placement.kinds[:num_state_outputs]) + tuple(
+        _aux_kind(
+            k, v, TABLE.hints_for(jaxpr, tuple(placement.kinds[:num_state_outputs]) + natural[num_state_outputs:])
+        )
+        for k, v in zip(natural[num_state_outputs:], jaxpr.outvars[num_state_outputs:])
     )
     plan = partitioner.plan(jaxpr, placement.kinds, out_kinds)
     n_in = len(jaxpr.invars)
@@ -137,16 +158,33 @@ def partition(
 
 
 def _placed_as_returned(
-    closed, placement: Placement, leaves: Sequence[Any], names: Sequence[str], roles: Sequence[str], num_state: int
+    closed,
+    placement: Placement,
+    leaves: Sequence[Any],
+    names: Sequence[str],
+    roles: Sequence[str],
+    returned: Sequence[bool],
 ) -> Placement:
     """``placement`` with each unplaced optimizer-state leaf (`unplaced_inputs`: host or
     single-device arrays, as ``jax.jit(tx.init)(params)`` leaves the moments) placed as its
     parameter is, as ``tx.init`` on the placed parameters places it: the plain step returns
     such a moment sharded like its parameter (XLA's propagation), and a scheduled state kept
     whole would hold it on every device. Its parameter is the one whose path ends the leaf's
-    (``opt_state[0].mu['w1']`` is ``params['w1']``'s) and has its shape. Meshes with model
-    axes keep the leaves as they came."""
-    unplaced = [i for i in sorted(unplaced_inputs(closed, leaves)) if i < num_state and roles[i] == "opt_state"]
+    (``opt_state[0].mu['w1']`` is ``params['w1']``'s) and has its shape. So is a replicated
+    leaf whose parameter the step returns in a layout it says (``out_shardings``, a
+    ``with_sharding_constraint``: ``returned``, per state leaf) while saying nothing of the
+    leaf's: XLA propagates the parameter's layout to it. Meshes with model axes keep the leaves as they came."""
+    num_state = len(returned)
+    # and a replicated leaf whose parameter the step returns in another layout than it
+    # takes (out_shardings or a sharding constraint), when nothing says how the leaf returns
+    followed = {
+        i
+        for i in range(num_state)
+        if roles[i] == "opt_state" and not returned[i] and not placement.kinds[i].is_block and any(returned)
+    }
+    unplaced = [
+        i for i in sorted(unplaced_inputs(closed, leaves) | followed) if i < num_state and roles[i] == "opt_state"
+    ]
     if not unplaced or placement.manual_axes is not None or placement.axis_size == 1:
         return placement
     params = [
@@ -161,7 +199,9 @@ def _placed_as_returned(
     for i in unplaced:
         shape = jaxpr.invars[i].aval.shape
         owners = [(len(path), j) for path, j in params if path and names[i].endswith(path)]
-        owners = [(n, j) for n, j in owners if jaxpr.invars[j].aval.shape == shape]
+        owners = [
+            (n, j) for n, j in owners if jaxpr.invars[j].aval.shape == shape and (i not in followed or returned[j])
+        ]
         if owners:
             j = max(owners)[1]
             kinds[i], specs[i] = placement.kinds[j], placement.specs[j]

@@ -121,9 +121,21 @@ def _top_shardings(closed) -> list:
 
 
 def _top_out_shardings(closed, num_state_outputs: int) -> list:
-    """``jax.jit(..., out_shardings=...)`` of the step's state outputs (the first
-    ``num_state_outputs``, in the order of the first inputs), None where not given."""
+    """How the step lays out its state outputs (the first ``num_state_outputs``, in the
+    order of the first inputs): ``jax.jit(..., out_shardings=...)``, else a
+    ``lax.with_sharding_constraint`` that returns the leaf; None where neither says.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+        >>> blocks = NamedSharding(mesh, P("fsdp"))
+        >>> step = jax.jit(lambda w: jax.lax.with_sharding_constraint(w * 2, blocks))
+        >>> [s.spec for s in _top_out_shardings(jax.make_jaxpr(step)(jnp.ones(8)), 1)]
+        [P('fsdp',)]
+    """
     jaxpr = closed.jaxpr
+    found: list = [None] * num_state_outputs
     if (
         num_state_outputs
         and len(jaxpr.eqns) == 1
@@ -131,9 +143,15 @@ def _top_out_shardings(closed, num_state_outputs: int) -> list:
         and list(jaxpr.eqns[0].invars) == list(jaxpr.invars)
         and list(jaxpr.eqns[0].outvars) == list(jaxpr.outvars)
     ):
+        inner = jaxpr.eqns[0].params["jaxpr"].jaxpr
+        constrained = {
+            e.outvars[0]: e.params["sharding"] for e in inner.eqns if e.primitive.name == "sharding_constraint"
+        }
         out = list(jaxpr.eqns[0].params["out_shardings"])[:num_state_outputs]
-        return [s if isinstance(s, NamedSharding) else None for s in out]
-    return [None] * num_state_outputs
+        for i, (given, var) in enumerate(zip(out, inner.outvars)):
+            chosen = given if isinstance(given, NamedSharding) else constrained.get(var)
+            found[i] = chosen if isinstance(chosen, NamedSharding) else None
+    return found
 
 
 def unplaced_inputs(closed, leaves: Sequence[Any]) -> set[int]:
@@ -304,7 +322,8 @@ def read_placement(
 
     A state leaf (one of the first ``num_state_outputs`` inputs, which the step returns in
     the same order) is placed as the step's ``out_shardings`` returns it, where the jit
-    gives them: the scheduled state keeps one layout, the one the plain step returns."""
+    gives them, or as a ``lax.with_sharding_constraint`` returns it: the scheduled state
+    keeps one layout, the one the plain step returns."""
     given = _top_shardings(closed)
     for i, out in enumerate(_top_out_shardings(closed, num_state_outputs)):
         if out is not None:
