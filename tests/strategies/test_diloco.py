@@ -250,13 +250,16 @@ def test_finalize_is_compiled_by_the_steps_engine():
 
 
 # -- compressed outer gradients --------------------------------------------------------------
-def test_quantize_packs_and_rounds_within_half_a_step():
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal(1000), jnp.float32)
+@pytest.mark.parametrize("size", [1000, 1024])  # the last block padded, or none
+def test_quantize_packs_and_rounds_within_half_a_step(size):
+    rng = np.random.default_rng(size)
+    x = jnp.asarray(rng.standard_normal(size), jnp.float32)
     for bits in (4, 8):
         codes, scales = quantize(x, bits, 64)
-        back = dequantize(codes, scales, 1000)
-        step = np.repeat(np.asarray(scales), 64)[:1000]
+        assert codes.shape == (-(-size // 64), 64)
+        back = dequantize(codes, scales, size)
+        assert back.shape == (size,)
+        step = np.repeat(np.asarray(scales), 64)[:size]
         assert (np.abs(np.asarray(back - x)) <= step / 2 + 1e-7).all()
         assert np.abs(np.asarray(codes)).max() == 2 ** (bits - 1) - 1
     codes, _ = quantize(x, 4, 64)
