@@ -196,6 +196,39 @@ def test_gradients_returned_in_aux_are_laid_out_as_their_parameters(strategy):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("strategy", ["wfbp", "dear"])
+def test_finalize_places_a_replicated_bias_as_xla_returns_it(strategy):
+    """Kernels split over ``fsdp``, a bias replicated: XLA's propagation returns the plain
+    step's new bias split over ``fsdp`` (it reduce-scatters the bias's gradient), which no
+    input or annotation says; ``finalize`` reads it from the compiled plain step."""
+    mesh = ss.LAYOUTS["fsdp"].mesh()
+    rng = np.random.default_rng(17)
+    specs = {"w0": P("fsdp", None), "b0": P(), "w1": P("fsdp", None)}
+    shapes = {"w0": (64, 64), "b0": (64,), "w1": (64, 64)}
+    params = {
+        k: jax.device_put(rng.normal(size=s).astype(np.float32) * 0.3, NamedSharding(mesh, specs[k]))
+        for k, s in shapes.items()
+    }
+    tx = optax.adam(1e-2)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss_fn = lambda p: jnp.mean((jnp.tanh(x @ p["w0"] + p["b0"]) @ p["w1"] - y) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    batches = [
+        jax.device_put(
+            tuple(rng.normal(size=(32, 64)).astype(np.float32) for _ in range(2)), NamedSharding(mesh, P("fsdp"))
+        )
+        for _ in range(2)
+    ]
+    _, _, plain = _run(step, params, tx.init(params), batches, strategy)  # every leaf's sharding compared
+    assert not plain[0]["b0"].sharding.is_fully_replicated
+
+
 def test_a_batch_placed_over_other_data_axes_is_refused_naming_the_placement():
     """dear lays its state out over the data axes: a later batch over fewer of them gets an
     error about the batch's placement, not about the state's origin."""

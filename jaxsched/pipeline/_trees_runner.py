@@ -185,7 +185,8 @@ class TreesRunner:
         if program is None:  # never traced here: only a state in the user's layout
             return self.schedule.strategy.finalize_untraced(state)
         check_state_fits(program, self.template, state)
-        return check_finalized(program, self.template, program.finalize(state))
+        returned = plain_returned_shardings(program, self.schedule.traced_step)
+        return check_finalized(program, self.template, program.finalize(state), returned)
 
     def lower(self, state: ScheduledState, batch: Any) -> jax.stages.Lowered:
         """The lowered scheduled program for ``batch``."""
@@ -386,9 +387,47 @@ def check_state_fits(program: Program, template: Any, state: Any) -> None:
             )
 
 
-def check_finalized(program: Program, template: Any, trees: tuple[Any, Any]) -> tuple[Any, Any]:
+def plain_returned_shardings(program: Program, step: Callable) -> list | None:
+    """The shardings XLA gives the plain ``jax.jit`` step's new params and optimizer state,
+    where they may differ from the state's layout: None where they cannot.
+
+    The scheduled state keeps each leaf as it came in (or as ``out_shardings`` or a sharding
+    constraint say), and so does the plain step, except that XLA's propagation may return
+    a leaf placed replicated split over a data axis (an FSDP step's replicated bias, whose
+    gradient XLA reduce-scatters). Only compiling the plain step tells, so it is compiled
+    once per program, for ``finalize``, where a state leaf is replicated beside sharded ones
+    on devices that run (never for compile-only targets)."""
+    captured = program.captured
+    if captured.kind != "jit" or captured.mesh.devices.size < 2 or not captured.state_outputs:
+        return None
+    whole = [all(s is None for s in program.planned.output_spec(k)) for k in range(len(captured.state_outputs))]
+    if all(whole) or not any(whole) or not _runs_here(captured.mesh.devices.flat[0]):
+        return None
+    cached = getattr(program, "_plain_returned", None)
+    if cached is None:
+        try:
+            compiled = jax.jit(step).trace(*captured.example_inputs).lower().compile()
+            cached = jax.tree.leaves(compiled.output_shardings)[: len(whole)]
+        except Exception:  # the scheduled state's layout stands where XLA will not say
+            cached = []
+        program._plain_returned = cached  # type: ignore[attr-defined]
+    return cached or None
+
+
+def _runs_here(device: Any) -> bool:
+    """Whether ``device`` is one of this process's backends' (not a compile-only device)."""
+    try:
+        return device in jax.devices(device.platform)
+    except RuntimeError:
+        return False
+
+
+def check_finalized(
+    program: Program, template: Any, trees: tuple[Any, Any], returned: Sequence[Any] | None = None
+) -> tuple[Any, Any]:
     """``finalize``'s ``(params, opt_state)`` as the plain step returns them: every leaf in the
-    shape and dtype the step gives it, and on the mesh with the sharding the step's output has.
+    shape and dtype the step gives it, and on the mesh with the sharding the step's output has
+    (``returned``, where `plain_returned_shardings` read it from XLA).
 
     A leaf in another shape or dtype is a defect of the strategy's layout, refused with the
     leaf's path rather than handed back; a leaf on the host or on an equivalent but
@@ -411,6 +450,9 @@ def check_finalized(program: Program, template: Any, trees: tuple[Any, Any]) -> 
             )
         if captured.kind != "pmap":
             target = jax.sharding.NamedSharding(planned.mesh, planned.output_spec(k))
+            xla = returned[k] if returned else None
+            if isinstance(xla, jax.sharding.NamedSharding) and xla.mesh.shape == planned.mesh.shape:
+                target = jax.sharding.NamedSharding(planned.mesh, xla.spec)
             if isinstance(placed, jax.sharding.NamedSharding) and placed.is_equivalent_to(target, len(shape)):
                 target = placed  # the user's own sharding, spelled as the user spelled it
             leaf = _placed_as_output(leaf, target)
