@@ -626,6 +626,66 @@ def test_a_scanned_fsdp_stack_keeps_its_reduce_scatters_on_a_3d_tpu_slice(strate
     assert [n for kind, n in found if kind == "reduce-scatter" and n == whole // 8], found
 
 
+def _v5p_mesh():
+    import jaxsched.tools.aot as aot
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(aot.devices("v5p", "2x2x2")), ("fsdp",))
+
+
+@needs_tpu
+def test_the_plain_fsdp_step_on_one_tpu_slice_is_estimated_with_its_all_to_alls():
+    """XLA's partitioner gives the plain step all-to-alls, which XLA:TPU runs synchronously
+    (no window for the instruction-cost estimate to read): priced as the all-gather that
+    moves the same bytes, so the report still has an estimate and the ratios exist."""
+    mesh = _v5p_mesh()
+    ab = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+    params = {"w0": ab((256, 256), P("fsdp", None)), "b0": ab((256,), P()), "w1": ab((256, 256), P("fsdp", None))}
+    tx = optax.sgd(0.1)
+    batch = (ab((128, 256), P("fsdp")), ab((128, 256), P("fsdp")))
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss_fn = lambda p: jnp.mean((jnp.tanh(x @ p["w0"] + p["b0"]) @ p["w1"] - y) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    sched = jaxsched.schedule(step, strategy="wfbp")
+    inspection = sched.inspect(sched.init(params, jax.eval_shape(tx.init, params)), batch)
+    assert "all-to-all" in {w.kind for w in inspection.baseline.collectives}
+    assert inspection.baseline.step_s is not None and inspection.ratios()["step"] is not None
+
+
+@needs_tpu
+def test_a_scanned_stack_reports_its_loops_on_a_tpu_slice():
+    """XLA:TPU's loops carry no ``known_trip_count``: the trips are read from the scan's
+    counter and bound, so the report has each loop (forward's, backward's) and its time."""
+    mesh, layers = _v5p_mesh(), 3
+    ab = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+    params = {"ws": ab((layers, 256, 256), P(None, "fsdp", None)), "head": ab((256, 128), P("fsdp", None))}
+    tx = optax.sgd(0.1)
+    batch = (ab((128, 256), P("fsdp")), ab((128, 128), P("fsdp")))
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+
+        def loss_fn(p):
+            h, _ = jax.lax.scan(jax.checkpoint(lambda h, w: (jnp.tanh(h @ w), None)), x, p["ws"])
+            return jnp.mean((h @ p["head"] - y) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    sched = jaxsched.schedule(step, strategy="wfbp")
+    report = sched.inspect(sched.init(params, jax.eval_shape(tx.init, params)), batch, baseline=False).report
+    assert [loop.trips for loop in report.loops] == [layers, layers]
+    assert all(loop.seconds > 0 for loop in report.loops)
+
+
 @needs_tpu
 @pytest.mark.slow
 def test_an_hsdp_step_inspects_for_a_tpu_pod():

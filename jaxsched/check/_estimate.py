@@ -72,7 +72,7 @@ def _instruction_cycles(mod: _Module, an: _Analyzer, comp: str, depth: int = 0) 
             )
             continue
         if ins.opcode == "while":
-            body, trips = _while_body(ins), _known_trips(ins)
+            body, trips = _while_body(ins), _known_trips(ins, mod, comp)
             if body is None or trips is None or depth > 8:
                 loop_collective = True  # an unknown number of iterations: no estimate
                 continue

@@ -86,6 +86,8 @@ class _Instr:
     operands: list[str]
     attrs: str
     root: bool = False
+    #: the text between the opcode's parentheses (a constant's literal)
+    args: str = ""
 
     def calls(self) -> list[str]:
         """Computations this instruction runs as part of itself (fusions, calls, async
@@ -138,7 +140,7 @@ def _parse_instr(line: str) -> _Instr | None:
     k = j + m2.end() - 1
     end = _match_paren(line, k)
     operands = re.findall(r"%([\w.\-]+)", line[k + 1 : end - 1])
-    return _Instr(m.group(2), shape, opcode, operands, line[end:], bool(m.group(1)))
+    return _Instr(m.group(2), shape, opcode, operands, line[end:], bool(m.group(1)), line[k + 1 : end - 1])
 
 
 @dataclasses.dataclass

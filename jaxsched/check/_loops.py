@@ -31,10 +31,49 @@ def _while_body(ins: _Instr) -> str | None:
     return found.group(1) if found else None
 
 
-def _known_trips(ins: _Instr) -> int | None:
-    """A ``while`` instruction's trip count where XLA recorded it (``known_trip_count``)."""
+def _known_trips(ins: _Instr, mod: "_Module | None" = None, comp: str | None = None) -> int | None:
+    """A ``while`` instruction's trip count: where XLA recorded it (``known_trip_count``, as
+    XLA:GPU does), else read from a ``lax.scan``'s loop (XLA:TPU): a condition ``i < N`` on
+    a counter that the loop's initial tuple starts at a constant."""
     found = re.search(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"', ins.attrs)
-    return int(found.group(1)) if found else None
+    if found:
+        return int(found.group(1))
+    if mod is None or comp is None:
+        return None
+    cond = re.search(r"condition=%?([\w.\-]+)", ins.attrs)
+    body = mod.by_name(cond.group(1)) if cond else {}
+    root = next((i for i in body.values() if i.root), None)
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2:
+        return None
+    counter, bound = (body.get(x) for x in root.operands)
+    index = re.search(r"index=(\d+)", counter.attrs) if counter is not None else None
+    if counter is None or counter.opcode != "get-tuple-element" or index is None:
+        return None
+    end = _int_constant(bound)
+    outer = mod.by_name(comp)
+    init = outer.get(ins.operands[0]) if ins.operands else None
+    k = int(index.group(1))
+    start = (
+        _int_constant(outer.get(init.operands[k]), outer)
+        if init is not None and init.opcode == "tuple" and k < len(init.operands)
+        else None
+    )
+    return end - start if end is not None and start is not None and end > start else None
+
+
+def _int_constant(ins: _Instr | None, comp: dict | None = None) -> int | None:
+    """The value of an integer scalar ``constant`` (through copies and bitcasts in ``comp``,
+    the instructions of its computation by name), else None."""
+    for _ in range(4):
+        if ins is None or comp is None or ins.opcode not in ("copy", "bitcast") or not ins.operands:
+            break
+        ins = comp.get(ins.operands[0])
+    if ins is None or ins.opcode != "constant":
+        return None
+    try:
+        return int(ins.args.strip())
+    except ValueError:
+        return None
 
 
 def _live_gathered(mod: "_Module", comp: str, sched: "_Schedule") -> tuple[int, int]:
@@ -109,7 +148,7 @@ def _loop_costs(mod: "_Module", comp: str, sched: "_Schedule", depth: int = 0) -
     for ins in mod.computations.get(comp, []):
         if ins.opcode != "while" or depth > 8:
             continue
-        body, n = _while_body(ins), _known_trips(ins)
+        body, n = _while_body(ins), _known_trips(ins, mod, comp)
         if body is None or n is None or body not in sched.others:
             continue
         inner = sched.others[body]

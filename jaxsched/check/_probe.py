@@ -87,6 +87,10 @@ def _probe_collective(mesh: Mesh, kind: str, nbytes: int, axes: tuple[str, ...])
         n = math.prod(mesh.shape[a] for a in axes)
         whole, clock = _probe_collective(mesh, "all-reduce", int(nbytes) * n, axes)
         result = (None if whole is None else whole / 2, clock)
+    if result[0] is None and kind == "all-to-all":
+        # XLA:TPU runs an all-to-all synchronously (no window to read): priced as the
+        # all-gather whose result is as large, which moves the same (n-1)/n of it per device
+        result = _probe_collective(mesh, "all-gather", int(nbytes), axes)
     if result[0] is None and _PROBE_MIN_BYTES <= nbytes < _PROBE_MAX_SMALL_BYTES:
         # XLA:TPU keeps small collectives synchronous (no schedule to read): priced as
         # the smallest larger one it makes async, an upper bound

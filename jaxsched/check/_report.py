@@ -308,10 +308,13 @@ def _own_seconds(
 _MADE_SYNC_RE = re.compile(r'async_collective_name="')
 
 
-def _trips(ins: _Instr, body: str, sched: _Schedule | None, outer: _Schedule | None) -> int | None:
+def _trips(
+    ins: _Instr, body: str, sched: _Schedule | None, outer: _Schedule | None, mod: _Module, comp: str
+) -> int | None:
     """A while loop's trip count: XLA's ``known_trip_count`` where the final program keeps
-    it, else (XLA:TPU drops it) the loop's time in the enclosing schedule over its body's."""
-    known = _known_trips(ins)
+    it, or the scan's counter and bound (`_known_trips`), else (XLA:TPU drops both) the
+    loop's time in the enclosing schedule over its body's."""
+    known = _known_trips(ins, mod, comp)
     if known is not None:
         return known
     inner = sched.others.get(body) if sched is not None else None
@@ -347,7 +350,7 @@ def _made_sync_in_loops(
         body = _while_body(ins)
         if body is None:
             continue
-        trips = _trips(ins, body, sched, outer)
+        trips = _trips(ins, body, sched, outer, mod, comp)
         if trips is None:
             continue
         per_trip = _made_sync_in_loops(mod, body, sched, sched.others.get(body), mesh, price, depth + 1)
