@@ -661,7 +661,8 @@ def test_the_plain_fsdp_step_on_one_tpu_slice_is_estimated_with_its_all_to_alls(
 @needs_tpu
 def test_a_scanned_stack_reports_its_loops_on_a_tpu_slice():
     """XLA:TPU's loops carry no ``known_trip_count``: the trips are read from the scan's
-    counter and bound, so the report has each loop (forward's, backward's) and its time."""
+    counter and bound, so the report has each loop (forward's, backward's) and its time;
+    its gathers, fused after scheduling, are followed in the module as it was scheduled."""
     mesh, layers = _v5p_mesh(), 3
     ab = lambda shape, spec: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
     params = {"ws": ab((layers, 256, 256), P(None, "fsdp", None)), "head": ab((256, 128), P("fsdp", None))}
@@ -684,6 +685,8 @@ def test_a_scanned_stack_reports_its_loops_on_a_tpu_slice():
     report = sched.inspect(sched.init(params, jax.eval_shape(tx.init, params)), batch, baseline=False).report
     assert [loop.trips for loop in report.loops] == [layers, layers]
     assert all(loop.seconds > 0 for loop in report.loops)
+    # a whole layer gathered at a time (XLA:TPU feeds its matmuls bf16 copies: 2 bytes each)
+    assert all(loop.peak_gathered_bytes >= 256 * 256 * 2 for loop in report.loops)
 
 
 @needs_tpu

@@ -80,7 +80,19 @@ def _live_gathered(mod: "_Module", comp: str, sched: "_Schedule") -> tuple[int, 
     """The most bytes of all-gathered values alive at once in computation ``comp`` (from each
     gather's start to the end of its last reader, in XLA's schedule), and how many gathered
     arrays that is: what FSDP's gathered parameters cost in memory beyond the blocks. A gather
-    XLA combined from several is counted per element, each freed after its own last reader."""
+    XLA combined from several is counted per element, each freed after its own last reader.
+
+    Read from the final program where its names are the schedule's (XLA:GPU), else from
+    the module as it was scheduled (XLA:TPU, which forms its async gathers after)."""
+    found = _gathered_in(mod, comp, sched)
+    scheduled = getattr(sched, "module", None)
+    if found == (0, 0) and scheduled is not None and comp in scheduled.computations:
+        found = _gathered_in(scheduled, comp, sched)
+    return found
+
+
+def _gathered_in(mod: "_Module", comp: str, sched: "_Schedule") -> tuple[int, int]:
+    """`_live_gathered` over the instructions of ``mod``."""
     if sched is None or not sched.ops:
         return 0, 0
     timing = {o.name: (o.start, o.end) for o in sched.ops}

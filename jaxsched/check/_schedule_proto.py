@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from jaxsched.check._hlo_ops import _COLLECTIVES, _PLUMBING
+from jaxsched.check._hlo_text import _Instr, _Module
 from jaxsched.sim import _intervals as intervals
 
 #: A text-format protobuf message: each field's values (a nested message is a `Proto`).
@@ -100,6 +101,9 @@ class _Schedule:
     cycles_per_us: float
     #: the schedules of the other computations (while-loop bodies), by computation name
     others: dict = dataclasses.field(default_factory=dict)
+    #: the module as it was scheduled (XLA:TPU forms its async collective fusions after, so
+    #: its final program names differ from the schedule's), where the dump holds it
+    module: _Module | None = None
 
     def seconds(self, cycles: float) -> float:
         return cycles / self.cycles_per_us * 1e-6
@@ -209,4 +213,37 @@ def _parse_schedule(text: str) -> _Schedule | None:
     entry.others = {
         name_of_id.get(_one(sc, "computation_id"), ""): schedule_of(sc) for sc in scheds if sc is not entry_sched
     }
+    name_of = {i: _unquote(_one(ins, "name", '""')) for i, ins in by_id.items()}
+    entry.module = _Module(
+        {
+            _unquote(_one(c, "name", '""')): [
+                _Instr(
+                    _unquote(_one(ins, "name", '""')),
+                    _shape_text(_one(ins, "shape", {})),
+                    _unquote(_one(ins, "opcode", '""')),
+                    [name_of.get(x, "") for x in ins.get("operand_ids", [])],
+                    "",
+                )
+                for ins in c.get("instructions", [])
+            ]
+            for c in comps
+        },
+        entry_name,
+    )
+    for other in entry.others.values():
+        other.module = entry.module
     return entry
+
+
+def _shape_text(shape: Proto) -> str:
+    """An HLO shape string (``f32[4,8]``, tuples in parentheses) from a shape proto.
+
+    Example:
+        >>> _shape_text({"element_type": ["BF16"], "dimensions": ["4", "8"]})
+        'bf16[4,8]'
+    """
+    parts = shape.get("tuple_shapes")
+    if parts:
+        return "(" + ", ".join(_shape_text(p) for p in parts) + ")"
+    element = str(_one(shape, "element_type", "")).lower()
+    return f"{element}[{','.join(shape.get('dimensions', []))}]"
