@@ -682,7 +682,11 @@ def test_a_scanned_stack_reports_its_loops_on_a_tpu_slice():
         return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 
     sched = jaxsched.schedule(step, strategy="wfbp")
-    report = sched.inspect(sched.init(params, jax.eval_shape(tx.init, params)), batch, baseline=False).report
+    inspection = sched.inspect(sched.init(params, jax.eval_shape(tx.init, params)), batch)
+    report = inspection.report
+    # the plain step, which XLA:TPU schedules without its options: estimated from the
+    # instruction costs, its loops' synchronous gathers and scatters counted every iteration
+    assert inspection.baseline.step_s is not None and inspection.ratios()["step"] is not None
     assert [loop.trips for loop in report.loops] == [layers, layers]
     assert all(loop.seconds > 0 for loop in report.loops)
     # a whole layer gathered at a time (XLA:TPU feeds its matmuls bf16 copies: 2 bytes each)

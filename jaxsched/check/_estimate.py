@@ -22,13 +22,14 @@ adds those up and prices each collective on a program of that collective alone.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import TYPE_CHECKING, Callable
 
 from jax.sharding import Mesh
 
 from jaxsched.check._hlo_ops import _Analyzer
-from jaxsched.check._hlo_text import MeshLike, _Module, _parse_hlo
+from jaxsched.check._hlo_text import MeshLike, _dtype_bits, _Module, _parse_hlo, _shape_bytes, _shape_leaves
 from jaxsched.check._loops import _known_trips, _while_body
 from jaxsched.check._compiled_report import ESTIMATE_FROM_INSTRUCTIONS, CompiledReport
 from jaxsched.check._probe import _PROBE_MIN_BYTES, _probe_collective
@@ -49,8 +50,9 @@ def _holds_collective(mod: _Module, an: _Analyzer, comp: str) -> bool:
 def _instruction_cycles(mod: _Module, an: _Analyzer, comp: str, depth: int = 0) -> tuple[float, int, bool]:
     """XLA's estimated cycles of the instructions of ``comp`` run one after another (a while
     loop's body times its known trip count; a conditional's costliest branch, which XLA
-    costs at nothing itself), how many instructions had a cost, and whether a loop body or
-    a branch holds a collective (which the caller cannot price)."""
+    costs at nothing itself), how many instructions had a cost, and whether a branch, or a
+    loop of unknown trips, holds a collective (which the caller cannot price; the
+    collectives of loops with known trips it prices, `_collectives_in_loops`)."""
     total, costed, loop_collective = 0.0, 0, False
     for ins in mod.computations.get(comp, []):
         if ins.opcode == "conditional":
@@ -76,8 +78,6 @@ def _instruction_cycles(mod: _Module, an: _Analyzer, comp: str, depth: int = 0) 
             if body is None or trips is None or depth > 8:
                 loop_collective = True  # an unknown number of iterations: no estimate
                 continue
-            if _holds_collective(mod, an, body):
-                loop_collective = True
             cycles, k, nested = _instruction_cycles(mod, an, body, depth + 1)
             total += trips * cycles
             costed += k
@@ -90,6 +90,29 @@ def _instruction_cycles(mod: _Module, an: _Analyzer, comp: str, depth: int = 0) 
             total += float(m.group(1))
             costed += 1
     return total, costed, loop_collective
+
+
+def _last_leaf_bytes(shape: str) -> int:
+    """Bytes of the last array of a shape (an async start's result, after its operand)."""
+    leaves = _shape_leaves(shape)
+    return math.prod(leaves[-1][1]) * _dtype_bits(leaves[-1][0]) // 8 if leaves else 0
+
+
+def _collectives_in_loops(mod: _Module, an: _Analyzer, comp: str, trips: int = 1, depth: int = 0) -> list:
+    """``(times run, instruction)`` of each collective in the while loops of ``comp`` whose
+    trips are known (a scanned layer stack's per-layer gathers and scatters), a pair counted
+    at its start: they run synchronously (what XLA:TPU does without a schedule)."""
+    found = []
+    for ins in mod.computations.get(comp, []):
+        body = _while_body(ins) if ins.opcode == "while" else None
+        n = _known_trips(ins, mod, comp) if body is not None else None
+        if body is None or n is None or depth > 8:
+            continue
+        for inner in mod.computations.get(body, []):
+            if an.role(inner)[0] in ("sync", "start"):
+                found.append((trips * n, inner))
+        found += _collectives_in_loops(mod, an, body, trips * n, depth + 1)
+    return found
 
 
 def _exposed_after_hiding(rep: CompiledReport, comm: list[float], entry: _Entry, clock: float) -> float:
@@ -195,12 +218,22 @@ def estimate_from_instruction_costs(
         if seconds is None:
             return rep
         comm.append(seconds)
+    analyzer = _Analyzer(mod)
+    in_loops = 0.0  # run synchronously, every iteration
+    for times, ins in _collectives_in_loops(mod, analyzer, mod.entry):
+        role, kind = analyzer.role(ins)
+        nbytes = _shape_bytes(ins.shape) if role == "sync" else _last_leaf_bytes(ins.shape)
+        wrapped = analyzer.called_info(ins)[1] if ins.opcode in ("fusion", "custom-call", "async-start") else None
+        seconds = _priced(price, kind, int(nbytes), (wrapped or ins).attrs, mesh)
+        if seconds is None:
+            return rep
+        in_loops += times * seconds
     if clock is None and isinstance(mesh, Mesh) and probing:  # no collective to read the clock from: a small one
         clock = _probe_collective(mesh, "all-reduce", _PROBE_MIN_BYTES, (mesh.axis_names[0],))[1]
     if not clock:
         return rep
 
-    exposed = _exposed_after_hiding(rep, comm, entry, clock)
+    exposed = _exposed_after_hiding(rep, comm, entry, clock) + in_loops
     compute_s = cycles / clock * 1e-6
     return dataclasses.replace(
         rep, step_s=compute_s + exposed, exposed_comm_s=exposed, estimate_source=ESTIMATE_FROM_INSTRUCTIONS
