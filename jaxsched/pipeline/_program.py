@@ -143,6 +143,9 @@ class Program:
         self.keeps_dtypes: bool | None = None
         self._placed_consts: list | None = None
         self._state_shapes: list | None = None
+        #: the plain step's output shardings of the state, once `finalize` has read them
+        #: (`jaxsched.pipeline._trees_runner.plain_returned_shardings`; [] where XLA would not say)
+        self.plain_returned: list | None = None
         self._checked_returned = False
         #: the returned state's leaves and structure, so that the next step does not flatten it
         self._returned_leaves: list = []

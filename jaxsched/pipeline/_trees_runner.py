@@ -403,14 +403,14 @@ def plain_returned_shardings(program: Program, step: Callable) -> list | None:
     whole = [all(s is None for s in program.planned.output_spec(k)) for k in range(len(captured.state_outputs))]
     if all(whole) or not any(whole) or not _runs_here(captured.mesh.devices.flat[0]):
         return None
-    cached = getattr(program, "_plain_returned", None)
+    cached = program.plain_returned
     if cached is None:
         try:
             compiled = jax.jit(step).trace(*captured.example_inputs).lower().compile()
             cached = jax.tree.leaves(compiled.output_shardings)[: len(whole)]
         except Exception:  # the scheduled state's layout stands where XLA will not say
             cached = []
-        program._plain_returned = cached  # type: ignore[attr-defined]
+        program.plain_returned = cached
     return cached or None
 
 

@@ -123,11 +123,10 @@ def partition(
     partitioner = Partitioner(ctx, TABLE)
     jaxpr = closed.jaxpr
     natural = partitioner.plan(jaxpr, placement.kinds).out_kinds
-    out_kinds = tuple(placement.kinds[:num_state_outputs]) + tuple(
-        _aux_kind(
-            k, v, TABLE.hints_for(jaxpr, tuple(placement.kinds[:num_state_outputs]) + natural[num_state_outputs:])
-        )
-        for k, v in zip(natural[num_state_outputs:], jaxpr.outvars[num_state_outputs:])
+    state_kinds = tuple(placement.kinds[:num_state_outputs])
+    hints = TABLE.hints_for(jaxpr, state_kinds + natural[num_state_outputs:])
+    out_kinds = state_kinds + tuple(
+        _aux_kind(k, v, hints) for k, v in zip(natural[num_state_outputs:], jaxpr.outvars[num_state_outputs:])
     )
     plan = partitioner.plan(jaxpr, placement.kinds, out_kinds)
     n_in = len(jaxpr.invars)
