@@ -308,6 +308,17 @@ def _own_seconds(
 _MADE_SYNC_RE = re.compile(r'async_collective_name="')
 
 
+def _made_sync_inside(mod: _Module, comp: str | None, depth: int = 0) -> bool:
+    """Whether computation ``comp`` (a loop body), or a loop nested in it, runs a collective
+    that XLA:TPU scheduled async and then ran synchronously (``async_collective_name``)."""
+    for ins in mod.computations.get(comp or "", []):
+        if ins.opcode in _COLLECTIVES and _MADE_SYNC_RE.search(ins.attrs):
+            return True
+        if ins.opcode == "while" and depth < 8 and _made_sync_inside(mod, _while_body(ins), depth + 1):
+            return True
+    return False
+
+
 def _trips(
     ins: _Instr, body: str, sched: _Schedule | None, outer: _Schedule | None, mod: _Module, comp: str
 ) -> int | None:
@@ -412,7 +423,10 @@ def _totals(
         # many times its body's own schedule
         own = {o.name: sched.seconds(o.end - o.start) for o in sched.ops}
         step_s += sum(loop.seconds - own.get(loop.name, 0.0) for loop in loops)
-        exposed += sum(loop.exposed_s for loop in loops)
+        # a loop whose collectives XLA:TPU ran synchronously counts them whole, above
+        # (`_made_sync_in_loops`), not also as the exposure its body's schedule planned
+        bodies = {i.name: _while_body(i) for i in mod.computations.get(mod.entry, []) if i.opcode == "while"}
+        exposed += sum(loop.exposed_s for loop in loops if not _made_sync_inside(mod, bodies.get(loop.name)))
     return _Totals(step_s, exposed, total, wasted, compute, loops, max(g[0] for g in gathered), made_sync_s)
 
 
