@@ -196,6 +196,20 @@ def test_gradients_returned_in_aux_are_laid_out_as_their_parameters(strategy):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
 
 
+def _biased_mlp_step(tx):
+    """Two layers ``w0``, ``w1`` with a bias ``b0`` between them, as a plain ``jax.jit`` step."""
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss_fn = lambda p: jnp.mean((jnp.tanh(x @ p["w0"] + p["b0"]) @ p["w1"] - y) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    return step
+
+
 @pytest.mark.parametrize("strategy", ["wfbp", "dear"])
 def test_finalize_places_a_replicated_bias_as_xla_returns_it(strategy):
     """Kernels split over ``fsdp``, a bias replicated: XLA's propagation returns the plain
@@ -211,13 +225,7 @@ def test_finalize_places_a_replicated_bias_as_xla_returns_it(strategy):
     }
     tx = optax.adam(1e-2)
 
-    @jax.jit
-    def step(params, opt_state, batch):
-        x, y = batch
-        loss_fn = lambda p: jnp.mean((jnp.tanh(x @ p["w0"] + p["b0"]) @ p["w1"] - y) ** 2)
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+    step = _biased_mlp_step(tx)
 
     batches = [
         jax.device_put(
@@ -644,13 +652,7 @@ def test_the_plain_fsdp_step_on_one_tpu_slice_is_estimated_with_its_all_to_alls(
     tx = optax.sgd(0.1)
     batch = (ab((128, 256), P("fsdp")), ab((128, 256), P("fsdp")))
 
-    @jax.jit
-    def step(params, opt_state, batch):
-        x, y = batch
-        loss_fn = lambda p: jnp.mean((jnp.tanh(x @ p["w0"] + p["b0"]) @ p["w1"] - y) ** 2)
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+    step = _biased_mlp_step(tx)
 
     sched = jaxsched.schedule(step, strategy="wfbp")
     inspection = sched.inspect(sched.init(params, jax.eval_shape(tx.init, params)), batch)
