@@ -23,6 +23,7 @@ from jax.tree_util import PyTreeDef
 
 from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 from jaxsched.core._capture import CapturedStep
+from jaxsched.pipeline._plain_layout import needs_plain_aux_layout, plain_output_shardings
 from jaxsched.runtime.engine._base import Engine, PerDeviceProgram
 from jaxsched.plan._planned_step import PlannedStep, is_abstract
 from jaxsched.strategies._base import ScheduledState, Strategy
@@ -116,6 +117,9 @@ class Program:
     def __init__(self, planned: PlannedStep, strategy: Strategy, engine: Engine):
         self.planned, self.strategy, self.engine = planned, strategy, engine
         self.rewritten = rewritten = strategy.rewrite(planned)
+        #: the plain step's output shardings of the state, once read
+        #: (`jaxsched.pipeline._plain_layout.plain_returned_shardings`; [] where XLA would not say)
+        self.plain_returned: list | None = None
         self.per_device = PerDeviceProgram(
             rewritten.body,
             planned.mesh,
@@ -129,6 +133,8 @@ class Program:
             rewritten.global_body,
             planned.captured.manual_axes,
             planned.pattern.gathers_ahead is not None,
+            len(planned.aux_specs),
+            self._plain_aux_shardings(),
         )
         self.engine = engine.resolve(self.per_device)
         self.core = self.engine.compile(self.per_device)
@@ -143,9 +149,6 @@ class Program:
         self.keeps_dtypes: bool | None = None
         self._placed_consts: list | None = None
         self._state_shapes: list | None = None
-        #: the plain step's output shardings of the state, once `finalize` has read them
-        #: (`jaxsched.pipeline._trees_runner.plain_returned_shardings`; [] where XLA would not say)
-        self.plain_returned: list | None = None
         self._checked_returned = False
         #: the returned state's leaves and structure, so that the next step does not flatten it
         self._returned_leaves: list = []
@@ -155,6 +158,21 @@ class Program:
         self._batch_treedef: PyTreeDef | None = None
         self._batch_keys: list[BatchKey] | None = None
         self._batch_places: list = []
+
+    def _plain_aux_shardings(self) -> tuple | None:
+        """The aux's shardings as the plain step returns them, where the program leaves axes
+        to XLA and returns arrays (`jaxsched.pipeline._plain_layout`): read by compiling
+        the plain step once, which also tells `finalize` where the state goes."""
+        captured = self.planned.captured
+        n_state = captured.num_params + captured.num_opt
+        aux = [captured.body.outvars[k] for k in captured.outputs[n_state:]]
+        if not needs_plain_aux_layout(captured, [len(v.aval.shape) for v in aux]):
+            return None
+        outputs = plain_output_shardings(captured)
+        if outputs is None or len(outputs) != len(captured.outputs):
+            return None
+        self.plain_returned = outputs[: len(captured.state_outputs)]
+        return tuple(outputs[n_state:])
 
     # what users and tests inspect ----------------------------------------------------------
     @property

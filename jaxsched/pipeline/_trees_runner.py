@@ -33,6 +33,7 @@ from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedVa
 from jaxsched.core._bucketing import param_paths
 from jaxsched.core._capture import abstract_leaf, capture
 from jaxsched.core._describe import difference
+from jaxsched.pipeline._plain_layout import plain_returned_shardings
 from jaxsched.pipeline._program import Program, ProgramCache, retyped
 from jaxsched.pipeline._selection import BucketOption, program_of, select
 from jaxsched.pipeline._state_step import OutputCount, UnsplitState
@@ -385,41 +386,6 @@ def check_state_fits(program: Program, template: Any, state: Any) -> None:
                 "state this schedule's init returned, or finalize the other schedule's state with "
                 "that schedule and init this one with the result"
             )
-
-
-def plain_returned_shardings(program: Program, step: Callable) -> list | None:
-    """The shardings XLA gives the plain ``jax.jit`` step's new params and optimizer state,
-    where they may differ from the state's layout: None where they cannot.
-
-    The scheduled state keeps each leaf as it came in (or as ``out_shardings`` or a sharding
-    constraint say), and so does the plain step, except that XLA's propagation may return
-    a leaf placed replicated split over a data axis (an FSDP step's replicated bias, whose
-    gradient XLA reduce-scatters). Only compiling the plain step tells, so it is compiled
-    once per program, for ``finalize``, where a state leaf is replicated beside sharded ones
-    on devices that run (never for compile-only targets)."""
-    captured = program.captured
-    if captured.kind != "jit" or captured.mesh.devices.size < 2 or not captured.state_outputs:
-        return None
-    whole = [all(s is None for s in program.planned.output_spec(k)) for k in range(len(captured.state_outputs))]
-    if all(whole) or not any(whole) or not _runs_here(captured.mesh.devices.flat[0]):
-        return None
-    cached = program.plain_returned
-    if cached is None:
-        try:
-            compiled = jax.jit(step).trace(*captured.example_inputs).lower().compile()
-            cached = jax.tree.leaves(compiled.output_shardings)[: len(whole)]
-        except Exception:  # the scheduled state's layout stands where XLA will not say
-            cached = []
-        program.plain_returned = cached
-    return cached or None
-
-
-def _runs_here(device: Any) -> bool:
-    """Whether ``device`` is one of this process's backends' (not a compile-only device)."""
-    try:
-        return device in jax.devices(device.platform)
-    except RuntimeError:
-        return False
 
 
 def check_finalized(

@@ -80,6 +80,12 @@ class PerDeviceProgram:
         every axis and are restricted to these for the ``shard_map``.
       gathers_parameters: the body all-gathers parameter blocks where it uses them (FSDP): a
         compiler that combines collectives may want to combine those more.
+      num_aux_outputs: how many of the last outputs are the step's aux (metrics, a gradient
+        returned beside the state). On the axes the body leaves to XLA they are placed
+        where XLA's propagation puts them, as the plain step's are (a tensor-parallel
+        gradient stays split like its parameter); the state always as its specs say.
+      aux_shardings: the aux's shardings as the plain step returns them, where they were
+        read (`jaxsched.pipeline._plain_layout`): the program returns them so.
     """
 
     body: Callable[..., Sequence[Any]]
@@ -94,6 +100,8 @@ class PerDeviceProgram:
     global_body: Callable[..., Sequence[Any]] | None = None
     manual_axes: tuple[str, ...] | None = None
     gathers_parameters: bool = False
+    num_aux_outputs: int = 0
+    aux_shardings: tuple[Any, ...] | None = None
 
     def mapped(self) -> Callable[..., tuple]:
         """The body as a ``shard_map`` over the mesh (not jitted), manual over ``manual_axes``."""
@@ -103,12 +111,23 @@ class PerDeviceProgram:
 
         return manual_shard_map(flat_body, self.mesh, self.in_specs, self.out_specs, self.manual_axes, self.check_vma)
 
-    def out_shardings(self) -> tuple[NamedSharding, ...] | None:
-        """Where the outputs go when the body leaves some axes to XLA (model axes): as the
-        specs name them on every axis, never where XLA's propagation would put them."""
+    def out_shardings(self) -> tuple[Any, ...] | None:
+        """Where the outputs go when the body leaves some axes to XLA (model axes): the state
+        as the specs name it on every axis, never where XLA's propagation would put it (the
+        next step takes it as it left); the aux (None: unspecified) where XLA's
+        propagation puts it on those axes, as it places the plain step's."""
         if self.manual_axes is None:
             return None
-        return tuple(NamedSharding(self.mesh, spec) for spec in self.out_specs)
+        return tuple(NamedSharding(self.mesh, spec) for spec in self.state_out_specs) + self.aux_out_shardings()
+
+    @property
+    def state_out_specs(self) -> tuple[P, ...]:
+        return self.out_specs[: len(self.out_specs) - self.num_aux_outputs]
+
+    def aux_out_shardings(self) -> tuple[Any, ...]:
+        """The aux's ``out_shardings``: the plain step's where read, else None (unspecified:
+        XLA's propagation)."""
+        return self.aux_shardings if self.aux_shardings is not None else (None,) * self.num_aux_outputs
 
     def jaxpr(self, *global_args: Any):
         """The per-device jaxpr for these global (abstract or concrete) inputs: its collective

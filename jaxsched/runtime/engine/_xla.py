@@ -203,7 +203,8 @@ class XlaEngine(Engine):
             return jax.jit(
                 whole,
                 in_shardings=tuple(map(sharding, program.in_specs)),
-                out_shardings=tuple(map(sharding, program.out_specs)),
+                # the aux where XLA's propagation puts it, as in the step as written
+                out_shardings=tuple(map(sharding, program.state_out_specs)) + program.aux_out_shardings(),
                 compiler_options=options or None,
             )
         return jax.jit(program.mapped(), out_shardings=program.out_shardings(), compiler_options=options or None)
