@@ -347,6 +347,35 @@ def test_the_other_exact_strategies_run_fsdp_steps(strategy, options):
     _run(ss.mlp_step(tx, layout, mesh), params, opt_state, batches, strategy, **options)
 
 
+@pytest.mark.parametrize("layout_name", ["tensor", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_approx_delays_a_sharded_steps_gradient_by_one_step_and_finalize_applies_it(layout_name):
+    """``approx`` (``stale``, staleness 1) on sharded parameters against the delayed recurrence
+    written with the plain step: with sgd an update is the plain step's change of the
+    parameters it was computed at. ``finalize`` compiles a program of its own, which must
+    leave the model axes to XLA as the step's does."""
+    tx = optax.sgd(0.1)
+    layout, mesh, params, _, batches = _mlp_case(layout_name, tx, 23)
+    step = ss.mlp_step(tx, layout, mesh)
+    change = lambda at, b: jax.tree.map(jnp.subtract, step(at, tx.init(at), b)[0], at)
+    plus = lambda p, u: jax.tree.map(jnp.add, p, u)
+    p0 = _copy(params)
+    u1, u2 = change(p0, batches[0]), change(p0, batches[1])  # both at θ0: nothing applied yet
+    p1 = plus(p0, u1)
+    u3 = change(p1, batches[2])
+    want = plus(plus(p1, u2), u3)  # finalize applies the pending g3
+
+    sched = jaxsched.schedule(step, strategy="approx", approx_method="stale", staleness=1)
+    state = sched.init(_copy(params), tx.init(params))
+    losses = []
+    for b in batches:
+        state, aux = sched(state, b)
+        losses.append(float(aux["loss"]))
+    got, _ = sched.finalize(state)
+    _assert_like_plain(got, want)
+    plain_losses = [float(step(at, tx.init(at), b)[2]["loss"]) for at, b in zip((p0, p0, p1), batches)]
+    np.testing.assert_allclose(losses, plain_losses, rtol=1e-5)
+
+
 @pytest.mark.parametrize("optimizer, levels", [("clip", 1), ("lamb", 2)])
 @pytest.mark.parametrize("strategy", ["wfbp", "dear"])
 def test_the_norms_of_parameter_blocks_are_one_all_reduce_per_level(strategy, optimizer, levels):

@@ -481,7 +481,15 @@ class Approx(Strategy):
             + planned.const_specs
         )
         out_specs = tuple(planned.output_spec(k) for k in range(n_p + n_o))
-        program = PerDeviceProgram(drain, planned.mesh, planned.axis_name, in_specs, out_specs, compiler_defaults=True)
+        program = PerDeviceProgram(
+            drain,
+            planned.mesh,
+            planned.axis_name,
+            in_specs,
+            out_specs,
+            compiler_defaults=True,
+            manual_axes=cap.manual_axes,  # model axes stay XLA's, as in the step's own program
+        )
         return planned.compiling_engine.compile(program)
 
     # -- rewrite ----------------------------------------------------------------------------
