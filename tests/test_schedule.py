@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxsched
 from jaxsched.demo import steps
-from support.equivalence import assert_trees_close, build, random_batches, run_both
+from support.equivalence import assert_placed_like, assert_trees_close, build, random_batches, run_both
 
 OPTIMIZERS = {
     "sgd": lambda: optax.sgd(0.1),
@@ -30,6 +30,7 @@ def _check(model, opt, strategy, devices, api="shard_map", n_steps=20, **kw):
         model, OPTIMIZERS[opt](), strategy, devices, n_steps=n_steps, api=api, **kw
     )
     assert_trees_close(plain, scheduled)
+    assert_placed_like(plain, scheduled)
     assert_trees_close(plain_aux, sched_aux)
     return sched
 

@@ -402,8 +402,9 @@ class Dear(Strategy):
         return jax.make_array_from_callback(flat.shape, sharding, lambda at: flat[at])
 
     def _unsharded(self, planned: PlannedStep, leaf: Any, role: str, index: int, chunking: Chunking) -> Any:
-        """A leaf in the user's layout again. Told apart by shape, never by sharding: XLA may
-        hand back an equivalent sharding under another spec (a size-1 mesh axis dropped)."""
+        """A leaf in the user's layout again, on the mesh as the step places it. Told apart by
+        shape, never by sharding: XLA may hand back an equivalent sharding under another
+        spec (a size-1 mesh axis dropped)."""
         block = planned.body_invar(role, index).aval
         stacked = planned.device_stacked(role, index)
         flat_len = self._flat_len(block, chunking)
@@ -422,7 +423,7 @@ class Dear(Strategy):
         full = np.concatenate(blocks, axis=chunking.block_dim) if chunking.block_dim is not None else blocks[0]
         if stacked:
             full = np.repeat(full, len(planned.mesh.devices.flat), axis=0)
-        return full
+        return planned.placed(full, planned.input_spec(role, index))  # on the mesh, as the step returns it
 
     # -- rewrite --------------------------------------------------------------------------
     def rewrite(self, planned: PlannedStep) -> RewrittenBody:

@@ -79,6 +79,15 @@ def run_both(
     return plain, sched.finalize(state), plain_aux, sched_aux, sched
 
 
+def assert_placed_like(plain, scheduled):
+    """Every leaf the plain step returns on the mesh is a ``jax.Array`` there in ``scheduled``
+    too, sharded alike (not a host array)."""
+    for x, y in zip(jax.tree.leaves(plain), jax.tree.leaves(scheduled)):
+        if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+            assert isinstance(y, jax.Array), (type(y), x.sharding)
+            assert y.sharding.is_equivalent_to(x.sharding, x.ndim), (y.sharding, x.sharding)
+
+
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
     sa, sb = jax.tree.structure(a), jax.tree.structure(b)
     assert sa == sb, (sa, sb)
