@@ -199,6 +199,49 @@ def test_gradients_returned_in_aux_are_laid_out_as_their_parameters(strategy, la
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("layout_name, strategy", [("fsdp", "wfbp"), ("hsdp", "dear"), ("tensor", "dear")])
+def test_a_partial_sum_returned_in_aux_is_placed_as_the_plain_step_returns_it(layout_name, strategy):
+    """The row and column sums of a gradient and an update are partial sums the update does not read:
+    the scheduled step sums them whole, and returns them where XLA places the plain step's
+    (split over the data or model axis); ``_run`` compares every aux leaf's sharding."""
+    tx = optax.adam(1e-2)
+    layout, mesh, params, opt_state, batches = _mlp_case(layout_name, tx, 18)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss_fn = lambda p: jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        sums = {f"grad_{k}": (grads[k].sum(0), grads[k].sum(1)) for k in ("w1", "w2")}
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss, **sums, "up": updates["w2"].sum(1)}
+
+    plain_aux = step(_copy(params), _copy(opt_state), batches[0])[2]
+    assert not all(a.sharding.is_fully_replicated for a in jax.tree.leaves(plain_aux))
+    _run(step, params, opt_state, batches, strategy)
+
+
+@pytest.mark.parametrize(
+    "make_tx",
+    [lambda: optax.MultiSteps(optax.adam(1e-2), 2), lambda: optax.apply_if_finite(optax.adam(1e-2), 3)],
+    ids=["multisteps", "apply_if_finite"],
+)
+def test_dear_runs_a_conditional_update_over_blocks_and_a_replicated_leaf_on_shards(make_tx):
+    """``MultiSteps``' and ``apply_if_finite``'s ``lax.cond`` takes the FSDP blocks of ``w1``,
+    ``w2`` and dear's chunks of the replicated ``b1`` together. The blocks differ across
+    devices by position, which the analysis follows into the branches: nothing combines
+    them with a chunk there, so nothing is gathered (this fell back before, all-gathering
+    the chunks for the whole conditional)."""
+    import warnings
+
+    tx = make_tx()
+    layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 19)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxsched.FallbackWarning)
+        sched, _, _ = _run(ss.mlp_step(tx, layout, mesh), params, opt_state, batches, "dear")
+    assert all(report.on_shards for report in sched.program.bucket_report)
+
+
 def _biased_mlp_step(tx):
     """Two layers ``w0``, ``w1`` with a bias ``b0`` between them, as a plain ``jax.jit`` step."""
 

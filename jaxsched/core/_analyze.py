@@ -339,8 +339,18 @@ def _varying_axes(captured: CapturedStep, body, axis: Any) -> dict:
             found[v] = frozenset(on)
         elif on and captured.kind != "pmap":
             found[v] = frozenset(data)
+    _propagate_varying(body.eqns, data, found)
+    return found
+
+
+def _propagate_varying(eqns: Any, data: tuple, found: dict) -> None:
+    """`_varying_axes` through ``eqns``, into ``found``. A conditional's branches are followed
+    (their operands vary as the cond's do), so that the update's rules can tell, inside a
+    branch, a parameter block from a chunk of a replicated leaf (``MultiSteps``'
+    conditional over both, on an FSDP step); a branch's variables are joined over every
+    conditional that runs it (a traced branch may be shared)."""
     removes = REDUCTIONS | {"all_gather", "all_gather_invariant"}
-    for eqn in body.eqns:
+    for eqn in eqns:
         name = eqn.primitive.name
         axes = (
             frozenset(a for a in reduction_axes(eqn) if a in data)
@@ -355,10 +365,23 @@ def _varying_axes(captured: CapturedStep, body, axis: Any) -> dict:
                 out = out - axes
             elif name in SCATTER_REDUCTIONS:
                 out = out | axes
-        if out:
-            for o in eqn.outvars:
-                found[o] = out
-    return found
+        outs = [out] * len(eqn.outvars)
+        if name == "cond":  # each output varies as some branch's does, and with the index
+            index = eqn.invars[0]
+            outs = [found.get(index, frozenset()) if is_var(index) else frozenset()] * len(eqn.outvars)
+            for branch in eqn.params["branches"]:
+                inner = branch.jaxpr
+                for v, x in zip(inner.invars, eqn.invars[1:]):
+                    seen = (found.get(x, frozenset()) if is_var(x) else frozenset()) | found.get(v, frozenset())
+                    if seen:
+                        found[v] = seen
+                _propagate_varying(inner.eqns, data, found)
+                outs = [
+                    o | (found.get(r, frozenset()) if is_var(r) else frozenset()) for o, r in zip(outs, inner.outvars)
+                ]
+        for o, varies in zip(eqn.outvars, outs):
+            if varies:
+                found[o] = found.get(o, frozenset()) | varies
 
 
 def _varying_with_the_data(captured: CapturedStep, body, axis: Any, scatters: dict) -> set:

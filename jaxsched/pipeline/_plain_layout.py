@@ -2,36 +2,42 @@
 
 A scheduled step must return every leaf with the sharding the plain step gives it. For the
 state that is the layout it came in, except where XLA's propagation moves a leaf (an FSDP
-step's replicated bias comes back split, because XLA reduce-scatters its gradient). For the
-aux of a step with model axes (tensor parallelism) it is wherever XLA's propagation puts a
-value on those axes (a gradient returned as a metric stays split like its parameter),
-which the scheduled program cannot always reproduce: a strategy that packs gradients into
-flat buckets leaves XLA nothing to propagate from. Only compiling the plain step tells, so
-it is compiled once per program, and only where the answer can differ (a jit step, on
-devices that run here: never for compile-only targets).
+step's replicated bias comes back split, because XLA reduce-scatters its gradient). For an
+array in the aux it is wherever XLA's propagation puts it: on a model axis a gradient
+returned as a metric stays split like its parameter, and over a data axis XLA splits the
+row sums of an FSDP gradient. The scheduled program cannot always reproduce that (a
+strategy that packs gradients into flat buckets leaves XLA nothing to propagate from; a
+partial sum is summed whole). Only compiling the plain step tells, so it is compiled once
+per program, and only where the answer can differ (a jit step with split state or model
+axes, on devices that run here: never for compile-only targets).
 
 Example:
-    >>> import jax, jax.numpy as jnp
-    >>> import jaxsched
-    >>> mesh = jax.make_mesh((8,), ("data",))
-    >>> sched = jaxsched.schedule(jax.jit(lambda p, o, b: (p, o, {"loss": jnp.sum(b)})))
-    >>> state, aux = sched(sched.init({"w": jnp.ones(2)}, ()), jnp.ones(8))
-    >>> sched.program.per_device.aux_shardings is None   # no model axes: nothing to read
+    >>> import jax, optax
+    >>> from jaxsched.core._capture import capture
+    >>> from jaxsched.demo import steps
+    >>> from jaxsched.zoo import models
+    >>> params, apply_fn = models.pure(models.build("mlp", (4,), 2, hidden=(8,)))
+    >>> mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2], axis_types=(jax.sharding.AxisType.Auto,))
+    >>> tx = optax.sgd(0.1)
+    >>> step = steps.make_jit_step(apply_fn, tx)
+    >>> batch = steps.shard_batch((jax.numpy.ones((4, 4)), jax.numpy.zeros(4, "int32")), mesh)
+    >>> captured = capture(step, params, tx.init(params), batch)
+    >>> needs_plain_aux_layout(captured, [0])      # scalar metrics: replicated either way
+    False
+    >>> [s.is_fully_replicated for s in plain_output_shardings(captured)][-1]  # the loss
     True
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
+from jaxsched.core._axes import spec_axes
 from jaxsched.core._capture import CapturedStep
 
-if TYPE_CHECKING:
-    from jaxsched.pipeline._program import Program
-
-__all__ = ["needs_plain_aux_layout", "plain_output_shardings", "plain_returned_shardings", "runs_here"]
+__all__ = ["needs_plain_aux_layout", "plain_output_shardings", "runs_here"]
 
 
 def runs_here(device: Any) -> bool:
@@ -72,36 +78,19 @@ def plain_output_shardings(captured: CapturedStep, step: Callable | None = None)
 
 
 def needs_plain_aux_layout(captured: CapturedStep, aux_ranks: Sequence[int]) -> bool:
-    """Whether the aux may need the plain step's layout on axes the program leaves to XLA: a
-    jit step over model axes (``manual_axes`` set) that returns an aux array of rank >= 1,
-    on devices that run here."""
+    """Whether the aux may need the plain step's layout: a jit step on several devices that
+    returns an aux array of rank >= 1 (scalar metrics are replicated either way), where
+    its state is split over some axis or it leaves axes to XLA, on devices that run here.
+    Over model axes XLA's propagation places it; over the data axes XLA splits what it
+    computes from blocks (the row sums of an FSDP gradient), where the partitioned program
+    returns the sum whole."""
+    sharded_state = any(
+        spec_axes(spec) for src, spec in zip(captured.sources, captured.in_specs) if src.role in ("params", "opt_state")
+    )
     return (
         captured.kind == "jit"
-        and captured.manual_axes is not None
+        and captured.mesh.devices.size > 1
+        and (captured.manual_axes is not None or sharded_state)  # else the specs say it all
         and any(rank >= 1 for rank in aux_ranks)
         and runs_here(captured.mesh.devices.flat[0])
     )
-
-
-def plain_returned_shardings(program: Program, step: Callable) -> list | None:
-    """The shardings XLA gives the plain ``jax.jit`` step's new params and optimizer state,
-    where they may differ from the state's layout: None where they cannot.
-
-    The scheduled state keeps each leaf as it came in (or as ``out_shardings`` or a sharding
-    constraint say), and so does the plain step, except that XLA's propagation may return
-    a leaf placed replicated split over a data axis (an FSDP step's replicated bias, whose
-    gradient XLA reduce-scatters). Compiled once per program (`Program.plain_returned`),
-    for ``finalize``, where a state leaf is replicated beside sharded ones on devices that
-    run (never for compile-only targets)."""
-    captured = program.captured
-    if captured.kind != "jit" or captured.mesh.devices.size < 2 or not captured.state_outputs:
-        return None
-    whole = [all(s is None for s in program.planned.output_spec(k)) for k in range(len(captured.state_outputs))]
-    if all(whole) or not any(whole) or not runs_here(captured.mesh.devices.flat[0]):
-        return None
-    cached = program.plain_returned
-    if cached is None:
-        outputs = plain_output_shardings(captured, step)
-        cached = [] if outputs is None else outputs[: len(whole)]
-        program.plain_returned = cached
-    return cached or None

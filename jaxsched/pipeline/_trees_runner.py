@@ -33,7 +33,7 @@ from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedVa
 from jaxsched.core._bucketing import param_paths
 from jaxsched.core._capture import abstract_leaf, capture
 from jaxsched.core._describe import difference
-from jaxsched.pipeline._plain_layout import plain_returned_shardings
+from jaxsched.pipeline._plain_layout import plain_output_shardings, runs_here
 from jaxsched.pipeline._program import Program, ProgramCache, retyped
 from jaxsched.pipeline._selection import BucketOption, program_of, select
 from jaxsched.pipeline._state_step import OutputCount, UnsplitState
@@ -386,6 +386,30 @@ def check_state_fits(program: Program, template: Any, state: Any) -> None:
                 "state this schedule's init returned, or finalize the other schedule's state with "
                 "that schedule and init this one with the result"
             )
+
+
+def plain_returned_shardings(program: Program, step: Callable) -> list | None:
+    """The shardings XLA gives the plain ``jax.jit`` step's new params and optimizer state,
+    where they may differ from the state's layout: None where they cannot.
+
+    The scheduled state keeps each leaf as it came in (or as ``out_shardings`` or a sharding
+    constraint say), and so does the plain step, except that XLA's propagation may return
+    a leaf placed replicated split over a data axis (an FSDP step's replicated bias, whose
+    gradient XLA reduce-scatters). Compiled once per program (`Program.plain_returned`),
+    for ``finalize``, where a state leaf is replicated beside sharded ones on devices that
+    run (never for compile-only targets)."""
+    captured = program.captured
+    if captured.kind != "jit" or captured.mesh.devices.size < 2 or not captured.state_outputs:
+        return None
+    whole = [all(s is None for s in program.planned.output_spec(k)) for k in range(len(captured.state_outputs))]
+    if all(whole) or not any(whole) or not runs_here(captured.mesh.devices.flat[0]):
+        return None
+    cached = program.plain_returned
+    if cached is None:
+        outputs = plain_output_shardings(captured, step)
+        cached = [] if outputs is None else outputs[: len(whole)]
+        program.plain_returned = cached
+    return cached or None
 
 
 def check_finalized(

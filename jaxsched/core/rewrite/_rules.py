@@ -503,8 +503,12 @@ def apply_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     shards = [v for v in values if isinstance(v, Shard)]
     if not shards:
         return _bind(eqn, values)
-    if any(ctx.varies(x, shard) for x in eqn.invars if is_var(x) for shard in shards):
-        # Chunks of device-varying tensors are not chunks of one tensor: stay exact.
+    varying = [x for x in eqn.invars if is_var(x) and any(ctx.varies(x, shard) for shard in shards)]
+    if varying and not (eqn.primitive.name == "cond" and varying[0] is not eqn.invars[0]):
+        # Chunks of device-varying tensors are not chunks of one tensor: stay exact. A
+        # conditional's branches are judged equation by equation (`cond_rule`): the analysis
+        # follows the variation into them, so a parameter block beside a chunk passes
+        # through untouched, and only what combines the two falls back.
         return full_rule(ctx, eqn, values)
     return RULES.get(eqn.primitive.name, full_rule)(ctx, eqn, values)
 

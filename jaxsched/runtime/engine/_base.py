@@ -112,12 +112,13 @@ class PerDeviceProgram:
         return manual_shard_map(flat_body, self.mesh, self.in_specs, self.out_specs, self.manual_axes, self.check_vma)
 
     def out_shardings(self) -> tuple[Any, ...] | None:
-        """Where the outputs go when the body leaves some axes to XLA (model axes): the state
-        as the specs name it on every axis, never where XLA's propagation would put it (the
-        next step takes it as it left); the aux (None: unspecified) where XLA's
-        propagation puts it on those axes, as it places the plain step's."""
-        if self.manual_axes is None:
-            return None
+        """Where the outputs go when the body leaves some axes to XLA (model axes) or the aux
+        must go where the plain step's goes (``aux_shardings``): the state as the specs
+        name it on every axis, never where XLA's propagation would put it (the next step
+        takes it as it left); the aux as the plain step returns it, where read, else
+        (None: unspecified) where XLA's propagation puts it on the model axes."""
+        if self.manual_axes is None and self.aux_shardings is None:
+            return None  # the shard_map's specs place every output
         return tuple(NamedSharding(self.mesh, spec) for spec in self.state_out_specs) + self.aux_out_shardings()
 
     @property
