@@ -207,15 +207,10 @@ def test_a_partial_sum_returned_in_aux_is_placed_as_the_plain_step_returns_it(la
     tx = optax.adam(1e-2)
     layout, mesh, params, opt_state, batches = _mlp_case(layout_name, tx, 18)
 
-    @jax.jit
-    def step(params, opt_state, batch):
-        x, y = batch
-        loss_fn = lambda p: jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2)
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        sums = {f"grad_{k}": (grads[k].sum(0), grads[k].sum(1)) for k in ("w1", "w2")}
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss, **sums, "up": updates["w2"].sum(1)}
+    def sums(grads, updates):
+        return {**{f"grad_{k}": (grads[k].sum(0), grads[k].sum(1)) for k in ("w1", "w2")}, "up": updates["w2"].sum(1)}
 
+    step = _biased_mlp_step(tx, ("w1", "b1", "w2"), sums)
     plain_aux = step(_copy(params), _copy(opt_state), batches[0])[2]
     assert not all(a.sharding.is_fully_replicated for a in jax.tree.leaves(plain_aux))
     _run(step, params, opt_state, batches, strategy)
@@ -242,16 +237,19 @@ def test_dear_runs_a_conditional_update_over_blocks_and_a_replicated_leaf_on_sha
     assert all(report.on_shards for report in sched.program.bucket_report)
 
 
-def _biased_mlp_step(tx):
-    """Two layers ``w0``, ``w1`` with a bias ``b0`` between them, as a plain ``jax.jit`` step."""
+def _biased_mlp_step(tx, names=("w0", "b0", "w1"), metrics=None):
+    """Two layers with a bias between them (``names``), as a plain ``jax.jit`` step; its aux
+    also holds ``metrics(grads, updates)``."""
+    first, bias, second = names
 
     @jax.jit
     def step(params, opt_state, batch):
         x, y = batch
-        loss_fn = lambda p: jnp.mean((jnp.tanh(x @ p["w0"] + p["b0"]) @ p["w1"] - y) ** 2)
+        loss_fn = lambda p: jnp.mean((jnp.tanh(x @ p[first] + p[bias]) @ p[second] - y) ** 2)
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+        aux = {"loss": loss, **(metrics(grads, updates) if metrics else {})}
+        return optax.apply_updates(params, updates), opt_state, aux
 
     return step
 
