@@ -536,6 +536,24 @@ def test_a_checkpoint_of_the_sharded_state_restores_and_continues_equal(strategy
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_checkpoint_restored_into_a_target_built_without_a_batch_says_to_pass_one(tmp_path):
+    """dear's state takes its structure from the program (its collective state); a target
+    from ``sched.init(params, opt_state)`` alone has the user's, which orbax refuses with a
+    suggestion of a partial restore. The refusal says how to build the target instead."""
+    from jaxsched.integrations.checkpoint import restore, save
+
+    tx = optax.adam(1e-2)
+    layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 31)
+    sched = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy="dear")
+    state, _ = sched(sched.init(_copy(params), _copy(opt_state)), batches[0])
+    save(tmp_path / "ckpt", state)
+    fresh = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy="dear")
+    with pytest.raises(
+        jaxsched.JaxschedValueError, match=r"another structure.*sched\.init\(params, opt_state, example_batch\)"
+    ):
+        restore(tmp_path / "ckpt", fresh.init(_copy(params), _copy(opt_state)))
+
+
 @pytest.mark.slow
 def test_replan_on_an_fsdp_step_keeps_the_numbers():
     """buckets planned for the measured network, then re-planned for a 1 GbE one mid-run:

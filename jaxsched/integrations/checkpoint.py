@@ -50,7 +50,28 @@ from typing import Any
 
 import jax
 
+from jaxsched._errors import JaxschedValueError
+
 __all__ = ["Checkpoints", "restore", "save"]
+
+
+def _read(where: Any, read: Any, target: Any) -> Any:
+    """``read(abstract target)``; a saved state of another structure than ``target``'s is
+    refused saying how to build the target, where orbax's own message suggests a partial
+    restore, which would silently leave leaves out."""
+    try:
+        return read(None if target is None else _abstract(target))
+    except ValueError as e:
+        if target is None or "tree structures do not match" not in str(e):
+            raise
+        differs = " ".join(line.strip() for line in str(e).splitlines()[1:4])
+        raise JaxschedValueError(
+            f"the checkpoint at {where} holds a state of another structure than the target's: "
+            f"{differs}. A scheduled state takes its structure from the step's "
+            "program (dear's collective state, approx's pending gradients), so build the target "
+            "as the saved state was built: sched.init(params, opt_state, example_batch), with "
+            "the batch; or restore with target=None to see what was saved"
+        ) from e
 
 
 def _abstract(target: Any) -> Any:
@@ -125,7 +146,7 @@ def restore(path: str | Path, target: Any | None = None) -> Any:
     import orbax.checkpoint as ocp
 
     checkpointer = ocp.StandardCheckpointer()
-    restored = checkpointer.restore(Path(path).absolute(), None if target is None else _abstract(target))
+    restored = _read(path, lambda abstract: checkpointer.restore(Path(path).absolute(), abstract), target)
     return restored if target is None else _with_empty(target, restored)
 
 
@@ -243,8 +264,10 @@ class Checkpoints:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        abstract = None if target is None else _abstract(target)
-        restored = self._manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        where = f"{self.directory}/{step}"
+        restored = _read(
+            where, lambda abstract: self._manager.restore(step, args=ocp.args.StandardRestore(abstract)), target
+        )
         return restored if target is None else _with_empty(target, restored)
 
     def wait(self) -> None:
