@@ -85,6 +85,9 @@ class VerifyReport:
         ``rtol``, or None.
       leaf_chaotic_from: per chaotic leaf, the step its baseline left ``rtol``.
       leaf_divergent_at: per divergent leaf, the step it left its tolerance.
+      leaf_misplaced: per leaf the scheduled step returned with another sharding than the
+        plain step's (or off the mesh), the two shardings: a wrong layout fails the verdict
+        as a wrong value does.
 
     Example:
         >>> report = VerifyReport(
@@ -111,10 +114,11 @@ class VerifyReport:
     baseline_left_rtol: int | None = None
     leaf_chaotic_from: dict[str, int] = dataclasses.field(default_factory=dict)
     leaf_divergent_at: dict[str, int] = dataclasses.field(default_factory=dict)
+    leaf_misplaced: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return self.first_divergent_step is None
+        return self.first_divergent_step is None and not self.leaf_misplaced
 
     @property
     def divergent_leaves(self) -> list[str]:
@@ -167,6 +171,12 @@ class VerifyReport:
                 f"{self.leaf_chaotic_from[chaotic[0]]}), and those did not leave rtol clearly before "
                 "their baseline did"
             )
+        if self.leaf_misplaced:
+            name = sorted(self.leaf_misplaced)[0]
+            verdict += (
+                f"; but {len(self.leaf_misplaced)} leaves come back placed unlike the plain step's "
+                f"({name}: {self.leaf_misplaced[name]})"
+            )
         lines = [
             f"jaxsched verify ({self.strategy}, {self.steps} steps, all runs in {self.precision}): "
             f"scheduled and plain {verdict}. Each leaf is judged on its own: its largest relative "
@@ -187,6 +197,18 @@ class VerifyReport:
             tail = "all equal" if largest == 0 else f"each at most {largest:.2e}"
             lines.append(f"  ... {len(rest)} more leaves, {tail}")
         return "\n".join(lines)
+
+
+def _placed_unlike(value: Any, reference: Any) -> str | None:
+    """How ``value`` is placed unlike the plain step's ``reference`` (None: alike), for a
+    reference on several devices."""
+    if not isinstance(reference, jax.Array) or len(reference.sharding.device_set) < 2:
+        return None
+    if not isinstance(value, jax.Array):
+        return f"a host {type(value).__name__}, not a jax.Array as {reference.sharding}"
+    if value.sharding.is_equivalent_to(reference.sharding, reference.ndim):
+        return None
+    return f"{value.sharding}, where the plain step's is {reference.sharding}"
 
 
 def _named_leaves(prefix: str, tree: Any) -> list[tuple[str, Any]]:
@@ -393,6 +415,7 @@ def _compare(
     chaotic_from: dict[str, int] = {}  # leaf -> first step its baseline left rtol
     left_rtol: dict[str, int] = {}  # leaf -> first step its scheduled gap left rtol
     divergent_at: dict[str, int] = {}
+    misplaced: dict[str, str] = {}
     step_gap, step_baseline = [], []
     shown = progress_bar(
         batches, f"verify {getattr(scheduled.strategy, 'name', '')} ({precision})", enabled=progress, unit="step"
@@ -417,6 +440,9 @@ def _compare(
             + _named_leaves("aux", nudged_aux)
         )
         worst = worst_base = 0.0
+        for (name, ref), (_, value) in zip(reference, got, strict=True):
+            if name not in misplaced and (where := _placed_unlike(value, ref)) is not None:
+                misplaced[name] = where
         for (name, ref), (_, value), (_, b) in zip(reference, got, base, strict=True):
             gap, bgap = relative_gap(value, ref), relative_gap(b, ref)
             leaf_gap[name] = max(leaf_gap.get(name, 0.0), gap)
@@ -458,4 +484,5 @@ def _compare(
         base_left,
         chaotic_from,
         divergent_at,
+        misplaced,
     )

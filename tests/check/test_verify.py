@@ -96,6 +96,22 @@ def test_verify_compares_in_float64_and_says_so():
     assert sched.verify(state, batches, steps=6, precision="float32").precision == "float32"
 
 
+def test_verify_fails_a_leaf_placed_unlike_the_plain_steps(monkeypatch):
+    """Right numbers in a wrong place are a defect too: a finalized state handed back on the
+    host (where the plain step's leaves are sharded on the mesh) fails the verdict, naming
+    the leaf and both placements."""
+    from jaxsched.check import _verify
+
+    sched, state, batches = _setup("wfbp", n=3)
+    assert sched.verify(state, batches, steps=3, precision="float32").ok
+    finalized = _verify._finalized
+    monkeypatch.setattr(_verify, "_finalized", lambda s, st: jax.device_get(finalized(s, st)))
+    report = sched.verify(state, batches, steps=3, precision="float32")
+    assert not report.ok and report.first_divergent_step is None  # the values still agree
+    assert any(name.startswith("params") for name in report.leaf_misplaced), sorted(report.leaf_misplaced)
+    assert "placed unlike the plain step's" in str(report) and "host ndarray" in str(report)
+
+
 def test_verify_fails_a_learning_rate_off_by_1e_4():
     register_strategy(OffByOneIn10000)
     try:
