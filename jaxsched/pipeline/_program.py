@@ -118,7 +118,7 @@ class Program:
         self.planned, self.strategy, self.engine = planned, strategy, engine
         self.rewritten = rewritten = strategy.rewrite(planned)
         #: the plain step's output shardings of the state, once read
-        #: (`jaxsched.pipeline._plain_layout.plain_returned_shardings`; [] where XLA would not say)
+        #: (`jaxsched.pipeline._trees_runner.plain_returned_shardings`; [] where XLA would not say)
         self.plain_returned: list | None = None
         self.per_device = PerDeviceProgram(
             rewritten.body,
