@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 
@@ -48,30 +48,25 @@ def runs_here(device: Any) -> bool:
         return False
 
 
-def plain_output_shardings(captured: CapturedStep, step: Callable | None = None) -> list | None:
+def plain_output_shardings(captured: CapturedStep) -> list | None:
     """The shardings of the plain step's flat outputs (new params, optimizer state, aux) as
-    XLA compiles it with nothing but the step's own annotations; None where it cannot say.
+    XLA compiles it with nothing but the step's own annotations (its captured global
+    jaxpr, the same computation); None where it cannot say.
 
     Args:
       captured: the captured ``jax.jit`` step (its example inputs and global jaxpr).
-      step: the step itself (None: run the captured global jaxpr, the same computation).
 
     Returns:
       One sharding per flat output, or None.
     """
-    if captured.kind != "jit" or captured.example_inputs is None:
+    if captured.kind != "jit" or captured.example_inputs is None or captured.global_step is None:
+        return None
+    closed = captured.global_step
+    flat = jax.tree.leaves(captured.example_inputs)
+    if len(flat) != len(closed.jaxpr.invars):
         return None
     try:
-        if step is None:
-            if captured.global_step is None:
-                return None
-            closed = captured.global_step
-            flat = jax.tree.leaves(captured.example_inputs)
-            if len(flat) != len(closed.jaxpr.invars):
-                return None
-            compiled = jax.jit(jax.extend.core.jaxpr_as_fun(closed)).trace(*flat).lower().compile()
-        else:
-            compiled = jax.jit(step).trace(*captured.example_inputs).lower().compile()
+        compiled = jax.jit(jax.extend.core.jaxpr_as_fun(closed)).trace(*flat).lower().compile()
         return list(jax.tree.leaves(compiled.output_shardings))
     except Exception:  # the scheduled layout stands where XLA will not say
         return None

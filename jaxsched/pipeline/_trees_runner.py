@@ -186,7 +186,7 @@ class TreesRunner:
         if program is None:  # never traced here: only a state in the user's layout
             return self.schedule.strategy.finalize_untraced(state)
         check_state_fits(program, self.template, state)
-        returned = plain_returned_shardings(program, self.schedule.traced_step)
+        returned = plain_returned_shardings(program)
         return check_finalized(program, self.template, program.finalize(state), returned)
 
     def lower(self, state: ScheduledState, batch: Any) -> jax.stages.Lowered:
@@ -388,7 +388,7 @@ def check_state_fits(program: Program, template: Any, state: Any) -> None:
             )
 
 
-def plain_returned_shardings(program: Program, step: Callable) -> list | None:
+def plain_returned_shardings(program: Program) -> list | None:
     """The shardings XLA gives the plain ``jax.jit`` step's new params and optimizer state,
     where they may differ from the state's layout: None where they cannot.
 
@@ -406,7 +406,7 @@ def plain_returned_shardings(program: Program, step: Callable) -> list | None:
         return None
     cached = program.plain_returned
     if cached is None:
-        outputs = plain_output_shardings(captured, step)
+        outputs = plain_output_shardings(captured)
         cached = [] if outputs is None else outputs[: len(whole)]
         program.plain_returned = cached
     return cached or None

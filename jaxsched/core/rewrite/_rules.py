@@ -504,7 +504,9 @@ def apply_rule(ctx: ShardContext, eqn: JaxprEqn, values: list) -> list:
     if not shards:
         return _bind(eqn, values)
     varying = [x for x in eqn.invars if is_var(x) and any(ctx.varies(x, shard) for shard in shards)]
-    if varying and not (eqn.primitive.name == "cond" and varying[0] is not eqn.invars[0]):
+    # a conditional on an index every device agrees on is judged inside its branches
+    judged_whole = eqn.primitive.name != "cond" or any(x is eqn.invars[0] for x in varying)
+    if varying and judged_whole:
         # Chunks of device-varying tensors are not chunks of one tensor: stay exact. A
         # conditional's branches are judged equation by equation (`cond_rule`): the analysis
         # follows the variation into them, so a parameter block beside a chunk passes
