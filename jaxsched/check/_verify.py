@@ -282,16 +282,18 @@ def _widened(tree: Any, placed: bool = False) -> Any:
     return jax.tree.map(widen, tree)
 
 
+def _copies(tree: Any) -> Any:
+    """``tree`` with a fresh copy of every array (what a donating call may free)."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree)
+
+
 def _without_donation(step: Any) -> Any:
     """``step`` called on copies of its inputs: a step jitted with ``donate_argnums`` deletes
     the buffers it is given, and verify hands the same parameters, optimizer state and
     batches to the plain run, the rounding baseline and the scheduled run."""
 
-    def fresh(x: Any) -> Any:
-        return jnp.array(x, copy=True) if isinstance(x, jax.Array) else x
-
     def call(*args: Any) -> Any:
-        return step(*jax.tree.map(fresh, args))
+        return step(*_copies(args))
 
     return call
 
@@ -406,7 +408,8 @@ def _compare(
     from jaxsched.core._progress import progress as progress_bar
 
     steps = len(batches)
-    sched_state = scheduled.init(params, opt_state)
+    # from copies: a step that donates its state has the scheduled program donate it too
+    sched_state = scheduled.init(*_copies((params, opt_state)))
     step = _without_donation(scheduled.traced_step)
     devices = scheduled._program_for(sched_state, batches[0]).planned.axis_size
     plain, nudged = (params, opt_state), (_nudged(params, devices), opt_state)

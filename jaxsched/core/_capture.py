@@ -39,7 +39,16 @@ from jaxsched.core._axes import as_axes, axis_size, spec_axes
 from jaxsched.core._describe import describe_outputs, difference
 from jaxsched.core._primitives import CALL_PRIMITIVES, REDUCTIONS, VMA_TYPING, reduction_axes
 
-__all__ = ["abstract_leaf", "capture", "CapturedStep", "data_axes", "flatten_calls", "Source", "UnsupportedStepError"]
+__all__ = [
+    "abstract_leaf",
+    "capture",
+    "CapturedStep",
+    "data_axes",
+    "donates_every_state_leaf",
+    "flatten_calls",
+    "Source",
+    "UnsupportedStepError",
+]
 
 
 class UnsupportedStepError(JaxschedError, ValueError):
@@ -109,6 +118,10 @@ class CapturedStep:
         of a ``jax.jit`` step whose mesh has model axes, which XLA partitions inside the body
         (``in_specs``/``out_specs`` then name both; a ``shard_map`` takes them restricted,
         `jaxsched.core.partition.manual_shard_map`).
+      donates_state: the step as jitted (or pmapped) donates every params and opt_state leaf
+        (``donate_argnums``), so its caller never reads a state it passed in again: the
+        scheduled program may donate its whole state too and update it in place
+        (`donates_every_state_leaf`).
     """
 
     kind: str
@@ -135,6 +148,7 @@ class CapturedStep:
     gathers: tuple = ()
     state_outputs: tuple = ()
     manual_axes: tuple[str, ...] | None = None
+    donates_state: bool = False
 
     def body_input(self, role: str, index: int) -> int:
         """Position of the body invar fed by leaf ``index`` of ``role``, or -1."""
@@ -205,6 +219,7 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any, fold_invari
         + [Source("batch", i) for i in range(batch_tree.num_leaves)]
     )
 
+    donates = donates_every_state_leaf(closed.jaxpr, roles, num_params + num_opt)
     # Walk through jit wrappers to the shard_map, tracking what feeds every variable.
     jaxpr = closed.jaxpr
     env: dict[Any, Source | tuple[str, Any]] = {v: src for v, src in zip(jaxpr.invars, roles)}
@@ -225,20 +240,26 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any, fold_invari
 
     shard_maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     if not shard_maps:
-        return _capture_global(
-            closed,
-            out_shape,
-            (params, opt_state, batch),
-            (params_tree, opt_tree, batch_tree, aux_tree),
-            _names_state_paths(step),
+        return dataclasses.replace(
+            _capture_global(
+                closed,
+                out_shape,
+                (params, opt_state, batch),
+                (params_tree, opt_tree, batch_tree, aux_tree),
+                _names_state_paths(step),
+            ),
+            donates_state=donates,
         )
     if len(jaxpr.eqns) != 1:  # global work beside a shard_map: partitioning names the mix
-        return _capture_global(
-            closed,
-            out_shape,
-            (params, opt_state, batch),
-            (params_tree, opt_tree, batch_tree, aux_tree),
-            _names_state_paths(step),
+        return dataclasses.replace(
+            _capture_global(
+                closed,
+                out_shape,
+                (params, opt_state, batch),
+                (params_tree, opt_tree, batch_tree, aux_tree),
+                _names_state_paths(step),
+            ),
+            donates_state=donates,
         )
     eqn = shard_maps[0]
 
@@ -296,7 +317,42 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any, fold_invari
         check_vma=bool(eqn.params.get("check_vma", False)),
         example_inputs=jax.tree.map(abstract_leaf, (params, opt_state, batch)),
         state_outputs=_state_outputs(out_shape),
+        donates_state=donates,
     )
+
+
+def donates_every_state_leaf(jaxpr: jex_core.Jaxpr, roles: list[Source], num_state: int) -> bool:
+    """Whether the step's jit (or pmap) wrapper, outermost first through single-call
+    wrappers, donates every params and opt_state leaf. A step that donates part of its
+    state keeps the rest: the scheduled program, whose state is laid out its own way
+    (``dear``'s packed shards), then donates none.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> step = jax.jit(lambda p, o, b: (p + b, o, b.sum()), donate_argnums=(0, 1))
+        >>> closed = jax.make_jaxpr(step)(jnp.ones(2), jnp.ones(2), jnp.ones(2))
+        >>> roles = [Source("params", 0), Source("opt_state", 0), Source("batch", 0)]
+        >>> donates_every_state_leaf(closed.jaxpr, roles, 2)
+        True
+    """
+    wanted = set(roles[:num_state])
+    if not wanted:
+        return False
+    env: dict[Any, Any] = dict(zip(jaxpr.invars, roles))
+    donated: set = set()
+    while len(jaxpr.eqns) == 1 and jaxpr.eqns[0].primitive.name in CALL_PRIMITIVES | {"xla_pmap"}:
+        eqn = jaxpr.eqns[0]
+        flags = eqn.params.get("donated_invars") or (False,) * len(eqn.invars)
+        donated |= {env.get(v) for v, flag in zip(eqn.invars, flags) if flag and isinstance(v, jex_core.Var)}
+        if wanted <= donated:
+            return True
+        try:
+            inner, _ = _sub_jaxpr(eqn)
+        except (KeyError, TypeError):
+            return False
+        env = {w: env.get(v) if isinstance(v, jex_core.Var) else None for w, v in zip(inner.invars, eqn.invars)}
+        jaxpr = inner
+    return False
 
 
 def _state_outputs(out_shape: Any) -> tuple:

@@ -102,6 +102,21 @@ def retyped(template: Any, state: Any) -> Any:
     return jax.tree.unflatten(treedef, [retype(a, b) for a, b in zip(leaves, now)])
 
 
+def _unshared(donated: list, kept: list) -> list:
+    """``donated`` with a copy of each array that appears twice in it or also among ``kept``
+    (the batch, the constants): XLA refuses to donate one buffer twice, or a buffer the same
+    call also reads. A state the program returned never shares one; ``init``'s may (the same
+    zeros in two slots, the parameters as a strategy's copy of them)."""
+    seen = {id(x) for x in kept}
+    out = []
+    for x in donated:
+        if isinstance(x, jax.Array) and id(x) in seen:
+            x = x.copy()
+        seen.add(id(x))
+        out.append(x)
+    return out
+
+
 class Program:
     """A compiled scheduled step and the conversions of its state.
 
@@ -135,6 +150,7 @@ class Program:
             planned.pattern.gathers_ahead is not None,
             len(planned.aux_specs),
             self._plain_aux_shardings(),
+            len(rewritten.state_in_specs) if planned.captured.donates_state else 0,
         )
         self.engine = engine.resolve(self.per_device)
         self.core = self.engine.compile(self.per_device)
@@ -344,7 +360,10 @@ class Program:
         """Run the compiled core on the state's ``leaves`` and the placed batch leaves."""
         core, step = self._core_for(state, returned)
         self.core = core
-        outs = core(*leaves, *batch_leaves, *self._device_consts())
+        consts = self._device_consts()
+        if self.per_device.donated_inputs and not returned:
+            leaves = _unshared(leaves, [*batch_leaves, *consts])
+        outs = core(*leaves, *batch_leaves, *consts)
         self._next_step = None if step is None else step + 1
         if self.keeps_dtypes is None:
             self.keeps_dtypes = all(leaf_dtype(a) == leaf_dtype(b) for a, b in zip(leaves, outs))

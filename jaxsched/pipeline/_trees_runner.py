@@ -202,8 +202,11 @@ class TreesRunner:
             return inspect_lib.Inspection(program.inspect(state, batch))
         assert self.template is not None  # set by the program's build
         params, opt_state = self.template
+        plain_step = self.schedule.traced_step
+        if program.captured.donates_state:  # as the user jitted it: its state updated in place
+            plain_step = jax.jit(plain_step, donate_argnums=(0, 1))
         plain = inspect_lib.inspect_jitted(
-            self.schedule.traced_step,
+            plain_step,
             (params, opt_state, batch),
             program.planned.mesh,
             label=inspect_lib.PLAIN_LABEL,

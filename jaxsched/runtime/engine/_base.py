@@ -86,6 +86,9 @@ class PerDeviceProgram:
         gradient stays split like its parameter); the state always as its specs say.
       aux_shardings: the aux's shardings as the plain step returns them, where they were
         read (`jaxsched.pipeline._plain_layout`): the program returns them so.
+      donated_inputs: how many of the first inputs (the state's leaves) an engine that
+        compiles the whole program donates, so that XLA updates the state in place: the
+        user's step donates its whole state (`jaxsched.core._capture.CapturedStep.donates_state`).
     """
 
     body: Callable[..., Sequence[Any]]
@@ -102,6 +105,7 @@ class PerDeviceProgram:
     gathers_parameters: bool = False
     num_aux_outputs: int = 0
     aux_shardings: tuple[Any, ...] | None = None
+    donated_inputs: int = 0
 
     def mapped(self) -> Callable[..., tuple]:
         """The body as a ``shard_map`` over the mesh (not jitted), manual over ``manual_axes``."""

@@ -194,6 +194,7 @@ class XlaEngine(Engine):
 
     def compile(self, program: PerDeviceProgram) -> Callable[..., tuple]:
         options = self.options_for(program)
+        donated = tuple(range(program.donated_inputs))
         if program.global_body is not None:
 
             def whole(*args):
@@ -205,9 +206,15 @@ class XlaEngine(Engine):
                 in_shardings=tuple(map(sharding, program.in_specs)),
                 # the aux where XLA's propagation puts it, as in the step as written
                 out_shardings=tuple(map(sharding, program.state_out_specs)) + program.aux_out_shardings(),
+                donate_argnums=donated,
                 compiler_options=options or None,
             )
-        return jax.jit(program.mapped(), out_shardings=program.out_shardings(), compiler_options=options or None)
+        return jax.jit(
+            program.mapped(),
+            out_shardings=program.out_shardings(),
+            donate_argnums=donated,
+            compiler_options=options or None,
+        )
 
 
 register_engine("xla", XlaEngine)
