@@ -150,7 +150,7 @@ class Program:
             planned.pattern.gathers_ahead is not None,
             len(planned.aux_specs),
             self._plain_aux_shardings(),
-            len(rewritten.state_in_specs) if planned.captured.donates_state else 0,
+            len(rewritten.state_in_specs) if planned.captured.donates_state and strategy.donates_state else 0,
         )
         self.engine = engine.resolve(self.per_device)
         self.core = self.engine.compile(self.per_device)

@@ -185,6 +185,11 @@ class Strategy(abc.ABC):
     #: (no communication; see `jaxsched.core._replay.invariant_sums_as_products`). Off by
     #: default: the user's own arithmetic, rounding included, is kept.
     folds_invariant_sums: ClassVar[bool] = False
+    #: whether the program donates its state where the user's step donates its own
+    #: (`jaxsched.core._capture.CapturedStep.donates_state`): off for a strategy whose
+    #: program reads a state input after it wrote the output that would take its buffer, so
+    #: that XLA copies every such input first and donation saves no memory
+    donates_state: ClassVar[bool] = True
 
     def __init__(self, collective: Collective | None = None):
         if collective is not None and not self.accepts_collective:

@@ -113,6 +113,23 @@ def test_a_step_that_donates_part_of_its_state_or_none_keeps_every_state_it_is_g
         assert_trees_close(sched.finalize(state), want)
 
 
+def test_approx_keeps_the_state_it_is_given_where_donating_would_only_copy_it():
+    mesh = _mesh()
+    seed = np.random.default_rng().integers(1 << 30)
+    batches = _batches(mesh, seed + 1)
+    finals = []
+    for donate in [(0, 1), ()]:
+        sched = jaxsched.schedule(jax.jit(_raw_step, donate_argnums=donate), strategy="approx", staleness=1)
+        first = sched.init(*_state(mesh, seed))
+        state = first
+        for b in batches:
+            state, _ = sched(state, b)
+        assert sched.program.per_device.donated_inputs == 0
+        assert not any(x.is_deleted() for x in _array_leaves(first))
+        finals.append(sched.finalize(state))
+    assert_trees_close(finals[0], finals[1])
+
+
 def test_a_donating_step_runs_from_a_state_whose_leaves_share_one_array():
     """XLA refuses to donate one buffer twice: a state given to the scheduled step that holds
     the same array in two leaves (here adam's two moments of a leaf, one zeros array) goes
