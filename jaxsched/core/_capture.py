@@ -239,18 +239,8 @@ def capture(step: Callable, params: Any, opt_state: Any, batch: Any, fold_invari
         env, jaxpr, outs = new_env, inner, [inner.outvars[position[o]] for o in outs]
 
     shard_maps = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
-    if not shard_maps:
-        return dataclasses.replace(
-            _capture_global(
-                closed,
-                out_shape,
-                (params, opt_state, batch),
-                (params_tree, opt_tree, batch_tree, aux_tree),
-                _names_state_paths(step),
-            ),
-            donates_state=donates,
-        )
-    if len(jaxpr.eqns) != 1:  # global work beside a shard_map: partitioning names the mix
+    # a step on global arrays, or global work beside a shard_map (partitioning names the mix)
+    if not shard_maps or len(jaxpr.eqns) != 1:
         return dataclasses.replace(
             _capture_global(
                 closed,
