@@ -142,14 +142,16 @@ def measure_flops_per_s(device: Any, size: int = 256, repeats: int = 5) -> float
         >>> measure_flops_per_s(jax.devices()[0], size=32, repeats=2) > 0
         True
     """
-    a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    # one device, outside any mesh the caller set (`jax.set_mesh`), which jit would hold it to
+    with jax.set_mesh(None):
+        a = jax.device_put(jnp.ones((size, size), jnp.float32), device)
+        f = jax.jit(lambda x: x @ x)
         f(a).block_until_ready()
-        times.append(time.perf_counter() - start)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            f(a).block_until_ready()
+            times.append(time.perf_counter() - start)
     return 2.0 * size**3 / statistics.median(times)
 
 

@@ -4,12 +4,15 @@ the engine that runs it, and the chosen program is exact."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 import jaxsched
 import jaxsched.runtime.compress  # noqa: F401  (attribute access below)
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from jaxsched.demo import steps
 from jaxsched.sim._costmodel import Layer, LayerProfile
 from jaxsched.runtime.engine import EngineCosts, XlaEngine
@@ -83,3 +86,38 @@ def test_explicit_buckets_are_kept_and_compressors_skip_allreduce():
     assert [c.name for c in auto.candidate_strategies()] == ["wfbp", "dear"]
     with pytest.raises(ValueError, match="'nope' is not a registered strategy"):
         jaxsched.schedule(lambda *a: a, strategy="auto", candidates=("nope",))
+
+
+@pytest.mark.parametrize("options", [dict(strategy="auto"), dict(strategy="wfbp", buckets="auto")])
+def test_auto_choices_run_under_a_context_mesh(options):
+    """Under ``jax.set_mesh`` (how Explicit axes are used), choosing measures this machine's
+    compute on one device outside the context mesh: the step runs and equals the plain one."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    tx = optax.sgd(0.1)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((x @ p["w"] - y) ** 2))(params)
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(np.random.default_rng().integers(1 << 30))
+    with jax.set_mesh(mesh):
+        params = {"w": jax.device_put(rng.standard_normal((16, 8)).astype(np.float32), NamedSharding(mesh, P()))}
+        batches = [
+            jax.device_put(
+                (rng.standard_normal((32, 16)).astype(np.float32), rng.standard_normal((32, 8)).astype(np.float32)),
+                NamedSharding(mesh, P("data")),
+            )
+            for _ in range(2)
+        ]
+        plain = (params, tx.init(params))
+        for b in batches:
+            *plain, _ = step(*plain, b)
+        sched = jaxsched.schedule(step, **options)
+        state = sched.init(params, tx.init(params))
+        for b in batches:
+            state, _ = sched(state, b)
+        got = sched.finalize(state)
+    np.testing.assert_allclose(np.asarray(got[0]["w"]), np.asarray(plain[0]["w"]), rtol=1e-5, atol=1e-6)
