@@ -536,18 +536,21 @@ def test_a_checkpoint_of_the_sharded_state_restores_and_continues_equal(strategy
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_a_checkpoint_restored_into_a_target_built_without_a_batch_says_to_pass_one(tmp_path):
-    """dear's state takes its structure from the program (its collective state); a target
-    from ``sched.init(params, opt_state)`` alone has the user's, which orbax refuses with a
-    suggestion of a partial restore. The refusal says how to build the target instead."""
+@pytest.mark.parametrize("strategy", ["dear", "approx"])
+def test_a_checkpoint_restored_into_a_target_built_without_a_batch_says_to_pass_one(tmp_path, strategy):
+    """dear's state takes its structure from the program (its collective state), approx's
+    holds a pending count no step has made an array yet; a target from
+    ``sched.init(params, opt_state)`` alone has neither, which orbax refuses with a
+    suggestion of a partial restore, or a raw type error. The refusal says how to build
+    the target instead."""
     from jaxsched.integrations.checkpoint import restore, save
 
     tx = optax.adam(1e-2)
     layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 31)
-    sched = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy="dear")
+    sched = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy=strategy)
     state, _ = sched(sched.init(_copy(params), _copy(opt_state)), batches[0])
     save(tmp_path / "ckpt", state)
-    fresh = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy="dear")
+    fresh = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy=strategy)
     with pytest.raises(
         jaxsched.JaxschedValueError, match=r"another structure.*sched\.init\(params, opt_state, example_batch\)"
     ):

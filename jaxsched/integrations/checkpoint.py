@@ -62,9 +62,14 @@ def _read(where: Any, read: Any, target: Any) -> Any:
     try:
         return read(None if target is None else _abstract(target))
     except ValueError as e:
-        if target is None or "tree structures do not match" not in str(e):
+        message = str(e)
+        if target is None or not ("tree structures do not match" in message or "Unsupported type" in message):
             raise
-        differs = " ".join(line.strip() for line in str(e).splitlines()[1:4])
+        if "Unsupported type" in message:  # a leaf no step has traced yet (approx's pending count)
+            differs = f"the target holds a leaf that is no array yet ({message.splitlines()[0]})"
+        else:  # orbax calls the target "Source" and the checkpoint "Target"
+            differs = " ".join(line.strip() for line in message.splitlines()[1:4])
+            differs = differs.replace("Source:", "target:").replace("Target:", "checkpoint:")
         raise JaxschedValueError(
             f"the checkpoint at {where} holds a state of another structure than the target's: "
             f"{differs}. A scheduled state takes its structure from the step's "
