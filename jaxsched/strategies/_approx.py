@@ -106,10 +106,11 @@ class ApproxState(NamedTuple):
       opt_state: the user's optimizer state at ``θ``, user layout.
       collective_state: the collective's carried state per bucket, stacked on a leading
         device axis (see [`SchedState`][jaxsched._schedule.SchedState]).
-      pending: ``staleness`` slots, oldest first; slot ``i`` holds one array per gradient
-        reduction of the step (analysis order): this device's *unreduced* gradient,
-        stacked on a leading device axis (``P(axis)``). ``()`` for ``staleness=0`` and
-        before the step is traced.
+      pending: ``staleness`` slots, oldest first; slot ``i`` holds this device's
+        *unreduced* gradients of one step: each large gradient as its own array, the
+        small ones packed into one flat array per dtype (`PendingLayout`), each stacked on
+        a leading device axis (``P(axis)``). ``()`` for ``staleness=0`` and before the
+        step is traced.
       num_pending: int32 scalar: how many of the last slots hold gradients (the first
         ``staleness`` steps fill the queue).
       previous_params: ``θ`` before the last applied gradient (``extrapolate``), else ``()``.
@@ -125,6 +126,84 @@ class ApproxState(NamedTuple):
     pending: tuple = ()
     num_pending: Any = 0
     previous_params: Any = ()
+
+
+#: Gradients of at most this many elements travel packed in a pending slot (`PendingLayout`).
+SMALL_GRADIENT_ELEMENTS = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingLayout:
+    """The arrays of one pending slot: each large gradient its own, the small ones packed.
+
+    Every array of the state is an argument and an output of every call, and costs host
+    time to pass, return and free (about 1 to 3 us each on a 2-core CPU machine), and a
+    model has many small gradients (biases, norm scales). Packed, the small ones cost one
+    array per dtype, for a copy of at most ``SMALL_GRADIENT_ELEMENTS`` elements each; a
+    large gradient keeps its own array, since packing it would copy it on every step. The
+    layout follows the step's analysis order and shapes alone, never the bucket plan or
+    the platform, so that any program of the step reads the state another wrote.
+
+    Attributes:
+      arrays: one device's arrays of a slot: the large gradients in analysis order, then
+        one flat array per dtype of small ones.
+      places: per gradient (analysis order): ``(array, offset, shape)``; ``offset`` is
+        None where the gradient is the whole array.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> layout = PendingLayout.of([jax.ShapeDtypeStruct((512, 512), jnp.float32),
+        ...                            jax.ShapeDtypeStruct((512,), jnp.float32),
+        ...                            jax.ShapeDtypeStruct((4, 3), jnp.float32)])
+        >>> [a.shape for a in layout.arrays]  # the weight alone; the two small ones packed
+        [(512, 512), (524,)]
+        >>> grads = [jnp.ones((512, 512)), jnp.zeros(512), jnp.ones((4, 3))]
+        >>> [g.shape for g in layout.unpack(layout.pack(grads))]
+        [(512, 512), (512,), (4, 3)]
+    """
+
+    arrays: tuple[jax.ShapeDtypeStruct, ...]
+    places: tuple[tuple[int, int | None, tuple[int, ...]], ...]
+
+    @classmethod
+    def of(cls, template: Sequence[jax.ShapeDtypeStruct], small: int = SMALL_GRADIENT_ELEMENTS) -> "PendingLayout":
+        own = [t for t in template if math.prod(t.shape) > small]
+        dtypes = list(dict.fromkeys(np.dtype(t.dtype) for t in template if math.prod(t.shape) <= small))
+        sizes = [0] * len(dtypes)
+        places: list[tuple[int, int | None, tuple[int, ...]]] = []
+        n_own = 0
+        for t in template:
+            shape = tuple(t.shape)
+            if math.prod(shape) > small:
+                places.append((n_own, None, shape))
+                n_own += 1
+            else:
+                k = dtypes.index(np.dtype(t.dtype))
+                places.append((len(own) + k, sizes[k], shape))
+                sizes[k] += math.prod(shape)
+        packed = [jax.ShapeDtypeStruct((n,), d) for n, d in zip(sizes, dtypes)]
+        arrays = [jax.ShapeDtypeStruct(tuple(t.shape), t.dtype) for t in own] + packed
+        return cls(tuple(arrays), tuple(places))
+
+    def pack(self, grads: Sequence[Any]) -> list:
+        """The slot's arrays from the per-gradient arrays (analysis order)."""
+        out: list[Any] = [None] * len(self.arrays)
+        parts: dict[int, list] = {}
+        for (array, offset, _), g in zip(self.places, grads, strict=True):
+            if offset is None:
+                out[array] = g
+            else:
+                parts.setdefault(array, []).append(jnp.reshape(g, (-1,)))
+        for array, p in parts.items():
+            out[array] = p[0] if len(p) == 1 else jnp.concatenate(p)
+        return out
+
+    def unpack(self, arrays: Sequence[Any]) -> list:
+        """The per-gradient arrays (analysis order) from the slot's arrays."""
+        return [
+            arrays[array] if offset is None else jnp.reshape(arrays[array][offset : offset + math.prod(shape)], shape)
+            for array, offset, shape in self.places
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,17 +439,33 @@ class Approx(Strategy):
             for r in planned.analysis.reductions
         ]
 
+    def pending_layout(self, planned: PlannedStep) -> PendingLayout:
+        """How a pending slot packs `pending_template`'s gradients (`PendingLayout`).
+
+        Example:
+          >>> import jaxsched
+          >>> from jaxsched.strategies import Approx
+          >>> from jaxsched.demo import steps
+          >>> approx, planned = steps.planned_example(Approx(staleness=1))
+          >>> [a.shape for a in approx.pending_layout(planned).arrays]  # all small: 2 + 6 + 3 + 12
+          [(23,)]
+        """
+        return planned.memo("approx.pending_layout", lambda: PendingLayout.of(self.pending_template(planned)))
+
     def convert(self, planned: PlannedStep, state: ScheduledState) -> ApproxState:
         cap = planned.captured
         abstract = is_abstract(state)
         params, opts = map(jax.tree.leaves, placed_user_layout(planned, state))
-        template = self.pending_template(planned) if self.staleness else []
         pending = tuple(getattr(state, "pending", ()) or ())
         num_pending = getattr(state, "num_pending", 0)
+        packed: list[tuple[tuple[int, ...], np.dtype]] = []
+        if self.staleness:
+            packed = [((planned.axis_size,) + a.shape, np.dtype(a.dtype)) for a in self.pending_layout(planned).arrays]
         if pending:
-            if len(pending) != self.staleness or any(
-                [tuple(np.shape(a)) for a in slot] != [(planned.axis_size,) + t.shape for t in template]
-                for slot in pending
+            if (
+                not self.staleness
+                or len(pending) != self.staleness
+                or any([(tuple(np.shape(a)), np.dtype(a.dtype)) for a in slot] != packed for slot in pending)
             ):
                 raise JaxschedValueError(
                     f"the state's pending gradients do not fit this step with "
@@ -382,10 +477,7 @@ class Approx(Strategy):
             if not abstract and int(np.asarray(num_pending)) != 0:
                 raise JaxschedValueError("the state says gradients are pending but holds none")
             pending = tuple(
-                tuple(
-                    planned.zeros((planned.axis_size,) + t.shape, t.dtype, P(planned.axis_name), abstract)
-                    for t in template
-                )
+                tuple(planned.zeros(shape, dtype, P(planned.axis_name), abstract) for shape, dtype in packed)
                 for _ in range(self.staleness)
             )
         previous: Any = ()
@@ -464,16 +556,17 @@ class Approx(Strategy):
         cap = planned.captured
         n_p, n_o = cap.num_params, cap.num_opt
         coll_specs = self.collective_state_specs(planned)
-        n_c, n_r = len(coll_specs), len(planned.analysis.reductions)
+        layout = self.pending_layout(planned)
+        n_c, n_g = len(coll_specs), len(layout.arrays)
         self.update_split(planned)  # refuse before tracing
 
         def drain(*inputs):
             params, opts = list(inputs[:n_p]), list(inputs[n_p : n_p + n_o])
             carried = list(self.local_collective_state(planned, inputs[n_p + n_o : n_p + n_o + n_c]))
-            flat = inputs[n_p + n_o + n_c : n_p + n_o + n_c + count * n_r]
-            consts = inputs[n_p + n_o + n_c + count * n_r :]
+            flat = inputs[n_p + n_o + n_c : n_p + n_o + n_c + count * n_g]
+            consts = inputs[n_p + n_o + n_c + count * n_g :]
             for slot in range(count):
-                local = unstack_local(flat[slot * n_r : (slot + 1) * n_r])
+                local = layout.unpack(unstack_local(flat[slot * n_g : (slot + 1) * n_g]))
                 reduced = self._reduce_all(planned, local, carried)
                 params, opts, _ = self._run_update(planned, params, opts, reduced, consts)
             return tuple(params) + tuple(opts)
@@ -482,7 +575,7 @@ class Approx(Strategy):
             tuple(planned.input_spec("params", i) for i in range(n_p))
             + tuple(planned.input_spec("opt_state", j) for j in range(n_o))
             + coll_specs
-            + (P(planned.axis_name),) * (count * n_r)
+            + (P(planned.axis_name),) * (count * n_g)
             + planned.const_specs
         )
         out_specs = tuple(planned.output_spec(k) for k in range(n_p + n_o))
@@ -503,11 +596,12 @@ class Approx(Strategy):
         n_p, n_o = cap.num_params, cap.num_opt
         k = self.staleness
         coll_specs = self.collective_state_specs(planned)
-        n_c, n_r = len(coll_specs), len(planned.analysis.reductions)
+        layout = self.pending_layout(planned)
+        n_c, n_g = len(coll_specs), len(layout.arrays)
         n_prev = n_p if (self.method == "extrapolate" and k) else 0
         param_specs = tuple(planned.input_spec("params", i) for i in range(n_p))
         opt_specs = tuple(planned.input_spec("opt_state", j) for j in range(n_o))
-        pending_specs = (P(planned.axis_name),) * (k * n_r)
+        pending_specs = (P(planned.axis_name),) * (k * n_g)
         specs = param_specs + opt_specs + coll_specs + pending_specs + (P(),) + param_specs[:n_prev]
         n_state = len(specs)
         if k:
@@ -521,12 +615,13 @@ class Approx(Strategy):
             if k == 0:
                 new_params, new_opts, aux = self._synchronous(planned, params, opts, batch, consts, carried)
                 return new_params + new_opts + self.stacked_collective_leaves(tuple(carried)) + [rest[0]] + aux
-            slots = [unstack_local(rest[i * n_r : (i + 1) * n_r]) for i in range(k)]
-            num_pending, previous = rest[k * n_r], list(rest[k * n_r + 1 :])
+            packed = [list(rest[i * n_g : (i + 1) * n_g]) for i in range(k)]
+            slots = [layout.unpack(unstack_local(slot)) for slot in packed]
+            num_pending, previous = rest[k * n_g], list(rest[k * n_g + 1 :])
             outs = self._delayed(planned, params, opts, slots, num_pending, previous, batch, consts, carried)
             new_params, new_opts, new_local, aux = outs
             arrived = num_pending >= k
-            new_slots = [a for slot in slots[1:] for a in stack_local(slot)] + stack_local(new_local)
+            new_slots = [a for slot in packed[1:] for a in slot] + stack_local(layout.pack(new_local))
             new_count = jnp.minimum(num_pending + 1, k).astype(jnp.int32)
             new_previous = select(arrived, params, previous) if n_prev else []
             return (

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxsched
 from jaxsched.demo import steps
+from jaxsched.strategies._approx import SMALL_GRADIENT_ELEMENTS, PendingLayout
 from jaxsched.strategies._approximation import ApproxParams, approximate, staleness_aware
 from support.equivalence import assert_trees_close, build, random_batches, run_both
 
@@ -214,6 +215,66 @@ def test_the_strategy_runs_the_recurrence_and_finalize_drains_it(method, k):
     assert_trees_close(sched.finalize(state), final)
     # finalize leaves the state alone: training can go on
     assert int(state.num_pending) == k
+
+
+def test_the_pending_layout_keeps_large_gradients_whole_and_packs_small_ones_per_dtype():
+    shapes = [
+        ((300, 300), jnp.float32),
+        ((3,), jnp.bfloat16),
+        ((), jnp.float32),
+        ((4, 5), jnp.float32),
+        ((400, 200), jnp.bfloat16),
+        ((7,), jnp.bfloat16),
+        ((0,), jnp.float32),
+    ]
+    layout = PendingLayout.of([jax.ShapeDtypeStruct(s, d) for s, d in shapes])
+    assert [(a.shape, str(a.dtype)) for a in layout.arrays] == [
+        ((300, 300), "float32"),
+        ((400, 200), "bfloat16"),
+        ((10,), "bfloat16"),
+        ((21,), "float32"),
+    ]
+    rng = np.random.default_rng(0)
+    grads = [jnp.asarray(rng.standard_normal(s), d) for s, d in shapes]
+    arrays = layout.pack(grads)
+    assert [(a.shape, str(a.dtype)) for a in arrays] == [(a.shape, str(a.dtype)) for a in layout.arrays]
+    assert arrays[0] is grads[0] and arrays[1] is grads[4]  # no copy of a large gradient
+    for got, want in zip(layout.unpack(arrays), grads, strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_pending_gradients_travel_packed_one_array_per_dtype_and_unpack_in_place():
+    # biases in bfloat16: two dtypes, so a slot holds two packed arrays; a gradient
+    # unpacked into another's place would be far off the reference
+    devices, k, n_steps = 8, 2, 5
+    params, apply_fn = build("mlp", 0)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: a.astype(jnp.bfloat16) if "bias" in jax.tree_util.keystr(path) else a, params
+    )
+    tx = optax.sgd(0.05, momentum=0.9)
+    mesh = jax.make_mesh((devices,), ("data",))
+    batches = list(random_batches("mlp", n_steps, 2 * devices, seed=5))
+    step = steps.make_step(apply_fn, tx, mesh)
+    sched = jaxsched.schedule(step, strategy="approx", approx_method="local", staleness=k)
+    state = sched.init(params, tx.init(params))
+    final, after = data_parallel_reference(apply_fn, tx, params, batches, "local", k, devices)
+    for t, batch in enumerate(batches):
+        state, _ = sched(state, steps.shard_batch(batch, mesh))
+        assert_trees_close(state.params, after[t], rtol=2e-2, atol=1e-2)
+    small = [leaf for leaf in jax.tree.leaves(params) if leaf.size <= SMALL_GRADIENT_ELEMENTS]
+    assert len(small) == len(jax.tree.leaves(params))  # this model's gradients are all small
+    sizes = {}
+    for leaf in small:
+        sizes[leaf.dtype] = sizes.get(leaf.dtype, 0) + leaf.size
+    assert len(state.pending) == k
+    for slot in state.pending:
+        assert sorted((str(a.dtype), a.shape) for a in slot) == sorted((str(d), (devices, n)) for d, n in sizes.items())
+    assert_trees_close(sched.finalize(state), final, rtol=2e-2, atol=1e-2)
+    # a state whose pending arrays do not fit this step is refused, not misread
+    wrong = state._replace(pending=tuple(tuple(a[:, 1:] for a in slot) for slot in state.pending))
+    with pytest.raises(ValueError, match="pending gradients do not fit this step"):
+        sched(wrong, steps.shard_batch(batches[0], mesh))
 
 
 @pytest.mark.parametrize("devices, gate, conditional", [(1, None, False), (8, None, True), (8, "fenced", False)])
