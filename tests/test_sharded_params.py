@@ -435,6 +435,17 @@ def test_the_norms_of_parameter_blocks_are_one_all_reduce_per_level(strategy, op
 
 
 # -- refusals ------------------------------------------------------------------------------
+def test_approx_local_refuses_a_clip_over_parameter_blocks_naming_the_optimizer_line():
+    """The sum of a global norm over an FSDP parameter's blocks is a collective the update
+    needs; the refusal names the line that asked for it (optax's norm), not jaxsched's."""
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(1e-2))
+    layout, mesh, params, opt_state, batches = _mlp_case("fsdp", tx, 3)
+    sched = jaxsched.schedule(ss.mlp_step(tx, layout, mesh), strategy="approx", approx_method="local")
+    with pytest.raises(jaxsched.UnsupportedStepError, match=r"communicates \(psum at .*optax.*\)") as refused:
+        sched(sched.init(params, opt_state), batches[0])
+    assert "jaxsched" not in str(refused.value).split("communicates (")[1].split(")")[0]
+
+
 def _refused(layout, params_specs, match):
     mesh = layout.mesh()
     tx = optax.sgd(0.1)

@@ -267,6 +267,12 @@ class DiLoCo(Strategy):
             )
         self.outer = outer
         self.sync_axes_option = None if sync_axes is None else as_axes(sync_axes)
+        if self.sync_axes_option == ():
+            raise JaxschedValueError(
+                f"DiLoCo(sync_axes={sync_axes!r}) names no axis, so no replica would ever be "
+                "averaged with another; pass the data axes to average over (e.g. sync_axes='data'), "
+                "or leave sync_axes=None for the default (the slow one of several data axes, else every data axis)"
+            )
         self.inner_strategy = self._check_inner(inner_strategy)
 
     @staticmethod
@@ -351,9 +357,9 @@ class DiLoCo(Strategy):
         data = as_axes(planned.axis_name)
         if self.sync_axes_option is not None:
             bad = [a for a in self.sync_axes_option if a not in data]
-            if bad or not self.sync_axes_option:
+            if bad:
                 raise JaxschedValueError(
-                    f"DiLoCo(sync_axes={self.sync_axes_option!r}): {bad or 'no axis'} is not among "
+                    f"DiLoCo(sync_axes={self.sync_axes_option!r}): {bad} is not among "
                     f"the step's data axes {data} (the mesh axes its batch is sharded over); pass "
                     f"some of {data}, e.g. sync_axes={data[0]!r}"
                 )

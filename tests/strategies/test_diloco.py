@@ -418,6 +418,7 @@ def test_quantized_outer_sum_is_the_same_on_every_device_of_a_two_level_mesh():
         ({"mixing": 1.0}, "mixing"),
         ({"inner_strategy": "dear"}, "dear shards the optimizer"),
         ({"inner_strategy": "approx"}, "inner_strategy"),
+        ({"sync_axes": ()}, r"sync_axes=\(\)\) names no axis.*sync_axes='data'"),
     ],
 )
 def test_bad_options_are_refused_with_the_argument_named(options, match):

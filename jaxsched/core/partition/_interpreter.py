@@ -371,10 +371,11 @@ class Partitioner:
             return converted[key]
 
         for site, (eqn, eqn_plan) in enumerate(zip(jaxpr.eqns, plan.eqns, strict=True)):
-            values = [read(x, k, site) for x, k in zip(eqn.invars, eqn_plan.inputs, strict=True)]
-            # what a rule emits (a double-buffered scan, a staged scatter) names the user's
-            # line in errors, not the rule's
+            # what a rule emits (a double-buffered scan, a staged scatter), and the collectives
+            # that bring its inputs to the layout it reads, name the user's line in errors,
+            # not the rule's
             with source_info_util.user_context(eqn.source_info.traceback):
+                values = [read(x, k, site) for x, k in zip(eqn.invars, eqn_plan.inputs, strict=True)]
                 results = eqn_plan.emit(values)
             env.update(zip(eqn.outvars, results, strict=True))
         return [read(x, k) for x, k in zip(jaxpr.outvars, plan.out_kinds, strict=True)]
