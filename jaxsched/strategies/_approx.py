@@ -30,7 +30,8 @@ reassociation).
 
 The step's ``aux`` is what the user's step reports for this batch at ``θ̃_t`` (its loss
 and metrics), except values derived from the reduced gradients, which belong to step
-``t-k``. A step whose new parameters or optimizer state read anything of forward or
+``t-k``; in the first ``k`` steps, before any has arrived, they are computed on zeros (a
+gradient norm reads 0). A step whose new parameters or optimizer state read anything of forward or
 backward other than the reduced gradients (a loss-dependent learning rate, a gradient
 clipped before ``pmean``, a batch statistic) cannot be delayed and is refused, naming the
 equation; so is ``local`` when the update itself communicates.

@@ -377,6 +377,34 @@ def test_forward_and_backward_never_read_the_collective(method):
     assert text.count("all_reduce") >= len(reductions)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_metric_of_the_reduced_gradients_reads_zero_until_the_first_one_arrives(k):
+    """As documented: aux derived from the reduced gradients belongs to step t-k, and the
+    first k steps compute it on zeros."""
+    params, apply_fn = build("mlp", 0)
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    tx = optax.sgd(0.1)
+
+    def body(params, opt_state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(lambda p: steps.cross_entropy(apply_fn(p, x), y))(params)
+        grads = lax.pmean(grads, "data")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"gnorm": optax.global_norm(grads)}
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P())))
+    sched = jaxsched.schedule(step, strategy="approx", approx_method="stale", staleness=k)
+    state = sched.init(params, tx.init(params))
+    batches = [steps.shard_batch(b, mesh) for b in random_batches("mlp", k + 1, 8, 3)]
+    norms = []
+    for batch in batches:
+        state, aux = sched(state, batch)
+        norms.append(float(aux["gnorm"]))
+    _, _, first = step(params, tx.init(params), batches[0])  # step 0's gradient, at θ_0
+    assert norms[:k] == [0.0] * k
+    np.testing.assert_allclose(norms[k], float(first["gnorm"]), rtol=1e-5)
+
+
 def _step_with(update_from_loss=False, second_pmean=False, tx=optax.sgd(0.1)):
     params, apply_fn = build("mlp", 0)
     mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
