@@ -434,6 +434,31 @@ def test_the_norms_of_parameter_blocks_are_one_all_reduce_per_level(strategy, op
     assert len(scalars) <= levels + 1, scalars
 
 
+@pytest.mark.parametrize("strategy", ["wfbp", pytest.param("dear", marks=pytest.mark.slow)])
+def test_a_bfloat16_gradient_summed_beside_a_model_axis_compiles_on_cpu(strategy):
+    """XLA:CPU aborted the process compiling a bfloat16 psum in a shard_map manual over the
+    data axis only (the tensor axis left to XLA); the engine now leaves that sum in bfloat16."""
+    layout = ss.LAYOUTS["tensor"]
+    mesh = layout.mesh()
+    tx = optax.sgd(0.05, momentum=0.9)
+    raw = ss.params_for(4)
+    raw["b1"] = raw["b1"].astype(jnp.bfloat16)
+    params = ss.place(mesh, raw, layout.params)
+    batches = ss.batches(mesh, layout.batch, 3, 5)
+    step = ss.mlp_step(tx, layout, mesh)
+    plain = (_copy(params), tx.init(params))
+    for b in batches:
+        *plain, _ = step(*plain, b)
+    sched = jaxsched.schedule(step, strategy=strategy)
+    state = sched.init(_copy(params), tx.init(params))
+    for b in batches:
+        state, _ = sched(state, b)
+    got, _ = sched.finalize(state)
+    assert got["b1"].dtype == jnp.bfloat16 and got["b1"].sharding.spec == plain[0]["b1"].sharding.spec
+    for name in got:  # bfloat16 sums a rounding apart (its spacing near 0.1 is 2**-11)
+        np.testing.assert_allclose(np.asarray(got[name], np.float32), np.asarray(plain[0][name], np.float32), atol=2e-3)
+
+
 # -- refusals ------------------------------------------------------------------------------
 def test_approx_local_refuses_a_clip_over_parameter_blocks_naming_the_optimizer_line():
     """The sum of a global norm over an FSDP parameter's blocks is a collective the update

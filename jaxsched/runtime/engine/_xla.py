@@ -148,6 +148,21 @@ COLLECTIVE_FORMS: dict[str, dict[str, str]] = {
 }
 
 
+#: XLA:CPU's pass that sums 16-bit float all-reduces in float32 aborts the process ("Invalid
+#: binary instruction opcode copy", jax 0.10.2) on the all-reduce JAX lowers for a ``psum``
+#: in a ``shard_map`` manual over some mesh axes only: its reducer holds a sharding
+#: constraint. A program that leaves model axes to XLA and sums a bfloat16 gradient is one;
+#: without the pass XLA:CPU sums those in their own type, a float rounding apart.
+CPU_PARTIAL_SHARD_MAP_BROKEN_PASS = "all-reduce-promotion"
+
+
+def _disable_pass(options: dict[str, Any], name: str) -> None:
+    """Add ``name`` to the passes ``options`` disable (``xla_disable_hlo_passes``)."""
+    passes = [p for p in str(options.get("xla_disable_hlo_passes", "")).split(",") if p]
+    if name not in passes:
+        options["xla_disable_hlo_passes"] = ",".join([*passes, name])
+
+
 def collective_form_for(platform: str, op: str) -> str:
     return COLLECTIVE_FORMS.get(platform_family(platform), {}).get(op, "mixed")
 
@@ -190,7 +205,10 @@ class XlaEngine(Engine):
             )
         if self.compiler_options is None:
             options = {**options, **program.compiler_overrides}
-        return dict(options)
+        options = dict(options)
+        if platform == "cpu" and program.manual_axes is not None:
+            _disable_pass(options, CPU_PARTIAL_SHARD_MAP_BROKEN_PASS)
+        return options
 
     def compile(self, program: PerDeviceProgram) -> Callable[..., tuple]:
         options = self.options_for(program)
