@@ -468,10 +468,15 @@ class Approx(Strategy):
                 or len(pending) != self.staleness
                 or any([(tuple(np.shape(a)), np.dtype(a.dtype)) for a in slot] != packed for slot in pending)
             ):
+                got = _arrays_summary([(np.shape(a), np.dtype(a.dtype)) for a in pending[0]])
+                want = _arrays_summary(packed)
                 raise JaxschedValueError(
                     f"the state's pending gradients do not fit this step with "
-                    f"staleness={self.staleness}; resume with the strategy options "
-                    "and step the state was saved with"
+                    f"staleness={self.staleness}: it holds {len(pending)} slots of {got}, where this "
+                    f"step's layout is {self.staleness} slots of {want} (each large gradient its "
+                    "own array, the small ones packed per dtype; a state of jaxsched 0.1.0 before "
+                    "2026-11-28 held one array per gradient). Resume with the strategy options and "
+                    "step the state was saved with, or finalize it with the version that saved it"
                 )
             pending = tuple(tuple(planned.placed(a, P(planned.axis_name)) for a in slot) for slot in pending)
         elif self.staleness:
@@ -715,6 +720,13 @@ class Approx(Strategy):
         interpret((body.eqns[i] for i in self.update_split(planned).aux_eqns), lambda x: read(env, x), env.__setitem__)
         aux = [read(env, body.outvars[i]) for i in cap.outputs[cap.num_params + cap.num_opt :]]
         return new_params, new_opts, new_local, aux
+
+
+def _arrays_summary(arrays: Sequence[tuple[Sequence[int], np.dtype]], shown: int = 4) -> str:
+    """``n arrays: float32[8, 1023], ...`` for a message (the first ``shown`` named)."""
+    names = [f"{np.dtype(d)}{list(shape)}" for shape, d in arrays]
+    more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
+    return f"{len(names)} arrays ({', '.join(names[:shown])}{more})"
 
 
 def nested_eqns_of(eqn):
