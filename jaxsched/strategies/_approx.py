@@ -459,17 +459,19 @@ class Approx(Strategy):
         params, opts = map(jax.tree.leaves, placed_user_layout(planned, state))
         pending = tuple(getattr(state, "pending", ()) or ())
         num_pending = getattr(state, "num_pending", 0)
-        packed: list[tuple[tuple[int, ...], np.dtype]] = []
+        slot_arrays: list[tuple[tuple[int, ...], np.dtype]] = []
         if self.staleness:
-            packed = [((planned.axis_size,) + a.shape, np.dtype(a.dtype)) for a in self.pending_layout(planned).arrays]
+            slot_arrays = [
+                ((planned.axis_size,) + a.shape, np.dtype(a.dtype)) for a in self.pending_layout(planned).arrays
+            ]
         if pending:
             if (
                 not self.staleness
                 or len(pending) != self.staleness
-                or any([(tuple(np.shape(a)), np.dtype(a.dtype)) for a in slot] != packed for slot in pending)
+                or any([(tuple(np.shape(a)), np.dtype(a.dtype)) for a in slot] != slot_arrays for slot in pending)
             ):
                 got = _arrays_summary([(np.shape(a), np.dtype(a.dtype)) for a in pending[0]])
-                want = _arrays_summary(packed)
+                want = _arrays_summary(slot_arrays)
                 raise JaxschedValueError(
                     f"the state's pending gradients do not fit this step with "
                     f"staleness={self.staleness}: it holds {len(pending)} slots of {got}, where this "
@@ -483,7 +485,7 @@ class Approx(Strategy):
             if not abstract and int(np.asarray(num_pending)) != 0:
                 raise JaxschedValueError("the state says gradients are pending but holds none")
             pending = tuple(
-                tuple(planned.zeros(shape, dtype, P(planned.axis_name), abstract) for shape, dtype in packed)
+                tuple(planned.zeros(shape, dtype, P(planned.axis_name), abstract) for shape, dtype in slot_arrays)
                 for _ in range(self.staleness)
             )
         previous: Any = ()
