@@ -471,6 +471,20 @@ def test_approx_local_refuses_a_clip_over_parameter_blocks_naming_the_optimizer_
     assert "jaxsched" not in str(refused.value).split("communicates (")[1].split(")")[0]
 
 
+@pytest.mark.parametrize("head", [True, False])
+def test_approx_refuses_a_scanned_fsdp_stack_naming_the_loop(head):
+    """A scanned FSDP stack's gradients come out of its backward loop, already scattered:
+    the refusal names that loop (with a head outside it, not the head's backward, which
+    only feeds the loop)."""
+    mesh = ss.LAYOUTS["fsdp"].mesh()
+    tx = optax.sgd(0.1)
+    params = ss.scanned_params(mesh, seed=5, head=head)
+    sched = jaxsched.schedule(ss.scanned_step(tx), strategy="approx")
+    with pytest.raises(jaxsched.UnsupportedStepError, match=r"the loop scan at .*sharded_steps.py") as refused:
+        sched(sched.init(params, tx.init(params)), ss.batches(mesh, P("fsdp"), 1, 6)[0])
+    assert "Unroll the stack" in str(refused.value)
+
+
 def _refused(layout, params_specs, match):
     mesh = layout.mesh()
     tx = optax.sgd(0.1)

@@ -343,20 +343,16 @@ class Approx(Strategy):
         producer = {o: i for i, e in enumerate(body.eqns) for o in e.outvars}
         allowed = {r.result for r in analysis.reductions}
         allowed.update(v for v, src in zip(body.invars, cap.sources) if src.role != "batch")
+        offenders = []  # (equation, the first value it may not read), in program order
         for i in state_eqns:
             eqn = body.eqns[i]
-            for x in eqn.invars:
-                if is_var(x) and x not in allowed:
-                    raise UnsupportedStepError(
-                        f"approx cannot delay this step's update: {eqn.primitive.name} at "
-                        f"{source_line(eqn) or 'an unnamed line'} feeds the new params/opt_state and reads "
-                        f"{self._describe(planned, x, producer)}. approx applies step t-k's "
-                        "reduced gradients at the end of step t, so the update may read only "
-                        "params, opt_state and the reduced gradients; compute that value from "
-                        "them, fold it into the gradients before lax.pmean, or use a synchronous "
-                        "strategy (wfbp, dear, or approx with staleness=0)"
-                    )
-            allowed.update(eqn.outvars)
+            unread = next((x for x in eqn.invars if is_var(x) and x not in allowed), None)
+            if unread is None:
+                allowed.update(eqn.outvars)
+            else:
+                offenders.append((eqn, unread))
+        if offenders:
+            raise UnsupportedStepError(self._refusal(planned, offenders, producer))
         for position, v in enumerate(state_outvars):
             if is_var(v) and v not in allowed:
                 role = "params" if position < cap.num_params else "opt_state"
@@ -378,6 +374,36 @@ class Approx(Strategy):
                         "use approx_method='stale' or 'extrapolate'"
                     )
         return UpdateSplit(tuple(state_eqns), aux_eqns)
+
+    def _refusal(self, planned: PlannedStep, offenders: list, producer: dict) -> str:
+        """Why the update cannot be delayed, naming the equation to change. A loop among the
+        offenders is named first: a scanned layer stack's backward computes gradients inside
+        its loop, which the update then waits for, and whatever else reads this step's values
+        (the head's backward feeding that loop) follows from it."""
+        loop = next(
+            ((inner, x) for e, x in offenders for inner in [e, *nested_eqns_of(e)] if inner.primitive.name in _LOOPS),
+            None,
+        )
+        eqn, unread = loop or offenders[0]
+        where = f"{eqn.primitive.name} at {source_line(eqn) or 'an unnamed line'}"
+        read = self._describe(planned, unread, producer)
+        if loop is not None:
+            return (
+                f"approx cannot delay this step's update: the loop {where} feeds the new "
+                f"params/opt_state and reads {read}. Gradients that come out of a loop over this "
+                "step's values (a scanned layer stack's backward, which reduces each layer's "
+                "gradient in its own iteration) make the update wait for this step's backward, "
+                "while approx applies step t-k's reduced gradients at the end of step t. Unroll "
+                "the stack (a Python loop over the layers), or use a synchronous strategy (wfbp, "
+                "dear, or approx with staleness=0)"
+            )
+        return (
+            f"approx cannot delay this step's update: {where} feeds the new params/opt_state "
+            f"and reads {read}. approx applies step t-k's reduced gradients at the end of step "
+            "t, so the update may read only params, opt_state and the reduced gradients; "
+            "compute that value from them, fold it into the gradients before lax.pmean, or use "
+            "a synchronous strategy (wfbp, dear, or approx with staleness=0)"
+        )
 
     @staticmethod
     def _describe(planned: PlannedStep, x: Any, producer: dict) -> str:
@@ -722,6 +748,10 @@ class Approx(Strategy):
         interpret((body.eqns[i] for i in self.update_split(planned).aux_eqns), lambda x: read(env, x), env.__setitem__)
         aux = [read(env, body.outvars[i]) for i in cap.outputs[cap.num_params + cap.num_opt :]]
         return new_params, new_opts, new_local, aux
+
+
+#: Loop primitives: a scanned layer stack's backward is one.
+_LOOPS = frozenset({"scan", "while"})
 
 
 def _arrays_summary(arrays: Sequence[tuple[Sequence[int], np.dtype]], shown: int = 4) -> str:
