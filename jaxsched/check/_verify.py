@@ -88,6 +88,13 @@ class VerifyReport:
       leaf_misplaced: per leaf the scheduled step returned with another sharding than the
         plain step's (or off the mesh), the two shardings: a wrong layout fails the verdict
         as a wrong value does.
+      replicated_gap: where the verdict fails, a third opinion at the first divergent step:
+        the plain step run again from replicated copies of the same parameters and optimizer
+        state (a program XLA partitions otherwise), per divergent leaf its relative difference
+        ``(from the scheduled run, from the plain run)``. XLA's partitioning of the plain
+        step can itself be wrong; when this run sides with the scheduled one, suspect it.
+      replicated_error: why that third run could not be made (a step that takes its state
+        sharded only, as pmap does), else None.
 
     Example:
         >>> report = VerifyReport(
@@ -115,6 +122,46 @@ class VerifyReport:
     leaf_chaotic_from: dict[str, int] = dataclasses.field(default_factory=dict)
     leaf_divergent_at: dict[str, int] = dataclasses.field(default_factory=dict)
     leaf_misplaced: dict[str, str] = dataclasses.field(default_factory=dict)
+    replicated_gap: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    replicated_error: str | None = None
+
+    def tolerance(self, leaf: str) -> float:
+        """The gap ``leaf`` is held to while its baseline is within ``rtol``.
+
+        Example:
+            >>> VerifyReport("wfbp", 1, 1e-5, 100.0, {"params/w": 0.0}, {"params/w": 1e-6},
+            ...              [0.0], [1e-6], None, "params/w").tolerance("params/w")
+            0.0001
+        """
+        return max(self.rtol, self.baseline_factor * self.baseline_gap.get(leaf, 0.0))
+
+    def _third_opinion(self) -> list[str]:
+        """The report's lines on the replicated run (none where the verdict holds)."""
+        if self.first_divergent_step is None:
+            return []
+        if self.replicated_error is not None:
+            return [f"  (no third opinion: the plain step from a replicated state raised {self.replicated_error})"]
+        if not self.replicated_gap:
+            return []
+        t = self.first_divergent_step
+        lines = [f"  A third run, the plain step from replicated copies of the same state, at step {t}:"]
+        for name, (from_scheduled, from_plain) in self.replicated_gap.items():
+            lines.append(
+                f"    {name}: {from_scheduled:.2e} from the scheduled run, {from_plain:.2e} from the plain run"
+            )
+        agrees = [
+            from_scheduled <= self.tolerance(name) < from_plain
+            for name, (from_scheduled, from_plain) in self.replicated_gap.items()
+        ]
+        if all(agrees):
+            lines.append(
+                "  It sides with the scheduled run: the plain step computes otherwise when XLA "
+                "partitions it over the sharded state. Suspect XLA's partitioning of the plain step "
+                "(compare it with a run on one device) before the schedule."
+            )
+        elif not any(agrees):
+            lines.append("  It does not side with the scheduled run.")
+        return lines
 
     @property
     def ok(self) -> bool:
@@ -196,7 +243,7 @@ class VerifyReport:
             largest = max(self.leaf_gap[k] for k in rest)
             tail = "all equal" if largest == 0 else f"each at most {largest:.2e}"
             lines.append(f"  ... {len(rest)} more leaves, {tail}")
-        return "\n".join(lines)
+        return "\n".join(lines + self._third_opinion())
 
 
 def _placed_unlike(value: Any, reference: Any) -> str | None:
@@ -420,6 +467,7 @@ def _compare(
     divergent_at: dict[str, int] = {}
     misplaced: dict[str, str] = {}
     step_gap, step_baseline = [], []
+    third: tuple[dict[str, tuple[float, float]], str | None] = ({}, None)
     shown = progress_bar(
         batches, f"verify {getattr(scheduled.strategy, 'name', '')} ({precision})", enabled=progress, unit="step"
     )
@@ -462,6 +510,9 @@ def _compare(
                 chaotic_from.setdefault(name, t)
         step_gap.append(worst)
         step_baseline.append(worst_base)
+        if divergent_at and not third[0] and third[1] is None:
+            now = {name for name, at in divergent_at.items() if at == t}
+            third = _replicated_opinion(step, (params, opt_state), batches[:t], dict(reference), dict(got), sorted(now))
     for name, chaos in chaotic_from.items():
         # a chaotic leaf fails only when the scheduled run left rtol clearly before its baseline
         if name not in divergent_at and name in left_rtol and left_rtol[name] < chaos / 2:
@@ -488,4 +539,36 @@ def _compare(
         chaotic_from,
         divergent_at,
         misplaced,
+        third[0],
+        third[1],
     )
+
+
+def _replicated(tree: Any) -> Any:
+    """``tree`` with every array on a mesh replicated over that mesh."""
+
+    def replicate(x):
+        if isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding):
+            return jax.device_put(x, jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec()))
+        return x
+
+    return jax.tree.map(replicate, tree)
+
+
+def _replicated_opinion(
+    step: Any, start: tuple[Any, Any], batches: list, reference: dict, got: dict, leaves: list[str]
+) -> tuple[dict[str, tuple[float, float]], str | None]:
+    """The plain step from a replicated ``start`` over ``batches`` (placed as given: a
+    ``shard_map`` step takes its batch split only): for each of
+    ``leaves`` its gap from the scheduled run's value (``got``) and from the plain run's
+    (``reference``) after the last batch; or why it could not run."""
+    state = _replicated(start)
+    try:
+        for batch in batches:
+            *state, aux = step(*state, batch)
+    except Exception as err:  # a step that only takes its state sharded (pmap)
+        return {}, f"{type(err).__name__}: {_summary(err, 200)}"
+    values = dict(_named_leaves("params", state[0]) + _named_leaves("opt_state", state[1]) + _named_leaves("aux", aux))
+    return {
+        name: (relative_gap(values[name], got[name]), relative_gap(values[name], reference[name])) for name in leaves
+    }, None

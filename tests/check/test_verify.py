@@ -2,6 +2,7 @@
 baseline; a defect is caught at the step it appears."""
 
 import jax
+import numpy as np
 import optax
 import pytest
 
@@ -78,6 +79,44 @@ def test_verify_names_the_first_step_a_defect_shows_and_the_worst_leaf():
     assert not report.ok and report.first_divergent_step == 1
     assert report.worst_leaf.startswith(("params", "opt_state"))
     assert "left its tolerance at step 1" in str(report) and report.divergent_leaves
+    # the third opinion, the plain step on replicated inputs, sides with the plain run
+    assert report.replicated_gap and report.replicated_error is None
+    for name, (from_scheduled, from_plain) in report.replicated_gap.items():
+        assert from_plain < 1e-12 < report.tolerance(name) < from_scheduled, (name, from_scheduled, from_plain)
+    assert "It does not side with the scheduled run" in str(report)
+
+
+def test_verify_points_at_xla_where_the_plain_steps_partitioned_program_is_the_odd_one_out():
+    """XLA:CPU (jax 0.10.2) computes the first layer's gradient wrong for weights split over
+    ("fsdp", "tensor") with the batch over ("data", "fsdp"), while the scheduled step and
+    the plain step on replicated inputs agree: the report says so instead of blaming the
+    schedule alone."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+    tx = optax.sgd(0.1)
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(
+            lambda p: jax.numpy.mean((jax.numpy.tanh(jax.numpy.tanh(x @ p["w1"]) @ p["w2"]) - y) ** 2)
+        )(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(0)
+    weights, rows = NamedSharding(mesh, P("fsdp", "tensor")), NamedSharding(mesh, P(("data", "fsdp")))
+    params = {k: jax.device_put(rng.standard_normal((16, 16)).astype(np.float32) * 0.3, weights) for k in ("w1", "w2")}
+    batches = [jax.device_put(tuple(rng.standard_normal((2, 32, 16)).astype(np.float32)), rows) for _ in range(2)]
+    sched = jaxsched.schedule(step, strategy="wfbp")
+    report = sched.verify(sched.init(params, tx.init(params)), batches, steps=2)
+    if report.ok:
+        pytest.skip("XLA partitions this plain step right now: nothing to diagnose")
+    assert report.replicated_gap, str(report)
+    for name, (from_scheduled, from_plain) in report.replicated_gap.items():
+        assert from_scheduled <= report.tolerance(name) < from_plain, (name, from_scheduled, from_plain)
+    assert "It sides with the scheduled run" in str(report) and "XLA's partitioning" in str(report)
 
 
 def test_verify_rejects_too_few_batches():
