@@ -129,9 +129,10 @@ class VerifyReport:
         """The gap ``leaf`` is held to while its baseline is within ``rtol``.
 
         Example:
-            >>> VerifyReport("wfbp", 1, 1e-5, 100.0, {"params/w": 0.0}, {"params/w": 1e-6},
-            ...              [0.0], [1e-6], None, "params/w").tolerance("params/w")
-            0.0001
+            >>> report = VerifyReport("wfbp", 1, 1e-5, 100.0, {"params/w": 0.0}, {"params/w": 1e-6},
+            ...                       [0.0], [1e-6], None, "params/w")
+            >>> f"{report.tolerance('params/w'):.0e}"  # 100 x its baseline, above rtol
+            '1e-04'
         """
         return max(self.rtol, self.baseline_factor * self.baseline_gap.get(leaf, 0.0))
 
