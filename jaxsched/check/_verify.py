@@ -563,11 +563,11 @@ def _replicated_opinion(
     ``shard_map`` step takes its batch split only): for each of
     ``leaves`` its gap from the scheduled run's value (``got``) and from the plain run's
     (``reference``) after the last batch; or why it could not run."""
-    state = _replicated(start)
     try:
+        state = _replicated(start)
         for batch in batches:
             *state, aux = step(*state, batch)
-    except Exception as err:  # a step that only takes its state sharded (pmap)
+    except Exception as err:  # a step that only takes its state sharded (pmap), a state off the mesh
         return {}, f"{type(err).__name__}: {_summary(err, 200)}"
     values = dict(_named_leaves("params", state[0]) + _named_leaves("opt_state", state[1]) + _named_leaves("aux", aux))
     return {
