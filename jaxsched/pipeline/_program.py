@@ -24,7 +24,7 @@ from jax.tree_util import PyTreeDef
 from jaxsched._errors import JaxschedTypeError, JaxschedValueError
 from jaxsched.core._capture import CapturedStep
 from jaxsched.pipeline._plain_layout import needs_plain_aux_layout, plain_output_shardings
-from jaxsched.runtime.engine._base import Engine, PerDeviceProgram
+from jaxsched.runtime.engine._base import Engine, PerDeviceProgram, SignatureChanged
 from jaxsched.plan._planned_step import PlannedStep, is_abstract
 from jaxsched.strategies._base import ScheduledState, Strategy
 
@@ -174,6 +174,10 @@ class Program:
         self._batch_treedef: PyTreeDef | None = None
         self._batch_keys: list[BatchKey] | None = None
         self._batch_places: list = []
+        #: whether a training loop's batch goes to the core unchecked (the core checks it),
+        #: and the leaf types it may have then (jax.Array's, never a tracer's)
+        self._batch_unchecked = False
+        self._batch_types: frozenset[type] = frozenset()
 
     def _plain_aux_shardings(self) -> tuple | None:
         """The aux's shardings as the plain step returns them, where the program leaves axes
@@ -321,13 +325,30 @@ class Program:
         A training loop's call: the state is this program's own output, flat already, and
         the batch's structure, shapes, dtypes and shardings were checked and its placement
         decided when its signature was first seen, so that what remains per call is one
-        flatten of the batch and a comparison of its leaves, as ``jax.jit`` dispatches."""
+        flatten of the batch and a comparison of its leaves, as ``jax.jit`` dispatches.
+        Where the engine's core checks them itself (``Engine.checks_signatures``: a
+        ``jax.jit`` that compares them in C++, and whose retrace for other shapes or dtypes
+        raises `SignatureChanged`), a batch of arrays placed as the program takes them goes
+        in unchecked: Python run before the dispatch delays the step, and right after a step
+        it runs several times slower than alone (the benchmarks page). A batch of the same
+        shapes placed otherwise is refused by the core before it runs where the mesh's axes
+        are explicit (a ``ValueError``: this program then checks every batch from then on),
+        and on automatic axes resharded into this program by a compile of its own, as
+        ``jax.jit`` does for any step: the same values."""
         keys = self._batch_keys
         if keys is None or not self.keeps_dtypes or self._returned is None:
             return None
         batch_leaves, batch_treedef = jax.tree.flatten(batch)
         if batch_treedef != self._batch_treedef or len(batch_leaves) != len(keys):
             return None
+        if self._batch_unchecked and frozenset(map(type, batch_leaves)) == self._batch_types:
+            try:
+                return self._execute(self._returned, self._returned_leaves, self._state_treedef, batch_leaves, True)
+            except SignatureChanged:  # other shapes or dtypes: another program's batch
+                return None
+            except ValueError:  # placed otherwise (shard_map refuses it): checked from now on
+                self._batch_unchecked = False
+                return None
         for leaf, (kind, shape, dtype, sharding) in zip(batch_leaves, keys):
             if type(leaf) is not kind or leaf.shape != shape or leaf.dtype != dtype:
                 return None
@@ -353,6 +374,12 @@ class Program:
         self._batch_places = [
             None if given is put else spec for given, put, spec in zip(leaves, placed, self.planned.batch_specs)
         ]
+        self._batch_types = frozenset(kind for kind, *_ in keys)
+        self._batch_unchecked = (
+            self.engine.checks_signatures
+            and np.ndarray not in self._batch_types
+            and all(place is None for place in self._batch_places)
+        )
 
     def _execute(
         self, state: ScheduledState, leaves: list, treedef: PyTreeDef, batch_leaves: list, returned: bool

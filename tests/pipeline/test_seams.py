@@ -298,6 +298,40 @@ def test_a_known_signature_skips_the_checks_and_a_new_one_is_checked(monkeypatch
         sched(state, (jnp.ones((6, 4)), jnp.ones(6)))
 
 
+@pytest.mark.parametrize("strategy", ["wfbp", "approx"])
+def test_the_loops_batch_goes_to_the_jitted_core_unchecked_and_a_changed_one_finds_its_program(strategy):
+    """On the xla engine a training loop's batch goes to the core without Python checks
+    (its jit compares the signature in C++); a batch of another shape or dtype trips the
+    core's guard instead of running the program of another signature, and is stepped by
+    its own program, every step equal to the plain step's."""
+    tx = optax.sgd(0.1, momentum=0.9)
+    params = {"w": jnp.ones((4, 2)) * 0.1, "b": jnp.zeros(2)}
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        grads = jax.grad(lambda p: jnp.mean((x.astype(jnp.float32) @ p["w"] + p["b"] - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jnp.sum(grads["w"])
+
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(3)
+
+    def batch(rows, dtype=np.float32):
+        arrays = (rng.standard_normal((rows, 4)).astype(dtype), rng.standard_normal((rows, 2)).astype(np.float32))
+        return jax.device_put(arrays, jax.sharding.NamedSharding(mesh, P("data")))
+
+    sched = jaxsched.schedule(step, strategy=strategy, **({"staleness": 0} if strategy == "approx" else {}))
+    state, plain = sched.init(params, tx.init(params)), (params, tx.init(params))
+    for b in [batch(8), batch(8), batch(4), batch(8), batch(8, jnp.bfloat16), batch(8), batch(12), batch(8)]:
+        state, aux = sched(state, b)
+        *plain, plain_aux = step(*plain, b)
+        assert_trees_close(jax.device_get(sched.finalize(state)), jax.device_get(tuple(plain)), rtol=1e-5, atol=1e-6)
+        assert_trees_close(jax.device_get(aux), jax.device_get(plain_aux), rtol=1e-5, atol=1e-6)
+    assert sched.num_programs == 4
+    assert sched.program._batch_unchecked  # the last program's loop calls went unchecked
+
+
 @pytest.mark.parametrize("given", ["auto", "dear"])
 def test_scheduling_never_changes_the_users_strategy(given):
     """Selection records its choices on the schedule's own copy: the instance the user passed

@@ -227,6 +227,45 @@ class StageTimer(Protocol):
         ...
 
 
+class SignatureChanged(Exception):
+    """A core made by `signature_guarded` was called with inputs of another shape or dtype
+    than it was traced for: the caller checks them and picks the program that fits."""
+
+
+def signature_guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` refusing, when traced again, inputs of other shapes or dtypes than at its
+    first trace (`SignatureChanged`).
+
+    A ``jax.jit`` of it then checks a call's inputs in C++ as it dispatches, and a call whose
+    signature changed reaches the guard (a trace) instead of running a program built for
+    another one: the training loop's call need not check them in Python first. A retrace
+    with the same shapes and dtypes (another weak type, a cleared cache) runs ``fn``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> double = jax.jit(signature_guarded(lambda x: (x * 2,)))
+        >>> double(jnp.ones(2))[0].tolist()
+        [2.0, 2.0]
+        >>> try:
+        ...     double(jnp.ones(3))
+        ... except SignatureChanged as err:
+        ...     print(err)
+        traced for float32[2], called with float32[3]
+    """
+    first: list[list[tuple[tuple[int, ...], Any]]] = []
+
+    def guarded(*args: Any) -> Any:
+        signature = [(tuple(a.shape), a.dtype) for a in args]
+        if not first:
+            first.append(signature)
+        elif signature != first[0]:
+            name = lambda sig: ", ".join(f"{dtype}{list(shape)}" for shape, dtype in sig)
+            raise SignatureChanged(f"traced for {name(first[0])}, called with {name(signature)}")
+        return fn(*args)
+
+    return guarded
+
+
 class Engine(abc.ABC):
     """Runs per-device programs. Subclasses take their own options at construction.
 
@@ -246,6 +285,10 @@ class Engine(abc.ABC):
     """
 
     name: str = ""
+    #: Whether `compile`'s callable checks its inputs' signature as ``jax.jit`` does, and
+    #: raises `SignatureChanged` rather than run a program of another signature: a
+    #: training loop's call then hands it the batch unchecked.
+    checks_signatures: bool = False
 
     def costs(self, mesh: Mesh) -> EngineCosts:
         """How this engine runs collectives on ``mesh``, for the planners.

@@ -41,7 +41,13 @@ from jax.sharding import NamedSharding
 
 from jaxsched._errors import JaxschedTypeError
 from jaxsched.core import _axes as axes
-from jaxsched.runtime.engine._base import Engine, PerDeviceProgram, platform_family, register_engine
+from jaxsched.runtime.engine._base import (
+    Engine,
+    PerDeviceProgram,
+    platform_family,
+    register_engine,
+    signature_guarded,
+)
 
 __all__ = [
     "collective_form_for",
@@ -178,6 +184,11 @@ class XlaEngine(Engine):
 
     name = "xla"
 
+    @property
+    def checks_signatures(self) -> bool:  # type: ignore[override]
+        """True: `compile` jits a `signature_guarded` body (a subclass's own `compile` may not)."""
+        return type(self).compile is XlaEngine.compile
+
     def __init__(self, compiler_options: dict[str, Any] | None = None):
         if compiler_options is not None and not isinstance(compiler_options, dict):
             raise JaxschedTypeError(
@@ -220,7 +231,7 @@ class XlaEngine(Engine):
 
             sharding = lambda spec: NamedSharding(program.mesh, spec)
             return jax.jit(
-                whole,
+                signature_guarded(whole),
                 in_shardings=tuple(map(sharding, program.in_specs)),
                 # the aux where XLA's propagation puts it, as in the step as written
                 out_shardings=tuple(map(sharding, program.state_out_specs)) + program.aux_out_shardings(),
@@ -228,7 +239,7 @@ class XlaEngine(Engine):
                 compiler_options=options or None,
             )
         return jax.jit(
-            program.mapped(),
+            signature_guarded(program.mapped()),
             out_shardings=program.out_shardings(),
             donate_argnums=donated,
             compiler_options=options or None,
