@@ -343,7 +343,7 @@ class Program:
             return None
         if self._batch_unchecked and frozenset(map(type, batch_leaves)) == self._batch_types:
             try:
-                return self._execute(self._returned, self._returned_leaves, self._state_treedef, batch_leaves, True)
+                return self._step_unchecked(batch_leaves)
             except SignatureChanged:  # other shapes or dtypes: another program's batch
                 return None
             except ValueError:  # placed otherwise (shard_map refuses it): checked from now on
@@ -377,9 +377,22 @@ class Program:
         self._batch_types = frozenset(kind for kind, *_ in keys)
         self._batch_unchecked = (
             self.engine.checks_signatures
+            and not self._phased
             and np.ndarray not in self._batch_types
             and all(place is None for place in self._batch_places)
         )
+
+    def _step_unchecked(self, batch_leaves: list) -> tuple[ScheduledState, Any]:
+        """`_execute` for a training loop's call, nothing but the dispatch before the
+        core runs: one core (not phased), the state this program returned (its dtypes and
+        layout checked by then), its constants placed."""
+        leaves = self._returned_leaves
+        outs = self.core(*leaves, *batch_leaves, *(self._placed_consts or ()))
+        n = len(leaves)
+        new_leaves = list(outs[:n])
+        new_state = jax.tree.unflatten(self._state_treedef, new_leaves)
+        self._returned, self._returned_leaves = new_state, new_leaves
+        return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[n:])
 
     def _execute(
         self, state: ScheduledState, leaves: list, treedef: PyTreeDef, batch_leaves: list, returned: bool

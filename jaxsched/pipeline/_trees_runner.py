@@ -160,8 +160,12 @@ class TreesRunner:
         return None if self.replanner is not None else self.again(state, batch)
 
     def call_again(self, state: ScheduledState, batch: Any) -> Any | None:
-        """`run_again`'s result as the user's step returns it: a call's fast path."""
-        result = self.run_again(state, batch)
+        """`run_again`'s result as the user's step returns it: a call's fast path (written
+        out: every call before the dispatch delays the step)."""
+        program = self.programs.last
+        if self.replanner is not None or program is None or state is not program.returned:
+            return None
+        result = program.run_again(batch)
         return None if result is None else self.outputs.returned(*result)
 
     def call(self, state: ScheduledState, batch: Any) -> Any:
