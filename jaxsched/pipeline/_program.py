@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Hashable, Iterator, Protocol, cast, runtime_checkable
 
 import jax
@@ -178,6 +179,7 @@ class Program:
         #: and the leaf types it may have then (jax.Array's, never a tracer's)
         self._batch_unchecked = False
         self._batch_types: frozenset[type] = frozenset()
+        self._batch_shardings: list = []
 
     def _plain_aux_shardings(self) -> tuple | None:
         """The aux's shardings as the plain step returns them, where the program leaves axes
@@ -329,24 +331,29 @@ class Program:
         Where the engine's core checks them itself (``Engine.checks_signatures``: a
         ``jax.jit`` that compares them in C++, and whose retrace for other shapes or dtypes
         raises `SignatureChanged`), a batch of arrays placed as the program takes them goes
-        in unchecked: Python run before the dispatch delays the step, and right after a step
-        it runs several times slower than alone (the benchmarks page). A batch of the same
-        shapes placed otherwise is refused by the core before it runs where the mesh's axes
-        are explicit (a ``ValueError``: this program then checks every batch from then on),
-        and on automatic axes resharded into this program by a compile of its own, as
-        ``jax.jit`` does for any step: the same values."""
+        in with its placement compared only (the same sharding object, as a loader's
+        ``device_put`` gives, is one identity test): Python run before the dispatch delays
+        the step, and right after a step it runs several times slower than alone (the
+        benchmarks page). A placement is part of the signature, as for the checked path:
+        a batch placed otherwise takes that path."""
         keys = self._batch_keys
         if keys is None or not self.keeps_dtypes or self._returned is None:
             return None
         batch_leaves, batch_treedef = jax.tree.flatten(batch)
         if batch_treedef != self._batch_treedef or len(batch_leaves) != len(keys):
             return None
-        if self._batch_unchecked and frozenset(map(type, batch_leaves)) == self._batch_types:
+        if (
+            self._batch_unchecked
+            and frozenset(map(type, batch_leaves)) == self._batch_types
+            and all(
+                s is placed or s == placed for s, placed in zip(map(_sharding_of, batch_leaves), self._batch_shardings)
+            )
+        ):
             try:
                 return self._step_unchecked(batch_leaves)
             except SignatureChanged:  # other shapes or dtypes: another program's batch
                 return None
-            except ValueError:  # placed otherwise (shard_map refuses it): checked from now on
+            except ValueError:  # refused before it ran: this program checks every batch from now on
                 self._batch_unchecked = False
                 return None
         for leaf, (kind, shape, dtype, sharding) in zip(batch_leaves, keys):
@@ -375,6 +382,7 @@ class Program:
             None if given is put else spec for given, put, spec in zip(leaves, placed, self.planned.batch_specs)
         ]
         self._batch_types = frozenset(kind for kind, *_ in keys)
+        self._batch_shardings = [sharding for *_, sharding in keys]
         self._batch_unchecked = (
             self.engine.checks_signatures
             and not self._phased
@@ -489,6 +497,10 @@ class Program:
             target=inspect_lib.describe_mesh(self.planned.mesh),
             compiler_options=self.compiler_options,
         )
+
+
+#: A leaf's sharding, read without a Python frame (`Program.run_again`'s loop call).
+_sharding_of = operator.attrgetter("sharding")
 
 
 class ProgramCache:

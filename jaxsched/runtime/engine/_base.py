@@ -29,7 +29,7 @@ import jax
 from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxsched._errors import JaxschedTypeError, JaxschedValueError
+from jaxsched._errors import JaxschedError, JaxschedTypeError, JaxschedValueError
 from jaxsched.core.partition import manual_shard_map
 
 __all__ = [
@@ -227,7 +227,7 @@ class StageTimer(Protocol):
         ...
 
 
-class SignatureChanged(Exception):
+class SignatureChanged(JaxschedError):
     """A core made by `signature_guarded` was called with inputs of another shape or dtype
     than it was traced for: the caller checks them and picks the program that fits."""
 
