@@ -180,6 +180,8 @@ class Program:
         self._batch_unchecked = False
         self._batch_types: frozenset[type] = frozenset()
         self._batch_shardings: list = []
+        self._batch_first_shape: tuple | None = None
+        self._batch_missed = 0  # the id of the first leaf of the batch the core last refused
 
     def _plain_aux_shardings(self) -> tuple | None:
         """The aux's shardings as the plain step returns them, where the program leaves axes
@@ -344,7 +346,9 @@ class Program:
             return None
         if (
             self._batch_unchecked
+            and id(batch_leaves[0]) != self._batch_missed  # not this call's second attempt
             and frozenset(map(type, batch_leaves)) == self._batch_types
+            and batch_leaves[0].shape == self._batch_first_shape  # most changes at no trace's cost
             and all(
                 s is placed or s == placed for s, placed in zip(map(_sharding_of, batch_leaves), self._batch_shardings)
             )
@@ -352,6 +356,7 @@ class Program:
             try:
                 return self._step_unchecked(batch_leaves)
             except SignatureChanged:  # other shapes or dtypes: another program's batch
+                self._batch_missed = id(batch_leaves[0])
                 return None
             except ValueError:  # refused before it ran: this program checks every batch from now on
                 self._batch_unchecked = False
@@ -383,8 +388,10 @@ class Program:
         ]
         self._batch_types = frozenset(kind for kind, *_ in keys)
         self._batch_shardings = [sharding for *_, sharding in keys]
+        self._batch_first_shape = keys[0][1] if keys else None
         self._batch_unchecked = (
-            self.engine.checks_signatures
+            bool(keys)
+            and self.engine.checks_signatures
             and not self._phased
             and np.ndarray not in self._batch_types
             and all(place is None for place in self._batch_places)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from typing import Any, Callable, Protocol, Sequence
 
 import jax
@@ -254,6 +255,7 @@ def signature_guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
     first: list[list[tuple[tuple[int, ...], Any]]] = []
 
+    @functools.wraps(fn)  # the compiled module keeps its name (profiles, HLO dumps)
     def guarded(*args: Any) -> Any:
         signature = [(tuple(a.shape), a.dtype) for a in args]
         if not first:
