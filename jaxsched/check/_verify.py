@@ -468,7 +468,7 @@ def _compare(
     divergent_at: dict[str, int] = {}
     misplaced: dict[str, str] = {}
     step_gap, step_baseline = [], []
-    third: tuple[dict[str, tuple[float, float]], str | None] = ({}, None)
+    third: tuple[dict[str, tuple[float, float]], str | None] | None = None  # run once, at the first divergence
     shown = progress_bar(
         batches, f"verify {getattr(scheduled.strategy, 'name', '')} ({precision})", enabled=progress, unit="step"
     )
@@ -511,9 +511,9 @@ def _compare(
                 chaotic_from.setdefault(name, t)
         step_gap.append(worst)
         step_baseline.append(worst_base)
-        if divergent_at and not third[0] and third[1] is None:
-            now = {name for name, at in divergent_at.items() if at == t}
-            third = _replicated_opinion(step, (params, opt_state), batches[:t], dict(reference), dict(got), sorted(now))
+        if divergent_at and third is None:
+            now = sorted(name for name, at in divergent_at.items() if at == t)
+            third = _replicated_opinion(step, (params, opt_state), batches[:t], dict(reference), dict(got), now)
     for name, chaos in chaotic_from.items():
         # a chaotic leaf fails only when the scheduled run left rtol clearly before its baseline
         if name not in divergent_at and name in left_rtol and left_rtol[name] < chaos / 2:
@@ -540,8 +540,7 @@ def _compare(
         chaotic_from,
         divergent_at,
         misplaced,
-        third[0],
-        third[1],
+        *(third or ({}, None)),
     )
 
 
@@ -560,9 +559,9 @@ def _replicated_opinion(
     step: Any, start: tuple[Any, Any], batches: list, reference: dict, got: dict, leaves: list[str]
 ) -> tuple[dict[str, tuple[float, float]], str | None]:
     """The plain step from a replicated ``start`` over ``batches`` (placed as given: a
-    ``shard_map`` step takes its batch split only): for each of
-    ``leaves`` its gap from the scheduled run's value (``got``) and from the plain run's
-    (``reference``) after the last batch; or why it could not run."""
+    ``shard_map`` step takes its batch split only): for each of ``leaves`` its gap from the
+    scheduled run's value (``got``) and from the plain run's (``reference``) after the last
+    batch; or why it could not run."""
     try:
         state = _replicated(start)
         for batch in batches:
