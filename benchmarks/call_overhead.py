@@ -14,8 +14,9 @@ Python cost of the scheduled call: the goal is within 3% and 30 us of the plain 
 step of about 0.5 ms (``--width`` 64 is that on a 2-core CPU machine; pick the width that
 gives it on yours). ``--donate`` jits the step with ``donate_argnums=(0, 1)``, as many
 trainers do (the scheduled step then donates its whole state too). ``--paths`` adds, per
-strategy, the same schedule with every loop call's batch checked leaf by leaf in Python
-(``S:checked``, as before the jitted core checked it) and the compiled program called
+strategy, the same schedule with every loop call through the checked path, its batch
+compared leaf by leaf in Python (``S:checked``, as before a training loop's call went
+straight to the jitted core, which checks it) and the compiled program called
 directly on the flat state and batch leaves, with no jaxsched Python at all
 (``S:program``): where a strategy's cost goes, measured in the same run.
 
@@ -99,7 +100,8 @@ def call_paths(strategy: str, step, params, tx, batch) -> dict:
     box = {}
     for name, sched in (("checked", checked), ("bare", bare)):
         box[name], _ = sched(sched.init(jax.tree.map(jnp.copy, params), tx.init(params)), batch)
-    checked.program._batch_unchecked = False  # every loop call's batch checked in Python
+    checked.program._batch_unchecked = False  # every loop call's batch checked in Python:
+    checked._loop_call = None  # no training loop's call (`Program.loop_call`) for this program
     core, leaves, consts = bare.program.core, list(bare.program._returned_leaves), bare.program._device_consts()
     box["leaves"] = leaves
 

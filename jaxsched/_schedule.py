@@ -29,7 +29,7 @@ from jaxsched._errors import JaxschedRuntimeError, JaxschedTypeError, JaxschedVa
 from jaxsched.core import _static_leaves as static_leaves
 from jaxsched.runtime.collectives._base import Collective
 from jaxsched.runtime.engine import Engine, make_engine
-from jaxsched.pipeline._program import Program
+from jaxsched.pipeline._program import LoopCall, Program
 from jaxsched.pipeline._selection import BucketOption
 from jaxsched.core._describe import describe
 from jaxsched.pipeline._trees_runner import StepRunner, TreesRunner, check_scheduled_state
@@ -143,6 +143,9 @@ class Scheduled:
         self._outputs = OutputCount()  # what a step(params, opt_state, ...) returns after its state
         self._fixed_form: str | None = None  # set by an adapter that knows its step's form
         self._statics_seen = False  # whether an input has held a static leaf so far
+        #: a training loop's call (`jaxsched.pipeline.Program.loop_call`): set after each
+        #: checked call, None where static leaves or a re-planner need every call checked
+        self._loop_call: LoopCall | None = None
         functools.update_wrapper(self, step, updated=())
 
     # -- public API -----------------------------------------------------------------------
@@ -230,14 +233,18 @@ class Scheduled:
             >>> state, aux = sched(state, batch)
             >>> state, aux = sched(state, batch)  # the compiled program again
         """
-        runner = self._runner
-        if runner is not None and len(inputs) == self._num_inputs and not self._has_static():
-            result = runner.call_again(state, inputs[0] if len(inputs) == 1 else inputs)
+        loop_call = self._loop_call
+        if loop_call is not None:
+            result = loop_call(state, inputs)
             if result is not None:
                 return result
         batch = self._batch_of(self._marked(inputs), state)
-        result = self._runner_for(state).call(state, batch)
-        if type(result) is tuple and self._has_static():  # the outputs after the state
+        runner = self._runner_for(state)
+        result = runner.call(state, batch)
+        static = self._has_static()
+        # the next call of a training loop: the last program's, where nothing has to see it
+        self._loop_call = None if static or self._num_inputs is None else runner.loop_call(self._num_inputs)
+        if type(result) is tuple and static:  # the outputs after the state
             return (result[0], *static_leaves.unmark(result[1:]))
         return result
 

@@ -14,7 +14,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any, Callable, Hashable, Iterator, Protocol, cast, runtime_checkable
 
 import jax
@@ -29,11 +28,22 @@ from jaxsched.runtime.engine._base import Engine, PerDeviceProgram, SignatureCha
 from jaxsched.plan._planned_step import PlannedStep, is_abstract
 from jaxsched.strategies._base import ScheduledState, Strategy
 
-__all__ = ["BatchKey", "abstract_signature", "leaf_dtype", "PhasedStrategy", "Program", "ProgramCache", "retyped"]
+__all__ = [
+    "BatchKey",
+    "LoopCall",
+    "abstract_signature",
+    "leaf_dtype",
+    "PhasedStrategy",
+    "Program",
+    "ProgramCache",
+    "retyped",
+]
 
 
 #: a batch leaf's signature as `Program.run_again` compares it: (type, shape, dtype, sharding)
 BatchKey = tuple[type[Any], tuple[int, ...], np.dtype, jax.sharding.Sharding | None]
+#: a training loop's call of a program: ``(state, inputs)`` to the user's outputs, or None
+LoopCall = Callable[[Any, tuple], Any]
 
 
 @runtime_checkable
@@ -175,13 +185,10 @@ class Program:
         self._batch_treedef: PyTreeDef | None = None
         self._batch_keys: list[BatchKey] | None = None
         self._batch_places: list = []
-        #: whether a training loop's batch goes to the core unchecked (the core checks it),
-        #: and the leaf types it may have then (jax.Array's, never a tracer's)
+        #: whether a training loop's batch may go to the core unchecked (`loop_call`), and
+        #: the loop calls built for it, per (inputs, outputs)
         self._batch_unchecked = False
-        self._batch_types: frozenset[type] = frozenset()
-        self._batch_shardings: list = []
-        self._batch_first_shape: tuple | None = None
-        self._batch_missed = 0  # the id of the first leaf of the batch the core last refused
+        self._loop_calls: dict[tuple[int, int | None], LoopCall] = {}
 
     def _plain_aux_shardings(self) -> tuple | None:
         """The aux's shardings as the plain step returns them, where the program leaves axes
@@ -326,41 +333,16 @@ class Program:
         """The step from the state the last run returned, for a batch of the signature
         `run` learnt (None for any other: `run` then checks it).
 
-        A training loop's call: the state is this program's own output, flat already, and
-        the batch's structure, shapes, dtypes and shardings were checked and its placement
-        decided when its signature was first seen, so that what remains per call is one
-        flatten of the batch and a comparison of its leaves, as ``jax.jit`` dispatches.
-        Where the engine's core checks them itself (``Engine.checks_signatures``: a
-        ``jax.jit`` that compares them in C++, and whose retrace for other shapes or dtypes
-        raises `SignatureChanged`), a batch of arrays placed as the program takes them goes
-        in with its placement compared only (the same sharding object, as a loader's
-        ``device_put`` gives, is one identity test): Python run before the dispatch delays
-        the step, and right after a step it runs several times slower than alone (the
-        benchmarks page). A placement is part of the signature, as for the checked path:
-        a batch placed otherwise takes that path."""
+        The state is this program's own output, flat already, and the batch's structure,
+        shapes, dtypes and shardings were checked and its placement decided when its
+        signature was first seen, so that what remains is one flatten of the batch and a
+        comparison of its leaves. A training loop's call goes faster still (`loop_call`)."""
         keys = self._batch_keys
         if keys is None or not self.keeps_dtypes or self._returned is None:
             return None
         batch_leaves, batch_treedef = jax.tree.flatten(batch)
         if batch_treedef != self._batch_treedef or len(batch_leaves) != len(keys):
             return None
-        if (
-            self._batch_unchecked
-            and id(batch_leaves[0]) != self._batch_missed  # not this call's second attempt
-            and frozenset(map(type, batch_leaves)) == self._batch_types
-            and batch_leaves[0].shape == self._batch_first_shape  # most changes at no trace's cost
-            and all(
-                s is placed or s == placed for s, placed in zip(map(_sharding_of, batch_leaves), self._batch_shardings)
-            )
-        ):
-            try:
-                return self._step_unchecked(batch_leaves)
-            except SignatureChanged:  # other shapes or dtypes: another program's batch
-                self._batch_missed = id(batch_leaves[0])
-                return None
-            except ValueError:  # refused before it ran: this program checks every batch from now on
-                self._batch_unchecked = False
-                return None
         for leaf, (kind, shape, dtype, sharding) in zip(batch_leaves, keys):
             if type(leaf) is not kind or leaf.shape != shape or leaf.dtype != dtype:
                 return None
@@ -369,6 +351,74 @@ class Program:
         planned = self.planned
         placed = [b if s is None else planned.placed(b, s) for b, s in zip(batch_leaves, self._batch_places)]
         return self._execute(self._returned, self._returned_leaves, self._state_treedef, placed, True)
+
+    def loop_call(self, num_inputs: int, outputs: int | None) -> LoopCall | None:
+        """A training loop's call of this program as one function: ``(state, inputs)`` to
+        what the user's step returns, or None for a call it does not take (the checked path
+        then runs it). None where the engine's core does not check its inputs itself or the
+        batch needs placing.
+
+        It takes a state this program returned and inputs of the signature `run` learnt,
+        whose leaves are arrays placed as the program takes them (the same sharding object,
+        as a loader's ``device_put`` gives, is one identity test), and calls the core with
+        nothing else checked: the engine's core compares shapes and dtypes in C++ as
+        ``jax.jit`` dispatches, and raises `SignatureChanged` instead of running for other
+        ones (``Engine.checks_signatures``). Every line of Python before the dispatch
+        delays the step, and right after a step it runs several times slower than alone
+        (the benchmarks page), hence one function with no call but the flatten and the core.
+
+        Args:
+          num_inputs: the inputs after the state the step takes (their tuple is the batch
+            where there are several).
+          outputs: what the user's step returns after its state: 0 nothing, 1 (or None) an
+            aux, more one output per input.
+        """
+        if not (self._batch_unchecked and self.keeps_dtypes and self._returned is not None):
+            return None
+        key = (num_inputs, outputs)
+        if key not in self._loop_calls:
+            self._loop_calls[key] = self._build_loop_call(num_inputs, outputs)
+        return self._loop_calls[key]
+
+    def _build_loop_call(self, num_inputs: int, outputs: int | None) -> LoopCall:
+        assert self._batch_keys is not None and self._state_treedef is not None
+        program, flatten, unflatten = self, jax.tree.flatten, jax.tree.unflatten
+        batch_treedef, state_treedef, aux_tree = self._batch_treedef, self._state_treedef, self.captured.aux_tree
+        leaf_kinds = [(kind, sharding) for kind, _, _, sharding in self._batch_keys]
+        first_shape = self._batch_keys[0][1]
+        consts, n = tuple(self._placed_consts or ()), len(self._returned_leaves)
+        several = outputs is not None and outputs > 1
+
+        def loop_call(state: Any, inputs: tuple) -> Any:
+            if state is not program._returned or len(inputs) != num_inputs:
+                return None
+            leaves, treedef = flatten(inputs[0] if num_inputs == 1 else inputs)
+            if treedef != batch_treedef:
+                return None
+            for leaf, (kind, placed) in zip(leaves, leaf_kinds):
+                if type(leaf) is not kind:
+                    return None
+                sharding = leaf.sharding
+                if sharding is not placed and sharding != placed:
+                    return None
+            if leaves[0].shape != first_shape:  # most changes of signature, at no trace's cost
+                return None
+            try:
+                outs = program.core(*program._returned_leaves, *leaves, *consts)
+            except SignatureChanged:  # other shapes or dtypes: another program's batch
+                return None
+            except ValueError:  # refused before it ran: the checked path from now on
+                program._batch_unchecked = False
+                return None
+            new_leaves = list(outs[:n])
+            new_state = unflatten(state_treedef, new_leaves)
+            program._returned, program._returned_leaves = new_state, new_leaves
+            if outputs == 0:
+                return new_state
+            aux = unflatten(aux_tree, outs[n:])
+            return (new_state, *aux) if several else (new_state, aux)
+
+        return loop_call
 
     def _learn_batch(self, leaves: list, treedef: PyTreeDef, placed: list) -> None:
         """Remember the batch signature `run_again` accepts (``jax.Array`` and NumPy
@@ -386,28 +436,14 @@ class Program:
         self._batch_places = [
             None if given is put else spec for given, put, spec in zip(leaves, placed, self.planned.batch_specs)
         ]
-        self._batch_types = frozenset(kind for kind, *_ in keys)
-        self._batch_shardings = [sharding for *_, sharding in keys]
-        self._batch_first_shape = keys[0][1] if keys else None
         self._batch_unchecked = (
             bool(keys)
             and self.engine.checks_signatures
             and not self._phased
-            and np.ndarray not in self._batch_types
+            and all(kind is not np.ndarray for kind, *_ in keys)
             and all(place is None for place in self._batch_places)
         )
-
-    def _step_unchecked(self, batch_leaves: list) -> tuple[ScheduledState, Any]:
-        """`_execute` for a training loop's call, nothing but the dispatch before the
-        core runs: one core (not phased), the state this program returned (its dtypes and
-        layout checked by then), its constants placed."""
-        leaves = self._returned_leaves
-        outs = self.core(*leaves, *batch_leaves, *(self._placed_consts or ()))
-        n = len(leaves)
-        new_leaves = list(outs[:n])
-        new_state = jax.tree.unflatten(self._state_treedef, new_leaves)
-        self._returned, self._returned_leaves = new_state, new_leaves
-        return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[n:])
+        self._loop_calls.clear()
 
     def _execute(
         self, state: ScheduledState, leaves: list, treedef: PyTreeDef, batch_leaves: list, returned: bool
@@ -504,10 +540,6 @@ class Program:
             target=inspect_lib.describe_mesh(self.planned.mesh),
             compiler_options=self.compiler_options,
         )
-
-
-#: A leaf's sharding, read without a Python frame (`Program.run_again`'s loop call).
-_sharding_of = operator.attrgetter("sharding")
 
 
 class ProgramCache:

@@ -574,7 +574,7 @@ class TreeSchedule(Protocol):
 
     def init(self, state: Sequence[Any], batch: Any) -> Any: ...
 
-    def run_again(self, state: Any, batch: Any) -> tuple[Any, Any] | None: ...
+    def loop_call_returning(self, num_inputs: int, outputs: int | None) -> Callable[[Any, tuple], Any] | None: ...
 
     def step_batch(self, state: Any, batch: Any) -> tuple[Any, Any]: ...
 
@@ -701,12 +701,12 @@ class StateForm(Generic[S]):
             return sstate
         return (sstate, *aux) if self.layout.outputs > 1 else (sstate, aux)
 
-    def call_again(self, sstate: Any, batch: Any) -> Any | None:
-        """A call's fast path: the inner runner's `run_again` (None unless ``sstate`` is what
-        its last program returned and ``batch`` of that program's signature)."""
-        inner = self.inner
-        result = None if inner is None else inner.run_again(sstate, batch)
-        return None if result is None else self._returned(*result)
+    def loop_call(self, num_inputs: int) -> Callable[[Any, tuple], Any] | None:
+        """A training loop's call of the inner runner's last program, returning the user's
+        step's outputs (`TreesRunner.loop_call`); None before the split."""
+        if self.inner is None or self.layout is None:
+            return None
+        return self.inner.loop_call_returning(num_inputs, self.layout.outputs)
 
     def step_batch(self, sstate: Any, batch: Any) -> Any:
         """One step: the inner runner's, its outputs as the user's step returns them."""

@@ -34,7 +34,7 @@ from jaxsched.core._bucketing import param_paths
 from jaxsched.core._capture import abstract_leaf, capture
 from jaxsched.core._describe import difference
 from jaxsched.pipeline._plain_layout import plain_output_shardings, runs_here
-from jaxsched.pipeline._program import Program, ProgramCache, retyped
+from jaxsched.pipeline._program import LoopCall, Program, ProgramCache, retyped
 from jaxsched.pipeline._selection import BucketOption, program_of, select
 from jaxsched.pipeline._state_step import OutputCount, UnsplitState
 from jaxsched.pipeline.replan import Decision, Replanner, SwitchRecord, program_buckets, resolved_key
@@ -74,7 +74,7 @@ class StepRunner(Protocol):
 
     def init(self, state: Sequence[Any], batch: Any) -> ScheduledState | UnsplitState: ...
 
-    def call_again(self, state: Any, batch: Any) -> Any | None: ...
+    def loop_call(self, num_inputs: int) -> LoopCall | None: ...
 
     def call(self, state: Any, batch: Any) -> Any: ...
 
@@ -155,18 +155,18 @@ class TreesRunner:
             return None
         return program.run_again(batch)
 
-    def run_again(self, state: ScheduledState, batch: Any) -> tuple[ScheduledState, Any] | None:
-        """`again`, where no re-planner has to see the step (it monitors every call)."""
-        return None if self.replanner is not None else self.again(state, batch)
+    def loop_call(self, num_inputs: int) -> LoopCall | None:
+        """A training loop's call of the last program (`Program.loop_call`), returning what
+        the user's step returns; None where a re-planner has to see every call."""
+        return self.loop_call_returning(num_inputs, self.outputs.count)
 
-    def call_again(self, state: ScheduledState, batch: Any) -> Any | None:
-        """`run_again`'s result as the user's step returns it: a call's fast path (written
-        out: every call before the dispatch delays the step)."""
+    def loop_call_returning(self, num_inputs: int, outputs: int | None) -> LoopCall | None:
+        """`loop_call` for a step returning ``outputs`` after its state (a `StateForm`'s
+        user's step, whose count is not the split step's)."""
         program = self.programs.last
-        if self.replanner is not None or program is None or state is not program.returned:
+        if self.replanner is not None or program is None:
             return None
-        result = program.run_again(batch)
-        return None if result is None else self.outputs.returned(*result)
+        return program.loop_call(num_inputs, outputs)
 
     def call(self, state: ScheduledState, batch: Any) -> Any:
         """`step_batch`'s result as the user's step returns it."""

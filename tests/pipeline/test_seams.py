@@ -299,7 +299,7 @@ def test_a_known_signature_skips_the_checks_and_a_new_one_is_checked(monkeypatch
 
 
 @pytest.mark.parametrize("strategy", ["wfbp", "approx"])
-def test_the_loops_batch_goes_to_the_jitted_core_unchecked_and_a_changed_one_finds_its_program(strategy):
+def test_the_loops_batch_goes_to_the_jitted_core_unchecked_and_a_changed_one_finds_its_program(strategy, monkeypatch):
     """On the xla engine a training loop's batch goes to the core without Python checks
     (its jit compares the signature in C++); a batch of another shape or dtype trips the
     core's guard instead of running the program of another signature, and is stepped by
@@ -329,7 +329,83 @@ def test_the_loops_batch_goes_to_the_jitted_core_unchecked_and_a_changed_one_fin
         assert_trees_close(jax.device_get(sched.finalize(state)), jax.device_get(tuple(plain)), rtol=1e-5, atol=1e-6)
         assert_trees_close(jax.device_get(aux), jax.device_get(plain_aux), rtol=1e-5, atol=1e-6)
     assert sched.num_programs == 4
-    assert sched.program._batch_unchecked  # the last program's loop calls went unchecked
+    from jaxsched.pipeline._program import Program
+
+    checked = []
+    for name in ("run", "run_again"):  # a training loop's calls go straight to the core
+        original = getattr(Program, name)
+        monkeypatch.setattr(Program, name, lambda self, *a, _f=original: checked.append(1) or _f(self, *a))
+    for _ in range(3):
+        b = batch(8)
+        state, aux = sched(state, b)
+        *plain, plain_aux = step(*plain, b)
+    assert not checked and sched.num_programs == 4
+    assert_trees_close(jax.device_get(sched.finalize(state)), jax.device_get(tuple(plain)), rtol=1e-5, atol=1e-6)
+    assert_trees_close(jax.device_get(aux), jax.device_get(plain_aux), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["state", "state_key", "no_aux"])
+def test_each_step_forms_loop_calls_go_straight_to_the_core_and_return_what_the_step_returns(form, monkeypatch):
+    """A ``step(state, batch)``, a ``step(state, key, batch)`` returning one output per input,
+    and a step returning its state alone: a training loop's calls skip the checked path
+    and return the plain step's outputs, in its structure, every step equal to it."""
+    from jaxsched.pipeline._program import Program
+
+    tx = optax.adam(0.05)
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(5)
+
+    def loss_fn(w, x, noise):
+        return jnp.mean((jnp.tanh(x @ w["a"]) @ w["b"] + noise) ** 2)
+
+    def update(state, x, noise):
+        grads = jax.grad(loss_fn)(state["w"], x, noise)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["w"])
+        return {"w": optax.apply_updates(state["w"], updates), "opt_state": opt_state}, loss_fn(state["w"], x, noise)
+
+    if form == "state_key":
+
+        @jax.jit
+        def step(state, key, batch):
+            key, sub = jax.random.split(key)
+            new, loss = update(state, batch, 0.01 * jax.random.normal(sub, (batch.shape[0], 2)))
+            return new, key, loss
+
+    else:
+
+        @jax.jit
+        def step(state, batch):
+            new, loss = update(state, batch, 0.0)
+            return new if form == "no_aux" else (new, loss)
+
+    w = {"a": jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)}
+    w["b"] = jnp.asarray(rng.standard_normal((5, 2)), jnp.float32)
+    state = {"w": w, "opt_state": tx.init(w)}
+    sched = jaxsched.schedule(step)
+    sstate, plain, key = sched.init(state), state, jax.random.key(1)
+    skey = key  # the key the scheduled step returns, given back to it
+    checked = []
+    for i in range(5):
+        if i == 2:  # the first call and the second (the state now the program's) were checked
+            for name in ("run", "run_again"):
+                original = getattr(Program, name)
+                monkeypatch.setattr(Program, name, lambda self, *a, _f=original: checked.append(1) or _f(self, *a))
+        b = jax.device_put(jnp.asarray(rng.standard_normal((8, 3)), jnp.float32), jax.NamedSharding(mesh, P("data")))
+        if form == "state_key":
+            sstate, skey, aux = sched(sstate, skey, b)
+            plain, key, plain_aux = step(plain, key, b)
+            assert jnp.array_equal(jax.random.key_data(skey), jax.random.key_data(key))
+        elif form == "no_aux":
+            sstate, aux, plain_aux = sched(sstate, b), None, None
+            plain = step(plain, b)
+        else:
+            sstate, aux = sched(sstate, b)
+            plain, plain_aux = step(plain, b)
+        assert_trees_close(jax.device_get(sched.finalize(sstate)), jax.device_get(plain), rtol=1e-5, atol=1e-6)
+        assert_trees_close(jax.device_get(aux), jax.device_get(plain_aux), rtol=1e-5, atol=1e-6)
+    assert not checked
+    # a key made on the default device, then the one the program returns: at most 2 signatures
+    assert sched.num_programs == (2 if form == "state_key" else 1)
 
 
 @pytest.mark.parametrize("given", ["auto", "dear"])
