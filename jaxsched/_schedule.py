@@ -238,6 +238,7 @@ class Scheduled:
             result = loop_call(state, inputs)
             if result is not None:
                 return result
+        self._loop_call = None  # until this call returns: one that raises leaves none
         batch = self._batch_of(self._marked(inputs), state)
         runner = self._runner_for(state)
         result = runner.call(state, batch)

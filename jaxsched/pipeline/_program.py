@@ -188,7 +188,7 @@ class Program:
         #: whether a training loop's batch may go to the core unchecked (`loop_call`), and
         #: the loop calls built for it, per (inputs, outputs)
         self._batch_unchecked = False
-        self._loop_calls: dict[tuple[int, int | None], LoopCall] = {}
+        self._loop_calls: dict[tuple[int, int | None, int], LoopCall] = {}
 
     def _plain_aux_shardings(self) -> tuple | None:
         """The aux's shardings as the plain step returns them, where the program leaves axes
@@ -352,7 +352,7 @@ class Program:
         placed = [b if s is None else planned.placed(b, s) for b, s in zip(batch_leaves, self._batch_places)]
         return self._execute(self._returned, self._returned_leaves, self._state_treedef, placed, True)
 
-    def loop_call(self, num_inputs: int, outputs: int | None) -> LoopCall | None:
+    def loop_call(self, num_inputs: int, outputs: int | None, cache: ProgramCache) -> LoopCall | None:
         """A training loop's call of this program as one function: ``(state, inputs)`` to
         what the user's step returns, or None for a call it does not take (the checked path
         then runs it). None where the engine's core does not check its inputs itself or the
@@ -372,15 +372,17 @@ class Program:
             where there are several).
           outputs: what the user's step returns after its state: 0 nothing, 1 (or None) an
             aux, more one output per input.
+          cache: the cache holding this program, whose ``last`` each call sets to it (what
+            ``sched.program`` and ``finalize`` read), as a checked call does.
         """
         if not (self._batch_unchecked and self.keeps_dtypes and self._returned is not None):
             return None
-        key = (num_inputs, outputs)
+        key = (num_inputs, outputs, id(cache))
         if key not in self._loop_calls:
-            self._loop_calls[key] = self._build_loop_call(num_inputs, outputs)
+            self._loop_calls[key] = self._build_loop_call(num_inputs, outputs, cache)
         return self._loop_calls[key]
 
-    def _build_loop_call(self, num_inputs: int, outputs: int | None) -> LoopCall:
+    def _build_loop_call(self, num_inputs: int, outputs: int | None, cache: ProgramCache) -> LoopCall:
         assert self._batch_keys is not None and self._state_treedef is not None
         program, flatten, unflatten = self, jax.tree.flatten, jax.tree.unflatten
         batch_treedef, state_treedef, aux_tree = self._batch_treedef, self._state_treedef, self.captured.aux_tree
@@ -413,6 +415,7 @@ class Program:
             new_leaves = list(outs[:n])
             new_state = unflatten(state_treedef, new_leaves)
             program._returned, program._returned_leaves = new_state, new_leaves
+            cache.last = program
             if outputs == 0:
                 return new_state
             aux = unflatten(aux_tree, outs[n:])

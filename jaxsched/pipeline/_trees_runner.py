@@ -166,7 +166,7 @@ class TreesRunner:
         program = self.programs.last
         if self.replanner is not None or program is None:
             return None
-        return program.loop_call(num_inputs, outputs)
+        return program.loop_call(num_inputs, outputs, self.programs)
 
     def call(self, state: ScheduledState, batch: Any) -> Any:
         """`step_batch`'s result as the user's step returns it."""
@@ -357,9 +357,15 @@ def raise_for_another_placement(program: Program, other: Program) -> NoReturn:
     """Refuse a state laid out for ``other``, the program of a batch placed over other data
     axes: the strategy lays its state out over the data axes, so it does not fit ``program``."""
     name = program.strategy.name
+
+    def over(planned: Any) -> str:  # the axes and, where they are named alike, the mesh
+        mesh = planned.mesh
+        count = f"{mesh.devices.size} device" + ("s" if mesh.devices.size != 1 else "")
+        return f"{planned.axis_name!r} of a mesh {dict(mesh.shape)} ({count})"
+
     raise JaxschedValueError(
-        f"this batch is placed over the data axes {program.planned.axis_name!r}, and the state "
-        f"is laid out for batches over {other.planned.axis_name!r} (batch specs "
+        f"this batch is placed over the data axes {over(program.planned)}, and the state "
+        f"is laid out for batches over {over(other.planned)} (batch specs "
         f"{list(program.planned.batch_specs)} against {list(other.planned.batch_specs)}): {name} "
         "lays its state out over the data axes, so the state does not fit this batch. Place "
         "every batch over the same axes, or call sched.finalize(state) and init again with "

@@ -344,6 +344,44 @@ def test_the_loops_batch_goes_to_the_jitted_core_unchecked_and_a_changed_one_fin
     assert_trees_close(jax.device_get(aux), jax.device_get(plain_aux), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("detour", ["refused", "lowered"])
+def test_after_a_refused_or_lowered_batch_the_loop_goes_on_and_finalize_reads_the_program_that_ran(detour):
+    """A call refused (a ``dear`` batch on one device, its state laid out over 8) or a
+    ``lower`` of another signature makes another program the last; the training loop's next
+    calls run their own program, which ``sched.program`` and ``finalize`` then read again."""
+    tx = optax.sgd(0.1, momentum=0.9)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    rng = np.random.default_rng(7)
+    params = {"w": jnp.asarray(rng.standard_normal((4, 2)), jnp.float32), "b": jnp.zeros(2)}
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jnp.sum(grads["w"])
+
+    def batch(rows=16):
+        arrays = (rng.standard_normal((rows, 4)).astype(np.float32), rng.standard_normal((rows, 2)).astype(np.float32))
+        return jax.device_put(arrays, jax.sharding.NamedSharding(mesh, P("data")))
+
+    sched = jaxsched.schedule(step, strategy="dear")
+    state, plain = sched.init(params, tx.init(params)), (params, tx.init(params))
+    for i in range(6):
+        if i == 3 and detour == "refused":
+            with pytest.raises(ValueError, match=r"mesh \{'data': 1\} \(1 device\).*mesh \{'data': 8\} \(8 devices\)"):
+                sched(state, tuple(jnp.asarray(np.asarray(a)) for a in batch()))
+        elif i == 3:
+            sched.lower(state, batch(32))
+        b = batch()
+        state, aux = sched(state, b)
+        ran = sched.program if i < 3 else ran  # the program of this signature, before the detour
+        *plain, plain_aux = step(*plain, b)
+        assert_trees_close(jax.device_get(aux), jax.device_get(plain_aux), rtol=1e-5, atol=1e-6)
+    assert sched.program is ran and sched.program.returned is state
+    assert_trees_close(jax.device_get(sched.finalize(state)), jax.device_get(tuple(plain)), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("form", ["state", "state_key", "no_aux"])
 def test_each_step_forms_loop_calls_go_straight_to_the_core_and_return_what_the_step_returns(form, monkeypatch):
     """A ``step(state, batch)``, a ``step(state, key, batch)`` returning one output per input,
