@@ -375,7 +375,8 @@ def test_after_a_refused_or_lowered_batch_the_loop_goes_on_and_finalize_reads_th
             sched.lower(state, batch(32))
         b = batch()
         state, aux = sched(state, b)
-        ran = sched.program if i < 3 else ran  # the program of this signature, before the detour
+        if i < 3:
+            ran = sched.program  # the program of this signature, before the detour
         *plain, plain_aux = step(*plain, b)
         assert_trees_close(jax.device_get(aux), jax.device_get(plain_aux), rtol=1e-5, atol=1e-6)
     assert sched.program is ran and sched.program.returned is state
