@@ -41,7 +41,8 @@ __all__ = [
 
 
 #: a batch leaf's signature as `Program.run_again` compares it: (type, shape, dtype, sharding)
-BatchKey = tuple[type[Any], tuple[int, ...], np.dtype, jax.sharding.Sharding | None]
+#: a batch leaf's signature: type, shape, dtype, weak type, sharding (None: a host array)
+BatchKey = tuple[type[Any], tuple[int, ...], np.dtype, bool, jax.sharding.Sharding | None]
 #: a training loop's call of a program: ``(state, inputs)`` to the user's outputs, or None
 LoopCall = Callable[[Any, tuple], Any]
 
@@ -71,16 +72,27 @@ class _Lowerable(Protocol):
 
 
 def abstract_signature(tree: Any) -> Hashable:
-    """What a program depends on in ``tree``: structure, and per leaf shape, dtype, sharding."""
+    """What a program depends on in ``tree``: structure, and per leaf shape, dtype, weak
+    type (a Python scalar or ``jnp.asarray(0.5)`` traces to other dtypes than a float32
+    array, as for ``jax.jit``), sharding."""
     leaves, treedef = jax.tree.flatten(tree)
 
     def leaf_key(x: Any) -> tuple:
         if isinstance(x, jax.Array):  # the common case, without numpy's slower paths
-            return x.shape, x.dtype, x.sharding
+            return x.shape, x.dtype, is_weakly_typed(x), x.sharding
         dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-        return tuple(np.shape(x)), np.dtype(dtype) if not hasattr(dtype, "_impl") else dtype, None
+        dtype = np.dtype(dtype) if not hasattr(dtype, "_impl") else dtype
+        return tuple(np.shape(x)), dtype, is_weakly_typed(x), None
 
     return treedef, tuple(leaf_key(x) for x in leaves)
+
+
+def is_weakly_typed(x: Any) -> bool:
+    """Whether ``x`` traces weakly typed, as ``jax.jit`` takes it: a Python int, float or
+    complex, or a weakly typed array (not a bool, a NumPy value or a tracer's own)."""
+    if isinstance(x, jax.Array):
+        return bool(getattr(x, "weak_type", False))  # a typed PRNG key array has none
+    return type(x) in (int, float, complex)
 
 
 def leaf_dtype(x: Any) -> np.dtype:
@@ -162,6 +174,7 @@ class Program:
             len(planned.aux_specs),
             self._plain_aux_shardings(),
             len(rewritten.state_in_specs) if planned.captured.donates_state and strategy.donates_state else 0,
+            (len(rewritten.state_in_specs), len(rewritten.state_in_specs) + len(planned.batch_specs)),
         )
         self.engine = engine.resolve(self.per_device)
         self.core = self.engine.compile(self.per_device)
@@ -343,8 +356,10 @@ class Program:
         batch_leaves, batch_treedef = jax.tree.flatten(batch)
         if batch_treedef != self._batch_treedef or len(batch_leaves) != len(keys):
             return None
-        for leaf, (kind, shape, dtype, sharding) in zip(batch_leaves, keys):
+        for leaf, (kind, shape, dtype, weak, sharding) in zip(batch_leaves, keys):
             if type(leaf) is not kind or leaf.shape != shape or leaf.dtype != dtype:
+                return None
+            if kind is not np.ndarray and is_weakly_typed(leaf) != weak:  # a NumPy array is never weak
                 return None
             if sharding is not None and leaf.sharding != sharding:
                 return None
@@ -386,7 +401,7 @@ class Program:
         assert self._batch_keys is not None and self._state_treedef is not None
         program, flatten, unflatten = self, jax.tree.flatten, jax.tree.unflatten
         batch_treedef, state_treedef, aux_tree = self._batch_treedef, self._state_treedef, self.captured.aux_tree
-        leaf_kinds = [(kind, sharding) for kind, _, _, sharding in self._batch_keys]
+        leaf_kinds = [(kind, sharding) for kind, _, _, _, sharding in self._batch_keys]
         first_shape = self._batch_keys[0][1]
         consts, n = tuple(self._placed_consts or ()), len(self._returned_leaves)
         several = outputs is not None and outputs > 1
@@ -430,9 +445,9 @@ class Program:
         keys: list[BatchKey] = []
         for leaf in leaves:
             if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-                keys.append((type(leaf), leaf.shape, leaf.dtype, leaf.sharding))
+                keys.append((type(leaf), leaf.shape, leaf.dtype, is_weakly_typed(leaf), leaf.sharding))
             elif type(leaf) is np.ndarray:
-                keys.append((np.ndarray, leaf.shape, leaf.dtype, None))
+                keys.append((np.ndarray, leaf.shape, leaf.dtype, False, None))
             else:
                 return  # a Python scalar, a NumPy scalar: the checked path every call
         self._batch_treedef, self._batch_keys = treedef, keys

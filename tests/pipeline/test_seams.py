@@ -344,6 +344,36 @@ def test_the_loops_batch_goes_to_the_jitted_core_unchecked_and_a_changed_one_fin
     assert_trees_close(jax.device_get(aux), jax.device_get(plain_aux), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("strategy", ["wfbp", "approx"])
+def test_a_weakly_typed_batch_leaf_gets_its_own_program_as_jax_jit_gives_it(strategy):
+    """A Python scalar or ``jnp.asarray(0.5)`` in the batch is weakly typed: ``x.astype(bf16)
+    * scale`` stays bfloat16 in the plain step, where a float32 scale makes it float32. The
+    weak type is part of the signature (a training loop's call and the checked path), so
+    every call returns the plain step's dtypes and values."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    tx = optax.sgd(0.1)
+    rng = np.random.default_rng(11)
+    params = {"w": jnp.asarray(rng.standard_normal((4, 2)), jnp.float32)}
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, scale = batch
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"] * scale) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, (x.astype(jnp.bfloat16) * scale).sum()
+
+    sched = jaxsched.schedule(step, strategy=strategy, **({"staleness": 0} if strategy == "approx" else {}))
+    state, plain = sched.init(params, tx.init(params)), (params, tx.init(params))
+    scales = [np.float32(0.5), 0.5, 0.5, jnp.asarray(0.5), jnp.asarray(0.5), np.float32(0.5), jnp.float32(0.5), 2, 0.5]
+    for scale in scales:
+        x = jax.device_put(jnp.asarray(rng.standard_normal((16, 4)), jnp.float32), jax.NamedSharding(mesh, P("data")))
+        state, aux = sched(state, (x, scale))
+        *plain, plain_aux = step(*plain, (x, scale))
+        assert aux.dtype == plain_aux.dtype, (scale, aux.dtype, plain_aux.dtype)
+        assert_trees_close(jax.device_get(aux), jax.device_get(plain_aux), rtol=1e-2, atol=1e-2)
+    assert_trees_close(jax.device_get(sched.finalize(state)), jax.device_get(tuple(plain)), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("detour", ["refused", "lowered"])
 def test_after_a_refused_or_lowered_batch_the_loop_goes_on_and_finalize_reads_the_program_that_ran(detour):
     """A call refused (a ``dear`` batch on one device, its state laid out over 8) or a

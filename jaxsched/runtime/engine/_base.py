@@ -90,6 +90,9 @@ class PerDeviceProgram:
       donated_inputs: how many of the first inputs (the state's leaves) an engine that
         compiles the whole program donates, so that XLA updates the state in place: the
         user's step donates its whole state (`jaxsched.core._capture.CapturedStep.donates_state`).
+      batch_inputs: the ``(start, stop)`` of the batch's leaves among the inputs, whose
+        weak types are part of the signature (`signature_guarded`), as they are of
+        ``jax.jit``'s: a Python scalar traces otherwise than a float32 array.
     """
 
     body: Callable[..., Sequence[Any]]
@@ -107,6 +110,7 @@ class PerDeviceProgram:
     num_aux_outputs: int = 0
     aux_shardings: tuple[Any, ...] | None = None
     donated_inputs: int = 0
+    batch_inputs: tuple[int, int] = (0, 0)
 
     def mapped(self) -> Callable[..., tuple]:
         """The body as a ``shard_map`` over the mesh (not jitted), manual over ``manual_axes``."""
@@ -233,9 +237,12 @@ class SignatureChanged(JaxschedError):
     than it was traced for: the caller checks them and picks the program that fits."""
 
 
-def signature_guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+def signature_guarded(fn: Callable[..., Any], weak_typed: tuple[int, int] = (0, 0)) -> Callable[..., Any]:
     """``fn`` refusing, when traced again, inputs of other shapes or dtypes than at its
-    first trace (`SignatureChanged`).
+    first trace (`SignatureChanged`), or of another weak type among the inputs from
+    ``weak_typed[0]`` to ``weak_typed[1]`` (the batch's: a weakly typed scalar traces to
+    other dtypes than a strong one; the state's weak types may change once, as the
+    program's outputs replace the user's arrays).
 
     A ``jax.jit`` of it then checks a call's inputs in C++ as it dispatches, and a call whose
     signature changed reaches the guard (a trace) instead of running a program built for
@@ -253,15 +260,19 @@ def signature_guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         ...     print(err)
         traced for float32[2], called with float32[3]
     """
-    first: list[list[tuple[tuple[int, ...], Any]]] = []
+    first: list[list[tuple[tuple[int, ...], Any, bool]]] = []
+    start, stop = weak_typed
 
     @functools.wraps(fn)  # the compiled module keeps its name (profiles, HLO dumps)
     def guarded(*args: Any) -> Any:
-        signature = [(tuple(a.shape), a.dtype) for a in args]
+        signature = [
+            (tuple(a.shape), a.dtype, start <= i < stop and bool(getattr(a, "weak_type", False)))
+            for i, a in enumerate(args)
+        ]
         if not first:
             first.append(signature)
         elif signature != first[0]:
-            name = lambda sig: ", ".join(f"{dtype}{list(shape)}" for shape, dtype in sig)
+            name = lambda sig: ", ".join(f"{'weak ' * weak}{dtype}{list(shape)}" for shape, dtype, weak in sig)
             raise SignatureChanged(f"traced for {name(first[0])}, called with {name(signature)}")
         return fn(*args)
 

@@ -231,7 +231,7 @@ class XlaEngine(Engine):
 
             sharding = lambda spec: NamedSharding(program.mesh, spec)
             return jax.jit(
-                signature_guarded(whole),
+                signature_guarded(whole, program.batch_inputs),
                 in_shardings=tuple(map(sharding, program.in_specs)),
                 # the aux where XLA's propagation puts it, as in the step as written
                 out_shardings=tuple(map(sharding, program.state_out_specs)) + program.aux_out_shardings(),
@@ -239,7 +239,7 @@ class XlaEngine(Engine):
                 compiler_options=options or None,
             )
         return jax.jit(
-            signature_guarded(program.mapped()),
+            signature_guarded(program.mapped(), program.batch_inputs),
             out_shardings=program.out_shardings(),
             donate_argnums=donated,
             compiler_options=options or None,
