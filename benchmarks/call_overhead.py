@@ -102,7 +102,8 @@ def call_paths(strategy: str, step, params, tx, batch) -> dict:
         box[name], _ = sched(sched.init(jax.tree.map(jnp.copy, params), tx.init(params)), batch)
     checked.program._batch_unchecked = False  # every loop call's batch checked in Python:
     checked._loop_call = None  # no training loop's call (`Program.loop_call`) for this program
-    core, leaves, consts = bare.program.core, list(bare.program._returned_leaves), bare.program._device_consts()
+    core, consts = bare.program.core, bare.program._device_consts()
+    leaves = jax.tree.leaves(bare.program.returned)
     box["leaves"] = leaves
 
     def checked_call(b):

@@ -190,8 +190,9 @@ class Program:
         self._placed_consts: list | None = None
         self._state_shapes: list | None = None
         self._checked_returned = False
-        #: the returned state's leaves and structure, so that the next step does not flatten it
-        self._returned_leaves: list = []
+        #: the returned state's structure. Its leaves are read again on every call, as
+        #: ``jax.jit`` reads its arguments: a user may set one in place between steps
+        #: (``opt_state.hyperparams["learning_rate"] = 0.01`` under ``optax.inject_hyperparams``)
         self._state_treedef: PyTreeDef | None = None
         #: the batch signature `run_again` accepts: structure, per leaf (type, shape,
         #: dtype, sharding), and per leaf None (goes in as given) or the spec it is placed on
@@ -327,9 +328,10 @@ class Program:
                     "can be lowered, compiled and inspected (sched.lower, "
                     "sched.inspect), not run; pass arrays to run a step"
                 )
-        if returned:  # a state this program returned is in place already
-            leaves, treedef = self._returned_leaves, self._state_treedef
-        else:
+        if returned:  # a state this program returned is in place already, unless a user
+            leaves, treedef = jax.tree.flatten(state)  # changed its trees' structure in place
+            returned = treedef == self._state_treedef
+        if not returned:
             state = self.convert(state)
             leaves, treedef = jax.tree.flatten(state)
         planned = self.planned
@@ -365,7 +367,10 @@ class Program:
                 return None
         planned = self.planned
         placed = [b if s is None else planned.placed(b, s) for b, s in zip(batch_leaves, self._batch_places)]
-        return self._execute(self._returned, self._returned_leaves, self._state_treedef, placed, True)
+        state_leaves, state_treedef = jax.tree.flatten(self._returned)
+        if state_treedef != self._state_treedef:  # changed in place: `run` checks it
+            return None
+        return self._execute(self._returned, state_leaves, state_treedef, placed, True)
 
     def loop_call(self, num_inputs: int, outputs: int | None, cache: ProgramCache) -> LoopCall | None:
         """A training loop's call of this program as one function: ``(state, inputs)`` to
@@ -403,11 +408,14 @@ class Program:
         batch_treedef, state_treedef, aux_tree = self._batch_treedef, self._state_treedef, self.captured.aux_tree
         leaf_kinds = [(kind, sharding) for kind, _, _, _, sharding in self._batch_keys]
         first_shape = self._batch_keys[0][1]
-        consts, n = tuple(self._placed_consts or ()), len(self._returned_leaves)
+        consts, n = tuple(self._placed_consts or ()), state_treedef.num_leaves
         several = outputs is not None and outputs > 1
 
         def loop_call(state: Any, inputs: tuple) -> Any:
             if state is not program._returned or len(inputs) != num_inputs:
+                return None
+            state_leaves, treedef = flatten(state)  # as jax.jit reads it: a leaf set in place counts
+            if treedef != state_treedef:
                 return None
             leaves, treedef = flatten(inputs[0] if num_inputs == 1 else inputs)
             if treedef != batch_treedef:
@@ -421,15 +429,15 @@ class Program:
             if leaves[0].shape != first_shape:  # most changes of signature, at no trace's cost
                 return None
             try:
-                outs = program.core(*program._returned_leaves, *leaves, *consts)
+                outs = program.core(*state_leaves, *leaves, *consts)
             except SignatureChanged:  # other shapes or dtypes: another program's batch
                 return None
             except ValueError:  # refused before it ran: the checked path from now on
                 program._batch_unchecked = False
                 return None
-            new_leaves = list(outs[:n])
+            new_leaves = outs[:n]
             new_state = unflatten(state_treedef, new_leaves)
-            program._returned, program._returned_leaves = new_state, new_leaves
+            program._returned = new_state
             cache.last = program
             if outputs == 0:
                 return new_state
@@ -481,7 +489,7 @@ class Program:
         new_state = jax.tree.unflatten(treedef, new_leaves)
         if not self._checked_returned:
             self._check_returned(new_state)
-        self._returned, self._returned_leaves, self._state_treedef = new_state, new_leaves, treedef
+        self._returned, self._state_treedef = new_state, treedef
         return new_state, jax.tree.unflatten(self.captured.aux_tree, outs[n:])
 
     def _check_returned(self, state: ScheduledState) -> None:

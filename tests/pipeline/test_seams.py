@@ -374,6 +374,37 @@ def test_a_weakly_typed_batch_leaf_gets_its_own_program_as_jax_jit_gives_it(stra
     assert_trees_close(jax.device_get(sched.finalize(state)), jax.device_get(tuple(plain)), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("strategy", ["wfbp", "dear", "approx"])
+def test_a_learning_rate_set_in_place_in_the_returned_state_is_the_one_the_next_step_uses(strategy):
+    """``optax.inject_hyperparams``'s way of changing the learning rate: set it in the state's
+    ``hyperparams`` dict between steps. The plain jit step reads its arguments on every call,
+    so the scheduled step does too: the next step uses the new rate, whichever path runs it."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
+    rng = np.random.default_rng(13)
+    params = {"w": jnp.asarray(rng.standard_normal((4, 2)), jnp.float32), "b": jnp.zeros(2)}
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jnp.sum(grads["w"])
+
+    sched = jaxsched.schedule(step, strategy=strategy, **({"staleness": 0} if strategy == "approx" else {}))
+    state, plain = sched.init(params, tx.init(params)), [params, tx.init(params)]
+    for i, rate in enumerate([None, None, 0.01, None, 0.5, None]):
+        if rate is not None:  # in place, in both loops' states
+            state.opt_state.hyperparams["learning_rate"] = jnp.asarray(rate)
+            plain[1].hyperparams["learning_rate"] = jnp.asarray(rate)
+        arrays = (rng.standard_normal((16, 4)).astype(np.float32), rng.standard_normal((16, 2)).astype(np.float32))
+        b = jax.device_put(arrays, jax.sharding.NamedSharding(mesh, P("data")))
+        state, aux = sched(state, b)
+        *plain, plain_aux = step(*plain, b)
+        assert_trees_close(jax.device_get(aux), jax.device_get(plain_aux), rtol=1e-5, atol=1e-6)
+    assert_trees_close(jax.device_get(sched.finalize(state)), jax.device_get(tuple(plain)), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("detour", ["refused", "lowered"])
 def test_after_a_refused_or_lowered_batch_the_loop_goes_on_and_finalize_reads_the_program_that_ran(detour):
     """A call refused (a ``dear`` batch on one device, its state laid out over 8) or a
