@@ -406,6 +406,7 @@ class Program:
         assert self._batch_keys is not None and self._state_treedef is not None
         program, flatten, unflatten = self, jax.tree.flatten, jax.tree.unflatten
         batch_treedef, state_treedef, aux_tree = self._batch_treedef, self._state_treedef, self.captured.aux_tree
+        flatten_state = state_treedef.flatten_up_to  # half the cost of a flatten and a comparison
         leaf_kinds = [(kind, sharding) for kind, _, _, _, sharding in self._batch_keys]
         first_shape = self._batch_keys[0][1]
         consts, n = tuple(self._placed_consts or ()), state_treedef.num_leaves
@@ -414,8 +415,9 @@ class Program:
         def loop_call(state: Any, inputs: tuple) -> Any:
             if state is not program._returned or len(inputs) != num_inputs:
                 return None
-            state_leaves, treedef = flatten(state)  # as jax.jit reads it: a leaf set in place counts
-            if treedef != state_treedef:
+            try:  # read as jax.jit reads its arguments: a leaf set in place counts
+                state_leaves = flatten_state(state)
+            except ValueError:  # its trees changed in place: the checked path says how
                 return None
             leaves, treedef = flatten(inputs[0] if num_inputs == 1 else inputs)
             if treedef != batch_treedef:

@@ -265,6 +265,8 @@ def signature_guarded(fn: Callable[..., Any], weak_typed: tuple[int, int] = (0, 
 
     @functools.wraps(fn)  # the compiled module keeps its name (profiles, HLO dumps)
     def guarded(*args: Any) -> Any:
+        if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in args):
+            raise SignatureChanged("called with an input that is not an array (a tree set in place of a leaf?)")
         signature = [
             (tuple(a.shape), a.dtype, start <= i < stop and bool(getattr(a, "weak_type", False)))
             for i, a in enumerate(args)
