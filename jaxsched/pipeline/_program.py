@@ -406,7 +406,7 @@ class Program:
         assert self._batch_keys is not None and self._state_treedef is not None
         program, flatten, unflatten = self, jax.tree.flatten, jax.tree.unflatten
         batch_treedef, state_treedef, aux_tree = self._batch_treedef, self._state_treedef, self.captured.aux_tree
-        flatten_state = state_treedef.flatten_up_to  # half the cost of a flatten and a comparison
+        flatten_state = state_treedef.flatten_up_to  # cheaper than a flatten and a comparison
         leaf_kinds = [(kind, sharding) for kind, _, _, _, sharding in self._batch_keys]
         first_shape = self._batch_keys[0][1]
         consts, n = tuple(self._placed_consts or ()), state_treedef.num_leaves
