@@ -374,6 +374,20 @@ def test_a_weakly_typed_batch_leaf_gets_its_own_program_as_jax_jit_gives_it(stra
     assert_trees_close(jax.device_get(sched.finalize(state)), jax.device_get(tuple(plain)), rtol=1e-5, atol=1e-6)
 
 
+def _linear_step(tx: optax.GradientTransformation):
+    """A jitted ``step(params, opt_state, (x, y))`` of a linear least-squares model whose aux
+    is its weight gradient's sum."""
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        x, y = batch
+        grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, jnp.sum(grads["w"])
+
+    return step
+
+
 @pytest.mark.parametrize("strategy", ["wfbp", "dear", "approx"])
 def test_a_learning_rate_set_in_place_in_the_returned_state_is_the_one_the_next_step_uses(strategy):
     """``optax.inject_hyperparams``'s way of changing the learning rate: set it in the state's
@@ -384,12 +398,7 @@ def test_a_learning_rate_set_in_place_in_the_returned_state_is_the_one_the_next_
     rng = np.random.default_rng(13)
     params = {"w": jnp.asarray(rng.standard_normal((4, 2)), jnp.float32), "b": jnp.zeros(2)}
 
-    @jax.jit
-    def step(params, opt_state, batch):
-        x, y = batch
-        grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jnp.sum(grads["w"])
+    step = _linear_step(tx)
 
     sched = jaxsched.schedule(step, strategy=strategy, **({"staleness": 0} if strategy == "approx" else {}))
     state, plain = sched.init(params, tx.init(params)), [params, tx.init(params)]
@@ -415,12 +424,7 @@ def test_after_a_refused_or_lowered_batch_the_loop_goes_on_and_finalize_reads_th
     rng = np.random.default_rng(7)
     params = {"w": jnp.asarray(rng.standard_normal((4, 2)), jnp.float32), "b": jnp.zeros(2)}
 
-    @jax.jit
-    def step(params, opt_state, batch):
-        x, y = batch
-        grads = jax.grad(lambda p: jnp.mean((x @ p["w"] + p["b"] - y) ** 2))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, jnp.sum(grads["w"])
+    step = _linear_step(tx)
 
     def batch(rows=16):
         arrays = (rng.standard_normal((rows, 4)).astype(np.float32), rng.standard_normal((rows, 2)).astype(np.float32))
