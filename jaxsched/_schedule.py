@@ -244,7 +244,7 @@ class Scheduled:
         result = runner.call(state, batch)
         static = self._has_static()
         # the next call of a training loop: the last program's, where nothing has to see it
-        self._loop_call = None if static or self._num_inputs is None else runner.loop_call(self._num_inputs)
+        self._loop_call = None if static else runner.loop_call(len(inputs))  # inputs checked by _batch_of
         if type(result) is tuple and static:  # the outputs after the state
             return (result[0], *static_leaves.unmark(result[1:]))
         return result

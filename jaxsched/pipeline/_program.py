@@ -40,7 +40,6 @@ __all__ = [
 ]
 
 
-#: a batch leaf's signature as `Program.run_again` compares it: (type, shape, dtype, sharding)
 #: a batch leaf's signature: type, shape, dtype, weak type, sharding (None: a host array)
 BatchKey = tuple[type[Any], tuple[int, ...], np.dtype, bool, jax.sharding.Sharding | None]
 #: a training loop's call of a program: ``(state, inputs)`` to the user's outputs, or None
@@ -89,7 +88,7 @@ def abstract_signature(tree: Any) -> Hashable:
 
 def is_weakly_typed(x: Any) -> bool:
     """Whether ``x`` traces weakly typed, as ``jax.jit`` takes it: a Python int, float or
-    complex, or a weakly typed array (not a bool, a NumPy value or a tracer's own)."""
+    complex, or a weakly typed array (never a bool or a NumPy value)."""
     if isinstance(x, jax.Array):
         return bool(getattr(x, "weak_type", False))  # a typed PRNG key array has none
     return type(x) in (int, float, complex)
@@ -194,15 +193,15 @@ class Program:
         #: ``jax.jit`` reads its arguments: a user may set one in place between steps
         #: (``opt_state.hyperparams["learning_rate"] = 0.01`` under ``optax.inject_hyperparams``)
         self._state_treedef: PyTreeDef | None = None
-        #: the batch signature `run_again` accepts: structure, per leaf (type, shape,
-        #: dtype, sharding), and per leaf None (goes in as given) or the spec it is placed on
+        #: the batch signature `run_again` accepts: structure, per leaf a `BatchKey`, and
+        #: per leaf None (goes in as given) or the spec it is placed on
         self._batch_treedef: PyTreeDef | None = None
         self._batch_keys: list[BatchKey] | None = None
         self._batch_places: list = []
         #: whether a training loop's batch may go to the core unchecked (`loop_call`), and
         #: the loop calls built for it, per (inputs, outputs)
         self._batch_unchecked = False
-        self._loop_calls: dict[tuple[int, int | None, int], LoopCall] = {}
+        self._loop_calls: dict[tuple[int, int | None], LoopCall] = {}
 
     def _plain_aux_shardings(self) -> tuple | None:
         """The aux's shardings as the plain step returns them, where the program leaves axes
@@ -348,10 +347,11 @@ class Program:
         """The step from the state the last run returned, for a batch of the signature
         `run` learnt (None for any other: `run` then checks it).
 
-        The state is this program's own output, flat already, and the batch's structure,
-        shapes, dtypes and shardings were checked and its placement decided when its
-        signature was first seen, so that what remains is one flatten of the batch and a
-        comparison of its leaves. A training loop's call goes faster still (`loop_call`)."""
+        The state is this program's own output, in its layout already, and the batch's
+        structure, shapes, dtypes and shardings were checked and its placement decided when
+        its signature was first seen, so that what remains is a flatten of each and a
+        comparison of the batch's leaves. A training loop's call goes faster still
+        (`loop_call`)."""
         keys = self._batch_keys
         if keys is None or not self.keeps_dtypes or self._returned is None:
             return None
@@ -361,7 +361,7 @@ class Program:
         for leaf, (kind, shape, dtype, weak, sharding) in zip(batch_leaves, keys):
             if type(leaf) is not kind or leaf.shape != shape or leaf.dtype != dtype:
                 return None
-            if kind is not np.ndarray and is_weakly_typed(leaf) != weak:  # a NumPy array is never weak
+            if is_weakly_typed(leaf) != weak:
                 return None
             if sharding is not None and leaf.sharding != sharding:
                 return None
@@ -385,7 +385,7 @@ class Program:
         ``jax.jit`` dispatches, and raises `SignatureChanged` instead of running for other
         ones (``Engine.checks_signatures``). Every line of Python before the dispatch
         delays the step, and right after a step it runs several times slower than alone
-        (the benchmarks page), hence one function with no call but the flatten and the core.
+        (the benchmarks page), hence one function with no call but the flattens and the core.
 
         Args:
           num_inputs: the inputs after the state the step takes (their tuple is the batch
@@ -397,7 +397,7 @@ class Program:
         """
         if not (self._batch_unchecked and self.keeps_dtypes and self._returned is not None):
             return None
-        key = (num_inputs, outputs, id(cache))
+        key = (num_inputs, outputs)
         if key not in self._loop_calls:
             self._loop_calls[key] = self._build_loop_call(num_inputs, outputs, cache)
         return self._loop_calls[key]

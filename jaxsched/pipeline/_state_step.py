@@ -89,6 +89,7 @@ from jaxsched.core._analyze import Analysis, analyze
 from jaxsched.core._bucketing import is_float, param_paths, shape_key
 from jaxsched.core._capture import STATE_PATHS_ATTRIBUTE, CapturedStep, UnsupportedStepError, capture
 from jaxsched.core._describe import describe, describe_outputs, difference
+from jaxsched.pipeline._program import LoopCall
 from jaxsched.core._static_leaves import MarkedStep
 
 __all__ = [
@@ -574,7 +575,7 @@ class TreeSchedule(Protocol):
 
     def init(self, state: Sequence[Any], batch: Any) -> Any: ...
 
-    def loop_call_returning(self, num_inputs: int, outputs: int | None) -> Callable[[Any, tuple], Any] | None: ...
+    def loop_call_returning(self, num_inputs: int, outputs: int | None) -> LoopCall | None: ...
 
     def step_batch(self, state: Any, batch: Any) -> tuple[Any, Any]: ...
 
@@ -701,7 +702,7 @@ class StateForm(Generic[S]):
             return sstate
         return (sstate, *aux) if self.layout.outputs > 1 else (sstate, aux)
 
-    def loop_call(self, num_inputs: int) -> Callable[[Any, tuple], Any] | None:
+    def loop_call(self, num_inputs: int) -> LoopCall | None:
         """A training loop's call of the inner runner's last program, returning the user's
         step's outputs (`TreesRunner.loop_call`); None before the split."""
         if self.inner is None or self.layout is None:

@@ -233,8 +233,9 @@ class StageTimer(Protocol):
 
 
 class SignatureChanged(JaxschedError):
-    """A core made by `signature_guarded` was called with inputs of another shape or dtype
-    than it was traced for: the caller checks them and picks the program that fits."""
+    """A core made by `signature_guarded` was called with inputs of another shape, dtype or
+    batch weak type than it was traced for, or with one that is not an array: the caller
+    checks them and picks the program that fits."""
 
 
 def signature_guarded(fn: Callable[..., Any], weak_typed: tuple[int, int] = (0, 0)) -> Callable[..., Any]:
@@ -247,7 +248,7 @@ def signature_guarded(fn: Callable[..., Any], weak_typed: tuple[int, int] = (0, 
     A ``jax.jit`` of it then checks a call's inputs in C++ as it dispatches, and a call whose
     signature changed reaches the guard (a trace) instead of running a program built for
     another one: the training loop's call need not check them in Python first. A retrace
-    with the same shapes and dtypes (another weak type, a cleared cache) runs ``fn``.
+    with the same signature (a state leaf's weak type, a cleared cache) runs ``fn``.
 
     Example:
         >>> import jax, jax.numpy as jnp
