@@ -360,7 +360,8 @@ def test_a_weakly_typed_batch_leaf_gets_its_own_program_as_jax_jit_gives_it(stra
         x, scale = batch
         grads = jax.grad(lambda p: jnp.mean((x @ p["w"] * scale) ** 2))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, (x.astype(jnp.bfloat16) * scale).sum()
+        # elementwise, no reduction: the same bfloat16 rounding on any CPU and any partitioning
+        return optax.apply_updates(params, updates), opt_state, x[:2].astype(jnp.bfloat16) * scale
 
     sched = jaxsched.schedule(step, strategy=strategy, **({"staleness": 0} if strategy == "approx" else {}))
     state, plain = sched.init(params, tx.init(params)), (params, tx.init(params))
@@ -370,7 +371,7 @@ def test_a_weakly_typed_batch_leaf_gets_its_own_program_as_jax_jit_gives_it(stra
         state, aux = sched(state, (x, scale))
         *plain, plain_aux = step(*plain, (x, scale))
         assert aux.dtype == plain_aux.dtype, (scale, aux.dtype, plain_aux.dtype)
-        assert_trees_close(jax.device_get(aux), jax.device_get(plain_aux), rtol=1e-2, atol=1e-2)
+        np.testing.assert_array_equal(np.asarray(aux, np.float32), np.asarray(plain_aux, np.float32))
     assert_trees_close(jax.device_get(sched.finalize(state)), jax.device_get(tuple(plain)), rtol=1e-5, atol=1e-6)
 
 
