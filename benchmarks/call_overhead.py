@@ -20,7 +20,7 @@ straight to the jitted core, which checks it) and the compiled program called
 directly on the flat state and batch leaves, with no jaxsched Python at all
 (``S:program``): where a strategy's cost goes, measured in the same run. With ``approx``
 among the strategies, ``plain+pending`` runs the plain step that also returns its
-gradients packed in one array and a count (`make_carrying_step`): what ``approx``'s
+gradients as ``approx`` holds them, and a count (`make_carrying_step`): what ``approx``'s
 recurrence must carry from one step to the next, so the floor under its cost here.
 
 On a GPU: ``JAX_PLATFORMS=cuda python3 benchmarks/call_overhead.py --width 1024 --batch 4096
@@ -79,17 +79,30 @@ def make_step(tx: optax.GradientTransformation, donate: bool = False):
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
+#: ``approx`` packs the gradients of at most this many elements into one array, and keeps
+#: each larger one as its own (``jaxsched.strategies.Approx``'s pending layout)
+SMALL_GRADIENT_ELEMENTS = 1 << 16
+
+
+def pending_like_approx(grads: list) -> tuple:
+    """One step's gradients as ``approx`` holds them on one device: each large one its own
+    array, the small ones packed into one, each with a leading device axis."""
+    small = [g.reshape(-1) for g in grads if g.size <= SMALL_GRADIENT_ELEMENTS]
+    large = tuple(g[None] for g in grads if g.size > SMALL_GRADIENT_ELEMENTS)
+    return large + ((jnp.concatenate(small)[None],) if small else ())
+
+
 def make_carrying_step(tx: optax.GradientTransformation, donate: bool = False):
-    """The plain step that also returns its gradients packed in one array, and a count: what
-    ``approx``'s state carries between steps on one device (``staleness=1``, every gradient
-    small enough to be packed). The ``plain+pending`` runner: the floor under ``approx``'s
+    """The plain step that also returns its gradients as ``approx``'s state holds them
+    (`pending_like_approx`), and a count: what ``approx`` carries between steps on one
+    device (``staleness=1``). The ``plain+pending`` runner: the floor under ``approx``'s
     cost here, since its recurrence holds one step's gradients until the next."""
 
     def step(params, opt_state, pending, count, batch):
         loss, grads = jax.value_and_grad(mlp_loss)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
-        packed = jnp.concatenate([g.reshape(-1) for g in jax.tree.leaves(grads)])[None]
-        return optax.apply_updates(params, updates), opt_state, packed, jnp.minimum(count + 1, 1), loss
+        pending = pending_like_approx(jax.tree.leaves(grads))
+        return optax.apply_updates(params, updates), opt_state, pending, jnp.minimum(count + 1, 1), loss
 
     return jax.jit(step, donate_argnums=(0, 1, 2, 3) if donate else ())
 
@@ -175,8 +188,8 @@ def main() -> None:
     runners = {"plain": plain}
     if "approx" in strategies:
         carrying = make_carrying_step(tx, args.donate)
-        size = sum(leaf.size for leaf in jax.tree.leaves(params))
-        box["plain+pending"] = (copy(params), tx.init(params), jnp.zeros((1, size)), jnp.zeros((), jnp.int32))
+        pending = pending_like_approx([jnp.zeros_like(leaf) for leaf in jax.tree.leaves(params)])
+        box["plain+pending"] = (copy(params), tx.init(params), pending, jnp.zeros((), jnp.int32))
 
         def plain_pending(batch):
             *box["plain+pending"], loss = carrying(*box["plain+pending"], batch)
