@@ -53,6 +53,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxsched  # noqa: E402
+from jaxsched.strategies._approx import PendingLayout  # noqa: E402
 
 STRATEGIES = ("allreduce", "wfbp", "dear", "approx")
 
@@ -79,17 +80,12 @@ def make_step(tx: optax.GradientTransformation, donate: bool = False):
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())
 
 
-#: ``approx`` packs the gradients of at most this many elements into one array, and keeps
-#: each larger one as its own (``jaxsched.strategies.Approx``'s pending layout)
-SMALL_GRADIENT_ELEMENTS = 1 << 16
-
-
 def pending_like_approx(grads: list) -> tuple:
-    """One step's gradients as ``approx`` holds them on one device: each large one its own
-    array, the small ones packed into one, each with a leading device axis."""
-    small = [g.reshape(-1) for g in grads if g.size <= SMALL_GRADIENT_ELEMENTS]
-    large = tuple(g[None] for g in grads if g.size > SMALL_GRADIENT_ELEMENTS)
-    return large + ((jnp.concatenate(small)[None],) if small else ())
+    """One step's gradients as ``approx`` holds them on one device (its `PendingLayout`:
+    each large one its own array, the small ones packed per dtype), each with a leading
+    device axis."""
+    layout = PendingLayout.of([jax.ShapeDtypeStruct(g.shape, g.dtype) for g in grads])
+    return tuple(a[None] for a in layout.pack(grads))
 
 
 def make_carrying_step(tx: optax.GradientTransformation, donate: bool = False):
